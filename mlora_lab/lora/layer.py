@@ -1,0 +1,199 @@
+"""Multi-tenant LoRA on a frozen ``nn.Linear``: one base matmul per batch, one LoRA delta per row's tenant.
+
+Maths. The base layer computes ``y = x W^T (+ b)`` with ``W`` of shape ``[out, in]``. A tenant ``t`` with
+rank ``r_t``, scaling ``s_t`` (``alpha / r`` or ``alpha / sqrt(r)`` with rsLoRA) and dropout ``p_t`` owns
+slot ``t`` of two pre-allocated tensors
+
+    lora_A : [S, R, in]      S = max_tenants, R = max_rank
+    lora_B : [S, out, R]
+
+of which only the leading ``A_t = lora_A[t, :r_t]`` ([r_t, in]) and ``B_t = lora_B[t, :, :r_t]`` ([out, r_t])
+are used. A row ``b`` of tenant ``t`` gets
+
+    y_b = x_b W^T (+ b) + s_t * dropout_{p_t}(x_b) A_t^T B_t^T                    x_b : [T, in]
+
+exactly PEFT's ``lora_B(lora_A(dropout(x))) * scaling``: a rank-4 tenant in a rank-64 slot *is* a
+rank-4 LoRA, because the delta is computed on the ``[:r_t]`` views, never on the zero padding. Rows of
+one tenant sit in contiguous runs (segments) of the batch, so the delta is one pair of small matmuls
+per segment on views of the slot tensors: no per-row gather, no copy of ``A`` or ``B``.
+
+Gradients (``g`` = dL/dy for the segment's rows, ``xa = x A_t^T`` saved from the forward):
+
+    dL/dB_t = s_t g^T xa        [out, r_t]
+    dL/dA_t = (s_t g B_t)^T x   [r_t, in]
+    dL/dx  += (s_t g B_t) A_t
+
+They are written into one zero-initialised gradient per slot tensor, so a tenant whose rows are absent
+gets an exact zero gradient and no tenant's loss can reach another tenant's slot.
+
+The layer knows nothing about tenants' names, optimisers or sharding: routing comes from a shared
+:class:`LoRARouting` that the model wrapper fills before each forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LoRARouting:
+    """Which batch rows belong to which slot, shared by every multi-tenant layer of one model.
+
+    ``segments`` holds ``(slot, start_row, end_row)`` runs covering the rows that get an adapter;
+    rows outside every segment get the base output only. ``None`` means "no adapters" (plain base).
+    """
+
+    segments: list[tuple[int, int, int]] | None = None
+    num_rows: int = 0
+
+
+class _SegmentedLoRA(torch.autograd.Function):
+    """``delta[s:e] = s_t * (x[s:e] A_t^T) B_t^T`` for each segment; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, plan: tuple) -> torch.Tensor:
+        out = x.new_zeros(*x.shape[:-1], lora_B.shape[1])
+        xas = []
+        for slot, start, end, rank, scale in plan:
+            xa = F.linear(x[start:end], lora_A[slot, :rank])  # [n, T, r]
+            out[start:end] = F.linear(xa, lora_B[slot, :, :rank]) * scale  # [n, T, out]
+            xas.append(xa)
+        ctx.plan = plan
+        ctx.save_for_backward(x, lora_A, lora_B, *xas)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, lora_A, lora_B, *xas = ctx.saved_tensors
+        need_x, need_A, need_B = ctx.needs_input_grad[:3]
+        grad_x = torch.zeros_like(x) if need_x else None
+        grad_A = torch.zeros_like(lora_A) if need_A else None
+        grad_B = torch.zeros_like(lora_B) if need_B else None
+        for (slot, start, end, rank, scale), xa in zip(ctx.plan, xas):
+            g = grad_out[start:end] * scale  # [n, T, out]
+            B_t = lora_B[slot, :, :rank]  # [out, r]
+            g_xa = g @ B_t  # [n, T, r]
+            if need_B:  # a slot may own several segments: accumulate
+                grad_B[slot, :, :rank] += g.reshape(-1, g.shape[-1]).T @ xa.reshape(-1, rank)
+            if need_A:
+                grad_A[slot, :rank] += g_xa.reshape(-1, rank).T @ x[start:end].reshape(-1, x.shape[-1])
+            if need_x:
+                grad_x[start:end] += g_xa @ lora_A[slot, :rank]
+        return grad_x, grad_A, grad_B, None
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus ``max_tenants`` LoRA slots of up to ``max_rank`` (see module docstring).
+
+    Per-slot settings live in plain Python lists (``ranks``, ``scalings``, ``dropouts``) so the forward
+    never reads a device tensor to decide what to compute: no hidden device syncs in the hot loop.
+    ``ranks[t] == 0`` means slot ``t`` does not target this layer.
+    """
+
+    def __init__(
+        self,
+        base_layer: nn.Linear,
+        routing: LoRARouting,
+        max_tenants: int,
+        max_rank: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.base_layer.requires_grad_(False)
+        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+        self.max_tenants, self.max_rank = max_tenants, max_rank
+        device = base_layer.weight.device
+        self.lora_A = nn.Parameter(torch.zeros(max_tenants, max_rank, self.in_features, dtype=dtype, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(max_tenants, self.out_features, max_rank, dtype=dtype, device=device))
+        self.ranks = [0] * max_tenants
+        self.scalings = [0.0] * max_tenants
+        self.dropouts = [0.0] * max_tenants
+        # A plain attribute, not a submodule: the routing is shared by every layer of the model.
+        object.__setattr__(self, "routing", routing)
+
+    # -- slot management (no autograd) ---------------------------------------------------------
+    @torch.no_grad()
+    def configure_slot(
+        self,
+        slot: int,
+        rank: int,
+        scaling: float,
+        dropout: float,
+        init: str | tuple[torch.Tensor, torch.Tensor] = "default",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """Give slot ``slot`` to a tenant of rank ``rank``.
+
+        ``init="default"`` is PEFT's default LoRA init (A ~ kaiming-uniform(a=sqrt(5)) over fan_in = in,
+        B = 0); ``init=(A, B)`` copies given ``[rank, in]`` and ``[out, rank]`` tensors.
+        """
+        if not 0 < rank <= self.max_rank:
+            raise ValueError(f"rank {rank} is outside 1..max_rank={self.max_rank}")
+        self.lora_A[slot].zero_()
+        self.lora_B[slot].zero_()
+        if isinstance(init, str):
+            a = torch.empty(rank, self.in_features, dtype=torch.float32)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            self.lora_A[slot, :rank].copy_(a)
+        else:
+            A, B = init
+            if tuple(A.shape) != (rank, self.in_features) or tuple(B.shape) != (self.out_features, rank):
+                raise ValueError(
+                    f"adapter shapes A{tuple(A.shape)} B{tuple(B.shape)} do not fit a rank-{rank} LoRA on "
+                    f"a [{self.out_features}, {self.in_features}] linear layer"
+                )
+            self.lora_A[slot, :rank].copy_(A)
+            self.lora_B[slot, :, :rank].copy_(B)
+        self.ranks[slot], self.scalings[slot], self.dropouts[slot] = rank, float(scaling), float(dropout)
+
+    @torch.no_grad()
+    def clear_slot(self, slot: int) -> None:
+        """Zero slot ``slot`` and mark it unused on this layer."""
+        self.lora_A[slot].zero_()
+        self.lora_B[slot].zero_()
+        self.ranks[slot], self.scalings[slot], self.dropouts[slot] = 0, 0.0, 0.0
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        segments = self.routing.segments
+        if not segments:
+            return y
+        if x.shape[0] != self.routing.num_rows:
+            raise RuntimeError(
+                f"multi-tenant LoRA expects inputs of shape [rows, ..., in] with rows={self.routing.num_rows}, "
+                f"got {tuple(x.shape)}; was the routing set for this batch?"
+            )
+        plan = tuple(
+            (slot, start, end, self.ranks[slot], self.scalings[slot])
+            for slot, start, end in segments
+            if self.ranks[slot] > 0
+        )
+        if not plan:
+            return y
+        x_lora = x.to(self.lora_A.dtype)
+        if self.training and any(self.dropouts[p[0]] > 0 for p in plan):
+            x_lora = self._dropout(x_lora, plan)
+        delta = _SegmentedLoRA.apply(x_lora, self.lora_A, self.lora_B, plan)
+        return y + delta.to(y.dtype)
+
+    def _dropout(self, x: torch.Tensor, plan: tuple) -> torch.Tensor:
+        """Each segment's rows get their own tenant's dropout; rows outside segments pass through."""
+        pieces, row = [], 0
+        for slot, start, end, _, _ in plan:
+            if start > row:
+                pieces.append(x[row:start])
+            pieces.append(F.dropout(x[start:end], self.dropouts[slot], training=True))
+            row = end
+        if row < x.shape[0]:
+            pieces.append(x[row:])
+        return torch.cat(pieces, dim=0)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, slots={self.max_tenants}, max_rank={self.max_rank}"

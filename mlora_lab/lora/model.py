@@ -1,0 +1,315 @@
+"""``MultiLoRAModel``: a transformers causal LM with multi-tenant LoRA slots on its linear layers.
+
+The in-process API, for people who write their own loop::
+
+    base = AutoModelForCausalLM.from_pretrained(path)
+    mm = MultiLoRAModel(base, max_tenants=8, max_rank=64, slot_modules="all-linear")
+    mm.add_tenant("alice", rank=8, alpha=16, target_modules=["q_proj", "v_proj"])
+    mm.load_adapter("bob", "path/to/peft_adapter")
+    out = mm(input_ids, attention_mask=mask, tenants=["alice", "alice", "bob"])   # one name per row
+    mm.save_adapter("alice", "out/alice")            # a PEFT adapter directory
+
+Slots are allocated once, at wrap time, on every linear layer named by ``slot_modules``; adding or
+removing tenants later only fills or clears slots, never re-wraps the model (so optimisers, FSDP and
+compiled graphs that hold the slot parameters stay valid). The wrapper holds no distributed logic.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from torch import nn
+
+from mlora_lab.lora.layer import LoRARouting, MultiLoRALinear
+from mlora_lab.lora.peft_io import AdapterError, read_adapter, write_adapter
+
+ALL_LINEAR = "all-linear"
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Names of every ``nn.Linear`` in ``model`` except its output embedding (``lm_head``)."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not output]
+
+
+def match_targets(names: Sequence[str], targets: str | Sequence[str], all_linear: Sequence[str]) -> list[str]:
+    """PEFT's ``target_modules`` rule: ``"all-linear"``; a regex string (full match); or a list of
+    names, each matching a module ``n`` when ``n == t`` or ``n`` ends with ``"." + t``."""
+    if isinstance(targets, str):
+        if targets == ALL_LINEAR:
+            return list(all_linear)
+        return [n for n in names if re.fullmatch(targets, n)]
+    if list(targets) == [ALL_LINEAR]:
+        return list(all_linear)
+    return [n for n in names if any(n == t or n.endswith("." + t) for t in targets)]
+
+
+def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
+    """PEFT's scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
+    return alpha / (rank**0.5) if use_rslora else alpha / rank
+
+
+@dataclass
+class TenantAdapter:
+    """One tenant's LoRA: where it lives (``slot``) and the hyper-parameters that define its maths."""
+
+    name: str
+    slot: int
+    rank: int
+    alpha: float
+    use_rslora: bool
+    dropout: float
+    target_modules: list[str] | str
+    modules: list[str]  # full names of the wrapped linear layers this tenant adapts
+
+    @property
+    def scaling(self) -> float:
+        return lora_scaling(self.rank, self.alpha, self.use_rslora)
+
+
+class MultiLoRAModel(nn.Module):
+    """Wrap a causal LM; ``forward`` takes ``tenants`` (one tenant name, or ``None``, per batch row)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_tenants: int = 8,
+        max_rank: int = 64,
+        slot_modules: str | Sequence[str] = ALL_LINEAR,
+        adapter_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.model.requires_grad_(False)
+        self.max_tenants, self.max_rank = max_tenants, max_rank
+        self.routing = LoRARouting()
+        all_linear = linear_module_names(model)
+        linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        wrapped = match_targets(linear, slot_modules, all_linear)
+        if not wrapped:
+            raise ValueError(
+                f"slot_modules={slot_modules!r} matches no linear layer; available: {_suffixes(all_linear)}"
+            )
+        self.layers: dict[str, MultiLoRALinear] = {}
+        for name in wrapped:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            layer = MultiLoRALinear(getattr(parent, child), self.routing, max_tenants, max_rank, adapter_dtype)
+            setattr(parent, child, layer)
+            self.layers[name] = layer
+        self._all_linear = [n for n in all_linear if n in self.layers]
+        self.tenants: dict[str, TenantAdapter] = {}
+
+    # -- tenants -------------------------------------------------------------------------------
+    def resolve_targets(self, target_modules: str | Sequence[str]) -> list[str]:
+        """Full names of the wrapped layers ``target_modules`` selects; an error if it names others."""
+        names = list(self.layers)
+        matched = match_targets(names, target_modules, self._all_linear)
+        if isinstance(target_modules, str):
+            missing = [] if matched else [target_modules]
+        else:
+            missing = [t for t in target_modules if t != ALL_LINEAR and not match_targets(names, [t], [])]
+        if missing or not matched:
+            raise ValueError(
+                f"target modules {missing or list(target_modules)} have no adapter slots; slotted layers: "
+                f"{_suffixes(names)} (wrap with slot_modules covering every module a tenant may target)"
+            )
+        return matched
+
+    def add_tenant(
+        self,
+        name: str,
+        *,
+        rank: int = 8,
+        alpha: float = 16,
+        target_modules: str | Sequence[str] = ("q_proj", "v_proj"),
+        use_rslora: bool = False,
+        dropout: float = 0.0,
+        seed: int = 0,
+        init: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> TenantAdapter:
+        """Give a free slot to a new tenant.
+
+        Without ``init`` the adapter starts as PEFT's default (A kaiming-uniform from a generator
+        seeded with ``seed``, B = 0, so the tenant starts exactly at the base model); with
+        ``init = {module_name: (A [rank, in], B [out, rank])}`` it starts from those tensors, which must
+        cover exactly the targeted modules.
+        """
+        if name in self.tenants:
+            raise ValueError(f"tenant {name!r} already exists")
+        if not 0 < rank <= self.max_rank:
+            raise ValueError(f"tenant {name!r}: rank {rank} is outside 1..max_rank={self.max_rank}")
+        modules = self.resolve_targets(target_modules)
+        if init is not None and set(init) != set(modules):
+            raise AdapterError(
+                f"tenant {name!r}: adapter modules differ from its targets; only in adapter: "
+                f"{sorted(set(init) - set(modules))[:5]}, only in targets: {sorted(set(modules) - set(init))[:5]}"
+            )
+        slot = self._free_slot(name)
+        tenant = TenantAdapter(name, slot, rank, alpha, use_rslora, dropout, _as_list(target_modules), modules)
+        generator = torch.Generator().manual_seed(seed)
+        try:
+            for module in modules:  # wrap order: deterministic, so a seed gives one adapter
+                source = init[module] if init is not None else "default"
+                self.layers[module].configure_slot(slot, rank, tenant.scaling, dropout, source, generator)
+        except Exception:
+            for layer in self.layers.values():
+                layer.clear_slot(slot)
+            raise
+        self.tenants[name] = tenant
+        return tenant
+
+    def load_adapter(self, name: str, path: str | Path, *, dropout: float | None = None) -> TenantAdapter:
+        """Add tenant ``name`` from a PEFT LoRA adapter directory (rank, alpha, targets from its config)."""
+        config, tensors = read_adapter(path)
+        ranks = {A.shape[0] for A, _ in tensors.values()}
+        if len(ranks) != 1:
+            raise AdapterError(f"{path}: modules have different ranks {sorted(ranks)}")
+        rank = ranks.pop()
+        if rank > self.max_rank:
+            raise AdapterError(f"{path}: adapter rank {rank} exceeds max_rank={self.max_rank}")
+        unknown = sorted(set(tensors) - set(self.layers))
+        if unknown:
+            raise AdapterError(f"{path}: adapter targets layers without slots: {unknown[:5]}")
+        targets = config.target_modules
+        targets = sorted(targets) if isinstance(targets, (set, list, tuple)) else targets
+        return self.add_tenant(
+            name,
+            rank=rank,
+            alpha=config.lora_alpha,
+            target_modules=targets,
+            use_rslora=config.use_rslora,
+            dropout=config.lora_dropout if dropout is None else dropout,
+            init=tensors,
+        )
+
+    def remove_tenant(self, name: str) -> None:
+        """Free the tenant's slot (zeroed, so it contributes nothing)."""
+        tenant = self._tenant(name)
+        for layer in self.layers.values():
+            layer.clear_slot(tenant.slot)
+        del self.tenants[name]
+
+    def tenant_slices(self, name: str) -> Iterator[tuple[nn.Parameter, tuple]]:
+        """``(slot parameter, index)`` pairs such that ``param[index]`` is one of the tenant's LoRA
+        matrices (``A_t`` [r, in] or ``B_t`` [out, r]), in a fixed order: its optimiser's parameters."""
+        t = self._tenant(name)
+        for module in t.modules:
+            layer = self.layers[module]
+            yield layer.lora_A, (t.slot, slice(0, t.rank))
+            yield layer.lora_B, (t.slot, slice(None), slice(0, t.rank))
+
+    def tenant_tensors(self, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{module_name: (A [r, in], B [out, r])}``: detached copies of the tenant's adapter."""
+        t = self._tenant(name)
+        return {
+            m: (
+                self.layers[m].lora_A.detach()[t.slot, : t.rank].clone(),
+                self.layers[m].lora_B.detach()[t.slot, :, : t.rank].clone(),
+            )
+            for m in t.modules
+        }
+
+    def peft_config(self, name: str, base_model_name_or_path: str | None = None) -> LoraConfig:
+        """The ``peft.LoraConfig`` that describes tenant ``name`` exactly."""
+        t = self._tenant(name)
+        targets = t.target_modules
+        if targets == ALL_LINEAR or targets == [ALL_LINEAR]:
+            targets = sorted({m.rsplit(".", 1)[-1] for m in t.modules})
+        return LoraConfig(
+            r=t.rank,
+            lora_alpha=t.alpha,
+            lora_dropout=t.dropout,
+            use_rslora=t.use_rslora,
+            target_modules=targets,
+            bias="none",
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=base_model_name_or_path,
+        )
+
+    def save_adapter(
+        self,
+        name: str,
+        path: str | Path,
+        base_model_name_or_path: str | None = None,
+        tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> Path:
+        """Write tenant ``name`` as a PEFT adapter directory (atomically). ``tensors`` overrides the
+        slot contents (the distributed job passes gathered full tensors)."""
+        base = base_model_name_or_path or getattr(getattr(self.model, "config", None), "_name_or_path", None)
+        config = self.peft_config(name, base)
+        return write_adapter(path, config, tensors if tensors is not None else self.tenant_tensors(name))
+
+    def adapter_bytes(self, name: str) -> int:
+        """Bytes of the tenant's own adapter tensors (its rank, not the slot's max_rank)."""
+        t = self._tenant(name)
+        size = next(iter(self.layers.values())).lora_A.element_size()
+        return sum(t.rank * (self.layers[m].in_features + self.layers[m].out_features) * size for m in t.modules)
+
+    # -- forward -------------------------------------------------------------------------------
+    def set_routing(self, tenants: Sequence[str | None] | None, num_rows: int) -> None:
+        """Route batch rows to slots: ``tenants[i]`` is row i's tenant (``None``: base only)."""
+        if tenants is None:
+            self.routing.segments, self.routing.num_rows = None, num_rows
+            return
+        if len(tenants) != num_rows:
+            raise ValueError(f"got {len(tenants)} tenant names for {num_rows} rows")
+        segments: list[tuple[int, int, int]] = []
+        for row, name in enumerate(tenants):
+            if name is None:
+                continue
+            slot = self._tenant(name).slot
+            if segments and segments[-1][0] == slot and segments[-1][2] == row:
+                segments[-1] = (slot, segments[-1][1], row + 1)
+            else:
+                segments.append((slot, row, row + 1))
+        self.routing.segments, self.routing.num_rows = segments, num_rows
+
+    def set_segments(self, segments: Sequence[tuple[str, int, int]], num_rows: int) -> None:
+        """Route contiguous runs ``(tenant, start_row, end_row)`` (what ``data.collate`` produces)."""
+        self.routing.segments = [(self._tenant(n).slot, s, e) for n, s, e in segments if e > s]
+        self.routing.num_rows = num_rows
+
+    def forward(
+        self, input_ids: torch.Tensor, tenants: Sequence[str | None] | None = None, **kwargs
+    ) -> object:
+        """The wrapped model's forward, with row ``i`` adapted by tenant ``tenants[i]``."""
+        self.set_routing(tenants, input_ids.shape[0])
+        return self.model(input_ids=input_ids, **kwargs)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, tenants: Sequence[str | None] | None = None, **kwargs):
+        """``model.generate`` with per-row tenants (rows keep their order; no beam search)."""
+        self.set_routing(tenants, input_ids.shape[0])
+        return self.model.generate(input_ids=input_ids, **kwargs)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _tenant(self, name: str) -> TenantAdapter:
+        try:
+            return self.tenants[name]
+        except KeyError:
+            raise KeyError(f"unknown tenant {name!r}; tenants: {sorted(self.tenants)}") from None
+
+    def _free_slot(self, name: str) -> int:
+        used = {t.slot for t in self.tenants.values()}
+        for slot in range(self.max_tenants):
+            if slot not in used:
+                return slot
+        raise RuntimeError(
+            f"no free slot for tenant {name!r}: all max_tenants={self.max_tenants} slots are taken by "
+            f"{sorted(self.tenants)}"
+        )
+
+
+def _suffixes(names: Sequence[str]) -> str:
+    return ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))
+
+
+def _as_list(targets: str | Sequence[str]) -> list[str] | str:
+    return targets if isinstance(targets, str) else list(targets)

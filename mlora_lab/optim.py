@@ -1,0 +1,133 @@
+"""Per-tenant optimisation: ``torch.optim.AdamW``, a warmup schedule and clipping by the tenant's own norm.
+
+Each tenant's matrices are views into shared slot tensors (``lora_A[slot, :r]``, ...), which are not
+leaf tensors an optimiser could own. A :class:`TenantOptimizer` therefore keeps one stand-in
+``nn.Parameter`` per matrix and, right before each step, points its ``.data`` and ``.grad`` at the
+current views. ``torch.optim.AdamW`` then updates the slots in place with its exact semantics, and its
+state (``exp_avg``, ``exp_avg_sq``, ``step``) has the tenant's own shapes, so ``state_dict()`` is the
+same whatever ``max_rank`` or sharding the job uses. Rebinding every step (rather than once) keeps
+it valid when a wrapper such as FSDP replaces the slot storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import transformers
+from torch import nn
+
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param
+
+
+class TenantOptimizer:
+    """AdamW + schedule + clipping for one tenant; ``step()`` applies one optimiser step."""
+
+    def __init__(
+        self,
+        slices: Iterable[tuple[nn.Parameter, tuple]],
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        schedule: str = "constant",
+        warmup_steps: int = 0,
+        max_steps: int = 1,
+        max_grad_norm: float | None = None,
+        local: Callable[[torch.Tensor], torch.Tensor] = _local,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; known: {sorted(SCHEDULES)}")
+        self.slices = list(slices)
+        self.local = local
+        self.params = [nn.Parameter(self._view(p, idx)) for p, idx in self.slices]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=False
+        )
+        self.scheduler = transformers.get_scheduler(
+            SCHEDULES[schedule], self.optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps
+        )
+        self.max_grad_norm = max_grad_norm
+
+    def _view(self, param: torch.Tensor, index: tuple) -> torch.Tensor:
+        return self.local(param.data)[index]
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step will use."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def bind(self) -> None:
+        """Point the stand-in parameters and their gradients at the current slot storage."""
+        for handle, (param, index) in zip(self.params, self.slices):
+            handle.data = self._view(param, index)
+            handle.grad = None if param.grad is None else self.local(param.grad)[index]
+
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of this tenant's whole gradient (the clipping norm); call after ``bind``."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+    def step(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """Clip by the tenant's own norm (if enabled), step AdamW and the schedule; return the norm.
+
+        ``grad_norm`` may be given when the caller computed it globally (e.g. across shards).
+        """
+        self.bind()
+        norm = self.grad_norm() if grad_norm is None else grad_norm
+        if self.max_grad_norm is not None:
+            # Same rule as torch.nn.utils.clip_grad_norm_: scale by min(1, max / (norm + 1e-6)).
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        self.optimizer.step()
+        self.scheduler.step()
+        return norm
+
+    def zero_grad(self) -> None:
+        """Zero this tenant's part of the shared slot gradients (other tenants may be mid-window)."""
+        for param, index in self.slices:
+            if param.grad is not None:
+                self.local(param.grad)[index].zero_()
+        for handle in self.params:
+            handle.grad = None
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.bind()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimiser state (AdamW's two moments) held for this tenant."""
+        return sum(
+            t.numel() * t.element_size()
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.ndim > 0
+        )
+
+
+def build_optimizer(slices: Iterable[tuple[nn.Parameter, tuple]], tenant, **kw) -> TenantOptimizer:
+    """A :class:`TenantOptimizer` from a ``Tenant`` spec's fields."""
+    return TenantOptimizer(
+        slices,
+        lr=tenant.lr,
+        weight_decay=tenant.weight_decay,
+        betas=tuple(tenant.betas),
+        eps=tenant.eps,
+        schedule=tenant.schedule,
+        warmup_steps=tenant.warmup_steps,
+        max_steps=tenant.max_steps,
+        max_grad_norm=tenant.max_grad_norm,
+        **kw,
+    )
