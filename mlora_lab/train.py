@@ -42,6 +42,7 @@ import transformers
 
 from mlora_lab.data import IGNORE_INDEX, Example, TenantStream, collate, load_examples
 from mlora_lab.lora import MultiLoRAModel
+from mlora_lab.lora.model import ALL_LINEAR
 from mlora_lab.lora.peft_io import read_adapter
 from mlora_lab.optim import TenantOptimizer, build_optimizer
 from mlora_lab.parallel import DistInfo, init_distributed, shutdown_distributed
@@ -96,6 +97,8 @@ class Trainer:
         base = transformers.AutoModelForCausalLM.from_pretrained(spec.base_model, dtype=DTYPES[spec.dtype])
         base.to(self.device)
         slot_modules = spec.slot_modules or sorted({m for t in spec.tenants for m in t.target_modules})
+        if ALL_LINEAR in slot_modules:
+            slot_modules = ALL_LINEAR
         self.model = MultiLoRAModel(
             base, max_tenants=spec.max_tenants, max_rank=spec.max_rank, slot_modules=slot_modules
         )

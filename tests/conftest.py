@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -32,3 +33,39 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def llama_path(tiny_models) -> str:
     return tiny_models("llama")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def task_rows(kind: str, n: int = 12) -> list[dict]:
+    """Rows of small, clearly different tasks, with varied lengths."""
+    words = ["red", "green", "blue", "cat", "dog", "bird", "tree", "river", "city", "road", "car", "plane"]
+    rows = []
+    for i in range(n):
+        w = " ".join(words[j % len(words)] for j in range(i, i + 1 + i % 4))
+        if kind == "reverse":
+            rows.append({"prompt": f"reverse: {w}\n", "completion": w[::-1]})
+        elif kind == "upper":
+            rows.append({"prompt": f"upper: {w}\n", "completion": w.upper()})
+        elif kind == "text":
+            rows.append({"text": f"{i} {w} and {w} again {i + 1}"})
+        elif kind == "chat":
+            rows.append(
+                {"messages": [{"role": "user", "content": f"count {w}"}, {"role": "assistant", "content": str(len(w))}]}
+            )
+        else:
+            raise ValueError(kind)
+    return rows
+
+
+@pytest.fixture
+def make_data(tmp_path: Path):
+    """``make_data(kind, n=12, name=None) -> path`` of a JSONL file of ``task_rows(kind, n)``."""
+
+    def make(kind: str, n: int = 12, name: str | None = None) -> str:
+        return write_jsonl(tmp_path / f"{name or kind}.jsonl", task_rows(kind, n))
+
+    return make

@@ -1,0 +1,332 @@
+"""mlora_lab.data: JSONL checks, label masks, per-tenant data order, mixed-tenant batches."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlora_lab.data import (
+    IGNORE_INDEX,
+    Batch,
+    DataError,
+    Example,
+    JsonlReport,
+    TenantStream,
+    collate,
+    load_examples,
+    read_jsonl,
+    scan_jsonl,
+    tokenize_example,
+    tokenize_rows,
+)
+from mlora_lab.tiny import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def write_jsonl(path: Path, lines: list[str | dict]) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def targets(ex: Example) -> list[int]:
+    """The label tokens that carry loss, in order."""
+    return [t for t in ex.labels if t != IGNORE_INDEX]
+
+
+# --------------------------------------------------------------------------- scan_jsonl
+
+
+GOOD = {"text": "hello world"}
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('"just a string"', "expected a JSON object"),
+        ({"foo": "bar"}, "row has none of 'text', 'prompt'+'completion', 'messages'"),
+        ({"text": 3}, "'text' must be a string"),
+        ({"text": ""}, "'text' is empty"),
+        ({"prompt": "p", "completion": 7}, "'completion' must be a string"),
+        ({"prompt": ["p"], "completion": "c"}, "'prompt' must be a string"),
+        ({"prompt": "p"}, "'prompt' without 'completion'"),
+        ({"completion": "c"}, "'completion' without 'prompt'"),
+        ({"text": "t", "messages": [{"role": "assistant", "content": "x"}]}, "use exactly one"),
+        ({"messages": []}, "'messages' must be a non-empty list"),
+        ({"messages": "hi"}, "'messages' must be a non-empty list"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant"}]},
+            "messages[1] needs 'role' and 'content' strings",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "q"}]},
+            "messages has no assistant turn (nothing to learn)",
+        ),
+    ],
+)
+def test_scan_reports_bad_row_with_line_number(tmp_path, bad_line, message):
+    # line 1 good, line 2 blank (skipped but counted in line numbers), line 3 bad, line 4 good
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, "", bad_line, GOOD])
+    report = scan_jsonl(path)
+    assert isinstance(report, JsonlReport)
+    assert report.n_rows == 3
+    assert len(report.problems) == 1, report.problems
+    assert report.problems[0].startswith(f"{path} line 3: ")
+    assert message in report.problems[0]
+    with pytest.raises(DataError) as err:
+        read_jsonl(path)
+    assert err.value.problems == report.problems
+    assert "line 3" in str(err.value)
+
+
+def test_scan_missing_and_empty_files(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    assert scan_jsonl(missing).problems == [f"{missing}: file not found"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n\n")
+    report = scan_jsonl(empty)
+    assert report.n_rows == 0
+    assert report.problems == [f"{empty}: empty file (no rows)"]
+    assert scan_jsonl(tmp_path).problems == [f"{tmp_path}: not a regular file"]
+
+
+def test_scan_bad_utf8_names_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    (problem,) = scan_jsonl(path).problems
+    assert problem.startswith(f"{path} line 2: not valid UTF-8")
+
+
+def test_scan_good_file_kinds_and_read(tmp_path):
+    rows = [
+        {"text": "a"},
+        {"prompt": "p", "completion": "c", "id": 7},  # extra keys are ignored
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+    ]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    report = scan_jsonl(path)
+    assert report == JsonlReport(n_rows=3, kinds={"text", "prompt", "messages"}, problems=[])
+    assert read_jsonl(path) == rows
+
+
+def test_scan_caps_problems(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ["{bad"] * 50)
+    report = scan_jsonl(path)
+    assert report.n_rows == 50
+    assert len(report.problems) == 21
+    assert report.problems[0].startswith(f"{path} line 1: ")
+    assert report.problems[-1] == f"{path}: ... and 30 more problem(s)"
+
+
+# --------------------------------------------------------------------------- tokenization
+
+
+def test_text_row_loss_on_every_token(tok):
+    ex, truncated = tokenize_example({"text": "hello world"}, tok, seq_len=64)
+    assert not truncated
+    assert ex.input_ids == [*tok("hello world").input_ids, tok.eos_token_id]
+    assert ex.input_ids[0] == tok.bos_token_id
+    assert ex.labels == ex.input_ids
+    assert ex.n_target == len(ex.input_ids) - 1  # position 0 is never predicted
+
+
+def test_prompt_completion_masks_prompt(tok):
+    ex, _ = tokenize_example({"prompt": "what is one and two", "completion": " three"}, tok, seq_len=64)
+    p_ids = tok("what is one and two").input_ids
+    assert ex.input_ids[: len(p_ids)] == p_ids
+    assert ex.labels[: len(p_ids)] == [IGNORE_INDEX] * len(p_ids)
+    assert tok.decode(targets(ex)) == " three</s>"
+    assert ex.n_target == len(ex.input_ids) - len(p_ids)
+
+
+def test_messages_loss_on_assistant_turns_only(tok):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hello world"},
+        {"role": "user", "content": "count to three"},
+        {"role": "assistant", "content": "one two three"},
+    ]
+    ex, _ = tokenize_example({"messages": messages}, tok, seq_len=256)
+    full = tok.apply_chat_template(messages, tokenize=False)
+    assert ex.input_ids == tok(full, add_special_tokens=False).input_ids
+    assert ex.input_ids.count(tok.bos_token_id) == 1  # the template's BOS, not a second one
+    # Each contiguous run of targets is one assistant turn: its content + EOS, nothing else.
+    runs, run = [], []
+    for t in [*ex.labels, IGNORE_INDEX]:
+        if t == IGNORE_INDEX:
+            if run:
+                runs.append(tok.decode(run))
+            run = []
+        else:
+            run.append(t)
+    assert runs == ["hello world</s>", "one two three</s>"]
+    masked = tok.decode([i for i, t in zip(ex.input_ids, ex.labels) if t == IGNORE_INDEX])
+    assert "be brief" in masked and "count to three" in masked and "three</s>" not in masked
+
+
+def test_messages_need_chat_template(tok):
+    plain = build_tokenizer()
+    plain.chat_template = None
+    row = {"messages": [{"role": "assistant", "content": "x"}]}
+    with pytest.raises(DataError, match="chat_template"):
+        tokenize_example(row, plain, seq_len=32)
+
+
+def test_messages_template_not_prefix_stable(tok):
+    unstable = build_tokenizer()
+    # Puts the number of messages up front, so no shorter rendering is a prefix of the full one.
+    unstable.chat_template = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    with pytest.raises(DataError, match="not prefix-stable"):
+        tokenize_example(row, unstable, seq_len=32)
+    with pytest.raises(DataError, match=r"src row 1: .*not prefix-stable"):
+        tokenize_rows([row], unstable, seq_len=32, source="src")
+
+
+def test_no_duplicate_eos(tok):
+    ex, _ = tokenize_example({"prompt": "p", "completion": "done</s>"}, tok, seq_len=32)
+    assert ex.input_ids[-2:] != [tok.eos_token_id] * 2
+    assert ex.input_ids[-1] == tok.eos_token_id
+
+
+def test_truncation_keeps_start_and_warns_once_with_counts(tok, tmp_path):
+    long = "one two three four five six seven eight nine ten " * 4
+    rows = [
+        {"text": long},
+        {"prompt": long, "completion": "yes"},  # truncated inside the prompt: no target left
+        {"text": "hi"},
+        {"prompt": "q", "completion": long},
+    ]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        examples = load_examples(path, tok, seq_len=16)
+    assert len(caught) == 1 and issubclass(caught[0].category, UserWarning)
+    msg = str(caught[0].message)
+    assert str(path) in msg
+    assert "3 of 4 row(s) truncated to seq_len=16" in msg
+    assert "1 row(s) have no target token" in msg
+    assert [len(e) for e in examples] == [16, 16, len(tok("hi").input_ids) + 1, 16]
+    full, _ = tokenize_example(rows[0], tok, seq_len=10_000)
+    assert examples[0].input_ids == full.input_ids[:16]
+    assert examples[1].n_target == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tokenize_rows([{"text": "hi"}], tok, seq_len=16)  # nothing to report: no warning
+
+
+# --------------------------------------------------------------------------- TenantStream
+
+
+def make_examples(n: int) -> list[Example]:
+    return [Example([1, i + 3], [1, i + 3]) for i in range(n)]
+
+
+def ids(examples: list[Example]) -> list[int]:
+    return [e.input_ids[1] - 3 for e in examples]
+
+
+def test_stream_deterministic_and_seed_dependent():
+    exs = make_examples(20)
+    a = ids(TenantStream(exs, seed=1).take(50))
+    assert a == ids(TenantStream(exs, seed=1).take(50))
+    assert a != ids(TenantStream(exs, seed=2).take(50))
+
+
+def test_stream_epoch_is_permutation_and_reshuffles():
+    exs = make_examples(20)
+    s = TenantStream(exs, seed=0)
+    e0 = ids(s.take(20))
+    assert (s.epoch, s.cursor) == (1, 0)
+    e1 = ids(s.take(20))
+    assert sorted(e0) == sorted(e1) == list(range(20))
+    assert e0 != e1 and e0 != list(range(20))
+    # take() crosses epoch boundaries seamlessly
+    s2 = TenantStream(exs, seed=0)
+    assert ids(s2.take(7) + s2.take(30) + s2.take(3)) == e0 + e1
+    assert (s2.epoch, s2.cursor) == (2, 0)
+
+
+def test_stream_no_shuffle_keeps_file_order():
+    s = TenantStream(make_examples(5), seed=3, shuffle=False)
+    assert ids(s.take(12)) == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
+    assert (s.epoch, s.cursor) == (2, 2)
+
+
+def test_stream_resume_continues_exactly():
+    exs = make_examples(13)
+    ref = TenantStream(exs, seed=5)
+    expected = ids(ref.take(40))
+    s = TenantStream(exs, seed=5)
+    first = ids(s.take(17))
+    state = json.loads(json.dumps(s.state_dict()))  # survives a JSON round trip
+    resumed = TenantStream(exs, seed=5)
+    resumed.load_state_dict(state)
+    assert (resumed.epoch, resumed.cursor) == (s.epoch, s.cursor) == (1, 4)
+    assert first + ids(resumed.take(23)) == expected
+    with pytest.raises(ValueError, match="does not match"):
+        TenantStream(make_examples(12), seed=5).load_state_dict(state)
+    with pytest.raises(ValueError, match="does not match"):
+        TenantStream(exs, seed=6).load_state_dict(state)
+
+
+def test_stream_edge_cases():
+    s = TenantStream([], seed=0)
+    assert s.take(0) == []
+    with pytest.raises(ValueError):
+        s.take(1)
+    with pytest.raises(ValueError):
+        TenantStream(make_examples(2), seed=0).take(-1)
+
+
+# --------------------------------------------------------------------------- collate
+
+
+def test_collate_shapes_padding_and_segments():
+    a = [Example([1, 5, 6], [-100, 5, 6]), Example([1, 7], [1, 7])]
+    b: list[Example] = []
+    c = [Example([1, 8, 9, 10, 11], [-100, -100, 9, 10, 11])]
+    batch = collate([("alice", a), ("bob", b), ("carol", c)], pad_id=0)
+    assert isinstance(batch, Batch)
+    assert batch.num_rows == 3
+    assert batch.input_ids.shape == batch.attention_mask.shape == batch.labels.shape == (3, 5)
+    assert batch.input_ids.dtype == batch.attention_mask.dtype == batch.labels.dtype == torch.long
+    assert batch.segments == [("alice", 0, 2), ("carol", 2, 3)]
+    assert batch.input_ids.tolist() == [[1, 5, 6, 0, 0], [1, 7, 0, 0, 0], [1, 8, 9, 10, 11]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert batch.labels.tolist() == [
+        [-100, 5, 6, -100, -100],
+        [1, 7, -100, -100, -100],
+        [-100, -100, 9, 10, 11],
+    ]
+    moved = batch.to("cpu")
+    assert torch.equal(moved.input_ids, batch.input_ids) and moved.segments == batch.segments
+
+
+def test_collate_pad_to_multiple_and_real_rows(tok):
+    rows = [{"text": "hello"}, {"prompt": "count", "completion": " one two three"}]
+    exs = tokenize_rows(rows, tok, seq_len=64)
+    batch = collate([(0, exs[:1]), (1, exs[1:])], pad_id=tok.pad_token_id, pad_to_multiple_of=8)
+    assert batch.input_ids.shape[1] % 8 == 0 and batch.input_ids.shape[1] >= max(len(e) for e in exs)
+    for r, ex in enumerate(exs):
+        n = len(ex)
+        assert batch.input_ids[r, :n].tolist() == ex.input_ids
+        assert (batch.input_ids[r, n:] == tok.pad_token_id).all()
+        assert batch.attention_mask[r].sum().item() == n
+        assert (batch.labels[r, n:] == IGNORE_INDEX).all()
+    assert batch.segments == [(0, 0, 1), (1, 1, 2)]
+
+
+def test_collate_no_rows():
+    batch = collate([("a", [])], pad_id=0)
+    assert batch.num_rows == 0 and batch.segments == []
