@@ -19,6 +19,7 @@ from torch import nn
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
+
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param
 

@@ -22,7 +22,9 @@ class ReferenceResult:
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # {module: (A [r, in], B [out, r])}
 
 
-def peft_lora_tensors(model: peft.PeftModel, adapter: str = "default") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def peft_lora_tensors(
+    model: peft.PeftModel, adapter: str = "default"
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{module_name: (A, B)}`` of a PEFT model's LoRA layers, module names as in the base model."""
     out = {}
     prefix = "base_model.model."

@@ -78,7 +78,9 @@ class TenantRun:
 class Trainer:
     """``setup`` (in ``__init__``) → ``train`` → ``finish``; one object per job and process."""
 
-    def __init__(self, spec: JobSpec, run_dir: str | Path | None = None, dist: DistInfo | None = None) -> None:
+    def __init__(
+        self, spec: JobSpec, run_dir: str | Path | None = None, dist: DistInfo | None = None
+    ) -> None:
         self.spec = spec
         self.dist = dist or DistInfo()
         self.device = self.dist.device

@@ -54,7 +54,12 @@ def task_rows(kind: str, n: int = 12) -> list[dict]:
             rows.append({"text": f"{i} {w} and {w} again {i + 1}"})
         elif kind == "chat":
             rows.append(
-                {"messages": [{"role": "user", "content": f"count {w}"}, {"role": "assistant", "content": str(len(w))}]}
+                {
+                    "messages": [
+                        {"role": "user", "content": f"count {w}"},
+                        {"role": "assistant", "content": str(len(w))},
+                    ]
+                }
             )
         else:
             raise ValueError(kind)

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import peft
 import pytest
 import torch
@@ -83,7 +85,7 @@ def test_peft_equivalence(arch, tiny_models, make_data, tmp_path):
     tenants = []
     for name, rank, tmods, alpha, data, lr in setups:
         adapter = make_peft_adapter(base, str(tmp_path / f"init_{name}"), rank, tmods, alpha, seed=rank)
-        n_rows = sum(1 for _ in open(data))
+        n_rows = len(Path(data).read_text().splitlines())
         tenants.append(
             Tenant(name=name, data=data, init_adapter=adapter, rank=rank, alpha=alpha, target_modules=tmods,
                    lr=lr, batch_size=n_rows, max_steps=k, shuffle=False, max_grad_norm=None, weight_decay=0.01)
@@ -124,7 +126,8 @@ def test_saved_adapter_round_trip(arch, tiny_models, make_data, tmp_path):
             ours = trainer.model(ids, tenants=[t.name, t.name]).logits
             plain = trainer.model(ids, tenants=[None, None]).logits
         loaded = peft.PeftModel.from_pretrained(
-            transformers.AutoModelForCausalLM.from_pretrained(base), str(tmp_path / "run" / "adapters" / t.name)
+            transformers.AutoModelForCausalLM.from_pretrained(base),
+            str(tmp_path / "run" / "adapters" / t.name),
         )
         loaded.eval()
         with torch.no_grad():

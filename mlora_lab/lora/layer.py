@@ -56,7 +56,9 @@ class _SegmentedLoRA(torch.autograd.Function):
     """``delta[s:e] = s_t * (x[s:e] A_t^T) B_t^T`` for each segment; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, plan: tuple) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, plan: tuple
+    ) -> torch.Tensor:
         out = x.new_zeros(*x.shape[:-1], lora_B.shape[1])
         xas = []
         for slot, start, end, rank, scale in plan:
@@ -109,8 +111,12 @@ class MultiLoRALinear(nn.Module):
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         self.max_tenants, self.max_rank = max_tenants, max_rank
         device = base_layer.weight.device
-        self.lora_A = nn.Parameter(torch.zeros(max_tenants, max_rank, self.in_features, dtype=dtype, device=device))
-        self.lora_B = nn.Parameter(torch.zeros(max_tenants, self.out_features, max_rank, dtype=dtype, device=device))
+        self.lora_A = nn.Parameter(
+            torch.zeros(max_tenants, max_rank, self.in_features, dtype=dtype, device=device)
+        )
+        self.lora_B = nn.Parameter(
+            torch.zeros(max_tenants, self.out_features, max_rank, dtype=dtype, device=device)
+        )
         self.ranks = [0] * max_tenants
         self.scalings = [0.0] * max_tenants
         self.dropouts = [0.0] * max_tenants

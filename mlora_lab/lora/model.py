@@ -100,7 +100,9 @@ class MultiLoRAModel(nn.Module):
         for name in wrapped:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            layer = MultiLoRALinear(getattr(parent, child), self.routing, max_tenants, max_rank, adapter_dtype)
+            layer = MultiLoRALinear(
+                getattr(parent, child), self.routing, max_tenants, max_rank, adapter_dtype
+            )
             setattr(parent, child, layer)
             self.layers[name] = layer
         self._all_linear = [n for n in all_linear if n in self.layers]
@@ -152,7 +154,9 @@ class MultiLoRAModel(nn.Module):
                 f"{sorted(set(init) - set(modules))[:5]}, only in targets: {sorted(set(modules) - set(init))[:5]}"
             )
         slot = self._free_slot(name)
-        tenant = TenantAdapter(name, slot, rank, alpha, use_rslora, dropout, _as_list(target_modules), modules)
+        tenant = TenantAdapter(
+            name, slot, rank, alpha, use_rslora, dropout, _as_list(target_modules), modules
+        )
         generator = torch.Generator().manual_seed(seed)
         try:
             for module in modules:  # wrap order: deterministic, so a seed gives one adapter
@@ -250,7 +254,9 @@ class MultiLoRAModel(nn.Module):
         """Bytes of the tenant's own adapter tensors (its rank, not the slot's max_rank)."""
         t = self._tenant(name)
         size = next(iter(self.layers.values())).lora_A.element_size()
-        return sum(t.rank * (self.layers[m].in_features + self.layers[m].out_features) * size for m in t.modules)
+        return sum(
+            t.rank * (self.layers[m].in_features + self.layers[m].out_features) * size for m in t.modules
+        )
 
     # -- forward -------------------------------------------------------------------------------
     def set_routing(self, tenants: Sequence[str | None] | None, num_rows: int) -> None:

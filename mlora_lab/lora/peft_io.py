@@ -47,9 +47,15 @@ def read_adapter(path: str | Path) -> tuple[LoraConfig, dict[str, tuple[torch.Te
     if not (path / CONFIG_NAME).is_file():
         raise AdapterError(f"{path}: not a PEFT adapter directory (no {CONFIG_NAME})")
     config = LoraConfig.from_pretrained(str(path))
-    problems = [f"{key}={getattr(config, key)!r}" for key, bad in _UNSUPPORTED.items() if bad(getattr(config, key, None))]
+    problems = [
+        f"{key}={getattr(config, key)!r}"
+        for key, bad in _UNSUPPORTED.items()
+        if bad(getattr(config, key, None))
+    ]
     if problems:
-        raise AdapterError(f"{path}: adapter uses LoRA features mlora_lab does not support: {', '.join(problems)}")
+        raise AdapterError(
+            f"{path}: adapter uses LoRA features mlora_lab does not support: {', '.join(problems)}"
+        )
     if (path / WEIGHTS_NAME).is_file():
         state = load_file(str(path / WEIGHTS_NAME))
     elif (path / "adapter_model.bin").is_file():
@@ -71,14 +77,20 @@ def read_adapter(path: str | Path) -> tuple[LoraConfig, dict[str, tuple[torch.Te
         else:
             unexpected.append(key)
     if unexpected:
-        raise AdapterError(f"{path}: unexpected tensors in adapter: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        raise AdapterError(
+            f"{path}: unexpected tensors in adapter: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+        )
     out = {}
     for module, parts in pairs.items():
         if set(parts) != {"lora_A", "lora_B"}:
-            raise AdapterError(f"{path}: module {module} has {sorted(parts)} but needs both lora_A and lora_B")
+            raise AdapterError(
+                f"{path}: module {module} has {sorted(parts)} but needs both lora_A and lora_B"
+            )
         A, B = parts["lora_A"], parts["lora_B"]
         if A.ndim != 2 or B.ndim != 2 or A.shape[0] != B.shape[1]:
-            raise AdapterError(f"{path}: module {module} has inconsistent shapes A{tuple(A.shape)} B{tuple(B.shape)}")
+            raise AdapterError(
+                f"{path}: module {module} has inconsistent shapes A{tuple(A.shape)} B{tuple(B.shape)}"
+            )
         out[module] = (A, B)
     if not out:
         raise AdapterError(f"{path}: adapter holds no LoRA tensors")

@@ -1,0 +1,482 @@
+"""Tenant data: JSONL rows → token rows with label masks → mixed-tenant batches.
+
+A tenant's data file holds one JSON object per line, in one of three shapes (rows of different
+shapes may be mixed in one file)::
+
+    {"text": "..."}                                      loss on every token
+    {"prompt": "...", "completion": "..."}               loss on the completion only
+    {"messages": [{"role": ..., "content": ...}, ...]}   chat template; loss on assistant turns only
+
+The flow is one way::
+
+    scan_jsonl(path)  -> JsonlReport        every problem of a file, never raises (spec validation)
+    load_examples(path, tok, seq_len)       -> list[Example]  (input_ids + labels, -100 = no loss)
+    TenantStream(examples, seed).take(n)    -> the tenant's next n examples, seeded shuffle per epoch
+    collate([(tenant, examples), ...], pad) -> Batch  [B, T], rows of each tenant contiguous
+
+Labels are *unshifted*: ``labels[i]`` is the target for position ``i`` and the model shifts
+internally (as HF causal LMs do), so ``labels[0]`` never contributes to the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+ROW_KINDS = ("text", "prompt", "messages")  # "prompt" = a prompt/completion row
+MAX_PROBLEMS_PER_FILE = 20
+# A row is of a kind when it has any of that kind's keys (so a lone "completion" is a prompt row missing its prompt).
+_KIND_KEYS = {"text": ("text",), "prompt": ("prompt", "completion"), "messages": ("messages",)}
+
+
+class DataError(ValueError):
+    """Bad tenant data. ``problems`` lists every problem found, each naming its file and line."""
+
+    def __init__(self, problems: Sequence[str], header: str = "bad tenant data") -> None:
+        self.problems = list(problems)
+        super().__init__(
+            f"{header} ({len(self.problems)} problem(s)):\n" + "\n".join(f"  - {p}" for p in self.problems)
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL scanning / reading
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class JsonlReport:
+    """What :func:`scan_jsonl` found in one file."""
+
+    n_rows: int
+    """Non-blank lines (rows), valid or not."""
+    kinds: set[str] = field(default_factory=set)
+    """Row kinds seen: a subset of ``{"text", "prompt", "messages"}``."""
+    problems: list[str] = field(default_factory=list)
+    """Every problem (capped at ~20 per file plus an "... and N more" line); empty = file is usable."""
+
+
+def _is_str(x: Any) -> bool:
+    return isinstance(x, str)
+
+
+def _row_kind_and_problems(row: Any) -> tuple[str | None, list[str]]:
+    """Classify one parsed row; problems are phrased without the file/line prefix."""
+    if not isinstance(row, dict):
+        return None, [f"expected a JSON object, got {type(row).__name__}"]
+    present = [kind for kind, keys in _KIND_KEYS.items() if any(key in row for key in keys)]
+    if not present:
+        return None, ["row has none of 'text', 'prompt'+'completion', 'messages'"]
+    if len(present) > 1:
+        names = ", ".join("'prompt'+'completion'" if k == "prompt" else f"'{k}'" for k in present)
+        return None, [f"row mixes {names}; use exactly one"]
+    kind = present[0]
+    problems: list[str] = []
+    if kind == "text":
+        if not _is_str(row["text"]):
+            problems.append("'text' must be a string")
+        elif not row["text"]:
+            problems.append("'text' is empty (nothing to learn)")
+    elif kind == "prompt":
+        for key in ("prompt", "completion"):
+            if key not in row:
+                other = "completion" if key == "prompt" else "prompt"
+                problems.append(f"'{other}' without '{key}'")
+            elif not _is_str(row[key]):
+                problems.append(f"'{key}' must be a string")
+        if _is_str(row.get("completion")) and not row["completion"]:
+            problems.append("'completion' is empty (nothing to learn)")
+    else:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            problems.append("'messages' must be a non-empty list of {'role', 'content'} objects")
+        else:
+            for i, m in enumerate(msgs):
+                if not (isinstance(m, dict) and _is_str(m.get("role")) and _is_str(m.get("content"))):
+                    problems.append(f"messages[{i}] needs 'role' and 'content' strings")
+            if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in msgs):
+                problems.append("messages has no assistant turn (nothing to learn)")
+    return kind, problems
+
+
+def _cap(problems: list[str], where: str) -> list[str]:
+    if len(problems) <= MAX_PROBLEMS_PER_FILE:
+        return problems
+    extra = len(problems) - MAX_PROBLEMS_PER_FILE
+    return [*problems[:MAX_PROBLEMS_PER_FILE], f"{where}: ... and {extra} more problem(s)"]
+
+
+def _scan(path: str | Path) -> tuple[JsonlReport, list[dict]]:
+    """Parse and check a JSONL file; returns the report and the rows that parsed as valid."""
+    where = str(path)
+    p = Path(path)
+    if not p.exists():
+        return JsonlReport(0, set(), [f"{where}: file not found"]), []
+    if not p.is_file():
+        return JsonlReport(0, set(), [f"{where}: not a regular file"]), []
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        return JsonlReport(0, set(), [f"{where}: cannot read ({e.strerror or e})"]), []
+
+    problems: list[str] = []
+    kinds: set[str] = set()
+    rows: list[dict] = []
+    n_rows = 0
+    for lineno, bline in enumerate(raw.split(b"\n"), start=1):
+        try:
+            line = bline.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            n_rows += 1
+            problems.append(f"{where} line {lineno}: not valid UTF-8 ({e.reason} at byte {e.start})")
+            continue
+        if not line.strip():
+            continue
+        n_rows += 1
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{where} line {lineno}: not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        kind, row_problems = _row_kind_and_problems(row)
+        problems += [f"{where} line {lineno}: {msg}" for msg in row_problems]
+        if kind is not None:
+            kinds.add(kind)
+        if kind is not None and not row_problems:
+            rows.append(row)
+    if n_rows == 0:
+        problems.append(f"{where}: empty file (no rows)")
+    return JsonlReport(n_rows, kinds, _cap(problems, where)), rows
+
+
+def scan_jsonl(path: str | Path) -> JsonlReport:
+    """Check a tenant JSONL file and report every problem; never raises.
+
+    Problems name the file and the 1-based line, e.g. ``"data.jsonl line 3: not valid JSON (...)"``.
+    Blank lines are skipped. The list is capped at ~20 problems plus ``"... and N more"``.
+    """
+    try:
+        return _scan(path)[0]
+    except Exception as e:  # "never raises": an unforeseen failure is still a reported problem
+        return JsonlReport(0, set(), [f"{path}: cannot scan ({type(e).__name__}: {e})"])
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """All rows of a tenant JSONL file, in file order. Raises :class:`DataError` listing every problem."""
+    report, rows = _scan(path)
+    if report.problems:
+        raise DataError(report.problems, header=f"bad tenant data file {path}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Example:
+    """One tokenized row. ``labels[i]`` is the target at position ``i`` (unshifted), -100 = no loss."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.labels):
+            raise ValueError(
+                f"input_ids ({len(self.input_ids)}) and labels ({len(self.labels)}) differ in length"
+            )
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n_target(self) -> int:
+        """Tokens that carry loss. Position 0 is excluded: a causal LM never predicts its first token."""
+        return sum(1 for t in self.labels[1:] if t != IGNORE_INDEX)
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def _with_eos(ids: list[int], eos_id: int | None) -> list[int]:
+    if eos_id is not None and (not ids or ids[-1] != eos_id):
+        return [*ids, eos_id]
+    return ids
+
+
+def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as e:
+        raise DataError([f"the chat template failed on this conversation ({type(e).__name__}: {e})"]) from e
+    if not isinstance(text, str):
+        raise DataError([f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str"])
+    return text
+
+
+def _chat_example(messages: list[dict], tokenizer: Any) -> tuple[list[int], list[int]]:
+    """Render a chat and mark the characters of each assistant turn, then the tokens inside them.
+
+    Assistant turn ``i`` spans ``len(render(messages[:i], add_generation_prompt=True))`` to
+    ``len(render(messages[:i+1]))`` in the full rendering: its content plus whatever the template
+    closes the turn with (e.g. EOS). Trailing whitespace the template puts after that (a newline
+    between turns) is left out, so the model learns to stop at EOS rather than at "EOS\\n".
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(["'messages' rows need a tokenizer with a chat_template; this tokenizer has none"])
+    full = _render(tokenizer, messages)
+    spans: list[tuple[int, int]] = []
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = _render(tokenizer, messages[: i + 1])
+        for prefix, what in ((before, f"messages[:{i}] + generation prompt"), (upto, f"messages[:{i + 1}]")):
+            if not full.startswith(prefix):
+                raise DataError(
+                    [
+                        f"the chat template is not prefix-stable: the rendering of {what} is not a prefix of "
+                        "the whole conversation, so assistant turns cannot be located for the loss mask "
+                        "(use prompt/completion rows, or a template that renders earlier turns unchanged)"
+                    ]
+                )
+        start, end = len(before), len(upto)
+        while end > start and full[end - 1].isspace():
+            end -= 1
+        spans.append((start, end))
+    try:
+        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError as e:
+        raise DataError(["'messages' rows need a fast tokenizer (one that returns offset mappings)"]) from e
+    ids = list(enc["input_ids"])
+    labels = [IGNORE_INDEX] * len(ids)
+    for k, (s, e) in enumerate(enc["offset_mapping"]):
+        if e > s and any(a <= s and e <= b for a, b in spans):
+            labels[k] = ids[k]
+    return ids, labels
+
+
+def tokenize_example(row: dict, tokenizer: Any, seq_len: int) -> tuple[Example, bool]:
+    """Tokenize one row; returns ``(example, was_truncated)``.
+
+    - ``text``: ``tok(text, add_special_tokens=True)`` + EOS, loss on every token.
+    - ``prompt``/``completion``: ``tok(prompt, add_special_tokens=True)`` then
+      ``tok(completion, add_special_tokens=False)`` + EOS; loss on the completion part.
+    - ``messages``: the tokenizer's chat template, loss on assistant turns; no EOS appended.
+
+    EOS is appended only when the tokenizer has one and did not already put it last. Rows longer
+    than ``seq_len`` keep their first ``seq_len`` tokens. Raises :class:`DataError` for a bad row.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    kind, problems = _row_kind_and_problems(row)
+    if problems or kind is None:
+        raise DataError(problems)
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    if kind == "text":
+        ids = _with_eos(_encode(tokenizer, row["text"], True), eos_id)
+        labels = list(ids)
+    elif kind == "prompt":
+        p_ids = _encode(tokenizer, row["prompt"], True)
+        c_ids = _with_eos(_encode(tokenizer, row["completion"], False), eos_id)
+        ids = p_ids + c_ids
+        labels = [IGNORE_INDEX] * len(p_ids) + c_ids
+    else:
+        ids, labels = _chat_example(row["messages"], tokenizer)
+    truncated = len(ids) > seq_len
+    return Example(ids[:seq_len], labels[:seq_len]), truncated
+
+
+def tokenize_rows(rows: list[dict], tokenizer: Any, seq_len: int, source: str = "") -> list[Example]:
+    """Tokenize every row (order kept; rows left without targets are kept too).
+
+    Warns once (``UserWarning``) with the number of truncated rows and of rows with no target
+    token. Raises one :class:`DataError` listing every bad row, as ``"<source> row N: ..."``.
+    """
+    where = source or "<rows>"
+    examples: list[Example] = []
+    problems: list[str] = []
+    n_truncated = n_no_target = 0
+    for i, row in enumerate(rows, start=1):
+        try:
+            ex, truncated = tokenize_example(row, tokenizer, seq_len)
+        except DataError as e:
+            problems += [f"{where} row {i}: {p}" for p in e.problems]
+            continue
+        examples.append(ex)
+        n_truncated += truncated
+        n_no_target += ex.n_target == 0
+    if problems:
+        raise DataError(_cap(problems, where), header=f"cannot tokenize {where}")
+    if n_truncated or n_no_target:
+        msg = f"{where}: {n_truncated} of {len(rows)} row(s) truncated to seq_len={seq_len} tokens"
+        msg += f"; {n_no_target} row(s) have no target token left (they add no loss)"
+        warnings.warn(msg, UserWarning, stacklevel=2)
+    return examples
+
+
+def load_examples(path: str | Path, tokenizer: Any, seq_len: int) -> list[Example]:
+    """:func:`read_jsonl` + :func:`tokenize_rows`: a tenant's file as token rows."""
+    return tokenize_rows(read_jsonl(path), tokenizer, seq_len, source=str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-tenant data order
+# ---------------------------------------------------------------------------------------------
+
+
+class TenantStream:
+    """A tenant's data order: seeded shuffle per epoch, a cursor that moves only when rows are taken.
+
+    Epoch ``e`` visits the examples in a permutation drawn from ``random.Random`` seeded with
+    ``(seed, e)`` (a string seed, hashed with SHA-512 by Python: the same in every process and on
+    every platform), or in file order when ``shuffle=False``. ``epoch`` counts completed passes
+    and ``cursor`` is the position inside the current pass; both are the whole resumable state.
+    """
+
+    def __init__(self, examples: list[Example], seed: int, shuffle: bool = True) -> None:
+        self.examples = examples
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self._epoch = 0
+        self._cursor = 0
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the data."""
+        return self._epoch
+
+    @property
+    def cursor(self) -> int:
+        """Rows already taken from the current pass."""
+        return self._cursor
+
+    def order(self, epoch: int) -> list[int]:
+        """The example indices of pass ``epoch``, in visiting order."""
+        n = len(self.examples)
+        idx = list(range(n))
+        if self.shuffle:
+            random.Random(f"mlora_lab.TenantStream/{self.seed}/{epoch}").shuffle(idx)
+        return idx
+
+    def _current_order(self) -> list[int]:
+        if self._order_epoch != self._epoch:
+            self._order, self._order_epoch = self.order(self._epoch), self._epoch
+        return self._order
+
+    def take(self, n: int) -> list[Example]:
+        """The next ``n`` examples, crossing into the next (reshuffled) pass as needed."""
+        if n < 0:
+            raise ValueError(f"take(n) needs n >= 0, got {n}")
+        if n and not self.examples:
+            raise ValueError("cannot take rows from a tenant with no examples")
+        out: list[Example] = []
+        while len(out) < n:
+            order = self._current_order()
+            k = min(n - len(out), len(order) - self._cursor)
+            out += [self.examples[i] for i in order[self._cursor : self._cursor + k]]
+            self._cursor += k
+            if self._cursor == len(order):
+                self._epoch, self._cursor = self._epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        """Plain ints/bools (JSON-serialisable): enough to continue the exact same sequence."""
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self._epoch,
+            "cursor": self._cursor,
+            "n_examples": len(self.examples),
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        """Continue from :meth:`state_dict`. Refuses a state taken over different data or settings."""
+        mismatched = [
+            f"{k}: saved {d[k]!r}, now {v!r}"
+            for k, v in (("seed", self.seed), ("shuffle", self.shuffle), ("n_examples", len(self.examples)))
+            if k in d and d[k] != v
+        ]
+        if mismatched:
+            raise ValueError("TenantStream state does not match this stream (" + "; ".join(mismatched) + ")")
+        epoch, cursor = int(d["epoch"]), int(d["cursor"])
+        if epoch < 0 or not 0 <= cursor <= max(len(self.examples) - 1, 0):
+            raise ValueError(f"TenantStream state out of range: epoch={epoch}, cursor={cursor}")
+        self._epoch, self._cursor = epoch, cursor
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixed-tenant batches
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """Rows of several tenants in one right-padded batch.
+
+    ``segments`` holds ``(key, start_row, end_row)``: rows ``start_row:end_row`` belong to ``key``
+    (a tenant name or slot); segments are contiguous, non-empty and in the order given to :func:`collate`.
+    """
+
+    input_ids: torch.Tensor  # [B, T] long, right-padded with pad_id
+    attention_mask: torch.Tensor  # [B, T] long, 1 on tokens, 0 on padding
+    labels: torch.Tensor  # [B, T] long, -100 on padding and non-target tokens (unshifted)
+    segments: list[tuple[Any, int, int]]
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.labels.to(device),
+            list(self.segments),
+        )
+
+
+def collate(
+    groups: Sequence[tuple[Any, Sequence[Example]]], pad_id: int, pad_to_multiple_of: int | None = None
+) -> Batch:
+    """Stack groups of examples into one :class:`Batch` of shape ``[B, T]``.
+
+    ``B`` is the total number of rows; ``T`` the longest row, rounded up to ``pad_to_multiple_of``
+    when given. Groups keep their order and their rows stay contiguous; a group with zero rows
+    adds no rows and no segment. No rows at all gives a ``[0, 0]`` batch.
+    """
+    rows: list[Example] = []
+    segments: list[tuple[Any, int, int]] = []
+    for key, examples in groups:
+        if len(examples):
+            segments.append((key, len(rows), len(rows) + len(examples)))
+            rows.extend(examples)
+    T = max((len(ex) for ex in rows), default=0)
+    if pad_to_multiple_of and T % pad_to_multiple_of:
+        T += pad_to_multiple_of - T % pad_to_multiple_of
+    input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), T), dtype=torch.long)
+    labels = torch.full((len(rows), T), IGNORE_INDEX, dtype=torch.long)
+    for r, ex in enumerate(rows):
+        n = len(ex)
+        input_ids[r, :n] = torch.tensor(ex.input_ids, dtype=torch.long)
+        attention_mask[r, :n] = 1
+        labels[r, :n] = torch.tensor(ex.labels, dtype=torch.long)
+    return Batch(input_ids, attention_mask, labels, segments)
