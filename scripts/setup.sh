@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv (Python 3.11+) and install mlora_lab with its dev tools. Safe to re-run.
+# PyTorch goes in first: TORCH_SPEC (default torch==2.13.0) — set it to pick another build, e.g. a CUDA one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  .venv/bin/python -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
+fi
+.venv/bin/python -m pip install --quiet -e ".[dev]"
+.venv/bin/python -c "import torch, transformers, peft, mlora_lab; print(f'mlora_lab {mlora_lab.__version__}: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"
