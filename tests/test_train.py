@@ -1,0 +1,128 @@
+"""Training-loop semantics: accumulation, counters, schedules, clipping, evaluation, checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mlora_lab.optim import TenantOptimizer
+from mlora_lab.rundir import MetricsReader, MetricsWriter, atomic_write_text
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.train import Trainer
+
+
+def spec_for(base: str, tenants: list[Tenant], **kw) -> JobSpec:
+    return JobSpec(base_model=base, tenants=tenants, seq_len=64, max_rank=16, max_tenants=4, **kw)
+
+
+def test_grad_accum_equals_one_big_batch(llama_path, make_data):
+    """k micro-batches of b rows give the step of one batch of k*b rows: the loss is the mean over
+    the whole window's target tokens, not a mean of per-micro-batch means."""
+    data = make_data("reverse", 12)
+    common = dict(name="t", data=data, rank=4, lr=1e-2, max_steps=3, shuffle=False, max_grad_norm=None)
+    accum = Trainer(spec_for(llama_path, [Tenant(batch_size=2, grad_accum=3, **common)]))
+    accum.train()
+    big = Trainer(spec_for(llama_path, [Tenant(batch_size=6, grad_accum=1, **common)]))
+    big.train()
+    assert accum.global_step == 9 and big.global_step == 3
+    assert accum.losses("t") == pytest.approx(big.losses("t"), abs=1e-6)
+    for m, (A, B) in accum.model.tenant_tensors("t").items():
+        A2, B2 = big.model.tenant_tensors("t")[m]
+        torch.testing.assert_close(A, A2, atol=1e-6, rtol=0)
+        torch.testing.assert_close(B, B2, atol=1e-6, rtol=0)
+
+
+def test_counters_and_cursors_move_only_when_a_tenant_trains(llama_path, make_data):
+    short = Tenant(name="short", data=make_data("reverse", 10), rank=4, batch_size=3, max_steps=2)
+    long = Tenant(name="long", data=make_data("text", 10), rank=4, batch_size=2, max_steps=7)
+    trainer = Trainer(spec_for(llama_path, [short, long]))
+    trainer.train()
+    s, lg = trainer.tenants["short"], trainer.tenants["long"]
+    assert (s.step, s.state) == (2, "finished") and (lg.step, lg.state) == (7, "finished")
+    assert s.stream.state_dict()["cursor"] == 6 and s.stream.epoch == 0  # 2 steps x 3 rows, nothing more
+    assert lg.stream.state_dict()["cursor"] == 4 and lg.stream.epoch == 1  # 14 rows = one epoch of 10 + 4
+    assert trainer.global_step == 7
+    train_rows = [r for r in trainer.history if r["kind"] == "train"]
+    assert [r["tenant_step"] for r in train_rows if r["tenant"] == "short"] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        ("constant", lambda s: min(1.0, s / 3)),
+        ("linear", lambda s: s / 3 if s < 3 else max(0.0, (10 - s) / 7)),
+        ("cosine", lambda s: s / 3 if s < 3 else 0.5 * (1 + math.cos(math.pi * (s - 3) / 7))),
+    ],
+)
+def test_schedules_with_warmup(schedule, expected, llama_path, make_data):
+    t = Tenant(
+        name="s", data=make_data("text"), rank=2, lr=0.1, schedule=schedule, warmup_steps=3, max_steps=10
+    )
+    trainer = Trainer(spec_for(llama_path, [t]))
+    trainer.train()
+    lrs = [r["lr"] for r in trainer.history if r["kind"] == "train"]
+    assert lrs == pytest.approx([0.1 * expected(s) for s in range(10)], abs=1e-9)
+
+
+def test_tenant_optimizer_is_torch_adamw_with_per_tenant_clipping():
+    """Updating views of a slot tensor equals torch.optim.AdamW + clip_grad_norm_ on plain tensors."""
+    torch.manual_seed(0)
+    slot = torch.nn.Parameter(torch.randn(3, 4, 5))
+    plain = torch.nn.Parameter(slot.detach()[1, :2].clone())
+    ours = TenantOptimizer(
+        [(slot, (1, slice(0, 2)))], lr=0.1, weight_decay=0.1, max_grad_norm=0.5, max_steps=5
+    )
+    ref = torch.optim.AdamW([plain], lr=0.1, weight_decay=0.1, foreach=False)
+    for _ in range(4):
+        g = torch.randn(3, 4, 5)
+        slot.grad = g.clone()
+        plain.grad = g[1, :2].clone()
+        norm = ours.step()
+        ref_norm = torch.nn.utils.clip_grad_norm_([plain], 0.5)
+        ref.step()
+        ours.zero_grad()
+        assert float(norm) == pytest.approx(float(ref_norm))
+        assert slot.grad[1, :2].abs().sum() == 0 and slot.grad[0].abs().sum() > 0  # only its own part
+    torch.testing.assert_close(slot.detach()[1, :2], plain.detach(), atol=1e-7, rtol=0)
+    assert ours.state_bytes() == 2 * plain.numel() * 4
+
+
+def test_eval_rows_and_checkpoint(llama_path, make_data, tmp_path):
+    t = Tenant(
+        name="e", data=make_data("upper"), eval_data=make_data("upper", 5, name="ev"), rank=4, max_steps=4
+    )
+    trainer = Trainer(spec_for(llama_path, [t], eval_every=2, save_every=2), run_dir=tmp_path / "run")
+    trainer.train()
+    evals = [r for r in trainer.history if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [2, 4, 4]
+    assert all(r["loss"] > 0 for r in evals)
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert [c.name for c in ckpts] == ["step_00000002", "step_00000004"]
+    state = torch.load(ckpts[-1] / "state.pt", weights_only=False)
+    assert state["tenants"]["e"]["step"] == 4
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+
+
+def test_metrics_reader_never_parses_a_partial_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    writer.write("train", step=1, loss=1.0)
+    reader = MetricsReader(path)
+    assert [r["step"] for r in reader.poll()] == [1]
+    with open(path, "a") as f:
+        f.write('{"kind": "train", "step": 2, "lo')  # a row being written
+    assert reader.poll() == []
+    with open(path, "a") as f:
+        f.write('ss": 2.0}\n')
+    assert [r["step"] for r in reader.poll()] == [2]
+    assert len(reader.rows) == 2
+    writer.close()
+
+
+def test_atomic_write_leaves_no_temporary_files(tmp_path):
+    atomic_write_text(tmp_path / "status.json", "{}")
+    atomic_write_text(tmp_path / "status.json", '{"state": "running"}')
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
+    assert "running" in (tmp_path / "status.json").read_text()
