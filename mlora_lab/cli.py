@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from mlora_lab.launch import DEFAULT_WORKDIR, Run, attach, launch
+from mlora_lab.launch import DEFAULT_WORKDIR, Run, attach, launch, prepare_run
 from mlora_lab.rundir import FINAL_STATES
 from mlora_lab.spec import JobSpec, SpecError
 
@@ -65,6 +65,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if state == "finished" else 1
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    try:
+        run = prepare_run(JobSpec.load(args.job), workdir=args.workdir)
+    except SpecError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(run.root)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from mlora_lab.demo import build_demo
     from mlora_lab.report import plot_losses
@@ -109,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where run directories go (unless output_dir)")
     p.add_argument("--no-follow", action="store_true", help="print the run directory and return at once")
     p.set_defaults(func=cmd_run)
+    p = sub.add_parser("prepare", help="validate a job.json and create its run directory (for launchers/)")
+    p.add_argument("job", type=Path)
+    p.add_argument("--workdir", default=DEFAULT_WORKDIR)
+    p.set_defaults(func=cmd_prepare)
     p = sub.add_parser("demo", help="train three tenants on a tiny model built locally")
     p.add_argument("--workdir", default="mlora_demo")
     p.add_argument("--steps", type=int, default=300)

@@ -150,3 +150,19 @@ def test_killed_rank_marks_run_failed(tmp_path, llama_path, make_data):
     assert run.wait(timeout=60) == "failed"
     assert run.error
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
+
+
+def test_local_launcher_script(tmp_path, llama_path, make_data):
+    job_json(tmp_path, llama_path, make_data, output_dir="out")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        ["bash", str(root / "launchers" / "local.sh"), "job.json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert read_status(tmp_path / "out")["state"] == "finished"
+    assert (tmp_path / "out" / "adapters" / "bob" / "adapter_model.safetensors").is_file()
