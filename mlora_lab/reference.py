@@ -72,5 +72,5 @@ def train_peft(
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         opt.step()
         opt.zero_grad()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
     return ReferenceResult(losses, peft_lora_tensors(model))

@@ -29,13 +29,20 @@ def randomise(mm: MultiLoRAModel, name: str, seed: int = 0) -> None:
             layer.lora_B[t.slot, :, : t.rank] = torch.randn(layer.out_features, t.rank, generator=g) * 0.1
 
 
+def set_slot(layer: MultiLoRALinear, slot: int, A: torch.Tensor, B: torch.Tensor, scaling: float) -> None:
+    with torch.no_grad():
+        layer.lora_A[slot, : A.shape[0]] = A
+        layer.lora_B[slot, :, : A.shape[0]] = B
+    layer.configure_slot(slot, A.shape[0], scaling, 0.0)
+
+
 def test_layer_maths_rank_in_larger_slot():
     """A rank-3 tenant in a rank-16 slot computes exactly base + s * x A^T B^T on its rows only."""
     torch.manual_seed(0)
     routing = LoRARouting()
     layer = MultiLoRALinear(torch.nn.Linear(6, 5), routing, max_tenants=3, max_rank=16)
     A, B = torch.randn(3, 6), torch.randn(5, 3)
-    layer.configure_slot(1, rank=3, scaling=0.7, dropout=0.0, init=(A, B))
+    set_slot(layer, 1, A, B, scaling=0.7)
     x = torch.randn(4, 2, 6)
     routing.segments, routing.num_rows = [(1, 1, 3)], 4
     y = layer(x)
@@ -50,8 +57,8 @@ def test_layer_gradients_match_autograd():
     torch.manual_seed(0)
     routing = LoRARouting()
     layer = MultiLoRALinear(torch.nn.Linear(6, 5), routing, max_tenants=3, max_rank=4)
-    layer.configure_slot(0, 2, 0.5, 0.0, init=(torch.randn(2, 6), torch.randn(5, 2)))
-    layer.configure_slot(2, 4, 2.0, 0.0, init=(torch.randn(4, 6), torch.randn(5, 4)))
+    set_slot(layer, 0, torch.randn(2, 6), torch.randn(5, 2), scaling=0.5)
+    set_slot(layer, 2, torch.randn(4, 6), torch.randn(5, 4), scaling=2.0)
     x = torch.randn(5, 3, 6, requires_grad=True)
     routing.segments, routing.num_rows = [(0, 0, 1), (2, 1, 3), (0, 3, 4)], 5  # row 4: base only
     w = torch.randn(5, 3, 5)

@@ -32,7 +32,6 @@ The layer knows nothing about tenants' names, optimisers or sharding: routing co
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +49,10 @@ class LoRARouting:
 
     segments: list[tuple[int, int, int]] | None = None
     num_rows: int = 0
+    # When True, every layer runs its LoRA function even with no segment of its own, so every slot
+    # tensor gets a (possibly zero) gradient on every process: data-parallel gradient reduction
+    # needs the same set of gradients everywhere, whichever tenants a process's rows belong to.
+    grad_every_slot: bool = False
 
 
 class _SegmentedLoRA(torch.autograd.Function):
@@ -123,53 +126,23 @@ class MultiLoRALinear(nn.Module):
         # A plain attribute, not a submodule: the routing is shared by every layer of the model.
         object.__setattr__(self, "routing", routing)
 
-    # -- slot management (no autograd) ---------------------------------------------------------
-    @torch.no_grad()
-    def configure_slot(
-        self,
-        slot: int,
-        rank: int,
-        scaling: float,
-        dropout: float,
-        init: str | tuple[torch.Tensor, torch.Tensor] = "default",
-        generator: torch.Generator | None = None,
-    ) -> None:
-        """Give slot ``slot`` to a tenant of rank ``rank``.
-
-        ``init="default"`` is PEFT's default LoRA init (A ~ kaiming-uniform(a=sqrt(5)) over fan_in = in,
-        B = 0); ``init=(A, B)`` copies given ``[rank, in]`` and ``[out, rank]`` tensors.
-        """
+    # -- slot settings (the slot tensors themselves are written by the model wrapper) ----------
+    def configure_slot(self, slot: int, rank: int, scaling: float, dropout: float) -> None:
+        """Slot ``slot`` now holds a rank-``rank`` LoRA with this scaling and dropout."""
         if not 0 < rank <= self.max_rank:
             raise ValueError(f"rank {rank} is outside 1..max_rank={self.max_rank}")
-        self.lora_A[slot].zero_()
-        self.lora_B[slot].zero_()
-        if isinstance(init, str):
-            a = torch.empty(rank, self.in_features, dtype=torch.float32)
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-            self.lora_A[slot, :rank].copy_(a)
-        else:
-            A, B = init
-            if tuple(A.shape) != (rank, self.in_features) or tuple(B.shape) != (self.out_features, rank):
-                raise ValueError(
-                    f"adapter shapes A{tuple(A.shape)} B{tuple(B.shape)} do not fit a rank-{rank} LoRA on "
-                    f"a [{self.out_features}, {self.in_features}] linear layer"
-                )
-            self.lora_A[slot, :rank].copy_(A)
-            self.lora_B[slot, :, :rank].copy_(B)
         self.ranks[slot], self.scalings[slot], self.dropouts[slot] = rank, float(scaling), float(dropout)
 
-    @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
-        """Zero slot ``slot`` and mark it unused on this layer."""
-        self.lora_A[slot].zero_()
-        self.lora_B[slot].zero_()
+        """Slot ``slot`` no longer targets this layer."""
         self.ranks[slot], self.scalings[slot], self.dropouts[slot] = 0, 0.0, 0.0
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
-        segments = self.routing.segments
-        if not segments:
+        segments = self.routing.segments or []
+        always = self.routing.grad_every_slot and self.training and torch.is_grad_enabled()
+        if not segments and not always:
             return y
         if x.shape[0] != self.routing.num_rows:
             raise RuntimeError(
@@ -181,7 +154,7 @@ class MultiLoRALinear(nn.Module):
             for slot, start, end in segments
             if self.ranks[slot] > 0
         )
-        if not plan:
+        if not plan and not always:
             return y
         x_lora = x.to(self.lora_A.dtype)
         if self.training and any(self.dropouts[p[0]] > 0 for p in plan):

@@ -16,6 +16,7 @@ compiled graphs that hold the slot parameters stay valid). The wrapper holds no 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,28 @@ def match_targets(names: Sequence[str], targets: str | Sequence[str], all_linear
 def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
     """PEFT's scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
     return alpha / (rank**0.5) if use_rslora else alpha / rank
+
+
+class TensorIO:
+    """How the wrapper reads and writes parts of slot tensors (``param[index]``).
+
+    This default works on plain tensors. :mod:`mlora_lab.parallel` installs a subclass for sharded
+    (DTensor) slots, so the LoRA code itself never needs to know how a slot is laid out:
+
+    - ``local(t)``: the storage this process holds for ``t`` (optimisers update it in place);
+    - ``gather(param, index, local_part)``: the full value of ``param[index]`` from this process's
+      part of it (a collective when sharded: every process must call it, in the same order);
+    - ``scatter(param, index, full)``: this process's part of a full value of ``param[index]``.
+    """
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def gather(self, param: torch.Tensor, index: tuple, local_part: torch.Tensor) -> torch.Tensor:
+        return local_part.detach().clone()
+
+    def scatter(self, param: torch.Tensor, index: tuple, full: torch.Tensor) -> torch.Tensor:
+        return full
 
 
 @dataclass
@@ -107,6 +130,33 @@ class MultiLoRAModel(nn.Module):
             self.layers[name] = layer
         self._all_linear = [n for n in all_linear if n in self.layers]
         self.tenants: dict[str, TenantAdapter] = {}
+        self.io = TensorIO()
+
+    # -- slot storage --------------------------------------------------------------------------
+    def read(self, param: torch.Tensor, index: tuple) -> torch.Tensor:
+        """Full value of ``param[index]`` (gathered if the slot tensors are sharded)."""
+        return self.io.gather(param, index, self.io.local(param.detach())[index])
+
+    @torch.no_grad()
+    def write(self, param: torch.Tensor, index: tuple, full: torch.Tensor) -> None:
+        """Set ``param[index]`` to the full value ``full`` (each process writes its own part)."""
+        expected = torch.empty(param.shape, device="meta")[index].shape
+        if tuple(full.shape) != tuple(expected):
+            raise ValueError(f"value of shape {tuple(full.shape)} for a slot part of shape {tuple(expected)}")
+        local = self.io.local(param.data)
+        local[index].copy_(self.io.scatter(param, index, full.to(local.dtype)))
+
+    def _fill_slot(
+        self, layer: MultiLoRALinear, slot: int, rank: int, A: torch.Tensor | None, B: torch.Tensor | None
+    ):
+        """Zero slot ``slot`` of ``layer`` and put ``A`` [rank, in], ``B`` [out, rank] in its leading part."""
+        full_A = torch.zeros(layer.max_rank, layer.in_features)
+        full_B = torch.zeros(layer.out_features, layer.max_rank)
+        if A is not None:
+            full_A[:rank] = A
+            full_B[:, :rank] = B
+        self.write(layer.lora_A, (slot,), full_A)
+        self.write(layer.lora_B, (slot,), full_B)
 
     # -- tenants -------------------------------------------------------------------------------
     def resolve_targets(self, target_modules: str | Sequence[str]) -> list[str]:
@@ -157,17 +207,38 @@ class MultiLoRAModel(nn.Module):
         tenant = TenantAdapter(
             name, slot, rank, alpha, use_rslora, dropout, _as_list(target_modules), modules
         )
+        # Every process draws the same full init from the same seed and keeps its own part of it,
+        # so the logical adapter does not depend on how the slots are sharded.
         generator = torch.Generator().manual_seed(seed)
         try:
             for module in modules:  # wrap order: deterministic, so a seed gives one adapter
-                source = init[module] if init is not None else "default"
-                self.layers[module].configure_slot(slot, rank, tenant.scaling, dropout, source, generator)
+                layer = self.layers[module]
+                if init is not None:
+                    A, B = init[module]
+                    if tuple(A.shape) != (rank, layer.in_features) or tuple(B.shape) != (
+                        layer.out_features,
+                        rank,
+                    ):
+                        raise AdapterError(
+                            f"tenant {name!r}: {module} needs A [{rank}, {layer.in_features}] and "
+                            f"B [{layer.out_features}, {rank}], got A{tuple(A.shape)} B{tuple(B.shape)}"
+                        )
+                else:  # PEFT's default: A ~ kaiming-uniform(a=sqrt(5)) with fan_in = in, B = 0
+                    A = torch.empty(rank, layer.in_features)
+                    nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
+                    B = torch.zeros(layer.out_features, rank)
+                self._fill_slot(layer, slot, rank, A, B)
+                layer.configure_slot(slot, rank, tenant.scaling, dropout)
         except Exception:
-            for layer in self.layers.values():
-                layer.clear_slot(slot)
+            self._clear(slot)
             raise
         self.tenants[name] = tenant
         return tenant
+
+    def _clear(self, slot: int) -> None:
+        for layer in self.layers.values():
+            self._fill_slot(layer, slot, 0, None, None)
+            layer.clear_slot(slot)
 
     def load_adapter(self, name: str, path: str | Path, *, dropout: float | None = None) -> TenantAdapter:
         """Add tenant ``name`` from a PEFT LoRA adapter directory (rank, alpha, targets from its config)."""
@@ -195,9 +266,7 @@ class MultiLoRAModel(nn.Module):
 
     def remove_tenant(self, name: str) -> None:
         """Free the tenant's slot (zeroed, so it contributes nothing)."""
-        tenant = self._tenant(name)
-        for layer in self.layers.values():
-            layer.clear_slot(tenant.slot)
+        self._clear(self._tenant(name).slot)
         del self.tenants[name]
 
     def tenant_slices(self, name: str) -> Iterator[tuple[nn.Parameter, tuple]]:
@@ -214,8 +283,8 @@ class MultiLoRAModel(nn.Module):
         t = self._tenant(name)
         return {
             m: (
-                self.layers[m].lora_A.detach()[t.slot, : t.rank].clone(),
-                self.layers[m].lora_B.detach()[t.slot, :, : t.rank].clone(),
+                self.read(self.layers[m].lora_A, (t.slot, slice(0, t.rank))),
+                self.read(self.layers[m].lora_B, (t.slot, slice(None), slice(0, t.rank))),
             )
             for m in t.modules
         }
