@@ -19,6 +19,13 @@ from torch import nn
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
+Gather = Callable[[torch.Tensor, tuple, torch.Tensor], torch.Tensor]
+Scatter = Callable[[torch.Tensor, tuple, torch.Tensor], torch.Tensor]
+
+
+def _per_element(v: object) -> bool:
+    return torch.is_tensor(v) and v.ndim > 0
+
 
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param
@@ -68,26 +75,28 @@ class TenantOptimizer:
             handle.data = self._view(param, index)
             handle.grad = None if param.grad is None else self.local(param.grad)[index]
 
-    def grad_norm(self) -> torch.Tensor:
-        """L2 norm of this tenant's whole gradient (the clipping norm); call after ``bind``."""
+    def local_sq_norm(self) -> torch.Tensor:
+        """Sum of squares of this process's part of the tenant's gradient (call after ``bind``).
+        The clipping norm is ``sqrt`` of its sum over shards."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
-            return torch.zeros(())
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            return torch.zeros((), dtype=torch.float64)
+        return sum(g.double().square().sum() for g in grads).cpu()
 
-    def step(self, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, grad_norm: torch.Tensor | float | None = None) -> torch.Tensor:
         """Clip by the tenant's own norm (if enabled), step AdamW and the schedule; return the norm.
 
-        ``grad_norm`` may be given when the caller computed it globally (e.g. across shards).
+        ``grad_norm`` is the norm of the tenant's whole gradient; when omitted it is computed from
+        this process's gradients (right for unsharded slots).
         """
         self.bind()
-        norm = self.grad_norm() if grad_norm is None else grad_norm
+        norm = torch.as_tensor(grad_norm if grad_norm is not None else self.local_sq_norm().sqrt()).float()
         if self.max_grad_norm is not None:
             # Same rule as torch.nn.utils.clip_grad_norm_: scale by min(1, max / (norm + 1e-6)).
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             for p in self.params:
                 if p.grad is not None:
-                    p.grad.mul_(coef)
+                    p.grad.mul_(coef.to(p.grad.device))
         self.optimizer.step()
         self.scheduler.step()
         return norm
@@ -100,12 +109,27 @@ class TenantOptimizer:
         for handle in self.params:
             handle.grad = None
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+    def state_dict(self, gather: Gather | None = None) -> dict:
+        """Optimiser and schedule state. With ``gather(param, index, local_part) -> full`` every
+        per-element state tensor is stored full (the same whatever the sharding)."""
+        state = self.optimizer.state_dict()
+        if gather is not None:
+            state["state"] = {
+                i: {k: gather(*self.slices[i], v) if _per_element(v) else v for k, v in s.items()}
+                for i, s in state["state"].items()
+            }
+        return {"optimizer": state, "scheduler": self.scheduler.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, scatter: Scatter | None = None) -> None:
+        """Inverse of :meth:`state_dict`; ``scatter(param, index, full) -> local_part``."""
         self.bind()
-        self.optimizer.load_state_dict(state["optimizer"])
+        opt = dict(state["optimizer"])
+        if scatter is not None:
+            opt["state"] = {
+                int(i): {k: scatter(*self.slices[int(i)], v) if _per_element(v) else v for k, v in s.items()}
+                for i, s in opt["state"].items()
+            }
+        self.optimizer.load_state_dict(opt)
         self.scheduler.load_state_dict(state["scheduler"])
 
     def state_bytes(self) -> int:

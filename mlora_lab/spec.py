@@ -518,14 +518,9 @@ class _Validator:
                 f"parallel: fsdp*tp*ep = {p.fsdp}*{p.tp}*{p.ep} = {group} must divide "
                 f"nproc*nnodes = {p.nproc}*{p.nnodes} = {p.world_size}"
             )
-        for name in ("fsdp", "tp", "ep"):
+        for name in ("tp", "ep"):
             if getattr(p, name) > 1:
                 self.out.append(f"parallel.{name} > 1 is not supported yet (got {getattr(p, name)})")
-        if p.world_size > 1:
-            self.out.append(
-                f"parallel: {p.world_size} processes (nproc*nnodes) are not supported yet; "
-                "use nproc=1 until data-parallel training lands"
-            )
 
     def _check_tenant_set(self, tenants: list[Any]) -> None:
         s = self.spec

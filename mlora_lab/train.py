@@ -2,7 +2,8 @@
 
 Run by torchrun (``mlora-lab run job.json`` does this for you)::
 
-    torchrun --nproc_per_node 1 -m mlora_lab.train runs/<id>        # reads runs/<id>/job.json
+    torchrun --standalone --nproc-per-node 2 -m mlora_lab.train runs/<id>            # reads runs/<id>/job.json
+    torchrun --standalone --nproc-per-node 1 -m mlora_lab.train runs/<id> --resume   # continue from its checkpoint
 
 or in-process, for tests and notebooks::
 
@@ -14,12 +15,15 @@ The story of one global step (:meth:`Trainer.step`):
 1. every running tenant contributes its next ``batch_size`` rows (a tenant with ``grad_accum = k``
    draws its whole window of ``k * batch_size`` rows at the start of the window and counts its target
    tokens ``N_t`` there, so that k micro-batches give exactly the gradient of one big batch);
-2. the rows are collated into one right-padded batch, tenant by tenant, and the base runs once;
-3. tenant ``t``'s loss is ``L_t = sum(token CE over its rows) / N_t`` and we back-propagate
-   ``sum_t L_t``; since each row only sees its own tenant's slot, ``dL/dslot_t = dL_t/dslot_t``;
-4. a tenant whose window is complete takes one AdamW step (own schedule, own clipping), and its
-   step counter and data cursor move; the others keep accumulating. Nothing moves for a tenant
-   that did not train.
+   with ``D`` data-parallel processes, process ``d`` takes rows ``d, d + D, ...`` of each tenant's share;
+2. the local rows are collated into one right-padded batch, tenant by tenant, and the base runs once;
+3. tenant ``t``'s loss on a process is ``sum(token CE over its local rows) / N_t`` (``N_t`` counts the
+   whole window, on every process, so summing gradients over processes gives exactly the one-process
+   gradient) and we back-propagate ``sum_t L_t``; each row only sees its own tenant's slot, so
+   ``dL/dslot_t = dL_t/dslot_t``;
+4. a tenant whose window is complete takes one AdamW step (own schedule, own clipping by its own
+   global gradient norm), and its step counter and data cursor move; the others keep accumulating.
+   Nothing moves for a tenant that did not train.
 """
 
 from __future__ import annotations
@@ -45,8 +49,15 @@ from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.lora.model import ALL_LINEAR
 from mlora_lab.lora.peft_io import read_adapter
 from mlora_lab.optim import TenantOptimizer, build_optimizer
-from mlora_lab.parallel import DistInfo, init_distributed, shutdown_distributed
-from mlora_lab.rundir import MetricsWriter, RunDir, atomic_write_json, update_status
+from mlora_lab.parallel import Collectives, DistInfo, ParallelDims, init_distributed, shutdown_distributed
+from mlora_lab.rundir import (
+    MetricsWriter,
+    RunDir,
+    atomic_write_json,
+    atomic_write_text,
+    read_status,
+    update_status,
+)
 from mlora_lab.spec import JobSpec, Tenant
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,7 +77,7 @@ class TenantRun:
     micro: int = 0  # micro-batches done in the current accumulation window
     window: list[list[Example]] = field(default_factory=list)
     window_tokens: int = 0
-    window_loss: torch.Tensor | None = None
+    window_loss: torch.Tensor | None = None  # this process's share of the window's loss
     tokens_seen: int = 0
     reason: str | None = None
 
@@ -76,20 +87,29 @@ class TenantRun:
 
 
 class Trainer:
-    """``setup`` (in ``__init__``) → ``train`` → ``finish``; one object per job and process."""
+    """``setup`` (in ``__init__``) → ``train``; one object per job and process."""
 
     def __init__(
-        self, spec: JobSpec, run_dir: str | Path | None = None, dist: DistInfo | None = None
+        self,
+        spec: JobSpec,
+        run_dir: str | Path | None = None,
+        dist: DistInfo | None = None,
+        resume: bool = False,
     ) -> None:
         self.spec = spec
         self.dist = dist or DistInfo()
         self.device = self.dist.device
         self.run = RunDir(run_dir).create() if run_dir is not None else None
-        self.metrics = MetricsWriter(self.run.metrics) if self.run and self.dist.is_main else None
         self.history: list[dict] = []  # every metrics row, also kept in memory
         self.global_step = 0
         self.stop_requested = False
         torch.manual_seed(spec.seed)
+
+        # Parallel layout: one place decides it; the model below stays plain until apply_fsdp.
+        p = spec.parallel
+        self.dims = ParallelDims(self.dist.world_size, fsdp=p.fsdp, tp=p.tp, ep=p.ep)
+        mesh = self.dims.build_mesh(self.device.type)
+        self.comm = Collectives(self.dims, mesh, self.device)
 
         tok_path = spec.tokenizer or spec.base_model
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(tok_path)
@@ -104,12 +124,28 @@ class Trainer:
         self.model = MultiLoRAModel(
             base, max_tenants=spec.max_tenants, max_rank=spec.max_rank, slot_modules=slot_modules
         )
+        if mesh is not None:
+            from mlora_lab.parallel.fsdp import apply_fsdp
+
+            fsdp_mesh = mesh["dp_shard"] if self.dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+            apply_fsdp(self.model, fsdp_mesh)
+
+        checkpoint = self._latest_checkpoint() if resume else None
+        if resume and checkpoint is None:
+            raise FileNotFoundError(
+                f"--resume: no complete checkpoint in {self.run.checkpoints if self.run else None}"
+            )
+        if self.run is not None and self.dist.is_main and checkpoint is not None:
+            self._truncate_metrics(int(checkpoint.name.split("_")[-1]))
+        self.metrics = MetricsWriter(self.run.metrics) if self.run and self.dist.is_main else None
         self.tenants: dict[str, TenantRun] = {}
         for tenant in spec.tenants:
-            self.add_tenant(tenant)
+            self.add_tenant(tenant, log=checkpoint is None)
+        if checkpoint is not None:
+            self.load_checkpoint(checkpoint)
 
     # -- tenants -------------------------------------------------------------------------------
-    def add_tenant(self, tenant: Tenant) -> TenantRun:
+    def add_tenant(self, tenant: Tenant, log: bool = True) -> TenantRun:
         """Fill a free slot with ``tenant`` (from its ``init_adapter`` or PEFT's default init)."""
         init = None
         if tenant.init_adapter:
@@ -129,23 +165,35 @@ class Trainer:
         run = TenantRun(
             spec=tenant,
             stream=TenantStream(examples, seed=tenant.seed, shuffle=tenant.shuffle),
-            optimizer=build_optimizer(self.model.tenant_slices(tenant.name), tenant),
+            optimizer=build_optimizer(
+                self.model.tenant_slices(tenant.name), tenant, local=self.model.io.local
+            ),
             eval_examples=evals,
+            state="running",
         )
         self.tenants[tenant.name] = run
-        self._set_state(run, "running")
+        if log:
+            self._log_tenant(run)
         return run
 
     def _set_state(self, run: TenantRun, state: str, reason: str | None = None) -> None:
         run.state, run.reason = state, reason
+        self._log_tenant(run)
+
+    def _log_tenant(self, run: TenantRun) -> None:
+        """A ``tenant`` row: state, and the tenant's adapter + optimiser bytes (full and on this rank)."""
+        adapter = self.model.adapter_bytes(run.name)
+        optimizer_local = run.optimizer.state_bytes()
         self._log(
             "tenant",
             step=self.global_step,
             tenant=run.name,
-            state=state,
-            adapter_bytes=self.model.adapter_bytes(run.name),
-            optimizer_bytes=run.optimizer.state_bytes(),
-            reason=reason,
+            state=run.state,
+            adapter_bytes=adapter,
+            optimizer_bytes=2 * adapter if run.step else 0,  # AdamW: two moments once it has stepped
+            local_adapter_bytes=sum(self.model.io.local(p.data)[i].nbytes for p, i in run.optimizer.slices),
+            local_optimizer_bytes=optimizer_local,
+            reason=run.reason,
         )
 
     # -- the loop ------------------------------------------------------------------------------
@@ -158,7 +206,7 @@ class Trainer:
             if self.spec.save_every and self.global_step % self.spec.save_every == 0:
                 self.save_checkpoint()
             self._poll_control()
-        if any(t.eval_examples for t in self.tenants.values()):
+        if not self.stop_requested and any(t.eval_examples for t in self.tenants.values()):
             self.evaluate()
         self.save_adapters()
         if self.spec.save_every or self.stop_requested:
@@ -170,7 +218,7 @@ class Trainer:
         if not active:
             return False
         t0 = time.perf_counter()
-        groups = []
+        groups: list[tuple[str | None, list[Example]]] = []
         for t in active:
             if t.micro == 0:
                 bs, k = t.spec.batch_size, t.spec.grad_accum
@@ -178,14 +226,19 @@ class Trainer:
                 t.window = [rows[i * bs : (i + 1) * bs] for i in range(k)]
                 t.window_tokens = sum(ex.n_target for ex in rows)
                 t.window_loss = torch.zeros((), device=self.device)
-            groups.append((t.name, t.window[t.micro]))
+            groups.append((t.name, self._my_rows(t.window[t.micro])))
+        if not any(rows for _, rows in groups):
+            # This process got no rows: it still runs forward/backward for the collectives.
+            groups = [(None, [Example([self.pad_id, self.pad_id], [IGNORE_INDEX, IGNORE_INDEX])])]
         batch = collate(groups, self.pad_id).to(self.device)
 
         self.model.set_segments(batch.segments, batch.num_rows)
         logits = self.model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         token_loss = causal_lm_token_loss(logits, batch.labels)  # [B, T-1], 0 on ignored tokens
-        total = logits.new_zeros((), dtype=torch.float32)
+        total = token_loss.sum() * 0.0  # keeps every process's graph connected even without rows
         for name, start, end in batch.segments:
+            if name is None:
+                continue
             t = self.tenants[name]
             loss_t = token_loss[start:end].sum() / max(t.window_tokens, 1)
             t.window_loss += loss_t.detach()
@@ -193,104 +246,146 @@ class Trainer:
         total.backward()
 
         self.global_step += 1
+        stepping = []
         for t in active:
             t.micro += 1
             if t.micro == t.spec.grad_accum:
-                self._optimizer_step(t)
+                stepping.append(t)
+        if stepping:
+            self._optimizer_steps(stepping)
         self._log_system(time.perf_counter() - t0, int(batch.attention_mask.sum()))
         return True
 
-    def _optimizer_step(self, t: TenantRun) -> None:
-        lr = t.optimizer.lr
-        grad_norm = t.optimizer.step()
-        t.optimizer.zero_grad()
-        t.step += 1
-        t.micro = 0
-        t.tokens_seen += t.window_tokens
-        if t.step % self.spec.log_every == 0 or t.step == t.spec.max_steps:
-            self._log(
-                "train",
-                step=self.global_step,
-                tenant=t.name,
-                tenant_step=t.step,
-                loss=float(t.window_loss),
-                tokens=t.window_tokens,
-                lr=lr,
-                grad_norm=float(grad_norm),
-            )
-        if t.step >= t.spec.max_steps:
-            self.save_adapter(t.name)
-            self._set_state(t, "finished")
+    def _my_rows(self, rows: list[Example]) -> list[Example]:
+        """This data-parallel process's share of a tenant's micro-batch."""
+        return rows[self.comm.dp_rank :: self.comm.dp_size]
+
+    def _optimizer_steps(self, stepping: list[TenantRun]) -> None:
+        """One optimiser step for each tenant whose window is complete (two small collectives in all:
+        the tenants' squared gradient norms over shards, their losses over data-parallel ranks)."""
+        for t in stepping:
+            t.optimizer.bind()
+        sq = self.comm.sum_over_shards(torch.stack([t.optimizer.local_sq_norm() for t in stepping]))
+        losses = self.comm.sum_over_dp(torch.stack([t.window_loss for t in stepping]))
+        for t, t_sq, loss in zip(stepping, sq, losses):
+            lr = t.optimizer.lr
+            grad_norm = t.optimizer.step(grad_norm=t_sq.sqrt())
+            t.optimizer.zero_grad()
+            t.step += 1
+            t.micro = 0
+            t.tokens_seen += t.window_tokens
+            if t.step % self.spec.log_every == 0 or t.step == t.spec.max_steps:
+                self._log(
+                    "train",
+                    step=self.global_step,
+                    tenant=t.name,
+                    tenant_step=t.step,
+                    loss=float(loss),
+                    tokens=t.window_tokens,
+                    lr=lr,
+                    grad_norm=float(grad_norm),
+                )
+            if t.step >= t.spec.max_steps:
+                self.save_adapter(t.name)
+                self._set_state(t, "finished")
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Mean target-token loss of each tenant's eval set, computed in mixed-tenant batches."""
         was_training = self.model.training
         self.model.eval()
-        sums = {n: 0.0 for n, t in self.tenants.items() if t.eval_examples}
-        counts = dict.fromkeys(sums, 0)
-        cursors = dict.fromkeys(sums, 0)
-        while any(cursors[n] < len(self.tenants[n].eval_examples) for n in sums):
+        names = [n for n, t in self.tenants.items() if t.eval_examples]
+        sums = torch.zeros(len(names), 2, dtype=torch.float64)  # (loss sum, target tokens) per tenant
+        cursors = dict.fromkeys(names, 0)
+        while any(cursors[n] < len(self.tenants[n].eval_examples) for n in names):
             groups = []
-            for n in sums:
+            for n in names:
                 t, c = self.tenants[n], cursors[n]
-                groups.append((n, t.eval_examples[c : c + t.spec.batch_size]))
+                groups.append((n, self._my_rows(t.eval_examples[c : c + t.spec.batch_size])))
                 cursors[n] = c + t.spec.batch_size
+            if not any(rows for _, rows in groups):
+                groups = [(None, [Example([self.pad_id, self.pad_id], [IGNORE_INDEX, IGNORE_INDEX])])]
             batch = collate(groups, self.pad_id).to(self.device)
             self.model.set_segments(batch.segments, batch.num_rows)
             logits = self.model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             token_loss = causal_lm_token_loss(logits, batch.labels)
             n_tokens = (batch.labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
             for n, start, end in batch.segments:
-                sums[n] += float(token_loss[start:end].sum())
-                counts[n] += int(n_tokens[start:end].sum())
+                if n is not None:
+                    i = names.index(n)
+                    sums[i, 0] += float(token_loss[start:end].sum())
+                    sums[i, 1] += int(n_tokens[start:end].sum())
+        sums = self.comm.sum_over_dp(sums)
         self.model.train(was_training)
-        losses = {n: sums[n] / max(counts[n], 1) for n in sums}
+        losses = {n: float(sums[i, 0] / max(sums[i, 1], 1)) for i, n in enumerate(names)}
         for n, loss in losses.items():
             self._log("eval", step=self.global_step, tenant=n, loss=loss)
         return losses
 
     # -- saving ----------------------------------------------------------------------------------
     def save_adapter(self, name: str) -> Path | None:
+        """Write ``adapters/<name>`` as a PEFT directory: full tensors gathered on every process
+        (a collective), written once, by rank 0, atomically."""
+        tensors = self.model.tenant_tensors(name)
         if self.run is None or not self.dist.is_main:
             return None
-        return self.model.save_adapter(name, self.run.adapter(name), self.spec.base_model)
+        return self.model.save_adapter(name, self.run.adapter(name), self.spec.base_model, tensors=tensors)
 
     def save_adapters(self) -> None:
         for name in self.tenants:
             self.save_adapter(name)
 
     def checkpoint_state(self) -> dict:
-        """Everything needed to continue exactly: adapters, optimisers, counters, cursors, RNG."""
+        """Everything needed to continue exactly, in full (gathered) form: adapters, optimisers and
+        schedules, counters, data cursors, accumulation windows with their gradients so far, RNG.
+        A collective: every process calls it."""
+        io = self.model.io
+        tenants = {}
+        for name, t in self.tenants.items():
+            partial_grads = None
+            if t.micro:  # mid-window: keep the gradient accumulated so far
+                partial_grads = [
+                    io.gather(p, i, io.local(p.grad)[i]) if p.grad is not None else None
+                    for p, i in t.optimizer.slices
+                ]
+            tenants[name] = {
+                "spec": t.spec.to_dict(),
+                "adapter": self.model.tenant_tensors(name),
+                "optimizer": t.optimizer.state_dict(gather=io.gather),
+                "stream": t.stream.state_dict(),
+                "state": t.state,
+                "reason": t.reason,
+                "step": t.step,
+                "micro": t.micro,
+                "window": [[(ex.input_ids, ex.labels) for ex in rows] for rows in t.window],
+                "window_tokens": t.window_tokens,
+                "window_loss": float(self.comm.sum_over_dp(t.window_loss.reshape(1))[0])
+                if t.window_loss is not None
+                else 0.0,
+                "partial_grads": partial_grads,
+                "tokens_seen": t.tokens_seen,
+            }
         return {
             "global_step": self.global_step,
+            "world_size": self.dist.world_size,
             "rng": torch.get_rng_state(),
-            "tenants": {
-                name: {
-                    "spec": t.spec.to_dict(),
-                    "adapter": self.model.tenant_tensors(name),
-                    "optimizer": t.optimizer.state_dict(),
-                    "stream": t.stream.state_dict(),
-                    "state": t.state,
-                    "step": t.step,
-                    "tokens_seen": t.tokens_seen,
-                }
-                for name, t in self.tenants.items()
-            },
+            "tenants": tenants,
         }
 
     def save_checkpoint(self) -> Path | None:
-        """Write ``checkpoints/step_<N>`` under a temporary name, then rename (only complete ones count)."""
+        """Write ``checkpoints/step_<N>`` under a temporary name, then rename: a directory named
+        ``step_*`` is always complete (resume never reads a half-written one)."""
+        state = self.checkpoint_state()
         if self.run is None or not self.dist.is_main:
-            return None
-        if any(t.micro for t in self.tenants.values()):
-            # Mid-window gradients are not part of a checkpoint; save at the next window boundary.
             return None
         final = self.run.checkpoints / f"step_{self.global_step:08d}"
         tmp = self.run.checkpoints / f".tmp-step_{self.global_step:08d}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        torch.save(self.checkpoint_state(), tmp / "state.pt")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save(state, tmp / "state.pt")
         atomic_write_json(tmp / "meta.json", {"global_step": self.global_step, "tenants": list(self.tenants)})
+        with open(tmp / "state.pt", "rb") as f:
+            os.fsync(f.fileno())
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -298,10 +393,78 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
+    def _latest_checkpoint(self) -> Path | None:
+        if self.run is None:
+            return None
+        done = [p for p in sorted(self.run.checkpoints.glob("step_*")) if (p / "meta.json").is_file()]
+        return done[-1] if done else None
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore the state written by :meth:`save_checkpoint` (any world size)."""
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        io = self.model.io
+        self.global_step = state["global_step"]
+        torch.set_rng_state(state["rng"])
+        missing = sorted(set(self.tenants) - set(state["tenants"]))
+        if missing:
+            raise ValueError(f"checkpoint {path} has no state for tenants {missing}")
+        for name, s in state["tenants"].items():
+            t = self.tenants.get(name)
+            if t is None:
+                raise ValueError(f"checkpoint {path} holds tenant {name!r}, which job.json does not list")
+            for module, (A, B) in s["adapter"].items():
+                layer = self.model.layers[module]
+                slot, rank = self.model.tenants[name].slot, self.model.tenants[name].rank
+                self.model.write(layer.lora_A, (slot, slice(0, rank)), A)
+                self.model.write(layer.lora_B, (slot, slice(None), slice(0, rank)), B)
+            t.optimizer.load_state_dict(s["optimizer"], scatter=io.scatter)
+            t.stream.load_state_dict(s["stream"])
+            t.state, t.reason, t.step, t.micro = s["state"], s["reason"], s["step"], s["micro"]
+            t.window = [[Example(list(ids), list(lab)) for ids, lab in rows] for rows in s["window"]]
+            t.window_tokens, t.tokens_seen = s["window_tokens"], s["tokens_seen"]
+            # The saved loss is the sum over all processes: rank 0 carries it, the others restart at 0.
+            t.window_loss = torch.tensor(
+                s["window_loss"] if self.comm.dp_rank == 0 else 0.0, device=self.device
+            )
+            if s["partial_grads"] is not None:
+                for (p, i), g in zip(t.optimizer.slices, s["partial_grads"]):
+                    if g is None:
+                        continue
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    io.local(p.grad)[i].copy_(io.scatter(p, i, g))
+        self._log(
+            "event",
+            step=self.global_step,
+            event="resumed",
+            checkpoint=path.name,
+            world_size=self.dist.world_size,
+        )
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop rows logged after the checkpoint we resume from (they will be logged again)."""
+        import json
+
+        path = self.run.metrics
+        if not path.exists():
+            return
+        lines = path.read_text().splitlines()
+        keep = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a row cut off by a crash
+            if row.get("step", 0) <= step:
+                keep.append(line)
+        atomic_write_text(path, "".join(line + "\n" for line in keep))
+
     # -- control and logging ---------------------------------------------------------------------
     def _poll_control(self) -> None:
-        if self.run is not None and (self.run.control / "stop").exists():
-            self.stop_requested = True
+        stop = self.run is not None and (self.run.control / "stop").exists()
+        if self.dims.world_size > 1:  # every rank must stop at the same step
+            stop = bool(self.comm.sum_over_dp(torch.tensor([float(stop or self.stop_requested)]))[0] > 0)
+        self.stop_requested = self.stop_requested or stop
 
     def _log(self, kind: str, **row) -> None:
         row = {"kind": kind, **row, "time": time.time()}
@@ -313,15 +476,18 @@ class Trainer:
         if self.global_step % self.spec.log_every:
             return
         mem, peak = memory_bytes(self.device)
-        self._log(
-            "system",
-            step=self.global_step,
-            rank=self.dist.rank,
-            mem_bytes=mem,
-            peak_mem_bytes=peak,
-            step_time=step_time,
-            tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
-        )
+        per_rank = self.comm.gather_objects((mem, peak, step_time, tokens))
+        total_tokens = sum(r[3] for r in per_rank)
+        for rank, (mem, peak, step_time, _) in enumerate(per_rank):
+            self._log(
+                "system",
+                step=self.global_step,
+                rank=rank,
+                mem_bytes=mem,
+                peak_mem_bytes=peak,
+                step_time=step_time,
+                tokens_per_s=total_tokens / step_time if step_time > 0 else 0.0,
+            )
 
     def losses(self, tenant: str) -> list[float]:
         """Per-step training losses of ``tenant`` (from the in-memory history)."""
@@ -368,14 +534,14 @@ def _redirect_output(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for torchrun: ``python -m mlora_lab.train RUN_DIR``."""
+    """Entry point for torchrun: ``python -m mlora_lab.train RUN_DIR [--resume]``."""
     parser = argparse.ArgumentParser(description="mlora_lab training job (started by torchrun)")
     parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     args = parser.parse_args(argv)
     run = RunDir(args.run_dir)
     rank = int(os.environ.get("RANK", 0))
     _redirect_output(run.log(rank))
-    dist = init_distributed()
     trainer = None
 
     def on_sigterm(signum, frame):  # graceful stop: finish the step, checkpoint, save, exit
@@ -383,11 +549,13 @@ def main(argv: list[str] | None = None) -> int:
             trainer.stop_requested = True
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    dist = None
     try:
+        dist = init_distributed()
         spec = JobSpec.load(run.job)
         if dist.is_main:
-            update_status(run.root, state="running", started=time.time())
-        trainer = Trainer(spec, run.root, dist)
+            update_status(run.root, state="running", error=None, ended=None)
+        trainer = Trainer(spec, run.root, dist, resume=args.resume)
         trainer.train()
         trainer.close()
         if dist.is_main:
@@ -397,12 +565,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except BaseException as exc:
         traceback.print_exc()
-        if dist.is_main:
+        if read_status(run.root).get("state") != "failed":  # keep the first rank's error
             update_status(
                 run.root,
                 state="failed",
                 ended=time.time(),
-                error=f"rank {dist.rank}: {type(exc).__name__}: {exc}",
+                error=f"rank {rank}: {type(exc).__name__}: {exc}",
             )
         return 1
     finally:

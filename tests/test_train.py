@@ -85,7 +85,7 @@ def test_tenant_optimizer_is_torch_adamw_with_per_tenant_clipping():
         ours.zero_grad()
         assert float(norm) == pytest.approx(float(ref_norm))
         assert slot.grad[1, :2].abs().sum() == 0 and slot.grad[0].abs().sum() > 0  # only its own part
-    torch.testing.assert_close(slot.detach()[1, :2], plain.detach(), atol=1e-7, rtol=0)
+    torch.testing.assert_close(slot.detach()[1, :2], plain.detach(), atol=1e-6, rtol=0)
     assert ours.state_bytes() == 2 * plain.numel() * 4
 
 

@@ -348,7 +348,9 @@ class MultiLoRAModel(nn.Module):
 
     def set_segments(self, segments: Sequence[tuple[str, int, int]], num_rows: int) -> None:
         """Route contiguous runs ``(tenant, start_row, end_row)`` (what ``data.collate`` produces)."""
-        self.routing.segments = [(self._tenant(n).slot, s, e) for n, s, e in segments if e > s]
+        self.routing.segments = [
+            (self._tenant(n).slot, s, e) for n, s, e in segments if n is not None and e > s
+        ]
         self.routing.num_rows = num_rows
 
     def forward(

@@ -1,4 +1,8 @@
-"""Everything that knows about processes and devices lives here (the rest of mlora_lab is plain PyTorch).
+"""Everything that knows about processes, devices, meshes and sharding lives here.
+
+The rest of mlora_lab is plain PyTorch: the LoRA layers and the model wrapper see ordinary modules,
+and reach sharded slot tensors only through :class:`~mlora_lab.lora.model.TensorIO`, which this
+package implements for DTensors (:mod:`mlora_lab.parallel.fsdp`).
 
 ``init_distributed()`` reads the environment torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)
 and picks cuda + nccl when a GPU is present, cpu + gloo otherwise. Without torchrun it describes a
@@ -13,6 +17,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 @dataclass(frozen=True)
@@ -58,3 +63,87 @@ def init_distributed(timeout_s: float = 600) -> DistInfo:
 def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How the world is split: ``dp_replicate × fsdp × tp`` processes.
+
+    - ``fsdp`` ranks shard the base and the adapter slots (FSDP2) and see different rows;
+    - ``dp_replicate`` groups of them hold full replicas (HSDP when ``fsdp > 1``) and see different rows;
+    - ``tp`` (tensor parallel) ranks would see the same rows; it is a mesh dimension of size 1 until
+      tensor parallelism lands, and expert parallelism will borrow from the data-parallel dims.
+    """
+
+    world_size: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size % (self.fsdp * self.tp):
+            raise ValueError(f"fsdp*tp = {self.fsdp * self.tp} does not divide world size {self.world_size}")
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.world_size // (self.fsdp * self.tp)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many ways each tenant's rows are split."""
+        return self.dp_replicate * self.fsdp
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The ``("dp_replicate", "dp_shard", "tp")`` mesh (None for a single process)."""
+        if self.world_size == 1:
+            return None
+        return init_device_mesh(
+            device_type,
+            (self.dp_replicate, self.fsdp, self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        )
+
+
+class Collectives:
+    """The few collectives the training loop needs, as no-ops in a single process.
+
+    ``dp_rank``/``dp_size`` say which share of each tenant's rows this process takes;
+    ``sum_over_dp`` adds per-process partial sums (losses, token counts); ``sum_over_shards`` adds
+    per-shard partial sums of squares (gradient norms of sharded tensors).
+    """
+
+    def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device) -> None:
+        self.dims, self.mesh, self.device = dims, mesh, device
+        if mesh is None:
+            self.dp_rank, self.dp_size = 0, 1
+            self._dp_group = self._shard_group = None
+        else:
+            dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+            self._dp_group = dp_mesh.get_group()
+            self._shard_group = mesh["dp_shard"].get_group()
+
+    def sum_over_dp(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``values`` over the data-parallel ranks (a float64 copy)."""
+        out = values.detach().to(self.device, torch.float64).clone()
+        if self._dp_group is not None:
+            dist.all_reduce(out, group=self._dp_group)
+        return out.cpu()
+
+    def sum_over_shards(self, values: torch.Tensor) -> torch.Tensor:
+        out = values.detach().to(self.device, torch.float64).clone()
+        if self._shard_group is not None and self.dims.fsdp > 1:
+            dist.all_reduce(out, group=self._shard_group)
+        return out.cpu()
+
+    def gather_objects(self, obj: object) -> list[object]:
+        """``obj`` from every rank (in rank order)."""
+        if self.mesh is None:
+            return [obj]
+        out: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.mesh is not None:
+            dist.barrier()
