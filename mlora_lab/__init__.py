@@ -1,8 +1,19 @@
 """mlora_lab: train and compare many LoRA adapters at once on one frozen base model, from a notebook."""
 
-from mlora_lab.launch import Run, attach, launch, runs
+from mlora_lab.launch import Run, attach, launch, resume, runs
 from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant
 
-__all__ = ["JobSpec", "MultiLoRAModel", "Parallel", "Run", "SpecError", "Tenant", "attach", "launch", "runs"]
+__all__ = [
+    "JobSpec",
+    "MultiLoRAModel",
+    "Parallel",
+    "Run",
+    "SpecError",
+    "Tenant",
+    "attach",
+    "launch",
+    "resume",
+    "runs",
+]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""The ``mlora-lab`` command line: run, demo, status, stop (resume arrives with distributed checkpoints).
+"""The ``mlora-lab`` command line.
 
 mlora-lab run job.json        validate, launch under torchrun, follow until it ends
 mlora-lab demo                build a tiny model + 3 tenants, train them together, summarise
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from mlora_lab.launch import DEFAULT_WORKDIR, Run, attach, launch, prepare_run
+from mlora_lab.launch import DEFAULT_WORKDIR, Run, attach, launch, prepare_run, resume
 from mlora_lab.rundir import FINAL_STATES
 from mlora_lab.spec import JobSpec, SpecError
 
@@ -93,6 +93,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if state == "finished" else 1
 
 
+def cmd_resume(args: argparse.Namespace) -> int:
+    try:
+        run = resume(args.run_dir, nproc=args.nproc, fsdp=args.fsdp)
+    except (SpecError, FileNotFoundError, RuntimeError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    if args.no_follow:
+        print(run.path)
+        return 0
+    state = follow(run)
+    print_outcome(run, state)
+    return 0 if state == "finished" else 1
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     run = attach(args.run_dir)
     print(f"{run.path}: {run.status} (step {run.global_step})")
@@ -128,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--nproc", type=int, default=1)
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("resume", help="continue a run from its latest checkpoint")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--nproc", type=int, default=None, help="change the number of processes")
+    p.add_argument("--fsdp", type=int, default=None, help="change the FSDP degree (default: nproc)")
+    p.add_argument("--no-follow", action="store_true")
+    p.set_defaults(func=cmd_resume)
     p = sub.add_parser("status", help="show a run's state and per-tenant summary")
     p.add_argument("run_dir", type=Path)
     p.set_defaults(func=cmd_status)

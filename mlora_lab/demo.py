@@ -97,7 +97,7 @@ def build_demo(workdir: str | Path = "mlora_demo", steps: int = 300, nproc: int 
         max_tenants=4,
         max_rank=16,
         slot_modules=["all-linear"],
-        parallel=Parallel(nproc=nproc),
+        parallel=Parallel(nproc=nproc, fsdp=nproc),
         eval_every=25,
         log_every=1,
     )

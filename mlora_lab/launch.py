@@ -44,26 +44,28 @@ def prepare_run(spec: JobSpec, workdir: str | Path = DEFAULT_WORKDIR) -> RunDir:
     return run
 
 
-def torchrun_command(spec: JobSpec, run_dir: Path) -> list[str]:
+def torchrun_command(spec: JobSpec, run_dir: Path, resume: bool = False) -> list[str]:
     """The torchrun command line for a single-node job (``--standalone`` picks a free rendezvous port,
-    so several runs can go at once)."""
+    so several runs can go at once). Multi-node jobs use ``launchers/``."""
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", "--nnodes", "1", "--nproc-per-node", str(spec.parallel.nproc),
         "--max-restarts", "0",
         "-m", "mlora_lab.train", str(run_dir),
-    ]  # fmt: skip
+    ] + (["--resume"] if resume else [])  # fmt: skip
 
 
-def launch(spec: JobSpec, workdir: str | Path = DEFAULT_WORKDIR) -> Run:
-    """Start ``spec`` under torchrun in the background and return its :class:`Run` at once."""
-    run_dir = prepare_run(spec, workdir)
+def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
+    if spec.parallel.nnodes != 1:
+        raise ValueError(
+            "launch() starts single-node jobs; for nnodes > 1 use launchers/multinode.sh or slurm.sbatch"
+        )
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, spec.parallel.nproc))))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     with open(run_dir.logs / "launcher.log", "ab") as log:
         proc = subprocess.Popen(
-            torchrun_command(spec, run_dir.root),
+            torchrun_command(spec, run_dir.root, resume),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -72,6 +74,34 @@ def launch(spec: JobSpec, workdir: str | Path = DEFAULT_WORKDIR) -> Run:
         )
     update_status(run_dir.root, pid=proc.pid)
     return Run(run_dir.root, process=proc)
+
+
+def launch(spec: JobSpec, workdir: str | Path = DEFAULT_WORKDIR) -> Run:
+    """Start ``spec`` under torchrun in the background and return its :class:`Run` at once."""
+    run_dir = prepare_run(spec, workdir)
+    return _start(run_dir, JobSpec.load(run_dir.job))
+
+
+def resume(run_dir: str | Path, nproc: int | None = None, fsdp: int | None = None) -> Run:
+    """Continue a stopped or failed run from its latest complete checkpoint, in the background.
+
+    ``nproc``/``fsdp`` change the layout (checkpoints hold full tensors, so any world size works;
+    ``nproc`` alone sets ``fsdp = nproc``).
+    """
+    run = RunDir(Path(run_dir).absolute())
+    spec = JobSpec.load(run.job)
+    if not any((p / "meta.json").is_file() for p in run.checkpoints.glob("step_*")):
+        raise FileNotFoundError(f"{run.root}: no complete checkpoint to resume from")
+    if Run(run.root).status in ("starting", "running"):
+        raise RuntimeError(f"{run.root} is still running; stop it first")
+    if nproc is not None or fsdp is not None:
+        spec.parallel.nproc = nproc or spec.parallel.nproc
+        spec.parallel.fsdp = fsdp or spec.parallel.nproc
+        spec.validate()
+        spec.to_json(run.job)
+    (run.control / "stop").unlink(missing_ok=True)
+    update_status(run.root, state="starting", pid=None, ended=None, error=None)
+    return _start(run, spec, resume=True)
 
 
 def attach(run_dir: str | Path) -> Run:

@@ -554,7 +554,9 @@ def main(argv: list[str] | None = None) -> int:
         dist = init_distributed()
         spec = JobSpec.load(run.job)
         if dist.is_main:
-            update_status(run.root, state="running", error=None, ended=None)
+            # Jobs started by launchers/ (not launch()) have no pid yet: record this node's torchrun agent.
+            pid = read_status(run.root).get("pid") or os.getppid()
+            update_status(run.root, state="running", pid=pid, error=None, ended=None)
         trainer = Trainer(spec, run.root, dist, resume=args.resume)
         trainer.train()
         trainer.close()

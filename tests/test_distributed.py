@@ -1,0 +1,176 @@
+"""Real torchrun, 2 processes on gloo: N ranks equal 1 rank, resume, two nodes on loopback, the demo."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mlora_lab as ml
+from mlora_lab.launch import _start, prepare_run
+from mlora_lab.lora import read_adapter
+from mlora_lab.rundir import read_status
+from mlora_lab.tiny import TYPICAL_TARGETS
+from mlora_lab.train import Trainer
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+
+
+def tenants_for(arch: str, make_data) -> list[ml.Tenant]:
+    """Heterogeneous ranks and targets, rows of unequal length, odd batch sizes (ranks get unequal
+    rows; with batch_size 1 one rank gets none), accumulation and clipping."""
+    targets = TYPICAL_TARGETS[arch]
+    return [
+        ml.Tenant(name="a", data=make_data("reverse"), rank=4, alpha=8, target_modules=targets[:2], lr=5e-3,
+                  batch_size=3, max_steps=5, seed=1),
+        ml.Tenant(name="b", data=make_data("chat"), rank=16, alpha=16, use_rslora=True, target_modules=targets,
+                  lr=2e-3, batch_size=1, grad_accum=2, max_steps=4, schedule="cosine", warmup_steps=1, seed=2,
+                  max_grad_norm=0.1),
+        ml.Tenant(name="c", data=make_data("text"), rank=8, target_modules=targets[-1:], lr=1e-3,
+                  batch_size=4, max_steps=6, weight_decay=0.1, seed=3),
+    ]  # fmt: skip
+
+
+def job(base: str, tenants: list[ml.Tenant], out: Path, nproc: int = 1, **kw) -> ml.JobSpec:
+    return ml.JobSpec(
+        base_model=base, tenants=tenants, seq_len=64, max_rank=16, max_tenants=4,
+        parallel=ml.Parallel(nproc=nproc, fsdp=nproc), output_dir=str(out), **kw,
+    )  # fmt: skip
+
+
+def finished(run: ml.Run, timeout: float = 300) -> ml.Run:
+    state = run.wait(timeout)
+    assert state == "finished", f"{state}: {run.error}\n{run.logs(0)}\n{run.logs(1)}"
+    return run
+
+
+def losses(run: ml.Run) -> dict[tuple[str, int], float]:
+    m = run.metrics()
+    m = m[m["kind"] == "train"]
+    return {(r.tenant, r.tenant_step): r.loss for r in m.itertuples()}
+
+
+def adapters(run: ml.Run, names) -> dict[str, dict]:
+    return {n: read_adapter(run.adapter_path(n))[1] for n in names}
+
+
+def assert_same_adapters(x: dict, y: dict, tol: float) -> None:
+    for name in x:
+        assert set(x[name]) == set(y[name])
+        for m, (A, B) in x[name].items():
+            assert A.shape == y[name][m][0].shape and B.shape == y[name][m][1].shape
+            diff = max((A - y[name][m][0]).abs().max().item(), (B - y[name][m][1]).abs().max().item())
+            assert diff <= tol, f"{name}/{m}: {diff}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_fsdp2_two_ranks_equal_one(arch, tiny_models, make_data, tmp_path):
+    base = tiny_models(arch)
+    tenants = tenants_for(arch, make_data)
+    one = finished(ml.launch(job(base, tenants, tmp_path / "w1", nproc=1)))
+    two = finished(ml.launch(job(base, tenants, tmp_path / "w2", nproc=2)))
+    l1, l2 = losses(one), losses(two)
+    assert set(l1) == set(l2) and len(l1) == 5 + 4 + 6
+    assert max(abs(l1[k] - l2[k]) for k in l1) <= TOL
+    names = [t.name for t in tenants]
+    assert_same_adapters(adapters(one, names), adapters(two, names), TOL)
+    # every rank reports its memory
+    assert set(two.system_metrics()["rank"]) == {0, 1}
+    shards = two.tenant_events()
+    assert (shards["local_adapter_bytes"] < shards["adapter_bytes"]).all()
+
+
+def test_sharded_slot_io_under_torchrun(llama_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "tests" / "dist" / "sharded_io.py"), llama_path],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("sharded I/O ok") == 2
+
+
+def test_resume_in_process_equals_uninterrupted(llama_path, make_data, tmp_path):
+    """Stopped after 3 global steps (mid accumulation window for tenant b), then resumed."""
+    tenants = tenants_for("llama", make_data)
+    straight = Trainer(job(llama_path, tenants, tmp_path / "straight"))
+    straight.train()
+    first = Trainer(job(llama_path, tenants, tmp_path / "cut"), run_dir=tmp_path / "cut")
+    for _ in range(3):
+        first.step()
+    assert first.tenants["b"].micro == 1
+    first.save_checkpoint()
+    first.close()
+    again = Trainer(job(llama_path, tenants, tmp_path / "cut"), run_dir=tmp_path / "cut", resume=True)
+    assert again.global_step == 3 and again.tenants["b"].micro == 1
+    again.train()
+    for t in tenants:
+        assert again.losses(t.name)[-1] == straight.losses(t.name)[-1]
+        for m, (A, B) in straight.model.tenant_tensors(t.name).items():
+            A2, B2 = again.model.tenant_tensors(t.name)[m]
+            assert max((A - A2).abs().max().item(), (B - B2).abs().max().item()) <= 1e-6
+
+
+@pytest.mark.parametrize("resume_nproc", [2, 1])
+def test_resume_after_stop_with_two_ranks(resume_nproc, llama_path, make_data, tmp_path):
+    """A 2-process run stopped after its first step (stop message already waiting), resumed on 2 or 1
+    processes, ends like the uninterrupted 2-process run."""
+    tenants = tenants_for("llama", make_data)
+    straight = finished(ml.launch(job(llama_path, tenants, tmp_path / "straight", nproc=2)))
+    run_dir = prepare_run(job(llama_path, tenants, tmp_path / "cut", nproc=2))
+    (run_dir.control / "stop").write_text("now")
+    stopped = _start(run_dir, ml.JobSpec.load(run_dir.job))
+    assert stopped.wait(300) == "stopped", stopped.logs(0)
+    ckpts = sorted((run_dir.root / "checkpoints").glob("step_*"))
+    assert [c.name for c in ckpts] == ["step_00000001"]
+    resumed = finished(ml.resume(run_dir.root, nproc=resume_nproc))
+    assert read_status(run_dir.root)["state"] == "finished"
+    names = [t.name for t in tenants]
+    tol = 1e-6 if resume_nproc == 2 else TOL
+    assert_same_adapters(adapters(straight, names), adapters(resumed, names), tol)
+    l1, l2 = losses(straight), losses(resumed)
+    assert set(l1) == set(l2), "metrics hold each tenant step once"
+    assert max(abs(l1[k] - l2[k]) for k in l1) <= tol
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_equal_one_node(llama_path, make_data, tmp_path):
+    tenants = tenants_for("llama", make_data)
+    one_node = finished(ml.launch(job(llama_path, tenants, tmp_path / "one", nproc=2)))
+    spec = job(llama_path, tenants, tmp_path / "two", nproc=1)
+    spec.parallel = ml.Parallel(nproc=1, nnodes=2, fsdp=2)
+    run_dir = prepare_run(spec)
+    env = {**os.environ, "PYTHON": sys.executable, "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}"}
+    agents = [
+        subprocess.Popen(["bash", str(ROOT / "launchers" / "multinode.sh"), str(run_dir.root)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    outputs = [a.communicate(timeout=300)[0] for a in agents]
+    assert all(a.returncode == 0 for a in agents), "\n".join(o[-3000:] for o in outputs)
+    two_nodes = ml.attach(run_dir.root)
+    assert two_nodes.status == "finished"
+    names = [t.name for t in tenants]
+    assert_same_adapters(adapters(one_node, names), adapters(two_nodes, names), 1e-6)
+
+
+def test_demo_with_two_processes(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlora_lab.cli", "demo", "--workdir", str(tmp_path), "--steps", "6", "--nproc", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert ml.attach(run_dir).spec.parallel.nproc == 2
+    assert {r["rank"] for r in ml.attach(run_dir).rows() if r["kind"] == "system"} == {0, 1}
