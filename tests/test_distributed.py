@@ -107,6 +107,10 @@ def test_resume_in_process_equals_uninterrupted(llama_path, make_data, tmp_path)
     assert first.tenants["b"].micro == 1
     first.save_checkpoint()
     first.close()
+    # a checkpoint cut off mid-write is never used: neither a temporary dir nor one without meta.json
+    (tmp_path / "cut" / "checkpoints" / ".tmp-step_00000009").mkdir()
+    (tmp_path / "cut" / "checkpoints" / "step_00000008").mkdir()
+    (tmp_path / "cut" / "checkpoints" / "step_00000008" / "state.pt").write_bytes(b"partial")
     again = Trainer(job(llama_path, tenants, tmp_path / "cut"), run_dir=tmp_path / "cut", resume=True)
     assert again.global_step == 3 and again.tenants["b"].micro == 1
     again.train()
