@@ -2,6 +2,7 @@
 
 from mlora_lab.launch import Run, attach, launch, resume, runs
 from mlora_lab.lora import MultiLoRAModel
+from mlora_lab.report import compare, compare_generations, summary
 from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant
 
 __all__ = [
@@ -12,8 +13,11 @@ __all__ = [
     "SpecError",
     "Tenant",
     "attach",
+    "compare",
+    "compare_generations",
     "launch",
     "resume",
     "runs",
+    "summary",
 ]
 __version__ = "0.1.0"

@@ -252,6 +252,12 @@ class Run:
         """Tenant state changes and per-tenant adapter memory."""
         return _frame([r for r in self.rows() if r["kind"] == "tenant"])
 
+    def dashboard(self, refresh_s: float = 1.0):
+        """A live ipywidgets dashboard of this run (refreshes in the background until the run ends)."""
+        from mlora_lab.dashboard import Dashboard
+
+        return Dashboard(self, refresh_s=refresh_s).start()
+
     @property
     def global_step(self) -> int:
         return max((r.get("step", 0) for r in self.rows()), default=0)
