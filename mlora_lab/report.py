@@ -24,6 +24,18 @@ LINESTYLES = ["-", "--", ":", "-."]
 RunLike = Run | str | Path
 
 
+class LabFigure(Figure):
+    """A matplotlib Figure that shows itself in notebooks as a PNG without pyplot state (so it is
+    displayed once, also in kernels where the inline backend was never activated)."""
+
+    def _repr_png_(self) -> bytes:
+        import io
+
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=90)
+        return buf.getvalue()
+
+
 def _as_runs(runs: RunLike | Sequence[RunLike]) -> list[Run]:
     if isinstance(runs, (Run, str, Path)):
         runs = [runs]
@@ -81,7 +93,7 @@ def compare(
     from mlora_lab.dashboard import PALETTE, ema
 
     runs = _as_runs(runs)
-    fig = Figure(figsize=figsize)
+    fig = LabFigure(figsize=figsize)
     ax = fig.add_subplot(1, 1, 1)
     colors: dict[str, str] = {}
     for i, run in enumerate(runs):
