@@ -23,7 +23,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from mlora_lab.launch import Run
-from mlora_lab.rundir import FINAL_STATES
+from mlora_lab.rundir import FINAL_STATES, MetricsReader
 
 # matplotlib's tab10, then ten darker tones: hex, so HTML widgets and plots share one colour per tenant.
 PALETTE = [
@@ -108,6 +108,7 @@ class Dashboard:
         self.refresh_s = refresh_s
         self.max_points = max_points
         self.state = RunState()
+        self._reader = MetricsReader(run.dir.metrics)  # its own offset: it needs every row
         spec = run.spec
         self.max_steps = {t.name: t.max_steps for t in spec.tenants}
         self.colors: dict[str, str] = {}
@@ -177,7 +178,7 @@ class Dashboard:
     def refresh(self) -> bool:
         """Read new metrics rows and redraw; returns False once the run has ended."""
         state = self.run.status
-        new = self.run._reader.poll()
+        new = self._reader.poll()
         with self._lock:
             self.state.add(new)
             for name in list(self.state.train) + list(self.state.tenant_state):
