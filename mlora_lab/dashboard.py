@@ -48,25 +48,45 @@ def thin(x: np.ndarray, y: np.ndarray, max_points: int) -> tuple[np.ndarray, np.
     return x[idx], y[idx]
 
 
+class Series:
+    """An append-only (x, y) series that hands out numpy arrays without re-converting old points."""
+
+    def __init__(self) -> None:
+        self._x: list[float] = []
+        self._y: list[float] = []
+        self._arrays = (np.empty(0), np.empty(0))
+
+    def append(self, x: float, y: float) -> None:
+        self._x.append(x)
+        self._y.append(y)
+
+    def __len__(self) -> int:
+        return len(self._x) + len(self._arrays[0])
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._x:  # fold the new points into the arrays once
+            self._arrays = (
+                np.concatenate([self._arrays[0], np.asarray(self._x, dtype=float)]),
+                np.concatenate([self._arrays[1], np.asarray(self._y, dtype=float)]),
+            )
+            self._x, self._y = [], []
+        return self._arrays
+
+
 @dataclass
 class RunState:
     """Everything the dashboard draws, accumulated incrementally from metrics rows."""
 
-    train: dict[str, tuple[list[int], list[float]]] = field(
-        default_factory=lambda: defaultdict(lambda: ([], []))
-    )
-    evals: dict[str, tuple[list[int], list[float]]] = field(
-        default_factory=lambda: defaultdict(lambda: ([], []))
-    )
+    train: dict[str, Series] = field(default_factory=lambda: defaultdict(Series))
+    evals: dict[str, Series] = field(default_factory=lambda: defaultdict(Series))
     tenant_step: dict[str, int] = field(default_factory=dict)
     tenant_state: dict[str, str] = field(default_factory=dict)
     tenant_reason: dict[str, str | None] = field(default_factory=dict)
     adapter_bytes: dict[str, int] = field(default_factory=dict)
     last_loss: dict[str, float] = field(default_factory=dict)
-    memory: dict[int, tuple[list[float], list[float]]] = field(
-        default_factory=lambda: defaultdict(lambda: ([], []))
-    )
-    throughput: tuple[list[int], list[float]] = field(default_factory=lambda: ([], []))
+    memory: dict[int, Series] = field(default_factory=lambda: defaultdict(Series))
+    throughput: Series = field(default_factory=Series)
+    tokens_per_s: float | None = None
     global_step: int = 0
     t0: float | None = None
 
@@ -77,23 +97,17 @@ class RunState:
             if self.t0 is None:
                 self.t0 = r.get("time")
             if kind == "train":
-                steps, losses = self.train[r["tenant"]]
-                steps.append(r["tenant_step"])
-                losses.append(r["loss"])
+                self.train[r["tenant"]].append(r["tenant_step"], r["loss"])
                 self.tenant_step[r["tenant"]] = r["tenant_step"]
                 self.last_loss[r["tenant"]] = r["loss"]
             elif kind == "eval":
                 # eval rows carry the global step; place them at the tenant's step at that time
-                steps, losses = self.evals[r["tenant"]]
-                steps.append(self.tenant_step.get(r["tenant"], 0))
-                losses.append(r["loss"])
+                self.evals[r["tenant"]].append(self.tenant_step.get(r["tenant"], 0), r["loss"])
             elif kind == "system":
-                times, mem = self.memory[r["rank"]]
-                times.append(r["time"] - (self.t0 or r["time"]))
-                mem.append(r["mem_bytes"] / 2**20)
+                self.memory[r["rank"]].append(r["time"] - (self.t0 or r["time"]), r["mem_bytes"] / 2**20)
                 if r["rank"] == 0:
-                    self.throughput[0].append(r["step"])
-                    self.throughput[1].append(r["tokens_per_s"])
+                    self.throughput.append(r["step"], r["tokens_per_s"])
+                    self.tokens_per_s = r["tokens_per_s"]
             elif kind == "tenant":
                 self.tenant_state[r["tenant"]] = r["state"]
                 self.tenant_reason[r["tenant"]] = r.get("reason")
@@ -114,6 +128,7 @@ class Dashboard:
         self.colors: dict[str, str] = {}
         for t in spec.tenants:
             self.color(t.name)
+        self._build_figures()
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
         self._lock = threading.Lock()
@@ -189,7 +204,10 @@ class Dashboard:
         self._update_status(state)
         self._update_progress()
         if new or not self.loss_plot.value:
-            self.redraw()
+            system_rows = any(r.get("kind") in ("system", "tenant") for r in new)
+            self.redraw(
+                system=system_rows and (time.monotonic() - self._system_drawn > 2 or state in FINAL_STATES)
+            )
         if state in FINAL_STATES:
             self.stop_button.disabled = True
             self.stop_button.description = state
@@ -200,8 +218,8 @@ class Dashboard:
         colour = {"failed": "#c0392b", "finished": "#27ae60", "stopped": "#7f8c8d"}.get(state, "#2c3e50")
         text = f"<b>{self.run.path.name}</b> — <span style='color:{colour}'><b>{state}</b></span>"
         text += f" · step {self.state.global_step}"
-        if self.state.throughput[1]:
-            text += f" · {self.state.throughput[1][-1]:,.0f} tokens/s"
+        if self.state.tokens_per_s is not None:
+            text += f" · {self.state.tokens_per_s:,.0f} tokens/s"
         if state == "failed":
             error = self.run.error or ""
             rank = error.split(":")[0].replace("rank", "").strip() if error.startswith("rank") else "0"
@@ -233,63 +251,112 @@ class Dashboard:
                 + (f" · <span style='color:#c0392b'>{_escape(reason)}</span>" if reason else "")
             )  # fmt: skip
 
-    def redraw(self) -> None:
-        """Render both figures into their image widgets."""
+    def redraw(self, system: bool = True) -> None:
+        """Render the loss figure (and the system figure) into their image widgets.
+
+        The figures and their lines are built once; a redraw only swaps line data and re-renders,
+        so its cost does not grow with the number of refreshes."""
         with self._lock:
-            self.loss_plot.value = self._render(self._draw_losses, (9, 3.6))
-            self.system_plot.value = self._render(self._draw_system, (9, 2.6))
+            self.loss_plot.value = self._draw_losses()
+            if system or not self.system_plot.value:
+                self.system_plot.value = self._draw_system()
+                self._system_drawn = time.monotonic()
+
+    def _build_figures(self) -> None:
+        self._loss_fig = Figure(figsize=(9, 3.4), dpi=80)
+        self._loss_fig.subplots_adjust(left=0.07, right=0.99, top=0.97, bottom=0.14)
+        self._loss_ax = self._loss_fig.add_subplot(1, 1, 1)
+        self._loss_ax.set_xlabel("tenant step")
+        self._loss_ax.set_ylabel("loss (lines: train, dots: eval)")
+        self._loss_ax.grid(alpha=0.3)
+        self._lines: dict[tuple[str, str], object] = {}
+        self._legend_key: tuple = ()
+        self._sys_fig = Figure(figsize=(9, 2.4), dpi=80)
+        self._sys_fig.subplots_adjust(left=0.06, right=0.99, top=0.88, bottom=0.2, wspace=0.35)
+        self._mem_ax, self._tput_ax, self._tenant_ax = self._sys_fig.subplots(1, 3)
+        for ax, title in ((self._mem_ax, "memory per rank (MiB)"), (self._tput_ax, "tokens / s")):
+            ax.set_title(title, fontsize=9)
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+        self._mem_ax.set_xlabel("seconds", fontsize=8)
+        self._tput_ax.set_xlabel("step", fontsize=8)
+        (self._tput_line,) = self._tput_ax.plot([], [], color="#555")
+        self._mem_lines: dict[int, object] = {}
+        self._bar_names: list[str] | None = None
+        self._bars_artist = None
+        self._system_drawn = 0.0
 
     @staticmethod
-    def _render(draw, size: tuple[float, float]) -> bytes:
-        fig = Figure(figsize=size, dpi=80)
-        draw(fig)
-        fig.tight_layout()
+    def _png(fig: Figure) -> bytes:
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
         return buf.getvalue()
 
-    def _draw_losses(self, fig: Figure) -> None:
-        ax = fig.add_subplot(1, 1, 1)
-        for name in self.tenants.value:
-            steps, losses = self.state.train.get(name, ([], []))
-            if steps:
-                x, y = thin(np.asarray(steps), ema(np.asarray(losses, dtype=float), self.smoothing.value),
-                            self.max_points)  # fmt: skip
-                ax.plot(x, y, color=self.colors[name], label=name, linewidth=1.4)
-            esteps, elosses = self.state.evals.get(name, ([], []))
-            if esteps:
-                ax.plot(esteps, elosses, "o--", color=self.colors[name], markersize=4, linewidth=0.8,
-                        label=f"{name} (eval)")  # fmt: skip
-        ax.set_xlabel("tenant step")
-        ax.set_ylabel("loss")
-        if self.logy.value:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=8, ncol=2, loc="upper right")
+    def _line(self, name: str, kind: str):
+        key = (name, kind)
+        if key not in self._lines:
+            style = {
+                "train": dict(linewidth=1.4, label=name),
+                "eval": dict(marker="o", linestyle="--", markersize=4, linewidth=0.8, label=f"{name} (eval)"),
+            }
+            (self._lines[key],) = self._loss_ax.plot([], [], color=self.colors[name], **style[kind])  # fmt: skip
+        return self._lines[key]
 
-    def _draw_system(self, fig: Figure) -> None:
-        mem_ax, tput_ax, tenant_ax = fig.subplots(1, 3)
-        for rank, (times, mem) in sorted(self.state.memory.items()):
-            x, y = thin(np.asarray(times), np.asarray(mem), self.max_points)
-            mem_ax.plot(x, y, label=f"rank {rank}")
-        mem_ax.set_title("memory per rank (MiB)", fontsize=9)
-        mem_ax.set_xlabel("seconds", fontsize=8)
-        if self.state.memory:
-            mem_ax.legend(fontsize=7)
-        steps, tput = self.state.throughput
-        if steps:
-            x, y = thin(np.asarray(steps), ema(np.asarray(tput, dtype=float), 0.8), self.max_points)
-            tput_ax.plot(x, y, color="#555")
-        tput_ax.set_title("tokens / s", fontsize=9)
-        tput_ax.set_xlabel("step", fontsize=8)
+    def _draw_losses(self) -> bytes:
+        ax, shown, visible = self._loss_ax, set(self.tenants.value), []
+        for name in self.colors:
+            for kind, series in (("train", self.state.train.get(name)), ("eval", self.state.evals.get(name))):
+                if not series and (name, kind) not in self._lines:
+                    continue
+                line = self._line(name, kind)
+                if name in shown and series:
+                    x, y = series.arrays()
+                    if kind == "train":
+                        x, y = thin(x, ema(y, self.smoothing.value), self.max_points)
+                    line.set_data(x, y)
+                    line.set_visible(True)
+                    visible.append(line)
+                else:
+                    line.set_visible(False)
+        ax.set_yscale("log" if self.logy.value else "linear")
+        ax.relim(visible_only=True)
+        ax.autoscale_view()
+        key = tuple(line.get_label() for line in visible)
+        if key != self._legend_key:  # rebuilding a legend is costly: only when the lines change
+            if ax.get_legend() is not None:
+                ax.get_legend().remove()
+            if visible:
+                ax.legend(handles=visible, fontsize=8, ncol=2, loc="upper right")
+            self._legend_key = key
+        return self._png(self._loss_fig)
+
+    def _draw_system(self) -> bytes:
+        for rank, series in sorted(self.state.memory.items()):
+            if rank not in self._mem_lines:
+                (self._mem_lines[rank],) = self._mem_ax.plot([], [], label=f"rank {rank}")
+                self._mem_ax.legend(fontsize=7)
+            self._mem_lines[rank].set_data(*thin(*series.arrays(), self.max_points))
+        if self.state.throughput:
+            steps, tput = self.state.throughput.arrays()
+            self._tput_line.set_data(*thin(steps, ema(tput, 0.8), self.max_points))
+        for ax in (self._mem_ax, self._tput_ax):
+            ax.relim()
+            ax.autoscale_view()
         names = [n for n in self.colors if n in self.state.adapter_bytes]
-        tenant_ax.barh(names, [self.state.adapter_bytes[n] / 2**20 for n in names],
-                       color=[self.colors[n] for n in names])  # fmt: skip
-        tenant_ax.set_title("adapter + optimiser (MiB)", fontsize=9)
-        for ax in (mem_ax, tput_ax, tenant_ax):
-            ax.tick_params(labelsize=7)
-            ax.grid(alpha=0.3)
+        widths = [self.state.adapter_bytes[n] / 2**20 for n in names]
+        if names != self._bar_names:  # new tenants: rebuild the bars (rare)
+            self._tenant_ax.clear()
+            self._bars_artist = self._tenant_ax.barh(names, widths, color=[self.colors[n] for n in names])
+            self._tenant_ax.set_title("adapter + optimiser (MiB)", fontsize=9)
+            self._tenant_ax.tick_params(labelsize=7)
+            self._tenant_ax.grid(alpha=0.3)
+            self._bar_names = names
+        else:
+            for bar, width in zip(self._bars_artist, widths):
+                bar.set_width(width)
+            self._tenant_ax.relim()
+            self._tenant_ax.autoscale_view()
+        return self._png(self._sys_fig)
 
 
 def _escape(text: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -74,3 +75,18 @@ def make_data(tmp_path: Path):
         return write_jsonl(tmp_path / f"{name or kind}.jsonl", task_rows(kind, n))
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_jobs():
+    """A test that fails half-way must not leave a training job running (it would slow every later
+    test and benchmark): kill whatever processes it started and left behind."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in leftovers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(leftovers, timeout=10)

@@ -66,20 +66,21 @@ def test_live_dashboard_in_chromium(llama_path, tmp_path):
     run = ml.launch(
         ml.JobSpec(base_model=llama_path, tenants=tenants, seq_len=48, max_rank=8), workdir=tmp_path / "runs"
     )
-    code = f"import mlora_lab as ml\nrun = ml.attach({str(run.path)!r})\ndash = run.dashboard(refresh_s=0.5)\ndash"
-    nb = new_notebook(
-        cells=[new_code_cell(code)],
-        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-    )
-    nbformat.write(nb, tmp_path / "dash.ipynb")
-    port = free_port()
-    log = (tmp_path / "voila.log").open("w")
-    voila = subprocess.Popen(
-        [sys.executable, "-m", "voila", str(tmp_path / "dash.ipynb"), "--no-browser", f"--port={port}",
-         "--Voila.ip=127.0.0.1"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    voila = log = None
     try:
+        code = f"import mlora_lab as ml\nrun = ml.attach({str(run.path)!r})\ndash = run.dashboard(refresh_s=0.5)\ndash"
+        nb = new_notebook(
+            cells=[new_code_cell(code)],
+            metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        )
+        nbformat.write(nb, tmp_path / "dash.ipynb")
+        port = free_port()
+        log = (tmp_path / "voila.log").open("w")
+        voila = subprocess.Popen(
+            [sys.executable, "-m", "voila", str(tmp_path / "dash.ipynb"), "--no-browser", f"--port={port}",
+             "--Voila.ip=127.0.0.1"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
         wait_listening(port, voila)
         with playwright.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -106,9 +107,10 @@ def test_live_dashboard_in_chromium(llama_path, tmp_path):
             assert run.wait(timeout=120) == "stopped"
             page.wait_for_selector("text=stopped", timeout=30_000)
             browser.close()
-    finally:
-        voila.terminate()
-        voila.wait(timeout=30)
-        log.close()
+    finally:  # never leave a job, a server or a log handle behind
+        if voila is not None:
+            voila.terminate()
+            voila.wait(timeout=30)
+            log.close()
         if run.status not in ("finished", "failed", "stopped"):
             run.kill()
