@@ -138,6 +138,7 @@ class Run:
         self.dir = RunDir(Path(run_dir).absolute())
         self._process = process
         self._reader = MetricsReader(self.dir.metrics)
+        self._tables: dict[tuple[str, ...], tuple[int, pd.DataFrame | None]] = {}
 
     def __repr__(self) -> str:
         return f"Run({str(self.dir.root)!r}, status={self.status!r})"
@@ -240,17 +241,29 @@ class Run:
         self._reader.poll()
         return self._reader.rows
 
+    def _table(self, kinds: tuple[str, ...]) -> pd.DataFrame:
+        """Rows of ``kinds`` as a DataFrame, extended incrementally: each call converts only the rows
+        that arrived since the last one (the DataFrame of the earlier rows is kept)."""
+        rows = self.rows()
+        seen, frame = self._tables.get(kinds, (0, None))
+        new = [r for r in rows[seen:] if r["kind"] in kinds]
+        if new or frame is None:
+            part = _frame(new)
+            frame = part if frame is None or not len(frame) else pd.concat([frame, part], ignore_index=True)
+        self._tables[kinds] = (len(rows), frame)
+        return frame.copy(deep=False)
+
     def metrics(self) -> pd.DataFrame:
         """Train and eval rows: one row per tenant per logged step."""
-        return _frame([r for r in self.rows() if r["kind"] in ("train", "eval")])
+        return self._table(("train", "eval"))
 
     def system_metrics(self) -> pd.DataFrame:
         """Per-rank memory, step time and throughput rows."""
-        return _frame([r for r in self.rows() if r["kind"] == "system"])
+        return self._table(("system",))
 
     def tenant_events(self) -> pd.DataFrame:
         """Tenant state changes and per-tenant adapter memory."""
-        return _frame([r for r in self.rows() if r["kind"] == "tenant"])
+        return self._table(("tenant",))
 
     def dashboard(self, refresh_s: float = 1.0):
         """A live ipywidgets dashboard of this run (refreshes in the background until the run ends)."""

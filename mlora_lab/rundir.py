@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 STATES = ("starting", "running", "finished", "failed", "stopped")
 FINAL_STATES = ("finished", "failed", "stopped")
 
@@ -131,7 +133,7 @@ class MetricsReader:
         end = chunk.rfind(b"\n")
         if end < 0:
             return []
-        new = [json.loads(line) for line in chunk[: end + 1].splitlines() if line.strip()]
+        new = [orjson.loads(line) for line in chunk[: end + 1].splitlines() if line.strip()]
         self.offset += end + 1
         self.rows.extend(new)
         return new
