@@ -23,8 +23,10 @@ from pathlib import Path
 import pandas as pd
 import psutil
 
+from mlora_lab import control
+from mlora_lab.control import ControlError
 from mlora_lab.rundir import FINAL_STATES, MetricsReader, RunDir, read_status, update_status
-from mlora_lab.spec import JobSpec
+from mlora_lab.spec import JobSpec, SpecError, Tenant, tenant_problems
 
 DEFAULT_WORKDIR = "runs"
 
@@ -218,6 +220,55 @@ class Run:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
         if read_status(self.dir.root).get("state") not in FINAL_STATES:
             update_status(self.dir.root, state="stopped", ended=time.time(), error="killed")
+
+    # -- live tenant lifecycle (control messages, applied by the job at a step boundary) ------
+    def add_tenant(self, tenant: Tenant, wait: bool = True, timeout: float = 120) -> None:
+        """Add ``tenant`` to the running job. It is validated here first (against the job's model,
+        ``max_rank``, slots and existing names): a bad tenant raises and nothing is sent."""
+        spec = self.spec
+        problems = tenant_problems(spec, tenant)
+        if tenant.name in {t.name for t in spec.tenants}:
+            problems.append(f"tenant {tenant.name!r}: a tenant of that name already exists in this run")
+        holding = [t.name for t in spec.tenants if self.tenant_state(t.name) != "removed"]
+        if len(holding) >= spec.max_tenants:
+            problems.append(f"no free slot: max_tenants={spec.max_tenants} are taken by {holding}")
+        if problems:
+            raise SpecError(problems)
+        self._control("add", wait, timeout, tenant=tenant.to_dict())
+
+    def remove_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> None:
+        """Remove a tenant: its final adapter is saved, its slot cleared and its optimiser dropped."""
+        self._check_known(name)
+        self._control("remove", wait, timeout, name=name)
+
+    def pause_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> None:
+        """Stop training a tenant for now (it keeps its slot, optimiser state and data cursor)."""
+        self._check_known(name)
+        self._control("pause", wait, timeout, name=name)
+
+    def resume_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> None:
+        """Continue training a paused tenant."""
+        self._check_known(name)
+        self._control("resume", wait, timeout, name=name)
+
+    def tenant_state(self, name: str) -> str | None:
+        """The tenant's latest state: pending, running, paused, finished, removed or failed."""
+        events = [r for r in self.rows() if r["kind"] == "tenant" and r["tenant"] == name]
+        return events[-1]["state"] if events else None
+
+    def _check_known(self, name: str) -> None:
+        names = [t.name for t in self.spec.tenants]
+        if name not in names:
+            raise KeyError(f"no tenant {name!r} in this run; tenants: {names}")
+
+    def _control(self, op: str, wait: bool, timeout: float, **payload) -> None:
+        if self.status in FINAL_STATES:
+            raise ControlError(f"the run is {self.status}; control messages need a running job")
+        msg_id = control.send(self.dir.root, op, **payload)
+        if wait:
+            control.wait_result(
+                self.dir.root, msg_id, timeout, is_alive=lambda: self.status not in FINAL_STATES
+            )
 
     # -- outputs -------------------------------------------------------------------------------
     def logs(self, rank: int | None = 0, tail: int | None = 50) -> str:

@@ -350,6 +350,24 @@ def _model_info(path: str) -> _ModelInfo:
     return _ModelInfo(modules, linear, experts)
 
 
+def effective_slot_modules(job: JobSpec) -> list[str]:
+    """The linear-layer names that get adapter slots: ``slot_modules``, else the union of the
+    tenants' targets (``["all-linear"]`` if any tenant asks for it)."""
+    names = job.slot_modules or sorted({m for t in job.tenants for m in t.target_modules})
+    return [ALL_LINEAR] if ALL_LINEAR in names else list(names)
+
+
+def tenant_problems(job: JobSpec, tenant: Tenant) -> list[str]:
+    """Problems of adding ``tenant`` to the job ``job`` while it runs: the tenant's own fields and files,
+    checked against the job's model, tokenizer, ``max_rank`` and adapter slots."""
+    probe = dataclasses.replace(
+        job, tenants=[tenant], slot_modules=effective_slot_modules(job), serve=False, parallel=Parallel(),
+        output_dir=None,
+    )  # fmt: skip
+    mine = f"tenant {tenant.name!r}"
+    return [p for p in probe.problems() if mine in p or "slot_modules" in p or "base_model" in p]
+
+
 def model_target_names(base_model: str) -> tuple[list[str], list[str]]:
     """Full names of the model's ``nn.Linear`` modules, and of its 3-D parameters (packed MoE experts).
 

@@ -44,10 +44,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from mlora_lab.data import IGNORE_INDEX, Example, TenantStream, collate, load_examples
+from mlora_lab import control
+from mlora_lab.data import IGNORE_INDEX, DataError, Example, TenantStream, collate, load_examples
 from mlora_lab.lora import MultiLoRAModel
-from mlora_lab.lora.model import ALL_LINEAR
-from mlora_lab.lora.peft_io import read_adapter
+from mlora_lab.lora.peft_io import AdapterError, read_adapter
 from mlora_lab.optim import TenantOptimizer, build_optimizer
 from mlora_lab.parallel import Collectives, DistInfo, ParallelDims, init_distributed, shutdown_distributed
 from mlora_lab.rundir import (
@@ -58,7 +58,7 @@ from mlora_lab.rundir import (
     read_status,
     update_status,
 )
-from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.spec import JobSpec, SpecError, Tenant, effective_slot_modules, tenant_problems
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINTS_KEPT = 2
@@ -118,9 +118,11 @@ class Trainer:
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         base = transformers.AutoModelForCausalLM.from_pretrained(spec.base_model, dtype=DTYPES[spec.dtype])
         base.to(self.device)
-        slot_modules = spec.slot_modules or sorted({m for t in spec.tenants for m in t.target_modules})
-        if ALL_LINEAR in slot_modules:
-            slot_modules = ALL_LINEAR
+        # Slots are fixed for the life of the job: record them, so tenants added later are checked
+        # against the layers that really have slots.
+        spec.slot_modules = slot_modules = effective_slot_modules(spec)
+        if self.run is not None and self.dist.is_main:
+            spec.to_json(self.run.job)
         self.model = MultiLoRAModel(
             base, max_tenants=spec.max_tenants, max_rank=spec.max_rank, slot_modules=slot_modules
         )
@@ -139,10 +141,20 @@ class Trainer:
             self._truncate_metrics(int(checkpoint.name.split("_")[-1]))
         self.metrics = MetricsWriter(self.run.metrics) if self.run and self.dist.is_main else None
         self.tenants: dict[str, TenantRun] = {}
+        self.removed: set[str] = set()  # names of tenants removed while the job ran (never reused)
+        saved = (
+            torch.load(checkpoint / "state.pt", map_location="cpu", weights_only=False)
+            if checkpoint
+            else None
+        )
         for tenant in spec.tenants:
-            self.add_tenant(tenant, log=checkpoint is None)
+            if saved is not None and tenant.name in saved.get("removed", []):
+                self.removed.add(tenant.name)
+                continue
+            # a tenant added after the last checkpoint has no state in it: it starts afresh
+            self.add_tenant(tenant, log=saved is None or tenant.name not in saved["tenants"])
         if checkpoint is not None:
-            self.load_checkpoint(checkpoint)
+            self.load_checkpoint(checkpoint, saved)
 
     # -- tenants -------------------------------------------------------------------------------
     def add_tenant(self, tenant: Tenant, log: bool = True) -> TenantRun:
@@ -182,6 +194,10 @@ class Trainer:
 
     def _log_tenant(self, run: TenantRun) -> None:
         """A ``tenant`` row: state, and the tenant's adapter + optimiser bytes (full and on this rank)."""
+        if run.name not in self.model.tenants:  # removed: its slot and optimiser are gone
+            self._log("tenant", step=self.global_step, tenant=run.name, state=run.state, adapter_bytes=0,
+                      optimizer_bytes=0, local_adapter_bytes=0, local_optimizer_bytes=0, reason=run.reason)  # fmt: skip
+            return
         adapter = self.model.adapter_bytes(run.name)
         optimizer_local = run.optimizer.state_bytes()
         self._log(
@@ -197,14 +213,21 @@ class Trainer:
         )
 
     # -- the loop ------------------------------------------------------------------------------
-    def train(self) -> None:
-        """Run global steps until every tenant has finished (or a stop is requested)."""
+    def train(self, idle_s: float = 0.5) -> None:
+        """Run global steps until every tenant is done (or a stop is requested). In serve mode the
+        job then idles, polling for control messages every ``idle_s`` seconds, until stopped."""
         self.model.train()
-        while not self.stop_requested and self.step():
-            if self.spec.eval_every and self.global_step % self.spec.eval_every == 0:
-                self.evaluate()
-            if self.spec.save_every and self.global_step % self.spec.save_every == 0:
-                self.save_checkpoint()
+        self._poll_control()
+        while not self.stop_requested:
+            if self.step():
+                if self.spec.eval_every and self.global_step % self.spec.eval_every == 0:
+                    self.evaluate()
+                if self.spec.save_every and self.global_step % self.spec.save_every == 0:
+                    self.save_checkpoint()
+            elif self.spec.serve:
+                time.sleep(idle_s)  # nothing to train: wait cheaply for new tenants
+            else:
+                break
             self._poll_control()
         if not self.stop_requested and any(t.eval_examples for t in self.tenants.values()):
             self.evaluate()
@@ -268,6 +291,11 @@ class Trainer:
         sq = self.comm.sum_over_shards(torch.stack([t.optimizer.local_sq_norm() for t in stepping]))
         losses = self.comm.sum_over_dp(torch.stack([t.window_loss for t in stepping]))
         for t, t_sq, loss in zip(stepping, sq, losses):
+            if not (torch.isfinite(t_sq) and torch.isfinite(loss)):
+                self._quarantine(
+                    t, "loss" if not torch.isfinite(loss) else "gradient norm", float(loss), float(t_sq)
+                )
+                continue
             lr = t.optimizer.lr
             grad_norm = t.optimizer.step(grad_norm=t_sq.sqrt())
             t.optimizer.zero_grad()
@@ -288,6 +316,17 @@ class Trainer:
             if t.step >= t.spec.max_steps:
                 self.save_adapter(t.name)
                 self._set_state(t, "finished")
+
+    def _quarantine(self, t: TenantRun, what: str, loss: float, sq_norm: float) -> None:
+        """A tenant whose loss or gradients are NaN/inf stops training; nothing of it reached any
+        other tenant (separate slots, separate rows), so the others go on exactly as without it."""
+        t.optimizer.zero_grad()
+        t.micro = 0
+        reason = (
+            f"non-finite {what} at tenant step {t.step + 1} (global step {self.global_step}): "
+            f"loss={loss}, grad_norm={sq_norm**0.5 if sq_norm >= 0 else sq_norm}"
+        )
+        self._set_state(t, "failed", reason)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -368,6 +407,7 @@ class Trainer:
         return {
             "global_step": self.global_step,
             "world_size": self.dist.world_size,
+            "removed": sorted(self.removed),
             "rng": torch.get_rng_state(),
             "tenants": tenants,
         }
@@ -399,15 +439,13 @@ class Trainer:
         done = [p for p in sorted(self.run.checkpoints.glob("step_*")) if (p / "meta.json").is_file()]
         return done[-1] if done else None
 
-    def load_checkpoint(self, path: Path) -> None:
+    def load_checkpoint(self, path: Path, state: dict | None = None) -> None:
         """Restore the state written by :meth:`save_checkpoint` (any world size)."""
-        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        if state is None:
+            state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
         io = self.model.io
         self.global_step = state["global_step"]
         torch.set_rng_state(state["rng"])
-        missing = sorted(set(self.tenants) - set(state["tenants"]))
-        if missing:
-            raise ValueError(f"checkpoint {path} has no state for tenants {missing}")
         for name, s in state["tenants"].items():
             t = self.tenants.get(name)
             if t is None:
@@ -461,10 +499,78 @@ class Trainer:
 
     # -- control and logging ---------------------------------------------------------------------
     def _poll_control(self) -> None:
-        stop = self.run is not None and (self.run.control / "stop").exists()
-        if self.dims.world_size > 1:  # every rank must stop at the same step
-            stop = bool(self.comm.sum_over_dp(torch.tensor([float(stop or self.stop_requested)]))[0] > 0)
-        self.stop_requested = self.stop_requested or stop
+        """Apply queued control messages at this step boundary, on every rank at the same step:
+        rank 0 reads them and broadcasts them. A stop (file or SIGTERM on any rank) is agreed too."""
+        if self.run is None:
+            return
+        messages: list[tuple[str, dict | str]] = []
+        if self.dist.is_main:
+            messages = [(str(p), m) for p, m in control.pending(self.run.root)]
+        messages = self.comm.broadcast_object(messages)
+        stop = (self.run.control / "stop").exists() or self.stop_requested
+        if self.dims.world_size > 1:
+            stop = bool(self.comm.sum_over_dp(torch.tensor([float(stop)]))[0] > 0)
+        self.stop_requested = stop
+        for path, msg in messages:
+            if isinstance(msg, str):
+                ok, error = False, msg
+            else:
+                try:
+                    self.apply_control(msg)
+                    ok, error = True, None
+                except (ValueError, KeyError, RuntimeError, OSError, SpecError, DataError, AdapterError) as e:
+                    ok, error = False, f"{msg.get('op')}: {e}"
+            if self.dist.is_main:
+                msg_id = msg.get("id") if isinstance(msg, dict) else None
+                control.finish(self.run.root, Path(path), msg_id, ok, error, self.global_step)
+                if error:
+                    print(f"control message rejected: {error}", flush=True)
+
+    def apply_control(self, msg: dict) -> None:
+        """``add`` / ``remove`` / ``pause`` / ``resume`` one tenant; raises (changing nothing) if not possible."""
+        op = msg["op"]
+        if op == "add":
+            tenant = Tenant.from_dict(msg["tenant"])
+            if tenant.name in self.tenants or tenant.name in self.removed:
+                raise ValueError(f"a tenant named {tenant.name!r} already exists in this run")
+            problems = [p for p in tenant_problems(self.spec, tenant) if p]
+            if problems:
+                raise SpecError(problems)
+            self._log("tenant", step=self.global_step, tenant=tenant.name, state="pending", adapter_bytes=0,
+                      optimizer_bytes=0, local_adapter_bytes=0, local_optimizer_bytes=0, reason=None)  # fmt: skip
+            try:
+                self.add_tenant(tenant)
+            except Exception:
+                self.tenants.pop(tenant.name, None)
+                if tenant.name in self.model.tenants:
+                    self.model.remove_tenant(tenant.name)
+                raise
+            self.spec.tenants.append(tenant)
+            if self.dist.is_main:  # job.json lists every tenant the run has had (for resume and attach)
+                self.spec.to_json(self.run.job)
+            return
+        name = msg.get("name")
+        t = self.tenants.get(name)
+        if t is None:
+            known = sorted(self.tenants)
+            detail = " (it was removed)" if name in self.removed else f"; tenants: {known}"
+            raise KeyError(f"no tenant {name!r} in this run{detail}")
+        if op == "remove":
+            self.save_adapter(name)  # its final adapter, before the slot is cleared
+            t.optimizer.zero_grad()
+            self.model.remove_tenant(name)
+            del self.tenants[name]
+            self.removed.add(name)
+            t.state, t.reason = "removed", None
+            self._log_tenant(t)
+        elif op == "pause":
+            if t.state != "running":
+                raise ValueError(f"tenant {name!r} is {t.state}, not running")
+            self._set_state(t, "paused")
+        elif op == "resume":
+            if t.state != "paused":
+                raise ValueError(f"tenant {name!r} is {t.state}, not paused")
+            self._set_state(t, "running")
 
     def _log(self, kind: str, **row) -> None:
         row = {"kind": kind, **row, "time": time.time()}

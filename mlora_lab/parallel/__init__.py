@@ -136,6 +136,14 @@ class Collectives:
             dist.all_reduce(out, group=self._shard_group)
         return out.cpu()
 
+    def broadcast_object(self, obj: object) -> object:
+        """Rank 0's ``obj`` on every rank."""
+        if self.mesh is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def gather_objects(self, obj: object) -> list[object]:
         """``obj`` from every rank (in rank order)."""
         if self.mesh is None:
