@@ -224,17 +224,18 @@ def test_kill_9_of_one_rank_then_resume(llama_path, make_data, tmp_path):
     run = ml.launch(job(llama_path, tenants, parallel=two, save_every=3, output_dir=str(tmp_path / "run")))
     deadline = time.monotonic() + 180
     while not any((run.path / "checkpoints").glob("step_*/meta.json")):
-        assert run.status == "running" and time.monotonic() < deadline, run.logs(0)
+        assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
         time.sleep(0.2)
     procs = workers(run)
     assert len(procs) == 2
+    launcher = psutil.Process(read_status(run.path)["pid"])
     killed_at = time.monotonic()
     os.kill(procs[1].pid, signal.SIGKILL)
     assert run.wait(timeout=60) == "failed"
     assert time.monotonic() - killed_at < 30, "the failure is noticed within seconds"
     assert run.error
-    gone = psutil.wait_procs([*procs, psutil.Process(read_status(run.path)["pid"])], timeout=30)[1]
-    assert not gone, f"processes left behind: {gone}"
+    alive = psutil.wait_procs([*procs, launcher], timeout=30)[1]
+    assert not alive, f"processes left behind: {alive}"
     assert straight.wait(300) == "finished"
     resumed = ml.resume(run.path)
     assert resumed.wait(300) == "finished", resumed.logs(0)
