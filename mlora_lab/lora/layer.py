@@ -56,17 +56,22 @@ class LoRARouting:
 
 
 class _SegmentedLoRA(torch.autograd.Function):
-    """``delta[s:e] = s_t * (x[s:e] A_t^T) B_t^T`` for each segment; see the module docstring."""
+    """``delta[s:e] = scale * (x[s:e] A^T) B^T`` for each plan entry ``(A_index, B_index, s, e, scale)``,
+    with ``A = lora_A[A_index]`` ([r, in]) and ``B = lora_B[B_index]`` ([out, r]); see the module
+    docstring. Dense layers index a slot (``(slot, :r)``); packed experts index a slot and an expert
+    (``(slot, expert, :r)``). ``x`` is ``[rows, ..., in]``; gradients of all entries land in one
+    zero-initialised tensor per slot tensor."""
 
     @staticmethod
     def forward(
         ctx, x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, plan: tuple
     ) -> torch.Tensor:
-        out = x.new_zeros(*x.shape[:-1], lora_B.shape[1])
+        out_features = lora_B.shape[-2]
+        out = x.new_zeros(*x.shape[:-1], out_features)
         xas = []
-        for slot, start, end, rank, scale in plan:
-            xa = F.linear(x[start:end], lora_A[slot, :rank])  # [n, T, r]
-            out[start:end] = F.linear(xa, lora_B[slot, :, :rank]) * scale  # [n, T, out]
+        for a_index, b_index, start, end, scale in plan:
+            xa = F.linear(x[start:end], lora_A[a_index])  # [n, ..., r]
+            out[start:end] = F.linear(xa, lora_B[b_index]) * scale  # [n, ..., out]
             xas.append(xa)
         ctx.plan = plan
         ctx.save_for_backward(x, lora_A, lora_B, *xas)
@@ -79,16 +84,17 @@ class _SegmentedLoRA(torch.autograd.Function):
         grad_x = torch.zeros_like(x) if need_x else None
         grad_A = torch.zeros_like(lora_A) if need_A else None
         grad_B = torch.zeros_like(lora_B) if need_B else None
-        for (slot, start, end, rank, scale), xa in zip(ctx.plan, xas):
-            g = grad_out[start:end] * scale  # [n, T, out]
-            B_t = lora_B[slot, :, :rank]  # [out, r]
-            g_xa = g @ B_t  # [n, T, r]
-            if need_B:  # a slot may own several segments: accumulate
-                grad_B[slot, :, :rank] += g.reshape(-1, g.shape[-1]).T @ xa.reshape(-1, rank)
+        for (a_index, b_index, start, end, scale), xa in zip(ctx.plan, xas):
+            g = grad_out[start:end] * scale  # [n, ..., out]
+            B_t = lora_B[b_index]  # [out, r]
+            rank = B_t.shape[-1]
+            g_xa = g @ B_t  # [n, ..., r]
+            if need_B:  # one slot (and expert) may own several entries: accumulate
+                grad_B[b_index] += g.reshape(-1, g.shape[-1]).T @ xa.reshape(-1, rank)
             if need_A:
-                grad_A[slot, :rank] += g_xa.reshape(-1, rank).T @ x[start:end].reshape(-1, x.shape[-1])
+                grad_A[a_index] += g_xa.reshape(-1, rank).T @ x[start:end].reshape(-1, x.shape[-1])
             if need_x:
-                grad_x[start:end] += g_xa @ lora_A[slot, :rank]
+                grad_x[start:end] += g_xa @ lora_A[a_index]
         return grad_x, grad_A, grad_B, None
 
 
@@ -150,14 +156,14 @@ class MultiLoRALinear(nn.Module):
                 f"got {tuple(x.shape)}; was the routing set for this batch?"
             )
         plan = tuple(
-            (slot, start, end, self.ranks[slot], self.scalings[slot])
+            ((slot, slice(0, r)), (slot, slice(None), slice(0, r)), start, end, self.scalings[slot])
             for slot, start, end in segments
-            if self.ranks[slot] > 0
+            if (r := self.ranks[slot]) > 0
         )
         if not plan and not always:
             return y
         x_lora = x.to(self.lora_A.dtype)
-        if self.training and any(self.dropouts[p[0]] > 0 for p in plan):
+        if self.training and any(self.dropouts[p[0][0]] > 0 for p in plan):
             x_lora = self._dropout(x_lora, plan)
         delta = _SegmentedLoRA.apply(x_lora, self.lora_A, self.lora_B, plan)
         return y + delta.to(y.dtype)
@@ -165,7 +171,7 @@ class MultiLoRALinear(nn.Module):
     def _dropout(self, x: torch.Tensor, plan: tuple) -> torch.Tensor:
         """Each segment's rows get their own tenant's dropout; rows outside segments pass through."""
         pieces, row = [], 0
-        for slot, start, end, _, _ in plan:
+        for (slot, _), _, start, end, _ in plan:
             if start > row:
                 pieces.append(x[row:start])
             pieces.append(F.dropout(x[start:end], self.dropouts[slot], training=True))
