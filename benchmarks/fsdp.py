@@ -1,0 +1,126 @@
+"""FSDP2 memory and step time: the same multi-tenant job on 1 process and on 2 processes (fsdp=2).
+
+    python benchmarks/fsdp.py            # ~20M-parameter Llama-style model, 4 tenants
+    python benchmarks/fsdp.py --quick    # tiny model, smoke test
+
+Each world size runs under real torchrun (gloo on CPU, nccl on GPU). Per rank it reports the bytes
+of the frozen base parameters this rank holds (``to_local()`` of every FSDP-sharded base parameter:
+exact, not an RSS estimate), the bytes of its adapter slots, its peak RSS, and the median step time.
+Goal: base bytes per rank with fsdp=2 ÷ fsdp=1 ≤ 0.55. Step time is reported as measured: on a
+2-core CPU two processes share the same two cores, so no speed-up is expected there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def worker(spec_path: str, out: str, steps: int) -> None:
+    from mlora_lab.parallel import init_distributed, shutdown_distributed
+    from mlora_lab.spec import JobSpec
+    from mlora_lab.train import Trainer, memory_bytes
+
+    dist = init_distributed()
+    trainer = Trainer(JobSpec.load(spec_path), run_dir=None, dist=dist)
+    slot_ids = {id(p) for layer in trainer.model.layers.values() for p in (layer.lora_A, layer.lora_B)}
+    io = trainer.model.io
+
+    def local_bytes(select) -> int:
+        return sum(io.local(p.data).nbytes for p in trainer.model.parameters() if select(p))
+
+    base_bytes = local_bytes(lambda p: id(p) not in slot_ids)
+    slot_bytes = local_bytes(lambda p: id(p) in slot_ids)
+    trainer.model.train()
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        trainer.step()
+        if i >= 2:  # warm-up steps excluded
+            times.append(time.perf_counter() - t0)
+    mem, peak = memory_bytes(trainer.device)
+    rows = trainer.comm.gather_objects(
+        {"rank": dist.rank, "base_bytes": base_bytes, "slot_bytes": slot_bytes, "peak_rss": peak,
+         "step_time": statistics.median(times)}
+    )  # fmt: skip
+    if dist.is_main:
+        Path(out).write_text(json.dumps(rows))
+    shutdown_distributed()
+
+
+def run_world(spec_path: Path, nproc: int, steps: int, workdir: Path) -> list[dict]:
+    spec = json.loads(spec_path.read_text())
+    spec["parallel"] = {"nproc": nproc, "fsdp": nproc}
+    path = workdir / f"job_{nproc}.json"
+    path.write_text(json.dumps(spec))
+    out = workdir / f"result_{nproc}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           __file__, "--worker", str(path), "--out", str(out), "--steps", str(steps)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker")
+    parser.add_argument("--out")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.out, args.steps)
+        return
+
+    from mlora_lab.demo import task_rows, write_jsonl
+    from mlora_lab.spec import JobSpec, Tenant
+    from mlora_lab.tiny import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="mlora_fsdp_bench_"))
+    size = dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=512) if args.quick else dict(
+        hidden=512, layers=8, heads=8, kv_heads=4, vocab_size=4096
+    )  # fmt: skip
+    base = build_tiny_model("llama", work / "model", **size)
+    import transformers
+
+    n_params = transformers.AutoModelForCausalLM.from_pretrained(base).num_parameters()
+    tenants = [
+        Tenant(name=f"t{i}", data=write_jsonl(work / f"t{i}.jsonl", task_rows(task, 64, seed=i)), rank=r,
+               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+               batch_size=4, max_steps=1000)
+        for i, (task, r) in enumerate([("reverse", 8), ("upper", 16), ("count", 32), ("reverse", 64)])
+    ]  # fmt: skip
+    spec = JobSpec(base_model=base, tenants=tenants, seq_len=64, max_tenants=4, max_rank=64)
+    spec_path = work / "job.json"
+    spec.to_json(spec_path)
+    steps = 5 if args.quick else args.steps
+    results = {n: run_world(spec_path, n, steps, work) for n in (1, 2)}
+
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, Llama-style {n_params / 1e6:.1f}M params {size}, "
+          "4 tenants (ranks 8-64) x batch 4, seq <= 64")  # fmt: skip
+    print(
+        f"{'world':>5} {'rank':>4} {'base MiB/rank':>14} {'slots MiB/rank':>15} {'peak RSS MiB':>13} {'step s':>8}"
+    )
+    for n, rows in results.items():
+        for r in rows:
+            print(f"{n:>5} {r['rank']:>4} {r['base_bytes'] / 2**20:>14.2f} {r['slot_bytes'] / 2**20:>15.2f} "
+                  f"{r['peak_rss'] / 2**20:>13.1f} {r['step_time']:>8.3f}")  # fmt: skip
+    base_ratio = max(r["base_bytes"] for r in results[2]) / results[1][0]["base_bytes"]
+    slot_ratio = max(r["slot_bytes"] for r in results[2]) / results[1][0]["slot_bytes"]
+    time_ratio = max(r["step_time"] for r in results[2]) / results[1][0]["step_time"]
+    print(f"base parameter bytes per rank, fsdp=2 / fsdp=1: {base_ratio:.3f} (goal <= 0.55)")
+    print(f"adapter slot bytes per rank,   fsdp=2 / fsdp=1: {slot_ratio:.3f}")
+    print(f"step time, world 2 / world 1 (same 2 cores):    {time_ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
