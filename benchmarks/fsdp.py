@@ -47,7 +47,7 @@ def worker(spec_path: str, out: str, steps: int) -> None:
         trainer.step()
         if i >= 2:  # warm-up steps excluded
             times.append(time.perf_counter() - t0)
-    mem, peak = memory_bytes(trainer.device)
+    _, peak = memory_bytes(trainer.device)
     rows = trainer.comm.gather_objects(
         {"rank": dist.rank, "base_bytes": base_bytes, "slot_bytes": slot_bytes, "peak_rss": peak,
          "step_time": statistics.median(times)}
