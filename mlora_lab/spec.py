@@ -704,8 +704,10 @@ class _Validator:
                 else "the model has no 3-D expert parameters"
             )
             self.out.append(f"{w}target_parameters not found in the model: {', '.join(unknown)} ({avail})")
-        else:
-            self.out.append(f"{w}target_parameters (MoE experts) are not supported yet")
+        elif t.dropout:
+            self.out.append(
+                f"{w}dropout must be 0 with target_parameters (PEFT has no dropout on expert weights)"
+            )
 
     def _check_slot_modules(self, tenants: list[Tenant]) -> None:
         slots = self.spec.slot_modules

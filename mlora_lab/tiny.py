@@ -211,13 +211,31 @@ def _gpt_neox(**kw: Any) -> transformers.PretrainedConfig:
     return transformers.GPTNeoXConfig(**c, rotary_pct=0.5, use_parallel_residual=True)
 
 
+def _qwen3_moe(**kw: Any) -> transformers.PretrainedConfig:
+    # Packed experts: mlp.experts.gate_up_proj [E, 2I, H] and mlp.experts.down_proj [E, H, I].
+    c = _common(**kw)
+    return transformers.Qwen3MoeConfig(**c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=c["hidden_size"] // 2,
+                                       decoder_sparse_step=1)  # fmt: skip
+
+
+def _mixtral(**kw: Any) -> transformers.PretrainedConfig:
+    c = _common(**kw)
+    return transformers.MixtralConfig(**{**c, "intermediate_size": c["hidden_size"] // 2}, num_local_experts=4,
+                                      num_experts_per_tok=2)  # fmt: skip
+
+
 # name -> config factory(vocab_size, hidden, layers, heads, kv_heads); the table the fidelity tests run over.
 ARCHITECTURES: dict[str, Callable[..., transformers.PretrainedConfig]] = {
     "llama": _llama,
     "qwen2": _qwen2,
     "phi3": _phi3,
     "gpt_neox": _gpt_neox,
+    "qwen3_moe": _qwen3_moe,
+    "mixtral": _mixtral,
 }
+
+# Packed expert parameters a MoE tenant targets (PEFT target_parameters).
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 # The linear layers a typical tenant targets in each architecture (attention + MLP projections).
 TYPICAL_TARGETS: dict[str, list[str]] = {
@@ -225,6 +243,8 @@ TYPICAL_TARGETS: dict[str, list[str]] = {
     "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
     "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
 
 

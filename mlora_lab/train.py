@@ -47,7 +47,7 @@ import transformers
 from mlora_lab import control
 from mlora_lab.data import IGNORE_INDEX, DataError, Example, TenantStream, collate, load_examples
 from mlora_lab.lora import MultiLoRAModel
-from mlora_lab.lora.peft_io import AdapterError, read_adapter
+from mlora_lab.lora.peft_io import AdapterError
 from mlora_lab.optim import TenantOptimizer, build_optimizer
 from mlora_lab.parallel import Collectives, DistInfo, ParallelDims, init_distributed, shutdown_distributed
 from mlora_lab.rundir import (
@@ -123,9 +123,11 @@ class Trainer:
         spec.slot_modules = slot_modules = effective_slot_modules(spec)
         if self.run is not None and self.dist.is_main:
             spec.to_json(self.run.job)
+        slot_parameters = sorted({p for t in spec.tenants for p in t.target_parameters})
         self.model = MultiLoRAModel(
-            base, max_tenants=spec.max_tenants, max_rank=spec.max_rank, slot_modules=slot_modules
-        )
+            base, max_tenants=spec.max_tenants, max_rank=spec.max_rank, slot_modules=slot_modules,
+            slot_parameters=slot_parameters,
+        )  # fmt: skip
         if mesh is not None:
             from mlora_lab.parallel.fsdp import apply_fsdp
 
@@ -161,12 +163,13 @@ class Trainer:
         """Fill a free slot with ``tenant`` (from its ``init_adapter`` or PEFT's default init)."""
         init = None
         if tenant.init_adapter:
-            _, init = read_adapter(tenant.init_adapter)
+            _, init = self.model.read_peft_adapter(tenant.init_adapter)
         self.model.add_tenant(
             tenant.name,
             rank=tenant.rank,
             alpha=tenant.alpha,
             target_modules=tenant.target_modules,
+            target_parameters=tenant.target_parameters,
             use_rslora=tenant.use_rslora,
             dropout=tenant.dropout,
             seed=tenant.seed,

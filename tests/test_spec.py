@@ -456,7 +456,7 @@ def moe_path(tmp_path_factory, llama_path) -> str:
     return str(out)
 
 
-def test_target_parameters_checked_then_reported_unsupported(tmp_path, moe_path, llama_path):
+def test_target_parameters_are_checked(tmp_path, moe_path, llama_path):
     _, experts = model_target_names(moe_path)
     assert experts == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
     spec = good_spec(moe_path, tmp_path, tokenizer=llama_path)
@@ -467,7 +467,12 @@ def test_target_parameters_checked_then_reported_unsupported(tmp_path, moe_path,
         in problem
     )
     spec.tenants[0].target_parameters = ["mlp.experts.gate_up_proj", "down_proj"]
-    assert spec.problems() == ["tenant 'a': target_parameters (MoE experts) are not supported yet"]
+    assert spec.problems() == []
+    spec.tenants[0].dropout = 0.1
+    assert spec.problems() == [
+        "tenant 'a': dropout must be 0 with target_parameters (PEFT has no dropout on expert weights)"
+    ]
+    spec.tenants[0].dropout = 0.0
     spec.tenants[0].target_modules = ["gate"]  # the router is not an nn.Linear in transformers 5
     assert any("'gate' matches modules that are not nn.Linear" in p for p in spec.problems())
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from peft import LoraConfig
 from torch import nn
 
+from mlora_lab.lora.experts import MultiLoRAExperts, from_peft, to_peft
 from mlora_lab.lora.layer import LoRARouting, MultiLoRALinear
 from mlora_lab.lora.peft_io import AdapterError, read_adapter, write_adapter
 
@@ -89,6 +90,10 @@ class TenantAdapter:
     dropout: float
     target_modules: list[str] | str
     modules: list[str]  # full names of the wrapped linear layers this tenant adapts
+    target_parameters: list[str] = field(default_factory=list)
+    parameters: list[str] = field(
+        default_factory=list
+    )  # full names of the packed expert parameters it adapts
 
     @property
     def scaling(self) -> float:
@@ -105,12 +110,13 @@ class MultiLoRAModel(nn.Module):
         max_tenants: int = 8,
         max_rank: int = 64,
         slot_modules: str | Sequence[str] = ALL_LINEAR,
+        slot_parameters: Sequence[str] = (),
         adapter_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.model = model
         self.model.requires_grad_(False)
-        self.max_tenants, self.max_rank = max_tenants, max_rank
+        self.max_tenants, self.max_rank, self.adapter_dtype = max_tenants, max_rank, adapter_dtype
         self.routing = LoRARouting()
         all_linear = linear_module_names(model)
         linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -129,6 +135,28 @@ class MultiLoRAModel(nn.Module):
             setattr(parent, child, layer)
             self.layers[name] = layer
         self._all_linear = [n for n in all_linear if n in self.layers]
+        # Packed MoE expert parameters ([E, out, in]) get per-expert slots through their module.
+        self.experts: dict[str, MultiLoRAExperts] = {}
+        self._expert_params: dict[str, tuple[str, str]] = {}  # full parameter name -> (module, attribute)
+        by_module: dict[str, list[str]] = {}
+        for pname, p in model.named_parameters():
+            if p.ndim == 3 and any(pname == t or pname.endswith("." + t) for t in slot_parameters):
+                module, _, attr = pname.rpartition(".")
+                by_module.setdefault(module, []).append(attr)
+        if slot_parameters and not by_module:
+            raise ValueError(
+                f"slot_parameters={list(slot_parameters)} match no 3-D (packed expert) parameter"
+            )
+        for module, attrs in by_module.items():
+            parent_name, _, child = module.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            wrapped = MultiLoRAExperts(
+                getattr(parent, child), self.routing, attrs, max_tenants, max_rank, adapter_dtype
+            )
+            setattr(parent, child, wrapped)
+            self.experts[module] = wrapped
+            for attr in wrapped.param_names:
+                self._expert_params[f"{module}.{attr}"] = (module, attr)
         self.tenants: dict[str, TenantAdapter] = {}
         self.io = TensorIO()
 
@@ -159,8 +187,21 @@ class MultiLoRAModel(nn.Module):
         self.write(layer.lora_B, (slot,), full_B)
 
     # -- tenants -------------------------------------------------------------------------------
+    def resolve_parameters(self, target_parameters: Sequence[str]) -> list[str]:
+        """Full names of the slotted expert parameters ``target_parameters`` selects (PEFT's rule)."""
+        names = list(self._expert_params)
+        missing = [t for t in target_parameters if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing:
+            raise ValueError(
+                f"target parameters {missing} have no adapter slots; slotted expert parameters: "
+                f"{sorted({n.split('.', 3)[-1] for n in names}) or 'none'}"
+            )
+        return [n for n in names if any(n == t or n.endswith("." + t) for t in target_parameters)]
+
     def resolve_targets(self, target_modules: str | Sequence[str]) -> list[str]:
         """Full names of the wrapped layers ``target_modules`` selects; an error if it names others."""
+        if not isinstance(target_modules, str) and not list(target_modules):
+            return []
         names = list(self.layers)
         matched = match_targets(names, target_modules, self._all_linear)
         if isinstance(target_modules, str):
@@ -185,6 +226,7 @@ class MultiLoRAModel(nn.Module):
         dropout: float = 0.0,
         seed: int = 0,
         init: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        target_parameters: Sequence[str] = (),
     ) -> TenantAdapter:
         """Give a free slot to a new tenant.
 
@@ -198,15 +240,20 @@ class MultiLoRAModel(nn.Module):
         if not 0 < rank <= self.max_rank:
             raise ValueError(f"tenant {name!r}: rank {rank} is outside 1..max_rank={self.max_rank}")
         modules = self.resolve_targets(target_modules)
-        if init is not None and set(init) != set(modules):
+        params = self.resolve_parameters(target_parameters)
+        if not modules and not params:
+            raise ValueError(f"tenant {name!r} targets nothing: give target_modules and/or target_parameters")
+        targets = set(modules) | set(params)
+        if init is not None and set(init) != targets:
             raise AdapterError(
                 f"tenant {name!r}: adapter modules differ from its targets; only in adapter: "
-                f"{sorted(set(init) - set(modules))[:5]}, only in targets: {sorted(set(modules) - set(init))[:5]}"
+                f"{sorted(set(init) - targets)[:5]}, only in targets: {sorted(targets - set(init))[:5]}"
             )
         slot = self._free_slot(name)
         tenant = TenantAdapter(
-            name, slot, rank, alpha, use_rslora, dropout, _as_list(target_modules), modules
-        )
+            name, slot, rank, alpha, use_rslora, dropout, _as_list(target_modules), modules,
+            list(target_parameters), params,
+        )  # fmt: skip
         # Every process draws the same full init from the same seed and keeps its own part of it,
         # so the logical adapter does not depend on how the slots are sharded.
         generator = torch.Generator().manual_seed(seed)
@@ -229,6 +276,22 @@ class MultiLoRAModel(nn.Module):
                     B = torch.zeros(layer.out_features, rank)
                 self._fill_slot(layer, slot, rank, A, B)
                 layer.configure_slot(slot, rank, tenant.scaling, dropout)
+            for param in params:  # packed experts: per-expert A [E, r, in], B [E, out, r]
+                module, attr = self._expert_params[param]
+                experts = self.experts[module]
+                E, out, inn = experts.shapes[attr]
+                if init is not None:
+                    A, B = init[param]
+                    if tuple(A.shape) != (E, rank, inn) or tuple(B.shape) != (E, out, rank):
+                        raise AdapterError(
+                            f"tenant {name!r}: {param} needs A [{E}, {rank}, {inn}] and B [{E}, {out}, {rank}]"
+                        )
+                else:  # PEFT's ParamWrapper init: kaiming-uniform on lora_A [E*r, in], B = 0
+                    A = torch.empty(E * rank, inn)
+                    nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
+                    A, B = A.reshape(E, rank, inn), torch.zeros(E, out, rank)
+                self._fill_expert_slot(experts, attr, slot, rank, A, B)
+                experts.configure_slot(slot, attr, rank, tenant.scaling)
         except Exception:
             self._clear(slot)
             raise
@@ -239,20 +302,31 @@ class MultiLoRAModel(nn.Module):
         for layer in self.layers.values():
             self._fill_slot(layer, slot, 0, None, None)
             layer.clear_slot(slot)
+        for experts in self.experts.values():
+            for attr in experts.param_names:
+                self._fill_expert_slot(experts, attr, slot, 0, None, None)
+            experts.clear_slot(slot)
+
+    def _fill_expert_slot(self, experts: MultiLoRAExperts, attr: str, slot: int, rank: int, A, B) -> None:
+        """Zero slot ``slot`` of one expert parameter and put ``A`` [E, r, in], ``B`` [E, out, r] in it."""
+        E, out, inn = experts.shapes[attr]
+        full_A, full_B = torch.zeros(E, self.max_rank, inn), torch.zeros(E, out, self.max_rank)
+        if A is not None:
+            full_A[:, :rank], full_B[:, :, :rank] = A, B
+        lora_A, lora_B = experts.lora(attr)
+        self.write(lora_A, (slot,), full_A)
+        self.write(lora_B, (slot,), full_B)
 
     def load_adapter(self, name: str, path: str | Path, *, dropout: float | None = None) -> TenantAdapter:
         """Add tenant ``name`` from a PEFT LoRA adapter directory (rank, alpha, targets from its config)."""
-        config, tensors = read_adapter(path)
-        ranks = {A.shape[0] for A, _ in tensors.values()}
+        config, init = self.read_peft_adapter(path)
+        ranks = {A.shape[-2] if k in self._expert_params else A.shape[0] for k, (A, _) in init.items()}
         if len(ranks) != 1:
             raise AdapterError(f"{path}: modules have different ranks {sorted(ranks)}")
         rank = ranks.pop()
         if rank > self.max_rank:
             raise AdapterError(f"{path}: adapter rank {rank} exceeds max_rank={self.max_rank}")
-        unknown = sorted(set(tensors) - set(self.layers))
-        if unknown:
-            raise AdapterError(f"{path}: adapter targets layers without slots: {unknown[:5]}")
-        targets = config.target_modules
+        targets = config.target_modules or []
         targets = sorted(targets) if isinstance(targets, (set, list, tuple)) else targets
         return self.add_tenant(
             name,
@@ -261,8 +335,55 @@ class MultiLoRAModel(nn.Module):
             target_modules=targets,
             use_rslora=config.use_rslora,
             dropout=config.lora_dropout if dropout is None else dropout,
-            init=tensors,
+            init=init,
+            target_parameters=sorted(config.target_parameters or []),
         )
+
+    def read_peft_adapter(
+        self, path: str | Path
+    ) -> tuple[LoraConfig, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """A PEFT adapter directory as ``(config, init)`` for :meth:`add_tenant`: linear modules as
+        ``(A [r, in], B [out, r])``, packed expert parameters as ``(A [E, r, in], B [E, out, r])``."""
+        config, tensors = read_adapter(path)
+        target_parameters = sorted(config.target_parameters or [])
+        init, unknown = {}, []
+        for key, (A, B) in tensors.items():
+            if key in self.layers:
+                init[key] = (A, B)
+                continue
+            full = self._expert_param_for_key(key, target_parameters)
+            if full is None:
+                unknown.append(key)
+            else:
+                init[full] = from_peft(A, B, self.experts[self._expert_params[full][0]].num_experts)
+        if unknown:
+            raise AdapterError(f"{path}: adapter targets layers without slots: {sorted(unknown)[:5]}")
+        return config, init
+
+    def _expert_param_for_key(self, key: str, target_parameters: Sequence[str]) -> str | None:
+        """PEFT nests one wrapper per targeted parameter of a module, the first-defined innermost:
+        ``<module>(.base_layer)*d`` holds the parameter ``n - 1 - d`` of the ``n`` it targets there."""
+        depth = 0
+        while key.endswith(".base_layer"):
+            key, depth = key[: -len(".base_layer")], depth + 1
+        experts = self.experts.get(key)
+        if experts is None:
+            return None
+        targeted = [a for a in experts.param_names if any(f"{key}.{a}" == t or f"{key}.{a}".endswith("." + t)
+                                                           for t in target_parameters)]  # fmt: skip
+        if depth >= len(targeted):
+            return None
+        return f"{key}.{targeted[len(targeted) - 1 - depth]}"
+
+    def _peft_tensors(self, t: TenantAdapter, tensors: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Our layout → PEFT's keys and shapes (expert parameters nested as PEFT does)."""
+        out = {m: tensors[m] for m in t.modules}
+        for param in t.parameters:
+            module, attr = self._expert_params[param]
+            targeted = [a for a in self.experts[module].param_names if f"{module}.{a}" in t.parameters]
+            depth = len(targeted) - 1 - targeted.index(attr)
+            out[module + ".base_layer" * depth] = to_peft(*tensors[param])
+        return out
 
     def remove_tenant(self, name: str) -> None:
         """Free the tenant's slot (zeroed, so it contributes nothing)."""
@@ -277,17 +398,18 @@ class MultiLoRAModel(nn.Module):
             layer = self.layers[module]
             yield layer.lora_A, (t.slot, slice(0, t.rank))
             yield layer.lora_B, (t.slot, slice(None), slice(0, t.rank))
+        for param in t.parameters:  # A [E, r, in], B [E, out, r]
+            module, attr = self._expert_params[param]
+            lora_A, lora_B = self.experts[module].lora(attr)
+            yield lora_A, (t.slot, slice(None), slice(0, t.rank))
+            yield lora_B, (t.slot, slice(None), slice(None), slice(0, t.rank))
 
     def tenant_tensors(self, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{module_name: (A [r, in], B [out, r])}``: detached copies of the tenant's adapter."""
         t = self._tenant(name)
-        return {
-            m: (
-                self.read(self.layers[m].lora_A, (t.slot, slice(0, t.rank))),
-                self.read(self.layers[m].lora_B, (t.slot, slice(None), slice(0, t.rank))),
-            )
-            for m in t.modules
-        }
+        pairs = list(self.tenant_slices(name))
+        keys = t.modules + t.parameters
+        return {k: (self.read(*pairs[2 * i]), self.read(*pairs[2 * i + 1])) for i, k in enumerate(keys)}
 
     def peft_config(self, name: str, base_model_name_or_path: str | None = None) -> LoraConfig:
         """The ``peft.LoraConfig`` that describes tenant ``name`` exactly."""
@@ -296,11 +418,12 @@ class MultiLoRAModel(nn.Module):
         if targets == ALL_LINEAR or targets == [ALL_LINEAR]:
             targets = sorted({m.rsplit(".", 1)[-1] for m in t.modules})
         return LoraConfig(
+            target_parameters=list(t.target_parameters) or None,
             r=t.rank,
             lora_alpha=t.alpha,
             lora_dropout=t.dropout,
             use_rslora=t.use_rslora,
-            target_modules=targets,
+            target_modules=targets or [],
             bias="none",
             task_type="CAUSAL_LM",
             base_model_name_or_path=base_model_name_or_path,
@@ -317,15 +440,19 @@ class MultiLoRAModel(nn.Module):
         slot contents (the distributed job passes gathered full tensors)."""
         base = base_model_name_or_path or getattr(getattr(self.model, "config", None), "_name_or_path", None)
         config = self.peft_config(name, base)
-        return write_adapter(path, config, tensors if tensors is not None else self.tenant_tensors(name))
+        tensors = tensors if tensors is not None else self.tenant_tensors(name)
+        return write_adapter(path, config, self._peft_tensors(self._tenant(name), tensors))
 
     def adapter_bytes(self, name: str) -> int:
         """Bytes of the tenant's own adapter tensors (its rank, not the slot's max_rank)."""
         t = self._tenant(name)
-        size = next(iter(self.layers.values())).lora_A.element_size()
-        return sum(
-            t.rank * (self.layers[m].in_features + self.layers[m].out_features) * size for m in t.modules
-        )
+        size = torch.empty((), dtype=self.adapter_dtype).element_size()
+        total = sum(t.rank * (self.layers[m].in_features + self.layers[m].out_features) for m in t.modules)
+        for param in t.parameters:
+            module, attr = self._expert_params[param]
+            E, out, inn = self.experts[module].shapes[attr]
+            total += E * t.rank * (inn + out)
+        return total * size
 
     # -- forward -------------------------------------------------------------------------------
     def set_routing(self, tenants: Sequence[str | None] | None, num_rows: int) -> None:

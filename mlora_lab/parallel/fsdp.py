@@ -45,6 +45,11 @@ def apply_fsdp(mm: MultiLoRAModel, mesh: DeviceMesh, reshard_after_forward: bool
     for layer in mm.layers.values():
         placements[id(layer.lora_A)] = Shard(2)
         placements[id(layer.lora_B)] = Shard(1)
+    for experts in mm.experts.values():  # A [S, E, R, in], B [S, E, out, R]: feature dims again
+        for attr in experts.param_names:
+            lora_A, lora_B = experts.lora(attr)
+            placements[id(lora_A)] = Shard(3)
+            placements[id(lora_B)] = Shard(2)
 
     def place(param: nn.Parameter) -> Shard:
         return placements.get(id(param), Shard(0))
