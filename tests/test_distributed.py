@@ -16,7 +16,7 @@ import mlora_lab as ml
 from mlora_lab.launch import prepare_run
 from mlora_lab.lora import read_adapter
 from mlora_lab.rundir import read_status
-from mlora_lab.tiny import TYPICAL_TARGETS
+from mlora_lab.tiny import EXPERT_TARGETS, TYPICAL_TARGETS
 from mlora_lab.train import Trainer
 
 pytestmark = pytest.mark.slow
@@ -28,12 +28,13 @@ def tenants_for(arch: str, make_data) -> list[ml.Tenant]:
     """Heterogeneous ranks and targets, rows of unequal length, odd batch sizes (ranks get unequal
     rows; with batch_size 1 one rank gets none), accumulation and clipping."""
     targets = TYPICAL_TARGETS[arch]
+    experts = EXPERT_TARGETS if arch in ("qwen3_moe", "mixtral") else []  # MoE: also the packed experts
     return [
         ml.Tenant(name="a", data=make_data("reverse"), rank=4, alpha=8, target_modules=targets[:2], lr=5e-3,
-                  batch_size=3, max_steps=5, seed=1),
+                  batch_size=3, max_steps=5, seed=1, target_parameters=experts),
         ml.Tenant(name="b", data=make_data("chat"), rank=16, alpha=16, use_rslora=True, target_modules=targets,
                   lr=2e-3, batch_size=1, grad_accum=2, max_steps=4, schedule="cosine", warmup_steps=1, seed=2,
-                  max_grad_norm=0.1),
+                  max_grad_norm=0.1, target_parameters=experts[:1]),
         ml.Tenant(name="c", data=make_data("text"), rank=8, target_modules=targets[-1:], lr=1e-3,
                   batch_size=4, max_steps=6, weight_decay=0.1, seed=3),
     ]  # fmt: skip
@@ -71,7 +72,7 @@ def assert_same_adapters(x: dict, y: dict, tol: float) -> None:
             assert diff <= tol, f"{name}/{m}: {diff}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "qwen3_moe"])
 def test_fsdp2_two_ranks_equal_one(arch, tiny_models, make_data, tmp_path):
     base = tiny_models(arch)
     tenants = tenants_for(arch, make_data)
