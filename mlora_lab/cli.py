@@ -83,7 +83,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(
         f"building a tiny Llama-style model, a local tokenizer and 3 tenants' data in {work}/ ...", flush=True
     )
-    spec = build_demo(work, steps=args.steps, nproc=args.nproc)
+    spec = build_demo(work, steps=args.steps, nproc=args.nproc, moe=args.moe)
     run = launch(spec, workdir=work / "runs")
     state = follow(run)
     print_outcome(run, state)
@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default="mlora_demo")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--nproc", type=int, default=1)
+    p.add_argument(
+        "--moe", action="store_true", help="a small Qwen3-MoE model, LoRA on its packed experts too"
+    )
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("resume", help="continue a run from its latest checkpoint")
     p.add_argument("run_dir", type=Path)

@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 from mlora_lab.spec import JobSpec, Parallel, Tenant
-from mlora_lab.tiny import build_tiny_model, default_corpus
+from mlora_lab.tiny import EXPERT_TARGETS, build_tiny_model, default_corpus
 
 WORDS = [
     "red",
@@ -65,17 +65,27 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-def build_demo(workdir: str | Path = "mlora_demo", steps: int = 300, nproc: int = 1) -> JobSpec:
-    """Build the model, tokenizer and tenant data under ``workdir`` and return the demo job spec."""
+def build_demo(
+    workdir: str | Path = "mlora_demo", steps: int = 300, nproc: int = 1, moe: bool = False
+) -> JobSpec:
+    """Build the model, tokenizer and tenant data under ``workdir`` and return the demo job spec.
+
+    ``moe=True`` uses a small Qwen3-MoE model instead, and the tenants also put LoRA on its packed
+    experts (``target_parameters``).
+    """
     work = Path(workdir).absolute()
-    model_dir = work / "model"
+    arch = "qwen3_moe" if moe else "llama"
+    model_dir = work / f"model_{arch}"
     if not (model_dir / "config.json").is_file():
         corpus = default_corpus() + [
             json.dumps(r) for t in ("reverse", "upper", "count") for r in task_rows(t, 200, 9)
         ]
-        build_tiny_model(
-            "llama", model_dir, hidden=256, layers=4, heads=8, kv_heads=4, vocab_size=1024, corpus=corpus
+        size = (
+            dict(hidden=128, layers=2, heads=4, kv_heads=2)
+            if moe
+            else dict(hidden=256, layers=4, heads=8, kv_heads=4)
         )
+        build_tiny_model(arch, model_dir, vocab_size=1024, corpus=corpus, **size)
     data = {}
     for task in ("reverse", "upper", "count"):
         data[task] = write_jsonl(work / "data" / f"{task}.jsonl", task_rows(task, 256, seed=0))
@@ -90,6 +100,11 @@ def build_demo(workdir: str | Path = "mlora_demo", steps: int = 300, nproc: int 
                target_modules=["all-linear"], lr=2e-3, schedule="linear", batch_size=4, grad_accum=2,
                max_steps=steps // 2, seed=3),
     ]  # fmt: skip
+    if moe:  # attention as above where it exists, plus LoRA on every expert of the MoE blocks
+        tenants[0].target_parameters = EXPERT_TARGETS
+        tenants[1].target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        tenants[1].target_parameters = EXPERT_TARGETS[:1]
+        tenants[2].use_rslora = True
     return JobSpec(
         base_model=str(model_dir),
         tenants=tenants,

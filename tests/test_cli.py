@@ -113,6 +113,16 @@ def test_demo_runs(tmp_path):
     assert (tmp_path / "demo" / "loss_curves.png").stat().st_size > 10_000
 
 
+def test_demo_runs_with_moe_tenants(tmp_path):
+    proc = cli(
+        "demo", "--moe", "--workdir", str(tmp_path / "demo"), "--steps", "6", cwd=tmp_path, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = next((tmp_path / "demo" / "runs").iterdir())
+    config = json.loads((run_dir / "adapters" / "reverse" / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+
+
 def long_spec(tmp_path: Path, base: str, make_data) -> ml.JobSpec:
     tenants = [ml.Tenant(name="slow", data=make_data("text"), rank=4, max_steps=100_000, batch_size=2)]
     return ml.JobSpec(
