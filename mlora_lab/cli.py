@@ -50,6 +50,16 @@ def print_outcome(run: Run, state: str, out=sys.stdout) -> None:
         print(f"\nadapters (PEFT format): {run.path / 'adapters'}", file=out)
 
 
+def follow_to_exit(run: Run, no_follow: bool = False) -> int:
+    """Follow ``run`` to its end and summarise it (or just print its directory); the exit code."""
+    if no_follow:
+        print(run.path)
+        return 0
+    state = follow(run)
+    print_outcome(run, state)
+    return 0 if state == "finished" else 1
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     try:
         spec = JobSpec.load(args.job)
@@ -57,12 +67,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except SpecError as e:
         print(e, file=sys.stderr)
         return 2
-    if args.no_follow:
-        print(run.path)
-        return 0
-    state = follow(run)
-    print_outcome(run, state)
-    return 0 if state == "finished" else 1
+    return follow_to_exit(run, args.no_follow)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -80,17 +85,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from mlora_lab.report import plot_losses
 
     work = Path(args.workdir)
-    print(
-        f"building a tiny Llama-style model, a local tokenizer and 3 tenants' data in {work}/ ...", flush=True
-    )
+    kind = "Qwen3-MoE" if args.moe else "Llama-style"
+    print(f"building a tiny {kind} model, a local tokenizer and 3 tenants' data in {work}/ ...", flush=True)
     spec = build_demo(work, steps=args.steps, nproc=args.nproc, moe=args.moe)
     run = launch(spec, workdir=work / "runs")
-    state = follow(run)
-    print_outcome(run, state)
+    code = follow_to_exit(run)
     png = work / "loss_curves.png"
     plot_losses(run, png)
     print(f"loss curves: {png}")
-    return 0 if state == "finished" else 1
+    return code
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -99,12 +102,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     except (SpecError, FileNotFoundError, RuntimeError) as e:
         print(e, file=sys.stderr)
         return 2
-    if args.no_follow:
-        print(run.path)
-        return 0
-    state = follow(run)
-    print_outcome(run, state)
-    return 0 if state == "finished" else 1
+    return follow_to_exit(run, args.no_follow)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -83,13 +83,15 @@ class TenantOptimizer:
             return torch.zeros((), dtype=torch.float64)
         return sum(g.double().square().sum() for g in grads).cpu()
 
-    def step(self, grad_norm: torch.Tensor | float | None = None) -> torch.Tensor:
+    def step(self, grad_norm: torch.Tensor | float | None = None, rebind: bool = True) -> torch.Tensor:
         """Clip by the tenant's own norm (if enabled), step AdamW and the schedule; return the norm.
 
         ``grad_norm`` is the norm of the tenant's whole gradient; when omitted it is computed from
-        this process's gradients (right for unsharded slots).
+        this process's gradients (right for unsharded slots). ``rebind=False`` when the caller has
+        just called :meth:`bind` (to compute the norm) and nothing changed the storage since.
         """
-        self.bind()
+        if rebind:
+            self.bind()
         norm = torch.as_tensor(grad_norm if grad_norm is not None else self.local_sq_norm().sqrt()).float()
         if self.max_grad_norm is not None:
             # Same rule as torch.nn.utils.clip_grad_norm_: scale by min(1, max / (norm + 1e-6)).

@@ -300,7 +300,7 @@ class Trainer:
                 )
                 continue
             lr = t.optimizer.lr
-            grad_norm = t.optimizer.step(grad_norm=t_sq.sqrt())
+            grad_norm = t.optimizer.step(grad_norm=t_sq.sqrt(), rebind=False)
             t.optimizer.zero_grad()
             t.step += 1
             t.micro = 0
