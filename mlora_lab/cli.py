@@ -98,7 +98,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     try:
-        run = resume(args.run_dir, nproc=args.nproc, fsdp=args.fsdp)
+        run = resume(args.run_dir, nproc=args.nproc, fsdp=args.fsdp, ep=args.ep)
     except (SpecError, FileNotFoundError, RuntimeError) as e:
         print(e, file=sys.stderr)
         return 2
@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", type=Path)
     p.add_argument("--nproc", type=int, default=None, help="change the number of processes")
     p.add_argument("--fsdp", type=int, default=None, help="change the FSDP degree (default: nproc)")
+    p.add_argument("--ep", type=int, default=None, help="change the expert-parallel degree (MoE)")
     p.add_argument("--no-follow", action="store_true")
     p.set_defaults(func=cmd_resume)
     p = sub.add_parser("status", help="show a run's state and per-tenant summary")

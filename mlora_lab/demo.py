@@ -11,6 +11,8 @@ import json
 import random
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from mlora_lab.spec import JobSpec, Parallel, Tenant
 from mlora_lab.tiny import EXPERT_TARGETS, build_tiny_model, default_corpus
 
@@ -71,7 +73,8 @@ def build_demo(
     """Build the model, tokenizer and tenant data under ``workdir`` and return the demo job spec.
 
     ``moe=True`` uses a small Qwen3-MoE model instead, and the tenants also put LoRA on its packed
-    experts (``target_parameters``).
+    experts (``target_parameters``); with ``nproc > 1`` its experts are split over the processes
+    (expert parallelism, ``ep = nproc``) where their number allows.
     """
     work = Path(workdir).absolute()
     arch = "qwen3_moe" if moe else "llama"
@@ -105,6 +108,8 @@ def build_demo(
         tenants[1].target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
         tenants[1].target_parameters = EXPERT_TARGETS[:1]
         tenants[2].use_rslora = True
+    experts = AutoConfig.from_pretrained(model_dir).num_experts if moe else 0
+    ep = nproc if moe and experts % nproc == 0 else 1
     return JobSpec(
         base_model=str(model_dir),
         tenants=tenants,
@@ -112,7 +117,7 @@ def build_demo(
         max_tenants=4,
         max_rank=16,
         slot_modules=["all-linear"],
-        parallel=Parallel(nproc=nproc, fsdp=nproc),
+        parallel=Parallel(nproc=nproc, fsdp=nproc, ep=ep),
         eval_every=25,
         log_every=1,
     )

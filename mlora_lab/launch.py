@@ -84,11 +84,14 @@ def launch(spec: JobSpec, workdir: str | Path = DEFAULT_WORKDIR) -> Run:
     return _start(run_dir, JobSpec.load(run_dir.job))
 
 
-def resume(run_dir: str | Path, nproc: int | None = None, fsdp: int | None = None) -> Run:
+def resume(
+    run_dir: str | Path, nproc: int | None = None, fsdp: int | None = None, ep: int | None = None
+) -> Run:
     """Continue a stopped or failed run from its latest complete checkpoint, in the background.
 
-    ``nproc``/``fsdp`` change the layout (checkpoints hold full tensors, so any world size works;
-    ``nproc`` alone sets ``fsdp = nproc``).
+    ``nproc``/``fsdp``/``ep`` change the layout (checkpoints hold full tensors, so any world size
+    works). ``nproc`` alone sets ``fsdp = nproc`` and keeps the run's ``ep`` where it still divides
+    the data-parallel ranks (else ``ep = 1``).
     """
     run = RunDir(Path(run_dir).absolute())
     spec = JobSpec.load(run.job)
@@ -96,9 +99,11 @@ def resume(run_dir: str | Path, nproc: int | None = None, fsdp: int | None = Non
         raise FileNotFoundError(f"{run.root}: no complete checkpoint to resume from")
     if Run(run.root).status in ("starting", "running"):
         raise RuntimeError(f"{run.root} is still running; stop it first")
-    if nproc is not None or fsdp is not None:
-        spec.parallel.nproc = nproc or spec.parallel.nproc
-        spec.parallel.fsdp = fsdp or spec.parallel.nproc
+    if nproc is not None or fsdp is not None or ep is not None:
+        p = spec.parallel
+        p.nproc = nproc or p.nproc
+        p.fsdp = fsdp or p.nproc
+        p.ep = ep or (p.ep if (p.world_size // p.tp) % p.ep == 0 else 1)
         spec.validate()
         spec.to_json(run.job)
     (run.control / "stop").unlink(missing_ok=True)

@@ -47,11 +47,12 @@ class TenantOptimizer:
         max_steps: int = 1,
         max_grad_norm: float | None = None,
         local: Callable[[torch.Tensor], torch.Tensor] = _local,
+        copies: Callable[[torch.Tensor], int] = lambda param: 1,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; known: {sorted(SCHEDULES)}")
         self.slices = list(slices)
-        self.local = local
+        self.local, self.copies = local, copies
         self.params = [nn.Parameter(self._view(p, idx)) for p, idx in self.slices]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=False
@@ -76,12 +77,15 @@ class TenantOptimizer:
             handle.grad = None if param.grad is None else self.local(param.grad)[index]
 
     def local_sq_norm(self) -> torch.Tensor:
-        """Sum of squares of this process's part of the tenant's gradient (call after ``bind``).
-        The clipping norm is ``sqrt`` of its sum over shards."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return torch.zeros((), dtype=torch.float64)
-        return sum(g.double().square().sum() for g in grads).cpu()
+        """Sum of squares of this process's part of the tenant's gradient, each part divided by how
+        many processes hold it (call after ``bind``). The clipping norm is ``sqrt`` of its sum over
+        all processes."""
+        parts = [
+            h.grad.double().square().sum() / self.copies(param)
+            for h, (param, _) in zip(self.params, self.slices)
+            if h.grad is not None
+        ]
+        return sum(parts).cpu() if parts else torch.zeros((), dtype=torch.float64)
 
     def step(self, grad_norm: torch.Tensor | float | None = None, rebind: bool = True) -> torch.Tensor:
         """Clip by the tenant's own norm (if enabled), step AdamW and the schedule; return the norm.

@@ -140,7 +140,8 @@ class Tenant:
 
 @dataclass
 class Parallel:
-    """How the job is laid out over processes. ``fsdp * tp * ep`` must divide ``world_size``."""
+    """How the job is laid out over processes: ``fsdp * tp`` must divide ``world_size``, and ``ep``
+    the ``world_size / tp`` data-parallel ranks (expert parallelism borrows from them)."""
 
     nproc: int = 1
     """Processes (ranks) per node."""
@@ -151,7 +152,7 @@ class Parallel:
     tp: int = 1
     """Tensor-parallel degree."""
     ep: int = 1
-    """Expert-parallel degree (MoE models)."""
+    """Expert-parallel degree (MoE models): groups of ``ep`` data-parallel ranks split the experts."""
 
     @property
     def world_size(self) -> int:
@@ -333,6 +334,8 @@ class _ModelInfo:
     """Full names of the ``nn.Linear`` submodules."""
     experts: tuple[str, ...]
     """Full names of the 3-D parameters (packed MoE experts)."""
+    expert_modules: tuple[tuple[str, int, str | None], ...] = ()
+    """(full name, number of experts, why it cannot be split or None) of each module holding 3-D parameters."""
 
 
 @functools.lru_cache(maxsize=32)
@@ -347,7 +350,15 @@ def _model_info(path: str) -> _ModelInfo:
     modules = tuple((n, type(m).__name__) for n, m in model.named_modules() if n)
     linear = frozenset(n for n, m in model.named_modules() if n and isinstance(m, torch.nn.Linear))
     experts = tuple(n for n, p in model.named_parameters() if p.ndim == 3)
-    return _ModelInfo(modules, linear, experts)
+    from mlora_lab.lora.experts import packed_experts_problem
+
+    holders = sorted({n.rpartition(".")[0] for n in experts})
+    expert_modules = tuple(
+        (n, model.get_submodule(n).gate_up_proj.shape[0] if not problem else 0, problem)
+        for n in holders
+        for problem in [packed_experts_problem(model.get_submodule(n))]
+    )
+    return _ModelInfo(modules, linear, experts, expert_modules)
 
 
 def effective_slot_modules(job: JobSpec) -> list[str]:
@@ -455,6 +466,7 @@ class _Validator:
             self._check_data(t)
             self._check_init_adapter(t)
         self._check_slot_modules(good)
+        self._check_expert_parallel()
         return self.out
 
     # -- generic field checks ------------------------------------------------------------------
@@ -530,15 +542,33 @@ class _Validator:
             self._int("", f"parallel.{name}", getattr(p, name), lo=1)
         if not all(_is_int(getattr(p, n)) and getattr(p, n) >= 1 for n in names):
             return
-        group = p.fsdp * p.tp * p.ep
+        group = p.fsdp * p.tp
         if p.world_size % group:
             self.out.append(
-                f"parallel: fsdp*tp*ep = {p.fsdp}*{p.tp}*{p.ep} = {group} must divide "
+                f"parallel: fsdp*tp = {p.fsdp}*{p.tp} = {group} must divide "
                 f"nproc*nnodes = {p.nproc}*{p.nnodes} = {p.world_size}"
             )
-        for name in ("tp", "ep"):
-            if getattr(p, name) > 1:
-                self.out.append(f"parallel.{name} > 1 is not supported yet (got {getattr(p, name)})")
+        elif (p.world_size // p.tp) % p.ep:
+            self.out.append(
+                f"parallel: ep = {p.ep} must divide the data-parallel ranks (nproc*nnodes/tp = "
+                f"{p.world_size // p.tp}); expert parallelism splits the experts over groups of them"
+            )
+        if p.tp > 1:
+            self.out.append(f"parallel.tp > 1 is not supported yet (got {p.tp})")
+
+    def _check_expert_parallel(self) -> None:
+        """``ep > 1`` needs packed experts that split evenly over ``ep`` ranks."""
+        p = self.spec.parallel
+        if self.model is None or not isinstance(p, Parallel) or not _is_int(p.ep) or p.ep <= 1:
+            return
+        if not self.model.expert_modules:
+            self.out.append(f"parallel.ep = {p.ep}, but the model has no packed (3-D) expert parameters")
+            return
+        name, n, problem = self.model.expert_modules[0]
+        if problem:
+            self.out.append(f"parallel.ep = {p.ep}: experts module {name} {problem}")
+        elif n % p.ep:
+            self.out.append(f"parallel.ep = {p.ep} does not divide the {n} experts of each MoE layer")
 
     def _check_tenant_set(self, tenants: list[Any]) -> None:
         s = self.spec

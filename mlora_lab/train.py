@@ -49,7 +49,14 @@ from mlora_lab.data import IGNORE_INDEX, DataError, Example, TenantStream, colla
 from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.lora.peft_io import AdapterError
 from mlora_lab.optim import TenantOptimizer, build_optimizer
-from mlora_lab.parallel import Collectives, DistInfo, ParallelDims, init_distributed, shutdown_distributed
+from mlora_lab.parallel import (
+    Collectives,
+    DistInfo,
+    ParallelDims,
+    init_distributed,
+    parallelize,
+    shutdown_distributed,
+)
 from mlora_lab.rundir import (
     MetricsWriter,
     RunDir,
@@ -105,7 +112,7 @@ class Trainer:
         self.stop_requested = False
         torch.manual_seed(spec.seed)
 
-        # Parallel layout: one place decides it; the model below stays plain until apply_fsdp.
+        # Parallel layout: one place decides it; the model below stays plain until parallelize().
         p = spec.parallel
         self.dims = ParallelDims(self.dist.world_size, fsdp=p.fsdp, tp=p.tp, ep=p.ep)
         mesh = self.dims.build_mesh(self.device.type)
@@ -126,13 +133,9 @@ class Trainer:
         slot_parameters = sorted({p for t in spec.tenants for p in t.target_parameters})
         self.model = MultiLoRAModel(
             base, max_tenants=spec.max_tenants, max_rank=spec.max_rank, slot_modules=slot_modules,
-            slot_parameters=slot_parameters,
+            slot_parameters=slot_parameters, wrap_experts=self.dims.ep > 1,
         )  # fmt: skip
-        if mesh is not None:
-            from mlora_lab.parallel.fsdp import apply_fsdp
-
-            fsdp_mesh = mesh["dp_shard"] if self.dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
-            apply_fsdp(self.model, fsdp_mesh)
+        parallelize(self.model, self.dims, mesh, self.device.type)
 
         checkpoint = self._latest_checkpoint() if resume else None
         if resume and checkpoint is None:
@@ -181,7 +184,10 @@ class Trainer:
             spec=tenant,
             stream=TenantStream(examples, seed=tenant.seed, shuffle=tenant.shuffle),
             optimizer=build_optimizer(
-                self.model.tenant_slices(tenant.name), tenant, local=self.model.io.local
+                self.model.tenant_slices(tenant.name),
+                tenant,
+                local=self.model.io.local,
+                copies=self.model.io.copies,
             ),
             eval_examples=evals,
             state="running",
@@ -291,7 +297,7 @@ class Trainer:
         the tenants' squared gradient norms over shards, their losses over data-parallel ranks)."""
         for t in stepping:
             t.optimizer.bind()
-        sq = self.comm.sum_over_shards(torch.stack([t.optimizer.local_sq_norm() for t in stepping]))
+        sq = self.comm.sum_over_world(torch.stack([t.optimizer.local_sq_norm() for t in stepping]))
         losses = self.comm.sum_over_dp(torch.stack([t.window_loss for t in stepping]))
         for t, t_sq, loss in zip(stepping, sq, losses):
             if not (torch.isfinite(t_sq) and torch.isfinite(loss)):
@@ -453,11 +459,7 @@ class Trainer:
             t = self.tenants.get(name)
             if t is None:
                 raise ValueError(f"checkpoint {path} holds tenant {name!r}, which job.json does not list")
-            for module, (A, B) in s["adapter"].items():
-                layer = self.model.layers[module]
-                slot, rank = self.model.tenants[name].slot, self.model.tenants[name].rank
-                self.model.write(layer.lora_A, (slot, slice(0, rank)), A)
-                self.model.write(layer.lora_B, (slot, slice(None), slice(0, rank)), B)
+            self.model.set_tenant_tensors(name, s["adapter"])
             t.optimizer.load_state_dict(s["optimizer"], scatter=io.scatter)
             t.stream.load_state_dict(s["stream"])
             t.state, t.reason, t.step, t.micro = s["state"], s["reason"], s["step"], s["micro"]

@@ -89,6 +89,38 @@ def test_fsdp2_two_ranks_equal_one(arch, tiny_models, make_data, tmp_path):
     assert (shards["local_adapter_bytes"] < shards["adapter_bytes"]).all()
 
 
+@pytest.mark.parametrize("arch, fsdp", [("qwen3_moe", 2), ("mixtral", 1)])
+def test_expert_parallel_two_ranks_equal_one(arch, fsdp, tiny_models, make_data, tmp_path):
+    """ep=2 (attention sharded with fsdp=2, or replicated with fsdp=1) equals one process: the
+    experts and their slots are split, tokens travel between the ranks (one rank has no rows of
+    tenant b), and the saved adapters are gathered whole."""
+    base = tiny_models(arch)
+    tenants = tenants_for(arch, make_data)
+    one = finished(ml.launch(job(base, tenants, tmp_path / "ep1", nproc=1)))
+    spec = job(base, tenants, tmp_path / "ep2", nproc=2)
+    spec.parallel = ml.Parallel(nproc=2, fsdp=fsdp, ep=2)
+    two = finished(ml.launch(spec))
+    l1, l2 = losses(one), losses(two)
+    assert set(l1) == set(l2) and len(l1) == 5 + 4 + 6
+    assert max(abs(l1[k] - l2[k]) for k in l1) <= TOL
+    names = [t.name for t in tenants]
+    assert_same_adapters(adapters(one, names), adapters(two, names), TOL)
+    a = two.tenant_events().query("tenant == 'a'").iloc[0]
+    assert a.local_adapter_bytes < a.adapter_bytes  # its experts' share
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_expert_parallel_matches_unsplit_model_under_torchrun(nproc):
+    archs = ["qwen3_moe", "mixtral"] if nproc == 2 else ["qwen3_moe"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         str(ROOT / "tests" / "dist" / "expert_parallel.py"), *archs],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("expert parallel ok") == nproc
+
+
 def test_sharded_slot_io_under_torchrun(llama_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -99,12 +131,14 @@ def test_sharded_slot_io_under_torchrun(llama_path):
     assert proc.stdout.count("sharded I/O ok") == 2
 
 
-def test_resume_in_process_equals_uninterrupted(llama_path, make_data, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_resume_in_process_equals_uninterrupted(arch, tiny_models, make_data, tmp_path):
     """Stopped after 3 global steps (mid accumulation window for tenant b), then resumed."""
-    tenants = tenants_for("llama", make_data)
-    straight = Trainer(job(llama_path, tenants, tmp_path / "straight"))
+    base = tiny_models(arch)  # with qwen3_moe, tenants a and b also adapt the packed experts
+    tenants = tenants_for(arch, make_data)
+    straight = Trainer(job(base, tenants, tmp_path / "straight"))
     straight.train()
-    first = Trainer(job(llama_path, tenants, tmp_path / "cut"), run_dir=tmp_path / "cut")
+    first = Trainer(job(base, tenants, tmp_path / "cut"), run_dir=tmp_path / "cut")
     for _ in range(3):
         first.step()
     assert first.tenants["b"].micro == 1
@@ -114,7 +148,7 @@ def test_resume_in_process_equals_uninterrupted(llama_path, make_data, tmp_path)
     (tmp_path / "cut" / "checkpoints" / ".tmp-step_00000009").mkdir()
     (tmp_path / "cut" / "checkpoints" / "step_00000008").mkdir()
     (tmp_path / "cut" / "checkpoints" / "step_00000008" / "state.pt").write_bytes(b"partial")
-    again = Trainer(job(llama_path, tenants, tmp_path / "cut"), run_dir=tmp_path / "cut", resume=True)
+    again = Trainer(job(base, tenants, tmp_path / "cut"), run_dir=tmp_path / "cut", resume=True)
     assert again.global_step == 3 and again.tenants["b"].micro == 1
     again.train()
     for t in tenants:
@@ -124,14 +158,22 @@ def test_resume_in_process_equals_uninterrupted(llama_path, make_data, tmp_path)
             assert max((A - A2).abs().max().item(), (B - B2).abs().max().item()) <= 1e-6
 
 
-@pytest.mark.parametrize("resume_nproc", [2, 1])
-def test_resume_after_stop_with_two_ranks(resume_nproc, llama_path, make_data, tmp_path):
+@pytest.mark.parametrize("arch, ep, resume_nproc", [("llama", 1, 2), ("llama", 1, 1), ("qwen3_moe", 2, 2)])
+def test_resume_after_stop_with_two_ranks(arch, ep, resume_nproc, tiny_models, make_data, tmp_path):
     """A 2-process run stopped early (graceful stop: checkpoint at the step it stopped), resumed on 2
-    or 1 processes, ends like the uninterrupted 2-process run."""
+    or 1 processes, ends like the uninterrupted 2-process run; with ep=2 the checkpoint gathers the
+    split experts' adapters, optimiser states and partial gradients, and resuming splits them again."""
+    base = tiny_models(arch)
     # long enough that the stop lands mid-run, whatever the machine's speed
-    tenants = [dataclasses.replace(t, max_steps=10 * t.max_steps) for t in tenants_for("llama", make_data)]
-    straight = finished(ml.launch(job(llama_path, tenants, tmp_path / "straight", nproc=2)))
-    stopped = ml.launch(job(llama_path, tenants, tmp_path / "cut", nproc=2))
+    tenants = [dataclasses.replace(t, max_steps=10 * t.max_steps) for t in tenants_for(arch, make_data)]
+
+    def two_ranks(out: Path) -> ml.JobSpec:
+        spec = job(base, tenants, out, nproc=2)
+        spec.parallel.ep = ep
+        return spec
+
+    straight = finished(ml.launch(two_ranks(tmp_path / "straight")))
+    stopped = ml.launch(two_ranks(tmp_path / "cut"))
     while not any(r["kind"] == "train" for r in stopped.rows()):
         assert stopped.status in ("starting", "running"), stopped.logs(0)
         time.sleep(0.05)

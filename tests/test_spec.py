@@ -331,11 +331,12 @@ BAD_CASES: list[tuple[str, Callable[[JobSpec, Path], None], str]] = [
     ("tp_str", at("parallel.tp", "2"), "parallel.tp must be an integer"),
     ("fsdp", at("parallel", Parallel(nproc=2, fsdp=4)), "must divide nproc*nnodes"),
     ("tp", at("parallel", Parallel(nproc=2, tp=2)), "parallel.tp > 1 is not supported yet"),
-    ("ep", at("parallel", Parallel(nproc=2, ep=2)), "parallel.ep > 1 is not supported yet"),
+    ("ep_dense", at("parallel", Parallel(nproc=2, ep=2)), "parallel.ep = 2, but the model has no packed"),
+    ("ep_divide", at("parallel", Parallel(nproc=2, ep=4)), "ep = 4 must divide the data-parallel ranks"),
     (
         "divide",
         at("parallel", Parallel(nproc=2, fsdp=3)),
-        "fsdp*tp*ep = 3*1*1 = 3 must divide nproc*nnodes = 2*1 = 2",
+        "fsdp*tp = 3*1 = 3 must divide nproc*nnodes = 2*1 = 2",
     ),
     ("parallel_type", at("parallel", {"nproc": 1}), "parallel must be a Parallel"),
     # slot_modules
@@ -475,6 +476,16 @@ def test_target_parameters_are_checked(tmp_path, moe_path, llama_path):
     spec.tenants[0].dropout = 0.0
     spec.tenants[0].target_modules = ["gate"]  # the router is not an nn.Linear in transformers 5
     assert any("'gate' matches modules that are not nn.Linear" in p for p in spec.problems())
+
+
+def test_expert_parallel_is_checked_against_the_experts(tmp_path, moe_path, llama_path):
+    spec = good_spec(moe_path, tmp_path, tokenizer=llama_path)
+    spec.parallel = Parallel(nproc=4, fsdp=2, ep=2)  # ep borrows from all 4 data-parallel ranks
+    assert spec.problems() == []
+    spec.parallel = Parallel(nproc=8, ep=8)
+    assert spec.problems() == ["parallel.ep = 8 does not divide the 4 experts of each MoE layer"]
+    spec.parallel = Parallel(nproc=3, ep=3)
+    assert spec.problems() == ["parallel.ep = 3 does not divide the 4 experts of each MoE layer"]
 
 
 def test_chat_rows_need_a_chat_template(tmp_path, llama_path):

@@ -9,10 +9,15 @@ targeting it owns, per expert ``e``, a rank-``r_t`` LoRA in slot ``t`` of
 and a token of tenant ``t`` routed to expert ``e`` gets ``x W_e^T + s_t (x A_{t,e}^T) B_{t,e}^T``: PEFT's
 ``target_parameters`` maths (PEFT adds ``s_t B_{t,e} A_{t,e}`` to ``W_e``; same function, other rounding).
 
-The forward is the transformers experts loop in grouped form: the (token, k) pairs are sorted by expert
-and then by token, so within each expert's block the tokens of one tenant are contiguous (a tenant's
-rows are contiguous in the batch) and the LoRA deltas are one pair of small matmuls per (expert,
-tenant) run, via the same segmented function as the dense layers.
+The forward is the transformers experts loop in grouped form, in three steps that expert parallelism
+(:mod:`mlora_lab.parallel.expert`) can pull apart to move tokens between processes:
+
+1. :meth:`~MultiLoRAExperts.route`: the kept (token, k) pairs ``[M]`` with their expert, router weight
+   and the slot of the token's row (``-1``: no adapter);
+2. :meth:`~MultiLoRAExperts.compute`: the expert MLP of ``x`` [M, H] (each pair's hidden state): pairs
+   are sorted by (expert, slot), so each expert is one block and each (expert, tenant) one run, and the
+   LoRA deltas are one pair of small matmuls per run, via the same segmented function as dense layers;
+3. the router-weighted outputs are summed back onto their tokens.
 
 PEFT's saved layout per parameter: ``lora_A`` [E*r, in] (expert-major) and ``lora_B`` [out, E*r] read as
 ``(out, r, E)`` (rank-major); :func:`to_peft` / :func:`from_peft` convert.
@@ -25,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlora_lab.lora.layer import LoRARouting, _SegmentedLoRA
+
+PACKED = ("gate_up_proj", "down_proj")
 
 
 def to_peft(A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,9 +46,36 @@ def from_peft(A: torch.Tensor, B: torch.Tensor, num_experts: int) -> tuple[torch
     return A.reshape(num_experts, r, -1), B.reshape(B.shape[0], r, num_experts).permute(2, 0, 1)
 
 
+def packed_experts_problem(module: nn.Module) -> str | None:
+    """Why ``module`` is not a packed-experts block whose maths :class:`MultiLoRAExperts` reproduces
+    (``act_fn(x G_e^T) * (x U_e^T)`` then ``· D_e^T`` with ``gate_up_proj = [G; U]`` [E, 2I, H] and
+    ``down_proj`` [E, H, I], no biases), or ``None`` if it is one."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return "has no 3-D gate_up_proj and down_proj parameters"
+    if gate_up.ndim != 3 or down.ndim != 3:
+        return f"gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} are not 3-D"
+    E, two_i, H = gate_up.shape
+    if two_i % 2 or tuple(down.shape) != (E, H, two_i // 2):
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not [E, 2I, H], [E, H, I]"
+    flags = {"is_transposed": False, "has_bias": False, "has_gate": True, "is_concatenated": True,
+             "has_post_expert_norm": False}  # fmt: skip
+    odd = [f"{k}={getattr(module, k)}" for k, v in flags.items() if getattr(module, k, v) != v]
+    if odd:
+        return f"uses a layout or gating this LoRA does not reproduce ({', '.join(odd)})"
+    if not callable(getattr(module, "act_fn", None)):
+        return "has no act_fn"
+    extra = [n for n, _ in module.named_parameters(recurse=False) if n not in PACKED]
+    if extra:
+        return f"has parameters besides gate_up_proj and down_proj: {extra}"
+    return None
+
+
 class MultiLoRAExperts(nn.Module):
     """A packed-experts module (``forward(hidden [N, H], top_k_index [N, k], top_k_weights [N, k])``)
-    with LoRA slots on some of its 3-D parameters. Per-slot settings are per parameter name."""
+    with LoRA slots on some of its 3-D parameters (``param_names``; may be empty). Per-slot settings
+    are per parameter name. ``shapes`` and ``num_experts`` are the model's, whatever part of the
+    experts this process holds."""
 
     def __init__(
         self,
@@ -53,17 +87,19 @@ class MultiLoRAExperts(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        problem = packed_experts_problem(base_layer)
+        if problem:
+            raise ValueError(f"{type(base_layer).__name__} {problem}")
         self.base_layer = base_layer
         self.base_layer.requires_grad_(False)
         # definition order (PEFT nests its wrappers in this order, which fixes the saved key names)
-        self.param_names = [
-            n for n, p in base_layer.named_parameters(recurse=False) if n in param_names and p.ndim == 3
-        ]
+        self.param_names = [n for n, _ in base_layer.named_parameters(recurse=False) if n in param_names]
         self.max_tenants, self.max_rank = max_tenants, max_rank
-        self.shapes: dict[str, tuple[int, int, int]] = {}
+        self.shapes: dict[str, tuple[int, int, int]] = {
+            n: tuple(getattr(base_layer, n).shape) for n in PACKED
+        }
         for name in self.param_names:
-            E, out, inn = getattr(base_layer, name).shape
-            self.shapes[name] = (E, out, inn)
+            E, out, inn = self.shapes[name]
             device = getattr(base_layer, name).device
             self.register_parameter(
                 f"lora_A_{name}",
@@ -75,12 +111,20 @@ class MultiLoRAExperts(nn.Module):
             )
         self.ranks = {n: [0] * max_tenants for n in self.param_names}
         self.scalings = {n: [0.0] * max_tenants for n in self.param_names}
-        self.num_experts = next(iter(self.shapes.values()))[0]
+        self.num_experts = self.shapes["gate_up_proj"][0]
         self.act_fn = base_layer.act_fn
         object.__setattr__(self, "routing", routing)
 
     def lora(self, name: str) -> tuple[nn.Parameter, nn.Parameter]:
+        """The slot parameters ``(lora_A [S, E, R, in], lora_B [S, E, out, R])`` of ``name``."""
         return getattr(self, f"lora_A_{name}"), getattr(self, f"lora_B_{name}")
+
+    def weights(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The tensors :meth:`compute` multiplies by: the base ``W`` [E, out, in] and the slots (or
+        ``None``), for the experts this module computes (all of them here)."""
+        if name not in self.param_names:
+            return getattr(self.base_layer, name), None, None
+        return getattr(self.base_layer, name), *self.lora(name)
 
     def configure_slot(self, slot: int, name: str, rank: int, scaling: float) -> None:
         if not 0 < rank <= self.max_rank:
@@ -91,18 +135,66 @@ class MultiLoRAExperts(nn.Module):
         for name in self.param_names:
             self.ranks[name][slot], self.scalings[name][slot] = 0, 0.0
 
-    def _linear(
-        self, name: str, x: torch.Tensor, blocks: list[tuple[int, int, int]], runs: list
-    ) -> torch.Tensor:
+    # -- forward -------------------------------------------------------------------------------
+    def route(
+        self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept (token, k) pairs: ``token``, ``expert``, router ``weight`` and ``slot`` ([M] each)."""
+        N, k = top_k_index.shape
+        expert = top_k_index.reshape(-1)
+        token = torch.arange(N, device=top_k_index.device).repeat_interleave(k)
+        weight = top_k_weights.reshape(-1)
+        keep = expert < self.num_experts  # some routers mark dropped pairs with expert == E
+        token, expert, weight = token[keep], expert[keep], weight[keep]
+        return token, expert, weight, self._slots(token, N)
+
+    def _slots(self, token: torch.Tensor, N: int) -> torch.Tensor:
+        """The slot of each token's row (``-1``: no adapter)."""
+        segments, rows = self.routing.segments or [], self.routing.num_rows
+        if not segments:
+            return torch.full_like(token, -1)
+        if N % rows:
+            raise RuntimeError(f"{N} tokens do not split into {rows} rows")
+        row_slot = torch.full((rows,), -1, dtype=torch.long)
+        for slot, s, e in segments:
+            row_slot[s:e] = slot
+        return row_slot.to(token.device)[token // (N // rows)]
+
+    def compute(self, x: torch.Tensor, expert: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """The expert MLP (with each pair's tenant delta) of ``x`` [M, H]; ``expert`` [M] indexes the
+        experts of :meth:`weights`, ``slot`` [M] is ``-1`` for base-only pairs. Returns [M, H], in
+        the order of ``x``."""
+        S = self.max_tenants
+        key = expert * (S + 1) + torch.where(slot < 0, S, slot)  # base-only pairs last in each block
+        order = torch.argsort(key, stable=True)
+        keys, counts = torch.unique_consecutive(key[order], return_counts=True)
+        blocks, runs, start = [], [], 0
+        for kv, c in zip(keys.tolist(), counts.tolist()):
+            ex, s = divmod(kv, S + 1)
+            if blocks and blocks[-1][0] == ex:
+                blocks[-1] = (ex, blocks[-1][1], start + c)
+            else:
+                blocks.append((ex, start, start + c))
+            if s < S:
+                runs.append((s, ex, start, start + c))
+            start += c
+        xs = x[order]
+        gate, up = self._linear("gate_up_proj", xs, blocks, runs).chunk(2, dim=-1)
+        ys = self._linear("down_proj", self.act_fn(gate) * up, blocks, runs)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order), device=order.device)
+        return ys[inverse]
+
+    def _linear(self, name: str, x: torch.Tensor, blocks: list, runs: list) -> torch.Tensor:
         """``x`` [M, in] sorted by expert: the base projection per expert block plus each (expert,
         tenant) run's LoRA delta."""
-        weight = getattr(self.base_layer, name)
+        weight, A, B = self.weights(name)
         out = (
             torch.cat([F.linear(x[s:e], weight[ex]) for ex, s, e in blocks])
             if blocks
             else x.new_zeros(0, weight.shape[1])
         )
-        if name not in self.param_names:
+        if A is None:
             return out
         plan = tuple(
             ((slot, ex, slice(0, r)), (slot, ex, slice(None), slice(0, r)), s, e, self.scalings[name][slot])
@@ -111,57 +203,12 @@ class MultiLoRAExperts(nn.Module):
         )
         always = self.routing.grad_every_slot and self.training and torch.is_grad_enabled()
         if plan or always:
-            A, B = self.lora(name)
             out = out + _SegmentedLoRA.apply(x.to(A.dtype), A, B, plan).to(out.dtype)
         return out
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        N, k = top_k_index.shape
-        E = self.num_experts
-        expert = top_k_index.reshape(-1)
-        token = torch.arange(N, device=hidden_states.device).repeat_interleave(k)
-        weight = top_k_weights.reshape(-1)
-        keep = expert < E  # some routers mark dropped slots with expert == E
-        expert, token, weight = expert[keep], token[keep], weight[keep]
-        order = torch.argsort(expert * N + token)
-        expert, token, weight = expert[order], token[order], weight[order]
-        counts = torch.bincount(expert, minlength=E).tolist()
-        blocks, start = [], 0
-        for ex, c in enumerate(counts):
-            if c:
-                blocks.append((ex, start, start + c))
-            start += c
-        runs = self._runs(token, blocks, N)
-        x = hidden_states[token]  # [M, H]
-        gate, up = self._linear("gate_up_proj", x, blocks, runs).chunk(2, dim=-1)
-        h = self.act_fn(gate) * up
-        y = self._linear("down_proj", h, blocks, runs) * weight[:, None]
+        token, expert, weight, slot = self.route(top_k_index, top_k_weights)
+        y = self.compute(hidden_states[token], expert, slot) * weight[:, None]
         return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))
-
-    def _runs(
-        self, token: torch.Tensor, blocks: list[tuple[int, int, int]], N: int
-    ) -> list[tuple[int, int, int, int]]:
-        """(slot, expert, start, end) runs of tokens of one tenant inside each expert block."""
-        segments = self.routing.segments or []
-        if not segments:
-            return []
-        rows = self.routing.num_rows
-        if N % rows:
-            raise RuntimeError(f"{N} tokens do not split into {rows} rows")
-        row_slot = torch.full((rows,), -1, dtype=torch.long)
-        for slot, s, e in segments:
-            row_slot[s:e] = slot
-        slots = row_slot[(token // (N // rows)).cpu()].tolist()
-        runs = []
-        for ex, s, e in blocks:
-            i = s
-            while i < e:
-                j = i
-                while j < e and slots[j] == slots[i]:
-                    j += 1
-                if slots[i] >= 0:
-                    runs.append((slots[i], ex, i, j))
-                i = j
-        return runs

@@ -26,7 +26,7 @@ import torch
 from peft import LoraConfig
 from torch import nn
 
-from mlora_lab.lora.experts import MultiLoRAExperts, from_peft, to_peft
+from mlora_lab.lora.experts import MultiLoRAExperts, from_peft, packed_experts_problem, to_peft
 from mlora_lab.lora.layer import LoRARouting, MultiLoRALinear
 from mlora_lab.lora.peft_io import AdapterError, read_adapter, write_adapter
 
@@ -65,7 +65,8 @@ class TensorIO:
     - ``local(t)``: the storage this process holds for ``t`` (optimisers update it in place);
     - ``gather(param, index, local_part)``: the full value of ``param[index]`` from this process's
       part of it (a collective when sharded: every process must call it, in the same order);
-    - ``scatter(param, index, full)``: this process's part of a full value of ``param[index]``.
+    - ``scatter(param, index, full)``: this process's part of a full value of ``param[index]``;
+    - ``copies(param)``: how many processes hold the same part of ``param``.
     """
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
@@ -76,6 +77,10 @@ class TensorIO:
 
     def scatter(self, param: torch.Tensor, index: tuple, full: torch.Tensor) -> torch.Tensor:
         return full
+
+    def copies(self, param: torch.Tensor) -> int:
+        """How many processes hold the same part of ``param`` (to count each part once in sums)."""
+        return 1
 
 
 @dataclass
@@ -112,6 +117,7 @@ class MultiLoRAModel(nn.Module):
         slot_modules: str | Sequence[str] = ALL_LINEAR,
         slot_parameters: Sequence[str] = (),
         adapter_dtype: torch.dtype = torch.float32,
+        wrap_experts: bool = False,
     ) -> None:
         super().__init__()
         self.model = model
@@ -135,7 +141,9 @@ class MultiLoRAModel(nn.Module):
             setattr(parent, child, layer)
             self.layers[name] = layer
         self._all_linear = [n for n in all_linear if n in self.layers]
-        # Packed MoE expert parameters ([E, out, in]) get per-expert slots through their module.
+        # Packed MoE expert parameters ([E, out, in]) get per-expert slots through their module;
+        # with ``wrap_experts`` every packed-experts module is wrapped, slotted or not (expert
+        # parallelism moves tokens inside the wrapper's grouped forward).
         self.experts: dict[str, MultiLoRAExperts] = {}
         self._expert_params: dict[str, tuple[str, str]] = {}  # full parameter name -> (module, attribute)
         by_module: dict[str, list[str]] = {}
@@ -147,12 +155,19 @@ class MultiLoRAModel(nn.Module):
             raise ValueError(
                 f"slot_parameters={list(slot_parameters)} match no 3-D (packed expert) parameter"
             )
+        if wrap_experts:
+            for module_name, module in model.named_modules():
+                if packed_experts_problem(module) is None:
+                    by_module.setdefault(module_name, [])
         for module, attrs in by_module.items():
             parent_name, _, child = module.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            wrapped = MultiLoRAExperts(
-                getattr(parent, child), self.routing, attrs, max_tenants, max_rank, adapter_dtype
-            )
+            try:
+                wrapped = MultiLoRAExperts(
+                    getattr(parent, child), self.routing, attrs, max_tenants, max_rank, adapter_dtype
+                )
+            except ValueError as e:
+                raise ValueError(f"{module}: {e}") from None
             setattr(parent, child, wrapped)
             self.experts[module] = wrapped
             for attr in wrapped.param_names:
@@ -410,6 +425,19 @@ class MultiLoRAModel(nn.Module):
         pairs = list(self.tenant_slices(name))
         keys = t.modules + t.parameters
         return {k: (self.read(*pairs[2 * i]), self.read(*pairs[2 * i + 1])) for i, k in enumerate(keys)}
+
+    def set_tenant_tensors(self, name: str, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Overwrite the tenant's adapter with full tensors in :meth:`tenant_tensors`' layout."""
+        t = self._tenant(name)
+        keys = t.modules + t.parameters
+        if set(tensors) != set(keys):
+            raise AdapterError(
+                f"tenant {name!r}: tensors for {sorted(tensors)[:5]}, expected {sorted(keys)[:5]}"
+            )
+        pairs = list(self.tenant_slices(name))
+        for i, k in enumerate(keys):
+            self.write(*pairs[2 * i], tensors[k][0])
+            self.write(*pairs[2 * i + 1], tensors[k][1])
 
     def peft_config(self, name: str, base_model_name_or_path: str | None = None) -> LoraConfig:
         """The ``peft.LoraConfig`` that describes tenant ``name`` exactly."""

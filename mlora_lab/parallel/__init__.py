@@ -67,12 +67,15 @@ def shutdown_distributed() -> None:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """How the world is split: ``dp_replicate × fsdp × tp`` processes.
+    """How the world is split: ``dp_replicate × fsdp × tp`` processes, and EP groups among them.
 
     - ``fsdp`` ranks shard the base and the adapter slots (FSDP2) and see different rows;
     - ``dp_replicate`` groups of them hold full replicas (HSDP when ``fsdp > 1``) and see different rows;
     - ``tp`` (tensor parallel) ranks would see the same rows; it is a mesh dimension of size 1 until
-      tensor parallelism lands, and expert parallelism will borrow from the data-parallel dims.
+      tensor parallelism lands;
+    - ``ep`` (expert parallel) borrows from the data-parallel ranks: each run of ``ep`` consecutive
+      data-parallel ranks splits the experts among itself (``dp / ep`` such groups hold the same
+      experts: the ``ep_replicate`` dimension).
     """
 
     world_size: int = 1
@@ -83,6 +86,8 @@ class ParallelDims:
     def __post_init__(self) -> None:
         if self.world_size % (self.fsdp * self.tp):
             raise ValueError(f"fsdp*tp = {self.fsdp * self.tp} does not divide world size {self.world_size}")
+        if self.dp % self.ep:
+            raise ValueError(f"ep = {self.ep} does not divide the {self.dp} data-parallel ranks")
 
     @property
     def dp_replicate(self) -> int:
@@ -103,25 +108,57 @@ class ParallelDims:
             mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
         )
 
+    def build_ep_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The ``("ep_tp", "ep_replicate", "ep")`` mesh over the same ranks (None without EP).
+
+        Global rank ``g = d * tp + t`` is data-parallel rank ``d`` at tensor-parallel index ``t``;
+        data-parallel ranks ``d = i * ep + j`` form EP group ``i``, in which ``g`` is member ``j``.
+        """
+        if self.ep == 1:
+            return None
+        ranks = torch.arange(self.world_size).reshape(self.dp, self.tp).T
+        return DeviceMesh(
+            device_type,
+            ranks.reshape(self.tp, self.dp // self.ep, self.ep),
+            mesh_dim_names=("ep_tp", "ep_replicate", "ep"),
+        )
+
+
+def parallelize(mm, dims: ParallelDims, mesh: DeviceMesh | None, device_type: str) -> None:
+    """Lay ``mm`` (a :class:`~mlora_lab.lora.model.MultiLoRAModel`, before any tenant is added) out
+    over the processes: experts over EP groups, then everything else with FSDP2."""
+    if mesh is None:
+        return
+    from mlora_lab.parallel.expert import apply_expert_parallel
+    from mlora_lab.parallel.fsdp import apply_fsdp
+
+    ignored = set()
+    ep_mesh = dims.build_ep_mesh(device_type)
+    if ep_mesh is not None:
+        replicate = ep_mesh["ep_replicate"].get_group() if dims.dp > dims.ep else None
+        ignored = apply_expert_parallel(mm, ep_mesh["ep"], replicate)
+    fsdp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+    apply_fsdp(mm, fsdp_mesh, ignored_params=ignored)
+
 
 class Collectives:
     """The few collectives the training loop needs, as no-ops in a single process.
 
     ``dp_rank``/``dp_size`` say which share of each tenant's rows this process takes;
-    ``sum_over_dp`` adds per-process partial sums (losses, token counts); ``sum_over_shards`` adds
-    per-shard partial sums of squares (gradient norms of sharded tensors).
+    ``sum_over_dp`` adds per-process partial sums (losses, token counts); ``sum_over_world`` adds
+    partial sums of squares of sharded gradients, each already divided by how many processes hold
+    the same shard (:meth:`~mlora_lab.lora.model.TensorIO.copies`), whatever the tensor's mesh.
     """
 
     def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device) -> None:
         self.dims, self.mesh, self.device = dims, mesh, device
         if mesh is None:
             self.dp_rank, self.dp_size = 0, 1
-            self._dp_group = self._shard_group = None
+            self._dp_group = None
         else:
             dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
             self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
             self._dp_group = dp_mesh.get_group()
-            self._shard_group = mesh["dp_shard"].get_group()
 
     def sum_over_dp(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise sum of ``values`` over the data-parallel ranks (a float64 copy)."""
@@ -130,10 +167,11 @@ class Collectives:
             dist.all_reduce(out, group=self._dp_group)
         return out.cpu()
 
-    def sum_over_shards(self, values: torch.Tensor) -> torch.Tensor:
+    def sum_over_world(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``values`` over every process (a float64 copy)."""
         out = values.detach().to(self.device, torch.float64).clone()
-        if self._shard_group is not None and self.dims.fsdp > 1:
-            dist.all_reduce(out, group=self._shard_group)
+        if self.mesh is not None:
+            dist.all_reduce(out)
         return out.cpu()
 
     def broadcast_object(self, obj: object) -> object:

@@ -20,7 +20,10 @@ adapters are full tensors whatever the world size), writes keep this rank's chun
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -39,8 +42,14 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def apply_fsdp(mm: MultiLoRAModel, mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
-    """Shard ``mm`` in place with FSDP2 (per block, then the root) and switch it to sharded slot I/O."""
+def apply_fsdp(
+    mm: MultiLoRAModel,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool = True,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> None:
+    """Shard ``mm`` in place with FSDP2 (per block, then the root) and switch it to sharded slot I/O.
+    ``ignored_params`` (the experts under expert parallelism) are left as they are."""
     placements: dict[int, Shard] = {}
     for layer in mm.layers.values():
         placements[id(layer.lora_A)] = Shard(2)
@@ -55,8 +64,10 @@ def apply_fsdp(mm: MultiLoRAModel, mesh: DeviceMesh, reshard_after_forward: bool
         return placements.get(id(param), Shard(0))
 
     for block in decoder_blocks(mm.model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=place)
-    fully_shard(mm.model, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=place)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=place,
+                    ignored_params=ignored_params)  # fmt: skip
+    fully_shard(mm.model, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=place,
+                ignored_params=ignored_params)  # fmt: skip
     for module in mm.model.modules():
         if isinstance(module, FSDPModule):
             # A plain SUM (gloo has no PREMUL_SUM): each process's loss is already its share.
@@ -98,6 +109,13 @@ class ShardedTensorIO(TensorIO):
             shape=shape, stride=torch.empty(shape, device="meta").stride(),
         )  # fmt: skip
         return view.full_tensor().cpu()
+
+    def copies(self, param: torch.Tensor) -> int:
+        if not isinstance(param, DTensor):
+            return dist.get_world_size()
+        mesh = param.device_mesh
+        shards = math.prod(mesh.size(d) for d, p in enumerate(param.placements) if isinstance(p, Shard))
+        return dist.get_world_size() // shards
 
     def scatter(self, param: torch.Tensor, index: tuple, full: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, DTensor):
