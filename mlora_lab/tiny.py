@@ -211,16 +211,16 @@ def _gpt_neox(**kw: Any) -> transformers.PretrainedConfig:
     return transformers.GPTNeoXConfig(**c, rotary_pct=0.5, use_parallel_residual=True)
 
 
-def _qwen3_moe(**kw: Any) -> transformers.PretrainedConfig:
+def _qwen3_moe(experts: int = 4, **kw: Any) -> transformers.PretrainedConfig:
     # Packed experts: mlp.experts.gate_up_proj [E, 2I, H] and mlp.experts.down_proj [E, H, I].
     c = _common(**kw)
-    return transformers.Qwen3MoeConfig(**c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=c["hidden_size"] // 2,
+    return transformers.Qwen3MoeConfig(**c, num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=c["hidden_size"] // 2,
                                        decoder_sparse_step=1)  # fmt: skip
 
 
-def _mixtral(**kw: Any) -> transformers.PretrainedConfig:
+def _mixtral(experts: int = 4, **kw: Any) -> transformers.PretrainedConfig:
     c = _common(**kw)
-    return transformers.MixtralConfig(**{**c, "intermediate_size": c["hidden_size"] // 2}, num_local_experts=4,
+    return transformers.MixtralConfig(**{**c, "intermediate_size": c["hidden_size"] // 2}, num_local_experts=experts,
                                       num_experts_per_tok=2)  # fmt: skip
 
 
@@ -233,6 +233,8 @@ ARCHITECTURES: dict[str, Callable[..., transformers.PretrainedConfig]] = {
     "qwen3_moe": _qwen3_moe,
     "mixtral": _mixtral,
 }
+
+MOE_ARCHITECTURES = ["qwen3_moe", "mixtral"]
 
 # Packed expert parameters a MoE tenant targets (PEFT target_parameters).
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -249,13 +251,23 @@ TYPICAL_TARGETS: dict[str, list[str]] = {
 
 
 def tiny_config(
-    arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2
+    arch: str,
+    vocab_size: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    experts: int | None = None,
 ) -> transformers.PretrainedConfig:
-    """A transformers config of architecture ``arch`` (a key of :data:`ARCHITECTURES`)."""
+    """A transformers config of architecture ``arch`` (a key of :data:`ARCHITECTURES`); ``experts``
+    sets the number of experts of a MoE architecture (default 4)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; known: {sorted(ARCHITECTURES)}")
+    extra = {"experts": experts} if experts is not None else {}
+    if extra and arch not in MOE_ARCHITECTURES:
+        raise ValueError(f"{arch} has no experts; MoE architectures: {MOE_ARCHITECTURES}")
     return ARCHITECTURES[arch](
-        vocab_size=vocab_size, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads
+        vocab_size=vocab_size, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, **extra
     )
 
 
@@ -270,6 +282,7 @@ def build_tiny_model(
     vocab_size: int = 512,
     seed: int = 0,
     corpus: Iterable[str] | None = None,
+    experts: int | None = None,
 ) -> str:
     """Build a randomly initialised causal LM and a local tokenizer, save both to ``out_dir``.
 
@@ -278,7 +291,9 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out, corpus=corpus, vocab_size=vocab_size)
-    config = tiny_config(arch, len(tok), hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads)
+    config = tiny_config(
+        arch, len(tok), hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, experts=experts
+    )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     # Random init leaves some weights at exactly 0/1 (norms, biases); jitter them so tests that

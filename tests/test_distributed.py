@@ -10,7 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import peft
 import pytest
+import torch
+import transformers
 
 import mlora_lab as ml
 from mlora_lab.launch import prepare_run
@@ -107,6 +110,15 @@ def test_expert_parallel_two_ranks_equal_one(arch, fsdp, tiny_models, make_data,
     assert_same_adapters(adapters(one, names), adapters(two, names), TOL)
     a = two.tenant_events().query("tenant == 'a'").iloc[0]
     assert a.local_adapter_bytes < a.adapter_bytes  # its experts' share
+    # the gathered adapter is PEFT's: loaded by PEFT, it gives the logits of the one-process adapter
+    ids = torch.randint(3, 300, (2, 9))
+    logits = []
+    for run in (one, two):
+        model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base),
+                                               str(run.adapter_path("a")))  # fmt: skip
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    torch.testing.assert_close(logits[1], logits[0], atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

@@ -116,3 +116,33 @@ def test_moe_tenants_train_like_peft_and_round_trip(arch, tiny_models, make_data
         with torch.no_grad():
             ours = trainer.model(ids, tenants=[t.name, t.name]).logits
             torch.testing.assert_close(ours, loaded(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_only_packed_experts_of_the_known_layout_are_wrapped():
+    """A module with 2-D, transposed or biased "experts" is refused with the reason, never wrapped
+    with maths it does not have."""
+    from torch import nn
+
+    from mlora_lab.lora.experts import packed_experts_problem
+
+    class Experts(nn.Module):
+        def __init__(self, gate_up, down, **flags):
+            super().__init__()
+            self.gate_up_proj, self.down_proj = (
+                nn.Parameter(torch.zeros(gate_up)),
+                nn.Parameter(torch.zeros(down)),
+            )
+            self.act_fn = nn.SiLU()
+            self.__dict__.update(flags)
+
+    assert packed_experts_problem(Experts((4, 32, 16), (4, 16, 16))) is None
+    assert "not 3-D" in packed_experts_problem(Experts((32, 16), (16, 16)))
+    assert "are not [E, 2I, H], [E, H, I]" in packed_experts_problem(Experts((4, 16, 32), (4, 16, 16)))
+    assert "is_transposed=True" in packed_experts_problem(
+        Experts((4, 32, 16), (4, 16, 16), is_transposed=True)
+    )
+    assert "has_bias=True" in packed_experts_problem(Experts((4, 32, 16), (4, 16, 16), has_bias=True))
+    with pytest.raises(ValueError, match="is_transposed=True"):
+        MultiLoRAExperts(
+            Experts((4, 32, 16), (4, 16, 16), is_transposed=True), LoRARouting(), ["down_proj"], 2, 4
+        )

@@ -164,8 +164,17 @@ class MultiLoRAExperts(nn.Module):
         """The expert MLP (with each pair's tenant delta) of ``x`` [M, H]; ``expert`` [M] indexes the
         experts of :meth:`weights`, ``slot`` [M] is ``-1`` for base-only pairs. Returns [M, H], in
         the order of ``x``."""
+        order, blocks, runs = self._group(expert, slot)
+        ys = self._mlp(x[order], blocks, runs)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order), device=order.device)
+        return ys[inverse]
+
+    def _group(self, expert: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, list, list]:
+        """The permutation sorting pairs by (expert, slot), stable, with base-only pairs last in each
+        expert; the ``(expert, start, end)`` blocks and ``(slot, expert, start, end)`` runs it makes."""
         S = self.max_tenants
-        key = expert * (S + 1) + torch.where(slot < 0, S, slot)  # base-only pairs last in each block
+        key = expert * (S + 1) + torch.where(slot < 0, S, slot)
         order = torch.argsort(key, stable=True)
         keys, counts = torch.unique_consecutive(key[order], return_counts=True)
         blocks, runs, start = [], [], 0
@@ -178,12 +187,12 @@ class MultiLoRAExperts(nn.Module):
             if s < S:
                 runs.append((s, ex, start, start + c))
             start += c
-        xs = x[order]
+        return order, blocks, runs
+
+    def _mlp(self, xs: torch.Tensor, blocks: list, runs: list) -> torch.Tensor:
+        """``act(xs G_e^T) * (xs U_e^T) D_e^T`` (+ LoRA deltas) of pairs grouped by :meth:`_group`."""
         gate, up = self._linear("gate_up_proj", xs, blocks, runs).chunk(2, dim=-1)
-        ys = self._linear("down_proj", self.act_fn(gate) * up, blocks, runs)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(order), device=order.device)
-        return ys[inverse]
+        return self._linear("down_proj", self.act_fn(gate) * up, blocks, runs)
 
     def _linear(self, name: str, x: torch.Tensor, blocks: list, runs: list) -> torch.Tensor:
         """``x`` [M, in] sorted by expert: the base projection per expert block plus each (expert,
@@ -210,5 +219,7 @@ class MultiLoRAExperts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         token, expert, weight, slot = self.route(top_k_index, top_k_weights)
-        y = self.compute(hidden_states[token], expert, slot) * weight[:, None]
+        order, blocks, runs = self._group(expert, slot)
+        token, weight = token[order], weight[order]  # work in grouped order: no un-permuting
+        y = self._mlp(hidden_states[token], blocks, runs) * weight[:, None]
         return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))

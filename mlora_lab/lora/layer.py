@@ -67,7 +67,9 @@ class _SegmentedLoRA(torch.autograd.Function):
         ctx, x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, plan: tuple
     ) -> torch.Tensor:
         out_features = lora_B.shape[-2]
-        out = x.new_zeros(*x.shape[:-1], out_features)
+        # Plan entries cover disjoint rows (most of them): write them, zero only the gaps.
+        out = x.new_empty(*x.shape[:-1], out_features)
+        _zero_gaps(out, plan)
         xas = []
         for a_index, b_index, start, end, scale in plan:
             xa = F.linear(x[start:end], lora_A[a_index])  # [n, ..., r]
@@ -81,7 +83,10 @@ class _SegmentedLoRA(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, lora_A, lora_B, *xas = ctx.saved_tensors
         need_x, need_A, need_B = ctx.needs_input_grad[:3]
-        grad_x = torch.zeros_like(x) if need_x else None
+        grad_x = None
+        if need_x:
+            grad_x = torch.empty_like(x)
+            _zero_gaps(grad_x, ctx.plan)
         grad_A = torch.zeros_like(lora_A) if need_A else None
         grad_B = torch.zeros_like(lora_B) if need_B else None
         for (a_index, b_index, start, end, scale), xa in zip(ctx.plan, xas):
@@ -94,8 +99,19 @@ class _SegmentedLoRA(torch.autograd.Function):
             if need_A:
                 grad_A[a_index] += g_xa.reshape(-1, rank).T @ x[start:end].reshape(-1, x.shape[-1])
             if need_x:
-                grad_x[start:end] += g_xa @ lora_A[a_index]
+                grad_x[start:end] = g_xa @ lora_A[a_index]
         return grad_x, grad_A, grad_B, None
+
+
+def _zero_gaps(t: torch.Tensor, plan: tuple) -> None:
+    """Zero the rows of ``t`` outside every plan entry's ``[start, end)`` (entries are disjoint)."""
+    row = 0
+    for _, _, start, end, _ in sorted(plan, key=lambda p: p[2]):
+        if start > row:
+            t[row:start].zero_()
+        row = max(row, end)
+    if row < t.shape[0]:
+        t[row:].zero_()
 
 
 class MultiLoRALinear(nn.Module):
