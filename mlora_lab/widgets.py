@@ -651,16 +651,22 @@ class JobBuilder:
             layout=_narrow(),
         )
         self.tp = W.IntText(value=1, description="tp (coming)", disabled=True, style=_LABEL, layout=_narrow())
-        self.ep = W.IntText(value=1, description="ep (coming)", disabled=True, style=_LABEL, layout=_narrow())
+        self.ep = W.Dropdown(
+            options=fsdp_options,
+            value=d.parallel.ep if d.parallel.ep in fsdp_options else 1,
+            description="ep",
+            style=_LABEL,
+            layout=_narrow(),
+        )
         self.workdir = W.Text(value=os.fspath(workdir), description="workdir", style=_LABEL, layout=_wide())
         self.fields: dict[str, W.Widget] = {
             k: getattr(self, k)
             for k in (
                 "seq_len", "max_tenants", "max_rank", "dtype", "log_every", "eval_every", "save_every",
-                "seed", "serve", "nproc", "fsdp",
+                "seed", "serve", "nproc", "fsdp", "ep",
             )
         }  # fmt: skip
-        """Every job-setting widget by name (``nproc``/``fsdp`` set ``parallel``)."""
+        """Every job-setting widget by name (``nproc``/``fsdp``/``ep`` set ``parallel``)."""
 
         self.problems_box = W.HTML()
         self.launch_button = W.Button(description="Launch", button_style="success", icon="rocket")
@@ -697,7 +703,8 @@ class JobBuilder:
                 W.HTML("<b>Parallel</b>"),
                 self.nproc,
                 row(self.fsdp, W.HTML("<i>shard group size: a divisor of nproc</i>")),
-                row(self.tp, self.ep),
+                row(self.ep, W.HTML("<i>expert parallel (MoE): a divisor of nproc and of the experts</i>")),
+                self.tp,
                 self.workdir,
                 self.problems_box,
                 row(self.launch_button, self.refresh_button),
@@ -725,7 +732,7 @@ class JobBuilder:
             seq_len=self.seq_len.value,
             max_tenants=self.max_tenants.value,
             max_rank=self.max_rank.value,
-            parallel=Parallel(nproc=self.nproc.value, nnodes=1, fsdp=self.fsdp.value, tp=1, ep=1),
+            parallel=Parallel(nproc=self.nproc.value, nnodes=1, fsdp=self.fsdp.value, tp=1, ep=self.ep.value),
             dtype=self.dtype.value,
             log_every=self.log_every.value,
             eval_every=self.eval_every.value,
@@ -778,12 +785,13 @@ class JobBuilder:
         return text + "<br><i>builder.run.dashboard() follows it live</i>"
 
     def _on_nproc(self, change: dict) -> None:
-        old = self.fsdp.value
         options = _divisors(int(change["new"]))
         self._hold += 1
         try:
-            self.fsdp.options = options  # resets the value to the first option
-            self.fsdp.value = old if old in options else 1
+            for w in (self.fsdp, self.ep):
+                old = w.value
+                w.options = options  # resets the value to the first option
+                w.value = old if old in options else 1
         finally:
             self._hold -= 1
         self._refresh()

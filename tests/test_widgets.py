@@ -213,9 +213,13 @@ def test_fsdp_options_follow_nproc(llama_path):
     builder.fsdp.value = 3
     builder.nproc.value = 3
     assert list(builder.fsdp.options) == [1, 3] and builder.fsdp.value == 3  # kept: still a divisor
+    builder.ep.value = 3
     builder.nproc.value = 4
-    assert builder.fsdp.value == 1
-    assert builder.tp.disabled and builder.ep.disabled and builder.spec().parallel.tp == 1
+    assert builder.fsdp.value == 1 and builder.ep.value == 1
+    builder.ep.value = 2
+    assert builder.spec().parallel == Parallel(nproc=4, fsdp=1, ep=2)
+    assert "parallel.ep = 2, but the model has no packed" in " ".join(builder.problems())  # llama: dense
+    assert builder.tp.disabled and builder.spec().parallel.tp == 1
 
 
 def test_launch_is_disabled_while_the_spec_has_problems(llama_path, make_data):
