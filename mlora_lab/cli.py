@@ -98,7 +98,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     try:
-        run = resume(args.run_dir, nproc=args.nproc, fsdp=args.fsdp, ep=args.ep)
+        run = resume(args.run_dir, nproc=args.nproc, fsdp=args.fsdp, ep=args.ep, tp=args.tp)
     except (SpecError, FileNotFoundError, RuntimeError) as e:
         print(e, file=sys.stderr)
         return 2
@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("resume", help="continue a run from its latest checkpoint")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--nproc", type=int, default=None, help="change the number of processes")
-    p.add_argument("--fsdp", type=int, default=None, help="change the FSDP degree (default: nproc)")
+    p.add_argument("--fsdp", type=int, default=None, help="change the FSDP degree (default: nproc / tp)")
+    p.add_argument("--tp", type=int, default=None, help="change the tensor-parallel degree")
     p.add_argument("--ep", type=int, default=None, help="change the expert-parallel degree (MoE)")
     p.add_argument("--no-follow", action="store_true")
     p.set_defaults(func=cmd_resume)

@@ -85,13 +85,17 @@ def launch(spec: JobSpec, workdir: str | Path = DEFAULT_WORKDIR) -> Run:
 
 
 def resume(
-    run_dir: str | Path, nproc: int | None = None, fsdp: int | None = None, ep: int | None = None
+    run_dir: str | Path,
+    nproc: int | None = None,
+    fsdp: int | None = None,
+    ep: int | None = None,
+    tp: int | None = None,
 ) -> Run:
     """Continue a stopped or failed run from its latest complete checkpoint, in the background.
 
-    ``nproc``/``fsdp``/``ep`` change the layout (checkpoints hold full tensors, so any world size
-    works). ``nproc`` alone sets ``fsdp = nproc`` and keeps the run's ``ep`` where it still divides
-    the data-parallel ranks (else ``ep = 1``).
+    ``nproc``/``fsdp``/``ep``/``tp`` change the layout (checkpoints hold full tensors, so any layout
+    works). Given ``nproc``, the run's ``tp`` and ``ep`` are kept where they still divide the new world
+    (else 1) and ``fsdp`` defaults to ``nproc / tp``.
     """
     run = RunDir(Path(run_dir).absolute())
     spec = JobSpec.load(run.job)
@@ -99,10 +103,11 @@ def resume(
         raise FileNotFoundError(f"{run.root}: no complete checkpoint to resume from")
     if Run(run.root).status in ("starting", "running"):
         raise RuntimeError(f"{run.root} is still running; stop it first")
-    if nproc is not None or fsdp is not None or ep is not None:
+    if any(v is not None for v in (nproc, fsdp, ep, tp)):
         p = spec.parallel
         p.nproc = nproc or p.nproc
-        p.fsdp = fsdp or p.nproc
+        p.tp = tp or (p.tp if p.world_size % p.tp == 0 else 1)
+        p.fsdp = fsdp or p.world_size // p.tp
         p.ep = ep or (p.ep if (p.world_size // p.tp) % p.ep == 0 else 1)
         spec.validate()
         spec.to_json(run.job)

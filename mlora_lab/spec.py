@@ -361,6 +361,18 @@ def _model_info(path: str) -> _ModelInfo:
     return _ModelInfo(modules, linear, experts, expert_modules)
 
 
+@functools.lru_cache(maxsize=32)
+def _tp_problems(path: str, tp: int) -> list[str]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mlora_lab.parallel.tensor import tp_problems
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return tp_problems(model, tp)
+
+
 def effective_slot_modules(job: JobSpec) -> list[str]:
     """The linear-layer names that get adapter slots: ``slot_modules``, else the union of the
     tenants' targets (``["all-linear"]`` if any tenant asks for it)."""
@@ -467,6 +479,7 @@ class _Validator:
             self._check_init_adapter(t)
         self._check_slot_modules(good)
         self._check_expert_parallel()
+        self._check_tensor_parallel()
         return self.out
 
     # -- generic field checks ------------------------------------------------------------------
@@ -553,8 +566,13 @@ class _Validator:
                 f"parallel: ep = {p.ep} must divide the data-parallel ranks (nproc*nnodes/tp = "
                 f"{p.world_size // p.tp}); expert parallelism splits the experts over groups of them"
             )
-        if p.tp > 1:
-            self.out.append(f"parallel.tp > 1 is not supported yet (got {p.tp})")
+
+    def _check_tensor_parallel(self) -> None:
+        """``tp > 1`` needs the model's TP plan and dimensions that split evenly over ``tp`` ranks."""
+        p = self.spec.parallel
+        if self.model is None or not isinstance(p, Parallel) or not _is_int(p.tp) or p.tp <= 1:
+            return
+        self.out.extend(_tp_problems(os.path.abspath(self.spec.base_model), p.tp))
 
     def _check_expert_parallel(self) -> None:
         """``ep > 1`` needs packed experts that split evenly over ``ep`` ranks."""

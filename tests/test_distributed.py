@@ -121,6 +121,44 @@ def test_expert_parallel_two_ranks_equal_one(arch, fsdp, tiny_models, make_data,
     torch.testing.assert_close(logits[1], logits[0], atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("arch, nproc, fsdp", [("llama", 2, 1), ("gpt_neox", 2, 1), ("qwen2", 4, 2)])
+def test_tensor_parallel_equals_one_process(arch, nproc, fsdp, tiny_models, make_data, tmp_path):
+    """tp=2 (and fsdp=2 x tp=2 on 4 processes) equals one process: per-step losses and the saved
+    adapters; a TP-trained adapter loaded by PEFT gives the logits of the one-process adapter."""
+    base = tiny_models(arch)
+    tenants = tenants_for(arch, make_data)
+    one = finished(ml.launch(job(base, tenants, tmp_path / "tp1", nproc=1)))
+    spec = job(base, tenants, tmp_path / "tp2", nproc=nproc)
+    spec.parallel = ml.Parallel(nproc=nproc, fsdp=fsdp, tp=2)
+    two = finished(ml.launch(spec))
+    l1, l2 = losses(one), losses(two)
+    assert set(l1) == set(l2) and len(l1) == 5 + 4 + 6
+    assert max(abs(l1[k] - l2[k]) for k in l1) <= TOL
+    names = [t.name for t in tenants]
+    assert_same_adapters(adapters(one, names), adapters(two, names), TOL)
+    assert set(two.system_metrics()["rank"]) == set(range(nproc))
+    ids = torch.randint(3, 300, (2, 9))
+    logits = []
+    for run in (one, two):
+        model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base),
+                                               str(run.adapter_path("b")))  # fmt: skip
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    torch.testing.assert_close(logits[1], logits[0], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("nproc, fsdp", [(2, 1), (4, 2)])
+def test_tensor_parallel_matches_unsplit_model_under_torchrun(nproc, fsdp):
+    archs = ["llama", "gpt_neox", "phi3", "qwen3_moe"] if nproc == 2 else ["llama", "phi3"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         str(ROOT / "tests" / "dist" / "tensor_parallel.py"), str(fsdp), *archs],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("tensor parallel ok") == nproc
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_expert_parallel_matches_unsplit_model_under_torchrun(nproc):
     archs = ["qwen3_moe", "mixtral"] if nproc == 2 else ["qwen3_moe"]
@@ -170,18 +208,23 @@ def test_resume_in_process_equals_uninterrupted(arch, tiny_models, make_data, tm
             assert max((A - A2).abs().max().item(), (B - B2).abs().max().item()) <= 1e-6
 
 
-@pytest.mark.parametrize("arch, ep, resume_nproc", [("llama", 1, 2), ("llama", 1, 1), ("qwen3_moe", 2, 2)])
-def test_resume_after_stop_with_two_ranks(arch, ep, resume_nproc, tiny_models, make_data, tmp_path):
+@pytest.mark.parametrize(
+    "arch, layout, resume_nproc",
+    [("llama", {}, 2), ("llama", {}, 1), ("qwen3_moe", {"ep": 2}, 2), ("llama", {"tp": 2, "fsdp": 1}, 2)],
+    ids=["fsdp2-fsdp2", "fsdp2-one", "ep2-ep2", "tp2-tp2"],
+)
+def test_resume_after_stop_with_two_ranks(arch, layout, resume_nproc, tiny_models, make_data, tmp_path):
     """A 2-process run stopped early (graceful stop: checkpoint at the step it stopped), resumed on 2
-    or 1 processes, ends like the uninterrupted 2-process run; with ep=2 the checkpoint gathers the
-    split experts' adapters, optimiser states and partial gradients, and resuming splits them again."""
+    or 1 processes, ends like the uninterrupted 2-process run; with ep=2 (tp=2) the checkpoint gathers
+    the split experts' (projections') adapters, optimiser states and partial gradients, and resuming
+    splits them again."""
     base = tiny_models(arch)
     # long enough that the stop lands mid-run, whatever the machine's speed
     tenants = [dataclasses.replace(t, max_steps=10 * t.max_steps) for t in tenants_for(arch, make_data)]
 
     def two_ranks(out: Path) -> ml.JobSpec:
         spec = job(base, tenants, out, nproc=2)
-        spec.parallel.ep = ep
+        spec.parallel = dataclasses.replace(spec.parallel, **layout)
         return spec
 
     straight = finished(ml.launch(two_ranks(tmp_path / "straight")))

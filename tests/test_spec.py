@@ -330,7 +330,11 @@ BAD_CASES: list[tuple[str, Callable[[JobSpec, Path], None], str]] = [
     ("nproc0", at("parallel.nproc", 0), "parallel.nproc must be >= 1"),
     ("tp_str", at("parallel.tp", "2"), "parallel.tp must be an integer"),
     ("fsdp", at("parallel", Parallel(nproc=2, fsdp=4)), "must divide nproc*nnodes"),
-    ("tp", at("parallel", Parallel(nproc=2, tp=2)), "parallel.tp > 1 is not supported yet"),
+    (
+        "tp_heads",
+        at("parallel", Parallel(nproc=8, tp=8)),
+        "parallel.tp = 8 does not divide num_key_value_heads = 2",
+    ),
     ("ep_dense", at("parallel", Parallel(nproc=2, ep=2)), "parallel.ep = 2, but the model has no packed"),
     ("ep_divide", at("parallel", Parallel(nproc=2, ep=4)), "ep = 4 must divide the data-parallel ranks"),
     (

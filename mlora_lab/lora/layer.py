@@ -162,10 +162,21 @@ class MultiLoRALinear(nn.Module):
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
+        delta = self.delta(x)
+        return y if delta is None else y + delta.to(y.dtype)
+
+    def slot_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors the delta multiplies by: ``(lora_A, lora_B)`` (a sharded layout may give the
+        part this process holds)."""
+        return self.lora_A, self.lora_B
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every row's tenant delta ``s_t · dropout(x) A_t^T B_t^T`` ([rows, ..., out]; zero for rows
+        without a tenant), or ``None`` when no row has one (and no gradient is needed)."""
         segments = self.routing.segments or []
         always = self.routing.grad_every_slot and self.training and torch.is_grad_enabled()
         if not segments and not always:
-            return y
+            return None
         if x.shape[0] != self.routing.num_rows:
             raise RuntimeError(
                 f"multi-tenant LoRA expects inputs of shape [rows, ..., in] with rows={self.routing.num_rows}, "
@@ -177,12 +188,12 @@ class MultiLoRALinear(nn.Module):
             if (r := self.ranks[slot]) > 0
         )
         if not plan and not always:
-            return y
-        x_lora = x.to(self.lora_A.dtype)
+            return None
+        A, B = self.slot_tensors()
+        x_lora = x.to(A.dtype)
         if self.training and any(self.dropouts[p[0][0]] > 0 for p in plan):
             x_lora = self._dropout(x_lora, plan)
-        delta = _SegmentedLoRA.apply(x_lora, self.lora_A, self.lora_B, plan)
-        return y + delta.to(y.dtype)
+        return _SegmentedLoRA.apply(x_lora, A, B, plan)
 
     def _dropout(self, x: torch.Tensor, plan: tuple) -> torch.Tensor:
         """Each segment's rows get their own tenant's dropout; rows outside segments pass through."""

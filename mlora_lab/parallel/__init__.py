@@ -71,8 +71,8 @@ class ParallelDims:
 
     - ``fsdp`` ranks shard the base and the adapter slots (FSDP2) and see different rows;
     - ``dp_replicate`` groups of them hold full replicas (HSDP when ``fsdp > 1``) and see different rows;
-    - ``tp`` (tensor parallel) ranks would see the same rows; it is a mesh dimension of size 1 until
-      tensor parallelism lands;
+    - ``tp`` (tensor parallel) ranks see the same rows and split every projection
+      (:mod:`mlora_lab.parallel.tensor`); they are the innermost (fastest-varying) dimension;
     - ``ep`` (expert parallel) borrows from the data-parallel ranks: each run of ``ep`` consecutive
       data-parallel ranks splits the experts among itself (``dp / ep`` such groups hold the same
       experts: the ``ep_replicate`` dimension).
@@ -126,11 +126,16 @@ class ParallelDims:
 
 def parallelize(mm, dims: ParallelDims, mesh: DeviceMesh | None, device_type: str) -> None:
     """Lay ``mm`` (a :class:`~mlora_lab.lora.model.MultiLoRAModel`, before any tenant is added) out
-    over the processes: experts over EP groups, then everything else with FSDP2."""
+    over the processes: projections over TP groups, experts over EP groups, then everything else
+    with FSDP2 (2-D with TP: FSDP shards each rank's TP slice over the data-parallel ranks)."""
     if mesh is None:
         return
     from mlora_lab.parallel.expert import apply_expert_parallel
     from mlora_lab.parallel.fsdp import apply_fsdp
+    from mlora_lab.parallel.tensor import apply_tensor_parallel
+
+    if dims.tp > 1:
+        apply_tensor_parallel(mm, mesh["tp"])
 
     ignored = set()
     ep_mesh = dims.build_ep_mesh(device_type)

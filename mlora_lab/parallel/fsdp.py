@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from mlora_lab.lora.model import MultiLoRAModel, TensorIO
 
@@ -91,13 +92,18 @@ class ShardedTensorIO(TensorIO):
         sharded dim only, so the view's chunks are the chunks of ``param``."""
         placements: list[Placement] = []
         for p in param.placements:
-            if isinstance(p, Shard):
-                d = p.dim
-                if d < len(index) and index[d] != slice(None):
-                    raise ValueError(f"cannot index sharded dim {d} of a slot tensor with {index[d]!r}")
-                placements.append(Shard(d - sum(isinstance(i, int) for i in index[:d])))
-            else:
+            if not isinstance(p, Shard | _StridedShard):
                 placements.append(p)
+                continue
+            d = p.dim
+            if d < len(index) and index[d] != slice(None):
+                raise ValueError(f"cannot index sharded dim {d} of a slot tensor with {index[d]!r}")
+            d_view = d - sum(isinstance(i, int) for i in index[:d])
+            # FSDP over a tensor-parallel shard of the same dim makes a strided shard
+            strided = isinstance(p, _StridedShard)
+            placements.append(
+                _StridedShard(d_view, split_factor=p.split_factor) if strided else Shard(d_view)
+            )
         return placements, torch.empty(param.shape, device="meta")[index].shape
 
     def gather(self, param: torch.Tensor, index: tuple, local_part: torch.Tensor) -> torch.Tensor:
@@ -114,7 +120,9 @@ class ShardedTensorIO(TensorIO):
         if not isinstance(param, DTensor):
             return dist.get_world_size()
         mesh = param.device_mesh
-        shards = math.prod(mesh.size(d) for d, p in enumerate(param.placements) if isinstance(p, Shard))
+        shards = math.prod(
+            mesh.size(d) for d, p in enumerate(param.placements) if isinstance(p, Shard | _StridedShard)
+        )
         return dist.get_world_size() // shards
 
     def scatter(self, param: torch.Tensor, index: tuple, full: torch.Tensor) -> torch.Tensor:
