@@ -121,15 +121,19 @@ def test_expert_parallel_two_ranks_equal_one(arch, fsdp, tiny_models, make_data,
     torch.testing.assert_close(logits[1], logits[0], atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch, nproc, fsdp", [("llama", 2, 1), ("gpt_neox", 2, 1), ("qwen2", 4, 2)])
-def test_tensor_parallel_equals_one_process(arch, nproc, fsdp, tiny_models, make_data, tmp_path):
-    """tp=2 (and fsdp=2 x tp=2 on 4 processes) equals one process: per-step losses and the saved
-    adapters; a TP-trained adapter loaded by PEFT gives the logits of the one-process adapter."""
+@pytest.mark.parametrize(
+    "arch, nproc, fsdp, ep",
+    [("llama", 2, 1, 1), ("gpt_neox", 2, 1, 1), ("qwen2", 4, 2, 1), ("qwen3_moe", 4, 1, 2)],
+)
+def test_tensor_parallel_equals_one_process(arch, nproc, fsdp, ep, tiny_models, make_data, tmp_path):
+    """tp=2 (and fsdp=2 x tp=2, and tp=2 x ep=2 with LoRA on the experts, on 4 processes) equals one
+    process: per-step losses and the saved adapters; a TP-trained adapter loaded by PEFT gives the
+    logits of the one-process adapter."""
     base = tiny_models(arch)
     tenants = tenants_for(arch, make_data)
     one = finished(ml.launch(job(base, tenants, tmp_path / "tp1", nproc=1)))
     spec = job(base, tenants, tmp_path / "tp2", nproc=nproc)
-    spec.parallel = ml.Parallel(nproc=nproc, fsdp=fsdp, tp=2)
+    spec.parallel = ml.Parallel(nproc=nproc, fsdp=fsdp, tp=2, ep=ep)
     two = finished(ml.launch(spec))
     l1, l2 = losses(one), losses(two)
     assert set(l1) == set(l2) and len(l1) == 5 + 4 + 6
