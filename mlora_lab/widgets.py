@@ -642,18 +642,25 @@ class JobBuilder:
         self.nproc = W.IntSlider(
             value=d.parallel.nproc, min=1, max=max_nproc, description="nproc", style=_LABEL, layout=_wide()
         )
-        fsdp_options = _divisors(d.parallel.nproc)
+        tp_options = _divisors(d.parallel.nproc)
+        self.tp = W.Dropdown(
+            options=tp_options,
+            value=d.parallel.tp if d.parallel.tp in tp_options else 1,
+            description="tp",
+            style=_LABEL,
+            layout=_narrow(),
+        )
+        dp_options = _divisors(d.parallel.nproc // self.tp.value)  # the data-parallel ranks
         self.fsdp = W.Dropdown(
-            options=fsdp_options,
-            value=d.parallel.fsdp if d.parallel.fsdp in fsdp_options else 1,
+            options=dp_options,
+            value=d.parallel.fsdp if d.parallel.fsdp in dp_options else 1,
             description="fsdp",
             style=_LABEL,
             layout=_narrow(),
         )
-        self.tp = W.IntText(value=1, description="tp (coming)", disabled=True, style=_LABEL, layout=_narrow())
         self.ep = W.Dropdown(
-            options=fsdp_options,
-            value=d.parallel.ep if d.parallel.ep in fsdp_options else 1,
+            options=dp_options,
+            value=d.parallel.ep if d.parallel.ep in dp_options else 1,
             description="ep",
             style=_LABEL,
             layout=_narrow(),
@@ -663,10 +670,10 @@ class JobBuilder:
             k: getattr(self, k)
             for k in (
                 "seq_len", "max_tenants", "max_rank", "dtype", "log_every", "eval_every", "save_every",
-                "seed", "serve", "nproc", "fsdp", "ep",
+                "seed", "serve", "nproc", "tp", "fsdp", "ep",
             )
         }  # fmt: skip
-        """Every job-setting widget by name (``nproc``/``fsdp``/``ep`` set ``parallel``)."""
+        """Every job-setting widget by name (``nproc``/``tp``/``fsdp``/``ep`` set ``parallel``)."""
 
         self.problems_box = W.HTML()
         self.launch_button = W.Button(description="Launch", button_style="success", icon="rocket")
@@ -675,9 +682,10 @@ class JobBuilder:
         self.preview = W.HTML()
 
         for name, w in self.fields.items():
-            if name != "nproc":
+            if name not in ("nproc", "tp"):
                 w.observe(lambda _: self._refresh(), names="value")
-        self.nproc.observe(self._on_nproc, names="value")
+        self.nproc.observe(self._on_layout, names="value")
+        self.tp.observe(self._on_layout, names="value")
         self.max_rank.observe(self._on_max_rank, names="value")
         self.launch_button.on_click(lambda _: self._on_launch())
         self.refresh_button.on_click(lambda _: self._refresh())
@@ -702,9 +710,12 @@ class JobBuilder:
                 self.serve,
                 W.HTML("<b>Parallel</b>"),
                 self.nproc,
-                row(self.fsdp, W.HTML("<i>shard group size: a divisor of nproc</i>")),
-                row(self.ep, W.HTML("<i>expert parallel (MoE): a divisor of nproc and of the experts</i>")),
-                self.tp,
+                row(self.tp, W.HTML("<i>tensor parallel: ranks that split every projection</i>")),
+                row(self.fsdp, W.HTML("<i>shard group size: a divisor of nproc / tp</i>")),
+                row(
+                    self.ep,
+                    W.HTML("<i>expert parallel (MoE): a divisor of nproc / tp and of the experts</i>"),
+                ),
                 self.workdir,
                 self.problems_box,
                 row(self.launch_button, self.refresh_button),
@@ -732,7 +743,9 @@ class JobBuilder:
             seq_len=self.seq_len.value,
             max_tenants=self.max_tenants.value,
             max_rank=self.max_rank.value,
-            parallel=Parallel(nproc=self.nproc.value, nnodes=1, fsdp=self.fsdp.value, tp=1, ep=self.ep.value),
+            parallel=Parallel(
+                nproc=self.nproc.value, nnodes=1, fsdp=self.fsdp.value, tp=self.tp.value, ep=self.ep.value
+            ),
             dtype=self.dtype.value,
             log_every=self.log_every.value,
             eval_every=self.eval_every.value,
@@ -784,11 +797,12 @@ class JobBuilder:
             text += f"<br><span style='color:#b42318'>{html.escape(error)}</span>"
         return text + "<br><i>builder.run.dashboard() follows it live</i>"
 
-    def _on_nproc(self, change: dict) -> None:
-        options = _divisors(int(change["new"]))
+    def _on_layout(self, change: dict) -> None:
+        """nproc or tp changed: tp divides nproc, fsdp and ep divide the data-parallel ranks."""
         self._hold += 1
         try:
-            for w in (self.fsdp, self.ep):
+            for w, n in ((self.tp, self.nproc.value), (self.fsdp, None), (self.ep, None)):
+                options = _divisors(n if n is not None else self.nproc.value // self.tp.value)
                 old = w.value
                 w.options = options  # resets the value to the first option
                 w.value = old if old in options else 1

@@ -219,7 +219,11 @@ def test_fsdp_options_follow_nproc(llama_path):
     builder.ep.value = 2
     assert builder.spec().parallel == Parallel(nproc=4, fsdp=1, ep=2)
     assert "parallel.ep = 2, but the model has no packed" in " ".join(builder.problems())  # llama: dense
-    assert builder.tp.disabled and builder.spec().parallel.tp == 1
+    builder.tp.value = 2  # fsdp and ep now divide the 2 data-parallel ranks
+    assert list(builder.fsdp.options) == [1, 2] and list(builder.ep.options) == [1, 2]
+    assert builder.spec().parallel == Parallel(nproc=4, fsdp=1, tp=2, ep=2)
+    builder.ep.value = 1
+    assert not [p for p in builder.problems() if "parallel" in p]  # llama has a TP plan and 2 kv heads
 
 
 def test_launch_is_disabled_while_the_spec_has_problems(llama_path, make_data):
