@@ -293,3 +293,64 @@ def verdict(value: float, goal: float) -> str:
 
 def as_dict(obj) -> dict:
     return asdict(obj)
+
+
+# -- one job per parallel layout, under torchrun ---------------------------------------------------------
+
+
+def layout_worker(spec_path: str, out: str, steps: int) -> None:
+    """Run under torchrun by :func:`run_layout`: build the job's :class:`~mlora_lab.train.Trainer`, run
+    ``steps`` global steps, and write (rank 0) one row per rank of the bytes of the parameters this
+    rank holds (``to_local()``: exact, not an RSS estimate), by kind, its peak RSS and its median step
+    time (the first two steps excluded)."""
+    from mlora_lab.parallel import init_distributed, shutdown_distributed
+    from mlora_lab.spec import JobSpec
+    from mlora_lab.train import Trainer, memory_bytes
+
+    setup()
+    dist = init_distributed()
+    trainer = Trainer(JobSpec.load(spec_path), run_dir=None, dist=dist)
+    model, io = trainer.model, trainer.model.io
+    experts = {id(p) for m in model.experts.values() for p in m.parameters()}
+    slots = {id(p) for layer in model.layers.values() for p in (layer.lora_A, layer.lora_B)}
+
+    def local_bytes(select) -> int:
+        return sum(io.local(p.data).nbytes for p in model.parameters() if select(id(p)))
+
+    sizes = {
+        "base_bytes": local_bytes(lambda i: i not in experts and i not in slots),
+        "expert_bytes": local_bytes(lambda i: i in experts),
+        "slot_bytes": local_bytes(lambda i: i in slots),
+    }
+    model.train()
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        trainer.step()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    _, peak = memory_bytes(trainer.device)
+    rows = trainer.comm.gather_objects(
+        {"rank": dist.rank, **sizes, "peak_rss": peak, "step_time": statistics.median(times)}
+    )
+    if dist.is_main:
+        Path(out).write_text(json.dumps(rows))
+    shutdown_distributed()
+
+
+def run_layout(script: str, spec_path: Path, parallel: dict, steps: int, workdir: Path) -> list[dict]:
+    """Run the job ``spec_path`` with ``parallel`` (``nproc``, ``fsdp``, ``tp``, ``ep``) under torchrun:
+    ``script --worker JOB --out OUT --steps N`` must call :func:`layout_worker`. Returns its rows."""
+    spec = json.loads(spec_path.read_text())
+    spec["parallel"] = parallel
+    tag = "_".join(f"{k}{v}" for k, v in sorted(parallel.items()))
+    path, out = workdir / f"job_{tag}.json", workdir / f"result_{tag}.json"
+    path.write_text(json.dumps(spec))
+    nproc = parallel["nproc"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           script, "--worker", str(path), "--out", str(out), "--steps", str(steps)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"layout {parallel} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())

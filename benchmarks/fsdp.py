@@ -13,61 +13,15 @@ Goal: base bytes per rank with fsdp=2 ÷ fsdp=1 ≤ 0.55. Step time is reported 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
 import torch
-
-
-def worker(spec_path: str, out: str, steps: int) -> None:
-    from mlora_lab.parallel import init_distributed, shutdown_distributed
-    from mlora_lab.spec import JobSpec
-    from mlora_lab.train import Trainer, memory_bytes
-
-    dist = init_distributed()
-    trainer = Trainer(JobSpec.load(spec_path), run_dir=None, dist=dist)
-    slot_ids = {id(p) for layer in trainer.model.layers.values() for p in (layer.lora_A, layer.lora_B)}
-    io = trainer.model.io
-
-    def local_bytes(select) -> int:
-        return sum(io.local(p.data).nbytes for p in trainer.model.parameters() if select(p))
-
-    base_bytes = local_bytes(lambda p: id(p) not in slot_ids)
-    slot_bytes = local_bytes(lambda p: id(p) in slot_ids)
-    trainer.model.train()
-    times = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        trainer.step()
-        if i >= 2:  # warm-up steps excluded
-            times.append(time.perf_counter() - t0)
-    _, peak = memory_bytes(trainer.device)
-    rows = trainer.comm.gather_objects(
-        {"rank": dist.rank, "base_bytes": base_bytes, "slot_bytes": slot_bytes, "peak_rss": peak,
-         "step_time": statistics.median(times)}
-    )  # fmt: skip
-    if dist.is_main:
-        Path(out).write_text(json.dumps(rows))
-    shutdown_distributed()
-
-
-def run_world(spec_path: Path, nproc: int, steps: int, workdir: Path) -> list[dict]:
-    spec = json.loads(spec_path.read_text())
-    spec["parallel"] = {"nproc": nproc, "fsdp": nproc}
-    path = workdir / f"job_{nproc}.json"
-    path.write_text(json.dumps(spec))
-    out = workdir / f"result_{nproc}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           __file__, "--worker", str(path), "--out", str(out), "--steps", str(steps)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -78,7 +32,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.out, args.steps)
+        common.layout_worker(args.worker, args.out, args.steps)
         return
 
     from mlora_lab.demo import task_rows, write_jsonl
@@ -103,7 +57,9 @@ def main() -> None:
     spec_path = work / "job.json"
     spec.to_json(spec_path)
     steps = 5 if args.quick else args.steps
-    results = {n: run_world(spec_path, n, steps, work) for n in (1, 2)}
+    results = {
+        n: common.run_layout(__file__, spec_path, {"nproc": n, "fsdp": n}, steps, work) for n in (1, 2)
+    }
 
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, Llama-style {n_params / 1e6:.1f}M params {size}, "
           "4 tenants (ranks 8-64) x batch 4, seq <= 64")  # fmt: skip

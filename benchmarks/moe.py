@@ -20,13 +20,8 @@ with ep=2 ÷ ep=1 (same world, same fsdp) <= 0.55.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,51 +47,6 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (2, 1, 2), (2, 2, 1), (2, 2, 2)]  # (world, fsd
 # -- memory: one torchrun job per layout -------------------------------------------------------------
 
 
-def worker(spec_path: str, out: str, steps: int) -> None:
-    from mlora_lab.parallel import init_distributed, shutdown_distributed
-    from mlora_lab.spec import JobSpec
-    from mlora_lab.train import Trainer
-
-    dist = init_distributed()
-    trainer = Trainer(JobSpec.load(spec_path), run_dir=None, dist=dist)
-    io = trainer.model.io
-    expert_ids = {id(p) for m in trainer.model.experts.values() for p in m.parameters()}
-
-    def local_bytes(select) -> int:
-        return sum(io.local(p.data).nbytes for p in trainer.model.parameters() if select(id(p)))
-
-    expert_bytes = local_bytes(lambda i: i in expert_ids)
-    other_bytes = local_bytes(lambda i: i not in expert_ids)
-    trainer.model.train()
-    times = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        trainer.step()
-        if i >= 2:  # warm-up steps excluded
-            times.append(time.perf_counter() - t0)
-    rows = trainer.comm.gather_objects(
-        {"rank": dist.rank, "expert_bytes": expert_bytes, "other_bytes": other_bytes,
-         "step_time": statistics.median(times)}
-    )  # fmt: skip
-    if dist.is_main:
-        Path(out).write_text(json.dumps(rows))
-    shutdown_distributed()
-
-
-def run_layout(spec_path: Path, layout: tuple[int, int, int], steps: int, workdir: Path) -> list[dict]:
-    world, fsdp, ep = layout
-    spec = json.loads(spec_path.read_text())
-    spec["parallel"] = {"nproc": world, "fsdp": fsdp, "ep": ep}
-    path = workdir / f"job_{world}_{fsdp}_{ep}.json"
-    path.write_text(json.dumps(spec))
-    out = workdir / f"result_{world}_{fsdp}_{ep}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           __file__, "--worker", str(path), "--out", str(out), "--steps", str(steps)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return json.loads(out.read_text())
-
-
 def memory(model_dir: str, cfg: dict, work: Path) -> float:
     from mlora_lab.demo import task_rows, write_jsonl
     from mlora_lab.spec import JobSpec, Tenant
@@ -109,12 +59,18 @@ def memory(model_dir: str, cfg: dict, work: Path) -> float:
     spec = JobSpec(base_model=model_dir, tenants=tenants, seq_len=64, max_tenants=4, max_rank=32)
     spec_path = work / "job.json"
     spec.to_json(spec_path)
-    results = {layout: run_layout(spec_path, layout, cfg["steps"], work) for layout in LAYOUTS}
+    results = {
+        (w, f, e): common.run_layout(
+            __file__, spec_path, {"nproc": w, "fsdp": f, "ep": e}, cfg["steps"], work
+        )
+        for w, f, e in LAYOUTS
+    }
     print("\n# expert memory per rank: the same 4-tenant job (ranks 8-32, attention + experts) per layout\n")
     table = []
     for (world, fsdp, ep), rows in results.items():
         for r in rows:
-            table.append([world, fsdp, ep, r["rank"], common.mib(r["expert_bytes"]), common.mib(r["other_bytes"]),
+            other = r["base_bytes"] + r["slot_bytes"]
+            table.append([world, fsdp, ep, r["rank"], common.mib(r["expert_bytes"]), common.mib(other),
                           f"{r['step_time']:.3f}"])  # fmt: skip
     common.print_table(["world", "fsdp", "ep", "rank", "expert params", "other params", "step s"], table)
 
@@ -222,8 +178,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     if args.worker:
-        common.setup(args.threads)
-        worker(args.worker, args.out, args.steps)
+        common.layout_worker(args.worker, args.out, args.steps)
         return
     cfg = QUICK if args.quick else FULL
     common.setup(args.threads)
