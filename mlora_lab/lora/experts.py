@@ -211,9 +211,11 @@ class MultiLoRAExperts(nn.Module):
             if (r := self.ranks[name][slot]) > 0
         )
         always = self.routing.grad_every_slot and self.training and torch.is_grad_enabled()
-        if plan or always:
-            out = out + _SegmentedLoRA.apply(x.to(A.dtype), A, B, plan).to(out.dtype)
-        return out
+        if not plan and not always:
+            return out
+        if out.dtype == A.dtype and not out._is_view():  # the deltas are added into the base output in place
+            return _SegmentedLoRA.apply(x.to(A.dtype), A, B, plan, out)
+        return out + _SegmentedLoRA.apply(x.to(A.dtype), A, B, plan).to(out.dtype)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -56,24 +56,38 @@ class LoRARouting:
 
 
 class _SegmentedLoRA(torch.autograd.Function):
-    """``delta[s:e] = scale * (x[s:e] A^T) B^T`` for each plan entry ``(A_index, B_index, s, e, scale)``,
-    with ``A = lora_A[A_index]`` ([r, in]) and ``B = lora_B[B_index]`` ([out, r]); see the module
-    docstring. Dense layers index a slot (``(slot, :r)``); packed experts index a slot and an expert
-    (``(slot, expert, :r)``). ``x`` is ``[rows, ..., in]``; gradients of all entries land in one
-    zero-initialised tensor per slot tensor."""
+    """``y[s:e] = base[s:e] + scale * (x[s:e] A^T) B^T`` for each plan entry ``(A_index, B_index, s, e,
+    scale)``, with ``A = lora_A[A_index]`` ([r, in]) and ``B = lora_B[B_index]`` ([out, r]); see the
+    module docstring. Dense layers index a slot (``(slot, :r)``); packed experts index a slot and an
+    expert (``(slot, expert, :r)``). ``x`` is ``[rows, ..., in]``; ``base`` ([rows, ..., out], the base
+    layer's output, or ``None`` for the delta alone) is updated in place, so no ``[rows, out]`` delta is
+    ever materialised; gradients of all entries land in one zero-initialised tensor per slot tensor."""
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, plan: tuple
+        ctx,
+        x: torch.Tensor,
+        lora_A: torch.Tensor,
+        lora_B: torch.Tensor,
+        plan: tuple,
+        base: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out_features = lora_B.shape[-2]
-        # Plan entries cover disjoint rows (most of them): write them, zero only the gaps.
-        out = x.new_empty(*x.shape[:-1], out_features)
-        _zero_gaps(out, plan)
+        if base is None:  # plan entries cover disjoint rows (most of them): zero only the gaps
+            out = x.new_empty(*x.shape[:-1], out_features)
+            _zero_gaps(out, plan)
+        else:
+            out = base
+            ctx.mark_dirty(base)
         xas = []
         for a_index, b_index, start, end, scale in plan:
             xa = F.linear(x[start:end], lora_A[a_index])  # [n, ..., r]
-            out[start:end] = F.linear(xa, lora_B[b_index]) * scale  # [n, ..., out]
+            rows = out[start:end].view(-1, out_features)  # rows of a contiguous tensor: a view
+            xa2 = xa.reshape(-1, xa.shape[-1])
+            if base is None:
+                torch.mm(xa2, lora_B[b_index].T, out=rows).mul_(scale)
+            else:
+                rows.addmm_(xa2, lora_B[b_index].T, alpha=scale)
             xas.append(xa)
         ctx.plan = plan
         ctx.save_for_backward(x, lora_A, lora_B, *xas)
@@ -83,6 +97,7 @@ class _SegmentedLoRA(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, lora_A, lora_B, *xas = ctx.saved_tensors
         need_x, need_A, need_B = ctx.needs_input_grad[:3]
+        in_features, out_features = x.shape[-1], lora_B.shape[-2]
         grad_x = None
         if need_x:
             grad_x = torch.empty_like(x)
@@ -90,17 +105,19 @@ class _SegmentedLoRA(torch.autograd.Function):
         grad_A = torch.zeros_like(lora_A) if need_A else None
         grad_B = torch.zeros_like(lora_B) if need_B else None
         for (a_index, b_index, start, end, scale), xa in zip(ctx.plan, xas):
-            g = grad_out[start:end] * scale  # [n, ..., out]
-            B_t = lora_B[b_index]  # [out, r]
-            rank = B_t.shape[-1]
-            g_xa = g @ B_t  # [n, ..., r]
+            # the order of autograd through ``(x A^T B^T) * s``: the same rounding as PEFT's layers
+            g = grad_out[start:end].reshape(-1, out_features) * scale  # [n, out]
+            xa2 = xa.reshape(-1, xa.shape[-1])  # [n, r]
+            g_xa = g @ lora_B[b_index]  # [n, r]
             if need_B:  # one slot (and expert) may own several entries: accumulate
-                grad_B[b_index] += g.reshape(-1, g.shape[-1]).T @ xa.reshape(-1, rank)
+                grad_B[b_index].addmm_(g.T, xa2)
             if need_A:
-                grad_A[a_index] += g_xa.reshape(-1, rank).T @ x[start:end].reshape(-1, x.shape[-1])
+                grad_A[a_index].addmm_(g_xa.T, x[start:end].reshape(-1, in_features))
             if need_x:
-                grad_x[start:end] = g_xa @ lora_A[a_index]
-        return grad_x, grad_A, grad_B, None
+                torch.mm(g_xa, lora_A[a_index], out=grad_x[start:end].view(-1, in_features))
+        if len(ctx.needs_input_grad) == 4:  # called without ``base``
+            return grad_x, grad_A, grad_B, None
+        return grad_x, grad_A, grad_B, None, grad_out if ctx.needs_input_grad[4] else None
 
 
 def _zero_gaps(t: torch.Tensor, plan: tuple) -> None:
@@ -161,22 +178,21 @@ class MultiLoRALinear(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
-        delta = self.delta(x)
-        return y if delta is None else y + delta.to(y.dtype)
+        return self.with_delta(x, self.base_layer(x))
 
     def slot_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The tensors the delta multiplies by: ``(lora_A, lora_B)`` (a sharded layout may give the
         part this process holds)."""
         return self.lora_A, self.lora_B
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Every row's tenant delta ``s_t · dropout(x) A_t^T B_t^T`` ([rows, ..., out]; zero for rows
-        without a tenant), or ``None`` when no row has one (and no gradient is needed)."""
+    def with_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the base output for ``x``, [rows, ..., out]) plus every row's tenant delta
+        ``s_t · dropout(x) A_t^T B_t^T`` (nothing for rows without a tenant); ``y`` itself when no row
+        has one and no gradient is needed. ``y`` may be updated in place."""
         segments = self.routing.segments or []
         always = self.routing.grad_every_slot and self.training and torch.is_grad_enabled()
         if not segments and not always:
-            return None
+            return y
         if x.shape[0] != self.routing.num_rows:
             raise RuntimeError(
                 f"multi-tenant LoRA expects inputs of shape [rows, ..., in] with rows={self.routing.num_rows}, "
@@ -188,12 +204,14 @@ class MultiLoRALinear(nn.Module):
             if (r := self.ranks[slot]) > 0
         )
         if not plan and not always:
-            return None
+            return y
         A, B = self.slot_tensors()
         x_lora = x.to(A.dtype)
         if self.training and any(self.dropouts[p[0][0]] > 0 for p in plan):
             x_lora = self._dropout(x_lora, plan)
-        return _SegmentedLoRA.apply(x_lora, A, B, plan)
+        if y.dtype == A.dtype and not y._is_view():  # in place (autograd cannot rebase a view)
+            return _SegmentedLoRA.apply(x_lora, A, B, plan, y)
+        return y + _SegmentedLoRA.apply(x_lora, A, B, plan).to(y.dtype)
 
     def _dropout(self, x: torch.Tensor, plan: tuple) -> torch.Tensor:
         """Each segment's rows get their own tenant's dropout; rows outside segments pass through."""

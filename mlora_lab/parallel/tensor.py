@@ -126,8 +126,8 @@ class _ScatterToTP(torch.autograd.Function):
 # -- layers ------------------------------------------------------------------------------------------
 
 
-def _tp_linear(module: nn.Module, x: torch.Tensor, delta) -> torch.Tensor:
-    """The TP forward of a linear layer (module docstring); ``delta(x)`` adds the tenant deltas."""
+def _tp_linear(module: nn.Module, x: torch.Tensor, with_delta) -> torch.Tensor:
+    """The TP forward of a linear layer (module docstring); ``with_delta(x, y)`` adds the tenant deltas."""
     group, style = module.tp_group, module.tp_style
     if style == "rowwise_split_input":
         x = _ScatterToTP.apply(x, group)
@@ -135,9 +135,7 @@ def _tp_linear(module: nn.Module, x: torch.Tensor, delta) -> torch.Tensor:
         x = _CopyToTP.apply(x, group)
     base = module.base_layer if isinstance(module, MultiLoRALinear) else module
     y = F.linear(x, base.weight, base.bias if style in COLWISE else None)
-    d = delta(x)
-    if d is not None:
-        y = y + d.to(y.dtype)  # base + LoRA partials, added before the one collective below
+    y = with_delta(x, y)  # base + LoRA partials, added before the one collective below
     if style in COLWISE:
         return _GatherFromTP.apply(y, group) if style == "colwise_gather_output" else y
     y = _ReduceFromTP.apply(y, group)
@@ -158,7 +156,7 @@ class TPMultiLoRALinear(MultiLoRALinear):
         return A, _CopyToTP.apply(B, self.tp_group)  # B replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _tp_linear(self, x, self.delta)
+        return _tp_linear(self, x, self.with_delta)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", tp={self.tp_style}"
@@ -171,7 +169,7 @@ class TPLinear(nn.Linear):
     tp_style: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _tp_linear(self, x, lambda _: None)
+        return _tp_linear(self, x, lambda _, y: y)
 
 
 class TPEmbedding(nn.Embedding):
