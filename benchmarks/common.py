@@ -7,6 +7,7 @@ nothing is downloaded.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import json
@@ -354,3 +355,32 @@ def run_layout(script: str, spec_path: Path, parallel: dict, steps: int, workdir
     if proc.returncode != 0:
         raise RuntimeError(f"layout {parallel} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def add_worker_args(parser) -> None:
+    """``--worker JOB --out OUT --steps N``: how :func:`run_layout` calls a script back under torchrun."""
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=8, help="global steps per layout (2 of them warm-up)")
+
+
+def llama_layout_job(work: Path, quick: bool) -> tuple[Path, int, dict]:
+    """The 4-tenant job ``fsdp.py`` and ``tp.py`` run per layout: a Llama-style model (20.3M
+    parameters, or a tiny one with ``quick``), tenants of ranks 8-64 on all seven projections, batch 4
+    each, seq <= 64. Returns the job.json path, the parameter count and the model size."""
+    from mlora_lab.demo import task_rows, write_jsonl
+    from mlora_lab.spec import JobSpec, Tenant
+    from mlora_lab.tiny import build_tiny_model
+
+    size = dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=512) if quick else dict(
+        hidden=512, layers=8, heads=8, kv_heads=4, vocab_size=4096
+    )  # fmt: skip
+    base = build_tiny_model("llama", work / "model", **size)
+    tenants = [
+        Tenant(name=f"t{i}", data=write_jsonl(work / f"t{i}.jsonl", task_rows(task, 64, seed=i)), rank=r,
+               target_modules=LLAMA_TARGETS, batch_size=4, max_steps=1000)
+        for i, (task, r) in enumerate([("reverse", 8), ("upper", 16), ("count", 32), ("reverse", 64)])
+    ]  # fmt: skip
+    spec_path = work / "job.json"
+    JobSpec(base_model=base, tenants=tenants, seq_len=64, max_tenants=4, max_rank=64).to_json(spec_path)
+    return spec_path, n_params(base), size

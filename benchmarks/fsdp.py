@@ -25,37 +25,16 @@ import torch
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker")
-    parser.add_argument("--out")
-    parser.add_argument("--steps", type=int, default=8)
+    common.add_worker_args(parser)
     args = parser.parse_args()
     if args.worker:
         common.layout_worker(args.worker, args.out, args.steps)
         return
 
-    from mlora_lab.demo import task_rows, write_jsonl
-    from mlora_lab.spec import JobSpec, Tenant
-    from mlora_lab.tiny import build_tiny_model
-
     work = Path(tempfile.mkdtemp(prefix="mlora_fsdp_bench_"))
-    size = dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=512) if args.quick else dict(
-        hidden=512, layers=8, heads=8, kv_heads=4, vocab_size=4096
-    )  # fmt: skip
-    base = build_tiny_model("llama", work / "model", **size)
-    import transformers
-
-    n_params = transformers.AutoModelForCausalLM.from_pretrained(base).num_parameters()
-    tenants = [
-        Tenant(name=f"t{i}", data=write_jsonl(work / f"t{i}.jsonl", task_rows(task, 64, seed=i)), rank=r,
-               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-               batch_size=4, max_steps=1000)
-        for i, (task, r) in enumerate([("reverse", 8), ("upper", 16), ("count", 32), ("reverse", 64)])
-    ]  # fmt: skip
-    spec = JobSpec(base_model=base, tenants=tenants, seq_len=64, max_tenants=4, max_rank=64)
-    spec_path = work / "job.json"
-    spec.to_json(spec_path)
+    spec_path, n_params, size = common.llama_layout_job(work, args.quick)
     steps = 5 if args.quick else args.steps
     results = {
         n: common.run_layout(__file__, spec_path, {"nproc": n, "fsdp": n}, steps, work) for n in (1, 2)

@@ -173,9 +173,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=common.THREADS)
     parser.add_argument("--max-wait", type=float, default=120, help="s to wait for a quiet machine")
-    parser.add_argument("--worker")
-    parser.add_argument("--out")
-    parser.add_argument("--steps", type=int, default=8)
+    common.add_worker_args(parser)
     args = parser.parse_args()
     if args.worker:
         common.layout_worker(args.worker, args.out, args.steps)

@@ -571,6 +571,15 @@ class TenantForm:
 # ---------------------------------------------------------------------------------------------
 
 
+def _divisor_choice(description: str, n: int, value: int) -> W.Dropdown:
+    """A dropdown of the divisors of ``n``, at ``value`` if it is one (else 1)."""
+    options = _divisors(n)
+    return W.Dropdown(
+        options=options, value=value if value in options else 1, description=description, style=_LABEL,
+        layout=_narrow(),
+    )  # fmt: skip
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -642,29 +651,10 @@ class JobBuilder:
         self.nproc = W.IntSlider(
             value=d.parallel.nproc, min=1, max=max_nproc, description="nproc", style=_LABEL, layout=_wide()
         )
-        tp_options = _divisors(d.parallel.nproc)
-        self.tp = W.Dropdown(
-            options=tp_options,
-            value=d.parallel.tp if d.parallel.tp in tp_options else 1,
-            description="tp",
-            style=_LABEL,
-            layout=_narrow(),
-        )
-        dp_options = _divisors(d.parallel.nproc // self.tp.value)  # the data-parallel ranks
-        self.fsdp = W.Dropdown(
-            options=dp_options,
-            value=d.parallel.fsdp if d.parallel.fsdp in dp_options else 1,
-            description="fsdp",
-            style=_LABEL,
-            layout=_narrow(),
-        )
-        self.ep = W.Dropdown(
-            options=dp_options,
-            value=d.parallel.ep if d.parallel.ep in dp_options else 1,
-            description="ep",
-            style=_LABEL,
-            layout=_narrow(),
-        )
+        self.tp = _divisor_choice("tp", d.parallel.nproc, d.parallel.tp)
+        dp = d.parallel.nproc // self.tp.value  # the data-parallel ranks
+        self.fsdp = _divisor_choice("fsdp", dp, d.parallel.fsdp)
+        self.ep = _divisor_choice("ep", dp, d.parallel.ep)
         self.workdir = W.Text(value=os.fspath(workdir), description="workdir", style=_LABEL, layout=_wide())
         self.fields: dict[str, W.Widget] = {
             k: getattr(self, k)

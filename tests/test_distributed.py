@@ -14,6 +14,7 @@ import peft
 import pytest
 import torch
 import transformers
+from conftest import task_rows, write_jsonl
 
 import mlora_lab as ml
 from mlora_lab.launch import prepare_run
@@ -75,114 +76,114 @@ def assert_same_adapters(x: dict, y: dict, tol: float) -> None:
             assert diff <= tol, f"{name}/{m}: {diff}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "qwen3_moe"])
-def test_fsdp2_two_ranks_equal_one(arch, tiny_models, make_data, tmp_path):
-    base = tiny_models(arch)
-    tenants = tenants_for(arch, make_data)
-    one = finished(ml.launch(job(base, tenants, tmp_path / "w1", nproc=1)))
-    two = finished(ml.launch(job(base, tenants, tmp_path / "w2", nproc=2)))
-    l1, l2 = losses(one), losses(two)
+@pytest.fixture(scope="module")
+def one_process(tiny_models, tmp_path_factory):
+    """``one_process(arch) -> (tenants, run)``: the :func:`tenants_for` job of ``arch`` on one
+    process, run once per module (the reference every layout below is compared with)."""
+    done: dict[str, tuple[list[ml.Tenant], ml.Run]] = {}
+
+    def get(arch: str) -> tuple[list[ml.Tenant], ml.Run]:
+        if arch not in done:
+            out = tmp_path_factory.mktemp(f"one_{arch}")
+            tenants = tenants_for(
+                arch, lambda kind, n=12: write_jsonl(out / f"{kind}.jsonl", task_rows(kind, n))
+            )
+            done[arch] = tenants, finished(ml.launch(job(tiny_models(arch), tenants, out / "run", nproc=1)))
+        return done[arch]
+
+    return get
+
+
+def same_as_one_process(
+    one_process, arch: str, base: str, out: Path, parallel: ml.Parallel
+) -> tuple[ml.Run, ml.Run]:
+    """Run the job of ``arch`` with ``parallel``: per-step losses and saved adapters agree with the
+    one-process run to TOL, and every rank reports its memory. Returns both runs."""
+    tenants, one = one_process(arch)
+    spec = job(base, tenants, out / "many", nproc=parallel.nproc)
+    spec.parallel = parallel
+    many = finished(ml.launch(spec))
+    l1, l2 = losses(one), losses(many)
     assert set(l1) == set(l2) and len(l1) == 5 + 4 + 6
     assert max(abs(l1[k] - l2[k]) for k in l1) <= TOL
     names = [t.name for t in tenants]
-    assert_same_adapters(adapters(one, names), adapters(two, names), TOL)
-    # every rank reports its memory
-    assert set(two.system_metrics()["rank"]) == {0, 1}
+    assert_same_adapters(adapters(one, names), adapters(many, names), TOL)
+    assert set(many.system_metrics()["rank"]) == set(range(parallel.nproc))
+    return one, many
+
+
+def assert_same_peft_logits(base: str, runs: list[ml.Run], tenant: str) -> None:
+    """The runs' saved adapters of ``tenant``, loaded by PEFT, give the same logits."""
+    ids = torch.randint(3, 300, (2, 9))
+    logits = []
+    for run in runs:
+        model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base),
+                                               str(run.adapter_path(tenant)))  # fmt: skip
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    for other in logits[1:]:
+        torch.testing.assert_close(other, logits[0], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "qwen3_moe"])
+def test_fsdp2_two_ranks_equal_one(arch, tiny_models, one_process, tmp_path):
+    _, two = same_as_one_process(one_process, arch, tiny_models(arch), tmp_path, ml.Parallel(2, fsdp=2))
     shards = two.tenant_events()
     assert (shards["local_adapter_bytes"] < shards["adapter_bytes"]).all()
 
 
 @pytest.mark.parametrize("arch, fsdp", [("qwen3_moe", 2), ("mixtral", 1)])
-def test_expert_parallel_two_ranks_equal_one(arch, fsdp, tiny_models, make_data, tmp_path):
+def test_expert_parallel_two_ranks_equal_one(arch, fsdp, tiny_models, one_process, tmp_path):
     """ep=2 (attention sharded with fsdp=2, or replicated with fsdp=1) equals one process: the
     experts and their slots are split, tokens travel between the ranks (one rank has no rows of
     tenant b), and the saved adapters are gathered whole."""
     base = tiny_models(arch)
-    tenants = tenants_for(arch, make_data)
-    one = finished(ml.launch(job(base, tenants, tmp_path / "ep1", nproc=1)))
-    spec = job(base, tenants, tmp_path / "ep2", nproc=2)
-    spec.parallel = ml.Parallel(nproc=2, fsdp=fsdp, ep=2)
-    two = finished(ml.launch(spec))
-    l1, l2 = losses(one), losses(two)
-    assert set(l1) == set(l2) and len(l1) == 5 + 4 + 6
-    assert max(abs(l1[k] - l2[k]) for k in l1) <= TOL
-    names = [t.name for t in tenants]
-    assert_same_adapters(adapters(one, names), adapters(two, names), TOL)
+    one, two = same_as_one_process(one_process, arch, base, tmp_path, ml.Parallel(2, fsdp=fsdp, ep=2))
     a = two.tenant_events().query("tenant == 'a'").iloc[0]
     assert a.local_adapter_bytes < a.adapter_bytes  # its experts' share
     # the gathered adapter is PEFT's: loaded by PEFT, it gives the logits of the one-process adapter
-    ids = torch.randint(3, 300, (2, 9))
-    logits = []
-    for run in (one, two):
-        model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base),
-                                               str(run.adapter_path("a")))  # fmt: skip
-        with torch.no_grad():
-            logits.append(model(input_ids=ids).logits)
-    torch.testing.assert_close(logits[1], logits[0], atol=TOL, rtol=0)
+    assert_same_peft_logits(base, [one, two], "a")
 
 
 @pytest.mark.parametrize(
     "arch, nproc, fsdp, ep",
     [("llama", 2, 1, 1), ("gpt_neox", 2, 1, 1), ("qwen2", 4, 2, 1), ("qwen3_moe", 4, 1, 2)],
 )
-def test_tensor_parallel_equals_one_process(arch, nproc, fsdp, ep, tiny_models, make_data, tmp_path):
+def test_tensor_parallel_equals_one_process(arch, nproc, fsdp, ep, tiny_models, one_process, tmp_path):
     """tp=2 (and fsdp=2 x tp=2, and tp=2 x ep=2 with LoRA on the experts, on 4 processes) equals one
     process: per-step losses and the saved adapters; a TP-trained adapter loaded by PEFT gives the
     logits of the one-process adapter."""
     base = tiny_models(arch)
-    tenants = tenants_for(arch, make_data)
-    one = finished(ml.launch(job(base, tenants, tmp_path / "tp1", nproc=1)))
-    spec = job(base, tenants, tmp_path / "tp2", nproc=nproc)
-    spec.parallel = ml.Parallel(nproc=nproc, fsdp=fsdp, tp=2, ep=ep)
-    two = finished(ml.launch(spec))
-    l1, l2 = losses(one), losses(two)
-    assert set(l1) == set(l2) and len(l1) == 5 + 4 + 6
-    assert max(abs(l1[k] - l2[k]) for k in l1) <= TOL
-    names = [t.name for t in tenants]
-    assert_same_adapters(adapters(one, names), adapters(two, names), TOL)
-    assert set(two.system_metrics()["rank"]) == set(range(nproc))
-    ids = torch.randint(3, 300, (2, 9))
-    logits = []
-    for run in (one, two):
-        model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base),
-                                               str(run.adapter_path("b")))  # fmt: skip
-        with torch.no_grad():
-            logits.append(model(input_ids=ids).logits)
-    torch.testing.assert_close(logits[1], logits[0], atol=TOL, rtol=0)
+    layout = ml.Parallel(nproc, fsdp=fsdp, tp=2, ep=ep)
+    one, many = same_as_one_process(one_process, arch, base, tmp_path, layout)
+    assert_same_peft_logits(base, [one, many], "b")
+
+
+def run_check_script(script: str, nproc: int, *args: str, ok: str) -> None:
+    """Run ``tests/dist/<script>`` under torchrun; every process must print ``ok``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         str(ROOT / "tests" / "dist" / script), *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count(ok) == nproc
 
 
 @pytest.mark.parametrize("nproc, fsdp", [(2, 1), (4, 2)])
 def test_tensor_parallel_matches_unsplit_model_under_torchrun(nproc, fsdp):
     archs = ["llama", "gpt_neox", "phi3", "qwen3_moe"] if nproc == 2 else ["llama", "phi3"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         str(ROOT / "tests" / "dist" / "tensor_parallel.py"), str(fsdp), *archs],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("tensor parallel ok") == nproc
+    run_check_script("tensor_parallel.py", nproc, str(fsdp), *archs, ok="tensor parallel ok")
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_expert_parallel_matches_unsplit_model_under_torchrun(nproc):
     archs = ["qwen3_moe", "mixtral"] if nproc == 2 else ["qwen3_moe"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         str(ROOT / "tests" / "dist" / "expert_parallel.py"), *archs],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("expert parallel ok") == nproc
+    run_check_script("expert_parallel.py", nproc, *archs, ok="expert parallel ok")
 
 
 def test_sharded_slot_io_under_torchrun(llama_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "tests" / "dist" / "sharded_io.py"), llama_path],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("sharded I/O ok") == 2
+    run_check_script("sharded_io.py", 2, llama_path, ok="sharded I/O ok")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
