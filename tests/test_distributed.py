@@ -172,7 +172,7 @@ def run_check_script(script: str, nproc: int, *args: str, ok: str) -> None:
 
 @pytest.mark.parametrize("nproc, fsdp", [(2, 1), (4, 2)])
 def test_tensor_parallel_matches_unsplit_model_under_torchrun(nproc, fsdp):
-    archs = ["llama", "gpt_neox", "phi3", "qwen3_moe"] if nproc == 2 else ["llama", "phi3"]
+    archs = ["llama", "llama+tied", "gpt_neox", "phi3", "qwen3_moe"] if nproc == 2 else ["llama", "phi3"]
     run_check_script("tensor_parallel.py", nproc, str(fsdp), *archs, ok="tensor parallel ok")
 
 

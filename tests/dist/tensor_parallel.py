@@ -34,8 +34,13 @@ ROWS = ["a", "a", "b", None, "c", "c", "c", "a"]
 
 
 def build(arch: str) -> MultiLoRAModel:
+    """``arch`` from :data:`~mlora_lab.tiny.ARCHITECTURES`; ``+tied`` ties lm_head to the embedding."""
+    arch, _, tied = arch.partition("+")
+    config = tiny_config(arch, 128, hidden=32, layers=2, heads=4, kv_heads=2)
+    config.tie_word_embeddings = bool(tied)
     torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, 128, hidden=32, layers=2, heads=4, kv_heads=2))
+    base = transformers.AutoModelForCausalLM.from_config(config)
+    assert (base.lm_head.weight is base.get_input_embeddings().weight) == bool(tied)
     with torch.no_grad():  # no exact zeros or ones (biases, norms): every parameter matters
         for p in base.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
@@ -76,7 +81,7 @@ def count_collectives(fn) -> Counter:
 
 def check(arch: str, fsdp: int, rank: int, world: int) -> None:
     tp = world // fsdp
-    targets = TYPICAL_TARGETS[arch]
+    targets = TYPICAL_TARGETS[arch.partition("+")[0]]
     ids = torch.randint(3, 120, (len(ROWS), 10), generator=torch.Generator().manual_seed(1))
     reference, split = build(arch), build(arch)
     dims = ParallelDims(world, fsdp=fsdp, tp=tp)
