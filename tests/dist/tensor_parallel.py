@@ -5,7 +5,7 @@ builds the same tiny model twice, a reference and one laid out with ``tp = N / F
 other dimension, 2-D). Per architecture, checked:
 
 - rank-consistent init: tenants added from seeds (PEFT's default init) and one reset slot re-added
-  give the same full adapter as on the reference;
+  give the same full adapter as on the reference, and so does a PEFT adapter loaded into a freed slot;
 - logits of this process's rows equal the reference's (≤ 1e-5) for mixed-tenant rows with ranks 2, 8
   and 5 (B != 0), and the gathered gradients of every tenant equal the reference's (≤ 1e-5);
 - one collective per split layer: a forward issues exactly one all-reduce per rowwise layer and per
@@ -19,6 +19,7 @@ Exits non-zero on the first failed check; tests/test_distributed.py runs it.
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections import Counter
 
 import torch
@@ -118,6 +119,14 @@ def check(arch: str, fsdp: int, rank: int, world: int) -> None:
         for (p, i), (q, j) in zip(split.tenant_slices(name), reference.tenant_slices(name)):
             g = io.gather(p, i, io.local(p.grad)[i])
             torch.testing.assert_close(g, q.grad[j], atol=1e-5, rtol=0)
+    # init from a PEFT adapter into a freed slot: the split slots hold exactly the file's tensors
+    with tempfile.TemporaryDirectory() as tmp:
+        reference.save_adapter("b", tmp)
+        split.remove_tenant("b")
+        split.load_adapter("b2", tmp)
+        for k, (A, B) in reference.tenant_tensors("b").items():
+            A2, B2 = split.tenant_tensors("b2")[k]
+            assert torch.equal(A2, A) and torch.equal(B2, B), k
     print(f"rank {rank}: {arch} tp={tp} fsdp={fsdp} ok", flush=True)
 
 
