@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import copy
 import sys
-import tempfile
 
 import torch
 import transformers
+from checks import assert_reload_into_freed_slot, assert_same_gradients
 
 from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.parallel import ParallelDims, init_distributed, parallelize, shutdown_distributed
@@ -67,11 +67,6 @@ def only_first_experts(mm: MultiLoRAModel) -> None:
             module.register_forward_hook(lambda m, args, out: (out[0], out[1], out[2] % 2))
 
 
-def grads(mm: MultiLoRAModel, name: str) -> list[torch.Tensor]:
-    io = mm.io
-    return [io.gather(p, i, io.local(p.grad)[i]) for p, i in mm.tenant_slices(name)]
-
-
 def check(arch: str, skewed: bool, rank: int, world: int) -> None:
     ids = torch.randint(3, 120, (len(ROWS), 10), generator=torch.Generator().manual_seed(1))
     reference = wrap(tiny_moe(arch))
@@ -96,20 +91,9 @@ def check(arch: str, skewed: bool, rank: int, world: int) -> None:
     torch.testing.assert_close(local, full[mine], atol=1e-5, rtol=0)
     # this process's share of the same loss: the sum over processes is the reference loss
     (local.square().sum() / full.numel()).backward()
-    for name, *_ in TENANTS:
-        for g_split, g_ref in zip(grads(split, name), grads(reference, name)):
-            assert g_split.shape == g_ref.shape, "gathered gradients hold every expert"
-            torch.testing.assert_close(g_split, g_ref, atol=1e-5, rtol=0)
-
+    assert_same_gradients(split, reference, [t[0] for t in TENANTS])
     # slot reset + add under EP: the freed slot takes a PEFT adapter with the experts' full layout
-    with tempfile.TemporaryDirectory() as tmp:
-        reference.save_adapter("b", tmp)
-        split.remove_tenant("b")
-        split.load_adapter("b2", tmp)
-        for k, (A, B) in reference.tenant_tensors("b").items():
-            A2, B2 = split.tenant_tensors("b2")[k]
-            torch.testing.assert_close(A2, A, atol=0, rtol=0)
-            torch.testing.assert_close(B2, B, atol=0, rtol=0)
+    assert_reload_into_freed_slot(split, reference, "b")
     print(f"rank {rank}: {arch} skewed={skewed} ok", flush=True)
 
 

@@ -19,12 +19,12 @@ Exits non-zero on the first failed check; tests/test_distributed.py runs it.
 from __future__ import annotations
 
 import sys
-import tempfile
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 import transformers
+from checks import assert_reload_into_freed_slot, assert_same_gradients
 
 import mlora_lab.parallel.tensor as tensor_parallel
 from mlora_lab.lora import MultiLoRAModel
@@ -114,19 +114,8 @@ def check(arch: str, fsdp: int, rank: int, world: int) -> None:
     slotted = sum(1 for n in plan if n in split.layers)  # one replicated LoRA factor each
     # (a colwise layer whose input needs no gradient, e.g. the first block's q/k/v, reduces none)
     assert 0 < backward["all_reduce"] <= colwise + slotted, (backward, styles, slotted)
-    for name in ("a", "b", "c"):
-        io = split.io
-        for (p, i), (q, j) in zip(split.tenant_slices(name), reference.tenant_slices(name)):
-            g = io.gather(p, i, io.local(p.grad)[i])
-            torch.testing.assert_close(g, q.grad[j], atol=1e-5, rtol=0)
-    # init from a PEFT adapter into a freed slot: the split slots hold exactly the file's tensors
-    with tempfile.TemporaryDirectory() as tmp:
-        reference.save_adapter("b", tmp)
-        split.remove_tenant("b")
-        split.load_adapter("b2", tmp)
-        for k, (A, B) in reference.tenant_tensors("b").items():
-            A2, B2 = split.tenant_tensors("b2")[k]
-            assert torch.equal(A2, A) and torch.equal(B2, B), k
+    assert_same_gradients(split, reference, ("a", "b", "c"))
+    assert_reload_into_freed_slot(split, reference, "b")
     print(f"rank {rank}: {arch} tp={tp} fsdp={fsdp} ok", flush=True)
 
 
