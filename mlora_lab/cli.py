@@ -15,9 +15,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from mlora_lab.launch import DEFAULT_WORKDIR, Run, attach, launch, prepare_run, resume
-from mlora_lab.rundir import FINAL_STATES
+from mlora_lab.launch import DEFAULT_WORKDIR, LAUNCHERS, Run, attach, launch, prepare_run, resume
+from mlora_lab.rundir import CheckpointError, ControlError, RowKind, RunDirError, RunState
 from mlora_lab.spec import JobSpec, SpecError
+
+# What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
+# resumed): one clear message and exit code 2, never a traceback.
+USER_ERRORS = (SpecError, RunDirError, CheckpointError, ControlError, FileNotFoundError, RuntimeError)
 
 
 def follow(run: Run, every: float = 2.0, out=sys.stdout) -> str:
@@ -25,16 +29,18 @@ def follow(run: Run, every: float = 2.0, out=sys.stdout) -> str:
     print(f"run directory: {run.path}", file=out, flush=True)
     last: dict[str, dict] = {}
     printed = 0.0
+    cursor = (0, 0)
     while True:
         state = run.status
-        for row in run.rows():
-            if row["kind"] == "train":
+        new, cursor = run.rows_since(cursor)
+        for row in new:
+            if row["kind"] == RowKind.TRAIN:
                 last[row["tenant"]] = row
-        if last and (time.monotonic() - printed >= every or state in FINAL_STATES):
+        if last and (time.monotonic() - printed >= every or state.final):
             parts = [f"{n} {r['tenant_step']} loss {r['loss']:.3f}" for n, r in sorted(last.items())]
             print(f"[{state}] " + " | ".join(parts), file=out, flush=True)
             printed = time.monotonic()
-        if state in FINAL_STATES:
+        if state.final:
             return run.wait()
         time.sleep(0.5)
 
@@ -44,7 +50,7 @@ def print_outcome(run: Run, state: str, out=sys.stdout) -> None:
 
     with pd.option_context("display.width", 160, "display.max_columns", 20, "display.precision", 4):
         print("\n" + summary(run).to_string(index=False), file=out)
-    if state != "finished":
+    if state != RunState.FINISHED:
         print(f"\nrun {state}: {run.error or ''}\n--- rank 0 log tail ---\n{run.logs(0, 30)}", file=out)
     else:
         print(f"\nadapters (PEFT format): {run.path / 'adapters'}", file=out)
@@ -57,25 +63,17 @@ def follow_to_exit(run: Run, no_follow: bool = False) -> int:
         return 0
     state = follow(run)
     print_outcome(run, state)
-    return 0 if state == "finished" else 1
+    return 0 if state == RunState.FINISHED else 1
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    try:
-        spec = JobSpec.load(args.job)
-        run = launch(spec, workdir=args.workdir)
-    except SpecError as e:
-        print(e, file=sys.stderr)
-        return 2
+    run = launch(JobSpec.load(args.job), workdir=args.workdir, launcher=args.launcher)
     return follow_to_exit(run, args.no_follow)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    try:
-        run = prepare_run(JobSpec.load(args.job), workdir=args.workdir)
-    except SpecError as e:
-        print(e, file=sys.stderr)
-        return 2
+    # launchers/ start the processes themselves, on one node or many
+    run = prepare_run(JobSpec.load(args.job), workdir=args.workdir, launcher=None)
     print(run.root)
     return 0
 
@@ -97,11 +95,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    try:
-        run = resume(args.run_dir, nproc=args.nproc, fsdp=args.fsdp, ep=args.ep, tp=args.tp)
-    except (SpecError, FileNotFoundError, RuntimeError) as e:
-        print(e, file=sys.stderr)
-        return 2
+    run = resume(args.run_dir, nproc=args.nproc, fsdp=args.fsdp, ep=args.ep, tp=args.tp)
     return follow_to_exit(run, args.no_follow)
 
 
@@ -130,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", type=Path)
     p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where run directories go (unless output_dir)")
     p.add_argument("--no-follow", action="store_true", help="print the run directory and return at once")
+    p.add_argument("--launcher", default="local", choices=LAUNCHERS, help="where the job runs")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("prepare", help="validate a job.json and create its run directory (for launchers/)")
     p.add_argument("job", type=Path)
@@ -163,7 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        text = str(e).strip() or type(e).__name__
+        if isinstance(e, SpecError):
+            print(text, file=sys.stderr)  # already one line per problem
+        else:
+            print(f"mlora-lab {args.command}: {text}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted (the job, if one was started, keeps running; `mlora-lab stop RUN_DIR` ends it)",
+              file=sys.stderr)  # fmt: skip
+        return 130
 
 
 if __name__ == "__main__":

@@ -23,13 +23,18 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from mlora_lab.launch import Run
-from mlora_lab.rundir import FINAL_STATES, MetricsReader
+from mlora_lab.rundir import FINAL_STATES, MetricsReader, RowKind, RunState
 
 # matplotlib's tab10, then ten darker tones: hex, so HTML widgets and plots share one colour per tenant.
 PALETTE = [
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
     "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#31a354", "#e6550d", "#756bb1", "#636363",
 ]  # fmt: skip
+
+
+STATE_COLOURS = {
+    RunState.FAILED: "#c0392b", RunState.LOST: "#c0392b", RunState.FINISHED: "#27ae60", RunState.STOPPED: "#7f8c8d",
+}  # fmt: skip
 
 
 def ema(values: np.ndarray, smoothing: float) -> np.ndarray:
@@ -74,7 +79,7 @@ class Series:
 
 
 @dataclass
-class RunState:
+class PlotState:
     """Everything the dashboard draws, accumulated incrementally from metrics rows."""
 
     train: dict[str, Series] = field(default_factory=lambda: defaultdict(Series))
@@ -96,19 +101,19 @@ class RunState:
             self.global_step = max(self.global_step, r.get("step", 0))
             if self.t0 is None:
                 self.t0 = r.get("time")
-            if kind == "train":
+            if kind == RowKind.TRAIN:
                 self.train[r["tenant"]].append(r["tenant_step"], r["loss"])
                 self.tenant_step[r["tenant"]] = r["tenant_step"]
                 self.last_loss[r["tenant"]] = r["loss"]
-            elif kind == "eval":
+            elif kind == RowKind.EVAL:
                 # eval rows carry the global step; place them at the tenant's step at that time
                 self.evals[r["tenant"]].append(self.tenant_step.get(r["tenant"], 0), r["loss"])
-            elif kind == "system":
+            elif kind == RowKind.SYSTEM:
                 self.memory[r["rank"]].append(r["time"] - (self.t0 or r["time"]), r["mem_bytes"] / 2**20)
                 if r["rank"] == 0:
                     self.throughput.append(r["step"], r["tokens_per_s"])
                     self.tokens_per_s = r["tokens_per_s"]
-            elif kind == "tenant":
+            elif kind == RowKind.TENANT:
                 self.tenant_state[r["tenant"]] = r["state"]
                 self.tenant_reason[r["tenant"]] = r.get("reason")
                 self.adapter_bytes[r["tenant"]] = r.get("adapter_bytes", 0) + r.get("optimizer_bytes", 0)
@@ -121,7 +126,7 @@ class Dashboard:
         self.run = run
         self.refresh_s = refresh_s
         self.max_points = max_points
-        self.state = RunState()
+        self.state = PlotState()
         self._reader = MetricsReader(run.dir.metrics)  # its own offset: it needs every row
         spec = run.spec
         self.max_steps = {t.name: t.max_steps for t in spec.tenants}
@@ -193,8 +198,12 @@ class Dashboard:
     def refresh(self) -> bool:
         """Read new metrics rows and redraw; returns False once the run has ended."""
         state = self.run.status
+        generation = self._reader.generation
         new = self._reader.poll()
         with self._lock:
+            if self._reader.generation != generation:  # metrics.jsonl was rewritten (a resume): start over
+                self.state = PlotState()
+                new = list(self._reader.rows)
             self.state.add(new)
             for name in list(self.state.train) + list(self.state.tenant_state):
                 if name not in self.colors:
@@ -204,23 +213,23 @@ class Dashboard:
         self._update_status(state)
         self._update_progress()
         if new or not self.loss_plot.value:
-            system_rows = any(r.get("kind") in ("system", "tenant") for r in new)
+            system_rows = any(r["kind"] in (RowKind.SYSTEM, RowKind.TENANT) for r in new)
             self.redraw(
                 system=system_rows and (time.monotonic() - self._system_drawn > 2 or state in FINAL_STATES)
             )
         if state in FINAL_STATES:
             self.stop_button.disabled = True
-            self.stop_button.description = state
+            self.stop_button.description = state.value
             return False
         return True
 
     def _update_status(self, state: str) -> None:
-        colour = {"failed": "#c0392b", "finished": "#27ae60", "stopped": "#7f8c8d"}.get(state, "#2c3e50")
+        colour = STATE_COLOURS.get(state, "#2c3e50")
         text = f"<b>{self.run.path.name}</b> — <span style='color:{colour}'><b>{state}</b></span>"
         text += f" · step {self.state.global_step}"
         if self.state.tokens_per_s is not None:
             text += f" · {self.state.tokens_per_s:,.0f} tokens/s"
-        if state == "failed":
+        if state in (RunState.FAILED, RunState.LOST):
             error = self.run.error or ""
             rank = error.split(":")[0].replace("rank", "").strip() if error.startswith("rank") else "0"
             tail = self.run.logs(int(rank) if rank.isdigit() else 0, tail=6)

@@ -16,19 +16,28 @@ The flow is one way::
 
 Labels are *unshifted*: ``labels[i]`` is the target for position ``i`` and the model shifts
 internally (as HF causal LMs do), so ``labels[0]`` never contributes to the loss.
+
+Files are hostile input: they are read line by line (a FIFO or /dev/zero is refused, never read),
+and a row is cut to ``seq_len`` tokens *before* it is tokenized whole (:func:`tokenize_example`), so
+one 50-MB line costs a few kB of tokenizing. Rows that keep no target token are dropped.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
+import stat
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
+
+from mlora_lab.spec import _brief, _path_problem, _short, _show_path
 
 IGNORE_INDEX = -100
 ROW_KINDS = ("text", "prompt", "messages")  # "prompt" = a prompt/completion row
@@ -68,6 +77,21 @@ def _is_str(x: Any) -> bool:
     return isinstance(x, str)
 
 
+# In a Python str from JSON every surrogate code point is a lone one ("\ud800"): a valid pair
+# ("\ud83d\ude00") is decoded to one character. It has no UTF-8 form, so tokenizers raise on it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _surrogate_problem(label: str, text: str) -> list[str]:
+    """``["'text' contains a lone surrogate (\\ud800), which is not valid text"]`` or ``[]``."""
+    if text.isascii():  # O(1) in CPython: the common case costs nothing, even for a 50-MB row
+        return []
+    found = _SURROGATE.search(text)
+    if found is None:
+        return []
+    return [f"{label} contains a lone surrogate (\\u{ord(found.group()):04x}), which is not valid text"]
+
+
 def _row_kind_and_problems(row: Any) -> tuple[str | None, list[str]]:
     """Classify one parsed row; problems are phrased without the file/line prefix."""
     if not isinstance(row, dict):
@@ -85,6 +109,8 @@ def _row_kind_and_problems(row: Any) -> tuple[str | None, list[str]]:
             problems.append("'text' must be a string")
         elif not row["text"]:
             problems.append("'text' is empty (nothing to learn)")
+        else:
+            problems += _surrogate_problem("'text'", row["text"])
     elif kind == "prompt":
         for key in ("prompt", "completion"):
             if key not in row:
@@ -92,6 +118,8 @@ def _row_kind_and_problems(row: Any) -> tuple[str | None, list[str]]:
                 problems.append(f"'{other}' without '{key}'")
             elif not _is_str(row[key]):
                 problems.append(f"'{key}' must be a string")
+            else:
+                problems += _surrogate_problem(f"'{key}'", row[key])
         if _is_str(row.get("completion")) and not row["completion"]:
             problems.append("'completion' is empty (nothing to learn)")
     else:
@@ -102,6 +130,9 @@ def _row_kind_and_problems(row: Any) -> tuple[str | None, list[str]]:
             for i, m in enumerate(msgs):
                 if not (isinstance(m, dict) and _is_str(m.get("role")) and _is_str(m.get("content"))):
                     problems.append(f"messages[{i}] needs 'role' and 'content' strings")
+                    continue
+                for key in ("role", "content"):
+                    problems += _surrogate_problem(f"'messages[{i}].{key}'", m[key])
             if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in msgs):
                 problems.append("messages has no assistant turn (nothing to learn)")
     return kind, problems
@@ -114,59 +145,99 @@ def _cap(problems: list[str], where: str) -> list[str]:
     return [*problems[:MAX_PROBLEMS_PER_FILE], f"{where}: ... and {extra} more problem(s)"]
 
 
-def _scan(path: str | Path) -> tuple[JsonlReport, list[dict]]:
-    """Parse and check a JSONL file; returns the report and the rows that parsed as valid."""
-    where = str(path)
-    p = Path(path)
-    if not p.exists():
-        return JsonlReport(0, set(), [f"{where}: file not found"]), []
-    if not p.is_file():
-        return JsonlReport(0, set(), [f"{where}: not a regular file"]), []
+def _open_problem(path: Any) -> tuple[str, str | None]:
+    """``(where, why)``: how messages name ``path``, and why it cannot be read as a data file (``None``:
+    it is a regular file). Nothing is opened: a FIFO would block and /dev/zero never ends."""
     try:
-        raw = p.read_bytes()
-    except OSError as e:
-        return JsonlReport(0, set(), [f"{where}: cannot read ({e.strerror or e})"]), []
+        p = os.fspath(path)
+    except TypeError:
+        return _brief(path), f"not a file path ({type(path).__name__})"
+    p = os.fsdecode(p)
+    where = _show_path(p)
+    why = _path_problem(p)
+    if why:
+        return where, f"the path {why}"
+    try:
+        st = os.stat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        return where, "file not found"
+    except OSError as e:  # e.g. a name too long, a permission denied on a parent
+        return where, f"cannot read ({e.strerror or e})"
+    if not stat.S_ISREG(st.st_mode):
+        return where, "not a regular file"
+    return where, None
 
-    problems: list[str] = []
-    kinds: set[str] = set()
-    rows: list[dict] = []
-    n_rows = 0
-    for lineno, bline in enumerate(raw.split(b"\n"), start=1):
+
+def _parse_lines(fh: BinaryIO) -> Iterator[tuple[int, str | None, Any, list[str]]]:
+    """``(line number, kind, row, problems)`` of every non-blank line, read one line at a time."""
+    for lineno, bline in enumerate(fh, start=1):
         try:
             line = bline.decode("utf-8-sig" if lineno == 1 else "utf-8")
         except UnicodeDecodeError as e:
-            n_rows += 1
-            problems.append(f"{where} line {lineno}: not valid UTF-8 ({e.reason} at byte {e.start})")
+            yield lineno, None, None, [f"not valid UTF-8 ({e.reason} at byte {e.start})"]
             continue
         if not line.strip():
             continue
-        n_rows += 1
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            problems.append(f"{where} line {lineno}: not valid JSON ({e.msg} at column {e.colno})")
+            yield lineno, None, None, [f"not valid JSON ({e.msg} at column {e.colno})"]
             continue
-        kind, row_problems = _row_kind_and_problems(row)
-        problems += [f"{where} line {lineno}: {msg}" for msg in row_problems]
-        if kind is not None:
-            kinds.add(kind)
-        if kind is not None and not row_problems:
-            rows.append(row)
-    if n_rows == 0:
+        except RecursionError:
+            yield lineno, None, None, ["not valid JSON (nested too deeply)"]
+            continue
+        except ValueError as e:  # e.g. an integer of more than 4300 digits
+            yield lineno, None, None, [f"not valid JSON ({_short(e)})"]
+            continue
+        kind, problems = _row_kind_and_problems(row)
+        yield lineno, kind, row, problems
+
+
+def _scan(path: str | Path, keep_rows: bool = True) -> tuple[JsonlReport, list[dict]]:
+    """Parse and check a JSONL file, one line at a time; returns the report and (with
+    ``keep_rows``) the rows that parsed as valid."""
+    where, why = _open_problem(path)
+    if why:
+        return JsonlReport(0, set(), [f"{where}: {why}"]), []
+    problems: list[str] = []
+    n_problems = 0  # all of them; only the first few are kept as text
+    kinds: set[str] = set()
+    rows: list[dict] = []
+    n_rows = 0
+    try:
+        with open(os.fsdecode(os.fspath(path)), "rb") as fh:
+            for lineno, kind, row, row_problems in _parse_lines(fh):
+                n_rows += 1
+                n_problems += len(row_problems)
+                if len(problems) <= MAX_PROBLEMS_PER_FILE:
+                    problems += [f"{where} line {lineno}: {msg}" for msg in row_problems]
+                if kind is not None:
+                    kinds.add(kind)
+                if kind is not None and not row_problems and keep_rows:
+                    rows.append(row)
+    except OSError as e:
+        n_problems += 1
+        problems.append(f"{where}: cannot read ({e.strerror or e})")
+    if n_rows == 0 and not n_problems:
+        n_problems += 1
         problems.append(f"{where}: empty file (no rows)")
-    return JsonlReport(n_rows, kinds, _cap(problems, where)), rows
+    if n_problems > MAX_PROBLEMS_PER_FILE:
+        extra = n_problems - MAX_PROBLEMS_PER_FILE
+        problems = [*problems[:MAX_PROBLEMS_PER_FILE], f"{where}: ... and {extra} more problem(s)"]
+    return JsonlReport(n_rows, kinds, problems), rows
 
 
 def scan_jsonl(path: str | Path) -> JsonlReport:
     """Check a tenant JSONL file and report every problem; never raises.
 
     Problems name the file and the 1-based line, e.g. ``"data.jsonl line 3: not valid JSON (...)"``.
-    Blank lines are skipped. The list is capped at ~20 problems plus ``"... and N more"``.
+    Blank lines are skipped. The list is capped at ~20 problems plus ``"... and N more"``. The file
+    is read one line at a time and no row is kept.
     """
     try:
-        return _scan(path)[0]
+        return _scan(path, keep_rows=False)[0]
     except Exception as e:  # "never raises": an unforeseen failure is still a reported problem
-        return JsonlReport(0, set(), [f"{path}: cannot scan ({type(e).__name__}: {e})"])
+        return JsonlReport(0, set(), [f"{_show_path(path)}: cannot scan ({type(e).__name__}: {_short(e)})"])
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -208,6 +279,44 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
+# The first prefix _encode_head tokenizes: this many characters per token needed, and at least this many.
+_HEAD_CHARS_PER_TOKEN = 8
+_HEAD_MIN_CHARS = 1024
+
+
+def _encode_head(
+    tokenizer: Any, text: str, add_special_tokens: bool, n: int, offsets: bool = False
+) -> tuple[list[int], list[tuple[int, int]] | None, bool]:
+    """The first tokens of ``tokenizer(text)`` without tokenizing all of a huge ``text``:
+    ``(ids, offset_mapping or None, whole)``.
+
+    ``whole``: ``text`` was tokenized entirely and ``ids`` are all its tokens. Otherwise ``ids`` are
+    the first ``n + 1`` tokens of the whole text (so it has more than ``n``). Prefixes of ``text``
+    (``max(8 (n + 1), 1024)`` characters, then doubling) are tokenized until two successive ones
+    agree on their first ``n + 1`` ids: a prefix only tokenizes differently near its cut (a word or
+    a whitespace run split in two), so a 50-MB row costs a few kB of tokenizing instead of GBs.
+    """
+    need = n + 1
+    length = max(_HEAD_CHARS_PER_TOKEN * need, _HEAD_MIN_CHARS, 1)
+    prev: list[int] | None = None
+    while True:
+        whole = length >= len(text)
+        piece = text if whole else text[:length]
+        if offsets:
+            enc = tokenizer(piece, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        else:  # called exactly as _encode calls it, so a whole short row is tokenized as before
+            enc = tokenizer(piece, add_special_tokens=add_special_tokens)
+        ids = list(enc["input_ids"])
+        offs = [tuple(o) for o in enc["offset_mapping"]] if offsets else None
+        if whole:
+            return ids, offs, True
+        if len(ids) >= need:
+            if prev == ids[:need]:
+                return ids[:need], offs[:need] if offs is not None else None, False
+            prev = ids[:need]
+        length *= 2
+
+
 def _with_eos(ids: list[int], eos_id: int | None) -> list[int]:
     if eos_id is not None and (not ids or ids[-1] != eos_id):
         return [*ids, eos_id]
@@ -226,46 +335,65 @@ def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = 
     return text
 
 
-def _chat_example(messages: list[dict], tokenizer: Any) -> tuple[list[int], list[int]]:
+def _chat_example(
+    messages: list[dict], tokenizer: Any, seq_len: int | None = None
+) -> tuple[list[int], list[int]]:
     """Render a chat and mark the characters of each assistant turn, then the tokens inside them.
 
     Assistant turn ``i`` spans ``len(render(messages[:i], add_generation_prompt=True))`` to
     ``len(render(messages[:i+1]))`` in the full rendering: its content plus whatever the template
     closes the turn with (e.g. EOS). Trailing whitespace the template puts after that (a newline
     between turns) is left out, so the model learns to stop at EOS rather than at "EOS\\n".
+
+    With ``seq_len``, only a prefix of the rendering is tokenized (:func:`_encode_head`): at least
+    its first ``seq_len`` tokens, exactly as the whole rendering gives them. The spans are
+    character spans of the whole rendering, so they mark the prefix's tokens unchanged, and turns
+    that start past the last kept character are not rendered at all: a row of 100k turns costs a
+    few renders, not 100k renders of a growing conversation.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(["'messages' rows need a tokenizer with a chat_template; this tokenizer has none"])
     full = _render(tokenizer, messages)
+    try:
+        if seq_len is None:
+            enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+        else:
+            ids, offsets, _ = _encode_head(tokenizer, full, False, seq_len, offsets=True)
+            offsets = offsets or []
+    except NotImplementedError as e:
+        raise DataError(["'messages' rows need a fast tokenizer (one that returns offset mappings)"]) from e
+    covered = max((e for _, e in offsets), default=0)  # characters of `full` the kept tokens reach
     spans: list[tuple[int, int]] = []
     for i, m in enumerate(messages):
         if m.get("role") != "assistant":
             continue
         before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        _check_prefix(full, before, f"messages[:{i}] + generation prompt")
+        if len(before) >= covered:
+            break  # this turn and every later one start past the kept tokens: no label to mark
         upto = _render(tokenizer, messages[: i + 1])
-        for prefix, what in ((before, f"messages[:{i}] + generation prompt"), (upto, f"messages[:{i + 1}]")):
-            if not full.startswith(prefix):
-                raise DataError(
-                    [
-                        f"the chat template is not prefix-stable: the rendering of {what} is not a prefix of "
-                        "the whole conversation, so assistant turns cannot be located for the loss mask "
-                        "(use prompt/completion rows, or a template that renders earlier turns unchanged)"
-                    ]
-                )
+        _check_prefix(full, upto, f"messages[:{i + 1}]")
         start, end = len(before), len(upto)
         while end > start and full[end - 1].isspace():
             end -= 1
         spans.append((start, end))
-    try:
-        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    except NotImplementedError as e:
-        raise DataError(["'messages' rows need a fast tokenizer (one that returns offset mappings)"]) from e
-    ids = list(enc["input_ids"])
     labels = [IGNORE_INDEX] * len(ids)
-    for k, (s, e) in enumerate(enc["offset_mapping"]):
+    for k, (s, e) in enumerate(offsets):
         if e > s and any(a <= s and e <= b for a, b in spans):
             labels[k] = ids[k]
     return ids, labels
+
+
+def _check_prefix(full: str, prefix: str, what: str) -> None:
+    if not full.startswith(prefix):
+        raise DataError(
+            [
+                f"the chat template is not prefix-stable: the rendering of {what} is not a prefix of "
+                "the whole conversation, so assistant turns cannot be located for the loss mask "
+                "(use prompt/completion rows, or a template that renders earlier turns unchanged)"
+            ]
+        )
 
 
 def tokenize_example(row: dict, tokenizer: Any, seq_len: int) -> tuple[Example, bool]:
@@ -278,6 +406,10 @@ def tokenize_example(row: dict, tokenizer: Any, seq_len: int) -> tuple[Example, 
 
     EOS is appended only when the tokenizer has one and did not already put it last. Rows longer
     than ``seq_len`` keep their first ``seq_len`` tokens. Raises :class:`DataError` for a bad row.
+
+    The result is the whole row's tokenization cut to ``seq_len``, but a long string is never
+    tokenized whole (:func:`_encode_head`): the text, the prompt, then only as much of the
+    completion as the prompt leaves room for, or a prefix of the rendered chat.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -286,50 +418,125 @@ def tokenize_example(row: dict, tokenizer: Any, seq_len: int) -> tuple[Example, 
         raise DataError(problems)
     eos_id = getattr(tokenizer, "eos_token_id", None)
     if kind == "text":
-        ids = _with_eos(_encode(tokenizer, row["text"], True), eos_id)
+        ids, _, whole = _encode_head(tokenizer, row["text"], True, seq_len)
+        ids = _with_eos(ids, eos_id) if whole else ids  # EOS only on a row that is not cut
         labels = list(ids)
     elif kind == "prompt":
-        p_ids = _encode(tokenizer, row["prompt"], True)
-        c_ids = _with_eos(_encode(tokenizer, row["completion"], False), eos_id)
+        p_ids, _, p_whole = _encode_head(tokenizer, row["prompt"], True, seq_len)
+        c_ids: list[int] = []
+        if p_whole:  # else the prompt alone overflows the row: no completion token survives the cut
+            c_ids, _, c_whole = _encode_head(
+                tokenizer, row["completion"], False, max(seq_len - len(p_ids), 0)
+            )
+            c_ids = _with_eos(c_ids, eos_id) if c_whole else c_ids
         ids = p_ids + c_ids
         labels = [IGNORE_INDEX] * len(p_ids) + c_ids
     else:
-        ids, labels = _chat_example(row["messages"], tokenizer)
+        ids, labels = _chat_example(row["messages"], tokenizer, seq_len)
     truncated = len(ids) > seq_len
     return Example(ids[:seq_len], labels[:seq_len]), truncated
 
 
-def tokenize_rows(rows: list[dict], tokenizer: Any, seq_len: int, source: str = "") -> list[Example]:
-    """Tokenize every row (order kept; rows left without targets are kept too).
+def _no_target_problem(where: str, n_rows: int, n_cut: int, seq_len: int) -> str:
+    """What to say when none of ``n_rows`` rows keeps a target token (``n_cut`` of them lost theirs
+    to truncation)."""
+    if n_cut == n_rows:
+        return (
+            f"{where}: all {n_rows} row(s) lose their target tokens when truncated to seq_len={seq_len}; "
+            "raise seq_len or shorten the prompts"
+        )
+    return (
+        f"{where}: none of the {n_rows} row(s) has a target token at seq_len={seq_len} ({n_cut} lose "
+        "theirs when truncated); every row needs text, a completion or an assistant turn that carries loss"
+    )
 
-    Warns once (``UserWarning``) with the number of truncated rows and of rows with no target
-    token. Raises one :class:`DataError` listing every bad row, as ``"<source> row N: ..."``.
+
+def tokenize_rows(rows: list[dict], tokenizer: Any, seq_len: int, source: str = "") -> list[Example]:
+    """Tokenize every row (order kept), dropping the rows left with no target token: they would add
+    no loss, only compute.
+
+    Warns once (``UserWarning``) with the number of truncated rows and of dropped rows. Raises one
+    :class:`DataError` listing every bad row, as ``"<source> row N: ..."``, or saying that no row
+    keeps a target token (a tenant that would "train" at loss 0).
     """
     where = source or "<rows>"
     examples: list[Example] = []
     problems: list[str] = []
-    n_truncated = n_no_target = 0
+    n_truncated = n_no_target = n_cut = 0
     for i, row in enumerate(rows, start=1):
         try:
             ex, truncated = tokenize_example(row, tokenizer, seq_len)
         except DataError as e:
             problems += [f"{where} row {i}: {p}" for p in e.problems]
             continue
-        examples.append(ex)
         n_truncated += truncated
-        n_no_target += ex.n_target == 0
+        if ex.n_target == 0:
+            n_no_target += 1
+            n_cut += truncated
+            continue
+        examples.append(ex)
     if problems:
         raise DataError(_cap(problems, where), header=f"cannot tokenize {where}")
+    if rows and not examples:
+        raise DataError([_no_target_problem(where, len(rows), n_cut, seq_len)], header=f"cannot use {where}")
     if n_truncated or n_no_target:
         msg = f"{where}: {n_truncated} of {len(rows)} row(s) truncated to seq_len={seq_len} tokens"
-        msg += f"; {n_no_target} row(s) have no target token left (they add no loss)"
+        msg += f"; {n_no_target} row(s) have no target token left and are dropped (they would add no loss)"
         warnings.warn(msg, UserWarning, stacklevel=2)
     return examples
 
 
 def load_examples(path: str | Path, tokenizer: Any, seq_len: int) -> list[Example]:
-    """:func:`read_jsonl` + :func:`tokenize_rows`: a tenant's file as token rows."""
+    """:func:`read_jsonl` + :func:`tokenize_rows`: a tenant's file as token rows (rows with no
+    target token left dropped; :class:`DataError` if no row keeps one)."""
     return tokenize_rows(read_jsonl(path), tokenizer, seq_len, source=str(path))
+
+
+def check_vocab(examples: list[Example], vocab: int, source: str = "") -> None:
+    """Raise :class:`DataError` if any row holds a token id the model cannot embed (``>= vocab``):
+    such a row would index past the input embedding of the shared forward. A tokenizer can have
+    more tokens than the model has rows (special tokens a tokenizer class adds)."""
+    bad = [
+        (i, max(ex.input_ids))
+        for i, ex in enumerate(examples, start=1)
+        if ex.input_ids and max(ex.input_ids) >= vocab
+    ]
+    if bad:
+        where = source or "<rows>"
+        first, top = bad[0][0], max(b[1] for b in bad)
+        raise DataError(
+            [f"{where}: {len(bad)} row(s) (the first is row {first}) hold token ids up to {top}, past the "
+             f"model's {vocab} embedding rows; the tokenizer has tokens the model cannot embed"],
+            header=f"cannot use {where}",
+        )  # fmt: skip
+
+
+def target_problem(path: str | Path, tokenizer: Any, seq_len: int) -> str | None:
+    """Why :func:`load_examples` would refuse ``path`` at ``seq_len`` although every row is valid
+    JSONL, or ``None``: the first row that fails to tokenize (e.g. a chat template that is not
+    prefix-stable), or no row keeping a target token. Cheap for a usable file: rows are read and
+    tokenized (each cut at ``seq_len``, :func:`tokenize_example`) only until one keeps a target.
+    Rows :func:`scan_jsonl` reports are skipped; never raises.
+    """
+    where, why = _open_problem(path)
+    if why:
+        return f"{where}: {why}"
+    n_rows = n_cut = 0
+    try:
+        with open(os.fsdecode(os.fspath(path)), "rb") as fh:
+            for lineno, kind, row, problems in _parse_lines(fh):
+                if kind is None or problems:
+                    continue
+                try:
+                    ex, truncated = tokenize_example(row, tokenizer, seq_len)
+                except DataError as e:
+                    return f"{where} line {lineno}: {e.problems[0] if e.problems else e}"
+                if ex.n_target:
+                    return None
+                n_rows, n_cut = n_rows + 1, n_cut + truncated
+    except Exception as e:  # a tokenizer that raises on a row: reported, not thrown
+        return f"{where}: cannot tokenize ({type(e).__name__}: {_short(e)})"
+    return _no_target_problem(where, n_rows, n_cut, seq_len) if n_rows else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,64 +7,135 @@ reaches every rank through the process group), and reads status.json, metrics.js
     run = launch(spec)        # validates first: a bad spec raises SpecError and starts nothing
     run.wait()
     run.metrics()             # pandas DataFrame of train/eval rows
+
+A run directory has one owner: a launch or resume holds its lock (``.lock``) while it checks the
+directory and starts the job, and the job's rank 0 holds it while it runs. Launching into a directory
+that holds a run is refused (resume it instead); of two launches racing for one directory, one wins.
+Single-node jobs rendezvous on 127.0.0.1 only (:mod:`mlora_lab.rendezvous`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import pandas as pd
 import psutil
 
-from mlora_lab import control
-from mlora_lab.control import ControlError
-from mlora_lab.rundir import FINAL_STATES, MetricsReader, RunDir, read_status, update_status
-from mlora_lab.spec import JobSpec, SpecError, Tenant, tenant_problems
+from mlora_lab.rendezvous import loopback_env, single_node_torchrun_args
+from mlora_lab.rundir import (
+    MetricsReader,
+    Op,
+    RowKind,
+    RunDir,
+    RunDirError,
+    RunLock,
+    RunState,
+    Status,
+    TenantState,
+    checkpoint,
+    control,
+    read_status,
+    update_status,
+)
+from mlora_lab.rundir.control import ControlError
+from mlora_lab.rundir.status import JOB_MODULE, ProcessIdentity, this_host
+from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant, tenant_problems
 
 DEFAULT_WORKDIR = "runs"
+LAUNCHERS = ("local",)
+MULTI_NODE = "launchers/multinode.sh (torchrun on every node) or launchers/slurm.sbatch"
 
 
 def new_run_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
-def prepare_run(spec: JobSpec, workdir: str | Path = DEFAULT_WORKDIR) -> RunDir:
-    """Validate ``spec`` (raising :class:`~mlora_lab.spec.SpecError` listing every problem) and create
-    the run directory with ``job.json`` (paths made absolute) and a ``starting`` status."""
-    spec = spec.resolved(Path.cwd()).validate()
-    root = Path(spec.output_dir) if spec.output_dir else Path(workdir) / new_run_id()
-    run = RunDir(root.absolute()).create()
-    spec.to_json(run.job)
-    update_status(run.root, state="starting", pid=None, started=time.time(), ended=None, error=None)
+def _directory_problem(root: Path) -> str | None:
+    """Why ``root`` cannot take a new run (None if it can: it is missing, or empty)."""
+    if not root.exists():
+        return None
+    if not root.is_dir():
+        return f"output_dir {str(root)!r} exists and is not a directory"
+    if RunDir(root).is_run():
+        return (
+            f"{root} already holds a run; continue it with ml.resume({str(root)!r}) (or `mlora-lab resume`), "
+            "or choose another output_dir"
+        )
+    if any(p.name != ".lock" for p in root.iterdir()):
+        return f"output_dir {str(root)!r} is not empty; give a new or empty directory for the run"
+    return None
+
+
+def prepare_run(
+    spec: JobSpec,
+    workdir: str | Path = DEFAULT_WORKDIR,
+    launcher: str | None = None,
+    lock: RunLock | None = None,
+) -> RunDir:
+    """Validate ``spec``, the launcher and the run directory (one :class:`~mlora_lab.spec.SpecError`
+    listing every problem; nothing is created then), and create the run directory with ``job.json``
+    (paths made absolute) and a ``starting`` status. ``launcher=None``: the caller starts the
+    processes itself (``launchers/``, on one node or many). With ``lock``, it is left held for the caller."""
+    spec = spec.resolved(Path.cwd())
+    problems = spec.problems()
+    if launcher is not None and launcher not in LAUNCHERS:
+        problems.append(f"unknown launcher {launcher!r}; known: {', '.join(LAUNCHERS)}")
+    nnodes = spec.parallel.nnodes if isinstance(spec.parallel, Parallel) else 1
+    if launcher == "local" and nnodes != 1:
+        problems.append(
+            f"parallel.nnodes = {nnodes}: the local launcher runs on this machine only; use {MULTI_NODE}"
+        )
+    out = spec.output_dir
+    root = Path(out if isinstance(out, str) and out else Path(workdir) / new_run_id()).absolute()
+    if (problem := _directory_problem(root)) is not None:
+        problems.append(problem)
+    if problems:
+        raise SpecError(problems)
+    run = RunDir(root)
+    owner = lock or RunLock(run)
+    try:
+        owner.acquire()
+    except RunDirError as e:
+        raise SpecError([str(e)]) from None
+    try:
+        if (problem := _directory_problem(root)) is not None:  # another launch got here first
+            raise SpecError([problem])
+        run.create()
+        spec.to_json(run.job)
+        update_status(run.root, state=RunState.STARTING, started=time.time())
+    except BaseException:
+        owner.release()
+        raise
+    if lock is None:
+        owner.release()
     return run
 
 
 def torchrun_command(spec: JobSpec, run_dir: Path, resume: bool = False) -> list[str]:
-    """The torchrun command line for a single-node job (``--standalone`` picks a free rendezvous port,
-    so several runs can go at once). Multi-node jobs use ``launchers/``."""
+    """The torchrun command line for a single-node job: a rendezvous that listens on 127.0.0.1 only
+    and picks free ports, so several runs can go at once. Multi-node jobs use ``launchers/``."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes", "1", "--nproc-per-node", str(spec.parallel.nproc),
-        "--max-restarts", "0",
+        sys.executable, "-m", "torch.distributed.run", *single_node_torchrun_args(spec.parallel.nproc),
         "-m", "mlora_lab.train", str(run_dir),
     ] + (["--resume"] if resume else [])  # fmt: skip
 
 
 def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
-    if spec.parallel.nnodes != 1:
-        raise ValueError(
-            "launch() starts single-node jobs; for nnodes > 1 use launchers/multinode.sh or slurm.sbatch"
-        )
+    """Start torchrun for ``run_dir`` (whose lock the caller holds) and record its process."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, spec.parallel.nproc))))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for key, value in loopback_env().items():
+        env.setdefault(key, value)
     with open(run_dir.logs / "launcher.log", "ab") as log:
         proc = subprocess.Popen(
             torchrun_command(spec, run_dir.root, resume),
@@ -74,14 +145,22 @@ def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
             start_new_session=True,  # own process group: Ctrl-C in the notebook does not reach the job
             env=env,
         )
-    update_status(run_dir.root, pid=proc.pid)
+    me = ProcessIdentity.of(proc.pid)
+    update_status(run_dir.root, pid=proc.pid, pid_start_time=me.start_time if me else None, host=this_host())
     return Run(run_dir.root, process=proc)
 
 
-def launch(spec: JobSpec, workdir: str | Path = DEFAULT_WORKDIR) -> Run:
+def launch(spec: JobSpec, workdir: str | Path = DEFAULT_WORKDIR, launcher: str = "local") -> Run:
     """Start ``spec`` under torchrun in the background and return its :class:`Run` at once."""
-    run_dir = prepare_run(spec, workdir)
-    return _start(run_dir, JobSpec.load(run_dir.job))
+    spec = spec.resolved(Path.cwd())
+    out = spec.output_dir
+    root = Path(out if isinstance(out, str) and out else Path(workdir) / new_run_id()).absolute()
+    lock = RunLock(RunDir(root))
+    run_dir = prepare_run(dataclasses.replace(spec, output_dir=str(root)), workdir, launcher, lock=lock)
+    try:
+        return _start(run_dir, JobSpec.load(run_dir.job))
+    finally:
+        lock.release()
 
 
 def resume(
@@ -91,56 +170,75 @@ def resume(
     ep: int | None = None,
     tp: int | None = None,
 ) -> Run:
-    """Continue a stopped or failed run from its latest complete checkpoint, in the background.
+    """Continue a stopped, failed or lost run from its latest intact checkpoint, in the background.
 
     ``nproc``/``fsdp``/``ep``/``tp`` change the layout (checkpoints hold full tensors, so any layout
     works). Given ``nproc``, the run's ``tp`` and ``ep`` are kept where they still divide the new world
     (else 1) and ``fsdp`` defaults to ``nproc / tp``.
     """
     run = RunDir(Path(run_dir).absolute())
+    if not run.is_run():
+        raise RunDirError(f"{run.root}: not a run directory (no job.json)")
     spec = JobSpec.load(run.job)
-    if not any((p / "meta.json").is_file() for p in run.checkpoints.glob("step_*")):
-        raise FileNotFoundError(f"{run.root}: no complete checkpoint to resume from")
-    if Run(run.root).status in ("starting", "running"):
-        raise RuntimeError(f"{run.root} is still running; stop it first")
-    if any(v is not None for v in (nproc, fsdp, ep, tp)):
-        p = spec.parallel
-        p.nproc = nproc or p.nproc
-        p.tp = tp or (p.tp if p.world_size % p.tp == 0 else 1)
-        p.fsdp = fsdp or p.world_size // p.tp
-        p.ep = ep or (p.ep if (p.world_size // p.tp) % p.ep == 0 else 1)
-        spec.validate()
-        spec.to_json(run.job)
-    (run.control / "stop").unlink(missing_ok=True)
-    update_status(run.root, state="starting", pid=None, ended=None, error=None)
-    return _start(run, spec, resume=True)
+    lock = RunLock(run)
+    lock.acquire()
+    try:
+        state = Run(run.root).status
+        if not state.final:
+            raise RuntimeError(f"{run.root} is {state.value}; stop it first")
+        path, skipped = checkpoint.latest_intact(run.checkpoints)
+        if path is None:
+            why = "".join(f"; {p.name}: {reason}" for p, reason in skipped)
+            raise FileNotFoundError(f"{run.root}: no intact checkpoint to resume from{why}")
+        for damaged, reason in skipped:
+            warnings.warn(f"{damaged.name} is damaged ({reason}); resuming from {path.name}", stacklevel=2)
+        if any(v is not None for v in (nproc, fsdp, ep, tp)):
+            p = spec.parallel
+            p.nproc = nproc or p.nproc
+            p.tp = tp or (p.tp if p.world_size % p.tp == 0 else 1)
+            p.fsdp = fsdp or p.world_size // p.tp
+            p.ep = ep or (p.ep if (p.world_size // p.tp) % p.ep == 0 else 1)
+            spec.validate()
+            spec.to_json(run.job)
+        if spec.parallel.nnodes != 1:
+            raise SpecError([f"parallel.nnodes = {spec.parallel.nnodes}: resume it with {MULTI_NODE}"])
+        control.clear_stop(run.root)
+        update_status(run.root, state=RunState.STARTING, pid=None, pid_start_time=None, host=None, ended=None,
+                      error=None)  # fmt: skip
+        return _start(run, spec, resume=True)
+    finally:
+        lock.release()
 
 
 def attach(run_dir: str | Path) -> Run:
     """A :class:`Run` for an existing run directory (after a kernel restart, or a finished run)."""
     run = RunDir(run_dir)
-    if not run.job.is_file():
-        raise FileNotFoundError(f"{run_dir}: not a run directory (no job.json)")
+    if not run.root.is_dir():
+        raise RunDirError(f"{run_dir}: no such directory")
+    if not run.is_run():
+        raise RunDirError(f"{run_dir}: not a run directory (no job.json)")
     return Run(run.root)
 
 
 def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
-    """One row per run directory under ``workdir``: id, state, tenants, steps, started."""
+    """One row per run directory under ``workdir``: id, state, tenants, steps, started. A run whose
+    files cannot be read is listed as ``broken``, with the reason in ``problem``."""
     rows = []
     for job in sorted(Path(workdir).glob("*/job.json")):
-        run = Run(job.parent)
-        spec = run.spec
-        rows.append(
-            {
-                "run": job.parent.name,
-                "state": run.status,
-                "tenants": ", ".join(t.name for t in spec.tenants),
+        row = {"run": job.parent.name, "path": str(job.parent), "problem": None}
+        try:
+            run = Run(job.parent)
+            status = read_status(job.parent)
+            row |= {
+                "state": run.status.value,
+                "tenants": ", ".join(t.name for t in run.spec.tenants),
                 "steps": run.global_step,
-                "started": pd.to_datetime(read_status(job.parent).get("started"), unit="s"),
-                "path": str(job.parent),
+                "started": pd.to_datetime(status.started if status else None, unit="s"),
             }
-        )
-    return pd.DataFrame(rows, columns=["run", "state", "tenants", "steps", "started", "path"])
+        except (RunDirError, SpecError, OSError) as e:
+            row |= {"state": "broken", "tenants": None, "steps": None, "started": pd.NaT, "problem": str(e)}
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["run", "state", "tenants", "steps", "started", "path", "problem"])
 
 
 class Run:
@@ -150,10 +248,14 @@ class Run:
         self.dir = RunDir(Path(run_dir).absolute())
         self._process = process
         self._reader = MetricsReader(self.dir.metrics)
-        self._tables: dict[tuple[str, ...], tuple[int, pd.DataFrame | None]] = {}
+        self._tables: dict[tuple[RowKind, ...], tuple[int, int, pd.DataFrame | None]] = {}
 
     def __repr__(self) -> str:
-        return f"Run({str(self.dir.root)!r}, status={self.status!r})"
+        try:
+            state = self.status.value
+        except (RunDirError, OSError) as e:
+            state = f"unreadable: {e}"
+        return f"Run({str(self.dir.root)!r}, status={state!r})"
 
     @property
     def path(self) -> Path:
@@ -165,32 +267,57 @@ class Run:
 
     # -- state ---------------------------------------------------------------------------------
     @property
-    def status(self) -> str:
-        """ "starting" | "running" | "finished" | "failed" | "stopped"."""
+    def status(self) -> RunState:
+        """``starting`` | ``running`` | ``finished`` | ``failed`` | ``stopped`` | ``lost``.
+
+        A run that says it is starting or running is checked against its process (pid, start time,
+        host): if that process is gone, the run ``failed`` (we started it and saw it exit) or is
+        ``lost`` (it ended unseen, e.g. killed or the machine restarted); its last checkpoint can be
+        resumed. A run on another host is reported as its status file says."""
         status = read_status(self.dir.root)
-        state = status.get("state") or "starting"
-        if state in FINAL_STATES or self._alive(status.get("pid")):
-            return state
-        # The launcher is gone but nobody wrote a final state: the job died (killed, OOM, ...).
-        # Re-read first: the trainer may have written its final state just now.
-        state = read_status(self.dir.root).get("state") or "starting"
-        if state in FINAL_STATES:
-            return state
-        update_status(self.dir.root, state="failed", ended=time.time(), error=self._death_reason())
-        return "failed"
+        if status is None:
+            return RunState.STARTING
+        if status.state.final or self._alive(status) is not False:
+            return status.state
+        # The job's process is gone but nobody wrote a final state. Re-read first: the job may have
+        # written its final state just now.
+        status = read_status(self.dir.root) or status
+        if status.state.final:
+            return status.state
+        if self._process is not None:
+            state, error = RunState.FAILED, self._death_reason()
+        else:
+            where = f"pid {status.pid}" + (f" on {status.host}" if status.host else "")
+            state, error = (
+                RunState.LOST,
+                (
+                    f"the job's process ({where}) is gone and never wrote a final state (killed, out of memory, "
+                    "or the machine restarted); resume it from its last checkpoint"
+                ),
+            )
+        with contextlib.suppress(OSError):  # a full disk: report the truth without recording it
+            update_status(self.dir.root, state=state, ended=time.time(), error=error)
+        return state
 
     @property
     def error(self) -> str | None:
-        return read_status(self.dir.root).get("error")
+        status = read_status(self.dir.root)
+        return status.error if status else None
 
-    def _alive(self, pid: int | None) -> bool:
+    def _alive(self, status: Status) -> bool | None:
+        """Is the job's process alive? None when this machine cannot tell (another host) or nothing
+        was started yet (a directory prepared for ``launchers/``)."""
         if self._process is not None:
             return self._process.poll() is None
-        if not pid:
-            return False
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
+        identity = status.process
+        if identity is not None:
+            return identity.alive()
+        if status.pid is None:
+            return None
+        try:  # a status without the process's start time: trust the pid only if it is a job
+            p = psutil.Process(status.pid)
+            return p.status() != psutil.STATUS_ZOMBIE and JOB_MODULE in " ".join(p.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return False
 
     def _death_reason(self) -> str:
@@ -198,87 +325,93 @@ class Run:
         tail = self.logs(rank=None, tail=5).strip().splitlines()
         return f"job exited (code {code}) without a final status; last log lines: {' | '.join(tail)}"
 
-    def wait(self, timeout: float | None = None, poll: float = 0.5) -> str:
+    def wait(self, timeout: float | None = None, poll: float = 0.5) -> RunState:
         """Block until the run ends (or ``timeout`` seconds pass) and return its state."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while (state := self.status) not in FINAL_STATES:
+        while not (state := self.status).final:
             if deadline is not None and time.monotonic() > deadline:
                 break
             time.sleep(poll)
-        if self._process is not None and state in FINAL_STATES:
+        if self._process is not None and state.final:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._process.wait(timeout=30)
         return state
 
-    def stop(self, timeout: float = 60) -> str:
+    def stop(self, timeout: float = 60) -> RunState:
         """Graceful stop: the job finishes its step, checkpoints, saves adapters and exits.
-        After ``timeout`` seconds the whole process group is killed."""
-        if self.status in FINAL_STATES:
-            return self.status
-        (self.dir.control / "stop").write_text(str(time.time()))
+        After ``timeout`` seconds the job's processes are killed."""
+        if (state := self.status).final:
+            return state
+        control.request_stop(self.dir.root)
         state = self.wait(timeout)
-        if state not in FINAL_STATES:
+        if not state.final:
             self.kill()
             state = self.wait(10)
         return state
 
     def kill(self) -> None:
-        """SIGKILL every process of the job (its own process group)."""
-        pid = read_status(self.dir.root).get("pid")
-        if pid:
+        """SIGKILL every process of the job, after checking that the recorded process still is the
+        job (same pid, start time and host): a stale pid is never signalled."""
+        status = read_status(self.dir.root)
+        if self._process is not None and self._process.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-        if read_status(self.dir.root).get("state") not in FINAL_STATES:
-            update_status(self.dir.root, state="stopped", ended=time.time(), error="killed")
+                os.killpg(self._process.pid, signal.SIGKILL)  # its own session: pgid == pid
+        elif status is not None and status.process is not None and status.process.alive():
+            _kill_job(status.process.pid)
+        if status is not None and not status.state.final:
+            with contextlib.suppress(OSError):
+                update_status(self.dir.root, state=RunState.STOPPED, ended=time.time(), error="killed")
 
     # -- live tenant lifecycle (control messages, applied by the job at a step boundary) ------
     def add_tenant(self, tenant: Tenant, wait: bool = True, timeout: float = 120) -> None:
         """Add ``tenant`` to the running job. It is validated here first (against the job's model,
-        ``max_rank``, slots and existing names): a bad tenant raises and nothing is sent."""
+        ``max_rank``, slots and existing names): a bad tenant raises and nothing is sent. Its paths
+        are made absolute here, so the job reads the files that were validated."""
         spec = self.spec
+        tenant = dataclasses.replace(spec, tenants=[tenant]).resolved(Path.cwd()).tenants[0]
         problems = tenant_problems(spec, tenant)
-        if tenant.name in {t.name for t in spec.tenants}:
-            problems.append(f"tenant {tenant.name!r}: a tenant of that name already exists in this run")
-        holding = [t.name for t in spec.tenants if self.tenant_state(t.name) != "removed"]
+        holding = [
+            t.name
+            for t in spec.tenants
+            if self.tenant_state(t.name) not in (TenantState.REMOVED, TenantState.FAILED)
+        ]
         if len(holding) >= spec.max_tenants:
             problems.append(f"no free slot: max_tenants={spec.max_tenants} are taken by {holding}")
         if problems:
             raise SpecError(problems)
-        self._control("add", wait, timeout, tenant=tenant.to_dict())
+        self._control(Op.ADD, wait, timeout, tenant=tenant.to_dict())
 
     def remove_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> None:
         """Remove a tenant: its final adapter is saved, its slot cleared and its optimiser dropped."""
         self._check_known(name)
-        self._control("remove", wait, timeout, name=name)
+        self._control(Op.REMOVE, wait, timeout, name=name)
 
     def pause_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> None:
         """Stop training a tenant for now (it keeps its slot, optimiser state and data cursor)."""
         self._check_known(name)
-        self._control("pause", wait, timeout, name=name)
+        self._control(Op.PAUSE, wait, timeout, name=name)
 
     def resume_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> None:
         """Continue training a paused tenant."""
         self._check_known(name)
-        self._control("resume", wait, timeout, name=name)
+        self._control(Op.RESUME, wait, timeout, name=name)
 
-    def tenant_state(self, name: str) -> str | None:
-        """The tenant's latest state: pending, running, paused, finished, removed or failed."""
-        events = [r for r in self.rows() if r["kind"] == "tenant" and r["tenant"] == name]
-        return events[-1]["state"] if events else None
+    def tenant_state(self, name: str) -> TenantState | None:
+        """The tenant's latest state: pending, running, paused, finished, removed, failed or refused."""
+        events = [r for r in self.rows() if r["kind"] == RowKind.TENANT and r["tenant"] == name]
+        return TenantState(events[-1]["state"]) if events else None
 
     def _check_known(self, name: str) -> None:
         names = [t.name for t in self.spec.tenants]
         if name not in names:
             raise KeyError(f"no tenant {name!r} in this run; tenants: {names}")
 
-    def _control(self, op: str, wait: bool, timeout: float, **payload) -> None:
-        if self.status in FINAL_STATES:
-            raise ControlError(f"the run is {self.status}; control messages need a running job")
+    def _control(self, op: Op, wait: bool, timeout: float, **payload) -> None:
+        if (state := self.status).final:
+            raise ControlError(f"the run is {state.value}; control messages need a running job")
         msg_id = control.send(self.dir.root, op, **payload)
         if wait:
-            control.wait_result(
-                self.dir.root, msg_id, timeout, is_alive=lambda: self.status not in FINAL_STATES
-            )
+            control.wait_result(self.dir.root, msg_id, timeout, is_alive=lambda: not self.status.final)
 
     # -- outputs -------------------------------------------------------------------------------
     def logs(self, rank: int | None = 0, tail: int | None = 50) -> str:
@@ -298,33 +431,51 @@ class Run:
         return path
 
     def rows(self) -> list[dict]:
-        """All metrics rows so far (read incrementally)."""
+        """All metrics rows so far (read incrementally; after the file was rewritten, e.g. by a
+        resume, the rows of the new file)."""
         self._reader.poll()
         return self._reader.rows
 
-    def _table(self, kinds: tuple[str, ...]) -> pd.DataFrame:
-        """Rows of ``kinds`` as a DataFrame, extended incrementally: each call converts only the rows
-        that arrived since the last one (the DataFrame of the earlier rows is kept)."""
+    def rows_since(self, cursor: tuple[int, int] = (0, 0)) -> tuple[list[dict], tuple[int, int]]:
+        """Rows that arrived since ``cursor`` (returned by the previous call; ``(0, 0)`` = from the
+        start) and the new cursor. If metrics.jsonl was rewritten since (a resume drops the rows
+        after its checkpoint), every row of the new file: followers start over rather than break."""
         rows = self.rows()
-        seen, frame = self._tables.get(kinds, (0, None))
+        generation, seen = cursor
+        if generation != self._reader.generation:
+            seen = 0
+        return rows[seen:], (self._reader.generation, len(rows))
+
+    def _table(self, kinds: tuple[RowKind, ...]) -> pd.DataFrame:
+        """Rows of ``kinds`` as a DataFrame, extended incrementally: each call converts only the rows
+        that arrived since the last one (the DataFrame of the earlier rows is kept, unless the file
+        was rewritten since)."""
+        rows = self.rows()
+        generation, seen, frame = self._tables.get(kinds, (self._reader.generation, 0, None))
+        if generation != self._reader.generation:
+            seen, frame = 0, None
         new = [r for r in rows[seen:] if r["kind"] in kinds]
         if new or frame is None:
             part = _frame(new)
             frame = part if frame is None or not len(frame) else pd.concat([frame, part], ignore_index=True)
-        self._tables[kinds] = (len(rows), frame)
+        self._tables[kinds] = (self._reader.generation, len(rows), frame)
         return frame.copy(deep=False)
 
     def metrics(self) -> pd.DataFrame:
         """Train and eval rows: one row per tenant per logged step."""
-        return self._table(("train", "eval"))
+        return self._table((RowKind.TRAIN, RowKind.EVAL))
 
     def system_metrics(self) -> pd.DataFrame:
         """Per-rank memory, step time and throughput rows."""
-        return self._table(("system",))
+        return self._table((RowKind.SYSTEM,))
 
     def tenant_events(self) -> pd.DataFrame:
         """Tenant state changes and per-tenant adapter memory."""
-        return self._table(("tenant",))
+        return self._table((RowKind.TENANT,))
+
+    def events(self) -> pd.DataFrame:
+        """Job events: resumed, a damaged checkpoint skipped, a save that failed, ..."""
+        return self._table((RowKind.EVENT,))
 
     def dashboard(self, refresh_s: float = 1.0):
         """A live ipywidgets dashboard of this run (refreshes in the background until the run ends)."""
@@ -335,6 +486,22 @@ class Run:
     @property
     def global_step(self) -> int:
         return max((r.get("step", 0) for r in self.rows()), default=0)
+
+
+def _kill_job(pid: int) -> None:
+    """SIGKILL a job's process tree. A job that ``launch()`` started leads its own session, so its
+    whole process group goes; one started from a shell (``launchers/``) shares the shell's group,
+    so only the agent and its descendants are killed."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+            return
+        proc = psutil.Process(pid)
+        for p in [*proc.children(recursive=True), proc]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    except (ProcessLookupError, PermissionError, psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
 
 
 def _frame(rows: list[dict]) -> pd.DataFrame:

@@ -13,6 +13,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from mlora_lab.launch import Run, attach
+from mlora_lab.rundir import RowKind
 
 SUMMARY_COLUMNS = [
     "tenant", "rank", "alpha", "lr", "steps", "max_steps", "first_loss", "final_loss", "best_loss",
@@ -50,8 +51,8 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
     for run in runs:
         df = run.metrics()
         for t in run.spec.tenants:
-            train = df[(df["kind"] == "train") & (df["tenant"] == t.name)] if len(df) else df
-            evals = df[(df["kind"] == "eval") & (df["tenant"] == t.name)] if len(df) else df
+            train = df[(df["kind"] == RowKind.TRAIN) & (df["tenant"] == t.name)] if len(df) else df
+            evals = df[(df["kind"] == RowKind.EVAL) & (df["tenant"] == t.name)] if len(df) else df
             out.append(
                 {
                     "run": run.path.name,
@@ -100,13 +101,13 @@ def compare(
         df = run.metrics()
         if not len(df):
             continue
-        train = df[df["kind"] == "train"]
+        train = df[df["kind"] == RowKind.TRAIN]
         names = [t.name for t in run.spec.tenants if tenants is None or t.name in tenants]
         for name in names:
             colors.setdefault(name, PALETTE[len(colors) % len(PALETTE)])
             rows = train[train["tenant"] == name]
             if metric == "eval_loss":
-                evals = df[(df["kind"] == "eval") & (df["tenant"] == name)]
+                evals = df[(df["kind"] == RowKind.EVAL) & (df["tenant"] == name)]
                 if not len(evals):
                     continue
                 rows = pd.merge_asof(evals[["step", "loss"]], rows[["step", "tenant_step"]], on="step")
@@ -143,9 +144,9 @@ def plot_losses(run: RunLike, path: str | Path | None = None, smoothing: float =
     df = run.metrics()
     colors = {line.get_label(): line.get_color() for line in ax.lines}
     for name, color in colors.items():
-        evals = df[(df["kind"] == "eval") & (df["tenant"] == name)] if len(df) else df
+        evals = df[(df["kind"] == RowKind.EVAL) & (df["tenant"] == name)] if len(df) else df
         if len(evals):
-            train = df[(df["kind"] == "train") & (df["tenant"] == name)]
+            train = df[(df["kind"] == RowKind.TRAIN) & (df["tenant"] == name)]
             at = pd.merge_asof(evals[["step", "loss"]], train[["step", "tenant_step"]], on="step")
             ax.plot(at["tenant_step"].fillna(0), at["loss"], "o", color=color, markersize=4)
     ax.set_ylabel("loss (lines: train, dots: eval)")

@@ -10,11 +10,19 @@ through ``job.json`` unchanged::
 
 ``JobSpec.problems()`` never raises and starts no process: it reads the model's config (and builds
 the model on the ``meta`` device, which allocates nothing), the tokenizer, the tenants' data files
-and any ``init_adapter`` directories, so bad input is reported before anything is launched.
+(tokenized until one row keeps a target token at ``seq_len``) and the headers of any
+``init_adapter`` weights, so bad input is reported before anything is launched.
+``JobSpec.problems(files=False)`` checks only the fields, names, parallel layout and tenant set,
+reading no file: cheap enough for the training process to re-check the ``job.json`` it starts from.
+
+Everything here treats its input as hostile: any JSON (or Python values in the fields) gives
+``SpecError`` or a list of problems, never another exception, and a message repeats at most ~80
+characters of a bad value.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import difflib
@@ -23,7 +31,8 @@ import json
 import math
 import os
 import re
-import tempfile
+import reprlib
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +47,26 @@ ALL_LINEAR = "all-linear"
 
 MAX_NAME_LEN = 100
 _SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+# Upper bounds of the integer fields: far above any real job, low enough that nothing downstream
+# overflows (int64 tensors, float64 JSON readers, torch / random seeding).
+MAX_SEED = 2**63 - 1
+"""Seeds are in ``[0, 2**63)``: ``torch.manual_seed`` takes ``[-2**63, 2**64)``, ``random.Random`` any int."""
+MAX_COUNT = 2**53 - 1
+"""Steps and every-N fields: the largest integer a float64 (a JSON reader) holds exactly."""
+MAX_ROWS = 2**20
+"""Rows per optimizer step (``batch_size * grad_accum``): more is a typo, not a job."""
+MAX_SEQ_LEN = 2**24
+MAX_SLOTS = 2**16
+"""``max_tenants`` and ``max_rank``."""
+MAX_DEGREE = 2**20
+"""Every ``parallel`` field."""
+MAX_TARGETS = 10_000
+"""Entries of ``target_modules`` / ``target_parameters`` / ``slot_modules`` (each at most 1000 characters)."""
+MAX_PROBLEMS = 200
+"""``problems()`` lists at most this many, then ``... and N more problem(s)``."""
+_MAX_JSON_BYTES = 64 * 2**20  # job.json, adapter_config.json, *.index.json: a few KB in real life
+_MAX_DEPTH = 16  # job.json nests 3 deep (tenants[i].betas); 16 leaves room and stops RecursionError
 
 
 class SpecError(ValueError):
@@ -131,7 +160,10 @@ class Tenant:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | Tenant) -> Tenant:
-        """Build from a dict (e.g. one ``tenants`` entry of ``job.json``); unknown keys raise ``SpecError``."""
+        """Build from a dict (e.g. one ``tenants`` entry of ``job.json``); unknown keys raise ``SpecError``.
+
+        Any input gives a ``Tenant`` or ``SpecError``, nothing else; field values are not checked here
+        (``JobSpec.problems()`` does that) except for nesting too deep to copy."""
         kwargs, problems = _kwargs_for(cls, d, "tenant")
         if problems:
             raise SpecError(problems)
@@ -165,7 +197,8 @@ class Parallel:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | Parallel) -> Parallel:
-        """Build from a dict; unknown keys raise ``SpecError``."""
+        """Build from a dict; unknown keys raise ``SpecError`` (and any input gives a ``Parallel`` or
+        ``SpecError``)."""
         kwargs, problems = _kwargs_for(cls, d, "parallel")
         if problems:
             raise SpecError(problems)
@@ -234,7 +267,8 @@ class JobSpec:
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
         """Build from a dict (``tenants`` as dicts or ``Tenant``, ``parallel`` as a dict or ``Parallel``).
 
-        Unknown or missing keys, at any level, raise one ``SpecError`` naming all of them.
+        Unknown or missing keys, at any level, raise one ``SpecError`` naming all of them; any input
+        gives a ``JobSpec`` or ``SpecError``, nothing else.
         """
         kwargs, problems = _kwargs_for(cls, d, "job")
         tenants = kwargs.get("tenants")
@@ -243,7 +277,9 @@ class JobSpec:
         elif isinstance(tenants, list):
             built: list[Tenant] = []
             for i, t in enumerate(tenants):
-                label = f"tenants[{i}]" + (f" ({t['name']!r})" if isinstance(t, dict) and "name" in t else "")
+                label = f"tenants[{i}]" + (
+                    f" ({_brief(t['name'])})" if isinstance(t, dict) and "name" in t else ""
+                )
                 t_kwargs, t_problems = _kwargs_for(Tenant, t, label)
                 problems += t_problems
                 if not t_problems:
@@ -262,25 +298,39 @@ class JobSpec:
         """The spec as JSON text (indent 2); with ``path``, also write it there atomically."""
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:
-            _atomic_write_text(os.fspath(path), text + "\n")
+            from mlora_lab.rundir.files import atomic_write_text  # the one atomic write (rundir owns files)
+
+            atomic_write_text(path, text + "\n")
         return text
 
     @classmethod
-    def from_json(cls, text: str) -> JobSpec:
+    def from_json(cls, text: str | bytes) -> JobSpec:
         """Parse ``job.json`` text; bad JSON or bad keys raise ``SpecError``. Paths are kept as written."""
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"job spec is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        parsed = _json_problem(text)
+        if isinstance(parsed, str):
+            raise SpecError(f"job spec is not valid JSON: {parsed}")
+        return cls.from_dict(parsed[0])
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> JobSpec:
-        """Read a ``job.json`` file; relative paths in it are relative to the file's directory."""
-        path = os.fspath(path)
-        with open(path, encoding="utf-8") as fh:
-            spec = cls.from_json(fh.read())
-        return spec.resolved(os.path.dirname(os.path.abspath(path)))
+        """Read a ``job.json`` file; relative paths in it are relative to the file's directory.
+
+        Every way the file can be wrong (missing, a directory or device, not UTF-8, not JSON, not a
+        JSON object, bad keys) raises one ``SpecError`` that names the file.
+        """
+        try:
+            path = os.fsdecode(os.fspath(path))
+        except TypeError:
+            raise SpecError(f"job file must be a path (got {type(path).__name__})") from None
+        name = _show_path(path)
+        d, why = _read_json(path, "a job file")
+        if why:
+            raise SpecError(f"{name}: {why}")
+        if not isinstance(d, dict):
+            raise SpecError(
+                f"{name}: the top level must be a JSON object with base_model and tenants (got {_json_type(d)})"
+            )
+        return cls.from_dict(d).resolved(os.path.dirname(os.path.abspath(path)))
 
     def resolved(self, base_dir: str | os.PathLike) -> JobSpec:
         """A copy whose relative paths (base_model, tokenizer, data, eval_data, init_adapter) are made
@@ -305,17 +355,21 @@ class JobSpec:
                 return t
         raise KeyError(f"no tenant {name!r}; tenants: {[t.name for t in self.tenants]}")
 
-    def problems(self) -> list[str]:
+    def problems(self, files: bool = True) -> list[str]:
         """Every problem with this spec, each naming its tenant and field. Never raises; starts no
-        process. Checks that need the model are skipped when the model cannot be loaded."""
+        process. Checks that need the model are skipped when the model cannot be loaded.
+
+        ``files=False`` runs only the checks of the fields, names, parallel layout and tenant set:
+        no model, tokenizer, data or adapter file is read.
+        """
         try:
-            return _Validator(self).run()
+            return _capped(_Validator(self).run(files=files))
         except Exception as e:  # "never raises": a bug in a check is still reported, not thrown
             return [f"internal error while validating the spec ({type(e).__name__}: {_short(e)})"]
 
-    def validate(self) -> JobSpec:
+    def validate(self, files: bool = True) -> JobSpec:
         """Return ``self`` if the spec has no problems, else raise ``SpecError`` listing all of them."""
-        problems = self.problems()
+        problems = self.problems(files=files)
         if problems:
             raise SpecError(problems)
         return self
@@ -336,6 +390,20 @@ class _ModelInfo:
     """Full names of the 3-D parameters (packed MoE experts)."""
     expert_modules: tuple[tuple[str, int, str | None], ...] = ()
     """(full name, number of experts, why it cannot be split or None) of each module holding 3-D parameters."""
+    linear_shapes: tuple[tuple[str, int, int], ...] = ()
+    """(full name, in_features, out_features) of every ``nn.Linear``: ``W`` is ``[out, in]``."""
+    expert_shapes: tuple[tuple[str, int, int, int], ...] = ()
+    """(full name, E, out, in) of every 3-D parameter: expert ``e`` computes ``x W[e]^T``, ``W`` ``[E, out, in]``."""
+    vocab: int | None = None
+    """Rows of the input embedding: token ids must be below it."""
+    logits: int | None = None
+    """Columns of the logits (``lm_head`` outputs)."""
+
+
+# A config this large is not a model but a typo or an attack: building even its meta skeleton
+# (one Python object per module) would take minutes and gigabytes.
+_CONFIG_LIMITS = {"num_hidden_layers": 4096, "n_layer": 4096, "num_layers": 4096, "num_experts": 2**16,
+                  "num_local_experts": 2**16, "n_routed_experts": 2**16}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=32)
@@ -344,12 +412,21 @@ def _model_info(path: str) -> _ModelInfo:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(path)
+    for key, limit in _CONFIG_LIMITS.items():
+        v = getattr(cfg, key, None)
+        if _is_int(v) and v > limit:
+            raise ValueError(f"config.json has {key}={_brief(v)} (at most {limit}); that is not a real model")
     # On the meta device nothing is allocated or initialised: cheap even for a large model.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    modules = tuple((n, type(m).__name__) for n, m in model.named_modules() if n)
-    linear = frozenset(n for n, m in model.named_modules() if n and isinstance(m, torch.nn.Linear))
-    experts = tuple(n for n, p in model.named_parameters() if p.ndim == 3)
+    named = [(n, m) for n, m in model.named_modules() if n]
+    modules = tuple((n, type(m).__name__) for n, m in named)
+    linear_mods = [(n, m) for n, m in named if isinstance(m, torch.nn.Linear)]
+    linear = frozenset(n for n, _ in linear_mods)
+    linear_shapes = tuple((n, m.in_features, m.out_features) for n, m in linear_mods)
+    params3 = [(n, p) for n, p in model.named_parameters() if p.ndim == 3]
+    experts = tuple(n for n, _ in params3)
+    expert_shapes = tuple((n, *(int(d) for d in p.shape)) for n, p in params3)
     from mlora_lab.lora.experts import packed_experts_problem
 
     holders = sorted({n.rpartition(".")[0] for n in experts})
@@ -358,7 +435,12 @@ def _model_info(path: str) -> _ModelInfo:
         for n in holders
         for problem in [packed_experts_problem(model.get_submodule(n))]
     )
-    return _ModelInfo(modules, linear, experts, expert_modules)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    vocab = getattr(emb, "num_embeddings", None) if emb is not None else None
+    logits = getattr(head, "out_features", None) if head is not None else None
+    vocab = vocab if _is_int(vocab) else getattr(cfg, "vocab_size", None)
+    logits = logits if _is_int(logits) else vocab
+    return _ModelInfo(modules, linear, experts, expert_modules, linear_shapes, expert_shapes, vocab, logits)
 
 
 @functools.lru_cache(maxsize=32)
@@ -375,20 +457,45 @@ def _tp_problems(path: str, tp: int) -> list[str]:
 
 def effective_slot_modules(job: JobSpec) -> list[str]:
     """The linear-layer names that get adapter slots: ``slot_modules``, else the union of the
-    tenants' targets (``["all-linear"]`` if any tenant asks for it)."""
-    names = job.slot_modules or sorted({m for t in job.tenants for m in t.target_modules})
+    tenants' targets (``["all-linear"]`` if any tenant asks for it). Targets that are not valid
+    lists of names (a spec that does not validate) are left out rather than raised on."""
+    slots = job.slot_modules
+    if slots and isinstance(slots, list | tuple):
+        names = [m for m in slots if isinstance(m, str)]
+    else:
+        tenants = job.tenants if isinstance(job.tenants, list | tuple) else []
+        targets = [t.target_modules for t in tenants if isinstance(t, Tenant)]
+        names = sorted({m for ts in targets if _valid_targets(ts) for m in ts})
     return [ALL_LINEAR] if ALL_LINEAR in names else list(names)
 
 
 def tenant_problems(job: JobSpec, tenant: Tenant) -> list[str]:
     """Problems of adding ``tenant`` to the job ``job`` while it runs: the tenant's own fields and files,
-    checked against the job's model, tokenizer, ``max_rank`` and adapter slots."""
-    probe = dataclasses.replace(
-        job, tenants=[tenant], slot_modules=effective_slot_modules(job), serve=False, parallel=Parallel(),
-        output_dir=None,
-    )  # fmt: skip
-    mine = f"tenant {tenant.name!r}"
-    return [p for p in probe.problems() if mine in p or "slot_modules" in p or "base_model" in p]
+    checked against the job's model, tokenizer, ``max_rank``, adapter slots and tenant names. Never raises."""
+    if not isinstance(tenant, Tenant):
+        return [f"tenant must be a Tenant (got {type(tenant).__name__})"]
+    try:
+        probe = dataclasses.replace(
+            job, tenants=[tenant], slot_modules=effective_slot_modules(job), serve=False,
+            parallel=Parallel(), output_dir=None,
+        )  # fmt: skip
+        # The probe holds only this tenant and the job's settings (valid: the job runs with them), so
+        # every problem it finds is one of adding this tenant.
+        out = probe.problems()
+        # Names are never reused (job.json lists every tenant the run has had, removed ones included),
+        # and a name equal up to case collides with that tenant's adapter directory.
+        if isinstance(tenant.name, str) and isinstance(job.tenants, list):
+            for other in job.tenants:
+                name = other.name if isinstance(other, Tenant) else None
+                if name == tenant.name:
+                    out.append(
+                        f"{_who(tenant.name)}: a tenant of that name already exists in this run (names are never reused)"
+                    )
+                elif isinstance(name, str) and name.lower() == tenant.name.lower():
+                    out.append(_case_problem(tenant.name, name, existing=True))
+        return out
+    except Exception as e:  # same promise as JobSpec.problems()
+        return [f"internal error while validating the tenant ({type(e).__name__}: {_short(e)})"]
 
 
 def model_target_names(base_model: str) -> tuple[list[str], list[str]]:
@@ -408,8 +515,11 @@ def _matches(name: str, target: str) -> bool:
 
 
 def _valid_targets(v: Any) -> bool:
-    """A list of non-empty names, with ``"all-linear"`` only on its own."""
-    if not isinstance(v, list | tuple) or not all(isinstance(x, str) and x for x in v):
+    """A list of at most ``MAX_TARGETS`` non-empty names (each at most 1000 characters), with
+    ``"all-linear"`` only on its own."""
+    if not isinstance(v, list | tuple) or len(v) > MAX_TARGETS:
+        return False
+    if not all(isinstance(x, str) and 0 < len(x) <= 1000 for x in v):
         return False
     return ALL_LINEAR not in v or len(v) == 1
 
@@ -426,7 +536,7 @@ def _suffixes(names: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation
+# Showing hostile values, reading hostile files
 # ---------------------------------------------------------------------------------------------
 
 
@@ -438,13 +548,244 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
+def _is_finite(v: Any) -> bool:
+    """A real number that is neither inf nor nan; an int too large for a float (10**400) is not."""
+    if not _is_num(v):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 40, 40, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+
+
+def _brief(v: Any, limit: int = 80) -> str:
+    """``repr(v)`` in at most about ``limit`` characters: a message never repeats a hostile value
+    whole (a 10-MB name, a 10**400 seed), and never fails on one."""
+    try:
+        if isinstance(v, str):
+            r = repr(v[: limit + 1])  # slice first: a 10-MB string is never copied into a repr
+            if len(v) <= limit and len(r) <= limit + 2:
+                return r
+            return r[: limit - 3] + "..." + (f" ({len(v):,} characters)" if len(v) > limit else "")
+        if _is_int(v) and v.bit_length() > 200:
+            return f"{'-' if v < 0 else ''}a {int(v.bit_length() * math.log10(2)) + 1}-digit integer"
+        r = _REPR.repr(v)
+        return r if len(r) <= limit else r[: limit - 3] + "..."
+    except Exception:  # a value whose repr fails or is refused (an int past Python's digit limit)
+        return f"<{type(v).__name__}>"
+
+
 def _got(v: Any) -> str:
-    return f"got {v!r} of type {type(v).__name__}"
+    return f"got {_brief(v)} of type {type(v).__name__}"
+
+
+def _who(name: Any) -> str:
+    """How messages name a tenant: ``tenant 'alice'`` (a valid name is never shortened)."""
+    return f"tenant {_brief(name, MAX_NAME_LEN + 2)}"
+
+
+def _names(items: list[Any], n: int = 10) -> str:
+    """``a, b, c and 7 more``: a list in a message, at most ``n`` entries, each shortened."""
+    shown = [x if isinstance(x, str) and len(x) <= 120 and x.isprintable() else _brief(x) for x in items[:n]]
+    return ", ".join(shown) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def _more(items: list[str]) -> str:
+    """`` (and N more)`` after the first of ``items`` is shown."""
+    return f" (and {len(items) - 1} more)" if len(items) > 1 else ""
 
 
 def _short(e: BaseException, limit: int = 300) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    try:
+        text = str(e).strip()
+    except Exception:
+        text = ""
+    text = text.splitlines()[0] if text else type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _capped(problems: list[str]) -> list[str]:
+    if len(problems) <= MAX_PROBLEMS:
+        return problems
+    return [*problems[:MAX_PROBLEMS], f"... and {len(problems) - MAX_PROBLEMS} more problem(s)"]
+
+
+def _path_problem(path: str) -> str | None:
+    """Why the string ``path`` cannot name a file at all, or ``None``: a NUL byte (the OS would cut
+    the name there), more than 4096 characters (PATH_MAX), or a lone surrogate (``"\ud800"`` from
+    JSON: it has no bytes, so no file is called that)."""
+    if "\0" in path:
+        return "contains a NUL byte, which no file name can hold"
+    if len(path) > 4096:
+        return f"is {len(path):,} characters long (at most 4096)"
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as e:
+        return f"contains a lone surrogate (\\u{ord(path[e.start]):04x}), which is not valid text"
+    return None
+
+
+def _usable_path(v: Any) -> bool:
+    """A non-empty string that can name a file (type and path problems are reported elsewhere)."""
+    return isinstance(v, str) and bool(v) and _path_problem(v) is None
+
+
+def _show_path(path: Any) -> str:
+    """A file name as messages show it: as is when it is short, printable text, else a shortened repr."""
+    text = path if isinstance(path, str) else str(path)
+    if len(text) <= 240 and text.isprintable() and _path_problem(text) is None:
+        return text
+    return _brief(text)
+
+
+def _json_type(v: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "true/false", type(None): "null"}
+    return names.get(type(v), "a number" if _is_num(v) else type(v).__name__)
+
+
+def _json_problem(text: Any) -> tuple[Any] | str:
+    """``(value,)`` of JSON ``text``, or why it is not JSON (with the line and column)."""
+    try:
+        return (json.loads(text),)
+    except json.JSONDecodeError as e:
+        return f"{e.msg} at line {e.lineno} column {e.colno}"
+    except RecursionError:
+        return "nested too deeply"
+    except (ValueError, TypeError) as e:
+        if "integer string conversion" in str(e):  # Python refuses ints of more than 4300 digits
+            return "a number has more than 4300 digits"
+        return _short(e)
+
+
+def _read_json(path: str, what: str) -> tuple[Any, str | None]:
+    """``(value, None)`` from the JSON file ``path``, or ``(None, why)``: missing, not a regular file
+    (a directory, a device such as /dev/zero, a FIFO that would block), too large, not UTF-8, not JSON."""
+    why = _path_problem(path)
+    if why:
+        return None, f"the path {why}"
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, "not found"
+    except OSError as e:
+        return None, f"cannot read it ({e.strerror or e})"
+    if stat.S_ISDIR(st.st_mode):
+        return None, f"is a directory, not {what}"
+    if not stat.S_ISREG(st.st_mode):
+        return None, f"is not a regular file (a device, pipe or socket), not {what}"
+    if st.st_size > _MAX_JSON_BYTES:
+        return None, f"is {st.st_size / 2**20:.0f} MiB, too large for {what} (at most 64 MiB)"
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(_MAX_JSON_BYTES + 1)
+    except OSError as e:
+        return None, f"cannot read it ({e.strerror or e})"
+    if len(raw) > _MAX_JSON_BYTES:
+        return None, f"is too large for {what} (at most 64 MiB)"
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at position {e.start})"
+    parsed = _json_problem(text)
+    if isinstance(parsed, str):
+        return None, f"not valid JSON ({parsed})"
+    return parsed[0], None
+
+
+# Bytes per element of the safetensors dtypes (sub-byte and unknown ones are not size-checked).
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+             "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8}  # fmt: skip
+
+
+def _safetensors_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], str | None]:
+    """The tensor shapes a safetensors file declares, from its header only (no tensor is read), or
+    ``({}, why)`` when it is not a complete safetensors file.
+
+    Layout: ``N`` (8 bytes, little-endian), ``N`` bytes of JSON ``{name: {dtype, shape, data_offsets:
+    [begin, end]}, "__metadata__": {...}}``, then the data, ``end`` bytes at most. A pickle renamed to
+    ``.safetensors`` gives an absurd ``N``; a truncated download, a tensor that ends past the file.
+    """
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb") as fh:
+            head = fh.read(9)
+            if size == 0:
+                return {}, "it is empty"
+            if len(head) < 8:
+                return {}, f"it is truncated ({size} bytes)"
+            n = int.from_bytes(head[:8], "little")
+            # safetensors' own limit on the header; and the header is a JSON object
+            if n > 100 * 2**20 or head[8:9] not in (b"{", b""):
+                return {}, "it is not a safetensors file (no valid header)"
+            if 8 + n > size:
+                return {}, f"it is truncated (its header needs {8 + n} bytes, the file has {size})"
+            raw = head[8:] + fh.read(n - 1) if n else b""
+    except OSError as e:
+        return {}, f"it cannot be read ({e.strerror or e})"
+    parsed = _json_problem(raw) if raw[:1] == b"{" else "no JSON object"
+    header = parsed[0] if isinstance(parsed, tuple) else None
+    if not isinstance(header, dict):
+        return {}, "it is not a safetensors file (its header is not a JSON object)"
+    data = size - 8 - n
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        shape = info.get("shape") if isinstance(info, dict) else None
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (
+            isinstance(shape, list)
+            and all(_is_int(d) and d >= 0 for d in shape)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_int(o) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            return {}, f"it is not a safetensors file (bad header entry {_brief(key)})"
+        if offsets[1] > data:
+            return {}, f"it is truncated (tensor {_brief(key)} ends at byte {offsets[1]} of {data})"
+        width = _ST_BYTES.get(info.get("dtype"))
+        if width is not None and offsets[1] - offsets[0] != math.prod(shape) * width:
+            return {}, f"it is not a safetensors file (tensor {_brief(key)} has the wrong byte count)"
+        shapes[key] = tuple(shape)
+    return shapes, None
+
+
+@functools.cache
+def _device_memory() -> tuple[int, str] | None:
+    """Bytes of memory of one device the job may run on, and what it is: GPU 0 if CUDA is available,
+    else the host's RAM (a CPU job). ``None`` if neither can be read."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory), "GPU 0"
+    except Exception:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total), "RAM"
+    except Exception:
+        return None
+
+
+def _case_problem(name: str, other: str, existing: bool = False) -> str:
+    return (
+        f"{_who(name)}: name differs from {'existing tenant ' if existing else ''}{_brief(other)} only in "
+        "case; their adapters/<name> directories collide on case-insensitive filesystems (macOS, "
+        "Windows): rename one"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
 
 
 class _Validator:
@@ -455,8 +796,10 @@ class _Validator:
         self.out: list[str] = []
         self.model: _ModelInfo | None = None
         self.tok: Any = None
+        self.layout_ok = False
+        """``parallel`` is a valid layout (the TP / EP checks against the model need one)."""
 
-    def run(self) -> list[str]:
+    def run(self, files: bool = True) -> list[str]:
         s = self.spec
         self._check_job_fields()
         self._check_parallel()
@@ -472,6 +815,9 @@ class _Validator:
         self._check_tenant_set(tenants)
         for t in good:
             self._check_tenant_fields(t)
+        # Past the tenant cap the job is refused anyway; reading every tenant's files would only cost time.
+        if not files or len(tenants) > MAX_SLOTS:
+            return self.out
         self._load_model_and_tokenizer()
         for t in good:
             self._check_targets(t)
@@ -480,26 +826,31 @@ class _Validator:
         self._check_slot_modules(good)
         self._check_expert_parallel()
         self._check_tensor_parallel()
+        self._check_vocab()
+        self._check_memory(good)
         return self.out
 
     # -- generic field checks ------------------------------------------------------------------
 
     def _int(
         self, where: str, name: str, v: Any, lo: int | None = None, hi: int | None = None, hi_name: str = ""
-    ) -> None:
+    ) -> bool:
         if not _is_int(v):
             self.out.append(f"{where}{name} must be an integer ({_got(v)})")
         elif lo is not None and v < lo:
-            self.out.append(f"{where}{name} must be >= {lo} (got {v})")
+            self.out.append(f"{where}{name} must be >= {lo} (got {_brief(v)})")
         elif hi is not None and v > hi:
-            self.out.append(f"{where}{name} must be <= {hi_name or hi} (got {v})")
+            self.out.append(f"{where}{name} must be <= {hi_name or hi} (got {_brief(v)})")
+        else:
+            return True
+        return False
 
     def _num(self, where: str, name: str, v: Any, rule: str, ok: Any) -> None:
         """A finite real number for which ``ok(v)`` holds; ``rule`` says what that means."""
-        if not _is_num(v) or not math.isfinite(v):
+        if not _is_finite(v):
             self.out.append(f"{where}{name} must be a finite number ({_got(v)})")
         elif not ok(v):
-            self.out.append(f"{where}{name} must be {rule} (got {v})")
+            self.out.append(f"{where}{name} must be {rule} (got {_brief(v)})")
 
     def _bool(self, where: str, name: str, v: Any) -> None:
         if not isinstance(v, bool):
@@ -514,11 +865,30 @@ class _Validator:
             return False
         return True
 
+    def _path(self, where: str, name: str, v: Any, optional: bool = False) -> bool:
+        """A string that can name a file (``None`` allowed when ``optional``)."""
+        if not self._str(where, name, v, optional):
+            return False
+        why = _path_problem(v) if isinstance(v, str) else None
+        if why:
+            self.out.append(f"{where}{name} path {why}")
+            return False
+        return True
+
+    def _one_of(self, where: str, name: str, v: Any, choices: tuple[str, ...]) -> None:
+        if not (isinstance(v, str) and v in choices):
+            self.out.append(f"{where}{name} must be one of {', '.join(choices)} (got {_brief(v)})")
+
     def _str_list(self, where: str, name: str, v: Any) -> bool:
         if _valid_targets(v):
             return True
-        if isinstance(v, list | tuple) and all(isinstance(x, str) and x for x in v):
-            self.out.append(f"{where}{name}: '{ALL_LINEAR}' must be the only entry (got {list(v)})")
+        strings = isinstance(v, list | tuple) and all(isinstance(x, str) and x for x in v)
+        if isinstance(v, list | tuple) and len(v) > MAX_TARGETS:
+            self.out.append(f"{where}{name} has {len(v):,} entries (at most {MAX_TARGETS:,})")
+        elif strings and any(len(x) > 1000 for x in v):
+            self.out.append(f"{where}{name}: every entry must be at most 1000 characters (a module name)")
+        elif strings:
+            self.out.append(f"{where}{name}: '{ALL_LINEAR}' must be the only entry (got {_brief(list(v))})")
         else:
             self.out.append(f"{where}{name} must be a list of non-empty strings ({_got(v)})")
         return False
@@ -527,21 +897,20 @@ class _Validator:
 
     def _check_job_fields(self) -> None:
         s = self.spec
-        self._str("", "base_model", s.base_model)
-        self._str("", "tokenizer", s.tokenizer, optional=True)
-        self._int("", "seq_len", s.seq_len, lo=2)
-        self._int("", "max_tenants", s.max_tenants, lo=1)
-        self._int("", "max_rank", s.max_rank, lo=1)
-        if s.dtype not in DTYPES:
-            self.out.append(f"dtype must be one of {', '.join(DTYPES)} (got {s.dtype!r})")
-        self._int("", "log_every", s.log_every, lo=1)
-        self._int("", "eval_every", s.eval_every, lo=0)
-        self._int("", "save_every", s.save_every, lo=0)
+        self._path("", "base_model", s.base_model)
+        self._path("", "tokenizer", s.tokenizer, optional=True)
+        self._int("", "seq_len", s.seq_len, lo=2, hi=MAX_SEQ_LEN, hi_name="2**24")
+        self._int("", "max_tenants", s.max_tenants, lo=1, hi=MAX_SLOTS, hi_name="2**16")
+        self._int("", "max_rank", s.max_rank, lo=1, hi=MAX_SLOTS, hi_name="2**16")
+        self._one_of("", "dtype", s.dtype, DTYPES)
+        self._int("", "log_every", s.log_every, lo=1, hi=MAX_COUNT, hi_name="2**53 - 1")
+        self._int("", "eval_every", s.eval_every, lo=0, hi=MAX_COUNT, hi_name="2**53 - 1")
+        self._int("", "save_every", s.save_every, lo=0, hi=MAX_COUNT, hi_name="2**53 - 1")
         self._bool("", "serve", s.serve)
-        self._int("", "seed", s.seed)
-        out_ok = self._str("", "output_dir", s.output_dir, optional=True) and s.output_dir is not None
+        self._int("", "seed", s.seed, lo=0, hi=MAX_SEED, hi_name="2**63 - 1")
+        out_ok = self._path("", "output_dir", s.output_dir, optional=True) and s.output_dir is not None
         if out_ok and os.path.exists(s.output_dir) and not os.path.isdir(s.output_dir):
-            self.out.append(f"output_dir {s.output_dir!r} exists and is not a directory")
+            self.out.append(f"output_dir {_brief(s.output_dir)} exists and is not a directory")
         if s.slot_modules is not None:
             self._str_list("", "slot_modules", s.slot_modules)
 
@@ -551,10 +920,12 @@ class _Validator:
             self.out.append(f"parallel must be a Parallel (got {type(p).__name__})")
             return
         names = ("nproc", "nnodes", "fsdp", "tp", "ep")
-        for name in names:
-            self._int("", f"parallel.{name}", getattr(p, name), lo=1)
-        if not all(_is_int(getattr(p, n)) and getattr(p, n) >= 1 for n in names):
+        ok = [
+            self._int("", f"parallel.{n}", getattr(p, n), lo=1, hi=MAX_DEGREE, hi_name="2**20") for n in names
+        ]
+        if not all(ok):
             return
+        self.layout_ok = True
         group = p.fsdp * p.tp
         if p.world_size % group:
             self.out.append(
@@ -570,14 +941,14 @@ class _Validator:
     def _check_tensor_parallel(self) -> None:
         """``tp > 1`` needs the model's TP plan and dimensions that split evenly over ``tp`` ranks."""
         p = self.spec.parallel
-        if self.model is None or not isinstance(p, Parallel) or not _is_int(p.tp) or p.tp <= 1:
+        if self.model is None or not self.layout_ok or p.tp <= 1:
             return
         self.out.extend(_tp_problems(os.path.abspath(self.spec.base_model), p.tp))
 
     def _check_expert_parallel(self) -> None:
         """``ep > 1`` needs packed experts that split evenly over ``ep`` ranks."""
         p = self.spec.parallel
-        if self.model is None or not isinstance(p, Parallel) or not _is_int(p.ep) or p.ep <= 1:
+        if self.model is None or not self.layout_ok or p.ep <= 1:
             return
         if not self.model.expert_modules:
             self.out.append(f"parallel.ep = {p.ep}, but the model has no packed (3-D) expert parameters")
@@ -593,21 +964,33 @@ class _Validator:
         if not tenants and s.serve is not True:
             self.out.append("no tenants: add at least one, or set serve=true to wait for tenants")
         if _is_int(s.max_tenants) and len(tenants) > s.max_tenants:
-            self.out.append(f"{len(tenants)} tenants but max_tenants={s.max_tenants}; raise max_tenants")
+            self.out.append(
+                f"{len(tenants)} tenants but max_tenants={_brief(s.max_tenants)}; raise max_tenants"
+            )
         names = [t.name for t in tenants if isinstance(t, Tenant) and isinstance(t.name, str)]
-        for dup in sorted({n for n in names if names.count(n) > 1}):
-            self.out.append(f"tenant name {dup!r} is used {names.count(dup)} times; names must be unique")
+        counts = collections.Counter(names)  # not names.count(): quadratic in a hostile tenant list
+        for dup in sorted(n for n, c in counts.items() if c > 1):
+            self.out.append(f"tenant name {_brief(dup)} is used {counts[dup]} times; names must be unique")
+        # Equal up to case: two directories on a case-sensitive filesystem, one on macOS / Windows.
+        first: dict[str, str] = {}
+        for name in counts:
+            other = first.setdefault(name.lower(), name)
+            if other != name:
+                self.out.append(_case_problem(name, other))
 
     # -- tenant fields -------------------------------------------------------------------------
 
     def _check_tenant_fields(self, t: Tenant) -> None:
-        w = f"tenant {t.name!r}: "
+        w = f"{_who(t.name)}: "
         self._check_name(t.name)
-        self._str(w, "data", t.data)
-        self._str(w, "eval_data", t.eval_data, optional=True)
-        self._str(w, "init_adapter", t.init_adapter, optional=True)
-        max_rank = self.spec.max_rank if _is_int(self.spec.max_rank) else None
-        self._int(w, "rank", t.rank, lo=1, hi=max_rank, hi_name=f"max_rank={max_rank}")
+        self._path(w, "data", t.data)
+        self._path(w, "eval_data", t.eval_data, optional=True)
+        self._path(w, "init_adapter", t.init_adapter, optional=True)
+        max_rank = self.spec.max_rank
+        if _is_int(max_rank) and 1 <= max_rank <= MAX_SLOTS:
+            self._int(w, "rank", t.rank, lo=1, hi=max_rank, hi_name=f"max_rank={max_rank}")
+        else:  # max_rank itself is reported
+            self._int(w, "rank", t.rank, lo=1, hi=MAX_SLOTS, hi_name="2**16")
         self._num(w, "alpha", t.alpha, "> 0", lambda v: v > 0)
         self._bool(w, "use_rslora", t.use_rslora)
         self._num(w, "dropout", t.dropout, "in [0, 1)", lambda v: 0 <= v < 1)
@@ -623,18 +1006,22 @@ class _Validator:
             for i, b in enumerate(t.betas):
                 self._num(w, f"betas[{i}]", b, "in [0, 1)", lambda v: 0 <= v < 1)
         self._num(w, "eps", t.eps, "> 0", lambda v: v > 0)
-        if t.schedule not in SCHEDULES:
-            self.out.append(f"{w}schedule must be one of {', '.join(SCHEDULES)} (got {t.schedule!r})")
-        self._int(w, "warmup_steps", t.warmup_steps, lo=0)
+        self._one_of(w, "schedule", t.schedule, SCHEDULES)
+        self._int(w, "warmup_steps", t.warmup_steps, lo=0, hi=MAX_COUNT, hi_name="2**53 - 1")
         if t.max_grad_norm is not None:
             self._num(
                 w, "max_grad_norm", t.max_grad_norm, "> 0 (or null to disable clipping)", lambda v: v > 0
             )
-        self._int(w, "batch_size", t.batch_size, lo=1)
-        self._int(w, "grad_accum", t.grad_accum, lo=1)
-        self._int(w, "max_steps", t.max_steps, lo=1)
+        bs_ok = self._int(w, "batch_size", t.batch_size, lo=1, hi=MAX_ROWS, hi_name="2**20")
+        ga_ok = self._int(w, "grad_accum", t.grad_accum, lo=1, hi=MAX_ROWS, hi_name="2**20")
+        if bs_ok and ga_ok and t.batch_size * t.grad_accum > MAX_ROWS:
+            self.out.append(
+                f"{w}batch_size*grad_accum = {t.batch_size}*{t.grad_accum} = {t.batch_size * t.grad_accum:,} "
+                f"rows per optimizer step is more than {MAX_ROWS:,} (2**20); lower batch_size or grad_accum"
+            )
+        self._int(w, "max_steps", t.max_steps, lo=1, hi=MAX_COUNT, hi_name="2**53 - 1")
         self._bool(w, "shuffle", t.shuffle)
-        self._int(w, "seed", t.seed)
+        self._int(w, "seed", t.seed, lo=0, hi=MAX_SEED, hi_name="2**63 - 1")
 
     def _check_name(self, name: Any) -> None:
         if not isinstance(name, str):
@@ -646,13 +1033,13 @@ class _Validator:
         elif name in (".", ".."):
             why = f"{name!r} is not allowed"
         elif len(name) > MAX_NAME_LEN:
-            why = f"it is {len(name)} characters long (at most {MAX_NAME_LEN})"
+            why = f"it is {len(name):,} characters long (at most {MAX_NAME_LEN})"
         elif not _SAFE_NAME.fullmatch(name):
             bad = "".join(sorted({c for c in name if not _SAFE_NAME.fullmatch(c)}))
-            why = f"it contains {bad!r}"
+            why = f"it contains {_brief(bad)}"
         if why:
             self.out.append(
-                f"tenant {name!r}: name is not a safe directory name ({why}); "
+                f"{_who(name)}: name is not a safe directory name ({why}); "
                 f"use 1-{MAX_NAME_LEN} characters from A-Z a-z 0-9 . _ -"
             )
 
@@ -661,42 +1048,158 @@ class _Validator:
     def _load_model_and_tokenizer(self) -> None:
         s = self.spec
         base_ok = False
-        if isinstance(s.base_model, str) and s.base_model:
+        if _usable_path(s.base_model):
             if not os.path.isdir(s.base_model):
                 self.out.append(
-                    f"base_model {s.base_model!r} is not a local directory (give the directory of a model "
-                    "saved with save_pretrained; nothing is downloaded)"
+                    f"base_model {_brief(s.base_model)} is not a local directory (give the directory of a "
+                    "model saved with save_pretrained; nothing is downloaded)"
                 )
             else:
                 base_ok = self._load_model(s.base_model)
         tok_path = s.tokenizer if s.tokenizer is not None else s.base_model
         field_name = "tokenizer" if s.tokenizer is not None else "tokenizer (base_model)"
-        if not isinstance(tok_path, str) or not tok_path or (s.tokenizer is None and not base_ok):
-            return  # already reported (bad type, or the base_model problem covers it)
+        if not _usable_path(tok_path) or (s.tokenizer is None and not base_ok):
+            return  # already reported (bad type or path, or the base_model problem covers it)
         if not os.path.isdir(tok_path):
-            self.out.append(f"{field_name} {tok_path!r} is not a local directory")
+            self.out.append(f"{field_name} {_brief(tok_path)} is not a local directory")
             return
         try:
             from transformers import AutoTokenizer
 
             self.tok = AutoTokenizer.from_pretrained(tok_path)
         except Exception as e:
-            self.out.append(f"{field_name} {tok_path!r}: AutoTokenizer cannot load it ({_short(e)})")
+            self.out.append(f"{field_name} {_brief(tok_path)}: AutoTokenizer cannot load it ({_short(e)})")
 
     def _load_model(self, path: str) -> bool:
+        where = f"base_model {_brief(path)}"
+        cfg = os.path.join(path, "config.json")
+        if os.path.isfile(cfg) and os.path.getsize(cfg) > _MAX_JSON_BYTES:
+            self.out.append(f"{where}: config.json is larger than 64 MiB; that is not a model config")
+            return False
         try:
             from transformers import AutoConfig
 
             AutoConfig.from_pretrained(path)
         except Exception as e:
-            self.out.append(f"base_model {path!r} does not hold a loadable transformers config ({_short(e)})")
+            self.out.append(f"{where} does not hold a loadable transformers config ({_short(e)})")
             return False
         try:
             self.model = _model_info(os.path.abspath(path))
         except Exception as e:
-            self.out.append(f"base_model {path!r}: cannot build a causal LM from its config ({_short(e)})")
+            self.out.append(f"{where}: cannot build a causal LM from its config ({_short(e)})")
             return False
+        self._check_weights(path, where)
         return True
+
+    def _check_weights(self, path: str, where: str) -> None:
+        """``from_pretrained`` needs the weights next to the config: ``model.safetensors`` (a complete
+        file), an index whose shards all exist, or ``pytorch_model.bin``. A config-only directory
+        validates the layout but could never train."""
+        single = os.path.join(path, "model.safetensors")
+        if os.path.isfile(single):
+            _, why = _safetensors_shapes(single)
+            if why:
+                self.out.append(f"{where}: model.safetensors is not usable ({why}); save the model again")
+            return
+        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index_path = os.path.join(path, index)
+            if not os.path.isfile(index_path):
+                continue
+            value, why = _read_json(index_path, "an index file")
+            weight_map = value.get("weight_map") if isinstance(value, dict) else None
+            shards = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
+            plain = all(
+                isinstance(f, str) and f and os.path.basename(f) == f and _usable_path(f) for f in shards
+            )
+            if why or not shards or not plain:
+                why = why or "has no weight_map of tensor name -> shard file name"
+                self.out.append(f"{where}: {index} {why}; save the model again")
+                return
+            missing = [f for f in shards if not os.path.isfile(os.path.join(path, f))]
+            if missing:
+                self.out.append(
+                    f"{where}: no weights found: {index} lists shard files that are missing "
+                    f"({_names(missing, 5)}); copy every shard next to it"
+                )
+                return
+            for shard in shards if index.startswith("model.safetensors") else []:
+                _, why = _safetensors_shapes(os.path.join(path, shard))
+                if why:
+                    self.out.append(
+                        f"{where}: shard {_show_path(shard)} is not usable ({why}); save the model again"
+                    )
+                    return
+            return
+        if not os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+            self.out.append(
+                f"{where}: no weights found (it has a config but no model.safetensors, "
+                "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json); "
+                "save the model with save_pretrained"
+            )
+
+    def _check_vocab(self) -> None:
+        """Token ids index the input embedding. The ids the job itself inserts (BOS, EOS, padding)
+        must be rows of it; a tokenizer may have more tokens than rows (some tokenizer classes add
+        special tokens a model never saw), and a tenant whose rows contain such ids is refused alone
+        when it is loaded, before any of its rows reach the shared forward."""
+        m, tok = self.model, self.tok
+        if m is None or tok is None or not _is_int(m.vocab):
+            return
+        used = {name: getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos", "pad")}
+        past = {name: i for name, i in used.items() if _is_int(i) and not 0 <= i < m.vocab}
+        if past:
+            field_name = "tokenizer" if self.spec.tokenizer is not None else "tokenizer (base_model)"
+            ids = ", ".join(f"{name} id {i}" for name, i in past.items())
+            self.out.append(
+                f"{field_name}: {ids} past the model's input embedding ({m.vocab:,} rows, vocab_size); "
+                "use the model's own tokenizer"
+            )
+
+    def _check_memory(self, tenants: list[Tenant]) -> None:
+        """Sizes that cannot fit one device: the adapter slots (allocated up front, whatever the
+        tenants' ranks) and one micro-batch's fp32 logits. Estimates, made to catch the absurd:
+
+            slots  = max_tenants * max_rank * F * 4 bytes * 2 (value + gradient) / fsdp
+                     F = sum over slotted linear layers of (in + out) + over slotted expert parameters E*(in + out)
+            logits = batch_size * seq_len * vocab * 4 bytes * 3 (logits, softmax, gradient), largest tenant
+        """
+        s, m = self.spec, self.model
+        mem = _device_memory() if m is not None else None
+        if m is None or mem is None:
+            return
+        total, device = mem
+        gib = 2**30
+        if all(_is_int(v) and 1 <= v <= MAX_SLOTS for v in (s.max_tenants, s.max_rank)):
+            names = effective_slot_modules(s)
+            chosen = _select_linear(m, names) if _valid_targets(names) else set()
+            feats = sum(inn + out for n, inn, out in m.linear_shapes if n in chosen)
+            params = {p for t in tenants if _valid_targets(t.target_parameters) for p in t.target_parameters}
+            feats += sum(
+                E * (inn + out) for n, E, out, inn in m.expert_shapes if any(_matches(n, p) for p in params)
+            )
+            p = s.parallel
+            shards = (
+                p.fsdp if isinstance(p, Parallel) and _is_int(p.fsdp) and 1 <= p.fsdp <= MAX_DEGREE else 1
+            )
+            need = s.max_tenants * s.max_rank * feats * 4 * 2 / shards  # FSDP2 shards the slots
+            if need > total:
+                self.out.append(
+                    f"adapter slots need about {need / gib:,.1f} GiB per device (max_tenants={s.max_tenants} x "
+                    f"max_rank={s.max_rank} x {feats:,} slotted in+out features x 8 bytes for value and "
+                    f"gradient{f' / fsdp={shards}' if shards > 1 else ''}) but {device} has {total / gib:,.1f} "
+                    "GiB; lower max_tenants or max_rank, or put slots on fewer layers"
+                )
+        sized = [t for t in tenants if _is_int(t.batch_size) and 1 <= t.batch_size <= MAX_ROWS]
+        if sized and _is_int(s.seq_len) and 2 <= s.seq_len <= MAX_SEQ_LEN and _is_int(m.logits):
+            t = max(sized, key=lambda t: t.batch_size)
+            need = t.batch_size * s.seq_len * m.logits * 4 * 3
+            if need > total:
+                self.out.append(
+                    f"{_who(t.name)}: one micro-batch's logits need about {need / gib:,.1f} GiB "
+                    f"(batch_size={t.batch_size} x seq_len={s.seq_len} x vocab {m.logits:,} x 12 bytes for fp32 "
+                    f"logits, softmax and gradient) but {device} has {total / gib:,.1f} GiB; lower batch_size "
+                    "(raise grad_accum to keep the step) or seq_len"
+                )
 
     # -- targets -------------------------------------------------------------------------------
 
@@ -722,14 +1225,14 @@ class _Validator:
             if not_linear:
                 n, cls = not_linear[0]
                 self.out.append(
-                    f"{where}{target!r} matches modules that are not nn.Linear (e.g. {n}: {cls}); "
+                    f"{where}{_brief(target)} matches modules that are not nn.Linear (e.g. {n}: {cls}); "
                     "LoRA goes on linear layers only"
                 )
                 ok = False
             chosen |= {n for n, _ in hits if n in m.linear}
         if unknown:
             self.out.append(
-                f"{where}not found in the model: {', '.join(unknown)} (available: {_suffixes(m.linear)})"
+                f"{where}not found in the model: {_names(unknown)} (available: {_suffixes(m.linear)})"
             )
             ok = False
         return chosen if ok else None
@@ -737,7 +1240,7 @@ class _Validator:
     def _check_targets(self, t: Tenant) -> None:
         if self.model is None:
             return
-        w = f"tenant {t.name!r}: "
+        w = f"{_who(t.name)}: "
         mods = t.target_modules
         if _valid_targets(mods) and mods:
             self._resolve_modules(f"{w}target_modules ", mods)
@@ -751,8 +1254,8 @@ class _Validator:
                 if self.model.experts
                 else "the model has no 3-D expert parameters"
             )
-            self.out.append(f"{w}target_parameters not found in the model: {', '.join(unknown)} ({avail})")
-        elif t.dropout:
+            self.out.append(f"{w}target_parameters not found in the model: {_names(unknown)} ({avail})")
+        elif _is_num(t.dropout) and t.dropout:
             self.out.append(
                 f"{w}dropout must be 0 with target_parameters (PEFT has no dropout on expert weights)"
             )
@@ -770,74 +1273,88 @@ class _Validator:
             outside = [x for x in t.target_modules if _select_linear(self.model, [x]) - covered]
             if outside:
                 self.out.append(
-                    f"tenant {t.name!r}: target_modules {', '.join(outside)} not covered by slot_modules "
-                    f"{list(slots)}; add them to slot_modules"
+                    f"{_who(t.name)}: target_modules {_names(outside)} not covered by slot_modules "
+                    f"{_brief(list(slots))}; add them to slot_modules"
                 )
 
     # -- data ----------------------------------------------------------------------------------
 
     def _check_data(self, t: Tenant) -> None:
-        from mlora_lab.data import scan_jsonl
+        from mlora_lab.data import scan_jsonl, target_problem
 
-        w = f"tenant {t.name!r}: "
+        w = f"{_who(t.name)}: "
+        seq_len = self.spec.seq_len
         for name in ("data", "eval_data"):
             path = getattr(t, name)
-            if not isinstance(path, str) or not path:
-                continue
+            if not _usable_path(path):
+                continue  # a type or path problem, reported with the fields
             report = scan_jsonl(path)
             self.out += [f"{w}{name}: {p}" for p in report.problems]
             if not report.problems and report.n_rows == 0:
-                self.out.append(f"{w}{name}: {path}: no rows")
-            if (
+                self.out.append(f"{w}{name}: {_show_path(path)}: no rows")
+            no_template = (
                 "messages" in report.kinds
                 and self.tok is not None
                 and not getattr(self.tok, "chat_template", None)
-            ):
+            )
+            if no_template:
                 self.out.append(
                     f"{w}{name} has chat ('messages') rows but the tokenizer has no chat_template"
                 )
+            if report.problems or not report.n_rows or no_template or self.tok is None:
+                continue
+            if _is_int(seq_len) and 2 <= seq_len <= MAX_SEQ_LEN:
+                # Tokenizes rows (each cut at seq_len) only until one keeps a target token: one row for
+                # a usable file, every row only for a file the job would refuse anyway.
+                why = target_problem(path, self.tok, seq_len)
+                if why:
+                    self.out.append(f"{w}{name}: {why}")
 
     # -- init_adapter --------------------------------------------------------------------------
 
     def _check_init_adapter(self, t: Tenant) -> None:
         path = t.init_adapter
-        if not isinstance(path, str) or not path:
+        if not _usable_path(path):
             return
-        w = f"tenant {t.name!r}: "
+        w = f"{_who(t.name)}: "
         cfg_file = os.path.join(path, "adapter_config.json")
         if not os.path.isfile(cfg_file):
             self.out.append(
-                f"{w}init_adapter {path!r} is not a PEFT adapter directory (no adapter_config.json)"
+                f"{w}init_adapter {_brief(path)} is not a PEFT adapter directory (no adapter_config.json)"
             )
             return
-        try:
-            with open(cfg_file, encoding="utf-8") as fh:
-                cfg = json.load(fh)
-            if not isinstance(cfg, dict):
-                raise ValueError("not a JSON object")
-        except Exception as e:
-            self.out.append(f"{w}init_adapter {cfg_file!r} cannot be read ({_short(e)})")
+        cfg, why = _read_json(cfg_file, "an adapter config")
+        if why or not isinstance(cfg, dict):
+            why = why or f"the top level is {_json_type(cfg)}, not a JSON object"
+            self.out.append(f"{w}init_adapter {_show_path(cfg_file)}: {why}")
             return
         if cfg.get("peft_type", "LORA") != "LORA":
-            self.out.append(f"{w}init_adapter is a {cfg.get('peft_type')} adapter; only LORA is supported")
+            self.out.append(
+                f"{w}init_adapter is a {_brief(cfg.get('peft_type'))} adapter; only LORA is supported"
+            )
             return
-        if not any(
-            os.path.isfile(os.path.join(path, f)) for f in ("adapter_model.safetensors", "adapter_model.bin")
-        ):
-            self.out.append(f"{w}init_adapter {path!r} has no adapter_model.safetensors")
+        weights = os.path.join(path, "adapter_model.safetensors")
+        if not any(os.path.isfile(f) for f in (weights, os.path.join(path, "adapter_model.bin"))):
+            self.out.append(f"{w}init_adapter {_brief(path)} has no adapter_model.safetensors")
         r, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
         rslora = bool(cfg.get("use_rslora", False))
-        if _is_int(self.spec.max_rank) and _is_int(r) and r > self.spec.max_rank:
+        if not (_is_int(r) and r >= 1):
+            self.out.append(
+                f"{w}init_adapter has r={_brief(r)}, not a positive integer; save the adapter again"
+            )
+            r = None
+        elif _is_int(self.spec.max_rank) and r > self.spec.max_rank:
             self.out.append(f"{w}init_adapter has r={r} > max_rank={self.spec.max_rank}; raise max_rank")
-        if r != t.rank:
-            self.out.append(f"{w}rank {t.rank!r} differs from init_adapter r={r}; set rank={r}")
+        if r is not None and r != t.rank:
+            self.out.append(f"{w}rank {_brief(t.rank)} differs from init_adapter r={r}; set rank={r}")
         if alpha != t.alpha:
             self.out.append(
-                f"{w}alpha {t.alpha!r} differs from init_adapter lora_alpha={alpha}; set alpha={alpha}"
+                f"{w}alpha {_brief(t.alpha)} differs from init_adapter lora_alpha={_brief(alpha)}; "
+                f"set alpha={_brief(alpha)}"
             )
         if rslora != t.use_rslora:
             self.out.append(
-                f"{w}use_rslora {t.use_rslora!r} differs from init_adapter use_rslora={rslora}; "
+                f"{w}use_rslora {_brief(t.use_rslora)} differs from init_adapter use_rslora={rslora}; "
                 f"set use_rslora={json.dumps(rslora)}"
             )
         self._compare_targets(w, "target_modules", cfg.get("target_modules"), t.target_modules)
@@ -855,10 +1372,119 @@ class _Validator:
         }
         for key, present in unsupported.items():
             if present:
-                self.out.append(f"{w}init_adapter uses {key}={cfg.get(key)!r}, which is not supported")
+                self.out.append(f"{w}init_adapter uses {key}={_brief(cfg.get(key))}, which is not supported")
+        if os.path.isfile(weights):
+            self._check_adapter_weights(w, weights, cfg, r)
+
+    def _check_adapter_weights(self, w: str, path: str, cfg: dict, r: int | None) -> None:
+        """Compare the adapter's tensor shapes (from the safetensors header) with the base model:
+
+            linear layer W [out, in]:           lora_A [r, in],   lora_B [out, r]
+            packed experts W [E, out, in]:      lora_A [E*r, in], lora_B [out, E*r]  (PEFT's flattening)
+
+        An adapter trained on another base (other widths, more layers) fails here, not in the job.
+        """
+        shapes, why = _safetensors_shapes(path)
+        if why:
+            self.out.append(
+                f"{w}init_adapter weights {_show_path(path)} are not readable: {why}; save the adapter again"
+            )
+            return
+        m = self.model
+        if m is None:
+            return
+        linear = {n: (inn, out) for n, inn, out in m.linear_shapes}
+        experts = {n: (E, out, inn) for n, E, out, inn in m.expert_shapes}
+        targets = cfg.get("target_parameters")
+        targets = [x for x in targets if isinstance(x, str)] if isinstance(targets, list) else []
+        pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+        not_lora: list[str] = []
+        for key, shape in shapes.items():
+            name = key.removeprefix("base_model.model.")
+            for part in ("lora_A", "lora_B"):
+                # Saved adapters drop the adapter name; raw state dicts keep it (".lora_A.default.weight").
+                if f".{part}." in name and name.endswith(".weight"):
+                    pairs.setdefault(name[: name.index(f".{part}.")], {})[part] = shape
+                    break
+            else:
+                not_lora.append(key)
+        if not_lora:
+            self.out.append(
+                f"{w}init_adapter holds tensors that are not LoRA A/B weights: {_names(not_lora, 5)}"
+            )
+        elif not pairs:
+            self.out.append(f"{w}init_adapter {_show_path(path)} holds no LoRA tensors")
+        unknown: list[str] = []  # modules the base does not have
+        wrong: list[str] = []  # shapes that do not fit the base
+        broken: list[str] = []  # shapes that fit no base: a damaged adapter
+        ranks: set[int] = set()
+        for module in sorted(pairs):
+            parts = pairs[module]
+            if set(parts) != {"lora_A", "lora_B"}:
+                broken.append(f"{module} has {'lora_A' if 'lora_A' in parts else 'lora_B'} without its pair")
+                continue
+            A, B = parts["lora_A"], parts["lora_B"]
+            if len(A) != 2 or len(B) != 2:
+                broken.append(f"{module}.lora_A is {list(A)} and lora_B is {list(B)}, not 2-D")
+                continue
+            if module in linear:
+                inn, out, experts_n, label = *linear[module], 1, module.rsplit(".", 1)[-1]
+            else:
+                param = self._expert_param(module, targets)
+                if param is None:
+                    unknown.append(module)
+                    continue
+                experts_n, out, inn = experts[param]
+                label = ".".join(param.split(".")[-2:])
+            if A[1] != inn:
+                wrong.append(f"{module}.lora_A is {list(A)} but {label} takes {inn} inputs")
+            if B[0] != out:
+                wrong.append(f"{module}.lora_B is {list(B)} but {label} gives {out} outputs")
+            if A[0] != B[1]:
+                broken.append(f"{module}.lora_A is {list(A)} but lora_B is {list(B)}: their ranks differ")
+            elif experts_n > 1 and (A[0] % experts_n or (r is not None and A[0] != experts_n * r)):
+                rank = f"{experts_n}*{r} = {experts_n * r}" if r is not None else f"{experts_n}*r"
+                wrong.append(
+                    f"{module}.lora_A is {list(A)} but {label} has {experts_n} experts (lora_A [{rank}, {inn}])"
+                )
+            elif experts_n == 1:
+                ranks.add(A[0])
+        if unknown:
+            self.out.append(
+                f"{w}init_adapter was made for another base model: it has weights for modules this base "
+                f"model does not have: {_names(unknown, 5)}"
+            )
+        if wrong:
+            self.out.append(f"{w}init_adapter was made for another base model: {wrong[0]}{_more(wrong)}")
+        if r is not None and ranks - {r}:
+            broken.append(f"its weights have rank {_names(sorted(ranks))} but adapter_config.json says r={r}")
+        if broken:
+            self.out.append(
+                f"{w}init_adapter {_show_path(path)} is inconsistent: {broken[0]}{_more(broken)}; save it again"
+            )
+
+    def _expert_param(self, module: str, targets: list[str]) -> str | None:
+        """The 3-D parameter an expert LoRA key belongs to. PEFT nests one wrapper per targeted
+        parameter of a module, the first-defined innermost: ``<module>(.base_layer)*d`` holds the
+        parameter ``n - 1 - d`` of the ``n`` it targets there."""
+        assert self.model is not None
+        depth = 0
+        while module.endswith(".base_layer"):
+            module, depth = module[: -len(".base_layer")], depth + 1
+        params = [n for n in self.model.experts if n.rpartition(".")[0] == module]
+        targeted = [n for n in params if any(_matches(n, t) for t in targets)]
+        return targeted[len(targeted) - 1 - depth] if depth < len(targeted) else None
 
     def _compare_targets(self, w: str, key: str, theirs: Any, ours: Any) -> None:
-        theirs_list = [theirs] if isinstance(theirs, str) else list(theirs or [])
+        if theirs is None:
+            theirs_list: list[str] = []
+        elif isinstance(theirs, str):
+            theirs_list = [theirs]
+        elif isinstance(theirs, list | tuple) and all(isinstance(x, str) for x in theirs):
+            theirs_list = list(theirs)
+        else:
+            self.out.append(f"{w}init_adapter {key} must be a list of names ({_got(theirs)})")
+            return
         if not _valid_targets(ours) or set(theirs_list) == set(ours):
             return
         # Different spellings may select the same layers (PEFT saves "all-linear" expanded).
@@ -868,8 +1494,8 @@ class _Validator:
             if selected and selected == _select_linear(m, ours):
                 return
         self.out.append(
-            f"{w}{key} {sorted(ours)} differs from init_adapter {key}={sorted(theirs_list)}; "
-            f"set {key}={json.dumps(sorted(theirs_list))}"
+            f"{w}{key} {_brief(sorted(ours))} differs from init_adapter {key}={_brief(sorted(theirs_list), 200)}; "
+            f"set {key}={_brief(json.dumps(sorted(theirs_list)), 200)}"
         )
 
 
@@ -878,8 +1504,24 @@ class _Validator:
 # ---------------------------------------------------------------------------------------------
 
 
+def _too_deep(value: Any, limit: int = _MAX_DEPTH) -> bool:
+    """Whether containers nest more than ``limit`` levels (iteratively: no RecursionError here, and
+    none later in ``copy.deepcopy`` or ``repr``). A container met twice is walked once."""
+    stack, seen = [(value, 1)], set()
+    while stack:
+        x, depth = stack.pop()
+        if not isinstance(x, dict | list | tuple) or id(x) in seen:
+            continue
+        if depth > limit:
+            return True
+        seen.add(id(x))
+        stack.extend((c, depth + 1) for c in (x.values() if isinstance(x, dict) else x))
+    return False
+
+
 def _kwargs_for(cls: type, d: Any, where: str) -> tuple[dict[str, Any], list[str]]:
-    """Split ``d`` into constructor kwargs for dataclass ``cls``; problems for unknown/missing keys."""
+    """Split ``d`` into constructor kwargs for dataclass ``cls``; problems for unknown/missing keys
+    and for values nested too deeply to be copied."""
     if isinstance(d, cls):
         return {f.name: getattr(d, f.name) for f in dataclasses.fields(cls)}, []
     if not isinstance(d, dict):
@@ -889,10 +1531,16 @@ def _kwargs_for(cls: type, d: Any, where: str) -> tuple[dict[str, Any], list[str
     unknown = [k for k in d if k not in fields]
     if unknown:
         hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), list(fields), n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        problems.append(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}")
+        for k in unknown[:10]:
+            # difflib on a 10-MB key would take seconds: only names of a sane length get a hint
+            close = (
+                difflib.get_close_matches(k, list(fields), n=1)
+                if isinstance(k, str) and len(k) <= 100
+                else []
+            )
+            hints.append(_brief(k) + (f" (did you mean {close[0]!r}?)" if close else ""))
+        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+        problems.append(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}{more}")
     missing = [
         name
         for name, f in fields.items()
@@ -902,7 +1550,10 @@ def _kwargs_for(cls: type, d: Any, where: str) -> tuple[dict[str, Any], list[str
         problems.append(
             f"{where}: missing required field{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
         )
-    return {k: v for k, v in d.items() if k in fields}, problems
+    # tenants[i] and parallel are checked level by level by the caller; every other value is a leaf
+    deep = [k for k, v in d.items() if k in fields and k not in ("tenants", "parallel") and _too_deep(v)]
+    problems += [f"{where}: {k} is nested more than {_MAX_DEPTH} levels deep" for k in deep]
+    return {k: v for k, v in d.items() if k in fields and k not in deep}, problems
 
 
 def _resolve(path: Any, base: str) -> Any:
@@ -910,20 +1561,3 @@ def _resolve(path: Any, base: str) -> Any:
         return path
     expanded = os.path.expanduser(path)
     return expanded if os.path.isabs(expanded) else os.path.normpath(os.path.join(base, expanded))
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    """Write to a temporary file in the same directory, fsync, then ``os.replace`` onto ``path``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; job.json is meant to be read by others
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise

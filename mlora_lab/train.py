@@ -2,8 +2,8 @@
 
 Run by torchrun (``mlora-lab run job.json`` does this for you)::
 
-    torchrun --standalone --nproc-per-node 2 -m mlora_lab.train runs/<id>            # reads runs/<id>/job.json
-    torchrun --standalone --nproc-per-node 1 -m mlora_lab.train runs/<id> --resume   # continue from its checkpoint
+    torchrun --nproc-per-node 2 --rdzv-backend mlora-loopback -m mlora_lab.train runs/<id>   # reads runs/<id>/job.json
+    torchrun --nproc-per-node 1 --rdzv-backend mlora-loopback -m mlora_lab.train runs/<id> --resume
 
 or in-process, for tests and notebooks::
 
@@ -24,18 +24,27 @@ The story of one global step (:meth:`Trainer.step`):
 4. a tenant whose window is complete takes one AdamW step (own schedule, own clipping by its own
    global gradient norm), and its step counter and data cursor move; the others keep accumulating.
    Nothing moves for a tenant that did not train.
+
+Faults stay with the tenant or request that caused them: a tenant whose loss or gradient is NaN/inf,
+or whose own part of a step raises, is quarantined (state ``failed``, with the reason) while the
+others go on exactly as without it; a control message that cannot be applied is refused with its
+reason (:mod:`mlora_lab.control_handler`). Saving and restoring is :mod:`mlora_lab.checkpointer`'s.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import dataclasses
+import io
 import os
 import resource
-import shutil
 import signal
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,10 +53,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from mlora_lab import control
-from mlora_lab.data import IGNORE_INDEX, DataError, Example, TenantStream, collate, load_examples
+from mlora_lab.checkpointer import Checkpointer
+from mlora_lab.control_handler import Change, ControlHandler, describe
+from mlora_lab.data import IGNORE_INDEX, Batch, Example, TenantStream, check_vocab, collate, load_examples
 from mlora_lab.lora import MultiLoRAModel
-from mlora_lab.lora.peft_io import AdapterError
 from mlora_lab.optim import TenantOptimizer, build_optimizer
 from mlora_lab.parallel import (
     Collectives,
@@ -58,17 +67,36 @@ from mlora_lab.parallel import (
     shutdown_distributed,
 )
 from mlora_lab.rundir import (
+    ControlMessage,
+    EvalRow,
+    EventKind,
+    EventRow,
     MetricsWriter,
+    Op,
+    ProcessIdentity,
+    Row,
+    RowKind,
     RunDir,
-    atomic_write_json,
-    atomic_write_text,
+    RunDirError,
+    RunLock,
+    RunState,
+    SystemRow,
+    TenantRow,
+    TenantState,
+    TrainRow,
+    checkpoint,
+    control,
     read_status,
+    rows,
     update_status,
 )
 from mlora_lab.spec import JobSpec, SpecError, Tenant, effective_slot_modules, tenant_problems
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CHECKPOINTS_KEPT = 2
+
+
+class SaveError(RuntimeError):
+    """The job's final adapters or checkpoint could not be written (e.g. the disk is full)."""
 
 
 @dataclass
@@ -79,7 +107,7 @@ class TenantRun:
     stream: TenantStream
     optimizer: TenantOptimizer
     eval_examples: list[Example] = field(default_factory=list)
-    state: str = "pending"
+    state: TenantState = TenantState.PENDING
     step: int = 0  # optimiser steps taken
     micro: int = 0  # micro-batches done in the current accumulation window
     window: list[list[Example]] = field(default_factory=list)
@@ -103,13 +131,17 @@ class Trainer:
         dist: DistInfo | None = None,
         resume: bool = False,
     ) -> None:
-        self.spec = spec
+        # The job's own copy: tenants added while it runs (and its slot modules) are recorded in it,
+        # never in the caller's spec.
+        self.spec = spec = copy.deepcopy(spec)
         self.dist = dist or DistInfo()
         self.device = self.dist.device
         self.run = RunDir(run_dir).create() if run_dir is not None else None
         self.history: list[dict] = []  # every metrics row, also kept in memory
         self.global_step = 0
         self.stop_requested = False
+        self.metrics: MetricsWriter | None = None
+        self._write_errors: set[str] = set()
         torch.manual_seed(spec.seed)
 
         # Parallel layout: one place decides it; the model below stays plain until parallelize().
@@ -125,6 +157,7 @@ class Trainer:
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         base = transformers.AutoModelForCausalLM.from_pretrained(spec.base_model, dtype=DTYPES[spec.dtype])
         base.to(self.device)
+        self.vocab_rows = base.get_input_embeddings().weight.shape[0]  # before any sharding
         # Slots are fixed for the life of the job: record them, so tenants added later are checked
         # against the layers that really have slots.
         spec.slot_modules = slot_modules = effective_slot_modules(spec)
@@ -137,36 +170,57 @@ class Trainer:
         )  # fmt: skip
         parallelize(self.model, self.dims, mesh, self.device.type)
 
-        checkpoint = self._latest_checkpoint() if resume else None
-        if resume and checkpoint is None:
-            raise FileNotFoundError(
-                f"--resume: no complete checkpoint in {self.run.checkpoints if self.run else None}"
-            )
-        if self.run is not None and self.dist.is_main and checkpoint is not None:
-            self._truncate_metrics(int(checkpoint.name.split("_")[-1]))
-        self.metrics = MetricsWriter(self.run.metrics) if self.run and self.dist.is_main else None
         self.tenants: dict[str, TenantRun] = {}
         self.removed: set[str] = set()  # names of tenants removed while the job ran (never reused)
-        saved = (
-            torch.load(checkpoint / "state.pt", map_location="cpu", weights_only=False)
-            if checkpoint
-            else None
+        self.unstarted: dict[str, str] = {}  # job.json tenants that could not be started, with why
+        self.checkpointer = Checkpointer(self)
+        self.control = ControlHandler(
+            self.run, self.comm, self.dist.is_main, prepare=self.prepare_control, on_refused=self._log_refused
         )
+
+        saved = None
+        if resume:
+            path, skipped = self.checkpointer.choose()
+            if path is None:
+                why = "".join(f"\n  {name}: {reason}" for name, reason in skipped)
+                where = self.run.checkpoints if self.run else None
+                raise FileNotFoundError(f"--resume: no intact checkpoint in {where}{why}")
+            saved = self.checkpointer.read(path)
+            if self.run is not None and self.dist.is_main:
+                rows.truncate_after(self.run.metrics, saved["global_step"])
+        if self.run is not None and self.dist.is_main:
+            self.metrics = MetricsWriter(self.run.metrics)
+        if saved is not None:
+            self.global_step = saved["global_step"]
+            for name, reason in skipped:
+                self._event(EventKind.CHECKPOINT_SKIPPED, f"{name} is damaged and was skipped: {reason}")
+
+        in_checkpoint = saved["tenants"] if saved is not None else {}
+        self.removed = set(saved["removed"]) if saved is not None else set()
         for tenant in spec.tenants:
-            if saved is not None and tenant.name in saved.get("removed", []):
-                self.removed.add(tenant.name)
-                continue
-            # a tenant added after the last checkpoint has no state in it: it starts afresh
-            self.add_tenant(tenant, log=saved is None or tenant.name not in saved["tenants"])
-        if checkpoint is not None:
-            self.load_checkpoint(checkpoint, saved)
+            if tenant.name not in self.removed:
+                # a tenant added after the last checkpoint has no state in it: it starts afresh
+                self._start_tenant(tenant, log=tenant.name not in in_checkpoint)
+        for name, s in in_checkpoint.items():  # in the checkpoint, but job.json could not record it
+            if name not in self.tenants and name not in self.unstarted:
+                tenant = Tenant.from_dict(s["spec"])
+                self.spec.tenants.append(tenant)
+                self._start_tenant(tenant, log=False)
+        if saved is not None:
+            self.checkpointer.restore(saved)
+            self._event(EventKind.RESUMED, f"from {path.name} on {self.dist.world_size} process(es)")
+        self.control.start(self.global_step)
 
     # -- tenants -------------------------------------------------------------------------------
     def add_tenant(self, tenant: Tenant, log: bool = True) -> TenantRun:
-        """Fill a free slot with ``tenant`` (from its ``init_adapter`` or PEFT's default init)."""
-        init = None
-        if tenant.init_adapter:
-            _, init = self.model.read_peft_adapter(tenant.init_adapter)
+        """Fill a free slot with ``tenant`` (from its ``init_adapter`` or PEFT's default init).
+        Everything that can fail (reading files, tokenizing) happens before the slot is touched; if
+        anything fails, the slot is freed again and the exception propagates."""
+        init = self.model.read_peft_adapter(tenant.init_adapter)[1] if tenant.init_adapter else None
+        examples = load_examples(tenant.data, self.tokenizer, self.spec.seq_len)
+        evals = load_examples(tenant.eval_data, self.tokenizer, self.spec.seq_len) if tenant.eval_data else []
+        check_vocab(examples, self.vocab_rows, tenant.data)  # no row of it may index past the embedding
+        check_vocab(evals, self.vocab_rows, tenant.eval_data or "")
         self.model.add_tenant(
             tenant.name,
             rank=tenant.rank,
@@ -178,53 +232,84 @@ class Trainer:
             seed=tenant.seed,
             init=init,
         )
-        examples = load_examples(tenant.data, self.tokenizer, self.spec.seq_len)
-        evals = load_examples(tenant.eval_data, self.tokenizer, self.spec.seq_len) if tenant.eval_data else []
-        run = TenantRun(
-            spec=tenant,
-            stream=TenantStream(examples, seed=tenant.seed, shuffle=tenant.shuffle),
-            optimizer=build_optimizer(
+        try:
+            optimizer = build_optimizer(
                 self.model.tenant_slices(tenant.name),
                 tenant,
                 local=self.model.io.local,
                 copies=self.model.io.copies,
-            ),
+            )
+        except Exception:
+            self.model.remove_tenant(tenant.name)
+            raise
+        run = TenantRun(
+            spec=tenant,
+            stream=TenantStream(examples, seed=tenant.seed, shuffle=tenant.shuffle),
+            optimizer=optimizer,
             eval_examples=evals,
-            state="running",
+            state=TenantState.RUNNING,
         )
         self.tenants[tenant.name] = run
         if log:
             self._log_tenant(run)
         return run
 
-    def _set_state(self, run: TenantRun, state: str, reason: str | None = None) -> None:
+    def _drop(self, name: str) -> None:
+        """Forget a tenant that was added but is not kept (its slot is cleared)."""
+        run = self.tenants.pop(name, None)
+        if run is not None:
+            run.optimizer.zero_grad()
+        if name in self.model.tenants:
+            self.model.remove_tenant(name)
+
+    def _start_tenant(self, tenant: Tenant, log: bool) -> None:
+        """Start a job.json tenant; if it cannot start on some process (its data file vanished
+        since launch, say), it is left out on all of them, marked failed with why, and the job goes on."""
+        error = None
+        try:
+            self.add_tenant(tenant, log=False)
+        except Exception as e:
+            error = describe(e)
+        first = next((e for e in self.comm.gather_objects(error) if e), None)
+        if first is None:
+            if log:
+                self._log_tenant(self.tenants[tenant.name])
+            return
+        self._drop(tenant.name)
+        reason = f"could not start: {first}"
+        self.unstarted[tenant.name] = reason
+        print(f"tenant {tenant.name!r} {reason}", flush=True)
+        self._log(
+            TenantRow(step=self.global_step, tenant=tenant.name, state=TenantState.FAILED, reason=reason)
+        )
+
+    def _set_state(self, run: TenantRun, state: TenantState, reason: str | None = None) -> None:
         run.state, run.reason = state, reason
         self._log_tenant(run)
 
     def _log_tenant(self, run: TenantRun) -> None:
         """A ``tenant`` row: state, and the tenant's adapter + optimiser bytes (full and on this rank)."""
-        if run.name not in self.model.tenants:  # removed: its slot and optimiser are gone
-            self._log("tenant", step=self.global_step, tenant=run.name, state=run.state, adapter_bytes=0,
-                      optimizer_bytes=0, local_adapter_bytes=0, local_optimizer_bytes=0, reason=run.reason)  # fmt: skip
-            return
-        adapter = self.model.adapter_bytes(run.name)
-        optimizer_local = run.optimizer.state_bytes()
-        self._log(
-            "tenant",
-            step=self.global_step,
-            tenant=run.name,
-            state=run.state,
-            adapter_bytes=adapter,
-            optimizer_bytes=2 * adapter if run.step else 0,  # AdamW: two moments once it has stepped
-            local_adapter_bytes=sum(self.model.io.local(p.data)[i].nbytes for p, i in run.optimizer.slices),
-            local_optimizer_bytes=optimizer_local,
-            reason=run.reason,
-        )
+        row = TenantRow(step=self.global_step, tenant=run.name, state=run.state, reason=run.reason)
+        if run.name in self.model.tenants:  # else removed: its slot and optimiser are gone
+            adapter = self.model.adapter_bytes(run.name)
+            row.adapter_bytes = adapter
+            row.optimizer_bytes = 2 * adapter if run.step else 0  # AdamW: two moments once it has stepped
+            row.local_adapter_bytes = sum(
+                self.model.io.local(p.data)[i].nbytes for p, i in run.optimizer.slices
+            )
+            row.local_optimizer_bytes = run.optimizer.state_bytes()
+        self._log(row)
+
+    def _name_taken(self, name: str) -> bool:
+        """Names are unique up to case (adapters/<name> must not collide on any filesystem)."""
+        taken = {n.lower() for n in (*self.tenants, *self.removed, *self.unstarted)}
+        return name.lower() in taken
 
     # -- the loop ------------------------------------------------------------------------------
     def train(self, idle_s: float = 0.5) -> None:
-        """Run global steps until every tenant is done (or a stop is requested). In serve mode the
-        job then idles, polling for control messages every ``idle_s`` seconds, until stopped."""
+        """Run global steps until every tenant is done (or a stop is requested). In serve mode, or
+        while some tenant is paused, the job then idles, polling for control messages every
+        ``idle_s`` seconds, until there is work again or it is stopped."""
         self.model.train()
         self._poll_control()
         while not self.stop_requested:
@@ -232,41 +317,36 @@ class Trainer:
                 if self.spec.eval_every and self.global_step % self.spec.eval_every == 0:
                     self.evaluate()
                 if self.spec.save_every and self.global_step % self.spec.save_every == 0:
-                    self.save_checkpoint()
-            elif self.spec.serve:
-                time.sleep(idle_s)  # nothing to train: wait cheaply for new tenants
+                    self.save(final=False)
+            elif self.spec.serve or any(t.state is TenantState.PAUSED for t in self.tenants.values()):
+                time.sleep(idle_s)  # nothing to train now: wait cheaply for new or resumed tenants
             else:
                 break
             self._poll_control()
         if not self.stop_requested and any(t.eval_examples for t in self.tenants.values()):
             self.evaluate()
-        self.save_adapters()
-        if self.spec.save_every or self.stop_requested:
-            self.save_checkpoint()
+        self.save(final=True)
 
     def step(self) -> bool:
         """One global step over every running tenant; False when none is left."""
-        active = [t for t in self.tenants.values() if t.state == "running"]
+        active = [t for t in self.tenants.values() if t.state is TenantState.RUNNING]
         if not active:
             return False
         t0 = time.perf_counter()
+        failed: dict[str, str] = {}  # tenants whose own part of this step raised here, with why
         groups: list[tuple[str | None, list[Example]]] = []
         for t in active:
-            if t.micro == 0:
-                bs, k = t.spec.batch_size, t.spec.grad_accum
-                rows = t.stream.take(bs * k)
-                t.window = [rows[i * bs : (i + 1) * bs] for i in range(k)]
-                t.window_tokens = sum(ex.n_target for ex in rows)
-                t.window_loss = torch.zeros((), device=self.device)
-            groups.append((t.name, self._my_rows(t.window[t.micro])))
-        if not any(rows for _, rows in groups):
-            # This process got no rows: it still runs forward/backward for the collectives.
-            groups = [(None, [Example([self.pad_id, self.pad_id], [IGNORE_INDEX, IGNORE_INDEX])])]
-        batch = collate(groups, self.pad_id).to(self.device)
-
-        self.model.set_segments(batch.segments, batch.num_rows)
-        logits = self.model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        token_loss = causal_lm_token_loss(logits, batch.labels)  # [B, T-1], 0 on ignored tokens
+            try:
+                if t.micro == 0:
+                    bs, k = t.spec.batch_size, t.spec.grad_accum
+                    rows_ = t.stream.take(bs * k)
+                    t.window = [rows_[i * bs : (i + 1) * bs] for i in range(k)]
+                    t.window_tokens = sum(ex.n_target for ex in rows_)
+                    t.window_loss = torch.zeros((), device=self.device)
+                groups.append((t.name, self._my_rows(t.window[t.micro])))
+            except Exception as e:
+                failed[t.name] = describe(e)
+        batch, token_loss = self._forward(groups)
         total = token_loss.sum() * 0.0  # keeps every process's graph connected even without rows
         for name, start, end in batch.segments:
             if name is None:
@@ -278,64 +358,97 @@ class Trainer:
         total.backward()
 
         self.global_step += 1
-        stepping = []
         for t in active:
             t.micro += 1
-            if t.micro == t.spec.grad_accum:
-                stepping.append(t)
-        if stepping:
-            self._optimizer_steps(stepping)
+        self._optimizer_steps(active, failed)
         self._log_system(time.perf_counter() - t0, int(batch.attention_mask.sum()))
         return True
 
-    def _my_rows(self, rows: list[Example]) -> list[Example]:
-        """This data-parallel process's share of a tenant's micro-batch."""
-        return rows[self.comm.dp_rank :: self.comm.dp_size]
+    def _forward(self, groups: Sequence[tuple[str | None, list[Example]]]) -> tuple[Batch, torch.Tensor]:
+        """Collate ``groups`` into one batch, run the base with every row's LoRA, and return the batch
+        and the per-token loss ``[B, T-1]`` (fp32, 0 on ignored tokens). A process with no rows still
+        runs one padding row, so that it takes part in every collective of the forward/backward."""
+        if not any(rows_ for _, rows_ in groups):
+            groups = [(None, [Example([self.pad_id, self.pad_id], [IGNORE_INDEX, IGNORE_INDEX])])]
+        batch = collate(groups, self.pad_id).to(self.device)
+        self.model.set_segments(batch.segments, batch.num_rows)
+        logits = self.model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        return batch, causal_lm_token_loss(logits, batch.labels)
 
-    def _optimizer_steps(self, stepping: list[TenantRun]) -> None:
-        """One optimiser step for each tenant whose window is complete (two small collectives in all:
-        the tenants' squared gradient norms over shards, their losses over data-parallel ranks)."""
+    def _my_rows(self, rows_: list[Example]) -> list[Example]:
+        """This data-parallel process's share of a tenant's micro-batch."""
+        return rows_[self.comm.dp_rank :: self.comm.dp_size]
+
+    def _optimizer_steps(self, active: list[TenantRun], failed: dict[str, str]) -> None:
+        """One optimiser step for each tenant whose window is complete.
+
+        One all-reduce over every process carries, per active tenant, its squared gradient norm (for
+        clipping) and a flag for "its part of the step raised somewhere", so every process quarantines
+        the same tenants; one more sums the window losses over the data-parallel ranks. With several
+        processes, a last tiny all-reduce agrees on optimiser steps that raised."""
+        stepping = [t for t in active if t.micro == t.spec.grad_accum and t.name not in failed]
         for t in stepping:
             t.optimizer.bind()
-        sq = self.comm.sum_over_world(torch.stack([t.optimizer.local_sq_norm() for t in stepping]))
-        losses = self.comm.sum_over_dp(torch.stack([t.window_loss for t in stepping]))
-        for t, t_sq, loss in zip(stepping, sq, losses):
-            if not (torch.isfinite(t_sq) and torch.isfinite(loss)):
+        local = torch.zeros(len(active), 2, dtype=torch.float64)
+        for i, t in enumerate(active):
+            if t in stepping:
+                local[i, 0] = t.optimizer.local_sq_norm()
+            local[i, 1] = float(t.name in failed)
+        agreed = self.comm.sum_over_world(local)
+        for t, (_, flag) in zip(active, agreed):
+            if flag > 0:
+                self._quarantine(t, f"its step raised {failed.get(t.name, 'an error on another process')}")
+        stepping = [t for t, (_, flag) in zip(active, agreed) if flag == 0 and t in stepping]
+        sq = {t.name: agreed[active.index(t), 0] for t in stepping}
+        losses = self.comm.sum_over_dp(torch.stack([t.window_loss for t in stepping])) if stepping else []
+        raised: dict[str, str] = {}
+        done = []
+        for t, loss in zip(stepping, losses):
+            if not (torch.isfinite(sq[t.name]) and torch.isfinite(loss)):
+                what = "loss" if not torch.isfinite(loss) else "gradient norm"
                 self._quarantine(
-                    t, "loss" if not torch.isfinite(loss) else "gradient norm", float(loss), float(t_sq)
+                    t, f"non-finite {what}: loss={float(loss)}, grad_norm={float(sq[t.name]) ** 0.5}"
                 )
                 continue
             lr = t.optimizer.lr
-            grad_norm = t.optimizer.step(grad_norm=t_sq.sqrt(), rebind=False)
+            try:
+                grad_norm = t.optimizer.step(grad_norm=sq[t.name].sqrt(), rebind=False)
+            except Exception as e:
+                raised[t.name] = describe(e)
+                continue
+            done.append((t, float(loss), lr, float(grad_norm)))
+        if self.dims.world_size > 1 and stepping:
+            flags = self.comm.sum_over_world(torch.tensor([float(t.name in raised) for t in stepping]))
+            raised |= {
+                t.name: raised.get(t.name, "an error on another process")
+                for t, f in zip(stepping, flags)
+                if f
+            }
+        for t, loss, lr, grad_norm in done:
+            if t.name in raised:
+                continue
             t.optimizer.zero_grad()
             t.step += 1
             t.micro = 0
             t.tokens_seen += t.window_tokens
             if t.step % self.spec.log_every == 0 or t.step == t.spec.max_steps:
-                self._log(
-                    "train",
-                    step=self.global_step,
-                    tenant=t.name,
-                    tenant_step=t.step,
-                    loss=float(loss),
-                    tokens=t.window_tokens,
-                    lr=lr,
-                    grad_norm=float(grad_norm),
-                )
+                self._log(TrainRow(step=self.global_step, tenant=t.name, tenant_step=t.step, loss=loss,
+                                   tokens=t.window_tokens, lr=lr, grad_norm=grad_norm))  # fmt: skip
             if t.step >= t.spec.max_steps:
-                self.save_adapter(t.name)
-                self._set_state(t, "finished")
+                self._save_adapter_logged(t.name)
+                self._set_state(t, TenantState.FINISHED)
+        for t in stepping:
+            if t.name in raised:
+                self._quarantine(t, f"its optimiser step raised {raised[t.name]}")
 
-    def _quarantine(self, t: TenantRun, what: str, loss: float, sq_norm: float) -> None:
-        """A tenant whose loss or gradients are NaN/inf stops training; nothing of it reached any
-        other tenant (separate slots, separate rows), so the others go on exactly as without it."""
+    def _quarantine(self, t: TenantRun, why: str) -> None:
+        """A tenant whose loss or gradients are NaN/inf, or whose step raised, stops training; nothing
+        of it reached any other tenant (separate slots, separate rows), so the others go on exactly as
+        without it."""
         t.optimizer.zero_grad()
         t.micro = 0
-        reason = (
-            f"non-finite {what} at tenant step {t.step + 1} (global step {self.global_step}): "
-            f"loss={loss}, grad_norm={sq_norm**0.5 if sq_norm >= 0 else sq_norm}"
-        )
-        self._set_state(t, "failed", reason)
+        reason = f"{why} (tenant step {t.step + 1}, global step {self.global_step})"
+        self._set_state(t, TenantState.FAILED, reason)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -351,12 +464,7 @@ class Trainer:
                 t, c = self.tenants[n], cursors[n]
                 groups.append((n, self._my_rows(t.eval_examples[c : c + t.spec.batch_size])))
                 cursors[n] = c + t.spec.batch_size
-            if not any(rows for _, rows in groups):
-                groups = [(None, [Example([self.pad_id, self.pad_id], [IGNORE_INDEX, IGNORE_INDEX])])]
-            batch = collate(groups, self.pad_id).to(self.device)
-            self.model.set_segments(batch.segments, batch.num_rows)
-            logits = self.model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            token_loss = causal_lm_token_loss(logits, batch.labels)
+            batch, token_loss = self._forward(groups)
             n_tokens = (batch.labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
             for n, start, end in batch.segments:
                 if n is not None:
@@ -367,7 +475,7 @@ class Trainer:
         self.model.train(was_training)
         losses = {n: float(sums[i, 0] / max(sums[i, 1], 1)) for i, n in enumerate(names)}
         for n, loss in losses.items():
-            self._log("eval", step=self.global_step, tenant=n, loss=loss)
+            self._log(EvalRow(step=self.global_step, tenant=n, loss=loss))
         return losses
 
     # -- saving ----------------------------------------------------------------------------------
@@ -377,211 +485,153 @@ class Trainer:
         tensors = self.model.tenant_tensors(name)
         if self.run is None or not self.dist.is_main:
             return None
-        return self.model.save_adapter(name, self.run.adapter(name), self.spec.base_model, tensors=tensors)
+        path = self.run.adapter(name)
+        return self.model.save_adapter(name, path, self.spec.base_model, tensors=tensors)
 
     def save_adapters(self) -> None:
         for name in self.tenants:
             self.save_adapter(name)
 
-    def checkpoint_state(self) -> dict:
-        """Everything needed to continue exactly, in full (gathered) form: adapters, optimisers and
-        schedules, counters, data cursors, accumulation windows with their gradients so far, RNG.
-        A collective: every process calls it."""
-        io = self.model.io
-        tenants = {}
-        for name, t in self.tenants.items():
-            partial_grads = None
-            if t.micro:  # mid-window: keep the gradient accumulated so far
-                partial_grads = [
-                    io.gather(p, i, io.local(p.grad)[i]) if p.grad is not None else None
-                    for p, i in t.optimizer.slices
-                ]
-            tenants[name] = {
-                "spec": t.spec.to_dict(),
-                "adapter": self.model.tenant_tensors(name),
-                "optimizer": t.optimizer.state_dict(gather=io.gather),
-                "stream": t.stream.state_dict(),
-                "state": t.state,
-                "reason": t.reason,
-                "step": t.step,
-                "micro": t.micro,
-                "window": [[(ex.input_ids, ex.labels) for ex in rows] for rows in t.window],
-                "window_tokens": t.window_tokens,
-                "window_loss": float(self.comm.sum_over_dp(t.window_loss.reshape(1))[0])
-                if t.window_loss is not None
-                else 0.0,
-                "partial_grads": partial_grads,
-                "tokens_seen": t.tokens_seen,
-            }
-        return {
-            "global_step": self.global_step,
-            "world_size": self.dist.world_size,
-            "removed": sorted(self.removed),
-            "rng": torch.get_rng_state(),
-            "tenants": tenants,
-        }
-
     def save_checkpoint(self) -> Path | None:
-        """Write ``checkpoints/step_<N>`` under a temporary name, then rename: a directory named
-        ``step_*`` is always complete (resume never reads a half-written one)."""
-        state = self.checkpoint_state()
-        if self.run is None or not self.dist.is_main:
-            return None
-        final = self.run.checkpoints / f"step_{self.global_step:08d}"
-        tmp = self.run.checkpoints / f".tmp-step_{self.global_step:08d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        torch.save(state, tmp / "state.pt")
-        atomic_write_json(tmp / "meta.json", {"global_step": self.global_step, "tenants": list(self.tenants)})
-        with open(tmp / "state.pt", "rb") as f:
-            os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in sorted(self.run.checkpoints.glob("step_*"))[:-CHECKPOINTS_KEPT]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+        """Write ``checkpoints/step_<N>`` (see :class:`~mlora_lab.checkpointer.Checkpointer`)."""
+        return self.checkpointer.save()
 
-    def _latest_checkpoint(self) -> Path | None:
-        if self.run is None:
-            return None
-        done = [p for p in sorted(self.run.checkpoints.glob("step_*")) if (p / "meta.json").is_file()]
-        return done[-1] if done else None
+    def _save_adapter_logged(self, name: str) -> None:
+        """Save one tenant's adapter as it finishes; a failure (a full disk) is an event, not the end
+        of the job (the final save tries again)."""
+        try:
+            self.save_adapter(name)
+        except checkpoint.WRITE_ERRORS as e:
+            self._event(EventKind.SAVE_FAILED, f"adapter of {name!r} at step {self.global_step}: {e}")
 
-    def load_checkpoint(self, path: Path, state: dict | None = None) -> None:
-        """Restore the state written by :meth:`save_checkpoint` (any world size)."""
-        if state is None:
-            state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-        io = self.model.io
-        self.global_step = state["global_step"]
-        torch.set_rng_state(state["rng"])
-        for name, s in state["tenants"].items():
-            t = self.tenants.get(name)
-            if t is None:
-                raise ValueError(f"checkpoint {path} holds tenant {name!r}, which job.json does not list")
-            self.model.set_tenant_tensors(name, s["adapter"])
-            t.optimizer.load_state_dict(s["optimizer"], scatter=io.scatter)
-            t.stream.load_state_dict(s["stream"])
-            t.state, t.reason, t.step, t.micro = s["state"], s["reason"], s["step"], s["micro"]
-            t.window = [[Example(list(ids), list(lab)) for ids, lab in rows] for rows in s["window"]]
-            t.window_tokens, t.tokens_seen = s["window_tokens"], s["tokens_seen"]
-            # The saved loss is the sum over all processes: rank 0 carries it, the others restart at 0.
-            t.window_loss = torch.tensor(
-                s["window_loss"] if self.comm.dp_rank == 0 else 0.0, device=self.device
-            )
-            if s["partial_grads"] is not None:
-                for (p, i), g in zip(t.optimizer.slices, s["partial_grads"]):
-                    if g is None:
-                        continue
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    io.local(p.grad)[i].copy_(io.scatter(p, i, g))
-        self._log(
-            "event",
-            step=self.global_step,
-            event="resumed",
-            checkpoint=path.name,
-            world_size=self.dist.world_size,
-        )
+    def save(self, final: bool) -> None:
+        """Save every adapter and, when checkpointing (``save_every``, or a stop), a checkpoint.
 
-    def _truncate_metrics(self, step: int) -> None:
-        """Drop rows logged after the checkpoint we resume from (they will be logged again)."""
-        import json
-
-        path = self.run.metrics
-        if not path.exists():
-            return
-        lines = path.read_text().splitlines()
-        keep = []
-        for line in lines:
+        A periodic save that fails (a full disk, say) is recorded as an ``event`` row and training
+        goes on: every earlier checkpoint is intact, and the shared job keeps its tenants. A final
+        save that fails raises :class:`SaveError` naming what was not saved, so the run ends
+        ``failed`` rather than claiming a result it does not have."""
+        problems = []
+        for name in list(self.tenants):
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a row cut off by a crash
-            if row.get("step", 0) <= step:
-                keep.append(line)
-        atomic_write_text(path, "".join(line + "\n" for line in keep))
+                self.save_adapter(name)
+            except checkpoint.WRITE_ERRORS as e:
+                problems.append(f"adapter of {name!r}: {e}")
+        if self.spec.save_every or self.stop_requested or not final:
+            try:
+                self.save_checkpoint()
+            except checkpoint.WRITE_ERRORS as e:
+                problems.append(f"checkpoint at step {self.global_step}: {e}")
+        if not problems:
+            return
+        message = "; ".join(problems)
+        if final:
+            raise SaveError(f"could not save: {message}")
+        self._event(EventKind.SAVE_FAILED, message)
 
     # -- control and logging ---------------------------------------------------------------------
     def _poll_control(self) -> None:
-        """Apply queued control messages at this step boundary, on every rank at the same step:
-        rank 0 reads them and broadcasts them. A stop (file or SIGTERM on any rank) is agreed too."""
+        """Apply queued control messages at this step boundary, on every rank at the same step, and
+        agree on a stop (the stop file, or SIGTERM/SIGINT on any rank)."""
         if self.run is None:
             return
-        messages: list[tuple[str, dict | str]] = []
-        if self.dist.is_main:
-            messages = [(str(p), m) for p, m in control.pending(self.run.root)]
-        messages = self.comm.broadcast_object(messages)
-        stop = (self.run.control / "stop").exists() or self.stop_requested
+        self.control.poll(self.global_step)
+        stop = control.stop_requested(self.run.root) or self.stop_requested
         if self.dims.world_size > 1:
-            stop = bool(self.comm.sum_over_dp(torch.tensor([float(stop)]))[0] > 0)
+            stop = bool(self.comm.sum_over_world(torch.tensor([float(stop)]))[0] > 0)
         self.stop_requested = stop
-        for path, msg in messages:
-            if isinstance(msg, str):
-                ok, error = False, msg
-            else:
-                try:
-                    self.apply_control(msg)
-                    ok, error = True, None
-                except (ValueError, KeyError, RuntimeError, OSError, SpecError, DataError, AdapterError) as e:
-                    ok, error = False, f"{msg.get('op')}: {e}"
-            if self.dist.is_main:
-                msg_id = msg.get("id") if isinstance(msg, dict) else None
-                control.finish(self.run.root, Path(path), msg_id, ok, error, self.global_step)
-                if error:
-                    print(f"control message rejected: {error}", flush=True)
 
-    def apply_control(self, msg: dict) -> None:
-        """``add`` / ``remove`` / ``pause`` / ``resume`` one tenant; raises (changing nothing) if not possible."""
-        op = msg["op"]
-        if op == "add":
-            tenant = Tenant.from_dict(msg["tenant"])
-            if tenant.name in self.tenants or tenant.name in self.removed:
-                raise ValueError(f"a tenant named {tenant.name!r} already exists in this run")
-            problems = [p for p in tenant_problems(self.spec, tenant) if p]
-            if problems:
-                raise SpecError(problems)
-            self._log("tenant", step=self.global_step, tenant=tenant.name, state="pending", adapter_bytes=0,
-                      optimizer_bytes=0, local_adapter_bytes=0, local_optimizer_bytes=0, reason=None)  # fmt: skip
-            try:
-                self.add_tenant(tenant)
-            except Exception:
-                self.tenants.pop(tenant.name, None)
-                if tenant.name in self.model.tenants:
-                    self.model.remove_tenant(tenant.name)
-                raise
-            self.spec.tenants.append(tenant)
-            if self.dist.is_main:  # job.json lists every tenant the run has had (for resume and attach)
-                self.spec.to_json(self.run.job)
-            return
-        name = msg.get("name")
+    def apply_control(self, msg: dict | ControlMessage) -> None:
+        """Apply one control message right now, in this process (prepare + commit); raises, changing
+        nothing, if it cannot be applied. The job itself goes through :class:`ControlHandler`."""
+        if isinstance(msg, dict):
+            msg_id = control.new_message_id()
+            msg = ControlMessage.parse({**msg, "id": msg_id}, msg_id)
+        self.prepare_control(msg).commit()
+
+    def prepare_control(self, msg: ControlMessage) -> Change:
+        """First phase of a control message (see :mod:`mlora_lab.control_handler`): check and do
+        everything that can fail; raise, changing nothing, if it cannot be done."""
+        if msg.op is Op.ADD:
+            return self._prepare_add(msg.tenant)
+        name = msg.name
         t = self.tenants.get(name)
         if t is None:
-            known = sorted(self.tenants)
-            detail = " (it was removed)" if name in self.removed else f"; tenants: {known}"
-            raise KeyError(f"no tenant {name!r} in this run{detail}")
-        if op == "remove":
-            self.save_adapter(name)  # its final adapter, before the slot is cleared
-            t.optimizer.zero_grad()
-            self.model.remove_tenant(name)
-            del self.tenants[name]
-            self.removed.add(name)
-            t.state, t.reason = "removed", None
-            self._log_tenant(t)
-        elif op == "pause":
-            if t.state != "running":
-                raise ValueError(f"tenant {name!r} is {t.state}, not running")
-            self._set_state(t, "paused")
-        elif op == "resume":
-            if t.state != "paused":
-                raise ValueError(f"tenant {name!r} is {t.state}, not paused")
-            self._set_state(t, "running")
+            if name in self.removed:
+                raise KeyError(f"no tenant {name!r} in this run (it was removed)")
+            if name in self.unstarted:
+                raise KeyError(f"tenant {name!r} could not be started ({self.unstarted[name]})")
+            raise KeyError(f"no tenant {name!r} in this run; tenants: {sorted(self.tenants)}")
+        if msg.op is Op.REMOVE:
+            self.save_adapter(name)  # its final adapter, before the slot is cleared (a collective)
+            return Change(commit=lambda: self._remove(t))
+        wanted = {
+            Op.PAUSE: (TenantState.RUNNING, TenantState.PAUSED),
+            Op.RESUME: (TenantState.PAUSED, TenantState.RUNNING),
+        }
+        before, after = wanted[msg.op]
+        if t.state is not before:
+            raise ValueError(f"tenant {name!r} is {t.state.value}, not {before.value}")
+        return Change(commit=lambda: self._set_state(t, after))
 
-    def _log(self, kind: str, **row) -> None:
-        row = {"kind": kind, **row, "time": time.time()}
-        self.history.append(row)
-        if self.metrics is not None:
-            self.metrics.write(**row)
+    def _remove(self, t: TenantRun) -> None:
+        t.optimizer.zero_grad()
+        self.model.remove_tenant(t.name)
+        del self.tenants[t.name]
+        self.removed.add(t.name)
+        self._set_state(t, TenantState.REMOVED)
+
+    def _prepare_add(self, d: dict) -> Change:
+        """Validate and add a tenant sent by ``add``. Relative paths in it are relative to the run
+        directory, as in job.json (the Run API sends absolute paths), so they resolve the same way
+        on resume."""
+        tenant = Tenant.from_dict(d)
+        if self.run is not None:
+            tenant = dataclasses.replace(self.spec, tenants=[tenant]).resolved(self.run.root).tenants[0]
+        problems = tenant_problems(self.spec, tenant)
+        if problems:
+            raise SpecError(problems)
+        if self._name_taken(tenant.name):
+            raise ValueError(
+                f"a tenant named {tenant.name!r} (or the same name in other case) already exists in this run"
+            )
+        if len(self.model.tenants) >= self.spec.max_tenants:
+            raise ValueError(f"no free slot: all max_tenants={self.spec.max_tenants} slots are taken")
+        self._log(TenantRow(step=self.global_step, tenant=tenant.name, state=TenantState.PENDING))
+        run = self.add_tenant(tenant, log=False)
+
+        def commit() -> None:
+            self.spec.tenants.append(tenant)
+            if self.run is not None and self.dist.is_main:  # job.json lists every tenant the run has had
+                try:
+                    self.spec.to_json(self.run.job)
+                except OSError as e:  # the tenant is in the next checkpoint anyway; resume restores it
+                    print(f"job.json not updated for tenant {tenant.name!r}: {e}", flush=True)
+            self._log_tenant(run)
+
+        return Change(commit=commit, undo=lambda: self._drop(tenant.name))
+
+    def _log_refused(self, msg: ControlMessage, error: str) -> None:
+        """A refused ``add`` gets a tenant row in state ``refused`` (never left at ``pending``),
+        unless its name belongs to a tenant of this run (whose state must not change)."""
+        name = msg.subject
+        if msg.op is Op.ADD and name is not None and not self._name_taken(name):
+            self._log(TenantRow(step=self.global_step, tenant=name, state=TenantState.REFUSED, reason=error))
+
+    def _log(self, row: Row) -> None:
+        self.history.append(row.to_dict())
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.write(row)
+        except OSError as e:  # e.g. a full disk: training goes on; say so once per kind of error
+            if str(e) not in self._write_errors:
+                self._write_errors.add(str(e))
+                print(f"metrics.jsonl: cannot write ({e}); rows are kept in memory", flush=True)
+
+    def _event(self, event: EventKind, message: str) -> None:
+        print(f"[{event.value}] {message}", flush=True)
+        self._log(EventRow(step=self.global_step, event=event, message=message))
 
     def _log_system(self, step_time: float, tokens: int) -> None:
         if self.global_step % self.spec.log_every:
@@ -590,19 +640,12 @@ class Trainer:
         per_rank = self.comm.gather_objects((mem, peak, step_time, tokens))
         total_tokens = sum(r[3] for r in per_rank)
         for rank, (mem, peak, step_time, _) in enumerate(per_rank):
-            self._log(
-                "system",
-                step=self.global_step,
-                rank=rank,
-                mem_bytes=mem,
-                peak_mem_bytes=peak,
-                step_time=step_time,
-                tokens_per_s=total_tokens / step_time if step_time > 0 else 0.0,
-            )
+            self._log(SystemRow(step=self.global_step, rank=rank, mem_bytes=mem, peak_mem_bytes=peak,
+                                step_time=step_time, tokens_per_s=total_tokens / step_time if step_time > 0 else 0.0))  # fmt: skip
 
     def losses(self, tenant: str) -> list[float]:
         """Per-step training losses of ``tenant`` (from the in-memory history)."""
-        return [r["loss"] for r in self.history if r["kind"] == "train" and r["tenant"] == tenant]
+        return [r["loss"] for r in self.history if r["kind"] == RowKind.TRAIN and r["tenant"] == tenant]
 
     def close(self) -> None:
         if self.metrics is not None:
@@ -631,63 +674,115 @@ def memory_bytes(device: torch.device) -> tuple[int, int]:
     return rss, max(peak, rss)
 
 
+class _LogStream(io.TextIOBase):
+    """A job's stdout/stderr: a line that cannot be written (the disk is full) is dropped, never
+    raised, so a full disk does not turn the next ``print`` into the end of a shared job."""
+
+    def __init__(self, fd: int) -> None:
+        self._f = os.fdopen(fd, "w", buffering=1, errors="backslashreplace")
+
+    def write(self, s: str) -> int:
+        with contextlib.suppress(OSError):
+            self._f.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+
 def _redirect_output(path: Path) -> None:
-    """Send this process's stdout and stderr (Python and C level) to ``path``."""
+    """Send this process's stdout and stderr (Python and C level) to ``path`` (never through a
+    symlink planted there)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.stdout = os.fdopen(1, "w", buffering=1)
-    sys.stderr = os.fdopen(2, "w", buffering=1)
+    sys.stdout = _LogStream(1)
+    sys.stderr = _LogStream(2)
+
+
+def _job_process() -> ProcessIdentity | None:
+    """The process that stands for the whole job on this node: the torchrun agent (this worker's
+    parent) under torchrun, else this process."""
+    return ProcessIdentity.of(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid())
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for torchrun: ``python -m mlora_lab.train RUN_DIR [--resume]``."""
     parser = argparse.ArgumentParser(description="mlora_lab training job (started by torchrun)")
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint")
     args = parser.parse_args(argv)
     run = RunDir(args.run_dir)
     rank = int(os.environ.get("RANK", 0))
     _redirect_output(run.log(rank))
-    trainer = None
+    trainer: Trainer | None = None
+    signalled = False
 
-    def on_sigterm(signum, frame):  # graceful stop: finish the step, checkpoint, save, exit
+    def on_signal(signum, frame):  # graceful stop: finish the step, checkpoint, save, exit
+        nonlocal signalled
+        signalled = True
         if trainer is not None:
             trainer.stop_requested = True
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # Ctrl-C in a terminal reaches every rank: as graceful
+    lock = RunLock(run)
+    if rank == 0:
+        # One job per run directory: a launch hands the lock over within seconds; a second job on
+        # the same directory never gets it, and leaves that directory's status alone.
+        try:
+            lock.acquire(timeout=60)
+        except (RunDirError, OSError) as e:
+            print(f"not starting: {e}", flush=True)
+            return 1
     dist = None
     try:
         dist = init_distributed()
         spec = JobSpec.load(run.job)
+        problems = spec.problems(files=False)  # job.json may have been edited since the launch
+        if problems:
+            raise SpecError(problems)
         if dist.is_main:
-            # Jobs started by launchers/ (not launch()) have no pid yet: record this node's torchrun agent.
-            pid = read_status(run.root).get("pid") or os.getppid()
-            update_status(run.root, state="running", pid=pid, error=None, ended=None)
+            me = _job_process()
+            update_status(run.root, state=RunState.RUNNING, pid=me.pid if me else None,
+                          pid_start_time=me.start_time if me else None, host=me.host if me else None,
+                          error=None, ended=None)  # fmt: skip
         trainer = Trainer(spec, run.root, dist, resume=args.resume)
+        trainer.stop_requested |= signalled
         trainer.train()
         trainer.close()
         if dist.is_main:
-            state = "stopped" if trainer.stop_requested else "finished"
+            state = RunState.STOPPED if trainer.stop_requested else RunState.FINISHED
             update_status(run.root, state=state, ended=time.time())
         print(f"[rank {dist.rank}] done after {trainer.global_step} steps", flush=True)
         return 0
     except BaseException as exc:
         traceback.print_exc()
-        if read_status(run.root).get("state") != "failed":  # keep the first rank's error
-            update_status(
-                run.root,
-                state="failed",
-                ended=time.time(),
-                error=f"rank {rank}: {type(exc).__name__}: {exc}",
-            )
+        try:
+            current = read_status(run.root)
+        except RunDirError:
+            current = None
+        if current is None or current.state is not RunState.FAILED:  # keep the first rank's error
+            try:
+                update_status(run.root, state=RunState.FAILED, ended=time.time(),
+                              error=f"rank {rank}: {type(exc).__name__}: {exc}")  # fmt: skip
+            except OSError as e:  # a full disk: status.json keeps its last (intact) content and the
+                print(f"status.json not updated: {e}", flush=True)  # notebook side sees the job gone
         return 1
     finally:
         shutdown_distributed()
+        lock.release()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 
+from mlora_lab.rundir import RunState
 from mlora_lab.spec import (
     ALL_LINEAR,
     DTYPES,
@@ -117,7 +118,8 @@ class _CachedValidator(_Validator):
         prefix = f"tenant {t.name!r}: "
         has_template = bool(getattr(self.tok, "chat_template", None))
         try:
-            key = (_file_key(t.data), _file_key(t.eval_data), self.tok is not None, has_template)
+            # seq_len and the tokenizer decide whether rows keep target tokens after truncation
+            key = (_file_key(t.data), _file_key(t.eval_data), id(self.tok), has_template, self.spec.seq_len)
             hit = self.cache.data.get(key)
         except TypeError:  # unhashable field values: no caching, just check
             super()._check_data(t)
@@ -774,15 +776,16 @@ class JobBuilder:
             "<pre style='max-height:320px;overflow:auto;margin:0'>" + html.escape(spec.to_json()) + "</pre>"
         )
         state = self.run.status if self.run is not None else None
-        self.launch_button.disabled = bool(self._problems) or state in ("starting", "running")
+        self.launch_button.disabled = bool(self._problems) or (state is not None and not state.final)
         self.status.value = self._status_html(state)
 
     def _status_html(self, state: str | None) -> str:
         if self.run is None:
             return ""
-        color = {"finished": "#1a7f37", "failed": "#b42318", "stopped": "#9a6700"}.get(state or "", "#0550ae")
+        color = {RunState.FINISHED: "#1a7f37", RunState.FAILED: "#b42318", RunState.LOST: "#b42318",
+                 RunState.STOPPED: "#9a6700"}.get(state, "#0550ae")  # fmt: skip
         text = f"run <code>{html.escape(str(self.run.path))}</code>: <b style='color:{color}'>{state}</b>"
-        error = self.run.error if state == "failed" else None
+        error = self.run.error if state in (RunState.FAILED, RunState.LOST) else None
         if error:
             text += f"<br><span style='color:#b42318'>{html.escape(error)}</span>"
         return text + "<br><i>builder.run.dashboard() follows it live</i>"

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import random
+import re
+import time
+import tracemalloc
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+import mlora_lab.data
 from mlora_lab.data import (
     IGNORE_INDEX,
     Batch,
@@ -20,6 +26,7 @@ from mlora_lab.data import (
     load_examples,
     read_jsonl,
     scan_jsonl,
+    target_problem,
     tokenize_example,
     tokenize_rows,
 )
@@ -71,6 +78,20 @@ GOOD = {"text": "hello world"}
             {"messages": [{"role": "user", "content": "q"}]},
             "messages has no assistant turn (nothing to learn)",
         ),
+        # JSON "\ud800" parses into a str with no UTF-8 form: tokenizers raise on it
+        ({"text": "a\ud800b"}, "'text' contains a lone surrogate (\\ud800), which is not valid text"),
+        ({"prompt": "\udfff", "completion": "c"}, "'prompt' contains a lone surrogate (\\udfff)"),
+        ({"prompt": "p", "completion": "x\ud83d"}, "'completion' contains a lone surrogate (\\ud83d)"),
+        (
+            {"messages": [{"role": "user", "content": "\udc80"}, {"role": "assistant", "content": "a"}]},
+            "'messages[0].content' contains a lone surrogate (\\udc80), which is not valid text",
+        ),
+        (
+            {"messages": [{"role": "us\ud800er", "content": "q"}, {"role": "assistant", "content": "a"}]},
+            "'messages[0].role' contains a lone surrogate (\\ud800)",
+        ),
+        ('{"text": ' + "1" * 5000 + "}", "not valid JSON (Exceeds the limit (4300 digits)"),
+        ("[" * 100_000 + "]" * 100_000, "not valid JSON (nested too deeply)"),
     ],
 )
 def test_scan_reports_bad_row_with_line_number(tmp_path, bad_line, message):
@@ -86,6 +107,16 @@ def test_scan_reports_bad_row_with_line_number(tmp_path, bad_line, message):
         read_jsonl(path)
     assert err.value.problems == report.problems
     assert "line 3" in str(err.value)
+    if isinstance(bad_line, dict) and "must" not in message and "JSON" not in message:
+        with pytest.raises(DataError, match=re.escape(message)):  # never a tokenizer's exception
+            tokenize_example(bad_line, build_tokenizer(), seq_len=32)
+
+
+def test_a_surrogate_pair_is_one_character_and_fine(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "smile \\ud83d\\ude00"}\n')  # JSON escapes of one emoji
+    assert scan_jsonl(path).problems == []
+    assert read_jsonl(path) == [{"text": "smile \U0001f600"}]
 
 
 def test_scan_missing_and_empty_files(tmp_path):
@@ -97,6 +128,38 @@ def test_scan_missing_and_empty_files(tmp_path):
     assert report.n_rows == 0
     assert report.problems == [f"{empty}: empty file (no rows)"]
     assert scan_jsonl(tmp_path).problems == [f"{tmp_path}: not a regular file"]
+
+
+def test_scan_refuses_what_is_not_a_regular_file_or_a_path(tmp_path):
+    os.mkfifo(tmp_path / "fifo.jsonl")  # opening it would block: it is never opened
+    assert scan_jsonl(tmp_path / "fifo.jsonl").problems == [f"{tmp_path / 'fifo.jsonl'}: not a regular file"]
+    assert scan_jsonl("/dev/zero").problems == ["/dev/zero: not a regular file"]
+    assert scan_jsonl("a\0b.jsonl").problems == [
+        "'a\\x00b.jsonl': the path contains a NUL byte, which no file name can hold"
+    ]
+    assert scan_jsonl("a\ud800.jsonl").problems == [
+        "'a\\ud800.jsonl': the path contains a lone surrogate (\\ud800), which is not valid text"
+    ]
+    (problem,) = scan_jsonl("d" * 10_000_000).problems
+    assert problem.startswith("'dddd") and len(problem) < 200  # the name is shortened, not repeated
+    assert problem.endswith(
+        "... (10,000,000 characters): the path is 10,000,000 characters long (at most 4096)"
+    )
+    assert scan_jsonl(3).problems == ["3: not a file path (int)"]  # type: ignore[arg-type]
+    assert target_problem("/dev/zero", build_tokenizer(), 8) == "/dev/zero: not a regular file"
+
+
+def test_scan_reads_line_by_line(tmp_path, monkeypatch):
+    """A 1.5 MB file is scanned with ~no memory: it is never read whole (nor split into a list)."""
+    path = tmp_path / "big.jsonl"
+    path.write_text('{"text": "one two three four five six seven eight"}\n' * 30_000)
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail("read the whole file"))
+    tracemalloc.start()
+    report = scan_jsonl(path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert report == JsonlReport(n_rows=30_000, kinds={"text"}, problems=[])
+    assert peak < 256 * 2**10, peak  # measured ~7 kB; reading it whole took > 1.5 MB, then a list of lines
 
 
 def test_scan_bad_utf8_names_line(tmp_path):
@@ -203,7 +266,7 @@ def test_truncation_keeps_start_and_warns_once_with_counts(tok, tmp_path):
     long = "one two three four five six seven eight nine ten " * 4
     rows = [
         {"text": long},
-        {"prompt": long, "completion": "yes"},  # truncated inside the prompt: no target left
+        {"prompt": long, "completion": "yes"},  # truncated inside the prompt: no target left, dropped
         {"text": "hi"},
         {"prompt": "q", "completion": long},
     ]
@@ -215,11 +278,11 @@ def test_truncation_keeps_start_and_warns_once_with_counts(tok, tmp_path):
     msg = str(caught[0].message)
     assert str(path) in msg
     assert "3 of 4 row(s) truncated to seq_len=16" in msg
-    assert "1 row(s) have no target token" in msg
-    assert [len(e) for e in examples] == [16, 16, len(tok("hi").input_ids) + 1, 16]
+    assert "1 row(s) have no target token left and are dropped" in msg
+    assert [len(e) for e in examples] == [16, len(tok("hi").input_ids) + 1, 16]
     full, _ = tokenize_example(rows[0], tok, seq_len=10_000)
     assert examples[0].input_ids == full.input_ids[:16]
-    assert examples[1].n_target == 0
+    assert all(e.n_target > 0 for e in examples)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tokenize_rows([{"text": "hi"}], tok, seq_len=16)  # nothing to report: no warning
@@ -330,3 +393,145 @@ def test_collate_pad_to_multiple_and_real_rows(tok):
 def test_collate_no_rows():
     batch = collate([("a", [])], pad_id=0)
     assert batch.num_rows == 0 and batch.segments == []
+
+
+# --------------------------------------------------------------------------- truncate, then tokenize
+
+
+def reference_example(row: dict, tok, seq_len: int) -> tuple[list[int], list[int], bool]:
+    """The tokenization before truncation came first: the whole row, then ``[:seq_len]``."""
+    eos = tok.eos_token_id
+
+    def enc(text: str, special: bool) -> list[int]:
+        return list(tok(text, add_special_tokens=special)["input_ids"])
+
+    def with_eos(ids: list[int]) -> list[int]:
+        return [*ids, eos] if not ids or ids[-1] != eos else ids
+
+    if "text" in row:
+        ids = with_eos(enc(row["text"], True))
+        labels = list(ids)
+    elif "prompt" in row:
+        p, c = enc(row["prompt"], True), with_eos(enc(row["completion"], False))
+        ids, labels = p + c, [IGNORE_INDEX] * len(p) + c
+    else:  # every turn located in the whole rendering, which is tokenized with offsets in one call
+        msgs = row["messages"]
+        full = tok.apply_chat_template(msgs, tokenize=False)
+        spans = []
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                start = len(tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True))
+                end = len(tok.apply_chat_template(msgs[: i + 1], tokenize=False))
+                while end > start and full[end - 1].isspace():
+                    end -= 1
+                spans.append((start, end))
+        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        labels = [t if e > s and any(a <= s and e <= b for a, b in spans) else IGNORE_INDEX
+                  for t, (s, e) in zip(ids, enc["offset_mapping"])]  # fmt: skip
+    return ids[:seq_len], labels[:seq_len], len(ids) > seq_len
+
+
+PIECES = ["hello", "world", "the", "model", "tenant", "é", "naïve", "中文字符", "😀", "👩\u200d👩\u200d👧", "ß",
+          "e\u0301", "\u200b", "ﬁ", "</s>", "<s>", "<|user|>", "123456789", "!!!???", "\t", "\n\n", "\r\n", "'s"]  # fmt: skip
+
+
+def random_text(rng: random.Random, n_chars: int) -> str:
+    out: list[str] = []
+    while sum(map(len, out)) < n_chars:
+        r = rng.random()
+        if r < 0.08:
+            out.append(rng.choice("abcxyz") * rng.randint(20, 400))  # a long word, no spaces
+        elif r < 0.15:
+            out.append(rng.choice([" ", "\n", "\t", " \n "]) * rng.randint(2, 60))  # a long whitespace run
+        else:
+            out.append(rng.choice(PIECES) + rng.choice(["", " ", " ", "  "]))
+    return "".join(out)[:n_chars] or "x"
+
+
+def random_row(rng: random.Random, kind: str, n_chars: int) -> dict:
+    if kind == "text":
+        return {"text": random_text(rng, n_chars)}
+    if kind == "prompt":
+        k = rng.randint(0, n_chars)
+        return {"prompt": random_text(rng, k), "completion": random_text(rng, n_chars - k + 1)}
+    turns = []
+    for _ in range(rng.randint(1, 4)):
+        turns += [{"role": "user", "content": random_text(rng, rng.randint(1, n_chars // 4 + 1))},
+                  {"role": "assistant", "content": random_text(rng, rng.randint(1, n_chars // 4 + 1))}]  # fmt: skip
+    return {"messages": turns}
+
+
+@pytest.mark.parametrize("first_prefix", ["default", "one_char"])
+def test_truncating_first_gives_exactly_the_whole_tokenization(tok, monkeypatch, first_prefix):
+    """Over random rows (multi-byte characters, emoji and ZWJ sequences, long words without spaces,
+    long whitespace runs, special-token text) of every kind, and seq_len anywhere including just
+    around the row's length: the same ids, labels and truncation flag as tokenizing the whole row.
+    ``one_char`` starts every row from a 1-character prefix, so each row goes through many cuts."""
+    if first_prefix == "one_char":
+        monkeypatch.setattr(mlora_lab.data, "_HEAD_MIN_CHARS", 1)
+        monkeypatch.setattr(mlora_lab.data, "_HEAD_CHARS_PER_TOKEN", 1)
+    rng = random.Random(0)
+    n_cut = 0
+    for i in range(240):
+        kind = ("text", "prompt", "messages")[i % 3]
+        n_chars = rng.choice([rng.randint(1, 300), rng.randint(1000, 6000)])
+        row = random_row(rng, kind, n_chars)
+        full = len(reference_example(row, tok, 10**9)[0])
+        for seq_len in {1, 2, rng.randint(3, 64), max(full - 1, 1), full, full + 1, rng.randint(1, full + 2)}:
+            ex, truncated = tokenize_example(row, tok, seq_len)
+            assert (ex.input_ids, ex.labels, truncated) == reference_example(row, tok, seq_len), (
+                i,
+                seq_len,
+                row,
+            )
+            n_cut += truncated
+    assert n_cut > 500  # the cut path was taken, not only the whole one
+
+
+@pytest.mark.parametrize("kind", ["words", "no_spaces", "prompt"])
+def test_a_50_mb_row_is_cut_before_it_is_tokenized(tok, kind):
+    """One 50 MB line costs milliseconds and ~no memory (tokenizing it whole took ~100 s and 7-9 GB)."""
+    big = "word " * 10_000_000 if kind != "no_spaces" else "ab" * 25_000_000
+    row = {"prompt": big, "completion": big} if kind == "prompt" else {"text": big}
+    tracemalloc.start()
+    start = time.perf_counter()
+    ex, truncated = tokenize_example(row, tok, seq_len=512)
+    elapsed = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert truncated and len(ex) == 512
+    assert ex.input_ids == tok(big[:20_000]).input_ids[:512]
+    assert ex.n_target == (0 if kind == "prompt" else 511)
+    assert elapsed < 1.0, elapsed
+    assert peak < 20 * 2**20, peak  # measured ~0.2 MB; the limit leaves room for slower machines
+
+
+def test_a_chat_of_many_turns_renders_only_the_turns_it_keeps(tok):
+    """20k turns: the whole conversation is rendered once, then only the turns inside the kept
+    tokens (rendering every turn's prefix was quadratic: minutes)."""
+    turns = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i}"} for i in range(20_000)]
+    start = time.perf_counter()
+    ex, truncated = tokenize_example({"messages": turns}, tok, seq_len=64)
+    assert time.perf_counter() - start < 3.0
+    assert truncated and len(ex) == 64
+    assert (ex.input_ids, ex.labels, truncated) == reference_example({"messages": turns[:20]}, tok, 64)
+
+
+def test_rows_left_without_targets_are_dropped_and_a_file_with_none_is_refused(tok, tmp_path):
+    long = "one two three four five six seven eight nine ten"
+    cut = {"prompt": long, "completion": " yes"}
+    path = write_jsonl(tmp_path / "cut.jsonl", [cut] * 3)
+    message = f"{path}: all 3 row(s) lose their target tokens when truncated to seq_len=8; raise seq_len or shorten the prompts"
+    with pytest.raises(DataError) as err:
+        load_examples(path, tok, seq_len=8)
+    assert err.value.problems == [message]
+    assert target_problem(path, tok, 8) == message
+    assert target_problem(path, tok, 64) is None
+    assert len(load_examples(path, tok, seq_len=64)) == 3
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [cut, {"text": "hi"}, cut])
+    with pytest.warns(UserWarning, match=r"2 row\(s\) have no target token left and are dropped"):
+        (example,) = load_examples(mixed, tok, seq_len=8)
+    assert example.n_target > 0
+    assert target_problem(mixed, tok, 8) is None
+    assert tokenize_rows([], tok, seq_len=8) == []

@@ -243,7 +243,7 @@ def test_resume_after_stop_with_two_ranks(arch, layout, resume_nproc, tiny_model
     assert len(ckpts) == 1 and 1 <= int(ckpts[0].name.split("_")[1]) < 80, ckpts
     run_dir = stopped.dir
     resumed = finished(ml.resume(run_dir.root, nproc=resume_nproc))
-    assert read_status(run_dir.root)["state"] == "finished"
+    assert read_status(run_dir.root).state == "finished"
     names = [t.name for t in tenants]
     tol = 1e-6 if resume_nproc == 2 else TOL
     assert_same_adapters(adapters(straight, names), adapters(resumed, names), tol)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -441,24 +442,25 @@ def test_slot_modules_cover_tenants(tmp_path, llama_path):
     assert "target_modules all-linear not covered by slot_modules" in problem
 
 
-@pytest.fixture(scope="module")
-def moe_path(tmp_path_factory, llama_path) -> str:
-    """A tiny Qwen3-MoE config (no weights: validation builds the model on the meta device)."""
+def tiny_moe_config(**overrides: Any) -> Any:
     from transformers import Qwen3MoeConfig
 
-    out = tmp_path_factory.mktemp("moe")
-    Qwen3MoeConfig(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-    ).save_pretrained(out)
+    kw = dict(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    return Qwen3MoeConfig(**{**kw, **overrides})
+
+
+def save_model(config: Any, out: Path) -> str:
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory, llama_path) -> str:
+    """A tiny Qwen3-MoE model, weights included (a config-only directory is a problem)."""
+    return save_model(tiny_moe_config(), tmp_path_factory.mktemp("moe"))
 
 
 def test_target_parameters_are_checked(tmp_path, moe_path, llama_path):
@@ -570,8 +572,598 @@ def test_init_adapter_all_linear_saved_expanded_matches(tmp_path, llama_path, ad
     cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
     cfg["target_modules"] = [n for n in linear if n != "lm_head"]
     (ad / "adapter_config.json").write_text(json.dumps(cfg))
-    (ad / "adapter_model.safetensors").write_bytes(b"")
+    shutil.copy(Path(adapter_dir) / "adapter_model.safetensors", ad)  # an empty file is now a problem
     spec = good_spec(llama_path, tmp_path)
     t = spec.tenants[0]
     t.init_adapter, t.rank, t.alpha, t.target_modules = str(ad), 16, 32, ["all-linear"]
     assert spec.problems() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile input: job files, field values, files the spec points at
+# ---------------------------------------------------------------------------------------------
+
+
+def job_file(content: str | bytes | None) -> Callable[[Path], str]:
+    """A ``job.json`` under ``tmp`` holding ``content`` (``None``: no file at all)."""
+
+    def make(tmp: Path) -> str:
+        path = tmp / "job.json"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        elif content is not None:
+            path.write_text(content)
+        return str(path)
+
+    return make
+
+
+def fifo(tmp: Path) -> str:
+    os.mkfifo(tmp / "job.json")  # opening it would block until a writer comes: it must not be opened
+    return str(tmp / "job.json")
+
+
+LOAD_CASES: list[tuple[str, Callable[[Path], str], str]] = [
+    ("missing", job_file(None), "job.json: not found"),
+    ("directory", mkdir("job.json"), "job.json: is a directory, not a job file"),
+    ("not_utf8", job_file(b'{"base_model": "\xff"}'), "job.json: not UTF-8 text (byte 0xff at position 16)"),
+    (
+        "bad_json",
+        job_file('{"base_model": "m",\n "tenants": [}'),
+        "job.json: not valid JSON (Expecting value at line 2 column 14)",
+    ),
+    (
+        "top_level_list",
+        job_file("[1, 2]"),
+        "job.json: the top level must be a JSON object with base_model and tenants (got an array)",
+    ),
+    ("deep", job_file("[" * 100_000 + "]" * 100_000), "job.json: not valid JSON (nested too deeply)"),
+    (
+        "huge_int",
+        job_file('{"seed": ' + "1" * 5000 + "}"),
+        "job.json: not valid JSON (a number has more than 4300 digits)",
+    ),
+    ("fifo", fifo, "job.json: is not a regular file (a device, pipe or socket), not a job file"),
+    ("dev_zero", lambda tmp: "/dev/zero", "/dev/zero: is not a regular file"),
+    ("nul", lambda tmp: str(tmp / "job\0.json"), "the path contains a NUL byte"),
+    ("surrogate", lambda tmp: str(tmp / "job\ud800.json"), "the path contains a lone surrogate (\\ud800)"),
+]
+
+
+@pytest.mark.parametrize("make, expected", [c[1:] for c in LOAD_CASES], ids=[c[0] for c in LOAD_CASES])
+def test_load_raises_one_spec_error_naming_the_file(tmp_path, make, expected):
+    path = make(tmp_path)
+    with pytest.raises(SpecError) as err:
+        JobSpec.load(path)
+    (problem,) = err.value.problems
+    assert expected in problem
+    assert problem.startswith(path) or problem.startswith(repr(path)), problem  # names the file
+
+
+def test_load_accepts_a_byte_order_mark(tmp_path):
+    (tmp_path / "job.json").write_bytes(
+        b"\xef\xbb\xbf" + json.dumps({"base_model": "m", "tenants": []}).encode()
+    )
+    assert JobSpec.load(tmp_path / "job.json").tenants == []
+
+
+DEEP: Any = 1
+for _ in range(40):
+    DEEP = [DEEP]
+# Values no field should hold. Each is a way a job.json (or Python code) has broken validators.
+GARBAGE: list[Any] = [None, [], {}, "x" * 10_000_000, 10**400, 10**5000, float("inf"), float("nan"), -1, True,
+                      "\ud800", "a\0b", DEEP, {"k": DEEP}, ["x", 1], [{"name": 1}], 2**63]  # fmt: skip
+GARBAGE_IDS = ["None", "[]", "{}", "10MB", "1e400", "1e5000", "inf", "nan", "-1", "True", "surrogate", "nul",
+               "deep", "deep_dict", "mixed_list", "list_of_dict", "2**63"]  # fmt: skip
+TENANT_FIELDS = [f for f in Tenant.__dataclass_fields__ if f != "name"]
+# (field, value) pairs of GARBAGE that are valid (a list: [] is unhashable)
+VALID = [("eval_data", None), ("init_adapter", None), ("max_grad_norm", None), ("target_parameters", []),
+         ("use_rslora", True), ("shuffle", True)] + [(f, 2**63) for f in ("alpha", "lr", "weight_decay", "eps",
+                                                                              "max_grad_norm")]  # fmt: skip
+
+
+def test_from_dict_raises_only_spec_error_for_any_input():
+    jobs, tenants, parallels = [], [], []
+    for value in GARBAGE:
+        tenants += [value, {"name": value, "data": "d"}]
+        tenants += [{"name": "a", "data": "d", f: value} for f in TENANT_FIELDS]
+        parallels += [value] + [{f: value} for f in Parallel.__dataclass_fields__]
+        jobs += [value, {"base_model": "m", "tenants": value}, {"base_model": "m", "tenants": [value]}]
+        jobs += [
+            {"base_model": "m", "tenants": [], f: value}
+            for f in JobSpec.__dataclass_fields__
+            if f != "tenants"
+        ]
+        jobs += [
+            {"base_model": "m", "tenants": [], "parallel": {"nproc": value}},
+            {value if isinstance(value, str) else "k": 1},
+        ]
+    for build, inputs in (
+        (Tenant.from_dict, tenants),
+        (Parallel.from_dict, parallels),
+        (JobSpec.from_dict, jobs),
+    ):
+        for d in inputs:
+            try:
+                out = build(d)
+            except SpecError as e:
+                assert e.problems and all(len(p) < 500 for p in e.problems), e.problems
+            else:
+                assert isinstance(out.to_dict(), dict)
+    with pytest.raises(SpecError, match="nested more than 16 levels deep"):
+        JobSpec.from_dict({"base_model": "m", "tenants": [], "seed": DEEP})
+    with pytest.raises(SpecError, match=r"unknown field 'xxxxx.*\(10,000,000 characters\)"):
+        Tenant.from_dict({"name": "a", "data": "d", "x" * 10_000_000: 1})
+    with pytest.raises(SpecError, match="job spec is not valid JSON"):
+        JobSpec.from_json(b"\xff")
+
+
+@pytest.mark.parametrize("value", GARBAGE, ids=GARBAGE_IDS)
+def test_problems_never_raise_and_name_the_tenant(tmp_path, llama_path, value):
+    """One tenant per field, holding ``value``: every invalid one is reported with its tenant named,
+    in a short message, by problems() (both modes) and tenant_problems(); nothing raises."""
+    from mlora_lab.spec import tenant_problems
+
+    data = good_spec(llama_path, tmp_path).tenants[0].data
+    tenants = []
+    for i, f in enumerate(TENANT_FIELDS):
+        t = Tenant(name=f"t{i}", data=data)
+        setattr(t, f, value)
+        tenants.append(t)
+    spec = JobSpec(base_model=llama_path, tenants=[*tenants, Tenant(name=value, data=data)], max_tenants=64)
+    for files in (False, True):
+        problems = spec.problems(files=files)
+        assert problems and not any("internal error" in p for p in problems), problems
+        assert all(len(p) < 600 for p in problems), max(problems, key=len)
+        for i, f in enumerate(TENANT_FIELDS):
+            named = any(f"tenant 't{i}': " in p for p in problems)
+            assert named == ((f, value) not in VALID), (f, problems)
+        if not (isinstance(value, str) and value.isalnum()):
+            assert any("tenant name must be a string" in p or "name is not a safe" in p for p in problems)
+    for i, t in enumerate(spec.tenants):
+        own = tenant_problems(spec, t)
+        assert not any("internal error" in p for p in own), own
+        if i < len(TENANT_FIELDS) and (TENANT_FIELDS[i], value) not in VALID:
+            assert own and all(f"tenant 't{i}'" in p for p in own), own
+
+
+def test_tenant_problems_never_raise(tmp_path, llama_path):
+    from mlora_lab.spec import tenant_problems
+
+    bad_job = JobSpec(base_model=None, tenants="x", slot_modules=5, max_rank=[1])  # type: ignore[arg-type]
+    assert tenant_problems(bad_job, Tenant(name=[1], data=3))  # type: ignore[arg-type]
+    assert tenant_problems(bad_job, {"name": "a"}) == ["tenant must be a Tenant (got dict)"]  # type: ignore[arg-type]
+    job = JobSpec(base_model=llama_path, tenants=[Tenant(name="a", data="d", target_modules=[["q_proj"]])])
+    assert not any("internal error" in p for p in tenant_problems(job, Tenant(name="b", data="d")))
+
+
+def test_problems_without_files_reads_no_file(tmp_path, llama_path, monkeypatch):
+    import mlora_lab.data
+    import mlora_lab.spec as spec_module
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("problems(files=False) read a file")
+
+    for module, name in ((spec_module, "_model_info"), (spec_module, "_read_json"), (spec_module, "_safetensors_shapes"),
+                         (mlora_lab.data, "scan_jsonl"), (mlora_lab.data, "target_problem")):  # fmt: skip
+        monkeypatch.setattr(module, name, boom)
+    spec = JobSpec(
+        base_model=llama_path,
+        tenants=[Tenant(name="a", data=str(tmp_path / "nope.jsonl"), init_adapter=str(tmp_path / "ad"))],
+    )
+    assert spec.problems(files=False) == []
+    assert spec.validate(files=False) is spec
+    spec.tenants[0].rank = 0
+    spec.tenants.append(Tenant(name="A", data="x"))
+    spec.parallel = Parallel(nproc=2, fsdp=3)
+    problems = spec.problems(files=False)
+    assert any("tenant 'a': rank must be >= 1" in p for p in problems)
+    assert any("tenant 'A': name differs from 'a' only in case" in p for p in problems)
+    assert any("must divide nproc*nnodes" in p for p in problems)
+    with pytest.raises(SpecError):
+        spec.validate(files=False)
+    monkeypatch.undo()
+    assert any("nope.jsonl: file not found" in p for p in spec.problems())  # files=True does read
+
+
+def test_names_equal_up_to_case_collide(tmp_path, llama_path):
+    from mlora_lab.spec import tenant_problems
+
+    spec = good_spec(llama_path, tmp_path)
+    data = spec.tenants[0].data
+    spec.tenants = [
+        Tenant(name="alice", data=data),
+        Tenant(name="Alice", data=data),
+        Tenant(name="bob", data=data),
+    ]
+    assert spec.problems() == [
+        "tenant 'Alice': name differs from 'alice' only in case; their adapters/<name> directories collide on "
+        "case-insensitive filesystems (macOS, Windows): rename one"
+    ]
+    spec.tenants.pop(1)
+    assert spec.problems() == []
+    (problem,) = tenant_problems(spec, Tenant(name="BOB", data=data))
+    assert problem.startswith("tenant 'BOB': name differs from existing tenant 'bob' only in case")
+    assert tenant_problems(spec, Tenant(name="carol", data=data)) == []
+
+
+def test_memory_estimates_catch_absurd_sizes(tmp_path, llama_path, monkeypatch):
+    import mlora_lab.spec as spec_module
+
+    memory, device = spec_module._device_memory()
+    assert memory > 0 and device in ("GPU 0", "RAM")
+    monkeypatch.setattr(spec_module, "_device_memory", lambda: (2**30, "GPU 0"))
+    spec = good_spec(llama_path, tmp_path)
+    assert spec.problems() == []
+    # q_proj [64 -> 64] + v_proj [64 -> 32] on 2 layers: 448 in+out features per slot and rank
+    spec.max_tenants, spec.max_rank = 1024, 1024
+    (problem,) = spec.problems()
+    assert problem == (
+        "adapter slots need about 3.5 GiB per device (max_tenants=1024 x max_rank=1024 x 448 slotted in+out "
+        "features x 8 bytes for value and gradient) but GPU 0 has 1.0 GiB; lower max_tenants or max_rank, or "
+        "put slots on fewer layers"
+    )
+    spec.parallel = Parallel(nproc=4, fsdp=4)  # FSDP2 shards the slots: 0.9 GiB each
+    assert spec.problems() == []
+    spec.slot_modules = ["all-linear"]  # + k, o, gate, up, down: 2 * 1024 features
+    assert "x 2,048 slotted in+out features" in problems_text(spec)
+    spec = good_spec(llama_path, tmp_path, seq_len=8192)
+    spec.tenants[0].batch_size = 64
+    (problem,) = spec.problems()
+    assert problem == (
+        "tenant 'a': one micro-batch's logits need about 3.0 GiB (batch_size=64 x seq_len=8192 x vocab 512 x "
+        "12 bytes for fp32 logits, softmax and gradient) but GPU 0 has 1.0 GiB; lower batch_size (raise "
+        "grad_accum to keep the step) or seq_len"
+    )
+
+
+def test_seed_rule_is_what_torch_and_random_accept():
+    import random
+
+    import torch
+
+    from mlora_lab.spec import MAX_SEED
+
+    for seed in (0, MAX_SEED):
+        torch.manual_seed(seed)
+        torch.Generator().manual_seed(seed)
+        random.Random(seed)
+    with pytest.raises((RuntimeError, ValueError)):
+        torch.manual_seed(2**64)
+
+
+def rows_per_step(spec: JobSpec, tmp: Path) -> None:
+    spec.tenants[0].batch_size, spec.tenants[0].grad_accum = 2**10, 2**11
+
+
+def config_only(tmp: Path) -> str:
+    from transformers import AutoConfig
+
+    AutoConfig.from_pretrained(tmp / ".." / "llama_link").save_pretrained(tmp / "cfg_only")
+    return str(tmp / "cfg_only")
+
+
+def with_weights(change: Callable[[Path], None]) -> Callable[[Path], str]:
+    """A copy of the tiny llama directory (linked as ``tmp/../llama_link``), then ``change(copy)``."""
+
+    def make(tmp: Path) -> str:
+        out = tmp / "model_copy"
+        shutil.copytree(tmp / ".." / "llama_link", out)
+        change(out)
+        return str(out)
+
+    return make
+
+
+def truncate_weights(d: Path) -> None:
+    w = d / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:1000])
+
+
+def missing_shard(d: Path) -> None:
+    os.remove(d / "model.safetensors")
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+        )
+    )
+
+
+def bigger_tokenizer(tmp: Path) -> str:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp / ".." / "llama_link")
+    tok.add_tokens([f"<extra_{i}>" for i in range(8)])
+    tok.add_special_tokens({"pad_token": "<extra_7>"})  # an id the job inserts, past the embedding
+    tok.save_pretrained(tmp / "big_tok")
+    return str(tmp / "big_tok")
+
+
+def data_fifo(tmp: Path) -> str:
+    os.mkfifo(tmp / "fifo.jsonl")
+    return str(tmp / "fifo.jsonl")
+
+
+HARDENING_CASES: list[tuple[str, Callable[[JobSpec, Path], None], str]] = [
+    # integer bounds
+    ("seed_negative", at("tenants.0.seed", -1), "tenant 'a': seed must be >= 0 (got -1)"),
+    (
+        "seed_2_63",
+        at("tenants.0.seed", 2**63),
+        "tenant 'a': seed must be <= 2**63 - 1 (got 9223372036854775808)",
+    ),
+    ("job_seed_huge", at("seed", 10**400), "seed must be <= 2**63 - 1 (got a 401-digit integer)"),
+    ("max_steps_2_53", at("tenants.0.max_steps", 2**53), "tenant 'a': max_steps must be <= 2**53 - 1"),
+    ("warmup_2_53", at("tenants.0.warmup_steps", 2**53), "tenant 'a': warmup_steps must be <= 2**53 - 1"),
+    ("save_every_2_53", at("save_every", 2**53), "save_every must be <= 2**53 - 1"),
+    ("batch_2_21", at("tenants.0.batch_size", 2**21), "tenant 'a': batch_size must be <= 2**20"),
+    (
+        "rows_per_step",
+        rows_per_step,
+        "tenant 'a': batch_size*grad_accum = 1024*2048 = 2,097,152 rows per optimizer step is more than 1,048,576",
+    ),
+    ("seq_len_2_25", at("seq_len", 2**25), "seq_len must be <= 2**24 (got 33554432)"),
+    ("max_tenants_2_17", at("max_tenants", 2**17), "max_tenants must be <= 2**16"),
+    ("nproc_2_21", at("parallel.nproc", 2**21), "parallel.nproc must be <= 2**20"),
+    (
+        "alpha_1e400",
+        at("tenants.0.alpha", 10**400),
+        "tenant 'a': alpha must be a finite number (got a 401-digit integer",
+    ),
+    ("lr_inf", at("tenants.0.lr", float("inf")), "tenant 'a': lr must be a finite number (got inf"),
+    # paths that cannot name a file, files that are not regular files
+    ("data_nul", at("tenants.0.data", "a\0b.jsonl"), "tenant 'a': data path contains a NUL byte"),
+    (
+        "data_surrogate",
+        at("tenants.0.data", "a\ud800.jsonl"),
+        "tenant 'a': data path contains a lone surrogate (\\ud800), which is not valid text",
+    ),
+    ("eval_nul", at("tenants.0.eval_data", "e\0.jsonl"), "tenant 'a': eval_data path contains a NUL byte"),
+    (
+        "init_surrogate",
+        at("tenants.0.init_adapter", "\udfff"),
+        "tenant 'a': init_adapter path contains a lone",
+    ),
+    ("base_nul", at("base_model", "m\0"), "base_model path contains a NUL byte"),
+    ("tokenizer_surrogate", at("tokenizer", "t\ud800"), "tokenizer path contains a lone surrogate"),
+    ("output_nul", at("output_dir", "o\0"), "output_dir path contains a NUL byte"),
+    ("data_dir", at("tenants.0.data", mkdir("d.jsonl")), "d.jsonl: not a regular file"),
+    ("data_dev_zero", at("tenants.0.data", "/dev/zero"), "tenant 'a': data: /dev/zero: not a regular file"),
+    ("data_fifo", at("tenants.0.data", data_fifo), "fifo.jsonl: not a regular file"),
+    ("data_long_path", at("tenants.0.data", "x" * 10_000), "tenant 'a': data path is 10,000 characters long"),
+    ("data_long_name", at("tenants.0.data", "x" * 300), "(300 characters): cannot read (File name too long)"),
+    ("eval_dir", at("tenants.0.eval_data", mkdir("e.jsonl")), "tenant 'a': eval_data: "),
+    # the base model and its tokenizer
+    (
+        "config_only",
+        at("base_model", config_only),
+        "cfg_only': no weights found (it has a config but no model.safetensors, model.safetensors.index.json, "
+        "pytorch_model.bin or pytorch_model.bin.index.json); save the model with save_pretrained",
+    ),
+    (
+        "truncated_weights",
+        at("base_model", with_weights(truncate_weights)),
+        "model.safetensors is not usable (it is truncated",
+    ),
+    (
+        "missing_shard",
+        at("base_model", with_weights(missing_shard)),
+        "no weights found: model.safetensors.index.json lists shard files that are missing "
+        "(model-00001-of-00002.safetensors, model-00002-of-00002.safetensors); copy every shard next to it",
+    ),
+    (
+        "tokenizer_too_big",
+        at("tokenizer", bigger_tokenizer),
+        "tokenizer: pad id 519 past the model's input embedding (512 rows, vocab_size); use the model's own "
+        "tokenizer",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "mutate, expected", [c[1:] for c in HARDENING_CASES], ids=[c[0] for c in HARDENING_CASES]
+)
+def test_each_hostile_input_is_reported(tmp_path, llama_path, mutate, expected):
+    work = tmp_path / "work"
+    work.mkdir()
+    (tmp_path / "llama_link").symlink_to(llama_path)
+    spec = good_spec(llama_path, work)
+    mutate(spec, work)
+    problems = spec.problems()
+    assert any(expected in p for p in problems), problems
+    assert not any("internal error" in p or "cannot scan" in p for p in problems), problems
+    with pytest.raises(SpecError) as err:
+        spec.validate()
+    assert expected in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# init_adapter weights against the base model
+# ---------------------------------------------------------------------------------------------
+
+
+def adapter_with(
+    tmp: Path, adapter_dir: str, tensors: dict[str, Any] | None = None, raw: bytes | None = None
+) -> str:
+    """A copy of ``adapter_dir``'s config with the given tensors (or raw bytes) as its weights."""
+    from safetensors.torch import save_file
+
+    out = tmp / "ad"
+    out.mkdir(exist_ok=True)
+    shutil.copy(Path(adapter_dir) / "adapter_config.json", out)
+    if raw is not None:
+        (out / "adapter_model.safetensors").write_bytes(raw)
+    else:
+        save_file(tensors or {}, str(out / "adapter_model.safetensors"))
+    return str(out)
+
+
+def init_spec(llama_path: str, tmp: Path, init: str, **tenant: Any) -> JobSpec:
+    spec = good_spec(llama_path, tmp)
+    t = spec.tenants[0]
+    t.init_adapter, t.rank, t.alpha, t.target_modules = init, 16, 32, ["q_proj", "v_proj"]
+    for k, v in tenant.items():
+        setattr(t, k, v)
+    return spec
+
+
+def test_init_adapter_made_on_another_base_is_reported(tmp_path, llama_path):
+    """A real PEFT adapter trained on a narrower llama (hidden 32): every shape tells."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from mlora_lab.tiny import build_tiny_model
+
+    small = build_tiny_model("llama", tmp_path / "small", hidden=32)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(small),
+        LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"]),
+    )
+    peft_model.save_pretrained(tmp_path / "small_adapter")
+    assert (
+        init_spec(small, tmp_path, str(tmp_path / "small_adapter")).problems() == []
+    )  # on its own base: fine
+    (problem,) = init_spec(llama_path, tmp_path, str(tmp_path / "small_adapter")).problems()
+    assert problem == (
+        "tenant 'a': init_adapter was made for another base model: model.layers.0.self_attn.q_proj.lora_A is "
+        "[16, 32] but q_proj takes 64 inputs (and 7 more)"
+    )
+
+
+def test_init_adapter_shapes_from_the_header(tmp_path, llama_path, adapter_dir):
+    import torch
+
+    prefix = "base_model.model.model.layers.0.self_attn."
+    good = {f"{prefix}q_proj.lora_A.weight": torch.zeros(16, 64), f"{prefix}q_proj.lora_B.weight": torch.zeros(64, 16),
+            f"{prefix}v_proj.lora_A.weight": torch.zeros(16, 64), f"{prefix}v_proj.lora_B.weight": torch.zeros(32, 16)}  # fmt: skip
+    assert init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, good)).problems() == []
+    wide_b = {**good, f"{prefix}v_proj.lora_B.weight": torch.zeros(128, 16)}
+    (problem,) = init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, wide_b)).problems()
+    assert problem.endswith(
+        "init_adapter was made for another base model: model.layers.0.self_attn.v_proj.lora_B is [128, 16] but "
+        "v_proj gives 32 outputs"
+    )
+    deeper = {**good, "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight": torch.zeros(16, 64),
+              "base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight": torch.zeros(64, 16)}  # fmt: skip
+    (problem,) = init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, deeper)).problems()
+    assert problem == (
+        "tenant 'a': init_adapter was made for another base model: it has weights for modules this base model "
+        "does not have: model.layers.7.self_attn.q_proj"
+    )
+    rank8 = {k: (v[:8] if "lora_A" in k else v[:, :8]).contiguous() for k, v in good.items()}
+    (problem,) = init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, rank8)).problems()
+    assert (
+        "is inconsistent: its weights have rank 8 but adapter_config.json says r=16; save it again" in problem
+    )
+    extra = {**good, "base_model.model.lm_head.weight": torch.zeros(2, 2)}
+    (problem,) = init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, extra)).problems()
+    assert (
+        problem
+        == "tenant 'a': init_adapter holds tensors that are not LoRA A/B weights: base_model.model.lm_head.weight"
+    )
+
+
+def unreadable(adapter_dir: str) -> list[tuple[str, bytes, str]]:
+    import pickle
+
+    real = (Path(adapter_dir) / "adapter_model.safetensors").read_bytes()
+    n = int.from_bytes(real[:8], "little")
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"  # the last one stored
+    return [
+        ("empty", b"", "it is empty"),
+        ("seven_bytes", real[:7], "it is truncated (7 bytes)"),
+        ("truncated_header", real[:100], f"it is truncated (its header needs {8 + n} bytes, the file has 100)"),
+        ("truncated_data", real[:-500], f"it is truncated (tensor '{key}' ends at byte {len(real) - 8 - n} of "
+                                        f"{len(real) - 508 - n})"),
+        ("pickle", pickle.dumps({"lora_A": [1.0] * 100}), "it is not a safetensors file (no valid header)"),
+        ("zip", b"PK\x03\x04" + bytes(200), "it is not a safetensors file (no valid header)"),
+        ("not_an_object", (4).to_bytes(8, "little") + b"[1]", "it is not a safetensors file (no valid header)"),
+        ("bad_json", (20).to_bytes(8, "little") + b"{" * 20, "it is not a safetensors file (its header is not a JSON object)"),
+        ("bad_entry", (19).to_bytes(8, "little") + b'{"a": {"shape": 1}}', "it is not a safetensors file (bad header entry 'a')"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_unreadable_adapter_weights_are_a_problem_naming_the_file(tmp_path, llama_path, adapter_dir, case):
+    """A truncated download, an empty file, a pickle or zip renamed to .safetensors: one problem
+    naming the file, read from the header only."""
+    _, raw, why = unreadable(adapter_dir)[case]
+    ad = adapter_with(tmp_path, adapter_dir, raw=raw)
+    weights = os.path.join(ad, "adapter_model.safetensors")
+    assert init_spec(llama_path, tmp_path, ad).problems() == [
+        f"tenant 'a': init_adapter weights {weights} are not readable: {why}; save the adapter again"
+    ]
+
+
+def test_init_adapter_on_packed_experts(tmp_path, moe_path, llama_path):
+    """PEFT's flattened expert layout (lora_A [E*r, in], lora_B [out, E*r], nested .base_layer keys)
+    fits its own base and is refused on a base with narrower or more experts."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from mlora_lab.tiny import EXPERT_TARGETS
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERT_TARGETS)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(moe_path), config).save_pretrained(tmp_path / "ad")
+    spec = good_spec(moe_path, tmp_path, tokenizer=llama_path)
+    t = spec.tenants[0]
+    t.init_adapter, t.rank, t.alpha = str(tmp_path / "ad"), 4, 8
+    t.target_modules, t.target_parameters = ["q_proj"], list(EXPERT_TARGETS)
+    assert spec.problems() == []
+    spec.base_model = save_model(tiny_moe_config(moe_intermediate_size=8), tmp_path / "narrow")
+    (problem,) = spec.problems()
+    assert problem == (
+        "tenant 'a': init_adapter was made for another base model: model.layers.0.mlp.experts.lora_A is [16, 16] "
+        "but experts.down_proj takes 8 inputs (and 1 more)"
+    )
+    spec.base_model = save_model(tiny_moe_config(num_experts=8), tmp_path / "more_experts")
+    (problem,) = spec.problems()
+    assert problem == (
+        "tenant 'a': init_adapter was made for another base model: model.layers.0.mlp.experts.lora_A is [16, 16] "
+        "but experts.down_proj has 8 experts (lora_A [8*4 = 32, 16]) (and 1 more)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Data checked with the job's tokenizer and seq_len
+# ---------------------------------------------------------------------------------------------
+
+
+LONG_PROMPT = "one two three four five six seven eight nine ten"
+
+
+def test_data_whose_rows_all_lose_their_targets(tmp_path, llama_path):
+    rows = "".join(json.dumps({"prompt": LONG_PROMPT, "completion": " yes"}) + "\n" for _ in range(3))
+    path = write(tmp_path / "p.jsonl", rows)
+    spec = good_spec(llama_path, tmp_path, seq_len=8)
+    spec.tenants[0].data = spec.tenants[0].eval_data = path
+    assert spec.problems() == [
+        f"tenant 'a': {field}: {path}: all 3 row(s) lose their target tokens when truncated to seq_len=8; "
+        "raise seq_len or shorten the prompts"
+        for field in ("data", "eval_data")
+    ]
+    spec.seq_len = 64
+    assert spec.problems() == []
+
+
+def test_data_check_tokenizes_only_until_a_row_keeps_a_target(tmp_path, llama_path, monkeypatch):
+    import mlora_lab.data
+
+    calls = []
+    real = mlora_lab.data.tokenize_example
+    monkeypatch.setattr(mlora_lab.data, "tokenize_example", lambda *a: calls.append(a) or real(*a))
+    spec = good_spec(llama_path, tmp_path)
+    spec.tenants[0].data = write(tmp_path / "many.jsonl", '{"text": "hello world"}\n' * 2000)
+    assert spec.problems() == []
+    assert len(calls) == 1  # one row shows the file is usable
+
+
+def test_data_that_cannot_be_tokenized_is_reported(tmp_path, llama_path):
+    tok = build_tokenizer()
+    tok.chat_template = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(tmp_path / "unstable_tok")
+    chat = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
+    spec = good_spec(llama_path, tmp_path, tokenizer=str(tmp_path / "unstable_tok"))
+    spec.tenants[0].data = path = write(tmp_path / "chat.jsonl", chat)
+    (problem,) = spec.problems()
+    assert problem.startswith(f"tenant 'a': data: {path} line 1: the chat template is not prefix-stable")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mlora_lab.optim import TenantOptimizer
-from mlora_lab.rundir import MetricsReader, MetricsWriter, atomic_write_text
+from mlora_lab.rundir import EvalRow, MetricsReader, MetricsWriter, atomic_write_text, checkpoint
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.train import Trainer
 
@@ -100,7 +100,7 @@ def test_eval_rows_and_checkpoint(llama_path, make_data, tmp_path):
     assert all(r["loss"] > 0 for r in evals)
     ckpts = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
     assert [c.name for c in ckpts] == ["step_00000002", "step_00000004"]
-    state = torch.load(ckpts[-1] / "state.pt", weights_only=False)
+    state = checkpoint.read_checkpoint(ckpts[-1])
     assert state["tenants"]["e"]["step"] == 4
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
 
@@ -108,14 +108,14 @@ def test_eval_rows_and_checkpoint(llama_path, make_data, tmp_path):
 def test_metrics_reader_never_parses_a_partial_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     writer = MetricsWriter(path)
-    writer.write("train", step=1, loss=1.0)
+    writer.write(EvalRow(step=1, tenant="a", loss=1.0))
     reader = MetricsReader(path)
     assert [r["step"] for r in reader.poll()] == [1]
     with open(path, "a") as f:
-        f.write('{"kind": "train", "step": 2, "lo')  # a row being written
+        f.write('{"kind": "eval", "step": 2, "tenant": "a", "lo')  # a row being written
     assert reader.poll() == []
     with open(path, "a") as f:
-        f.write('ss": 2.0}\n')
+        f.write('ss": 2.0, "time": 0}\n')
     assert [r["step"] for r in reader.poll()] == [2]
     assert len(reader.rows) == 2
     writer.close()

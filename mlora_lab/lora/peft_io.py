@@ -12,14 +12,13 @@ This module converts between that layout and ``{module_name: (A, B)}``; it knows
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
+
+from mlora_lab.rundir.files import atomic_directory
 
 PREFIX = "base_model.model."
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -46,7 +45,12 @@ def read_adapter(path: str | Path) -> tuple[LoraConfig, dict[str, tuple[torch.Te
     path = Path(path)
     if not (path / CONFIG_NAME).is_file():
         raise AdapterError(f"{path}: not a PEFT adapter directory (no {CONFIG_NAME})")
-    config = LoraConfig.from_pretrained(str(path))
+    try:
+        config = LoraConfig.from_pretrained(str(path))
+    except Exception as e:  # bad JSON, wrong types, unknown fields: say which file, not a traceback
+        raise AdapterError(
+            f"{path}: {CONFIG_NAME} is not a valid LoRA config ({type(e).__name__}: {e})"
+        ) from None
     problems = [
         f"{key}={getattr(config, key)!r}"
         for key, bad in _UNSUPPORTED.items()
@@ -56,12 +60,20 @@ def read_adapter(path: str | Path) -> tuple[LoraConfig, dict[str, tuple[torch.Te
         raise AdapterError(
             f"{path}: adapter uses LoRA features mlora_lab does not support: {', '.join(problems)}"
         )
-    if (path / WEIGHTS_NAME).is_file():
-        state = load_file(str(path / WEIGHTS_NAME))
-    elif (path / "adapter_model.bin").is_file():
-        state = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise AdapterError(f"{path}: no {WEIGHTS_NAME} (or adapter_model.bin)")
+    try:
+        if (path / WEIGHTS_NAME).is_file():
+            state = load_file(str(path / WEIGHTS_NAME))
+        elif (path / "adapter_model.bin").is_file():
+            # weights_only: torch's restricted unpickler loads tensors and containers, never code
+            state = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
+        else:
+            raise AdapterError(f"{path}: no {WEIGHTS_NAME} (or adapter_model.bin)")
+    except AdapterError:
+        raise
+    except Exception as e:  # truncated, not safetensors (a pickle renamed), unreadable
+        raise AdapterError(f"{path}: the adapter weights cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise AdapterError(f"{path}: the adapter weights are not a dict of tensors")
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     unexpected = []
@@ -110,29 +122,12 @@ def write_adapter(
     for module, (A, B) in tensors.items():
         state[f"{PREFIX}{module}.lora_A.weight"] = A.detach().to("cpu").contiguous()
         state[f"{PREFIX}{module}.lora_B.weight"] = B.detach().to("cpu").contiguous()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with atomic_directory(path) as tmp:
         config.save_pretrained(str(tmp))
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        _fsync_dir(tmp)
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
 def adapter_config_dict(path: str | Path) -> dict:
     """The raw ``adapter_config.json`` of an adapter directory."""
     return json.loads((Path(path) / CONFIG_NAME).read_text())
-
-
-def _fsync_dir(path: Path) -> None:
-    for f in path.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())

@@ -1,0 +1,89 @@
+"""The run directory: the one typed protocol between a job and everything that watches or steers it.
+
+```
+<run_dir>/job.json            the spec as launched (JobSpec as JSON)
+<run_dir>/status.json         {"state", "pid", "pid_start_time", "host", "started", "ended", "error"}
+<run_dir>/metrics.jsonl       typed rows (train / eval / system / tenant / event), appended by rank 0
+<run_dir>/logs/rank<R>.log    each rank's stdout+stderr (logs/launcher.log: the torchrun agent's)
+<run_dir>/adapters/<tenant>/  latest PEFT adapter directory of that tenant
+<run_dir>/checkpoints/        step_<N>/ = state.json + tensors.safetensors + meta.json (checksums)
+<run_dir>/control/            control messages, their results, and the stop request
+<run_dir>/.lock               held (flock) by whoever owns the directory: a launch, then the job
+```
+
+One module per format: :mod:`.files` (layout, names → paths, atomic writes, the lock),
+:mod:`.status` (run states, process identity), :mod:`.rows` (metrics rows, writer, reader),
+:mod:`.control` (messages, results, stop) and :mod:`.checkpoint` (checkpoint layout and format).
+The job, the launcher, the dashboard, the reports and the CLI all go through them; nothing here
+imports the training code or the notebook side.
+"""
+
+from mlora_lab.rundir import checkpoint, control
+from mlora_lab.rundir.checkpoint import CheckpointError
+from mlora_lab.rundir.control import ControlError, ControlMessage, ControlResult, Op
+from mlora_lab.rundir.files import (
+    RunDir,
+    RunDirError,
+    RunLock,
+    atomic_directory,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    name_problem,
+)
+from mlora_lab.rundir.rows import (
+    EvalRow,
+    EventKind,
+    EventRow,
+    MetricsReader,
+    MetricsWriter,
+    Row,
+    RowKind,
+    SystemRow,
+    TenantRow,
+    TenantState,
+    TrainRow,
+)
+from mlora_lab.rundir.status import (
+    FINAL_STATES,
+    ProcessIdentity,
+    RunState,
+    Status,
+    read_status,
+    update_status,
+)
+
+__all__ = [
+    "FINAL_STATES",
+    "CheckpointError",
+    "ControlError",
+    "ControlMessage",
+    "ControlResult",
+    "EvalRow",
+    "EventKind",
+    "EventRow",
+    "MetricsReader",
+    "MetricsWriter",
+    "Op",
+    "ProcessIdentity",
+    "Row",
+    "RowKind",
+    "RunDir",
+    "RunDirError",
+    "RunLock",
+    "RunState",
+    "Status",
+    "SystemRow",
+    "TenantRow",
+    "TenantState",
+    "TrainRow",
+    "atomic_directory",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "checkpoint",
+    "control",
+    "name_problem",
+    "read_status",
+    "update_status",
+]

@@ -1,0 +1,196 @@
+"""Checkpoints: ``checkpoints/step_<N>/``, in a format that never unpickles and is never read half-written.
+
+::
+
+    checkpoints/step_00000012/
+        state.json             the state tree as JSON; each tensor replaced by {"@tensor": "<key>"}
+        tensors.safetensors    the tensors, by key
+        meta.json              {"format": 1, "step": 12, "files": {name: {"bytes", "sha256"}}} — written last
+
+Loading a checkpoint reads JSON and safetensors only, so a crafted checkpoint cannot run code (a
+pickle, as ``torch.save`` writes, can). A directory is built under a temporary name and renamed into
+place (:func:`~mlora_lab.rundir.files.atomic_directory`), so ``step_*`` is complete when it exists; and
+since disks and people damage files later, reading checks every file's size and SHA-256 against
+``meta.json`` first. :func:`latest_intact` walks back from the newest checkpoint to the first intact
+one and reports the damaged ones it skipped, with why.
+
+The state tree holds dicts, lists, strings, numbers, booleans, None and tensors. Dict keys are strings
+(or ints, stored as ``{"@items": [[key, value], ...]}``); tuples come back as lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from mlora_lab.rundir.files import atomic_directory, atomic_write_json
+
+FORMAT = 1
+WRITE_ERRORS = (OSError, SafetensorError)
+"""What a failed write raises (a full disk: safetensors reports ENOSPC as a SafetensorError)."""
+STATE, TENSORS, META = "state.json", "tensors.safetensors", "meta.json"
+STEP_DIR = re.compile(r"step_([0-9]{8,})")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read (damaged, incomplete, or in a format that is not loaded)."""
+
+
+def encode(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split a state tree into a JSON-able tree and its tensors (``{"@tensor": key}`` in their place).
+    Anything that is not JSON or a tensor raises ``TypeError``: nothing is ever pickled."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def enc(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            key = f"t{len(tensors)}"
+            # A separate contiguous CPU copy: safetensors refuses views and shared storage.
+            tensors[key] = x.detach().to("cpu").contiguous().clone()
+            return {"@tensor": key}
+        if isinstance(x, dict):
+            if all(isinstance(k, str) for k in x):
+                reserved = [k for k in x if k.startswith("@")]
+                if reserved:
+                    raise TypeError(f"state keys may not start with '@' ({reserved[0]!r})")
+                return {k: enc(v) for k, v in x.items()}
+            if all(isinstance(k, int | str) and not isinstance(k, bool) for k in x):
+                return {"@items": [[k, enc(v)] for k, v in x.items()]}
+            raise TypeError(
+                f"state dict keys must be str or int (got {sorted({type(k).__name__ for k in x})})"
+            )
+        if isinstance(x, list | tuple):
+            return [enc(v) for v in x]
+        if x is None or isinstance(x, str | bool | int | float):
+            return x
+        raise TypeError(f"cannot store {type(x).__name__} in a checkpoint (only JSON values and tensors)")
+
+    return enc(tree), tensors
+
+
+def decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`encode`."""
+    if isinstance(obj, dict):
+        if set(obj) == {"@tensor"}:
+            try:
+                return tensors[obj["@tensor"]]
+            except (KeyError, TypeError):
+                raise CheckpointError(
+                    f"state refers to a tensor {str(obj['@tensor'])[:40]!r} that is not stored"
+                ) from None
+        if set(obj) == {"@items"}:
+            return {k: decode(v, tensors) for k, v in obj["@items"]}
+        return {k: decode(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode(v, tensors) for v in obj]
+    return obj
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def step_of(path: Path) -> int:
+    m = STEP_DIR.fullmatch(path.name)
+    if not m:
+        raise CheckpointError(f"{path.name}: not a checkpoint directory name (step_<N>)")
+    return int(m.group(1))
+
+
+def write_checkpoint(checkpoints: str | os.PathLike, step: int, tree: Any) -> Path:
+    """Write ``tree`` as ``checkpoints/step_<step>`` (complete, or not at all)."""
+    obj, tensors = encode(tree)
+    final = Path(checkpoints) / f"step_{step:08d}"
+    with atomic_directory(final) as tmp:
+        (tmp / STATE).write_text(json.dumps(obj), encoding="utf-8")
+        save_file(tensors, str(tmp / TENSORS), metadata={"format": "pt"})
+        files = {
+            name: {"bytes": (tmp / name).stat().st_size, "sha256": _digest(tmp / name)}
+            for name in (STATE, TENSORS)
+        }
+        atomic_write_json(tmp / META, {"format": FORMAT, "step": step, "files": files})
+    return final
+
+
+def verify(path: str | os.PathLike) -> dict[str, Any]:
+    """``meta.json`` of an intact checkpoint; :class:`CheckpointError` saying what is wrong otherwise."""
+    path = Path(path)
+    if (path / "state.pt").exists() and not (path / STATE).exists():
+        raise CheckpointError(
+            f"{path.name} is in the old pickle format (state.pt), which is not loaded: unpickling a file "
+            "can run code. Continue from an adapter instead (init_adapter), or resume with the mlora_lab "
+            "version that wrote it"
+        )
+    try:
+        meta = json.loads((path / META).read_text(encoding="utf-8"))
+        files = meta["files"]
+        if meta.get("format") != FORMAT or set(files) != {STATE, TENSORS}:
+            raise ValueError(f"unknown format {meta.get('format')!r}")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.name}: incomplete (no {META})") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path.name}: {META} is unreadable ({e})") from None
+    for name, info in files.items():
+        f = path / name
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{path.name}: {name} is missing") from None
+        if size != info.get("bytes"):
+            raise CheckpointError(
+                f"{path.name}: {name} has {size} bytes, {info.get('bytes')} were written (truncated?)"
+            )
+        if _digest(f) != info.get("sha256"):
+            raise CheckpointError(f"{path.name}: {name} does not match its checksum (damaged)")
+    return meta
+
+
+def read_checkpoint(path: str | os.PathLike) -> Any:
+    """The state tree of an intact checkpoint (verified first); :class:`CheckpointError` otherwise."""
+    path = Path(path)
+    verify(path)
+    try:
+        tensors = load_file(str(path / TENSORS))
+        obj = json.loads((path / STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, SafetensorError) as e:
+        raise CheckpointError(f"{path.name}: cannot be decoded ({e})") from None
+    return decode(obj, tensors)
+
+
+def checkpoint_dirs(checkpoints: str | os.PathLike) -> list[Path]:
+    """``step_*`` directories (not symlinks), oldest first."""
+    root = Path(checkpoints)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=step_of)
+
+
+def latest_intact(checkpoints: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest intact checkpoint (None if there is none) and the newer ones skipped, with why."""
+    skipped: list[tuple[Path, str]] = []
+    for path in reversed(checkpoint_dirs(checkpoints)):
+        try:
+            verify(path)
+            return path, skipped
+        except CheckpointError as e:
+            skipped.append((path, str(e)))
+    return None, skipped
+
+
+def prune(checkpoints: str | os.PathLike, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints."""
+    for old in checkpoint_dirs(checkpoints)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

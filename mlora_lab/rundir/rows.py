@@ -1,0 +1,317 @@
+"""``metrics.jsonl``: the typed rows the job appends, the writer, and the incremental reader.
+
+One JSON object per line, with a ``kind``:
+
+========  ====================================================================================
+train     ``step, tenant, tenant_step, loss, tokens, lr, grad_norm, time``
+eval      ``step, tenant, loss, time``
+system    ``step, rank, mem_bytes, peak_mem_bytes, step_time, tokens_per_s, time``
+tenant    ``step, tenant, state, adapter_bytes, optimizer_bytes, local_adapter_bytes,
+          local_optimizer_bytes, reason, time`` (state changes and the tenant's memory)
+event     ``step, event, message, time`` (resumed, a checkpoint that failed or was skipped, ...)
+========  ====================================================================================
+
+The writer appends each row with one ``write`` on an ``O_APPEND`` descriptor, so a reader sees whole
+lines, or a last line without its newline (left for the next poll). Readers never break: a line that
+is not JSON, or not one of these rows, is skipped with a warning naming the file and line; a file
+that was rewritten (resume drops the rows after its checkpoint) or replaced is noticed and re-read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, ClassVar
+
+import orjson
+
+
+class RowKind(str, Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+    SYSTEM = "system"
+    TENANT = "tenant"
+    EVENT = "event"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TenantState(str, Enum):
+    """A tenant's life: ``pending`` (being added) → ``running`` ⇄ ``paused`` → ``finished``, or
+    ``removed``; ``failed`` = quarantined (its step went NaN/inf or raised); ``refused`` = a request to
+    add it was turned down (the reason says why)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    PAUSED = "paused"
+    FINISHED = "finished"
+    REMOVED = "removed"
+    FAILED = "failed"
+    REFUSED = "refused"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class EventKind(str, Enum):
+    RESUMED = "resumed"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # damaged: resume fell back to an older one
+    SAVE_FAILED = "save_failed"  # a periodic checkpoint or adapter save failed (e.g. disk full)
+    METRICS_RECREATED = "metrics_recreated"  # metrics.jsonl was deleted or replaced under the job
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class Row:
+    kind: ClassVar[RowKind]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+
+@dataclass
+class TrainRow(Row):
+    kind: ClassVar[RowKind] = RowKind.TRAIN
+    step: int
+    tenant: str
+    tenant_step: int
+    loss: float
+    tokens: int
+    lr: float
+    grad_norm: float
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class EvalRow(Row):
+    kind: ClassVar[RowKind] = RowKind.EVAL
+    step: int
+    tenant: str
+    loss: float
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class SystemRow(Row):
+    kind: ClassVar[RowKind] = RowKind.SYSTEM
+    step: int
+    rank: int
+    mem_bytes: int
+    peak_mem_bytes: int
+    step_time: float
+    tokens_per_s: float
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class TenantRow(Row):
+    kind: ClassVar[RowKind] = RowKind.TENANT
+    step: int
+    tenant: str
+    state: TenantState
+    adapter_bytes: int = 0
+    optimizer_bytes: int = 0
+    local_adapter_bytes: int = 0
+    local_optimizer_bytes: int = 0
+    reason: str | None = None
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class EventRow(Row):
+    kind: ClassVar[RowKind] = RowKind.EVENT
+    step: int
+    event: EventKind
+    message: str = ""
+    time: float = field(default_factory=time.time)
+
+
+ROW_TYPES: dict[RowKind, type[Row]] = {t.kind: t for t in (TrainRow, EvalRow, SystemRow, TenantRow, EventRow)}
+
+
+def _checker(annotation: Any) -> Any:
+    """A predicate for JSON values of a field's type (numbers exclude bools; an int is a float)."""
+    hint = annotation
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        parts = [_checker(a) for a in typing.get_args(hint)]
+        return lambda v: any(p(v) for p in parts)
+    if hint is type(None):
+        return lambda v: v is None
+    if hint is int:
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    if hint is float:
+        return lambda v: isinstance(v, int | float) and not isinstance(v, bool)
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        values = {m.value for m in hint}
+        return lambda v: isinstance(v, str) and v in values
+    return lambda v: isinstance(v, hint)
+
+
+def _schema(row_type: type[Row]) -> dict[str, tuple[bool, Any]]:
+    hints = typing.get_type_hints(row_type)
+    return {
+        f.name: (
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            _checker(hints[f.name]),
+        )
+        for f in dataclasses.fields(row_type)
+    }
+
+
+SCHEMAS = {kind: _schema(t) for kind, t in ROW_TYPES.items()}
+
+
+def row_problem(row: Any) -> str | None:
+    """Why a parsed line is not a metrics row (None if it is one). Extra keys are allowed (a newer
+    writer may add fields); a missing required field or a value of the wrong type is not."""
+    if not isinstance(row, dict):
+        return f"not a JSON object ({type(row).__name__})"
+    try:
+        kind = RowKind(row.get("kind"))
+    except (ValueError, TypeError):
+        return f"unknown kind {str(row.get('kind'))[:40]!r}"
+    for name, (required, ok) in SCHEMAS[kind].items():
+        if name not in row:
+            if required:
+                return f"{kind.value} row without {name!r}"
+        elif not ok(row[name]):
+            return f"{kind.value} row: {name!r} has the wrong type ({type(row[name]).__name__})"
+    return None
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, Enum):
+        return obj.value
+    raise TypeError(f"cannot write {type(obj).__name__} to metrics.jsonl")
+
+
+class MetricsWriter:
+    """Appends rows to metrics.jsonl (rank 0 only). If the file is deleted or replaced under the
+    job, the next write notices (one ``stat`` per row) and starts a new file, saying so in it."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._fd = -1
+        self._open()
+
+    def _open(self) -> None:
+        # O_NOFOLLOW: a symlink planted at metrics.jsonl must not make the job append elsewhere.
+        self._fd = os.open(
+            self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )
+        self._ino = os.fstat(self._fd).st_ino
+
+    def _replaced(self) -> bool:
+        try:
+            return os.stat(self.path, follow_symlinks=False).st_ino != self._ino
+        except FileNotFoundError:
+            return True
+
+    def write(self, row: Row) -> None:
+        if self._replaced():
+            os.close(self._fd)
+            self._open()
+            note = EventRow(
+                step=getattr(row, "step", 0),
+                event=EventKind.METRICS_RECREATED,
+                message=f"{self.path.name} was deleted or replaced while the job ran; rows before this one are not in it",
+            )
+            os.write(self._fd, orjson.dumps(note.to_dict(), default=_default) + b"\n")
+        os.write(self._fd, orjson.dumps(row.to_dict(), default=_default) + b"\n")
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class MetricsReader:
+    """Reads metrics.jsonl incrementally: remembers its byte offset and line number, never parses a
+    partial line, skips bad lines (one warning each, naming file and line), and starts over when the
+    file was rewritten or replaced (``generation`` then increases: callers that keep derived state,
+    like a dashboard, rebuild it from ``rows``)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.offset = 0
+        self.line = 0
+        self.generation = 0
+        self.rows: list[dict[str, Any]] = []
+        self.skipped = 0
+        self._ino: int | None = None
+
+    def _reset(self) -> None:
+        self.offset = self.line = self.skipped = 0
+        self.rows = []
+        self.generation += 1
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Rows appended since the last call (also kept in ``self.rows``). After a rewrite, every row
+        of the new file (and ``generation`` has moved on)."""
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if self._ino is not None and (st.st_ino != self._ino or st.st_size < self.offset):
+                    self._reset()
+                self._ino = st.st_ino
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            warnings.warn(f"{self.path}: cannot be read ({e.strerror or e})", RuntimeWarning, stacklevel=2)
+            return []
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return []
+        new = []
+        for raw in chunk[: end + 1].split(b"\n")[:-1]:
+            self.line += 1
+            if not raw.strip():
+                continue
+            try:
+                row = orjson.loads(raw)
+                problem = row_problem(row)
+            except orjson.JSONDecodeError as e:
+                problem = f"not valid JSON ({str(e).split(':')[0]})"
+            if problem:
+                self.skipped += 1
+                warnings.warn(
+                    f"{self.path} line {self.line}: skipped ({problem})", RuntimeWarning, stacklevel=2
+                )
+                continue
+            new.append(row)
+        self.offset += end + 1
+        self.rows.extend(new)
+        return new
+
+
+def truncate_after(path: str | os.PathLike, step: int) -> None:
+    """Keep only the rows logged at or before global ``step`` (resume logs the later ones again),
+    and drop lines that are not rows. Rewritten atomically: readers see a new file and re-read it."""
+    from mlora_lab.rundir.files import atomic_write_bytes
+
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    keep = []
+    for raw in data.split(b"\n"):
+        try:
+            row = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue  # a row cut off by a crash, or not ours
+        if row_problem(row) is None and row["step"] <= step:
+            keep.append(raw + b"\n")
+    atomic_write_bytes(path, b"".join(keep))

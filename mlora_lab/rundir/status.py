@@ -1,0 +1,180 @@
+"""``status.json``: the run's state and the identity of the process that runs it.
+
+A pid alone is not an identity: after the job ends (or the machine reboots) the number is reused by
+an unrelated process, and signalling it would kill a stranger. So the job's process is recorded as
+``pid`` + its start time (``pid_start_time``, from the kernel) + ``host``, and a process counts as the
+job only if all three match and its command line is a training job's. Anything else means the job's
+process is gone: the run is ``lost`` (its last checkpoint can be resumed), never "running".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from mlora_lab.rundir.files import RunDir, RunDirError, atomic_write_json
+
+JOB_MODULE = "mlora_lab.train"
+"""Every process of a job (the torchrun agent and its workers) has this in its command line."""
+
+
+class RunState(str, Enum):
+    """States of a run. ``queued`` waits for resources; the last four are final."""
+
+    QUEUED = "queued"
+    STARTING = "starting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    LOST = "lost"
+
+    @property
+    def final(self) -> bool:
+        return self in FINAL_STATES
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FINAL_STATES = frozenset({RunState.FINISHED, RunState.FAILED, RunState.STOPPED, RunState.LOST})
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """A process as the kernel knows it: pid, start time (seconds since the epoch) and host."""
+
+    pid: int
+    start_time: float
+    host: str
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessIdentity | None:
+        """The identity of the running process ``pid`` on this host (None if it is already gone)."""
+        try:
+            return cls(pid, psutil.Process(pid).create_time(), this_host())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+    def alive(self) -> bool | None:
+        """True if this process still runs (same pid, same start time, a training job's command
+        line); False if it is gone; None if it ran on another host (this machine cannot tell)."""
+        if self.host != this_host():
+            return None
+        try:
+            p = psutil.Process(self.pid)
+            if abs(p.create_time() - self.start_time) > 0.05:
+                return False  # the pid now belongs to another process
+            if p.status() == psutil.STATUS_ZOMBIE:
+                return False
+            return JOB_MODULE in " ".join(p.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return False
+
+
+@dataclass(frozen=True)
+class Status:
+    """The content of ``status.json``."""
+
+    state: RunState
+    pid: int | None = None
+    pid_start_time: float | None = None
+    host: str | None = None
+    started: float | None = None
+    ended: float | None = None
+    error: str | None = None
+
+    @property
+    def process(self) -> ProcessIdentity | None:
+        """The recorded job process (None before it started, or when the record is incomplete)."""
+        if self.pid is None or self.pid_start_time is None or self.host is None:
+            return None
+        return ProcessIdentity(self.pid, self.pid_start_time, self.host)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["state"] = self.state.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "status.json") -> Status:
+        """Parse ``status.json``'s object; :class:`RunDirError` naming the problem otherwise."""
+        if not isinstance(d, dict):
+            raise RunDirError(f"{where}: not a JSON object")
+        try:
+            state = RunState(d.get("state"))
+        except ValueError:
+            known = ", ".join(s.value for s in RunState)
+            raise RunDirError(
+                f"{where}: unknown state {str(d.get('state'))[:40]!r} (known: {known})"
+            ) from None
+        kinds = {
+            "pid": int,
+            "pid_start_time": float,
+            "host": str,
+            "started": float,
+            "ended": float,
+            "error": str,
+        }
+        values: dict[str, Any] = {}
+        for key, kind in kinds.items():
+            v = d.get(key)
+            if not _of_type(v, kind):
+                raise RunDirError(f"{where}: {key} has the wrong type ({type(v).__name__})")
+            values[key] = float(v) if kind is float and v is not None else v
+        return cls(state=state, **values)
+
+
+def _of_type(v: Any, kind: type) -> bool:
+    """None, or a ``kind`` (an int counts as a float; a bool is never a number)."""
+    if v is None:
+        return True
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, int | float) if kind is float else isinstance(v, kind)
+
+
+def read_status(run_dir: str | Path) -> Status | None:
+    """``status.json`` (None when it does not exist yet); :class:`RunDirError` if it is corrupt."""
+    path = RunDir(run_dir).status
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise RunDirError(f"{path}: cannot be read ({e.strerror or e})") from None
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise RunDirError(
+            f"{path}: corrupt ({e}); the job writes it atomically, so something else did"
+        ) from None
+    return Status.from_dict(d, str(path))
+
+
+def write_status(run_dir: str | Path, status: Status) -> Status:
+    atomic_write_json(RunDir(run_dir).status, status.to_dict())
+    return status
+
+
+def update_status(run_dir: str | Path, **fields: Any) -> Status:
+    """Merge ``fields`` (names of :class:`Status` fields) into ``status.json``, atomically."""
+    try:
+        current = read_status(run_dir)
+    except RunDirError:
+        current = None  # a corrupt status is replaced by the truth we are writing now
+    if "state" in fields:
+        fields["state"] = RunState(fields["state"])
+    base = current or Status(state=fields.get("state", RunState.STARTING))
+    return write_status(run_dir, dataclasses.replace(base, **fields))

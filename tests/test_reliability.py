@@ -1,0 +1,318 @@
+"""Nothing lost: one owner per run directory, graceful stops, truthful status and intact checkpoints on
+a full disk; readers and the command line that never break on bad or rewritten files."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+from conftest import write_jsonl
+from test_isolation import good_tenants, job, long_text_rows
+
+import mlora_lab as ml
+from mlora_lab import cli
+from mlora_lab.launch import prepare_run
+from mlora_lab.rundir import RunState, TenantState, checkpoint, read_status
+from mlora_lab.train import SaveError, Trainer
+
+# -- one owner per run directory ------------------------------------------------------------------------
+
+
+def test_launching_into_a_directory_that_holds_a_run_is_refused(llama_path, tmp_path):
+    spec = job(llama_path, good_tenants(tmp_path, max_steps=1), output_dir=str(tmp_path / "run"))
+    run = prepare_run(spec)
+    before = run.job.read_bytes()
+    with pytest.raises(ml.SpecError, match=r"already holds a run; continue it with ml.resume"):
+        ml.launch(spec)
+    assert run.job.read_bytes() == before
+    other = tmp_path / "not_empty"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ml.SpecError, match="not empty"):
+        prepare_run(job(llama_path, good_tenants(tmp_path, max_steps=1), output_dir=str(other)))
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("round_", range(4))
+def test_two_launches_racing_for_one_directory_exactly_one_wins(llama_path, tmp_path, round_):
+    spec = job(llama_path, good_tenants(tmp_path, max_steps=1), output_dir=str(tmp_path / "run"))
+    spec.problems()  # warm the validation caches so both threads reach the directory together
+    barrier, outcomes = threading.Barrier(2), []
+
+    def go():
+        barrier.wait()
+        try:
+            outcomes.append(prepare_run(spec))
+        except ml.SpecError as e:
+            outcomes.append(e)
+
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [o for o in outcomes if not isinstance(o, Exception)]
+    lost = [o for o in outcomes if isinstance(o, Exception)]
+    assert len(won) == 1 and len(lost) == 1, outcomes
+    assert any(why in str(lost[0]) for why in ("already holds a run", "in use", "not empty")), lost[0]
+
+
+def test_multi_node_settings_for_a_local_launch_start_nothing(llama_path, tmp_path):
+    tenants = good_tenants(tmp_path, max_steps=1)
+    tenants[0].rank = 0
+    spec = job(
+        llama_path, tenants, parallel=ml.Parallel(nproc=1, nnodes=2, fsdp=2), output_dir=str(tmp_path / "r")
+    )
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ml.SpecError) as err:
+        ml.launch(spec)
+    assert "nnodes = 2" in str(err.value) and "multinode.sh" in str(err.value) and "rank" in str(err.value)
+    assert not (tmp_path / "r").exists()
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+# -- the training process stays lean ----------------------------------------------------------------------
+
+
+def test_training_processes_never_import_the_notebook_side(llama_path, tmp_path):
+    run = prepare_run(job(llama_path, good_tenants(tmp_path, max_steps=2), output_dir=str(tmp_path / "run")))
+    out = tmp_path / "modules.json"
+    script = (
+        "import json, sys; from mlora_lab.train import main; rc = main([sys.argv[1]]); "
+        "json.dump({'rc': rc, 'loaded': sorted(m for m in ('pandas', 'matplotlib', 'ipywidgets') "
+        "if m in sys.modules)}, open(sys.argv[2], 'w'))"
+    )
+    subprocess.run([sys.executable, "-c", script, str(run.root), str(out)], check=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result == {"rc": 0, "loaded": []}, result
+    assert read_status(run.root).state == "finished"
+
+
+# -- the command line: one clear line, no traceback ----------------------------------------------------------
+
+
+def cli_error(capsys, *argv: str) -> str:
+    assert cli.main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip(), err
+    return err
+
+
+def test_cli_says_one_clear_line_for_bad_files(tmp_path, capsys, llama_path):
+    assert "not found" in cli_error(capsys, "run", str(tmp_path / "missing.json"))
+    (tmp_path / "latin1.json").write_bytes(b'{"base_model": "\xe9"}')
+    assert "UTF-8" in cli_error(capsys, "run", str(tmp_path / "latin1.json"))
+    (tmp_path / "adir.json").mkdir()
+    assert "directory" in cli_error(capsys, "run", str(tmp_path / "adir.json"))
+    assert "not a run directory" in cli_error(capsys, "status", str(tmp_path))
+    assert "not a run directory" in cli_error(capsys, "stop", str(tmp_path))
+    assert "no such directory" in cli_error(capsys, "status", str(tmp_path / "nope"))
+    assert "not a run directory" in cli_error(capsys, "resume", str(tmp_path))
+    run = prepare_run(job(llama_path, good_tenants(tmp_path, max_steps=1), output_dir=str(tmp_path / "run")))
+    run.status.write_text("{corrupt")
+    assert "status.json: corrupt" in cli_error(capsys, "status", str(run.root))
+    run.status.write_text('{"state": "finished"}')
+    run.job.write_text("[1, 2]")
+    assert "job.json" in cli_error(capsys, "status", str(run.root))
+
+
+def test_runs_lists_the_good_runs_and_marks_the_broken_ones(llama_path, tmp_path):
+    work = tmp_path / "runs"
+    for name in ("good", "bad_status", "bad_job"):
+        prepare_run(job(llama_path, good_tenants(tmp_path, max_steps=1), output_dir=str(work / name)))
+    (work / "bad_status" / "status.json").write_text('{"state": ')
+    (work / "bad_job" / "job.json").write_bytes(b"\xff\xfe")
+    table = ml.runs(work).set_index("run")
+    assert table.loc["good", "state"] == "starting" and pd.isna(table.loc["good", "problem"])
+    assert table.loc["bad_status", "state"] == "broken" and "corrupt" in table.loc["bad_status", "problem"]
+    assert table.loc["bad_job", "state"] == "broken" and "job.json" in table.loc["bad_job", "problem"]
+
+
+# -- a full disk ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MiB filesystem (tmpfs) that the test can fill; needs root, as CI has."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root (CI runs as root)")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(disk: Path) -> None:
+    """Use every free byte of ``disk``."""
+    with open(disk / "filler", "ab", buffering=0) as f:
+        for chunk in (1 << 20, 1 << 12, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * chunk)
+
+
+def test_a_full_disk_loses_nothing_already_saved(llama_path, tmp_path, small_disk):
+    """On a full disk a periodic save fails without ending the job and leaves every earlier
+    checkpoint and adapter intact; the final save fails loudly (the run does not claim results)."""
+    good = good_tenants(tmp_path, max_steps=6)
+    trainer = Trainer(job(llama_path, good, save_every=1), run_dir=small_disk / "run")
+    for _ in range(2):
+        trainer.step()
+        trainer.save(final=False)
+    adapter_before = (small_disk / "run" / "adapters" / "a" / "adapter_model.safetensors").read_bytes()
+    fill(small_disk)
+    trainer.step()
+    trainer.save(final=False)  # does not raise
+    events = [r for r in trainer.history if r["kind"] == "event"]
+    assert events[-1]["event"] == "save_failed" and "No space left" in events[-1]["message"]
+    ckpts = checkpoint.checkpoint_dirs(small_disk / "run" / "checkpoints")
+    assert [c.name for c in ckpts] == ["step_00000001", "step_00000002"]
+    for c in ckpts:
+        checkpoint.verify(c)
+    assert (
+        small_disk / "run" / "adapters" / "a" / "adapter_model.safetensors"
+    ).read_bytes() == adapter_before
+    assert not [p for p in (small_disk / "run" / "checkpoints").iterdir() if p.name.startswith(".")]
+    trainer.step()  # training goes on
+    assert trainer.tenants["a"].step == 4
+    with pytest.raises(SaveError, match="No space left"):
+        trainer.save(final=True)
+    (small_disk / "filler").unlink()
+    trainer.save(final=True)  # room again: everything is saved
+    assert (
+        checkpoint.read_checkpoint(checkpoint.latest_intact(small_disk / "run" / "checkpoints")[0])[
+            "global_step"
+        ]
+        == 4
+    )
+
+
+def test_a_job_that_runs_out_of_disk_never_claims_success(llama_path, tmp_path, small_disk):
+    """The real job process on a disk that fills up mid-run: it ends without a traceback taking down
+    anything else, status.json is intact and says failed (or the run reads lost), and every checkpoint
+    on disk is intact."""
+    good = good_tenants(tmp_path, max_steps=12)
+    run = prepare_run(job(llama_path, good, save_every=1, output_dir=str(small_disk / "run")))
+    proc = subprocess.Popen([sys.executable, "-m", "mlora_lab.train", str(run.root)])
+    try:
+        deadline = time.monotonic() + 120
+        while not checkpoint.checkpoint_dirs(run.checkpoints):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        fill(small_disk)
+        assert proc.wait(timeout=180) == 1
+    finally:
+        proc.kill()
+    state = ml.attach(run.root).status
+    assert state in (RunState.FAILED, RunState.LOST), state
+    if state is RunState.FAILED:
+        assert "could not save" in read_status(run.root).error
+    for c in checkpoint.checkpoint_dirs(run.checkpoints):
+        checkpoint.verify(c)
+
+
+# -- graceful on SIGINT, followers that survive a rewritten metrics file ------------------------------------
+
+
+@pytest.mark.slow
+def test_sigint_is_as_graceful_as_sigterm(llama_path, tmp_path):
+    run = ml.launch(
+        job(llama_path, good_tenants(tmp_path, max_steps=100_000), output_dir=str(tmp_path / "r"))
+    )
+    deadline = time.monotonic() + 120
+    while not any(r["kind"] == "train" for r in run.rows()):
+        assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
+        time.sleep(0.2)
+    agent = psutil.Process(read_status(run.path).pid)
+    for p in agent.children(recursive=True):
+        if "mlora_lab.train" in " ".join(p.cmdline()):
+            p.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends every rank
+    assert run.wait(timeout=120) == "stopped", run.logs(0)
+    assert run.adapter_path("a").is_dir()
+    step = checkpoint.read_checkpoint(checkpoint.latest_intact(run.path / "checkpoints")[0])["global_step"]
+    assert step >= 1 and "KeyboardInterrupt" not in run.logs(0, tail=None)
+
+
+@pytest.mark.slow
+def test_cli_resume_follows_a_metrics_file_the_resume_rewrites(llama_path, tmp_path):
+    """Killed after its last checkpoint, a job has rows the resume drops and logs again: the
+    ``mlora-lab resume`` follower notices the rewritten file and follows the job to the end."""
+    good = good_tenants(tmp_path, max_steps=10)
+    run = ml.launch(job(llama_path, good, save_every=4, output_dir=str(tmp_path / "r")))
+    deadline = time.monotonic() + 180
+    while run.global_step < 6:
+        assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
+        time.sleep(0.05)
+    run.kill()
+    assert run.wait(30).final
+    assert max(r["step"] for r in run.rows()) > 4, "there are rows after the checkpoint"
+    proc = subprocess.run([sys.executable, "-m", "mlora_lab.cli", "resume", str(run.path)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "final_loss" in proc.stdout
+    rows = [r for r in ml.attach(run.path).rows() if r["kind"] == "train"]
+    steps = [(r["tenant"], r["tenant_step"]) for r in rows]
+    assert len(steps) == len(set(steps)) and ("a", 10) in steps and ("b", 10) in steps
+    events = [r for r in ml.attach(run.path).rows() if r["kind"] == "event"]
+    assert events and events[-1]["event"] == "resumed"
+
+
+def test_a_deleted_metrics_file_is_recreated_by_the_job(llama_path, tmp_path):
+    good = good_tenants(tmp_path, max_steps=4)
+    trainer = Trainer(job(llama_path, good), run_dir=tmp_path / "run")
+    trainer.step()
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    trainer.train()
+    rows = ml.attach(tmp_path / "run").rows()
+    assert rows[0]["kind"] == "event" and rows[0]["event"] == "metrics_recreated"
+    assert [r["tenant_step"] for r in rows if r["kind"] == "train" and r["tenant"] == "a"] == [2, 3, 4]
+    assert ml.Run(tmp_path / "run").tenant_state("a") is TenantState.FINISHED
+
+
+def test_a_corrupt_line_in_metrics_is_skipped_by_every_reader(llama_path, tmp_path):
+    trainer = Trainer(job(llama_path, good_tenants(tmp_path, max_steps=2)), run_dir=tmp_path / "run")
+    trainer.step()
+    with open(tmp_path / "run" / "metrics.jsonl", "ab") as f:
+        f.write(b'{"kind": "train", "tenant": 1}\n\xde\xad\n')
+    trainer.train()
+    run = ml.attach(tmp_path / "run")
+    with pytest.warns(RuntimeWarning, match=r"metrics.jsonl line \d+: skipped"):
+        table = run.metrics()
+    assert list(table[table["tenant"] == "a"]["tenant_step"]) == [1, 2]
+    assert ml.summary(run).set_index("tenant").loc["a", "steps"] == 2
+    write_jsonl(tmp_path / "unused.jsonl", long_text_rows())
+
+
+@pytest.mark.slow
+def test_a_launched_job_listens_on_loopback_only(llama_path, tmp_path):
+    """``ml.launch`` starts torchrun on the loopback rendezvous: while a 2-process job trains, every
+    socket any of its processes listens on is bound to 127.0.0.1."""
+    import ipaddress
+
+    spec = job(llama_path, good_tenants(tmp_path, max_steps=100_000), parallel=ml.Parallel(nproc=2, fsdp=2),
+               output_dir=str(tmp_path / "r"))  # fmt: skip
+    run = ml.launch(spec)
+    deadline = time.monotonic() + 120
+    while not any(r["kind"] == "train" for r in run.rows()):
+        assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
+        time.sleep(0.2)
+    agent = psutil.Process(read_status(run.path).pid)
+    listening = [
+        (p.pid, c.laddr.ip, c.laddr.port)
+        for p in [agent, *agent.children(recursive=True)]
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert run.stop(timeout=120) == "stopped"
+    assert listening and all(ipaddress.ip_address(ip).is_loopback for _, ip, _ in listening), listening

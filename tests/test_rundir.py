@@ -1,0 +1,406 @@
+"""The run directory as a protocol, attacked: crafted control messages, pickles planted as checkpoints,
+stale pids, stray and rewritten files, symlinks, races for one directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from mlora_lab.rundir import (
+    CheckpointError,
+    ControlError,
+    EvalRow,
+    EventKind,
+    MetricsReader,
+    MetricsWriter,
+    ProcessIdentity,
+    RunDir,
+    RunDirError,
+    RunLock,
+    RunState,
+    Status,
+    TrainRow,
+    atomic_directory,
+    checkpoint,
+    control,
+    read_status,
+    update_status,
+)
+from mlora_lab.rundir.rows import truncate_after
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> RunDir:
+    return RunDir(tmp_path / "run").create()
+
+
+# -- control messages: data, never paths ------------------------------------------------------------
+
+
+def queue(run: RunDir, name: str, content: bytes | str) -> Path:
+    path = run.control / name
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return path
+
+
+def test_send_makes_library_ids_and_the_job_reads_them_back(run):
+    msg_id = control.send(run.root, "pause", name="alice")
+    assert len(msg_id) == 32 and int(msg_id, 16) >= 0
+    (item,) = control.incoming(run.root)
+    assert item.problem is None and item.message.id == msg_id and item.message.name == "alice"
+
+
+@pytest.mark.parametrize(
+    "crafted_id",
+    [
+        "../../x",
+        "/tmp/evil",
+        "../../other_run/job",
+        "a" * 31,
+        "A" * 32,
+        "g" * 32,
+        "0" * 32 + "/..",
+        "",
+        "..",
+        "\x00" * 32,
+    ],
+)
+def test_a_crafted_message_id_never_becomes_a_path(run, tmp_path, crafted_id):
+    """The id inside a message cannot steer where the result goes: the file is rejected with its
+    reason and nothing is written outside the run (another run's job.json stays as it was)."""
+    other = RunDir(tmp_path / "other_run").create()
+    other.job.write_text('{"untouched": true}')
+    before = {p for p in tmp_path.rglob("*") if p.is_file()}
+    name = f"{time.time_ns():020d}-{'0' * 32}.json"
+    queue(run, name, json.dumps({"id": crafted_id, "op": "pause", "name": "a"}))
+    (item,) = control.incoming(run.root)
+    assert item.message is None and "id" in item.problem
+    control.reject(run.root, item, step=0)
+    assert other.job.read_text() == '{"untouched": true}'
+    created = {p for p in tmp_path.rglob("*") if p.is_file()} - before
+    assert all(run.root in p.parents for p in created), created
+    assert "differs" in (run.control / "rejected" / f"{name}.reason").read_text()
+    with pytest.raises(ValueError, match="not a control message id"):
+        control.read_result(run.root, crafted_id)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "reason"),
+    [
+        ("0001-x.json", "{}", "file name"),
+        ("../escape.json", "{}", None),  # not even listed: only direct children are read
+        (f"{1:020d}-{'a' * 32}.json", b"\xff\xfe not utf-8", "UTF-8"),
+        (f"{2:020d}-{'b' * 32}.json", "{not json", "not valid JSON"),
+        (f"{3:020d}-{'c' * 32}.json", "[" * 100_000 + "]" * 100_000, "JSON"),
+        (f"{4:020d}-{'d' * 32}.json", json.dumps({"id": "d" * 32, "op": "explode"}), "'op'"),
+        (f"{5:020d}-{'e' * 32}.json", json.dumps({"id": "e" * 32, "op": "remove", "name": ["a"]}), "name"),
+        (
+            f"{6:020d}-{'f' * 32}.json",
+            json.dumps({"id": "f" * 32, "op": "remove", "name": "../../x"}),
+            "name",
+        ),
+        (f"{7:020d}-{'1' * 32}.json", json.dumps({"id": "1" * 32, "op": "add", "tenant": "alice"}), "tenant"),
+        (
+            f"{8:020d}-{'2' * 32}.json",
+            json.dumps({"id": "2" * 32, "op": "pause", "name": "a", "x": 1}),
+            "unknown",
+        ),
+        (f"{9:020d}-{'3' * 32}.json", " " * (2 << 20), "bytes"),
+    ],
+)
+def test_hostile_message_files_are_rejected_with_a_reason(run, name, content, reason):
+    if name.startswith(".."):
+        (run.root / "escape.json").write_text("{}")
+        assert control.incoming(run.root) == []
+        return
+    queue(run, name, content)
+    (item,) = control.incoming(run.root)
+    assert item.message is None and reason in item.problem, item.problem
+    control.reject(run.root, item, step=3)
+    assert not (run.control / name).exists()
+    assert (run.control / "rejected" / name).exists()
+    if item.msg_id:  # a well-formed id gets an answer, so a waiting caller learns why
+        with pytest.raises(ControlError, match="rejected"):
+            control.wait_result(run.root, item.msg_id, timeout=1)
+
+
+def test_symlinked_message_is_rejected_and_its_target_untouched(run, tmp_path):
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"id": "9" * 32, "op": "pause", "name": "a"}))
+    name = f"{1:020d}-{'9' * 32}.json"
+    (run.control / name).symlink_to(secret)
+    (item,) = control.incoming(run.root)
+    assert item.message is None and "regular file" in item.problem
+    control.reject(run.root, item, step=0)
+    assert secret.read_text().startswith("{") and (run.control / "rejected" / name).is_symlink()
+
+
+def test_a_replayed_id_is_rejected_and_its_result_kept(run):
+    msg_id = control.send(run.root, "pause", name="a")
+    (item,) = control.incoming(run.root)
+    control.finish(run.root, control.claim(run.root, item), control.ControlResult(msg_id, True, None, 4))
+    replay = sorted((run.control / "done").iterdir())[0].read_bytes()
+    queue(run, f"{time.time_ns():020d}-{msg_id}.json", replay)
+    (again,) = control.incoming(run.root)
+    assert again.message is None and "duplicate" in again.problem
+    control.reject(run.root, again, step=9)
+    assert control.read_result(run.root, msg_id).ok and control.read_result(run.root, msg_id).step == 4
+
+
+def test_a_message_interrupted_by_a_crash_is_answered_and_never_replayed(run):
+    msg_id = control.send(run.root, "remove", name="a")
+    (item,) = control.incoming(run.root)
+    control.claim(run.root, item)  # the job claimed it, then died
+    assert control.interrupted(run.root, step=7) == [msg_id]
+    assert control.incoming(run.root) == [] and not any((run.control / "applying").iterdir())
+    with pytest.raises(ControlError, match="interrupted"):
+        control.wait_result(run.root, msg_id, timeout=1)
+
+
+def test_wait_result_reports_a_dead_job_and_refuses_bad_ids(run):
+    msg_id = control.send(run.root, "pause", name="a")
+    with pytest.raises(ControlError, match="ended before"):
+        control.wait_result(run.root, msg_id, timeout=5, is_alive=lambda: False)
+    with pytest.raises(ValueError):
+        control.wait_result(run.root, "../../job", timeout=1)
+
+
+# -- checkpoints: nothing unpickles; damage is found and skipped -------------------------------------
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['MLORA_PWNED']}",))
+
+
+def test_a_pickled_checkpoint_is_refused_without_running_it(tmp_path, monkeypatch):
+    """A crafted ``state.pt`` (a pickle that runs a command when loaded) is never unpickled: the
+    checkpoint is refused with a clear reason, and the command never runs."""
+    pwned = tmp_path / "pwned"
+    monkeypatch.setenv("MLORA_PWNED", str(pwned))
+    ckpts = tmp_path / "checkpoints"
+    step = ckpts / "step_00000005"
+    step.mkdir(parents=True)
+    (step / "state.pt").write_bytes(pickle.dumps({"global_step": 5, "x": _Evil()}))
+    (step / "meta.json").write_text('{"global_step": 5}')  # what the old format had
+    path, skipped = checkpoint.latest_intact(ckpts)
+    assert path is None and "pickle" in skipped[0][1] and "can run code" in skipped[0][1]
+    with pytest.raises(CheckpointError):
+        checkpoint.read_checkpoint(step)
+    # the same payload smuggled inside the new format's files is just bytes that fail to parse
+    good = checkpoint.write_checkpoint(ckpts, 6, {"a": torch.ones(2)})
+    (good / "state.json").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(CheckpointError, match=r"checksum|bytes"):
+        checkpoint.read_checkpoint(good)
+    assert not pwned.exists()
+
+
+def test_checkpoint_round_trip_and_refusal_of_non_json_state(tmp_path):
+    rng = torch.get_rng_state()
+    tree = {"step": 3, "opt": {0: {"step": torch.tensor(2.0), "exp_avg": torch.randn(3, 4)[:, :2]}},
+            "window": [[[1, 2, 3], [-100, 2, 3]]], "loss": float("nan"), "rng": rng, "name": None}  # fmt: skip
+    back = checkpoint.read_checkpoint(checkpoint.write_checkpoint(tmp_path, 3, tree))
+    assert back["opt"][0]["exp_avg"].equal(tree["opt"][0]["exp_avg"]) and back["rng"].equal(rng)
+    assert back["window"] == tree["window"] and back["loss"] != back["loss"]
+    with pytest.raises(TypeError, match="only JSON values and tensors"):
+        checkpoint.write_checkpoint(tmp_path, 4, {"x": object()})
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step_00000003"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary directory left"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "meta"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage):
+    for step in (2, 4):
+        checkpoint.write_checkpoint(tmp_path, step, {"step": step, "w": torch.full((64,), float(step))})
+    newest = tmp_path / "step_00000004"
+    tensors = newest / "tensors.safetensors"
+    if damage == "truncate":
+        tensors.write_bytes(tensors.read_bytes()[:-10])
+    elif damage == "flip":
+        data = bytearray(tensors.read_bytes())
+        data[-1] ^= 0xFF
+        tensors.write_bytes(bytes(data))
+    elif damage == "delete":
+        tensors.unlink()
+    else:
+        (newest / "meta.json").write_text("{garbage")
+    path, skipped = checkpoint.latest_intact(tmp_path)
+    assert path.name == "step_00000002" and checkpoint.read_checkpoint(path)["step"] == 2
+    assert [p.name for p, _ in skipped] == ["step_00000004"] and skipped[0][1]
+
+
+# -- status: a pid is not an identity ----------------------------------------------------------------
+
+
+@pytest.fixture
+def stranger():
+    """An unrelated process (not a training job) whose pid a stale status.json might name."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_identity_needs_pid_start_time_host_and_a_job_command_line(stranger):
+    me = ProcessIdentity.of(stranger.pid)
+    assert me is not None and me.alive() is False, "a live process that is not a job is not the job"
+    assert ProcessIdentity(stranger.pid, me.start_time - 1000, me.host).alive() is False
+    assert ProcessIdentity(stranger.pid, me.start_time, "another-host").alive() is None
+
+
+def test_a_stale_pid_makes_the_run_lost_and_stop_never_signals_it(tmp_path, stranger):
+    """After a reboot the recorded pid belongs to someone else: the run reads ``lost`` (resumable),
+    and ``stop``/``kill`` leave the stranger alone."""
+    from mlora_lab.launch import Run
+
+    run = RunDir(tmp_path / "run").create()
+    run.job.write_text("{}")
+    me = ProcessIdentity.of(os.getpid())
+    update_status(
+        run.root, state="running", pid=stranger.pid, pid_start_time=time.time() - 3600, host=me.host
+    )
+    r = Run(run.root)
+    assert r.status == RunState.LOST and "resume" in r.error
+    update_status(run.root, state="running", error=None)
+    r.kill()
+    assert r.stop(timeout=1) in (RunState.LOST, RunState.STOPPED)
+    assert stranger.poll() is None, "the unrelated process survived"
+    assert psutil.Process(stranger.pid).status() != psutil.STATUS_ZOMBIE
+
+
+def test_corrupt_or_foreign_status_gives_a_clear_error(run):
+    run.status.write_text("{half")
+    with pytest.raises(RunDirError, match="corrupt"):
+        read_status(run.root)
+    run.status.write_text('{"state": "hacked"}')
+    with pytest.raises(RunDirError, match="unknown state"):
+        read_status(run.root)
+    run.status.write_text('{"state": "running", "pid": "1; rm -rf /"}')
+    with pytest.raises(RunDirError, match="pid"):
+        read_status(run.root)
+    update_status(run.root, state="failed", error="x")  # the truth replaces a corrupt file
+    assert read_status(run.root) == Status(state=RunState.FAILED, error="x")
+
+
+# -- metrics: readers never break; the writer survives deletion --------------------------------------
+
+
+def test_reader_skips_corrupt_and_foreign_lines_naming_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    writer.write(EvalRow(step=1, tenant="a", loss=1.0))
+    with open(path, "ab") as f:
+        f.write(b"\x00\xff garbage\n")
+        f.write(b'{"kind": "train", "step": "one"}\n')  # JSON, but not a train row
+        f.write(b'{"hello": "world"}\n')
+        f.write(b"[1, 2]\n")
+    writer.write(EvalRow(step=2, tenant="a", loss=0.5))
+    reader = MetricsReader(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = reader.poll()
+    assert [r["step"] for r in rows] == [1, 2]
+    messages = [str(w.message) for w in caught]
+    assert [m.split(" line ")[1].split(":")[0] for m in messages] == ["2", "3", "4", "5"], messages
+    assert all(str(path) in m for m in messages) and reader.skipped == 4
+
+
+def test_reader_notices_a_rewritten_or_replaced_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    for step in range(1, 6):
+        writer.write(
+            TrainRow(step=step, tenant="a", tenant_step=step, loss=1.0, tokens=3, lr=0.1, grad_norm=1.0)
+        )
+    reader = MetricsReader(path)
+    assert len(reader.poll()) == 5 and reader.generation == 0
+    truncate_after(path, 2)  # what a resume does: drop rows after its checkpoint
+    rows = reader.poll()
+    assert reader.generation == 1 and [r["step"] for r in reader.rows] == [1, 2] and rows == reader.rows
+    with open(path, "w") as f:  # truncated in place, same inode
+        f.write("")
+    reader.poll()
+    assert reader.generation == 2 and reader.rows == []
+
+
+def test_writer_recreates_a_deleted_file_and_never_follows_a_symlink(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    writer.write(EvalRow(step=1, tenant="a", loss=1.0))
+    path.unlink()
+    writer.write(EvalRow(step=2, tenant="a", loss=1.0))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["event", "eval"] and rows[0]["event"] == EventKind.METRICS_RECREATED
+    writer.close()
+    target = tmp_path / "bashrc"
+    target.write_text("original\n")
+    path.unlink()
+    path.symlink_to(target)
+    with pytest.raises(OSError):
+        MetricsWriter(path)
+    assert target.read_text() == "original\n"
+
+
+# -- the layout: names and symlinks cannot lead outside ----------------------------------------------
+
+
+def test_names_and_planted_symlinks_cannot_lead_outside_the_run(tmp_path):
+    run = RunDir(tmp_path / "run").create()
+    for bad in ("../x", "/etc", "..", "a/b", "", "x" * 101, "\x00"):
+        with pytest.raises(RunDirError):
+            run.adapter(bad)
+    assert run.adapter("alice-1.v2") == (run.adapters / "alice-1.v2").resolve()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.rmdir(run.adapters)
+    run.adapters.symlink_to(outside)
+    with pytest.raises(RunDirError, match="outside"):
+        run.adapter("alice")
+    with pytest.raises(RunDirError, match="outside"):
+        run.create()
+
+
+def test_atomic_directory_leaves_the_old_one_on_failure(tmp_path):
+    target = tmp_path / "adapter"
+    with atomic_directory(target) as tmp:
+        (tmp / "a.txt").write_text("old")
+    with pytest.raises(OSError), atomic_directory(target) as tmp:
+        (tmp / "a.txt").write_text("new, half")
+        raise OSError(28, "No space left on device")
+    assert (target / "a.txt").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
+
+
+# -- one owner per run directory -----------------------------------------------------------------------
+
+
+def test_the_lock_has_one_holder_and_dies_with_it(tmp_path):
+    run = RunDir(tmp_path / "run")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from mlora_lab.rundir import RunDir, RunLock; "
+         "RunLock(RunDir(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)", str(run.root)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirError, match="in use"):
+            RunLock(run).acquire(timeout=0.3)
+        assert RunLock(run).is_held_elsewhere()
+        holder.send_signal(signal.SIGKILL)  # however it ends, the kernel drops the lock
+        holder.wait()
+        with RunLock(run) as lock:
+            assert lock.held
+    finally:
+        holder.kill()
+        holder.wait()
