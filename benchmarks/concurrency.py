@@ -1,7 +1,7 @@
 """Concurrency: one mlora_lab job training 4 tenants vs the same 4 trainings run one after another with PEFT.
 
-    /work/venv/bin/python benchmarks/concurrency.py            # full run (~4 min on 2 cores)
-    /work/venv/bin/python benchmarks/concurrency.py --quick    # smoke test (<30 s)
+    .venv/bin/python benchmarks/concurrency.py            # full run (~4 min on 2 cores)
+    .venv/bin/python benchmarks/concurrency.py --quick    # smoke test (<30 s)
 
 Each training is its own process (``python benchmarks/concurrency.py --worker ...``), so that its peak
 memory (``ru_maxrss``) is its own:

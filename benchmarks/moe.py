@@ -1,7 +1,7 @@
 """MoE tenants: a mixed-tenant step on packed experts vs one PEFT adapter, and expert memory under EP.
 
-    /work/venv/bin/python benchmarks/moe.py            # full run (~5 min on 2 cores)
-    /work/venv/bin/python benchmarks/moe.py --quick    # smoke test (~1 min)
+    .venv/bin/python benchmarks/moe.py            # full run (~5 min on 2 cores)
+    .venv/bin/python benchmarks/moe.py --quick    # smoke test (~1 min)
 
 **Step.** Forward+backward of one batch through a Qwen3-MoE model (8 experts, top-2), LoRA r=16 on
 the attention projections and on both packed expert parameters (``target_parameters``):

@@ -1,7 +1,7 @@
 """Mixed-tenant overhead: forward+backward of one batch that mixes 4 tenants vs one plain PEFT adapter.
 
-    /work/venv/bin/python benchmarks/overhead.py            # full run (~4 min on 2 cores)
-    /work/venv/bin/python benchmarks/overhead.py --quick    # smoke test (<30 s)
+    .venv/bin/python benchmarks/overhead.py            # full run (~4 min on 2 cores)
+    .venv/bin/python benchmarks/overhead.py --quick    # smoke test (<30 s)
 
 Both sides see the same rows (same ``input_ids``, ``attention_mask``, shapes) and compute the same
 loss code (``causal_lm_token_loss`` summed per tenant segment, divided by its token count; PEFT has one

@@ -1,7 +1,7 @@
 """Tenant scaling at a fixed total batch: step time and memory with 1, 8, 32 and 64 tenants.
 
-    /work/venv/bin/python benchmarks/scaling.py            # full run (~2-3 min on 2 cores)
-    /work/venv/bin/python benchmarks/scaling.py --quick    # smoke test (<30 s)
+    .venv/bin/python benchmarks/scaling.py            # full run (~2-3 min on 2 cores)
+    .venv/bin/python benchmarks/scaling.py --quick    # smoke test (<30 s)
 
 Every configuration is one in-process job (``Trainer(JobSpec(...), run_dir=None)``) with the same
 ``max_tenants=64`` / ``max_rank=16`` slots and the same total batch (64 rows of ``seq`` tokens): k

@@ -1,7 +1,7 @@
 """Tensor parallelism: base memory per rank and step time of the same job with tp = 1, 2 (and fsdp).
 
-    /work/venv/bin/python benchmarks/tp.py            # ~20M-parameter Llama-style model, ~3 min
-    /work/venv/bin/python benchmarks/tp.py --quick    # tiny model, smoke test
+    .venv/bin/python benchmarks/tp.py            # ~20M-parameter Llama-style model, ~3 min
+    .venv/bin/python benchmarks/tp.py --quick    # tiny model, smoke test
 
 Each layout runs the same 4-tenant job under real torchrun (gloo on CPU, nccl on GPU). Per rank it
 reports the bytes of the frozen base parameters the rank holds (its TP slice of every projection, of

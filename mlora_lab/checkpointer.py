@@ -76,8 +76,9 @@ class Checkpointer:
         state = self.state()
         if tr.run is None or not tr.dist.is_main:
             return None
-        path = checkpoint.write_checkpoint(tr.run.checkpoints, tr.global_step, state)
-        checkpoint.prune(tr.run.checkpoints, self.keep)
+        folder = tr.run.inside(tr.run.checkpoints)  # never through a symlink planted in its place
+        path = checkpoint.write_checkpoint(folder, tr.global_step, state)
+        checkpoint.prune(folder, self.keep)
         return path
 
     def choose(self) -> tuple[Path | None, list[tuple[str, str]]]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlora_lab.parallel import Collectives
-from mlora_lab.rundir import RunDir, control
+from mlora_lab.rundir import RunDir, RunDirError, control
 from mlora_lab.rundir.control import ControlMessage, ControlResult
 
 
@@ -71,30 +71,48 @@ class ControlHandler:
     ) -> None:
         self.run, self.comm, self.is_main = run, comm, is_main
         self.prepare, self.on_refused = prepare, on_refused
+        self._noted: set[str] = set()
+
+    def _note(self, text: str) -> None:
+        """Say what is wrong with the control folder once per distinct problem (it is polled every step)."""
+        if text not in self._noted:
+            self._noted.add(text)
+            print(text, flush=True)
 
     def start(self, step: int) -> None:
         """At job start: answer messages a previous run of the job died while applying (not replayed)."""
-        if self.run is not None and self.is_main:
+        if self.run is None or not self.is_main:
+            return
+        try:
             for msg_id in control.interrupted(self.run.root, step):
                 print(
                     f"control message {msg_id} was interrupted by the end of the previous run; not replayed"
                 )
+        except (OSError, RunDirError) as e:
+            self._note(f"interrupted control messages not answered: {e}")
 
     def poll(self, step: int) -> list[ControlResult]:
-        """Apply every queued message now; returns their results (on every rank)."""
+        """Apply every queued message now; returns their results (on every rank). Trouble with the
+        control folder itself (gone, replaced by a file or by a symlink leading elsewhere) is said
+        once and otherwise ignored: it never ends the job."""
         if self.run is None:
             return []
         claimed: list[tuple[Path, ControlMessage]] = []
         if self.is_main:
-            for item in control.incoming(self.run.root):
+            try:
+                items = control.incoming(self.run.root)
+            except (OSError, RunDirError) as e:
+                self._note(f"control messages not read: {e}")
+                items = []
+            for item in items:
                 try:
                     if item.message is None:
-                        print(f"control file {item.path.name[:80]!r} rejected: {item.problem}", flush=True)
+                        self._note(f"control file {item.path.name[:80]!r} rejected: {item.problem}")
                         control.reject(self.run.root, item, step)
                     else:
                         claimed.append((control.claim(self.run.root, item), item.message))
-                except OSError as e:  # the file vanished or cannot be moved: leave it, say so
-                    print(f"control file {item.path.name[:80]!r} skipped: {e}", flush=True)
+                except (OSError, RunDirError) as e:  # it vanished, or cannot be moved: leave it, say so
+                    self._note(f"control file {item.path.name[:80]!r} skipped: {e}")
         messages: list[ControlMessage] = self.comm.broadcast_object([m for _, m in claimed])
         results = []
         for i, msg in enumerate(messages):
@@ -103,8 +121,8 @@ class ControlHandler:
             if self.is_main:
                 try:
                     control.finish(self.run.root, claimed[i][0], result)
-                except OSError as e:
-                    print(f"control message {msg.id}: cannot write its result ({e})", flush=True)
+                except (OSError, RunDirError) as e:
+                    self._note(f"control message {msg.id}: cannot write its result ({e})")
         return results
 
     def _apply(self, msg: ControlMessage, step: int) -> ControlResult:

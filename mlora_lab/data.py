@@ -480,9 +480,16 @@ def tokenize_rows(rows: list[dict], tokenizer: Any, seq_len: int, source: str = 
     if rows and not examples:
         raise DataError([_no_target_problem(where, len(rows), n_cut, seq_len)], header=f"cannot use {where}")
     if n_truncated or n_no_target:
-        msg = f"{where}: {n_truncated} of {len(rows)} row(s) truncated to seq_len={seq_len} tokens"
-        msg += f"; {n_no_target} row(s) have no target token left and are dropped (they would add no loss)"
-        warnings.warn(msg, UserWarning, stacklevel=2)
+        parts = (
+            [f"{n_truncated} of {len(rows)} row(s) truncated to seq_len={seq_len} tokens"]
+            if n_truncated
+            else []
+        )
+        if n_no_target:
+            parts.append(
+                f"{n_no_target} row(s) have no target token left and are dropped (they would add no loss)"
+            )
+        warnings.warn(f"{where}: " + "; ".join(parts), UserWarning, stacklevel=2)
     return examples
 
 

@@ -183,7 +183,10 @@ def resume(
     lock = RunLock(run)
     lock.acquire()
     try:
-        state = Run(run.root).status
+        try:
+            state = Run(run.root).status
+        except RunDirError:  # a corrupt status.json: no job holds the lock we hold, so none runs
+            state = RunState.LOST
         if not state.final:
             raise RuntimeError(f"{run.root} is {state.value}; stop it first")
         path, skipped = checkpoint.latest_intact(run.checkpoints)
@@ -370,11 +373,7 @@ class Run:
         spec = self.spec
         tenant = dataclasses.replace(spec, tenants=[tenant]).resolved(Path.cwd()).tenants[0]
         problems = tenant_problems(spec, tenant)
-        holding = [
-            t.name
-            for t in spec.tenants
-            if self.tenant_state(t.name) not in (TenantState.REMOVED, TenantState.FAILED)
-        ]
+        holding = [t.name for t in spec.tenants if self.tenant_state(t.name) is not TenantState.REMOVED]
         if len(holding) >= spec.max_tenants:
             problems.append(f"no free slot: max_tenants={spec.max_tenants} are taken by {holding}")
         if problems:

@@ -98,7 +98,10 @@ def raw_message_files(rng: random.Random) -> list[tuple[str, bytes | None, str]]
     def env(**d: Any) -> bytes:
         return json.dumps(d).encode()
 
-    mid = uuid.UUID(int=rng.getrandbits(128)).hex
+    def nested(msg_id: str, depth: int) -> bytes:
+        return f'{{"id": "{msg_id}", "op": "add", "tenant": {{"name": {"[" * depth}{"]" * depth}}}}}'.encode()
+
+    mid, deep = uuid.UUID(int=rng.getrandbits(128)).hex, uuid.UUID(int=rng.getrandbits(128)).hex
     out = [
         ("evil.json", b"{}", "bad name"),
         ("0001-abc.json", env(id="abc", op="pause", name="a"), "bad name"),
@@ -113,6 +116,11 @@ def raw_message_files(rng: random.Random) -> list[tuple[str, bytes | None, str]]
         (name(), b"[" * 50_000 + b"]" * 50_000, "deep nesting"),
         (name(), b'{"x": "' + b"a" * (2 << 20) + b'"}', "too big"),
         (name(mid), env(id="0" * 32, op="pause", name="a"), "id mismatch"),
+        (
+            name(deep),
+            nested(deep, 500),
+            "nested 500 deep",
+        ),  # parses, but would overflow the stack when pickled
         (name(mid), env(id=mid, op="pause", name="a", extra=1), "unknown field"),
     ]
     for op in (None, 1, [], "ADD", "stop", "add\x00"):

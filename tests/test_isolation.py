@@ -19,7 +19,7 @@ from mlora_lab.checkpointer import Checkpointer
 from mlora_lab.control_handler import Change, ControlHandler
 from mlora_lab.parallel import Collectives, ParallelDims
 from mlora_lab.rundir import ControlError, RunDir, TenantState, checkpoint, control
-from mlora_lab.train import Trainer
+from mlora_lab.train import SaveError, Trainer
 
 
 def long_text_rows(n: int = 16, seed: int = 0) -> list[dict]:
@@ -371,3 +371,41 @@ def test_a_tenant_with_tokens_the_model_cannot_embed_fails_alone(tiny_models, tm
     trainer._poll_control()
     with pytest.raises(ControlError, match="cannot embed"):
         control.wait_result(trainer.run.root, msg)
+
+
+def test_folders_replaced_under_a_running_job_never_lead_it_outside(llama_path, tmp_path):
+    """A stray symlink planted in the run while the job runs (control/done, control/results,
+    checkpoints/ leading elsewhere) or control/ replaced by a file: the job writes nothing outside
+    the run, says what it could not do, and its tenants train to the end."""
+    import os
+    import shutil
+
+    good = good_tenants(tmp_path, max_steps=4)
+    trainer = Trainer(job(llama_path, good, save_every=1), run_dir=tmp_path / "run")
+    run = trainer.run
+    trainer.step()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for folder in (run.control / "done", run.control / "results", run.checkpoints):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.symlink_to(outside)
+    msg = control.send(run.root, "pause", name="zz")
+    for _ in range(2):
+        trainer.step()
+        trainer._poll_control()
+        trainer.save(final=False)
+    assert not any(outside.iterdir()), sorted(outside.iterdir())
+    assert any(r["kind"] == "event" and "outside the run directory" in r["message"] for r in trainer.history)
+    # results/ leads outside, so the message cannot be answered safely: it waits in the queue, untouched
+    assert (run.control / f"{sorted(p.name for p in run.control.glob('*.json'))[0]}").name.endswith(
+        f"{msg}.json"
+    )
+    shutil.rmtree(run.control)
+    run.control.write_text("not a folder")
+    with pytest.raises(
+        SaveError, match="outside the run directory"
+    ):  # the final checkpoint has nowhere to go
+        trainer.train()
+    assert all(trainer.tenants[g.name].state is TenantState.FINISHED for g in good)
+    assert all((run.adapters / g.name / "adapter_model.safetensors").is_file() for g in good)
+    assert not any(outside.iterdir()) and not os.path.islink(run.adapters)

@@ -30,6 +30,8 @@ from mlora_lab.rundir import (
     RunLock,
     RunState,
     Status,
+    TenantRow,
+    TenantState,
     TrainRow,
     atomic_directory,
     checkpoint,
@@ -117,6 +119,12 @@ def test_a_crafted_message_id_never_becomes_a_path(run, tmp_path, crafted_id):
             "unknown",
         ),
         (f"{9:020d}-{'3' * 32}.json", " " * (2 << 20), "bytes"),
+        # JSON parses it, but passing it between ranks (pickled) would overflow the stack
+        (
+            f"{10:020d}-{'4' * 32}.json",
+            '{"id": "' + "4" * 32 + '", "op": "add", "tenant": {"name": ' + "[" * 500 + "]" * 500 + "}}",
+            "nested",
+        ),
     ],
 )
 def test_hostile_message_files_are_rejected_with_a_reason(run, name, content, reason):
@@ -314,6 +322,19 @@ def test_reader_skips_corrupt_and_foreign_lines_naming_file_and_line(tmp_path):
     messages = [str(w.message) for w in caught]
     assert [m.split(" line ")[1].split(":")[0] for m in messages] == ["2", "3", "4", "5"], messages
     assert all(str(path) in m for m in messages) and reader.skipped == 4
+
+
+def test_no_text_makes_a_row_or_a_file_unwritable(run):
+    """A reason quoting hostile input may hold a lone surrogate (not valid UTF-8): it is escaped."""
+    writer = MetricsWriter(run.metrics)
+    writer.write(
+        TenantRow(step=1, tenant="x", state=TenantState.REFUSED, reason="no such file: '\ud800.jsonl'")
+    )
+    (row,) = MetricsReader(run.metrics).poll()
+    assert row["state"] == "refused" and "\\ud800" in row["reason"]
+    item = control.Incoming(queue(run, f"{1:020d}-{'5' * 32}.json", "{"), None, "bad \udcff name", "5" * 32)
+    control.reject(run.root, item, step=0)
+    assert "\\udcff" in (run.control / "rejected" / f"{1:020d}-{'5' * 32}.json.reason").read_text()
 
 
 def test_reader_notices_a_rewritten_or_replaced_file(tmp_path):

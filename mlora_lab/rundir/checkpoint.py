@@ -32,11 +32,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from mlora_lab.rundir.files import atomic_directory, atomic_write_json
+from mlora_lab.rundir.files import RunDirError, atomic_directory, atomic_write_json
 
 FORMAT = 1
-WRITE_ERRORS = (OSError, SafetensorError)
-"""What a failed write raises (a full disk: safetensors reports ENOSPC as a SafetensorError)."""
+WRITE_ERRORS = (OSError, SafetensorError, RunDirError)
+"""What a failed write raises: a full disk (safetensors reports ENOSPC as a SafetensorError), or a
+folder of the run replaced by a symlink that leads outside it."""
 STATE, TENSORS, META = "state.json", "tensors.safetensors", "meta.json"
 STEP_DIR = re.compile(r"step_([0-9]{8,})")
 

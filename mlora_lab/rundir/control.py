@@ -39,6 +39,9 @@ from mlora_lab.rundir.files import RunDir, atomic_write_json, atomic_write_text,
 MESSAGE_ID = re.compile(r"[0-9a-f]{32}")
 MESSAGE_FILE = re.compile(r"([0-9]{20})-([0-9a-f]{32})\.json")
 MAX_MESSAGE_BYTES = 1 << 20
+MAX_DEPTH = 32
+"""Deepest nesting of lists/objects a message may have: the job passes messages between its ranks
+(pickled), and a message nested hundreds deep that JSON still parses would overflow the stack there."""
 
 
 class Op(str, Enum):
@@ -83,6 +86,8 @@ class ControlMessage:
         """Check a decoded message; ``ValueError`` with the reason if it is not a valid one."""
         if not isinstance(d, dict):
             raise ValueError(f"a message is a JSON object (got {type(d).__name__})")
+        if _depth(d) > MAX_DEPTH:
+            raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
         unknown = sorted(str(k)[:40] for k in d if k not in ("id", "op", "name", "tenant"))
         if unknown:
             raise ValueError(f"unknown fields {unknown[:5]}")
@@ -129,14 +134,26 @@ class Incoming:
     msg_id: str | None  # from a well-formed file name: a refusal can then be answered
 
 
+def _depth(obj: Any) -> int:
+    """Nesting depth of lists and dicts in ``obj`` (iterative: never recurses itself)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        x, level = stack.pop()
+        if isinstance(x, dict | list):
+            deepest = max(deepest, level)
+            if level <= MAX_DEPTH:  # no need to walk further than the limit
+                stack.extend((v, level + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return deepest
+
+
 def new_message_id() -> str:
     return uuid.uuid4().hex
 
 
 def _result_path(run: RunDir, msg_id: str) -> Path:
-    if not MESSAGE_ID.fullmatch(msg_id):
-        raise ValueError(f"{msg_id[:80]!r} is not a control message id (32 hex digits)")
-    return run.control / "results" / f"{msg_id}.json"
+    if not isinstance(msg_id, str) or not MESSAGE_ID.fullmatch(msg_id):
+        raise ValueError(f"{str(msg_id)[:80]!r} is not a control message id (32 hex digits)")
+    return run.inside(run.control / "results" / f"{msg_id}.json")
 
 
 def send(
@@ -189,9 +206,8 @@ def incoming(run_dir: str | os.PathLike) -> list[Incoming]:
     run = RunDir(run_dir)
     out = []
     try:
-        paths = sorted(
-            p for p in run.control.iterdir() if p.name.endswith(".json") and not p.name.startswith(".")
-        )
+        folder = run.inside(run.control)  # a control/ replaced by a symlink elsewhere is not read
+        paths = sorted(p for p in folder.iterdir() if p.name.endswith(".json") and not p.name.startswith("."))
     except FileNotFoundError:
         return []
     for path in paths:
@@ -203,9 +219,10 @@ def incoming(run_dir: str | os.PathLike) -> list[Incoming]:
     return out
 
 
-def _move(path: Path, folder: Path) -> Path:
-    folder.mkdir(exist_ok=True)
-    target = folder / path.name
+def _move(run: RunDir, path: Path, folder: str) -> Path:
+    """Move a message file into ``control/<folder>/`` (never through a symlink planted there)."""
+    (run.control / folder).mkdir(exist_ok=True)
+    target = run.inside(run.control / folder / path.name)
     os.replace(path, target)
     return target
 
@@ -213,7 +230,7 @@ def _move(path: Path, folder: Path) -> Path:
 def reject(run_dir: str | os.PathLike, item: Incoming, step: int) -> None:
     """Move an invalid message to ``rejected/`` with its reason (and answer it, if its id allows)."""
     run = RunDir(run_dir)
-    target = _move(item.path, run.control / "rejected")
+    target = _move(run, item.path, "rejected")
     atomic_write_text(target.with_name(target.name + ".reason"), f"{item.problem}\n")
     if item.msg_id and not _result_path(run, item.msg_id).exists():
         write_result(run.root, ControlResult(item.msg_id, False, f"rejected: {item.problem}", step))
@@ -221,7 +238,7 @@ def reject(run_dir: str | os.PathLike, item: Incoming, step: int) -> None:
 
 def claim(run_dir: str | os.PathLike, item: Incoming) -> Path:
     """Take a valid message out of the queue before applying it (so it is never applied twice)."""
-    return _move(item.path, RunDir(run_dir).control / "applying")
+    return _move(RunDir(run_dir), item.path, "applying")
 
 
 def write_result(run_dir: str | os.PathLike, result: ControlResult) -> None:
@@ -232,7 +249,7 @@ def finish(run_dir: str | os.PathLike, claimed: Path, result: ControlResult) -> 
     """Record a claimed message's outcome and move it to ``done/``."""
     run = RunDir(run_dir)
     write_result(run.root, result)
-    _move(claimed, run.control / "done")
+    _move(run, claimed, "done")
 
 
 def interrupted(run_dir: str | os.PathLike, step: int) -> list[str]:
@@ -248,7 +265,7 @@ def interrupted(run_dir: str | os.PathLike, step: int) -> list[str]:
             )
             write_result(run.root, ControlResult(m.group(2), False, error, step))
             ids.append(m.group(2))
-        _move(path, run.control / "done")
+        _move(run, path, "done")
     return ids
 
 

@@ -129,8 +129,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) 
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """:func:`atomic_write_bytes` of UTF-8 text."""
-    atomic_write_bytes(path, text.encode("utf-8"))
+    """:func:`atomic_write_bytes` of UTF-8 text (a lone surrogate, which hostile input can carry into
+    a message, is written as its ``\\udXXX`` escape rather than failing the write)."""
+    atomic_write_bytes(path, text.encode("utf-8", "backslashreplace"))
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -195,6 +195,20 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot write {type(obj).__name__} to metrics.jsonl")
 
 
+def _line(row: Row) -> bytes:
+    """One row as a JSON line. Text that is not valid UTF-8 (a lone surrogate quoted from hostile
+    input into a reason) is written as its escape, so no message can make a row unwritable."""
+    d = row.to_dict()
+    try:
+        return orjson.dumps(d, default=_default) + b"\n"
+    except orjson.JSONEncodeError:
+        clean = {
+            k: v.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(v, str) else v
+            for k, v in d.items()
+        }
+        return orjson.dumps(clean, default=_default) + b"\n"
+
+
 class MetricsWriter:
     """Appends rows to metrics.jsonl (rank 0 only). If the file is deleted or replaced under the
     job, the next write notices (one ``stat`` per row) and starts a new file, saying so in it."""
@@ -226,8 +240,8 @@ class MetricsWriter:
                 event=EventKind.METRICS_RECREATED,
                 message=f"{self.path.name} was deleted or replaced while the job ran; rows before this one are not in it",
             )
-            os.write(self._fd, orjson.dumps(note.to_dict(), default=_default) + b"\n")
-        os.write(self._fd, orjson.dumps(row.to_dict(), default=_default) + b"\n")
+            os.write(self._fd, _line(note))
+        os.write(self._fd, _line(row))
 
     def close(self) -> None:
         if self._fd >= 0:
