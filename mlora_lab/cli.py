@@ -24,6 +24,10 @@ from mlora_lab.spec import JobSpec, SpecError
 USER_ERRORS = (SpecError, RunDirError, CheckpointError, ControlError, FileNotFoundError, RuntimeError)
 
 
+def _nan(x: float | None) -> float:
+    return float("nan") if x is None else x
+
+
 def follow(run: Run, every: float = 2.0, out=sys.stdout) -> str:
     """Print per-tenant progress while ``run`` goes; return its final state."""
     print(f"run directory: {run.path}", file=out, flush=True)
@@ -37,7 +41,8 @@ def follow(run: Run, every: float = 2.0, out=sys.stdout) -> str:
             if row["kind"] == RowKind.TRAIN:
                 last[row["tenant"]] = row
         if last and (time.monotonic() - printed >= every or state.final):
-            parts = [f"{n} {r['tenant_step']} loss {r['loss']:.3f}" for n, r in sorted(last.items())]
+            # a loss that is not a finite number is null in metrics.jsonl
+            parts = [f"{n} {r['tenant_step']} loss {_nan(r['loss']):.3f}" for n, r in sorted(last.items())]
             print(f"[{state}] " + " | ".join(parts), file=out, flush=True)
             printed = time.monotonic()
         if state.final:

@@ -455,7 +455,8 @@ class Trainer:
         """Mean target-token loss of each tenant's eval set, computed in mixed-tenant batches."""
         was_training = self.model.training
         self.model.eval()
-        names = [n for n, t in self.tenants.items() if t.eval_examples]
+        # a quarantined tenant's loss is NaN by definition: it is not evaluated
+        names = [n for n, t in self.tenants.items() if t.eval_examples and t.state is not TenantState.FAILED]
         sums = torch.zeros(len(names), 2, dtype=torch.float64)  # (loss sum, target tokens) per tenant
         cursors = dict.fromkeys(names, 0)
         while any(cursors[n] < len(self.tenants[n].eval_examples) for n in names):

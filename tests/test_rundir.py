@@ -425,3 +425,17 @@ def test_the_lock_has_one_holder_and_dies_with_it(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_non_finite_metric_is_written_as_null_and_read_back(run):
+    writer = MetricsWriter(run.metrics)
+    writer.write(EvalRow(step=1, tenant="a", loss=float("nan")))
+    writer.write(
+        TrainRow(step=1, tenant="a", tenant_step=1, loss=2.0, tokens=3, lr=0.1, grad_norm=float("inf"))
+    )
+    rows = MetricsReader(run.metrics).poll()
+    assert (
+        [r["kind"] for r in rows] == ["eval", "train"]
+        and rows[0]["loss"] is None
+        and rows[1]["grad_norm"] is None
+    )

@@ -11,6 +11,7 @@ tenant    ``step, tenant, state, adapter_bytes, optimizer_bytes, local_adapter_b
 event     ``step, event, message, time`` (resumed, a checkpoint that failed or was skipped, ...)
 ========  ====================================================================================
 
+Float fields may be ``null``: JSON has no NaN or infinity, and the writer puts ``null`` for them.
 The writer appends each row with one ``write`` on an ``O_APPEND`` descriptor, so a reader sees whole
 lines, or a last line without its newline (left for the next poll). Readers never break: a line that
 is not JSON, or not one of these rows, is skipped with a warning naming the file and line; a file
@@ -139,53 +140,59 @@ class EventRow(Row):
 ROW_TYPES: dict[RowKind, type[Row]] = {t.kind: t for t in (TrainRow, EvalRow, SystemRow, TenantRow, EventRow)}
 
 
-def _checker(annotation: Any) -> Any:
-    """A predicate for JSON values of a field's type (numbers exclude bools; an int is a float)."""
-    hint = annotation
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        parts = [_checker(a) for a in typing.get_args(hint)]
-        return lambda v: any(p(v) for p in parts)
-    if hint is type(None):
-        return lambda v: v is None
-    if hint is int:
-        return lambda v: isinstance(v, int) and not isinstance(v, bool)
-    if hint is float:
-        return lambda v: isinstance(v, int | float) and not isinstance(v, bool)
-    if isinstance(hint, type) and issubclass(hint, Enum):
-        values = {m.value for m in hint}
-        return lambda v: isinstance(v, str) and v in values
-    return lambda v: isinstance(v, hint)
+_MISSING = object()
 
 
-def _schema(row_type: type[Row]) -> dict[str, tuple[bool, Any]]:
+def _field_rule(annotation: Any) -> tuple[frozenset[type], frozenset[str] | None]:
+    """The exact JSON value types a field of this type accepts (orjson gives exact ``int``, ``float``,
+    ``str``, ``bool``, ``None``, so ``type(v) in types`` also keeps bools out of numbers; an int is a
+    float), and for an enum field the values it may take."""
+    parts = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    accepted: set[type] = set()
+    values: frozenset[str] | None = None
+    for part in parts:
+        if part is float:  # JSON has no NaN/inf: a writer puts null for a number that is not finite
+            accepted |= {int, float, type(None)}
+        elif isinstance(part, type) and issubclass(part, Enum):
+            accepted.add(str)
+            values = frozenset(m.value for m in part)
+        else:
+            accepted.add(part)
+    return frozenset(accepted), values
+
+
+def _schema(row_type: type[Row]) -> tuple[tuple[str, bool, frozenset[type], frozenset[str] | None], ...]:
     hints = typing.get_type_hints(row_type)
-    return {
-        f.name: (
+    return tuple(
+        (
+            f.name,
             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-            _checker(hints[f.name]),
+            *_field_rule(hints[f.name]),
         )
         for f in dataclasses.fields(row_type)
-    }
+    )
 
 
-SCHEMAS = {kind: _schema(t) for kind, t in ROW_TYPES.items()}
+SCHEMAS = {kind.value: _schema(t) for kind, t in ROW_TYPES.items()}
 
 
 def row_problem(row: Any) -> str | None:
     """Why a parsed line is not a metrics row (None if it is one). Extra keys are allowed (a newer
-    writer may add fields); a missing required field or a value of the wrong type is not."""
-    if not isinstance(row, dict):
+    writer may add fields); a missing required field or a value of the wrong type is not. Called on
+    every row a reader sees, so it is a few dict lookups per field."""
+    if type(row) is not dict:
         return f"not a JSON object ({type(row).__name__})"
-    try:
-        kind = RowKind(row.get("kind"))
-    except (ValueError, TypeError):
-        return f"unknown kind {str(row.get('kind'))[:40]!r}"
-    for name, (required, ok) in SCHEMAS[kind].items():
-        if name not in row:
+    kind = row.get("kind")
+    schema = SCHEMAS.get(kind) if type(kind) is str else None
+    if schema is None:
+        return f"unknown kind {str(kind)[:40]!r}"
+    for name, required, accepted, values in schema:
+        v = row.get(name, _MISSING)
+        if v is _MISSING:
             if required:
-                return f"{kind.value} row without {name!r}"
-        elif not ok(row[name]):
-            return f"{kind.value} row: {name!r} has the wrong type ({type(row[name]).__name__})"
+                return f"{kind} row without {name!r}"
+        elif type(v) not in accepted or (values is not None and v not in values):
+            return f"{kind} row: {name!r} has the wrong type or value ({type(v).__name__})"
     return None
 
 
