@@ -59,6 +59,12 @@ def new_run_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
+def _run_root(spec: JobSpec, workdir: str | Path) -> Path:
+    """The run directory: ``output_dir``, else a new directory under ``workdir``."""
+    out = spec.output_dir
+    return Path(out if isinstance(out, str) and out else Path(workdir) / new_run_id()).absolute()
+
+
 def _directory_problem(root: Path) -> str | None:
     """Why ``root`` cannot take a new run (None if it can: it is missing, or empty)."""
     if not root.exists():
@@ -94,8 +100,7 @@ def prepare_run(
         problems.append(
             f"parallel.nnodes = {nnodes}: the local launcher runs on this machine only; use {MULTI_NODE}"
         )
-    out = spec.output_dir
-    root = Path(out if isinstance(out, str) and out else Path(workdir) / new_run_id()).absolute()
+    root = _run_root(spec, workdir)
     if (problem := _directory_problem(root)) is not None:
         problems.append(problem)
     if problems:
@@ -153,8 +158,7 @@ def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
 def launch(spec: JobSpec, workdir: str | Path = DEFAULT_WORKDIR, launcher: str = "local") -> Run:
     """Start ``spec`` under torchrun in the background and return its :class:`Run` at once."""
     spec = spec.resolved(Path.cwd())
-    out = spec.output_dir
-    root = Path(out if isinstance(out, str) and out else Path(workdir) / new_run_id()).absolute()
+    root = _run_root(spec, workdir)
     lock = RunLock(RunDir(root))
     run_dir = prepare_run(dataclasses.replace(spec, output_dir=str(root)), workdir, launcher, lock=lock)
     try:
@@ -373,7 +377,8 @@ class Run:
         spec = self.spec
         tenant = dataclasses.replace(spec, tenants=[tenant]).resolved(Path.cwd()).tenants[0]
         problems = tenant_problems(spec, tenant)
-        holding = [t.name for t in spec.tenants if self.tenant_state(t.name) is not TenantState.REMOVED]
+        states = self.tenant_states()
+        holding = [t.name for t in spec.tenants if states.get(t.name) is not TenantState.REMOVED]
         if len(holding) >= spec.max_tenants:
             problems.append(f"no free slot: max_tenants={spec.max_tenants} are taken by {holding}")
         if problems:
@@ -397,8 +402,11 @@ class Run:
 
     def tenant_state(self, name: str) -> TenantState | None:
         """The tenant's latest state: pending, running, paused, finished, removed, failed or refused."""
-        events = [r for r in self.rows() if r["kind"] == RowKind.TENANT and r["tenant"] == name]
-        return TenantState(events[-1]["state"]) if events else None
+        return self.tenant_states().get(name)
+
+    def tenant_states(self) -> dict[str, TenantState]:
+        """Every tenant's latest state (one pass over the rows)."""
+        return {r["tenant"]: TenantState(r["state"]) for r in self.rows() if r["kind"] == RowKind.TENANT}
 
     def _check_known(self, name: str) -> None:
         names = [t.name for t in self.spec.tenants]

@@ -386,20 +386,21 @@ class Trainer:
         clipping) and a flag for "its part of the step raised somewhere", so every process quarantines
         the same tenants; one more sums the window losses over the data-parallel ranks. With several
         processes, a last tiny all-reduce agrees on optimiser steps that raised."""
-        stepping = [t for t in active if t.micro == t.spec.grad_accum and t.name not in failed]
-        for t in stepping:
-            t.optimizer.bind()
+        ready = {t.name for t in active if t.micro == t.spec.grad_accum and t.name not in failed}
         local = torch.zeros(len(active), 2, dtype=torch.float64)
         for i, t in enumerate(active):
-            if t in stepping:
+            if t.name in ready:
+                t.optimizer.bind()
                 local[i, 0] = t.optimizer.local_sq_norm()
             local[i, 1] = float(t.name in failed)
         agreed = self.comm.sum_over_world(local)
-        for t, (_, flag) in zip(active, agreed):
+        stepping, sq = [], {}
+        for t, (sq_t, flag) in zip(active, agreed):
             if flag > 0:
                 self._quarantine(t, f"its step raised {failed.get(t.name, 'an error on another process')}")
-        stepping = [t for t, (_, flag) in zip(active, agreed) if flag == 0 and t in stepping]
-        sq = {t.name: agreed[active.index(t), 0] for t in stepping}
+            elif t.name in ready:
+                stepping.append(t)
+                sq[t.name] = sq_t
         losses = self.comm.sum_over_dp(torch.stack([t.window_loss for t in stepping])) if stepping else []
         raised: dict[str, str] = {}
         done = []
@@ -589,13 +590,9 @@ class Trainer:
         tenant = Tenant.from_dict(d)
         if self.run is not None:
             tenant = dataclasses.replace(self.spec, tenants=[tenant]).resolved(self.run.root).tenants[0]
-        problems = tenant_problems(self.spec, tenant)
+        problems = tenant_problems(self.spec, tenant)  # names too: job.json lists every tenant the run had
         if problems:
             raise SpecError(problems)
-        if self._name_taken(tenant.name):
-            raise ValueError(
-                f"a tenant named {tenant.name!r} (or the same name in other case) already exists in this run"
-            )
         if len(self.model.tenants) >= self.spec.max_tenants:
             raise ValueError(f"no free slot: all max_tenants={self.spec.max_tenants} slots are taken")
         self._log(TenantRow(step=self.global_step, tenant=tenant.name, state=TenantState.PENDING))

@@ -30,11 +30,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from mlora_lab.rundir.files import RunDir, atomic_write_json, atomic_write_text, name_problem
+from mlora_lab.rundir.files import RunDir, TextEnum, atomic_write_json, atomic_write_text, name_problem
 
 MESSAGE_ID = re.compile(r"[0-9a-f]{32}")
 MESSAGE_FILE = re.compile(r"([0-9]{20})-([0-9a-f]{32})\.json")
@@ -44,14 +43,11 @@ MAX_DEPTH = 32
 (pickled), and a message nested hundreds deep that JSON still parses would overflow the stack there."""
 
 
-class Op(str, Enum):
+class Op(TextEnum):
     ADD = "add"
     REMOVE = "remove"
     PAUSE = "pause"
     RESUME = "resume"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class ControlError(RuntimeError):

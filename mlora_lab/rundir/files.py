@@ -19,11 +19,20 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 """A tenant name: it becomes a directory name (``adapters/<name>/``), so only these characters."""
+
+
+class TextEnum(str, Enum):
+    """The run directory's enums: members are their JSON strings (``RunState.RUNNING == "running"``),
+    and ``str()`` / f-strings give the plain value."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class RunDirError(RuntimeError):

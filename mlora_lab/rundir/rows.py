@@ -33,19 +33,18 @@ from typing import Any, ClassVar
 
 import orjson
 
+from mlora_lab.rundir.files import TextEnum, atomic_write_bytes
 
-class RowKind(str, Enum):
+
+class RowKind(TextEnum):
     TRAIN = "train"
     EVAL = "eval"
     SYSTEM = "system"
     TENANT = "tenant"
     EVENT = "event"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class TenantState(str, Enum):
+class TenantState(TextEnum):
     """A tenant's life: ``pending`` (being added) → ``running`` ⇄ ``paused`` → ``finished``, or
     ``removed``; ``failed`` = quarantined (its step went NaN/inf or raised); ``refused`` = a request to
     add it was turned down (the reason says why)."""
@@ -58,18 +57,12 @@ class TenantState(str, Enum):
     FAILED = "failed"
     REFUSED = "refused"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class EventKind(str, Enum):
+class EventKind(TextEnum):
     RESUMED = "resumed"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # damaged: resume fell back to an older one
     SAVE_FAILED = "save_failed"  # a periodic checkpoint or adapter save failed (e.g. disk full)
     METRICS_RECREATED = "metrics_recreated"  # metrics.jsonl was deleted or replaced under the job
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass
@@ -320,8 +313,6 @@ class MetricsReader:
 def truncate_after(path: str | os.PathLike, step: int) -> None:
     """Keep only the rows logged at or before global ``step`` (resume logs the later ones again),
     and drop lines that are not rows. Rewritten atomically: readers see a new file and re-read it."""
-    from mlora_lab.rundir.files import atomic_write_bytes
-
     path = Path(path)
     try:
         data = path.read_bytes()

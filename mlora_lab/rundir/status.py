@@ -13,19 +13,18 @@ import dataclasses
 import json
 import socket
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from mlora_lab.rundir.files import RunDir, RunDirError, atomic_write_json
+from mlora_lab.rundir.files import RunDir, RunDirError, TextEnum, atomic_write_json
 
 JOB_MODULE = "mlora_lab.train"
 """Every process of a job (the torchrun agent and its workers) has this in its command line."""
 
 
-class RunState(str, Enum):
+class RunState(TextEnum):
     """States of a run. ``queued`` waits for resources; the last four are final."""
 
     QUEUED = "queued"
@@ -39,9 +38,6 @@ class RunState(str, Enum):
     @property
     def final(self) -> bool:
         return self in FINAL_STATES
-
-    def __str__(self) -> str:
-        return self.value
 
 
 FINAL_STATES = frozenset({RunState.FINISHED, RunState.FAILED, RunState.STOPPED, RunState.LOST})
