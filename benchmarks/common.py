@@ -313,15 +313,15 @@ def layout_worker(spec_path: str, out: str, steps: int) -> None:
     trainer = Trainer(JobSpec.load(spec_path), run_dir=None, dist=dist)
     model, io = trainer.model, trainer.model.io
     experts = {id(p) for m in model.experts.values() for p in m.parameters()}
-    slots = {id(p) for layer in model.layers.values() for p in (layer.lora_A, layer.lora_B)}
 
     def local_bytes(select) -> int:
         return sum(io.local(p.data).nbytes for p in model.parameters() if select(id(p)))
 
     sizes = {
-        "base_bytes": local_bytes(lambda i: i not in experts and i not in slots),
+        "base_bytes": local_bytes(lambda i: i not in experts),
         "expert_bytes": local_bytes(lambda i: i in experts),
-        "slot_bytes": local_bytes(lambda i: i in slots),
+        # tenants' own tensors (not module parameters): this rank's parts
+        "slot_bytes": sum(io.local(p.data).nbytes for _, p in model.named_tenant_tensors()),
     }
     model.train()
     times = []

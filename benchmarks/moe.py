@@ -32,8 +32,8 @@ import torch
 import transformers
 
 from mlora_lab.lora import MultiLoRAModel
+from mlora_lab.memory import causal_lm_token_loss
 from mlora_lab.tiny import EXPERT_TARGETS, build_tiny_model
-from mlora_lab.train import causal_lm_token_loss
 
 STEP_GOAL, MEMORY_GOAL = 1.15, 0.55
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -35,7 +35,7 @@ import torch
 import transformers
 
 from mlora_lab.lora import MultiLoRAModel
-from mlora_lab.train import causal_lm_token_loss
+from mlora_lab.memory import causal_lm_token_loss
 
 GOAL = 1.10
 FULL = dict(size=common.ModelSize(512, 8, 8, 4, 8192), rows=16, seq=128, warmup=1, repeats=8)

@@ -15,10 +15,12 @@ PY="${PYTHON:-python}"
 NPROC="$("$PY" -c 'import sys; from mlora_lab.spec import JobSpec; print(JobSpec.load(sys.argv[1]).parallel.nproc)' "$JOB")"
 RUN_DIR="$("$PY" -m mlora_lab.cli prepare "$JOB")"
 echo "run directory: $RUN_DIR"
-# Line 1: the torchrun arguments; then NAME=value lines of the loopback environment.
+# Line 1: the torchrun arguments; then NAME=value lines of the loopback environment and of the torch threads
+# per process (OMP_NUM_THREADS, as ml.launch sets it: mlora_lab/threads.py).
 RDZV="$("$PY" -c 'import sys; from mlora_lab.rendezvous import loopback_env, single_node_torchrun_args
+from mlora_lab.threads import thread_env
 print(*single_node_torchrun_args(int(sys.argv[1])))
-for k, v in loopback_env().items(): print(f"{k}={v}")' "$NPROC")"
+for k, v in {**loopback_env(), **thread_env(int(sys.argv[1]))}.items(): print(f"{k}={v}")' "$NPROC")"
 {
   read -r -a TORCHRUN_ARGS
   while IFS='=' read -r key value; do export "$key=${!key:-$value}"; done

@@ -40,11 +40,8 @@ class Checkpointer:
         tenants = {}
         for name, t in tr.tenants.items():
             partial_grads = None
-            if t.micro:  # mid-window: keep the gradient accumulated so far
-                partial_grads = [
-                    io.gather(p, i, io.local(p.grad)[i]) if p.grad is not None else None
-                    for p, i in t.optimizer.slices
-                ]
+            if t.micro:  # mid-window: keep the gradient accumulated so far, summed over the ranks
+                partial_grads = [io.gather(p, i, io.grad_sum(p)[i]) for p, i in t.optimizer.slices]
             window_loss = t.window_loss.reshape(1) if t.window_loss is not None else torch.zeros(1)
             tenants[name] = {
                 "spec": t.spec.to_dict(),
@@ -55,7 +52,7 @@ class Checkpointer:
                 "reason": t.reason,
                 "step": t.step,
                 "micro": t.micro,
-                "window": [[[ex.input_ids, ex.labels] for ex in rows] for rows in t.window],
+                "window": [[[ex.input_ids, ex.labels, ex.position_ids] for ex in rows] for rows in t.window],
                 "window_tokens": t.window_tokens,
                 "window_loss": float(tr.comm.sum_over_dp(window_loss)[0]),
                 "partial_grads": partial_grads,
@@ -109,7 +106,7 @@ class Checkpointer:
             t.optimizer.load_state_dict(s["optimizer"], scatter=io.scatter)
             t.stream.load_state_dict(s["stream"])
             t.state, t.reason, t.step, t.micro = TenantState(s["state"]), s["reason"], s["step"], s["micro"]
-            t.window = [[Example(list(ids), list(lab)) for ids, lab in rows] for rows in s["window"]]
+            t.window = [[_example(row) for row in rows] for rows in s["window"]]
             t.window_tokens, t.tokens_seen = s["window_tokens"], s["tokens_seen"]
             # The saved loss is the sum over all processes: rank 0 carries it, the others restart at 0.
             t.window_loss = torch.tensor(s["window_loss"] if tr.comm.dp_rank == 0 else 0.0, device=tr.device)
@@ -119,4 +116,14 @@ class Checkpointer:
                         continue
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    io.local(p.grad)[i].copy_(io.scatter(p, i, g))
+                    part = io.scatter(p, i, g)
+                    # the saved sum goes to one of the processes it will be summed over again
+                    io.local(p.grad)[i].copy_(part if io.first_copy(p) else torch.zeros_like(part))
+
+
+def _example(saved: list) -> Example:
+    """A window row as saved: ``[input_ids, labels, position_ids]`` (``None`` unless packed; checkpoints
+    written before packing existed have no third entry)."""
+    ids, labels, *rest = saved
+    positions = rest[0] if rest else None
+    return Example(list(ids), list(labels), None if positions is None else list(positions))

@@ -259,6 +259,8 @@ class Example:
 
     input_ids: list[int]
     labels: list[int]
+    position_ids: list[int] | None = None
+    """Set on packed rows (:func:`pack`): positions restart at 0 at every document."""
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.labels):
@@ -568,6 +570,7 @@ class TenantStream:
         self._cursor = 0
         self._order_epoch = -1
         self._order: list[int] = []
+        self._pending: list[tuple[int, int]] = []  # packing: (example index, calls waited), oldest first
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -601,15 +604,38 @@ class TenantStream:
             raise ValueError(f"take(n) needs n >= 0, got {n}")
         if n and not self.examples:
             raise ValueError("cannot take rows from a tenant with no examples")
-        out: list[Example] = []
+        return [self.examples[i] for i in self._take_indices(n)]
+
+    def _take_indices(self, n: int) -> list[int]:
+        out: list[int] = []
         while len(out) < n:
             order = self._current_order()
             k = min(n - len(out), len(order) - self._cursor)
-            out += [self.examples[i] for i in order[self._cursor : self._cursor + k]]
+            out += order[self._cursor : self._cursor + k]
             self._cursor += k
             if self._cursor == len(order):
                 self._epoch, self._cursor = self._epoch + 1, 0
         return out
+
+    def take_packed(self, rows: int, seq_len: int) -> list[Example]:
+        """Up to ``rows`` packed rows (:func:`pack`) of at most ``seq_len`` tokens, filled with whole
+        examples (:func:`pack_rows`) from those waiting since earlier calls and new ones from the
+        stream, drawn until twice the rows' tokens are on offer (so short examples fill the gaps long
+        ones leave). Examples that did not fit wait for the next call (in the resumable state)."""
+        if rows < 1:
+            raise ValueError(f"take_packed needs rows >= 1, got {rows}")
+        if not self.examples:
+            raise ValueError("cannot take rows from a tenant with no examples")
+        lengths = [len(ex) for ex in self.examples]
+        if max(lengths) > seq_len:
+            raise ValueError(f"an example of {max(lengths)} tokens does not fit seq_len={seq_len}")
+        offered = sum(lengths[i] for i, _ in self._pending)
+        while offered < 2 * rows * seq_len and len(self._pending) < 64 * rows:
+            (i,) = self._take_indices(1)
+            self._pending.append((i, 0))
+            offered += lengths[i]
+        placed, self._pending = pack_rows(self._pending, lengths, rows, seq_len)
+        return [pack([self.examples[i] for i in row]) for row in placed]
 
     def state_dict(self) -> dict:
         """Plain ints/bools (JSON-serialisable): enough to continue the exact same sequence."""
@@ -619,6 +645,7 @@ class TenantStream:
             "epoch": self._epoch,
             "cursor": self._cursor,
             "n_examples": len(self.examples),
+            "pending": [list(p) for p in self._pending],
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -633,7 +660,79 @@ class TenantStream:
         epoch, cursor = int(d["epoch"]), int(d["cursor"])
         if epoch < 0 or not 0 <= cursor <= max(len(self.examples) - 1, 0):
             raise ValueError(f"TenantStream state out of range: epoch={epoch}, cursor={cursor}")
-        self._epoch, self._cursor = epoch, cursor
+        pending = [(int(i), int(w)) for i, w in d.get("pending", [])]
+        if any(not 0 <= i < len(self.examples) or w < 0 for i, w in pending):
+            raise ValueError("TenantStream state out of range: pending example index")
+        self._epoch, self._cursor, self._pending = epoch, cursor, pending
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+# ---------------------------------------------------------------------------------------------
+
+
+def pack(docs: Sequence[Example]) -> Example:
+    """One row holding ``docs`` back to back, each computed as if it were alone in its row.
+
+    Positions restart at 0 at every document, which is what transformers' attention reads as packed
+    sequences (``masking_utils.find_packed_sequence_indices``: with ``position_ids`` and no 2-D
+    attention mask, a token attends only to earlier tokens of its own document). Each document's
+    first label is dropped: unpacked, a row's first token is never predicted, and packed it must not
+    be predicted from the previous document's last token. Its loss and gradients are then those of
+    the documents in rows of their own.
+    """
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    for doc in docs:
+        ids += doc.input_ids
+        labels += [IGNORE_INDEX, *doc.labels[1:]] if doc.labels else []
+        positions += range(len(doc))
+    return Example(ids, labels, positions)
+
+
+PACK_PATIENCE = 8
+"""Calls a document may wait before it is placed ahead of every newer one (see :func:`pack_rows`)."""
+
+
+def pack_rows(
+    pending: Sequence[tuple[int, int]], lengths: Sequence[int], rows: int, seq_len: int
+) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Place documents into ``rows`` rows of ``seq_len`` tokens: best fit decreasing, with patience.
+
+    ``pending`` holds ``(index, calls waited)`` (``lengths[index]`` ≤ ``seq_len``). Documents that have
+    waited :data:`PACK_PATIENCE` calls go first, then the rest, longest first; each goes to the row it
+    fills best (the least room that still fits it). Longest-first is what leaves little padding (a few
+    percent on lengths spread over 4-100 % of ``seq_len``, with twice the rows' tokens on offer);
+    patience bounds how long a document can be passed over: once it is at the front, the rows are
+    empty enough for it. Returns ``(rows' document indices, documents left with one more call
+    waited)``, both in a deterministic order.
+    """
+    # by position in ``pending``: an example drawn again in a later pass may wait twice
+    order = sorted(
+        range(len(pending)), key=lambda j: (pending[j][1] < PACK_PATIENCE, -lengths[pending[j][0]], j)
+    )
+    bins: list[list[int]] = [[] for _ in range(rows)]
+    room = [seq_len] * rows
+    placed: set[int] = set()
+    for j in order:
+        i = pending[j][0]
+        fits = [r for r in range(rows) if room[r] >= lengths[i]]
+        if fits:
+            r = min(fits, key=lambda r: room[r])
+            bins[r].append(i)
+            room[r] -= lengths[i]
+            placed.add(j)
+    left = [(i, w + 1) for j, (i, w) in enumerate(pending) if j not in placed]
+    return [b for b in bins if b], left
+
+
+def padding_waste(rows: Sequence[Example]) -> float:
+    """Share of a right-padded batch of ``rows`` that is padding: ``1 - tokens / (rows * longest)``."""
+    if not rows:
+        return 0.0
+    longest = max(len(r) for r in rows)
+    return 1.0 - sum(len(r) for r in rows) / (len(rows) * longest) if longest else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -653,6 +752,7 @@ class Batch:
     attention_mask: torch.Tensor  # [B, T] long, 1 on tokens, 0 on padding
     labels: torch.Tensor  # [B, T] long, -100 on padding and non-target tokens (unshifted)
     segments: list[tuple[Any, int, int]]
+    position_ids: torch.Tensor | None = None  # [B, T] long, when some row is packed (see pack())
 
     @property
     def num_rows(self) -> int:
@@ -664,6 +764,7 @@ class Batch:
             self.attention_mask.to(device),
             self.labels.to(device),
             list(self.segments),
+            None if self.position_ids is None else self.position_ids.to(device),
         )
 
 
@@ -688,9 +789,17 @@ def collate(
     input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), T), dtype=torch.long)
     labels = torch.full((len(rows), T), IGNORE_INDEX, dtype=torch.long)
+    packed = any(ex.position_ids is not None for ex in rows)
+    # Packed rows: positions say where documents start; the padding after a row's last document
+    # is one more "document" (its positions restart too), which no real token can see (causal).
+    position_ids = torch.arange(T).repeat(len(rows), 1) if packed else None
     for r, ex in enumerate(rows):
         n = len(ex)
         input_ids[r, :n] = torch.tensor(ex.input_ids, dtype=torch.long)
         attention_mask[r, :n] = 1
         labels[r, :n] = torch.tensor(ex.labels, dtype=torch.long)
-    return Batch(input_ids, attention_mask, labels, segments)
+        if position_ids is not None:
+            if ex.position_ids is not None:
+                position_ids[r, :n] = torch.tensor(ex.position_ids, dtype=torch.long)
+            position_ids[r, n:] = torch.arange(T - n)
+    return Batch(input_ids, attention_mask, labels, segments, position_ids)

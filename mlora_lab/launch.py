@@ -30,6 +30,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 
+from mlora_lab.bases import resolve_base
 from mlora_lab.rendezvous import loopback_env, single_node_torchrun_args
 from mlora_lab.rundir import (
     MetricsReader,
@@ -49,6 +50,7 @@ from mlora_lab.rundir import (
 from mlora_lab.rundir.control import ControlError
 from mlora_lab.rundir.status import JOB_MODULE, ProcessIdentity, this_host
 from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant, tenant_problems
+from mlora_lab.threads import omp_threads, thread_env
 
 DEFAULT_WORKDIR = "runs"
 LAUNCHERS = ("local",)
@@ -134,13 +136,29 @@ def torchrun_command(spec: JobSpec, run_dir: Path, resume: bool = False) -> list
     ] + (["--resume"] if resume else [])  # fmt: skip
 
 
-def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
-    """Start torchrun for ``run_dir`` (whose lock the caller holds) and record its process."""
+# Jobs this process started, with the threads they were given: the next job's threads leave room for them.
+_started: list[tuple[subprocess.Popen, int]] = []
+
+
+def _job_env(nproc: int) -> dict[str, str]:
+    """The environment of a job's processes: ours, plus ``OMP_NUM_THREADS`` (unless set: see
+    :mod:`mlora_lab.threads`; jobs started from here that still run count as busy cores), quiet
+    tokenizers and the loopback rendezvous settings."""
+    _started[:] = [(p, n) for p, n in _started if p.poll() is None]
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, spec.parallel.nproc))))
+    env.update(thread_env(nproc, busy=sum(n for _, n in _started), environ=env))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     for key, value in loopback_env().items():
         env.setdefault(key, value)
+    return env
+
+
+def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
+    """Start torchrun for ``run_dir`` (whose lock the caller holds) and record its process. A GGUF
+    base is converted first (once; mlora_lab.bases), so its errors come before any process starts and
+    the ranks find it ready."""
+    resolve_base(spec.base_model)
+    env = _job_env(spec.parallel.nproc)
     with open(run_dir.logs / "launcher.log", "ab") as log:
         proc = subprocess.Popen(
             torchrun_command(spec, run_dir.root, resume),
@@ -150,6 +168,7 @@ def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
             start_new_session=True,  # own process group: Ctrl-C in the notebook does not reach the job
             env=env,
         )
+    _started.append((proc, spec.parallel.nproc * omp_threads(env.get("OMP_NUM_THREADS"))))
     me = ProcessIdentity.of(proc.pid)
     update_status(run_dir.root, pid=proc.pid, pid_start_time=me.start_time if me else None, host=this_host())
     return Run(run_dir.root, process=proc)

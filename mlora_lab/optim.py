@@ -11,7 +11,7 @@ it valid when a wrapper such as FSDP replaces the slot storage.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import transformers
@@ -107,10 +107,23 @@ class TenantOptimizer:
         self.scheduler.step()
         return norm
 
+    def _adamw_state(self, handle: torch.Tensor) -> dict:
+        """``torch.optim.AdamW``'s state for ``handle``, created as its first step creates it."""
+        state = self.optimizer.state[handle]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+            state["exp_avg"] = torch.zeros_like(handle, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(handle, memory_format=torch.preserve_format)
+        return state
+
     def zero_grad(self) -> None:
-        """Zero this tenant's part of the shared slot gradients (other tenants may be mid-window)."""
+        """Release this tenant's gradients (its tensors are its own: nothing else is touched)."""
         for param, index in self.slices:
-            if param.grad is not None:
+            if param.grad is None:
+                continue
+            if index == ():
+                param.grad = None
+            else:  # a view into a tensor shared with others: zero just this part
                 self.local(param.grad)[index].zero_()
         for handle in self.params:
             handle.grad = None
@@ -146,6 +159,75 @@ class TenantOptimizer:
             for t in s.values()
             if torch.is_tensor(t) and t.ndim > 0
         )
+
+
+def step_many(steps: Sequence[tuple[TenantOptimizer, torch.Tensor]]) -> dict[int, str]:
+    """One optimiser step for several tenants at once: ``steps[i] = (optimizer, grad_norm)``, each
+    already bound (:meth:`TenantOptimizer.bind`) with its whole gradient's norm.
+
+    The same per-element maths as calling each :meth:`TenantOptimizer.step` (clipping, then
+    ``torch.optim.AdamW``'s single-tensor update, then the schedule) — each tenant keeps its own lr,
+    betas, eps, weight decay and step count — but done by a handful of multi-tensor (``foreach``)
+    calls over every tensor of every tenant, instead of a Python loop per tenant and tensor:
+
+        p  ← p (1 - lr wd);  m ← lerp(m, g, 1 - β1);  v ← β2 v + (1 - β2) g²;  k ← k + 1
+        p  ← p - lr / (1 - β1^k) · m / (sqrt(v) / sqrt(1 - β2^k) + eps)
+
+    AdamW's own state (``exp_avg``, ``exp_avg_sq``, ``step`` per tensor) holds the moments, so state
+    dicts and checkpoints are unchanged. Returns ``{i: error}`` for tenants whose step could not be
+    set up; nothing of theirs was changed, and the others stepped.
+    """
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    exp_avgs: list[torch.Tensor] = []
+    exp_avg_sqs: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
+    clip: list[tuple[list[torch.Tensor], float]] = []
+    scalars: list[tuple[float, float, float, float, float]] = []  # per tensor: lr, wd, β1, β2, eps
+    errors: dict[int, str] = {}
+    done = []
+    for i, (opt, grad_norm) in enumerate(steps):
+        try:
+            group = opt.optimizer.param_groups[0]
+            lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+            beta1, beta2 = (float(b) for b in group["betas"])
+            mine = [h for h in opt.params if h.grad is not None]
+            states = [opt._adamw_state(h) for h in mine]
+            if opt.max_grad_norm is not None and mine:  # clip_grad_norm_'s rule, as in step()
+                norm = torch.as_tensor(grad_norm).float()
+                coef = float(torch.clamp(opt.max_grad_norm / (norm + 1e-6), max=1.0))
+                clip.append(([h.grad for h in mine], coef))
+        except Exception as e:
+            errors[i] = f"{type(e).__name__}: {e}"
+            continue
+        for h, st in zip(mine, states):
+            params.append(h)
+            grads.append(h.grad)
+            exp_avgs.append(st["exp_avg"])
+            exp_avg_sqs.append(st["exp_avg_sq"])
+            counts.append(st["step"])
+            scalars.append((lr, wd, beta1, beta2, eps))
+        done.append(opt)
+    with torch.no_grad():
+        for gs, coef in clip:
+            torch._foreach_mul_(gs, coef)
+        if params:
+            torch._foreach_add_(counts, 1)
+            k = [float(c) for c in counts]
+            torch._foreach_mul_(params, [1 - lr * wd for lr, wd, *_ in scalars])
+            torch._foreach_lerp_(exp_avgs, grads, [1 - b1 for _, _, b1, _, _ in scalars])
+            torch._foreach_mul_(exp_avg_sqs, [b2 for *_, b2, _ in scalars])
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, [1 - b2 for *_, b2, _ in scalars])
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_div_(denom, [(1 - b2**n) ** 0.5 for (*_, b2, _), n in zip(scalars, k)])
+            torch._foreach_add_(denom, [eps for *_, eps in scalars])
+            steps_ = [-(lr / (1 - b1**n)) for (lr, _, b1, _, _), n in zip(scalars, k)]
+            torch._foreach_addcdiv_(params, exp_avgs, denom, steps_)
+    for opt in done:
+        # the scheduler checks that its optimiser stepped (torch's wrapper would set this flag)
+        opt.optimizer._opt_called = True
+        opt.scheduler.step()
+    return errors
 
 
 def build_optimizer(slices: Iterable[tuple[nn.Parameter, tuple]], tenant, **kw) -> TenantOptimizer:

@@ -13,6 +13,7 @@ import peft
 import torch
 import transformers
 
+from mlora_lab.bases import resolve_base
 from mlora_lab.data import Example, collate
 
 
@@ -51,11 +52,13 @@ def train_peft(
     max_grad_norm: float | None = None,
     pad_id: int = 0,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> ReferenceResult:
     """Train one PEFT LoRA adapter on ``batches`` (one optimiser step per batch) and return the
-    per-step losses and the final adapter tensors."""
+    per-step losses and the final adapter tensors. ``dtype`` is the base's (PEFT keeps the adapter in
+    fp32 over a bf16/fp16 base: ``autocast_adapter_dtype``)."""
     torch.manual_seed(seed)
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(resolve_base(base_model), dtype=dtype)
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
     else:

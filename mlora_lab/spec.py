@@ -36,14 +36,21 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlora_lab.bases import GGUFBaseError, gguf_config, gguf_file, gguf_problem, gguf_tokenizer, is_gguf
+from mlora_lab.lora.targets import (
+    ALL_LINEAR,
+    match_targets,
+    name_matches,
+    output_layer_names,
+    storable_targets,
+    suffixes,
+)
+
 SCHEDULES = ("constant", "linear", "cosine")
 """Learning-rate schedules a tenant may use; every one starts with ``warmup_steps`` of linear warmup."""
 
 DTYPES = ("float32", "bfloat16", "float16")
 """Base-model dtypes a job may run in."""
-
-ALL_LINEAR = "all-linear"
-"""Special ``target_modules`` entry (PEFT's): every ``nn.Linear`` except the output layer ``lm_head``."""
 
 MAX_NAME_LEN = 100
 _SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
@@ -112,7 +119,8 @@ class Tenant:
     dropout: float = 0.0
     """Dropout on the LoRA input, in [0, 1)."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    """Linear layers to adapt, matched as PEFT does (full name or ``.``-suffix), or ``["all-linear"]``."""
+    """Linear layers to adapt, matched as PEFT does (full name or ``.``-suffix), or ``["all-linear"]`` (every
+    ``nn.Linear`` but the output layer); the rules live in :mod:`mlora_lab.lora.targets`."""
     target_parameters: list[str] = field(default_factory=list)
     """3-D packed MoE expert parameters to adapt (e.g. ``mlp.experts.gate_up_proj``), PEFT-style."""
     lr: float = 2e-4
@@ -210,7 +218,9 @@ class JobSpec:
     """A whole job: one frozen base model, its tenants, and the job-wide settings. ``= job.json``."""
 
     base_model: str
-    """Local directory of a transformers causal LM (``save_pretrained`` layout); nothing is downloaded."""
+    """Local directory of a transformers causal LM (``save_pretrained`` layout), or a ``.gguf`` file (or a
+    directory holding one ``.gguf`` and no ``config.json``), converted once into a cache by
+    ``mlora_lab.bases.resolve_base``; nothing is downloaded."""
     tenants: list[Tenant]
     """The tenants to train (may be empty with ``serve=True``)."""
     tokenizer: str | None = None
@@ -218,9 +228,10 @@ class JobSpec:
     seq_len: int = 512
     """Rows are truncated to this many tokens (with a warning) and right-padded."""
     max_tenants: int = 8
-    """Adapter slots allocated up front: the most tenants the job can hold at once."""
+    """The most tenants the job can hold at once (a limit: a free slot allocates nothing)."""
     max_rank: int = 64
-    """Rank of every slot: the largest rank a tenant (present or added later) may have."""
+    """The largest rank a tenant (present or added later) may have (a limit: each tenant's tensors have
+    its own rank)."""
     parallel: Parallel = field(default_factory=Parallel)
     """Process layout (ranks, FSDP / TP / EP degrees)."""
     dtype: str = "float32"
@@ -237,10 +248,18 @@ class JobSpec:
     """Job-wide seed (batch mixing order)."""
     output_dir: str | None = None
     """Run directory; ``None`` = a new directory under ``runs/`` chosen at launch."""
+    activation_checkpointing: bool | int = 0
+    """Recompute decoder blocks' activations in the backward instead of keeping them: 0 (or false) =
+    off, 1 (or true) = every block, k = every k-th block (blocks 0, k, 2k, ...)."""
+    packing: bool = False
+    """Pack each tenant's rows into ``seq_len``-token sequences (documents kept whole and apart: position
+    ids restart and no token attends across a document boundary) instead of one right-padded row each;
+    ``batch_size`` then counts packed sequences."""
     slot_modules: list[str] | None = None
-    """Linear layers that get adapter slots (same matching as ``target_modules``); ``None`` = the union
-    of the tenants' ``target_modules``. Set it so that tenants added later may target modules no
-    initial tenant uses (slots are allocated once, when the model is wrapped)."""
+    """Linear layers that can take adapters (same matching as ``target_modules``, except that
+    ``"all-linear"`` may come with other names: the union); ``None`` = the union of the tenants'
+    ``target_modules``. Set it so that tenants added later may target modules no initial tenant uses
+    (the layers are wrapped once, when the job starts; wrapping allocates nothing per tenant)."""
 
     def __post_init__(self) -> None:
         self.base_model = _path_str(self.base_model)
@@ -397,7 +416,14 @@ class _ModelInfo:
     vocab: int | None = None
     """Rows of the input embedding: token ids must be below it."""
     logits: int | None = None
-    """Columns of the logits (``lm_head`` outputs)."""
+    """Columns of the logits (the output layer's outputs)."""
+    output: frozenset[str] = frozenset()
+    """Full names of the output layer (:func:`mlora_lab.lora.targets.output_layer_names`)."""
+
+    @property
+    def all_linear(self) -> list[str]:
+        """What ``"all-linear"`` selects: every ``nn.Linear`` but the output layer, in model order."""
+        return [n for n, _ in self.modules if n in self.linear and n not in self.output]
 
 
 # A config this large is not a model but a typo or an attack: building even its meta skeleton
@@ -406,12 +432,22 @@ _CONFIG_LIMITS = {"num_hidden_layers": 4096, "n_layer": 4096, "num_layers": 4096
                   "num_local_experts": 2**16, "n_routed_experts": 2**16}  # fmt: skip
 
 
+def _load_config(path: str) -> Any:
+    """The transformers config of a base model: its directory's ``config.json``, or for a GGUF base
+    (``mlora_lab.bases``) the config its metadata describes, read without converting it."""
+    if is_gguf(path):
+        return gguf_config(path)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
 @functools.lru_cache(maxsize=32)
 def _model_info(path: str) -> _ModelInfo:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(path)
+    cfg = _load_config(path)
     for key, limit in _CONFIG_LIMITS.items():
         v = getattr(cfg, key, None)
         if _is_int(v) and v > limit:
@@ -440,24 +476,28 @@ def _model_info(path: str) -> _ModelInfo:
     logits = getattr(head, "out_features", None) if head is not None else None
     vocab = vocab if _is_int(vocab) else getattr(cfg, "vocab_size", None)
     logits = logits if _is_int(logits) else vocab
-    return _ModelInfo(modules, linear, experts, expert_modules, linear_shapes, expert_shapes, vocab, logits)
+    output = frozenset(output_layer_names(model))
+    return _ModelInfo(
+        modules, linear, experts, expert_modules, linear_shapes, expert_shapes, vocab, logits, output
+    )
 
 
 @functools.lru_cache(maxsize=32)
 def _tp_problems(path: str, tp: int) -> list[str]:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from mlora_lab.parallel.tensor import tp_problems
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        model = AutoModelForCausalLM.from_config(_load_config(path))
     return tp_problems(model, tp)
 
 
 def effective_slot_modules(job: JobSpec) -> list[str]:
     """The linear-layer names that get adapter slots: ``slot_modules``, else the union of the
-    tenants' targets (``["all-linear"]`` if any tenant asks for it). Targets that are not valid
+    tenants' targets (``"all-linear"`` first if any tenant asks for it, then the names other tenants
+    give: one may name a layer all-linear leaves out, the output layer). Targets that are not valid
     lists of names (a spec that does not validate) are left out rather than raised on."""
     slots = job.slot_modules
     if slots and isinstance(slots, list | tuple):
@@ -466,7 +506,9 @@ def effective_slot_modules(job: JobSpec) -> list[str]:
         tenants = job.tenants if isinstance(job.tenants, list | tuple) else []
         targets = [t.target_modules for t in tenants if isinstance(t, Tenant)]
         names = sorted({m for ts in targets if _valid_targets(ts) for m in ts})
-    return [ALL_LINEAR] if ALL_LINEAR in names else list(names)
+    if ALL_LINEAR not in names:
+        return list(names)
+    return [ALL_LINEAR, *(n for n in names if n != ALL_LINEAR)]
 
 
 def tenant_problems(job: JobSpec, tenant: Tenant) -> list[str]:
@@ -509,30 +551,35 @@ def model_target_names(base_model: str) -> tuple[list[str], list[str]]:
     return linear_in_order, list(info.experts)
 
 
-def _matches(name: str, target: str) -> bool:
-    """PEFT's rule: a target names a module by its full name or by a ``.``-separated suffix of it."""
-    return name == target or name.endswith("." + target)
+def all_linear_names(base_model: str) -> list[str]:
+    """Full names of the layers ``["all-linear"]`` selects in the model, in model order: every
+    ``nn.Linear`` except the output layer (found as :mod:`mlora_lab.lora.targets` says, the way PEFT
+    finds it). Built on the ``meta`` device and cached, like :func:`model_target_names`."""
+    return _model_info(os.path.abspath(os.fspath(base_model))).all_linear
 
 
-def _valid_targets(v: Any) -> bool:
+def linear_target_options(base_model: str) -> list[str]:
+    """``target_modules`` entries that name the model's all-linear layers, in model order: the shortest
+    ``.``-suffixes (``q_proj``, ``k_proj``, ...) that select only such layers (never the output layer),
+    as the forms offer them (:func:`mlora_lab.lora.targets.storable_targets`)."""
+    info = _model_info(os.path.abspath(os.fspath(base_model)))
+    return storable_targets(info.all_linear, [n for n, _ in info.modules])
+
+
+def _valid_targets(v: Any, union: bool = False) -> bool:
     """A list of at most ``MAX_TARGETS`` non-empty names (each at most 1000 characters), with
-    ``"all-linear"`` only on its own."""
+    ``"all-linear"`` only on its own, as PEFT takes it; with ``union`` (``slot_modules``, which PEFT
+    never sees) ``"all-linear"`` may come with other names and the list selects the union."""
     if not isinstance(v, list | tuple) or len(v) > MAX_TARGETS:
         return False
     if not all(isinstance(x, str) and 0 < len(x) <= 1000 for x in v):
         return False
-    return ALL_LINEAR not in v or len(v) == 1
+    return union or ALL_LINEAR not in v or len(v) == 1
 
 
 def _select_linear(info: _ModelInfo, targets: list[str] | tuple[str, ...]) -> set[str]:
     """Full names of the linear layers that ``targets`` (valid per :func:`_valid_targets`) select."""
-    if list(targets) == [ALL_LINEAR]:
-        return {n for n in info.linear if not _matches(n, "lm_head")}
-    return {n for n in info.linear if any(_matches(n, t) for t in targets)}
-
-
-def _suffixes(names: Any) -> str:
-    return ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))
+    return set(match_targets(sorted(info.linear), list(targets), info.all_linear))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -879,8 +926,8 @@ class _Validator:
         if not (isinstance(v, str) and v in choices):
             self.out.append(f"{where}{name} must be one of {', '.join(choices)} (got {_brief(v)})")
 
-    def _str_list(self, where: str, name: str, v: Any) -> bool:
-        if _valid_targets(v):
+    def _str_list(self, where: str, name: str, v: Any, union: bool = False) -> bool:
+        if _valid_targets(v, union):
             return True
         strings = isinstance(v, list | tuple) and all(isinstance(x, str) and x for x in v)
         if isinstance(v, list | tuple) and len(v) > MAX_TARGETS:
@@ -907,12 +954,16 @@ class _Validator:
         self._int("", "eval_every", s.eval_every, lo=0, hi=MAX_COUNT, hi_name="2**53 - 1")
         self._int("", "save_every", s.save_every, lo=0, hi=MAX_COUNT, hi_name="2**53 - 1")
         self._bool("", "serve", s.serve)
+        self._bool("", "packing", s.packing)
+        if not isinstance(s.activation_checkpointing, bool):
+            self._int("", "activation_checkpointing", s.activation_checkpointing, lo=0, hi=MAX_SLOTS,
+                      hi_name="2**16")  # fmt: skip
         self._int("", "seed", s.seed, lo=0, hi=MAX_SEED, hi_name="2**63 - 1")
         out_ok = self._path("", "output_dir", s.output_dir, optional=True) and s.output_dir is not None
         if out_ok and os.path.exists(s.output_dir) and not os.path.isdir(s.output_dir):
             self.out.append(f"output_dir {_brief(s.output_dir)} exists and is not a directory")
         if s.slot_modules is not None:
-            self._str_list("", "slot_modules", s.slot_modules)
+            self._str_list("", "slot_modules", s.slot_modules, union=True)
 
     def _check_parallel(self) -> None:
         p = self.spec.parallel
@@ -1049,10 +1100,12 @@ class _Validator:
         s = self.spec
         base_ok = False
         if _usable_path(s.base_model):
-            if not os.path.isdir(s.base_model):
+            if is_gguf(s.base_model):
+                base_ok = self._load_gguf(s.base_model)
+            elif not os.path.isdir(s.base_model):
                 self.out.append(
                     f"base_model {_brief(s.base_model)} is not a local directory (give the directory of a "
-                    "model saved with save_pretrained; nothing is downloaded)"
+                    "model saved with save_pretrained, or a .gguf file; nothing is downloaded)"
                 )
             else:
                 base_ok = self._load_model(s.base_model)
@@ -1060,15 +1113,44 @@ class _Validator:
         field_name = "tokenizer" if s.tokenizer is not None else "tokenizer (base_model)"
         if not _usable_path(tok_path) or (s.tokenizer is None and not base_ok):
             return  # already reported (bad type or path, or the base_model problem covers it)
-        if not os.path.isdir(tok_path):
+        gguf_tok = is_gguf(tok_path)
+        if not gguf_tok and not os.path.isdir(tok_path):
             self.out.append(f"{field_name} {_brief(tok_path)} is not a local directory")
             return
         try:
             from transformers import AutoTokenizer
 
-            self.tok = AutoTokenizer.from_pretrained(tok_path)
+            # a GGUF's tokenizer (chat template included) is read from its metadata
+            self.tok = gguf_tokenizer(tok_path) if gguf_tok else AutoTokenizer.from_pretrained(tok_path)
         except Exception as e:
             self.out.append(f"{field_name} {_brief(tok_path)}: AutoTokenizer cannot load it ({_short(e)})")
+
+    def _load_gguf(self, path: str) -> bool:
+        """A GGUF base (``mlora_lab.bases``): one readable ``.gguf`` file whose metadata describes a
+        causal LM transformers can load. Nothing is converted here; the job converts it once, when it
+        loads the base (``resolve_base``)."""
+        where = f"base_model {_brief(path)}"
+        try:
+            file = gguf_file(path)
+        except GGUFBaseError as e:
+            self.out.append(f"{where}: {e.reason}")
+            return False
+        assert file is not None
+        why = gguf_problem(file)
+        if why:
+            self.out.append(f"{where}: {why}")
+            return False
+        try:
+            _load_config(path)
+        except Exception as e:
+            self.out.append(f"{where}: transformers cannot read a model config from this GGUF ({_short(e)})")
+            return False
+        try:
+            self.model = _model_info(os.path.abspath(path))
+        except Exception as e:
+            self.out.append(f"{where}: cannot build a causal LM from its config ({_short(e)})")
+            return False
+        return True
 
     def _load_model(self, path: str) -> bool:
         where = f"base_model {_brief(path)}"
@@ -1156,50 +1238,43 @@ class _Validator:
             )
 
     def _check_memory(self, tenants: list[Tenant]) -> None:
-        """Sizes that cannot fit one device: the adapter slots (allocated up front, whatever the
-        tenants' ranks) and one micro-batch's fp32 logits. Estimates, made to catch the absurd:
+        """Sizes that cannot fit one device: the tenants' own tensors. Each tenant's exist only for it,
+        at its rank (nothing is allocated for free slots or for ``max_rank``), and are held whole on
+        every data-parallel rank. An estimate, made to catch the absurd:
 
-            slots  = max_tenants * max_rank * F * 4 bytes * 2 (value + gradient) / fsdp
-                     F = sum over slotted linear layers of (in + out) + over slotted expert parameters E*(in + out)
-            logits = batch_size * seq_len * vocab * 4 bytes * 3 (logits, softmax, gradient), largest tenant
+            need = sum over tenants of rank_t * F_t * 4 bytes * 4 (value, gradient, two AdamW moments)
+                   F_t = sum over its linear layers of (in + out) + over its expert parameters E*(in + out)
+
+        (The logits are not estimated: the loss is computed in chunks and never holds them whole.)
         """
-        s, m = self.spec, self.model
+        m = self.model
         mem = _device_memory() if m is not None else None
         if m is None or mem is None:
             return
         total, device = mem
-        gib = 2**30
-        if all(_is_int(v) and 1 <= v <= MAX_SLOTS for v in (s.max_tenants, s.max_rank)):
-            names = effective_slot_modules(s)
-            chosen = _select_linear(m, names) if _valid_targets(names) else set()
+        sizes = []  # (bytes, tenant, rank, features)
+        for t in tenants:
+            if not (_is_int(t.rank) and 1 <= t.rank <= MAX_SLOTS):
+                continue
+            chosen = _select_linear(m, t.target_modules) if _valid_targets(t.target_modules) else set()
             feats = sum(inn + out for n, inn, out in m.linear_shapes if n in chosen)
-            params = {p for t in tenants if _valid_targets(t.target_parameters) for p in t.target_parameters}
+            params = t.target_parameters if _valid_targets(t.target_parameters) else []
             feats += sum(
-                E * (inn + out) for n, E, out, inn in m.expert_shapes if any(_matches(n, p) for p in params)
+                E * (inn + out)
+                for n, E, out, inn in m.expert_shapes
+                if any(name_matches(n, p) for p in params)
             )
-            p = s.parallel
-            shards = (
-                p.fsdp if isinstance(p, Parallel) and _is_int(p.fsdp) and 1 <= p.fsdp <= MAX_DEGREE else 1
+            sizes.append((t.rank * feats * 16, t.name, t.rank, feats))
+        need = sum(size for size, *_ in sizes)
+        if need > total:
+            gib = 2**30
+            _, name, rank, feats = max(sizes)
+            self.out.append(
+                f"the tenants' adapters need about {need / gib:,.1f} GiB per device with their gradients and "
+                f"AdamW state (rank x in+out features x 16 bytes, summed over tenants; the largest is "
+                f"{_who(name)}: rank {rank} x {feats:,} features) but {device} has {total / gib:,.1f} GiB; "
+                "lower ranks, target fewer layers, or start fewer tenants at once"
             )
-            need = s.max_tenants * s.max_rank * feats * 4 * 2 / shards  # FSDP2 shards the slots
-            if need > total:
-                self.out.append(
-                    f"adapter slots need about {need / gib:,.1f} GiB per device (max_tenants={s.max_tenants} x "
-                    f"max_rank={s.max_rank} x {feats:,} slotted in+out features x 8 bytes for value and "
-                    f"gradient{f' / fsdp={shards}' if shards > 1 else ''}) but {device} has {total / gib:,.1f} "
-                    "GiB; lower max_tenants or max_rank, or put slots on fewer layers"
-                )
-        sized = [t for t in tenants if _is_int(t.batch_size) and 1 <= t.batch_size <= MAX_ROWS]
-        if sized and _is_int(s.seq_len) and 2 <= s.seq_len <= MAX_SEQ_LEN and _is_int(m.logits):
-            t = max(sized, key=lambda t: t.batch_size)
-            need = t.batch_size * s.seq_len * m.logits * 4 * 3
-            if need > total:
-                self.out.append(
-                    f"{_who(t.name)}: one micro-batch's logits need about {need / gib:,.1f} GiB "
-                    f"(batch_size={t.batch_size} x seq_len={s.seq_len} x vocab {m.logits:,} x 12 bytes for fp32 "
-                    f"logits, softmax and gradient) but {device} has {total / gib:,.1f} GiB; lower batch_size "
-                    "(raise grad_accum to keep the step) or seq_len"
-                )
 
     # -- targets -------------------------------------------------------------------------------
 
@@ -1207,17 +1282,17 @@ class _Validator:
         """Full names of the linear layers ``targets`` select; reports unknown / non-linear targets."""
         m = self.model
         assert m is not None
-        if list(targets) == [ALL_LINEAR]:
-            chosen = _select_linear(m, targets)
+        chosen: set[str] = set()
+        if ALL_LINEAR in targets:  # alone, or with other names in slot_modules (the union)
+            chosen = _select_linear(m, [ALL_LINEAR])
             if not chosen:
                 self.out.append(f"{where}'{ALL_LINEAR}' matches no linear layer in the model")
                 return None
-            return chosen
-        chosen: set[str] = set()
+            targets = [t for t in targets if t != ALL_LINEAR]
         unknown: list[str] = []
         ok = True
         for target in targets:
-            hits = [(n, cls) for n, cls in m.modules if _matches(n, target)]
+            hits = [(n, cls) for n, cls in m.modules if name_matches(n, target)]
             if not hits:
                 unknown.append(target)
                 continue
@@ -1232,7 +1307,7 @@ class _Validator:
             chosen |= {n for n, _ in hits if n in m.linear}
         if unknown:
             self.out.append(
-                f"{where}not found in the model: {_names(unknown)} (available: {_suffixes(m.linear)})"
+                f"{where}not found in the model: {_names(unknown)} (available: {suffixes(m.linear)})"
             )
             ok = False
         return chosen if ok else None
@@ -1247,10 +1322,10 @@ class _Validator:
         params = t.target_parameters
         if not (_valid_targets(params) and params):
             return
-        unknown = [p for p in params if not any(_matches(n, p) for n in self.model.experts)]
+        unknown = [p for p in params if not any(name_matches(n, p) for n in self.model.experts)]
         if unknown:
             avail = (
-                f"available: {_suffixes(self.model.experts)}"
+                f"available: {suffixes(self.model.experts)}"
                 if self.model.experts
                 else "the model has no 3-D expert parameters"
             )
@@ -1262,7 +1337,7 @@ class _Validator:
 
     def _check_slot_modules(self, tenants: list[Tenant]) -> None:
         slots = self.spec.slot_modules
-        if self.model is None or slots is None or not _valid_targets(slots):
+        if self.model is None or slots is None or not _valid_targets(slots, union=True):
             return  # no model, no slot_modules, or a type problem already reported
         covered = self._resolve_modules("slot_modules ", slots) if slots else set()
         if covered is None:
@@ -1472,7 +1547,7 @@ class _Validator:
         while module.endswith(".base_layer"):
             module, depth = module[: -len(".base_layer")], depth + 1
         params = [n for n in self.model.experts if n.rpartition(".")[0] == module]
-        targeted = [n for n in params if any(_matches(n, t) for t in targets)]
+        targeted = [n for n in params if any(name_matches(n, t) for t in targets)]
         return targeted[len(targeted) - 1 - depth] if depth < len(targeted) else None
 
     def _compare_targets(self, w: str, key: str, theirs: Any, ours: Any) -> None:

@@ -14,9 +14,12 @@ The story of one global step (:meth:`Trainer.step`):
 
 1. every running tenant contributes its next ``batch_size`` rows (a tenant with ``grad_accum = k``
    draws its whole window of ``k * batch_size`` rows at the start of the window and counts its target
-   tokens ``N_t`` there, so that k micro-batches give exactly the gradient of one big batch);
+   tokens ``N_t`` there, so that k micro-batches give exactly the gradient of one big batch); with
+   ``packing`` a row is up to ``seq_len`` tokens of whole documents of the tenant (:func:`~mlora_lab.data.pack`);
    with ``D`` data-parallel processes, process ``d`` takes rows ``d, d + D, ...`` of each tenant's share;
-2. the local rows are collated into one right-padded batch, tenant by tenant, and the base runs once;
+2. the local rows are collated into one right-padded batch, tenant by tenant, and the base runs once
+   (with activation checkpointing, every k-th decoder block recomputes its activations in the
+   backward; the loss is computed in chunks from the final hidden states: :mod:`mlora_lab.memory`);
 3. tenant ``t``'s loss on a process is ``sum(token CE over its local rows) / N_t`` (``N_t`` counts the
    whole window, on every process, so summing gradients over processes gives exactly the one-process
    gradient) and we back-propagate ``sum_t L_t``; each row only sees its own tenant's slot, so
@@ -50,14 +53,22 @@ from pathlib import Path
 
 import psutil
 import torch
-import torch.nn.functional as F
 import transformers
 
+from mlora_lab.bases import resolve_base
 from mlora_lab.checkpointer import Checkpointer
 from mlora_lab.control_handler import Change, ControlHandler, describe
 from mlora_lab.data import IGNORE_INDEX, Batch, Example, TenantStream, check_vocab, collate, load_examples
 from mlora_lab.lora import MultiLoRAModel
-from mlora_lab.optim import TenantOptimizer, build_optimizer
+from mlora_lab.memory import (
+    causal_lm_token_loss,
+    checkpoint_blocks,
+    chunk_tokens_for,
+    hidden_states,
+    output_layer,
+    token_loss,
+)
+from mlora_lab.optim import TenantOptimizer, build_optimizer, step_many
 from mlora_lab.parallel import (
     Collectives,
     DistInfo,
@@ -150,12 +161,15 @@ class Trainer:
         mesh = self.dims.build_mesh(self.device.type)
         self.comm = Collectives(self.dims, mesh, self.device)
 
-        tok_path = spec.tokenizer or spec.base_model
+        # A GGUF base is converted once into a cached transformers directory (mlora_lab.bases); the
+        # launcher has usually done it before the processes started, so here it is found ready.
+        self.base_path = str(resolve_base(spec.base_model))
+        tok_path = spec.tokenizer or self.base_path
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(tok_path)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        base = transformers.AutoModelForCausalLM.from_pretrained(spec.base_model, dtype=DTYPES[spec.dtype])
+        base = transformers.AutoModelForCausalLM.from_pretrained(self.base_path, dtype=DTYPES[spec.dtype])
         base.to(self.device)
         self.vocab_rows = base.get_input_embeddings().weight.shape[0]  # before any sharding
         # Slots are fixed for the life of the job: record them, so tenants added later are checked
@@ -168,7 +182,13 @@ class Trainer:
             base, max_tenants=spec.max_tenants, max_rank=spec.max_rank, slot_modules=slot_modules,
             slot_parameters=slot_parameters, wrap_experts=self.dims.ep > 1,
         )  # fmt: skip
-        parallelize(self.model, self.dims, mesh, self.device.type)
+        # Checkpoint blocks before FSDP wraps them: its hooks stay outside the recomputed region.
+        checkpoint_blocks(self.model.model, int(spec.activation_checkpointing))
+        parallelize(self.model, self.dims, mesh, self.device.type, self.comm.dp_group)
+        # The loss is computed from the output layer's input in chunks (mlora_lab.memory); models
+        # whose forward post-processes the logits keep the full-logits loss.
+        self._head = output_layer(self.model.model)
+        self._chunk_tokens = chunk_tokens_for(self.vocab_rows)
 
         self.tenants: dict[str, TenantRun] = {}
         self.removed: set[str] = set()  # names of tenants removed while the job ran (never reused)
@@ -339,9 +359,12 @@ class Trainer:
             try:
                 if t.micro == 0:
                     bs, k = t.spec.batch_size, t.spec.grad_accum
-                    rows_ = t.stream.take(bs * k)
-                    t.window = [rows_[i * bs : (i + 1) * bs] for i in range(k)]
-                    t.window_tokens = sum(ex.n_target for ex in rows_)
+                    if self.spec.packing:  # bs rows of seq_len tokens, each full of whole documents
+                        t.window = [t.stream.take_packed(bs, self.spec.seq_len) for _ in range(k)]
+                    else:
+                        rows_ = t.stream.take(bs * k)
+                        t.window = [rows_[i * bs : (i + 1) * bs] for i in range(k)]
+                    t.window_tokens = sum(ex.n_target for rows_ in t.window for ex in rows_)
                     t.window_loss = torch.zeros((), device=self.device)
                 groups.append((t.name, self._my_rows(t.window[t.micro])))
             except Exception as e:
@@ -355,7 +378,8 @@ class Trainer:
             loss_t = token_loss[start:end].sum() / max(t.window_tokens, 1)
             t.window_loss += loss_t.detach()
             total = total + loss_t
-        total.backward()
+        if total.requires_grad:  # (a single process whose rows all failed has nothing to train)
+            total.backward()
 
         self.global_step += 1
         for t in active:
@@ -372,8 +396,29 @@ class Trainer:
             groups = [(None, [Example([self.pad_id, self.pad_id], [IGNORE_INDEX, IGNORE_INDEX])])]
         batch = collate(groups, self.pad_id).to(self.device)
         self.model.set_segments(batch.segments, batch.num_rows)
-        logits = self.model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        return batch, causal_lm_token_loss(logits, batch.labels)
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
+        if batch.position_ids is not None:  # packed rows: documents are told apart by their positions
+            inputs["position_ids"] = batch.position_ids
+            del inputs["attention_mask"]  # (transformers reads packing only without a 2-D mask)
+        if self._head is None:
+            return batch, causal_lm_token_loss(self.model.model(**inputs).logits, batch.labels)
+        with hidden_states(self._head):
+            hidden = self.model.model(**inputs).logits  # [B, T, H]: the output layer's input
+        # Chunks follow tenants only where the output layer has their LoRA; else any rows share one
+        groups = [g for g in batch.segments if g[0] is not None and self._head_slotted(g[0])]
+        return batch, token_loss(hidden, batch.labels, self._project, groups, self._chunk_tokens)
+
+    def _head_slotted(self, tenant: str) -> bool:
+        """Whether the output layer carries ``tenant``'s LoRA."""
+        ranks = getattr(self._head, "ranks", None)
+        return ranks is not None and ranks[self.model.tenants[tenant].slot] > 0
+
+    def _project(self, tenant: str | None, h: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, V]`` of ``h`` [n, H], rows of ``tenant`` (its slot, if the output layer has
+        one), for the chunked loss."""
+        slots = [] if tenant is None else [(self.model.tenants[tenant].slot, 0, h.shape[0])]
+        with self.model.routed(slots, h.shape[0]):
+            return self._head(h)
 
     def _my_rows(self, rows_: list[Example]) -> list[Example]:
         """This data-parallel process's share of a tenant's micro-batch."""
@@ -386,7 +431,11 @@ class Trainer:
         clipping) and a flag for "its part of the step raised somewhere", so every process quarantines
         the same tenants; one more sums the window losses over the data-parallel ranks. With several
         processes, a last tiny all-reduce agrees on optimiser steps that raised."""
-        ready = {t.name for t in active if t.micro == t.spec.grad_accum and t.name not in failed}
+        complete = [t.name for t in active if t.micro == t.spec.grad_accum]  # the same on every process
+        ready = {name for name in complete if name not in failed}
+        # Gradients are summed over the data-parallel ranks here, once per window and only for the
+        # tenants that step: one flat all-reduce per group (mlora_lab.parallel).
+        self.model.reduce_gradients(complete)
         local = torch.zeros(len(active), 2, dtype=torch.float64)
         for i, t in enumerate(active):
             if t.name in ready:
@@ -402,8 +451,7 @@ class Trainer:
                 stepping.append(t)
                 sq[t.name] = sq_t
         losses = self.comm.sum_over_dp(torch.stack([t.window_loss for t in stepping])) if stepping else []
-        raised: dict[str, str] = {}
-        done = []
+        finite = []
         for t, loss in zip(stepping, losses):
             if not (torch.isfinite(sq[t.name]) and torch.isfinite(loss)):
                 what = "loss" if not torch.isfinite(loss) else "gradient norm"
@@ -411,13 +459,11 @@ class Trainer:
                     t, f"non-finite {what}: loss={float(loss)}, grad_norm={float(sq[t.name]) ** 0.5}"
                 )
                 continue
-            lr = t.optimizer.lr
-            try:
-                grad_norm = t.optimizer.step(grad_norm=sq[t.name].sqrt(), rebind=False)
-            except Exception as e:
-                raised[t.name] = describe(e)
-                continue
-            done.append((t, float(loss), lr, float(grad_norm)))
+            finite.append((t, float(loss), t.optimizer.lr, float(sq[t.name].sqrt().float())))
+        # every tenant's AdamW step in a few multi-tensor calls (mlora_lab.optim.step_many)
+        errors = step_many([(t.optimizer, sq[t.name].sqrt()) for t, *_ in finite])
+        raised = {finite[i][0].name: why for i, why in errors.items()}
+        done = [item for i, item in enumerate(finite) if i not in errors]
         if self.dims.world_size > 1 and stepping:
             flags = self.comm.sum_over_world(torch.tensor([float(t.name in raised) for t in stepping]))
             raised |= {
@@ -488,7 +534,7 @@ class Trainer:
         if self.run is None or not self.dist.is_main:
             return None
         path = self.run.adapter(name)
-        return self.model.save_adapter(name, path, self.spec.base_model, tensors=tensors)
+        return self.model.save_adapter(name, path, self.base_path, tensors=tensors)
 
     def save_adapters(self) -> None:
         for name in self.tenants:
@@ -648,19 +694,6 @@ class Trainer:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
-
-
-def causal_lm_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token next-token cross entropy ``[B, T-1]`` (fp32), 0 where ``labels[:, 1:]`` is ignored."""
-    shift_logits = logits[:, :-1].float()
-    shift_labels = labels[:, 1:]
-    loss = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.shape[-1]),
-        shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    )
-    return loss.view(shift_labels.shape)
 
 
 def memory_bytes(device: torch.device) -> tuple[int, int]:

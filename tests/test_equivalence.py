@@ -134,3 +134,37 @@ def test_saved_adapter_round_trip(arch, tiny_models, make_data, tmp_path):
             theirs = loaded(input_ids=ids).logits
         assert (ours - theirs).abs().max().item() <= TOL
         assert (ours - plain).abs().max().item() > 1e-4, "the adapter must change the logits"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_base_fp32_adapters_equal_peft(arch, tiny_models, make_data, tmp_path):
+    """dtype=bfloat16: the base computes in bf16, the adapter (fp32, as PEFT keeps it over a bf16
+    base) trains exactly as plain PEFT on the same bf16 base; the saved adapter gives PEFT's logits."""
+    base = tiny_models(arch)
+    targets = TYPICAL_TARGETS[arch]
+    data = make_data("reverse", 7)
+    adapter = make_peft_adapter(base, str(tmp_path / "init"), 4, targets, 8.0, seed=4)
+    tenant = Tenant(name="a", data=data, init_adapter=adapter, rank=4, alpha=8, target_modules=targets, lr=3e-3,
+                    batch_size=7, max_steps=4, shuffle=False, max_grad_norm=None)  # fmt: skip
+    spec = JobSpec(base_model=base, tenants=[tenant], seq_len=64, max_rank=8, max_tenants=2, dtype="bfloat16")
+    trainer = Trainer(spec, run_dir=tmp_path / "run")
+    trainer.train()
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.model.parameters() if not p.requires_grad)
+    assert all(p.dtype == torch.float32 for p, _ in trainer.model.tenant_slices("a"))
+    tok = transformers.AutoTokenizer.from_pretrained(base)
+    examples = load_examples(data, tok, spec.seq_len)
+    ref = train_peft(base, [examples] * 4, adapter_dir=adapter, lr=3e-3, pad_id=tok.pad_token_id,
+                     dtype=torch.bfloat16)  # fmt: skip
+    assert trainer.losses("a") == pytest.approx(ref.losses, abs=TOL)
+    assert max_diff(trainer.model.tenant_tensors("a"), ref.tensors) <= TOL
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16),
+        str(tmp_path / "run" / "adapters" / "a"),
+    ).eval()
+    ids = torch.randint(3, 200, (2, 9))
+    trainer.model.eval()
+    with torch.no_grad():
+        ours = trainer.model(ids, tenants=["a", "a"]).logits
+        theirs = loaded(input_ids=ids).logits
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    assert (ours.float() - theirs.float()).abs().max().item() == 0.0

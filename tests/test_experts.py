@@ -51,10 +51,7 @@ def test_expert_lora_equals_peft_target_parameters(arch, tmp_path):
             assert torch.equal(back[0], saved[key + "lora_A.weight"]) and torch.equal(
                 back[1], saved[key + "lora_B.weight"]
             )
-            lora_A, lora_B = layer.lora(name)
-            with torch.no_grad():
-                lora_A[1, :, :4], lora_B[1, :, :, :4] = A, B
-            layer.configure_slot(1, name, 4, 8 / 4)
+            layer.set_slot(1, name, A.clone().requires_grad_(), B.clone().requires_grad_(), 4, 8 / 4)
     ids = torch.randint(3, 500, (3, 7))
     routing.segments, routing.num_rows = [(1, 0, 2)], 3  # rows 0-1: the tenant, row 2: base only
     with torch.no_grad():
@@ -65,7 +62,7 @@ def test_expert_lora_equals_peft_target_parameters(arch, tmp_path):
     ours(input_ids=ids).logits[2:].square().sum().backward()
     for block in blocks:
         for name in ("gate_up_proj", "down_proj"):
-            for p in block.experts.lora(name):
+            for p in block.experts.slot_tensors(name, 1):
                 assert p.grad is None or p.grad.abs().max() == 0
 
 

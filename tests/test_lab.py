@@ -14,7 +14,7 @@ from mlora_lab.dashboard import Dashboard, ema, thin
 from mlora_lab.demo import task_rows, write_jsonl
 from mlora_lab.rundir import update_status
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow  # every test that launches a job (the generations' prompt rendering needs none)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,7 @@ def finished_run(tiny_models, tmp_path_factory):
     return run
 
 
+@slow
 def test_run_handle_and_runs_table(finished_run):
     run = ml.attach(finished_run.path)
     assert run.status == "finished"
@@ -51,6 +52,7 @@ def test_run_handle_and_runs_table(finished_run):
     assert table["steps"][0] == 8
 
 
+@slow
 def test_summary_compare_and_generations(finished_run):
     s = ml.summary(finished_run)
     assert list(s["tenant"]) == ["rev", "up"]
@@ -67,6 +69,7 @@ def test_summary_compare_and_generations(finished_run):
     assert list(gens.columns) == ["prompt", "base", "rev", "up"] and len(gens) == 2
 
 
+@slow
 def test_dashboard_on_a_finished_run(finished_run):
     dash = finished_run.dashboard()
     assert not dash.live, "a finished run is drawn once, then the dashboard stops refreshing"
@@ -81,6 +84,7 @@ def test_dashboard_on_a_finished_run(finished_run):
     assert dash.colors["rev"] != dash.colors["up"]
 
 
+@slow
 def test_dashboard_shows_a_failed_rank(finished_run, tmp_path):
     import shutil
 
@@ -94,6 +98,7 @@ def test_dashboard_shows_a_failed_rank(finished_run, tmp_path):
     assert "failed" in dash.status.value and "RuntimeError: boom" in dash.status.value
 
 
+@slow
 def test_two_runs_at_once_and_live_dashboard(tiny_models, tmp_path):
     """Two jobs launched together each get their own rendezvous port and process group; a dashboard
     refreshes while its run goes and stops by itself when the run ends."""
@@ -124,7 +129,114 @@ def test_ema_and_thinning():
     assert len(x) <= 100 and x[-1] == 9_999
 
 
+@slow
 def test_metrics_rows_stay_json(finished_run):
     for line in (finished_run.path / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         assert row["kind"] in {"train", "eval", "system", "tenant"}
+
+
+# -- generations: each tenant is fed prompts the way it was trained -----------------------------------
+
+
+@pytest.fixture
+def chat_and_plain_run(tiny_models, tmp_path):
+    """A run directory (no job launched) with a chat tenant and a prompt/completion tenant, their
+    adapters saved at PEFT's initialisation."""
+    import transformers
+
+    from mlora_lab.launch import prepare_run
+    from mlora_lab.lora import MultiLoRAModel
+    from mlora_lab.spec import effective_slot_modules
+
+    base = tiny_models("llama")
+    spec = ml.JobSpec(base_model=base, seq_len=64, max_rank=8, output_dir=str(tmp_path / "run"), tenants=[
+        ml.Tenant(name="chatty", data=write_jsonl(tmp_path / "count.jsonl", task_rows("count", 8, 0)), rank=4),
+        ml.Tenant(name="plain", data=write_jsonl(tmp_path / "up.jsonl", task_rows("upper", 8, 0)), rank=4,
+                  target_modules=["q_proj"]),
+    ])  # fmt: skip
+    run = prepare_run(spec)
+    mm = MultiLoRAModel(transformers.AutoModelForCausalLM.from_pretrained(base), max_tenants=2, max_rank=8,
+                        slot_modules=effective_slot_modules(spec))  # fmt: skip
+    for t in spec.tenants:
+        mm.add_tenant(t.name, rank=t.rank, target_modules=t.target_modules)
+        mm.save_adapter(t.name, run.adapter(t.name))
+    return run.root
+
+
+def test_generations_render_prompts_as_each_tenant_was_trained(chat_and_plain_run, monkeypatch):
+    from mlora_lab.lora import MultiLoRAModel
+
+    fed = []
+    generate = MultiLoRAModel.generate
+
+    def spy(self, input_ids, tenants=None, **kw):
+        fed.append((input_ids, kw["attention_mask"], list(tenants)))
+        return generate(self, input_ids, tenants=tenants, **kw)
+
+    monkeypatch.setattr(MultiLoRAModel, "generate", spy)
+    chat_text = (
+        "<s><|user|>\ncount red\n<|assistant|>\n"  # mlora_lab.tiny.CHAT_TEMPLATE, generation prompt on
+    )
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count blue dog"}]
+    messages_text = "<s><|system|>\nbe brief\n<|user|>\ncount blue dog\n<|assistant|>\n"
+    gens = ml.compare_generations(chat_and_plain_run, ["count red", messages], max_new_tokens=3)
+    # the chat tenant trained on messages rows only: plain strings get the chat template; the
+    # prompt/completion tenant gets them as they are; the base is shown both ways
+    assert list(gens.columns) == ["prompt", "base", "base (chat)", "chatty", "plain"] and len(gens) == 2
+    assert gens.attrs["chat"] == {"base": False, "base (chat)": True, "chatty": True, "plain": False}
+    inputs = gens.attrs["inputs"]
+    assert inputs["chatty"] == inputs["base (chat)"] == [chat_text, messages_text]
+    assert (
+        inputs["plain"] == inputs["base"] == ["count red", messages_text]
+    )  # a message list is always a chat
+    assert gens["prompt"].tolist() == ["count red", messages]
+    # ... and exactly those tokens are what the model is fed: the rendering tokenized as training does
+    (input_ids, mask, tenants), tok = fed[0], _tokenizer(chat_and_plain_run)
+    assert tenants == [None, None, None, None, "chatty", "chatty", "plain", "plain"]
+    rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, mask)]
+    assert all(m[-1] == 1 for m in mask)  # left padding: generation continues the prompt
+    assert [tok.decode(r) for r in rows[4:6]] == [chat_text, messages_text]
+    assert rows[4] == tok(chat_text, add_special_tokens=False)["input_ids"]  # the template brings its BOS
+    assert rows[6] == tok("count red")["input_ids"] and tok.decode(rows[6]) == "<s>count red"
+    assert rows[7] == rows[5]
+
+    fed.clear()
+    gens = ml.compare_generations(chat_and_plain_run, ["count red"], chat=False, include_base=False)
+    assert list(gens.columns) == ["prompt", "chatty", "plain"]
+    assert gens.attrs["inputs"] == {"chatty": ["count red"], "plain": ["count red"]}
+    gens = ml.compare_generations(chat_and_plain_run, ["count red"], chat=True, tenants=["plain"])
+    assert gens.attrs["inputs"] == {"base": [chat_text], "plain": [chat_text]}
+    with pytest.raises(ValueError, match="a prompt is a string or a non-empty list"):
+        ml.compare_generations(chat_and_plain_run, [[{"role": "user"}]])
+
+
+def test_generations_say_when_the_tokenizer_has_no_chat_template(chat_and_plain_run, monkeypatch):
+    import transformers
+
+    load = transformers.AutoTokenizer.from_pretrained
+
+    def no_template(*args, **kw):
+        tok = load(*args, **kw)
+        tok.chat_template = None
+        return tok
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_template)
+    with pytest.raises(
+        ValueError, match=r"tenant\(s\) 'chatty' were trained on 'messages' rows.* has no chat"
+    ):
+        ml.compare_generations(chat_and_plain_run, ["count red"])
+    with pytest.raises(
+        ValueError, match="prompts given as messages are rendered with the chat template, but"
+    ):
+        ml.compare_generations(chat_and_plain_run, [[{"role": "user", "content": "hi"}]], chat=False)
+    with pytest.raises(ValueError, match="chat=True renders every prompt"):
+        ml.compare_generations(chat_and_plain_run, ["count red"], chat=True, tenants=["plain"])
+    gens = ml.compare_generations(chat_and_plain_run, ["count red"], chat=False, max_new_tokens=2)
+    assert gens.attrs["inputs"]["chatty"] == ["count red"]
+
+
+def _tokenizer(run_dir):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(ml.attach(run_dir).spec.base_model)

@@ -71,7 +71,7 @@ def test_remove_then_add_reuses_the_slot_cleanly(llama_path, make_data, tmp_path
     saved = read_adapter(tmp_path / "run" / "adapters" / "b")[1]
     assert max_diff(before, saved) == 0, "the final adapter is saved on remove"
     layer = next(iter(trainer.model.layers.values()))
-    assert layer.lora_A[slot_b].abs().sum() == 0 and layer.ranks[slot_b] == 0
+    assert slot_b not in layer.lora_A and layer.ranks[slot_b] == 0  # its tensors are released
     trainer.apply_control({"op": "add", "tenant": c.to_dict()})
     assert trainer.model.tenants["c"].slot == slot_b
     assert trainer.tenants["c"].optimizer.state_bytes() == 0, "fresh optimiser state"

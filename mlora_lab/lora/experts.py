@@ -1,10 +1,10 @@
 """Multi-tenant LoRA on packed MoE experts (transformers 5: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]).
 
 A packed expert parameter ``W`` [E, out, in] is used per expert as ``F.linear(x, W[e])``. A tenant ``t``
-targeting it owns, per expert ``e``, a rank-``r_t`` LoRA in slot ``t`` of
+targeting it owns, per expert ``e``, a rank-``r_t`` LoRA, held under its slot number ``t``:
 
-    lora_A : [S, E, R, in]      A_{t,e} = lora_A[t, e, :r_t]     ([r_t, in])
-    lora_B : [S, E, out, R]     B_{t,e} = lora_B[t, e, :, :r_t]  ([out, r_t])
+    lora_A[name][t] : [E, r_t, in]      A_{t,e} = lora_A[name][t][e]     ([r_t, in])
+    lora_B[name][t] : [E, out, r_t]     B_{t,e} = lora_B[name][t][e]     ([out, r_t])
 
 and a token of tenant ``t`` routed to expert ``e`` gets ``x W_e^T + s_t (x A_{t,e}^T) B_{t,e}^T``: PEFT's
 ``target_parameters`` maths (PEFT adds ``s_t B_{t,e} A_{t,e}`` to ``W_e``; same function, other rounding).
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlora_lab.lora.layer import LoRARouting, _SegmentedLoRA
+from mlora_lab.lora.layer import LoRARouting, segmented_lora
 
 PACKED = ("gate_up_proj", "down_proj")
 
@@ -98,41 +98,38 @@ class MultiLoRAExperts(nn.Module):
         self.shapes: dict[str, tuple[int, int, int]] = {
             n: tuple(getattr(base_layer, n).shape) for n in PACKED
         }
-        for name in self.param_names:
-            E, out, inn = self.shapes[name]
-            device = getattr(base_layer, name).device
-            self.register_parameter(
-                f"lora_A_{name}",
-                nn.Parameter(torch.zeros(max_tenants, E, max_rank, inn, dtype=dtype, device=device)),
-            )
-            self.register_parameter(
-                f"lora_B_{name}",
-                nn.Parameter(torch.zeros(max_tenants, E, out, max_rank, dtype=dtype, device=device)),
-            )
+        # name -> slot -> this process's part of A [E, r, in] / B [E, out, r] (leaf tensors)
+        self.lora_A: dict[str, dict[int, torch.Tensor]] = {n: {} for n in self.param_names}
+        self.lora_B: dict[str, dict[int, torch.Tensor]] = {n: {} for n in self.param_names}
+        self.layouts: dict[str, object] = {"A": None, "B": None}  # set by a parallel layout
+        self.dtype = dtype
         self.ranks = {n: [0] * max_tenants for n in self.param_names}
         self.scalings = {n: [0.0] * max_tenants for n in self.param_names}
         self.num_experts = self.shapes["gate_up_proj"][0]
         self.act_fn = base_layer.act_fn
         object.__setattr__(self, "routing", routing)
 
-    def lora(self, name: str) -> tuple[nn.Parameter, nn.Parameter]:
-        """The slot parameters ``(lora_A [S, E, R, in], lora_B [S, E, out, R])`` of ``name``."""
-        return getattr(self, f"lora_A_{name}"), getattr(self, f"lora_B_{name}")
+    @property
+    def device(self) -> torch.device:
+        return self.base_layer.gate_up_proj.device
 
-    def weights(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The tensors :meth:`compute` multiplies by: the base ``W`` [E, out, in] and the slots (or
-        ``None``), for the experts this module computes (all of them here)."""
-        if name not in self.param_names:
-            return getattr(self.base_layer, name), None, None
-        return getattr(self.base_layer, name), *self.lora(name)
+    def slot_tensors(self, name: str, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A [E, r, in], B [E, out, r])`` of ``slot`` on parameter ``name``, for the experts this
+        module computes (all of them here)."""
+        return self.lora_A[name][slot], self.lora_B[name][slot]
 
-    def configure_slot(self, slot: int, name: str, rank: int, scaling: float) -> None:
+    def set_slot(
+        self, slot: int, name: str, A: torch.Tensor, B: torch.Tensor, rank: int, scaling: float
+    ) -> None:
         if not 0 < rank <= self.max_rank:
             raise ValueError(f"rank {rank} is outside 1..max_rank={self.max_rank}")
+        self.lora_A[name][slot], self.lora_B[name][slot] = A, B
         self.ranks[name][slot], self.scalings[name][slot] = rank, float(scaling)
 
     def clear_slot(self, slot: int) -> None:
         for name in self.param_names:
+            self.lora_A[name].pop(slot, None)
+            self.lora_B[name].pop(slot, None)
             self.ranks[name][slot], self.scalings[name][slot] = 0, 0.0
 
     # -- forward -------------------------------------------------------------------------------
@@ -197,25 +194,30 @@ class MultiLoRAExperts(nn.Module):
     def _linear(self, name: str, x: torch.Tensor, blocks: list, runs: list) -> torch.Tensor:
         """``x`` [M, in] sorted by expert: the base projection per expert block plus each (expert,
         tenant) run's LoRA delta."""
-        weight, A, B = self.weights(name)
+        weight = getattr(self.base_layer, name)
+        # no pair here (expert parallelism: none was sent to this rank): an empty product, which keeps
+        # the output in ``x``'s graph, so that the backward's token exchange runs here too
         out = (
             torch.cat([F.linear(x[s:e], weight[ex]) for ex, s, e in blocks])
             if blocks
-            else x.new_zeros(0, weight.shape[1])
+            else F.linear(x, weight[0])
         )
-        if A is None:
+        if name not in self.param_names:
             return out
-        plan = tuple(
-            ((slot, ex, slice(0, r)), (slot, ex, slice(None), slice(0, r)), s, e, self.scalings[name][slot])
-            for slot, ex, s, e in runs
-            if (r := self.ranks[name][slot]) > 0
-        )
-        always = self.routing.grad_every_slot and self.training and torch.is_grad_enabled()
-        if not plan and not always:
+        factors: list[torch.Tensor] = []
+        where: dict[int, int] = {}
+        plan = []
+        for slot, ex, s, e in runs:
+            if self.ranks[name][slot] == 0:
+                continue
+            if slot not in where:
+                where[slot] = len(factors)
+                factors.extend(self.slot_tensors(name, slot))
+            i = where[slot]
+            plan.append((i, (ex,), i + 1, (ex,), s, e, self.scalings[name][slot]))
+        if not plan:
             return out
-        if out.dtype == A.dtype and not out._is_view():  # the deltas are added into the base output in place
-            return _SegmentedLoRA.apply(x.to(A.dtype), A, B, plan, out)
-        return out + _SegmentedLoRA.apply(x.to(A.dtype), A, B, plan).to(out.dtype)
+        return segmented_lora(x, out, tuple(plan), factors)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -9,15 +9,17 @@ The in-process API, for people who write their own loop::
     out = mm(input_ids, attention_mask=mask, tenants=["alice", "alice", "bob"])   # one name per row
     mm.save_adapter("alice", "out/alice")            # a PEFT adapter directory
 
-Slots are allocated once, at wrap time, on every linear layer named by ``slot_modules``; adding or
-removing tenants later only fills or clears slots, never re-wraps the model (so optimisers, FSDP and
-compiled graphs that hold the slot parameters stay valid). The wrapper holds no distributed logic.
+Layers are wrapped once, at wrap time, on every linear layer named by ``slot_modules``; a tenant's
+tensors (its own rank, on the layers it targets) are made when it is added and released when it is
+removed, so memory grows with the tenants, not with ``max_tenants`` or ``max_rank``, and adding or
+removing one never re-wraps the model. The wrapper holds no distributed logic: how a tenant's tensors
+are split over processes is :class:`TensorIO`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,26 +31,16 @@ from torch import nn
 from mlora_lab.lora.experts import MultiLoRAExperts, from_peft, packed_experts_problem, to_peft
 from mlora_lab.lora.layer import LoRARouting, MultiLoRALinear
 from mlora_lab.lora.peft_io import AdapterError, read_adapter, write_adapter
-
-ALL_LINEAR = "all-linear"
-
-
-def linear_module_names(model: nn.Module) -> list[str]:
-    """Names of every ``nn.Linear`` in ``model`` except its output embedding (``lm_head``)."""
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not output]
-
-
-def match_targets(names: Sequence[str], targets: str | Sequence[str], all_linear: Sequence[str]) -> list[str]:
-    """PEFT's ``target_modules`` rule: ``"all-linear"``; a regex string (full match); or a list of
-    names, each matching a module ``n`` when ``n == t`` or ``n`` ends with ``"." + t``."""
-    if isinstance(targets, str):
-        if targets == ALL_LINEAR:
-            return list(all_linear)
-        return [n for n in names if re.fullmatch(targets, n)]
-    if list(targets) == [ALL_LINEAR]:
-        return list(all_linear)
-    return [n for n in names if any(n == t or n.endswith("." + t) for t in targets)]
+from mlora_lab.lora.targets import (  # the targeting rules; re-exported here for existing imports
+    ALL_LINEAR,
+    has_all_linear,
+    linear_module_names,
+    match_targets,
+    matches,
+    name_matches,
+    storable_targets,
+    suffixes,
+)
 
 
 def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
@@ -57,17 +49,26 @@ def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
 
 
 class TensorIO:
-    """How the wrapper reads and writes parts of slot tensors (``param[index]``).
+    """How the wrapper makes, reads and writes tenants' tensors.
 
-    This default works on plain tensors. :mod:`mlora_lab.parallel` installs a subclass for sharded
-    (DTensor) slots, so the LoRA code itself never needs to know how a slot is laid out:
+    This default keeps every tensor whole on this process. :mod:`mlora_lab.parallel` installs a
+    subclass that splits them as a parallel layout says (the opaque ``layout`` a layer carries), so
+    the LoRA code itself never needs to know how a tensor is laid out:
 
+    - ``new(layout, full)``: a leaf tensor (``requires_grad``) holding this process's part of ``full``;
     - ``local(t)``: the storage this process holds for ``t`` (optimisers update it in place);
     - ``gather(param, index, local_part)``: the full value of ``param[index]`` from this process's
-      part of it (a collective when sharded: every process must call it, in the same order);
+      part of it (a collective when split: every process must call it, in the same order);
     - ``scatter(param, index, full)``: this process's part of a full value of ``param[index]``;
-    - ``copies(param)``: how many processes hold the same part of ``param``.
+    - ``copies(param)``: how many processes hold the same part of ``param``;
+    - ``reduce_grads(params)``: sum the gradients of ``params`` over the processes that hold the same
+      parts and saw other rows (a collective), leaving every copy with the whole gradient;
+    - ``grad_sum(param)``: a copy of that sum for ``param`` alone, without changing its gradient;
+    - ``first_copy(param)``: whether this process is the first of those that hold the same part.
     """
+
+    def new(self, layout: object, full: torch.Tensor) -> torch.Tensor:
+        return full.detach().clone().requires_grad_(True)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -81,6 +82,16 @@ class TensorIO:
     def copies(self, param: torch.Tensor) -> int:
         """How many processes hold the same part of ``param`` (to count each part once in sums)."""
         return 1
+
+    def reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
+        return None
+
+    def grad_sum(self, param: torch.Tensor) -> torch.Tensor:
+        grad = param.grad
+        return torch.zeros_like(param.detach()) if grad is None else grad.detach().clone()
+
+    def first_copy(self, param: torch.Tensor) -> bool:
+        return True
 
 
 @dataclass
@@ -129,7 +140,7 @@ class MultiLoRAModel(nn.Module):
         wrapped = match_targets(linear, slot_modules, all_linear)
         if not wrapped:
             raise ValueError(
-                f"slot_modules={slot_modules!r} matches no linear layer; available: {_suffixes(all_linear)}"
+                f"slot_modules={slot_modules!r} matches no linear layer; available: {suffixes(all_linear)}"
             )
         self.layers: dict[str, MultiLoRALinear] = {}
         for name in wrapped:
@@ -148,7 +159,7 @@ class MultiLoRAModel(nn.Module):
         self._expert_params: dict[str, tuple[str, str]] = {}  # full parameter name -> (module, attribute)
         by_module: dict[str, list[str]] = {}
         for pname, p in model.named_parameters():
-            if p.ndim == 3 and any(pname == t or pname.endswith("." + t) for t in slot_parameters):
+            if p.ndim == 3 and matches(pname, list(slot_parameters)):
                 module, _, attr = pname.rpartition(".")
                 by_module.setdefault(module, []).append(attr)
         if slot_parameters and not by_module:
@@ -189,29 +200,21 @@ class MultiLoRAModel(nn.Module):
         local = self.io.local(param.data)
         local[index].copy_(self.io.scatter(param, index, full.to(local.dtype)))
 
-    def _fill_slot(
-        self, layer: MultiLoRALinear, slot: int, rank: int, A: torch.Tensor | None, B: torch.Tensor | None
-    ):
-        """Zero slot ``slot`` of ``layer`` and put ``A`` [rank, in], ``B`` [out, rank] in its leading part."""
-        full_A = torch.zeros(layer.max_rank, layer.in_features)
-        full_B = torch.zeros(layer.out_features, layer.max_rank)
-        if A is not None:
-            full_A[:rank] = A
-            full_B[:, :rank] = B
-        self.write(layer.lora_A, (slot,), full_A)
-        self.write(layer.lora_B, (slot,), full_B)
+    def _make(self, layer: nn.Module, kind: str, full: torch.Tensor) -> torch.Tensor:
+        """A new tenant tensor for ``layer`` (``kind`` "A" or "B"): this process's part of ``full``."""
+        return self.io.new(layer.layouts[kind], full.to(device=layer.device, dtype=self.adapter_dtype))
 
     # -- tenants -------------------------------------------------------------------------------
     def resolve_parameters(self, target_parameters: Sequence[str]) -> list[str]:
         """Full names of the slotted expert parameters ``target_parameters`` selects (PEFT's rule)."""
         names = list(self._expert_params)
-        missing = [t for t in target_parameters if not any(n == t or n.endswith("." + t) for n in names)]
+        missing = [t for t in target_parameters if not any(name_matches(n, t) for n in names)]
         if missing:
             raise ValueError(
                 f"target parameters {missing} have no adapter slots; slotted expert parameters: "
                 f"{sorted({n.split('.', 3)[-1] for n in names}) or 'none'}"
             )
-        return [n for n in names if any(n == t or n.endswith("." + t) for t in target_parameters)]
+        return [n for n in names if matches(n, list(target_parameters))]
 
     def resolve_targets(self, target_modules: str | Sequence[str]) -> list[str]:
         """Full names of the wrapped layers ``target_modules`` selects; an error if it names others."""
@@ -226,7 +229,7 @@ class MultiLoRAModel(nn.Module):
         if missing or not matched:
             raise ValueError(
                 f"target modules {missing or list(target_modules)} have no adapter slots; slotted layers: "
-                f"{_suffixes(names)} (wrap with slot_modules covering every module a tenant may target)"
+                f"{suffixes(names)} (wrap with slot_modules covering every module a tenant may target)"
             )
         return matched
 
@@ -289,8 +292,8 @@ class MultiLoRAModel(nn.Module):
                     A = torch.empty(rank, layer.in_features)
                     nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
                     B = torch.zeros(layer.out_features, rank)
-                self._fill_slot(layer, slot, rank, A, B)
-                layer.configure_slot(slot, rank, tenant.scaling, dropout)
+                layer.set_slot(slot, self._make(layer, "A", A), self._make(layer, "B", B), rank,
+                               tenant.scaling, dropout)  # fmt: skip
             for param in params:  # packed experts: per-expert A [E, r, in], B [E, out, r]
                 module, attr = self._expert_params[param]
                 experts = self.experts[module]
@@ -305,8 +308,8 @@ class MultiLoRAModel(nn.Module):
                     A = torch.empty(E * rank, inn)
                     nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
                     A, B = A.reshape(E, rank, inn), torch.zeros(E, out, rank)
-                self._fill_expert_slot(experts, attr, slot, rank, A, B)
-                experts.configure_slot(slot, attr, rank, tenant.scaling)
+                experts.set_slot(slot, attr, self._make(experts, "A", A), self._make(experts, "B", B), rank,
+                                 tenant.scaling)  # fmt: skip
         except Exception:
             self._clear(slot)
             raise
@@ -314,23 +317,11 @@ class MultiLoRAModel(nn.Module):
         return tenant
 
     def _clear(self, slot: int) -> None:
+        """Release every tensor of ``slot``."""
         for layer in self.layers.values():
-            self._fill_slot(layer, slot, 0, None, None)
             layer.clear_slot(slot)
         for experts in self.experts.values():
-            for attr in experts.param_names:
-                self._fill_expert_slot(experts, attr, slot, 0, None, None)
             experts.clear_slot(slot)
-
-    def _fill_expert_slot(self, experts: MultiLoRAExperts, attr: str, slot: int, rank: int, A, B) -> None:
-        """Zero slot ``slot`` of one expert parameter and put ``A`` [E, r, in], ``B`` [E, out, r] in it."""
-        E, out, inn = experts.shapes[attr]
-        full_A, full_B = torch.zeros(E, self.max_rank, inn), torch.zeros(E, out, self.max_rank)
-        if A is not None:
-            full_A[:, :rank], full_B[:, :, :rank] = A, B
-        lora_A, lora_B = experts.lora(attr)
-        self.write(lora_A, (slot,), full_A)
-        self.write(lora_B, (slot,), full_B)
 
     def load_adapter(self, name: str, path: str | Path, *, dropout: float | None = None) -> TenantAdapter:
         """Add tenant ``name`` from a PEFT LoRA adapter directory (rank, alpha, targets from its config)."""
@@ -384,8 +375,7 @@ class MultiLoRAModel(nn.Module):
         experts = self.experts.get(key)
         if experts is None:
             return None
-        targeted = [a for a in experts.param_names if any(f"{key}.{a}" == t or f"{key}.{a}".endswith("." + t)
-                                                           for t in target_parameters)]  # fmt: skip
+        targeted = [a for a in experts.param_names if matches(f"{key}.{a}", list(target_parameters))]
         if depth >= len(targeted):
             return None
         return f"{key}.{targeted[len(targeted) - 1 - depth]}"
@@ -405,19 +395,47 @@ class MultiLoRAModel(nn.Module):
         self._clear(self._tenant(name).slot)
         del self.tenants[name]
 
-    def tenant_slices(self, name: str) -> Iterator[tuple[nn.Parameter, tuple]]:
-        """``(slot parameter, index)`` pairs such that ``param[index]`` is one of the tenant's LoRA
-        matrices (``A_t`` [r, in] or ``B_t`` [out, r]), in a fixed order: its optimiser's parameters."""
+    def tenant_slices(self, name: str) -> Iterator[tuple[torch.Tensor, tuple]]:
+        """``(tensor, index)`` pairs such that ``tensor[index]`` is one of the tenant's LoRA matrices
+        (``A_t`` [r, in] or ``B_t`` [out, r]; per expert [E, r, in] / [E, out, r]), in a fixed order: its
+        optimiser's parameters. The tensors are the tenant's own (index ``()``)."""
         t = self._tenant(name)
         for module in t.modules:
             layer = self.layers[module]
-            yield layer.lora_A, (t.slot, slice(0, t.rank))
-            yield layer.lora_B, (t.slot, slice(None), slice(0, t.rank))
-        for param in t.parameters:  # A [E, r, in], B [E, out, r]
+            yield layer.lora_A[t.slot], ()
+            yield layer.lora_B[t.slot], ()
+        for param in t.parameters:
             module, attr = self._expert_params[param]
-            lora_A, lora_B = self.experts[module].lora(attr)
-            yield lora_A, (t.slot, slice(None), slice(0, t.rank))
-            yield lora_B, (t.slot, slice(None), slice(None), slice(0, t.rank))
+            experts = self.experts[module]
+            yield experts.lora_A[attr][t.slot], ()
+            yield experts.lora_B[attr][t.slot], ()
+
+    def named_tenant_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``("<tenant>:<module>.lora_A", tensor)`` (and ``lora_B``) for every tensor of every tenant:
+        this process's parts."""
+        for name, t in self.tenants.items():
+            keys = [f"{name}:{k}.lora_{ab}" for k in (*t.modules, *t.parameters) for ab in "AB"]
+            for key, (p, _) in zip(keys, self.tenant_slices(name)):
+                yield key, p
+
+    def reduce_gradients(self, names: Sequence[str]) -> None:
+        """Sum the tenants' fresh gradients over the processes that hold the same parts (a collective:
+        every process calls it with the same names, in the same order)."""
+        self.io.reduce_grads([p for n in names for p, _ in self.tenant_slices(n)])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, tenants' tensors included (they are not module parameters)."""
+        super().zero_grad(set_to_none)
+        for _, p in self.named_tenant_tensors():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def release_gradients(self, name: str) -> None:
+        """Free the tenant's gradients (it has stepped, or stopped training)."""
+        for p, _ in self.tenant_slices(name):
+            p.grad = None
 
     def tenant_tensors(self, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{module_name: (A [r, in], B [out, r])}``: detached copies of the tenant's adapter."""
@@ -443,8 +461,8 @@ class MultiLoRAModel(nn.Module):
         """The ``peft.LoraConfig`` that describes tenant ``name`` exactly."""
         t = self._tenant(name)
         targets = t.target_modules
-        if targets == ALL_LINEAR or targets == [ALL_LINEAR]:
-            targets = sorted({m.rsplit(".", 1)[-1] for m in t.modules})
+        if has_all_linear(targets):  # written out, as PEFT saves it: exactly the layers it was trained on
+            targets = sorted(storable_targets(t.modules, (n for n, _ in self.model.named_modules())))
         return LoraConfig(
             target_parameters=list(t.target_parameters) or None,
             r=t.rank,
@@ -501,6 +519,18 @@ class MultiLoRAModel(nn.Module):
                 segments.append((slot, row, row + 1))
         self.routing.segments, self.routing.num_rows = segments, num_rows
 
+    @contextlib.contextmanager
+    def routed(self, segments: Sequence[tuple[int, int, int]], num_rows: int) -> Iterator[None]:
+        """Within the block, the layers see ``num_rows`` rows routed by ``(slot, start, end)``
+        ``segments``; the batch's routing is restored on exit (a loss chunk projects a few rows of one
+        tenant while a checkpointed block may still recompute with the batch's routing)."""
+        saved = self.routing.segments, self.routing.num_rows
+        self.routing.segments, self.routing.num_rows = list(segments), num_rows
+        try:
+            yield
+        finally:
+            self.routing.segments, self.routing.num_rows = saved
+
     def set_segments(self, segments: Sequence[tuple[str, int, int]], num_rows: int) -> None:
         """Route contiguous runs ``(tenant, start_row, end_row)`` (what ``data.collate`` produces)."""
         self.routing.segments = [
@@ -537,10 +567,6 @@ class MultiLoRAModel(nn.Module):
             f"no free slot for tenant {name!r}: all max_tenants={self.max_tenants} slots are taken by "
             f"{sorted(self.tenants)}"
         )
-
-
-def _suffixes(names: Sequence[str]) -> str:
-    return ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))
 
 
 def _as_list(targets: str | Sequence[str]) -> list[str] | str:

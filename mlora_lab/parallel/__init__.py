@@ -11,12 +11,14 @@ single process and initialises nothing, so the same training code runs in-proces
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -124,14 +126,22 @@ class ParallelDims:
         )
 
 
-def parallelize(mm, dims: ParallelDims, mesh: DeviceMesh | None, device_type: str) -> None:
+def parallelize(
+    mm,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    device_type: str,
+    dp_group: dist.ProcessGroup | None = None,
+) -> None:
     """Lay ``mm`` (a :class:`~mlora_lab.lora.model.MultiLoRAModel`, before any tenant is added) out
-    over the processes: projections over TP groups, experts over EP groups, then everything else
-    with FSDP2 (2-D with TP: FSDP shards each rank's TP slice over the data-parallel ranks)."""
+    over the processes: projections over TP groups, experts over EP groups, the frozen base with FSDP2
+    (2-D with TP: FSDP shards each rank's TP slice over the data-parallel ranks), and the layout of the
+    tenants' tensors each layer will make (:class:`~mlora_lab.parallel.fsdp.SlotLayout`): split like
+    the layer over TP / EP, held alike by the data-parallel ranks, gradients summed over them."""
     if mesh is None:
         return
     from mlora_lab.parallel.expert import apply_expert_parallel
-    from mlora_lab.parallel.fsdp import apply_fsdp
+    from mlora_lab.parallel.fsdp import ShardedTensorIO, SlotLayout, apply_fsdp
     from mlora_lab.parallel.tensor import apply_tensor_parallel
 
     if dims.tp > 1:
@@ -144,6 +154,32 @@ def parallelize(mm, dims: ParallelDims, mesh: DeviceMesh | None, device_type: st
         ignored = apply_expert_parallel(mm, ep_mesh["ep"], replicate)
     fsdp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
     apply_fsdp(mm, fsdp_mesh, ignored_params=ignored)
+
+    if dims.dp == 1:
+        dp_group = None
+    elif dp_group is None:  # the data-parallel ranks (Collectives flattens the same dims)
+        dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+    for layer in mm.layers.values():  # split by TP or whole; held alike by the data-parallel ranks
+        for kind in ("A", "B"):
+            layout = layer.layouts[kind] or SlotLayout()
+            layer.layouts[kind] = dataclasses.replace(layout, reduce_group=dp_group)
+    for experts in mm.experts.values():  # EP set its own group (the ranks holding the same experts)
+        for kind in ("A", "B"):
+            if experts.layouts[kind] is None:
+                experts.layouts[kind] = SlotLayout(reduce_group=dp_group)
+    mm.io = ShardedTensorIO()
+    # Every process runs the backward through every block, whichever tenants its rows belong to (or
+    # none): FSDP2 all-gathers each block again in the backward and expert parallelism exchanges
+    # tokens, collectives that every process must join. The embeddings' output asks for a gradient,
+    # so the graph below the first adapted layer is the same everywhere (its cost: the input
+    # gradients of the blocks below it).
+    mm.model.get_input_embeddings().register_forward_hook(_require_grad)
+
+
+def _require_grad(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and module.training and not output.requires_grad:
+        return output.detach().requires_grad_(True)
+    return output
 
 
 class Collectives:
@@ -159,17 +195,17 @@ class Collectives:
         self.dims, self.mesh, self.device = dims, mesh, device
         if mesh is None:
             self.dp_rank, self.dp_size = 0, 1
-            self._dp_group = None
+            self.dp_group = None
         else:
             dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
             self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
-            self._dp_group = dp_mesh.get_group()
+            self.dp_group = dp_mesh.get_group()
 
     def sum_over_dp(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise sum of ``values`` over the data-parallel ranks (a float64 copy)."""
         out = values.detach().to(self.device, torch.float64).clone()
-        if self._dp_group is not None:
-            dist.all_reduce(out, group=self._dp_group)
+        if self.dp_group is not None:
+            dist.all_reduce(out, group=self.dp_group)
         return out.cpu()
 
     def sum_over_world(self, values: torch.Tensor) -> torch.Tensor:

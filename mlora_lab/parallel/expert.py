@@ -2,13 +2,14 @@
 
 With ``ep = k`` the ``E`` experts of every MoE layer are split into ``k`` contiguous groups of
 ``E/k``; process ``i`` of an EP group keeps experts ``[i E/k, (i+1) E/k)`` of the base weights and of
-every LoRA slot. The slots become DTensors on the EP mesh, sharded on their expert dimension:
+every tenant's LoRA. A tenant's expert tensors are DTensors on the EP mesh, split on their expert
+dimension:
 
-    lora_A [S, E, R, in]   Shard(1)        lora_B [S, E, out, R]   Shard(1)
+    A [E, r, in]   Shard(0)        B [E, out, r]   Shard(0)
 
 so :class:`~mlora_lab.parallel.fsdp.ShardedTensorIO` reads full (all-expert) values for saving and
 checkpoints and writes this process's experts of a full value, and per-tenant optimisers step the
-local experts of their views, exactly as with FSDP's feature-dim shards.
+local experts.
 
 The forward of each experts module becomes dispatch → compute → combine. The members of an EP group
 are data-parallel ranks: each routes its own tokens, sorts the (token, k) pairs by expert (hence by
@@ -19,10 +20,11 @@ nothing) and a second ``all_to_all_single`` sends the outputs back, where they a
 router and summed onto their tokens. Both exchanges are differentiable
 (functional collectives, which carry autograd), so backward sends the gradients the other way.
 
-Gradients of a rank's expert slots thus already hold every EP-group member's tokens. When there are
+Gradients of a rank's expert tensors thus already hold every EP-group member's tokens. When there are
 several EP groups (``dp / ep > 1``: the ``ep_replicate`` dimension), each holds the same experts and
-sees other rows, and a gradient hook sums the slots' fresh gradients over it: a SUM, as FSDP's,
-because each process's loss is already its share of the tenant's global token mean.
+sees other rows: the gradients of the tenants that step are summed over it (the layout's
+``reduce_group``), a SUM, because each process's loss is already its share of the tenant's global
+token mean.
 
 Attention and the dense parts stay with FSDP2 (:func:`~mlora_lab.parallel.fsdp.apply_fsdp`), which
 must leave the expert parameters alone (``ignored_params``).
@@ -35,10 +37,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 
 from mlora_lab.lora.experts import PACKED, MultiLoRAExperts
 from mlora_lab.lora.model import MultiLoRAModel
+from mlora_lab.parallel.fsdp import SlotLayout
 
 
 class ExpertParallelLoRAExperts(MultiLoRAExperts):
@@ -51,12 +54,10 @@ class ExpertParallelLoRAExperts(MultiLoRAExperts):
     first_expert: int
     local_experts: int
 
-    def weights(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        weight, A, B = super().weights(name)
-        if A is None:
-            return weight, None, None
-        # to_local() is differentiable: the local gradient lands in the DTensor slot's .grad
-        return weight, A.to_local(), B.to_local()
+    def slot_tensors(self, name: str, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        A, B = super().slot_tensors(name, slot)
+        # to_local() is differentiable: the local gradient lands in the DTensor's .grad
+        return A.to_local(), B.to_local()
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -90,9 +91,9 @@ def apply_expert_parallel(
 ) -> set[nn.Parameter]:
     """Split every experts module of ``mm`` over the 1-D ``ep_mesh`` in place (module docstring).
 
-    ``replicate_group`` joins the ranks that hold the same experts (one per EP group), whose slot
-    gradients are summed; ``None`` when there is a single EP group. Returns the expert parameters
-    (base and slots), which FSDP must ignore. Call before any tenant is added.
+    ``replicate_group`` joins the ranks that hold the same experts (one per EP group), over which
+    tenants' gradients are summed; ``None`` when there is a single EP group. Returns the base expert
+    parameters, which FSDP must ignore. Call before any tenant is added.
     """
     if mm.tenants:
         raise RuntimeError("apply expert parallelism before adding tenants")
@@ -111,26 +112,10 @@ def apply_expert_parallel(
                 local = nn.Parameter(full[first : first + n].clone(), requires_grad=False)
                 setattr(module.base_layer, attr, local)
                 owned.add(local)
-            for attr in module.param_names:
-                for key in (f"lora_A_{attr}", f"lora_B_{attr}"):
-                    slots = getattr(module, key)
-                    sharded = nn.Parameter(
-                        distribute_tensor(slots.data, ep_mesh, [Shard(1)], src_data_rank=None)
-                    )
-                    if replicate_group is not None:
-                        sharded.register_hook(_sum_over(replicate_group))
-                    setattr(module, key, sharded)
-                    owned.add(sharded)
+        # tenants' A [E, r, in] and B [E, out, r]: this rank's experts; summed over the EP groups
+        layout = SlotLayout(ep_mesh, [Shard(0)], reduce_group=replicate_group)
+        module.layouts = {"A": layout, "B": layout}
         module.__class__ = ExpertParallelLoRAExperts
         module.ep_group, module.ep_size = ep_mesh.get_group(), ep
         module.first_expert, module.local_experts = first, n
     return owned
-
-
-def _sum_over(group: dist.ProcessGroup):
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        dist.all_reduce(local, group=group)
-        return grad
-
-    return hook

@@ -1,46 +1,50 @@
-"""FSDP2 for a :class:`~mlora_lab.lora.model.MultiLoRAModel`, and sharded slot access.
+"""FSDP2 for the frozen base of a :class:`~mlora_lab.lora.model.MultiLoRAModel`, and how tenants'
+tensors are laid out over processes (:class:`SlotLayout`, :class:`ShardedTensorIO`).
 
 ``apply_fsdp`` calls ``fully_shard`` on every decoder block, then on the root, sharding the frozen
-base on dim 0 (FSDP2's default) and the LoRA slots on their *feature* dims:
+base on dim 0 (FSDP2's default). Tenants' tensors are not FSDP's: they come and go while the job runs
+(FSDP2 fixes its parameters when it wraps a module) and each exists at its tenant's own rank. They are
+made per tenant, as its layer's :class:`SlotLayout` says:
 
-    lora_A [S, R, in]   Shard(2)        lora_B [S, out, R]   Shard(1)
+- split over a tensor- or expert-parallel group where the layer is (a DTensor on that mesh:
+  ``A`` replicated and ``B`` split by output rows in a colwise layer, and so on), whole otherwise;
+- held alike by the data-parallel ranks, which see different rows: after the backward, the gradients
+  of the tenants that step are summed over them (``reduce_group``), one flat bucket per group, as a
+  SUM (each process's loss is already its share of the tenant's global token mean,
+  ``sum(local token losses) / N_global``). Only tenants in the step take part: a tenant that is
+  paused, finished or mid-window costs no communication.
 
-so every tenant (whatever its slot and rank) is split evenly over the ranks, and a tenant's matrices
-``A_t = lora_A[slot, :r]`` / ``B_t = lora_B[slot, :, :r]`` are plain slices of the *local* shard with
-the same index. Per-tenant optimisers therefore run on local shards unchanged; only the gradient
-norm (for clipping) needs a sum over shards.
-
-Gradients are reduced as a SUM over data-parallel ranks (divide factor 1): each process's loss is
-already its share of the tenant's global token mean, ``sum(local token losses) / N_global``.
-
-:class:`ShardedTensorIO` reads and writes full values of slot parts: reads all-gather (so saved
-adapters are full tensors whatever the world size), writes keep this rank's chunk of a full value
-(never re-sharding an already-local shard).
+:class:`ShardedTensorIO` makes tenants' tensors and reads and writes their full values: reads
+all-gather over the split (so saved adapters are full tensors whatever the layout), writes keep this
+rank's part of a full value (never re-splitting an already-local part).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from mlora_lab.lora.model import MultiLoRAModel, TensorIO
+from mlora_lab.memory import decoder_blocks
 
 
-def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a transformers model (``_no_split_modules`` classes), in order."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if blocks:
-        return blocks
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+@dataclass
+class SlotLayout:
+    """How one layer's tenant factor (``A`` or ``B``) is laid out: a DTensor on ``mesh`` with
+    ``placements`` (whole on this process when ``mesh`` is None), and the group of processes that hold
+    the same part and see other rows (gradients are summed over it; None: no such processes)."""
+
+    mesh: DeviceMesh | None = None
+    placements: Sequence[Placement] = field(default_factory=tuple)
+    reduce_group: dist.ProcessGroup | None = None
 
 
 def apply_fsdp(
@@ -49,61 +53,91 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
-    """Shard ``mm`` in place with FSDP2 (per block, then the root) and switch it to sharded slot I/O.
+    """Shard the frozen base of ``mm`` in place with FSDP2 (per block, then the root).
     ``ignored_params`` (the experts under expert parallelism) are left as they are."""
-    placements: dict[int, Shard] = {}
-    for layer in mm.layers.values():
-        placements[id(layer.lora_A)] = Shard(2)
-        placements[id(layer.lora_B)] = Shard(1)
-    for experts in mm.experts.values():  # A [S, E, R, in], B [S, E, out, R]: feature dims again
-        for attr in experts.param_names:
-            lora_A, lora_B = experts.lora(attr)
-            placements[id(lora_A)] = Shard(3)
-            placements[id(lora_B)] = Shard(2)
-
-    def place(param: nn.Parameter) -> Shard:
-        return placements.get(id(param), Shard(0))
-
+    # Every parameter computes in its own dtype: the frozen base in the job's ``dtype`` (bf16 is the
+    # recommendation on GPUs); tenants' tensors are not FSDP's and compute in fp32, as PEFT's adapters
+    # do over a bf16 base. Should a base parameter ever carry a gradient, it is reduced in fp32.
+    policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     for block in decoder_blocks(mm.model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=place,
-                    ignored_params=ignored_params)  # fmt: skip
-    fully_shard(mm.model, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=place,
-                ignored_params=ignored_params)  # fmt: skip
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored_params, mp_policy=policy)  # fmt: skip
+    # The root (embeddings, final norm, output layer) stays unsharded from its forward to the end of
+    # the backward: the chunked loss (mlora_lab.memory) calls the output layer after the forward and
+    # again in the backward, and the backward would all-gather it again at once anyway.
+    fully_shard(mm.model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored_params,
+                mp_policy=policy)  # fmt: skip
     for module in mm.model.modules():
         if isinstance(module, FSDPModule):
             # A plain SUM (gloo has no PREMUL_SUM): each process's loss is already its share.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    mm.io = ShardedTensorIO()
-    # Every process must produce the same set of gradients for the reduce-scatter, whichever
-    # tenants its rows belong to.
-    mm.routing.grad_every_slot = True
 
 
 class ShardedTensorIO(TensorIO):
-    """:class:`TensorIO` for DTensor slot tensors (plain tensors pass through)."""
+    """:class:`TensorIO` for tenants' tensors laid out by :class:`SlotLayout` (the layout is kept on
+    each tensor it makes, as ``slot_layout``)."""
+
+    def new(self, layout: object, full: torch.Tensor) -> torch.Tensor:
+        layout = layout if isinstance(layout, SlotLayout) else SlotLayout()
+        if layout.mesh is None:
+            t = full.detach().clone()
+        else:  # every process holds the same full value (same seed): keep this rank's part of it
+            t = distribute_tensor(full.detach(), layout.mesh, list(layout.placements), src_data_rank=None)
+        t.requires_grad_(True)
+        t.slot_layout = layout
+        return t
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
+    def reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """One flat all-reduce (SUM) per reduce group, over the local gradients of ``params`` (zeros
+        where a process made none: its rows had no token of that tenant)."""
+        by_group: dict[dist.ProcessGroup, list[torch.Tensor]] = {}
+        for p in params:
+            # A part that saw no token of its tenant here (an expert no token was routed to) has a
+            # zero gradient, as it would in one process, where it is part of a tensor that has one.
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            group = getattr(p, "slot_layout", SlotLayout()).reduce_group
+            if group is not None:
+                by_group.setdefault(group, []).append(self.local(p.grad))
+        for group, grads in by_group.items():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def grad_sum(self, param: torch.Tensor) -> torch.Tensor:
+        local = (
+            self.local(param.grad) if param.grad is not None else torch.zeros_like(self.local(param.detach()))
+        )
+        out = local.detach().clone()
+        group = getattr(param, "slot_layout", SlotLayout()).reduce_group
+        if group is not None:
+            dist.all_reduce(out, group=group)
+        return out
+
+    def first_copy(self, param: torch.Tensor) -> bool:
+        group = getattr(param, "slot_layout", SlotLayout()).reduce_group
+        return group is None or dist.get_rank(group) == 0
+
     @staticmethod
     def _view_layout(param: DTensor, index: tuple) -> tuple[list[Placement], torch.Size]:
         """Placements and global shape of ``param[index]``. The index may take whole slices of a
-        sharded dim only, so the view's chunks are the chunks of ``param``."""
+        split dim only, so the view's chunks are the chunks of ``param``."""
         placements: list[Placement] = []
         for p in param.placements:
-            if not isinstance(p, Shard | _StridedShard):
+            if not isinstance(p, Shard):
                 placements.append(p)
                 continue
             d = p.dim
             if d < len(index) and index[d] != slice(None):
-                raise ValueError(f"cannot index sharded dim {d} of a slot tensor with {index[d]!r}")
-            d_view = d - sum(isinstance(i, int) for i in index[:d])
-            # FSDP over a tensor-parallel shard of the same dim makes a strided shard
-            strided = isinstance(p, _StridedShard)
-            placements.append(
-                _StridedShard(d_view, split_factor=p.split_factor) if strided else Shard(d_view)
-            )
+                raise ValueError(f"cannot index split dim {d} of a tenant tensor with {index[d]!r}")
+            placements.append(Shard(d - sum(isinstance(i, int) for i in index[:d])))
         return placements, torch.empty(param.shape, device="meta")[index].shape
 
     def gather(self, param: torch.Tensor, index: tuple, local_part: torch.Tensor) -> torch.Tensor:
@@ -120,9 +154,7 @@ class ShardedTensorIO(TensorIO):
         if not isinstance(param, DTensor):
             return dist.get_world_size()
         mesh = param.device_mesh
-        shards = math.prod(
-            mesh.size(d) for d, p in enumerate(param.placements) if isinstance(p, Shard | _StridedShard)
-        )
+        shards = math.prod(mesh.size(d) for d, p in enumerate(param.placements) if isinstance(p, Shard))
         return dist.get_world_size() // shards
 
     def scatter(self, param: torch.Tensor, index: tuple, full: torch.Tensor) -> torch.Tensor:

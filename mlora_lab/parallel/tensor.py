@@ -26,12 +26,13 @@ The gradient of a *replicated* LoRA factor (``A`` in colwise, ``B`` in rowwise) 
 rank's partial one: the factor passes through an identity whose backward all-reduces (the same
 operator as for the colwise input), so every rank holds the whole gradient, as for the base input.
 
-Slots become DTensors on the TP mesh (``Shard`` where split, ``Replicate`` where not), which FSDP2 then
-shards over the data-parallel ranks (2-D), so :class:`~mlora_lab.parallel.fsdp.ShardedTensorIO` reads
-and writes their full (logical) values: saved adapters, checkpoints and every tenant's init are the
-same whatever ``tp``, and a tenant's init, drawn whole from its seed on every rank, is sliced the same
-way as the base (rank-consistent by construction). The frozen base weights are plain tensors holding
-this rank's slice. Packed MoE experts stay replicated over TP ranks (split them with ``ep``).
+A tenant's tensors are DTensors on the TP mesh (``Shard`` where split, ``Replicate`` where not), made
+when the tenant is added (:class:`~mlora_lab.parallel.fsdp.SlotLayout`), so
+:class:`~mlora_lab.parallel.fsdp.ShardedTensorIO` reads and writes their full (logical) values: saved
+adapters, checkpoints and every tenant's init are the same whatever ``tp``, and a tenant's init, drawn
+whole from its seed on every rank, is sliced the same way as the base (rank-consistent by
+construction). The frozen base weights are plain tensors holding this rank's slice. Packed MoE experts
+stay replicated over TP ranks (split them with ``ep``).
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mlora_lab.lora.layer import MultiLoRALinear
 from mlora_lab.lora.model import MultiLoRAModel
+from mlora_lab.parallel.fsdp import SlotLayout
 
 LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
 EMBEDDING_STYLES = ("embedding_rowwise",)
@@ -69,6 +71,28 @@ class _CopyToTP(torch.autograd.Function):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+class _CopyManyToTP(torch.autograd.Function):
+    """:class:`_CopyToTP` for several tensors: one all-reduce of all their gradients (flattened)."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        grads = tuple(g if g is not None else torch.zeros(s, dtype=d, device=v)
+                      for g, (s, d, v) in zip(grads, ctx.shapes))  # fmt: skip
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=ctx.group)
+        out, offset = [], 0
+        for g in grads:
+            out.append(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return None, *out
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -149,11 +173,15 @@ class TPMultiLoRALinear(MultiLoRALinear):
     tp_group: dist.ProcessGroup
     tp_style: str
 
-    def slot_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        A, B = (t.to_local() if isinstance(t, DTensor) else t for t in (self.lora_A, self.lora_B))
-        if self.tp_style in COLWISE:  # A replicated: its gradient is a sum of partials
-            return _CopyToTP.apply(A, self.tp_group), B
-        return A, _CopyToTP.apply(B, self.tp_group)  # B replicated
+    def factors(self, slots: list[int]) -> list[torch.Tensor]:
+        """This rank's parts of the tenants' ``A``, ``B``; the replicated factor (``A`` in colwise,
+        ``B`` in rowwise) of all of them passes one identity whose backward all-reduces their
+        gradients together: one collective per layer, whatever the number of tenants."""
+        local = [t.to_local() if isinstance(t, DTensor) else t
+                 for slot in slots for t in (self.lora_A[slot], self.lora_B[slot])]  # fmt: skip
+        first = 0 if self.tp_style in COLWISE else 1
+        local[first::2] = _CopyManyToTP.apply(self.tp_group, *local[first::2])
+        return local
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _tp_linear(self, x, self.with_delta)
@@ -265,13 +293,11 @@ def apply_tensor_parallel(mm: MultiLoRAModel, tp_mesh: DeviceMesh) -> None:
             if base.bias is not None and colwise:
                 base.bias = local(base.bias, 0)
             base.weight = local(base.weight, 0 if colwise else 1)
-            if isinstance(module, MultiLoRALinear):
-                with torch.no_grad():  # A [S, R, in], B [S, out, R]
-                    for key, placement in (("lora_A", Replicate() if colwise else Shard(2)),
-                                           ("lora_B", Shard(1) if colwise else Replicate())):  # fmt: skip
-                        slots = getattr(module, key)
-                        split = distribute_tensor(slots.data, tp_mesh, [placement], src_data_rank=None)
-                        setattr(module, key, nn.Parameter(split))
+            if isinstance(module, MultiLoRALinear):  # tenants' A [r, in], B [out, r]
+                module.layouts = {
+                    "A": SlotLayout(tp_mesh, [Replicate() if colwise else Shard(1)]),
+                    "B": SlotLayout(tp_mesh, [Shard(0) if colwise else Replicate()]),
+                }
                 module.__class__ = TPMultiLoRALinear
             else:
                 module.__class__ = TPLinear

@@ -13,8 +13,10 @@ from mlora_lab.lora import MultiLoRAModel
 
 
 def assert_same_gradients(split: MultiLoRAModel, reference: MultiLoRAModel, names, atol: float = 1e-5) -> None:
-    """The gathered (full) gradient of every tenant's slot part equals the reference's."""
+    """The gathered (full) gradient of every tenant's tensors, summed over the data-parallel ranks as
+    the trainer does before an optimiser step, equals the reference's."""
     io = split.io
+    split.reduce_gradients(list(names))
     for name in names:
         for (p, i), (q, j) in zip(split.tenant_slices(name), reference.tenant_slices(name)):
             g = io.gather(p, i, io.local(p.grad)[i])

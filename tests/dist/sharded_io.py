@@ -1,4 +1,4 @@
-"""Run under torchrun (2 processes): checks of sharded slot I/O that need a real process group.
+"""Run under torchrun (2 processes): checks of tenant-tensor I/O that need a real process group.
 
 Exits non-zero on the first failed check; tests/test_distributed.py runs it.
 """
@@ -8,61 +8,69 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.distributed as dist
 import transformers
-from torch.distributed.tensor import DTensor
 
 from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.optim import TenantOptimizer
-from mlora_lab.parallel import ParallelDims, init_distributed, shutdown_distributed
-from mlora_lab.parallel.fsdp import apply_fsdp
+from mlora_lab.parallel import ParallelDims, init_distributed, parallelize, shutdown_distributed
 
 
 def main(model_dir: str) -> None:
     info = init_distributed()
-    mesh = ParallelDims(info.world_size, fsdp=info.world_size).build_mesh("cpu")
+    dims = ParallelDims(info.world_size, fsdp=info.world_size)
+    mesh = dims.build_mesh("cpu")
     plain = MultiLoRAModel(transformers.AutoModelForCausalLM.from_pretrained(model_dir), max_tenants=3, max_rank=8)
-    sharded = MultiLoRAModel(transformers.AutoModelForCausalLM.from_pretrained(model_dir), max_tenants=3, max_rank=8)
-    apply_fsdp(sharded, mesh["dp_shard"])
-    layer = next(iter(sharded.layers.values()))
-    assert isinstance(layer.lora_A, DTensor), "slots are sharded"
-    assert layer.lora_A.to_local().shape[2] == layer.in_features // info.world_size, "A is split on its input dim"
+    split = MultiLoRAModel(transformers.AutoModelForCausalLM.from_pretrained(model_dir), max_tenants=3, max_rank=8)
+    parallelize(split, dims, mesh, "cpu")
+    layer = next(iter(split.layers.values()))
+    assert not layer.lora_A, "a free slot holds nothing"
 
-    # the same seed gives the same logical adapter whatever the sharding (rank-consistent init)
-    for mm in (plain, sharded):
+    # the same seed gives the same logical adapter whatever the layout (rank-consistent init)
+    for mm in (plain, split):
         mm.add_tenant("a", rank=4, target_modules=["q_proj", "down_proj"], seed=7)
         mm.add_tenant("b", rank=8, target_modules=["v_proj"], seed=8)
     for name in ("a", "b"):
-        full_plain, full_sharded = plain.tenant_tensors(name), sharded.tenant_tensors(name)
+        full_plain, full_split = plain.tenant_tensors(name), split.tenant_tensors(name)
         for m, (A, B) in full_plain.items():
-            assert full_sharded[m][0].shape == A.shape, "gathered tensors are whole, not local shards"
-            torch.testing.assert_close(full_sharded[m][0], A, atol=0, rtol=0)
-            torch.testing.assert_close(full_sharded[m][1], B, atol=0, rtol=0)
+            assert full_split[m][0].shape == A.shape, "read tensors are whole"
+            torch.testing.assert_close(full_split[m][0], A, atol=0, rtol=0)
+            torch.testing.assert_close(full_split[m][1], B, atol=0, rtol=0)
+    assert tuple(layer.lora_A[split.tenants["a"].slot].shape) == (4, layer.in_features), "its own rank"
 
-    # writing a local shard as if it were the whole value is refused (no double sharding)
-    A_local = sharded.io.local(layer.lora_A.data)[0, :4]
+    # a value of the wrong shape is refused
+    A = layer.lora_A[split.tenants["a"].slot]
     try:
-        sharded.write(layer.lora_A, (0, slice(0, 4)), A_local.clone())
+        split.write(A, (), torch.zeros(3, layer.in_features))
     except ValueError:
         pass
     else:
-        raise AssertionError("a local shard was accepted as a full value")
+        raise AssertionError("a value of the wrong shape was accepted")
 
-    # a write of a full value lands as this rank's chunk and reads back whole
-    value = torch.arange(4 * layer.in_features, dtype=torch.float32).reshape(4, layer.in_features)
-    sharded.write(layer.lora_A, (1, slice(0, 4)), value)
-    torch.testing.assert_close(sharded.read(layer.lora_A, (1, slice(0, 4))), value, atol=0, rtol=0)
+    # gradients: each rank's own, summed by reduce_gradients (only the tenants named); grad_sum is
+    # the same sum without touching the gradient; a rank that made none counts as zeros
+    pairs = list(split.tenant_slices("a"))
+    for k, (p, _) in enumerate(pairs):
+        p.grad = None if (info.rank == 1 and k == 0) else torch.full_like(p, float(info.rank + 1))
+    b_grad = torch.ones_like(split.layers[split.tenants["b"].modules[0]].lora_A[split.tenants["b"].slot])
+    split.layers[split.tenants["b"].modules[0]].lora_A[split.tenants["b"].slot].grad = b_grad
+    expected0 = torch.full_like(pairs[0][0], 1.0)  # rank 1 made no gradient for it
+    torch.testing.assert_close(split.io.grad_sum(pairs[0][0]), expected0)
+    split.reduce_gradients(["a"])
+    torch.testing.assert_close(pairs[0][0].grad, expected0)
+    for p, _ in pairs[1:]:
+        torch.testing.assert_close(p.grad, torch.full_like(p, 3.0))
+    assert b_grad.eq(1).all(), "a tenant not named is not reduced"
+    assert split.io.first_copy(pairs[0][0]) == (dist.get_rank() == 0)
 
     # optimiser state round-trips through its full (gathered) form
-    opt = TenantOptimizer(sharded.tenant_slices("a"), lr=0.1, local=sharded.io.local)
-    for p, i in opt.slices:
-        p.grad = torch.zeros_like(p)
-        sharded.io.local(p.grad)[i].normal_(generator=torch.Generator().manual_seed(info.rank))
+    opt = TenantOptimizer(split.tenant_slices("a"), lr=0.1, local=split.io.local)
     opt.step()
-    full = opt.state_dict(gather=sharded.io.gather)
+    full = opt.state_dict(gather=split.io.gather)
     exp_avg = full["optimizer"]["state"][0]["exp_avg"]
     assert tuple(exp_avg.shape) == (4, layer.in_features), exp_avg.shape
-    again = TenantOptimizer(sharded.tenant_slices("a"), lr=0.1, local=sharded.io.local)
-    again.load_state_dict(full, scatter=sharded.io.scatter)
+    again = TenantOptimizer(split.tenant_slices("a"), lr=0.1, local=split.io.local)
+    again.load_state_dict(full, scatter=split.io.scatter)
     for k in (0, 1):
         torch.testing.assert_close(
             again.optimizer.state[again.params[k]]["exp_avg"], opt.optimizer.state[opt.params[k]]["exp_avg"]
