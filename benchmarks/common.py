@@ -357,6 +357,17 @@ def run_layout(script: str, spec_path: Path, parallel: dict, steps: int, workdir
     return json.loads(out.read_text())
 
 
+def bench_parser(doc: str, quick_help: str, max_wait: float = 120) -> argparse.ArgumentParser:
+    """The options every single-process benchmark script takes: ``--quick``, ``--threads``,
+    ``--max-wait`` and the hidden ``--worker PAYLOAD`` its own child processes are started with."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--threads", type=int, default=THREADS)
+    parser.add_argument("--max-wait", type=float, default=max_wait, help="s to wait for a quiet machine")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser
+
+
 def add_worker_args(parser) -> None:
     """``--worker JOB --out OUT --steps N``: how :func:`run_layout` calls a script back under torchrun."""
     parser.add_argument("--worker", help=argparse.SUPPRESS)

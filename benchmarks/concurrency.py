@@ -25,7 +25,6 @@ Goals: ``time(mlora job) / sum(time(4 PEFT jobs)) <= 0.9`` and
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -151,12 +150,8 @@ def worker(payload: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
+    parser = common.bench_parser(__doc__, "tiny model, few steps (smoke test)")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=common.THREADS)
-    parser.add_argument("--max-wait", type=float, default=120, help="s to wait for a quiet machine")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)

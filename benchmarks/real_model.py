@@ -54,7 +54,6 @@ is left behind but the converted model in the mlora_lab cache.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -399,12 +398,7 @@ def shape(batches: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter rows, fewer steps (smoke test)")
-    parser.add_argument("--threads", type=int, default=common.THREADS)
-    parser.add_argument("--max-wait", type=float, default=30, help="s to wait for a quiet machine")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = common.bench_parser(__doc__, "shorter rows, fewer steps (smoke test)", max_wait=30).parse_args()
     if args.worker:
         worker(args.worker)
         return

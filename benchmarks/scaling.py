@@ -29,7 +29,6 @@ Goal 3: a job with ``max_tenants=64`` and one tenant takes <= 1.05x the memory o
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import sys
@@ -180,12 +179,7 @@ def tensor_counts(trainer) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
-    parser.add_argument("--threads", type=int, default=common.THREADS)
-    parser.add_argument("--max-wait", type=float, default=120, help="s to wait for a quiet machine")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = common.bench_parser(__doc__, "tiny model, few steps (smoke test)").parse_args()
     if args.worker:
         worker(args.worker)
         return

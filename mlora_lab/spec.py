@@ -1145,6 +1145,10 @@ class _Validator:
         except Exception as e:
             self.out.append(f"{where}: transformers cannot read a model config from this GGUF ({_short(e)})")
             return False
+        return self._read_model_info(path, where)
+
+    def _read_model_info(self, path: str, where: str) -> bool:
+        """``self.model`` from the config at ``path`` (a meta-device build), or a problem."""
         try:
             self.model = _model_info(os.path.abspath(path))
         except Exception as e:
@@ -1165,10 +1169,7 @@ class _Validator:
         except Exception as e:
             self.out.append(f"{where} does not hold a loadable transformers config ({_short(e)})")
             return False
-        try:
-            self.model = _model_info(os.path.abspath(path))
-        except Exception as e:
-            self.out.append(f"{where}: cannot build a causal LM from its config ({_short(e)})")
+        if not self._read_model_info(path, where):
             return False
         self._check_weights(path, where)
         return True
