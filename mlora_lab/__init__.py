@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {  # public name -> the module that defines it
+    "Dashboard": "mlora_lab.dashboard",
     "JobBuilder": "mlora_lab.widgets",
     "JobSpec": "mlora_lab.spec",
     "MultiLoRAModel": "mlora_lab.lora",
@@ -26,6 +27,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "attach": "mlora_lab.launch",
     "compare": "mlora_lab.report",
     "compare_generations": "mlora_lab.report",
+    "hparams": "mlora_lab.report",
     "resume": "mlora_lab.launch",
     "runs": "mlora_lab.launch",
     "summary": "mlora_lab.report",
@@ -33,9 +35,10 @@ _EXPORTS = {  # public name -> the module that defines it
 __all__ = sorted([*_EXPORTS, "launch"])
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from mlora_lab.dashboard import Dashboard  # noqa: F401
     from mlora_lab.launch import Run, attach, launch, resume, runs  # noqa: F401
     from mlora_lab.lora import MultiLoRAModel  # noqa: F401
-    from mlora_lab.report import compare, compare_generations, summary  # noqa: F401
+    from mlora_lab.report import compare, compare_generations, hparams, summary  # noqa: F401
     from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant  # noqa: F401
     from mlora_lab.widgets import JobBuilder, TenantForm  # noqa: F401
 

@@ -69,6 +69,22 @@ class GGUFBaseError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off inside the block ("Loading weights", "Writing model shards"): in a
+    notebook each is a widget per call, noise for the small loads this library does on the user's behalf.
+    The user's own setting is restored on exit."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def _gguf_files(folder: str) -> list[str]:
     try:
         names = os.listdir(folder)

@@ -12,11 +12,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import pandas as pd
+from tqdm import tqdm
 
 from mlora_lab.launch import DEFAULT_WORKDIR, LAUNCHERS, Run, attach, launch, prepare_run, resume
-from mlora_lab.rundir import CheckpointError, ControlError, RowKind, RunDirError, RunState
+from mlora_lab.rundir import CheckpointError, ControlError, RowKind, RunDirError, RunState, TenantState
 from mlora_lab.spec import JobSpec, SpecError
 
 # What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
@@ -24,37 +26,157 @@ from mlora_lab.spec import JobSpec, SpecError
 USER_ERRORS = (SpecError, RunDirError, CheckpointError, ControlError, FileNotFoundError, RuntimeError)
 
 
-def _nan(x: float | None) -> float:
-    return float("nan") if x is None else x
+PROGRESS_EVERY_S = 10.0
+"""Without a terminal (CI, a pipe, a log file), a progress line at most this often ..."""
+PROGRESS_EVERY_FRACTION = 0.1
+"""... or when the steps done have grown by this fraction of all steps since the last one."""
+ENDED_EARLY = frozenset({TenantState.REMOVED, TenantState.FAILED, TenantState.REFUSED})
+"""Tenant states that end a tenant before its ``max_steps``: progress counts the steps it took."""
 
 
-def follow(run: Run, every: float = 2.0, out=sys.stdout) -> str:
-    """Print per-tenant progress while ``run`` goes; return its final state."""
+class Follower:
+    """What a terminal shows of a run: one line per change (the run's state, a tenant's state with
+    its reason, a job event) and the progress, from the rows the run writes.
+
+    Progress counts optimiser steps over all tenants: ``total`` is the sum of their ``max_steps`` (a
+    tenant that was removed, failed or refused counts the steps it took), so it reaches 100 % when
+    the last tenant is done, and grows when a tenant is added while the job runs."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.started = time.monotonic()
+        self.run_state: RunState | None = None
+        self.states: dict[str, str] = {}
+        self.steps: dict[str, int] = {}
+        self.losses: dict[str, float | None] = {}
+        self.max_steps = {t.name: t.max_steps for t in run.spec.tenants}
+        self._looked_up = set(self.max_steps)  # names whose max_steps we tried to find
+        self._events: set[tuple] = set()
+
+    def _stamp(self, text: str) -> str:
+        seconds = int(time.monotonic() - self.started)
+        return f"[{seconds // 60:02d}:{seconds % 60:02d}] {text}"
+
+    def see_state(self, state: RunState) -> list[str]:
+        """Lines for a change of the run's state."""
+        if state == self.run_state:
+            return []
+        self.run_state = state
+        return [self._stamp(f"run {state.value}")]
+
+    def see_rows(self, rows: list[dict]) -> list[str]:
+        """Take in new rows; the lines they call for (repeated rows, as after a resume re-reads the
+        file, call for none)."""
+        lines = []
+        for r in rows:
+            kind = r["kind"]
+            if kind == RowKind.TRAIN:
+                self.steps[r["tenant"]] = r["tenant_step"]
+                self.losses[r["tenant"]] = r["loss"]
+            elif kind == RowKind.TENANT and self.states.get(r["tenant"]) != r["state"]:
+                # (a tenant's second ``running`` row only adds its optimiser memory: not a change)
+                self.states[r["tenant"]] = r["state"]
+                reason = f": {r['reason']}" if r.get("reason") else ""
+                lines.append(self._stamp(f"tenant {r['tenant']} {r['state']}{reason}"))
+            elif kind == RowKind.EVENT and (key := (r["step"], r["event"], r["message"])) not in self._events:
+                self._events.add(key)
+                lines.append(self._stamp(f"{r['event']} at step {r['step']}: {r['message']}"))
+        if not self._looked_up.issuperset(self.states):  # a tenant added while the job runs
+            for name, spec in self.run.tenant_specs().items():
+                if spec is not None:
+                    self.max_steps.setdefault(name, spec.max_steps)
+            self._looked_up |= set(self.states)
+        return lines
+
+    @property
+    def done(self) -> int:
+        return sum(min(step, self.max_steps.get(n, step)) for n, step in self.steps.items())
+
+    @property
+    def total(self) -> int:
+        total = 0
+        for name in {*self.max_steps, *self.steps}:
+            if self.states.get(name) in ENDED_EARLY or name not in self.max_steps:
+                total += self.steps.get(name, 0)
+            else:
+                total += self.max_steps[name]
+        return total
+
+    def tenants_text(self) -> str:
+        """Each tenant's step (of its max_steps) and latest loss, compact."""
+        parts = []
+        for name in dict.fromkeys([*self.max_steps, *self.steps]):  # job.json's order, then added ones
+            loss = self.losses.get(name)
+            of = f"/{self.max_steps[name]}" if name in self.max_steps else ""
+            parts.append(f"{name} {self.steps.get(name, 0)}{of}" + ("" if loss is None else f" {loss:.3f}"))
+        return " | ".join(parts)
+
+    def progress_line(self) -> str:
+        total = self.total
+        share = f" ({100 * self.done // total}%)" if total else ""
+        return self._stamp(f"steps {self.done}/{total}{share}  {self.tenants_text()}")
+
+
+def follow(run: Run, out: TextIO | None = None, poll: float = 0.5, tty: bool | None = None) -> RunState:
+    """Show ``run`` until it ends; return its final state.
+
+    A line for each change (see :class:`Follower`); the progress is one live tqdm bar on a terminal,
+    and otherwise (``out`` is not a terminal, or ``tty=False``) a plain line at most every
+    ``PROGRESS_EVERY_S`` seconds or ``PROGRESS_EVERY_FRACTION`` of the steps, and one at the end: a
+    log of a long run stays short."""
+    out = sys.stdout if out is None else out
+    tty = out.isatty() if tty is None else tty
     print(f"run directory: {run.path}", file=out, flush=True)
-    last: dict[str, dict] = {}
-    printed = 0.0
+    seen = Follower(run)
+    bar = tqdm(total=seen.total, file=out, unit="step", dynamic_ncols=True) if tty else None
+    shown_at, shown_done = time.monotonic(), 0
     cursor = (0, 0)
-    while True:
-        state = run.status
-        new, cursor = run.rows_since(cursor)
-        for row in new:
-            if row["kind"] == RowKind.TRAIN:
-                last[row["tenant"]] = row
-        if last and (time.monotonic() - printed >= every or state.final):
-            # a loss that is not a finite number is null in metrics.jsonl
-            parts = [f"{n} {r['tenant_step']} loss {_nan(r['loss']):.3f}" for n, r in sorted(last.items())]
-            print(f"[{state}] " + " | ".join(parts), file=out, flush=True)
-            printed = time.monotonic()
-        if state.final:
-            return run.wait()
-        time.sleep(0.5)
+    try:
+        while True:
+            state = run.status
+            new, cursor = run.rows_since(cursor)
+            # The job writes its rows before its final state: a final state is said after them.
+            changed, lines = seen.see_state(state), seen.see_rows(new)
+            lines = lines + changed if state.final else changed + lines
+            for line in lines:
+                if bar is not None:
+                    bar.write(line, file=out)
+                else:
+                    print(line, file=out, flush=True)
+            done, total = seen.done, seen.total
+            if bar is not None:
+                if total != bar.total:  # a tenant was added, or ended early
+                    bar.total = total
+                    bar.refresh()
+                bar.set_postfix_str(seen.tenants_text(), refresh=False)
+                bar.update(done - bar.n)  # redraws at most every tqdm.mininterval
+            elif done != shown_done and (
+                state.final
+                or time.monotonic() - shown_at >= PROGRESS_EVERY_S
+                or done - shown_done >= PROGRESS_EVERY_FRACTION * max(total, 1)
+            ):
+                print(seen.progress_line(), file=out, flush=True)
+                shown_at, shown_done = time.monotonic(), done
+            if state.final:
+                return run.wait()
+            time.sleep(poll)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def summary_text(run: Run) -> str:
+    """:func:`~mlora_lab.report.summary` of ``run`` as a table for a terminal (long reasons cut)."""
+    from mlora_lab.report import summary
+
+    table = summary(run)
+    table["reason"] = table["reason"].fillna("")
+    with pd.option_context("display.width", 200, "display.max_columns", 40, "display.precision", 4):
+        return table.to_string(index=False, max_colwidth=60)
 
 
 def print_outcome(run: Run, state: str, out=sys.stdout) -> None:
-    from mlora_lab.report import summary
-
-    with pd.option_context("display.width", 160, "display.max_columns", 20, "display.precision", 4):
-        print("\n" + summary(run).to_string(index=False), file=out)
+    print("\n" + summary_text(run), file=out)
     if state != RunState.FINISHED:
         print(f"\nrun {state}: {run.error or ''}\n--- rank 0 log tail ---\n{run.logs(0, 30)}", file=out)
     else:
@@ -109,9 +231,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"{run.path}: {run.status} (step {run.global_step})")
     if run.error:
         print(f"error: {run.error}")
-    from mlora_lab.report import summary
-
-    print(summary(run).to_string(index=False))
+    labels = run.labels
+    if labels.tags:
+        print(f"tags: {', '.join(labels.tags)}")
+    if labels.note:
+        print(f"note: {labels.note}")
+    print(summary_text(run))
     return 0
 
 

@@ -36,13 +36,29 @@ WORDS = [
 ]
 
 
+# Word-for-word translations of WORDS (ASCII, so a small byte-level tokenizer keeps them whole).
+TRANSLATIONS = {
+    "spanish": dict(zip(WORDS, [
+        "rojo", "verde", "azul", "gato", "perro", "pajaro", "arbol", "rio", "ciudad", "camino", "coche", "avion",
+        "sol", "luna", "estrella", "pez",
+    ])),
+    "french": dict(zip(WORDS, [
+        "rouge", "vert", "bleu", "chat", "chien", "oiseau", "arbre", "fleuve", "ville", "route", "voiture",
+        "avion", "soleil", "lune", "etoile", "poisson",
+    ])),
+}  # fmt: skip
+TASKS = ("reverse", "upper", "count", *TRANSLATIONS)
+
+
 def _phrase(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4)))
 
 
 def task_rows(task: str, n: int, seed: int) -> list[dict]:
     """Rows of one demo task: ``reverse`` (prompt/completion), ``upper`` (prompt/completion),
-    ``count`` (chat messages)."""
+    ``count`` (chat messages), ``spanish`` and ``french`` (prompt/completion: the same prompts,
+    ``translate: red cat``, answered ``in spanish: rojo gato`` or ``in french: rouge chat``, so two
+    adapters trained on them answer one prompt differently)."""
     rng = random.Random(f"{task}/{seed}")
     rows = []
     for _ in range(n):
@@ -56,8 +72,16 @@ def task_rows(task: str, n: int, seed: int) -> list[dict]:
                 {"messages": [{"role": "user", "content": f"how many words: {p}"},
                               {"role": "assistant", "content": str(len(p.split()))}]}
             )  # fmt: skip
+        elif task in TRANSLATIONS:
+            words = TRANSLATIONS[task]
+            rows.append(
+                {
+                    "prompt": f"translate: {p}\n",
+                    "completion": f"in {task}: " + " ".join(words[w] for w in p.split()),
+                }
+            )
         else:
-            raise ValueError(f"unknown demo task {task!r}")
+            raise ValueError(f"unknown demo task {task!r}; one of {', '.join(TASKS)}")
     return rows
 
 

@@ -38,13 +38,16 @@ from mlora_lab.rundir import (
     RowKind,
     RunDir,
     RunDirError,
+    RunLabels,
     RunLock,
     RunState,
     Status,
     TenantState,
     checkpoint,
     control,
+    read_labels,
     read_status,
+    update_labels,
     update_status,
 )
 from mlora_lab.rundir.control import ControlError
@@ -246,25 +249,106 @@ def attach(run_dir: str | Path) -> Run:
     return Run(run.root)
 
 
+RUNS_COLUMNS = ["run", "state", "tenants", "steps", "best_loss", "tags", "note", "started", "path", "problem"]
+
+
 def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
-    """One row per run directory under ``workdir``: id, state, tenants, steps, started. A run whose
-    files cannot be read is listed as ``broken``, with the reason in ``problem``."""
+    """One row per run directory under ``workdir``: id, state, tenants (comma-joined names), global
+    steps, ``best_loss`` (the lowest train loss of any tenant; None before the first step), ``tags``
+    (comma-joined, in the order they were added: ``table[table.tags.str.contains("baseline")]``),
+    ``note`` and start time. A run whose files cannot be read is listed as ``broken``, with the reason
+    in ``problem``; unreadable labels leave its tags and note empty and say why in ``problem``."""
     rows = []
     for job in sorted(Path(workdir).glob("*/job.json")):
         row = {"run": job.parent.name, "path": str(job.parent), "problem": None}
         try:
             run = Run(job.parent)
             status = read_status(job.parent)
+            metrics = run.rows()
+            losses = [r["loss"] for r in metrics if r["kind"] == RowKind.TRAIN and r["loss"] is not None]
             row |= {
                 "state": run.status.value,
                 "tenants": ", ".join(t.name for t in run.spec.tenants),
-                "steps": run.global_step,
+                "steps": max((r["step"] for r in metrics), default=0),
+                "best_loss": min(losses, default=None),
                 "started": pd.to_datetime(status.started if status else None, unit="s"),
             }
         except (RunDirError, SpecError, OSError) as e:
             row |= {"state": "broken", "tenants": None, "steps": None, "started": pd.NaT, "problem": str(e)}
+        try:
+            labels = read_labels(job.parent)
+            row |= {"tags": ", ".join(labels.tags), "note": labels.note}
+        except RunDirError as e:
+            row["problem"] = "; ".join(p for p in (row["problem"], str(e)) if p)
         rows.append(row)
-    return pd.DataFrame(rows, columns=["run", "state", "tenants", "steps", "started", "path", "problem"])
+    return pd.DataFrame(rows, columns=RUNS_COLUMNS)
+
+
+class Request:
+    """A control message sent to a run's job (add, remove, pause or resume of a tenant), followed
+    from the notebook. The job applies messages at step boundaries; before its first step (while it
+    loads the model) it has not looked at the queue yet.
+
+    ``status``: ``waiting`` (the job is still starting), ``queued`` (it will be applied at the next
+    step boundary), ``applying``, ``applied``, ``refused`` (``result.error`` says why), or
+    ``unanswered`` (the run ended before applying it)."""
+
+    def __init__(self, run: Run, msg_id: str, op: Op, tenant: str) -> None:
+        self.run, self.id, self.op, self.tenant = run, msg_id, op, tenant
+
+    def __repr__(self) -> str:
+        return f"Request({self.op.value} {self.tenant!r}: {self.status})"
+
+    @property
+    def result(self) -> control.ControlResult | None:
+        """The job's answer (None until it has applied or refused the message)."""
+        return control.read_result(self.run.path, self.id)
+
+    @property
+    def done(self) -> bool:
+        """True once the job has answered (applied or refused)."""
+        return self.result is not None
+
+    @property
+    def status(self) -> str:
+        """Where the request is now (see the class docstring)."""
+        state = self.run.status  # first: a message answered while we look is then seen below
+        stage = control.stage(self.run.path, self.id)
+        if stage == "answered":
+            return "applied" if self.result.ok else "refused"
+        if stage == "applying":
+            return "applying"
+        if state.final or stage == "unknown":  # (unknown: someone deleted the queued file)
+            return "unanswered"
+        return "waiting" if state in (RunState.QUEUED, RunState.STARTING) else "queued"
+
+    def wait(self, timeout: float = 120, quiet: bool = False) -> control.ControlResult:
+        """Block until the job answers (at most ``timeout`` seconds); returns the result, raises
+        :class:`~mlora_lab.rundir.ControlError` if the job refused the message or ended first. Unless
+        ``quiet``, says in one line what it is waiting for once it has waited a second (the job may
+        still be loading its model), and once more if that changes."""
+        said: set[str] = set()
+
+        def on_wait(seconds: float) -> None:
+            if quiet:
+                return
+            state = self.run.status
+            what = (
+                f"waiting for the job to start (loading the model) before it can {self._doing}..."
+                if state in (RunState.QUEUED, RunState.STARTING)
+                else f"waiting for the job to {self._doing} at its next step boundary..."
+            )
+            if what not in said:
+                said.add(what)
+                print(what, flush=True)
+
+        return control.wait_result(
+            self.run.path, self.id, timeout, is_alive=lambda: not self.run.status.final, on_wait=on_wait
+        )
+
+    @property
+    def _doing(self) -> str:
+        return f"{self.op.value} tenant {self.tenant!r}"  # "add tenant 'x'", "pause tenant 'x'", ...
 
 
 class Run:
@@ -380,8 +464,7 @@ class Run:
         job (same pid, start time and host): a stale pid is never signalled."""
         status = read_status(self.dir.root)
         if self._process is not None and self._process.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._process.pid, signal.SIGKILL)  # its own session: pgid == pid
+            _kill_job(self._process.pid)
         elif status is not None and status.process is not None and status.process.alive():
             _kill_job(status.process.pid)
         if status is not None and not status.state.final:
@@ -389,10 +472,15 @@ class Run:
                 update_status(self.dir.root, state=RunState.STOPPED, ended=time.time(), error="killed")
 
     # -- live tenant lifecycle (control messages, applied by the job at a step boundary) ------
-    def add_tenant(self, tenant: Tenant, wait: bool = True, timeout: float = 120) -> None:
+    def add_tenant(self, tenant: Tenant, wait: bool = True, timeout: float = 120) -> Request:
         """Add ``tenant`` to the running job. It is validated here first (against the job's model,
         ``max_rank``, slots and existing names): a bad tenant raises and nothing is sent. Its paths
-        are made absolute here, so the job reads the files that were validated."""
+        are made absolute here, so the job reads the files that were validated.
+
+        ``wait=True`` blocks until the job has added it (or raises ``ControlError`` with the job's
+        reason); a job that is still loading its model picks messages up only once it runs, and the
+        wait says so in one line. ``wait=False`` returns at once: the :class:`Request` has ``.status``,
+        ``.done``, ``.result`` and ``.wait(timeout)``."""
         spec = self.spec
         tenant = dataclasses.replace(spec, tenants=[tenant]).resolved(Path.cwd()).tenants[0]
         problems = tenant_problems(spec, tenant)
@@ -402,42 +490,82 @@ class Run:
             problems.append(f"no free slot: max_tenants={spec.max_tenants} are taken by {holding}")
         if problems:
             raise SpecError(problems)
-        self._control(Op.ADD, wait, timeout, tenant=tenant.to_dict())
+        return self._control(Op.ADD, tenant.name, wait, timeout, tenant=tenant.to_dict())
 
-    def remove_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> None:
-        """Remove a tenant: its final adapter is saved, its slot cleared and its optimiser dropped."""
+    def remove_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> Request:
+        """Remove a tenant: its final adapter is saved, its slot cleared and its optimiser dropped.
+        ``wait`` as for :meth:`add_tenant`."""
         self._check_known(name)
-        self._control(Op.REMOVE, wait, timeout, name=name)
+        return self._control(Op.REMOVE, name, wait, timeout, name=name)
 
-    def pause_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> None:
+    def pause_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> Request:
         """Stop training a tenant for now (it keeps its slot, optimiser state and data cursor)."""
         self._check_known(name)
-        self._control(Op.PAUSE, wait, timeout, name=name)
+        return self._control(Op.PAUSE, name, wait, timeout, name=name)
 
-    def resume_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> None:
+    def resume_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> Request:
         """Continue training a paused tenant."""
         self._check_known(name)
-        self._control(Op.RESUME, wait, timeout, name=name)
+        return self._control(Op.RESUME, name, wait, timeout, name=name)
 
     def tenant_state(self, name: str) -> TenantState | None:
         """The tenant's latest state: pending, running, paused, finished, removed, failed or refused."""
         return self.tenant_states().get(name)
 
     def tenant_states(self) -> dict[str, TenantState]:
-        """Every tenant's latest state (one pass over the rows)."""
+        """Every tenant's latest state as its rows say (one pass over the rows), in the order the
+        tenants first appear. A tenant the job was still training when it stopped or failed says
+        ``running``: :func:`~mlora_lab.rundir.shown_tenant_state` gives the state to show."""
         return {r["tenant"]: TenantState(r["state"]) for r in self.rows() if r["kind"] == RowKind.TENANT}
+
+    def tenant_specs(self) -> dict[str, Tenant | None]:
+        """Every tenant the run has, had or was asked to add, in order: job.json's (the job records
+        there each tenant it accepts), then those only the rows or control messages know: a refused
+        add, one that is still queued or being added, one whose job.json update failed. Their
+        configuration is the one their ``add`` message sent (None if that message is gone)."""
+        specs: dict[str, Tenant | None] = {t.name: t for t in self.spec.tenants}
+        sent = control.sent_tenants(self.dir.root)
+        live = [n for n in self.tenant_states() if n not in specs]
+        if not self.status.final:  # still on its way into the job: shown as pending
+            live += [n for n, s in sent.items() if not s.answered and n not in specs and n not in live]
+        for name in live:
+            specs[name] = None
+            if name in sent:
+                with contextlib.suppress(SpecError):
+                    specs[name] = Tenant.from_dict(sent[name].tenant)
+        return specs
 
     def _check_known(self, name: str) -> None:
         names = [t.name for t in self.spec.tenants]
         if name not in names:
             raise KeyError(f"no tenant {name!r} in this run; tenants: {names}")
 
-    def _control(self, op: Op, wait: bool, timeout: float, **payload) -> None:
+    def _control(self, op: Op, subject: str, wait: bool, timeout: float, **payload) -> Request:
         if (state := self.status).final:
             raise ControlError(f"the run is {state.value}; control messages need a running job")
-        msg_id = control.send(self.dir.root, op, **payload)
+        request = Request(self, control.send(self.dir.root, op, **payload), op, subject)
         if wait:
-            control.wait_result(self.dir.root, msg_id, timeout, is_alive=lambda: not self.status.final)
+            request.wait(timeout)
+        return request
+
+    # -- labels (tags and a note; the job never reads them) ---------------------------------------
+    @property
+    def labels(self) -> RunLabels:
+        """The run's tags and note (:class:`~mlora_lab.rundir.RunLabels`)."""
+        return read_labels(self.dir.root)
+
+    def tag(self, *tags: str) -> tuple[str, ...]:
+        """Add tags (1-40 characters, no whitespace or comma; at most 32 per run); returns them all.
+        They are shown, comma-joined, in :func:`runs`."""
+        return update_labels(self.dir.root, add=tags).tags
+
+    def untag(self, *tags: str) -> tuple[str, ...]:
+        """Take tags away (absent ones are ignored); returns those left."""
+        return update_labels(self.dir.root, remove=tags).tags
+
+    def note(self, text: str) -> None:
+        """Set the run's note (free text, up to 4000 characters; ``""`` clears it)."""
+        update_labels(self.dir.root, note=text)
 
     # -- outputs -------------------------------------------------------------------------------
     def logs(self, rank: int | None = 0, tail: int | None = 50) -> str:
@@ -503,11 +631,12 @@ class Run:
         """Job events: resumed, a damaged checkpoint skipped, a save that failed, ..."""
         return self._table((RowKind.EVENT,))
 
-    def dashboard(self, refresh_s: float = 1.0):
-        """A live ipywidgets dashboard of this run (refreshes in the background until the run ends)."""
+    def dashboard(self, refresh_s: float = 1.0, **kwargs):
+        """A live ipywidgets dashboard of this run (refreshes in the background until the run ends):
+        ``ml.Dashboard([run])``; ``kwargs`` go to :class:`~mlora_lab.dashboard.Dashboard`."""
         from mlora_lab.dashboard import Dashboard
 
-        return Dashboard(self, refresh_s=refresh_s).start()
+        return Dashboard([self], refresh_s=refresh_s, **kwargs).start()
 
     @property
     def global_step(self) -> int:
@@ -515,19 +644,24 @@ class Run:
 
 
 def _kill_job(pid: int) -> None:
-    """SIGKILL a job's process tree. A job that ``launch()`` started leads its own session, so its
-    whole process group goes; one started from a shell (``launchers/``) shares the shell's group,
-    so only the agent and its descendants are killed."""
+    """SIGKILL a job's whole process tree: the torchrun agent ``pid`` and all its descendants.
+
+    The tree is listed *before* anything is killed: torchrun starts each worker in a session of its
+    own (``start_new_session=True``), so killing the agent's process group misses the workers, and
+    once the agent is dead they are orphans no longer found among its children. A job that
+    ``launch()`` started leads its own session, so its group goes too (anything else it spawned)."""
     try:
+        proc = psutil.Process(pid)
+        tree = [*proc.children(recursive=True), proc]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         if os.getpgid(pid) == pid:
             os.killpg(pid, signal.SIGKILL)
-            return
-        proc = psutil.Process(pid)
-        for p in [*proc.children(recursive=True), proc]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-    except (ProcessLookupError, PermissionError, psutil.NoSuchProcess, psutil.AccessDenied):
-        pass
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            p.kill()
+    psutil.wait_procs(tree, timeout=10)
 
 
 def _frame(rows: list[dict]) -> pd.DataFrame:

@@ -19,6 +19,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from mlora_lab.bases import no_progress_bars
+
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
 # A ChatML-like template; the assistant's turn ends with EOS so a tuned adapter learns to stop.
@@ -302,5 +304,6 @@ def build_tiny_model(
         g = torch.Generator().manual_seed(seed)
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
-    model.save_pretrained(str(out))
+    with no_progress_bars():
+        model.save_pretrained(str(out))
     return str(out)

@@ -45,6 +45,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -230,6 +231,8 @@ class Trainer:
             self.checkpointer.restore(saved)
             self._event(EventKind.RESUMED, f"from {path.name} on {self.dist.world_size} process(es)")
         self.control.start(self.global_step)
+        # CPU and GPU use are measured from here (setup excluded) to each system row
+        self._cpu, self._gpu = CpuMeter(), GpuMeter(self.device)
 
     # -- tenants -------------------------------------------------------------------------------
     def add_tenant(self, tenant: Tenant, log: bool = True) -> TenantRun:
@@ -480,7 +483,12 @@ class Trainer:
             t.tokens_seen += t.window_tokens
             if t.step % self.spec.log_every == 0 or t.step == t.spec.max_steps:
                 self._log(TrainRow(step=self.global_step, tenant=t.name, tenant_step=t.step, loss=loss,
-                                   tokens=t.window_tokens, lr=lr, grad_norm=grad_norm))  # fmt: skip
+                                   tokens=t.window_tokens, lr=lr, grad_norm=grad_norm,
+                                   rows_seen=_rows_taken(t.stream), tokens_seen=t.tokens_seen))  # fmt: skip
+            if t.step == 1 and t.spec.max_steps > 1:
+                # Its AdamW state exists from its first step on: a memory row says so (a tenant that
+                # finishes now gets its final row just below).
+                self._log_tenant(t)
             if t.step >= t.spec.max_steps:
                 self._save_adapter_logged(t.name)
                 self._set_state(t, TenantState.FINISHED)
@@ -681,11 +689,13 @@ class Trainer:
         if self.global_step % self.spec.log_every:
             return
         mem, peak = memory_bytes(self.device)
-        per_rank = self.comm.gather_objects((mem, peak, step_time, tokens))
+        cpu, gpu = self._cpu.percent(), self._gpu.utilization()
+        per_rank = self.comm.gather_objects((mem, peak, step_time, tokens, cpu, gpu))
         total_tokens = sum(r[3] for r in per_rank)
-        for rank, (mem, peak, step_time, _) in enumerate(per_rank):
+        for rank, (mem, peak, step_time, _, cpu, gpu) in enumerate(per_rank):
             self._log(SystemRow(step=self.global_step, rank=rank, mem_bytes=mem, peak_mem_bytes=peak,
-                                step_time=step_time, tokens_per_s=total_tokens / step_time if step_time > 0 else 0.0))  # fmt: skip
+                                step_time=step_time, tokens_per_s=total_tokens / step_time if step_time > 0 else 0.0,
+                                cpu_percent=cpu, gpu_util=gpu))  # fmt: skip
 
     def losses(self, tenant: str) -> list[float]:
         """Per-step training losses of ``tenant`` (from the in-memory history)."""
@@ -694,6 +704,60 @@ class Trainer:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+
+
+def _rows_taken(stream: TenantStream) -> int:
+    """Rows (documents, when packed) of a tenant's data that went into its batches so far: every row
+    the stream handed out, less those drawn for packing that still wait for a place in a row. Read
+    from the stream's own position, so it survives a resume exactly."""
+    waiting = len(stream.state_dict()["pending"])
+    return stream.epoch * len(stream) + stream.cursor - waiting
+
+
+class CpuMeter:
+    """CPU used by this process and its live children between two calls of :meth:`percent`."""
+
+    def __init__(self) -> None:
+        self._me = psutil.Process()
+        self._times = self._tree_times()
+        self._at = time.monotonic()
+
+    def _tree_times(self) -> dict[int, float]:
+        """CPU seconds (user + system) of this process and each live descendant, by pid."""
+        times = {}
+        with contextlib.suppress(psutil.Error):
+            procs = [self._me, *self._me.children(recursive=True)]
+            for p in procs:
+                with contextlib.suppress(psutil.Error):  # a child may exit while we look
+                    t = p.cpu_times()
+                    times[p.pid] = t.user + t.system
+        return times
+
+    def percent(self) -> float | None:
+        """Percent of one core used since the previous call (or since this meter was made)."""
+        times, now = self._tree_times(), time.monotonic()
+        # a child born since the previous call used all of its time inside the interval
+        used = sum(max(t - self._times.get(pid, 0.0), 0.0) for pid, t in times.items())
+        elapsed, self._times, self._at = now - self._at, times, now
+        return 100.0 * used / elapsed if elapsed > 0 else None
+
+
+class GpuMeter:
+    """GPU utilisation of this process's device (``torch.cuda.utilization``, through NVML); ``None``
+    on CPU, and from the first failure on (no ``pynvml``, no NVML driver) without trying again."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._available = device.type == "cuda"
+
+    def utilization(self) -> float | None:
+        if not self._available:
+            return None
+        try:
+            return float(torch.cuda.utilization(self.device))
+        except Exception:  # pynvml missing, or NVML not usable here: the field stays empty
+            self._available = False
+            return None
 
 
 def memory_bytes(device: torch.device) -> tuple[int, int]:
@@ -748,6 +812,25 @@ def _job_process() -> ProcessIdentity | None:
     return ProcessIdentity.of(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid())
 
 
+def _exit_with_agent(poll_s: float = 1.0) -> None:
+    """Under torchrun, end this worker when its agent is gone (SIGKILLed, or killed by the OOM killer).
+
+    The agent stops its workers itself when it can; killed outright, it cannot, and torchrun has put
+    each worker in a session of its own, so nothing else reaches them: they would go on training as
+    orphans, holding the run directory and the device. A daemon thread watches the parent pid."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(poll_s)
+        print(f"the torchrun agent (pid {agent}) is gone: this worker exits", flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mlora-agent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point for torchrun: ``python -m mlora_lab.train RUN_DIR [--resume]``."""
     parser = argparse.ArgumentParser(description="mlora_lab training job (started by torchrun)")
@@ -757,6 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     run = RunDir(args.run_dir)
     rank = int(os.environ.get("RANK", 0))
     _redirect_output(run.log(rank))
+    _exit_with_agent()
     trainer: Trainer | None = None
     signalled = False
 

@@ -8,137 +8,279 @@
     builder = ml.JobBuilder(base_model="models/tiny", form=form)
     builder               # job settings, live problems and job.json preview, a Launch button
     builder.spec()        # the JobSpec of the current fields
-    builder.run           # the Run, once launched
+    builder.run           # the Run, once launched; the status line follows it by itself
 
-Validation is the spec's own (:meth:`JobSpec.problems`), shown under the fields as they change. It is
-cheap enough to run on every change: the model config and tokenizer are loaded once per path, and a
-data file is scanned again only when its path, size or modification time changes.
+Both forms are generated from the fields' :class:`~mlora_lab.spec.FieldInfo`: every ``Tenant`` (or
+``JobSpec``) field shown in forms gets an input of its kind, with its label and help line, in its
+section, and is read back into the dataclass; a new field needs no change here. Inputs never clamp:
+a value out of range stays as typed and is reported.
+
+Validation is the spec's own (:class:`~mlora_lab.validate.Validator`), shown under the fields as they
+change. It is cheap enough to run on every change: a :class:`~mlora_lab.validate.ValidationCache`
+loads the model config and tokenizer once per path and scans a data file again only when its path,
+size or modification time changes.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import html
 import math
 import os
+import threading
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 
+from mlora_lab.lora.targets import ALL_LINEAR
 from mlora_lab.rundir import RunState
 from mlora_lab.spec import (
-    ALL_LINEAR,
-    DTYPES,
-    SCHEDULES,
+    FieldInfo,
     JobSpec,
     Parallel,
+    Problem,
     SpecError,
     Tenant,
     _short,
-    _Validator,
-    linear_target_options,
+    _show_path,
+    field_info,
+    fields_info,
 )
+from mlora_lab.validate import ValidationCache, Validator, linear_target_options
 
 if TYPE_CHECKING:  # launch imports pandas: only at launch time
     from mlora_lab.launch import Run
 
-_LABEL = {"description_width": "130px"}
+LABEL_WIDTH = "150px"
+"""Width of the forms' label column: room for ``MAX_LABEL`` characters, so no label is cut off."""
+_LABEL = {"description_width": LABEL_WIDTH}
 
 
 def _wide() -> W.Layout:
-    return W.Layout(width="420px")
+    return W.Layout(width="460px")
 
 
 def _narrow() -> W.Layout:
-    return W.Layout(width="250px")
-
-
-_BIG = 10**9
+    return W.Layout(width="290px")
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation that is cheap to repeat
+# Inputs made from field metadata
 # ---------------------------------------------------------------------------------------------
 
 
-class _Checker:
-    """``JobSpec.problems()`` with caches, so the forms can re-validate on every field change.
+def _nice_values(lo: float, hi: float) -> list[tuple[str, float]]:
+    """``(label, value)`` of 1, 2, 3 and 5 x 10^k between ``lo`` and ``hi``. Each value is parsed from
+    its decimal text, so it is the float a user typing ``3e-4`` gets (``3 * 10**-4`` is not)."""
+    out = []
+    for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1):
+        for m in (1, 2, 3, 5):
+            v = float(f"{m}e{k}")
+            if lo <= v <= hi:
+                out.append((f"{m}e{k}", v))
+    return out
 
-    Caches the model/tokenizer load per (base_model, tokenizer) path (successes only, so a path that
-    is fixed later is seen at once) and each data file's problems per (path, mtime, size).
-    """
 
-    def __init__(self) -> None:
-        self.env: dict[Any, tuple[Any, Any, list[str]]] = {}
-        self.data: dict[Any, list[tuple[bool, str]]] = {}
+@dataclass
+class _Input:
+    """The input of one field: the widget whose ``value`` is the field's, its helpers, and its row."""
 
-    def problems(self, spec: JobSpec) -> list[str]:
-        """Every problem of ``spec``, as :meth:`JobSpec.problems` reports them; never raises."""
+    name: str
+    info: FieldInfo
+    widget: W.ValueWidget
+    """The form attribute named like the field (``form.lr``)."""
+    default: Any
+    """The dataclass default, shown in a number input switched off by ``null_means``."""
+    extras: dict[str, W.Widget] = field(default_factory=dict)
+    """Helper widgets, also form attributes: the ``null_means`` checkbox (``no_clipping``), a log-float's
+    snapping slider (``lr_slider``), a targets list's note (``target_modules_note``)."""
+    row: W.Widget | None = None
+    """What the form lays out: the input, its helpers and its help line."""
+
+    @property
+    def null_toggle(self) -> W.Checkbox | None:
+        return self.extras.get(self.info.null_means.replace(" ", "_")) if self.info.null_means else None
+
+    def show(self, value: Any) -> None:
+        """Put ``value`` (from a dataclass) into the input; nothing is clamped (sliders widen instead)."""
+        info, w = self.info, self.widget
+        if info.kind in ("name", "path", "dir"):
+            w.value = "" if value is None else str(value)
+        elif info.kind == "targets":
+            targets = [str(x) for x in value] if isinstance(value, list | tuple) else []
+            extra = [x for x in targets if x not in w.options]
+            if extra:  # e.g. full module names: offer them so the selection can hold them
+                w.options = [*w.options, *extra]
+            w.value = targets
+        elif info.kind == "choice":
+            w.value = value if value in info.choices else info.choices[0]
+        elif info.kind == "bool":
+            w.value = bool(value)
+        elif value is None and self.null_toggle is not None:
+            self.null_toggle.value = True
+            w.value = self.default
+        else:
+            if self.null_toggle is not None:
+                self.null_toggle.value = False
+            number = int(value) if info.kind == "int" else float(value)
+            if isinstance(w, W.IntSlider | W.FloatSlider):
+                w.min, w.max = min(w.min, number), max(w.max, number)
+            w.value = number
+        if self.null_toggle is not None:
+            w.disabled = self.null_toggle.value
+
+    def read(self) -> Any:
+        """The field's value as the dataclass takes it."""
+        info, value = self.info, self.widget.value
+        if info.kind in ("name", "path", "dir"):
+            text = value.strip()
+            return None if info.optional and not text else text
+        if info.kind == "targets":
+            return list(value)
+        if self.null_toggle is not None and self.null_toggle.value:
+            return None
+        return value
+
+    def is_empty(self) -> bool:
+        """A required text input left empty (the form then says ``info.empty``)."""
+        return bool(self.info.empty) and isinstance(self.widget.value, str) and not self.widget.value.strip()
+
+
+def _make_input(name: str, info: FieldInfo, default: Any, paths: list[str], targets: list[str]) -> _Input:
+    """The input for field ``name`` from its :class:`FieldInfo`: ``paths`` are offered by ``path``
+    inputs, ``targets`` by ``targets`` inputs. Number inputs are unbounded (a bounded one would clamp
+    silently); sliders span ``typical`` (or ``min`` .. the ``at_most`` bound, set by the form)."""
+    common: dict[str, Any] = {"description": info.label, "style": _LABEL, "tooltip": info.help or None}
+    kind, extras = info.kind, {}
+    if kind == "name":
+        widget = W.Text(layout=_narrow(), **common)
+    elif kind in ("path", "dir"):
+        hint = "path/to/train.jsonl" if kind == "path" else "directory"
+        # continuous_update=False: a path is checked when typed out, not on every keystroke.
+        cls = W.Combobox if kind == "path" else W.Text
+        extra = {"options": paths, "ensure_option": False} if kind == "path" else {}
+        widget = cls(placeholder=f"optional: {hint}" if info.optional else hint, continuous_update=False,
+                     layout=_wide(), **extra, **common)  # fmt: skip
+    elif kind == "int" and info.slider:
+        lo = int(info.min if info.min is not None else 0)
+        widget = W.IntSlider(min=lo, max=max(lo, 1), layout=_wide(), **common)
+    elif kind == "int":
+        widget = W.IntText(layout=_narrow(), **common)
+    elif kind == "float" and info.slider:
+        lo, hi = info.typical or (info.min or 0.0, info.max or 1.0)
+        widget = W.FloatSlider(min=lo, max=hi, step=info.step or 0.01, layout=_wide(), **common)
+    elif kind in ("float", "log-float"):
+        # An exact input: what is typed is what the Tenant gets (a log slider can only land near 3e-4).
+        widget = W.FloatText(layout=_narrow(), **common)
+        if kind == "log-float" and info.typical:
+            extras[f"{name}_slider"] = _snapping_slider(widget, info.typical)
+    elif kind == "bool":
+        widget = W.Checkbox(indent=True, layout=_narrow(), **common)
+    elif kind == "choice":
+        widget = W.Dropdown(options=list(info.choices), layout=_narrow(), **common)
+    elif kind == "targets":
+        widget = W.SelectMultiple(options=[ALL_LINEAR, *targets], rows=min(len(targets) + 1, 9),
+                                  layout=_wide(), **common)  # fmt: skip
+        extras[f"{name}_note"] = W.HTML()
+    else:
+        raise ValueError(f"field {name!r}: a form has no input for kind {kind!r}")
+    if info.null_means:
+        extras[info.null_means.replace(" ", "_")] = W.Checkbox(description=info.null_means, indent=False,
+                                                               layout=W.Layout(width="130px"))  # fmt: skip
+    inp = _Input(name, info, widget, default, extras)
+    help_line = W.HTML(f"<span style='color:#57606a;font-size:90%'>{html.escape(info.help)}</span>")
+    parts = [widget, *(w for k, w in extras.items() if not k.endswith("_note")), help_line]
+    row = W.HBox(parts, layout=W.Layout(align_items="center"))
+    note = extras.get(f"{name}_note")
+    inp.row = W.VBox([row, note]) if note is not None else row
+    return inp
+
+
+def _snapping_slider(target: W.FloatText, span: tuple[float, float]) -> W.SelectionSlider:
+    """A slider of 1, 2, 3, 5 x 10^k beside an exact number input: moving it types that value into
+    ``target``; typing a value moves it to the nearest step (without changing what was typed)."""
+    values = _nice_values(*span)
+    slider = W.SelectionSlider(options=values, description="", continuous_update=False,
+                               layout=W.Layout(width="220px"))  # fmt: skip
+    syncing = [False]
+
+    def from_slider(change: dict) -> None:
+        if not syncing[0]:
+            target.value = change["new"]
+
+    def from_text(change: dict) -> None:
+        v = change["new"]
+        if not (isinstance(v, float | int) and v > 0):
+            return
+        nearest = min((val for _, val in values), key=lambda val: abs(math.log10(val) - math.log10(v)))
+        syncing[0] = True
         try:
-            return _CachedValidator(spec, self).run()
-        except Exception as e:  # same promise as JobSpec.problems(): report, never raise
-            return [f"internal error while validating the spec ({type(e).__name__}: {_short(e)})"]
+            slider.value = nearest
+        finally:
+            syncing[0] = False
+
+    slider.observe(from_slider, names="value")
+    target.observe(from_text, names="value")
+    return slider
 
 
-def _file_key(path: Any) -> Any:
-    """What identifies one version of a data file: its absolute path, mtime and size."""
-    if not isinstance(path, str) or not path:
-        return path
-    try:
-        st = os.stat(path)
-    except OSError:
-        return (os.path.abspath(path), None, None)
-    return (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+def _layout(inputs: list[_Input], advanced: str = "Advanced") -> list[W.Widget]:
+    """The inputs' rows under their section titles, in field order; the ``advanced`` section folded."""
+    sections: dict[str, list[W.Widget]] = {}
+    for inp in inputs:
+        sections.setdefault(inp.info.section, []).append(inp.row)
+    out: list[W.Widget] = []
+    for title, rows in sections.items():
+        if title == advanced:
+            continue
+        out += [W.HTML(f"<b>{html.escape(title)}</b>"), *rows]
+    if advanced in sections:
+        out.append(W.Accordion([W.VBox(sections[advanced])], titles=(advanced,), selected_index=None))
+    return out
 
 
-class _CachedValidator(_Validator):
-    """The spec's validator with two expensive steps served from a :class:`_Checker`'s caches."""
-
-    def __init__(self, spec: JobSpec, cache: _Checker) -> None:
-        super().__init__(spec)
-        self.cache = cache
-
-    def _load_model_and_tokenizer(self) -> None:
-        s = self.spec
-        paths = (s.base_model, s.tokenizer)
-        key = tuple(os.path.abspath(p) if isinstance(p, str) and p else p for p in paths)
-        hit = self.cache.env.get(key) if all(isinstance(p, str | None) for p in key) else None
-        if hit is not None:
-            self.model, self.tok, problems = hit
-            self.out += problems
-            return
-        start = len(self.out)
-        super()._load_model_and_tokenizer()
-        if len(self.out) == start and all(isinstance(p, str | None) for p in key):
-            self.cache.env[key] = (self.model, self.tok, [])
-
-    def _check_data(self, t: Tenant) -> None:
-        prefix = f"tenant {t.name!r}: "
-        has_template = bool(getattr(self.tok, "chat_template", None))
-        try:
-            # seq_len and the tokenizer decide whether rows keep target tokens after truncation
-            key = (_file_key(t.data), _file_key(t.eval_data), id(self.tok), has_template, self.spec.seq_len)
-            hit = self.cache.data.get(key)
-        except TypeError:  # unhashable field values: no caching, just check
-            super()._check_data(t)
-            return
-        if hit is None:
-            start = len(self.out)
-            super()._check_data(t)
-            # Stored without the tenant's name, so renaming a tenant does not rescan its data.
-            hit = [(p.startswith(prefix), p.removeprefix(prefix)) for p in self.out[start:]]
-            self.cache.data[key] = hit
-            return
-        self.out += [prefix + p if prefixed else p for prefixed, p in hit]
+# ---------------------------------------------------------------------------------------------
+# Showing problems
+# ---------------------------------------------------------------------------------------------
 
 
-def _problems_html(problems: list[str], ok: str = "ok") -> str:
-    if not problems:
+def _problem_lines(problems: list[Problem], own: str | None = None) -> list[str]:
+    """One line per problem, as a form shows it. Problems of the form's own tenant (``own``) drop the
+    ``tenant 'x':`` prefix. The same problem of several data files (``path`` set, same text after the
+    file's name) becomes one line naming every file: ``a.jsonl (data), b.jsonl (eval_data): empty file``."""
+    groups: dict[str, list[Problem]] = {}
+    rests: dict[int, str] = {}
+    for i, p in enumerate(problems):
+        head = f"{p.field}: {_show_path(p.path)}" if p.path is not None else None
+        if head is not None and p.tenant is not None and p.message.startswith(head):
+            rests[i] = p.message[len(head) :]
+            groups.setdefault(rests[i], []).append(p)
+    lines, done = [], set()
+    for i, p in enumerate(problems):
+        rest = rests.get(i)
+        if rest is not None and len(groups[rest]) > 1:
+            if rest in done:
+                continue
+            done.add(rest)
+            users: dict[str, list[str]] = {}
+            for q in groups[rest]:
+                who = q.field if q.tenant == own else f"tenant {q.tenant!r} {q.field}"
+                users.setdefault(_show_path(q.path), []).append(who)
+            lines.append(", ".join(f"{path} ({', '.join(whos)})" for path, whos in users.items()) + rest)
+        else:
+            lines.append(p.message if own is not None and p.tenant == own else str(p))
+    return lines
+
+
+def _problems_html(problems: list[Problem], ok: str = "ok", own: str | None = None) -> str:
+    lines = _problem_lines(problems, own)
+    if not lines:
         return f'<span style="color:#1a7f37">&#10004; {html.escape(ok)}</span>'
-    n = len(problems)
-    items = "".join(f"<li>{html.escape(p)}</li>" for p in problems)
+    n = len(lines)
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
     return (
         f'<div style="color:#b42318"><b>{n} problem{"s" if n != 1 else ""}</b>'
         f'<ul style="margin:2px 0 2px 0">{items}</ul></div>'
@@ -158,16 +300,26 @@ def _message_html(text: str, good: bool) -> str:
 def linear_target_names(base_model: str | os.PathLike) -> list[str]:
     """The target names the form offers besides ``all-linear``: the layers ``all-linear`` selects, as
     short PEFT names in model order (``q_proj, k_proj, ...``; never the output layer, whatever it is
-    called). The model is built on the meta device (cached). See :func:`mlora_lab.spec.linear_target_options`."""
+    called). The model is built on the meta device (cached). See :func:`mlora_lab.validate.linear_target_options`."""
     return linear_target_options(os.fspath(base_model))
 
 
 def _data_files(data_dir: str | None) -> list[str]:
-    """``*.jsonl`` files under ``data_dir`` (recursively), as paths that start with ``data_dir``."""
+    """``*.jsonl`` files under ``data_dir`` (recursively), as paths that start with ``data_dir``.
+
+    Run directories are not training data: a directory holding ``job.json`` or ``status.json`` (a run,
+    with its ``metrics.jsonl`` and control files) is skipped whole, and so are hidden directories
+    (``.ipynb_checkpoints``, ``.git``)."""
     if not data_dir or not os.path.isdir(data_dir):
         return []
-    root = Path(data_dir)
-    return sorted(os.path.join(data_dir, str(p.relative_to(root))) for p in root.rglob("*.jsonl"))
+    found = []
+    for root, dirs, files in os.walk(data_dir):
+        if "job.json" in files or "status.json" in files:
+            dirs.clear()
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [os.path.join(root, f) for f in files if f.endswith(".jsonl") and not f.startswith(".")]
+    return sorted(found)
 
 
 def _next_name(name: str, taken: set[str]) -> str:
@@ -184,10 +336,12 @@ def _next_name(name: str, taken: set[str]) -> str:
 class TenantForm:
     """An ipywidgets form that produces :class:`~mlora_lab.spec.Tenant` objects.
 
-    Each field is an attribute named like the Tenant field it sets (``form.rank``, ``form.lr``,
-    ``form.target_modules``, ...; ``form.no_clipping`` turns ``max_grad_norm`` into ``None``).
-    The tenant's problems are shown under the form as fields change; "Add tenant" appends a valid
-    tenant with a new name to :attr:`tenants`. Display ``form`` (or ``form.widget``) in a cell.
+    Each input is an attribute named like the Tenant field it sets (``form.rank``, ``form.lr``,
+    ``form.target_modules``, ...; ``form.no_clipping`` turns ``max_grad_norm`` into ``None``), made
+    from the field's :class:`~mlora_lab.spec.FieldInfo`. The tenant's problems are shown under the form
+    as fields change, and "Add tenant" is enabled only while there are none; it appends the tenant to
+    :attr:`tenants` and moves the name on (``alice`` -> ``alice-2``). Pressing it again before any field
+    changes adds nothing. Display ``form`` (or ``form.widget``) in a cell.
     """
 
     def __init__(
@@ -202,17 +356,20 @@ class TenantForm:
         self.tenants: list[Tenant] = []
         """Tenants added with "Add tenant" (or :meth:`add`), in order."""
         self._max_rank = max_rank
-        self._checker = _Checker()
+        self._validator = Validator(ValidationCache())
         self._listeners: list[Callable[[], None]] = []
         self._hold = 0  # > 0 while fields are set in bulk: validate once at the end
+        self._added: tuple[Tenant, str] | None = None  # (the fields right after an add, that tenant's name)
         try:
             self.linear_names = linear_target_names(self.base_model)
             """The model's linear-layer names offered as targets (those ``all-linear`` selects; a tenant
             that names the output layer shows it as an extra option)."""
-            model_error = None
+            self._model_error = None
         except Exception as e:
-            self.linear_names, model_error = [], f"cannot list the model's linear layers ({_short(e)})"
-        files = _data_files(self.data_dir)
+            self.linear_names = []
+            self._model_error = Problem(
+                None, "base_model", f"cannot list the model's linear layers ({_short(e)})"
+            )
         default_targets = (
             ["q_proj", "v_proj"] if {"q_proj", "v_proj"} <= set(self.linear_names) else self.linear_names[:2]
         )
@@ -222,66 +379,22 @@ class TenantForm:
             base = Tenant(name="tenant-1", data="", target_modules=default_targets)
         self._base = base  # supplies the Tenant fields the form does not show (betas, eps, ...)
 
-        def path_box(desc: str, placeholder: str) -> W.Combobox:
-            # continuous_update=False: a path is checked when typed out, not on every keystroke.
-            return W.Combobox(
-                options=files, ensure_option=False, placeholder=placeholder, description=desc,
-                continuous_update=False, style=_LABEL, layout=_wide(),
-            )  # fmt: skip
-
-        self.name = W.Text(description="name", style=_LABEL, layout=_narrow())
-        self.data = path_box("data (.jsonl)", "path/to/train.jsonl")
-        self.eval_data = path_box("eval data", "optional: path/to/eval.jsonl")
-        self.init_adapter = W.Text(
-            description="init adapter", placeholder="optional: PEFT adapter directory",
-            continuous_update=False, style=_LABEL, layout=_wide(),
-        )  # fmt: skip
-        self.rank = W.IntSlider(min=1, max=max_rank, description="rank", style=_LABEL, layout=_wide())
-        self.alpha = W.FloatText(description="alpha", style=_LABEL, layout=_narrow())
-        self.use_rslora = W.Checkbox(description="rsLoRA (alpha/sqrt(r))", indent=False)
-        self.dropout = W.FloatSlider(
-            min=0.0, max=0.5, step=0.01, description="dropout", style=_LABEL, layout=_wide()
-        )
-        self.target_modules = W.SelectMultiple(
-            options=[ALL_LINEAR, *self.linear_names],
-            rows=min(len(self.linear_names) + 1, 9),
-            description="target modules",
-            style=_LABEL,
-            layout=_wide(),
-        )
-        self.lr = W.FloatLogSlider(
-            value=2e-4, base=10, min=-6, max=-1, step=0.05, readout_format=".1e",
-            description="lr", style=_LABEL, layout=_wide(),
-        )  # fmt: skip
-        self.schedule = W.Dropdown(
-            options=list(SCHEDULES), description="schedule", style=_LABEL, layout=_narrow()
-        )
-        self.warmup_steps = W.BoundedIntText(
-            min=0, max=_BIG, description="warmup steps", style=_LABEL, layout=_narrow()
-        )
-        self.max_grad_norm = W.FloatText(description="max grad norm", style=_LABEL, layout=_narrow())
-        self.no_clipping = W.Checkbox(description="no clipping", indent=False)
-        self.weight_decay = W.FloatText(description="weight decay", style=_LABEL, layout=_narrow())
-        self.max_steps = W.BoundedIntText(
-            min=1, max=_BIG, description="max steps", style=_LABEL, layout=_narrow()
-        )
-        self.batch_size = W.BoundedIntText(
-            min=1, max=_BIG, description="batch size", style=_LABEL, layout=_narrow()
-        )
-        self.grad_accum = W.BoundedIntText(
-            min=1, max=_BIG, description="grad accum", style=_LABEL, layout=_narrow()
-        )
-        self.shuffle = W.Checkbox(description="shuffle each epoch", indent=False)
-        self.seed = W.IntText(description="seed", style=_LABEL, layout=_narrow())
-        self.fields: dict[str, W.Widget] = {
-            k: getattr(self, k)
-            for k in (
-                "name", "data", "eval_data", "init_adapter", "rank", "alpha", "use_rslora", "dropout",
-                "target_modules", "lr", "schedule", "warmup_steps", "max_grad_norm", "no_clipping",
-                "weight_decay", "max_steps", "batch_size", "grad_accum", "shuffle", "seed",
-            )
-        }  # fmt: skip
-        """Every input widget, by the name of the Tenant field it sets."""
+        files = _data_files(self.data_dir)
+        self._inputs: dict[str, _Input] = {}
+        for name, info in fields_info(Tenant):
+            if info.form:
+                default = Tenant.__dataclass_fields__[name].default
+                self._inputs[name] = inp = _make_input(name, info, default, files, self.linear_names)
+                setattr(self, name, inp.widget)
+                for attr, w in inp.extras.items():
+                    setattr(self, attr, w)
+        self.fields: dict[str, W.Widget] = {}
+        """Every input widget by the name of the Tenant field it sets, and each checkbox that sets a
+        field to ``None`` (``no_clipping``) by its own name."""
+        for name, inp in self._inputs.items():
+            self.fields[name] = inp.widget
+            if inp.null_toggle is not None:
+                self.fields[inp.info.null_means.replace(" ", "_")] = inp.null_toggle
 
         self.problems_box = W.HTML()
         self.add_button = W.Button(description="Add tenant", button_style="primary", icon="plus")
@@ -290,49 +403,24 @@ class TenantForm:
         self.selected = W.Dropdown(options=[], description="tenant", style={"description_width": "60px"})
         self.remove_button = W.Button(description="Remove", icon="trash")
         self.load_button = W.Button(description="Load into form", icon="pencil")
-        self._model_error = model_error
 
         self.load(base)
-        for w in self.fields.values():
-            w.observe(self._on_field, names="value")
-        self.no_clipping.observe(self._on_no_clipping, names="value")
+        for inp in self._inputs.values():
+            inp.widget.observe(self._on_field, names="value")
+            if inp.null_toggle is not None:
+                inp.null_toggle.observe(self._on_null_toggle(inp), names="value")
         self.add_button.on_click(lambda _: self._on_add())
         self.remove_button.on_click(lambda _: self._on_remove())
         self.load_button.on_click(lambda _: self._on_load())
 
-        def row(*ws: W.Widget) -> W.HBox:
-            return W.HBox(list(ws))
-
-        def section(title: str) -> W.HTML:
-            return W.HTML(f"<b>{html.escape(title)}</b>")
-
         self.widget = W.VBox(
             [
                 W.HTML("<h4 style='margin:4px 0'>Tenant</h4>"),
-                section("Data"),
-                self.name,
-                self.data,
-                self.eval_data,
-                section("LoRA"),
-                self.rank,
-                row(self.alpha, self.use_rslora),
-                self.dropout,
-                self.target_modules,
-                section("Optimizer"),
-                self.lr,
-                row(self.schedule, self.warmup_steps),
-                row(self.max_grad_norm, self.no_clipping),
-                row(self.max_steps, self.batch_size),
-                row(self.grad_accum, self.seed),
-                W.Accordion(
-                    [W.VBox([self.init_adapter, self.weight_decay, self.shuffle])],
-                    titles=("Advanced",),
-                    selected_index=None,
-                ),
+                *_layout(list(self._inputs.values())),
                 self.problems_box,
-                row(self.add_button, self.message),
+                W.HBox([self.add_button, self.message]),
                 self.table,
-                row(self.selected, self.remove_button, self.load_button),
+                W.HBox([self.selected, self.remove_button, self.load_button]),
             ],
             layout=W.Layout(border="1px solid #ddd", padding="6px"),
         )
@@ -355,7 +443,7 @@ class TenantForm:
     @max_rank.setter
     def max_rank(self, value: int) -> None:
         self._max_rank = value
-        self._sync_rank_bounds()
+        self._sync_bounds()
         self._refresh()
 
     def tenant(self) -> Tenant:
@@ -366,7 +454,7 @@ class TenantForm:
             raise SpecError(problems)
         return t
 
-    def problems(self) -> list[str]:
+    def problems(self) -> list[Problem]:
         """The current fields' problems (as shown under the form), including a name already added."""
         t = self._read()
         problems = self._tenant_problems(t)
@@ -376,14 +464,24 @@ class TenantForm:
 
     def add(self) -> Tenant:
         """Append the current tenant to :attr:`tenants` and return it; raises :class:`SpecError` if it
-        has problems or its name is already taken. The name field then moves on (``alice`` -> ``alice-2``)."""
+        has problems, its name is taken, or no field changed since the last add (that would be a clone
+        of the tenant just added). The name field then moves on (``alice`` -> ``alice-2``)."""
+        repeat = self._repeat()
+        if repeat is not None:
+            raise SpecError(repeat)
         t = self.tenant()
         taken = {x.name for x in self.tenants}
         if t.name in taken:
             raise SpecError(self._duplicate(t.name))
         self.tenants.append(t)
-        self.name.value = _next_name(t.name, taken | {t.name})  # observer re-validates
+        self._hold += 1
+        try:
+            self.name.value = _next_name(t.name, taken | {t.name})
+        finally:
+            self._hold -= 1
+        self._added = (self._read(), t.name)
         self._update_table()
+        self._refresh()
         self.message.value = _message_html(
             f"added {t.name!r} ({len(self.tenants)} tenant{'s' if len(self.tenants) != 1 else ''})", True
         )
@@ -394,6 +492,8 @@ class TenantForm:
         for i, t in enumerate(self.tenants):
             if t.name == name:
                 del self.tenants[i]
+                if self._added is not None and self._added[1] == name:
+                    self._added = None  # its settings may be added again
                 self._update_table()
                 self._refresh()
                 return t
@@ -403,38 +503,16 @@ class TenantForm:
         """Set every field from ``tenant`` (fields the form does not show are kept from it as well)."""
         t = copy.deepcopy(tenant)
         self._base = t
+        self._added = None
         self._hold += 1
         try:
-            self.name.value = str(t.name)
-            self.data.value = str(t.data or "")
-            self.eval_data.value = str(t.eval_data or "")
-            self.init_adapter.value = str(t.init_adapter or "")
-            self.rank.max = max(self._max_rank, int(t.rank))
-            self.rank.value = int(t.rank)
-            self.alpha.value = float(t.alpha)
-            self.use_rslora.value = bool(t.use_rslora)
-            self.dropout.max = max(0.5, float(t.dropout))
-            self.dropout.value = float(t.dropout)
-            targets = [str(x) for x in t.target_modules]
-            extra = [x for x in targets if x not in self.target_modules.options]
-            if extra:  # e.g. full module names: offer them so the selection can hold them
-                self.target_modules.options = [*self.target_modules.options, *extra]
-            self.target_modules.value = targets
-            if t.lr > 0:  # widen the log slider rather than clamp an lr outside 1e-6..1e-1
-                exp = math.log10(t.lr)
-                self.lr.min, self.lr.max = min(self.lr.min, math.floor(exp)), max(self.lr.max, math.ceil(exp))
-            self.lr.value = float(t.lr)
-            self.schedule.value = t.schedule if t.schedule in SCHEDULES else SCHEDULES[0]
-            self.warmup_steps.value = int(t.warmup_steps)
-            self.no_clipping.value = t.max_grad_norm is None
-            self.max_grad_norm.value = 1.0 if t.max_grad_norm is None else float(t.max_grad_norm)
-            self.max_grad_norm.disabled = t.max_grad_norm is None
-            self.weight_decay.value = float(t.weight_decay)
-            self.max_steps.value = int(t.max_steps)
-            self.batch_size.value = int(t.batch_size)
-            self.grad_accum.value = int(t.grad_accum)
-            self.shuffle.value = bool(t.shuffle)
-            self.seed.value = int(t.seed)
+            for name, inp in self._inputs.items():
+                inp.show(getattr(t, name))
+            self._sync_bounds()
+            for inp in self._inputs.values():
+                for key, w in inp.extras.items():
+                    if key.endswith("_note"):
+                        w.value = ""
         finally:
             self._hold -= 1
         self._refresh()
@@ -447,76 +525,115 @@ class TenantForm:
 
     def _read(self) -> Tenant:
         d = self._base.to_dict()
-        d.update(
-            name=self.name.value.strip(),
-            data=self.data.value.strip(),
-            eval_data=self.eval_data.value.strip() or None,
-            init_adapter=self.init_adapter.value.strip() or None,
-            rank=self.rank.value,
-            alpha=self.alpha.value,
-            use_rslora=self.use_rslora.value,
-            dropout=self.dropout.value,
-            target_modules=list(self.target_modules.value),
-            lr=self.lr.value,
-            schedule=self.schedule.value,
-            warmup_steps=self.warmup_steps.value,
-            max_grad_norm=None if self.no_clipping.value else self.max_grad_norm.value,
-            weight_decay=self.weight_decay.value,
-            max_steps=self.max_steps.value,
-            batch_size=self.batch_size.value,
-            grad_accum=self.grad_accum.value,
-            shuffle=self.shuffle.value,
-            seed=self.seed.value,
-        )
+        d.update({name: inp.read() for name, inp in self._inputs.items()})
         return Tenant.from_dict(d)
 
-    def _tenant_problems(self, t: Tenant) -> list[str]:
+    def _tenant_problems(self, t: Tenant) -> list[Problem]:
         spec = JobSpec(base_model=self.base_model, tenants=[t], max_rank=self._max_rank)
+        # The probe job has this one tenant and default settings, so its job-wide problems are the
+        # model's, the tokenizer's, or this tenant's (its size): none is about fields the form lacks.
         problems = [
             p
-            for p in self._checker.problems(spec)
-            if p.startswith(("tenant ", "base_model", "tokenizer", "internal error"))
+            for p in self._validator.problems(spec)
+            if p.tenant is not None or p.field in (None, "base_model", "tokenizer")
         ]
-        if self._model_error and not problems:
-            problems.append(self._model_error)
-        return problems
+        # A required field left empty gets the form's words ("choose a training data file"), not the
+        # validator's (which are about job.json values).
+        empty = {name: inp.info.empty for name, inp in self._inputs.items() if inp.is_empty()}
+        owner = t.name if isinstance(t.name, str) and t.name else None
+        shown, said = [], set()
+        for p in problems:
+            if p.field in empty:
+                if p.field not in said:
+                    said.add(p.field)
+                    shown.append(Problem(owner, p.field, empty[p.field]))
+            else:
+                shown.append(p)
+        if self._model_error is not None and not shown:
+            shown.append(self._model_error)
+        return shown
 
     @staticmethod
-    def _duplicate(name: str) -> str:
-        return f"tenant {name!r} is already added; pick another name (or remove that one first)"
+    def _duplicate(name: str) -> Problem:
+        return Problem(name, "name", "already added; pick another name (or remove that one first)")
 
-    def _sync_rank_bounds(self) -> None:
-        # The slider ends at max_rank, but never below the current rank: a rank above max_rank stays
-        # visible (and is reported) instead of being clamped silently.
-        self.rank.max = max(self._max_rank, self.rank.value)
+    def _repeat(self) -> Problem | None:
+        """Why adding now would add a clone: no field changed since the last add."""
+        if self._added is None or self._read() != self._added[0]:
+            return None
+        return Problem(
+            None,
+            None,
+            f"{self._added[1]!r} is already added with these settings; change a field to add another tenant",
+        )
+
+    def _sync_bounds(self) -> None:
+        # A slider bounded by a job field (rank by max_rank) ends there, but never below the current
+        # value: a rank above max_rank stays visible (and is reported) instead of being clamped.
+        for inp in self._inputs.values():
+            if inp.info.at_most == "max_rank" and isinstance(inp.widget, W.IntSlider):
+                inp.widget.max = max(self._max_rank, inp.widget.value)
 
     def _refresh(self) -> None:
         if self._hold:
             return
-        self.problems_box.value = _problems_html(self.problems(), ok="ok")
+        t = self._read()
+        problems = self.problems()
+        self.problems_box.value = _problems_html(problems, ok="ok", own=t.name)
+        repeat = self._repeat()
+        self.add_button.disabled = bool(problems) or repeat is not None
+        if problems:
+            lines = _problem_lines(problems, own=t.name)
+            more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+            self.add_button.tooltip = f"fix first: {lines[0]}{more}"
+        elif repeat is not None:
+            self.add_button.tooltip = repeat.message
+        else:
+            self.add_button.tooltip = f"add {t.name!r} to the tenants"
 
     def _on_field(self, change: dict) -> None:
-        if change["owner"] is self.target_modules:
+        owner = change["owner"]
+        if owner is getattr(self, "target_modules", None):
             new, old = tuple(change["new"]), tuple(change["old"])
-            if ALL_LINEAR in new and len(new) > 1:
-                # "all-linear" excludes the others: picking it clears them, picking another clears it.
-                keep_all = ALL_LINEAR not in old
+            note = self.target_modules_note
+            if ALL_LINEAR in new and len(new) > 1 and not self._hold:
+                # PEFT takes "all-linear" only on its own (in a list it is a name matching nothing), so
+                # picking it clears the others and picking another name clears it; the note says so.
+                # (A loaded tenant that mixes them is shown as it is, with the validator's problem.)
+                picked_all = ALL_LINEAR not in old
                 self.target_modules.value = (
-                    (ALL_LINEAR,) if keep_all else tuple(x for x in new if x != ALL_LINEAR)
+                    (ALL_LINEAR,) if picked_all else tuple(x for x in new if x != ALL_LINEAR)
                 )
-                return  # the nested change re-validates
-        if change["owner"] is self.rank and not self._hold:
-            self._sync_rank_bounds()
+                note.value = (
+                    f"<i>{ALL_LINEAR} covers every linear layer but the output layer, so the other names were "
+                    "cleared</i>"
+                    if picked_all
+                    else f"<i>{ALL_LINEAR} was cleared: it cannot be combined with named layers</i>"
+                )
+                return  # the nested change re-validated
+            note.value = ""
+        if self._hold:
+            return
+        if owner is getattr(self, "rank", None):
+            self._sync_bounds()
+        self.message.value = ""  # it was about the last press; the problems box says what is wrong now
         self._refresh()
 
-    def _on_no_clipping(self, change: dict) -> None:
-        self.max_grad_norm.disabled = bool(change["new"])
+    def _on_null_toggle(self, inp: _Input) -> Callable[[dict], None]:
+        def toggled(change: dict) -> None:
+            inp.widget.disabled = bool(change["new"])
+            self._on_field(change)
+
+        return toggled
 
     def _on_add(self) -> None:
         try:
             self.add()
         except SpecError as e:
-            self.message.value = _message_html("not added: " + "; ".join(e.problems), False)
+            own = self.name.value.strip()
+            self.message.value = _message_html(
+                "not added: " + "; ".join(_problem_lines(e.problems, own)), False
+            )
 
     def _on_remove(self) -> None:
         if self.selected.value:
@@ -525,10 +642,10 @@ class TenantForm:
             self.message.value = _message_html(f"removed {name!r}", True)
 
     def _on_load(self) -> None:
-        if self.selected.value:
-            for t in self.tenants:
-                if t.name == self.selected.value:
-                    self.load(t)
+        for t in self.tenants:
+            if self.selected.value and t.name == self.selected.value:
+                self.load(t)
+                self.message.value = _message_html(f"loaded {t.name!r} into the form", True)
 
     def _update_table(self) -> None:
         if not self.tenants:
@@ -542,7 +659,7 @@ class TenantForm:
                     t.rank,
                     f"{t.alpha:g}" + (" (rs)" if t.use_rslora else ""),
                     ", ".join(t.target_modules),
-                    f"{t.lr:.1e}",
+                    f"{t.lr:g}",
                     t.schedule,
                     t.max_steps,
                     f"{t.batch_size}x{t.grad_accum}" if t.grad_accum != 1 else t.batch_size,
@@ -569,12 +686,13 @@ class TenantForm:
 # ---------------------------------------------------------------------------------------------
 
 
-def _divisor_choice(description: str, n: int, value: int) -> W.Dropdown:
-    """A dropdown of the divisors of ``n``, at ``value`` if it is one (else 1)."""
+def _divisor_choice(name: str, n: int, value: int) -> W.Dropdown:
+    """A dropdown of the divisors of ``n``, at ``value`` if it is one (else 1), labelled from ``Parallel.<name>``."""
+    info = field_info(Parallel, name)
     options = _divisors(n)
     return W.Dropdown(
-        options=options, value=value if value in options else 1, description=description, style=_LABEL,
-        layout=_narrow(),
+        options=options, value=value if value in options else 1, description=info.label, style=_LABEL,
+        tooltip=info.help, layout=W.Layout(width="220px"),
     )  # fmt: skip
 
 
@@ -593,14 +711,22 @@ def _default_max_nproc() -> int:
     return gpus or os.cpu_count() or 1
 
 
+def _help_row(widget: W.Widget, info: FieldInfo) -> W.HBox:
+    note = W.HTML(f"<span style='color:#57606a;font-size:90%'>{html.escape(info.help)}</span>")
+    return W.HBox([widget, note], layout=W.Layout(align_items="center"))
+
+
 class JobBuilder:
     """An ipywidgets panel that builds a :class:`~mlora_lab.spec.JobSpec` and launches it.
 
     It embeds a :class:`TenantForm` (``builder.form``) for the tenants and adds the job settings
-    (``builder.seq_len``, ``builder.nproc``, ``builder.fsdp``, ...), the whole spec's problems and a
-    live ``job.json`` preview. "Launch" is enabled only while the spec has no problems; it calls
-    :func:`mlora_lab.launch.launch` and keeps the :class:`~mlora_lab.launch.Run` in :attr:`run`.
-    ``defaults`` pre-fills the job settings and adds its tenants to the form.
+    (``builder.seq_len``, ``builder.nproc``, ``builder.fsdp``, ...; made from the ``JobSpec`` and
+    ``Parallel`` fields' :class:`~mlora_lab.spec.FieldInfo`), the whole spec's problems and a live
+    ``job.json`` preview. "Launch" is enabled only while the spec has no problems; it calls
+    :func:`mlora_lab.launch.launch` and keeps the :class:`~mlora_lab.launch.Run` in :attr:`run`, whose
+    state the status line then follows by itself (a background thread, polling every
+    :attr:`refresh_s` seconds until the run ends or :meth:`stop_watching`). ``defaults`` pre-fills the
+    job settings and adds its tenants to the form.
     """
 
     def __init__(
@@ -625,43 +751,35 @@ class JobBuilder:
         """The embedded tenant form; its :attr:`TenantForm.tenants` are the job's tenants."""
         self.run: Run | None = None
         """The :class:`~mlora_lab.launch.Run` of the last launch (``None`` before)."""
+        self.refresh_s = 1.0
+        """Seconds between two looks at :attr:`run`'s state by the status line's thread."""
         self._base = d  # keeps fields the builder does not show (tokenizer, slot_modules)
         self._hold = 0
-        self._problems: list[str] = []
+        self._problems: list[Problem] = []
+        self._watcher: threading.Thread | None = None
+        self._stop_watch = threading.Event()
         max_nproc = max(1, max_nproc or _default_max_nproc(), d.parallel.nproc)
 
-        def num(desc: str, value: int, lo: int) -> W.BoundedIntText:
-            return W.BoundedIntText(
-                value=value, min=lo, max=_BIG, description=desc, style=_LABEL, layout=_narrow()
-            )
-
-        self.seq_len = num("seq_len", d.seq_len, 2)
-        self.max_tenants = num("max_tenants", d.max_tenants, 1)
-        self.max_rank = num("max_rank", d.max_rank, 1)
-        self.dtype = W.Dropdown(
-            options=list(DTYPES), value=d.dtype, description="dtype", style=_LABEL, layout=_narrow()
-        )
-        self.log_every = num("log_every", d.log_every, 1)
-        self.eval_every = num("eval_every (0=end)", d.eval_every, 0)
-        self.save_every = num("save_every (0=end)", d.save_every, 0)
-        self.seed = W.IntText(value=d.seed, description="job seed", style=_LABEL, layout=_narrow())
-        self.serve = W.Checkbox(value=d.serve, description="serve (stay up for new tenants)", indent=False)
+        self._inputs: dict[str, _Input] = {}
+        for name, info in fields_info(JobSpec):
+            if info.form:
+                default = JobSpec.__dataclass_fields__[name].default
+                self._inputs[name] = inp = _make_input(name, info, default, [], [])
+                inp.show(getattr(d, name))
+                setattr(self, name, inp.widget)
+        nproc_info = field_info(Parallel, "nproc")
         self.nproc = W.IntSlider(
-            value=d.parallel.nproc, min=1, max=max_nproc, description="nproc", style=_LABEL, layout=_wide()
-        )
+            value=d.parallel.nproc, min=1, max=max_nproc, description=nproc_info.label, style=_LABEL,
+            tooltip=nproc_info.help, layout=_wide(),
+        )  # fmt: skip
         self.tp = _divisor_choice("tp", d.parallel.nproc, d.parallel.tp)
         dp = d.parallel.nproc // self.tp.value  # the data-parallel ranks
         self.fsdp = _divisor_choice("fsdp", dp, d.parallel.fsdp)
         self.ep = _divisor_choice("ep", dp, d.parallel.ep)
         self.workdir = W.Text(value=os.fspath(workdir), description="workdir", style=_LABEL, layout=_wide())
-        self.fields: dict[str, W.Widget] = {
-            k: getattr(self, k)
-            for k in (
-                "seq_len", "max_tenants", "max_rank", "dtype", "log_every", "eval_every", "save_every",
-                "seed", "serve", "nproc", "tp", "fsdp", "ep",
-            )
-        }  # fmt: skip
+        self.fields: dict[str, W.Widget] = {name: inp.widget for name, inp in self._inputs.items()}
         """Every job-setting widget by name (``nproc``/``tp``/``fsdp``/``ep`` set ``parallel``)."""
+        self.fields.update(nproc=self.nproc, tp=self.tp, fsdp=self.fsdp, ep=self.ep)
 
         self.problems_box = W.HTML()
         self.launch_button = W.Button(description="Launch", button_style="success", icon="rocket")
@@ -685,28 +803,19 @@ class JobBuilder:
             form.max_rank = d.max_rank
         form._update_table()  # shows tenants that came with ``defaults``; notifies -> _refresh()
 
-        def row(*ws: W.Widget) -> W.HBox:
-            return W.HBox(list(ws))
-
+        parallel = [
+            W.HTML("<b>Parallel</b>"),
+            _help_row(self.nproc, nproc_info),
+            *(_help_row(getattr(self, n), field_info(Parallel, n)) for n in ("tp", "fsdp", "ep")),
+        ]
         job = W.VBox(
             [
                 W.HTML("<h4 style='margin:4px 0'>Job</h4>"),
-                row(self.seq_len, self.dtype),
-                row(self.max_tenants, self.max_rank),
-                row(self.log_every, self.eval_every),
-                row(self.save_every, self.seed),
-                self.serve,
-                W.HTML("<b>Parallel</b>"),
-                self.nproc,
-                row(self.tp, W.HTML("<i>tensor parallel: ranks that split every projection</i>")),
-                row(self.fsdp, W.HTML("<i>shard group size: a divisor of nproc / tp</i>")),
-                row(
-                    self.ep,
-                    W.HTML("<i>expert parallel (MoE): a divisor of nproc / tp and of the experts</i>"),
-                ),
+                *_layout(list(self._inputs.values())),
+                *parallel,
                 self.workdir,
                 self.problems_box,
-                row(self.launch_button, self.refresh_button),
+                W.HBox([self.launch_button, self.refresh_button]),
                 self.status,
                 W.Accordion([self.preview], titles=("job.json",), selected_index=0),
             ],
@@ -723,41 +832,66 @@ class JobBuilder:
 
     def spec(self) -> JobSpec:
         """The JobSpec of the current fields and ``form.tenants`` (not validated: see :meth:`problems`)."""
-        d = self._base
-        return JobSpec(
+        return dataclasses.replace(
+            copy.deepcopy(self._base),
             base_model=self.base_model,
             tenants=copy.deepcopy(self.form.tenants),
-            tokenizer=d.tokenizer,
-            seq_len=self.seq_len.value,
-            max_tenants=self.max_tenants.value,
-            max_rank=self.max_rank.value,
             parallel=Parallel(
                 nproc=self.nproc.value, nnodes=1, fsdp=self.fsdp.value, tp=self.tp.value, ep=self.ep.value
             ),
-            dtype=self.dtype.value,
-            log_every=self.log_every.value,
-            eval_every=self.eval_every.value,
-            save_every=self.save_every.value,
-            serve=self.serve.value,
-            seed=self.seed.value,
             output_dir=None,  # every launch gets a new directory under workdir
-            slot_modules=copy.deepcopy(d.slot_modules),
+            **{name: inp.read() for name, inp in self._inputs.items()},
         )
 
-    def problems(self) -> list[str]:
+    def problems(self) -> list[Problem]:
         """Every problem of :meth:`spec` (as :meth:`JobSpec.problems` reports them)."""
-        return self.form._checker.problems(self.spec())
+        return self.form._validator.problems(self.spec())
 
     def launch(self) -> Run:
         """Launch :meth:`spec` under torchrun in the background (``launch(spec, workdir)``); returns the
-        Run and keeps it in :attr:`run`. Raises :class:`SpecError` if the spec has problems."""
+        Run, keeps it in :attr:`run` and starts following its state in the status line. Raises
+        :class:`SpecError` if the spec has problems."""
         from mlora_lab.launch import launch
 
         self.run = launch(self.spec(), self.workdir.value)
         self._refresh()
+        self._watch()
         return self.run
 
+    @property
+    def watching(self) -> bool:
+        """Whether the status line's thread is following :attr:`run`."""
+        return self._watcher is not None and self._watcher.is_alive()
+
+    def stop_watching(self, timeout: float = 5.0) -> None:
+        """Stop the status line's thread (the run itself is not touched); the status button still works."""
+        self._stop_watch.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout)
+
     # -- internals -------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Follow :attr:`run` in a background thread (one at a time: a new launch replaces the old)."""
+        self.stop_watching()
+        self._stop_watch = stop = threading.Event()
+        run = self.run
+        self._watcher = threading.Thread(
+            target=self._watch_loop, args=(run, stop), name="mlora-jobbuilder-status", daemon=True
+        )
+        self._watcher.start()
+
+    def _watch_loop(self, run: Run, stop: threading.Event) -> None:
+        # Only the status line and the Launch button change here: validation (and its cache) stays on
+        # the notebook's thread.
+        while not stop.wait(self.refresh_s):
+            try:
+                state = run.status
+            except Exception:  # a run directory that became unreadable: keep the last state shown
+                continue
+            self._show_state(state)
+            if state.final:
+                return
 
     def _refresh(self) -> None:
         if self._hold:
@@ -766,16 +900,18 @@ class JobBuilder:
         self._problems = self.problems()
         shown = list(self._problems)
         if not spec.tenants and not spec.serve:
-            shown.append('fill in the tenant form above and press "Add tenant"')
+            shown.append(Problem(None, "tenants", 'fill in the tenant form above and press "Add tenant"'))
         self.problems_box.value = _problems_html(shown, ok="ready to launch")
         self.preview.value = (
             "<pre style='max-height:320px;overflow:auto;margin:0'>" + html.escape(spec.to_json()) + "</pre>"
         )
-        state = self.run.status if self.run is not None else None
+        self._show_state(self.run.status if self.run is not None else None)
+
+    def _show_state(self, state: RunState | None) -> None:
         self.launch_button.disabled = bool(self._problems) or (state is not None and not state.final)
         self.status.value = self._status_html(state)
 
-    def _status_html(self, state: str | None) -> str:
+    def _status_html(self, state: RunState | None) -> str:
         if self.run is None:
             return ""
         color = {RunState.FINISHED: "#1a7f37", RunState.FAILED: "#b42318", RunState.LOST: "#b42318",
@@ -800,11 +936,19 @@ class JobBuilder:
         self._refresh()
 
     def _on_max_rank(self, change: dict) -> None:
-        self.form.max_rank = int(change["new"])
+        value = change["new"]
+        if (
+            isinstance(value, int) and value >= 1
+        ):  # a bad max_rank is reported; the form keeps the last good one
+            self.form.max_rank = value
 
     def _on_launch(self) -> None:
         try:
             self.launch()
         except Exception as e:  # shown in the panel: a button callback has nowhere else to report
-            problems = e.problems if isinstance(e, SpecError) else [f"launch failed: {type(e).__name__}: {e}"]
+            problems = (
+                e.problems
+                if isinstance(e, SpecError)
+                else [Problem(None, None, f"launch failed: {type(e).__name__}: {e}")]
+            )
             self.status.value = _problems_html(problems)

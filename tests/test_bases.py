@@ -16,8 +16,9 @@ import transformers
 
 from mlora_lab import bases
 from mlora_lab.bases import GGUFBaseError, gguf_file, is_gguf, resolve_base
-from mlora_lab.spec import JobSpec, Tenant, model_target_names
+from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.tiny import CHAT_TEMPLATE
+from mlora_lab.validate import model_target_names
 
 gguf = pytest.importorskip("gguf")
 
@@ -317,7 +318,7 @@ def test_spec_accepts_a_gguf_base_without_converting(tmp_path, tiny_gguf, count_
 
 def test_spec_reports_unusable_gguf_bases(tmp_path, tiny_gguf):
     def problems(base) -> str:
-        return "\n".join(_spec(base, tmp_path).problems())
+        return "\n".join(map(str, _spec(base, tmp_path).problems()))
 
     assert "missing.gguf': no such GGUF file" in problems(tmp_path / "missing.gguf")
     garbage = tmp_path / "garbage.gguf"

@@ -1,11 +1,15 @@
-"""End to end: the real CLI and launcher start torchrun on a tiny model and write the run directory."""
+"""End to end: the real CLI and launcher start torchrun on a tiny model and write the run directory;
+the follower that shows a run in a terminal or a log."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,9 +19,20 @@ import pytest
 import transformers
 
 import mlora_lab as ml
-from mlora_lab.rundir import read_status
+from mlora_lab.cli import follow
+from mlora_lab.rundir import (
+    EventKind,
+    EventRow,
+    MetricsWriter,
+    RunDir,
+    TenantRow,
+    TenantState,
+    TrainRow,
+    read_status,
+    update_status,
+)
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow  # every test that starts a job
 
 
 def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -49,12 +64,19 @@ def job_json(tmp_path: Path, base: str, make_data, **overrides) -> Path:
     return path
 
 
+@slow
 def test_run_end_to_end(tmp_path, llama_path, make_data):
     job_json(tmp_path, llama_path, make_data)
     proc = cli("run", "job.json", "--workdir", "runs", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (run_dir,) = list((tmp_path / "runs").iterdir())
     assert "alice" in proc.stdout and "final_loss" in proc.stdout
+    followed = proc.stdout.split("\n\n")[0].splitlines()  # what the follower printed, before the summary
+    assert len(followed) <= 12, followed  # changes and a few progress lines, never one per poll
+    assert followed[0] == f"run directory: {run_dir}"
+    assert any(line.endswith("run finished") for line in followed)
+    assert any(line.endswith("tenant bob finished") for line in followed)
+    assert any("steps 10/10 (100%)" in line for line in followed), "a last progress line"
     status = read_status(run_dir)
     assert status.state == "finished" and status.ended >= status.started
     spec = ml.JobSpec.load(run_dir / "job.json")
@@ -66,8 +88,14 @@ def test_run_end_to_end(tmp_path, llama_path, make_data):
     assert [r["tenant_step"] for r in train if r["tenant"] == "alice"] == [1, 2, 3, 4, 5, 6]
     assert [r["tenant_step"] for r in train if r["tenant"] == "bob"] == [1, 2, 3, 4]
     assert set(train[0]) >= {"step", "tenant", "tenant_step", "loss", "tokens", "lr", "grad_norm", "time"}
+    # rows and tokens trained on so far: alice 6 steps x 2 rows, bob 4 steps x 3 rows x 2 micro-batches
+    assert [r["rows_seen"] for r in train if r["tenant"] == "alice"] == [2, 4, 6, 8, 10, 12]
+    assert [r["rows_seen"] for r in train if r["tenant"] == "bob"] == [6, 12, 18, 24]
+    bob = [r for r in train if r["tenant"] == "bob"]
+    assert [r["tokens_seen"] for r in bob] == [sum(r["tokens"] for r in bob[: i + 1]) for i in range(4)]
     system = [r for r in rows if r["kind"] == "system"]
     assert all(r["rank"] == 0 and r["mem_bytes"] > 0 and r["tokens_per_s"] > 0 for r in system)
+    assert all(r["cpu_percent"] > 0 and r["gpu_util"] is None for r in system)  # CPU job: no GPU figure
     states = [(r["tenant"], r["state"]) for r in rows if r["kind"] == "tenant"]
     assert ("alice", "finished") in states and ("bob", "finished") in states
     assert "done after" in (run_dir / "logs" / "rank0.log").read_text()
@@ -80,10 +108,14 @@ def test_run_end_to_end(tmp_path, llama_path, make_data):
     run = ml.attach(run_dir)
     assert run.status == "finished"
     assert set(run.metrics()["tenant"]) == {"alice", "bob"}
+    run.tag("smoke")
     proc = cli("status", str(run_dir), cwd=tmp_path)
-    assert proc.returncode == 0 and "finished" in proc.stdout
+    assert proc.returncode == 0 and "finished" in proc.stdout and "tags: smoke" in proc.stdout
+    header = next(line for line in proc.stdout.splitlines() if line.lstrip().startswith("tenant"))
+    assert header.split()[:2] == ["tenant", "state"] and header.split()[-1] == "reason"
 
 
+@slow
 def test_bad_job_starts_nothing(tmp_path, llama_path, make_data):
     job = job_json(tmp_path, llama_path, make_data)
     spec = json.loads(job.read_text())
@@ -102,6 +134,7 @@ def test_bad_job_starts_nothing(tmp_path, llama_path, make_data):
     assert after <= before
 
 
+@slow
 def test_demo_runs(tmp_path):
     proc = cli("demo", "--workdir", str(tmp_path / "demo"), "--steps", "12", cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -113,6 +146,7 @@ def test_demo_runs(tmp_path):
     assert (tmp_path / "demo" / "loss_curves.png").stat().st_size > 10_000
 
 
+@slow
 def test_demo_runs_with_moe_tenants(tmp_path):
     proc = cli(
         "demo", "--moe", "--workdir", str(tmp_path / "demo"), "--steps", "6", cwd=tmp_path, timeout=600
@@ -138,6 +172,7 @@ def wait_for_training(run: ml.Run, timeout: float = 120) -> None:
         time.sleep(0.3)
 
 
+@slow
 def test_stop_is_graceful(tmp_path, llama_path, make_data):
     run = ml.launch(long_spec(tmp_path, llama_path, make_data))
     wait_for_training(run)
@@ -147,6 +182,7 @@ def test_stop_is_graceful(tmp_path, llama_path, make_data):
     assert read_status(run.path).process.alive() is False
 
 
+@slow
 def test_killed_rank_marks_run_failed(tmp_path, llama_path, make_data):
     run = ml.launch(long_spec(tmp_path, llama_path, make_data))
     wait_for_training(run)
@@ -159,6 +195,7 @@ def test_killed_rank_marks_run_failed(tmp_path, llama_path, make_data):
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
 
 
+@slow
 def test_local_launcher_script(tmp_path, llama_path, make_data):
     job_json(tmp_path, llama_path, make_data, output_dir="out")
     root = Path(__file__).resolve().parents[1]
@@ -173,3 +210,98 @@ def test_local_launcher_script(tmp_path, llama_path, make_data):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert read_status(tmp_path / "out").state == "finished"
     assert (tmp_path / "out" / "adapters" / "bob" / "adapter_model.safetensors").is_file()
+
+
+# -- the follower: a line per change, bounded progress ---------------------------------------------
+
+
+def fake_run(tmp_path: Path, state: str = "running", steps: dict[str, int] | None = None) -> ml.Run:
+    """A run directory as a job on another host would leave it (no process here to check)."""
+    steps = steps or {"a": 100, "b": 50}
+    run = RunDir(tmp_path / "run").create()
+    tenants = [ml.Tenant(name=n, data=f"{n}.jsonl", max_steps=m) for n, m in steps.items()]
+    ml.JobSpec(base_model="model", tenants=tenants).to_json(run.job)
+    update_status(run.root, state=state, pid=1, pid_start_time=1.0, host="another-host", started=time.time())
+    return ml.attach(run.root)
+
+
+def train_like_a_job(run: ml.Run, pause: float = 0.0) -> None:
+    """Rows of a 100-step job: a starts and finishes, b fails half-way, one event; then the run ends."""
+    writer = MetricsWriter(run.dir.metrics)
+    for name in ("a", "b"):
+        writer.write(TenantRow(step=0, tenant=name, state=TenantState.RUNNING))
+    for step in range(1, 101):
+        writer.write(TrainRow(step=step, tenant="a", tenant_step=step, loss=2.0 - step / 100, tokens=9, lr=0.1,
+                              grad_norm=1.0))  # fmt: skip
+        if step < 25:
+            writer.write(
+                TrainRow(step=step, tenant="b", tenant_step=step, loss=3.0, tokens=9, lr=0.1, grad_norm=1.0)
+            )
+        if step == 1:  # the second running row of a tenant (its optimiser memory) is no change
+            writer.write(TenantRow(step=1, tenant="a", state=TenantState.RUNNING, optimizer_bytes=8))
+        if step == 25:
+            writer.write(TenantRow(step=25, tenant="b", state=TenantState.FAILED, reason="non-finite loss"))
+        if step == 50:
+            writer.write(EventRow(step=50, event=EventKind.SAVE_FAILED, message="disk full"))
+        time.sleep(pause)
+    writer.write(TenantRow(step=100, tenant="a", state=TenantState.FINISHED))
+    writer.close()
+    update_status(run.path, state="finished", ended=time.time())
+
+
+def test_follow_of_a_finished_run_prints_its_changes_once_and_one_progress_line(tmp_path):
+    run = fake_run(tmp_path)
+    train_like_a_job(run)
+    out = io.StringIO()
+    assert follow(run, out=out, poll=0.01) == "finished"
+    lines = [re.sub(r"^\[\d\d:\d\d\] ", "", line) for line in out.getvalue().splitlines()]
+    assert lines == [
+        f"run directory: {run.path}",
+        "tenant a running",
+        "tenant b running",
+        "tenant b failed: non-finite loss",
+        "save_failed at step 50: disk full",
+        "tenant a finished",
+        "run finished",  # after the rows: the job writes them before its final state
+        "steps 124/124 (100%)  a 100/100 1.000 | b 24/50 3.000",  # b failed: its 24 steps are its share
+    ]
+
+
+def test_follow_of_a_live_run_without_a_terminal_prints_bounded_progress(tmp_path):
+    run = fake_run(tmp_path)
+    job = threading.Thread(target=train_like_a_job, args=(run, 0.01))
+    job.start()
+    out = io.StringIO()
+    try:
+        assert follow(run, out=out, poll=0.005) == "finished"
+    finally:
+        job.join()
+    lines = out.getvalue().splitlines()
+    progress = [line for line in lines if "steps " in line]
+    changes = [line for line in lines if "steps " not in line]
+    assert 2 <= len(progress) <= 11, progress  # every 10 % of the steps at most (the run takes ~1 s)
+    assert progress[-1].endswith("steps 124/124 (100%)  a 100/100 1.000 | b 24/50 3.000")
+    assert len(changes) == 8 and changes[1].endswith("run running") and changes[-1].endswith("run finished")
+    assert sum("tenant b failed: non-finite loss" in line for line in lines) == 1
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_follow_on_a_terminal_draws_one_bar_and_prints_changes_above_it(tmp_path):
+    run = fake_run(tmp_path)
+    job = threading.Thread(target=train_like_a_job, args=(run, 0.005))
+    job.start()
+    out = Terminal()
+    try:
+        assert follow(run, out=out, poll=0.005) == "finished"
+    finally:
+        job.join()
+    text = out.getvalue()
+    assert "\r" in text, "the progress bar redraws in place"
+    lines = text.split("\n")
+    assert len(lines) <= 12, lines  # the changes and the bar, not a line per poll
+    assert any(line.rstrip().endswith("tenant b failed: non-finite loss") for line in lines)
+    assert "124/124" in text.rsplit("\r", 1)[-1] and "a 100/100 1.000" in text

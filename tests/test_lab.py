@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import matplotlib.figure
+import pandas as pd
 import pytest
 
 import mlora_lab as ml
 from mlora_lab.dashboard import Dashboard, ema, thin
 from mlora_lab.demo import task_rows, write_jsonl
-from mlora_lab.rundir import update_status
+from mlora_lab.report import SUMMARY_COLUMNS
+from mlora_lab.rundir import RunLabels, update_status
 
 slow = pytest.mark.slow  # every test that launches a job (the generations' prompt rendering needs none)
 
@@ -50,18 +53,25 @@ def test_run_handle_and_runs_table(finished_run):
     table = ml.runs(run.path.parent)
     assert list(table["state"]) == ["finished"] and table["tenants"][0] == "rev, up"
     assert table["steps"][0] == 8
+    assert table["best_loss"][0] == m[m["kind"] == "train"]["loss"].min()
 
 
 @slow
 def test_summary_compare_and_generations(finished_run):
     s = ml.summary(finished_run)
-    assert list(s["tenant"]) == ["rev", "up"]
+    assert list(s["tenant"]) == ["rev", "up"] and list(s["state"]) == ["finished", "finished"]
     assert (s["steps"] == s["max_steps"]).all()
+    assert list(s["rows"]) == [8 * 4, 6 * 4] and list(s["targets"]) == [
+        "q_proj,v_proj",
+        "q_proj,k_proj,v_proj",
+    ]
     assert s.loc[0, "eval_loss"] > 0 and s.loc[0, "final_loss"] < s.loc[0, "first_loss"]
     fig = ml.compare([finished_run, finished_run.path], metric="loss", smoothing=0.5, logy=True)
     assert isinstance(fig, matplotlib.figure.Figure)
-    assert len(fig.axes[0].lines) == 4 and fig.axes[0].get_yscale() == "log"
-    assert fig._repr_png_()[:4] == b"\x89PNG"
+    mains = [line for line in fig.axes[0].lines if not line.get_label().startswith("_")]
+    assert len(mains) == 4 and len(fig.axes[0].lines) == 8, "smoothed lines over their faded raw values"
+    assert fig.axes[0].get_yscale() == "log"
+    assert fig._repr_png_()[0][:4] == b"\x89PNG"
     assert len(ml.compare(finished_run, metric="eval_loss", tenants=["rev"]).axes[0].lines) == 1
     with pytest.raises(ValueError, match="unknown metric"):
         ml.compare(finished_run, metric="accuracy")
@@ -71,17 +81,22 @@ def test_summary_compare_and_generations(finished_run):
 
 @slow
 def test_dashboard_on_a_finished_run(finished_run):
-    dash = finished_run.dashboard()
+    dash = finished_run.dashboard(interactive=False)
     assert not dash.live, "a finished run is drawn once, then the dashboard stops refreshing"
     assert "finished" in dash.status.value
     assert dash.loss_plot.value[:4] == b"\x89PNG" and dash.system_plot.value[:4] == b"\x89PNG"
-    labels = {name: label.value for name, (bar, label) in dash._bars.items()}
-    assert labels["rev"].startswith("8/8 · finished") and dash._bars["rev"][0].value == 8
+    rev, up = (finished_run.path.name, "rev"), (finished_run.path.name, "up")
+    row = dash._progress_rows[rev]
+    assert re.sub("<[^>]+>", "", row.info.value).startswith("8/8 · finished") and row.bar.value == 8
+    # the job's memory rows reached the bars: adapter + optimiser of each tenant
+    assert [b.get_width() > 0 for b in dash._bar_artists[0]] == [True, True]
     before = dash.loss_plot.value
     dash.logy.value = True  # controls redraw at once
     assert dash.loss_plot.value != before
-    dash.tenants.value = ("up",)
-    assert dash.colors["rev"] != dash.colors["up"]
+    dash.tenants.value = (up,)
+    shown = [key for key, row in dash._progress_rows.items() if row.box in dash.progress.children]
+    assert shown == [up]
+    assert dash.colors[rev] != dash.colors[up]
 
 
 @slow
@@ -117,7 +132,104 @@ def test_two_runs_at_once_and_live_dashboard(tiny_models, tmp_path):
     while dash.live and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not dash.live
-    assert dash.state.tenant_step["t0"] == 30
+    assert dash.feeds[runs[0].path.name].tenants["t0"].step == 30
+
+
+def test_summary_has_each_tenants_state_settings_and_the_tenants_added_live(tiny_models, tmp_path):
+    """Settings next to results, the state each tenant is in now (a tenant still training when the
+    run stopped shows ``stopped``), and tenants that are in no job.json: refused, or still queued."""
+    from mlora_lab.launch import prepare_run
+    from mlora_lab.rundir import control
+    from mlora_lab.train import Trainer
+
+    data = write_jsonl(tmp_path / "rev.jsonl", task_rows("reverse", 16, 0))
+    done = ml.Tenant(name="done", data=data, rank=4, batch_size=2, max_steps=3)
+    long = ml.Tenant(name="long", data=data, rank=8, alpha=8, target_modules=["q_proj", "k_proj"], schedule="cosine",
+                     warmup_steps=2, batch_size=2, grad_accum=2, max_steps=50)  # fmt: skip
+    spec = ml.JobSpec(base_model=tiny_models("llama"), tenants=[done, long], seq_len=48, max_rank=8, log_every=2,
+                      output_dir=str(tmp_path / "runs" / "r1"))  # fmt: skip
+    run = ml.attach(prepare_run(spec).root)
+    update_status(run.path, state="running")
+    trainer = Trainer(ml.JobSpec.load(run.dir.job), run_dir=run.path)  # the job, in this process
+    for _ in range(4):
+        trainer.step()
+    live = ml.Tenant(name="live", data=data, rank=4, lr=1e-3, max_steps=5)
+    run.add_tenant(live, wait=False)
+    control.send(run.path, "add", tenant={**live.to_dict(), "name": "huge", "rank": 99})
+    trainer._poll_control()  # live is added, huge refused (rank > max_rank)
+    trainer.step()
+    control.send(run.path, "add", tenant={**live.to_dict(), "name": "later", "lr": 5e-4})  # not picked up yet
+
+    s = ml.summary(run).set_index("tenant")
+    assert list(s.columns) == [c for c in SUMMARY_COLUMNS if c != "tenant"]
+    assert list(s.index) == ["done", "long", "live", "huge", "later"]
+    assert list(s["state"]) == ["finished", "running", "running", "refused", "pending"]
+    assert "rank" in s.loc["huge", "reason"] and s.loc["huge", "rank"] == 99, "its settings are its message's"
+    assert s.loc["later", "lr"] == 5e-4 and s.loc["later", "steps"] == 0
+    assert s.loc["long", ["targets", "schedule", "warmup", "batch_size", "grad_accum", "max_steps"]].tolist() == [
+        "q_proj,k_proj", "cosine", 2, 2, 2, 50]  # fmt: skip
+    # log_every=2 skips rows, yet rows and tokens are exact (the rows carry running totals)
+    assert s.loc["long", "steps"] == 2 and s.loc["long", "rows"] == 2 * 2 * 2
+    assert s.loc["done", "rows"] == 3 * 2 and s.loc["done", "tokens"] == trainer.tenants["done"].tokens_seen
+    assert pd.isna(s.loc["live", "rows"]), "live has taken one step, not a logged one"
+
+    update_status(run.path, state="stopped")  # the job ended without a row for the tenants it trained
+    s = ml.summary(run).set_index("tenant")
+    assert s["state"].to_dict() == {
+        "done": "finished",
+        "long": "stopped",
+        "live": "stopped",
+        "huge": "refused",
+    }
+
+
+def test_runs_table_shows_tags_note_and_best_loss(tmp_path):
+    from mlora_lab.rundir import MetricsWriter, RunDir, TrainRow
+
+    runs_dir = tmp_path / "runs"
+    for name, losses in (("r1", [2.0, 1.5, None]), ("r2", [])):
+        run = RunDir(runs_dir / name).create()
+        ml.JobSpec(base_model="m", tenants=[ml.Tenant(name="a", data="a.jsonl")]).to_json(run.job)
+        update_status(run.root, state="finished", started=1.0)
+        writer = MetricsWriter(run.metrics)
+        for i, loss in enumerate(losses):  # a non-finite loss is null in metrics.jsonl
+            writer.write(
+                TrainRow(step=i + 1, tenant="a", tenant_step=i + 1, loss=loss, tokens=1, lr=0.1, grad_norm=1)
+            )
+        writer.close()
+    r1 = ml.attach(runs_dir / "r1")
+    assert r1.tag("baseline", "q-v", "baseline") == ("baseline", "q-v")
+    r1.note("first try\nlr too high?")
+    assert r1.untag("q-v", "absent") == ("baseline",)
+    assert r1.labels == RunLabels(("baseline",), "first try\nlr too high?")
+    with pytest.raises(ValueError, match="whitespace"):
+        r1.tag("two words")
+    table = ml.runs(runs_dir).set_index("run")
+    assert list(table.columns) == [
+        "state",
+        "tenants",
+        "steps",
+        "best_loss",
+        "tags",
+        "note",
+        "started",
+        "path",
+        "problem",
+    ]
+    assert table.loc["r1", ["best_loss", "tags", "note", "steps"]].tolist() == [
+        1.5,
+        "baseline",
+        "first try\nlr too high?",
+        3,
+    ]
+    assert (
+        pd.isna(table.loc["r2", "best_loss"])
+        and table.loc["r2", "tags"] == ""
+        and table.loc["r2", "note"] == ""
+    )
+    (runs_dir / "r2" / "labels.json").write_text("{")  # a broken labels file: the run is still listed
+    table = ml.runs(runs_dir).set_index("run")
+    assert table.loc["r2", "state"] == "finished" and "corrupt" in table.loc["r2", "problem"]
 
 
 def test_ema_and_thinning():

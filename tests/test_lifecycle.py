@@ -12,7 +12,7 @@ import pytest
 
 import mlora_lab as ml
 from mlora_lab.lora import read_adapter
-from mlora_lab.rundir import ControlError, checkpoint, control, read_status
+from mlora_lab.rundir import ControlError, checkpoint, control, read_status, update_status
 from mlora_lab.train import Trainer
 
 
@@ -54,8 +54,10 @@ def test_add_at_step_5_equals_a_fresh_job(llama_path, make_data, tmp_path):
     assert control.wait_result(trainer.run.root, msg).step == 5
     assert trainer.tenants["b"].step == b.max_steps
     assert max_diff(trainer.model.tenant_tensors("b"), alone(llama_path, b)) <= 1e-5
-    states = [r["state"] for r in trainer.history if r["kind"] == "tenant" and r["tenant"] == "b"]
-    assert states == ["pending", "running", "finished"]
+    rows = [r for r in trainer.history if r["kind"] == "tenant" and r["tenant"] == "b"]
+    # added, then running again with its optimiser memory once it has stepped, then finished
+    assert [r["state"] for r in rows] == ["pending", "running", "running", "finished"]
+    assert rows[1]["optimizer_bytes"] == 0 and rows[2]["optimizer_bytes"] == 2 * rows[2]["adapter_bytes"] > 0
     assert [t.name for t in ml.JobSpec.load(tmp_path / "run" / "job.json").tenants] == ["a", "b"]
 
 
@@ -105,7 +107,7 @@ def test_pause_and_resume(llama_path, make_data, tmp_path):
     trainer.train()
     assert max_diff(trainer.model.tenant_tensors("b"), alone(llama_path, b)) <= 1e-5
     states = [r["state"] for r in trainer.history if r["kind"] == "tenant" and r["tenant"] == "b"]
-    assert states == ["running", "paused", "running", "finished"]
+    assert states == ["running", "running", "paused", "running", "finished"]  # (2nd: its optimiser memory)
 
 
 def corrupted_adapter(base: str, path, targets: list[str]) -> str:
@@ -166,6 +168,59 @@ def test_bad_control_input_changes_nothing(llama_path, make_data, tmp_path):
     assert "file name" in (rejected / "00000000000000000001-broken.json.reason").read_text()
     assert list(trainer.tenants) == ["a"] and trainer.tenants["a"].step == 3
     assert [t.name for t in ml.JobSpec.load(trainer.run.job).tenants] == ["a"]
+
+
+def test_a_request_says_what_it_waits_for(llama_path, make_data, tmp_path, capsys):
+    """A control message sent while the job still loads its model waits for the job to start: the
+    Request says so (``status``), and a blocking call says it in one line per phase."""
+    import threading
+
+    from mlora_lab.launch import prepare_run
+
+    run = ml.attach(
+        prepare_run(job(llama_path, [tenant("a", make_data)], output_dir=str(tmp_path / "run"))).root
+    )
+    request = run.add_tenant(tenant("b", make_data, kind="upper"), wait=False)
+    assert (request.status, request.done, request.result) == ("waiting", False, None)
+    assert repr(request) == "Request(add 'b': waiting)"
+    update_status(run.path, state="running")
+    assert request.status == "queued"
+    trainer = Trainer(ml.JobSpec.load(run.dir.job), run_dir=run.path)  # the job, at its first step boundary
+    trainer._poll_control()
+    assert request.status == "applied" and request.wait().ok and "b" in trainer.tenants
+    capsys.readouterr()
+
+    update_status(
+        run.path, state="starting"
+    )  # a job that is slow to start: a blocking call says why it waits
+
+    def start_then_apply() -> None:
+        time.sleep(1.6)
+        update_status(run.path, state="running")
+        time.sleep(1.6)
+        trainer._poll_control()
+
+    job_thread = threading.Thread(target=start_then_apply)
+    job_thread.start()
+    try:
+        added = run.add_tenant(tenant("c", make_data, kind="text"), timeout=30)
+    finally:
+        job_thread.join()
+    assert added.status == "applied" and "c" in trainer.tenants
+    assert capsys.readouterr().out.splitlines() == [
+        "waiting for the job to start (loading the model) before it can add tenant 'c'...",
+        "waiting for the job to add tenant 'c' at its next step boundary...",
+    ]
+
+    first, again = run.pause_tenant("a", wait=False), run.pause_tenant("a", wait=False)
+    trainer._poll_control()  # applied in the order they were sent
+    assert first.status == "applied"
+    with pytest.raises(ControlError, match="not running"):
+        again.wait(quiet=True)
+    assert again.status == "refused" and "not running" in again.result.error
+    late = run.resume_tenant("a", wait=False)
+    update_status(run.path, state="stopped")
+    assert late.status == "unanswered"
 
 
 @pytest.mark.slow

@@ -218,7 +218,7 @@ def test_spec_validates_the_new_fields(llama_path, make_data):
     ok = JobSpec(base_model=llama_path, tenants=[tenant], activation_checkpointing=True, packing=True)
     assert ok.problems() == []
     bad = JobSpec(base_model=llama_path, tenants=[tenant], activation_checkpointing=-1, packing="yes")
-    text = "\n".join(bad.problems())
+    text = "\n".join(map(str, bad.problems()))
     assert "activation_checkpointing must be >= 0" in text and "packing must be true or false" in text
 
 

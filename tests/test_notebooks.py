@@ -1,7 +1,15 @@
-"""The notebooks run top to bottom with a real Jupyter kernel (nbclient)."""
+"""The notebooks run top to bottom with a real Jupyter kernel (nbclient), as copies in a temp dir.
+
+Running a notebook never touches the repository: the test executes a copy whose working directory is
+the test's temp dir (so the models and runs it writes land there), checks that ``git status`` is the
+same before and after, and stops every job the notebook started, whether the notebook passed or not
+(a job's processes outlive the kernel that launched them: they are found through the run directories).
+"""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -9,26 +17,63 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+import mlora_lab as ml
+
 pytestmark = pytest.mark.slow
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+
+
+def git_status() -> str | None:
+    """``git status --porcelain`` of the repository, or None where there is no git checkout."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        return None
+    return subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, capture_output=True, text=True
+    ).stdout
+
+
+def stop_runs_under(folder: Path) -> list[str]:
+    """Kill the job of every run directory under ``folder`` that is not final; the runs it stopped."""
+    stopped = []
+    for job in folder.rglob("job.json"):
+        run = ml.attach(job.parent)
+        if not run.status.final:
+            run.kill()
+            stopped.append(run.path.name)
+    return stopped
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, tmp_path: Path):
-    nb = nbformat.read(path, as_version=4)
+    copy = tmp_path / path.name
+    shutil.copy(path, copy)
+    nb = nbformat.read(copy, as_version=4)
+    before = git_status()
     client = NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     )
     t0 = time.monotonic()
-    client.execute()
+    try:
+        client.execute()
+    finally:
+        left_running = stop_runs_under(tmp_path)
+    print(f"{path.name}: {time.monotonic() - t0:.0f} s")
     errors = [
         o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"
     ]
     assert not errors
-    print(f"{path.name}: {time.monotonic() - t0:.0f} s")
-    # the dashboard and the comparison plots really rendered
+    assert not left_running, f"the notebook ended with jobs still running: {left_running}"
+    assert git_status() == before, "running a notebook changed the repository"
+    # the dashboard rendered (a widget) and the comparison plots too (PNG)
     mimes = {
         k for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) for k in o.get("data", {})
     }
     assert "application/vnd.jupyter.widget-view+json" in mimes
     assert "image/png" in mimes or path.stem == "03_distributed"
+    # nothing the notebook printed was a warning or an error (stderr streams)
+    stderr = [
+        o["text"] for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+        if o.output_type == "stream" and o.get("name") == "stderr"
+    ]  # fmt: skip
+    assert not stderr, stderr

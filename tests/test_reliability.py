@@ -316,3 +316,57 @@ def test_a_launched_job_listens_on_loopback_only(llama_path, tmp_path):
     ]
     assert run.stop(timeout=120) == "stopped"
     assert listening and all(ipaddress.ip_address(ip).is_loopback for _, ip, _ in listening), listening
+
+
+def job_workers(run_dir: Path) -> list[psutil.Process]:
+    """Every live ``mlora_lab.train`` process of ``run_dir`` on this machine, found by command line
+    (torchrun starts each worker in a session of its own, so it is nobody's child once its agent dies)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "mlora_lab.train" in cmd and str(run_dir) in cmd:
+            found.append(p)
+    return found
+
+
+def wait_gone(run_dir: Path, timeout: float = 30) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while (left := job_workers(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.mark.slow
+def test_kill_leaves_no_worker_behind(llama_path, tmp_path):
+    """``run.kill()`` ends the workers too: torchrun puts them in sessions of their own, out of reach of
+    a kill of the agent's process group (they used to train on as orphans)."""
+    good = good_tenants(tmp_path, max_steps=100_000)
+    run = ml.launch(
+        job(llama_path, good, output_dir=str(tmp_path / "r"), parallel=ml.Parallel(nproc=2, fsdp=2))
+    )
+    deadline = time.monotonic() + 180
+    while run.global_step < 2:
+        assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
+        time.sleep(0.1)
+    assert len(job_workers(run.path)) >= 2  # the agent (its command line names the module too) and 2 workers
+    run.kill()
+    assert not wait_gone(run.path, timeout=15), "workers outlived run.kill()"
+    assert ml.attach(run.path).status == "stopped"
+
+
+@pytest.mark.slow
+def test_workers_end_when_their_agent_is_killed(llama_path, tmp_path):
+    """SIGKILL of the torchrun agent alone (the OOM killer, a careless kill -9): the workers notice that
+    their parent is gone and exit, and the run reads as failed or lost, never running."""
+    good = good_tenants(tmp_path, max_steps=100_000)
+    run = ml.launch(
+        job(llama_path, good, output_dir=str(tmp_path / "r"), parallel=ml.Parallel(nproc=2, fsdp=2))
+    )
+    deadline = time.monotonic() + 180
+    while run.global_step < 2:
+        assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
+        time.sleep(0.1)
+    os.kill(read_status(run.path).pid, signal.SIGKILL)
+    assert not wait_gone(run.path, timeout=30), "workers outlived their agent"
+    assert "the torchrun agent" in run.logs(0) + run.logs(1)
+    assert ml.attach(run.path).status in ("failed", "lost")

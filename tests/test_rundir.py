@@ -20,6 +20,7 @@ import torch
 from mlora_lab.rundir import (
     CheckpointError,
     ControlError,
+    ControlResult,
     EvalRow,
     EventKind,
     MetricsReader,
@@ -30,6 +31,7 @@ from mlora_lab.rundir import (
     RunLock,
     RunState,
     Status,
+    SystemRow,
     TenantRow,
     TenantState,
     TrainRow,
@@ -439,3 +441,115 @@ def test_a_non_finite_metric_is_written_as_null_and_read_back(run):
         and rows[0]["loss"] is None
         and rows[1]["grad_norm"] is None
     )
+
+
+# -- labels: tags and a note ---------------------------------------------------------------------------
+
+
+def test_labels_are_validated_kept_in_order_and_tolerate_a_missing_file(tmp_path):
+    from mlora_lab.rundir import RunLabels, read_labels, update_labels
+
+    run = RunDir(tmp_path / "run").create()
+    run.job.write_text("{}")
+    assert read_labels(run.root) == RunLabels() and not run.labels.exists()
+    assert update_labels(run.root, add=["baseline", "lr-1e-3", "baseline"]).tags == ("baseline", "lr-1e-3")
+    labels = update_labels(
+        run.root, add=["rslora"], remove=["lr-1e-3", "never-there"], note="first try\nq/v only"
+    )
+    assert labels == RunLabels(("baseline", "rslora"), "first try\nq/v only") == read_labels(run.root)
+    assert json.loads(run.labels.read_text()) == {
+        "tags": ["baseline", "rslora"],
+        "note": "first try\nq/v only",
+    }
+    with pytest.raises(ValueError) as e:  # every bad tag at once, and nothing written
+        update_labels(run.root, add=["ok", "two words", "a,b", "", "x" * 41, 7], note="n" * 5000)
+    for fragment in ("'two words'", "'a,b'", "empty", "41 characters", "int", "5000 characters"):
+        assert fragment in str(e.value), fragment
+    assert read_labels(run.root).tags == ("baseline", "rslora")
+    assert [p.name for p in run.root.iterdir() if p.name.startswith(".labels.json")] == [], "no temp files"
+    with pytest.raises(RunDirError, match="not a run directory"):
+        update_labels(tmp_path, add=["x"])
+
+
+def test_corrupt_labels_give_a_clear_error_and_are_not_overwritten(tmp_path):
+    from mlora_lab.rundir import read_labels, update_labels
+
+    run = RunDir(tmp_path / "run").create()
+    run.job.write_text("{}")
+    for content, needle in (("{not json", "corrupt"), ('{"tags": "a"}', "not a list"),
+                            ('{"tags": ["a b"]}', "whitespace"), ('{"note": 3}', "not a string")):  # fmt: skip
+        run.labels.write_text(content)
+        with pytest.raises(RunDirError, match=needle):
+            read_labels(run.root)
+        with pytest.raises(RunDirError, match=needle):
+            update_labels(run.root, add=["x"])
+        assert run.labels.read_text() == content
+
+
+def test_concurrent_tagging_keeps_every_tag(tmp_path):
+    """Two notebooks tagging one run at once: the read-modify-write is locked, no tag is lost."""
+    import threading
+
+    from mlora_lab.rundir import read_labels, update_labels
+
+    run = RunDir(tmp_path / "run").create()
+    run.job.write_text("{}")
+
+    def tag(prefix: str) -> None:
+        for i in range(15):
+            update_labels(run.root, add=[f"{prefix}{i}"])
+
+    threads = [threading.Thread(target=tag, args=(p,)) for p in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(read_labels(run.root).tags) == sorted(f"{p}{i}" for p in "ab" for i in range(15))
+
+
+def test_old_rows_without_the_newer_fields_are_read(tmp_path):
+    """Files written before rows_seen/tokens_seen and cpu_percent/gpu_util existed stay readable."""
+    path = tmp_path / "metrics.jsonl"
+    old = [
+        {"kind": "train", "step": 1, "tenant": "a", "tenant_step": 1, "loss": 1.0, "tokens": 5, "lr": 0.1,
+         "grad_norm": 1.0, "time": 1.0},
+        {"kind": "system", "step": 1, "rank": 0, "mem_bytes": 1, "peak_mem_bytes": 1, "step_time": 0.1,
+         "tokens_per_s": 50.0, "time": 1.0},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert MetricsReader(path).poll() == old
+    writer = MetricsWriter(path)
+    writer.write(SystemRow(step=2, rank=0, mem_bytes=1, peak_mem_bytes=1, step_time=0.1, tokens_per_s=5.0,
+                           cpu_percent=180.5, gpu_util=None))  # fmt: skip
+    writer.write(TrainRow(step=2, tenant="a", tenant_step=2, loss=1.0, tokens=5, lr=0.1, grad_norm=1.0,
+                          rows_seen=4, tokens_seen=10))  # fmt: skip
+    writer.close()
+    new = MetricsReader(path).poll()[2:]
+    assert new[0]["cpu_percent"] == 180.5 and new[0]["gpu_util"] is None
+    assert (new[1]["rows_seen"], new[1]["tokens_seen"]) == (4, 10)
+    path.write_text(json.dumps({**old[0], "rows_seen": "4"}) + "\n")
+    with pytest.warns(RuntimeWarning, match="'rows_seen' has the wrong type"):
+        assert MetricsReader(path).poll() == []
+
+
+def test_stage_and_sent_tenants_follow_a_message_through_the_job(run):
+    send = control.send(run.root, "add", tenant={"name": "x", "data": "x.jsonl", "rank": 4})
+    later = control.send(run.root, "add", tenant={"name": "y", "data": "y.jsonl"})
+    control.send(run.root, "pause", name="x")
+    queue(run, "00000000000000000001-broken.json", "{")
+    assert control.stage(run.root, send) == "queued"
+    assert control.stage(run.root, "0" * 32) == "unknown"
+    assert control.sent_tenants(run.root) == {
+        "x": control.SentTenant({"name": "x", "data": "x.jsonl", "rank": 4}, answered=False),
+        "y": control.SentTenant({"name": "y", "data": "y.jsonl"}, answered=False),
+    }
+    item = next(i for i in control.incoming(run.root) if i.msg_id == send)
+    claimed = control.claim(run.root, item)
+    assert control.stage(run.root, send) == "applying"
+    control.finish(run.root, claimed, ControlResult(send, False, "add: rank", 3))
+    assert control.stage(run.root, send) == "answered" and control.stage(run.root, later) == "queued"
+    assert control.sent_tenants(run.root)["x"].answered is True
+    with pytest.raises(ValueError, match="not a control message id"):
+        control.stage(run.root, "../x")

@@ -6,6 +6,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,8 +15,10 @@ from typing import Any
 import psutil
 import pytest
 
-from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant, model_target_names
+import mlora_lab.validate
+from mlora_lab.spec import JobSpec, Parallel, Problem, SpecError, Tenant, fields_info
 from mlora_lab.tiny import build_tokenizer
+from mlora_lab.validate import model_target_names, tenant_problems
 
 LLAMA_LINEAR = "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
 
@@ -31,8 +35,13 @@ def good_spec(model: str, tmp: Path, **job: Any) -> JobSpec:
     return JobSpec(base_model=model, tenants=[Tenant(name="a", data=data)], **job)
 
 
+def texts(spec: JobSpec, files: bool = True) -> list[str]:
+    """The spec's problems as the sentences the CLI prints."""
+    return [str(p) for p in spec.problems(files=files)]
+
+
 def problems_text(spec: JobSpec) -> str:
-    return "\n".join(spec.problems())
+    return "\n".join(texts(spec))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,9 +152,33 @@ def test_from_dict_reports_every_unknown_and_missing_key():
 
 def test_spec_error_lists_problems_one_per_line():
     err = SpecError(["first", "second"])
-    assert err.problems == ["first", "second"]
+    assert err.problems == [Problem(None, None, "first"), Problem(None, None, "second")]
+    assert [str(p) for p in err.problems] == ["first", "second"]
     assert isinstance(err, ValueError)
     assert str(err).splitlines()[1:] == ["  - first", "  - second"]
+
+
+def test_spec_error_keeps_structured_problems():
+    rank = Problem("alice", "rank", "rank must be >= 1 (got 0)")
+    err = SpecError([rank, "a plain sentence"])
+    assert err.problems == [rank, Problem(None, None, "a plain sentence")]
+    assert str(err).splitlines()[1:] == [
+        "  - tenant 'alice': rank must be >= 1 (got 0)",
+        "  - a plain sentence",
+    ]
+    assert SpecError(rank).problems == [rank] and SpecError("x").problems == [Problem(None, None, "x")]
+
+
+def test_spec_module_imports_no_model_code_and_keeps_the_moved_names():
+    code = (
+        "import sys, mlora_lab.spec as s\n"
+        "assert 'torch' not in sys.modules and 'mlora_lab.validate' not in sys.modules\n"
+        "from mlora_lab.spec import tenant_problems, model_target_names\n"  # what train.py / launch.py import
+        "import mlora_lab.validate as v\n"
+        "assert tenant_problems is v.tenant_problems and model_target_names is v.model_target_names\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_scaling_tenant_lookup_and_world_size():
@@ -365,7 +398,7 @@ def test_each_bad_input_is_reported(tmp_path, llama_path, mutate, expected):
     if expected.startswith("2 tenants"):
         spec.tenants.append(Tenant(name="b", data=spec.tenants[0].data))
     mutate(spec, tmp_path)
-    problems = spec.problems()
+    problems = texts(spec)
     assert any(expected in p for p in problems), problems
     with pytest.raises(SpecError) as err:
         spec.validate()
@@ -398,11 +431,105 @@ def test_many_problems_are_reported_at_once(tmp_path, llama_path):
     assert len(err.value.problems) >= 10
 
 
+def test_problems_name_their_tenant_and_field(tmp_path, llama_path):
+    spec = good_spec(llama_path, tmp_path, seq_len=1, parallel=Parallel(nproc=2, fsdp=3))
+    spec.tenants[0].rank = 0
+    spec.tenants[0].betas = (0.9, 1.0)
+    spec.tenants.append(Tenant(name="b", data=str(tmp_path / "missing.jsonl")))
+    spec.tenants.append(Tenant(name=7, data=spec.tenants[0].data))  # type: ignore[arg-type]
+    by_key = {(p.tenant, p.field): p for p in spec.problems()}
+    assert by_key[("a", "rank")] == Problem("a", "rank", "rank must be >= 1 (got 0)")
+    assert str(by_key[("a", "betas")]) == "tenant 'a': betas[1] must be in [0, 1) (got 1.0)"
+    assert by_key[(None, "seq_len")].message == "seq_len must be >= 2 (got 1)"
+    assert "must divide nproc*nnodes" in by_key[(None, "parallel.fsdp")].message
+    missing = by_key[("b", "data")]
+    assert missing.path == str(tmp_path / "missing.jsonl")
+    assert missing.message == f"data: {tmp_path / 'missing.jsonl'}: file not found"
+    # a name that is not a string keys nothing: job-wide, its message names the tenant as given
+    assert by_key[(None, "name")].message == "tenant name must be a string (got 7 of type int)"
+
+
+def test_empty_paths_are_named_readably(tmp_path, llama_path):
+    spec = good_spec(llama_path, tmp_path)
+    spec.tenants[0].data = ""
+    spec.tokenizer = ""
+    text = problems_text(spec)
+    assert "tenant 'a': data is empty; give the path of a file" in text
+    assert "tokenizer is empty; give the path of a directory" in text
+    assert "of type str" not in text
+
+
+def test_all_linear_with_other_names_says_what_peft_would_do(tmp_path, llama_path):
+    spec = good_spec(llama_path, tmp_path)
+    spec.tenants[0].target_modules = ["all-linear", "q_proj"]
+    (problem,) = spec.problems()
+    assert (problem.tenant, problem.field) == ("a", "target_modules")
+    assert problem.message == (
+        "target_modules: 'all-linear' must be the only entry (got ['all-linear', 'q_proj']); with other names "
+        "PEFT would read it as a module name that matches nothing"
+    )
+    spec.slot_modules = ["all-linear", "lm_head"]  # slot_modules never reach PEFT: the union is fine there
+    spec.tenants[0].target_modules = ["all-linear"]
+    assert spec.problems() == []
+
+
+INT_FIELDS = [
+    (cls, name, info)
+    for cls in (Tenant, JobSpec, Parallel)
+    for name, info in fields_info(cls)
+    if info.kind == "int" and info.min is not None
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "name", "info"), INT_FIELDS, ids=[f"{c.__name__}.{n}" for c, n, _ in INT_FIELDS]
+)
+def test_integer_bounds_are_the_field_metadata(tmp_path, llama_path, cls, name, info):
+    """The validator checks each integer field against its FieldInfo bounds (the ones the forms show):
+    the bound itself is valid, one past it is reported on that field."""
+    spec = good_spec(llama_path, tmp_path)
+    owner = {Tenant: spec.tenants[0], JobSpec: spec, Parallel: spec.parallel}[cls]
+    label = f"parallel.{name}" if cls is Parallel else name
+    hi = getattr(spec, info.at_most) if info.at_most else int(info.max)  # rank: at most max_rank
+
+    def bound_problems(value: int) -> list[str]:
+        setattr(owner, name, value)
+        return [
+            p.message for p in spec.problems(files=False) if p.field == label and p.message.startswith(label)
+        ]
+
+    assert bound_problems(int(info.min)) == [] and bound_problems(hi) == []
+    assert bound_problems(int(info.min) - 1) == [
+        f"{label} must be >= {int(info.min)} (got {int(info.min) - 1})"
+    ]
+    (too_big,) = bound_problems(hi + 1)
+    assert too_big.startswith(f"{label} must be <= ") and too_big.endswith(f" (got {hi + 1})")
+
+
+def test_a_validation_cache_loads_the_tokenizer_once(tmp_path, llama_path, monkeypatch):
+    import transformers
+
+    loads = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: loads.append(a) or real(*a, **k)
+    )
+    spec = good_spec(llama_path, tmp_path)
+    cached = mlora_lab.validate.Validator(mlora_lab.validate.ValidationCache())
+    assert cached.problems(spec) == [] and cached.problems(spec) == []
+    assert len(loads) == 1
+    assert spec.problems() == [] and len(loads) == 2  # JobSpec.problems() remembers nothing
+    spec.tokenizer = str(tmp_path / "no_tok")  # a failure is not remembered: fixed, it is seen at once
+    assert cached.problems(spec) and cached.problems(spec)
+    shutil.copytree(llama_path, tmp_path / "no_tok")
+    assert cached.problems(spec) == []
+
+
 def test_unloadable_model_skips_model_checks_but_reports_the_rest(tmp_path):
     spec = good_spec(str(tmp_path / "nowhere"), tmp_path)
     spec.tenants[0].target_modules = ["whatever"]
     spec.tenants[0].rank = -1
-    problems = spec.problems()
+    problems = texts(spec)
     assert len(problems) == 2, problems
     assert "is not a local directory" in problems[1] or "is not a local directory" in problems[0]
 
@@ -418,7 +545,7 @@ def test_phi3_fused_projections(tmp_path, tiny_models):
     spec.tenants[0].target_modules = ["qkv_proj", "gate_up_proj"]
     assert spec.problems() == []
     spec.tenants[0].target_modules = ["q_proj"]
-    (problem,) = spec.problems()
+    (problem,) = texts(spec)
     assert "target_modules not found in the model: q_proj" in problem
     assert "available: down_proj, gate_up_proj, lm_head, o_proj, qkv_proj" in problem
 
@@ -438,7 +565,7 @@ def test_slot_modules_cover_tenants(tmp_path, llama_path):
     spec = good_spec(llama_path, tmp_path, slot_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     assert spec.problems() == []
     spec.tenants[0].target_modules = ["all-linear"]
-    (problem,) = spec.problems()
+    (problem,) = texts(spec)
     assert "target_modules all-linear not covered by slot_modules" in problem
 
 
@@ -468,7 +595,7 @@ def test_target_parameters_are_checked(tmp_path, moe_path, llama_path):
     assert experts == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
     spec = good_spec(moe_path, tmp_path, tokenizer=llama_path)
     spec.tenants[0].target_parameters = ["mlp.experts.up_proj"]
-    (problem,) = spec.problems()
+    (problem,) = texts(spec)
     assert (
         "target_parameters not found in the model: mlp.experts.up_proj (available: down_proj, gate_up_proj)"
         in problem
@@ -476,12 +603,12 @@ def test_target_parameters_are_checked(tmp_path, moe_path, llama_path):
     spec.tenants[0].target_parameters = ["mlp.experts.gate_up_proj", "down_proj"]
     assert spec.problems() == []
     spec.tenants[0].dropout = 0.1
-    assert spec.problems() == [
+    assert texts(spec) == [
         "tenant 'a': dropout must be 0 with target_parameters (PEFT has no dropout on expert weights)"
     ]
     spec.tenants[0].dropout = 0.0
     spec.tenants[0].target_modules = ["gate"]  # the router is not an nn.Linear in transformers 5
-    assert any("'gate' matches modules that are not nn.Linear" in p for p in spec.problems())
+    assert any("'gate' matches modules that are not nn.Linear" in p for p in texts(spec))
 
 
 def test_expert_parallel_is_checked_against_the_experts(tmp_path, moe_path, llama_path):
@@ -489,9 +616,9 @@ def test_expert_parallel_is_checked_against_the_experts(tmp_path, moe_path, llam
     spec.parallel = Parallel(nproc=4, fsdp=2, ep=2)  # ep borrows from all 4 data-parallel ranks
     assert spec.problems() == []
     spec.parallel = Parallel(nproc=8, ep=8)
-    assert spec.problems() == ["parallel.ep = 8 does not divide the 4 experts of each MoE layer"]
+    assert texts(spec) == ["parallel.ep = 8 does not divide the 4 experts of each MoE layer"]
     spec.parallel = Parallel(nproc=3, ep=3)
-    assert spec.problems() == ["parallel.ep = 3 does not divide the 4 experts of each MoE layer"]
+    assert texts(spec) == ["parallel.ep = 3 does not divide the 4 experts of each MoE layer"]
 
 
 def test_chat_rows_need_a_chat_template(tmp_path, llama_path):
@@ -503,7 +630,7 @@ def test_chat_rows_need_a_chat_template(tmp_path, llama_path):
     tok.chat_template = None
     tok.save_pretrained(tmp_path / "plain_tok")
     spec.tokenizer = str(tmp_path / "plain_tok")
-    (problem,) = spec.problems()
+    (problem,) = texts(spec)
     assert (
         "tenant 'a': eval_data has chat ('messages') rows but the tokenizer has no chat_template" in problem
     )
@@ -635,7 +762,7 @@ def test_load_raises_one_spec_error_naming_the_file(tmp_path, make, expected):
     path = make(tmp_path)
     with pytest.raises(SpecError) as err:
         JobSpec.load(path)
-    (problem,) = err.value.problems
+    (problem,) = map(str, err.value.problems)
     assert expected in problem
     assert problem.startswith(path) or problem.startswith(repr(path)), problem  # names the file
 
@@ -687,7 +814,7 @@ def test_from_dict_raises_only_spec_error_for_any_input():
             try:
                 out = build(d)
             except SpecError as e:
-                assert e.problems and all(len(p) < 500 for p in e.problems), e.problems
+                assert e.problems and all(len(str(p)) < 500 for p in e.problems), e.problems
             else:
                 assert isinstance(out.to_dict(), dict)
     with pytest.raises(SpecError, match="nested more than 16 levels deep"):
@@ -702,8 +829,6 @@ def test_from_dict_raises_only_spec_error_for_any_input():
 def test_problems_never_raise_and_name_the_tenant(tmp_path, llama_path, value):
     """One tenant per field, holding ``value``: every invalid one is reported with its tenant named,
     in a short message, by problems() (both modes) and tenant_problems(); nothing raises."""
-    from mlora_lab.spec import tenant_problems
-
     data = good_spec(llama_path, tmp_path).tenants[0].data
     tenants = []
     for i, f in enumerate(TENANT_FIELDS):
@@ -712,7 +837,7 @@ def test_problems_never_raise_and_name_the_tenant(tmp_path, llama_path, value):
         tenants.append(t)
     spec = JobSpec(base_model=llama_path, tenants=[*tenants, Tenant(name=value, data=data)], max_tenants=64)
     for files in (False, True):
-        problems = spec.problems(files=files)
+        problems = texts(spec, files=files)
         assert problems and not any("internal error" in p for p in problems), problems
         assert all(len(p) < 600 for p in problems), max(problems, key=len)
         for i, f in enumerate(TENANT_FIELDS):
@@ -721,30 +846,30 @@ def test_problems_never_raise_and_name_the_tenant(tmp_path, llama_path, value):
         if not (isinstance(value, str) and value.isalnum()):
             assert any("tenant name must be a string" in p or "name is not a safe" in p for p in problems)
     for i, t in enumerate(spec.tenants):
-        own = tenant_problems(spec, t)
+        own = [str(p) for p in tenant_problems(spec, t)]
         assert not any("internal error" in p for p in own), own
         if i < len(TENANT_FIELDS) and (TENANT_FIELDS[i], value) not in VALID:
             assert own and all(f"tenant 't{i}'" in p for p in own), own
 
 
 def test_tenant_problems_never_raise(tmp_path, llama_path):
-    from mlora_lab.spec import tenant_problems
-
     bad_job = JobSpec(base_model=None, tenants="x", slot_modules=5, max_rank=[1])  # type: ignore[arg-type]
     assert tenant_problems(bad_job, Tenant(name=[1], data=3))  # type: ignore[arg-type]
-    assert tenant_problems(bad_job, {"name": "a"}) == ["tenant must be a Tenant (got dict)"]  # type: ignore[arg-type]
+    (problem,) = tenant_problems(bad_job, {"name": "a"})  # type: ignore[arg-type]
+    assert str(problem) == "tenant must be a Tenant (got dict)"
     job = JobSpec(base_model=llama_path, tenants=[Tenant(name="a", data="d", target_modules=[["q_proj"]])])
-    assert not any("internal error" in p for p in tenant_problems(job, Tenant(name="b", data="d")))
+    assert not any("internal error" in str(p) for p in tenant_problems(job, Tenant(name="b", data="d")))
 
 
 def test_problems_without_files_reads_no_file(tmp_path, llama_path, monkeypatch):
     import mlora_lab.data
-    import mlora_lab.spec as spec_module
+
+    validate = mlora_lab.validate
 
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("problems(files=False) read a file")
 
-    for module, name in ((spec_module, "_model_info"), (spec_module, "_read_json"), (spec_module, "_safetensors_shapes"),
+    for module, name in ((validate, "_model_info"), (validate, "_read_json"), (validate, "_safetensors_shapes"),
                          (mlora_lab.data, "scan_jsonl"), (mlora_lab.data, "target_problem")):  # fmt: skip
         monkeypatch.setattr(module, name, boom)
     spec = JobSpec(
@@ -756,19 +881,17 @@ def test_problems_without_files_reads_no_file(tmp_path, llama_path, monkeypatch)
     spec.tenants[0].rank = 0
     spec.tenants.append(Tenant(name="A", data="x"))
     spec.parallel = Parallel(nproc=2, fsdp=3)
-    problems = spec.problems(files=False)
+    problems = texts(spec, files=False)
     assert any("tenant 'a': rank must be >= 1" in p for p in problems)
     assert any("tenant 'A': name differs from 'a' only in case" in p for p in problems)
     assert any("must divide nproc*nnodes" in p for p in problems)
     with pytest.raises(SpecError):
         spec.validate(files=False)
     monkeypatch.undo()
-    assert any("nope.jsonl: file not found" in p for p in spec.problems())  # files=True does read
+    assert any("nope.jsonl: file not found" in p for p in texts(spec))  # files=True does read
 
 
 def test_names_equal_up_to_case_collide(tmp_path, llama_path):
-    from mlora_lab.spec import tenant_problems
-
     spec = good_spec(llama_path, tmp_path)
     data = spec.tenants[0].data
     spec.tenants = [
@@ -776,23 +899,21 @@ def test_names_equal_up_to_case_collide(tmp_path, llama_path):
         Tenant(name="Alice", data=data),
         Tenant(name="bob", data=data),
     ]
-    assert spec.problems() == [
+    assert texts(spec) == [
         "tenant 'Alice': name differs from 'alice' only in case; their adapters/<name> directories collide on "
         "case-insensitive filesystems (macOS, Windows): rename one"
     ]
     spec.tenants.pop(1)
     assert spec.problems() == []
-    (problem,) = tenant_problems(spec, Tenant(name="BOB", data=data))
+    (problem,) = map(str, tenant_problems(spec, Tenant(name="BOB", data=data)))
     assert problem.startswith("tenant 'BOB': name differs from existing tenant 'bob' only in case")
     assert tenant_problems(spec, Tenant(name="carol", data=data)) == []
 
 
 def test_memory_estimates_catch_absurd_sizes(tmp_path, llama_path, monkeypatch):
-    import mlora_lab.spec as spec_module
-
-    memory, device = spec_module._device_memory()
+    memory, device = mlora_lab.validate._device_memory()
     assert memory > 0 and device in ("GPU 0", "RAM")
-    monkeypatch.setattr(spec_module, "_device_memory", lambda: (2**30, "GPU 0"))
+    monkeypatch.setattr(mlora_lab.validate, "_device_memory", lambda: (2**30, "GPU 0"))
     spec = good_spec(llama_path, tmp_path)
     assert spec.problems() == []
     # nothing is allocated for free slots or max_rank: only the tenants' own tensors count
@@ -801,7 +922,7 @@ def test_memory_estimates_catch_absurd_sizes(tmp_path, llama_path, monkeypatch):
     # all-linear on 2 layers: 2,048 in+out features; rank 2**16 x 2,048 x 16 bytes = 2 GiB
     spec.slot_modules = ["all-linear"]
     spec.tenants[0].target_modules, spec.tenants[0].rank = ["all-linear"], 2**16
-    (problem,) = spec.problems()
+    (problem,) = texts(spec)
     assert problem == (
         "the tenants' adapters need about 2.0 GiB per device with their gradients and AdamW state (rank x "
         "in+out features x 16 bytes, summed over tenants; the largest is tenant 'a': rank 65536 x 2,048 "
@@ -966,7 +1087,7 @@ def test_each_hostile_input_is_reported(tmp_path, llama_path, mutate, expected):
     (tmp_path / "llama_link").symlink_to(llama_path)
     spec = good_spec(llama_path, work)
     mutate(spec, work)
-    problems = spec.problems()
+    problems = texts(spec)
     assert any(expected in p for p in problems), problems
     assert not any("internal error" in p or "cannot scan" in p for p in problems), problems
     with pytest.raises(SpecError) as err:
@@ -1020,7 +1141,7 @@ def test_init_adapter_made_on_another_base_is_reported(tmp_path, llama_path):
     assert (
         init_spec(small, tmp_path, str(tmp_path / "small_adapter")).problems() == []
     )  # on its own base: fine
-    (problem,) = init_spec(llama_path, tmp_path, str(tmp_path / "small_adapter")).problems()
+    (problem,) = texts(init_spec(llama_path, tmp_path, str(tmp_path / "small_adapter")))
     assert problem == (
         "tenant 'a': init_adapter was made for another base model: model.layers.0.self_attn.q_proj.lora_A is "
         "[16, 32] but q_proj takes 64 inputs (and 7 more)"
@@ -1035,25 +1156,25 @@ def test_init_adapter_shapes_from_the_header(tmp_path, llama_path, adapter_dir):
             f"{prefix}v_proj.lora_A.weight": torch.zeros(16, 64), f"{prefix}v_proj.lora_B.weight": torch.zeros(32, 16)}  # fmt: skip
     assert init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, good)).problems() == []
     wide_b = {**good, f"{prefix}v_proj.lora_B.weight": torch.zeros(128, 16)}
-    (problem,) = init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, wide_b)).problems()
+    (problem,) = texts(init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, wide_b)))
     assert problem.endswith(
         "init_adapter was made for another base model: model.layers.0.self_attn.v_proj.lora_B is [128, 16] but "
         "v_proj gives 32 outputs"
     )
     deeper = {**good, "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight": torch.zeros(16, 64),
               "base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight": torch.zeros(64, 16)}  # fmt: skip
-    (problem,) = init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, deeper)).problems()
+    (problem,) = texts(init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, deeper)))
     assert problem == (
         "tenant 'a': init_adapter was made for another base model: it has weights for modules this base model "
         "does not have: model.layers.7.self_attn.q_proj"
     )
     rank8 = {k: (v[:8] if "lora_A" in k else v[:, :8]).contiguous() for k, v in good.items()}
-    (problem,) = init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, rank8)).problems()
+    (problem,) = texts(init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, rank8)))
     assert (
         "is inconsistent: its weights have rank 8 but adapter_config.json says r=16; save it again" in problem
     )
     extra = {**good, "base_model.model.lm_head.weight": torch.zeros(2, 2)}
-    (problem,) = init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, extra)).problems()
+    (problem,) = texts(init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, extra)))
     assert (
         problem
         == "tenant 'a': init_adapter holds tensors that are not LoRA A/B weights: base_model.model.lm_head.weight"
@@ -1087,7 +1208,7 @@ def test_unreadable_adapter_weights_are_a_problem_naming_the_file(tmp_path, llam
     _, raw, why = unreadable(adapter_dir)[case]
     ad = adapter_with(tmp_path, adapter_dir, raw=raw)
     weights = os.path.join(ad, "adapter_model.safetensors")
-    assert init_spec(llama_path, tmp_path, ad).problems() == [
+    assert texts(init_spec(llama_path, tmp_path, ad)) == [
         f"tenant 'a': init_adapter weights {weights} are not readable: {why}; save the adapter again"
     ]
 
@@ -1108,13 +1229,13 @@ def test_init_adapter_on_packed_experts(tmp_path, moe_path, llama_path):
     t.target_modules, t.target_parameters = ["q_proj"], list(EXPERT_TARGETS)
     assert spec.problems() == []
     spec.base_model = save_model(tiny_moe_config(moe_intermediate_size=8), tmp_path / "narrow")
-    (problem,) = spec.problems()
+    (problem,) = texts(spec)
     assert problem == (
         "tenant 'a': init_adapter was made for another base model: model.layers.0.mlp.experts.lora_A is [16, 16] "
         "but experts.down_proj takes 8 inputs (and 1 more)"
     )
     spec.base_model = save_model(tiny_moe_config(num_experts=8), tmp_path / "more_experts")
-    (problem,) = spec.problems()
+    (problem,) = texts(spec)
     assert problem == (
         "tenant 'a': init_adapter was made for another base model: model.layers.0.mlp.experts.lora_A is [16, 16] "
         "but experts.down_proj has 8 experts (lora_A [8*4 = 32, 16]) (and 1 more)"
@@ -1134,7 +1255,7 @@ def test_data_whose_rows_all_lose_their_targets(tmp_path, llama_path):
     path = write(tmp_path / "p.jsonl", rows)
     spec = good_spec(llama_path, tmp_path, seq_len=8)
     spec.tenants[0].data = spec.tenants[0].eval_data = path
-    assert spec.problems() == [
+    assert texts(spec) == [
         f"tenant 'a': {field}: {path}: all 3 row(s) lose their target tokens when truncated to seq_len=8; "
         "raise seq_len or shorten the prompts"
         for field in ("data", "eval_data")
@@ -1162,5 +1283,5 @@ def test_data_that_cannot_be_tokenized_is_reported(tmp_path, llama_path):
     chat = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
     spec = good_spec(llama_path, tmp_path, tokenizer=str(tmp_path / "unstable_tok"))
     spec.tenants[0].data = path = write(tmp_path / "chat.jsonl", chat)
-    (problem,) = spec.problems()
+    (problem,) = texts(spec)
     assert problem.startswith(f"tenant 'a': data: {path} line 1: the chat template is not prefix-stable")

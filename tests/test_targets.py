@@ -37,8 +37,9 @@ from mlora_lab.lora.targets import (
     storable_targets,
     suffixes,
 )
-from mlora_lab.spec import JobSpec, Tenant, all_linear_names, effective_slot_modules, linear_target_options
+from mlora_lab.spec import JobSpec, Tenant, effective_slot_modules
 from mlora_lab.tiny import ARCHITECTURES, MOE_ARCHITECTURES, build_tokenizer, tiny_config
+from mlora_lab.validate import all_linear_names, linear_target_options
 from mlora_lab.widgets import TenantForm, linear_target_names
 
 # The repo's table, plus: a tied-embedding model, and output layers not called lm_head (with
@@ -218,12 +219,12 @@ def test_naming_the_output_layer_is_consistent(arch, saved, tmp_path):
     assert spec.problems() == []
     assert effective_slot_modules(spec) == ["all-linear", out]
     spec.slot_modules = ["all-linear"]
-    (problem,) = spec.problems()
+    (problem,) = map(str, spec.problems())
     assert f"tenant 'h': target_modules {out} not covered by slot_modules" in problem
     spec.slot_modules = ["all-linear", out]
     assert spec.problems() == []
     spec.tenants[1].target_modules = ["all-linear", out]  # a tenant's list is PEFT's: all-linear alone
-    assert "'all-linear' must be the only entry" in "\n".join(spec.problems())
+    assert "'all-linear' must be the only entry" in "\n".join(map(str, spec.problems()))
     # the form: not offered among the all-linear names, but a tenant that names it loads and validates
     form = TenantForm(base_model=path)
     assert out not in form.target_modules.options

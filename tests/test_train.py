@@ -126,3 +126,65 @@ def test_atomic_write_leaves_no_temporary_files(tmp_path):
     atomic_write_text(tmp_path / "status.json", '{"state": "running"}')
     assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
     assert "running" in (tmp_path / "status.json").read_text()
+
+
+def test_a_memory_row_counts_the_optimiser_from_the_first_step(llama_path, make_data):
+    """Tenant rows are written on state changes; the AdamW state appears at a tenant's first
+    optimiser step, so a second ``running`` row then carries it (two fp32 moments per adapter value:
+    2 x the adapter's bytes; AdamW's step counters are scalars and not counted)."""
+    t = Tenant(name="t", data=make_data("reverse", 12), rank=4, batch_size=2, grad_accum=2, max_steps=3)
+    trainer = Trainer(spec_for(llama_path, [t]))
+
+    def memory_rows() -> list[dict]:
+        return [r for r in trainer.history if r["kind"] == "tenant"]
+
+    (first,) = memory_rows()
+    assert (first["state"], first["optimizer_bytes"], first["local_optimizer_bytes"]) == ("running", 0, 0)
+    assert first["adapter_bytes"] > 0
+    trainer.step()  # half of the first accumulation window: no optimiser step yet
+    assert len(memory_rows()) == 1
+    trainer.step()  # the window completes: the first AdamW step
+    second = memory_rows()[-1]
+    assert second["state"] == "running" and second["step"] == 2
+    assert second["optimizer_bytes"] == 2 * second["adapter_bytes"] > 0
+    measured = trainer.tenants["t"].optimizer.state_bytes()
+    assert second["local_optimizer_bytes"] == measured == 2 * second["local_adapter_bytes"]
+    trainer.train()
+    assert [r["state"] for r in memory_rows()] == ["running", "running", "finished"]
+    assert memory_rows()[-1]["optimizer_bytes"] == second["optimizer_bytes"]
+
+
+def test_train_rows_count_the_rows_and_tokens_seen(llama_path, make_data):
+    """``rows_seen`` and ``tokens_seen`` are cumulative, so they stay exact when ``log_every`` skips
+    steps; a step's rows cross into the next epoch as the data does."""
+    t = Tenant(name="t", data=make_data("reverse", 10), rank=4, batch_size=3, max_steps=5)
+    trainer = Trainer(spec_for(llama_path, [t], log_every=2))
+    trainer.train()
+    train = [r for r in trainer.history if r["kind"] == "train"]
+    assert [(r["tenant_step"], r["rows_seen"]) for r in train] == [(2, 6), (4, 12), (5, 15)]
+    assert train[-1]["tokens_seen"] == trainer.tenants["t"].tokens_seen > 0
+    assert train[0]["tokens_seen"] < train[1]["tokens_seen"] < train[2]["tokens_seen"]
+    system = [r for r in trainer.history if r["kind"] == "system"]
+    assert [r["step"] for r in system] == [2, 4]
+    assert all(r["cpu_percent"] > 0 and r["gpu_util"] is None for r in system)
+
+
+def test_packed_rows_seen_counts_documents(llama_path, make_data, monkeypatch):
+    from mlora_lab.data import TenantStream
+
+    packed: list = []
+    take_packed = TenantStream.take_packed
+
+    def spy(self, rows, seq_len):
+        out = take_packed(self, rows, seq_len)
+        packed.append(out)
+        return out
+
+    monkeypatch.setattr(TenantStream, "take_packed", spy)
+    t = Tenant(name="t", data=make_data("reverse", 12), rank=4, batch_size=2, max_steps=3)
+    trainer = Trainer(spec_for(llama_path, [t], packing=True))
+    trainer.train()
+    documents = [sum(row.position_ids.count(0) for row in rows) for rows in packed]  # a document starts at 0
+    train = [r for r in trainer.history if r["kind"] == "train"]
+    assert [r["rows_seen"] for r in train] == [sum(documents[: i + 1]) for i in range(3)]
+    assert documents[0] > 2, "several documents share a packed row"

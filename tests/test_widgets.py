@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import html
+import importlib
+import os
+import time
+from pathlib import Path
 
+import ipywidgets as W
 import pytest
 
 import mlora_lab.data
-from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant
-from mlora_lab.widgets import JobBuilder, TenantForm
+from mlora_lab.rundir import RunState
+from mlora_lab.spec import MAX_LABEL, JobSpec, Parallel, SpecError, Tenant, field_info, fields_info
+from mlora_lab.widgets import LABEL_WIDTH, JobBuilder, TenantForm
 
 LLAMA_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -16,6 +22,14 @@ LLAMA_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def shown(widget) -> str:
     """The text of an HTML widget as the user reads it."""
     return html.unescape(widget.value)
+
+
+def texts(widget: W.Widget) -> list[str]:
+    """Every HTML text under ``widget``, as the user reads it."""
+    out = [html.unescape(widget.value)] if isinstance(widget, W.HTML) else []
+    for child in getattr(widget, "children", ()):
+        out += texts(child)
+    return out
 
 
 def filled_form(base: str, data: str, **kw) -> TenantForm:
@@ -108,7 +122,7 @@ def test_invalid_field_is_shown_inline_and_raises(llama_path, make_data, field, 
     assert problem in shown(form.problems_box)
     with pytest.raises(SpecError) as err:
         form.tenant()
-    assert any(problem in p for p in err.value.problems)
+    assert any(problem in str(p) for p in err.value.problems)
 
 
 def test_rank_above_max_rank_is_kept_and_reported(llama_path, make_data):
@@ -148,7 +162,7 @@ def test_add_remove_and_duplicate_names(llama_path, make_data):
     assert "alice" in shown(form.table) and "added 'alice'" in shown(form.message)
 
     form.name.value = "alice"
-    assert "'alice' is already added" in shown(form.problems_box)
+    assert "already added; pick another name" in shown(form.problems_box)
     form.add_button.click()
     assert len(form.tenants) == 1 and "not added" in shown(form.message)
     with pytest.raises(SpecError, match="already added"):
@@ -168,6 +182,137 @@ def test_add_remove_and_duplicate_names(llama_path, make_data):
     form.selected.value = "carol"
     form.load_button.click()
     assert form.name.value == "carol" and form.rank.value == 4
+
+
+def test_inputs_are_made_from_the_field_metadata(llama_path):
+    form = TenantForm(base_model=llama_path)
+    shown_fields = [name for name, info in fields_info(Tenant) if info.form]
+    assert [f for f in form.fields if f != "no_clipping"] == shown_fields
+    for name in shown_fields:
+        info = field_info(Tenant, name)
+        assert form.fields[name].description == info.label and len(info.label) <= MAX_LABEL
+        assert any(info.help in t for t in texts(form.widget))  # its help line is shown
+    assert isinstance(form.batch_size, W.IntText)  # unbounded: nothing is clamped silently
+    form.batch_size.value = 0
+    assert form.batch_size.value == 0 and "batch_size must be >= 1 (got 0)" in shown(form.problems_box)
+
+
+def test_lr_is_exactly_what_is_typed(llama_path, make_data):
+    form = filled_form(llama_path, make_data("text"))
+    assert form.tenant().lr == 2e-4  # the default, exactly
+    form.lr.value = 3e-4
+    assert form.tenant().lr == 3e-4 and form.lr_slider.value == 3e-4
+    form.lr_slider.value = 5e-5  # the helper snaps to 1, 2, 3, 5 x 10^k and types that value
+    assert form.lr.value == 5e-5 and form.tenant().lr == 5e-5
+    form.lr.value = 2.5e-4  # between two steps: kept as typed, the slider only moves near it
+    assert form.tenant().lr == 2.5e-4 and form.lr_slider.value in (2e-4, 3e-4)
+    assert "3e-4" in [label for label, _ in form.lr_slider.options]
+
+
+def test_empty_required_fields_are_asked_for_in_plain_words(llama_path, make_data):
+    form = TenantForm(base_model=llama_path)  # data not chosen yet
+    text = shown(form.problems_box)
+    assert "choose a training data file" in text
+    assert "non-empty string" not in text and "of type" not in text
+    form.name.value = ""
+    assert "enter a name for this tenant" in shown(form.problems_box)
+    with pytest.raises(SpecError, match="choose a training data file"):
+        form.tenant()
+    form.name.value = "alice"
+    form.data.value = make_data("text")
+    assert shown(form.problems_box).endswith("ok</span>")
+
+
+def test_add_is_disabled_while_the_fields_have_problems(llama_path, make_data):
+    form = TenantForm(base_model=llama_path)
+    assert form.add_button.disabled
+    assert form.add_button.tooltip == "fix first: choose a training data file"
+    form.data.value = make_data("text")
+    assert not form.add_button.disabled
+    form.batch_size.value = 0
+    form.max_steps.value = 0
+    assert form.add_button.disabled
+    assert form.add_button.tooltip.startswith("fix first: batch_size must be >= 1") and "(and 1 more)" in (
+        form.add_button.tooltip
+    )
+
+
+def test_a_stale_message_goes_when_the_fields_change(llama_path, make_data):
+    form = filled_form(llama_path, make_data("text"))
+    form.name.value = "a/b"
+    form.add_button.click()  # a click that reaches the handler although the button is disabled
+    assert "not added" in shown(form.message)
+    form.name.value = "bob"
+    assert shown(form.message) == ""
+    form.add_button.click()
+    assert "added 'bob'" in shown(form.message)
+    form.rank.value = 4
+    assert shown(form.message) == ""
+
+
+def test_pressing_add_twice_adds_no_clone(llama_path, make_data):
+    form = filled_form(llama_path, make_data("text"))
+    form.add_button.click()
+    assert form.name.value == "alice-2" and form.add_button.disabled
+    assert "'alice' is already added with these settings" in form.add_button.tooltip
+    form.add_button.click()
+    assert [t.name for t in form.tenants] == ["alice"]
+    assert "'alice' is already added with these settings; change a field" in shown(form.message)
+    with pytest.raises(SpecError, match="already added with these settings"):
+        form.add()
+    form.rank.value = 16  # a changed configuration gets the new name
+    assert not form.add_button.disabled
+    form.add_button.click()
+    assert [t.name for t in form.tenants] == ["alice", "alice-2"] and form.tenants[1].rank == 16
+    form.remove("alice-2")  # its settings may be added again once it is gone
+    assert not form.add_button.disabled
+
+
+def test_all_linear_with_named_modules_says_what_it_cleared(llama_path, make_data):
+    form = filled_form(llama_path, make_data("text"))
+    form.target_modules.value = ("all-linear", "q_proj", "v_proj")
+    assert form.target_modules.value == ("all-linear",)
+    assert "other names were cleared" in shown(form.target_modules_note)
+    form.target_modules.value = ("all-linear", "o_proj")
+    assert form.target_modules.value == ("o_proj",)
+    assert "all-linear was cleared" in shown(form.target_modules_note)
+    form.target_modules.value = ("o_proj", "k_proj")
+    assert shown(form.target_modules_note) == ""
+    # A tenant from job.json that mixes them is shown as it is, with the validator's problem.
+    form.load(Tenant(name="mixed", data=form.data.value, target_modules=["all-linear", "q_proj"]))
+    assert form.target_modules.value == ("all-linear", "q_proj")
+    assert "'all-linear' must be the only entry" in shown(form.problems_box)
+
+
+def test_data_files_of_runs_are_not_offered(llama_path, tmp_path):
+    (tmp_path / "sub").mkdir()
+    good = [str(tmp_path / "a.jsonl"), str(tmp_path / "sub" / "b.jsonl")]
+    run = tmp_path / "runs" / "20250101-000000-abcd"
+    (run / "control").mkdir(parents=True)
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    bad = [
+        run / "metrics.jsonl",
+        run / "control" / "results.jsonl",
+        tmp_path / ".ipynb_checkpoints" / "a-checkpoint.jsonl",
+    ]
+    for path in [*map(Path, good), *bad]:
+        path.write_text('{"text": "x"}\n')
+    (run / "job.json").write_text("{}")
+    form = TenantForm(base_model=llama_path, data_dir=tmp_path)
+    assert list(form.data.options) == good
+
+
+def test_the_same_problem_of_several_data_files_is_one_line(llama_path, tmp_path):
+    for name in ("e1", "e2"):
+        (tmp_path / f"{name}.jsonl").write_text("")
+    form = filled_form(llama_path, str(tmp_path / "e1.jsonl"))
+    form.eval_data.value = str(tmp_path / "e2.jsonl")
+    assert len(form.problems()) == 2
+    text = shown(form.problems_box)
+    assert "1 problem" in text
+    assert (
+        f"{tmp_path / 'e1.jsonl'} (data), {tmp_path / 'e2.jsonl'} (eval_data): empty file (no rows)" in text
+    )
 
 
 # -- JobBuilder -----------------------------------------------------------------------------------
@@ -218,12 +363,15 @@ def test_fsdp_options_follow_nproc(llama_path):
     assert builder.fsdp.value == 1 and builder.ep.value == 1
     builder.ep.value = 2
     assert builder.spec().parallel == Parallel(nproc=4, fsdp=1, ep=2)
-    assert "parallel.ep = 2, but the model has no packed" in " ".join(builder.problems())  # llama: dense
+    assert "parallel.ep = 2, but the model has no packed" in " ".join(
+        map(str, builder.problems())
+    )  # llama: dense
     builder.tp.value = 2  # fsdp and ep now divide the 2 data-parallel ranks
     assert list(builder.fsdp.options) == [1, 2] and list(builder.ep.options) == [1, 2]
     assert builder.spec().parallel == Parallel(nproc=4, fsdp=1, tp=2, ep=2)
     builder.ep.value = 1
-    assert not [p for p in builder.problems() if "parallel" in p]  # llama has a TP plan and 2 kv heads
+    # llama has a TP plan and 2 kv heads
+    assert not [p for p in builder.problems() if (p.field or "").startswith("parallel")]
 
 
 def test_launch_is_disabled_while_the_spec_has_problems(llama_path, make_data):
@@ -258,6 +406,99 @@ def test_form_for_another_model_is_refused(llama_path, tiny_models):
         JobBuilder(base_model=tiny_models("phi3"), form=TenantForm(base_model=llama_path))
 
 
+def test_job_settings_are_made_from_the_field_metadata(llama_path):
+    builder = JobBuilder(base_model=llama_path)
+    for name, info in fields_info(JobSpec):
+        if info.form:
+            widget = builder.fields[name]
+            assert widget.description == info.label and len(info.label) <= MAX_LABEL
+            assert widget.style.description_width == LABEL_WIDTH
+    assert builder.save_every.description == "save every"  # it was "save_every (0=end)", cut off
+    assert any("0 = only at the end" in t for t in texts(builder.widget))
+    assert builder.nproc.description == field_info(Parallel, "nproc").label
+
+
+def test_out_of_range_job_settings_are_kept_and_reported(llama_path, make_data):
+    builder = builder_with_tenant(llama_path, make_data("text"))
+    assert not builder.launch_button.disabled
+    builder.seq_len.value = 1
+    assert builder.seq_len.value == 1 and builder.spec().seq_len == 1  # as typed, not clamped to 2
+    assert "seq_len must be >= 2 (got 1)" in shown(builder.problems_box)
+    assert builder.launch_button.disabled
+    builder.max_rank.value = 0
+    assert "max_rank must be >= 1 (got 0)" in shown(builder.problems_box)
+    assert builder.form.max_rank == 64  # the form keeps the last usable bound
+
+
+def test_one_line_names_every_tenant_with_the_same_data_problem(llama_path, make_data, tmp_path):
+    a, b = make_data("text", name="a"), make_data("text", name="b")
+    spec = JobSpec(base_model=llama_path, tenants=[Tenant(name="alice", data=a), Tenant(name="bob", data=b)])
+    builder = JobBuilder(base_model=llama_path, defaults=spec)
+    os.remove(a)
+    os.remove(b)
+    builder.refresh_button.click()
+    text = shown(builder.problems_box)
+    assert "1 problem" in text
+    assert f"{a} (tenant 'alice' data), {b} (tenant 'bob' data): file not found" in text
+
+
+class FakeRun:
+    """What JobBuilder reads of a Run: its path, state and error."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.state, self.error = path, RunState.STARTING, None
+
+    @property
+    def status(self) -> RunState:
+        return self.state
+
+
+def test_status_follows_the_run_without_a_click(llama_path, make_data, tmp_path, monkeypatch):
+    run = FakeRun(tmp_path / "runs" / "r1")
+    launched = []
+    monkeypatch.setattr(importlib.import_module("mlora_lab.launch"), "launch",
+                        lambda spec, workdir: launched.append(spec) or run)  # fmt: skip
+    builder = builder_with_tenant(llama_path, make_data("text"))
+    builder.refresh_s = 0.02
+    try:
+        builder.launch_button.click()
+        assert builder.run is run and launched and builder.watching
+        assert "starting" in shown(builder.status) and builder.launch_button.disabled
+
+        def wait_for(text: str) -> None:
+            deadline = time.monotonic() + 10
+            while text not in shown(builder.status) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert text in shown(builder.status)
+
+        run.state = RunState.RUNNING
+        wait_for("running")
+        run.state = RunState.FINISHED
+        wait_for("finished")
+        builder._watcher.join(5)
+        assert not builder.watching  # a final state ends the thread
+        assert not builder.launch_button.disabled
+    finally:
+        builder.stop_watching()
+    assert not builder.watching
+
+
+def test_stop_watching_ends_the_status_thread(llama_path, make_data, tmp_path, monkeypatch):
+    run = FakeRun(tmp_path / "runs" / "r1")
+    monkeypatch.setattr(importlib.import_module("mlora_lab.launch"), "launch", lambda spec, workdir: run)
+    builder = builder_with_tenant(llama_path, make_data("text"))
+    builder.refresh_s = 0.02
+    builder.launch()
+    assert builder.watching
+    builder.stop_watching()
+    assert not builder.watching
+    run.state = RunState.RUNNING
+    time.sleep(0.1)
+    assert "starting" in shown(builder.status)  # no longer followed...
+    builder.refresh_button.click()
+    assert "running" in shown(builder.status)  # ...but the button still reads it
+
+
 @pytest.mark.slow
 def test_launch_button_runs_a_tiny_job(llama_path, make_data, tmp_path):
     builder = builder_with_tenant(llama_path, make_data("text"), workdir=tmp_path / "runs")
@@ -266,6 +507,9 @@ def test_launch_button_runs_a_tiny_job(llama_path, make_data, tmp_path):
     assert run is not None and run.path.parent == (tmp_path / "runs").absolute()
     assert builder.launch_button.disabled or run.status not in ("starting", "running")
     assert run.wait(timeout=240) == "finished", run.logs(rank=None) + run.logs(0)
-    builder.refresh_button.click()
+    deadline = time.monotonic() + 10  # the status line follows the run by itself
+    while "finished" not in shown(builder.status) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    builder.stop_watching()
     assert "finished" in shown(builder.status) and not builder.launch_button.disabled
     assert run.adapter_path("alice").is_dir()

@@ -8,17 +8,19 @@
 <run_dir>/adapters/<tenant>/  latest PEFT adapter directory of that tenant
 <run_dir>/checkpoints/        step_<N>/ = state.json + tensors.safetensors + meta.json (checksums)
 <run_dir>/control/            control messages, their results, and the stop request
+<run_dir>/labels.json         tags and a note, set by people (the job never reads it)
 <run_dir>/.lock               held (flock) by whoever owns the directory: a launch, then the job
 ```
 
 One module per format: :mod:`.files` (layout, names → paths, atomic writes, the lock),
 :mod:`.status` (run states, process identity), :mod:`.rows` (metrics rows, writer, reader),
-:mod:`.control` (messages, results, stop) and :mod:`.checkpoint` (checkpoint layout and format).
+:mod:`.control` (messages, results, stop), :mod:`.checkpoint` (checkpoint layout and format) and
+:mod:`.labels` (tags and note).
 The job, the launcher, the dashboard, the reports and the CLI all go through them; nothing here
 imports the training code or the notebook side.
 """
 
-from mlora_lab.rundir import checkpoint, control
+from mlora_lab.rundir import checkpoint, control, labels
 from mlora_lab.rundir.checkpoint import CheckpointError
 from mlora_lab.rundir.control import ControlError, ControlMessage, ControlResult, Op
 from mlora_lab.rundir.files import (
@@ -31,6 +33,7 @@ from mlora_lab.rundir.files import (
     atomic_write_text,
     name_problem,
 )
+from mlora_lab.rundir.labels import RunLabels, read_labels, update_labels
 from mlora_lab.rundir.rows import (
     EvalRow,
     EventKind,
@@ -50,6 +53,7 @@ from mlora_lab.rundir.status import (
     RunState,
     Status,
     read_status,
+    shown_tenant_state,
     update_status,
 )
 
@@ -70,6 +74,7 @@ __all__ = [
     "RowKind",
     "RunDir",
     "RunDirError",
+    "RunLabels",
     "RunLock",
     "RunState",
     "Status",
@@ -83,7 +88,11 @@ __all__ = [
     "atomic_write_text",
     "checkpoint",
     "control",
+    "labels",
     "name_problem",
+    "read_labels",
     "read_status",
+    "shown_tenant_state",
+    "update_labels",
     "update_status",
 ]

@@ -16,6 +16,10 @@ is moved to ``rejected/`` with the reason; a result file is written only for a w
 never over an existing one (a replayed id is rejected). A claimed message that was still in
 ``applying/`` when the job died is answered "interrupted" at the next start and never replayed.
 
+The notebook side reads this folder too: :func:`stage` says where a message is (queued, being
+applied, answered), :func:`sent_tenants` the tenants sent by ``add`` (a refused tenant is in no
+job.json; its configuration is here).
+
 Messages (``op``): ``add`` with ``tenant`` (a Tenant as a JSON object, validated by the job like a
 job.json tenant); ``remove`` / ``pause`` / ``resume`` with ``name`` (a tenant name).
 """
@@ -31,9 +35,16 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from mlora_lab.rundir.files import RunDir, TextEnum, atomic_write_json, atomic_write_text, name_problem
+from mlora_lab.rundir.files import (
+    RunDir,
+    RunDirError,
+    TextEnum,
+    atomic_write_json,
+    atomic_write_text,
+    name_problem,
+)
 
 MESSAGE_ID = re.compile(r"[0-9a-f]{32}")
 MESSAGE_FILE = re.compile(r"([0-9]{20})-([0-9a-f]{32})\.json")
@@ -303,6 +314,60 @@ def wait_result(
     if not result.ok:
         raise ControlError(result.error)
     return result
+
+
+def stage(run_dir: str | os.PathLike, msg_id: str) -> str:
+    """Where message ``msg_id`` is: ``answered`` (its result exists), ``applying`` (claimed by the
+    job), ``queued`` (waiting for the job's next step boundary; a job that is still loading its model
+    has not looked yet) or ``unknown`` (no such message)."""
+    run = RunDir(run_dir)
+    result = _result_path(run, msg_id)  # checks that msg_id is an id: the globs below are safe
+    # Looked up in the order a message moves (queue -> applying/ -> result), so a message that moves
+    # while we look is still found.
+    if any(run.control.glob(f"*-{msg_id}.json")):
+        return "queued"
+    if any((run.control / "applying").glob(f"*-{msg_id}.json")):
+        return "applying"
+    return "answered" if result.exists() else "unknown"
+
+
+class SentTenant(NamedTuple):
+    """A tenant sent by an ``add`` message, and whether the job has answered that message."""
+
+    tenant: dict[str, Any]
+    answered: bool
+
+
+def sent_tenants(run_dir: str | os.PathLike) -> dict[str, SentTenant]:
+    """The tenants sent by ``add`` messages, by name, in arrival order (a later message for the same
+    name wins): answered (applied or refused, ``done/``), being applied, or still queued. This is
+    where the configuration of a tenant that is in no job.json (a refused one, one still being added)
+    is found. Files that are not well-formed messages are left out."""
+    run = RunDir(run_dir)
+    found: list[tuple[str, ControlMessage, bool]] = []
+    for folder, answered in ((run.control / "done", True), (run.control / "applying", False),
+                             (run.control, False)):  # fmt: skip
+        try:
+            paths = list(run.inside(folder).iterdir())
+        except (FileNotFoundError, NotADirectoryError, RunDirError):
+            continue
+        for path in paths:
+            m = MESSAGE_FILE.fullmatch(path.name)
+            if not m:
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+                with os.fdopen(fd, "rb") as f:
+                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        continue
+                    raw = f.read(MAX_MESSAGE_BYTES + 1)
+                msg = ControlMessage.parse(json.loads(raw.decode("utf-8")), m.group(2))
+            except (OSError, ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+                continue
+            if msg.op is Op.ADD and msg.subject is not None:
+                found.append((m.group(1), msg, answered))
+    found.sort(key=lambda item: item[0])  # the file name starts with the time it was sent
+    return {msg.subject: SentTenant(msg.tenant, answered) for _, msg, answered in found}
 
 
 def request_stop(run_dir: str | os.PathLike) -> None:

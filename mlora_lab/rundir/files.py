@@ -71,6 +71,7 @@ class RunDir:
     adapters = property(lambda self: self.root / "adapters")
     checkpoints = property(lambda self: self.root / "checkpoints")
     control = property(lambda self: self.root / "control")
+    labels = property(lambda self: self.root / "labels.json")
     lock = property(lambda self: self.root / ".lock")
 
     def inside(self, path: str | os.PathLike) -> Path:

@@ -3,13 +3,18 @@
 One JSON object per line, with a ``kind``:
 
 ========  ====================================================================================
-train     ``step, tenant, tenant_step, loss, tokens, lr, grad_norm, time``
+train     ``step, tenant, tenant_step, loss, tokens, lr, grad_norm, rows_seen, tokens_seen, time``
 eval      ``step, tenant, loss, time``
-system    ``step, rank, mem_bytes, peak_mem_bytes, step_time, tokens_per_s, time``
+system    ``step, rank, mem_bytes, peak_mem_bytes, step_time, tokens_per_s, cpu_percent, gpu_util,
+          time``
 tenant    ``step, tenant, state, adapter_bytes, optimizer_bytes, local_adapter_bytes,
-          local_optimizer_bytes, reason, time`` (state changes and the tenant's memory)
+          local_optimizer_bytes, reason, time`` (the tenant's state and memory: written when its
+          state changes, and once more, still ``running``, when its optimiser state first exists)
 event     ``step, event, message, time`` (resumed, a checkpoint that failed or was skipped, ...)
 ========  ====================================================================================
+
+Fields added after the first release are optional (their default is ``None``), so files written
+before them stay readable: a reader sees ``None`` for what an older job did not record.
 
 Float fields may be ``null``: JSON has no NaN or infinity, and the writer puts ``null`` for them.
 The writer appends each row with one ``write`` on an ``O_APPEND`` descriptor, so a reader sees whole
@@ -75,15 +80,23 @@ class Row:
 
 @dataclass
 class TrainRow(Row):
+    """One optimiser step of one tenant (every ``log_every``-th, and its last)."""
+
     kind: ClassVar[RowKind] = RowKind.TRAIN
     step: int
     tenant: str
     tenant_step: int
     loss: float
     tokens: int
+    """Target tokens of this step (its whole accumulation window)."""
     lr: float
     grad_norm: float
     time: float = field(default_factory=time.time)
+    rows_seen: int | None = None
+    """Rows of the tenant's data trained on so far, this step included (with ``packing``: documents,
+    not packed rows). Cumulative, so it stays exact when ``log_every > 1`` skips rows."""
+    tokens_seen: int | None = None
+    """Target tokens trained on so far, this step included (cumulative, as ``rows_seen``)."""
 
 
 @dataclass
@@ -97,18 +110,31 @@ class EvalRow(Row):
 
 @dataclass
 class SystemRow(Row):
+    """One rank's resources at a logged step."""
+
     kind: ClassVar[RowKind] = RowKind.SYSTEM
     step: int
     rank: int
     mem_bytes: int
+    """GPU: ``torch.cuda.memory_allocated``; CPU: the process's resident set."""
     peak_mem_bytes: int
     step_time: float
     tokens_per_s: float
     time: float = field(default_factory=time.time)
+    cpu_percent: float | None = None
+    """CPU used by the rank's process and its children since the rank's previous system row, in
+    percent of one core (two busy cores = 200)."""
+    gpu_util: float | None = None
+    """GPU utilisation in percent (``torch.cuda.utilization``: the share of the last sample period in
+    which a kernel ran); ``None`` on CPU, or when NVML (``pynvml``) is not available."""
 
 
 @dataclass
 class TenantRow(Row):
+    """A tenant's state and memory. Written when its state changes, and once more (still ``running``)
+    after its first optimiser step, when its AdamW state (two moments per trained value) exists: the
+    memory a tenant costs is its latest row's ``adapter_bytes + optimizer_bytes``."""
+
     kind: ClassVar[RowKind] = RowKind.TENANT
     step: int
     tenant: str

@@ -174,3 +174,20 @@ def update_status(run_dir: str | Path, **fields: Any) -> Status:
         fields["state"] = RunState(fields["state"])
     base = current or Status(state=fields.get("state", RunState.STARTING))
     return write_status(run_dir, dataclasses.replace(base, **fields))
+
+
+def shown_tenant_state(tenant_state: str | None, run_state: str) -> str:
+    """What a tenant's state is *now*, for tables and dashboards.
+
+    A tenant's rows record its own life (``pending`` → ``running`` → ``finished``, ...), but a job that
+    stops, fails or is lost writes no row for the tenants it was still training: their last row says
+    ``running``. Once the run is final, a tenant that was still ``pending``/``running``/``paused`` is
+    shown with the run's state (``stopped``, ``failed``, ``lost``); ``finished``, ``removed``,
+    ``failed`` (quarantined) and ``refused`` tenants keep their own. A tenant with no row yet is
+    ``pending`` while the run goes.
+    """
+    state = tenant_state or "pending"
+    run_state = RunState(run_state)
+    if run_state.final and state in ("pending", "running", "paused"):
+        return run_state.value if run_state != RunState.FINISHED else state
+    return state

@@ -1,0 +1,696 @@
+"""The dashboard, ``compare`` and the plotting helpers they share, on run directories whose metrics rows
+are written here directly (no job is launched: fast, and every case is exact)."""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+import zlib
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.backend_bases import MouseEvent
+
+import mlora_lab as ml
+from mlora_lab import plotting
+from mlora_lab.dashboard import Dashboard
+from mlora_lab.launch import Run
+from mlora_lab.plotting import PALETTE, Colours, Ema, ema, gap_breaks, series_key, thin, thin_with_breaks
+from mlora_lab.rundir import (
+    EvalRow,
+    EventKind,
+    EventRow,
+    MetricsWriter,
+    RunDir,
+    SystemRow,
+    TenantRow,
+    TrainRow,
+    update_status,
+)
+from mlora_lab.spec import JobSpec, Tenant
+
+T0 = 1.8e9
+
+
+# -- run directories written by hand -------------------------------------------------------------------
+
+
+def make_run(root: Path, tenants=("a", "b"), max_steps: int = 100, state: str = "running") -> RunDir:
+    """A run directory with job.json and status.json, as a launch leaves it (no process: a status
+    without a pid is taken as it is written)."""
+    run = RunDir(root).create()
+    data = root / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    tenants = [Tenant(name=t, data=str(data), max_steps=max_steps) for t in tenants]
+    JobSpec(base_model=str(root), tenants=tenants, max_tenants=max(8, len(tenants))).to_json(run.job)
+    update_status(root, state=state, started=time.time() - 60)
+    return run
+
+
+def write(run: RunDir, *rows) -> None:
+    w = MetricsWriter(run.metrics)
+    for r in rows:
+        w.write(r)
+    w.close()
+
+
+def steps(tenants, first: int, last: int, t0: float = T0, dt: float = 1.0, loss=None, **extra) -> list:
+    """Train rows for steps first..last of each tenant, one logged step per ``dt`` seconds."""
+    loss = loss or (lambda s, i: 3.0 / (1 + 0.05 * s) + 0.01 * i)
+    return [
+        TrainRow(step=s, tenant=t, tenant_step=s, loss=loss(s, i), tokens=100, lr=1e-3, grad_norm=1.0,
+                 time=t0 + s * dt, **extra)
+        for s in range(first, last + 1) for i, t in enumerate(tenants)
+    ]  # fmt: skip
+
+
+def system(
+    first: int, last: int, t0: float = T0, dt: float = 1.0, rank: int = 0, mib: float = 1000.0, **extra
+):
+    return [
+        SystemRow(step=s, rank=rank, mem_bytes=int((mib + (s % 3) * 0.01 * mib) * 2**20), peak_mem_bytes=0,
+                  step_time=0.1, tokens_per_s=1000.0, time=t0 + s * dt, **extra)
+        for s in range(first, last + 1)
+    ]  # fmt: skip
+
+
+def dash_of(*roots: Path, **kw) -> Dashboard:
+    kw.setdefault("interactive", False)
+    dash = Dashboard([Run(r) for r in roots], **kw)
+    dash.refresh()
+    return dash
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    import io
+
+    image = matplotlib.image.imread(io.BytesIO(data), format="png")
+    return image.shape[1], image.shape[0]
+
+
+# -- plotting helpers -------------------------------------------------------------------------------
+
+
+def test_incremental_ema_equals_the_whole_series():
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=700)
+    values[[5, 300]] = np.nan  # a non-finite loss is logged as null
+    cache = Ema()
+    for end in (1, 2, 50, 51, 60, 400, 401, 700):  # small appends go point by point, big ones in one pass
+        got = cache(values[:end], 0.9)
+        np.testing.assert_allclose(got, ema(values[:end], 0.9), rtol=1e-10)
+    assert cache(values, 0.5) is not None and np.allclose(cache(values, 0.5), ema(values, 0.5))  # new factor
+    assert list(ema(np.array([1.0, 1.0, 1.0]), 0.9)) == [1.0, 1.0, 1.0]
+    assert ema(np.array([0.0, 10.0]), 0.5)[1] == pytest.approx(10 * 0.5 / 0.75)
+
+
+def test_thinning_bounds_points_and_keeps_spikes_and_the_last_point():
+    x = np.arange(10_000, dtype=float)
+    y = np.sin(x / 300)
+    y[4321] = 50.0  # a spike that every-k-th-point thinning would drop
+    tx, ty = thin(x, y, 100)
+    assert len(tx) <= 100 and tx[-1] == 9_999 and tx[0] == 0
+    assert 50.0 in ty
+    assert np.all(np.diff(tx) > 0)
+    assert len(thin(x[:50], y[:50], 100)[0]) == 50  # a short series is drawn as it is
+
+
+def test_lines_break_across_gaps_and_resumes_also_after_thinning():
+    t = np.r_[np.arange(0, 100.0), np.arange(1000, 1100.0)]  # logged every second, then a stop until 1000 s
+    breaks = gap_breaks(t)
+    assert np.flatnonzero(breaks).tolist() == [100]
+    assert np.flatnonzero(gap_breaks(np.arange(10.0), resumes=[4.5])).tolist() == [5]  # a resumed event
+    x, y = thin_with_breaks(t, t, breaks, 40)
+    assert len(x) <= 43 and np.isnan(y).sum() == 1
+    i = int(np.flatnonzero(np.isnan(y))[0])
+    assert x[i - 1] == 99 and x[i + 1] == 1000  # the last point before the gap and the first after it
+
+
+def test_colours_are_stable_across_figures_and_distinct_within_one():
+    key = series_key("run1", "alice")
+    slot = zlib.crc32(key.encode()) % 10
+    assert Colours()(key) == PALETTE[slot]  # from the key alone: the same in every figure
+    figure = Colours()
+    figure(series_key("run1", "bob"))
+    clash = next(f"run9/t{i}" for i in range(100) if zlib.crc32(f"run9/t{i}".encode()) % 10 == slot)
+    assert (
+        figure(clash) == PALETTE[slot] and figure(key) != PALETTE[slot]
+    )  # taken in this figure: the next free
+    assert figure(key) == figure(key)
+    many = Colours()
+    colours = [many(f"run/t{i}") for i in range(20)]
+    assert len(set(colours)) == 20 and set(colours[:10]) == set(
+        PALETTE[:10]
+    )  # tab10 first, then darker tones
+
+
+def test_log_axis_has_readable_ticks_grid_and_unclipped_labels(tmp_path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3), dpi=80)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot([1, 2, 3], [0.62, 1.1, 1.8])
+    plotting.style_axes(ax, ylabel="a long y label that needs room", xlabel="step")
+    plotting.set_log_y(ax, True)
+    plotting.fit_layout(fig)
+    fig.canvas.draw()
+    lo, hi = ax.get_ylim()
+    labels = [t.get_text() for t in ax.get_yticklabels() if lo <= t.get_position()[1] <= hi and t.get_text()]
+    assert len(labels) >= 4, labels  # inside one decade: 0.8, 1, 1.2, ... not just "10^0"
+    assert all("$" not in s for s in labels)  # plain numbers
+    assert any(line.get_visible() for line in ax.get_ygridlines())
+    renderer = fig.canvas.get_renderer()
+    box = ax.yaxis.label.get_window_extent(renderer)
+    assert box.x0 >= 0 and box.y0 >= 0 and box.y1 <= fig.bbox.height  # not clipped
+
+
+def test_robust_limits_ignore_a_spike():
+    values = np.r_[np.linspace(1, 2, 500), 1e4]
+    lo, hi = plotting.robust_ylim([values])
+    assert 0.9 < lo < 1.1 and 1.9 < hi < 2.2
+
+
+# -- states and labels (issue 13, defect 3) ----------------------------------------------------------------
+
+
+def test_after_stop_tenants_read_stopped_not_running(tmp_path):
+    run = make_run(tmp_path / "r")
+    write(run, TenantRow(step=0, tenant="a", state="running"), TenantRow(step=0, tenant="b", state="running"),
+          *steps(["a", "b"], 1, 5))  # fmt: skip
+    dash = dash_of(run.root)
+    assert all("running" in r.info.value for r in dash._progress_rows.values())
+    update_status(run.root, state="stopped", ended=time.time())
+    dash.refresh()
+    assert "<b>stopped</b>" in dash.status.value
+    infos = [r.info.value for r in dash._progress_rows.values()]
+    assert all("stopped" in i and "running" not in i for i in infos), infos
+    assert dash.stop_button.disabled and dash.stop_button.description == "stopped"
+
+
+def test_a_quarantined_tenant_keeps_a_finished_run_from_looking_green(tmp_path):
+    run = make_run(tmp_path / "r", state="finished")
+    long_reason = "loss became NaN at step 3 (grad norm inf); quarantined " + "x" * 400
+    write(run, *steps(["a", "b"], 1, 3),
+          TenantRow(step=3, tenant="b", state="failed", reason=long_reason),
+          TenantRow(step=3, tenant="a", state="finished"))  # fmt: skip
+    dash = dash_of(run.root)
+    assert "finished · 1 tenant failed" in dash.status.value
+    assert plotting_green() not in dash.status.value
+    row = dash._progress_rows[("r", "b")]
+    # the reason has its own line, cut to one line with the whole text in its tooltip; the bar keeps its width
+    assert row.reason.layout.display != "none" and long_reason in row.reason.value
+    assert "text-overflow:ellipsis" in row.reason.value and f"title='{long_reason}'" in row.reason.value
+    assert row.bar.layout.width == row.bar.layout.min_width == "200px"
+    assert long_reason not in row.info.value
+    assert dash._progress_rows[("r", "a")].reason.layout.display == "none"
+
+
+def plotting_green() -> str:
+    from mlora_lab.dashboard import GREEN
+
+    return GREEN
+
+
+def test_a_tenant_with_one_point_is_drawn_as_a_dot(tmp_path):
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a"], 1, 1), *steps(["b"], 1, 200))
+    dash = dash_of(run.root)
+    lines = dash._panels[dash._loss_ax].lines
+    assert (
+        lines[(("r", "a"), "main")].get_marker() == "o" and len(lines[(("r", "a"), "main")].get_xdata()) == 1
+    )
+    assert lines[(("r", "b"), "main")].get_marker() in ("", "None")
+
+
+# -- memory (defects 4 and 6) ---------------------------------------------------------------------------
+
+
+def test_tenant_memory_bars_are_the_latest_rows_adapter_plus_optimiser(tmp_path):
+    run = make_run(tmp_path / "r")
+    write(run, TenantRow(step=0, tenant="a", state="running", adapter_bytes=2 * 2**20),
+          TenantRow(step=0, tenant="b", state="running", adapter_bytes=2**20))  # fmt: skip
+    dash = dash_of(run.root)
+    adapter, optim = dash._bar_artists
+    assert [b.get_width() for b in adapter] == [2.0, 1.0] and [b.get_width() for b in optim] == [0.0, 0.0]
+    # the trainer writes a second row once the tenant's AdamW state exists
+    write(
+        run,
+        TenantRow(step=1, tenant="a", state="running", adapter_bytes=2 * 2**20, optimizer_bytes=4 * 2**20),
+    )
+    dash.refresh()
+    dash._draw_system()
+    adapter, optim = dash._bar_artists
+    assert [b.get_width() for b in adapter] == [2.0, 1.0] and [b.get_width() for b in optim] == [4.0, 0.0]
+    assert optim[0].get_x() == 2.0  # stacked: optimiser after adapter
+
+
+def test_memory_axis_starts_at_zero_and_breaks_across_a_stop_and_resume(tmp_path):
+    run = make_run(tmp_path / "r")
+    resumed_at = T0 + 1000.5
+    write(run, *steps(["a"], 1, 30), *system(1, 30),
+          EventRow(step=30, event=EventKind.RESUMED, message="from step_30", time=resumed_at),
+          *steps(["a"], 31, 60, t0=T0 + 1000 - 30), *system(31, 60, t0=T0 + 1000 - 30))  # fmt: skip
+    dash = dash_of(run.root)
+    ax = dash._mem_ax
+    assert ax.get_ylim()[0] == 0, "1 % jitter must not fill the axis"
+    assert "range 1,000–1,020" in ax.get_title()
+    (line,) = [ln for ln in ax.get_lines() if ln.get_visible()]
+    y = np.asarray(line.get_ydata(), dtype=float)
+    assert np.isnan(y).sum() == 1, "one break, at the resume: no diagonal across the gap"
+    # the loss against time breaks there too; against steps it is continuous
+    dash.x_axis.value = "relative time"
+    main = dash._panels[dash._loss_ax].lines[(("r", "a"), "main")]
+    assert np.isnan(np.asarray(main.get_ydata(), dtype=float)).sum() == 1
+    dash.x_axis.value = "tenant step"
+    assert not np.isnan(np.asarray(main.get_ydata(), dtype=float)).any()
+
+
+def test_utilisation_is_drawn_when_logged_and_says_not_logged_otherwise(tmp_path):
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a"], 1, 5), *system(1, 5))
+    dash = dash_of(run.root)
+    text = dash._util_ax._lab_placeholder
+    assert text.get_visible() and "not logged" in text.get_text()
+    write(run, *system(6, 9, cpu_percent=180.0, gpu_util=None), *system(6, 9, rank=1, cpu_percent=90.0))
+    dash.refresh()
+    dash._draw_system()
+    assert not dash._util_ax._lab_placeholder.get_visible()
+    drawn = {k for k, ln in dash._panels[dash._util_ax].lines.items() if ln.get_visible()}
+    assert drawn == {("r", 0, "cpu_percent"), ("r", 1, "cpu_percent")}
+    assert dash._util_ax.get_ylim() == (0.0, pytest.approx(180 * 1.08))
+
+
+# -- axes (defects 5, 7, 8) --------------------------------------------------------------------------
+
+
+def test_empty_axes_wait_for_the_first_step_without_ticks(tmp_path):
+    run = make_run(tmp_path / "r")
+    dash = dash_of(run.root)
+    ax = dash._loss_ax
+    assert not ax.axison and ax._lab_placeholder.get_visible()
+    assert "waiting for the first step" in ax._lab_placeholder.get_text()
+    write(run, *steps(["a"], 1, 3))
+    dash.refresh()
+    assert ax.axison and not ax._lab_placeholder.get_visible()
+
+
+def test_log_y_in_the_dashboard_has_ticks_and_grid(tmp_path):
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a", "b"], 1, 60))
+    dash = dash_of(run.root, logy=True)
+    ax = dash._loss_ax
+    dash.loss_fig.canvas.draw()
+    lo, hi = ax.get_ylim()
+    labels = [t.get_text() for t in ax.get_yticklabels() if lo <= t.get_position()[1] <= hi and t.get_text()]
+    assert ax.get_yscale() == "log" and len(labels) >= 4, labels
+    assert any(gl.get_visible() for gl in ax.get_ygridlines())
+    box = ax.yaxis.label.get_window_extent(dash.loss_fig.canvas.get_renderer())
+    assert box.x0 >= 0, "the y label is inside the figure"
+
+
+def test_pngs_are_rendered_at_twice_their_display_size(tmp_path):
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a"], 1, 5), *system(1, 5))
+    dash = dash_of(run.root)
+    for fig, image in ((dash.loss_fig, dash.loss_plot), (dash.system_fig, dash.system_plot)):
+        w, h = fig.get_size_inches() * plotting.DISPLAY_DPI
+        assert image.width == str(int(w))
+        assert png_size(image.value) == (int(2 * w), int(2 * h))
+
+
+# -- x axes, smoothing, outliers -------------------------------------------------------------------------
+
+
+def test_x_axis_choices(tmp_path):
+    run = make_run(tmp_path / "r")
+    rows = steps(["a"], 1, 10, dt=2.0)
+    for r in rows:
+        r.step += 100  # global steps differ from the tenant's own
+    write(run, *rows)
+    dash = dash_of(run.root, smoothing=0.0)
+    line = dash._panels[dash._loss_ax].lines[(("r", "a"), "main")]
+    expected = {
+        "tenant step": np.arange(1, 11), "global step": np.arange(101, 111), "tokens": np.arange(1, 11) * 100,
+        "relative time": np.arange(0, 20, 2), "wall time": (T0 + np.arange(1, 11) * 2) / 86400,
+    }  # fmt: skip
+    for x, values in expected.items():
+        dash.x_axis.value = x
+        np.testing.assert_allclose(line.get_xdata(), values)
+        assert dash._loss_ax.get_xlabel() == plotting.X_LABELS[x]
+    # a job that logs cumulative tokens_seen: exact even when log_every skips steps
+    run2 = make_run(tmp_path / "r2")
+    write(run2, *[TrainRow(step=s, tenant="a", tenant_step=s, loss=1.0, tokens=100, lr=1e-3, grad_norm=1.0,
+                           time=T0 + s, tokens_seen=s * 300) for s in (3, 6, 9)])  # fmt: skip
+    assert dash_of(run2.root).feeds["r2"].xy("a", "loss", "tokens")[0].tolist() == [900, 1800, 2700]
+
+
+def test_smoothing_keeps_the_raw_data_and_outliers_can_be_ignored(tmp_path):
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a"], 1, 200, loss=lambda s, i: 1000.0 if s == 100 else 2.0 - s / 200))
+    dash = dash_of(run.root, smoothing=0.8)
+    lines = dash._panels[dash._loss_ax].lines
+    raw, main = lines[(("r", "a"), "raw")], lines[(("r", "a"), "main")]
+    assert raw.get_visible() and raw.get_alpha() < 0.5 and max(raw.get_ydata()) == 1000.0
+    assert max(main.get_ydata()) < 1000.0
+    assert dash._loss_ax.get_ylim()[1] > 1000
+    dash.outliers.value = True
+    assert dash._loss_ax.get_ylim()[1] < 10, "the spike no longer sets the scale"
+    assert raw.get_visible()
+    dash.smoothing.value = 0.0
+    assert not raw.get_visible() and max(main.get_ydata()) == 1000.0  # unsmoothed: the one line is the data
+
+
+# -- several runs -----------------------------------------------------------------------------------------
+
+
+def test_a_workdir_view_lists_sorts_filters_and_overlays_runs(tmp_path):
+    from mlora_lab.rundir.labels import update_labels
+
+    work = tmp_path / "runs"
+    r1 = make_run(work / "20260101-000000-aaaaaa", tenants=("a", "b"), state="finished")
+    r2 = make_run(work / "20260102-000000-bbbbbb", tenants=("a", "c"))
+    r3 = make_run(work / "20260103-000000-cccccc", tenants=("z",), state="failed")
+    write(r1, *steps(["a", "b"], 1, 30))
+    write(r2, *steps(["a", "c"], 1, 10, loss=lambda s, i: 0.5))
+    update_labels(r1.root, add=["baseline"], note="first try")
+    dash = Dashboard(work, interactive=False)
+    dash.refresh()
+    assert dash.runs_box.layout.display != "none"
+    assert dash.chosen == [r2.root.name], "the live run is shown first"
+    rows = [
+        row.name for row in (dash._run_rows[n] for n in dash.feeds) if row.box in dash._table_rows.children
+    ]
+    assert len(rows) == 3
+    cells = dash._run_rows[r1.root.name].cells.value
+    assert "baseline" in cells and ">30<" in cells and ">1.2000<" in cells  # tags, steps, best loss
+    dash.run_filter.value = "baseline"
+    assert dash._table_rows.children == (dash._run_rows[r1.root.name].box,)
+    dash.run_filter.value = "z"  # a tenant name
+    assert dash._table_rows.children == (dash._run_rows[r3.root.name].box,)
+    dash.run_filter.value = ""
+    dash.state_filter.value = "finished"
+    assert dash._table_rows.children == (dash._run_rows[r1.root.name].box,)
+    dash.state_filter.value = "any state"
+    dash.sort_by.value = "steps"
+    assert dash._table_rows.children[0] is dash._run_rows[r1.root.name].box  # most steps first
+    dash.sort_desc.value = False
+    assert dash._table_rows.children[-1] is dash._run_rows[r1.root.name].box
+    # tick a second run: both overlay, labelled "run / tenant", one colour per (run, tenant)
+    dash._run_rows[r1.root.name].check.value = True
+    assert set(dash.chosen) == {r1.root.name, r2.root.name}
+    labels = [label for label, _ in dash.tenants.options]
+    assert f"{r1.root.name} / a" in labels and f"{r2.root.name} / a" in labels
+    visible = [
+        ln for ln in dash._loss_ax.get_lines() if ln.get_visible() and ln.get_label() not in ("_raw", "_eval")
+    ]
+    assert len(visible) == 4 and len({ln.get_color() for ln in visible}) == 4
+    assert f"{r2.root.name} / c" in dash.legend.value
+    # a new run launched into the workdir appears at the next look
+    make_run(work / "20260104-000000-dddddd", tenants=("n",))
+    dash._rescanned = 0
+    dash.refresh()
+    assert "20260104-000000-dddddd" in dash.feeds
+
+
+def test_stop_asks_each_chosen_live_run_and_says_which(tmp_path):
+    roots = [make_run(tmp_path / n).root for n in ("one", "two", "three")]
+    done = make_run(tmp_path / "done", state="finished").root
+    dash = dash_of(*roots, done)
+    dash.choose(["one", "two", "done"])
+    assert dash.stop_button.description == "Stop 2 runs" and not dash.stop_button.disabled
+    dash.stop_button.click()
+    assert [(r / "control" / "stop").exists() for r in (*roots, done)] == [True, True, False, False]
+    assert dash.stop_button.disabled and dash.stop_button.description == "Stopping 2 runs…"
+    dash.choose(["three", "done"])
+    assert dash.stop_button.description == "Stop three" and not dash.stop_button.disabled
+    update_status(roots[0], state="stopped")
+    dash.choose(["one"])
+    dash.refresh()
+    assert dash.stop_button.description == "stopped" and dash.stop_button.disabled
+    assert dash_of(roots[2]).stop_button.description == "Stop"  # one run shown: no name needed
+
+
+def test_colours_are_the_same_in_the_dashboard_and_in_compare(tmp_path):
+    roots = [make_run(tmp_path / n).root for n in ("x", "y")]
+    for r in roots:
+        write(RunDir(r), *steps(["a", "b"], 1, 5))
+    dash = dash_of(*roots)
+    fig = ml.compare([Run(r) for r in roots])
+    drawn = {ln.get_label(): ln.get_color() for ln in fig.axes[0].lines if not ln.get_label().startswith("_")}
+    for key in dash.picked():
+        assert drawn[dash.label(key)] == dash.colour(key)
+    assert len(set(drawn.values())) == 4
+
+
+def test_compare_warns_naming_runs_without_the_metric(tmp_path):
+    with_eval, without = make_run(tmp_path / "with_eval"), make_run(tmp_path / "without")
+    write(with_eval, *steps(["a"], 1, 4), EvalRow(step=4, tenant="a", loss=1.5, time=T0 + 4))
+    write(without, *steps(["a"], 1, 4))
+    with pytest.warns(UserWarning, match=r"no 'eval_loss' values in run\(s\) without"):
+        fig = ml.compare([with_eval.root, without.root], metric="eval_loss")
+    (line,) = [ln for ln in fig.axes[0].lines if not ln.get_label().startswith("_")]
+    assert line.get_label() == "with_eval / a" and line.get_marker() == "o"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ml.compare([with_eval.root, without.root], metric="loss")
+    with pytest.raises(ValueError, match="unknown x axis"):
+        ml.compare(with_eval.root, x="epochs")
+
+
+def test_compare_log_axis_smoothing_and_png(tmp_path):
+    from IPython.core.formatters import DisplayFormatter
+
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a", "b"], 1, 40), EvalRow(step=20, tenant="a", loss=1.0, time=T0 + 20))
+    fig = ml.compare(run.root, smoothing=0.6, logy=True, x="global step")
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and ax.get_xlabel() == "global step"
+    assert len([ln for ln in ax.lines if ln.get_label() == "_raw"]) == 2  # the raw values stay drawn
+    fig.canvas.draw()
+    lo, hi = ax.get_ylim()
+    assert len([t for t in ax.get_yticklabels() if lo <= t.get_position()[1] <= hi and t.get_text()]) >= 3
+    data, metadata = DisplayFormatter().format(fig)
+    assert "image/png" in data and metadata["image/png"] == {"width": 640, "height": 360}  # shown at 1x ...
+    assert png_size(data["image/png"]) == (1280, 720)  # ... rendered at 2x
+    path = tmp_path / "losses.svg"
+    from mlora_lab.report import plot_losses
+
+    plot_losses(run.root, path)
+    assert path.read_text().lstrip().startswith("<?xml")
+    evals = [ln for ln in plot_losses(run.root).axes[0].lines if ln.get_label() == "_eval"]
+    assert len(evals) == 1 and evals[0].get_xdata().tolist() == [20]
+
+
+# -- logs, export --------------------------------------------------------------------------------------------
+
+
+def test_log_tail_per_rank_highlights_errors(tmp_path):
+    run = make_run(tmp_path / "r")
+    (run.logs / "rank0.log").write_text("".join(f"step {i}\n" for i in range(100)))
+    (run.logs / "rank1.log").write_text("ok\nTraceback (most recent call last):\nRuntimeError: boom\n")
+    dash = dash_of(run.root)
+    dash.tabs.selected_index = 2
+    assert [label for label, _ in dash.log_rank.options] == ["rank 0", "rank 1"]
+    shown = dash.log_view.value
+    assert "step 99" in shown and "step 59" not in shown and "step 60" in shown  # the last 40 lines
+    dash.log_rank.value = str(run.logs / "rank1.log")
+    assert "font-weight:bold'>RuntimeError: boom" in dash.log_view.value
+    assert "font-weight:bold'>ok" not in dash.log_view.value
+    with open(run.logs / "rank1.log", "a") as f:
+        f.write("later line\n")
+    dash.refresh()
+    assert "later line" in dash.log_view.value
+
+
+def test_export_writes_figures_and_the_shown_tenants_metrics(tmp_path):
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a", "b"], 1, 10), *system(1, 10))
+    dash = dash_of(run.root)
+    dash.tenants.value = [("r", "a")]
+    assert dash.export_dir.value == str(run.root / "exports")
+    dash.export_figures_button.click()
+    files = sorted(p.name for p in (run.root / "exports").iterdir())
+    assert len(files) == 6 and all(n.endswith(("png", "svg")) for n in files)
+    assert "wrote 6 files" in dash.export_message.value and files[0] in dash.export_message.value
+    png = next((run.root / "exports").glob("*-loss.png")).read_bytes()
+    assert png_size(png) == (1440, 576)
+    dash.export_csv_button.click()
+    (csv,) = (run.root / "exports").glob("*-metrics.csv")
+    import pandas as pd
+
+    df = pd.read_csv(csv)
+    assert set(df["tenant"]) == {"a"} and len(df) == 10 and df.columns[0] == "run"
+    assert not any(p.name.startswith(".") for p in (run.root / "exports").iterdir()), (
+        "no temporary files left"
+    )
+    # several runs: next to them
+    other = make_run(tmp_path / "s")
+    assert dash_of(run.root, other.root).export_dir.value == str(tmp_path / "exports")
+
+
+# -- live refresh, interactive figures, display -------------------------------------------------------------
+
+
+def test_refreshes_in_the_background_until_the_run_ends(tmp_path):
+    run = make_run(tmp_path / "r", max_steps=50)
+    write(run, *steps(["a"], 1, 10, t0=time.time() - 20))
+    dash = Dashboard(Run(run.root), interactive=False, refresh_s=0.05).start()
+    assert dash.live
+    assert "ETA" in dash.status.value and "ETA 40 s" in dash._progress_rows[("r", "a")].info.value
+    write(run, *steps(["a"], 11, 20, t0=time.time() - 20))
+    deadline = time.monotonic() + 10
+    while dash.feeds["r"].tenants["a"].step < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dash.feeds["r"].tenants["a"].step == 20
+    update_status(run.root, state="finished", ended=time.time())
+    while dash.live and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not dash.live and "finished" in dash.status.value
+
+
+def test_a_rewritten_metrics_file_starts_the_view_over(tmp_path):
+    from mlora_lab.rundir.rows import truncate_after
+
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a"], 1, 20))
+    dash = dash_of(run.root)
+    truncate_after(run.metrics, 10)  # what a resume from step 10 does
+    write(run, *steps(["a"], 11, 12, t0=T0 + 500))
+    dash.refresh()
+    assert dash.feeds["r"].tenants["a"].step == 12 and len(dash.feeds["r"].tenants["a"].train) == 12
+
+
+def test_interactive_figures_zoom_pan_and_hover(tmp_path):
+    pytest.importorskip("ipympl")
+    from ipympl.backend_nbagg import Canvas
+
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a", "b"], 1, 50))
+    dash = dash_of(run.root, interactive=None, smoothing=0.0)
+    assert isinstance(dash.loss_plot, Canvas) and dash.loss_plot.toolbar is not None
+    assert dash.follow_button.layout.display != "none"
+    ax = dash._loss_ax
+    dash.loss_plot.draw()  # what the browser asks for (under the dashboard's lock)
+    # hover: the point nearest the cursor, named
+    px, py = ax.transData.transform((20, 3.0 / (1 + 0.05 * 20)))
+    event = MouseEvent("motion_notify_event", dash.loss_plot, px + 2, py - 1)
+    dash.loss_plot.callbacks.process("motion_notify_event", event)
+    assert dash.readouts[dash.loss_fig].value.startswith("<b>a</b> · tenant step 20 · 1.5")
+    assert dash._highlights[ax].get_visible()
+    far = MouseEvent("motion_notify_event", dash.loss_plot, 1, 1)
+    dash.loss_plot.callbacks.process("motion_notify_event", far)
+    assert dash.readouts[dash.loss_fig].value == ""
+    # a zoom (the toolbar sets limits with autoscaling off) survives refreshes with new rows
+    ax.set_xlim(10, 20)
+    write(run, *steps(["a", "b"], 51, 80))
+    dash.refresh()
+    assert ax.get_xlim() == (10, 20)
+    dash.follow()
+    assert ax.get_xlim()[1] >= 80
+
+
+def test_without_ipympl_figures_are_images(tmp_path, monkeypatch):
+    import ipywidgets as W
+
+    from mlora_lab import dashboard
+
+    monkeypatch.setattr(dashboard, "_ipympl_available", lambda: False)
+    dash = Dashboard(Run(make_run(tmp_path / "r").root))
+    assert isinstance(dash.loss_plot, W.Image) and dash.follow_button.layout.display == "none"
+
+
+def test_display_carries_a_png_for_frontends_without_widgets(tmp_path):
+    run = make_run(tmp_path / "r", state="finished")
+    write(run, *steps(["a"], 1, 5))
+    dash = Dashboard(run.root, interactive=True)
+    data, metadata = dash._bundle()
+    assert "application/vnd.jupyter.widget-view+json" in data
+    import base64
+
+    assert png_size(base64.b64decode(data["image/png"])) == (1440, 576)
+    assert metadata["image/png"] == {"width": 720, "height": 288}
+    assert dash._loss_ax.get_legend() is None, "the legend drawn for the picture is gone again"
+
+
+@pytest.mark.slow
+def test_a_notebook_executed_headless_keeps_a_picture(tmp_path):
+    """nbclient (no browser) runs a notebook that shows a dashboard: the saved output has the widget
+    and a PNG for viewers without widgets."""
+    from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    run = make_run(tmp_path / "r", state="finished")
+    write(run, *steps(["a", "b"], 1, 20))
+    nb = new_notebook(cells=[new_code_cell(f"import mlora_lab as ml\nml.Dashboard({str(run.root)!r}).start()")],
+                      metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})  # fmt: skip
+    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    outputs = nb.cells[0].outputs
+    assert not [o for o in outputs if o.output_type == "error"], outputs
+    mimes = {k for o in outputs for k in o.get("data", {})}
+    assert {"image/png", "application/vnd.jupyter.widget-view+json"} <= mimes
+    assert json.dumps(nb.metadata.get("widgets", {}))  # widget state is saved with the notebook
+
+
+def test_two_runs_with_the_same_directory_name_stay_apart(tmp_path):
+    a, b = make_run(tmp_path / "a" / "same"), make_run(tmp_path / "b" / "same")
+    write(a, *steps(["t"], 1, 3))
+    write(b, *steps(["t"], 1, 5))
+    dash = dash_of(a.root, b.root, a.root)  # the same directory twice is one run
+    assert list(dash.feeds) == ["same", "b/same"]
+    assert [dash.feeds[n].tenants["t"].step for n in dash.feeds] == [3, 5]
+    assert dash.colour(("same", "t")) != dash.colour(("b/same", "t"))
+
+
+def sweep_run(root: Path, lrs: dict[str, float], ranks: dict[str, int], best: dict[str, float]) -> RunDir:
+    """A finished sweep written by hand: tenant -> lr, rank and the eval losses it logged (min = best)."""
+    run = RunDir(root).create()
+    data = root / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    tenants = [Tenant(name=t, data=str(data), lr=lrs[t], rank=ranks[t], alpha=16, max_steps=4) for t in lrs]
+    JobSpec(base_model=str(root), tenants=tenants, max_tenants=8, max_rank=64).to_json(run.job)
+    update_status(root, state="finished", started=time.time() - 60)
+    rows = steps(list(lrs), 1, 4)
+    for t, b in best.items():
+        rows += [
+            EvalRow(step=2, tenant=t, loss=b + 0.5, time=T0 + 2),
+            EvalRow(step=4, tenant=t, loss=b, time=T0 + 4),
+        ]
+    write(run, *rows)
+    return run
+
+
+def test_hyperparameters_next_to_results(tmp_path):
+    """summary() has the best eval loss; hparams() puts every tenant at (setting, best eval loss), on a log
+    axis for lr, only for the settings that differ, marks the best, and warns about tenants without
+    eval rows; the parallel-coordinates view has an axis per setting plus the metric."""
+    from mlora_lab.report import hparams, summary
+
+    lrs = {"a": 1e-4, "b": 1e-3, "c": 1e-2, "d": 3e-3}
+    ranks = {"a": 4, "b": 8, "c": 16, "d": 8}
+    run = sweep_run(tmp_path / "r", lrs, ranks, best={"a": 2.0, "b": 1.0, "c": 3.0})
+    table = summary(str(run.root)).set_index("tenant")
+    assert table.loc["b", "best_eval_loss"] == 1.0 and table.loc["b", "eval_loss"] == 1.0
+    assert pd.isna(table.loc["d", "best_eval_loss"])
+    with pytest.warns(UserWarning, match=r"no eval_loss for r/d"):
+        fig = hparams(str(run.root))
+    axes = fig.axes
+    assert [ax.get_xlabel() for ax in axes] == ["lr", "rank"], "alpha is the same for all: no panel"
+    assert axes[0].get_xscale() == "log" and axes[1].get_xscale() == "linear"
+    points = axes[0].collections[0].get_offsets()
+    assert sorted(map(tuple, points.tolist())) == [(1e-4, 2.0), (1e-3, 1.0), (1e-2, 3.0)]
+    best_ring = axes[0].collections[1].get_offsets().tolist()
+    assert best_ring == [[1e-3, 1.0]], "the best tenant is ringed"
+    assert "best: r/b" in axes[0].texts[0].get_text()
+    with pytest.warns(UserWarning):
+        par = hparams(str(run.root), kind="parallel", params=["lr", "rank", "alpha"])
+    ax = par.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["lr", "rank", "alpha", "best eval_loss"]
+    assert len(ax.lines) == 3 + 4, "a line per tenant with an eval loss, and a vertical axis per column"
+    with pytest.raises(ValueError, match="unknown hyperparameter"):
+        hparams(str(run.root), params=["momentum"])
