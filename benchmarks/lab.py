@@ -13,8 +13,9 @@
 3. Dashboard refresh with 10 tenants x 10k points: time of one ``Dashboard.refresh()`` that brings
    in one new row per tenant and redraws, median of 10. Goal: <= 150 ms. With PNG figures
    (``interactive=False``) the refresh renders the loss figure at 2x (the system tab at most every 2 s);
-   with ipympl figures it only updates the lines and asks the browser to fetch a new image, so the
-   render the browser then triggers (``canvas.draw()``) is reported on its own.
+   with ipympl figures the refresh renders the loss figure and pushes the frame to the browser itself
+   (so the figure keeps updating while a cell blocks); a render the browser asks for on its own (a
+   resize, a zoom: ``canvas.draw()``) is reported separately.
 4. The same for a view over 5 runs x 10 tenants x 10k points (every refresh brings a row per tenant in
    every run). Goal: <= 300 ms.
 """
@@ -156,7 +157,7 @@ def _refresh_times(roots: list[Path], steps: list[str], interactive: bool):
         t0 = time.perf_counter()
         dash.refresh()
         refresh.append(time.perf_counter() - t0)
-        if interactive:  # what the browser's request for the new image costs the kernel
+        if interactive:  # what a render on the browser's request (resize, zoom) costs the kernel
             t0 = time.perf_counter()
             dash.loss_plot.draw()
             render.append(time.perf_counter() - t0)
@@ -185,7 +186,9 @@ def dashboard_refresh(quick: bool) -> None:
               f"the system tab, redrawn at most every 2 s: {_ms(system)} more")  # fmt: skip
         roots, rows = _live_runs(n_runs, tenants, points, held_back=10)
         live, render, _ = _refresh_times(roots, rows, interactive=True)
-        print(f"   ipympl figures: refresh {_ms(live)}; the render the browser then asks for {_ms(render)}")
+        print(
+            f"   ipympl figures: refresh (renders and pushes the frame) {_ms(live)}; a render on the browser's request {_ms(render)}"
+        )
 
 
 def main() -> None:
