@@ -336,10 +336,8 @@ def wait_gone(run_dir: Path, timeout: float = 30) -> list[psutil.Process]:
     return left
 
 
-@pytest.mark.slow
-def test_kill_leaves_no_worker_behind(llama_path, tmp_path):
-    """``run.kill()`` ends the workers too: torchrun puts them in sessions of their own, out of reach of
-    a kill of the agent's process group (they used to train on as orphans)."""
+def training_on_two_ranks(llama_path: str, tmp_path: Path) -> ml.Run:
+    """A 2-process FSDP2 job with no end in sight, once it has taken a couple of steps."""
     good = good_tenants(tmp_path, max_steps=100_000)
     run = ml.launch(
         job(llama_path, good, output_dir=str(tmp_path / "r"), parallel=ml.Parallel(nproc=2, fsdp=2))
@@ -348,6 +346,14 @@ def test_kill_leaves_no_worker_behind(llama_path, tmp_path):
     while run.global_step < 2:
         assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
         time.sleep(0.1)
+    return run
+
+
+@pytest.mark.slow
+def test_kill_leaves_no_worker_behind(llama_path, tmp_path):
+    """``run.kill()`` ends the workers too: torchrun puts them in sessions of their own, out of reach of
+    a kill of the agent's process group (they used to train on as orphans)."""
+    run = training_on_two_ranks(llama_path, tmp_path)
     assert len(job_workers(run.path)) >= 2  # the agent (its command line names the module too) and 2 workers
     run.kill()
     assert not wait_gone(run.path, timeout=15), "workers outlived run.kill()"
@@ -358,14 +364,7 @@ def test_kill_leaves_no_worker_behind(llama_path, tmp_path):
 def test_workers_end_when_their_agent_is_killed(llama_path, tmp_path):
     """SIGKILL of the torchrun agent alone (the OOM killer, a careless kill -9): the workers notice that
     their parent is gone and exit, and the run reads as failed or lost, never running."""
-    good = good_tenants(tmp_path, max_steps=100_000)
-    run = ml.launch(
-        job(llama_path, good, output_dir=str(tmp_path / "r"), parallel=ml.Parallel(nproc=2, fsdp=2))
-    )
-    deadline = time.monotonic() + 180
-    while run.global_step < 2:
-        assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
-        time.sleep(0.1)
+    run = training_on_two_ranks(llama_path, tmp_path)
     os.kill(read_status(run.path).pid, signal.SIGKILL)
     assert not wait_gone(run.path, timeout=30), "workers outlived their agent"
     assert "the torchrun agent" in run.logs(0) + run.logs(1)
