@@ -90,3 +90,19 @@ def no_leftover_jobs():
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
     psutil.wait_procs(leftovers, timeout=10)
+
+
+def stop_runs_under(folder: Path) -> list[str]:
+    """Kill the job of every run directory under ``folder`` that is not final; the runs it stopped.
+
+    For jobs started by a notebook kernel: their processes outlive the kernel, so they are found
+    through the run directories, not among this process's children."""
+    import mlora_lab as ml
+
+    stopped = []
+    for job in folder.rglob("job.json"):
+        run = ml.attach(job.parent)
+        if not run.status.final:
+            run.kill()
+            stopped.append(run.path.name)
+    return stopped

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import stop_runs_under
 from nbformat.v4 import new_code_cell, new_notebook
 
 import mlora_lab as ml
@@ -183,10 +184,7 @@ def test_quickstart_in_jupyterlab(tmp_path):
                 raise
             browser.close()
     finally:  # never leave a job, a server or a log handle behind
-        for job in root.rglob("job.json"):
-            leftover = ml.attach(job.parent)
-            if not leftover.status.final:
-                leftover.kill()
+        stop_runs_under(root)
         if lab is not None:
             lab.terminate()
             lab.wait(timeout=30)

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import stop_runs_under
 from nbclient import NotebookClient
-
-import mlora_lab as ml
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -31,17 +30,6 @@ def git_status() -> str | None:
     return subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, capture_output=True, text=True
     ).stdout
-
-
-def stop_runs_under(folder: Path) -> list[str]:
-    """Kill the job of every run directory under ``folder`` that is not final; the runs it stopped."""
-    stopped = []
-    for job in folder.rglob("job.json"):
-        run = ml.attach(job.parent)
-        if not run.status.final:
-            run.kill()
-            stopped.append(run.path.name)
-    return stopped
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
