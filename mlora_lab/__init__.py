@@ -20,7 +20,9 @@ _EXPORTS = {  # public name -> the module that defines it
     "JobSpec": "mlora_lab.spec",
     "MultiLoRAModel": "mlora_lab.lora",
     "Parallel": "mlora_lab.spec",
+    "Request": "mlora_lab.launch",
     "Run": "mlora_lab.launch",
+    "SlurmOptions": "mlora_lab.slurm",
     "SpecError": "mlora_lab.spec",
     "Tenant": "mlora_lab.spec",
     "TenantForm": "mlora_lab.widgets",
@@ -36,9 +38,10 @@ __all__ = sorted([*_EXPORTS, "launch"])
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from mlora_lab.dashboard import Dashboard  # noqa: F401
-    from mlora_lab.launch import Run, attach, launch, resume, runs  # noqa: F401
+    from mlora_lab.launch import Request, Run, attach, launch, resume, runs  # noqa: F401
     from mlora_lab.lora import MultiLoRAModel  # noqa: F401
     from mlora_lab.report import compare, compare_generations, hparams, summary  # noqa: F401
+    from mlora_lab.slurm import SlurmOptions  # noqa: F401
     from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant  # noqa: F401
     from mlora_lab.widgets import JobBuilder, TenantForm  # noqa: F401
 

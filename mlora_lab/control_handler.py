@@ -137,6 +137,9 @@ class ControlHandler:
         first = next((e for e in errors if e), None)
         if first is None:
             change.commit()
+            # every rank says so in its own log: where a job spans nodes, the logs show that all
+            # ranks applied it at the same step
+            print(f"control message {msg.id} applied at step {step}: {msg.op.value} {msg.subject!r}", flush=True)
             return ControlResult(msg.id, True, None, step)
         if change is not None:
             try:

@@ -12,13 +12,20 @@ A run directory has one owner: a launch or resume holds its lock (``.lock``) whi
 directory and starts the job, and the job's rank 0 holds it while it runs. Launching into a directory
 that holds a run is refused (resume it instead); of two launches racing for one directory, one wins.
 Single-node jobs rendezvous on 127.0.0.1 only (:mod:`mlora_lab.rendezvous`).
+
+``launcher="slurm"`` submits the job to Slurm instead (:mod:`mlora_lab.slurm`: one torchrun agent per
+node); the :class:`Run` then follows Slurm as well as the run directory: ``queued`` with Slurm's reason
+while the job waits, and ``failed`` with Slurm's reason when Slurm cancels it, times it out or loses a
+node (a job killed from outside cannot say so itself).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,10 +33,12 @@ import time
 import uuid
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import psutil
 
+from mlora_lab import slurm as slurm_cmd  # (`slurm` is launch()'s options argument)
 from mlora_lab.bases import resolve_base
 from mlora_lab.rendezvous import loopback_env, single_node_torchrun_args
 from mlora_lab.rundir import (
@@ -43,6 +52,8 @@ from mlora_lab.rundir import (
     RunState,
     Status,
     TenantState,
+    atomic_write_json,
+    atomic_write_text,
     checkpoint,
     control,
     read_labels,
@@ -52,12 +63,16 @@ from mlora_lab.rundir import (
 )
 from mlora_lab.rundir.control import ControlError
 from mlora_lab.rundir.status import JOB_MODULE, ProcessIdentity, this_host
+from mlora_lab.slurm import SlurmError, SlurmJob, SlurmOptions
 from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant, tenant_problems
 from mlora_lab.threads import omp_threads, thread_env
 
 DEFAULT_WORKDIR = "runs"
-LAUNCHERS = ("local",)
-MULTI_NODE = "launchers/multinode.sh (torchrun on every node) or launchers/slurm.sbatch"
+LAUNCHERS = ("local", "slurm")
+MULTI_NODE = (
+    "launch it with launcher='slurm' (ml.launch(spec, launcher='slurm', slurm=ml.SlurmOptions(...)), or "
+    "`mlora-lab run job.json --launcher slurm`), or start launchers/multinode.sh on every node"
+)
 
 
 def new_run_id() -> str:
@@ -86,28 +101,56 @@ def _directory_problem(root: Path) -> str | None:
     return None
 
 
+def _launcher_problems(
+    launcher: str | None, parallel: Any, options: SlurmOptions | None, root: Path, resume: bool = False
+) -> list[str]:
+    """Problems of running a job laid out as ``parallel`` with ``launcher`` (and its Slurm options):
+    an unknown launcher, several nodes on the local one, Slurm options that do not fit. Slurm itself
+    is asked too (``sbatch --test-only`` of the script that would be submitted), so a partition or
+    account it refuses is reported before anything is created."""
+    if launcher is not None and launcher not in LAUNCHERS:
+        return [f"unknown launcher {launcher!r}; known: {', '.join(LAUNCHERS)}"]
+    p = parallel if isinstance(parallel, Parallel) else Parallel()
+    nnodes, nproc = p.nnodes, p.nproc
+    if launcher != "slurm":
+        if options is not None:
+            return [
+                f"Slurm options were given, but the launcher is {launcher or 'none'!r}; use launcher='slurm'"
+            ]
+        if launcher == "local" and nnodes != 1:
+            return [f"parallel.nnodes = {nnodes}: the local launcher runs on this machine only; {MULTI_NODE}"]
+        return []
+    options = options if options is not None else SlurmOptions()
+    if not isinstance(options, SlurmOptions):
+        return [f"slurm= takes an ml.SlurmOptions, not {type(options).__name__}"]
+    problems = options.problems(nnodes, nproc)
+    if shutil.which("sbatch") is None:
+        problems.append("the slurm launcher needs Slurm's commands (sbatch, scontrol, scancel) on PATH")
+    if not problems:
+        script = slurm_cmd.render_script(options, root, nnodes, nproc, RunDir(root).slurm_script, resume)
+        if (refused := slurm_cmd.test_submit(script)) is not None:
+            problems.append(refused)
+    return problems
+
+
 def prepare_run(
     spec: JobSpec,
     workdir: str | Path = DEFAULT_WORKDIR,
     launcher: str | None = None,
     lock: RunLock | None = None,
+    slurm_options: SlurmOptions | None = None,
 ) -> RunDir:
-    """Validate ``spec``, the launcher and the run directory (one :class:`~mlora_lab.spec.SpecError`
-    listing every problem; nothing is created then), and create the run directory with ``job.json``
-    (paths made absolute) and a ``starting`` status. ``launcher=None``: the caller starts the
-    processes itself (``launchers/``, on one node or many). With ``lock``, it is left held for the caller."""
+    """Validate ``spec``, the launcher (and its Slurm options) and the run directory (one
+    :class:`~mlora_lab.spec.SpecError` listing every problem; nothing is created then), and create the
+    run directory with ``job.json`` (paths made absolute) and a ``starting`` status. ``launcher=None``:
+    the caller starts the processes itself (``launchers/``, on one node or many). With ``lock``, it is
+    left held for the caller."""
     spec = spec.resolved(Path.cwd())
-    problems = spec.problems()
-    if launcher is not None and launcher not in LAUNCHERS:
-        problems.append(f"unknown launcher {launcher!r}; known: {', '.join(LAUNCHERS)}")
-    nnodes = spec.parallel.nnodes if isinstance(spec.parallel, Parallel) else 1
-    if launcher == "local" and nnodes != 1:
-        problems.append(
-            f"parallel.nnodes = {nnodes}: the local launcher runs on this machine only; use {MULTI_NODE}"
-        )
     root = _run_root(spec, workdir)
+    problems = spec.problems()
     if (problem := _directory_problem(root)) is not None:
         problems.append(problem)
+    problems += _launcher_problems(launcher, spec.parallel, slurm_options, root)
     if problems:
         raise SpecError(problems)
     run = RunDir(root)
@@ -121,7 +164,9 @@ def prepare_run(
             raise SpecError([problem])
         run.create()
         spec.to_json(run.job)
-        update_status(run.root, state=RunState.STARTING, started=time.time())
+        if launcher == "slurm":
+            atomic_write_json(run.slurm_options, (slurm_options or SlurmOptions()).to_dict())
+        update_status(run.root, state=RunState.STARTING, started=time.time(), launcher=launcher)
     except BaseException:
         owner.release()
         raise
@@ -177,13 +222,48 @@ def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
     return Run(run_dir.root, process=proc)
 
 
-def launch(spec: JobSpec, workdir: str | Path = DEFAULT_WORKDIR, launcher: str = "local") -> Run:
-    """Start ``spec`` under torchrun in the background and return its :class:`Run` at once."""
+def _submit(run_dir: RunDir, spec: JobSpec, options: SlurmOptions, resume: bool = False) -> Run:
+    """Write the batch script into the run directory and submit it (the caller holds the lock). A
+    GGUF base is converted here first, once, as for a local job. The run is ``queued`` with the job
+    id in status.json; if sbatch refuses after all, the run is marked failed and :class:`SlurmError`
+    says why."""
+    resolve_base(spec.base_model)
+    p = spec.parallel
+    script = slurm_cmd.render_script(options, run_dir.root, p.nnodes, p.nproc, run_dir.slurm_script, resume)
+    atomic_write_text(run_dir.slurm_script, script)
+    try:
+        job_id = slurm_cmd.submit(run_dir.slurm_script)
+    except SlurmError as e:
+        update_status(run_dir.root, state=RunState.FAILED, ended=time.time(), error=str(e))
+        raise
+    update_status(
+        run_dir.root, state=RunState.QUEUED, launcher="slurm", slurm_job_id=job_id, slurm_state=None
+    )
+    return Run(run_dir.root)
+
+
+def launch(
+    spec: JobSpec,
+    workdir: str | Path = DEFAULT_WORKDIR,
+    launcher: str = "local",
+    slurm: SlurmOptions | None = None,
+) -> Run:
+    """Start ``spec`` in the background and return its :class:`Run` at once.
+
+    ``launcher="local"``: torchrun on this machine. ``launcher="slurm"``: one Slurm job of
+    ``parallel.nnodes`` nodes (``slurm``: partition, time, GPUs, ... as :class:`~mlora_lab.slurm.SlurmOptions`),
+    submitted with ``sbatch``; the run directory must then be on a filesystem every node sees at the
+    same path (``workdir`` or ``output_dir`` on NFS/Lustre/GPFS, not /tmp), and so must this Python
+    and its packages. Everything is checked first: a bad spec, launcher or option raises
+    :class:`~mlora_lab.spec.SpecError` naming every problem, and nothing is created or submitted."""
     spec = spec.resolved(Path.cwd())
     root = _run_root(spec, workdir)
     lock = RunLock(RunDir(root))
-    run_dir = prepare_run(dataclasses.replace(spec, output_dir=str(root)), workdir, launcher, lock=lock)
+    run_dir = prepare_run(dataclasses.replace(spec, output_dir=str(root)), workdir, launcher, lock=lock,
+                          slurm_options=slurm)  # fmt: skip
     try:
+        if launcher == "slurm":
+            return _submit(run_dir, JobSpec.load(run_dir.job), slurm or SlurmOptions())
         return _start(run_dir, JobSpec.load(run_dir.job))
     finally:
         lock.release()
@@ -195,12 +275,17 @@ def resume(
     fsdp: int | None = None,
     ep: int | None = None,
     tp: int | None = None,
+    launcher: str | None = None,
+    nnodes: int | None = None,
+    slurm: SlurmOptions | None = None,
 ) -> Run:
     """Continue a stopped, failed or lost run from its latest intact checkpoint, in the background.
 
-    ``nproc``/``fsdp``/``ep``/``tp`` change the layout (checkpoints hold full tensors, so any layout
-    works). Given ``nproc``, the run's ``tp`` and ``ep`` are kept where they still divide the new world
-    (else 1) and ``fsdp`` defaults to ``nproc / tp``.
+    ``nproc``/``nnodes``/``fsdp``/``ep``/``tp`` change the layout (checkpoints hold full tensors, so any
+    layout works). Given any of them, the run's ``tp`` and ``ep`` are kept where they still divide the
+    new world (else 1) and ``fsdp`` defaults to ``world / tp``. ``launcher``: ``local`` or ``slurm``
+    (default: the one the run was launched with); a Slurm resume reuses the run's Slurm options unless
+    ``slurm`` gives new ones. Every problem is reported before anything changes.
     """
     run = RunDir(Path(run_dir).absolute())
     if not run.is_run():
@@ -221,22 +306,43 @@ def resume(
             raise FileNotFoundError(f"{run.root}: no intact checkpoint to resume from{why}")
         for damaged, reason in skipped:
             warnings.warn(f"{damaged.name} is damaged ({reason}); resuming from {path.name}", stacklevel=2)
-        if any(v is not None for v in (nproc, fsdp, ep, tp)):
+        before = read_status(run.root)
+        launcher = launcher or (before.launcher if before and before.launcher in LAUNCHERS else "local")
+        if launcher == "slurm" and slurm is None and run.slurm_options.is_file():
+            slurm = _read_slurm_options(run)
+        changed = any(v is not None for v in (nproc, fsdp, ep, tp, nnodes))
+        if changed:
             p = spec.parallel
             p.nproc = nproc or p.nproc
+            p.nnodes = nnodes or p.nnodes
             p.tp = tp or (p.tp if p.world_size % p.tp == 0 else 1)
             p.fsdp = fsdp or p.world_size // p.tp
             p.ep = ep or (p.ep if (p.world_size // p.tp) % p.ep == 0 else 1)
-            spec.validate()
+        problems = spec.problems() if changed else []
+        problems += _launcher_problems(launcher, spec.parallel, slurm, run.root, resume=True)
+        if problems:
+            raise SpecError(problems)
+        if changed:
             spec.to_json(run.job)
-        if spec.parallel.nnodes != 1:
-            raise SpecError([f"parallel.nnodes = {spec.parallel.nnodes}: resume it with {MULTI_NODE}"])
         control.clear_stop(run.root)
         update_status(run.root, state=RunState.STARTING, pid=None, pid_start_time=None, host=None, ended=None,
-                      error=None)  # fmt: skip
+                      error=None, launcher=launcher, slurm_job_id=None, slurm_state=None)  # fmt: skip
+        if launcher == "slurm":
+            options = slurm or SlurmOptions()
+            atomic_write_json(run.slurm_options, options.to_dict())
+            return _submit(run, spec, options, resume=True)
         return _start(run, spec, resume=True)
     finally:
         lock.release()
+
+
+def _read_slurm_options(run: RunDir) -> SlurmOptions:
+    try:
+        return SlurmOptions.from_dict(json.loads(run.slurm_options.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise SpecError(
+            [f"{run.slurm_options}: cannot be read ({e}); pass slurm=ml.SlurmOptions(...)"]
+        ) from None
 
 
 def attach(run_dir: str | Path) -> Run:
@@ -359,6 +465,7 @@ class Run:
         self._process = process
         self._reader = MetricsReader(self.dir.metrics)
         self._tables: dict[tuple[RowKind, ...], tuple[int, int, pd.DataFrame | None]] = {}
+        self._slurm_seen: tuple[float, int, SlurmJob | SlurmError | None] | None = None
 
     def __repr__(self) -> str:
         try:
@@ -378,15 +485,18 @@ class Run:
     # -- state ---------------------------------------------------------------------------------
     @property
     def status(self) -> RunState:
-        """``starting`` | ``running`` | ``finished`` | ``failed`` | ``stopped`` | ``lost``.
+        """``queued`` | ``starting`` | ``running`` | ``finished`` | ``failed`` | ``stopped`` | ``lost``.
 
         A run that says it is starting or running is checked against its process (pid, start time,
         host): if that process is gone, the run ``failed`` (we started it and saw it exit) or is
         ``lost`` (it ended unseen, e.g. killed or the machine restarted); its last checkpoint can be
-        resumed. A run on another host is reported as its status file says."""
+        resumed. A run on another host is reported as its status file says. A Slurm run is checked
+        against Slurm (:meth:`_slurm_status`); :attr:`reason` says why it waits or ended."""
         status = read_status(self.dir.root)
         if status is None:
             return RunState.STARTING
+        if status.slurm_job_id is not None and status.slurm_state is None:
+            return self._slurm_status(status)
         if status.state.final or self._alive(status) is not False:
             return status.state
         # The job's process is gone but nobody wrote a final state. Re-read first: the job may have
@@ -413,6 +523,96 @@ class Run:
     def error(self) -> str | None:
         status = read_status(self.dir.root)
         return status.error if status else None
+
+    @property
+    def reason(self) -> str | None:
+        """Why the run is where it is: Slurm's words while it waits in the queue ("Slurm job 12 is
+        waiting in the queue (PENDING, reason Resources)"), the error of a run that failed, was lost
+        or killed; None otherwise."""
+        state = self.status
+        if state is RunState.QUEUED:
+            seen = self._slurm_seen[2] if self._slurm_seen else None
+            return seen.describe() if isinstance(seen, SlurmJob) else str(seen) if seen else None
+        return self.error
+
+    @property
+    def slurm_job(self) -> SlurmJob | None:
+        """What Slurm says of this run's job now (None: not a Slurm run, or Slurm forgot the job)."""
+        status = read_status(self.dir.root)
+        if status is None or status.slurm_job_id is None:
+            return None
+        return slurm_cmd.query(status.slurm_job_id)
+
+    def _ask_slurm(self, job_id: int, max_age: float = 1.0) -> SlurmJob | SlurmError | None:
+        """``slurm_cmd.query`` at most once per ``max_age`` seconds (dashboards read the status often)."""
+        now = time.monotonic()
+        if self._slurm_seen is None or self._slurm_seen[1] != job_id or now - self._slurm_seen[0] > max_age:
+            try:
+                seen: SlurmJob | SlurmError | None = slurm_cmd.query(job_id)
+            except SlurmError as e:
+                seen = e
+            self._slurm_seen = (now, job_id, seen)
+        return self._slurm_seen[2]
+
+    def _slurm_status(self, status: Status) -> RunState:
+        """The state of a Slurm run whose end Slurm has not confirmed yet.
+
+        Pending in Slurm: ``queued``. Running: as the run directory says (``starting`` until rank 0
+        writes ``running``). Ended: COMPLETED keeps the state the job wrote (``failed`` if it wrote
+        none); any other end (cancelled, timed out, a node lost, out of memory, preempted) is
+        ``failed`` with Slurm's reason, even when the job managed a graceful save on Slurm's
+        SIGTERM, unless it was this side that asked for the stop. The verdict and Slurm's state are
+        written to status.json, so Slurm is asked no more. If Slurm cannot be asked (no Slurm
+        commands here), the status file is believed."""
+        job = self._ask_slurm(status.slurm_job_id)
+        if isinstance(job, SlurmError):
+            return status.state
+        if job is not None and job.pending:
+            return RunState.QUEUED
+        if job is not None and not job.final:
+            if status.state is RunState.QUEUED:
+                return RunState.STARTING
+            if status.state is RunState.STOPPED and not control.stop_requested(self.dir.root):
+                return RunState.RUNNING  # Slurm signalled it (scancel, time limit): its verdict follows
+            return status.state
+        status = read_status(self.dir.root) or status  # the job may have written its end just now
+        if job is None:  # Slurm forgot the job (it ended more than MinJobAge ago)
+            slurm_state = "UNKNOWN"
+            if status.state.final:
+                state, error = status.state, status.error
+            else:
+                state, error = (
+                    RunState.LOST,
+                    (
+                        f"Slurm no longer knows job {status.slurm_job_id} and the job never wrote a final state; "
+                        "resume it from its last checkpoint"
+                    ),
+                )
+        else:
+            slurm_state = job.state
+            if job.clean:
+                state, error = (
+                    (status.state, status.error)
+                    if status.state.final
+                    else (
+                        RunState.FAILED,
+                        f"{job.describe()}, but the job never wrote a final state; last log lines: "
+                        + " | ".join(self.logs(rank=None, tail=5).strip().splitlines()),
+                    )
+                )
+            elif status.state is RunState.STOPPED and control.stop_requested(self.dir.root):
+                state, error = status.state, status.error  # our stop, ended by scancel after its timeout
+            else:
+                own = (
+                    f"; the job said: {status.error}"
+                    if status.error and status.state is RunState.FAILED
+                    else ""
+                )
+                state, error = RunState.FAILED, f"{job.describe()}{own}; resume it from its last checkpoint"
+        with contextlib.suppress(OSError):
+            update_status(self.dir.root, state=state, error=error, ended=status.ended or time.time(),
+                          slurm_state=slurm_state)  # fmt: skip
+        return state
 
     def _alive(self, status: Status) -> bool | None:
         """Is the job's process alive? None when this machine cannot tell (another host) or nothing
@@ -452,6 +652,9 @@ class Run:
         After ``timeout`` seconds the job's processes are killed."""
         if (state := self.status).final:
             return state
+        if state is RunState.QUEUED:  # nothing runs yet: take it out of Slurm's queue
+            self.kill()
+            return self.status
         control.request_stop(self.dir.root)
         state = self.wait(timeout)
         if not state.final:
@@ -461,8 +664,13 @@ class Run:
 
     def kill(self) -> None:
         """SIGKILL every process of the job, after checking that the recorded process still is the
-        job (same pid, start time and host): a stale pid is never signalled."""
+        job (same pid, start time and host): a stale pid is never signalled. A Slurm job is cancelled
+        (``scancel``: SIGKILL to every process on every node, then the job is ended), and this waits
+        until Slurm says it has ended."""
         status = read_status(self.dir.root)
+        if status is not None and status.slurm_job_id is not None and status.slurm_state is None:
+            self._cancel_slurm(status)
+            return
         if self._process is not None and self._process.poll() is None:
             _kill_job(self._process.pid)
         elif status is not None and status.process is not None and status.process.alive():
@@ -470,6 +678,22 @@ class Run:
         if status is not None and not status.state.final:
             with contextlib.suppress(OSError):
                 update_status(self.dir.root, state=RunState.STOPPED, ended=time.time(), error="killed")
+
+    def _cancel_slurm(self, status: Status, timeout: float = 120) -> None:
+        job_id = status.slurm_job_id
+        queued = self.status is RunState.QUEUED
+        slurm_cmd.cancel(job_id, signal="KILL")
+        slurm_cmd.cancel(job_id)
+        deadline = time.monotonic() + timeout
+        while (job := slurm_cmd.query(job_id)) is not None and not job.final and time.monotonic() < deadline:
+            time.sleep(0.5)
+        status = read_status(self.dir.root) or status
+        ended: dict[str, Any] = {"slurm_state": job.state if job is not None else "UNKNOWN"}
+        if not status.state.final:
+            what = "cancelled while queued" if queued else "killed"
+            ended |= {"state": RunState.STOPPED, "ended": time.time(), "error": f"{what} (scancel {job_id})"}
+        with contextlib.suppress(OSError):
+            update_status(self.dir.root, **ended)
 
     # -- live tenant lifecycle (control messages, applied by the job at a step boundary) ------
     def add_tenant(self, tenant: Tenant, wait: bool = True, timeout: float = 120) -> Request:

@@ -102,6 +102,7 @@ from mlora_lab.rundir import (
     rows,
     update_status,
 )
+from mlora_lab.rundir.status import this_host
 from mlora_lab.spec import JobSpec, SpecError, Tenant, effective_slot_modules, tenant_problems
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -841,6 +842,13 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     _redirect_output(run.log(rank))
     _exit_with_agent()
+    node = os.environ.get("SLURMD_NODENAME")  # under Slurm: the node as the cluster names it
+    where = (
+        f"Slurm node {node} (host {this_host()}, job {os.environ.get('SLURM_JOB_ID')})"
+        if node
+        else this_host()
+    )
+    print(f"[rank {rank}] pid {os.getpid()} on {where}", flush=True)
     trainer: Trainer | None = None
     signalled = False
 

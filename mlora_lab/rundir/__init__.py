@@ -2,13 +2,16 @@
 
 ```
 <run_dir>/job.json            the spec as launched (JobSpec as JSON)
-<run_dir>/status.json         {"state", "pid", "pid_start_time", "host", "started", "ended", "error"}
+<run_dir>/status.json         {"state", "pid", "pid_start_time", "host", "started", "ended", "error",
+                               "launcher", "slurm_job_id", "slurm_state"}
 <run_dir>/metrics.jsonl       typed rows (train / eval / system / tenant / event), appended by rank 0
 <run_dir>/logs/rank<R>.log    each rank's stdout+stderr (logs/launcher.log: the torchrun agent's)
 <run_dir>/adapters/<tenant>/  latest PEFT adapter directory of that tenant
 <run_dir>/checkpoints/        step_<N>/ = state.json + tensors.safetensors + meta.json (checksums)
 <run_dir>/control/            control messages, their results, and the stop request
 <run_dir>/labels.json         tags and a note, set by people (the job never reads it)
+<run_dir>/slurm.json          the SlurmOptions of a Slurm job (mlora_lab.slurm), reused by a resume
+<run_dir>/slurm.sbatch        its batch script as last submitted (logs/launcher.log: its output)
 <run_dir>/.lock               held (flock) by whoever owns the directory: a launch, then the job
 ```
 

@@ -73,6 +73,8 @@ class RunDir:
     control = property(lambda self: self.root / "control")
     labels = property(lambda self: self.root / "labels.json")
     lock = property(lambda self: self.root / ".lock")
+    slurm_options = property(lambda self: self.root / "slurm.json")
+    slurm_script = property(lambda self: self.root / "slurm.sbatch")
 
     def inside(self, path: str | os.PathLike) -> Path:
         """``path`` resolved (symlinks followed), checked to stay inside the run directory."""

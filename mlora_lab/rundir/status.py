@@ -90,6 +90,13 @@ class Status:
     started: float | None = None
     ended: float | None = None
     error: str | None = None
+    launcher: str | None = None
+    """``local`` or ``slurm`` (None: started by hand, from ``launchers/``)."""
+    slurm_job_id: int | None = None
+    """The Slurm job that runs it (``launcher == "slurm"``)."""
+    slurm_state: str | None = None
+    """Slurm's final ``JobState`` of that job, once the notebook side has seen it (COMPLETED,
+    CANCELLED, TIMEOUT, ...); None while it is queued or runs."""
 
     @property
     def process(self) -> ProcessIdentity | None:
@@ -122,6 +129,9 @@ class Status:
             "started": float,
             "ended": float,
             "error": str,
+            "launcher": str,
+            "slurm_job_id": int,
+            "slurm_state": str,
         }
         values: dict[str, Any] = {}
         for key, kind in kinds.items():

@@ -1,0 +1,440 @@
+"""The Slurm launcher: options, the batch script and the run's state from what Slurm says (fast, with
+Slurm's answers scripted), then real jobs on a real two-node Slurm cluster on this machine
+(:mod:`slurm_cluster`: munged, slurmctld and one slurmd per node, started and stopped by this module).
+
+On the cluster: two nodes × one process (fsdp=2) equal one local process; ``queued`` with Slurm's
+reason while the cluster is full; a live tenant reaches both nodes' ranks at the same step; a stop from
+the API is graceful; ``scancel`` and kill -9 of one node's worker are ``failed`` with the reason, and a
+Slurm resume continues exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import slurm_cluster
+from conftest import task_rows, write_jsonl
+from test_distributed import assert_same_adapters
+
+import mlora_lab as ml
+from mlora_lab import slurm as slurm_module
+from mlora_lab.launch import prepare_run
+from mlora_lab.lora import read_adapter
+from mlora_lab.rundir import checkpoint, control, read_status, update_status
+from mlora_lab.slurm import SlurmJob, SlurmOptions, render_script
+
+# -- options and the batch script (no cluster) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (SlurmOptions(partition="gpu\n#SBATCH --wrap=rm"), "slurm.partition must be a Slurm name"),
+        (SlurmOptions(partition="a b"), "slurm.partition must be a Slurm name"),
+        (SlurmOptions(account="x;y"), "slurm.account must be a Slurm name"),
+        (SlurmOptions(time="4 hours"), "slurm.time must be a Slurm time limit"),
+        (SlurmOptions(time="04:00:00\nrm -rf /"), "slurm.time must be a Slurm time limit"),
+        (SlurmOptions(gpus_per_node=-1), "slurm.gpus_per_node must be a whole number"),
+        (SlurmOptions(gpus_per_node=True), "slurm.gpus_per_node must be a whole number"),
+        (SlurmOptions(cpus_per_task="8"), "slurm.cpus_per_task must be a whole number"),
+        (SlurmOptions(rdzv_port=80), "slurm.rdzv_port must be a port"),
+        (SlurmOptions(extra=["--qos=high\nsrun evil"]), "line break or control character"),
+        (SlurmOptions(extra=["constraint=a100"]), "is not an sbatch option"),
+        (SlurmOptions(extra=["--nodes=3"]), "the node count comes from parallel.nnodes (= 2)"),
+        (SlurmOptions(extra=["-N3"]), "the node count comes from parallel.nnodes"),
+        (SlurmOptions(extra=["--ntasks-per-node=4"]), "the node count comes from parallel.nnodes"),
+        (SlurmOptions(extra=["--output=/tmp/x"]), "--output, which the launcher sets itself"),
+        (SlurmOptions(extra=["--requeue"]), "--requeue, which the launcher sets itself"),
+        (SlurmOptions(extra=["-p", "gpu"]), "use SlurmOptions.partition"),
+        (SlurmOptions(extra=["-c8"]), "use SlurmOptions.cpus_per_task"),
+        (SlurmOptions(extra="--qos=high"), "slurm.extra must be a list of strings"),
+        (SlurmOptions(setup=["module load cuda\nrm -rf /"]), "line break or control character"),
+        (SlurmOptions(gpus_per_node=2), "parallel.nproc = 4 processes per node but slurm.gpus_per_node = 2"),
+    ],
+)
+def test_bad_slurm_options_are_named(options, expected):
+    problems = options.problems(nnodes=2, nproc=4)
+    assert any(expected in p for p in problems), problems
+
+
+def test_good_slurm_options_have_no_problem():
+    options = SlurmOptions(partition="gpu", time="1-12:00:00", gpus_per_node=8, cpus_per_task=64,
+                           account="proj_1", extra=["--constraint=a100&80gb", "--qos=high", "--exclusive"],
+                           setup=["module load cuda/12.4", "source /shared/venv/bin/activate"])  # fmt: skip
+    assert options.problems(nnodes=4, nproc=8) == []
+    for t in ("30", "30:00", "04:00:00", "2-0", "2-12:30", "UNLIMITED"):
+        assert SlurmOptions(time=t).problems(1, 1) == [], t
+
+
+def test_options_round_trip_and_refuse_unknown_keys():
+    options = SlurmOptions(partition="gpu", extra=["--qos=high"])
+    assert SlurmOptions.from_dict(json.loads(json.dumps(options.to_dict()))) == options
+    with pytest.raises(ValueError, match="unknown Slurm options: nodes"):
+        SlurmOptions.from_dict({"nodes": 2})
+
+
+def test_the_batch_script_runs_one_agent_per_node_and_quotes_every_path(tmp_path):
+    run_dir = tmp_path / "my runs" / "r 1"
+    options = SlurmOptions(partition="gpu", time="01:00:00", gpus_per_node=4, cpus_per_task=16,
+                           extra=["--qos=high"], setup=["module load cuda"], python="/opt/py env/bin/python")  # fmt: skip
+    script = render_script(options, run_dir, nnodes=3, nproc=4, script=run_dir / "slurm.sbatch", resume=True)
+    sbatch = [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert sbatch == [
+        "--job-name=mlora-r 1", "--nodes=3", "--ntasks-per-node=1", "--no-requeue",
+        f"--output={run_dir}/logs/launcher.log", "--open-mode=append", f"--chdir={run_dir}",
+        "--partition=gpu", "--time=01:00:00", "--cpus-per-task=16", "--gpus-per-node=4", "--qos=high",
+    ]  # fmt: skip
+    assert "module load cuda" in script
+    assert "'/opt/py env/bin/python' -m torch.distributed.run" in script
+    assert '--nnodes "$SLURM_NNODES" --nproc-per-node 4' in script
+    assert '--rdzv-backend c10d --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT"' in script
+    assert script.rstrip().endswith(f"-m mlora_lab.train '{run_dir}' --resume")
+
+
+def test_several_nodes_on_the_local_launcher_are_refused_naming_the_launchers(llama_path, tmp_path):
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], serve=True, parallel=ml.Parallel(nproc=1, nnodes=2, fsdp=2),
+                      output_dir=str(tmp_path / "r"))  # fmt: skip
+    with pytest.raises(ml.SpecError) as err:
+        ml.launch(spec)
+    assert "launcher='slurm'" in str(err.value) and "multinode.sh" in str(err.value)
+    with pytest.raises(ml.SpecError, match="Slurm options were given, but the launcher is 'local'"):
+        ml.launch(spec, slurm=SlurmOptions())
+    assert not (tmp_path / "r").exists()
+
+
+def test_slurm_launch_without_slurm_commands_creates_nothing(llama_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], serve=True, output_dir=str(tmp_path / "r"))
+    with pytest.raises(ml.SpecError) as err:
+        ml.launch(spec, launcher="slurm", slurm=SlurmOptions(time="forever", extra=["--nodes=4"]))
+    text = str(err.value)
+    assert "sbatch, scontrol, scancel" in text and "slurm.time" in text and "node count" in text
+    assert not (tmp_path / "r").exists()
+
+
+# -- the run's state from what Slurm says (Slurm's answers scripted) -------------------------------
+
+
+@pytest.fixture
+def slurm_run(llama_path, tmp_path, monkeypatch):
+    """``slurm_run(answer, **status)``: a run directory recorded as Slurm job 42, whose ``scontrol``
+    answer is ``answer`` (a SlurmJob, or None: Slurm forgot the job)."""
+
+    made = iter(range(100))
+
+    def make(answer: SlurmJob | None, **status):
+        out = tmp_path / f"r{next(made)}"
+        spec = ml.JobSpec(base_model=llama_path, tenants=[], serve=True, output_dir=str(out))
+        run_dir = prepare_run(spec)
+        update_status(run_dir.root, **{"state": "queued", "launcher": "slurm", "slurm_job_id": 42, **status})
+        monkeypatch.setattr(slurm_module, "query", lambda job_id: answer)
+        return ml.attach(run_dir.root)
+
+    return make
+
+
+def test_a_pending_job_is_queued_with_slurms_reason(slurm_run):
+    run = slurm_run(SlurmJob(42, "PENDING", "Resources"))
+    assert run.status == "queued"
+    assert run.reason == "Slurm job 42 is waiting in the queue (PENDING, reason Resources)"
+    assert read_status(run.path).slurm_state is None
+
+
+@pytest.mark.parametrize(
+    ("state", "reason", "words"),
+    [
+        ("CANCELLED", "None", "was cancelled (scancel, or an administrator)"),
+        ("TIMEOUT", "TimeLimit", "reached its time limit (TIMEOUT, reason TimeLimit"),
+        ("NODE_FAIL", "NodeDown", "lost a node (NODE_FAIL, reason NodeDown"),
+        ("OUT_OF_MEMORY", "OutOfMemory", "ran out of memory"),
+        ("PREEMPTED", "None", "was preempted"),
+        ("FAILED", "NonZeroExitCode", "failed (FAILED, reason NonZeroExitCode, exit code 1:0"),
+    ],
+)
+def test_a_job_slurm_ended_is_failed_with_the_reason(slurm_run, state, reason, words):
+    """Even after the job saved gracefully on Slurm's SIGTERM (status says stopped), a run Slurm
+    ended is failed, unless this side asked for the stop."""
+    run = slurm_run(SlurmJob(42, state, reason, "1:0" if state == "FAILED" else "0:15", "node[1-2]"),
+                    state="stopped")  # fmt: skip
+    assert run.status == "failed"
+    assert words in run.error and "resume it from its last checkpoint" in run.error
+    status = read_status(run.path)
+    assert status.state == "failed" and status.slurm_state == state and status.ended
+
+
+def test_the_jobs_own_error_is_kept_next_to_slurms(slurm_run):
+    run = slurm_run(
+        SlurmJob(42, "FAILED", "NonZeroExitCode", "1:0"), state="failed", error="rank 1: RuntimeError: boom"
+    )
+    assert run.status == "failed"
+    assert "Slurm job 42 failed" in run.error and "the job said: rank 1: RuntimeError: boom" in run.error
+
+
+def test_a_completed_job_keeps_the_state_it_wrote(slurm_run):
+    assert slurm_run(SlurmJob(42, "COMPLETED", "None", "0:0"), state="finished").status == "finished"
+
+
+def test_a_completed_job_that_wrote_no_end_is_failed(slurm_run):
+    run = slurm_run(SlurmJob(42, "COMPLETED", "None", "0:0"), state="running")
+    assert run.status == "failed" and "never wrote a final state" in run.error
+
+
+def test_our_stop_ended_by_scancel_stays_stopped(slurm_run):
+    run = slurm_run(SlurmJob(42, "CANCELLED", "None", "0:15"), state="stopped")
+    control.request_stop(run.path)
+    assert run.status == "stopped"
+
+
+def test_a_job_slurm_forgot_without_an_end_is_lost(slurm_run):
+    run = slurm_run(None, state="running")
+    assert run.status == "lost" and "Slurm no longer knows job 42" in run.error
+
+
+def test_while_slurm_runs_the_job_the_run_directory_says_how_far_it_got(slurm_run):
+    assert slurm_run(SlurmJob(42, "RUNNING", "None")).status == "starting"  # queued -> Slurm started it
+    run = slurm_run(SlurmJob(42, "RUNNING", "None"), state="running")
+    assert run.status == "running"
+    update_status(run.path, state="stopped")  # saved on Slurm's SIGTERM; Slurm's verdict follows
+    assert run.status == "running"
+
+
+def test_slurm_is_asked_no_more_once_it_gave_its_verdict(slurm_run, monkeypatch):
+    run = slurm_run(SlurmJob(42, "TIMEOUT", "TimeLimit"), state="running")
+    assert run.status == "failed"
+
+    def no_more(job_id):
+        raise AssertionError("Slurm asked again")
+
+    monkeypatch.setattr(slurm_module, "query", no_more)
+    assert ml.attach(run.path).status == "failed"
+
+
+# -- a real two-node cluster ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A running local two-node Slurm (installed first if missing: CI runs as root). ``SLURM_CONF``
+    points every Slurm command of this process (and the jobs it submits) at it."""
+    why = slurm_cluster.install()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    local = slurm_cluster.LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    before = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(local.conf)
+    try:
+        local.start()
+        yield local
+    finally:
+        local.stop()
+        if before is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = before
+
+
+@pytest.fixture
+def on_cluster(cluster):
+    """Every job a test submits is ended when it ends, pass or fail."""
+    yield cluster
+    cluster.cancel_all()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("slurm_data")
+    return {
+        kind: write_jsonl(folder / f"{kind}.jsonl", task_rows(kind)) for kind in ("reverse", "chat", "upper")
+    }
+
+
+def tenants(data: dict[str, str]) -> list[ml.Tenant]:
+    return [
+        ml.Tenant(name="a", data=data["reverse"], rank=4, alpha=8, lr=1e-3, batch_size=3, max_steps=60, seed=1),
+        ml.Tenant(name="b", data=data["chat"], rank=8, lr=2e-3, batch_size=2, grad_accum=2, max_steps=45,
+                  schedule="cosine", warmup_steps=2, seed=2, target_modules=["q_proj", "v_proj", "down_proj"]),
+    ]  # fmt: skip
+
+
+def job(base: str, ts: list[ml.Tenant], out: Path, nodes: int = 2, **kw) -> ml.JobSpec:
+    parallel = ml.Parallel(nproc=1, nnodes=2, fsdp=2) if nodes == 2 else ml.Parallel(nproc=1)
+    return ml.JobSpec(base_model=base, tenants=ts, seq_len=64, max_rank=8, max_tenants=3, save_every=5,
+                      parallel=parallel, output_dir=str(out), **kw)  # fmt: skip
+
+
+OPTIONS = SlurmOptions(time="20")
+
+
+def losses(run: ml.Run) -> dict[tuple[str, int], float]:
+    m = run.metrics()
+    m = m[m["kind"] == "train"]
+    return {(r.tenant, r.tenant_step): r.loss for r in m.itertuples()}
+
+
+def adapters(run: ml.Run) -> dict[str, dict]:
+    return {n: read_adapter(run.adapter_path(n))[1] for n in ("a", "b")}
+
+
+def assert_same_training(run: ml.Run, reference: ml.Run, tol: float = 1e-5) -> None:
+    got, want = losses(run), losses(reference)
+    assert set(got) == set(want) and len(want) == 60 + 45
+    worst = max(abs(got[k] - want[k]) for k in want)
+    assert worst <= tol, worst
+    assert_same_adapters(adapters(run), adapters(reference), tol)
+
+
+def wait_for(what, predicate, run: ml.Run | None, timeout: float = 180, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            where = f"{run.status}: {run.reason}\n{run.logs(None)}" if run is not None else ""
+            raise AssertionError(f"timed out waiting for {what}. {where}")
+        time.sleep(poll)
+    return value
+
+
+def node_of(run: ml.Run, rank: int) -> str:
+    """The Slurm node rank ``rank`` ran on, as its log says (torchrun's rendezvous orders the nodes)."""
+    return re.search(r"\[rank \d+\] pid \d+ on Slurm node (\w+)", run.logs(rank, tail=None)).group(1)
+
+
+def slurm_verdict(run: ml.Run) -> str:
+    """Slurm's final state of the run's job, once the run has seen it (reading the status asks Slurm)."""
+
+    def seen() -> str | None:
+        _ = run.status
+        return read_status(run.path).slurm_state
+
+    return wait_for("Slurm's verdict", seen, run, poll=0.5)
+
+
+@pytest.fixture(scope="module")
+def local_reference(llama_path, data, tmp_path_factory) -> ml.Run:
+    """The job on one local process, run through."""
+    run = ml.launch(job(llama_path, tenants(data), tmp_path_factory.mktemp("local") / "run", nodes=1))
+    assert run.wait(300) == "finished", run.logs(0)
+    return run
+
+
+@pytest.mark.slow
+def test_two_slurm_nodes_equal_one_local_process(on_cluster, llama_path, data, local_reference, tmp_path):
+    run = ml.launch(job(llama_path, tenants(data), tmp_path / "run"), launcher="slurm", slurm=OPTIONS)
+    status = read_status(run.path)
+    assert status.launcher == "slurm" and status.slurm_job_id is not None
+    assert run.wait(300) == "finished", f"{run.error}\n{run.logs(None)}\n{run.logs(0)}\n{run.logs(1)}"
+    assert_same_training(run, local_reference)
+    # each rank ran on its own node, and its log is read from the run directory whatever node wrote it
+    assert {node_of(run, 0), node_of(run, 1)} == {"node1", "node2"}
+    assert f"slurm job {status.slurm_job_id} on node[1-2]" in run.logs(None)
+    assert (run.path / "slurm.sbatch").is_file() and json.loads((run.path / "slurm.json").read_text())[
+        "time"
+    ] == "20"
+    assert slurm_verdict(run) == "COMPLETED"
+
+
+@pytest.mark.slow
+def test_a_partition_slurm_refuses_creates_nothing(on_cluster, llama_path, data, tmp_path):
+    with pytest.raises(ml.SpecError, match=r"Slurm would refuse the job: .*[Ii]nvalid partition"):
+        ml.launch(job(llama_path, tenants(data), tmp_path / "run"), launcher="slurm",
+                  slurm=SlurmOptions(partition="nosuch"))  # fmt: skip
+    assert not (tmp_path / "run").exists()
+    assert on_cluster.jobs() == []
+
+
+@pytest.mark.slow
+def test_queued_while_the_cluster_is_full_then_a_live_tenant_then_a_graceful_stop(
+    on_cluster, llama_path, data, tmp_path
+):
+    blocker = on_cluster.run(
+        "sbatch", "--parsable", "-N2", "--wrap", "sleep 600", "-o", "/dev/null"
+    ).stdout.strip()
+    assert blocker.isdigit()
+    wait_for(
+        "the blocker to run",
+        lambda: on_cluster.run("squeue", "-h", "-j", blocker, "-o", "%T").stdout.strip() == "RUNNING",
+        None,
+    )
+    long = [
+        ml.Tenant(name="a", data=data["reverse"], rank=4, lr=1e-3, batch_size=2, max_steps=100_000, seed=1)
+    ]
+    run = ml.launch(job(llama_path, long, tmp_path / "run"), launcher="slurm", slurm=OPTIONS)
+    assert run.status == "queued"
+    reason = wait_for("Slurm's reason", lambda: "Resources" in (run.reason or "") and run.reason, run)
+    assert re.fullmatch(r"Slurm job \d+ is waiting in the queue \(PENDING, reason Resources\)", reason)
+    time.sleep(2)
+    assert run.status == "queued" and not list((run.path / "logs").glob("rank*.log"))
+
+    on_cluster.run("scancel", blocker)
+    wait_for("the first steps", lambda: run.global_step >= 3, run)
+    assert run.status == "running"
+    request = run.add_tenant(
+        ml.Tenant(name="c", data=data["upper"], rank=8, lr=1e-3, max_steps=5), timeout=120
+    )
+    step = request.result.step
+    for rank in (0, 1):  # both nodes' ranks applied it at the same step
+        log = run.logs(rank, tail=None)
+        assert f"control message {request.id} applied at step {step}: add 'c'" in log, log[-2000:]
+    assert {node_of(run, 0), node_of(run, 1)} == {"node1", "node2"}
+    wait_for("tenant c to finish", lambda: run.tenant_state("c") == "finished", run)
+
+    assert run.stop(timeout=120) == "stopped", run.logs(0)
+    latest, _ = checkpoint.latest_intact(run.path / "checkpoints")
+    assert latest is not None and checkpoint.read_checkpoint(latest)["tenants"]["a"]["step"] > 0
+    assert run.adapter_path("a").is_dir() and run.adapter_path("c").is_dir()
+    assert slurm_verdict(run) == "COMPLETED"  # the job ended itself: no scancel
+    status = read_status(run.path)
+    assert status.state == "stopped" and status.error is None
+
+
+def interrupted(llama_path, data, folder: Path, interrupt) -> ml.Run:
+    """Launch the reference job on Slurm, ``interrupt(run)`` once its first checkpoint is written,
+    and return the run once it has ended."""
+    run = ml.launch(job(llama_path, tenants(data), folder / "run"), launcher="slurm", slurm=OPTIONS)
+    wait_for("the first checkpoint", lambda: any((run.path / "checkpoints").glob("step_*/meta.json")), run)
+    interrupt(run)
+    assert run.wait(120) == "failed", f"{run.status}: {run.error}"
+    return run
+
+
+@pytest.mark.slow
+def test_scancel_is_failed_with_the_reason_and_a_slurm_resume_continues_exactly(
+    on_cluster, llama_path, data, local_reference, tmp_path
+):
+    run = interrupted(
+        llama_path, data, tmp_path, lambda r: on_cluster.run("scancel", str(read_status(r.path).slurm_job_id))
+    )
+    assert re.search(
+        r"Slurm job \d+ was cancelled \(scancel, or an administrator\) \(CANCELLED", run.error
+    ), run.error
+    assert run.global_step < 60, "interrupted mid-run"
+    first_job = read_status(run.path).slurm_job_id
+    resumed = ml.resume(run.path, launcher="slurm")
+    assert read_status(run.path).slurm_job_id not in (None, first_job)
+    assert resumed.wait(300) == "finished", resumed.logs(0)
+    assert_same_training(resumed, local_reference)
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_nodes_worker_is_failed_and_a_slurm_resume_continues_exactly(
+    on_cluster, llama_path, data, local_reference, tmp_path
+):
+    def kill_rank_1(run: ml.Run) -> None:
+        pid = int(re.search(r"\[rank 1\] pid (\d+) on Slurm node", run.logs(1, tail=None)).group(1))
+        os.kill(pid, signal.SIGKILL)
+
+    run = interrupted(llama_path, data, tmp_path, kill_rank_1)
+    assert run.global_step < 60, "interrupted mid-run"
+    assert slurm_verdict(run) in ("FAILED", "CANCELLED")
+    assert run.status == "failed"
+    assert "Slurm job" in run.error and "resume it from its last checkpoint" in run.error, run.error
+    resumed = ml.resume(run.path, launcher="slurm", nnodes=2)
+    assert resumed.wait(300) == "finished", resumed.logs(0)
+    assert_same_training(resumed, local_reference)
