@@ -1,6 +1,6 @@
 """The ``mlora-lab`` command line.
 
-mlora-lab run job.json        validate, launch under torchrun, follow until it ends
+mlora-lab run job.json        validate, launch under torchrun (or --launcher slurm), follow until it ends
 mlora-lab demo                build a tiny model + 3 tenants, train them together, summarise
 mlora-lab status RUN_DIR      state and per-tenant summary of a run
 mlora-lab stop RUN_DIR        graceful stop (checkpoint, save adapters, exit)
@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from mlora_lab.launch import DEFAULT_WORKDIR, LAUNCHERS, Run, attach, launch, prepare_run, resume
 from mlora_lab.rundir import CheckpointError, ControlError, RowKind, RunDirError, RunState, TenantState
+from mlora_lab.slurm import SlurmOptions
 from mlora_lab.spec import JobSpec, SpecError
 
 # What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
@@ -62,7 +63,8 @@ class Follower:
         if state == self.run_state:
             return []
         self.run_state = state
-        return [self._stamp(f"run {state.value}")]
+        why = f" ({self.run.reason})" if state is RunState.QUEUED and self.run.reason else ""
+        return [self._stamp(f"run {state.value}{why}")]
 
     def see_rows(self, rows: list[dict]) -> list[str]:
         """Take in new rows; the lines they call for (repeated rows, as after a resume re-reads the
@@ -193,8 +195,38 @@ def follow_to_exit(run: Run, no_follow: bool = False) -> int:
     return 0 if state == RunState.FINISHED else 1
 
 
+def slurm_options(args: argparse.Namespace) -> SlurmOptions | None:
+    """The Slurm options given on the command line; None when none is (a launch then uses the
+    defaults, a resume the run's own)."""
+    fields = {k: getattr(args, k) for k in ("partition", "time", "gpus_per_node", "cpus_per_task", "account")}
+    given = {k: v for k, v in fields.items() if v is not None}
+    extra, setup = list(args.sbatch_arg or []), list(args.setup or [])
+    if not given and not extra and not setup:
+        return None
+    return SlurmOptions(**given, extra=extra, setup=setup)
+
+
+def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "Slurm (with --launcher slurm; the run directory must be on a filesystem every node sees)"
+    )
+    g.add_argument("--partition", default=None)
+    g.add_argument("--time", default=None, help="time limit, in a Slurm format: 30, 04:00:00, 1-12:00:00")
+    g.add_argument(
+        "--gpus-per-node", type=int, default=None, help="GPUs per node (parallel.nproc: one rank per GPU)"
+    )
+    g.add_argument("--cpus-per-task", type=int, default=None, help="CPU cores per node")
+    g.add_argument("--account", default=None)
+    g.add_argument("--sbatch-arg", action="append", metavar="OPTION",
+                   help="a further sbatch option, e.g. --sbatch-arg=--qos=high (repeatable)")  # fmt: skip
+    g.add_argument("--setup", action="append", metavar="LINE",
+                   help="a shell line the batch script runs first, e.g. 'module load cuda' (repeatable)")  # fmt: skip
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    run = launch(JobSpec.load(args.job), workdir=args.workdir, launcher=args.launcher)
+    run = launch(
+        JobSpec.load(args.job), workdir=args.workdir, launcher=args.launcher, slurm=slurm_options(args)
+    )
     return follow_to_exit(run, args.no_follow)
 
 
@@ -222,14 +254,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    run = resume(args.run_dir, nproc=args.nproc, fsdp=args.fsdp, ep=args.ep, tp=args.tp)
+    run = resume(args.run_dir, nproc=args.nproc, fsdp=args.fsdp, ep=args.ep, tp=args.tp, nnodes=args.nnodes,
+                 launcher=args.launcher, slurm=slurm_options(args))  # fmt: skip
     return follow_to_exit(run, args.no_follow)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     run = attach(args.run_dir)
-    print(f"{run.path}: {run.status} (step {run.global_step})")
-    if run.error:
+    state = run.status
+    print(f"{run.path}: {state} (step {run.global_step})")
+    if state is RunState.QUEUED and run.reason:
+        print(f"queued: {run.reason}")
+    elif run.error:
         print(f"error: {run.error}")
     labels = run.labels
     if labels.tags:
@@ -254,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", type=Path)
     p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where run directories go (unless output_dir)")
     p.add_argument("--no-follow", action="store_true", help="print the run directory and return at once")
-    p.add_argument("--launcher", default="local", choices=LAUNCHERS, help="where the job runs")
+    p.add_argument("--launcher", default="local", choices=LAUNCHERS,
+                   help="where the job runs: local (torchrun here) or slurm (sbatch; parallel.nnodes nodes)")  # fmt: skip
+    add_slurm_arguments(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("prepare", help="validate a job.json and create its run directory (for launchers/)")
     p.add_argument("job", type=Path)
@@ -274,6 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", type=int, default=None, help="change the FSDP degree (default: nproc / tp)")
     p.add_argument("--tp", type=int, default=None, help="change the tensor-parallel degree")
     p.add_argument("--ep", type=int, default=None, help="change the expert-parallel degree (MoE)")
+    p.add_argument("--nnodes", type=int, default=None, help="change the number of nodes (Slurm)")
+    p.add_argument(
+        "--launcher", default=None, choices=LAUNCHERS, help="default: the one the run was launched with"
+    )
+    add_slurm_arguments(p)
     p.add_argument("--no-follow", action="store_true")
     p.set_defaults(func=cmd_resume)
     p = sub.add_parser("status", help="show a run's state and per-tenant summary")

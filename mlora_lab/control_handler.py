@@ -139,7 +139,9 @@ class ControlHandler:
             change.commit()
             # every rank says so in its own log: where a job spans nodes, the logs show that all
             # ranks applied it at the same step
-            print(f"control message {msg.id} applied at step {step}: {msg.op.value} {msg.subject!r}", flush=True)
+            print(
+                f"control message {msg.id} applied at step {step}: {msg.op.value} {msg.subject!r}", flush=True
+            )
             return ControlResult(msg.id, True, None, step)
         if change is not None:
             try:

@@ -693,6 +693,8 @@ class Dashboard:
                 etas = [e for e in etas if e is not None]
                 if etas:  # the run ends with its slowest running tenant
                     text += f" · ETA {_duration(max(etas))}"
+            if state == "queued" and (reason := feed.run.reason):  # Slurm: why it waits (Resources, ...)
+                text += f" · {html.escape(reason)}"
             if state in ("failed", "lost"):
                 text += self._failure_html(feed.run)
             lines.append(text)

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -124,6 +125,8 @@ def _launcher_problems(
     if not isinstance(options, SlurmOptions):
         return [f"slurm= takes an ml.SlurmOptions, not {type(options).__name__}"]
     problems = options.problems(nnodes, nproc)
+    if (problem := slurm_cmd.run_dir_problem(root)) is not None:
+        problems.append(problem)
     if shutil.which("sbatch") is None:
         problems.append("the slurm launcher needs Slurm's commands (sbatch, scontrol, scancel) on PATH")
     if not problems:
@@ -230,9 +233,9 @@ def _submit(run_dir: RunDir, spec: JobSpec, options: SlurmOptions, resume: bool 
     resolve_base(spec.base_model)
     p = spec.parallel
     script = slurm_cmd.render_script(options, run_dir.root, p.nnodes, p.nproc, run_dir.slurm_script, resume)
-    atomic_write_text(run_dir.slurm_script, script)
+    atomic_write_text(run_dir.slurm_script, script)  # the record; Slurm gets the text itself
     try:
-        job_id = slurm_cmd.submit(run_dir.slurm_script)
+        job_id = slurm_cmd.submit(script)
     except SlurmError as e:
         update_status(run_dir.root, state=RunState.FAILED, ended=time.time(), error=str(e))
         raise
@@ -337,8 +340,20 @@ def resume(
 
 
 def _read_slurm_options(run: RunDir) -> SlurmOptions:
+    """The Slurm options the run was launched with. Its ``setup`` lines and ``python`` run as shell on
+    the nodes, so the file is trusted only if it is yours and nobody else can write it."""
+    path = run.slurm_options
     try:
-        return SlurmOptions.from_dict(json.loads(run.slurm_options.read_text()))
+        st = path.stat(follow_symlinks=False)
+    except OSError as e:
+        raise SpecError([f"{path}: cannot be read ({e}); pass slurm=ml.SlurmOptions(...)"]) from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise SpecError([
+            f"{path} is not a file of yours that only you can write, so its setup lines are not run; "
+            "pass slurm=ml.SlurmOptions(...) to resume"
+        ])  # fmt: skip
+    try:
+        return SlurmOptions.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError) as e:
         raise SpecError(
             [f"{run.slurm_options}: cannot be read ({e}); pass slurm=ml.SlurmOptions(...)"]

@@ -48,6 +48,7 @@ __all__ = [
     "cancel",
     "query",
     "render_script",
+    "run_dir_problem",
     "submit",
     "test_submit",
 ]
@@ -220,6 +221,19 @@ class SlurmOptions:
         return [f"#SBATCH {o}" for o in opts + list(self.extra)]
 
 
+def run_dir_problem(run_dir: Path) -> str | None:
+    """Why ``run_dir`` cannot be a Slurm job's directory (None if it can): it goes into ``#SBATCH``
+    lines, which sbatch splits at whitespace and in which ``%`` is a filename pattern (``%j``)."""
+    text = str(run_dir)
+    bad = sorted({c for c in text if c.isspace() or c in "%\"'\\" or _CONTROL.match(c)})
+    if bad:
+        return (
+            f"the run directory {text[:200]!r} holds {''.join(bad)!r}: a Slurm job's directory must not "
+            "contain whitespace, quotes, backslashes or '%' (it goes into #SBATCH --output/--chdir)"
+        )
+    return None
+
+
 def _extra_problems(option: str, nnodes: int) -> list[str]:
     """Problems of one ``extra`` sbatch option: it must be an option, and not one the launcher sets."""
     if not option.startswith("-"):
@@ -298,24 +312,26 @@ def render_script(
     )
 
 
-def _command(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+def _command(args: list[str], timeout: float = 30, stdin: str | None = None) -> subprocess.CompletedProcess:
     """Run a Slurm command; :class:`SlurmError` if it is missing or cannot be run."""
     if shutil.which(args[0]) is None:
         raise SlurmError(
             f"{args[0]} not found on PATH: Slurm's commands must be installed where the job is launched"
         )
+    feed: dict[str, Any] = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
     try:
-        return subprocess.run(args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **feed)
     except subprocess.TimeoutExpired:
         raise SlurmError(
             f"{' '.join(args[:2])} did not answer within {timeout:.0f} s (is slurmctld up?)"
         ) from None
 
 
-def submit(script: Path) -> int:
-    """``sbatch --parsable script``: the new job's id. :class:`SlurmError` with sbatch's message if
-    Slurm refuses the job (unknown partition, a limit, ...)."""
-    proc = _command(["sbatch", "--parsable", str(script)], timeout=60)
+def submit(script: str) -> int:
+    """``sbatch --parsable`` of the script's text (given on stdin, so what is submitted is what was
+    rendered, whatever happens to a copy on disk): the new job's id. :class:`SlurmError` with sbatch's
+    message if Slurm refuses the job (unknown partition, a limit, ...)."""
+    proc = _command(["sbatch", "--parsable"], timeout=60, stdin=script)
     out = proc.stdout.strip()
     if proc.returncode != 0 or not out:
         raise SlurmError(f"sbatch refused the job: {(proc.stderr or out).strip()[:2000]}")

