@@ -309,7 +309,10 @@ def resume(
             raise FileNotFoundError(f"{run.root}: no intact checkpoint to resume from{why}")
         for damaged, reason in skipped:
             warnings.warn(f"{damaged.name} is damaged ({reason}); resuming from {path.name}", stacklevel=2)
-        before = read_status(run.root)
+        try:
+            before = read_status(run.root)
+        except RunDirError:  # corrupt (see above): the launcher it was launched with is unknown
+            before = None
         launcher = launcher or (before.launcher if before and before.launcher in LAUNCHERS else "local")
         if launcher == "slurm" and slurm is None and run.slurm_options.is_file():
             slurm = _read_slurm_options(run)
