@@ -33,38 +33,46 @@ class Checkpointer:
         self.trainer = trainer
         self.keep = keep
 
+    def tenant_state(self, name: str) -> dict[str, Any]:
+        """Everything needed to continue tenant ``name`` exactly, gathered in full (the same whatever the
+        sharding): spec, adapter, optimiser and schedule, data cursor, counters, the accumulation
+        window with its gradient so far. A collective: every process calls it."""
+        tr = self.trainer
+        io = tr.model.io
+        t = tr.tenants[name]
+        partial_grads = None
+        if t.micro:  # mid-window: keep the gradient accumulated so far, summed over the ranks
+            partial_grads = [io.gather(p, i, io.grad_sum(p)[i]) for p, i in t.optimizer.slices]
+        window_loss = t.window_loss.reshape(1) if t.window_loss is not None else torch.zeros(1)
+        return {
+            "spec": t.spec.to_dict(),
+            "adapter": tr.model.tenant_tensors(name),
+            "optimizer": t.optimizer.state_dict(gather=io.gather),
+            "stream": t.stream.state_dict(),
+            "state": t.state.value,
+            "reason": t.reason,
+            "step": t.step,
+            "micro": t.micro,
+            "window": [[[ex.input_ids, ex.labels, ex.position_ids] for ex in rows] for rows in t.window],
+            "window_tokens": t.window_tokens,
+            "window_loss": float(tr.comm.sum_over_dp(window_loss)[0]),
+            "partial_grads": partial_grads,
+            "tokens_seen": t.tokens_seen,
+        }
+
     def state(self) -> dict[str, Any]:
         """The job's resumable state, gathered in full. A collective: every process calls it."""
         tr = self.trainer
-        io = tr.model.io
-        tenants = {}
-        for name, t in tr.tenants.items():
-            partial_grads = None
-            if t.micro:  # mid-window: keep the gradient accumulated so far, summed over the ranks
-                partial_grads = [io.gather(p, i, io.grad_sum(p)[i]) for p, i in t.optimizer.slices]
-            window_loss = t.window_loss.reshape(1) if t.window_loss is not None else torch.zeros(1)
-            tenants[name] = {
-                "spec": t.spec.to_dict(),
-                "adapter": tr.model.tenant_tensors(name),
-                "optimizer": t.optimizer.state_dict(gather=io.gather),
-                "stream": t.stream.state_dict(),
-                "state": t.state.value,
-                "reason": t.reason,
-                "step": t.step,
-                "micro": t.micro,
-                "window": [[[ex.input_ids, ex.labels, ex.position_ids] for ex in rows] for rows in t.window],
-                "window_tokens": t.window_tokens,
-                "window_loss": float(tr.comm.sum_over_dp(window_loss)[0]),
-                "partial_grads": partial_grads,
-                "tokens_seen": t.tokens_seen,
-            }
-        return {
+        state = {
             "global_step": tr.global_step,
             "world_size": tr.dist.world_size,
             "removed": sorted(tr.removed),
             "rng": torch.get_rng_state(),
-            "tenants": tenants,
+            "tenants": {name: self.tenant_state(name) for name in tr.tenants},
         }
+        if tr.search is not None:
+            state["search"] = tr.search.state()
+        return state
 
     def save(self) -> Path | None:
         """Write ``checkpoints/step_<N>`` (rank 0) and drop all but the newest ``keep``. A collective.
@@ -95,30 +103,39 @@ class Checkpointer:
     def restore(self, state: dict[str, Any]) -> None:
         """Put ``state`` (from :meth:`read`) back into the trainer, whose tenants already hold slots."""
         tr = self.trainer
-        io = tr.model.io
         tr.global_step = state["global_step"]
         torch.set_rng_state(state["rng"])
         for name, s in state["tenants"].items():
-            t = tr.tenants.get(name)
-            if t is None:  # it could not be started this time; its row says why
-                continue
-            tr.model.set_tenant_tensors(name, s["adapter"])
-            t.optimizer.load_state_dict(s["optimizer"], scatter=io.scatter)
-            t.stream.load_state_dict(s["stream"])
-            t.state, t.reason, t.step, t.micro = TenantState(s["state"]), s["reason"], s["step"], s["micro"]
-            t.window = [[_example(row) for row in rows] for rows in s["window"]]
-            t.window_tokens, t.tokens_seen = s["window_tokens"], s["tokens_seen"]
-            # The saved loss is the sum over all processes: rank 0 carries it, the others restart at 0.
-            t.window_loss = torch.tensor(s["window_loss"] if tr.comm.dp_rank == 0 else 0.0, device=tr.device)
-            if s["partial_grads"] is not None:
-                for (p, i), g in zip(t.optimizer.slices, s["partial_grads"]):
-                    if g is None:
-                        continue
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    part = io.scatter(p, i, g)
-                    # the saved sum goes to one of the processes it will be summed over again
-                    io.local(p.grad)[i].copy_(part if io.first_copy(p) else torch.zeros_like(part))
+            if name in tr.tenants:  # (else it could not be started this time; its row says why)
+                self.restore_tenant(name, s)
+
+    def restore_tenant(self, name: str, s: dict[str, Any], whole: bool = True) -> None:
+        """Put one tenant's saved state ``s`` (:meth:`tenant_state`) into tenant ``name``, which holds a
+        slot of the same shape. ``whole=False`` (PBT's exploit) takes only the training state (adapter,
+        optimiser and schedule, step): the tenant keeps its own data cursor, counters and name."""
+        tr = self.trainer
+        io = tr.model.io
+        t = tr.tenants[name]
+        tr.model.set_tenant_tensors(name, s["adapter"])
+        t.optimizer.load_state_dict(s["optimizer"], scatter=io.scatter)
+        t.step = s["step"]
+        if not whole:
+            return
+        t.stream.load_state_dict(s["stream"])
+        t.state, t.reason, t.micro = TenantState(s["state"]), s["reason"], s["micro"]
+        t.window = [[_example(row) for row in rows] for rows in s["window"]]
+        t.window_tokens, t.tokens_seen = s["window_tokens"], s["tokens_seen"]
+        # The saved loss is the sum over all processes: rank 0 carries it, the others restart at 0.
+        t.window_loss = torch.tensor(s["window_loss"] if tr.comm.dp_rank == 0 else 0.0, device=tr.device)
+        if s["partial_grads"] is not None:
+            for (p, i), g in zip(t.optimizer.slices, s["partial_grads"]):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                part = io.scatter(p, i, g)
+                # the saved sum goes to one of the processes it will be summed over again
+                io.local(p.grad)[i].copy_(part if io.first_copy(p) else torch.zeros_like(part))
 
 
 def _example(saved: list) -> Example:

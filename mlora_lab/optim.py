@@ -70,6 +70,22 @@ class TenantOptimizer:
         """The learning rate the next step will use."""
         return self.optimizer.param_groups[0]["lr"]
 
+    def set_hyperparameters(
+        self, lr: float | None = None, weight_decay: float | None = None, max_grad_norm: float | None = None
+    ) -> None:
+        """Change settings while training (PBT's explore): a new base ``lr`` keeps the schedule's
+        position (the next step uses ``lr × schedule(step)``); ``weight_decay`` and ``max_grad_norm``
+        apply from the next step."""
+        group = self.optimizer.param_groups[0]
+        if lr is not None:
+            self.scheduler.base_lrs = [lr]
+            group["initial_lr"] = lr
+            group["lr"] = lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        if weight_decay is not None:
+            group["weight_decay"] = weight_decay
+        if max_grad_norm is not None:
+            self.max_grad_norm = max_grad_norm
+
     def bind(self) -> None:
         """Point the stand-in parameters and their gradients at the current slot storage."""
         for handle, (param, index) in zip(self.params, self.slices):

@@ -103,6 +103,7 @@ from mlora_lab.rundir import (
     update_status,
 )
 from mlora_lab.rundir.status import this_host
+from mlora_lab.search_job import SearchController, read_sweep
 from mlora_lab.spec import JobSpec, SpecError, Tenant, effective_slot_modules, tenant_problems
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -196,6 +197,7 @@ class Trainer:
         self.removed: set[str] = set()  # names of tenants removed while the job ran (never reused)
         self.unstarted: dict[str, str] = {}  # job.json tenants that could not be started, with why
         self.checkpointer = Checkpointer(self)
+        self.search: SearchController | None = None
         self.control = ControlHandler(
             self.run, self.comm, self.dist.is_main, prepare=self.prepare_control, on_refused=self._log_refused
         )
@@ -219,8 +221,14 @@ class Trainer:
 
         in_checkpoint = saved["tenants"] if saved is not None else {}
         self.removed = set(saved["removed"]) if saved is not None else set()
+        # A sweep's trials are started, paused and restored by its search (mlora_lab.search_job); on
+        # resume the job starts only those that held a slot in the checkpoint.
+        sweep = read_sweep(self.run.root) if self.run is not None else None
+        if sweep is not None:
+            self.search = SearchController(self, sweep, saved.get("search") if saved is not None else None)
+        not_in_slots = self.search.not_in_slots() if self.search is not None else set()
         for tenant in spec.tenants:
-            if tenant.name not in self.removed:
+            if tenant.name not in self.removed and tenant.name not in not_in_slots:
                 # a tenant added after the last checkpoint has no state in it: it starts afresh
                 self._start_tenant(tenant, log=tenant.name not in in_checkpoint)
         for name, s in in_checkpoint.items():  # in the checkpoint, but job.json could not record it
@@ -336,6 +344,7 @@ class Trainer:
         ``idle_s`` seconds, until there is work again or it is stopped."""
         self.model.train()
         self._poll_control()
+        self._poll_search()
         while not self.stop_requested:
             if self.step():
                 if self.spec.eval_every and self.global_step % self.spec.eval_every == 0:
@@ -344,9 +353,10 @@ class Trainer:
                     self.save(final=False)
             elif self.spec.serve or any(t.state is TenantState.PAUSED for t in self.tenants.values()):
                 time.sleep(idle_s)  # nothing to train now: wait cheaply for new or resumed tenants
-            else:
+            elif not (self.search is not None and self.search.active):
                 break
             self._poll_control()
+            self._poll_search()
         if not self.stop_requested and any(t.eval_examples for t in self.tenants.values()):
             self.evaluate()
         self.save(final=True)
@@ -507,12 +517,16 @@ class Trainer:
         self._set_state(t, TenantState.FAILED, reason)
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Mean target-token loss of each tenant's eval set, computed in mixed-tenant batches."""
+    def evaluate(self, only: list[str] | None = None) -> dict[str, float]:
+        """Mean target-token loss of each tenant's eval set (or of the tenants ``only``), computed in
+        mixed-tenant batches. A collective: every process calls it with the same tenants."""
         was_training = self.model.training
         self.model.eval()
         # a quarantined tenant's loss is NaN by definition: it is not evaluated
-        names = [n for n, t in self.tenants.items() if t.eval_examples and t.state is not TenantState.FAILED]
+        names = [
+            n for n, t in self.tenants.items()
+            if t.eval_examples and t.state is not TenantState.FAILED and (only is None or n in only)
+        ]  # fmt: skip
         sums = torch.zeros(len(names), 2, dtype=torch.float64)  # (loss sum, target tokens) per tenant
         cursors = dict.fromkeys(names, 0)
         while any(cursors[n] < len(self.tenants[n].eval_examples) for n in names):
@@ -630,6 +644,46 @@ class Trainer:
         if t.state is not before:
             raise ValueError(f"tenant {name!r} is {t.state.value}, not {before.value}")
         return Change(commit=lambda: self._set_state(t, after))
+
+    def _poll_search(self) -> None:
+        if self.search is not None:
+            self.search.poll()
+
+    def start_trial(self, tenant: Tenant, saved: dict | None = None) -> Change:
+        """First phase of putting a search trial's tenant into a free slot: fresh, or with ``saved``
+        (:meth:`Checkpointer.tenant_state`, a trial that waited for a promotion). Like an ``add``
+        message, except that the name is the search's own and may already be in job.json (a trial
+        started before a resume, or a paused one)."""
+        if len(self.model.tenants) >= self.spec.max_tenants:
+            raise ValueError(f"no free slot: all max_tenants={self.spec.max_tenants} slots are taken")
+        run = self.add_tenant(tenant, log=False)
+        if saved is not None:
+            self.checkpointer.restore_tenant(tenant.name, saved)
+
+        def commit() -> None:
+            self.removed.discard(tenant.name)
+            if not any(t.name == tenant.name for t in self.spec.tenants):
+                self.spec.tenants.append(tenant)
+                if self.run is not None and self.dist.is_main:
+                    try:
+                        self.spec.to_json(self.run.job)
+                    except OSError as e:
+                        print(f"job.json not updated for trial {tenant.name!r}: {e}", flush=True)
+            run.state, run.reason = TenantState.RUNNING, None
+            self._log_tenant(run)
+
+        return Change(commit=commit, undo=lambda: self._drop(tenant.name))
+
+    def release_slot(self, name: str, state: TenantState | None, reason: str | None) -> None:
+        """Free a search trial's slot (it finished, or waits for a promotion with its state kept by
+        the search); with ``state``, a tenant row says so."""
+        t = self.tenants.pop(name)
+        t.optimizer.zero_grad()
+        self.model.remove_tenant(name)
+        self.removed.add(name)
+        if state is not None:
+            t.state, t.reason = state, reason
+            self._log(TenantRow(step=self.global_step, tenant=name, state=state, reason=reason))
 
     def _remove(self, t: TenantRun) -> None:
         t.optimizer.zero_grad()
