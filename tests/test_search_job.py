@@ -1,0 +1,169 @@
+"""The search inside a job (mlora_lab.search_job), on the tiny model in this process: a refilled slot
+starts clean, PBT's exploit copies adapter and optimiser state exactly, and a sweep stopped and resumed
+makes the same decisions as one that ran through."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import task_rows, write_jsonl
+
+import mlora_lab as ml
+from mlora_lab.rundir import RunDir, atomic_write_json
+from mlora_lab.search import ASHA, PBT, Action, Sweep, choice, loguniform
+from mlora_lab.train import Trainer
+
+
+@pytest.fixture
+def base_tenant(tmp_path) -> ml.Tenant:
+    data = write_jsonl(tmp_path / "train.jsonl", task_rows("reverse", 24))
+    evals = write_jsonl(tmp_path / "eval.jsonl", task_rows("reverse", 6))
+    return ml.Tenant(name="base", data=data, eval_data=evals, rank=4, batch_size=2, max_steps=8)
+
+
+def sweep_trainer(llama_path: str, out: Path, sweep: Sweep, resume: bool = False, **job) -> Trainer:
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], seq_len=64, max_rank=16, output_dir=str(out),
+                      slot_modules=["q_proj", "v_proj"], **{"max_tenants": 3, **job})  # fmt: skip
+    if not resume:
+        run = RunDir(out).create()
+        spec.to_json(run.job)
+        atomic_write_json(run.root / "sweep.json", sweep.to_dict())
+    return Trainer(spec, out, resume=resume)
+
+
+def search_state(out: Path) -> dict:
+    return json.loads((out / "search.json").read_text())
+
+
+def asha_sweep(base: ml.Tenant) -> Sweep:
+    space = {"lr": loguniform(1e-4, 3e-2), "rank": choice(4, 8)}
+    return Sweep(base, space, ASHA(n=8, min_steps=2, eta=2), budget=8, seed=1)
+
+
+def test_asha_in_a_job_prunes_and_refills_its_slots(llama_path, base_tenant, tmp_path):
+    tr = sweep_trainer(llama_path, tmp_path / "run", asha_sweep(base_tenant))
+    held = []
+    step = tr.step
+
+    def counting_step():
+        held.append(len(tr.model.tenants))
+        return step()
+
+    tr.step = counting_step
+    tr.train(idle_s=0.01)
+    tr.close()
+    state = search_state(tmp_path / "run")
+    assert max(held) == 3, "never more trials at once than slots"
+    trials = state["trials"]
+    assert len(trials) == 8 and {t["state"] for t in trials} == {"finished", "pruned"}
+    assert sum(t["state"] == "finished" for t in trials) >= 1
+    actions = [d["action"] for d in state["decisions"]]
+    assert actions.count("start") == 8 and "promote" in actions and "prune" in actions
+    # every trial that reached a rung has its adapter at that rung, pruned ones included
+    assert all(
+        (tmp_path / "run" / "adapters" / f"trial-{t['id']:03d}" / "adapter_config.json").is_file()
+        for t in trials
+    )
+
+
+def test_a_refilled_slot_starts_clean(llama_path, base_tenant, tmp_path):
+    """A trial that takes a slot another trial left is the same as that trial alone in a fresh job."""
+    sweep = asha_sweep(base_tenant)
+    tr = sweep_trainer(llama_path, tmp_path / "sweep", sweep, max_tenants=2)
+    tr.train(idle_s=0.01)
+    tr.close()
+    state = search_state(tmp_path / "sweep")
+    # a trial that started in a slot an earlier trial left, and stopped at its first rung (2 steps)
+    late = next(t for t in state["trials"] if t["id"] >= 2 and list(t["results"]) == ["2"])
+    started = next(
+        d["step"] for d in state["decisions"] if d["trial"] == late["id"] and d["action"] == "start"
+    )
+    assert started > 0
+    name = f"trial-{late['id']:03d}"
+    in_sweep = {r.tenant_step: r.loss for r in _train_rows(tr, name)}
+
+    alone = sweep.trial_tenant(late["id"], late["config"])
+    spec = ml.JobSpec(base_model=llama_path, tenants=[ml.Tenant(**{**alone.to_dict(), "max_steps": 2})],
+                      seq_len=64, max_rank=16, max_tenants=2, slot_modules=["q_proj", "v_proj"])  # fmt: skip
+    fresh = Trainer(spec)
+    fresh.train(idle_s=0.01)
+    for step, loss in enumerate(fresh.losses(name), start=1):
+        assert abs(loss - in_sweep[step]) <= 1e-6, (step, loss, in_sweep[step])
+    from mlora_lab.lora import read_adapter
+
+    kept = read_adapter(tmp_path / "sweep" / "adapters" / name)[1]  # saved at its first rung (2 steps)
+    mine = fresh.model.tenant_tensors(name)
+    for module, (a, b) in kept.items():
+        got = mine[module]
+        assert torch.allclose(a, got[0], atol=1e-6) and torch.allclose(b, got[1], atol=1e-6), module
+
+
+def _train_rows(tr: Trainer, name: str):
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(**r) for r in tr.history if r["kind"] == "train" and r["tenant"] == name]
+
+
+def test_pbt_exploit_copies_adapter_and_optimiser_state_exactly(llama_path, base_tenant, tmp_path):
+    """After the exploit, the copied trial's next step on the source's rows equals the source's step."""
+    sweep = Sweep(
+        base_tenant, {"lr": loguniform(1e-3, 1e-2)}, PBT(population=2, interval=100), budget=20, seed=4
+    )
+    tr = sweep_trainer(llama_path, tmp_path / "run", sweep)
+    tr._poll_search()
+    for _ in range(3):
+        tr.step()
+    ctl = tr.search
+    src, dst = tr.tenants["trial-001"], tr.tenants["trial-000"]
+    assert not torch.equal(
+        *(
+            tr.model.tenant_tensors(n)["model.layers.0.self_attn.q_proj"][0]
+            for n in ("trial-000", "trial-001")
+        )
+    )
+    ctl._apply(Action("exploit", 0, source=1, config={"lr": src.spec.lr}))
+    assert dst.step == src.step and dst.optimizer.lr == src.optimizer.lr
+    dst.stream.load_state_dict(src.stream.state_dict())  # the same rows next
+    tr.step()
+    got, want = tr.model.tenant_tensors("trial-000"), tr.model.tenant_tensors("trial-001")
+    for module in want:
+        for x, y in zip(got[module], want[module]):
+            assert torch.equal(x, y), module
+    a, b = dst.optimizer.state_dict()["optimizer"]["state"], src.optimizer.state_dict()["optimizer"]["state"]
+    assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in b)
+    # and explore: a new lr applies from the next step, at the schedule's position
+    ctl._apply(Action("exploit", 0, source=1, config={"lr": 2 * src.spec.lr}))
+    assert dst.optimizer.lr == pytest.approx(2 * src.optimizer.lr) and dst.spec.lr == 2 * src.spec.lr
+
+
+def test_a_sweep_stopped_and_resumed_decides_the_same(llama_path, base_tenant, tmp_path):
+    sweep = asha_sweep(base_tenant)
+    straight = sweep_trainer(llama_path, tmp_path / "straight", sweep, save_every=2)
+    straight.train(idle_s=0.01)
+    straight.close()
+
+    first = sweep_trainer(llama_path, tmp_path / "stopped", sweep, save_every=2)
+    step = first.step
+
+    def stop_at_7():
+        done = step()
+        first.stop_requested |= first.global_step == 7
+        return done
+
+    first.step = stop_at_7
+    first.train(idle_s=0.01)
+    first.close()
+    assert search_state(tmp_path / "stopped")["decisions"] != search_state(tmp_path / "straight")["decisions"]
+    resumed = sweep_trainer(llama_path, tmp_path / "stopped", sweep, resume=True, save_every=2)
+    resumed.train(idle_s=0.01)
+    resumed.close()
+    want, got = search_state(tmp_path / "straight"), search_state(tmp_path / "stopped")
+    assert [(d["step"], d["trial"], d["action"]) for d in got["decisions"]] == [
+        (d["step"], d["trial"], d["action"]) for d in want["decisions"]
+    ]
+    for a, b in zip(got["trials"], want["trials"]):
+        assert a["state"] == b["state"] and a["results"].keys() == b["results"].keys()
+        assert all(abs(a["results"][k] - b["results"][k]) <= 1e-6 for k in a["results"])
