@@ -24,6 +24,18 @@ _EXPORTS = {  # public name -> the module that defines it
     "Run": "mlora_lab.launch",
     "SlurmOptions": "mlora_lab.slurm",
     "SpecError": "mlora_lab.spec",
+    "Sweep": "mlora_lab.search",
+    "SweepRun": "mlora_lab.sweeps",
+    "ASHA": "mlora_lab.search",
+    "Grid": "mlora_lab.search",
+    "Objective": "mlora_lab.search",
+    "PBT": "mlora_lab.search",
+    "Random": "mlora_lab.search",
+    "choice": "mlora_lab.search",
+    "loguniform": "mlora_lab.search",
+    "randint": "mlora_lab.search",
+    "sweep": "mlora_lab.sweeps",
+    "uniform": "mlora_lab.search",
     "Tenant": "mlora_lab.spec",
     "TenantForm": "mlora_lab.widgets",
     "attach": "mlora_lab.launch",
@@ -41,8 +53,21 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from mlora_lab.launch import Request, Run, attach, launch, resume, runs  # noqa: F401
     from mlora_lab.lora import MultiLoRAModel  # noqa: F401
     from mlora_lab.report import compare, compare_generations, hparams, summary  # noqa: F401
+    from mlora_lab.search import (  # noqa: F401
+        ASHA,
+        PBT,
+        Grid,
+        Objective,
+        Random,
+        Sweep,
+        choice,
+        loguniform,
+        randint,
+        uniform,
+    )
     from mlora_lab.slurm import SlurmOptions  # noqa: F401
     from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant  # noqa: F401
+    from mlora_lab.sweeps import SweepRun, sweep  # noqa: F401
     from mlora_lab.widgets import JobBuilder, TenantForm  # noqa: F401
 
 

@@ -1,6 +1,7 @@
 """The ``mlora-lab`` command line.
 
 mlora-lab run job.json        validate, launch under torchrun (or --launcher slurm), follow until it ends
+mlora-lab sweep sweep.json    a hyperparameter search inside one job (ASHA, PBT, grid, random), followed
 mlora-lab demo                build a tiny model + 3 tenants, train them together, summarise
 mlora-lab status RUN_DIR      state and per-tenant summary of a run
 mlora-lab stop RUN_DIR        graceful stop (checkpoint, save adapters, exit)
@@ -9,6 +10,7 @@ mlora-lab stop RUN_DIR        graceful stop (checkpoint, save adapters, exit)
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -19,8 +21,9 @@ from tqdm import tqdm
 
 from mlora_lab.launch import DEFAULT_WORKDIR, LAUNCHERS, Run, attach, launch, prepare_run, resume
 from mlora_lab.rundir import CheckpointError, ControlError, RowKind, RunDirError, RunState, TenantState
+from mlora_lab.search import dist_from_dict, strategy_from_dict
 from mlora_lab.slurm import SlurmOptions
-from mlora_lab.spec import JobSpec, SpecError
+from mlora_lab.spec import JobSpec, SpecError, Tenant
 
 # What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
 # resumed): one clear message and exit code 2, never a traceback.
@@ -230,6 +233,63 @@ def cmd_run(args: argparse.Namespace) -> int:
     return follow_to_exit(run, args.no_follow)
 
 
+SWEEP_KEYS = ("job", "space", "strategy", "budget", "seed", "objective", "mode", "base")
+
+
+def load_sweep_file(path: Path) -> dict:
+    """``sweep.json`` for the command line: ``{"job": <job.json's object, or its path>, "space": {...},
+    "strategy": {"kind": "asha", "n": 16, "min_steps": 20}, "budget": 180, "seed": 0,
+    "objective": "eval_loss", "mode": "min"}``; the base tenant is the job's first (or ``"base"``)."""
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found") from None
+    except (OSError, ValueError) as e:
+        raise SpecError([f"{path}: not readable JSON ({e})"]) from None
+    if not isinstance(d, dict) or "job" not in d or "space" not in d or "strategy" not in d:
+        raise SpecError([f"{path}: needs an object with 'job', 'space' and 'strategy' (and optionally "
+                         "'budget', 'seed', 'objective', 'mode', 'base')"])  # fmt: skip
+    unknown = set(d) - set(SWEEP_KEYS)
+    if unknown:
+        raise SpecError([f"{path}: unknown keys {sorted(unknown)}; known: {', '.join(SWEEP_KEYS)}"])
+    job = d["job"]
+    spec = JobSpec.load(Path(path).parent / job) if isinstance(job, str) else JobSpec.from_dict(job)
+    try:
+        strategy = strategy_from_dict(d["strategy"])
+        space = (
+            {k: dist_from_dict(v) for k, v in d["space"].items()} if isinstance(d["space"], dict) else None
+        )
+    except ValueError as e:
+        raise SpecError([f"{path}: {e}"]) from None
+    base = Tenant.from_dict(d["base"]) if "base" in d else None
+    return {"spec": spec, "space": space, "strategy": strategy, "budget": d.get("budget"), "base": base,
+            "seed": d.get("seed", 0), "objective": d.get("objective", "eval_loss"), "mode": d.get("mode", "min")}  # fmt: skip
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from mlora_lab.sweeps import sweep
+
+    d = load_sweep_file(args.sweep)
+    run = sweep(d.pop("spec"), d.pop("space"), d.pop("strategy"), d.pop("budget"), workdir=args.workdir,
+                launcher=args.launcher, slurm=slurm_options(args), **d)  # fmt: skip
+    if args.no_follow:
+        print(run.path)
+        return 0
+    state = follow(run)
+    print_outcome(run, state)
+    with pd.option_context("display.width", 200, "display.max_columns", 40, "display.precision", 4):
+        print(
+            "\ntrials, best first:\n"
+            + run.results().drop(columns=["adapter"]).to_string(index=False, max_colwidth=50)
+        )
+    best = run.best()
+    if best is not None:
+        print(
+            f"\nbest: {best['tenant']} {best['config']} objective {best['objective']:.4g} -> {best['adapter']}"
+        )
+    return 0 if state == RunState.FINISHED else 1
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     # launchers/ start the processes themselves, on one node or many
     run = prepare_run(JobSpec.load(args.job), workdir=args.workdir, launcher=None)
@@ -294,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the job runs: local (torchrun here) or slurm (sbatch; parallel.nnodes nodes)")  # fmt: skip
     add_slurm_arguments(p)
     p.set_defaults(func=cmd_run)
+    p = sub.add_parser("sweep", help="launch a hyperparameter search inside one job and follow it")
+    p.add_argument("sweep", type=Path)
+    p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where run directories go (unless output_dir)")
+    p.add_argument("--no-follow", action="store_true", help="print the run directory and return at once")
+    p.add_argument("--launcher", default="local", choices=LAUNCHERS)
+    add_slurm_arguments(p)
+    p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("prepare", help="validate a job.json and create its run directory (for launchers/)")
     p.add_argument("job", type=Path)
     p.add_argument("--workdir", default=DEFAULT_WORKDIR)

@@ -64,9 +64,11 @@ from mlora_lab.rundir import (
 )
 from mlora_lab.rundir.control import ControlError
 from mlora_lab.rundir.status import JOB_MODULE, ProcessIdentity, this_host
+from mlora_lab.search import Sweep
 from mlora_lab.slurm import SlurmError, SlurmJob, SlurmOptions
 from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant, tenant_problems
 from mlora_lab.threads import omp_threads, thread_env
+from mlora_lab.validate import sweep_problems, sweep_slot_modules
 
 DEFAULT_WORKDIR = "runs"
 LAUNCHERS = ("local", "slurm")
@@ -142,15 +144,24 @@ def prepare_run(
     launcher: str | None = None,
     lock: RunLock | None = None,
     slurm_options: SlurmOptions | None = None,
+    sweep: Sweep | None = None,
 ) -> RunDir:
     """Validate ``spec``, the launcher (and its Slurm options) and the run directory (one
     :class:`~mlora_lab.spec.SpecError` listing every problem; nothing is created then), and create the
     run directory with ``job.json`` (paths made absolute) and a ``starting`` status. ``launcher=None``:
     the caller starts the processes itself (``launchers/``, on one node or many). With ``lock``, it is
-    left held for the caller."""
+    left held for the caller. With ``sweep`` (:func:`mlora_lab.sweeps.sweep`), the job runs that search
+    over tenant slots: it is checked with every value it can give a trial, and written as ``sweep.json``."""
     spec = spec.resolved(Path.cwd())
     root = _run_root(spec, workdir)
-    problems = spec.problems()
+    if sweep is not None:
+        sweep = dataclasses.replace(
+            sweep, base=dataclasses.replace(spec, tenants=[sweep.base]).resolved(Path.cwd()).tenants[0]
+        )
+        spec = dataclasses.replace(spec, slot_modules=sweep_slot_modules(spec, sweep))
+        problems = sweep_problems(spec, sweep)
+    else:
+        problems = spec.problems()
     if (problem := _directory_problem(root)) is not None:
         problems.append(problem)
     problems += _launcher_problems(launcher, spec.parallel, slurm_options, root)
@@ -167,6 +178,8 @@ def prepare_run(
             raise SpecError([problem])
         run.create()
         spec.to_json(run.job)
+        if sweep is not None:
+            atomic_write_json(run.sweep, sweep.to_dict())
         if launcher == "slurm":
             atomic_write_json(run.slurm_options, (slurm_options or SlurmOptions()).to_dict())
         update_status(run.root, state=RunState.STARTING, started=time.time(), launcher=launcher)
@@ -250,6 +263,7 @@ def launch(
     workdir: str | Path = DEFAULT_WORKDIR,
     launcher: str = "local",
     slurm: SlurmOptions | None = None,
+    sweep: Sweep | None = None,
 ) -> Run:
     """Start ``spec`` in the background and return its :class:`Run` at once.
 
@@ -263,7 +277,7 @@ def launch(
     root = _run_root(spec, workdir)
     lock = RunLock(RunDir(root))
     run_dir = prepare_run(dataclasses.replace(spec, output_dir=str(root)), workdir, launcher, lock=lock,
-                          slurm_options=slurm)  # fmt: skip
+                          slurm_options=slurm, sweep=sweep)  # fmt: skip
     try:
         if launcher == "slurm":
             return _submit(run_dir, JobSpec.load(run_dir.job), slurm or SlurmOptions())
@@ -370,6 +384,10 @@ def attach(run_dir: str | Path) -> Run:
         raise RunDirError(f"{run_dir}: no such directory")
     if not run.is_run():
         raise RunDirError(f"{run_dir}: not a run directory (no job.json)")
+    if run.sweep.is_file():
+        from mlora_lab.sweeps import SweepRun
+
+        return SweepRun(run.root)
     return Run(run.root)
 
 

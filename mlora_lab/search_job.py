@@ -16,7 +16,7 @@ every rank first, and a failure anywhere is the trial's failure everywhere):
   data cursor stays its own), then the explored settings.
 
 Kept states and the engine's state are part of every checkpoint, so a resumed job makes the same
-decisions as one that ran through; ``<run_dir>/search.json`` holds the engine's state for readers.
+decisions as one that ran through; ``search.json`` in the run directory holds the engine's state for readers.
 """
 
 from __future__ import annotations
@@ -29,15 +29,21 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mlora_lab.control_handler import describe
-from mlora_lab.rundir import EventKind, MetricsReader, RowKind, TenantRow, TenantState, atomic_write_json
+from mlora_lab.rundir import (
+    EventKind,
+    MetricsReader,
+    RowKind,
+    RunDir,
+    TenantRow,
+    TenantState,
+    atomic_write_json,
+)
 from mlora_lab.search import Action, Search, Sweep
 from mlora_lab.spec import Tenant
 
 if TYPE_CHECKING:
     from mlora_lab.train import Trainer
 
-SWEEP_FILE = "sweep.json"
-STATE_FILE = "search.json"
 OPTIMIZER_FIELDS = ("lr", "weight_decay", "max_grad_norm")
 
 
@@ -114,9 +120,9 @@ class SearchController:
         self._say_pruned()
         if tr.dist.is_main and tr.run is not None:
             try:
-                atomic_write_json(tr.run.root / STATE_FILE, self.engine.to_dict())
-            except OSError as e:  # a full disk: the checkpoint still holds it; say so once
-                print(f"{STATE_FILE} not written: {e}", flush=True)
+                atomic_write_json(tr.run.search, self.engine.to_dict())
+            except OSError as e:  # a full disk: the checkpoint still holds it
+                print(f"search.json not written: {e}", flush=True)
 
     def _can_fill(self) -> bool:
         return any(t.state == "waiting" for t in self.engine.trials) or self.engine._promotable() is not None
@@ -216,7 +222,7 @@ class SearchController:
 
 def read_sweep(run_root: Any) -> Sweep | None:
     """The run's ``sweep.json`` (None when the run is not a sweep)."""
-    path = run_root / SWEEP_FILE
+    path = RunDir(run_root).sweep
     if not path.is_file():
         return None
     return Sweep.from_dict(json.loads(path.read_text(encoding="utf-8")))

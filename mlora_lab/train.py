@@ -927,7 +927,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dist = init_distributed()
         spec = JobSpec.load(run.job)
-        problems = spec.problems(files=False)  # job.json may have been edited since the launch
+        # job.json may have been edited since the launch. (A sweep's job may have no tenant of its own:
+        # its trials come from the search, so it is checked as a job that waits for tenants.)
+        check = dataclasses.replace(spec, serve=True) if run.sweep.is_file() else spec
+        problems = check.problems(files=False)
         if problems:
             raise SpecError(problems)
         if dist.is_main:

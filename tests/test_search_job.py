@@ -167,3 +167,89 @@ def test_a_sweep_stopped_and_resumed_decides_the_same(llama_path, base_tenant, t
     for a, b in zip(got["trials"], want["trials"]):
         assert a["state"] == b["state"] and a["results"].keys() == b["results"].keys()
         assert all(abs(a["results"][k] - b["results"][k]) <= 1e-6 for k in a["results"])
+
+
+# -- ml.sweep: launched jobs -----------------------------------------------------------------------------
+
+
+def sweep_job(llama_path: str, base: ml.Tenant, out: Path, nproc: int = 1) -> ml.JobSpec:
+    return ml.JobSpec(base_model=llama_path, tenants=[base], seq_len=64, max_rank=16, max_tenants=3,
+                      parallel=ml.Parallel(nproc=nproc, fsdp=nproc), output_dir=str(out))  # fmt: skip
+
+
+SPACE = {
+    "lr": ml.loguniform(1e-4, 3e-2),
+    "rank": ml.choice(4, 8),
+    "target_modules": ml.choice(["q_proj", "v_proj"], ["q_proj", "v_proj", "o_proj"]),
+}
+
+
+def test_a_bad_sweep_is_refused_naming_every_problem_before_anything_starts(
+    llama_path, base_tenant, tmp_path
+):
+    space = {
+        "rank": ml.choice(4, 32),
+        "target_modules": ml.choice(["q_proj"], ["no_such_proj"]),
+        "bogus": ml.choice(1),
+    }
+    with pytest.raises(ml.SpecError) as err:
+        ml.sweep(sweep_job(llama_path, base_tenant, tmp_path / "r"), space, ml.ASHA(8, 2, 2))
+    text = str(err.value)
+    assert "rank: [32] above the job's max_rank = 16" in text and "'bogus' cannot be searched" in text
+    assert not (tmp_path / "r").exists()
+    space = {"target_modules": ml.choice(["q_proj"], ["no_such_proj"])}
+    with pytest.raises(ml.SpecError, match="no_such_proj"):
+        ml.sweep(sweep_job(llama_path, base_tenant, tmp_path / "r"), space, ml.Grid())
+    with pytest.raises(ml.SpecError, match="defined in the notebook"):
+        ml.sweep(
+            sweep_job(llama_path, base_tenant, tmp_path / "r"),
+            SPACE,
+            ml.Random(2),
+            objective=lambda rows: 0.0,
+        )
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_on_two_ranks_decides_as_on_one(llama_path, base_tenant, tmp_path):
+    """Decisions are taken on rank 0 and applied by every rank at the same step: an ASHA sweep with
+    FSDP over two processes makes the decisions one process makes, with the same objectives."""
+    runs = [
+        ml.sweep(
+            sweep_job(llama_path, base_tenant, tmp_path / f"n{n}", nproc=n), SPACE, ml.ASHA(8, 2, 2), seed=1
+        )
+        for n in (1, 2)
+    ]
+    for run in runs:
+        assert run.wait(300) == "finished", run.logs(0)
+    one, two = (run.search for run in runs)
+    assert [(d["step"], d["trial"], d["action"]) for d in one.decisions] == [
+        (d["step"], d["trial"], d["action"]) for d in two.decisions
+    ]
+    for a, b in zip(one.trials, two.trials):
+        assert a.results.keys() == b.results.keys()
+        assert all(abs(a.results[k] - b.results[k]) <= 1e-5 for k in a.results)
+    table = runs[1].results()
+    assert len(table) == 8 and set(table.state) == {"finished", "pruned"}
+    assert table.iloc[0].state == "finished" and table.adapter.notna().all()
+    best = runs[1].best()
+    assert best["tenant"] == table.iloc[0].tenant and (best["adapter"] / "adapter_config.json").is_file()
+    attached = ml.attach(runs[1].path)
+    assert isinstance(attached, ml.SweepRun) and attached.best()["config"] == best["config"]
+    assert set(attached.decisions().action) >= {"start", "promote", "prune", "finish"}
+
+
+@pytest.mark.slow
+def test_the_command_line_runs_a_sweep(llama_path, base_tenant, tmp_path, capsys):
+    from mlora_lab import cli
+
+    job = sweep_job(llama_path, base_tenant, tmp_path / "run")
+    (tmp_path / "sweep.json").write_text(json.dumps({
+        "job": job.to_dict(), "space": {"lr": {"kind": "loguniform", "low": 1e-4, "high": 3e-2}, "rank": [4, 8]},
+        "strategy": {"kind": "random", "n": 4}, "budget": 3, "seed": 2, "objective": "train_loss",
+    }))  # fmt: skip
+    assert cli.main(["sweep", str(tmp_path / "sweep.json")]) == 0
+    out = capsys.readouterr().out
+    assert "trials, best first:" in out and "best: trial-" in out
+    run = ml.attach(tmp_path / "run")
+    assert {t.state for t in run.search.trials} == {"finished"} and len(run.search.trials) == 4

@@ -75,6 +75,8 @@ class RunDir:
     lock = property(lambda self: self.root / ".lock")
     slurm_options = property(lambda self: self.root / "slurm.json")
     slurm_script = property(lambda self: self.root / "slurm.sbatch")
+    sweep = property(lambda self: self.root / "sweep.json")
+    search = property(lambda self: self.root / "search.json")
 
     def inside(self, path: str | os.PathLike) -> Path:
         """``path`` resolved (symlinks followed), checked to stay inside the run directory."""
