@@ -573,9 +573,12 @@ class Search:
         ]
         if isinstance(self.strategy, ASHA) and self.done:
             for t in self.trials:
-                if t.state == "paused":
+                if t.state == "paused":  # where it stands in its rung now that the rung is complete
+                    rank, k = self._ranked(t.rung).index(t.id) + 1, t.rung
                     t.state = "pruned"
-                    self._say(global_step, t, "prune", t.reason or f"not promoted from rung {t.rung}")
+                    t.reason = (f"rank {rank} of {len(self.rung_results[k])} at rung {k} ({self.rungs[k]} steps): "
+                                f"not in the top 1/{self.strategy.eta}")  # fmt: skip
+                    self._say(global_step, t, "prune", t.reason)
         return pauses + actions
 
     # -- strategies --------------------------------------------------------------------------
