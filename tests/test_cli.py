@@ -97,7 +97,9 @@ def test_run_end_to_end(tmp_path, llama_path, make_data):
     assert all(r["rank"] == 0 and r["mem_bytes"] > 0 and r["tokens_per_s"] > 0 for r in system)
     # CPU use is read from the kernel's CPU-time counters, which tick every 10 ms: a step shorter than a tick
     # can read 0. Every row has a figure and the job as a whole used CPU; a CPU job has no GPU figure.
-    assert all(r["cpu_percent"] is not None and r["cpu_percent"] >= 0 and r["gpu_util"] is None for r in system)
+    assert all(
+        r["cpu_percent"] is not None and r["cpu_percent"] >= 0 and r["gpu_util"] is None for r in system
+    )
     assert any(r["cpu_percent"] > 0 for r in system)
     states = [(r["tenant"], r["state"]) for r in rows if r["kind"] == "tenant"]
     assert ("alice", "finished") in states and ("bob", "finished") in states
