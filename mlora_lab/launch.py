@@ -350,8 +350,10 @@ def resume(
         if launcher == "slurm":
             options = slurm or SlurmOptions()
             atomic_write_json(run.slurm_options, options.to_dict())
-            return _submit(run, spec, options, resume=True)
-        return _start(run, spec, resume=True)
+            started = _submit(run, spec, options, resume=True)
+        else:
+            started = _start(run, spec, resume=True)
+        return attach_started(started)
     finally:
         lock.release()
 
@@ -375,6 +377,16 @@ def _read_slurm_options(run: RunDir) -> SlurmOptions:
         raise SpecError(
             [f"{run.slurm_options}: cannot be read ({e}); pass slurm=ml.SlurmOptions(...)"]
         ) from None
+
+
+def attach_started(run: Run) -> Run:
+    """``run`` as the handle its directory calls for (a :class:`~mlora_lab.sweeps.SweepRun` for a
+    search), keeping the process it was started with."""
+    if not run.dir.sweep.is_file():
+        return run
+    from mlora_lab.sweeps import SweepRun
+
+    return SweepRun(run.path, process=run._process)
 
 
 def attach(run_dir: str | Path) -> Run:

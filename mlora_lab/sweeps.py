@@ -195,6 +195,9 @@ class SweepBoard:
 
         self.run, self.board = run, board
         self.trials = W.HTML(value=run._trials_html())
+        self.scatter = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        self._shown: tuple | None = None
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._follow, args=(refresh_s,), name="mlora-sweep", daemon=True
@@ -210,9 +213,42 @@ class SweepBoard:
             self._stop.wait(2 * refresh_s)
 
     def refresh(self) -> None:
-        value = self.run._trials_html()
-        if self.trials.value != value:
-            self.trials.value = value
+        """Update the table, and the scatter when a trial reported since it was drawn (one refresh at a
+        time: the follower thread and a caller may both call it)."""
+        with self._lock:
+            value = self.run._trials_html()
+            if self.trials.value != value:
+                self.trials.value = value
+            search = self.run.search
+            seen = tuple((t.id, len(t.results)) for t in search.trials) if search is not None else None
+            if seen != self._shown and search is not None and any(t.results for t in search.trials):
+                self.scatter.value = self._scatter_png()
+                self._shown = seen
+
+    def _scatter_png(self) -> bytes:
+        """Config → objective: each trial at its setting and its objective at its furthest step, one
+        panel per searched setting (``lr`` on a log axis), the best ringed."""
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        from matplotlib.figure import Figure
+
+        from mlora_lab.plotting import figure_png
+
+        table = self.run.results().dropna(subset=["objective"])
+        names = list(self.run.sweep.space)
+        fig = Figure(figsize=(3.2 * len(names), 2.6), layout="constrained")
+        axes = fig.subplots(1, len(names), squeeze=False)[0]
+        for ax, name in zip(axes, names):
+            x = table[name].astype(str) if table[name].dtype == object else table[name]
+            ax.scatter(x, table["objective"], c=table["steps"], cmap="viridis", s=28)
+            ax.scatter(x.iloc[:1], table["objective"].iloc[:1], s=120, facecolors="none", edgecolors="red")
+            if name == "lr":
+                ax.set_xscale("log")
+            ax.set_xlabel(name)
+            ax.tick_params(axis="x", labelrotation=20, labelsize=7)
+        axes[0].set_ylabel(f"{self.run.sweep.objective.metric} (colour: steps)")
+        return figure_png(fig)
 
     def stop(self) -> None:
         self._stop.set()
@@ -223,3 +259,4 @@ class SweepBoard:
 
         display(self.board)
         display(self.trials)
+        display(self.scatter)

@@ -253,3 +253,31 @@ def test_the_command_line_runs_a_sweep(llama_path, base_tenant, tmp_path, capsys
     assert "trials, best first:" in out and "best: trial-" in out
     run = ml.attach(tmp_path / "run")
     assert {t.state for t in run.search.trials} == {"finished"} and len(run.search.trials) == 4
+
+
+@pytest.mark.slow
+def test_a_pbt_sweep_stops_resumes_and_shows_its_trials(llama_path, base_tenant, tmp_path):
+    import time
+
+    spec = sweep_job(llama_path, base_tenant, tmp_path / "run")
+    spec.save_every = 4
+    run = ml.sweep(
+        spec, {"lr": ml.loguniform(1e-4, 3e-2)}, ml.PBT(population=3, interval=4), budget=40, seed=3
+    )
+    deadline = time.monotonic() + 120
+    while run.global_step < 10:
+        assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
+        time.sleep(0.1)
+    assert run.stop(timeout=120) == "stopped"
+    resumed = ml.resume(run.path)
+    assert isinstance(resumed, ml.SweepRun)
+    assert resumed.wait(300) == "finished", resumed.logs(0)
+    search = resumed.search
+    assert {t.state for t in search.trials} == {"finished"}
+    assert "exploit" in set(resumed.decisions().action)
+    exploited = [t for t in search.trials if t.parent is not None]
+    assert exploited and all(1e-4 <= t.config["lr"] <= 3e-2 for t in exploited)
+    board = resumed.dashboard(interactive=False)
+    board.refresh()
+    assert "trial-000" in board.trials.value and bytes(board.scatter.value[:4]) == b"\x89PNG"
+    board.stop()
