@@ -83,18 +83,24 @@ PBT_SEARCHABLE = ("lr", "weight_decay", "max_grad_norm")
 
 
 @dataclass(frozen=True)
-class LogUniform:
-    """``exp(U(log low, log high))``: learning rates, weight decay."""
+class _Range:
+    """A continuous range ``[low, high]``; PBT's explore multiplies a value and clips it to the range."""
 
     low: float
     high: float
+
+    def perturb(self, value: float, factor: float) -> float:
+        return min(max(value * factor, self.low), self.high)
+
+
+@dataclass(frozen=True)
+class LogUniform(_Range):
+    """``exp(U(log low, log high))``: learning rates, weight decay."""
+
     kind: ClassVar[str] = "loguniform"
 
     def sample(self, rng: random.Random) -> float:
         return math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
-
-    def perturb(self, value: float, factor: float) -> float:
-        return min(max(value * factor, self.low), self.high)
 
     def problems(self, name: str) -> list[str]:
         if not (_num(self.low) and _num(self.high) and 0 < self.low <= self.high):
@@ -105,18 +111,13 @@ class LogUniform:
 
 
 @dataclass(frozen=True)
-class Uniform:
+class Uniform(_Range):
     """``U(low, high)``."""
 
-    low: float
-    high: float
     kind: ClassVar[str] = "uniform"
 
     def sample(self, rng: random.Random) -> float:
         return rng.uniform(self.low, self.high)
-
-    def perturb(self, value: float, factor: float) -> float:
-        return min(max(value * factor, self.low), self.high)
 
     def problems(self, name: str) -> list[str]:
         if not (_num(self.low) and _num(self.high) and self.low <= self.high):
@@ -526,7 +527,11 @@ class Search:
     @property
     def done(self) -> bool:
         """No trial runs and none can start or be promoted."""
-        return all(t.state not in ("waiting", "running") for t in self.trials) and self._promotable() is None
+        return all(t.state not in ("waiting", "running") for t in self.trials) and not self.can_fill()
+
+    def can_fill(self) -> bool:
+        """A free slot would be used now: a trial waits to start, or one can be promoted."""
+        return any(t.state == "waiting" for t in self.trials) or self._promotable() is not None
 
     def report(self, trial_id: int, step: int, value: float, global_step: int = 0) -> list[Action]:
         """The trial reached ``step`` (= :meth:`next_report`) with objective ``value``."""

@@ -107,7 +107,7 @@ class SearchController:
             elif run.micro == 0 and run.step >= self.engine.next_report(t.id):
                 due.append(t.id)
         free = tr.spec.max_tenants - len(tr.model.tenants)
-        if not (due or failed or (free > 0 and self._can_fill())):
+        if not (due or failed or (free > 0 and self.engine.can_fill())):
             return
         evals = self._evaluate(due)
         decided = None
@@ -123,9 +123,6 @@ class SearchController:
                 atomic_write_json(tr.run.search, self.engine.to_dict())
             except OSError as e:  # a full disk: the checkpoint still holds it
                 print(f"search.json not written: {e}", flush=True)
-
-    def _can_fill(self) -> bool:
-        return any(t.state == "waiting" for t in self.engine.trials) or self.engine._promotable() is not None
 
     def _evaluate(self, due: list[int]) -> dict[str, float]:
         names = [self.name(i) for i in due if self.tr.tenants[self.name(i)].eval_examples]

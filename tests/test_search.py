@@ -131,15 +131,17 @@ def reference_asha(values, n, slots, min_steps, eta, budget):
             workers[w] = None
 
 
-def drive(search: Search, slots: int, values, stop_at: int | None = None):
+def drive(search: Search, slots: int, values, stop_at: int | None = None, running=None, tick: int = 0):
     """Run ``search`` the way the job does: every running trial advances one step per global step;
     at a boundary the trials that reached their report step report (in trial order), then the free
-    slots are filled and the actions applied. Returns the jobs ``(tick, trial, rung)``."""
-    running: dict[int, int] = {}  # trial -> its step
-    jobs, tick = [], 0
-    for a in search.fill(slots, 0):
-        running[a.trial] = 0
-        jobs.append((0, a.trial, search.trial(a.trial).rung))
+    slots are filled and the actions applied. Returns the jobs ``(tick, trial, rung)``, the running
+    trials and the tick (``running``/``tick`` given: go on from a stop at ``tick``)."""
+    jobs = []
+    if running is None:  # the start: fill every slot
+        running = {}
+        for a in search.fill(slots, 0):
+            running[a.trial] = 0
+            jobs.append((0, a.trial, search.trial(a.trial).rung))
     while running or not search.done:
         if stop_at is not None and tick == stop_at:
             return jobs, running, tick
@@ -202,34 +204,9 @@ def test_asha_state_survives_json_and_decides_the_same():
     first = Search(SPACE, ASHA(16, 1, 3), 27, seed=5)
     jobs, running, tick = drive(first, 4, values, stop_at=11)
     resumed = Search.from_dict(json.loads(json.dumps(first.to_dict())))
-    rest = continue_drive(resumed, 4, values, running, tick)
+    rest, _, _ = drive(resumed, 4, values, running=running, tick=tick)
     assert jobs + rest == want
     assert resumed.to_dict()["decisions"] == straight.to_dict()["decisions"]
-
-
-def continue_drive(search, slots, values, running, tick):
-    jobs = []
-    while running or not search.done:
-        tick += 1
-        for t in running:
-            running[t] += 1
-        paused = []
-        for t in sorted(running):
-            if running[t] == search.next_report(t):
-                for _ in search.report(t, running[t], values[t][search.trial(t).rung], tick):
-                    del running[t]
-                if search.trial(t).state == "paused":
-                    paused.append(t)
-        free = slots - sum(1 for t in running if search.trial(t).state == "running")
-        kept = {}
-        for a in search.fill(free, tick, tuple(paused)):
-            if a.op == "pause":
-                del running[a.trial]
-            elif a.op in ("start", "restore", "continue"):
-                kept[a.trial] = running.pop(a.trial, search.trial(a.trial).step)
-                jobs.append((tick, a.trial, search.trial(a.trial).rung))
-        running.update(kept)
-    return jobs
 
 
 # -- PBT ------------------------------------------------------------------------------------------------
