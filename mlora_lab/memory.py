@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers.cache_utils import Cache
 
 IGNORE_INDEX = -100
 
@@ -175,12 +176,22 @@ def checkpoint_blocks(model: nn.Module, every: int) -> list[int]:
     return chosen
 
 
+# Names under which transformers has passed a decoder block its KV cache: ``cache`` since 5.x (which
+# deprecates ``past_key_values``), ``past_key_value`` and ``layer_past`` in older and GPT-style blocks.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _is_cache(name: str, value: object) -> bool:
+    """Whether the block argument ``name=value`` is a KV cache: by type (a transformers ``Cache``,
+    whatever the argument is called in this version) or, for legacy tuples, by name."""
+    return value is not None and (isinstance(value, Cache) or name in _CACHE_KWARGS)
+
+
 def _checkpointed(block: nn.Module, forward: Callable, *args, **kwargs):
     if block.training and torch.is_grad_enabled():
-        # A KV cache would be appended to twice (forward and recomputation): training needs none.
-        for key in ("past_key_values", "past_key_value", "layer_past"):
-            if kwargs.get(key) is not None:
-                kwargs[key] = None
+        # A KV cache would be appended to twice (forward and recomputation), and the recomputed
+        # attention would then see every key twice ([.., T, 2T] scores): training needs none.
+        kwargs = {k: None if _is_cache(k, v) else v for k, v in kwargs.items()}
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
