@@ -304,9 +304,10 @@ def layout_worker(spec_path: str, out: str, steps: int) -> None:
     ``steps`` global steps, and write (rank 0) one row per rank of the bytes of the parameters this
     rank holds (``to_local()``: exact, not an RSS estimate), by kind, its peak RSS and its median step
     time (the first two steps excluded)."""
+    from mlora_lab.job.recorder import memory_bytes
+    from mlora_lab.job.trainer import Trainer
     from mlora_lab.parallel import init_distributed, shutdown_distributed
     from mlora_lab.spec import JobSpec
-    from mlora_lab.train import Trainer, memory_bytes
 
     setup()
     dist = init_distributed()

@@ -192,7 +192,7 @@ def job_spec(p: dict, **overrides):
 
 
 def new_trainer(spec):
-    from mlora_lab.train import Trainer
+    from mlora_lab.job.trainer import Trainer
 
     trainer = Trainer(spec, run_dir=None)
     touch_weights(trainer.model)
@@ -377,9 +377,8 @@ def worker(payload: str) -> None:
     p = json.loads(payload)
     common.setup(p.get("threads", common.THREADS))
     # every worker imports the same modules before its "RSS imports" (mlora_lab.lora imports peft anyway)
-    import peft  # noqa: F401
-
     import mlora_lab.train  # noqa: F401
+    import peft  # noqa: F401
 
     common.report_to_parent(WORKERS[p["kind"]](p))
 

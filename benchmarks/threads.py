@@ -51,9 +51,9 @@ def worker(job: str, out: str, steps: int, budget: float) -> None:
     import torch
     import transformers
 
+    from mlora_lab.job.trainer import Trainer
     from mlora_lab.parallel import init_distributed, shutdown_distributed
     from mlora_lab.spec import JobSpec
-    from mlora_lab.train import Trainer
 
     transformers.utils.logging.set_verbosity_error()
     dist = init_distributed()

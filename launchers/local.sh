@@ -25,4 +25,4 @@ for k, v in {**loopback_env(), **thread_env(int(sys.argv[1]))}.items(): print(f"
   read -r -a TORCHRUN_ARGS
   while IFS='=' read -r key value; do export "$key=${!key:-$value}"; done
 } <<<"$RDZV"
-exec "$PY" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m mlora_lab.train "$RUN_DIR"
+exec "$PY" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m mlora_lab.job "$RUN_DIR"

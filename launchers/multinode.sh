@@ -25,4 +25,4 @@ exec "$PY" -m torch.distributed.run \
   --nnodes "${NNODES:-$JOB_NNODES}" --nproc-per-node "${NPROC_PER_NODE:-$JOB_NPROC}" \
   --rdzv-backend c10d --rdzv-endpoint "$ENDPOINT" --rdzv-id "${RDZV_ID:-$(basename "$RUN_DIR")}" \
   --max-restarts 0 \
-  -m mlora_lab.train "$RUN_DIR" "$@"
+  -m mlora_lab.job "$RUN_DIR" "$@"

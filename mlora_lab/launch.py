@@ -63,7 +63,7 @@ from mlora_lab.rundir import (
     update_status,
 )
 from mlora_lab.rundir.control import ControlError
-from mlora_lab.rundir.status import JOB_MODULE, ProcessIdentity, this_host
+from mlora_lab.rundir.status import JOB_MODULE, ProcessIdentity, is_job_command, this_host
 from mlora_lab.search import Sweep
 from mlora_lab.slurm import SlurmError, SlurmJob, SlurmOptions
 from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant, tenant_problems
@@ -196,7 +196,7 @@ def torchrun_command(spec: JobSpec, run_dir: Path, resume: bool = False) -> list
     and picks free ports, so several runs can go at once. Multi-node jobs use ``launchers/``."""
     return [
         sys.executable, "-m", "torch.distributed.run", *single_node_torchrun_args(spec.parallel.nproc),
-        "-m", "mlora_lab.train", str(run_dir),
+        "-m", JOB_MODULE, str(run_dir),
     ] + (["--resume"] if resume else [])  # fmt: skip
 
 
@@ -674,7 +674,7 @@ class Run:
             return None
         try:  # a status without the process's start time: trust the pid only if it is a job
             p = psutil.Process(status.pid)
-            return p.status() != psutil.STATUS_ZOMBIE and JOB_MODULE in " ".join(p.cmdline())
+            return p.status() != psutil.STATUS_ZOMBIE and is_job_command(p.cmdline())
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return False
 

@@ -7,7 +7,7 @@ hosted by the first node of the allocation, and start ``parallel.nproc`` workers
     sbatch --parsable RUN_DIR/slurm.sbatch          (what ml.launch(spec, launcher="slurm") does)
       └─ batch script on the first node
            └─ srun: one task per node ──► torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d
-                                              └─ P × python -m mlora_lab.train RUN_DIR
+                                              └─ P × python -m mlora_lab.job RUN_DIR
 
 Everything the nodes share goes through the run directory, which must therefore be on a filesystem
 every node mounts at the same path (NFS, Lustre, GPFS, ...): ``job.json``, checkpoints, adapters,
@@ -284,7 +284,7 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\
   --nnodes "$SLURM_NNODES" --nproc-per-node {nproc} \\
   --rdzv-backend c10d --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT" --rdzv-id "mlora-$SLURM_JOB_ID" \\
   --max-restarts 0 \\
-  -m mlora_lab.train {run_dir}{resume}
+  -m mlora_lab.job {run_dir}{resume}
 """
 
 

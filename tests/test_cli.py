@@ -192,7 +192,7 @@ def test_killed_rank_marks_run_failed(tmp_path, llama_path, make_data):
     run = ml.launch(long_spec(tmp_path, llama_path, make_data))
     wait_for_training(run)
     launcher = psutil.Process(read_status(run.path).pid)
-    workers = [p for p in launcher.children(recursive=True) if "mlora_lab.train" in " ".join(p.cmdline())]
+    workers = [p for p in launcher.children(recursive=True) if "mlora_lab.job" in " ".join(p.cmdline())]
     assert workers, "the trainer runs as a child of torchrun"
     os.kill(workers[0].pid, 9)
     assert run.wait(timeout=60) == "failed"

@@ -15,11 +15,11 @@ import torch
 import transformers
 
 from mlora_lab.data import load_examples
+from mlora_lab.job.trainer import Trainer
 from mlora_lab.lora import read_adapter
 from mlora_lab.reference import train_peft
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS
-from mlora_lab.train import Trainer
 
 ARCHS = ["llama", "qwen2", "phi3", "gpt_neox"]
 TOL = 1e-5
@@ -33,13 +33,47 @@ def max_diff(a: dict, b: dict) -> float:
 def three_tenants(arch: str, make_data) -> list[Tenant]:
     targets = TYPICAL_TARGETS[arch]
     return [
-        Tenant(name="A", data=make_data("reverse"), rank=4, alpha=8, target_modules=targets[:2], lr=5e-3,
-               batch_size=2, max_steps=20, seed=1),
-        Tenant(name="B", data=make_data("upper"), rank=16, alpha=16, use_rslora=True, target_modules=targets,
-               lr=1e-3, batch_size=3, max_steps=20, schedule="cosine", warmup_steps=3, seed=2, weight_decay=0.01),
-        Tenant(name="C", data=make_data("text"), rank=8, alpha=32, target_modules=targets[-2:], lr=2e-3,
-               batch_size=1, grad_accum=2, max_steps=20, schedule="linear", max_grad_norm=0.05, seed=3),
-    ]  # fmt: skip
+        Tenant(
+            name="A",
+            data=make_data("reverse"),
+            rank=4,
+            alpha=8,
+            target_modules=targets[:2],
+            lr=5e-3,
+            batch_size=2,
+            max_steps=20,
+            seed=1,
+        ),
+        Tenant(
+            name="B",
+            data=make_data("upper"),
+            rank=16,
+            alpha=16,
+            use_rslora=True,
+            target_modules=targets,
+            lr=1e-3,
+            batch_size=3,
+            max_steps=20,
+            schedule="cosine",
+            warmup_steps=3,
+            seed=2,
+            weight_decay=0.01,
+        ),
+        Tenant(
+            name="C",
+            data=make_data("text"),
+            rank=8,
+            alpha=32,
+            target_modules=targets[-2:],
+            lr=2e-3,
+            batch_size=1,
+            grad_accum=2,
+            max_steps=20,
+            schedule="linear",
+            max_grad_norm=0.05,
+            seed=3,
+        ),
+    ]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -74,10 +108,18 @@ def make_peft_adapter(base: str, path: str, rank: int, targets: list[str], alpha
 @pytest.mark.parametrize("arch", ARCHS)
 def test_peft_equivalence(arch, tiny_models, make_data, tmp_path):
     """Ranks 4 and 16 in one job with max_rank 32, started from PEFT adapters with B != 0, trained k
-    full-batch AdamW steps without clipping: per-step losses and final adapters equal plain PEFT."""
+    full-batch AdamW steps without clipping: per-step losses and final adapters equal plain PEFT.
+
+    AdamW's ε is 1e-6 on both sides, not the default 1e-8. Adam's first step moves an entry by
+    ``lr · g / (|g| + ε)``; entries whose true gradient is zero (shifting every key of a query by the
+    same vector leaves its softmax unchanged, so parts of a LoRA on k_proj get no gradient) come out as
+    float noise of ~1e-9 on either side, and with ε = 1e-8 Adam turns that noise into steps of a good
+    fraction of ``lr``. Measured on qwen2 (transformers 5.24, rank 16, k_proj of layer 1): after 5
+    steps the adapters differ by 2.0e-5 with ε = 1e-8, 8.9e-6 with 1e-7, 1.1e-6 with 1e-6, while the
+    losses agree to 1.4e-6 in every case: a comparison of noise, not of the implementations."""
     base = tiny_models(arch)
     targets = TYPICAL_TARGETS[arch]
-    k = 5
+    k, eps = 5, 1e-6
     setups = [
         ("r4", 4, targets[:2], 8.0, make_data("reverse", 7), 3e-3),
         ("r16", 16, targets, 24.0, make_data("chat", 5), 1e-3),
@@ -87,9 +129,22 @@ def test_peft_equivalence(arch, tiny_models, make_data, tmp_path):
         adapter = make_peft_adapter(base, str(tmp_path / f"init_{name}"), rank, tmods, alpha, seed=rank)
         n_rows = len(Path(data).read_text().splitlines())
         tenants.append(
-            Tenant(name=name, data=data, init_adapter=adapter, rank=rank, alpha=alpha, target_modules=tmods,
-                   lr=lr, batch_size=n_rows, max_steps=k, shuffle=False, max_grad_norm=None, weight_decay=0.01)
-        )  # fmt: skip
+            Tenant(
+                name=name,
+                data=data,
+                init_adapter=adapter,
+                rank=rank,
+                alpha=alpha,
+                target_modules=tmods,
+                lr=lr,
+                batch_size=n_rows,
+                max_steps=k,
+                shuffle=False,
+                max_grad_norm=None,
+                weight_decay=0.01,
+                eps=eps,
+            )
+        )
     spec = JobSpec(base_model=base, tenants=tenants, seq_len=64, max_rank=32, max_tenants=4)
     trainer = Trainer(spec)
     trainer.train()
@@ -98,8 +153,15 @@ def test_peft_equivalence(arch, tiny_models, make_data, tmp_path):
     for t in tenants:
         examples = load_examples(t.data, tok, spec.seq_len)
         assert len({len(e.input_ids) for e in examples}) > 1, "rows of different lengths"
-        ref = train_peft(base, [examples] * k, adapter_dir=t.init_adapter, lr=t.lr, weight_decay=0.01,
-                         pad_id=tok.pad_token_id)  # fmt: skip
+        ref = train_peft(
+            base,
+            [examples] * k,
+            adapter_dir=t.init_adapter,
+            lr=t.lr,
+            eps=eps,
+            weight_decay=0.01,
+            pad_id=tok.pad_token_id,
+        )
         assert trainer.losses(t.name) == pytest.approx(ref.losses, abs=TOL), arch
         diff = max_diff(trainer.model.tenant_tensors(t.name), ref.tensors)
         assert diff <= TOL, f"{arch}/{t.name}: adapter differs from plain PEFT by {diff}"
@@ -111,11 +173,26 @@ def test_saved_adapter_round_trip(arch, tiny_models, make_data, tmp_path):
     base = tiny_models(arch)
     targets = TYPICAL_TARGETS[arch]
     tenants = [
-        Tenant(name="x", data=make_data("reverse"), rank=4, alpha=8, target_modules=targets[:2], lr=1e-2,
-               max_steps=3, use_rslora=True),
-        Tenant(name="y", data=make_data("upper"), rank=16, alpha=16, target_modules=["all-linear"], lr=1e-2,
-               max_steps=3),
-    ]  # fmt: skip
+        Tenant(
+            name="x",
+            data=make_data("reverse"),
+            rank=4,
+            alpha=8,
+            target_modules=targets[:2],
+            lr=1e-2,
+            max_steps=3,
+            use_rslora=True,
+        ),
+        Tenant(
+            name="y",
+            data=make_data("upper"),
+            rank=16,
+            alpha=16,
+            target_modules=["all-linear"],
+            lr=1e-2,
+            max_steps=3,
+        ),
+    ]
     spec = JobSpec(base_model=base, tenants=tenants, seq_len=64, max_rank=32, slot_modules=["all-linear"])
     trainer = Trainer(spec, run_dir=tmp_path / "run")
     trainer.train()
@@ -144,8 +221,19 @@ def test_bf16_base_fp32_adapters_equal_peft(arch, tiny_models, make_data, tmp_pa
     targets = TYPICAL_TARGETS[arch]
     data = make_data("reverse", 7)
     adapter = make_peft_adapter(base, str(tmp_path / "init"), 4, targets, 8.0, seed=4)
-    tenant = Tenant(name="a", data=data, init_adapter=adapter, rank=4, alpha=8, target_modules=targets, lr=3e-3,
-                    batch_size=7, max_steps=4, shuffle=False, max_grad_norm=None)  # fmt: skip
+    tenant = Tenant(
+        name="a",
+        data=data,
+        init_adapter=adapter,
+        rank=4,
+        alpha=8,
+        target_modules=targets,
+        lr=3e-3,
+        batch_size=7,
+        max_steps=4,
+        shuffle=False,
+        max_grad_norm=None,
+    )
     spec = JobSpec(base_model=base, tenants=[tenant], seq_len=64, max_rank=8, max_tenants=2, dtype="bfloat16")
     trainer = Trainer(spec, run_dir=tmp_path / "run")
     trainer.train()
@@ -153,8 +241,9 @@ def test_bf16_base_fp32_adapters_equal_peft(arch, tiny_models, make_data, tmp_pa
     assert all(p.dtype == torch.float32 for p, _ in trainer.model.tenant_slices("a"))
     tok = transformers.AutoTokenizer.from_pretrained(base)
     examples = load_examples(data, tok, spec.seq_len)
-    ref = train_peft(base, [examples] * 4, adapter_dir=adapter, lr=3e-3, pad_id=tok.pad_token_id,
-                     dtype=torch.bfloat16)  # fmt: skip
+    ref = train_peft(
+        base, [examples] * 4, adapter_dir=adapter, lr=3e-3, pad_id=tok.pad_token_id, dtype=torch.bfloat16
+    )
     assert trainer.losses("a") == pytest.approx(ref.losses, abs=TOL)
     assert max_diff(trainer.model.tenant_tensors("a"), ref.tensors) <= TOL
     loaded = peft.PeftModel.from_pretrained(

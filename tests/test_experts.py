@@ -72,11 +72,11 @@ def test_moe_tenants_train_like_peft_and_round_trip(arch, tiny_models, make_data
     adapters with B != 0, trained 4 full-batch steps: losses and adapters equal plain PEFT
     target_parameters training; the saved adapters load in PEFT and give the same logits."""
     from mlora_lab.data import load_examples
+    from mlora_lab.job.trainer import Trainer
     from mlora_lab.lora import read_adapter
     from mlora_lab.reference import train_peft
     from mlora_lab.spec import JobSpec, Tenant
     from mlora_lab.tiny import EXPERT_TARGETS
-    from mlora_lab.train import Trainer
 
     base = tiny_models(arch)
     tenants = []

@@ -138,9 +138,9 @@ def test_two_runs_at_once_and_live_dashboard(tiny_models, tmp_path):
 def test_summary_has_each_tenants_state_settings_and_the_tenants_added_live(tiny_models, tmp_path):
     """Settings next to results, the state each tenant is in now (a tenant still training when the
     run stopped shows ``stopped``), and tenants that are in no job.json: refused, or still queued."""
+    from mlora_lab.job.trainer import Trainer
     from mlora_lab.launch import prepare_run
     from mlora_lab.rundir import control
-    from mlora_lab.train import Trainer
 
     data = write_jsonl(tmp_path / "rev.jsonl", task_rows("reverse", 16, 0))
     done = ml.Tenant(name="done", data=data, rank=4, batch_size=2, max_steps=3)
@@ -156,7 +156,7 @@ def test_summary_has_each_tenants_state_settings_and_the_tenants_added_live(tiny
     live = ml.Tenant(name="live", data=data, rank=4, lr=1e-3, max_steps=5)
     run.add_tenant(live, wait=False)
     control.send(run.path, "add", tenant={**live.to_dict(), "name": "huge", "rank": 99})
-    trainer._poll_control()  # live is added, huge refused (rank > max_rank)
+    trainer.poll()  # live is added, huge refused (rank > max_rank)
     trainer.step()
     control.send(run.path, "add", tenant={**live.to_dict(), "name": "later", "lr": 5e-4})  # not picked up yet
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from mlora_lab.job.trainer import Trainer
 from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.memory import (
     IGNORE_INDEX,
@@ -19,7 +20,6 @@ from mlora_lab.memory import (
 )
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS, tiny_config
-from mlora_lab.train import Trainer
 
 ARCHS = ["llama", "llama+tied", "qwen2", "phi3", "gpt_neox", "qwen3_moe"]
 TOL = 1e-6
@@ -236,10 +236,10 @@ def test_trainer_chunked_loss_equals_full_logits_with_an_output_layer_tenant(lla
         spec = JobSpec(base_model=llama_path, tenants=tenants, seq_len=64, max_rank=8, max_tenants=2,
                        slot_modules=["q_proj", "lm_head"])  # fmt: skip
         trainer = Trainer(spec)
-        assert trainer._head is not None
+        assert trainer.engine.head is not None
         if not chunked:
-            trainer._head = None  # the full-logits path
-        trainer._chunk_tokens = 5  # many chunks
+            trainer.engine.head = None  # the full-logits path
+        trainer.engine.chunk_tokens = 5  # many chunks
         trainer.train()
         runs.append(trainer)
     # (gradients agree to 1e-6, above; AdamW divides by sqrt(v), which magnifies the last bits of

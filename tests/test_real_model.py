@@ -16,7 +16,7 @@ import transformers
 
 import mlora_lab as ml
 from mlora_lab.bases import real_model_path, resolve_base
-from mlora_lab.train import Trainer
+from mlora_lab.job.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5

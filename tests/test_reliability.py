@@ -21,9 +21,9 @@ from test_isolation import good_tenants, job, long_text_rows
 
 import mlora_lab as ml
 from mlora_lab import cli
+from mlora_lab.job.trainer import SaveError, Trainer
 from mlora_lab.launch import prepare_run
 from mlora_lab.rundir import RunState, TenantState, checkpoint, read_status
-from mlora_lab.train import SaveError, Trainer
 
 # -- one owner per run directory ------------------------------------------------------------------------
 
@@ -88,7 +88,7 @@ def test_training_processes_never_import_the_notebook_side(llama_path, tmp_path)
     run = prepare_run(job(llama_path, good_tenants(tmp_path, max_steps=2), output_dir=str(tmp_path / "run")))
     out = tmp_path / "modules.json"
     script = (
-        "import json, sys; from mlora_lab.train import main; rc = main([sys.argv[1]]); "
+        "import json, sys; from mlora_lab.job.__main__ import main; rc = main([sys.argv[1]]); "
         "json.dump({'rc': rc, 'loaded': sorted(m for m in ('pandas', 'matplotlib', 'ipywidgets') "
         "if m in sys.modules)}, open(sys.argv[2], 'w'))"
     )
@@ -204,7 +204,7 @@ def test_a_job_that_runs_out_of_disk_never_claims_success(llama_path, tmp_path, 
     on disk is intact."""
     good = good_tenants(tmp_path, max_steps=12)
     run = prepare_run(job(llama_path, good, save_every=1, output_dir=str(small_disk / "run")))
-    proc = subprocess.Popen([sys.executable, "-m", "mlora_lab.train", str(run.root)])
+    proc = subprocess.Popen([sys.executable, "-m", "mlora_lab.job", str(run.root)])
     try:
         deadline = time.monotonic() + 120
         while not checkpoint.checkpoint_dirs(run.checkpoints):
@@ -236,7 +236,7 @@ def test_sigint_is_as_graceful_as_sigterm(llama_path, tmp_path):
         time.sleep(0.2)
     agent = psutil.Process(read_status(run.path).pid)
     for p in agent.children(recursive=True):
-        if "mlora_lab.train" in " ".join(p.cmdline()):
+        if "mlora_lab.job" in " ".join(p.cmdline()):
             p.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends every rank
     assert run.wait(timeout=120) == "stopped", run.logs(0)
     assert run.adapter_path("a").is_dir()
@@ -324,7 +324,7 @@ def job_workers(run_dir: Path) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "mlora_lab.train" in cmd and str(run_dir) in cmd:
+        if "mlora_lab.job" in cmd and str(run_dir) in cmd:
             found.append(p)
     return found
 

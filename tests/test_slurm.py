@@ -96,7 +96,7 @@ def test_the_batch_script_runs_one_agent_per_node_and_quotes_every_path(tmp_path
     assert "'/opt/py env/bin/python' -m torch.distributed.run" in script
     assert '--nnodes "$SLURM_NNODES" --nproc-per-node 4' in script
     assert '--rdzv-backend c10d --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT"' in script
-    assert script.rstrip().endswith(f"-m mlora_lab.train '{run_dir}' --resume")  # quoted: $(id) stays text
+    assert script.rstrip().endswith(f"-m mlora_lab.job '{run_dir}' --resume")  # quoted: $(id) stays text
     for bad in ("my runs", "r%j", 'r"1', "r'1", "a\\b", "a\nb"):
         assert "must not contain whitespace, quotes" in slurm_module.run_dir_problem(tmp_path / bad)
 

@@ -21,14 +21,16 @@ decisions as one that ran through; ``search.json`` in the run directory holds th
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from mlora_lab.control_handler import describe
+from mlora_lab.job.agree import agree, describe
+from mlora_lab.job.recorder import Recorder
+from mlora_lab.job.tenants import FeedFor, TenantPool
+from mlora_lab.parallel import Collectives
 from mlora_lab.rundir import (
     EventKind,
     MetricsReader,
@@ -38,13 +40,12 @@ from mlora_lab.rundir import (
     TenantState,
     atomic_write_json,
 )
-from mlora_lab.search import Action, Search, Sweep
+from mlora_lab.search import Action, ActionOp, Search, Sweep, TrialState
 from mlora_lab.spec import Tenant
 
-if TYPE_CHECKING:
-    from mlora_lab.train import Trainer
-
 OPTIMIZER_FIELDS = ("lr", "weight_decay", "max_grad_norm")
+
+Evaluate = Callable[[Sequence[str]], dict[str, float]]
 
 
 def load_objective(metric: str) -> Callable[[list[dict]], float] | None:
@@ -61,30 +62,55 @@ def load_objective(metric: str) -> Callable[[list[dict]], float] | None:
 
 
 class SearchController:
-    """Runs :class:`~mlora_lab.search.Search` for one :class:`~mlora_lab.train.Trainer`."""
+    """Runs :class:`~mlora_lab.search.Search` over the slots of a :class:`~.tenants.TenantPool`.
 
-    def __init__(self, trainer: Trainer, sweep: Sweep, saved: dict[str, Any] | None = None) -> None:
-        self.tr, self.sweep = trainer, sweep
+    Built with what it acts on: the pool (slots, tenant states), the feeds of new trials, the recorder
+    (rows and events), the communicator, and ``evaluate(names)`` (eval losses of trials, a collective).
+    ``saved`` is its :meth:`state_dict` from a checkpoint, when the job resumes."""
+
+    def __init__(
+        self,
+        sweep: Sweep,
+        pool: TenantPool,
+        feed_for: FeedFor,
+        recorder: Recorder,
+        comm: Collectives,
+        evaluate: Evaluate,
+        run: RunDir | None,
+        is_main: bool,
+        saved: dict[str, Any] | None = None,
+    ) -> None:
+        self.sweep, self.pool, self.feed_for, self.recorder = sweep, pool, feed_for, recorder
+        self.comm, self.evaluate, self.run, self.is_main = comm, evaluate, run, is_main
         self.engine = Search.from_dict(saved["engine"]) if saved else sweep.search()
         self.kept: dict[int, dict[str, Any]] = {int(k): v for k, v in (saved or {}).get("kept", {}).items()}
-        self.objective_fn = load_objective(sweep.objective.metric) if trainer.dist.is_main else None
-        self._said_pruned = {t.id for t in self.engine.trials if t.state == "pruned"}
+        self.objective_fn = load_objective(sweep.objective.metric) if is_main else None
+        self._said_pruned = {t.id for t in self.engine.trials if t.state is TrialState.PRUNED}
         # rows written before a resume: a trial's train-loss objective looks back over them too
         self.past_rows: list[dict] = []
-        if saved and trainer.dist.is_main and trainer.run is not None:
-            reader = MetricsReader(trainer.run.metrics)
+        if saved and is_main and run is not None:
+            reader = MetricsReader(run.metrics)
             reader.poll()
             self.past_rows = list(reader.rows)
 
     # -- what the trainer asks ---------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        """For checkpoints: the engine's state and the kept states of paused trials."""
-        return {"engine": self.engine.to_dict(), "kept": {str(k): v for k, v in self.kept.items()}}
+    def state_dict(self) -> dict[str, Any]:
+        """For checkpoints: ``{"search": the engine's state and the kept states of paused trials}``."""
+        return {
+            "search": {"engine": self.engine.to_dict(), "kept": {str(k): v for k, v in self.kept.items()}}
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The search's state is read when it is built (``saved``): its trials decide which tenants start."""
 
     def not_in_slots(self) -> set[str]:
         """Trial tenants the job must not start by itself on resume: those not running (the search
         restores or starts them)."""
-        return {self.name(t.id) for t in self.engine.trials if t.state != "running" or t.id in self.kept}
+        return {
+            self.name(t.id)
+            for t in self.engine.trials
+            if t.state is not TrialState.RUNNING or t.id in self.kept
+        }
 
     @property
     def active(self) -> bool:
@@ -97,51 +123,50 @@ class SearchController:
     # -- one step boundary -------------------------------------------------------------------------
     def poll(self) -> None:
         """Report, decide (rank 0) and apply, on every rank. A collective only when something is due."""
-        tr = self.tr
-        running = [t for t in self.engine.trials if t.state == "running"]
+        running = [t for t in self.engine.trials if t.state is TrialState.RUNNING]
         due, failed = [], []
         for t in running:
-            run = tr.tenants.get(self.name(t.id))
+            run = self.pool.tenants.get(self.name(t.id))
             if run is None or run.state is TenantState.FAILED:
                 failed.append(t.id)
-            elif run.micro == 0 and run.step >= self.engine.next_report(t.id):
+            elif not run.accumulating and run.step >= self.engine.next_report(t.id):
                 due.append(t.id)
-        free = tr.spec.max_tenants - len(tr.model.tenants)
+        free = self.pool.free_slots
         if not (due or failed or (free > 0 and self.engine.can_fill())):
             return
         evals = self._evaluate(due)
         decided = None
-        if tr.dist.is_main:
+        if self.is_main:
             decided = self._decide(due, failed, evals, free)
-        actions, state = tr.comm.broadcast_object(decided)
+        actions, state = self.comm.broadcast_object(decided)
         self.engine = Search.from_dict(state)
         for action in actions:
-            self._apply(action)
+            self.apply(action)
         self._say_pruned()
-        if tr.dist.is_main and tr.run is not None:
+        if self.is_main and self.run is not None:
             try:
-                atomic_write_json(tr.run.search, self.engine.to_dict())
+                atomic_write_json(self.run.search, self.engine.to_dict())
             except OSError as e:  # a full disk: the checkpoint still holds it
                 print(f"search.json not written: {e}", flush=True)
 
     def _evaluate(self, due: list[int]) -> dict[str, float]:
-        names = [self.name(i) for i in due if self.tr.tenants[self.name(i)].eval_examples]
+        names = [self.name(i) for i in due if getattr(self.pool[self.name(i)].feed, "eval_examples", None)]
         wants_eval = self.sweep.objective.metric != "train_loss"
-        return self.tr.evaluate(names) if names and wants_eval else {}
+        return self.evaluate(names) if names and wants_eval else {}
 
     def _decide(self, due: list[int], failed: list[int], evals: dict[str, float], free: int) -> tuple:
-        tr, engine, step = self.tr, self.engine, self.tr.global_step
+        engine, step = self.engine, self.recorder.step
         actions: list[Action] = []
         for i in failed:
-            run = tr.tenants.get(self.name(i))
+            run = self.pool.tenants.get(self.name(i))
             engine.fail(i, (run.reason if run else None) or "its tenant is gone", step)
         paused = []
         for i in sorted(due):
-            run = tr.tenants[self.name(i)]
+            run = self.pool[self.name(i)]
             actions += engine.report(i, run.step, self._value(i, evals), step)
-            if engine.trial(i).state == "paused":
+            if engine.trial(i).state is TrialState.PAUSED:
                 paused.append(i)
-        freed = sum(a.op == "stop" for a in actions)
+        freed = sum(a.op is ActionOp.STOP for a in actions)
         actions += engine.fill(free + freed + len(paused), step, tuple(paused))
         return actions, engine.to_dict()
 
@@ -149,7 +174,7 @@ class SearchController:
         """The objective of a trial now: its eval loss (when it has eval data), else the mean of its
         last ``window`` train losses, or the user's function of its rows."""
         name, objective = self.name(trial_id), self.sweep.objective
-        rows = [r for r in (*self.past_rows, *self.tr.history) if r.get("tenant") == name]
+        rows = [r for r in (*self.past_rows, *self.recorder.history) if r.get("tenant") == name]
         if self.objective_fn is not None:
             try:
                 return float(self.objective_fn(rows))
@@ -162,64 +187,52 @@ class SearchController:
         return sum(losses[-objective.window :]) / len(losses[-objective.window :]) if losses else math.nan
 
     # -- applying an action (every rank) -----------------------------------------------------------
-    def _apply(self, a: Action) -> None:
-        tr, name = self.tr, self.name(a.trial)
-        tr._event(EventKind.SEARCH, f"{a.op} {name}" + (f" from {self.name(a.source)}" if a.source is not None else "")
-                  + (f": {a.why}" if a.why else ""))  # fmt: skip
-        if a.op == "start":
-            error = self._agreed(lambda: tr.start_trial(self.sweep.trial_tenant(a.trial, a.config)))
-            if error is not None:
-                self.engine.fail(a.trial, f"could not start: {error}", tr.global_step)
-        elif a.op == "pause":
-            tr.save_adapter(name)
-            self.kept[a.trial] = tr.checkpointer.tenant_state(name)
-            tr.release_slot(name, TenantState.PAUSED, a.why or "waits for a promotion")
-        elif a.op == "restore":
+    def apply(self, a: Action) -> None:
+        pool, name, step = self.pool, self.name(a.trial), self.recorder.step
+        source = f" from {self.name(a.source)}" if a.source is not None else ""
+        self.recorder.event(EventKind.SEARCH, f"{a.op} {name}{source}" + (f": {a.why}" if a.why else ""))
+        if a.op is ActionOp.START:
+            tenant = self.sweep.trial_tenant(a.trial, a.config)
+            refusal = agree(self.comm, lambda: pool.prepare_add(tenant, self.feed_for))
+            if refusal is not None:
+                self.engine.fail(a.trial, f"could not start: {refusal.error}", step)
+        elif a.op is ActionOp.PAUSE:
+            pool.save_adapter(name)
+            self.kept[a.trial] = pool.tenant_state(name)
+            pool.release(name, TenantState.PAUSED, a.why or "waits for a promotion")
+        elif a.op is ActionOp.RESTORE:
             saved = self.kept.pop(a.trial)
-            error = self._agreed(lambda: tr.start_trial(Tenant.from_dict(saved["spec"]), saved))
-            if error is not None:
-                self.engine.fail(a.trial, f"could not be restored: {error}", tr.global_step)
-        elif a.op == "stop":
-            if name in tr.tenants:
-                tr.release_slot(name, None, None)
-        elif a.op == "exploit":
-            source = tr.checkpointer.tenant_state(self.name(a.source))
-            tr.checkpointer.restore_tenant(name, source, whole=False)
-            run = tr.tenants[name]
+            tenant = Tenant.from_dict(saved["spec"])
+            refusal = agree(self.comm, lambda: pool.prepare_add(tenant, self.feed_for, saved))
+            if refusal is not None:
+                self.engine.fail(a.trial, f"could not be restored: {refusal.error}", step)
+        elif a.op is ActionOp.STOP:
+            if name in pool:
+                pool.release(name, None, None)
+        elif a.op is ActionOp.EXPLOIT:
+            source_state = pool.tenant_state(self.name(a.source))
+            pool.load_tenant_state(name, source_state, whole=False)
             settings = {k: v for k, v in a.config.items() if k in OPTIMIZER_FIELDS}
-            run.optimizer.set_hyperparameters(**settings)
-            run.spec = dataclasses.replace(run.spec, **settings)
+            pool.set_hyperparameters(pool[name], settings)
         # "continue": the trial goes on in its slot
 
     def _say_pruned(self) -> None:
         """A tenant row for each trial pruned now that nothing can promote it any more."""
         for t in self.engine.trials:
-            if t.state == "pruned" and t.id not in self._said_pruned:
+            if t.state is TrialState.PRUNED and t.id not in self._said_pruned:
                 self._said_pruned.add(t.id)
                 self.kept.pop(t.id, None)  # its state is not needed any more (its adapter is saved)
-                self.tr._log(TenantRow(step=self.tr.global_step, tenant=self.name(t.id), state=TenantState.REMOVED,
-                                       reason=f"pruned: {t.reason}"))  # fmt: skip
-
-    def _agreed(self, prepare: Callable[[], Any]) -> str | None:
-        """Run ``prepare`` (returns a Change) on every rank; commit if it worked everywhere, else undo
-        and return the first error (the same on every rank)."""
-        change, error = None, None
-        try:
-            change = prepare()
-        except Exception as e:
-            error = describe(e)
-        first = next((e for e in self.tr.comm.gather_objects(error) if e), None)
-        if first is None:
-            change.commit()
-            return None
-        if change is not None:
-            change.undo()
-        return first
+                row = TenantRow(
+                    step=self.recorder.step,
+                    tenant=self.name(t.id),
+                    state=TenantState.REMOVED,
+                    reason=f"pruned: {t.reason}",
+                )
+                self.recorder.log(row)
 
 
-def read_sweep(run_root: Any) -> Sweep | None:
+def read_sweep(run: RunDir) -> Sweep | None:
     """The run's ``sweep.json`` (None when the run is not a sweep)."""
-    path = RunDir(run_root).sweep
-    if not path.is_file():
+    if not run.sweep.is_file():
         return None
-    return Sweep.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    return Sweep.from_dict(json.loads(run.sweep.read_text(encoding="utf-8")))
