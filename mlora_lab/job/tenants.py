@@ -354,11 +354,12 @@ class TenantPool:
             return
         t.feed.load_state_dict(s)
         t.state, t.reason, t.tokens_seen = TenantState(s["state"]), s["reason"], s["tokens_seen"]
-        # The saved loss is the sum over all processes: rank 0 carries it, the others restart at 0.
-        t.window_loss = torch.tensor(
-            s["window_loss"] if self.comm.dp_rank == 0 else 0.0, device=self.engine.device
-        )
+        # The saved loss is the sum over all processes: rank 0 carries it, the others restart at 0. It
+        # belongs to a window in progress; with none (checkpoints before the re-housing kept the last
+        # finished window's loss there) the next window starts from 0.
         t.accumulating = s["partial_grads"] is not None
+        loss = s["window_loss"] if t.accumulating and self.comm.dp_rank == 0 else 0.0
+        t.window_loss = torch.tensor(loss, device=self.engine.device)
         if s["partial_grads"] is not None:
             for (p, i), g in zip(t.optimizer.slices, s["partial_grads"]):
                 if g is None:
