@@ -104,7 +104,9 @@ from mlora_lab.rundir import (
 )
 from mlora_lab.rundir.status import this_host
 from mlora_lab.search_job import SearchController, read_sweep
-from mlora_lab.spec import JobSpec, SpecError, Tenant, effective_slot_modules, tenant_problems
+from mlora_lab.spec import JobSpec, SpecError, Tenant, effective_slot_modules
+from mlora_lab.validate import problems as spec_problems
+from mlora_lab.validate import tenant_problems
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -930,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
         # job.json may have been edited since the launch. (A sweep's job may have no tenant of its own:
         # its trials come from the search, so it is checked as a job that waits for tenants.)
         check = dataclasses.replace(spec, serve=True) if run.sweep.is_file() else spec
-        problems = check.problems(files=False)
+        problems = spec_problems(check, files=False)
         if problems:
             raise SpecError(problems)
         if dist.is_main:

@@ -40,6 +40,7 @@ from mlora_lab.lora.targets import (
 from mlora_lab.spec import JobSpec, Tenant, effective_slot_modules
 from mlora_lab.tiny import ARCHITECTURES, MOE_ARCHITECTURES, build_tokenizer, tiny_config
 from mlora_lab.validate import all_linear_names, linear_target_options
+from mlora_lab.validate import problems as spec_problems
 from mlora_lab.widgets import TenantForm, linear_target_names
 
 # The repo's table, plus: a tied-embedding model, and output layers not called lm_head (with
@@ -216,15 +217,15 @@ def test_naming_the_output_layer_is_consistent(arch, saved, tmp_path):
         Tenant(name="a", data=data, rank=4, target_modules=["all-linear"]),
         Tenant(name="h", data=data, rank=4, target_modules=[out]),
     ])  # fmt: skip
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     assert effective_slot_modules(spec) == ["all-linear", out]
     spec.slot_modules = ["all-linear"]
-    (problem,) = map(str, spec.problems())
+    (problem,) = map(str, spec_problems(spec))
     assert f"tenant 'h': target_modules {out} not covered by slot_modules" in problem
     spec.slot_modules = ["all-linear", out]
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     spec.tenants[1].target_modules = ["all-linear", out]  # a tenant's list is PEFT's: all-linear alone
-    assert "'all-linear' must be the only entry" in "\n".join(map(str, spec.problems()))
+    assert "'all-linear' must be the only entry" in "\n".join(map(str, spec_problems(spec)))
     # the form: not offered among the all-linear names, but a tenant that names it loads and validates
     form = TenantForm(base_model=path)
     assert out not in form.target_modules.options
