@@ -843,7 +843,7 @@ class JobBuilder:
         )
 
     def problems(self) -> list[Problem]:
-        """Every problem of :meth:`spec` (as :meth:`JobSpec.problems` reports them)."""
+        """Every problem of :meth:`spec` (as :func:`mlora_lab.validate.problems` reports them)."""
         return self.form._validator.problems(self.spec())
 
     def launch(self) -> Run:

@@ -577,8 +577,17 @@ def test_slot_modules_cover_tenants(tmp_path, llama_path):
 def tiny_moe_config(**overrides: Any) -> Any:
     from transformers import Qwen3MoeConfig
 
-    kw = dict(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
-              num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    kw = dict(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     return Qwen3MoeConfig(**{**kw, **overrides})
 
 
@@ -783,15 +792,38 @@ DEEP: Any = 1
 for _ in range(40):
     DEEP = [DEEP]
 # Values no field should hold. Each is a way a job.json (or Python code) has broken validators.
-GARBAGE: list[Any] = [None, [], {}, "x" * 10_000_000, 10**400, 10**5000, float("inf"), float("nan"), -1, True,
-                      "\ud800", "a\0b", DEEP, {"k": DEEP}, ["x", 1], [{"name": 1}], 2**63]  # fmt: skip
-GARBAGE_IDS = ["None", "[]", "{}", "10MB", "1e400", "1e5000", "inf", "nan", "-1", "True", "surrogate", "nul",
-               "deep", "deep_dict", "mixed_list", "list_of_dict", "2**63"]  # fmt: skip
+GARBAGE_CASES: list[tuple[str, Any]] = [
+    ("None", None),
+    ("[]", []),
+    ("{}", {}),
+    ("10MB", "x" * 10_000_000),
+    ("1e400", 10**400),
+    ("1e5000", 10**5000),
+    ("inf", float("inf")),
+    ("nan", float("nan")),
+    ("-1", -1),
+    ("True", True),
+    ("surrogate", "\ud800"),
+    ("nul", "a\0b"),
+    ("deep", DEEP),
+    ("deep_dict", {"k": DEEP}),
+    ("mixed_list", ["x", 1]),
+    ("list_of_dict", [{"name": 1}]),
+    ("2**63", 2**63),
+]
+GARBAGE = [value for _, value in GARBAGE_CASES]
+GARBAGE_IDS = [name for name, _ in GARBAGE_CASES]
 TENANT_FIELDS = [f for f in Tenant.__dataclass_fields__ if f != "name"]
 # (field, value) pairs of GARBAGE that are valid (a list: [] is unhashable)
-VALID = [("eval_data", None), ("init_adapter", None), ("max_grad_norm", None), ("target_parameters", []),
-         ("use_rslora", True), ("shuffle", True)] + [(f, 2**63) for f in ("alpha", "lr", "weight_decay", "eps",
-                                                                              "max_grad_norm")]  # fmt: skip
+VALID = [
+    ("eval_data", None),
+    ("init_adapter", None),
+    ("max_grad_norm", None),
+    ("target_parameters", []),
+    ("use_rslora", True),
+    ("shuffle", True),
+    *((f, 2**63) for f in ("alpha", "lr", "weight_decay", "eps", "max_grad_norm")),
+]
 
 
 def test_from_dict_raises_only_spec_error_for_any_input():
@@ -1162,8 +1194,12 @@ def test_init_adapter_shapes_from_the_header(tmp_path, llama_path, adapter_dir):
     import torch
 
     prefix = "base_model.model.model.layers.0.self_attn."
-    good = {f"{prefix}q_proj.lora_A.weight": torch.zeros(16, 64), f"{prefix}q_proj.lora_B.weight": torch.zeros(64, 16),
-            f"{prefix}v_proj.lora_A.weight": torch.zeros(16, 64), f"{prefix}v_proj.lora_B.weight": torch.zeros(32, 16)}  # fmt: skip
+    good = {
+        f"{prefix}q_proj.lora_A.weight": torch.zeros(16, 64),
+        f"{prefix}q_proj.lora_B.weight": torch.zeros(64, 16),
+        f"{prefix}v_proj.lora_A.weight": torch.zeros(16, 64),
+        f"{prefix}v_proj.lora_B.weight": torch.zeros(32, 16),
+    }
     assert spec_problems(init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, good))) == []
     wide_b = {**good, f"{prefix}v_proj.lora_B.weight": torch.zeros(128, 16)}
     (problem,) = texts(init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, wide_b)))
@@ -1171,8 +1207,11 @@ def test_init_adapter_shapes_from_the_header(tmp_path, llama_path, adapter_dir):
         "init_adapter was made for another base model: model.layers.0.self_attn.v_proj.lora_B is [128, 16] but "
         "v_proj gives 32 outputs"
     )
-    deeper = {**good, "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight": torch.zeros(16, 64),
-              "base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight": torch.zeros(64, 16)}  # fmt: skip
+    deeper = {
+        **good,
+        "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight": torch.zeros(16, 64),
+        "base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight": torch.zeros(64, 16),
+    }
     (problem,) = texts(init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, deeper)))
     assert problem == (
         "tenant 'a': init_adapter was made for another base model: it has weights for modules this base model "
@@ -1197,18 +1236,29 @@ def unreadable(adapter_dir: str) -> list[tuple[str, bytes, str]]:
     real = (Path(adapter_dir) / "adapter_model.safetensors").read_bytes()
     n = int.from_bytes(real[:8], "little")
     key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"  # the last one stored
+
+    def n8(size: int) -> bytes:  # a safetensors file starts with its header's length, 8 bytes little-endian
+        return size.to_bytes(8, "little")
+
     return [
         ("empty", b"", "it is empty"),
         ("seven_bytes", real[:7], "it is truncated (7 bytes)"),
-        ("truncated_header", real[:100], f"it is truncated (its header needs {8 + n} bytes, the file has 100)"),
-        ("truncated_data", real[:-500], f"it is truncated (tensor '{key}' ends at byte {len(real) - 8 - n} of "
-                                        f"{len(real) - 508 - n})"),
+        (
+            "truncated_header",
+            real[:100],
+            f"it is truncated (its header needs {8 + n} bytes, the file has 100)",
+        ),
+        (
+            "truncated_data",
+            real[:-500],
+            f"it is truncated (tensor '{key}' ends at byte {len(real) - 8 - n} of {len(real) - 508 - n})",
+        ),
         ("pickle", pickle.dumps({"lora_A": [1.0] * 100}), "it is not a safetensors file (no valid header)"),
         ("zip", b"PK\x03\x04" + bytes(200), "it is not a safetensors file (no valid header)"),
-        ("not_an_object", (4).to_bytes(8, "little") + b"[1]", "it is not a safetensors file (no valid header)"),
-        ("bad_json", (20).to_bytes(8, "little") + b"{" * 20, "it is not a safetensors file (its header is not a JSON object)"),
-        ("bad_entry", (19).to_bytes(8, "little") + b'{"a": {"shape": 1}}', "it is not a safetensors file (bad header entry 'a')"),
-    ]  # fmt: skip
+        ("not_an_object", n8(4) + b"[1]", "it is not a safetensors file (no valid header)"),
+        ("bad_json", n8(20) + b"{" * 20, "it is not a safetensors file (its header is not a JSON object)"),
+        ("bad_entry", n8(19) + b'{"a": {"shape": 1}}', "it is not a safetensors file (bad header entry 'a')"),
+    ]
 
 
 @pytest.mark.parametrize("case", range(9))

@@ -59,12 +59,25 @@ def _config(arch: str, vocab: int) -> transformers.PretrainedConfig:
         return config
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if arch == "gpt_neox_japanese":
-        return transformers.GPTNeoXJapaneseConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
-                                                  num_attention_heads=4, intermediate_multiple_size=2,
-                                                  max_position_embeddings=256, **ids)  # fmt: skip
+        return transformers.GPTNeoXJapaneseConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_multiple_size=2,
+            max_position_embeddings=256,
+            **ids,
+        )
     if arch == "biogpt":
-        return transformers.BioGptConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         intermediate_size=128, max_position_embeddings=256, **ids)  # fmt: skip
+        return transformers.BioGptConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=256,
+            **ids,
+        )
     raise ValueError(arch)
 
 
@@ -213,10 +226,15 @@ def test_naming_the_output_layer_is_consistent(arch, saved, tmp_path):
     ] == [out]
     # the spec: accepted; the effective slots cover it next to an all-linear tenant
     data = write_jsonl(tmp_path / "d.jsonl", task_rows("reverse", 4))
-    spec = JobSpec(base_model=path, seq_len=64, max_rank=8, tenants=[
-        Tenant(name="a", data=data, rank=4, target_modules=["all-linear"]),
-        Tenant(name="h", data=data, rank=4, target_modules=[out]),
-    ])  # fmt: skip
+    spec = JobSpec(
+        base_model=path,
+        seq_len=64,
+        max_rank=8,
+        tenants=[
+            Tenant(name="a", data=data, rank=4, target_modules=["all-linear"]),
+            Tenant(name="h", data=data, rank=4, target_modules=[out]),
+        ],
+    )
     assert spec_problems(spec) == []
     assert effective_slot_modules(spec) == ["all-linear", out]
     spec.slot_modules = ["all-linear"]
@@ -269,9 +287,15 @@ def test_output_layer_without_get_output_embeddings_follows_transformers_convent
     assert output_layer_names(_Plain("proj")) == []  # nothing to go by: every linear is all-linear
     with torch.device("meta"):
         rwkv = transformers.AutoModelForCausalLM.from_config(
-            transformers.RwkvConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, attention_hidden_size=16,
-                                    intermediate_size=32, context_length=16)
-        )  # fmt: skip
+            transformers.RwkvConfig(
+                vocab_size=64,
+                hidden_size=16,
+                num_hidden_layers=1,
+                attention_hidden_size=16,
+                intermediate_size=32,
+                context_length=16,
+            )
+        )
     assert output_layer_names(rwkv) == ["head"]  # by identity, though inner layers are called "output"
     assert "rwkv.blocks.0.attention.output" in linear_module_names(rwkv)
 

@@ -3,7 +3,7 @@ checks, what has been loaded so far (the model's structure, the tokenizer) and t
 
 Each phase of :mod:`mlora_lab.validate` is a set of functions ``check_*(ctx, ...)`` that read
 ``ctx.spec`` and add problems with :meth:`Context.say`; the phases run in the order of
-:meth:`mlora_lab.validate.validator.Validator.problems`, and a later phase reads what an earlier one
+:func:`mlora_lab.validate.validator.run_checks`, and a later phase reads what an earlier one
 left (``ctx.model``, ``ctx.tok``, ``ctx.layout_ok``). Also here: how messages phrase what they show.
 """
 

@@ -1,4 +1,4 @@
-"""Phase 1: every field's type and range, from its :class:`~mlora_lab.spec.FieldInfo` (the metadata
+"""Every field's type and range, from its :class:`~mlora_lab.spec.FieldInfo` (the metadata
 the forms build their inputs from); no file is read.
 
     check_job_fields(ctx)        the JobSpec's own fields (parallel and tenants are checked apart)

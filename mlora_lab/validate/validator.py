@@ -105,7 +105,7 @@ class Validator:
             # The probe holds only this tenant and the job's settings (valid: the job runs with them), so
             # every problem it finds is one of adding this tenant.
             return self.problems(probe) + existing_name_problems(job, tenant)
-        except Exception as e:  # same promise as problems()
+        except Exception as e:  # the same promise as Validator.problems
             return [
                 Problem(
                     None,
