@@ -79,13 +79,7 @@ class Validator:
         try:
             return capped(run_checks(Context(spec, self.cache), files=files))
         except Exception as e:  # "never raises": a bug in a check is still reported, not thrown
-            return [
-                Problem(
-                    None,
-                    None,
-                    f"internal error while validating the spec ({type(e).__name__}: {error_line(e)})",
-                )
-            ]
+            return _internal_error("spec", e)
 
     def tenant_problems(self, job: JobSpec, tenant: Tenant) -> list[Problem]:
         """Problems of adding ``tenant`` to the job ``job`` while it runs: the tenant's own fields and
@@ -106,13 +100,15 @@ class Validator:
             # every problem it finds is one of adding this tenant.
             return self.problems(probe) + existing_name_problems(job, tenant)
         except Exception as e:  # the same promise as Validator.problems
-            return [
-                Problem(
-                    None,
-                    None,
-                    f"internal error while validating the tenant ({type(e).__name__}: {error_line(e)})",
-                )
-            ]
+            return _internal_error("tenant", e)
+
+
+def _internal_error(what: str, e: Exception) -> list[Problem]:
+    return [
+        Problem(
+            None, None, f"internal error while validating the {what} ({type(e).__name__}: {error_line(e)})"
+        )
+    ]
 
 
 def problems(spec: JobSpec, files: bool = True) -> list[Problem]:
