@@ -66,9 +66,10 @@ from mlora_lab.rundir.control import ControlError
 from mlora_lab.rundir.status import JOB_MODULE, ProcessIdentity, is_job_command, this_host
 from mlora_lab.search import Sweep
 from mlora_lab.slurm import SlurmError, SlurmJob, SlurmOptions
-from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant, tenant_problems
+from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant
 from mlora_lab.threads import omp_threads, thread_env
-from mlora_lab.validate import sweep_problems, sweep_slot_modules
+from mlora_lab.validate import problems as spec_problems
+from mlora_lab.validate import sweep_problems, sweep_slot_modules, tenant_problems
 
 DEFAULT_WORKDIR = "runs"
 LAUNCHERS = ("local", "slurm")
@@ -161,7 +162,7 @@ def prepare_run(
         spec = dataclasses.replace(spec, slot_modules=sweep_slot_modules(spec, sweep))
         problems = sweep_problems(spec, sweep)
     else:
-        problems = spec.problems()
+        problems = spec_problems(spec)
     if (problem := _directory_problem(root)) is not None:
         problems.append(problem)
     problems += _launcher_problems(launcher, spec.parallel, slurm_options, root)
@@ -338,7 +339,7 @@ def resume(
             p.tp = tp or (p.tp if p.world_size % p.tp == 0 else 1)
             p.fsdp = fsdp or p.world_size // p.tp
             p.ep = ep or (p.ep if (p.world_size // p.tp) % p.ep == 0 else 1)
-        problems = spec.problems() if changed else []
+        problems = spec_problems(spec) if changed else []
         problems += _launcher_problems(launcher, spec.parallel, slurm, run.root, resume=True)
         if problems:
             raise SpecError(problems)

@@ -442,7 +442,7 @@ def compare_generations(
     import transformers
 
     from mlora_lab.bases import no_progress_bars, resolve_base
-    from mlora_lab.data import _encode, _render, scan_jsonl
+    from mlora_lab.data import encode, render_chat, scan_jsonl
     from mlora_lab.lora import MultiLoRAModel
     from mlora_lab.spec import effective_slot_modules
 
@@ -504,10 +504,10 @@ def compare_generations(
             return prompt, True  # a prompt/completion row's prompt: with the tokenizer's BOS
         if messages is None:
             messages = [{"role": "user", "content": prompt}]
-        return _render(tok, messages, add_generation_prompt=True), False  # the template adds BOS itself
+        return render_chat(tok, messages, add_generation_prompt=True), False  # the template adds BOS itself
 
     fed = {c: [render(p, m) for p in prompts] for c, _, m in columns}
-    rows = [_encode(tok, text, special) for c, _, _ in columns for text, special in fed[c]]
+    rows = [encode(tok, text, special) for c, _, _ in columns for text, special in fed[c]]
     width = max((len(r) for r in rows), default=0)
     input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)

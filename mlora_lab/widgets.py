@@ -44,11 +44,10 @@ from mlora_lab.spec import (
     Problem,
     SpecError,
     Tenant,
-    _short,
-    _show_path,
     field_info,
     fields_info,
 )
+from mlora_lab.text import error_line, show_path
 from mlora_lab.validate import ValidationCache, Validator, linear_target_options
 
 if TYPE_CHECKING:  # launch imports pandas: only at launch time
@@ -254,7 +253,7 @@ def _problem_lines(problems: list[Problem], own: str | None = None) -> list[str]
     groups: dict[str, list[Problem]] = {}
     rests: dict[int, str] = {}
     for i, p in enumerate(problems):
-        head = f"{p.field}: {_show_path(p.path)}" if p.path is not None else None
+        head = f"{p.field}: {show_path(p.path)}" if p.path is not None else None
         if head is not None and p.tenant is not None and p.message.startswith(head):
             rests[i] = p.message[len(head) :]
             groups.setdefault(rests[i], []).append(p)
@@ -268,7 +267,7 @@ def _problem_lines(problems: list[Problem], own: str | None = None) -> list[str]
             users: dict[str, list[str]] = {}
             for q in groups[rest]:
                 who = q.field if q.tenant == own else f"tenant {q.tenant!r} {q.field}"
-                users.setdefault(_show_path(q.path), []).append(who)
+                users.setdefault(show_path(q.path), []).append(who)
             lines.append(", ".join(f"{path} ({', '.join(whos)})" for path, whos in users.items()) + rest)
         else:
             lines.append(p.message if own is not None and p.tenant == own else str(p))
@@ -368,7 +367,7 @@ class TenantForm:
         except Exception as e:
             self.linear_names = []
             self._model_error = Problem(
-                None, "base_model", f"cannot list the model's linear layers ({_short(e)})"
+                None, "base_model", f"cannot list the model's linear layers ({error_line(e)})"
             )
         default_targets = (
             ["q_proj", "v_proj"] if {"q_proj", "v_proj"} <= set(self.linear_names) else self.linear_names[:2]
@@ -844,7 +843,7 @@ class JobBuilder:
         )
 
     def problems(self) -> list[Problem]:
-        """Every problem of :meth:`spec` (as :meth:`JobSpec.problems` reports them)."""
+        """Every problem of :meth:`spec` (as :func:`mlora_lab.validate.problems` reports them)."""
         return self.form._validator.problems(self.spec())
 
     def launch(self) -> Run:

@@ -20,6 +20,7 @@ from mlora_lab.memory import (
 )
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS, tiny_config
+from mlora_lab.validate import problems as spec_problems
 
 ARCHS = ["llama", "llama+tied", "qwen2", "phi3", "gpt_neox", "qwen3_moe"]
 TOL = 1e-6
@@ -216,9 +217,9 @@ def test_trainer_with_checkpointing_equals_without(llama_path, make_data):
 def test_spec_validates_the_new_fields(llama_path, make_data):
     tenant = Tenant(name="a", data=make_data("text"), target_modules=["q_proj"])
     ok = JobSpec(base_model=llama_path, tenants=[tenant], activation_checkpointing=True, packing=True)
-    assert ok.problems() == []
+    assert spec_problems(ok) == []
     bad = JobSpec(base_model=llama_path, tenants=[tenant], activation_checkpointing=-1, packing="yes")
-    text = "\n".join(map(str, bad.problems()))
+    text = "\n".join(map(str, spec_problems(bad)))
     assert "activation_checkpointing must be >= 0" in text and "packing must be true or false" in text
 
 

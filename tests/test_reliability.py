@@ -24,6 +24,7 @@ from mlora_lab import cli
 from mlora_lab.job.trainer import SaveError, Trainer
 from mlora_lab.launch import prepare_run
 from mlora_lab.rundir import RunState, TenantState, checkpoint, read_status
+from mlora_lab.validate import problems as spec_problems
 
 # -- one owner per run directory ------------------------------------------------------------------------
 
@@ -46,7 +47,7 @@ def test_launching_into_a_directory_that_holds_a_run_is_refused(llama_path, tmp_
 @pytest.mark.parametrize("round_", range(4))
 def test_two_launches_racing_for_one_directory_exactly_one_wins(llama_path, tmp_path, round_):
     spec = job(llama_path, good_tenants(tmp_path, max_steps=1), output_dir=str(tmp_path / "run"))
-    spec.problems()  # warm the validation caches so both threads reach the directory together
+    spec_problems(spec)  # warm the validation caches so both threads reach the directory together
     barrier, outcomes = threading.Barrier(2), []
 
     def go():

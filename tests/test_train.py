@@ -41,8 +41,12 @@ def test_counters_and_cursors_move_only_when_a_tenant_trains(llama_path, make_da
     trainer.train()
     s, lg = trainer.tenants["short"], trainer.tenants["long"]
     assert (s.step, s.state) == (2, "finished") and (lg.step, lg.state) == (7, "finished")
-    assert s.feed.stream.state_dict()["cursor"] == 6 and s.feed.stream.epoch == 0  # 2 steps x 3 rows, nothing more
-    assert lg.feed.stream.state_dict()["cursor"] == 4 and lg.feed.stream.epoch == 1  # 14 rows = one epoch of 10 + 4
+    assert (
+        s.feed.stream.state_dict()["cursor"] == 6 and s.feed.stream.epoch == 0
+    )  # 2 steps x 3 rows, nothing more
+    assert (
+        lg.feed.stream.state_dict()["cursor"] == 4 and lg.feed.stream.epoch == 1
+    )  # 14 rows = one epoch of 10 + 4
     assert trainer.global_step == 7
     train_rows = [r for r in trainer.history if r["kind"] == "train"]
     assert [r["tenant_step"] for r in train_rows if r["tenant"] == "short"] == [1, 2]

@@ -35,7 +35,7 @@ from mlora_lab.rundir import (
 )
 from mlora_lab.rundir.status import this_host
 from mlora_lab.spec import JobSpec, SpecError
-from mlora_lab.validate import Validator
+from mlora_lab.validate import problems
 
 
 class LogStream(io.TextIOBase):
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         # job.json may have been edited since the launch. (A sweep's job may have no tenant of its own:
         # its trials come from the search, so it is checked as a job that waits for tenants.)
         check = dataclasses.replace(spec, serve=True) if run.sweep.is_file() else spec
-        found = Validator().problems(check, files=False)
+        found = problems(check, files=False)
         if found:
             raise SpecError(found)
         if dist.is_main:
