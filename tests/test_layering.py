@@ -1,0 +1,235 @@
+"""The walls between the package's rooms, checked on the source.
+
+Every import of every module of ``mlora_lab`` is read from its syntax tree — at the top level, inside
+functions and under ``TYPE_CHECKING`` alike, since each is a dependency the day that code runs — and
+the test fails on:
+
+* an import circle between modules;
+* ``job/`` (the torchrun process) importing ``lab/`` or the notebook's libraries (pandas, matplotlib,
+  ipywidgets), or ``lab/`` (the notebook and CLI process) importing ``job/``: the two meet only in the
+  run directory;
+* the engine (``lora/``, ``parallel/``, ``data``, ``optim``, ``memory``) importing ``validate/``, ``job/``
+  or ``lab/``;
+* torch in the light contract (``spec``, ``text``, ``search``, ``rundir`` but its tensor codec), which
+  the notebook side reads without loading torch;
+* a private name (``_x``) imported from another module.
+
+``from a.b import c`` is an edge to the module ``a.b.c`` when there is one, else to ``a.b``. Importing a
+submodule also runs its package's ``__init__``, but that is not counted as an edge: a package whose
+``__init__`` re-exports its submodules, and submodules that import each other by their full names, is
+the ordinary shape of a package, not a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "mlora_lab"
+
+ENGINE = ("mlora_lab.lora", "mlora_lab.parallel", "mlora_lab.data", "mlora_lab.optim", "mlora_lab.memory")
+LIGHT = ("mlora_lab.spec", "mlora_lab.text", "mlora_lab.search", "mlora_lab.rundir")
+LIGHT_EXCEPT = ("mlora_lab.rundir.checkpoint",)  # the tensor codec of checkpoints: safetensors, torch
+NOTEBOOK_LIBRARIES = ("pandas", "matplotlib", "ipywidgets", "ipympl", "IPython")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def within(name: str, *rooms: str) -> bool:
+    return any(name == r or name.startswith(r + ".") for r in rooms)
+
+
+@cache
+def imports(name: str) -> tuple[tuple[str, tuple[str, ...], int, bool], ...]:
+    """``(target module, names taken from it, line, at top level)`` for every import in module ``name``."""
+    path = modules()[name]
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, (), node.lineno, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*parent, *([base] if base else [])])
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                if sub in modules():
+                    out.append((sub, (), node.lineno, id(node) in top))
+                else:
+                    out.append((base, (a.name,), node.lineno, id(node) in top))
+    return tuple(out)
+
+
+def edges(name: str, top_only: bool = False) -> set[str]:
+    return {
+        t for t, _, _, at_top in imports(name) if t in modules() and t != name and (at_top or not top_only)
+    }
+
+
+def cycles() -> list[list[str]]:
+    """The import circles (Tarjan's strongly connected components of more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges(v)):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(modules()):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def violations(rule) -> list[str]:
+    out = []
+    for name in sorted(modules()):
+        for target, names, line, _ in imports(name):
+            why = rule(name, target, names)
+            if why:
+                out.append(f"{modules()[name].relative_to(ROOT)}:{line}: {why}")
+    return out
+
+
+def test_the_rooms_are_where_the_guide_says():
+    names = set(modules())
+    for room in (
+        "mlora_lab.job",
+        "mlora_lab.lab",
+        "mlora_lab.validate",
+        "mlora_lab.rundir",
+        "mlora_lab.text",
+    ):
+        assert room in names, f"{room} is missing"
+    for gone in (
+        "mlora_lab.train",
+        "mlora_lab.checkpointer",
+        "mlora_lab.control_handler",
+        "mlora_lab.search_job",
+    ):
+        assert gone not in names, f"{gone} should have moved into mlora_lab.job"
+
+
+def test_no_import_circles():
+    assert cycles() == [], "import circles (every import counts, inside functions too)"
+
+
+def test_the_job_and_the_lab_meet_only_in_the_run_directory():
+    def rule(name: str, target: str, names: tuple) -> str | None:
+        if within(name, "mlora_lab.job") and within(target, "mlora_lab.lab", *NOTEBOOK_LIBRARIES):
+            return f"the job imports {target}"
+        if within(name, "mlora_lab.lab") and within(target, "mlora_lab.job"):
+            return f"the lab imports {target}"
+        return None
+
+    assert violations(rule) == []
+
+
+def test_the_engine_imports_nothing_above_it():
+    def rule(name: str, target: str, names: tuple) -> str | None:
+        if within(name, *ENGINE) and within(target, "mlora_lab.validate", "mlora_lab.job", "mlora_lab.lab"):
+            return f"the engine module {name} imports {target}"
+        return None
+
+    assert violations(rule) == []
+
+
+def test_the_light_contract_loads_no_torch():
+    """No module of the light contract imports torch itself, nor reaches it through the top-level imports
+    of the modules it imports (a function-level import of model code is paid only when called)."""
+    light = [m for m in modules() if within(m, *LIGHT) and not within(m, *LIGHT_EXCEPT)]
+    heavy = []
+    for start in light:
+        seen, todo, path = {start}, [start], {start: [start]}
+        while todo:
+            m = todo.pop()
+            for target, _, line, at_top in imports(m):
+                if within(target, "torch", "transformers", "peft", "safetensors.torch") and (
+                    at_top or m == start
+                ):
+                    heavy.append(f"{start} loads {target} via {' -> '.join(path[m])} (line {line})")
+                if (
+                    target in modules()
+                    and at_top
+                    and target not in seen
+                    and not within(target, *LIGHT_EXCEPT)
+                ):
+                    seen.add(target)
+                    path[target] = [*path[m], target]
+                    todo.append(target)
+    assert heavy == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    def rule(name: str, target: str, names: tuple) -> str | None:
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        if within(target, "mlora_lab") and target != name and private:
+            return f"imports {', '.join(private)} from {target}"
+        return None
+
+    assert violations(rule) == []
+
+
+def run_python(code: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_importing_the_run_directory_protocol_loads_no_torch():
+    loaded = run_python(
+        "import sys, mlora_lab.rundir, mlora_lab.spec, mlora_lab.text, mlora_lab.search; "
+        "print(sorted(m for m in ('torch', 'transformers', 'pandas') if m in sys.modules))"
+    )
+    assert loaded == "[]"
+
+
+def test_a_training_process_loads_no_notebook_library():
+    loaded = run_python(
+        "import sys, mlora_lab.job.__main__; "
+        f"print(sorted(m for m in {NOTEBOOK_LIBRARIES!r} if m in sys.modules))"
+    )
+    assert loaded == "[]"
