@@ -300,7 +300,7 @@ def as_dict(obj) -> dict:
 
 
 def layout_worker(spec_path: str, out: str, steps: int) -> None:
-    """Run under torchrun by :func:`run_layout`: build the job's :class:`~mlora_lab.train.Trainer`, run
+    """Run under torchrun by :func:`run_layout`: build the job's :class:`~mlora_lab.job.trainer.Trainer`, run
     ``steps`` global steps, and write (rank 0) one row per rank of the bytes of the parameters this
     rank holds (``to_local()``: exact, not an RSS estimate), by kind, its peak RSS and its median step
     time (the first two steps excluded)."""
@@ -331,7 +331,7 @@ def layout_worker(spec_path: str, out: str, steps: int) -> None:
         trainer.step()
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    _, peak = memory_bytes(trainer.device)
+    _, peak = memory_bytes(trainer.engine.device)
     rows = trainer.comm.gather_objects(
         {"rank": dist.rank, **sizes, "peak_rss": peak, "step_time": statistics.median(times)}
     )
