@@ -144,15 +144,17 @@ class FileData(Driver):
     def evaluate(self, only: Sequence[str] | None = None) -> dict[str, float]:
         """Mean target-token loss of each tenant's eval set (or of the tenants ``only``), computed in
         mixed-tenant batches. A collective: every process calls it with the same tenants."""
-        model = self.engine.model
-        was_training = model.training
-        model.eval()
         # a quarantined tenant's loss is NaN by definition: it is not evaluated
         tenants = [
             t
             for t in self._mine(list(self.pool))
             if t.feed.eval_examples and t.state is not TenantState.FAILED and (only is None or t.name in only)
         ]
+        if not tenants:  # (the same on every process)
+            return {}
+        model = self.engine.model
+        was_training = model.training
+        model.eval()
         names = [t.name for t in tenants]
         sums = torch.zeros(len(names), 2, dtype=torch.float64)  # (loss sum, target tokens) per tenant
         cursors = dict.fromkeys(names, 0)

@@ -150,9 +150,10 @@ class SearchController:
                 print(f"search.json not written: {e}", flush=True)
 
     def _evaluate(self, due: list[int]) -> dict[str, float]:
-        names = [self.name(i) for i in due if getattr(self.pool[self.name(i)].feed, "eval_examples", None)]
-        wants_eval = self.sweep.objective.metric != "train_loss"
-        return self.evaluate(names) if names and wants_eval else {}
+        """Eval losses of the trials due now (those with eval data), if the objective wants them."""
+        if not due or self.sweep.objective.metric == "train_loss":
+            return {}
+        return self.evaluate([self.name(i) for i in due])
 
     def _decide(self, due: list[int], failed: list[int], evals: dict[str, float], free: int) -> tuple:
         engine, step = self.engine, self.recorder.step

@@ -220,8 +220,8 @@ class Trainer:
             elif not (self.search is not None and self.search.active):
                 break
             self.poll()
-        if not self.stop_requested and any(getattr(t.feed, "eval_examples", None) for t in self.pool):
-            self.evaluate()
+        if not self.stop_requested:
+            self.evaluate()  # (of the tenants that have eval data)
         self.save(final=True)
 
     def step(self) -> bool:
