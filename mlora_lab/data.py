@@ -337,6 +337,12 @@ def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = 
     return text
 
 
+# Public names of the two above for the notebook side (mlora_lab.lab.report feeds generations exactly as
+# training tokenizes and renders a row).
+encode = _encode
+render = _render
+
+
 def _chat_example(
     messages: list[dict], tokenizer: Any, seq_len: int | None = None
 ) -> tuple[list[int], list[int]]:

@@ -74,7 +74,7 @@ class SearchController:
         if saved and trainer.dist.is_main and trainer.run is not None:
             reader = MetricsReader(trainer.run.metrics)
             reader.poll()
-            self.past_rows = list(reader.rows)
+            self.past_rows = [r.to_dict() for r in reader.rows]  # (the reader's rows are typed)
 
     # -- what the trainer asks ---------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

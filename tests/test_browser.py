@@ -24,7 +24,7 @@ from conftest import stop_runs_under
 from nbformat.v4 import new_code_cell, new_notebook
 
 import mlora_lab as ml
-from mlora_lab.demo import task_rows, write_jsonl
+from mlora_lab.lab.demo import task_rows, write_jsonl
 
 pytestmark = pytest.mark.slow
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

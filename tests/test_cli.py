@@ -19,7 +19,7 @@ import pytest
 import transformers
 
 import mlora_lab as ml
-from mlora_lab.cli import follow
+from mlora_lab.lab.cli import follow
 from mlora_lab.rundir import (
     EventKind,
     EventRow,
@@ -37,7 +37,7 @@ slow = pytest.mark.slow  # every test that starts a job
 
 def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "mlora_lab.cli", *args],
+        [sys.executable, "-m", "mlora_lab.lab.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -12,9 +12,10 @@ import pandas as pd
 import pytest
 
 import mlora_lab as ml
-from mlora_lab.dashboard import Dashboard, ema, thin
-from mlora_lab.demo import task_rows, write_jsonl
-from mlora_lab.report import SUMMARY_COLUMNS
+from mlora_lab.lab.dashboard import Dashboard
+from mlora_lab.lab.demo import task_rows, write_jsonl
+from mlora_lab.lab.plotting import ema, thin
+from mlora_lab.lab.report import SUMMARY_COLUMNS
 from mlora_lab.rundir import RunLabels, update_status
 
 slow = pytest.mark.slow  # every test that launches a job (the generations' prompt rendering needs none)
@@ -86,15 +87,15 @@ def test_dashboard_on_a_finished_run(finished_run):
     assert "finished" in dash.status.value
     assert dash.loss_plot.value[:4] == b"\x89PNG" and dash.system_plot.value[:4] == b"\x89PNG"
     rev, up = (finished_run.path.name, "rev"), (finished_run.path.name, "up")
-    row = dash._progress_rows[rev]
+    row = dash.progress_rows[rev]
     assert re.sub("<[^>]+>", "", row.info.value).startswith("8/8 · finished") and row.bar.value == 8
     # the job's memory rows reached the bars: adapter + optimiser of each tenant
-    assert [b.get_width() > 0 for b in dash._bar_artists[0]] == [True, True]
+    assert [b.get_width() > 0 for b in dash.system.bars[0]] == [True, True]
     before = dash.loss_plot.value
     dash.logy.value = True  # controls redraw at once
     assert dash.loss_plot.value != before
     dash.tenants.value = (up,)
-    shown = [key for key, row in dash._progress_rows.items() if row.box in dash.progress.children]
+    shown = [key for key, row in dash.progress_rows.items() if row.box in dash.progress.children]
     assert shown == [up]
     assert dash.colors[rev] != dash.colors[up]
 
@@ -125,7 +126,7 @@ def test_two_runs_at_once_and_live_dashboard(tiny_models, tmp_path):
         for i in range(2)
     ]  # fmt: skip
     dash = runs[0].dashboard(refresh_s=0.2)
-    pid = runs[1]._process.pid
+    pid = runs[1].process.pid
     assert os.getpgid(pid) != os.getpgid(0), "the job has its own process group (notebook interrupts miss it)"
     assert [r.wait(300) for r in runs] == ["finished", "finished"]
     deadline = time.monotonic() + 10
@@ -138,7 +139,7 @@ def test_two_runs_at_once_and_live_dashboard(tiny_models, tmp_path):
 def test_summary_has_each_tenants_state_settings_and_the_tenants_added_live(tiny_models, tmp_path):
     """Settings next to results, the state each tenant is in now (a tenant still training when the
     run stopped shows ``stopped``), and tenants that are in no job.json: refused, or still queued."""
-    from mlora_lab.launch import prepare_run
+    from mlora_lab.lab.launcher import prepare_run
     from mlora_lab.rundir import control
     from mlora_lab.train import Trainer
 
@@ -232,6 +233,52 @@ def test_runs_table_shows_tags_note_and_best_loss(tmp_path):
     assert table.loc["r2", "state"] == "finished" and "corrupt" in table.loc["r2", "problem"]
 
 
+NO_TORCH = """
+import runpy, sys
+from pathlib import Path
+
+run_dir = sys.argv[1]
+import mlora_lab.rundir
+assert "torch" not in sys.modules, "import mlora_lab.rundir loaded torch"
+import mlora_lab as ml
+run = ml.attach(run_dir)
+assert len(run.metrics()) == 3 and run.status == "finished"
+assert "torch" not in sys.modules, "ml.attach(run_dir).metrics() loaded torch"
+sys.argv = ["mlora-lab", "status", run_dir]
+try:
+    runpy.run_module("mlora_lab.lab.cli", run_name="__main__")
+except SystemExit as e:
+    assert e.code == 0, e.code
+assert "torch" not in sys.modules, "mlora-lab status RUN_DIR loaded torch"
+print("no torch")
+"""
+
+
+def test_reading_a_run_loads_no_torch(tmp_path):
+    """The notebook side reads a run without torch (2-3 s to import): ``import mlora_lab.rundir``,
+    ``ml.attach(run_dir).metrics()`` and ``mlora-lab status RUN_DIR``, checked in a fresh process."""
+    import subprocess
+    import sys
+
+    from mlora_lab.rundir import MetricsWriter, RunDir, TenantRow, TenantState, TrainRow
+
+    run = RunDir(tmp_path / "run").create()
+    ml.JobSpec(base_model="m", tenants=[ml.Tenant(name="a", data="a.jsonl", max_steps=3)]).to_json(run.job)
+    update_status(run.root, state="finished", started=1.0, ended=2.0)
+    writer = MetricsWriter(run.metrics)
+    for step in (1, 2, 3):
+        writer.write(
+            TrainRow(step=step, tenant="a", tenant_step=step, loss=1.0, tokens=4, lr=0.1, grad_norm=1)
+        )
+    writer.write(TenantRow(step=3, tenant="a", state=TenantState.FINISHED))
+    writer.close()
+    out = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, str(run.root)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "no torch" in out.stdout, out.stdout + out.stderr
+    assert "a " in out.stdout and "finished" in out.stdout  # the status command printed its summary
+
+
 def test_ema_and_thinning():
     import numpy as np
 
@@ -257,7 +304,7 @@ def chat_and_plain_run(tiny_models, tmp_path):
     adapters saved at PEFT's initialisation."""
     import transformers
 
-    from mlora_lab.launch import prepare_run
+    from mlora_lab.lab.launcher import prepare_run
     from mlora_lab.lora import MultiLoRAModel
     from mlora_lab.spec import effective_slot_modules
 

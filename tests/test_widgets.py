@@ -12,9 +12,10 @@ import ipywidgets as W
 import pytest
 
 import mlora_lab.data
+from mlora_lab.lab.fields import LABEL_WIDTH
+from mlora_lab.lab.forms import JobBuilder, TenantForm
 from mlora_lab.rundir import RunState
 from mlora_lab.spec import MAX_LABEL, JobSpec, Parallel, SpecError, Tenant, field_info, fields_info
-from mlora_lab.widgets import LABEL_WIDTH, JobBuilder, TenantForm
 
 LLAMA_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -456,7 +457,7 @@ class FakeRun:
 def test_status_follows_the_run_without_a_click(llama_path, make_data, tmp_path, monkeypatch):
     run = FakeRun(tmp_path / "runs" / "r1")
     launched = []
-    monkeypatch.setattr(importlib.import_module("mlora_lab.launch"), "launch",
+    monkeypatch.setattr(importlib.import_module("mlora_lab.lab.launcher"), "launch",
                         lambda spec, workdir: launched.append(spec) or run)  # fmt: skip
     builder = builder_with_tenant(llama_path, make_data("text"))
     builder.refresh_s = 0.02
@@ -485,7 +486,9 @@ def test_status_follows_the_run_without_a_click(llama_path, make_data, tmp_path,
 
 def test_stop_watching_ends_the_status_thread(llama_path, make_data, tmp_path, monkeypatch):
     run = FakeRun(tmp_path / "runs" / "r1")
-    monkeypatch.setattr(importlib.import_module("mlora_lab.launch"), "launch", lambda spec, workdir: run)
+    monkeypatch.setattr(
+        importlib.import_module("mlora_lab.lab.launcher"), "launch", lambda spec, workdir: run
+    )
     builder = builder_with_tenant(llama_path, make_data("text"))
     builder.refresh_s = 0.02
     builder.launch()

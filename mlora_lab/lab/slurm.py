@@ -7,7 +7,7 @@ hosted by the first node of the allocation, and start ``parallel.nproc`` workers
     sbatch --parsable RUN_DIR/slurm.sbatch          (what ml.launch(spec, launcher="slurm") does)
       └─ batch script on the first node
            └─ srun: one task per node ──► torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d
-                                              └─ P × python -m mlora_lab.train RUN_DIR
+                                              └─ P × python -m <the job's module> RUN_DIR
 
 Everything the nodes share goes through the run directory, which must therefore be on a filesystem
 every node mounts at the same path (NFS, Lustre, GPFS, ...): ``job.json``, checkpoints, adapters,
@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlora_lab.rundir.status import JOB_MODULE
+
 __all__ = [
     "ACTIVE_STATES",
     "FINAL_STATES",
@@ -59,10 +61,19 @@ ACTIVE_STATES = frozenset(
 )
 FINAL_STATES = frozenset(
     {
-        "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-        "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED",
+        "COMPLETED",
+        "CANCELLED",
+        "FAILED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "SPECIAL_EXIT",
+        "REVOKED",
     }
-)  # fmt: skip
+)
 
 # What a final state means, in words (the reason a run that ended so is reported as failed).
 _MEANING = {
@@ -81,15 +92,34 @@ _MEANING = {
 # sbatch options the launcher sets itself: node count and tasks follow parallel.nnodes, and the log,
 # working directory and requeue policy are part of the run directory's contract.
 _OWN_OPTIONS = {
-    "-N": "--nodes", "--nodes": "--nodes", "-n": "--ntasks", "--ntasks": "--ntasks",
-    "--ntasks-per-node": "--ntasks-per-node", "-o": "--output", "--output": "--output",
-    "-e": "--error", "--error": "--error", "-D": "--chdir", "--chdir": "--chdir",
-    "--open-mode": "--open-mode", "--requeue": "--requeue", "--no-requeue": "--no-requeue",
-    "--wrap": "--wrap", "--parsable": "--parsable", "-J": "--job-name", "--job-name": "--job-name",
-    "-p": "partition", "--partition": "partition", "-t": "time", "--time": "time",
-    "-A": "account", "--account": "account", "-c": "cpus_per_task", "--cpus-per-task": "cpus_per_task",
+    "-N": "--nodes",
+    "--nodes": "--nodes",
+    "-n": "--ntasks",
+    "--ntasks": "--ntasks",
+    "--ntasks-per-node": "--ntasks-per-node",
+    "-o": "--output",
+    "--output": "--output",
+    "-e": "--error",
+    "--error": "--error",
+    "-D": "--chdir",
+    "--chdir": "--chdir",
+    "--open-mode": "--open-mode",
+    "--requeue": "--requeue",
+    "--no-requeue": "--no-requeue",
+    "--wrap": "--wrap",
+    "--parsable": "--parsable",
+    "-J": "--job-name",
+    "--job-name": "--job-name",
+    "-p": "partition",
+    "--partition": "partition",
+    "-t": "time",
+    "--time": "time",
+    "-A": "account",
+    "--account": "account",
+    "-c": "cpus_per_task",
+    "--cpus-per-task": "cpus_per_task",
     "--gpus-per-node": "gpus_per_node",
-}  # fmt: skip
+}
 _FIELD_OPTIONS = {"partition", "time", "account", "cpus_per_task", "gpus_per_node"}
 
 # Slurm's time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
@@ -205,9 +235,14 @@ class SlurmOptions:
     def sbatch_lines(self, nnodes: int, job_name: str, log: Path, chdir: Path) -> list[str]:
         """The ``#SBATCH`` lines of the batch script (options validated by :meth:`problems`)."""
         opts = [
-            f"--job-name={job_name}", f"--nodes={nnodes}", "--ntasks-per-node=1", "--no-requeue",
-            f"--output={log}", "--open-mode=append", f"--chdir={chdir}",
-        ]  # fmt: skip
+            f"--job-name={job_name}",
+            f"--nodes={nnodes}",
+            "--ntasks-per-node=1",
+            "--no-requeue",
+            f"--output={log}",
+            "--open-mode=append",
+            f"--chdir={chdir}",
+        ]
         if self.partition:
             opts.append(f"--partition={self.partition}")
         if self.account:
@@ -284,7 +319,7 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\
   --nnodes "$SLURM_NNODES" --nproc-per-node {nproc} \\
   --rdzv-backend c10d --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT" --rdzv-id "mlora-$SLURM_JOB_ID" \\
   --max-restarts 0 \\
-  -m mlora_lab.train {run_dir}{resume}
+  -m {job_module} {run_dir}{resume}
 """
 
 
@@ -307,6 +342,7 @@ def render_script(
         rdzv_port=port,
         nproc=int(nproc),
         python=shlex.quote(options.python or sys.executable),
+        job_module=JOB_MODULE,
         run_dir=shlex.quote(str(run_dir)),
         resume=" --resume" if resume else "",
     )
