@@ -63,20 +63,38 @@ def steps(tenants, first: int, last: int, t0: float = T0, dt: float = 1.0, loss=
     """Train rows for steps first..last of each tenant, one logged step per ``dt`` seconds."""
     loss = loss or (lambda s, i: 3.0 / (1 + 0.05 * s) + 0.01 * i)
     return [
-        TrainRow(step=s, tenant=t, tenant_step=s, loss=loss(s, i), tokens=100, lr=1e-3, grad_norm=1.0,
-                 time=t0 + s * dt, **extra)
-        for s in range(first, last + 1) for i, t in enumerate(tenants)
-    ]  # fmt: skip
+        TrainRow(
+            step=s,
+            tenant=t,
+            tenant_step=s,
+            loss=loss(s, i),
+            tokens=100,
+            lr=1e-3,
+            grad_norm=1.0,
+            time=t0 + s * dt,
+            **extra,
+        )
+        for s in range(first, last + 1)
+        for i, t in enumerate(tenants)
+    ]
 
 
 def system(
     first: int, last: int, t0: float = T0, dt: float = 1.0, rank: int = 0, mib: float = 1000.0, **extra
 ):
     return [
-        SystemRow(step=s, rank=rank, mem_bytes=int((mib + (s % 3) * 0.01 * mib) * 2**20), peak_mem_bytes=0,
-                  step_time=0.1, tokens_per_s=1000.0, time=t0 + s * dt, **extra)
+        SystemRow(
+            step=s,
+            rank=rank,
+            mem_bytes=int((mib + (s % 3) * 0.01 * mib) * 2**20),
+            peak_mem_bytes=0,
+            step_time=0.1,
+            tokens_per_s=1000.0,
+            time=t0 + s * dt,
+            **extra,
+        )
         for s in range(first, last + 1)
-    ]  # fmt: skip
+    ]
 
 
 def dash_of(*roots: Path, **kw) -> Dashboard:
@@ -182,8 +200,12 @@ def test_robust_limits_ignore_a_spike():
 
 def test_after_stop_tenants_read_stopped_not_running(tmp_path):
     run = make_run(tmp_path / "r")
-    write(run, TenantRow(step=0, tenant="a", state="running"), TenantRow(step=0, tenant="b", state="running"),
-          *steps(["a", "b"], 1, 5))  # fmt: skip
+    write(
+        run,
+        TenantRow(step=0, tenant="a", state="running"),
+        TenantRow(step=0, tenant="b", state="running"),
+        *steps(["a", "b"], 1, 5),
+    )
     dash = dash_of(run.root)
     assert all("running" in r.info.value for r in dash.progress_rows.values())
     update_status(run.root, state="stopped", ended=time.time())
@@ -197,9 +219,12 @@ def test_after_stop_tenants_read_stopped_not_running(tmp_path):
 def test_a_quarantined_tenant_keeps_a_finished_run_from_looking_green(tmp_path):
     run = make_run(tmp_path / "r", state="finished")
     long_reason = "loss became NaN at step 3 (grad norm inf); quarantined " + "x" * 400
-    write(run, *steps(["a", "b"], 1, 3),
-          TenantRow(step=3, tenant="b", state="failed", reason=long_reason),
-          TenantRow(step=3, tenant="a", state="finished"))  # fmt: skip
+    write(
+        run,
+        *steps(["a", "b"], 1, 3),
+        TenantRow(step=3, tenant="b", state="failed", reason=long_reason),
+        TenantRow(step=3, tenant="a", state="finished"),
+    )
     dash = dash_of(run.root)
     assert "finished · 1 tenant failed" in dash.status.value
     assert plotting_green() not in dash.status.value
@@ -234,8 +259,11 @@ def test_a_tenant_with_one_point_is_drawn_as_a_dot(tmp_path):
 
 def test_tenant_memory_bars_are_the_latest_rows_adapter_plus_optimiser(tmp_path):
     run = make_run(tmp_path / "r")
-    write(run, TenantRow(step=0, tenant="a", state="running", adapter_bytes=2 * 2**20),
-          TenantRow(step=0, tenant="b", state="running", adapter_bytes=2**20))  # fmt: skip
+    write(
+        run,
+        TenantRow(step=0, tenant="a", state="running", adapter_bytes=2 * 2**20),
+        TenantRow(step=0, tenant="b", state="running", adapter_bytes=2**20),
+    )
     dash = dash_of(run.root)
     adapter, optim = dash.system.bars
     assert [b.get_width() for b in adapter] == [2.0, 1.0] and [b.get_width() for b in optim] == [0.0, 0.0]
@@ -254,9 +282,14 @@ def test_tenant_memory_bars_are_the_latest_rows_adapter_plus_optimiser(tmp_path)
 def test_memory_axis_starts_at_zero_and_breaks_across_a_stop_and_resume(tmp_path):
     run = make_run(tmp_path / "r")
     resumed_at = T0 + 1000.5
-    write(run, *steps(["a"], 1, 30), *system(1, 30),
-          EventRow(step=30, event=EventKind.RESUMED, message="from step_30", time=resumed_at),
-          *steps(["a"], 31, 60, t0=T0 + 1000 - 30), *system(31, 60, t0=T0 + 1000 - 30))  # fmt: skip
+    write(
+        run,
+        *steps(["a"], 1, 30),
+        *system(1, 30),
+        EventRow(step=30, event=EventKind.RESUMED, message="from step_30", time=resumed_at),
+        *steps(["a"], 31, 60, t0=T0 + 1000 - 30),
+        *system(31, 60, t0=T0 + 1000 - 30),
+    )
     dash = dash_of(run.root)
     ax = dash.system.mem_ax
     assert ax.get_ylim()[0] == 0, "1 % jitter must not fill the axis"
@@ -337,17 +370,35 @@ def test_x_axis_choices(tmp_path):
     dash = dash_of(run.root, smoothing=0.0)
     line = dash.loss.lines[(("r", "a"), "main")]
     expected = {
-        "tenant step": np.arange(1, 11), "global step": np.arange(101, 111), "tokens": np.arange(1, 11) * 100,
-        "relative time": np.arange(0, 20, 2), "wall time": (T0 + np.arange(1, 11) * 2) / 86400,
-    }  # fmt: skip
+        "tenant step": np.arange(1, 11),
+        "global step": np.arange(101, 111),
+        "tokens": np.arange(1, 11) * 100,
+        "relative time": np.arange(0, 20, 2),
+        "wall time": (T0 + np.arange(1, 11) * 2) / 86400,
+    }
     for x, values in expected.items():
         dash.x_axis.value = x
         np.testing.assert_allclose(line.get_xdata(), values)
         assert dash.loss.ax.get_xlabel() == plotting.X_LABELS[x]
     # a job that logs cumulative tokens_seen: exact even when log_every skips steps
     run2 = make_run(tmp_path / "r2")
-    write(run2, *[TrainRow(step=s, tenant="a", tenant_step=s, loss=1.0, tokens=100, lr=1e-3, grad_norm=1.0,
-                           time=T0 + s, tokens_seen=s * 300) for s in (3, 6, 9)])  # fmt: skip
+    write(
+        run2,
+        *[
+            TrainRow(
+                step=s,
+                tenant="a",
+                tenant_step=s,
+                loss=1.0,
+                tokens=100,
+                lr=1e-3,
+                grad_norm=1.0,
+                time=T0 + s,
+                tokens_seen=s * 300,
+            )
+            for s in (3, 6, 9)
+        ],
+    )
     assert dash_of(run2.root).feeds["r2"].xy("a", "loss", "tokens")[0].tolist() == [900, 1800, 2700]
 
 
@@ -628,8 +679,10 @@ def test_a_notebook_executed_headless_keeps_a_picture(tmp_path):
 
     run = make_run(tmp_path / "r", state="finished")
     write(run, *steps(["a", "b"], 1, 20))
-    nb = new_notebook(cells=[new_code_cell(f"import mlora_lab as ml\nml.Dashboard({str(run.root)!r}).start()")],
-                      metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})  # fmt: skip
+    nb = new_notebook(
+        cells=[new_code_cell(f"import mlora_lab as ml\nml.Dashboard({str(run.root)!r}).start()")],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+    )
     NotebookClient(nb, timeout=120, kernel_name="python3").execute()
     outputs = nb.cells[0].outputs
     assert not [o for o in outputs if o.output_type == "error"], outputs

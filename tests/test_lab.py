@@ -27,12 +27,23 @@ def finished_run(tiny_models, tmp_path_factory):
     work = tmp_path_factory.mktemp("lab")
     base = tiny_models("llama")
     tenants = [
-        ml.Tenant(name="rev", data=write_jsonl(work / "rev.jsonl", task_rows("reverse", 32, 0)),
-                  eval_data=write_jsonl(work / "rev_eval.jsonl", task_rows("reverse", 6, 1)), rank=4, lr=1e-2,
-                  max_steps=8),
-        ml.Tenant(name="up", data=write_jsonl(work / "up.jsonl", task_rows("upper", 32, 0)), rank=8, lr=5e-3,
-                  target_modules=["q_proj", "k_proj", "v_proj"], max_steps=6),
-    ]  # fmt: skip
+        ml.Tenant(
+            name="rev",
+            data=write_jsonl(work / "rev.jsonl", task_rows("reverse", 32, 0)),
+            eval_data=write_jsonl(work / "rev_eval.jsonl", task_rows("reverse", 6, 1)),
+            rank=4,
+            lr=1e-2,
+            max_steps=8,
+        ),
+        ml.Tenant(
+            name="up",
+            data=write_jsonl(work / "up.jsonl", task_rows("upper", 32, 0)),
+            rank=8,
+            lr=5e-3,
+            target_modules=["q_proj", "k_proj", "v_proj"],
+            max_steps=6,
+        ),
+    ]
     spec = ml.JobSpec(base_model=base, tenants=tenants, seq_len=48, max_rank=8, eval_every=4, save_every=4)
     run = ml.launch(spec, workdir=work / "runs")
     assert run.wait(300) == "finished", run.logs(0)
@@ -121,10 +132,17 @@ def test_two_runs_at_once_and_live_dashboard(tiny_models, tmp_path):
     base = tiny_models("llama")
     data = write_jsonl(tmp_path / "d.jsonl", task_rows("upper", 32, 0))
     runs = [
-        ml.launch(ml.JobSpec(base_model=base, tenants=[ml.Tenant(name=f"t{i}", data=data, rank=4, max_steps=30)],
-                             seq_len=48, max_rank=8), workdir=tmp_path / "runs")
+        ml.launch(
+            ml.JobSpec(
+                base_model=base,
+                tenants=[ml.Tenant(name=f"t{i}", data=data, rank=4, max_steps=30)],
+                seq_len=48,
+                max_rank=8,
+            ),
+            workdir=tmp_path / "runs",
+        )
         for i in range(2)
-    ]  # fmt: skip
+    ]
     dash = runs[0].dashboard(refresh_s=0.2)
     pid = runs[1].process.pid
     assert os.getpgid(pid) != os.getpgid(0), "the job has its own process group (notebook interrupts miss it)"
@@ -145,10 +163,26 @@ def test_summary_has_each_tenants_state_settings_and_the_tenants_added_live(tiny
 
     data = write_jsonl(tmp_path / "rev.jsonl", task_rows("reverse", 16, 0))
     done = ml.Tenant(name="done", data=data, rank=4, batch_size=2, max_steps=3)
-    long = ml.Tenant(name="long", data=data, rank=8, alpha=8, target_modules=["q_proj", "k_proj"], schedule="cosine",
-                     warmup_steps=2, batch_size=2, grad_accum=2, max_steps=50)  # fmt: skip
-    spec = ml.JobSpec(base_model=tiny_models("llama"), tenants=[done, long], seq_len=48, max_rank=8, log_every=2,
-                      output_dir=str(tmp_path / "runs" / "r1"))  # fmt: skip
+    long = ml.Tenant(
+        name="long",
+        data=data,
+        rank=8,
+        alpha=8,
+        target_modules=["q_proj", "k_proj"],
+        schedule="cosine",
+        warmup_steps=2,
+        batch_size=2,
+        grad_accum=2,
+        max_steps=50,
+    )
+    spec = ml.JobSpec(
+        base_model=tiny_models("llama"),
+        tenants=[done, long],
+        seq_len=48,
+        max_rank=8,
+        log_every=2,
+        output_dir=str(tmp_path / "runs" / "r1"),
+    )
     run = ml.attach(prepare_run(spec).root)
     update_status(run.path, state="running")
     trainer = Trainer(ml.JobSpec.load(run.dir.job), run_dir=run.path)  # the job, in this process
@@ -167,8 +201,9 @@ def test_summary_has_each_tenants_state_settings_and_the_tenants_added_live(tiny
     assert list(s["state"]) == ["finished", "running", "running", "refused", "pending"]
     assert "rank" in s.loc["huge", "reason"] and s.loc["huge", "rank"] == 99, "its settings are its message's"
     assert s.loc["later", "lr"] == 5e-4 and s.loc["later", "steps"] == 0
-    assert s.loc["long", ["targets", "schedule", "warmup", "batch_size", "grad_accum", "max_steps"]].tolist() == [
-        "q_proj,k_proj", "cosine", 2, 2, 2, 50]  # fmt: skip
+    assert s.loc[
+        "long", ["targets", "schedule", "warmup", "batch_size", "grad_accum", "max_steps"]
+    ].tolist() == ["q_proj,k_proj", "cosine", 2, 2, 2, 50]
     # log_every=2 skips rows, yet rows and tokens are exact (the rows carry running totals)
     assert s.loc["long", "steps"] == 2 and s.loc["long", "rows"] == 2 * 2 * 2
     assert s.loc["done", "rows"] == 3 * 2 and s.loc["done", "tokens"] == trainer.tenants["done"].tokens_seen
@@ -309,14 +344,30 @@ def chat_and_plain_run(tiny_models, tmp_path):
     from mlora_lab.spec import effective_slot_modules
 
     base = tiny_models("llama")
-    spec = ml.JobSpec(base_model=base, seq_len=64, max_rank=8, output_dir=str(tmp_path / "run"), tenants=[
-        ml.Tenant(name="chatty", data=write_jsonl(tmp_path / "count.jsonl", task_rows("count", 8, 0)), rank=4),
-        ml.Tenant(name="plain", data=write_jsonl(tmp_path / "up.jsonl", task_rows("upper", 8, 0)), rank=4,
-                  target_modules=["q_proj"]),
-    ])  # fmt: skip
+    spec = ml.JobSpec(
+        base_model=base,
+        seq_len=64,
+        max_rank=8,
+        output_dir=str(tmp_path / "run"),
+        tenants=[
+            ml.Tenant(
+                name="chatty", data=write_jsonl(tmp_path / "count.jsonl", task_rows("count", 8, 0)), rank=4
+            ),
+            ml.Tenant(
+                name="plain",
+                data=write_jsonl(tmp_path / "up.jsonl", task_rows("upper", 8, 0)),
+                rank=4,
+                target_modules=["q_proj"],
+            ),
+        ],
+    )
     run = prepare_run(spec)
-    mm = MultiLoRAModel(transformers.AutoModelForCausalLM.from_pretrained(base), max_tenants=2, max_rank=8,
-                        slot_modules=effective_slot_modules(spec))  # fmt: skip
+    mm = MultiLoRAModel(
+        transformers.AutoModelForCausalLM.from_pretrained(base),
+        max_tenants=2,
+        max_rank=8,
+        slot_modules=effective_slot_modules(spec),
+    )
     for t in spec.tenants:
         mm.add_tenant(t.name, rank=t.rank, target_modules=t.target_modules)
         mm.save_adapter(t.name, run.adapter(t.name))

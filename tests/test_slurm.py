@@ -66,9 +66,15 @@ def test_bad_slurm_options_are_named(options, expected):
 
 
 def test_good_slurm_options_have_no_problem():
-    options = SlurmOptions(partition="gpu", time="1-12:00:00", gpus_per_node=8, cpus_per_task=64,
-                           account="proj_1", extra=["--constraint=a100&80gb", "--qos=high", "--exclusive"],
-                           setup=["module load cuda/12.4", "source /shared/venv/bin/activate"])  # fmt: skip
+    options = SlurmOptions(
+        partition="gpu",
+        time="1-12:00:00",
+        gpus_per_node=8,
+        cpus_per_task=64,
+        account="proj_1",
+        extra=["--constraint=a100&80gb", "--qos=high", "--exclusive"],
+        setup=["module load cuda/12.4", "source /shared/venv/bin/activate"],
+    )
     assert options.problems(nnodes=4, nproc=8) == []
     for t in ("30", "30:00", "04:00:00", "2-0", "2-12:30", "UNLIMITED"):
         assert SlurmOptions(time=t).problems(1, 1) == [], t
@@ -84,15 +90,31 @@ def test_options_round_trip_and_refuse_unknown_keys():
 def test_the_batch_script_runs_one_agent_per_node_and_quotes_every_path(tmp_path):
     run_dir = tmp_path / "runs" / "r$(id)"
     assert slurm_module.run_dir_problem(run_dir) is None
-    options = SlurmOptions(partition="gpu", time="01:00:00", gpus_per_node=4, cpus_per_task=16,
-                           extra=["--qos=high"], setup=["module load cuda"], python="/opt/py env/bin/python")  # fmt: skip
+    options = SlurmOptions(
+        partition="gpu",
+        time="01:00:00",
+        gpus_per_node=4,
+        cpus_per_task=16,
+        extra=["--qos=high"],
+        setup=["module load cuda"],
+        python="/opt/py env/bin/python",
+    )
     script = render_script(options, run_dir, nnodes=3, nproc=4, script=run_dir / "slurm.sbatch", resume=True)
     sbatch = [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH")]
     assert sbatch == [
-        "--job-name=mlora-r$(id)", "--nodes=3", "--ntasks-per-node=1", "--no-requeue",
-        f"--output={run_dir}/logs/launcher.log", "--open-mode=append", f"--chdir={run_dir}",
-        "--partition=gpu", "--time=01:00:00", "--cpus-per-task=16", "--gpus-per-node=4", "--qos=high",
-    ]  # fmt: skip
+        "--job-name=mlora-r$(id)",
+        "--nodes=3",
+        "--ntasks-per-node=1",
+        "--no-requeue",
+        f"--output={run_dir}/logs/launcher.log",
+        "--open-mode=append",
+        f"--chdir={run_dir}",
+        "--partition=gpu",
+        "--time=01:00:00",
+        "--cpus-per-task=16",
+        "--gpus-per-node=4",
+        "--qos=high",
+    ]
     assert "module load cuda" in script
     assert "'/opt/py env/bin/python' -m torch.distributed.run" in script
     assert '--nnodes "$SLURM_NNODES" --nproc-per-node 4' in script
@@ -117,8 +139,13 @@ def test_a_slurm_json_someone_else_can_write_is_not_trusted(tmp_path):
 
 
 def test_several_nodes_on_the_local_launcher_are_refused_naming_the_launchers(llama_path, tmp_path):
-    spec = ml.JobSpec(base_model=llama_path, tenants=[], serve=True, parallel=ml.Parallel(nproc=1, nnodes=2, fsdp=2),
-                      output_dir=str(tmp_path / "r"))  # fmt: skip
+    spec = ml.JobSpec(
+        base_model=llama_path,
+        tenants=[],
+        serve=True,
+        parallel=ml.Parallel(nproc=1, nnodes=2, fsdp=2),
+        output_dir=str(tmp_path / "r"),
+    )
     with pytest.raises(ml.SpecError) as err:
         ml.launch(spec)
     assert "launcher='slurm'" in str(err.value) and "multinode.sh" in str(err.value)
@@ -179,8 +206,9 @@ def test_a_pending_job_is_queued_with_slurms_reason(slurm_run):
 def test_a_job_slurm_ended_is_failed_with_the_reason(slurm_run, state, reason, words):
     """Even after the job saved gracefully on Slurm's SIGTERM (status says stopped), a run Slurm
     ended is failed, unless this side asked for the stop."""
-    run = slurm_run(SlurmJob(42, state, reason, "1:0" if state == "FAILED" else "0:15", "node[1-2]"),
-                    state="stopped")  # fmt: skip
+    run = slurm_run(
+        SlurmJob(42, state, reason, "1:0" if state == "FAILED" else "0:15", "node[1-2]"), state="stopped"
+    )
     assert run.status == "failed"
     assert words in run.error and "resume it from its last checkpoint" in run.error
     assert read_status(run.path).state == "stopped", "reading the state writes nothing"
@@ -312,16 +340,38 @@ def data(tmp_path_factory) -> dict[str, str]:
 
 def tenants(data: dict[str, str]) -> list[ml.Tenant]:
     return [
-        ml.Tenant(name="a", data=data["reverse"], rank=4, alpha=8, lr=1e-3, batch_size=3, max_steps=60, seed=1),
-        ml.Tenant(name="b", data=data["chat"], rank=8, lr=2e-3, batch_size=2, grad_accum=2, max_steps=45,
-                  schedule="cosine", warmup_steps=2, seed=2, target_modules=["q_proj", "v_proj", "down_proj"]),
-    ]  # fmt: skip
+        ml.Tenant(
+            name="a", data=data["reverse"], rank=4, alpha=8, lr=1e-3, batch_size=3, max_steps=60, seed=1
+        ),
+        ml.Tenant(
+            name="b",
+            data=data["chat"],
+            rank=8,
+            lr=2e-3,
+            batch_size=2,
+            grad_accum=2,
+            max_steps=45,
+            schedule="cosine",
+            warmup_steps=2,
+            seed=2,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+        ),
+    ]
 
 
 def job(base: str, ts: list[ml.Tenant], out: Path, nodes: int = 2, **kw) -> ml.JobSpec:
     parallel = ml.Parallel(nproc=1, nnodes=2, fsdp=2) if nodes == 2 else ml.Parallel(nproc=1)
-    return ml.JobSpec(base_model=base, tenants=ts, seq_len=64, max_rank=8, max_tenants=3, save_every=5,
-                      parallel=parallel, output_dir=str(out), **kw)  # fmt: skip
+    return ml.JobSpec(
+        base_model=base,
+        tenants=ts,
+        seq_len=64,
+        max_rank=8,
+        max_tenants=3,
+        save_every=5,
+        parallel=parallel,
+        output_dir=str(out),
+        **kw,
+    )
 
 
 OPTIONS = SlurmOptions(time="20")
@@ -397,8 +447,11 @@ def test_two_slurm_nodes_equal_one_local_process(on_cluster, llama_path, data, l
 @pytest.mark.slow
 def test_a_partition_slurm_refuses_creates_nothing(on_cluster, llama_path, data, tmp_path):
     with pytest.raises(ml.SpecError, match=r"Slurm would refuse the job: .*[Ii]nvalid partition"):
-        ml.launch(job(llama_path, tenants(data), tmp_path / "run"), launcher="slurm",
-                  slurm=SlurmOptions(partition="nosuch"))  # fmt: skip
+        ml.launch(
+            job(llama_path, tenants(data), tmp_path / "run"),
+            launcher="slurm",
+            slurm=SlurmOptions(partition="nosuch"),
+        )
     assert not (tmp_path / "run").exists()
     assert on_cluster.jobs() == []
 

@@ -56,6 +56,11 @@ def test_jobs_started_here_count_as_busy(monkeypatch):
 def test_the_job_process_runs_with_that_many_torch_threads(omp, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", omp)
     env = launcher.job_env(1)
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == omp

@@ -81,10 +81,23 @@ def test_fields_make_the_matching_tenant(llama_path, make_data):
     assert shown(form.problems_box).endswith("ok</span>")
     t = form.tenant()
     assert t == Tenant(
-        name="alice", data=train, eval_data=evals, rank=16, alpha=32, use_rslora=True, dropout=0.1,
-        target_modules=["k_proj", "down_proj"], lr=pytest.approx(1e-3), schedule="cosine", warmup_steps=5,
-        max_grad_norm=None, max_steps=20, batch_size=2, grad_accum=3, seed=7,
-    )  # fmt: skip
+        name="alice",
+        data=train,
+        eval_data=evals,
+        rank=16,
+        alpha=32,
+        use_rslora=True,
+        dropout=0.1,
+        target_modules=["k_proj", "down_proj"],
+        lr=pytest.approx(1e-3),
+        schedule="cosine",
+        warmup_steps=5,
+        max_grad_norm=None,
+        max_steps=20,
+        batch_size=2,
+        grad_accum=3,
+        seed=7,
+    )
     assert form.max_grad_norm.disabled
 
 
@@ -457,8 +470,11 @@ class FakeRun:
 def test_status_follows_the_run_without_a_click(llama_path, make_data, tmp_path, monkeypatch):
     run = FakeRun(tmp_path / "runs" / "r1")
     launched = []
-    monkeypatch.setattr(importlib.import_module("mlora_lab.lab.launcher"), "launch",
-                        lambda spec, workdir: launched.append(spec) or run)  # fmt: skip
+    monkeypatch.setattr(
+        importlib.import_module("mlora_lab.lab.launcher"),
+        "launch",
+        lambda spec, workdir: launched.append(spec) or run,
+    )
     builder = builder_with_tenant(llama_path, make_data("text"))
     builder.refresh_s = 0.02
     try:
