@@ -586,6 +586,48 @@ def test_export_writes_figures_and_the_shown_tenants_metrics(tmp_path):
     assert dash_of(run.root, other.root).exporter.folder.value == str(tmp_path / "exports")
 
 
+# -- the model: what a view shows, without a widget ------------------------------------------------------
+
+MODEL_WITHOUT_WIDGETS = """
+import sys, time
+from mlora_lab.lab.dashboard.model import Unreadable, ViewModel
+from mlora_lab.rundir import RunState, TenantState
+
+work = sys.argv[1]
+model = ViewModel.of(work)
+assert model.poll()
+live, done, broken = (model.runs[n] for n in ("live", "done", "broken"))
+assert (live.state, done.state, broken.state) == (RunState.RUNNING, RunState.STOPPED, Unreadable.BROKEN)
+assert model.live(list(model.runs)) == ["broken", "live"] and model.going  # an unreadable run may still go
+assert live.tenant_state("a") is TenantState.RUNNING and done.tenant_state("a") is RunState.STOPPED
+assert live.eta() is not None and 35 <= live.eta() <= 45 and done.eta() is None  # 40 steps left at 1 step/s
+assert model.keys(["live"]) == [("live", "a")] and list(model.metrics([("live", "a")])["step"]) == list(range(1, 11))
+assert not model.poll(), "nothing new"
+assert "ipywidgets" not in sys.modules
+print("model ok")
+"""
+
+
+def test_the_view_model_needs_no_widget(tmp_path):
+    """What a dashboard shows (states, an unreadable run, tenants' states once their run ended, ETAs,
+    the metrics it exports) comes from a model that imports no ipywidgets (checked in a fresh process)."""
+    import subprocess
+    import sys
+
+    work = tmp_path / "runs"
+    live, done, broken = (
+        make_run(work / n, tenants=("a",), max_steps=50) for n in ("live", "done", "broken")
+    )
+    write(live, *steps(["a"], 1, 10, t0=time.time() - 20))
+    write(done, TenantRow(step=0, tenant="a", state="running"), *steps(["a"], 1, 3))
+    update_status(done.root, state="stopped")
+    broken.status.write_text("{half")
+    out = subprocess.run(
+        [sys.executable, "-c", MODEL_WITHOUT_WIDGETS, str(work)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "model ok" in out.stdout, out.stdout + out.stderr
+
+
 # -- live refresh, interactive figures, display -------------------------------------------------------------
 
 

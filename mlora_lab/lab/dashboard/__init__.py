@@ -8,9 +8,23 @@
 - :mod:`.sweep`: a search's view (trials table, config → objective);
 - :mod:`.board`: :class:`Dashboard`, which assembles the widgets and refreshes them in a thread.
 
-It works on run directories (a ``Run`` is one) and never imports the run's handle.
+It works on run directories (a ``Run`` is one) and never imports the run's handle. ``Dashboard`` is
+imported on first use, so the model can be used (and tested) without ipywidgets.
 """
 
-from mlora_lab.lab.dashboard.board import Dashboard
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlora_lab.lab.dashboard.board import Dashboard
 
 __all__ = ["Dashboard"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Dashboard":
+        from mlora_lab.lab.dashboard.board import Dashboard
+
+        return Dashboard
+    raise AttributeError(f"module 'mlora_lab.lab.dashboard' has no attribute {name!r}")
