@@ -380,7 +380,7 @@ def llama_layout_job(work: Path, quick: bool) -> tuple[Path, int, dict]:
     """The 4-tenant job ``fsdp.py`` and ``tp.py`` run per layout: a Llama-style model (20.3M
     parameters, or a tiny one with ``quick``), tenants of ranks 8-64 on all seven projections, batch 4
     each, seq <= 64. Returns the job.json path, the parameter count and the model size."""
-    from mlora_lab.demo import task_rows, write_jsonl
+    from mlora_lab.lab.demo import task_rows, write_jsonl
     from mlora_lab.spec import JobSpec, Tenant
     from mlora_lab.tiny import build_tiny_model
 

@@ -377,8 +377,9 @@ def worker(payload: str) -> None:
     p = json.loads(payload)
     common.setup(p.get("threads", common.THREADS))
     # every worker imports the same modules before its "RSS imports" (mlora_lab.lora imports peft anyway)
-    import mlora_lab.job.engine  # noqa: F401
     import peft  # noqa: F401
+
+    import mlora_lab.job.engine  # noqa: F401
 
     common.report_to_parent(WORKERS[p["kind"]](p))
 

@@ -18,7 +18,7 @@ from conftest import task_rows, write_jsonl
 
 import mlora_lab as ml
 from mlora_lab.job.trainer import Trainer
-from mlora_lab.launch import prepare_run
+from mlora_lab.lab.launcher import prepare_run
 from mlora_lab.lora import read_adapter
 from mlora_lab.rundir import read_status
 from mlora_lab.tiny import EXPERT_TARGETS, TYPICAL_TARGETS
@@ -320,7 +320,7 @@ def test_two_nodes_on_loopback_equal_one_node(llama_path, make_data, tmp_path):
 
 def test_demo_with_two_processes(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "mlora_lab.cli", "demo", "--workdir", str(tmp_path), "--steps", "6", "--nproc", "2"],
+        [sys.executable, "-m", "mlora_lab.lab.cli", "demo", "--workdir", str(tmp_path), "--steps", "6", "--nproc", "2"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

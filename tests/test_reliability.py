@@ -20,9 +20,9 @@ from conftest import write_jsonl
 from test_isolation import good_tenants, job, long_text_rows
 
 import mlora_lab as ml
-from mlora_lab import cli
 from mlora_lab.job.trainer import SaveError, Trainer
-from mlora_lab.launch import prepare_run
+from mlora_lab.lab import cli
+from mlora_lab.lab.launcher import prepare_run
 from mlora_lab.rundir import RunState, TenantState, checkpoint, read_status
 from mlora_lab.validate import problems as spec_problems
 
@@ -258,7 +258,7 @@ def test_cli_resume_follows_a_metrics_file_the_resume_rewrites(llama_path, tmp_p
     run.kill()
     assert run.wait(30).final
     assert max(r["step"] for r in run.rows()) > 4, "there are rows after the checkpoint"
-    proc = subprocess.run([sys.executable, "-m", "mlora_lab.cli", "resume", str(run.path)],
+    proc = subprocess.run([sys.executable, "-m", "mlora_lab.lab.cli", "resume", str(run.path)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "final_loss" in proc.stdout

@@ -241,7 +241,7 @@ def test_a_sweep_on_two_ranks_decides_as_on_one(llama_path, base_tenant, tmp_pat
 
 @pytest.mark.slow
 def test_the_command_line_runs_a_sweep(llama_path, base_tenant, tmp_path, capsys):
-    from mlora_lab import cli
+    from mlora_lab.lab import cli
 
     job = sweep_job(llama_path, base_tenant, tmp_path / "run")
     (tmp_path / "sweep.json").write_text(json.dumps({

@@ -25,6 +25,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
 
+from mlora_lab.lab.forms import TenantForm, linear_target_names
 from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.lora.targets import (
     ALL_LINEAR,
@@ -41,7 +42,6 @@ from mlora_lab.spec import JobSpec, Tenant, effective_slot_modules
 from mlora_lab.tiny import ARCHITECTURES, MOE_ARCHITECTURES, build_tokenizer, tiny_config
 from mlora_lab.validate import all_linear_names, linear_target_options
 from mlora_lab.validate import problems as spec_problems
-from mlora_lab.widgets import TenantForm, linear_target_names
 
 # The repo's table, plus: a tied-embedding model, and output layers not called lm_head (with
 # transformers v5, GPT-NeoX's own output layer is called lm_head; GPT-NeoX-Japanese keeps embed_out).

@@ -114,13 +114,13 @@ def test_metrics_reader_never_parses_a_partial_line(tmp_path):
     writer = MetricsWriter(path)
     writer.write(EvalRow(step=1, tenant="a", loss=1.0))
     reader = MetricsReader(path)
-    assert [r["step"] for r in reader.poll()] == [1]
+    assert [r.step for r in reader.poll()] == [1]
     with open(path, "a") as f:
         f.write('{"kind": "eval", "step": 2, "tenant": "a", "lo')  # a row being written
     assert reader.poll() == []
     with open(path, "a") as f:
         f.write('ss": 2.0, "time": 0}\n')
-    assert [r["step"] for r in reader.poll()] == [2]
+    assert [r.step for r in reader.poll()] == [2]
     assert len(reader.rows) == 2
     writer.close()
 

@@ -91,7 +91,7 @@ class SearchController:
         if saved and is_main and run is not None:
             reader = MetricsReader(run.metrics)
             reader.poll()
-            self.past_rows = list(reader.rows)
+            self.past_rows = [r.to_dict() for r in reader.rows]  # (the reader's rows are typed)
 
     # -- what the trainer asks ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

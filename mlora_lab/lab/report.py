@@ -1,7 +1,8 @@
-"""Comparing tenants and runs: summary tables, overlay plots, and side-by-side generations.
+"""Comparing tenants and runs: the runs table, summary tables, overlay plots, and side-by-side generations.
 
 All of it reads run directories only (metrics.jsonl, job.json, adapters/); generations load the
-saved PEFT adapters into one multi-tenant model and decode every adapter's completions in one batch.
+saved PEFT adapters into one multi-tenant model and decode every adapter's completions in one batch
+(the one thing here that needs torch: it is imported then).
 """
 
 from __future__ import annotations
@@ -16,14 +17,11 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from mlora_lab.launch import Run, attach
-from mlora_lab.plotting import (
+from mlora_lab.lab.handles import attach
+from mlora_lab.lab.plotting import (
     DISPLAY_DPI,
     EXPORT_DPI,
-    METRICS,
-    X_AXES,
     Colours,
-    RunSeries,
     ema,
     figure_png,
     marker_for,
@@ -36,19 +34,94 @@ from mlora_lab.plotting import (
     style_axes,
     thin_with_breaks,
 )
-from mlora_lab.rundir import RowKind, shown_tenant_state
-from mlora_lab.spec import Tenant
+from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
+from mlora_lab.lab.series import METRICS, X_AXES, RunSeries
+from mlora_lab.rundir import (
+    RowKind,
+    RunDirError,
+    TenantRow,
+    TrainRow,
+    read_labels,
+    read_status,
+    shown_tenant_state,
+)
+from mlora_lab.spec import SpecError, Tenant
 
 SUMMARY_COLUMNS = [
-    "tenant", "state", "rank", "alpha", "targets", "lr", "schedule", "warmup", "dropout", "batch_size",
-    "grad_accum", "steps", "max_steps", "first_loss", "final_loss", "best_loss", "eval_loss", "best_eval_loss",
-    "rows", "tokens", "time_s", "reason",
-]  # fmt: skip
-SETTINGS = ("rank", "alpha", "targets", "lr", "schedule", "warmup", "dropout", "batch_size", "grad_accum",
-            "max_steps")  # fmt: skip
+    "tenant",
+    "state",
+    "rank",
+    "alpha",
+    "targets",
+    "lr",
+    "schedule",
+    "warmup",
+    "dropout",
+    "batch_size",
+    "grad_accum",
+    "steps",
+    "max_steps",
+    "first_loss",
+    "final_loss",
+    "best_loss",
+    "eval_loss",
+    "best_eval_loss",
+    "rows",
+    "tokens",
+    "time_s",
+    "reason",
+]
+SETTINGS = (
+    "rank",
+    "alpha",
+    "targets",
+    "lr",
+    "schedule",
+    "warmup",
+    "dropout",
+    "batch_size",
+    "grad_accum",
+    "max_steps",
+)
+BROKEN = "broken"
+"""The state :func:`runs` lists a run in whose files cannot be read (no run is ever in it)."""
 LINESTYLES = ["-", "--", ":", "-."]
 
 RunLike = Run | str | Path
+
+RUNS_COLUMNS = ["run", "state", "tenants", "steps", "best_loss", "tags", "note", "started", "path", "problem"]
+
+
+def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
+    """One row per run directory under ``workdir``: id, state, tenants (comma-joined names), global
+    steps, ``best_loss`` (the lowest train loss of any tenant; None before the first step), ``tags``
+    (comma-joined, in the order they were added: ``table[table.tags.str.contains("baseline")]``),
+    ``note`` and start time. A run whose files cannot be read is listed as ``broken`` (its ``state``),
+    with the reason in ``problem``; unreadable labels leave its tags and note empty and say why in ``problem``."""
+    rows = []
+    for job in sorted(Path(workdir).glob("*/job.json")):
+        row = {"run": job.parent.name, "path": str(job.parent), "problem": None}
+        try:
+            run = Run(job.parent)
+            status = read_status(job.parent)
+            metrics = run.typed_rows()
+            losses = [r.loss for r in metrics if isinstance(r, TrainRow) and r.loss is not None]
+            row |= {
+                "state": run.status.value,
+                "tenants": ", ".join(t.name for t in run.spec.tenants),
+                "steps": max((r.step for r in metrics), default=0),
+                "best_loss": min(losses, default=None),
+                "started": pd.to_datetime(status.started if status else None, unit="s"),
+            }
+        except (RunDirError, SpecError, OSError) as e:
+            row |= {"state": BROKEN, "tenants": None, "steps": None, "started": pd.NaT, "problem": str(e)}
+        try:
+            labels = read_labels(job.parent)
+            row |= {"tags": ", ".join(labels.tags), "note": labels.note}
+        except RunDirError as e:
+            row["problem"] = "; ".join(p for p in (row["problem"], str(e)) if p)
+        rows.append(row)
+    return pd.DataFrame(rows, columns=RUNS_COLUMNS)
 
 
 class LabFigure(Figure):
@@ -94,15 +167,15 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
     out = []
     for run in runs:
         run_state = run.status
-        last: dict[str, dict] = {}  # each tenant's latest tenant row
-        for r in run.rows():
-            if r["kind"] == RowKind.TENANT:
-                last[r["tenant"]] = r
+        last: dict[str, TenantRow] = {}  # each tenant's latest tenant row
+        for r in run.typed_rows():
+            if isinstance(r, TenantRow):
+                last[r.tenant] = r
         df = run.metrics()
         for name, t in run.tenant_specs().items():
             train = df[(df["kind"] == RowKind.TRAIN) & (df["tenant"] == name)] if len(df) else df
             evals = df[(df["kind"] == RowKind.EVAL) & (df["tenant"] == name)] if len(df) else df
-            row = last.get(name, {})
+            row = last.get(name)
             # cumulative since train rows carry it (exact also with log_every > 1); older runs: the sum
             tokens = _last_count(train, "tokens_seen")
             if tokens is None:
@@ -111,7 +184,7 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
                 {
                     "run": run.path.name,
                     "tenant": name,
-                    "state": shown_tenant_state(row.get("state"), run_state),
+                    "state": shown_tenant_state(row.state if row else None, run_state),
                     **_settings(t),
                     "steps": int(train["tenant_step"].max()) if len(train) else 0,
                     "first_loss": train["loss"].iloc[0] if len(train) else None,
@@ -124,7 +197,7 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
                     "time_s": (train["time"].iloc[-1] - train["time"].iloc[0]).total_seconds()
                     if len(train)
                     else 0.0,
-                    "reason": row.get("reason"),
+                    "reason": row.reason if row else None,
                 }
             )
     columns = (["run"] if len(runs) > 1 else []) + SUMMARY_COLUMNS
@@ -177,7 +250,7 @@ def compare(
     ``tenant step`` (default), ``global step``, ``tokens`` (the tenant's target tokens seen so far),
     ``wall time``, ``relative time`` (seconds since the run's first row); ``tenants`` limits the
     tenants drawn (default: all). Each (run, tenant) has its own colour, the same as in the dashboard
-    and in every other figure (:class:`mlora_lab.plotting.Colours`), and each run its own line style.
+    and in every other figure (:class:`mlora_lab.lab.plotting.Colours`), and each run its own line style.
     ``smoothing`` is an EMA factor in [0, 1): the smoothed line is drawn over the raw values, which stay
     visible, faded. ``logy`` uses a log y axis with readable ticks on any range; ``ignore_outliers``
     sets the y-limits from the 1st-99th percentile of the values. Lines are broken where a run was
@@ -217,7 +290,7 @@ def _overlay(
     """Draw ``metric`` of every (run, tenant) on ``ax`` (and, ``with_eval``, the eval loss as dots);
     returns the names of the runs that had no value to draw."""
     taken: dict[str, Path] = {}
-    feeds = [RunSeries(run, run_name(run.path, taken)) for run in runs]
+    feeds = [RunSeries(run.dir, run_name(run.path, taken)) for run in runs]
     colours = Colours()
     for feed in feeds:
         feed.poll()
@@ -240,15 +313,33 @@ def _overlay(
             is_eval = metric == "eval_loss"
             marker = "o" if is_eval else marker_for(len(xs))
             if smoothing > 0 and len(xs) > 1:  # the raw values stay visible under the smoothed line
-                ax.plot(*thin_with_breaks(xs, ys, breaks, COMPARE_POINTS), linestyle=style, color=colour,
-                        alpha=0.25, linewidth=0.8, label="_raw")  # fmt: skip
-            ax.plot(*thin_with_breaks(xs, ema(ys, smoothing), breaks, COMPARE_POINTS), linestyle=style,
-                    marker=marker, markersize=3, color=colour, linewidth=1.4, label=label)  # fmt: skip
+                ax.plot(
+                    *thin_with_breaks(xs, ys, breaks, COMPARE_POINTS),
+                    linestyle=style,
+                    color=colour,
+                    alpha=0.25,
+                    linewidth=0.8,
+                    label="_raw",
+                )
+            ax.plot(
+                *thin_with_breaks(xs, ema(ys, smoothing), breaks, COMPARE_POINTS),
+                linestyle=style,
+                marker=marker,
+                markersize=3,
+                color=colour,
+                linewidth=1.4,
+                label=label,
+            )
             if with_eval:
                 ex, ey, ebreaks = feed.xy(name, "eval_loss", x)
                 if len(ex):
-                    ax.plot(*thin_with_breaks(ex, ey, ebreaks, COMPARE_POINTS), "o", color=colour, markersize=4,
-                            label="_eval")  # fmt: skip
+                    ax.plot(
+                        *thin_with_breaks(ex, ey, ebreaks, COMPARE_POINTS),
+                        "o",
+                        color=colour,
+                        markersize=4,
+                        label="_eval",
+                    )
         if not drew:
             missing.append(feed.name)
     return missing
@@ -305,10 +396,8 @@ def hparams(
     loss); tenants without it are left out, with a warning naming them. ``params`` are ``summary()``
     columns from :data:`HPARAMS`; by default every one that differs between the tenants shown (a setting
     all tenants share explains nothing). ``lr`` is drawn on a log axis. Colours are the tenants'
-    colours of every other figure (:class:`mlora_lab.plotting.Colours`).
+    colours of every other figure (:class:`mlora_lab.lab.plotting.Colours`).
     """
-    from mlora_lab.plotting import Colours, series_key, style_axes
-
     if kind not in ("scatter", "parallel"):
         raise ValueError(f"kind must be 'scatter' or 'parallel', got {kind!r}")
     column = {"eval_loss": "best_eval_loss", "loss": "best_loss"}.get(metric)
@@ -436,13 +525,11 @@ def compare_generations(
     ``result.attrs["inputs"]`` (``{column: [text per prompt]}``) and the rendering used per column in
     ``result.attrs["chat"]``.
     """
-    import warnings
-
     import torch
     import transformers
 
+    from mlora_lab import data
     from mlora_lab.bases import no_progress_bars, resolve_base
-    from mlora_lab.data import encode, render_chat, scan_jsonl
     from mlora_lab.lora import MultiLoRAModel
     from mlora_lab.spec import effective_slot_modules
 
@@ -462,7 +549,7 @@ def compare_generations(
         tok.pad_token = tok.eos_token
 
     def trained_on_chat(t) -> bool:
-        report = scan_jsonl(t.data)
+        report = data.scan_jsonl(t.data)
         if not report.kinds:
             warnings.warn(
                 f"compare_generations: cannot tell how tenant {t.name!r} was trained ({'; '.join(report.problems[:1])}); "
@@ -497,17 +584,19 @@ def compare_generations(
                 "give plain-string prompts with chat=False to feed them as they are"
             )
 
-    def render(prompt: Prompt, as_chat: bool) -> tuple[str, bool]:
+    def fed_as(prompt: Prompt, as_chat: bool) -> tuple[str, bool]:
         """``(text, add_special_tokens)``: how training would tokenize this prompt for a column."""
         messages = _as_messages(prompt)
         if messages is None and not as_chat:
             return prompt, True  # a prompt/completion row's prompt: with the tokenizer's BOS
         if messages is None:
             messages = [{"role": "user", "content": prompt}]
-        return render_chat(tok, messages, add_generation_prompt=True), False  # the template adds BOS itself
+        return data.render_chat(
+            tok, messages, add_generation_prompt=True
+        ), False  # the template adds BOS itself
 
-    fed = {c: [render(p, m) for p in prompts] for c, _, m in columns}
-    rows = [encode(tok, text, special) for c, _, _ in columns for text, special in fed[c]]
+    fed = {c: [fed_as(p, m) for p in prompts] for c, _, m in columns}
+    rows = [data.encode(tok, text, special) for c, _, _ in columns for text, special in fed[c]]
     width = max((len(r) for r in rows), default=0)
     input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -530,9 +619,13 @@ def compare_generations(
     rows_tenants = [t for _, t, _ in columns for _ in prompts]  # column-major: contiguous segments
     with torch.no_grad():
         out = mm.generate(
-            input_ids, tenants=rows_tenants, attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
-        )  # fmt: skip
+            input_ids,
+            tenants=rows_tenants,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
     texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
     table = {"prompt": list(prompts)}
     for j, (c, _, _) in enumerate(columns):

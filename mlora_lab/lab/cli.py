@@ -19,15 +19,27 @@ from typing import TextIO
 import pandas as pd
 from tqdm import tqdm
 
-from mlora_lab.launch import DEFAULT_WORKDIR, LAUNCHERS, Run, attach, launch, prepare_run, resume
-from mlora_lab.rundir import CheckpointError, ControlError, RowKind, RunDirError, RunState, TenantState
+from mlora_lab.lab.handles import attach
+from mlora_lab.lab.launcher import LAUNCHERS, launch, prepare_run, resume
+from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
+from mlora_lab.lab.slurm import SlurmOptions
+from mlora_lab.rundir import (
+    ControlError,
+    EventRow,
+    Row,
+    RunDirError,
+    RunState,
+    TenantRow,
+    TenantState,
+    TrainRow,
+)
 from mlora_lab.search import dist_from_dict, strategy_from_dict
-from mlora_lab.slurm import SlurmOptions
 from mlora_lab.spec import JobSpec, SpecError, Tenant
 
 # What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
-# resumed): one clear message and exit code 2, never a traceback.
-USER_ERRORS = (SpecError, RunDirError, CheckpointError, ControlError, FileNotFoundError, RuntimeError)
+# resumed): one clear message and exit code 2, never a traceback. (A damaged checkpoint's
+# CheckpointError is a RuntimeError: the codec, and torch, are not imported to name it.)
+USER_ERRORS = (SpecError, RunDirError, ControlError, FileNotFoundError, RuntimeError)
 
 
 PROGRESS_EVERY_S = 10.0
@@ -50,7 +62,7 @@ class Follower:
         self.run = run
         self.started = time.monotonic()
         self.run_state: RunState | None = None
-        self.states: dict[str, str] = {}
+        self.states: dict[str, TenantState] = {}
         self.steps: dict[str, int] = {}
         self.losses: dict[str, float | None] = {}
         self.max_steps = {t.name: t.max_steps for t in run.spec.tenants}
@@ -69,23 +81,22 @@ class Follower:
         why = f" ({self.run.reason})" if state is RunState.QUEUED and self.run.reason else ""
         return [self._stamp(f"run {state.value}{why}")]
 
-    def see_rows(self, rows: list[dict]) -> list[str]:
+    def see_rows(self, rows: list[Row]) -> list[str]:
         """Take in new rows; the lines they call for (repeated rows, as after a resume re-reads the
         file, call for none)."""
         lines = []
         for r in rows:
-            kind = r["kind"]
-            if kind == RowKind.TRAIN:
-                self.steps[r["tenant"]] = r["tenant_step"]
-                self.losses[r["tenant"]] = r["loss"]
-            elif kind == RowKind.TENANT and self.states.get(r["tenant"]) != r["state"]:
+            if isinstance(r, TrainRow):
+                self.steps[r.tenant] = r.tenant_step
+                self.losses[r.tenant] = r.loss
+            elif isinstance(r, TenantRow) and self.states.get(r.tenant) != r.state:
                 # (a tenant's second ``running`` row only adds its optimiser memory: not a change)
-                self.states[r["tenant"]] = r["state"]
-                reason = f": {r['reason']}" if r.get("reason") else ""
-                lines.append(self._stamp(f"tenant {r['tenant']} {r['state']}{reason}"))
-            elif kind == RowKind.EVENT and (key := (r["step"], r["event"], r["message"])) not in self._events:
+                self.states[r.tenant] = r.state
+                reason = f": {r.reason}" if r.reason else ""
+                lines.append(self._stamp(f"tenant {r.tenant} {r.state}{reason}"))
+            elif isinstance(r, EventRow) and (key := (r.step, r.event, r.message)) not in self._events:
                 self._events.add(key)
-                lines.append(self._stamp(f"{r['event']} at step {r['step']}: {r['message']}"))
+                lines.append(self._stamp(f"{r.event} at step {r.step}: {r.message}"))
         if not self._looked_up.issuperset(self.states):  # a tenant added while the job runs
             for name, spec in self.run.tenant_specs().items():
                 if spec is not None:
@@ -171,8 +182,8 @@ def follow(run: Run, out: TextIO | None = None, poll: float = 0.5, tty: bool | N
 
 
 def summary_text(run: Run) -> str:
-    """:func:`~mlora_lab.report.summary` of ``run`` as a table for a terminal (long reasons cut)."""
-    from mlora_lab.report import summary
+    """:func:`~mlora_lab.lab.report.summary` of ``run`` as a table for a terminal (long reasons cut)."""
+    from mlora_lab.lab.report import summary
 
     table = summary(run)
     table["reason"] = table["reason"].fillna("")
@@ -220,10 +231,18 @@ def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--cpus-per-task", type=int, default=None, help="CPU cores per node")
     g.add_argument("--account", default=None)
-    g.add_argument("--sbatch-arg", action="append", metavar="OPTION",
-                   help="a further sbatch option, e.g. --sbatch-arg=--qos=high (repeatable)")  # fmt: skip
-    g.add_argument("--setup", action="append", metavar="LINE",
-                   help="a shell line the batch script runs first, e.g. 'module load cuda' (repeatable)")  # fmt: skip
+    g.add_argument(
+        "--sbatch-arg",
+        action="append",
+        metavar="OPTION",
+        help="a further sbatch option, e.g. --sbatch-arg=--qos=high (repeatable)",
+    )
+    g.add_argument(
+        "--setup",
+        action="append",
+        metavar="LINE",
+        help="a shell line the batch script runs first, e.g. 'module load cuda' (repeatable)",
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -247,8 +266,12 @@ def load_sweep_file(path: Path) -> dict:
     except (OSError, ValueError) as e:
         raise SpecError([f"{path}: not readable JSON ({e})"]) from None
     if not isinstance(d, dict) or "job" not in d or "space" not in d or "strategy" not in d:
-        raise SpecError([f"{path}: needs an object with 'job', 'space' and 'strategy' (and optionally "
-                         "'budget', 'seed', 'objective', 'mode', 'base')"])  # fmt: skip
+        raise SpecError(
+            [
+                f"{path}: needs an object with 'job', 'space' and 'strategy' (and optionally "
+                "'budget', 'seed', 'objective', 'mode', 'base')"
+            ]
+        )
     unknown = set(d) - set(SWEEP_KEYS)
     if unknown:
         raise SpecError([f"{path}: unknown keys {sorted(unknown)}; known: {', '.join(SWEEP_KEYS)}"])
@@ -262,16 +285,32 @@ def load_sweep_file(path: Path) -> dict:
     except ValueError as e:
         raise SpecError([f"{path}: {e}"]) from None
     base = Tenant.from_dict(d["base"]) if "base" in d else None
-    return {"spec": spec, "space": space, "strategy": strategy, "budget": d.get("budget"), "base": base,
-            "seed": d.get("seed", 0), "objective": d.get("objective", "eval_loss"), "mode": d.get("mode", "min")}  # fmt: skip
+    return {
+        "spec": spec,
+        "space": space,
+        "strategy": strategy,
+        "budget": d.get("budget"),
+        "base": base,
+        "seed": d.get("seed", 0),
+        "objective": d.get("objective", "eval_loss"),
+        "mode": d.get("mode", "min"),
+    }
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from mlora_lab.sweeps import sweep
+    from mlora_lab.lab.sweeps import sweep
 
     d = load_sweep_file(args.sweep)
-    run = sweep(d.pop("spec"), d.pop("space"), d.pop("strategy"), d.pop("budget"), workdir=args.workdir,
-                launcher=args.launcher, slurm=slurm_options(args), **d)  # fmt: skip
+    run = sweep(
+        d.pop("spec"),
+        d.pop("space"),
+        d.pop("strategy"),
+        d.pop("budget"),
+        workdir=args.workdir,
+        launcher=args.launcher,
+        slurm=slurm_options(args),
+        **d,
+    )
     if args.no_follow:
         print(run.path)
         return 0
@@ -298,8 +337,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mlora_lab.demo import build_demo
-    from mlora_lab.report import plot_losses
+    from mlora_lab.lab.demo import build_demo
+    from mlora_lab.lab.report import plot_losses
 
     work = Path(args.workdir)
     kind = "Qwen3-MoE" if args.moe else "Llama-style"
@@ -314,14 +353,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    run = resume(args.run_dir, nproc=args.nproc, fsdp=args.fsdp, ep=args.ep, tp=args.tp, nnodes=args.nnodes,
-                 launcher=args.launcher, slurm=slurm_options(args))  # fmt: skip
+    run = resume(
+        args.run_dir,
+        nproc=args.nproc,
+        fsdp=args.fsdp,
+        ep=args.ep,
+        tp=args.tp,
+        nnodes=args.nnodes,
+        launcher=args.launcher,
+        slurm=slurm_options(args),
+    )
     return follow_to_exit(run, args.no_follow)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     run = attach(args.run_dir)
-    state = run.status
+    state = run.reconcile()
     print(f"{run.path}: {state} (step {run.global_step})")
     if state is RunState.QUEUED and run.reason:
         print(f"queued: {run.reason}")
@@ -350,8 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", type=Path)
     p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where run directories go (unless output_dir)")
     p.add_argument("--no-follow", action="store_true", help="print the run directory and return at once")
-    p.add_argument("--launcher", default="local", choices=LAUNCHERS,
-                   help="where the job runs: local (torchrun here) or slurm (sbatch; parallel.nnodes nodes)")  # fmt: skip
+    p.add_argument(
+        "--launcher",
+        default="local",
+        choices=LAUNCHERS,
+        help="where the job runs: local (torchrun here) or slurm (sbatch; parallel.nnodes nodes)",
+    )
     add_slurm_arguments(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("sweep", help="launch a hyperparameter search inside one job and follow it")
@@ -408,8 +459,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mlora-lab {args.command}: {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\ninterrupted (the job, if one was started, keeps running; `mlora-lab stop RUN_DIR` ends it)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "\ninterrupted (the job, if one was started, keeps running; `mlora-lab stop RUN_DIR` ends it)",
+            file=sys.stderr,
+        )
         return 130
 
 

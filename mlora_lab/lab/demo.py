@@ -16,37 +16,30 @@ from transformers import AutoConfig
 from mlora_lab.spec import JobSpec, Parallel, Tenant
 from mlora_lab.tiny import EXPERT_TARGETS, build_tiny_model, default_corpus
 
-WORDS = [
-    "red",
-    "green",
-    "blue",
-    "cat",
-    "dog",
-    "bird",
-    "tree",
-    "river",
-    "city",
-    "road",
-    "car",
-    "plane",
-    "sun",
-    "moon",
-    "star",
-    "fish",
+# Words and their word-for-word translations (ASCII, so a small byte-level tokenizer keeps them whole).
+VOCABULARY = [  # (english, spanish, french)
+    ("red", "rojo", "rouge"),
+    ("green", "verde", "vert"),
+    ("blue", "azul", "bleu"),
+    ("cat", "gato", "chat"),
+    ("dog", "perro", "chien"),
+    ("bird", "pajaro", "oiseau"),
+    ("tree", "arbol", "arbre"),
+    ("river", "rio", "fleuve"),
+    ("city", "ciudad", "ville"),
+    ("road", "camino", "route"),
+    ("car", "coche", "voiture"),
+    ("plane", "avion", "avion"),
+    ("sun", "sol", "soleil"),
+    ("moon", "luna", "lune"),
+    ("star", "estrella", "etoile"),
+    ("fish", "pez", "poisson"),
 ]
-
-
-# Word-for-word translations of WORDS (ASCII, so a small byte-level tokenizer keeps them whole).
+WORDS = [english for english, _, _ in VOCABULARY]
 TRANSLATIONS = {
-    "spanish": dict(zip(WORDS, [
-        "rojo", "verde", "azul", "gato", "perro", "pajaro", "arbol", "rio", "ciudad", "camino", "coche", "avion",
-        "sol", "luna", "estrella", "pez",
-    ])),
-    "french": dict(zip(WORDS, [
-        "rouge", "vert", "bleu", "chat", "chien", "oiseau", "arbre", "fleuve", "ville", "route", "voiture",
-        "avion", "soleil", "lune", "etoile", "poisson",
-    ])),
-}  # fmt: skip
+    "spanish": {english: spanish for english, spanish, _ in VOCABULARY},
+    "french": {english: french for english, _, french in VOCABULARY},
+}
 TASKS = ("reverse", "upper", "count", *TRANSLATIONS)
 
 
@@ -69,9 +62,13 @@ def task_rows(task: str, n: int, seed: int) -> list[dict]:
             rows.append({"prompt": f"upper: {p}\n", "completion": p.upper()})
         elif task == "count":
             rows.append(
-                {"messages": [{"role": "user", "content": f"how many words: {p}"},
-                              {"role": "assistant", "content": str(len(p.split()))}]}
-            )  # fmt: skip
+                {
+                    "messages": [
+                        {"role": "user", "content": f"how many words: {p}"},
+                        {"role": "assistant", "content": str(len(p.split()))},
+                    ]
+                }
+            )
         elif task in TRANSLATIONS:
             words = TRANSLATIONS[task]
             rows.append(
@@ -118,15 +115,48 @@ def build_demo(
         data[task] = write_jsonl(work / "data" / f"{task}.jsonl", task_rows(task, 256, seed=0))
         data[task + "_eval"] = write_jsonl(work / "data" / f"{task}_eval.jsonl", task_rows(task, 32, seed=1))
     tenants = [
-        Tenant(name="reverse", data=data["reverse"], eval_data=data["reverse_eval"], rank=4, alpha=8,
-               target_modules=["q_proj", "v_proj"], lr=5e-3, batch_size=8, max_steps=steps, seed=1),
-        Tenant(name="upper", data=data["upper"], eval_data=data["upper_eval"], rank=16, alpha=32,
-               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-               lr=1e-3, schedule="cosine", warmup_steps=10, batch_size=8, max_steps=steps, seed=2),
-        Tenant(name="count", data=data["count"], eval_data=data["count_eval"], rank=8, alpha=16, use_rslora=True,
-               target_modules=["all-linear"], lr=2e-3, schedule="linear", batch_size=4, grad_accum=2,
-               max_steps=steps // 2, seed=3),
-    ]  # fmt: skip
+        Tenant(
+            name="reverse",
+            data=data["reverse"],
+            eval_data=data["reverse_eval"],
+            rank=4,
+            alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            lr=5e-3,
+            batch_size=8,
+            max_steps=steps,
+            seed=1,
+        ),
+        Tenant(
+            name="upper",
+            data=data["upper"],
+            eval_data=data["upper_eval"],
+            rank=16,
+            alpha=32,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            lr=1e-3,
+            schedule="cosine",
+            warmup_steps=10,
+            batch_size=8,
+            max_steps=steps,
+            seed=2,
+        ),
+        Tenant(
+            name="count",
+            data=data["count"],
+            eval_data=data["count_eval"],
+            rank=8,
+            alpha=16,
+            use_rslora=True,
+            target_modules=["all-linear"],
+            lr=2e-3,
+            schedule="linear",
+            batch_size=4,
+            grad_accum=2,
+            max_steps=steps // 2,
+            seed=3,
+        ),
+    ]
     if moe:  # attention as above where it exists, plus LoRA on every expert of the MoE blocks
         tenants[0].target_parameters = EXPERT_TARGETS
         tenants[1].target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -38,6 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlora_lab.rundir.status import JOB_MODULE
+from mlora_lab.text import brief
+
 __all__ = [
     "ACTIVE_STATES",
     "FINAL_STATES",
@@ -59,10 +62,19 @@ ACTIVE_STATES = frozenset(
 )
 FINAL_STATES = frozenset(
     {
-        "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-        "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED",
+        "COMPLETED",
+        "CANCELLED",
+        "FAILED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "SPECIAL_EXIT",
+        "REVOKED",
     }
-)  # fmt: skip
+)
 
 # What a final state means, in words (the reason a run that ended so is reported as failed).
 _MEANING = {
@@ -81,15 +93,34 @@ _MEANING = {
 # sbatch options the launcher sets itself: node count and tasks follow parallel.nnodes, and the log,
 # working directory and requeue policy are part of the run directory's contract.
 _OWN_OPTIONS = {
-    "-N": "--nodes", "--nodes": "--nodes", "-n": "--ntasks", "--ntasks": "--ntasks",
-    "--ntasks-per-node": "--ntasks-per-node", "-o": "--output", "--output": "--output",
-    "-e": "--error", "--error": "--error", "-D": "--chdir", "--chdir": "--chdir",
-    "--open-mode": "--open-mode", "--requeue": "--requeue", "--no-requeue": "--no-requeue",
-    "--wrap": "--wrap", "--parsable": "--parsable", "-J": "--job-name", "--job-name": "--job-name",
-    "-p": "partition", "--partition": "partition", "-t": "time", "--time": "time",
-    "-A": "account", "--account": "account", "-c": "cpus_per_task", "--cpus-per-task": "cpus_per_task",
+    "-N": "--nodes",
+    "--nodes": "--nodes",
+    "-n": "--ntasks",
+    "--ntasks": "--ntasks",
+    "--ntasks-per-node": "--ntasks-per-node",
+    "-o": "--output",
+    "--output": "--output",
+    "-e": "--error",
+    "--error": "--error",
+    "-D": "--chdir",
+    "--chdir": "--chdir",
+    "--open-mode": "--open-mode",
+    "--requeue": "--requeue",
+    "--no-requeue": "--no-requeue",
+    "--wrap": "--wrap",
+    "--parsable": "--parsable",
+    "-J": "--job-name",
+    "--job-name": "--job-name",
+    "-p": "partition",
+    "--partition": "partition",
+    "-t": "time",
+    "--time": "time",
+    "-A": "account",
+    "--account": "account",
+    "-c": "cpus_per_task",
+    "--cpus-per-task": "cpus_per_task",
     "--gpus-per-node": "gpus_per_node",
-}  # fmt: skip
+}
 _FIELD_OPTIONS = {"partition", "time", "account", "cpus_per_task", "gpus_per_node"}
 
 # Slurm's time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
@@ -153,16 +184,16 @@ class SlurmOptions:
             v = getattr(self, key)
             if v is not None and not (isinstance(v, str) and _NAME.fullmatch(v)):
                 out.append(
-                    f"slurm.{key} must be a Slurm name (letters, digits, _ . , + @ % -), got {_brief(v)}"
+                    f"slurm.{key} must be a Slurm name (letters, digits, _ . , + @ % -), got {brief(v)}"
                 )
         if self.time is not None and not (isinstance(self.time, str) and _TIME.fullmatch(self.time)):
             out.append(
                 f"slurm.time must be a Slurm time limit such as '30' (minutes), '04:00:00' or '1-12:00:00', "
-                f"got {_brief(self.time)}"
+                f"got {brief(self.time)}"
             )
         if not _is_int(self.gpus_per_node) or not 0 <= self.gpus_per_node <= 64:
             out.append(
-                f"slurm.gpus_per_node must be a whole number from 0 to 64, got {_brief(self.gpus_per_node)}"
+                f"slurm.gpus_per_node must be a whole number from 0 to 64, got {brief(self.gpus_per_node)}"
             )
         elif self.gpus_per_node and _is_int(nproc) and nproc > self.gpus_per_node:
             out.append(
@@ -173,30 +204,30 @@ class SlurmOptions:
             not _is_int(self.cpus_per_task) or not 1 <= self.cpus_per_task <= 4096
         ):
             out.append(
-                f"slurm.cpus_per_task must be a whole number from 1 to 4096, got {_brief(self.cpus_per_task)}"
+                f"slurm.cpus_per_task must be a whole number from 1 to 4096, got {brief(self.cpus_per_task)}"
             )
         if self.rdzv_port is not None and (
             not _is_int(self.rdzv_port) or not 1024 <= self.rdzv_port <= 65535
         ):
-            out.append(f"slurm.rdzv_port must be a port from 1024 to 65535, got {_brief(self.rdzv_port)}")
+            out.append(f"slurm.rdzv_port must be a port from 1024 to 65535, got {brief(self.rdzv_port)}")
         if self.python is not None and not (
             isinstance(self.python, str) and self.python and not _CONTROL.search(self.python)
         ):
-            out.append(f"slurm.python must be the path of a Python interpreter, got {_brief(self.python)}")
+            out.append(f"slurm.python must be the path of a Python interpreter, got {brief(self.python)}")
         out += self._line_problems("extra", self.extra, nnodes)
         out += self._line_problems("setup", self.setup, nnodes)
         return out
 
     def _line_problems(self, key: str, lines: Any, nnodes: int) -> list[str]:
         if not isinstance(lines, list) or not all(isinstance(x, str) for x in lines):
-            return [f"slurm.{key} must be a list of strings, got {_brief(lines)}"]
+            return [f"slurm.{key} must be a list of strings, got {brief(lines)}"]
         if len(lines) > MAX_EXTRA:
             return [f"slurm.{key} has {len(lines)} entries; at most {MAX_EXTRA}"]
         out = []
         for line in lines:
             if _CONTROL.search(line) or len(line) > 1000:
                 out.append(
-                    f"slurm.{key} entry {_brief(line)} has a line break or control character (or is too long)"
+                    f"slurm.{key} entry {brief(line)} has a line break or control character (or is too long)"
                 )
             elif key == "extra":
                 out += _extra_problems(line, nnodes)
@@ -205,9 +236,14 @@ class SlurmOptions:
     def sbatch_lines(self, nnodes: int, job_name: str, log: Path, chdir: Path) -> list[str]:
         """The ``#SBATCH`` lines of the batch script (options validated by :meth:`problems`)."""
         opts = [
-            f"--job-name={job_name}", f"--nodes={nnodes}", "--ntasks-per-node=1", "--no-requeue",
-            f"--output={log}", "--open-mode=append", f"--chdir={chdir}",
-        ]  # fmt: skip
+            f"--job-name={job_name}",
+            f"--nodes={nnodes}",
+            "--ntasks-per-node=1",
+            "--no-requeue",
+            f"--output={log}",
+            "--open-mode=append",
+            f"--chdir={chdir}",
+        ]
         if self.partition:
             opts.append(f"--partition={self.partition}")
         if self.account:
@@ -237,7 +273,7 @@ def run_dir_problem(run_dir: Path) -> str | None:
 def _extra_problems(option: str, nnodes: int) -> list[str]:
     """Problems of one ``extra`` sbatch option: it must be an option, and not one the launcher sets."""
     if not option.startswith("-"):
-        return [f"slurm.extra entry {_brief(option)} is not an sbatch option (those start with '-')"]
+        return [f"slurm.extra entry {brief(option)} is not an sbatch option (those start with '-')"]
     name = option.split("=", 1)[0].split(" ", 1)[0]
     if not name.startswith("--"):
         name = name[:2]  # a short option may carry its value: -N2, -c8
@@ -246,7 +282,7 @@ def _extra_problems(option: str, nnodes: int) -> list[str]:
         return []
     if own in ("--nodes", "--ntasks", "--ntasks-per-node"):
         return [
-            f"slurm.extra sets {own} ({_brief(option)}), but the node count comes from parallel.nnodes "
+            f"slurm.extra sets {own} ({brief(option)}), but the node count comes from parallel.nnodes "
             f"(= {nnodes}) with one task per node: change parallel.nnodes instead"
         ]
     if own in _FIELD_OPTIONS:
@@ -256,11 +292,6 @@ def _extra_problems(option: str, nnodes: int) -> list[str]:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _brief(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # The batch script. Everything inserted is either validated (the #SBATCH lines, setup) or quoted.
@@ -284,7 +315,7 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\
   --nnodes "$SLURM_NNODES" --nproc-per-node {nproc} \\
   --rdzv-backend c10d --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT" --rdzv-id "mlora-$SLURM_JOB_ID" \\
   --max-restarts 0 \\
-  -m mlora_lab.job {run_dir}{resume}
+  -m {job_module} {run_dir}{resume}
 """
 
 
@@ -307,6 +338,7 @@ def render_script(
         rdzv_port=port,
         nproc=int(nproc),
         python=shlex.quote(options.python or sys.executable),
+        job_module=JOB_MODULE,
         run_dir=shlex.quote(str(run_dir)),
         resume=" --resume" if resume else "",
     )

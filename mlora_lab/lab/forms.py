@@ -26,15 +26,23 @@ from __future__ import annotations
 import copy
 import dataclasses
 import html
-import math
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 
+from mlora_lab.lab.fields import (
+    LABEL_STYLE,
+    FieldInput,
+    layout_inputs,
+    make_input,
+    message_html,
+    problem_lines,
+    problems_html,
+    wide_layout,
+)
 from mlora_lab.lora.targets import ALL_LINEAR
 from mlora_lab.rundir import RunState
 from mlora_lab.spec import (
@@ -47,248 +55,11 @@ from mlora_lab.spec import (
     field_info,
     fields_info,
 )
-from mlora_lab.text import error_line, show_path
+from mlora_lab.text import error_line
 from mlora_lab.validate import ValidationCache, Validator, linear_target_options
 
-if TYPE_CHECKING:  # launch imports pandas: only at launch time
-    from mlora_lab.launch import Run
-
-LABEL_WIDTH = "150px"
-"""Width of the forms' label column: room for ``MAX_LABEL`` characters, so no label is cut off."""
-_LABEL = {"description_width": LABEL_WIDTH}
-
-
-def _wide() -> W.Layout:
-    return W.Layout(width="460px")
-
-
-def _narrow() -> W.Layout:
-    return W.Layout(width="290px")
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs made from field metadata
-# ---------------------------------------------------------------------------------------------
-
-
-def _nice_values(lo: float, hi: float) -> list[tuple[str, float]]:
-    """``(label, value)`` of 1, 2, 3 and 5 x 10^k between ``lo`` and ``hi``. Each value is parsed from
-    its decimal text, so it is the float a user typing ``3e-4`` gets (``3 * 10**-4`` is not)."""
-    out = []
-    for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1):
-        for m in (1, 2, 3, 5):
-            v = float(f"{m}e{k}")
-            if lo <= v <= hi:
-                out.append((f"{m}e{k}", v))
-    return out
-
-
-@dataclass
-class _Input:
-    """The input of one field: the widget whose ``value`` is the field's, its helpers, and its row."""
-
-    name: str
-    info: FieldInfo
-    widget: W.ValueWidget
-    """The form attribute named like the field (``form.lr``)."""
-    default: Any
-    """The dataclass default, shown in a number input switched off by ``null_means``."""
-    extras: dict[str, W.Widget] = field(default_factory=dict)
-    """Helper widgets, also form attributes: the ``null_means`` checkbox (``no_clipping``), a log-float's
-    snapping slider (``lr_slider``), a targets list's note (``target_modules_note``)."""
-    row: W.Widget | None = None
-    """What the form lays out: the input, its helpers and its help line."""
-
-    @property
-    def null_toggle(self) -> W.Checkbox | None:
-        return self.extras.get(self.info.null_means.replace(" ", "_")) if self.info.null_means else None
-
-    def show(self, value: Any) -> None:
-        """Put ``value`` (from a dataclass) into the input; nothing is clamped (sliders widen instead)."""
-        info, w = self.info, self.widget
-        if info.kind in ("name", "path", "dir"):
-            w.value = "" if value is None else str(value)
-        elif info.kind == "targets":
-            targets = [str(x) for x in value] if isinstance(value, list | tuple) else []
-            extra = [x for x in targets if x not in w.options]
-            if extra:  # e.g. full module names: offer them so the selection can hold them
-                w.options = [*w.options, *extra]
-            w.value = targets
-        elif info.kind == "choice":
-            w.value = value if value in info.choices else info.choices[0]
-        elif info.kind == "bool":
-            w.value = bool(value)
-        elif value is None and self.null_toggle is not None:
-            self.null_toggle.value = True
-            w.value = self.default
-        else:
-            if self.null_toggle is not None:
-                self.null_toggle.value = False
-            number = int(value) if info.kind == "int" else float(value)
-            if isinstance(w, W.IntSlider | W.FloatSlider):
-                w.min, w.max = min(w.min, number), max(w.max, number)
-            w.value = number
-        if self.null_toggle is not None:
-            w.disabled = self.null_toggle.value
-
-    def read(self) -> Any:
-        """The field's value as the dataclass takes it."""
-        info, value = self.info, self.widget.value
-        if info.kind in ("name", "path", "dir"):
-            text = value.strip()
-            return None if info.optional and not text else text
-        if info.kind == "targets":
-            return list(value)
-        if self.null_toggle is not None and self.null_toggle.value:
-            return None
-        return value
-
-    def is_empty(self) -> bool:
-        """A required text input left empty (the form then says ``info.empty``)."""
-        return bool(self.info.empty) and isinstance(self.widget.value, str) and not self.widget.value.strip()
-
-
-def _make_input(name: str, info: FieldInfo, default: Any, paths: list[str], targets: list[str]) -> _Input:
-    """The input for field ``name`` from its :class:`FieldInfo`: ``paths`` are offered by ``path``
-    inputs, ``targets`` by ``targets`` inputs. Number inputs are unbounded (a bounded one would clamp
-    silently); sliders span ``typical`` (or ``min`` .. the ``at_most`` bound, set by the form)."""
-    common: dict[str, Any] = {"description": info.label, "style": _LABEL, "tooltip": info.help or None}
-    kind, extras = info.kind, {}
-    if kind == "name":
-        widget = W.Text(layout=_narrow(), **common)
-    elif kind in ("path", "dir"):
-        hint = "path/to/train.jsonl" if kind == "path" else "directory"
-        # continuous_update=False: a path is checked when typed out, not on every keystroke.
-        cls = W.Combobox if kind == "path" else W.Text
-        extra = {"options": paths, "ensure_option": False} if kind == "path" else {}
-        widget = cls(placeholder=f"optional: {hint}" if info.optional else hint, continuous_update=False,
-                     layout=_wide(), **extra, **common)  # fmt: skip
-    elif kind == "int" and info.slider:
-        lo = int(info.min if info.min is not None else 0)
-        widget = W.IntSlider(min=lo, max=max(lo, 1), layout=_wide(), **common)
-    elif kind == "int":
-        widget = W.IntText(layout=_narrow(), **common)
-    elif kind == "float" and info.slider:
-        lo, hi = info.typical or (info.min or 0.0, info.max or 1.0)
-        widget = W.FloatSlider(min=lo, max=hi, step=info.step or 0.01, layout=_wide(), **common)
-    elif kind in ("float", "log-float"):
-        # An exact input: what is typed is what the Tenant gets (a log slider can only land near 3e-4).
-        widget = W.FloatText(layout=_narrow(), **common)
-        if kind == "log-float" and info.typical:
-            extras[f"{name}_slider"] = _snapping_slider(widget, info.typical)
-    elif kind == "bool":
-        widget = W.Checkbox(indent=True, layout=_narrow(), **common)
-    elif kind == "choice":
-        widget = W.Dropdown(options=list(info.choices), layout=_narrow(), **common)
-    elif kind == "targets":
-        widget = W.SelectMultiple(options=[ALL_LINEAR, *targets], rows=min(len(targets) + 1, 9),
-                                  layout=_wide(), **common)  # fmt: skip
-        extras[f"{name}_note"] = W.HTML()
-    else:
-        raise ValueError(f"field {name!r}: a form has no input for kind {kind!r}")
-    if info.null_means:
-        extras[info.null_means.replace(" ", "_")] = W.Checkbox(description=info.null_means, indent=False,
-                                                               layout=W.Layout(width="130px"))  # fmt: skip
-    inp = _Input(name, info, widget, default, extras)
-    help_line = W.HTML(f"<span style='color:#57606a;font-size:90%'>{html.escape(info.help)}</span>")
-    parts = [widget, *(w for k, w in extras.items() if not k.endswith("_note")), help_line]
-    row = W.HBox(parts, layout=W.Layout(align_items="center"))
-    note = extras.get(f"{name}_note")
-    inp.row = W.VBox([row, note]) if note is not None else row
-    return inp
-
-
-def _snapping_slider(target: W.FloatText, span: tuple[float, float]) -> W.SelectionSlider:
-    """A slider of 1, 2, 3, 5 x 10^k beside an exact number input: moving it types that value into
-    ``target``; typing a value moves it to the nearest step (without changing what was typed)."""
-    values = _nice_values(*span)
-    slider = W.SelectionSlider(options=values, description="", continuous_update=False,
-                               layout=W.Layout(width="220px"))  # fmt: skip
-    syncing = [False]
-
-    def from_slider(change: dict) -> None:
-        if not syncing[0]:
-            target.value = change["new"]
-
-    def from_text(change: dict) -> None:
-        v = change["new"]
-        if not (isinstance(v, float | int) and v > 0):
-            return
-        nearest = min((val for _, val in values), key=lambda val: abs(math.log10(val) - math.log10(v)))
-        syncing[0] = True
-        try:
-            slider.value = nearest
-        finally:
-            syncing[0] = False
-
-    slider.observe(from_slider, names="value")
-    target.observe(from_text, names="value")
-    return slider
-
-
-def _layout(inputs: list[_Input], advanced: str = "Advanced") -> list[W.Widget]:
-    """The inputs' rows under their section titles, in field order; the ``advanced`` section folded."""
-    sections: dict[str, list[W.Widget]] = {}
-    for inp in inputs:
-        sections.setdefault(inp.info.section, []).append(inp.row)
-    out: list[W.Widget] = []
-    for title, rows in sections.items():
-        if title == advanced:
-            continue
-        out += [W.HTML(f"<b>{html.escape(title)}</b>"), *rows]
-    if advanced in sections:
-        out.append(W.Accordion([W.VBox(sections[advanced])], titles=(advanced,), selected_index=None))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Showing problems
-# ---------------------------------------------------------------------------------------------
-
-
-def _problem_lines(problems: list[Problem], own: str | None = None) -> list[str]:
-    """One line per problem, as a form shows it. Problems of the form's own tenant (``own``) drop the
-    ``tenant 'x':`` prefix. The same problem of several data files (``path`` set, same text after the
-    file's name) becomes one line naming every file: ``a.jsonl (data), b.jsonl (eval_data): empty file``."""
-    groups: dict[str, list[Problem]] = {}
-    rests: dict[int, str] = {}
-    for i, p in enumerate(problems):
-        head = f"{p.field}: {show_path(p.path)}" if p.path is not None else None
-        if head is not None and p.tenant is not None and p.message.startswith(head):
-            rests[i] = p.message[len(head) :]
-            groups.setdefault(rests[i], []).append(p)
-    lines, done = [], set()
-    for i, p in enumerate(problems):
-        rest = rests.get(i)
-        if rest is not None and len(groups[rest]) > 1:
-            if rest in done:
-                continue
-            done.add(rest)
-            users: dict[str, list[str]] = {}
-            for q in groups[rest]:
-                who = q.field if q.tenant == own else f"tenant {q.tenant!r} {q.field}"
-                users.setdefault(show_path(q.path), []).append(who)
-            lines.append(", ".join(f"{path} ({', '.join(whos)})" for path, whos in users.items()) + rest)
-        else:
-            lines.append(p.message if own is not None and p.tenant == own else str(p))
-    return lines
-
-
-def _problems_html(problems: list[Problem], ok: str = "ok", own: str | None = None) -> str:
-    lines = _problem_lines(problems, own)
-    if not lines:
-        return f'<span style="color:#1a7f37">&#10004; {html.escape(ok)}</span>'
-    n = len(lines)
-    items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
-    return (
-        f'<div style="color:#b42318"><b>{n} problem{"s" if n != 1 else ""}</b>'
-        f'<ul style="margin:2px 0 2px 0">{items}</ul></div>'
-    )
-
-
-def _message_html(text: str, good: bool) -> str:
-    color = "#1a7f37" if good else "#b42318"
-    return f'<span style="color:{color}">{html.escape(text)}</span>'
+if TYPE_CHECKING:  # the launcher imports pandas: only at launch time
+    from mlora_lab.lab.run import Run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,11 +150,11 @@ class TenantForm:
         self._base = base  # supplies the Tenant fields the form does not show (betas, eps, ...)
 
         files = _data_files(self.data_dir)
-        self._inputs: dict[str, _Input] = {}
+        self._inputs: dict[str, FieldInput] = {}
         for name, info in fields_info(Tenant):
             if info.form:
                 default = Tenant.__dataclass_fields__[name].default
-                self._inputs[name] = inp = _make_input(name, info, default, files, self.linear_names)
+                self._inputs[name] = inp = make_input(name, info, default, files, self.linear_names)
                 setattr(self, name, inp.widget)
                 for attr, w in inp.extras.items():
                     setattr(self, attr, w)
@@ -415,7 +186,7 @@ class TenantForm:
         self.widget = W.VBox(
             [
                 W.HTML("<h4 style='margin:4px 0'>Tenant</h4>"),
-                *_layout(list(self._inputs.values())),
+                *layout_inputs(list(self._inputs.values())),
                 self.problems_box,
                 W.HBox([self.add_button, self.message]),
                 self.table,
@@ -481,7 +252,7 @@ class TenantForm:
         self._added = (self._read(), t.name)
         self._update_table()
         self._refresh()
-        self.message.value = _message_html(
+        self.message.value = message_html(
             f"added {t.name!r} ({len(self.tenants)} tenant{'s' if len(self.tenants) != 1 else ''})", True
         )
         return t
@@ -578,11 +349,11 @@ class TenantForm:
             return
         t = self._read()
         problems = self.problems()
-        self.problems_box.value = _problems_html(problems, ok="ok", own=t.name)
+        self.problems_box.value = problems_html(problems, ok="ok", own=t.name)
         repeat = self._repeat()
         self.add_button.disabled = bool(problems) or repeat is not None
         if problems:
-            lines = _problem_lines(problems, own=t.name)
+            lines = problem_lines(problems, own=t.name)
             more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
             self.add_button.tooltip = f"fix first: {lines[0]}{more}"
         elif repeat is not None:
@@ -618,7 +389,7 @@ class TenantForm:
         self.message.value = ""  # it was about the last press; the problems box says what is wrong now
         self._refresh()
 
-    def _on_null_toggle(self, inp: _Input) -> Callable[[dict], None]:
+    def _on_null_toggle(self, inp: FieldInput) -> Callable[[dict], None]:
         def toggled(change: dict) -> None:
             inp.widget.disabled = bool(change["new"])
             self._on_field(change)
@@ -630,21 +401,21 @@ class TenantForm:
             self.add()
         except SpecError as e:
             own = self.name.value.strip()
-            self.message.value = _message_html(
-                "not added: " + "; ".join(_problem_lines(e.problems, own)), False
+            self.message.value = message_html(
+                "not added: " + "; ".join(problem_lines(e.problems, own)), False
             )
 
     def _on_remove(self) -> None:
         if self.selected.value:
             name = self.selected.value
             self.remove(name)
-            self.message.value = _message_html(f"removed {name!r}", True)
+            self.message.value = message_html(f"removed {name!r}", True)
 
     def _on_load(self) -> None:
         for t in self.tenants:
             if self.selected.value and t.name == self.selected.value:
                 self.load(t)
-                self.message.value = _message_html(f"loaded {t.name!r} into the form", True)
+                self.message.value = message_html(f"loaded {t.name!r} into the form", True)
 
     def _update_table(self) -> None:
         if not self.tenants:
@@ -690,9 +461,13 @@ def _divisor_choice(name: str, n: int, value: int) -> W.Dropdown:
     info = field_info(Parallel, name)
     options = _divisors(n)
     return W.Dropdown(
-        options=options, value=value if value in options else 1, description=info.label, style=_LABEL,
-        tooltip=info.help, layout=W.Layout(width="220px"),
-    )  # fmt: skip
+        options=options,
+        value=value if value in options else 1,
+        description=info.label,
+        style=LABEL_STYLE,
+        tooltip=info.help,
+        layout=W.Layout(width="220px"),
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -722,7 +497,7 @@ class JobBuilder:
     (``builder.seq_len``, ``builder.nproc``, ``builder.fsdp``, ...; made from the ``JobSpec`` and
     ``Parallel`` fields' :class:`~mlora_lab.spec.FieldInfo`), the whole spec's problems and a live
     ``job.json`` preview. "Launch" is enabled only while the spec has no problems; it calls
-    :func:`mlora_lab.launch.launch` and keeps the :class:`~mlora_lab.launch.Run` in :attr:`run`, whose
+    :func:`mlora_lab.lab.launcher.launch` and keeps the :class:`~mlora_lab.lab.run.Run` in :attr:`run`, whose
     state the status line then follows by itself (a background thread, polling every
     :attr:`refresh_s` seconds until the run ends or :meth:`stop_watching`). ``defaults`` pre-fills the
     job settings and adds its tenants to the form.
@@ -749,7 +524,7 @@ class JobBuilder:
         self.form = form
         """The embedded tenant form; its :attr:`TenantForm.tenants` are the job's tenants."""
         self.run: Run | None = None
-        """The :class:`~mlora_lab.launch.Run` of the last launch (``None`` before)."""
+        """The :class:`~mlora_lab.lab.run.Run` of the last launch (``None`` before)."""
         self.refresh_s = 1.0
         """Seconds between two looks at :attr:`run`'s state by the status line's thread."""
         self._base = d  # keeps fields the builder does not show (tokenizer, slot_modules)
@@ -759,23 +534,30 @@ class JobBuilder:
         self._stop_watch = threading.Event()
         max_nproc = max(1, max_nproc or _default_max_nproc(), d.parallel.nproc)
 
-        self._inputs: dict[str, _Input] = {}
+        self._inputs: dict[str, FieldInput] = {}
         for name, info in fields_info(JobSpec):
             if info.form:
                 default = JobSpec.__dataclass_fields__[name].default
-                self._inputs[name] = inp = _make_input(name, info, default, [], [])
+                self._inputs[name] = inp = make_input(name, info, default, [], [])
                 inp.show(getattr(d, name))
                 setattr(self, name, inp.widget)
         nproc_info = field_info(Parallel, "nproc")
         self.nproc = W.IntSlider(
-            value=d.parallel.nproc, min=1, max=max_nproc, description=nproc_info.label, style=_LABEL,
-            tooltip=nproc_info.help, layout=_wide(),
-        )  # fmt: skip
+            value=d.parallel.nproc,
+            min=1,
+            max=max_nproc,
+            description=nproc_info.label,
+            style=LABEL_STYLE,
+            tooltip=nproc_info.help,
+            layout=wide_layout(),
+        )
         self.tp = _divisor_choice("tp", d.parallel.nproc, d.parallel.tp)
         dp = d.parallel.nproc // self.tp.value  # the data-parallel ranks
         self.fsdp = _divisor_choice("fsdp", dp, d.parallel.fsdp)
         self.ep = _divisor_choice("ep", dp, d.parallel.ep)
-        self.workdir = W.Text(value=os.fspath(workdir), description="workdir", style=_LABEL, layout=_wide())
+        self.workdir = W.Text(
+            value=os.fspath(workdir), description="workdir", style=LABEL_STYLE, layout=wide_layout()
+        )
         self.fields: dict[str, W.Widget] = {name: inp.widget for name, inp in self._inputs.items()}
         """Every job-setting widget by name (``nproc``/``tp``/``fsdp``/``ep`` set ``parallel``)."""
         self.fields.update(nproc=self.nproc, tp=self.tp, fsdp=self.fsdp, ep=self.ep)
@@ -810,7 +592,7 @@ class JobBuilder:
         job = W.VBox(
             [
                 W.HTML("<h4 style='margin:4px 0'>Job</h4>"),
-                *_layout(list(self._inputs.values())),
+                *layout_inputs(list(self._inputs.values())),
                 *parallel,
                 self.workdir,
                 self.problems_box,
@@ -850,7 +632,7 @@ class JobBuilder:
         """Launch :meth:`spec` under torchrun in the background (``launch(spec, workdir)``); returns the
         Run, keeps it in :attr:`run` and starts following its state in the status line. Raises
         :class:`SpecError` if the spec has problems."""
-        from mlora_lab.launch import launch
+        from mlora_lab.lab.launcher import launch
 
         self.run = launch(self.spec(), self.workdir.value)
         self._refresh()
@@ -900,7 +682,7 @@ class JobBuilder:
         shown = list(self._problems)
         if not spec.tenants and not spec.serve:
             shown.append(Problem(None, "tenants", 'fill in the tenant form above and press "Add tenant"'))
-        self.problems_box.value = _problems_html(shown, ok="ready to launch")
+        self.problems_box.value = problems_html(shown, ok="ready to launch")
         self.preview.value = (
             "<pre style='max-height:320px;overflow:auto;margin:0'>" + html.escape(spec.to_json()) + "</pre>"
         )
@@ -913,8 +695,12 @@ class JobBuilder:
     def _status_html(self, state: RunState | None) -> str:
         if self.run is None:
             return ""
-        color = {RunState.FINISHED: "#1a7f37", RunState.FAILED: "#b42318", RunState.LOST: "#b42318",
-                 RunState.STOPPED: "#9a6700"}.get(state, "#0550ae")  # fmt: skip
+        color = {
+            RunState.FINISHED: "#1a7f37",
+            RunState.FAILED: "#b42318",
+            RunState.LOST: "#b42318",
+            RunState.STOPPED: "#9a6700",
+        }.get(state, "#0550ae")
         text = f"run <code>{html.escape(str(self.run.path))}</code>: <b style='color:{color}'>{state}</b>"
         error = self.run.error if state in (RunState.FAILED, RunState.LOST) else None
         if error:
@@ -950,4 +736,4 @@ class JobBuilder:
                 if isinstance(e, SpecError)
                 else [Problem(None, None, f"launch failed: {type(e).__name__}: {e}")]
             )
-            self.status.value = _problems_html(problems)
+            self.status.value = problems_html(problems)
