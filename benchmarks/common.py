@@ -300,13 +300,14 @@ def as_dict(obj) -> dict:
 
 
 def layout_worker(spec_path: str, out: str, steps: int) -> None:
-    """Run under torchrun by :func:`run_layout`: build the job's :class:`~mlora_lab.train.Trainer`, run
+    """Run under torchrun by :func:`run_layout`: build the job's :class:`~mlora_lab.job.trainer.Trainer`, run
     ``steps`` global steps, and write (rank 0) one row per rank of the bytes of the parameters this
     rank holds (``to_local()``: exact, not an RSS estimate), by kind, its peak RSS and its median step
     time (the first two steps excluded)."""
+    from mlora_lab.job.recorder import memory_bytes
+    from mlora_lab.job.trainer import Trainer
     from mlora_lab.parallel import init_distributed, shutdown_distributed
     from mlora_lab.spec import JobSpec
-    from mlora_lab.train import Trainer, memory_bytes
 
     setup()
     dist = init_distributed()
@@ -330,7 +331,7 @@ def layout_worker(spec_path: str, out: str, steps: int) -> None:
         trainer.step()
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    _, peak = memory_bytes(trainer.device)
+    _, peak = memory_bytes(trainer.engine.device)
     rows = trainer.comm.gather_objects(
         {"rank": dist.rank, **sizes, "peak_rss": peak, "step_time": statistics.median(times)}
     )
@@ -379,7 +380,7 @@ def llama_layout_job(work: Path, quick: bool) -> tuple[Path, int, dict]:
     """The 4-tenant job ``fsdp.py`` and ``tp.py`` run per layout: a Llama-style model (20.3M
     parameters, or a tiny one with ``quick``), tenants of ranks 8-64 on all seven projections, batch 4
     each, seq <= 64. Returns the job.json path, the parameter count and the model size."""
-    from mlora_lab.demo import task_rows, write_jsonl
+    from mlora_lab.lab.demo import task_rows, write_jsonl
     from mlora_lab.spec import JobSpec, Tenant
     from mlora_lab.tiny import build_tiny_model
 

@@ -34,7 +34,7 @@ import numpy as np
 
 def latency(quick: bool) -> None:
     import mlora_lab as ml
-    from mlora_lab.demo import task_rows, write_jsonl
+    from mlora_lab.lab.demo import task_rows, write_jsonl
     from mlora_lab.tiny import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="mlora_lat_"))
@@ -91,7 +91,7 @@ def make_run_dir(root: Path, tenants: int, state: str = "finished") -> Path:
 
 
 def incremental_read(quick: bool) -> None:
-    from mlora_lab.launch import Run
+    from mlora_lab.lab.run import Run
 
     n, chunk = (20_000 if quick else 100_000), 1_000
     rows = fake_rows(n, 10)
@@ -144,8 +144,8 @@ def _live_runs(n_runs: int, tenants: int, points: int, held_back: int) -> tuple[
 def _refresh_times(roots: list[Path], steps: list[str], interactive: bool):
     """Refresh times (and, interactive, the canvas render times), one refresh after each of ``steps``
     was appended to every run, as a live run does; then the system tab's render time."""
-    from mlora_lab.dashboard import Dashboard
-    from mlora_lab.launch import Run
+    from mlora_lab.lab.dashboard import Dashboard
+    from mlora_lab.lab.run import Run
 
     dash = Dashboard([Run(r) for r in roots], interactive=interactive)
     dash.refresh()  # the first load of every row
@@ -164,9 +164,7 @@ def _refresh_times(roots: list[Path], steps: list[str], interactive: bool):
     system = []
     for _ in range(3):  # the system tab, re-rendered at most every 2 s on top of a refresh
         t0 = time.perf_counter()
-        with dash._lock:
-            dash._draw_system()
-            dash._show(dash.system_fig, dash.system_plot)
+        dash.redraw(["system"])
         system.append(time.perf_counter() - t0)
     dash.stop()
     return refresh, render, system

@@ -48,7 +48,7 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (2, 1, 2), (2, 2, 1), (2, 2, 2)]  # (world, fsd
 
 
 def memory(model_dir: str, cfg: dict, work: Path) -> float:
-    from mlora_lab.demo import task_rows, write_jsonl
+    from mlora_lab.lab.demo import task_rows, write_jsonl
     from mlora_lab.spec import JobSpec, Tenant
 
     tenants = [

@@ -47,7 +47,7 @@ threshold (up to 32 MiB) after the first large free, so freed activation buffers
 in RSS; with the threshold fixed, every block of >= 128 KiB is returned when freed and RSS follows the
 live tensors. The default-allocator figures are the goals' numbers; they move by +-15 % from run to run.
 
-To see the collated batches, the benchmark wraps ``mlora_lab.train.collate`` (the function the Trainer
+To see the collated batches, the benchmark wraps ``mlora_lab.job.engine.collate`` (the function the engine
 collates with) with a recorder; nothing else of the library is changed. Nothing is downloaded and nothing
 is left behind but the converted model in the mlora_lab cache.
 """
@@ -157,7 +157,7 @@ def touch_weights(model) -> None:
 def record_batches() -> list[dict]:
     """Wrap the Trainer's ``collate`` so that every collated batch's shape and real tokens are recorded
     (appended to the returned list, tagged with ``record_batches.label``)."""
-    import mlora_lab.train as train_module
+    import mlora_lab.job.engine as train_module
 
     log: list[dict] = []
     collate = train_module.collate
@@ -192,7 +192,7 @@ def job_spec(p: dict, **overrides):
 
 
 def new_trainer(spec):
-    from mlora_lab.train import Trainer
+    from mlora_lab.job.trainer import Trainer
 
     trainer = Trainer(spec, run_dir=None)
     touch_weights(trainer.model)
@@ -313,7 +313,7 @@ def head_cost(trainer, n: int) -> dict:
     from mlora_lab.memory import causal_lm_token_loss, chunk_tokens_for, output_layer, token_loss
 
     head = output_layer(trainer.model.model)
-    vocab = trainer.vocab_rows
+    vocab = trainer.engine.vocab_rows
     g = torch.Generator().manual_seed(0)
     h = torch.randn(1, n + 1, head.in_features, generator=g, requires_grad=True)
     labels = torch.randint(0, vocab, (1, n + 1), generator=g)
@@ -379,7 +379,7 @@ def worker(payload: str) -> None:
     # every worker imports the same modules before its "RSS imports" (mlora_lab.lora imports peft anyway)
     import peft  # noqa: F401
 
-    import mlora_lab.train  # noqa: F401
+    import mlora_lab.job.engine  # noqa: F401
 
     common.report_to_parent(WORKERS[p["kind"]](p))
 

@@ -59,8 +59,8 @@ def tensor_bytes(t) -> int:
 def build_trainer(model_dir: str, data: list[str], seq: int, total_rows: int, max_tenants: int = MAX_TENANTS):
     """A job of ``len(data)`` rank-8 tenants sharing ``total_rows`` rows per step (``max_tenants`` slots,
     max_rank 16)."""
+    from mlora_lab.job.trainer import Trainer
     from mlora_lab.spec import JobSpec, Tenant
-    from mlora_lab.train import Trainer
 
     k = len(data)
     tenants = [

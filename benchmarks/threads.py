@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/threads.py            # ~4 min on 2 cores
     .venv/bin/python benchmarks/threads.py --quick    # smoke test (~1 min; its numbers mean nothing)
 
-``mlora_lab.launch`` sets ``OMP_NUM_THREADS`` for the job's processes; this measures which value to set.
+``mlora_lab.lab.launcher`` sets ``OMP_NUM_THREADS`` for the job's processes; this measures which value to set.
 Every case is the same small job (a Llama-style model, 2 tenants, the same global batch per step)
 started the way ``ml.launch`` starts it: ``torchrun`` on the loopback rendezvous, ``OMP_NUM_THREADS`` in
 the environment and nothing else (the worker does not call ``torch.set_num_threads``; it reports the
@@ -51,9 +51,9 @@ def worker(job: str, out: str, steps: int, budget: float) -> None:
     import torch
     import transformers
 
+    from mlora_lab.job.trainer import Trainer
     from mlora_lab.parallel import init_distributed, shutdown_distributed
     from mlora_lab.spec import JobSpec
-    from mlora_lab.train import Trainer
 
     transformers.utils.logging.set_verbosity_error()
     dist = init_distributed()
@@ -79,7 +79,7 @@ def worker(job: str, out: str, steps: int, budget: float) -> None:
 
 
 def build_job(work: Path, quick: bool) -> Path:
-    from mlora_lab.demo import task_rows, write_jsonl
+    from mlora_lab.lab.demo import task_rows, write_jsonl
     from mlora_lab.spec import JobSpec, Tenant
     from mlora_lab.tiny import build_tiny_model
 

@@ -19,10 +19,11 @@ RUN_DIR="${1:?usage: RDZV_ENDPOINT=host:port launchers/multinode.sh RUN_DIR [--r
 shift
 PY="${PYTHON:-python}"
 ENDPOINT="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the rendezvous}"
-read -r JOB_NNODES JOB_NPROC < <("$PY" -c 'import sys; from mlora_lab.spec import JobSpec
-p = JobSpec.load(sys.argv[1] + "/job.json").parallel; print(p.nnodes, p.nproc)' "$RUN_DIR")
+read -r JOB_NNODES JOB_NPROC JOB_MODULE < <("$PY" -c 'import sys; from mlora_lab.spec import JobSpec
+from mlora_lab.rundir.status import JOB_MODULE
+p = JobSpec.load(sys.argv[1] + "/job.json").parallel; print(p.nnodes, p.nproc, JOB_MODULE)' "$RUN_DIR")
 exec "$PY" -m torch.distributed.run \
   --nnodes "${NNODES:-$JOB_NNODES}" --nproc-per-node "${NPROC_PER_NODE:-$JOB_NPROC}" \
   --rdzv-backend c10d --rdzv-endpoint "$ENDPOINT" --rdzv-id "${RDZV_ID:-$(basename "$RUN_DIR")}" \
   --max-restarts 0 \
-  -m mlora_lab.train "$RUN_DIR" "$@"
+  -m "$JOB_MODULE" "$RUN_DIR" "$@"

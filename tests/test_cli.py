@@ -19,7 +19,7 @@ import pytest
 import transformers
 
 import mlora_lab as ml
-from mlora_lab.cli import follow
+from mlora_lab.lab.cli import follow
 from mlora_lab.rundir import (
     EventKind,
     EventRow,
@@ -31,13 +31,14 @@ from mlora_lab.rundir import (
     read_status,
     update_status,
 )
+from mlora_lab.rundir.status import JOB_MODULE
 
 slow = pytest.mark.slow  # every test that starts a job
 
 
 def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "mlora_lab.cli", *args],
+        [sys.executable, "-m", "mlora_lab.lab.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -51,13 +52,32 @@ def job_json(tmp_path: Path, base: str, make_data, **overrides) -> Path:
     job = {
         "base_model": base,
         "tenants": [
-            {"name": "alice", "data": "alice.jsonl", "rank": 4, "target_modules": ["q_proj", "v_proj"],
-             "lr": 0.005, "max_steps": 6, "batch_size": 2},
-            {"name": "bob", "data": "bob.jsonl", "rank": 8, "alpha": 8, "target_modules": ["o_proj", "down_proj"],
-             "lr": 0.001, "max_steps": 4, "batch_size": 3, "grad_accum": 2},
+            {
+                "name": "alice",
+                "data": "alice.jsonl",
+                "rank": 4,
+                "target_modules": ["q_proj", "v_proj"],
+                "lr": 0.005,
+                "max_steps": 6,
+                "batch_size": 2,
+            },
+            {
+                "name": "bob",
+                "data": "bob.jsonl",
+                "rank": 8,
+                "alpha": 8,
+                "target_modules": ["o_proj", "down_proj"],
+                "lr": 0.001,
+                "max_steps": 4,
+                "batch_size": 3,
+                "grad_accum": 2,
+            },
         ],
-        "seq_len": 64, "max_tenants": 4, "max_rank": 16, "save_every": 3,
-    }  # fmt: skip
+        "seq_len": 64,
+        "max_tenants": 4,
+        "max_rank": 16,
+        "save_every": 3,
+    }
     job.update(overrides)
     path = tmp_path / "job.json"
     path.write_text(json.dumps(job))
@@ -192,7 +212,7 @@ def test_killed_rank_marks_run_failed(tmp_path, llama_path, make_data):
     run = ml.launch(long_spec(tmp_path, llama_path, make_data))
     wait_for_training(run)
     launcher = psutil.Process(read_status(run.path).pid)
-    workers = [p for p in launcher.children(recursive=True) if "mlora_lab.train" in " ".join(p.cmdline())]
+    workers = [p for p in launcher.children(recursive=True) if JOB_MODULE in " ".join(p.cmdline())]
     assert workers, "the trainer runs as a child of torchrun"
     os.kill(workers[0].pid, 9)
     assert run.wait(timeout=60) == "failed"
@@ -236,8 +256,17 @@ def train_like_a_job(run: ml.Run, pause: float = 0.0) -> None:
     for name in ("a", "b"):
         writer.write(TenantRow(step=0, tenant=name, state=TenantState.RUNNING))
     for step in range(1, 101):
-        writer.write(TrainRow(step=step, tenant="a", tenant_step=step, loss=2.0 - step / 100, tokens=9, lr=0.1,
-                              grad_norm=1.0))  # fmt: skip
+        writer.write(
+            TrainRow(
+                step=step,
+                tenant="a",
+                tenant_step=step,
+                loss=2.0 - step / 100,
+                tokens=9,
+                lr=0.1,
+                grad_norm=1.0,
+            )
+        )
         if step < 25:
             writer.write(
                 TrainRow(step=step, tenant="b", tenant_step=step, loss=3.0, tokens=9, lr=0.1, grad_norm=1.0)

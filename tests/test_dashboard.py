@@ -16,10 +16,11 @@ import pytest
 from matplotlib.backend_bases import MouseEvent
 
 import mlora_lab as ml
-from mlora_lab import plotting
-from mlora_lab.dashboard import Dashboard
-from mlora_lab.launch import Run
-from mlora_lab.plotting import PALETTE, Colours, Ema, ema, gap_breaks, series_key, thin, thin_with_breaks
+from mlora_lab.lab import plotting
+from mlora_lab.lab.dashboard import Dashboard
+from mlora_lab.lab.plotting import PALETTE, Colours, Ema, ema, series_key, thin, thin_with_breaks
+from mlora_lab.lab.run import Run
+from mlora_lab.lab.series import gap_breaks
 from mlora_lab.rundir import (
     EvalRow,
     EventKind,
@@ -62,20 +63,38 @@ def steps(tenants, first: int, last: int, t0: float = T0, dt: float = 1.0, loss=
     """Train rows for steps first..last of each tenant, one logged step per ``dt`` seconds."""
     loss = loss or (lambda s, i: 3.0 / (1 + 0.05 * s) + 0.01 * i)
     return [
-        TrainRow(step=s, tenant=t, tenant_step=s, loss=loss(s, i), tokens=100, lr=1e-3, grad_norm=1.0,
-                 time=t0 + s * dt, **extra)
-        for s in range(first, last + 1) for i, t in enumerate(tenants)
-    ]  # fmt: skip
+        TrainRow(
+            step=s,
+            tenant=t,
+            tenant_step=s,
+            loss=loss(s, i),
+            tokens=100,
+            lr=1e-3,
+            grad_norm=1.0,
+            time=t0 + s * dt,
+            **extra,
+        )
+        for s in range(first, last + 1)
+        for i, t in enumerate(tenants)
+    ]
 
 
 def system(
     first: int, last: int, t0: float = T0, dt: float = 1.0, rank: int = 0, mib: float = 1000.0, **extra
 ):
     return [
-        SystemRow(step=s, rank=rank, mem_bytes=int((mib + (s % 3) * 0.01 * mib) * 2**20), peak_mem_bytes=0,
-                  step_time=0.1, tokens_per_s=1000.0, time=t0 + s * dt, **extra)
+        SystemRow(
+            step=s,
+            rank=rank,
+            mem_bytes=int((mib + (s % 3) * 0.01 * mib) * 2**20),
+            peak_mem_bytes=0,
+            step_time=0.1,
+            tokens_per_s=1000.0,
+            time=t0 + s * dt,
+            **extra,
+        )
         for s in range(first, last + 1)
-    ]  # fmt: skip
+    ]
 
 
 def dash_of(*roots: Path, **kw) -> Dashboard:
@@ -181,14 +200,18 @@ def test_robust_limits_ignore_a_spike():
 
 def test_after_stop_tenants_read_stopped_not_running(tmp_path):
     run = make_run(tmp_path / "r")
-    write(run, TenantRow(step=0, tenant="a", state="running"), TenantRow(step=0, tenant="b", state="running"),
-          *steps(["a", "b"], 1, 5))  # fmt: skip
+    write(
+        run,
+        TenantRow(step=0, tenant="a", state="running"),
+        TenantRow(step=0, tenant="b", state="running"),
+        *steps(["a", "b"], 1, 5),
+    )
     dash = dash_of(run.root)
-    assert all("running" in r.info.value for r in dash._progress_rows.values())
+    assert all("running" in r.info.value for r in dash.progress_rows.values())
     update_status(run.root, state="stopped", ended=time.time())
     dash.refresh()
     assert "<b>stopped</b>" in dash.status.value
-    infos = [r.info.value for r in dash._progress_rows.values()]
+    infos = [r.info.value for r in dash.progress_rows.values()]
     assert all("stopped" in i and "running" not in i for i in infos), infos
     assert dash.stop_button.disabled and dash.stop_button.description == "stopped"
 
@@ -196,23 +219,26 @@ def test_after_stop_tenants_read_stopped_not_running(tmp_path):
 def test_a_quarantined_tenant_keeps_a_finished_run_from_looking_green(tmp_path):
     run = make_run(tmp_path / "r", state="finished")
     long_reason = "loss became NaN at step 3 (grad norm inf); quarantined " + "x" * 400
-    write(run, *steps(["a", "b"], 1, 3),
-          TenantRow(step=3, tenant="b", state="failed", reason=long_reason),
-          TenantRow(step=3, tenant="a", state="finished"))  # fmt: skip
+    write(
+        run,
+        *steps(["a", "b"], 1, 3),
+        TenantRow(step=3, tenant="b", state="failed", reason=long_reason),
+        TenantRow(step=3, tenant="a", state="finished"),
+    )
     dash = dash_of(run.root)
     assert "finished · 1 tenant failed" in dash.status.value
     assert plotting_green() not in dash.status.value
-    row = dash._progress_rows[("r", "b")]
+    row = dash.progress_rows[("r", "b")]
     # the reason has its own line, cut to one line with the whole text in its tooltip; the bar keeps its width
     assert row.reason.layout.display != "none" and long_reason in row.reason.value
     assert "text-overflow:ellipsis" in row.reason.value and f"title='{long_reason}'" in row.reason.value
     assert row.bar.layout.width == row.bar.layout.min_width == "200px"
     assert long_reason not in row.info.value
-    assert dash._progress_rows[("r", "a")].reason.layout.display == "none"
+    assert dash.progress_rows[("r", "a")].reason.layout.display == "none"
 
 
 def plotting_green() -> str:
-    from mlora_lab.dashboard import GREEN
+    from mlora_lab.lab.dashboard.figures import GREEN
 
     return GREEN
 
@@ -221,7 +247,7 @@ def test_a_tenant_with_one_point_is_drawn_as_a_dot(tmp_path):
     run = make_run(tmp_path / "r")
     write(run, *steps(["a"], 1, 1), *steps(["b"], 1, 200))
     dash = dash_of(run.root)
-    lines = dash._panels[dash._loss_ax].lines
+    lines = dash.loss.lines
     assert (
         lines[(("r", "a"), "main")].get_marker() == "o" and len(lines[(("r", "a"), "main")].get_xdata()) == 1
     )
@@ -233,10 +259,13 @@ def test_a_tenant_with_one_point_is_drawn_as_a_dot(tmp_path):
 
 def test_tenant_memory_bars_are_the_latest_rows_adapter_plus_optimiser(tmp_path):
     run = make_run(tmp_path / "r")
-    write(run, TenantRow(step=0, tenant="a", state="running", adapter_bytes=2 * 2**20),
-          TenantRow(step=0, tenant="b", state="running", adapter_bytes=2**20))  # fmt: skip
+    write(
+        run,
+        TenantRow(step=0, tenant="a", state="running", adapter_bytes=2 * 2**20),
+        TenantRow(step=0, tenant="b", state="running", adapter_bytes=2**20),
+    )
     dash = dash_of(run.root)
-    adapter, optim = dash._bar_artists
+    adapter, optim = dash.system.bars
     assert [b.get_width() for b in adapter] == [2.0, 1.0] and [b.get_width() for b in optim] == [0.0, 0.0]
     # the trainer writes a second row once the tenant's AdamW state exists
     write(
@@ -244,8 +273,8 @@ def test_tenant_memory_bars_are_the_latest_rows_adapter_plus_optimiser(tmp_path)
         TenantRow(step=1, tenant="a", state="running", adapter_bytes=2 * 2**20, optimizer_bytes=4 * 2**20),
     )
     dash.refresh()
-    dash._draw_system()
-    adapter, optim = dash._bar_artists
+    dash.redraw(["system"])
+    adapter, optim = dash.system.bars
     assert [b.get_width() for b in adapter] == [2.0, 1.0] and [b.get_width() for b in optim] == [4.0, 0.0]
     assert optim[0].get_x() == 2.0  # stacked: optimiser after adapter
 
@@ -253,11 +282,16 @@ def test_tenant_memory_bars_are_the_latest_rows_adapter_plus_optimiser(tmp_path)
 def test_memory_axis_starts_at_zero_and_breaks_across_a_stop_and_resume(tmp_path):
     run = make_run(tmp_path / "r")
     resumed_at = T0 + 1000.5
-    write(run, *steps(["a"], 1, 30), *system(1, 30),
-          EventRow(step=30, event=EventKind.RESUMED, message="from step_30", time=resumed_at),
-          *steps(["a"], 31, 60, t0=T0 + 1000 - 30), *system(31, 60, t0=T0 + 1000 - 30))  # fmt: skip
+    write(
+        run,
+        *steps(["a"], 1, 30),
+        *system(1, 30),
+        EventRow(step=30, event=EventKind.RESUMED, message="from step_30", time=resumed_at),
+        *steps(["a"], 31, 60, t0=T0 + 1000 - 30),
+        *system(31, 60, t0=T0 + 1000 - 30),
+    )
     dash = dash_of(run.root)
-    ax = dash._mem_ax
+    ax = dash.system.mem_ax
     assert ax.get_ylim()[0] == 0, "1 % jitter must not fill the axis"
     assert "range 1,000–1,020" in ax.get_title()
     (line,) = [ln for ln in ax.get_lines() if ln.get_visible()]
@@ -265,7 +299,7 @@ def test_memory_axis_starts_at_zero_and_breaks_across_a_stop_and_resume(tmp_path
     assert np.isnan(y).sum() == 1, "one break, at the resume: no diagonal across the gap"
     # the loss against time breaks there too; against steps it is continuous
     dash.x_axis.value = "relative time"
-    main = dash._panels[dash._loss_ax].lines[(("r", "a"), "main")]
+    main = dash.loss.lines[(("r", "a"), "main")]
     assert np.isnan(np.asarray(main.get_ydata(), dtype=float)).sum() == 1
     dash.x_axis.value = "tenant step"
     assert not np.isnan(np.asarray(main.get_ydata(), dtype=float)).any()
@@ -275,15 +309,15 @@ def test_utilisation_is_drawn_when_logged_and_says_not_logged_otherwise(tmp_path
     run = make_run(tmp_path / "r")
     write(run, *steps(["a"], 1, 5), *system(1, 5))
     dash = dash_of(run.root)
-    text = dash._util_ax._lab_placeholder
+    text = dash.system.util_ax._lab_placeholder
     assert text.get_visible() and "not logged" in text.get_text()
     write(run, *system(6, 9, cpu_percent=180.0, gpu_util=None), *system(6, 9, rank=1, cpu_percent=90.0))
     dash.refresh()
-    dash._draw_system()
-    assert not dash._util_ax._lab_placeholder.get_visible()
-    drawn = {k for k, ln in dash._panels[dash._util_ax].lines.items() if ln.get_visible()}
+    dash.redraw(["system"])
+    assert not dash.system.util_ax._lab_placeholder.get_visible()
+    drawn = {k for k, ln in dash.system.sets[dash.system.util_ax].lines.items() if ln.get_visible()}
     assert drawn == {("r", 0, "cpu_percent"), ("r", 1, "cpu_percent")}
-    assert dash._util_ax.get_ylim() == (0.0, pytest.approx(180 * 1.08))
+    assert dash.system.util_ax.get_ylim() == (0.0, pytest.approx(180 * 1.08))
 
 
 # -- axes (defects 5, 7, 8) --------------------------------------------------------------------------
@@ -292,7 +326,7 @@ def test_utilisation_is_drawn_when_logged_and_says_not_logged_otherwise(tmp_path
 def test_empty_axes_wait_for_the_first_step_without_ticks(tmp_path):
     run = make_run(tmp_path / "r")
     dash = dash_of(run.root)
-    ax = dash._loss_ax
+    ax = dash.loss.ax
     assert not ax.axison and ax._lab_placeholder.get_visible()
     assert "waiting for the first step" in ax._lab_placeholder.get_text()
     write(run, *steps(["a"], 1, 3))
@@ -304,7 +338,7 @@ def test_log_y_in_the_dashboard_has_ticks_and_grid(tmp_path):
     run = make_run(tmp_path / "r")
     write(run, *steps(["a", "b"], 1, 60))
     dash = dash_of(run.root, logy=True)
-    ax = dash._loss_ax
+    ax = dash.loss.ax
     dash.loss_fig.canvas.draw()
     lo, hi = ax.get_ylim()
     labels = [t.get_text() for t in ax.get_yticklabels() if lo <= t.get_position()[1] <= hi and t.get_text()]
@@ -334,19 +368,37 @@ def test_x_axis_choices(tmp_path):
         r.step += 100  # global steps differ from the tenant's own
     write(run, *rows)
     dash = dash_of(run.root, smoothing=0.0)
-    line = dash._panels[dash._loss_ax].lines[(("r", "a"), "main")]
+    line = dash.loss.lines[(("r", "a"), "main")]
     expected = {
-        "tenant step": np.arange(1, 11), "global step": np.arange(101, 111), "tokens": np.arange(1, 11) * 100,
-        "relative time": np.arange(0, 20, 2), "wall time": (T0 + np.arange(1, 11) * 2) / 86400,
-    }  # fmt: skip
+        "tenant step": np.arange(1, 11),
+        "global step": np.arange(101, 111),
+        "tokens": np.arange(1, 11) * 100,
+        "relative time": np.arange(0, 20, 2),
+        "wall time": (T0 + np.arange(1, 11) * 2) / 86400,
+    }
     for x, values in expected.items():
         dash.x_axis.value = x
         np.testing.assert_allclose(line.get_xdata(), values)
-        assert dash._loss_ax.get_xlabel() == plotting.X_LABELS[x]
+        assert dash.loss.ax.get_xlabel() == plotting.X_LABELS[x]
     # a job that logs cumulative tokens_seen: exact even when log_every skips steps
     run2 = make_run(tmp_path / "r2")
-    write(run2, *[TrainRow(step=s, tenant="a", tenant_step=s, loss=1.0, tokens=100, lr=1e-3, grad_norm=1.0,
-                           time=T0 + s, tokens_seen=s * 300) for s in (3, 6, 9)])  # fmt: skip
+    write(
+        run2,
+        *[
+            TrainRow(
+                step=s,
+                tenant="a",
+                tenant_step=s,
+                loss=1.0,
+                tokens=100,
+                lr=1e-3,
+                grad_norm=1.0,
+                time=T0 + s,
+                tokens_seen=s * 300,
+            )
+            for s in (3, 6, 9)
+        ],
+    )
     assert dash_of(run2.root).feeds["r2"].xy("a", "loss", "tokens")[0].tolist() == [900, 1800, 2700]
 
 
@@ -354,13 +406,13 @@ def test_smoothing_keeps_the_raw_data_and_outliers_can_be_ignored(tmp_path):
     run = make_run(tmp_path / "r")
     write(run, *steps(["a"], 1, 200, loss=lambda s, i: 1000.0 if s == 100 else 2.0 - s / 200))
     dash = dash_of(run.root, smoothing=0.8)
-    lines = dash._panels[dash._loss_ax].lines
+    lines = dash.loss.lines
     raw, main = lines[(("r", "a"), "raw")], lines[(("r", "a"), "main")]
     assert raw.get_visible() and raw.get_alpha() < 0.5 and max(raw.get_ydata()) == 1000.0
     assert max(main.get_ydata()) < 1000.0
-    assert dash._loss_ax.get_ylim()[1] > 1000
+    assert dash.loss.ax.get_ylim()[1] > 1000
     dash.outliers.value = True
-    assert dash._loss_ax.get_ylim()[1] < 10, "the spike no longer sets the scale"
+    assert dash.loss.ax.get_ylim()[1] < 10, "the spike no longer sets the scale"
     assert raw.get_visible()
     dash.smoothing.value = 0.0
     assert not raw.get_visible() and max(main.get_ydata()) == 1000.0  # unsmoothed: the one line is the data
@@ -381,39 +433,39 @@ def test_a_workdir_view_lists_sorts_filters_and_overlays_runs(tmp_path):
     update_labels(r1.root, add=["baseline"], note="first try")
     dash = Dashboard(work, interactive=False)
     dash.refresh()
-    assert dash.runs_box.layout.display != "none"
+    assert dash.table.box.layout.display != "none"
     assert dash.chosen == [r2.root.name], "the live run is shown first"
     rows = [
-        row.name for row in (dash._run_rows[n] for n in dash.feeds) if row.box in dash._table_rows.children
+        row.name for row in (dash.table.rows[n] for n in dash.feeds) if row.box in dash.table.body.children
     ]
     assert len(rows) == 3
-    cells = dash._run_rows[r1.root.name].cells.value
+    cells = dash.table.rows[r1.root.name].cells.value
     assert "baseline" in cells and ">30<" in cells and ">1.2000<" in cells  # tags, steps, best loss
-    dash.run_filter.value = "baseline"
-    assert dash._table_rows.children == (dash._run_rows[r1.root.name].box,)
-    dash.run_filter.value = "z"  # a tenant name
-    assert dash._table_rows.children == (dash._run_rows[r3.root.name].box,)
-    dash.run_filter.value = ""
-    dash.state_filter.value = "finished"
-    assert dash._table_rows.children == (dash._run_rows[r1.root.name].box,)
-    dash.state_filter.value = "any state"
-    dash.sort_by.value = "steps"
-    assert dash._table_rows.children[0] is dash._run_rows[r1.root.name].box  # most steps first
-    dash.sort_desc.value = False
-    assert dash._table_rows.children[-1] is dash._run_rows[r1.root.name].box
+    dash.table.filter.value = "baseline"
+    assert dash.table.body.children == (dash.table.rows[r1.root.name].box,)
+    dash.table.filter.value = "z"  # a tenant name
+    assert dash.table.body.children == (dash.table.rows[r3.root.name].box,)
+    dash.table.filter.value = ""
+    dash.table.state_filter.value = "finished"
+    assert dash.table.body.children == (dash.table.rows[r1.root.name].box,)
+    dash.table.state_filter.value = "any state"
+    dash.table.sort_by.value = "steps"
+    assert dash.table.body.children[0] is dash.table.rows[r1.root.name].box  # most steps first
+    dash.table.sort_desc.value = False
+    assert dash.table.body.children[-1] is dash.table.rows[r1.root.name].box
     # tick a second run: both overlay, labelled "run / tenant", one colour per (run, tenant)
-    dash._run_rows[r1.root.name].check.value = True
+    dash.table.rows[r1.root.name].check.value = True
     assert set(dash.chosen) == {r1.root.name, r2.root.name}
     labels = [label for label, _ in dash.tenants.options]
     assert f"{r1.root.name} / a" in labels and f"{r2.root.name} / a" in labels
     visible = [
-        ln for ln in dash._loss_ax.get_lines() if ln.get_visible() and ln.get_label() not in ("_raw", "_eval")
+        ln for ln in dash.loss.ax.get_lines() if ln.get_visible() and ln.get_label() not in ("_raw", "_eval")
     ]
     assert len(visible) == 4 and len({ln.get_color() for ln in visible}) == 4
-    assert f"{r2.root.name} / c" in dash.legend.value
+    assert f"{r2.root.name} / c" in dash.loss.legend.value
     # a new run launched into the workdir appears at the next look
     make_run(work / "20260104-000000-dddddd", tenants=("n",))
-    dash._rescanned = 0
+    dash.model._rescanned = 0
     dash.refresh()
     assert "20260104-000000-dddddd" in dash.feeds
 
@@ -479,7 +531,7 @@ def test_compare_log_axis_smoothing_and_png(tmp_path):
     assert "image/png" in data and metadata["image/png"] == {"width": 640, "height": 360}  # shown at 1x ...
     assert png_size(data["image/png"]) == (1280, 720)  # ... rendered at 2x
     path = tmp_path / "losses.svg"
-    from mlora_lab.report import plot_losses
+    from mlora_lab.lab.report import plot_losses
 
     plot_losses(run.root, path)
     assert path.read_text().lstrip().startswith("<?xml")
@@ -496,16 +548,16 @@ def test_log_tail_per_rank_highlights_errors(tmp_path):
     (run.logs / "rank1.log").write_text("ok\nTraceback (most recent call last):\nRuntimeError: boom\n")
     dash = dash_of(run.root)
     dash.tabs.selected_index = 2
-    assert [label for label, _ in dash.log_rank.options] == ["rank 0", "rank 1"]
-    shown = dash.log_view.value
+    assert [label for label, _ in dash.logs.source.options] == ["rank 0", "rank 1"]
+    shown = dash.logs.view.value
     assert "step 99" in shown and "step 59" not in shown and "step 60" in shown  # the last 40 lines
-    dash.log_rank.value = str(run.logs / "rank1.log")
-    assert "font-weight:bold'>RuntimeError: boom" in dash.log_view.value
-    assert "font-weight:bold'>ok" not in dash.log_view.value
+    dash.logs.source.value = str(run.logs / "rank1.log")
+    assert "font-weight:bold'>RuntimeError: boom" in dash.logs.view.value
+    assert "font-weight:bold'>ok" not in dash.logs.view.value
     with open(run.logs / "rank1.log", "a") as f:
         f.write("later line\n")
     dash.refresh()
-    assert "later line" in dash.log_view.value
+    assert "later line" in dash.logs.view.value
 
 
 def test_export_writes_figures_and_the_shown_tenants_metrics(tmp_path):
@@ -513,14 +565,14 @@ def test_export_writes_figures_and_the_shown_tenants_metrics(tmp_path):
     write(run, *steps(["a", "b"], 1, 10), *system(1, 10))
     dash = dash_of(run.root)
     dash.tenants.value = [("r", "a")]
-    assert dash.export_dir.value == str(run.root / "exports")
-    dash.export_figures_button.click()
+    assert dash.exporter.folder.value == str(run.root / "exports")
+    dash.exporter.figures_button.click()
     files = sorted(p.name for p in (run.root / "exports").iterdir())
     assert len(files) == 6 and all(n.endswith(("png", "svg")) for n in files)
-    assert "wrote 6 files" in dash.export_message.value and files[0] in dash.export_message.value
+    assert "wrote 6 files" in dash.exporter.message.value and files[0] in dash.exporter.message.value
     png = next((run.root / "exports").glob("*-loss.png")).read_bytes()
     assert png_size(png) == (1440, 576)
-    dash.export_csv_button.click()
+    dash.exporter.csv_button.click()
     (csv,) = (run.root / "exports").glob("*-metrics.csv")
     import pandas as pd
 
@@ -531,7 +583,49 @@ def test_export_writes_figures_and_the_shown_tenants_metrics(tmp_path):
     )
     # several runs: next to them
     other = make_run(tmp_path / "s")
-    assert dash_of(run.root, other.root).export_dir.value == str(tmp_path / "exports")
+    assert dash_of(run.root, other.root).exporter.folder.value == str(tmp_path / "exports")
+
+
+# -- the model: what a view shows, without a widget ------------------------------------------------------
+
+MODEL_WITHOUT_WIDGETS = """
+import sys, time
+from mlora_lab.lab.dashboard.model import Unreadable, ViewModel
+from mlora_lab.rundir import RunState, TenantState
+
+work = sys.argv[1]
+model = ViewModel.of(work)
+assert model.poll()
+live, done, broken = (model.runs[n] for n in ("live", "done", "broken"))
+assert (live.state, done.state, broken.state) == (RunState.RUNNING, RunState.STOPPED, Unreadable.BROKEN)
+assert model.live(list(model.runs)) == ["broken", "live"] and model.going  # an unreadable run may still go
+assert live.tenant_state("a") is TenantState.RUNNING and done.tenant_state("a") is RunState.STOPPED
+assert live.eta() is not None and 35 <= live.eta() <= 45 and done.eta() is None  # 40 steps left at 1 step/s
+assert model.keys(["live"]) == [("live", "a")] and list(model.metrics([("live", "a")])["step"]) == list(range(1, 11))
+assert not model.poll(), "nothing new"
+assert "ipywidgets" not in sys.modules
+print("model ok")
+"""
+
+
+def test_the_view_model_needs_no_widget(tmp_path):
+    """What a dashboard shows (states, an unreadable run, tenants' states once their run ended, ETAs,
+    the metrics it exports) comes from a model that imports no ipywidgets (checked in a fresh process)."""
+    import subprocess
+    import sys
+
+    work = tmp_path / "runs"
+    live, done, broken = (
+        make_run(work / n, tenants=("a",), max_steps=50) for n in ("live", "done", "broken")
+    )
+    write(live, *steps(["a"], 1, 10, t0=time.time() - 20))
+    write(done, TenantRow(step=0, tenant="a", state="running"), *steps(["a"], 1, 3))
+    update_status(done.root, state="stopped")
+    broken.status.write_text("{half")
+    out = subprocess.run(
+        [sys.executable, "-c", MODEL_WITHOUT_WIDGETS, str(work)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "model ok" in out.stdout, out.stdout + out.stderr
 
 
 # -- live refresh, interactive figures, display -------------------------------------------------------------
@@ -542,7 +636,7 @@ def test_refreshes_in_the_background_until_the_run_ends(tmp_path):
     write(run, *steps(["a"], 1, 10, t0=time.time() - 20))
     dash = Dashboard(Run(run.root), interactive=False, refresh_s=0.05).start()
     assert dash.live
-    assert "ETA" in dash.status.value and "ETA 40 s" in dash._progress_rows[("r", "a")].info.value
+    assert "ETA" in dash.status.value and "ETA 40 s" in dash.progress_rows[("r", "a")].info.value
     write(run, *steps(["a"], 11, 20, t0=time.time() - 20))
     deadline = time.monotonic() + 10
     while dash.feeds["r"].tenants["a"].step < 20 and time.monotonic() < deadline:
@@ -575,14 +669,14 @@ def test_interactive_figures_zoom_pan_and_hover(tmp_path):
     dash = dash_of(run.root, interactive=None, smoothing=0.0)
     assert isinstance(dash.loss_plot, Canvas) and dash.loss_plot.toolbar is not None
     assert dash.follow_button.layout.display != "none"
-    ax = dash._loss_ax
+    ax = dash.loss.ax
     dash.loss_plot.draw()  # what the browser asks for (under the dashboard's lock)
     # hover: the point nearest the cursor, named
     px, py = ax.transData.transform((20, 3.0 / (1 + 0.05 * 20)))
     event = MouseEvent("motion_notify_event", dash.loss_plot, px + 2, py - 1)
     dash.loss_plot.callbacks.process("motion_notify_event", event)
     assert dash.readouts[dash.loss_fig].value.startswith("<b>a</b> · tenant step 20 · 1.5")
-    assert dash._highlights[ax].get_visible()
+    assert dash.hover.highlights[ax].get_visible()
     far = MouseEvent("motion_notify_event", dash.loss_plot, 1, 1)
     dash.loss_plot.callbacks.process("motion_notify_event", far)
     assert dash.readouts[dash.loss_fig].value == ""
@@ -598,9 +692,9 @@ def test_interactive_figures_zoom_pan_and_hover(tmp_path):
 def test_without_ipympl_figures_are_images(tmp_path, monkeypatch):
     import ipywidgets as W
 
-    from mlora_lab import dashboard
+    from mlora_lab.lab.dashboard import board
 
-    monkeypatch.setattr(dashboard, "_ipympl_available", lambda: False)
+    monkeypatch.setattr(board, "ipympl_available", lambda: False)
     dash = Dashboard(Run(make_run(tmp_path / "r").root))
     assert isinstance(dash.loss_plot, W.Image) and dash.follow_button.layout.display == "none"
 
@@ -609,13 +703,13 @@ def test_display_carries_a_png_for_frontends_without_widgets(tmp_path):
     run = make_run(tmp_path / "r", state="finished")
     write(run, *steps(["a"], 1, 5))
     dash = Dashboard(run.root, interactive=True)
-    data, metadata = dash._bundle()
+    data, metadata = dash.bundle()
     assert "application/vnd.jupyter.widget-view+json" in data
     import base64
 
     assert png_size(base64.b64decode(data["image/png"])) == (1440, 576)
     assert metadata["image/png"] == {"width": 720, "height": 288}
-    assert dash._loss_ax.get_legend() is None, "the legend drawn for the picture is gone again"
+    assert dash.loss.ax.get_legend() is None, "the legend drawn for the picture is gone again"
 
 
 @pytest.mark.slow
@@ -627,8 +721,10 @@ def test_a_notebook_executed_headless_keeps_a_picture(tmp_path):
 
     run = make_run(tmp_path / "r", state="finished")
     write(run, *steps(["a", "b"], 1, 20))
-    nb = new_notebook(cells=[new_code_cell(f"import mlora_lab as ml\nml.Dashboard({str(run.root)!r}).start()")],
-                      metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})  # fmt: skip
+    nb = new_notebook(
+        cells=[new_code_cell(f"import mlora_lab as ml\nml.Dashboard({str(run.root)!r}).start()")],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+    )
     NotebookClient(nb, timeout=120, kernel_name="python3").execute()
     outputs = nb.cells[0].outputs
     assert not [o for o in outputs if o.output_type == "error"], outputs
@@ -669,7 +765,7 @@ def test_hyperparameters_next_to_results(tmp_path):
     """summary() has the best eval loss; hparams() puts every tenant at (setting, best eval loss), on a log
     axis for lr, only for the settings that differ, marks the best, and warns about tenants without
     eval rows; the parallel-coordinates view has an axis per setting plus the metric."""
-    from mlora_lab.report import hparams, summary
+    from mlora_lab.lab.report import hparams, summary
 
     lrs = {"a": 1e-4, "b": 1e-3, "c": 1e-2, "d": 3e-3}
     ranks = {"a": 4, "b": 8, "c": 16, "d": 8}

@@ -427,13 +427,38 @@ def reference_example(row: dict, tok, seq_len: int) -> tuple[list[int], list[int
                 spans.append((start, end))
         enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
-        labels = [t if e > s and any(a <= s and e <= b for a, b in spans) else IGNORE_INDEX
-                  for t, (s, e) in zip(ids, enc["offset_mapping"])]  # fmt: skip
+        labels = [
+            t if e > s and any(a <= s and e <= b for a, b in spans) else IGNORE_INDEX
+            for t, (s, e) in zip(ids, enc["offset_mapping"])
+        ]
     return ids[:seq_len], labels[:seq_len], len(ids) > seq_len
 
 
-PIECES = ["hello", "world", "the", "model", "tenant", "é", "naïve", "中文字符", "😀", "👩\u200d👩\u200d👧", "ß",
-          "e\u0301", "\u200b", "ﬁ", "</s>", "<s>", "<|user|>", "123456789", "!!!???", "\t", "\n\n", "\r\n", "'s"]  # fmt: skip
+PIECES = [
+    "hello",
+    "world",
+    "the",
+    "model",
+    "tenant",
+    "é",
+    "naïve",
+    "中文字符",
+    "😀",
+    "👩\u200d👩\u200d👧",
+    "ß",
+    "e\u0301",
+    "\u200b",
+    "ﬁ",
+    "</s>",
+    "<s>",
+    "<|user|>",
+    "123456789",
+    "!!!???",
+    "\t",
+    "\n\n",
+    "\r\n",
+    "'s",
+]
 
 
 def random_text(rng: random.Random, n_chars: int) -> str:
@@ -457,8 +482,10 @@ def random_row(rng: random.Random, kind: str, n_chars: int) -> dict:
         return {"prompt": random_text(rng, k), "completion": random_text(rng, n_chars - k + 1)}
     turns = []
     for _ in range(rng.randint(1, 4)):
-        turns += [{"role": "user", "content": random_text(rng, rng.randint(1, n_chars // 4 + 1))},
-                  {"role": "assistant", "content": random_text(rng, rng.randint(1, n_chars // 4 + 1))}]  # fmt: skip
+        turns += [
+            {"role": "user", "content": random_text(rng, rng.randint(1, n_chars // 4 + 1))},
+            {"role": "assistant", "content": random_text(rng, rng.randint(1, n_chars // 4 + 1))},
+        ]
     return {"messages": turns}
 
 

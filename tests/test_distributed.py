@@ -17,11 +17,11 @@ import transformers
 from conftest import task_rows, write_jsonl
 
 import mlora_lab as ml
-from mlora_lab.launch import prepare_run
+from mlora_lab.job.trainer import Trainer
+from mlora_lab.lab.launcher import prepare_run
 from mlora_lab.lora import read_adapter
 from mlora_lab.rundir import read_status
 from mlora_lab.tiny import EXPERT_TARGETS, TYPICAL_TARGETS
-from mlora_lab.train import Trainer
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +207,7 @@ def test_resume_in_process_equals_uninterrupted(arch, tiny_models, make_data, tm
     first = Trainer(job(base, tenants, tmp_path / "cut"), run_dir=tmp_path / "cut")
     for _ in range(3):
         first.step()
-    assert first.tenants["b"].micro == 1
+    assert first.tenants["b"].feed.micro == 1
     first.save_checkpoint()
     first.close()
     # a checkpoint cut off mid-write is never used: neither a temporary dir nor one without meta.json
@@ -215,7 +215,7 @@ def test_resume_in_process_equals_uninterrupted(arch, tiny_models, make_data, tm
     (tmp_path / "cut" / "checkpoints" / "step_00000008").mkdir()
     (tmp_path / "cut" / "checkpoints" / "step_00000008" / "state.pt").write_bytes(b"partial")
     again = Trainer(job(base, tenants, tmp_path / "cut"), run_dir=tmp_path / "cut", resume=True)
-    assert again.global_step == 3 and again.tenants["b"].micro == 1
+    assert again.global_step == 3 and again.tenants["b"].feed.micro == 1
     again.train()
     for t in tenants:
         assert again.losses(t.name)[-1] == straight.losses(t.name)[-1]
@@ -320,7 +320,7 @@ def test_two_nodes_on_loopback_equal_one_node(llama_path, make_data, tmp_path):
 
 def test_demo_with_two_processes(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "mlora_lab.cli", "demo", "--workdir", str(tmp_path), "--steps", "6", "--nproc", "2"],
+        [sys.executable, "-m", "mlora_lab.lab.cli", "demo", "--workdir", str(tmp_path), "--steps", "6", "--nproc", "2"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -15,11 +15,11 @@ import torch
 import transformers
 
 from mlora_lab.data import load_examples
+from mlora_lab.job.trainer import Trainer
 from mlora_lab.lora import read_adapter
 from mlora_lab.reference import train_peft
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS
-from mlora_lab.train import Trainer
 
 ARCHS = ["llama", "qwen2", "phi3", "gpt_neox"]
 TOL = 1e-5

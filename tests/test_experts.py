@@ -72,11 +72,12 @@ def test_moe_tenants_train_like_peft_and_round_trip(arch, tiny_models, make_data
     adapters with B != 0, trained 4 full-batch steps: losses and adapters equal plain PEFT
     target_parameters training; the saved adapters load in PEFT and give the same logits."""
     from mlora_lab.data import load_examples
+    from mlora_lab.job.trainer import Trainer
     from mlora_lab.lora import read_adapter
     from mlora_lab.reference import train_peft
     from mlora_lab.spec import JobSpec, Tenant
     from mlora_lab.tiny import EXPERT_TARGETS
-    from mlora_lab.train import Trainer
+    from mlora_lab.validate import problems as spec_problems
 
     base = tiny_models(arch)
     tenants = []
@@ -92,7 +93,7 @@ def test_moe_tenants_train_like_peft_and_round_trip(arch, tiny_models, make_data
                               target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_TARGETS, lr=3e-3,
                               batch_size=n_rows, max_steps=4, shuffle=False, max_grad_norm=None))  # fmt: skip
     spec = JobSpec(base_model=base, tenants=tenants, seq_len=48, max_rank=16, max_tenants=2)
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     trainer = Trainer(spec, run_dir=tmp_path / "run")
     trainer.train()
     tok = transformers.AutoTokenizer.from_pretrained(base)

@@ -8,6 +8,7 @@ import random
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,11 +16,12 @@ from conftest import write_jsonl
 from hostile import payload_files, queue_hostile
 
 import mlora_lab as ml
-from mlora_lab.checkpointer import Checkpointer
-from mlora_lab.control_handler import Change, ControlHandler
+from mlora_lab.job.agree import Change
+from mlora_lab.job.checkpointer import Checkpointer
+from mlora_lab.job.control import ControlHandler
+from mlora_lab.job.trainer import SaveError, Trainer
 from mlora_lab.parallel import Collectives, ParallelDims
 from mlora_lab.rundir import ControlError, RunDir, TenantState, checkpoint, control
-from mlora_lab.train import SaveError, Trainer
 
 
 def long_text_rows(n: int = 16, seed: int = 0) -> list[dict]:
@@ -122,7 +124,7 @@ def test_a_tenant_whose_step_raises_is_quarantined_like_a_nan_tenant(llama_path,
                 raise MemoryError("cannot allocate 1 TiB")
             return super().__getitem__(i)
 
-    stream = trainer.tenants["bad"].stream
+    stream = trainer.tenants["bad"].feed.stream
     stream.examples = Exploding(stream.examples)
     trainer.train()
     t = trainer.tenants["bad"]
@@ -173,7 +175,8 @@ def test_control_handler_refuses_any_exception_and_undoes_when_another_rank_fail
         )
 
     refused = []
-    handler = ControlHandler(run, FakeComm(None), True, prepare, lambda m, e: refused.append(e))
+    controls = SimpleNamespace(prepare=prepare, refused=lambda m, e: refused.append(e))
+    handler = ControlHandler(run, FakeComm(None), True, controls)
     ok, boom = control.send(run.root, "pause", name="ok"), control.send(run.root, "pause", name="boom")
     results = handler.poll(step=3)
     assert [r.ok for r in results] == [True, False] and log == ["commit ok"]
@@ -181,7 +184,8 @@ def test_control_handler_refuses_any_exception_and_undoes_when_another_rank_fail
         "ZeroDivisionError" in control.read_result(run.root, boom).error
         and control.read_result(run.root, ok).ok
     )
-    other_failed = ControlHandler(run, FakeComm("MemoryError: on rank 1"), True, prepare, lambda m, e: None)
+    quiet = SimpleNamespace(prepare=prepare, refused=lambda m, e: None)
+    other_failed = ControlHandler(run, FakeComm("MemoryError: on rank 1"), True, quiet)
     third = control.send(run.root, "pause", name="third")
     (result,) = other_failed.poll(step=4)
     assert not result.ok and "another process" in result.error and "rank 1" in result.error
@@ -215,8 +219,8 @@ def test_save_every_writes_adapters_and_pausing_everyone_keeps_the_job(llama_pat
     a = ml.Tenant(name="a", data=make_data("text"), rank=4, max_steps=6)
     trainer = Trainer(job(llama_path, [a], save_every=2), run_dir=tmp_path / "run")
     saved_at = []
-    save = trainer.save_adapter
-    trainer.save_adapter = lambda name: (saved_at.append(trainer.global_step), save(name))[1]
+    save = trainer.pool.save_adapter
+    trainer.pool.save_adapter = lambda name: (saved_at.append(trainer.global_step), save(name))[1]
     trainer.step()
     trainer.step()
     trainer.apply_control({"op": "pause", "name": "a"})
@@ -239,7 +243,7 @@ def test_relative_paths_of_a_runtime_add_resolve_against_the_run_and_survive_res
         trainer.run.root, "add", tenant={**good[0].to_dict(), "name": "rel", "data": "mine.jsonl"}
     )
     trainer.step()
-    trainer._poll_control()
+    trainer.poll()
     assert control.read_result(trainer.run.root, msg).ok
     saved = ml.JobSpec.load(tmp_path / "run" / "job.json").tenant("rel").data
     assert saved == str(tmp_path / "run" / "mine.jsonl")
@@ -370,7 +374,7 @@ def test_a_tenant_with_tokens_the_model_cannot_embed_fails_alone(tiny_models, tm
     trainer.train()
     assert trainer.tenants["a"].state is TenantState.FINISHED
     msg = control.send(trainer.run.root, "add", tenant={**poisoned.to_dict(), "name": "p2"})
-    trainer._poll_control()
+    trainer.poll()
     with pytest.raises(ControlError, match="cannot embed"):
         control.wait_result(trainer.run.root, msg)
 
@@ -394,7 +398,7 @@ def test_folders_replaced_under_a_running_job_never_lead_it_outside(llama_path, 
     msg = control.send(run.root, "pause", name="zz")
     for _ in range(2):
         trainer.step()
-        trainer._poll_control()
+        trainer.poll()
         trainer.save(final=False)
     assert not any(outside.iterdir()), sorted(outside.iterdir())
     assert any(r["kind"] == "event" and "outside the run directory" in r["message"] for r in trainer.history)

@@ -12,9 +12,10 @@ import pandas as pd
 import pytest
 
 import mlora_lab as ml
-from mlora_lab.dashboard import Dashboard, ema, thin
-from mlora_lab.demo import task_rows, write_jsonl
-from mlora_lab.report import SUMMARY_COLUMNS
+from mlora_lab.lab.dashboard import Dashboard
+from mlora_lab.lab.demo import task_rows, write_jsonl
+from mlora_lab.lab.plotting import ema, thin
+from mlora_lab.lab.report import SUMMARY_COLUMNS
 from mlora_lab.rundir import RunLabels, update_status
 
 slow = pytest.mark.slow  # every test that launches a job (the generations' prompt rendering needs none)
@@ -26,12 +27,23 @@ def finished_run(tiny_models, tmp_path_factory):
     work = tmp_path_factory.mktemp("lab")
     base = tiny_models("llama")
     tenants = [
-        ml.Tenant(name="rev", data=write_jsonl(work / "rev.jsonl", task_rows("reverse", 32, 0)),
-                  eval_data=write_jsonl(work / "rev_eval.jsonl", task_rows("reverse", 6, 1)), rank=4, lr=1e-2,
-                  max_steps=8),
-        ml.Tenant(name="up", data=write_jsonl(work / "up.jsonl", task_rows("upper", 32, 0)), rank=8, lr=5e-3,
-                  target_modules=["q_proj", "k_proj", "v_proj"], max_steps=6),
-    ]  # fmt: skip
+        ml.Tenant(
+            name="rev",
+            data=write_jsonl(work / "rev.jsonl", task_rows("reverse", 32, 0)),
+            eval_data=write_jsonl(work / "rev_eval.jsonl", task_rows("reverse", 6, 1)),
+            rank=4,
+            lr=1e-2,
+            max_steps=8,
+        ),
+        ml.Tenant(
+            name="up",
+            data=write_jsonl(work / "up.jsonl", task_rows("upper", 32, 0)),
+            rank=8,
+            lr=5e-3,
+            target_modules=["q_proj", "k_proj", "v_proj"],
+            max_steps=6,
+        ),
+    ]
     spec = ml.JobSpec(base_model=base, tenants=tenants, seq_len=48, max_rank=8, eval_every=4, save_every=4)
     run = ml.launch(spec, workdir=work / "runs")
     assert run.wait(300) == "finished", run.logs(0)
@@ -86,15 +98,15 @@ def test_dashboard_on_a_finished_run(finished_run):
     assert "finished" in dash.status.value
     assert dash.loss_plot.value[:4] == b"\x89PNG" and dash.system_plot.value[:4] == b"\x89PNG"
     rev, up = (finished_run.path.name, "rev"), (finished_run.path.name, "up")
-    row = dash._progress_rows[rev]
+    row = dash.progress_rows[rev]
     assert re.sub("<[^>]+>", "", row.info.value).startswith("8/8 · finished") and row.bar.value == 8
     # the job's memory rows reached the bars: adapter + optimiser of each tenant
-    assert [b.get_width() > 0 for b in dash._bar_artists[0]] == [True, True]
+    assert [b.get_width() > 0 for b in dash.system.bars[0]] == [True, True]
     before = dash.loss_plot.value
     dash.logy.value = True  # controls redraw at once
     assert dash.loss_plot.value != before
     dash.tenants.value = (up,)
-    shown = [key for key, row in dash._progress_rows.items() if row.box in dash.progress.children]
+    shown = [key for key, row in dash.progress_rows.items() if row.box in dash.progress.children]
     assert shown == [up]
     assert dash.colors[rev] != dash.colors[up]
 
@@ -120,12 +132,19 @@ def test_two_runs_at_once_and_live_dashboard(tiny_models, tmp_path):
     base = tiny_models("llama")
     data = write_jsonl(tmp_path / "d.jsonl", task_rows("upper", 32, 0))
     runs = [
-        ml.launch(ml.JobSpec(base_model=base, tenants=[ml.Tenant(name=f"t{i}", data=data, rank=4, max_steps=30)],
-                             seq_len=48, max_rank=8), workdir=tmp_path / "runs")
+        ml.launch(
+            ml.JobSpec(
+                base_model=base,
+                tenants=[ml.Tenant(name=f"t{i}", data=data, rank=4, max_steps=30)],
+                seq_len=48,
+                max_rank=8,
+            ),
+            workdir=tmp_path / "runs",
+        )
         for i in range(2)
-    ]  # fmt: skip
+    ]
     dash = runs[0].dashboard(refresh_s=0.2)
-    pid = runs[1]._process.pid
+    pid = runs[1].process.pid
     assert os.getpgid(pid) != os.getpgid(0), "the job has its own process group (notebook interrupts miss it)"
     assert [r.wait(300) for r in runs] == ["finished", "finished"]
     deadline = time.monotonic() + 10
@@ -138,16 +157,32 @@ def test_two_runs_at_once_and_live_dashboard(tiny_models, tmp_path):
 def test_summary_has_each_tenants_state_settings_and_the_tenants_added_live(tiny_models, tmp_path):
     """Settings next to results, the state each tenant is in now (a tenant still training when the
     run stopped shows ``stopped``), and tenants that are in no job.json: refused, or still queued."""
-    from mlora_lab.launch import prepare_run
+    from mlora_lab.job.trainer import Trainer
+    from mlora_lab.lab.launcher import prepare_run
     from mlora_lab.rundir import control
-    from mlora_lab.train import Trainer
 
     data = write_jsonl(tmp_path / "rev.jsonl", task_rows("reverse", 16, 0))
     done = ml.Tenant(name="done", data=data, rank=4, batch_size=2, max_steps=3)
-    long = ml.Tenant(name="long", data=data, rank=8, alpha=8, target_modules=["q_proj", "k_proj"], schedule="cosine",
-                     warmup_steps=2, batch_size=2, grad_accum=2, max_steps=50)  # fmt: skip
-    spec = ml.JobSpec(base_model=tiny_models("llama"), tenants=[done, long], seq_len=48, max_rank=8, log_every=2,
-                      output_dir=str(tmp_path / "runs" / "r1"))  # fmt: skip
+    long = ml.Tenant(
+        name="long",
+        data=data,
+        rank=8,
+        alpha=8,
+        target_modules=["q_proj", "k_proj"],
+        schedule="cosine",
+        warmup_steps=2,
+        batch_size=2,
+        grad_accum=2,
+        max_steps=50,
+    )
+    spec = ml.JobSpec(
+        base_model=tiny_models("llama"),
+        tenants=[done, long],
+        seq_len=48,
+        max_rank=8,
+        log_every=2,
+        output_dir=str(tmp_path / "runs" / "r1"),
+    )
     run = ml.attach(prepare_run(spec).root)
     update_status(run.path, state="running")
     trainer = Trainer(ml.JobSpec.load(run.dir.job), run_dir=run.path)  # the job, in this process
@@ -156,7 +191,7 @@ def test_summary_has_each_tenants_state_settings_and_the_tenants_added_live(tiny
     live = ml.Tenant(name="live", data=data, rank=4, lr=1e-3, max_steps=5)
     run.add_tenant(live, wait=False)
     control.send(run.path, "add", tenant={**live.to_dict(), "name": "huge", "rank": 99})
-    trainer._poll_control()  # live is added, huge refused (rank > max_rank)
+    trainer.poll()  # live is added, huge refused (rank > max_rank)
     trainer.step()
     control.send(run.path, "add", tenant={**live.to_dict(), "name": "later", "lr": 5e-4})  # not picked up yet
 
@@ -166,8 +201,9 @@ def test_summary_has_each_tenants_state_settings_and_the_tenants_added_live(tiny
     assert list(s["state"]) == ["finished", "running", "running", "refused", "pending"]
     assert "rank" in s.loc["huge", "reason"] and s.loc["huge", "rank"] == 99, "its settings are its message's"
     assert s.loc["later", "lr"] == 5e-4 and s.loc["later", "steps"] == 0
-    assert s.loc["long", ["targets", "schedule", "warmup", "batch_size", "grad_accum", "max_steps"]].tolist() == [
-        "q_proj,k_proj", "cosine", 2, 2, 2, 50]  # fmt: skip
+    assert s.loc[
+        "long", ["targets", "schedule", "warmup", "batch_size", "grad_accum", "max_steps"]
+    ].tolist() == ["q_proj,k_proj", "cosine", 2, 2, 2, 50]
     # log_every=2 skips rows, yet rows and tokens are exact (the rows carry running totals)
     assert s.loc["long", "steps"] == 2 and s.loc["long", "rows"] == 2 * 2 * 2
     assert s.loc["done", "rows"] == 3 * 2 and s.loc["done", "tokens"] == trainer.tenants["done"].tokens_seen
@@ -232,6 +268,52 @@ def test_runs_table_shows_tags_note_and_best_loss(tmp_path):
     assert table.loc["r2", "state"] == "finished" and "corrupt" in table.loc["r2", "problem"]
 
 
+NO_TORCH = """
+import runpy, sys
+from pathlib import Path
+
+run_dir = sys.argv[1]
+import mlora_lab.rundir
+assert "torch" not in sys.modules, "import mlora_lab.rundir loaded torch"
+import mlora_lab as ml
+run = ml.attach(run_dir)
+assert len(run.metrics()) == 3 and run.status == "finished"
+assert "torch" not in sys.modules, "ml.attach(run_dir).metrics() loaded torch"
+sys.argv = ["mlora-lab", "status", run_dir]
+try:
+    runpy.run_module("mlora_lab.lab.cli", run_name="__main__")
+except SystemExit as e:
+    assert e.code == 0, e.code
+assert "torch" not in sys.modules, "mlora-lab status RUN_DIR loaded torch"
+print("no torch")
+"""
+
+
+def test_reading_a_run_loads_no_torch(tmp_path):
+    """The notebook side reads a run without torch (2-3 s to import): ``import mlora_lab.rundir``,
+    ``ml.attach(run_dir).metrics()`` and ``mlora-lab status RUN_DIR``, checked in a fresh process."""
+    import subprocess
+    import sys
+
+    from mlora_lab.rundir import MetricsWriter, RunDir, TenantRow, TenantState, TrainRow
+
+    run = RunDir(tmp_path / "run").create()
+    ml.JobSpec(base_model="m", tenants=[ml.Tenant(name="a", data="a.jsonl", max_steps=3)]).to_json(run.job)
+    update_status(run.root, state="finished", started=1.0, ended=2.0)
+    writer = MetricsWriter(run.metrics)
+    for step in (1, 2, 3):
+        writer.write(
+            TrainRow(step=step, tenant="a", tenant_step=step, loss=1.0, tokens=4, lr=0.1, grad_norm=1)
+        )
+    writer.write(TenantRow(step=3, tenant="a", state=TenantState.FINISHED))
+    writer.close()
+    out = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, str(run.root)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "no torch" in out.stdout, out.stdout + out.stderr
+    assert "a " in out.stdout and "finished" in out.stdout  # the status command printed its summary
+
+
 def test_ema_and_thinning():
     import numpy as np
 
@@ -257,19 +339,35 @@ def chat_and_plain_run(tiny_models, tmp_path):
     adapters saved at PEFT's initialisation."""
     import transformers
 
-    from mlora_lab.launch import prepare_run
+    from mlora_lab.lab.launcher import prepare_run
     from mlora_lab.lora import MultiLoRAModel
     from mlora_lab.spec import effective_slot_modules
 
     base = tiny_models("llama")
-    spec = ml.JobSpec(base_model=base, seq_len=64, max_rank=8, output_dir=str(tmp_path / "run"), tenants=[
-        ml.Tenant(name="chatty", data=write_jsonl(tmp_path / "count.jsonl", task_rows("count", 8, 0)), rank=4),
-        ml.Tenant(name="plain", data=write_jsonl(tmp_path / "up.jsonl", task_rows("upper", 8, 0)), rank=4,
-                  target_modules=["q_proj"]),
-    ])  # fmt: skip
+    spec = ml.JobSpec(
+        base_model=base,
+        seq_len=64,
+        max_rank=8,
+        output_dir=str(tmp_path / "run"),
+        tenants=[
+            ml.Tenant(
+                name="chatty", data=write_jsonl(tmp_path / "count.jsonl", task_rows("count", 8, 0)), rank=4
+            ),
+            ml.Tenant(
+                name="plain",
+                data=write_jsonl(tmp_path / "up.jsonl", task_rows("upper", 8, 0)),
+                rank=4,
+                target_modules=["q_proj"],
+            ),
+        ],
+    )
     run = prepare_run(spec)
-    mm = MultiLoRAModel(transformers.AutoModelForCausalLM.from_pretrained(base), max_tenants=2, max_rank=8,
-                        slot_modules=effective_slot_modules(spec))  # fmt: skip
+    mm = MultiLoRAModel(
+        transformers.AutoModelForCausalLM.from_pretrained(base),
+        max_tenants=2,
+        max_rank=8,
+        slot_modules=effective_slot_modules(spec),
+    )
     for t in spec.tenants:
         mm.add_tenant(t.name, rank=t.rank, target_modules=t.target_modules)
         mm.save_adapter(t.name, run.adapter(t.name))

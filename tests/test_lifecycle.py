@@ -11,9 +11,9 @@ import psutil
 import pytest
 
 import mlora_lab as ml
+from mlora_lab.job.trainer import Trainer
 from mlora_lab.lora import read_adapter
 from mlora_lab.rundir import ControlError, checkpoint, control, read_status, update_status
-from mlora_lab.train import Trainer
 
 
 def tenant(name: str, make_data, kind: str = "reverse", **kw) -> ml.Tenant:
@@ -94,13 +94,13 @@ def test_pause_and_resume(llama_path, make_data, tmp_path):
     trainer.apply_control({"op": "pause", "name": "b"})
     step_b, micro_b, cursor_b = (
         trainer.tenants["b"].step,
-        trainer.tenants["b"].micro,
-        trainer.tenants["b"].stream.cursor,
+        trainer.tenants["b"].feed.micro,
+        trainer.tenants["b"].feed.stream.cursor,
     )
     for _ in range(4):
         trainer.step()
-    assert (trainer.tenants["b"].step, trainer.tenants["b"].micro) == (step_b, micro_b)
-    assert trainer.tenants["b"].stream.cursor == cursor_b, "a paused tenant's data cursor does not move"
+    assert (trainer.tenants["b"].step, trainer.tenants["b"].feed.micro) == (step_b, micro_b)
+    assert trainer.tenants["b"].feed.stream.cursor == cursor_b, "a paused tenant's data cursor does not move"
     with pytest.raises(ValueError, match="not running"):
         trainer.apply_control({"op": "pause", "name": "b"})
     trainer.apply_control({"op": "resume", "name": "b"})
@@ -175,7 +175,7 @@ def test_a_request_says_what_it_waits_for(llama_path, make_data, tmp_path, capsy
     Request says so (``status``), and a blocking call says it in one line per phase."""
     import threading
 
-    from mlora_lab.launch import prepare_run
+    from mlora_lab.lab.launcher import prepare_run
 
     run = ml.attach(
         prepare_run(job(llama_path, [tenant("a", make_data)], output_dir=str(tmp_path / "run"))).root
@@ -186,7 +186,7 @@ def test_a_request_says_what_it_waits_for(llama_path, make_data, tmp_path, capsy
     update_status(run.path, state="running")
     assert request.status == "queued"
     trainer = Trainer(ml.JobSpec.load(run.dir.job), run_dir=run.path)  # the job, at its first step boundary
-    trainer._poll_control()
+    trainer.poll()
     assert request.status == "applied" and request.wait().ok and "b" in trainer.tenants
     capsys.readouterr()
 
@@ -198,7 +198,7 @@ def test_a_request_says_what_it_waits_for(llama_path, make_data, tmp_path, capsy
         time.sleep(1.6)
         update_status(run.path, state="running")
         time.sleep(1.6)
-        trainer._poll_control()
+        trainer.poll()
 
     job_thread = threading.Thread(target=start_then_apply)
     job_thread.start()
@@ -214,7 +214,7 @@ def test_a_request_says_what_it_waits_for(llama_path, make_data, tmp_path, capsy
     ]
 
     first, again = run.pause_tenant("a", wait=False), run.pause_tenant("a", wait=False)
-    trainer._poll_control()  # applied in the order they were sent
+    trainer.poll()  # applied in the order they were sent
     assert first.status == "applied"
     with pytest.raises(ControlError, match="not running"):
         again.wait(quiet=True)
@@ -263,7 +263,7 @@ def test_serve_mode_and_run_api_with_two_ranks(llama_path, make_data, tmp_path):
 
 def workers(run: ml.Run) -> list[psutil.Process]:
     launcher = psutil.Process(read_status(run.path).pid)
-    return [p for p in launcher.children(recursive=True) if "mlora_lab.train" in " ".join(p.cmdline())]
+    return [p for p in launcher.children(recursive=True) if "mlora_lab.job" in " ".join(p.cmdline())]
 
 
 @pytest.mark.slow

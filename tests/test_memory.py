@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from mlora_lab.job.trainer import Trainer
 from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.memory import (
     IGNORE_INDEX,
@@ -19,7 +20,7 @@ from mlora_lab.memory import (
 )
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS, tiny_config
-from mlora_lab.train import Trainer
+from mlora_lab.validate import problems as spec_problems
 
 ARCHS = ["llama", "llama+tied", "qwen2", "phi3", "gpt_neox", "qwen3_moe"]
 TOL = 1e-6
@@ -98,14 +99,16 @@ def loss_and_grads(mm: MultiLoRAModel, chunked: bool, chunk_tokens: int = 3):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("output_slot", [False, True])
-def test_chunked_loss_equals_full_logits(arch, output_slot):
+@pytest.mark.parametrize("chunk_tokens", [3, 10_000])
+def test_chunked_loss_equals_full_logits(arch, output_slot, chunk_tokens):
     """Losses and gradients of every slot equal the full-logits computation (chunks of 3 target
-    positions, tenants with dropout, a LoRA slot on the (possibly tied) output layer)."""
+    positions, recomputed in the backward, or all targets in one chunk, kept; tenants with dropout, a
+    LoRA slot on the (possibly tied) output layer)."""
     if output_slot and arch == "qwen3_moe":
         pytest.skip("covered by the dense architectures")
     mm, _ = wrapped(arch, output_slot)
     full, g_full = loss_and_grads(mm, chunked=False)
-    chunked, g_chunked = loss_and_grads(mm, chunked=True)
+    chunked, g_chunked = loss_and_grads(mm, chunked=True, chunk_tokens=chunk_tokens)
     assert full.shape == chunked.shape
     torch.testing.assert_close(chunked, full, atol=TOL, rtol=0)
     assert (chunked[6] == 0).all() and (chunked[:, :2] == 0).all()  # ignored positions: exactly 0
@@ -117,6 +120,27 @@ def test_chunked_loss_equals_full_logits(arch, output_slot):
             n for n in g_full if n.startswith("b:") and n.endswith(("lm_head.lora_B", "embed_out.lora_B"))
         )
         assert g_full[head].abs().max() > 0, "the output layer's slot was trained"
+
+
+@pytest.mark.parametrize(("chunk_tokens", "projections", "rows"), [(3, 2 * 16, 2 * 48), (10_000, 1, 48)])
+def test_the_logits_are_recomputed_only_when_they_need_more_than_one_chunk(chunk_tokens, projections, rows):
+    """With more targets than one chunk holds, each chunk's logits are freed after the forward and
+    recomputed in the backward (two projections per chunk); when every target fits in one chunk, that
+    chunk is all the memory the logits take, so they are kept and projected once."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    calls = []
+
+    def project(key, h):
+        calls.append(h.shape[0])
+        return head(h)
+
+    hidden = torch.randn(4, 13, 8, requires_grad=True)
+    labels = torch.randint(0, 50, (4, 13))
+    labels[:, 0] = IGNORE_INDEX  # 4 x 12 = 48 targets: 16 chunks of 3, or one
+    token_loss(hidden, labels, project, [], chunk_tokens).sum().backward()
+    assert len(calls) == projections and sum(calls) == rows
+    assert hidden.grad.abs().sum() > 0
 
 
 def test_no_target_anywhere_still_runs_the_backward():
@@ -216,9 +240,9 @@ def test_trainer_with_checkpointing_equals_without(llama_path, make_data):
 def test_spec_validates_the_new_fields(llama_path, make_data):
     tenant = Tenant(name="a", data=make_data("text"), target_modules=["q_proj"])
     ok = JobSpec(base_model=llama_path, tenants=[tenant], activation_checkpointing=True, packing=True)
-    assert ok.problems() == []
+    assert spec_problems(ok) == []
     bad = JobSpec(base_model=llama_path, tenants=[tenant], activation_checkpointing=-1, packing="yes")
-    text = "\n".join(map(str, bad.problems()))
+    text = "\n".join(map(str, spec_problems(bad)))
     assert "activation_checkpointing must be >= 0" in text and "packing must be true or false" in text
 
 
@@ -236,10 +260,10 @@ def test_trainer_chunked_loss_equals_full_logits_with_an_output_layer_tenant(lla
         spec = JobSpec(base_model=llama_path, tenants=tenants, seq_len=64, max_rank=8, max_tenants=2,
                        slot_modules=["q_proj", "lm_head"])  # fmt: skip
         trainer = Trainer(spec)
-        assert trainer._head is not None
+        assert trainer.engine.head is not None
         if not chunked:
-            trainer._head = None  # the full-logits path
-        trainer._chunk_tokens = 5  # many chunks
+            trainer.engine.head = None  # the full-logits path
+        trainer.engine.chunk_tokens = 5  # many chunks
         trainer.train()
         runs.append(trainer)
     # (gradients agree to 1e-6, above; AdamW divides by sqrt(v), which magnifies the last bits of

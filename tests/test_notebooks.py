@@ -61,7 +61,10 @@ def test_notebook_runs(path: Path, tmp_path: Path):
     assert "image/png" in mimes or path.stem == "03_distributed"
     # nothing the notebook printed was a warning or an error (stderr streams)
     stderr = [
-        o["text"] for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+        o["text"]
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
         if o.output_type == "stream" and o.get("name") == "stderr"
-    ]  # fmt: skip
+    ]
     assert not stderr, stderr

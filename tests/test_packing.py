@@ -17,9 +17,9 @@ from mlora_lab.data import (
     pack_rows,
     padding_waste,
 )
+from mlora_lab.job.trainer import Trainer
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS
-from mlora_lab.train import Trainer
 
 ARCHS = ["llama", "qwen2", "phi3", "gpt_neox", "qwen3_moe"]
 TOL = 1e-5
@@ -101,7 +101,7 @@ def test_packing_wastes_less_padding():
 def _loss_and_grads(trainer: Trainer, groups) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Each tenant's mean target-token loss (as a training step computes it), and the gradients."""
     trainer.model.zero_grad(set_to_none=True)
-    batch, token_loss = trainer._forward(groups)
+    batch, token_loss = trainer.engine.forward(groups)
     tokens = {name: sum(ex.n_target for ex in rows) for name, rows in groups}
     means = {name: token_loss[s:e].sum() / tokens[name] for name, s, e in batch.segments}
     sum(means.values()).backward()
@@ -125,7 +125,7 @@ def test_packed_equals_unpacked(arch, tiny_models, make_data):
             for B, _ in list(trainer.model.tenant_slices(name))[1::2]:
                 B.normal_(0, 0.05, generator=g)
     trainer.model.train()
-    docs = {n: trainer.tenants[n].stream.take(6) for n in ("a", "b")}
+    docs = {n: trainer.tenants[n].feed.stream.take(6) for n in ("a", "b")}
     unpacked = [(n, d) for n, d in docs.items()]
     packed = [("a", [pack(docs["a"][:4]), pack(docs["a"][4:])]), ("b", [pack(docs["b"])])]
     loss_u, grads_u = _loss_and_grads(trainer, unpacked)
@@ -155,8 +155,8 @@ def test_packed_job_trains_and_resumes_exactly(llama_path, make_data, tmp_path):
     first = Trainer(JobSpec(**spec), run_dir=tmp_path / "run")
     for _ in range(3):
         first.step()
-    assert first.tenants["a"].micro == 1  # mid-window
-    window = first.tenants["a"].window
+    assert first.tenants["a"].feed.micro == 1  # mid-window
+    window = first.tenants["a"].feed.window
     assert all(len(r) <= 48 for rows in window for r in rows) and any(r.position_ids.count(0) > 1
                                                                        for rows in window for r in rows)  # fmt: skip
     first.save_checkpoint()

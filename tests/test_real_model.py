@@ -16,7 +16,8 @@ import transformers
 
 import mlora_lab as ml
 from mlora_lab.bases import real_model_path, resolve_base
-from mlora_lab.train import Trainer
+from mlora_lab.job.trainer import Trainer
+from mlora_lab.validate import problems as spec_problems
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
@@ -45,7 +46,7 @@ def job(ts: list[ml.Tenant], out, nproc: int = 1) -> ml.JobSpec:
 def test_real_model_three_tenants_train_export_and_scale(make_data, tmp_path):
     ts = tenants(make_data)
     spec = job(ts, tmp_path / "one")
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     trainer = Trainer(spec, run_dir=tmp_path / "one")
     trainer.train()
     trainer.close()

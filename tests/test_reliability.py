@@ -20,10 +20,11 @@ from conftest import write_jsonl
 from test_isolation import good_tenants, job, long_text_rows
 
 import mlora_lab as ml
-from mlora_lab import cli
-from mlora_lab.launch import prepare_run
+from mlora_lab.job.trainer import SaveError, Trainer
+from mlora_lab.lab import cli
+from mlora_lab.lab.launcher import prepare_run
 from mlora_lab.rundir import RunState, TenantState, checkpoint, read_status
-from mlora_lab.train import SaveError, Trainer
+from mlora_lab.validate import problems as spec_problems
 
 # -- one owner per run directory ------------------------------------------------------------------------
 
@@ -46,7 +47,7 @@ def test_launching_into_a_directory_that_holds_a_run_is_refused(llama_path, tmp_
 @pytest.mark.parametrize("round_", range(4))
 def test_two_launches_racing_for_one_directory_exactly_one_wins(llama_path, tmp_path, round_):
     spec = job(llama_path, good_tenants(tmp_path, max_steps=1), output_dir=str(tmp_path / "run"))
-    spec.problems()  # warm the validation caches so both threads reach the directory together
+    spec_problems(spec)  # warm the validation caches so both threads reach the directory together
     barrier, outcomes = threading.Barrier(2), []
 
     def go():
@@ -88,7 +89,7 @@ def test_training_processes_never_import_the_notebook_side(llama_path, tmp_path)
     run = prepare_run(job(llama_path, good_tenants(tmp_path, max_steps=2), output_dir=str(tmp_path / "run")))
     out = tmp_path / "modules.json"
     script = (
-        "import json, sys; from mlora_lab.train import main; rc = main([sys.argv[1]]); "
+        "import json, sys; from mlora_lab.job.__main__ import main; rc = main([sys.argv[1]]); "
         "json.dump({'rc': rc, 'loaded': sorted(m for m in ('pandas', 'matplotlib', 'ipywidgets') "
         "if m in sys.modules)}, open(sys.argv[2], 'w'))"
     )
@@ -204,7 +205,7 @@ def test_a_job_that_runs_out_of_disk_never_claims_success(llama_path, tmp_path, 
     on disk is intact."""
     good = good_tenants(tmp_path, max_steps=12)
     run = prepare_run(job(llama_path, good, save_every=1, output_dir=str(small_disk / "run")))
-    proc = subprocess.Popen([sys.executable, "-m", "mlora_lab.train", str(run.root)])
+    proc = subprocess.Popen([sys.executable, "-m", "mlora_lab.job", str(run.root)])
     try:
         deadline = time.monotonic() + 120
         while not checkpoint.checkpoint_dirs(run.checkpoints):
@@ -236,7 +237,7 @@ def test_sigint_is_as_graceful_as_sigterm(llama_path, tmp_path):
         time.sleep(0.2)
     agent = psutil.Process(read_status(run.path).pid)
     for p in agent.children(recursive=True):
-        if "mlora_lab.train" in " ".join(p.cmdline()):
+        if "mlora_lab.job" in " ".join(p.cmdline()):
             p.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends every rank
     assert run.wait(timeout=120) == "stopped", run.logs(0)
     assert run.adapter_path("a").is_dir()
@@ -257,7 +258,7 @@ def test_cli_resume_follows_a_metrics_file_the_resume_rewrites(llama_path, tmp_p
     run.kill()
     assert run.wait(30).final
     assert max(r["step"] for r in run.rows()) > 4, "there are rows after the checkpoint"
-    proc = subprocess.run([sys.executable, "-m", "mlora_lab.cli", "resume", str(run.path)],
+    proc = subprocess.run([sys.executable, "-m", "mlora_lab.lab.cli", "resume", str(run.path)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "final_loss" in proc.stdout
@@ -324,7 +325,7 @@ def job_workers(run_dir: Path) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "mlora_lab.train" in cmd and str(run_dir) in cmd:
+        if "mlora_lab.job" in cmd and str(run_dir) in cmd:
             found.append(p)
     return found
 

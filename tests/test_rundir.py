@@ -23,9 +23,11 @@ from mlora_lab.rundir import (
     ControlResult,
     EvalRow,
     EventKind,
+    EventRow,
     MetricsReader,
     MetricsWriter,
     ProcessIdentity,
+    Row,
     RunDir,
     RunDirError,
     RunLock,
@@ -272,7 +274,7 @@ def test_identity_needs_pid_start_time_host_and_a_job_command_line(stranger):
 def test_a_stale_pid_makes_the_run_lost_and_stop_never_signals_it(tmp_path, stranger):
     """After a reboot the recorded pid belongs to someone else: the run reads ``lost`` (resumable),
     and ``stop``/``kill`` leave the stranger alone."""
-    from mlora_lab.launch import Run
+    from mlora_lab.lab.run import Run
 
     run = RunDir(tmp_path / "run").create()
     run.job.write_text("{}")
@@ -282,6 +284,9 @@ def test_a_stale_pid_makes_the_run_lost_and_stop_never_signals_it(tmp_path, stra
     )
     r = Run(run.root)
     assert r.status == RunState.LOST and "resume" in r.error
+    assert read_status(run.root).state is RunState.RUNNING, "reading the state writes nothing"
+    assert r.reconcile() == RunState.LOST
+    assert read_status(run.root).state is RunState.LOST and "resume" in read_status(run.root).error
     update_status(run.root, state="running", error=None)
     r.kill()
     assert r.stop(timeout=1) in (RunState.LOST, RunState.STOPPED)
@@ -320,7 +325,10 @@ def test_reader_skips_corrupt_and_foreign_lines_naming_file_and_line(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rows = reader.poll()
-    assert [r["step"] for r in rows] == [1, 2]
+    assert rows == [
+        EvalRow(step=1, tenant="a", loss=1.0, time=rows[0].time),
+        EvalRow(step=2, tenant="a", loss=0.5, time=rows[1].time),
+    ]
     messages = [str(w.message) for w in caught]
     assert [m.split(" line ")[1].split(":")[0] for m in messages] == ["2", "3", "4", "5"], messages
     assert all(str(path) in m for m in messages) and reader.skipped == 4
@@ -333,7 +341,7 @@ def test_no_text_makes_a_row_or_a_file_unwritable(run):
         TenantRow(step=1, tenant="x", state=TenantState.REFUSED, reason="no such file: '\ud800.jsonl'")
     )
     (row,) = MetricsReader(run.metrics).poll()
-    assert row["state"] == "refused" and "\\ud800" in row["reason"]
+    assert row.state is TenantState.REFUSED and "\\ud800" in row.reason
     item = control.Incoming(queue(run, f"{1:020d}-{'5' * 32}.json", "{"), None, "bad \udcff name", "5" * 32)
     control.reject(run.root, item, step=0)
     assert "\\udcff" in (run.control / "rejected" / f"{1:020d}-{'5' * 32}.json.reason").read_text()
@@ -350,11 +358,52 @@ def test_reader_notices_a_rewritten_or_replaced_file(tmp_path):
     assert len(reader.poll()) == 5 and reader.generation == 0
     truncate_after(path, 2)  # what a resume does: drop rows after its checkpoint
     rows = reader.poll()
-    assert reader.generation == 1 and [r["step"] for r in reader.rows] == [1, 2] and rows == reader.rows
+    assert reader.generation == 1 and [r.step for r in reader.rows] == [1, 2] and rows == reader.rows
     with open(path, "w") as f:  # truncated in place, same inode
         f.write("")
     reader.poll()
     assert reader.generation == 2 and reader.rows == []
+
+
+def test_rows_are_typed_and_every_kind_round_trips(tmp_path):
+    """The reader gives each line's typed row (the writer's own rows, equal field by field); a field a
+    newer writer added is dropped; a row whose layout was seen before is still checked for its enum
+    values (the reader remembers good layouts, not good rows)."""
+    path = tmp_path / "metrics.jsonl"
+    written = [
+        TrainRow(
+            step=1,
+            tenant="a",
+            tenant_step=1,
+            loss=2.0,
+            tokens=3,
+            lr=0.1,
+            grad_norm=1.0,
+            rows_seen=2,
+            tokens_seen=3,
+        ),
+        EvalRow(step=1, tenant="a", loss=1.5),
+        SystemRow(step=1, rank=0, mem_bytes=1, peak_mem_bytes=2, step_time=0.1, tokens_per_s=30.0),
+        TenantRow(step=1, tenant="a", state="paused", adapter_bytes=10, reason="asked"),
+        EventRow(step=1, event=EventKind.RESUMED, message="from step_1"),
+    ]
+    writer = MetricsWriter(path)
+    for row in written:
+        writer.write(row)
+    writer.close()
+    rows = MetricsReader(path).poll()
+    assert rows == written and rows[3].state is TenantState.PAUSED and rows[4].event is EventKind.RESUMED
+    assert [Row.from_dict(json.loads(line)) for line in path.read_text().splitlines()] == written
+    assert [r.to_dict() for r in rows] == [json.loads(line) for line in path.read_text().splitlines()]
+    newer = {**written[1].to_dict(), "perplexity": 4.5}
+    assert Row.from_dict(newer) == written[1] and "perplexity" in newer  # (the dict is left as it was)
+    with open(path, "a") as f:  # the layout of the tenant row above, with a state no tenant is ever in
+        f.write(json.dumps({**written[3].to_dict(), "state": "hacked"}) + "\n")
+    reader = MetricsReader(path)
+    with pytest.warns(RuntimeWarning, match="'state' has the wrong type or value"):
+        assert reader.poll() == written
+    with pytest.raises(ValueError, match="unknown kind"):
+        Row.from_dict({"kind": "secret"})
 
 
 def test_writer_recreates_a_deleted_file_and_never_follows_a_symlink(tmp_path):
@@ -437,9 +486,7 @@ def test_a_non_finite_metric_is_written_as_null_and_read_back(run):
     )
     rows = MetricsReader(run.metrics).poll()
     assert (
-        [r["kind"] for r in rows] == ["eval", "train"]
-        and rows[0]["loss"] is None
-        and rows[1]["grad_norm"] is None
+        [type(r) for r in rows] == [EvalRow, TrainRow] and rows[0].loss is None and rows[1].grad_norm is None
     )
 
 
@@ -510,25 +557,42 @@ def test_concurrent_tagging_keeps_every_tag(tmp_path):
 def test_old_rows_without_the_newer_fields_are_read(tmp_path):
     """Files written before rows_seen/tokens_seen and cpu_percent/gpu_util existed stay readable."""
     path = tmp_path / "metrics.jsonl"
-    old = [
-        {"kind": "train", "step": 1, "tenant": "a", "tenant_step": 1, "loss": 1.0, "tokens": 5, "lr": 0.1,
-         "grad_norm": 1.0, "time": 1.0},
-        {"kind": "system", "step": 1, "rank": 0, "mem_bytes": 1, "peak_mem_bytes": 1, "step_time": 0.1,
-         "tokens_per_s": 50.0, "time": 1.0},
-    ]  # fmt: skip
+    train = {"kind": "train", "step": 1, "tenant": "a", "tenant_step": 1, "loss": 1.0, "tokens": 5, "lr": 0.1}
+    system = {"kind": "system", "step": 1, "rank": 0, "mem_bytes": 1, "peak_mem_bytes": 1, "step_time": 0.1}
+    old = [{**train, "grad_norm": 1.0, "time": 1.0}, {**system, "tokens_per_s": 50.0, "time": 1.0}]
     path.write_text("".join(json.dumps(r) + "\n" for r in old))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert MetricsReader(path).poll() == old
+        rows = MetricsReader(path).poll()
+    assert rows == [
+        TrainRow(step=1, tenant="a", tenant_step=1, loss=1.0, tokens=5, lr=0.1, grad_norm=1.0, time=1.0),
+        SystemRow(step=1, rank=0, mem_bytes=1, peak_mem_bytes=1, step_time=0.1, tokens_per_s=50.0, time=1.0),
+    ]
+    assert rows[0].rows_seen is None and rows[1].cpu_percent is None  # not recorded then
+    assert rows[0].to_dict() == {**old[0], "rows_seen": None, "tokens_seen": None}
     writer = MetricsWriter(path)
-    writer.write(SystemRow(step=2, rank=0, mem_bytes=1, peak_mem_bytes=1, step_time=0.1, tokens_per_s=5.0,
-                           cpu_percent=180.5, gpu_util=None))  # fmt: skip
-    writer.write(TrainRow(step=2, tenant="a", tenant_step=2, loss=1.0, tokens=5, lr=0.1, grad_norm=1.0,
-                          rows_seen=4, tokens_seen=10))  # fmt: skip
+    writer.write(
+        SystemRow(
+            step=2, rank=0, mem_bytes=1, peak_mem_bytes=1, step_time=0.1, tokens_per_s=5.0, cpu_percent=180.5
+        )
+    )
+    writer.write(
+        TrainRow(
+            step=2,
+            tenant="a",
+            tenant_step=2,
+            loss=1.0,
+            tokens=5,
+            lr=0.1,
+            grad_norm=1.0,
+            rows_seen=4,
+            tokens_seen=10,
+        )
+    )
     writer.close()
     new = MetricsReader(path).poll()[2:]
-    assert new[0]["cpu_percent"] == 180.5 and new[0]["gpu_util"] is None
-    assert (new[1]["rows_seen"], new[1]["tokens_seen"]) == (4, 10)
+    assert new[0].cpu_percent == 180.5 and new[0].gpu_util is None
+    assert (new[1].rows_seen, new[1].tokens_seen) == (4, 10)
     path.write_text(json.dumps({**old[0], "rows_seen": "4"}) + "\n")
     with pytest.warns(RuntimeWarning, match="'rows_seen' has the wrong type"):
         assert MetricsReader(path).poll() == []

@@ -12,9 +12,9 @@ import torch
 from conftest import task_rows, write_jsonl
 
 import mlora_lab as ml
+from mlora_lab.job.trainer import Trainer
 from mlora_lab.rundir import RunDir, atomic_write_json
 from mlora_lab.search import ASHA, PBT, Action, Sweep, choice, loguniform
-from mlora_lab.train import Trainer
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_pbt_exploit_copies_adapter_and_optimiser_state_exactly(llama_path, base
         base_tenant, {"lr": loguniform(1e-3, 1e-2)}, PBT(population=2, interval=100), budget=20, seed=4
     )
     tr = sweep_trainer(llama_path, tmp_path / "run", sweep)
-    tr._poll_search()
+    tr.search.poll()
     for _ in range(3):
         tr.step()
     ctl = tr.search
@@ -124,9 +124,9 @@ def test_pbt_exploit_copies_adapter_and_optimiser_state_exactly(llama_path, base
             for n in ("trial-000", "trial-001")
         )
     )
-    ctl._apply(Action("exploit", 0, source=1, config={"lr": src.spec.lr}))
+    ctl.apply(Action("exploit", 0, source=1, config={"lr": src.spec.lr}))
     assert dst.step == src.step and dst.optimizer.lr == src.optimizer.lr
-    dst.stream.load_state_dict(src.stream.state_dict())  # the same rows next
+    dst.feed.stream.load_state_dict(src.feed.stream.state_dict())  # the same rows next
     tr.step()
     got, want = tr.model.tenant_tensors("trial-000"), tr.model.tenant_tensors("trial-001")
     for module in want:
@@ -135,7 +135,7 @@ def test_pbt_exploit_copies_adapter_and_optimiser_state_exactly(llama_path, base
     a, b = dst.optimizer.state_dict()["optimizer"]["state"], src.optimizer.state_dict()["optimizer"]["state"]
     assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in b)
     # and explore: a new lr applies from the next step, at the schedule's position
-    ctl._apply(Action("exploit", 0, source=1, config={"lr": 2 * src.spec.lr}))
+    ctl.apply(Action("exploit", 0, source=1, config={"lr": 2 * src.spec.lr}))
     assert dst.optimizer.lr == pytest.approx(2 * src.optimizer.lr) and dst.spec.lr == 2 * src.spec.lr
 
 
@@ -241,7 +241,7 @@ def test_a_sweep_on_two_ranks_decides_as_on_one(llama_path, base_tenant, tmp_pat
 
 @pytest.mark.slow
 def test_the_command_line_runs_a_sweep(llama_path, base_tenant, tmp_path, capsys):
-    from mlora_lab import cli
+    from mlora_lab.lab import cli
 
     job = sweep_job(llama_path, base_tenant, tmp_path / "run")
     (tmp_path / "sweep.json").write_text(json.dumps({

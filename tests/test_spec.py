@@ -15,10 +15,13 @@ from typing import Any
 import psutil
 import pytest
 
+import mlora_lab.text
 import mlora_lab.validate
+import mlora_lab.validate.model
 from mlora_lab.spec import JobSpec, Parallel, Problem, SpecError, Tenant, fields_info
 from mlora_lab.tiny import build_tokenizer
-from mlora_lab.validate import model_target_names, tenant_problems
+from mlora_lab.validate import check, model_target_names, tenant_problems
+from mlora_lab.validate import problems as spec_problems
 
 LLAMA_LINEAR = "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
 
@@ -37,7 +40,7 @@ def good_spec(model: str, tmp: Path, **job: Any) -> JobSpec:
 
 def texts(spec: JobSpec, files: bool = True) -> list[str]:
     """The spec's problems as the sentences the CLI prints."""
-    return [str(p) for p in spec.problems(files=files)]
+    return [str(p) for p in spec_problems(spec, files=files)]
 
 
 def problems_text(spec: JobSpec) -> str:
@@ -119,7 +122,7 @@ def test_load_then_validate(tmp_path, llama_path):
     (tmp_path / "job.json").write_text(
         json.dumps({"base_model": llama_path, "tenants": [{"name": "a", "data": "a.jsonl"}]})
     )
-    spec = JobSpec.load(tmp_path / "job.json").validate()
+    spec = check(JobSpec.load(tmp_path / "job.json"))
     assert spec.tenants[0].data == str(tmp_path / "a.jsonl")
 
 
@@ -169,14 +172,14 @@ def test_spec_error_keeps_structured_problems():
     assert SpecError(rank).problems == [rank] and SpecError("x").problems == [Problem(None, None, "x")]
 
 
-def test_spec_module_imports_no_model_code_and_keeps_the_moved_names():
+def test_spec_module_imports_no_validator_and_no_model_code():
     code = (
         "import sys, mlora_lab.spec as s\n"
         "assert 'torch' not in sys.modules and 'mlora_lab.validate' not in sys.modules\n"
-        "from mlora_lab.spec import tenant_problems, model_target_names\n"  # what train.py / launch.py import
+        "assert not hasattr(s, 'tenant_problems') and not hasattr(s.JobSpec, 'problems')\n"  # no shim
         "import mlora_lab.validate as v\n"
-        "assert tenant_problems is v.tenant_problems and model_target_names is v.model_target_names\n"
-        "assert 'torch' not in sys.modules\n"
+        "assert callable(v.problems) and callable(v.check) and callable(v.tenant_problems)\n"
+        "assert 'torch' not in sys.modules\n"  # the validator builds the model only when a check needs it
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -203,8 +206,8 @@ def test_valid_spec_validates_and_starts_no_process(tmp_path, llama_path):
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     spec = good_spec(llama_path, tmp_path)
-    assert spec.validate() is spec
-    assert spec.problems() == []
+    assert check(spec) is spec
+    assert spec_problems(spec) == []
     assert {p.pid for p in me.children(recursive=True)} == before
 
 
@@ -401,7 +404,7 @@ def test_each_bad_input_is_reported(tmp_path, llama_path, mutate, expected):
     problems = texts(spec)
     assert any(expected in p for p in problems), problems
     with pytest.raises(SpecError) as err:
-        spec.validate()
+        check(spec)
     assert expected in str(err.value)
 
 
@@ -413,7 +416,7 @@ def test_many_problems_are_reported_at_once(tmp_path, llama_path):
     spec.tenants[0].target_modules = ["q_proj", "nope"]
     spec.tenants.append(Tenant(name="b/c", data=str(tmp_path / "missing.jsonl"), batch_size=0))
     with pytest.raises(SpecError) as err:
-        spec.validate()
+        check(spec)
     msg = str(err.value)
     for needle in (
         "dtype must be one of",
@@ -437,7 +440,7 @@ def test_problems_name_their_tenant_and_field(tmp_path, llama_path):
     spec.tenants[0].betas = (0.9, 1.0)
     spec.tenants.append(Tenant(name="b", data=str(tmp_path / "missing.jsonl")))
     spec.tenants.append(Tenant(name=7, data=spec.tenants[0].data))  # type: ignore[arg-type]
-    by_key = {(p.tenant, p.field): p for p in spec.problems()}
+    by_key = {(p.tenant, p.field): p for p in spec_problems(spec)}
     assert by_key[("a", "rank")] == Problem("a", "rank", "rank must be >= 1 (got 0)")
     assert str(by_key[("a", "betas")]) == "tenant 'a': betas[1] must be in [0, 1) (got 1.0)"
     assert by_key[(None, "seq_len")].message == "seq_len must be >= 2 (got 1)"
@@ -462,7 +465,7 @@ def test_empty_paths_are_named_readably(tmp_path, llama_path):
 def test_all_linear_with_other_names_says_what_peft_would_do(tmp_path, llama_path):
     spec = good_spec(llama_path, tmp_path)
     spec.tenants[0].target_modules = ["all-linear", "q_proj"]
-    (problem,) = spec.problems()
+    (problem,) = spec_problems(spec)
     assert (problem.tenant, problem.field) == ("a", "target_modules")
     assert problem.message == (
         "target_modules: 'all-linear' must be the only entry (got ['all-linear', 'q_proj']); with other names "
@@ -470,7 +473,7 @@ def test_all_linear_with_other_names_says_what_peft_would_do(tmp_path, llama_pat
     )
     spec.slot_modules = ["all-linear", "lm_head"]  # slot_modules never reach PEFT: the union is fine there
     spec.tenants[0].target_modules = ["all-linear"]
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
 
 
 INT_FIELDS = [
@@ -495,7 +498,9 @@ def test_integer_bounds_are_the_field_metadata(tmp_path, llama_path, cls, name, 
     def bound_problems(value: int) -> list[str]:
         setattr(owner, name, value)
         return [
-            p.message for p in spec.problems(files=False) if p.field == label and p.message.startswith(label)
+            p.message
+            for p in spec_problems(spec, files=False)
+            if p.field == label and p.message.startswith(label)
         ]
 
     assert bound_problems(int(info.min)) == [] and bound_problems(hi) == []
@@ -518,7 +523,7 @@ def test_a_validation_cache_loads_the_tokenizer_once(tmp_path, llama_path, monke
     cached = mlora_lab.validate.Validator(mlora_lab.validate.ValidationCache())
     assert cached.problems(spec) == [] and cached.problems(spec) == []
     assert len(loads) == 1
-    assert spec.problems() == [] and len(loads) == 2  # JobSpec.problems() remembers nothing
+    assert spec_problems(spec) == [] and len(loads) == 2  # problems() without a cache remembers nothing
     spec.tokenizer = str(tmp_path / "no_tok")  # a failure is not remembered: fixed, it is seen at once
     assert cached.problems(spec) and cached.problems(spec)
     shutil.copytree(llama_path, tmp_path / "no_tok")
@@ -536,14 +541,14 @@ def test_unloadable_model_skips_model_checks_but_reports_the_rest(tmp_path):
 
 def test_serve_mode_allows_no_tenants(tmp_path, llama_path):
     spec = JobSpec(base_model=llama_path, tenants=[], serve=True)
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
 
 
 def test_phi3_fused_projections(tmp_path, tiny_models):
     phi3 = tiny_models("phi3")
     spec = good_spec(phi3, tmp_path)
     spec.tenants[0].target_modules = ["qkv_proj", "gate_up_proj"]
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     spec.tenants[0].target_modules = ["q_proj"]
     (problem,) = texts(spec)
     assert "target_modules not found in the model: q_proj" in problem
@@ -553,17 +558,17 @@ def test_phi3_fused_projections(tmp_path, tiny_models):
 def test_all_linear_and_full_names(tmp_path, llama_path):
     spec = good_spec(llama_path, tmp_path)
     spec.tenants[0].target_modules = ["all-linear"]
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     spec.tenants[0].target_modules = ["model.layers.0.self_attn.q_proj", "self_attn.v_proj"]
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     spec.slot_modules = ["all-linear"]
     spec.tenants.append(Tenant(name="b", data=spec.tenants[0].data, target_modules=["all-linear"]))
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
 
 
 def test_slot_modules_cover_tenants(tmp_path, llama_path):
     spec = good_spec(llama_path, tmp_path, slot_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     spec.tenants[0].target_modules = ["all-linear"]
     (problem,) = texts(spec)
     assert "target_modules all-linear not covered by slot_modules" in problem
@@ -572,8 +577,17 @@ def test_slot_modules_cover_tenants(tmp_path, llama_path):
 def tiny_moe_config(**overrides: Any) -> Any:
     from transformers import Qwen3MoeConfig
 
-    kw = dict(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
-              num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    kw = dict(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     return Qwen3MoeConfig(**{**kw, **overrides})
 
 
@@ -601,7 +615,7 @@ def test_target_parameters_are_checked(tmp_path, moe_path, llama_path):
         in problem
     )
     spec.tenants[0].target_parameters = ["mlp.experts.gate_up_proj", "down_proj"]
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     spec.tenants[0].dropout = 0.1
     assert texts(spec) == [
         "tenant 'a': dropout must be 0 with target_parameters (PEFT has no dropout on expert weights)"
@@ -614,7 +628,7 @@ def test_target_parameters_are_checked(tmp_path, moe_path, llama_path):
 def test_expert_parallel_is_checked_against_the_experts(tmp_path, moe_path, llama_path):
     spec = good_spec(moe_path, tmp_path, tokenizer=llama_path)
     spec.parallel = Parallel(nproc=4, fsdp=2, ep=2)  # ep borrows from all 4 data-parallel ranks
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     spec.parallel = Parallel(nproc=8, ep=8)
     assert texts(spec) == ["parallel.ep = 8 does not divide the 4 experts of each MoE layer"]
     spec.parallel = Parallel(nproc=3, ep=3)
@@ -625,7 +639,7 @@ def test_chat_rows_need_a_chat_template(tmp_path, llama_path):
     spec = good_spec(llama_path, tmp_path)
     chat = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
     spec.tenants[0].eval_data = write(tmp_path / "chat.jsonl", chat)
-    assert spec.problems() == []  # the tiny tokenizer has a chat template
+    assert spec_problems(spec) == []  # the tiny tokenizer has a chat template
     tok = build_tokenizer()
     tok.chat_template = None
     tok.save_pretrained(tmp_path / "plain_tok")
@@ -658,7 +672,7 @@ def test_init_adapter_matching_tenant_validates(tmp_path, llama_path, adapter_di
     spec = good_spec(llama_path, tmp_path)
     t = spec.tenants[0]
     t.init_adapter, t.rank, t.alpha, t.target_modules = adapter_dir, 16, 32, ["v_proj", "q_proj"]
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
 
 
 def test_init_adapter_mismatches_say_what_to_set(tmp_path, llama_path, adapter_dir):
@@ -703,7 +717,7 @@ def test_init_adapter_all_linear_saved_expanded_matches(tmp_path, llama_path, ad
     spec = good_spec(llama_path, tmp_path)
     t = spec.tenants[0]
     t.init_adapter, t.rank, t.alpha, t.target_modules = str(ad), 16, 32, ["all-linear"]
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -778,15 +792,38 @@ DEEP: Any = 1
 for _ in range(40):
     DEEP = [DEEP]
 # Values no field should hold. Each is a way a job.json (or Python code) has broken validators.
-GARBAGE: list[Any] = [None, [], {}, "x" * 10_000_000, 10**400, 10**5000, float("inf"), float("nan"), -1, True,
-                      "\ud800", "a\0b", DEEP, {"k": DEEP}, ["x", 1], [{"name": 1}], 2**63]  # fmt: skip
-GARBAGE_IDS = ["None", "[]", "{}", "10MB", "1e400", "1e5000", "inf", "nan", "-1", "True", "surrogate", "nul",
-               "deep", "deep_dict", "mixed_list", "list_of_dict", "2**63"]  # fmt: skip
+GARBAGE_CASES: list[tuple[str, Any]] = [
+    ("None", None),
+    ("[]", []),
+    ("{}", {}),
+    ("10MB", "x" * 10_000_000),
+    ("1e400", 10**400),
+    ("1e5000", 10**5000),
+    ("inf", float("inf")),
+    ("nan", float("nan")),
+    ("-1", -1),
+    ("True", True),
+    ("surrogate", "\ud800"),
+    ("nul", "a\0b"),
+    ("deep", DEEP),
+    ("deep_dict", {"k": DEEP}),
+    ("mixed_list", ["x", 1]),
+    ("list_of_dict", [{"name": 1}]),
+    ("2**63", 2**63),
+]
+GARBAGE = [value for _, value in GARBAGE_CASES]
+GARBAGE_IDS = [name for name, _ in GARBAGE_CASES]
 TENANT_FIELDS = [f for f in Tenant.__dataclass_fields__ if f != "name"]
 # (field, value) pairs of GARBAGE that are valid (a list: [] is unhashable)
-VALID = [("eval_data", None), ("init_adapter", None), ("max_grad_norm", None), ("target_parameters", []),
-         ("use_rslora", True), ("shuffle", True)] + [(f, 2**63) for f in ("alpha", "lr", "weight_decay", "eps",
-                                                                              "max_grad_norm")]  # fmt: skip
+VALID = [
+    ("eval_data", None),
+    ("init_adapter", None),
+    ("max_grad_norm", None),
+    ("target_parameters", []),
+    ("use_rslora", True),
+    ("shuffle", True),
+    *((f, 2**63) for f in ("alpha", "lr", "weight_decay", "eps", "max_grad_norm")),
+]
 
 
 def test_from_dict_raises_only_spec_error_for_any_input():
@@ -864,20 +901,25 @@ def test_tenant_problems_never_raise(tmp_path, llama_path):
 def test_problems_without_files_reads_no_file(tmp_path, llama_path, monkeypatch):
     import mlora_lab.data
 
-    validate = mlora_lab.validate
-
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("problems(files=False) read a file")
 
-    for module, name in ((validate, "_model_info"), (validate, "_read_json"), (validate, "_safetensors_shapes"),
-                         (mlora_lab.data, "scan_jsonl"), (mlora_lab.data, "target_problem")):  # fmt: skip
-        monkeypatch.setattr(module, name, boom)
+    # every reader, in every module of the validator that holds one (and in the data module)
+    readers = ("model_info", "read_json", "safetensors_shapes", "scan_jsonl", "target_problem")
+    modules = [m for name, m in sys.modules.items() if name.startswith("mlora_lab.validate.")]
+    patched = 0
+    for module in [*modules, mlora_lab.data, mlora_lab.text]:
+        for name in readers:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, boom)
+                patched += 1
+    assert patched >= 8
     spec = JobSpec(
         base_model=llama_path,
         tenants=[Tenant(name="a", data=str(tmp_path / "nope.jsonl"), init_adapter=str(tmp_path / "ad"))],
     )
-    assert spec.problems(files=False) == []
-    assert spec.validate(files=False) is spec
+    assert spec_problems(spec, files=False) == []
+    assert check(spec, files=False) is spec
     spec.tenants[0].rank = 0
     spec.tenants.append(Tenant(name="A", data="x"))
     spec.parallel = Parallel(nproc=2, fsdp=3)
@@ -886,7 +928,7 @@ def test_problems_without_files_reads_no_file(tmp_path, llama_path, monkeypatch)
     assert any("tenant 'A': name differs from 'a' only in case" in p for p in problems)
     assert any("must divide nproc*nnodes" in p for p in problems)
     with pytest.raises(SpecError):
-        spec.validate(files=False)
+        check(spec, files=False)
     monkeypatch.undo()
     assert any("nope.jsonl: file not found" in p for p in texts(spec))  # files=True does read
 
@@ -904,21 +946,21 @@ def test_names_equal_up_to_case_collide(tmp_path, llama_path):
         "case-insensitive filesystems (macOS, Windows): rename one"
     ]
     spec.tenants.pop(1)
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     (problem,) = map(str, tenant_problems(spec, Tenant(name="BOB", data=data)))
     assert problem.startswith("tenant 'BOB': name differs from existing tenant 'bob' only in case")
     assert tenant_problems(spec, Tenant(name="carol", data=data)) == []
 
 
 def test_memory_estimates_catch_absurd_sizes(tmp_path, llama_path, monkeypatch):
-    memory, device = mlora_lab.validate._device_memory()
+    memory, device = mlora_lab.validate.model.device_memory()
     assert memory > 0 and device in ("GPU 0", "RAM")
-    monkeypatch.setattr(mlora_lab.validate, "_device_memory", lambda: (2**30, "GPU 0"))
+    monkeypatch.setattr(mlora_lab.validate.model, "device_memory", lambda: (2**30, "GPU 0"))
     spec = good_spec(llama_path, tmp_path)
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     # nothing is allocated for free slots or max_rank: only the tenants' own tensors count
     spec.max_tenants, spec.max_rank = 1024, 2**16
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     # all-linear on 2 layers: 2,048 in+out features; rank 2**16 x 2,048 x 16 bytes = 2 GiB
     spec.slot_modules = ["all-linear"]
     spec.tenants[0].target_modules, spec.tenants[0].rank = ["all-linear"], 2**16
@@ -932,7 +974,7 @@ def test_memory_estimates_catch_absurd_sizes(tmp_path, llama_path, monkeypatch):
     # logits alone would take 3 GiB is no problem any more
     spec = good_spec(llama_path, tmp_path, seq_len=8192)
     spec.tenants[0].batch_size = 64
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
 
 
 def test_seed_rule_is_what_torch_and_random_accept():
@@ -1091,7 +1133,7 @@ def test_each_hostile_input_is_reported(tmp_path, llama_path, mutate, expected):
     assert any(expected in p for p in problems), problems
     assert not any("internal error" in p or "cannot scan" in p for p in problems), problems
     with pytest.raises(SpecError) as err:
-        spec.validate()
+        check(spec)
     assert expected in str(err.value)
 
 
@@ -1139,7 +1181,7 @@ def test_init_adapter_made_on_another_base_is_reported(tmp_path, llama_path):
     )
     peft_model.save_pretrained(tmp_path / "small_adapter")
     assert (
-        init_spec(small, tmp_path, str(tmp_path / "small_adapter")).problems() == []
+        spec_problems(init_spec(small, tmp_path, str(tmp_path / "small_adapter"))) == []
     )  # on its own base: fine
     (problem,) = texts(init_spec(llama_path, tmp_path, str(tmp_path / "small_adapter")))
     assert problem == (
@@ -1152,17 +1194,24 @@ def test_init_adapter_shapes_from_the_header(tmp_path, llama_path, adapter_dir):
     import torch
 
     prefix = "base_model.model.model.layers.0.self_attn."
-    good = {f"{prefix}q_proj.lora_A.weight": torch.zeros(16, 64), f"{prefix}q_proj.lora_B.weight": torch.zeros(64, 16),
-            f"{prefix}v_proj.lora_A.weight": torch.zeros(16, 64), f"{prefix}v_proj.lora_B.weight": torch.zeros(32, 16)}  # fmt: skip
-    assert init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, good)).problems() == []
+    good = {
+        f"{prefix}q_proj.lora_A.weight": torch.zeros(16, 64),
+        f"{prefix}q_proj.lora_B.weight": torch.zeros(64, 16),
+        f"{prefix}v_proj.lora_A.weight": torch.zeros(16, 64),
+        f"{prefix}v_proj.lora_B.weight": torch.zeros(32, 16),
+    }
+    assert spec_problems(init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, good))) == []
     wide_b = {**good, f"{prefix}v_proj.lora_B.weight": torch.zeros(128, 16)}
     (problem,) = texts(init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, wide_b)))
     assert problem.endswith(
         "init_adapter was made for another base model: model.layers.0.self_attn.v_proj.lora_B is [128, 16] but "
         "v_proj gives 32 outputs"
     )
-    deeper = {**good, "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight": torch.zeros(16, 64),
-              "base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight": torch.zeros(64, 16)}  # fmt: skip
+    deeper = {
+        **good,
+        "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight": torch.zeros(16, 64),
+        "base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight": torch.zeros(64, 16),
+    }
     (problem,) = texts(init_spec(llama_path, tmp_path, adapter_with(tmp_path, adapter_dir, deeper)))
     assert problem == (
         "tenant 'a': init_adapter was made for another base model: it has weights for modules this base model "
@@ -1187,18 +1236,29 @@ def unreadable(adapter_dir: str) -> list[tuple[str, bytes, str]]:
     real = (Path(adapter_dir) / "adapter_model.safetensors").read_bytes()
     n = int.from_bytes(real[:8], "little")
     key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"  # the last one stored
+
+    def n8(size: int) -> bytes:  # a safetensors file starts with its header's length, 8 bytes little-endian
+        return size.to_bytes(8, "little")
+
     return [
         ("empty", b"", "it is empty"),
         ("seven_bytes", real[:7], "it is truncated (7 bytes)"),
-        ("truncated_header", real[:100], f"it is truncated (its header needs {8 + n} bytes, the file has 100)"),
-        ("truncated_data", real[:-500], f"it is truncated (tensor '{key}' ends at byte {len(real) - 8 - n} of "
-                                        f"{len(real) - 508 - n})"),
+        (
+            "truncated_header",
+            real[:100],
+            f"it is truncated (its header needs {8 + n} bytes, the file has 100)",
+        ),
+        (
+            "truncated_data",
+            real[:-500],
+            f"it is truncated (tensor '{key}' ends at byte {len(real) - 8 - n} of {len(real) - 508 - n})",
+        ),
         ("pickle", pickle.dumps({"lora_A": [1.0] * 100}), "it is not a safetensors file (no valid header)"),
         ("zip", b"PK\x03\x04" + bytes(200), "it is not a safetensors file (no valid header)"),
-        ("not_an_object", (4).to_bytes(8, "little") + b"[1]", "it is not a safetensors file (no valid header)"),
-        ("bad_json", (20).to_bytes(8, "little") + b"{" * 20, "it is not a safetensors file (its header is not a JSON object)"),
-        ("bad_entry", (19).to_bytes(8, "little") + b'{"a": {"shape": 1}}', "it is not a safetensors file (bad header entry 'a')"),
-    ]  # fmt: skip
+        ("not_an_object", n8(4) + b"[1]", "it is not a safetensors file (no valid header)"),
+        ("bad_json", n8(20) + b"{" * 20, "it is not a safetensors file (its header is not a JSON object)"),
+        ("bad_entry", n8(19) + b'{"a": {"shape": 1}}', "it is not a safetensors file (bad header entry 'a')"),
+    ]
 
 
 @pytest.mark.parametrize("case", range(9))
@@ -1227,7 +1287,7 @@ def test_init_adapter_on_packed_experts(tmp_path, moe_path, llama_path):
     t = spec.tenants[0]
     t.init_adapter, t.rank, t.alpha = str(tmp_path / "ad"), 4, 8
     t.target_modules, t.target_parameters = ["q_proj"], list(EXPERT_TARGETS)
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     spec.base_model = save_model(tiny_moe_config(moe_intermediate_size=8), tmp_path / "narrow")
     (problem,) = texts(spec)
     assert problem == (
@@ -1261,7 +1321,7 @@ def test_data_whose_rows_all_lose_their_targets(tmp_path, llama_path):
         for field in ("data", "eval_data")
     ]
     spec.seq_len = 64
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
 
 
 def test_data_check_tokenizes_only_until_a_row_keeps_a_target(tmp_path, llama_path, monkeypatch):
@@ -1272,7 +1332,7 @@ def test_data_check_tokenizes_only_until_a_row_keeps_a_target(tmp_path, llama_pa
     monkeypatch.setattr(mlora_lab.data, "tokenize_example", lambda *a: calls.append(a) or real(*a))
     spec = good_spec(llama_path, tmp_path)
     spec.tenants[0].data = write(tmp_path / "many.jsonl", '{"text": "hello world"}\n' * 2000)
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     assert len(calls) == 1  # one row shows the file is usable
 
 

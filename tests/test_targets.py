@@ -25,6 +25,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
 
+from mlora_lab.lab.forms import TenantForm, linear_target_names
 from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.lora.targets import (
     ALL_LINEAR,
@@ -40,7 +41,7 @@ from mlora_lab.lora.targets import (
 from mlora_lab.spec import JobSpec, Tenant, effective_slot_modules
 from mlora_lab.tiny import ARCHITECTURES, MOE_ARCHITECTURES, build_tokenizer, tiny_config
 from mlora_lab.validate import all_linear_names, linear_target_options
-from mlora_lab.widgets import TenantForm, linear_target_names
+from mlora_lab.validate import problems as spec_problems
 
 # The repo's table, plus: a tied-embedding model, and output layers not called lm_head (with
 # transformers v5, GPT-NeoX's own output layer is called lm_head; GPT-NeoX-Japanese keeps embed_out).
@@ -58,12 +59,25 @@ def _config(arch: str, vocab: int) -> transformers.PretrainedConfig:
         return config
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if arch == "gpt_neox_japanese":
-        return transformers.GPTNeoXJapaneseConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
-                                                  num_attention_heads=4, intermediate_multiple_size=2,
-                                                  max_position_embeddings=256, **ids)  # fmt: skip
+        return transformers.GPTNeoXJapaneseConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_multiple_size=2,
+            max_position_embeddings=256,
+            **ids,
+        )
     if arch == "biogpt":
-        return transformers.BioGptConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         intermediate_size=128, max_position_embeddings=256, **ids)  # fmt: skip
+        return transformers.BioGptConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=256,
+            **ids,
+        )
     raise ValueError(arch)
 
 
@@ -212,19 +226,24 @@ def test_naming_the_output_layer_is_consistent(arch, saved, tmp_path):
     ] == [out]
     # the spec: accepted; the effective slots cover it next to an all-linear tenant
     data = write_jsonl(tmp_path / "d.jsonl", task_rows("reverse", 4))
-    spec = JobSpec(base_model=path, seq_len=64, max_rank=8, tenants=[
-        Tenant(name="a", data=data, rank=4, target_modules=["all-linear"]),
-        Tenant(name="h", data=data, rank=4, target_modules=[out]),
-    ])  # fmt: skip
-    assert spec.problems() == []
+    spec = JobSpec(
+        base_model=path,
+        seq_len=64,
+        max_rank=8,
+        tenants=[
+            Tenant(name="a", data=data, rank=4, target_modules=["all-linear"]),
+            Tenant(name="h", data=data, rank=4, target_modules=[out]),
+        ],
+    )
+    assert spec_problems(spec) == []
     assert effective_slot_modules(spec) == ["all-linear", out]
     spec.slot_modules = ["all-linear"]
-    (problem,) = map(str, spec.problems())
+    (problem,) = map(str, spec_problems(spec))
     assert f"tenant 'h': target_modules {out} not covered by slot_modules" in problem
     spec.slot_modules = ["all-linear", out]
-    assert spec.problems() == []
+    assert spec_problems(spec) == []
     spec.tenants[1].target_modules = ["all-linear", out]  # a tenant's list is PEFT's: all-linear alone
-    assert "'all-linear' must be the only entry" in "\n".join(map(str, spec.problems()))
+    assert "'all-linear' must be the only entry" in "\n".join(map(str, spec_problems(spec)))
     # the form: not offered among the all-linear names, but a tenant that names it loads and validates
     form = TenantForm(base_model=path)
     assert out not in form.target_modules.options
@@ -268,9 +287,15 @@ def test_output_layer_without_get_output_embeddings_follows_transformers_convent
     assert output_layer_names(_Plain("proj")) == []  # nothing to go by: every linear is all-linear
     with torch.device("meta"):
         rwkv = transformers.AutoModelForCausalLM.from_config(
-            transformers.RwkvConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, attention_hidden_size=16,
-                                    intermediate_size=32, context_length=16)
-        )  # fmt: skip
+            transformers.RwkvConfig(
+                vocab_size=64,
+                hidden_size=16,
+                num_hidden_layers=1,
+                attention_hidden_size=16,
+                intermediate_size=32,
+                context_length=16,
+            )
+        )
     assert output_layer_names(rwkv) == ["head"]  # by identity, though inner layers are called "output"
     assert "rwkv.blocks.0.attention.output" in linear_module_names(rwkv)
 

@@ -1,17 +1,14 @@
-"""Torch threads per job process (``mlora_lab.threads``, measured in ``benchmarks/threads.py``)."""
+"""Torch threads per job process (``mlora_lab.lab.threads``, measured in ``benchmarks/threads.py``)."""
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 
 import pytest
 
-from mlora_lab import threads
-from mlora_lab.threads import omp_threads, thread_env, threads_per_process, usable_cores
-
-launch = importlib.import_module("mlora_lab.launch")  # the module (``mlora_lab.launch`` is also the function)
+from mlora_lab.lab import launcher, threads
+from mlora_lab.lab.threads import omp_threads, thread_env, threads_per_process, usable_cores
 
 
 def test_rule_leaves_a_core_and_never_oversubscribes():
@@ -46,19 +43,24 @@ class _Done:
 def test_jobs_started_here_count_as_busy(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 16)
-    monkeypatch.setattr(launch, "_started", [])
-    assert launch._job_env(2)["OMP_NUM_THREADS"] == "7"
-    launch._started.extend([(_Alive(), 8), (_Done(), 6)])
-    assert launch._job_env(1)["OMP_NUM_THREADS"] == "7"  # 15 spare - 8 busy; the finished job is forgotten
-    assert len(launch._started) == 1
+    monkeypatch.setattr(launcher, "_started", [])
+    assert launcher.job_env(2)["OMP_NUM_THREADS"] == "7"
+    launcher._started.extend([(_Alive(), 8), (_Done(), 6)])
+    assert launcher.job_env(1)["OMP_NUM_THREADS"] == "7"  # 15 spare - 8 busy; the finished job is forgotten
+    assert len(launcher._started) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
-    assert launch._job_env(1)["OMP_NUM_THREADS"] == "5"
+    assert launcher.job_env(1)["OMP_NUM_THREADS"] == "5"
 
 
 @pytest.mark.parametrize("omp", ["1", "2"])
 def test_the_job_process_runs_with_that_many_torch_threads(omp, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", omp)
-    env = launch._job_env(1)
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    env = launcher.job_env(1)
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == omp

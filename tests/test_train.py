@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from mlora_lab.job.trainer import Trainer
 from mlora_lab.optim import TenantOptimizer
 from mlora_lab.rundir import EvalRow, MetricsReader, MetricsWriter, atomic_write_text, checkpoint
 from mlora_lab.spec import JobSpec, Tenant
-from mlora_lab.train import Trainer
 
 
 def spec_for(base: str, tenants: list[Tenant], **kw) -> JobSpec:
@@ -41,8 +41,12 @@ def test_counters_and_cursors_move_only_when_a_tenant_trains(llama_path, make_da
     trainer.train()
     s, lg = trainer.tenants["short"], trainer.tenants["long"]
     assert (s.step, s.state) == (2, "finished") and (lg.step, lg.state) == (7, "finished")
-    assert s.stream.state_dict()["cursor"] == 6 and s.stream.epoch == 0  # 2 steps x 3 rows, nothing more
-    assert lg.stream.state_dict()["cursor"] == 4 and lg.stream.epoch == 1  # 14 rows = one epoch of 10 + 4
+    assert (
+        s.feed.stream.state_dict()["cursor"] == 6 and s.feed.stream.epoch == 0
+    )  # 2 steps x 3 rows, nothing more
+    assert (
+        lg.feed.stream.state_dict()["cursor"] == 4 and lg.feed.stream.epoch == 1
+    )  # 14 rows = one epoch of 10 + 4
     assert trainer.global_step == 7
     train_rows = [r for r in trainer.history if r["kind"] == "train"]
     assert [r["tenant_step"] for r in train_rows if r["tenant"] == "short"] == [1, 2]
@@ -110,13 +114,13 @@ def test_metrics_reader_never_parses_a_partial_line(tmp_path):
     writer = MetricsWriter(path)
     writer.write(EvalRow(step=1, tenant="a", loss=1.0))
     reader = MetricsReader(path)
-    assert [r["step"] for r in reader.poll()] == [1]
+    assert [r.step for r in reader.poll()] == [1]
     with open(path, "a") as f:
         f.write('{"kind": "eval", "step": 2, "tenant": "a", "lo')  # a row being written
     assert reader.poll() == []
     with open(path, "a") as f:
         f.write('ss": 2.0, "time": 0}\n')
-    assert [r["step"] for r in reader.poll()] == [2]
+    assert [r.step for r in reader.poll()] == [2]
     assert len(reader.rows) == 2
     writer.close()
 

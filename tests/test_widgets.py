@@ -12,9 +12,11 @@ import ipywidgets as W
 import pytest
 
 import mlora_lab.data
+from mlora_lab.lab.fields import LABEL_WIDTH
+from mlora_lab.lab.forms import JobBuilder, TenantForm
 from mlora_lab.rundir import RunState
 from mlora_lab.spec import MAX_LABEL, JobSpec, Parallel, SpecError, Tenant, field_info, fields_info
-from mlora_lab.widgets import LABEL_WIDTH, JobBuilder, TenantForm
+from mlora_lab.validate import problems as spec_problems
 
 LLAMA_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -80,10 +82,23 @@ def test_fields_make_the_matching_tenant(llama_path, make_data):
     assert shown(form.problems_box).endswith("ok</span>")
     t = form.tenant()
     assert t == Tenant(
-        name="alice", data=train, eval_data=evals, rank=16, alpha=32, use_rslora=True, dropout=0.1,
-        target_modules=["k_proj", "down_proj"], lr=pytest.approx(1e-3), schedule="cosine", warmup_steps=5,
-        max_grad_norm=None, max_steps=20, batch_size=2, grad_accum=3, seed=7,
-    )  # fmt: skip
+        name="alice",
+        data=train,
+        eval_data=evals,
+        rank=16,
+        alpha=32,
+        use_rslora=True,
+        dropout=0.1,
+        target_modules=["k_proj", "down_proj"],
+        lr=pytest.approx(1e-3),
+        schedule="cosine",
+        warmup_steps=5,
+        max_grad_norm=None,
+        max_steps=20,
+        batch_size=2,
+        grad_accum=3,
+        seed=7,
+    )
     assert form.max_grad_norm.disabled
 
 
@@ -343,7 +358,7 @@ def test_job_builder_spec_round_trips(llama_path, make_data, tmp_path):
     assert (spec.eval_every, spec.save_every) == (5, 10)
     assert spec.parallel == Parallel(nproc=2, fsdp=2)
     assert JobSpec.from_json(spec.to_json()) == spec
-    assert spec.problems() == [] and builder.problems() == []
+    assert spec_problems(spec) == [] and builder.problems() == []
     assert '"max_rank": 16' in shown(builder.preview)
 
     again = JobBuilder(base_model=llama_path, defaults=spec, max_nproc=4)
@@ -456,8 +471,11 @@ class FakeRun:
 def test_status_follows_the_run_without_a_click(llama_path, make_data, tmp_path, monkeypatch):
     run = FakeRun(tmp_path / "runs" / "r1")
     launched = []
-    monkeypatch.setattr(importlib.import_module("mlora_lab.launch"), "launch",
-                        lambda spec, workdir: launched.append(spec) or run)  # fmt: skip
+    monkeypatch.setattr(
+        importlib.import_module("mlora_lab.lab.launcher"),
+        "launch",
+        lambda spec, workdir: launched.append(spec) or run,
+    )
     builder = builder_with_tenant(llama_path, make_data("text"))
     builder.refresh_s = 0.02
     try:
@@ -485,7 +503,9 @@ def test_status_follows_the_run_without_a_click(llama_path, make_data, tmp_path,
 
 def test_stop_watching_ends_the_status_thread(llama_path, make_data, tmp_path, monkeypatch):
     run = FakeRun(tmp_path / "runs" / "r1")
-    monkeypatch.setattr(importlib.import_module("mlora_lab.launch"), "launch", lambda spec, workdir: run)
+    monkeypatch.setattr(
+        importlib.import_module("mlora_lab.lab.launcher"), "launch", lambda spec, workdir: run
+    )
     builder = builder_with_tenant(llama_path, make_data("text"))
     builder.refresh_s = 0.02
     builder.launch()

@@ -58,8 +58,13 @@ def packed_experts_problem(module: nn.Module) -> str | None:
     E, two_i, H = gate_up.shape
     if two_i % 2 or tuple(down.shape) != (E, H, two_i // 2):
         return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not [E, 2I, H], [E, H, I]"
-    flags = {"is_transposed": False, "has_bias": False, "has_gate": True, "is_concatenated": True,
-             "has_post_expert_norm": False}  # fmt: skip
+    flags = {
+        "is_transposed": False,
+        "has_bias": False,
+        "has_gate": True,
+        "is_concatenated": True,
+        "has_post_expert_norm": False,
+    }
     odd = [f"{k}={getattr(module, k)}" for k, v in flags.items() if getattr(module, k, v) != v]
     if odd:
         return f"uses a layout or gating this LoRA does not reproduce ({', '.join(odd)})"

@@ -220,8 +220,10 @@ class MultiLoRALinear(nn.Module):
         slots = list(dict.fromkeys(slot for slot, _, _ in segments))
         factors = self.factors(slots)  # A, B of slots[k] at 2k, 2k + 1
         where = {slot: 2 * k for k, slot in enumerate(slots)}
-        plan = [(where[slot], (), where[slot] + 1, (), start, end, self.scalings[slot])
-                for slot, start, end in segments]  # fmt: skip
+        plan = [
+            (where[slot], (), where[slot] + 1, (), start, end, self.scalings[slot])
+            for slot, start, end in segments
+        ]
         if self.training and any(self.dropouts[slot] > 0 for slot, _, _ in segments):
             x = self._dropout(x.to(factors[0].dtype), segments)
         return segmented_lora(x, y, tuple(plan), factors)

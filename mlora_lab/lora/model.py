@@ -269,9 +269,17 @@ class MultiLoRAModel(nn.Module):
             )
         slot = self._free_slot(name)
         tenant = TenantAdapter(
-            name, slot, rank, alpha, use_rslora, dropout, _as_list(target_modules), modules,
-            list(target_parameters), params,
-        )  # fmt: skip
+            name,
+            slot,
+            rank,
+            alpha,
+            use_rslora,
+            dropout,
+            _as_list(target_modules),
+            modules,
+            list(target_parameters),
+            params,
+        )
         # Every process draws the same full init from the same seed and keeps its own part of it,
         # so the logical adapter does not depend on how the slots are sharded.
         generator = torch.Generator().manual_seed(seed)
@@ -292,8 +300,9 @@ class MultiLoRAModel(nn.Module):
                     A = torch.empty(rank, layer.in_features)
                     nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
                     B = torch.zeros(layer.out_features, rank)
-                layer.set_slot(slot, self._make(layer, "A", A), self._make(layer, "B", B), rank,
-                               tenant.scaling, dropout)  # fmt: skip
+                layer.set_slot(
+                    slot, self._make(layer, "A", A), self._make(layer, "B", B), rank, tenant.scaling, dropout
+                )
             for param in params:  # packed experts: per-expert A [E, r, in], B [E, out, r]
                 module, attr = self._expert_params[param]
                 experts = self.experts[module]
@@ -308,8 +317,9 @@ class MultiLoRAModel(nn.Module):
                     A = torch.empty(E * rank, inn)
                     nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
                     A, B = A.reshape(E, rank, inn), torch.zeros(E, out, rank)
-                experts.set_slot(slot, attr, self._make(experts, "A", A), self._make(experts, "B", B), rank,
-                                 tenant.scaling)  # fmt: skip
+                experts.set_slot(
+                    slot, attr, self._make(experts, "A", A), self._make(experts, "B", B), rank, tenant.scaling
+                )
         except Exception:
             self._clear(slot)
             raise

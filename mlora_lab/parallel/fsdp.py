@@ -60,13 +60,19 @@ def apply_fsdp(
     # do over a bf16 base. Should a base parameter ever carry a gradient, it is reduced in fp32.
     policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     for block in decoder_blocks(mm.model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    ignored_params=ignored_params, mp_policy=policy)  # fmt: skip
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ignored_params,
+            mp_policy=policy,
+        )
     # The root (embeddings, final norm, output layer) stays unsharded from its forward to the end of
     # the backward: the chunked loss (mlora_lab.memory) calls the output layer after the forward and
     # again in the backward, and the backward would all-gather it again at once anyway.
-    fully_shard(mm.model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored_params,
-                mp_policy=policy)  # fmt: skip
+    fully_shard(
+        mm.model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored_params, mp_policy=policy
+    )
     for module in mm.model.modules():
         if isinstance(module, FSDPModule):
             # A plain SUM (gloo has no PREMUL_SUM): each process's loss is already its share.
@@ -145,9 +151,13 @@ class ShardedTensorIO(TensorIO):
             return super().gather(param, index, local_part)
         placements, shape = self._view_layout(param, index)
         view = DTensor.from_local(
-            local_part.detach().contiguous(), param.device_mesh, placements, run_check=False,
-            shape=shape, stride=torch.empty(shape, device="meta").stride(),
-        )  # fmt: skip
+            local_part.detach().contiguous(),
+            param.device_mesh,
+            placements,
+            run_check=False,
+            shape=shape,
+            stride=torch.empty(shape, device="meta").stride(),
+        )
         return view.full_tensor().cpu()
 
     def copies(self, param: torch.Tensor) -> int:

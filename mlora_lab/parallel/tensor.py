@@ -84,8 +84,10 @@ class _CopyManyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
-        grads = tuple(g if g is not None else torch.zeros(s, dtype=d, device=v)
-                      for g, (s, d, v) in zip(grads, ctx.shapes))  # fmt: skip
+        grads = tuple(
+            g if g is not None else torch.zeros(s, dtype=d, device=v)
+            for g, (s, d, v) in zip(grads, ctx.shapes)
+        )
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=ctx.group)
         out, offset = [], 0
@@ -177,8 +179,11 @@ class TPMultiLoRALinear(MultiLoRALinear):
         """This rank's parts of the tenants' ``A``, ``B``; the replicated factor (``A`` in colwise,
         ``B`` in rowwise) of all of them passes one identity whose backward all-reduces their
         gradients together: one collective per layer, whatever the number of tenants."""
-        local = [t.to_local() if isinstance(t, DTensor) else t
-                 for slot in slots for t in (self.lora_A[slot], self.lora_B[slot])]  # fmt: skip
+        local = [
+            t.to_local() if isinstance(t, DTensor) else t
+            for slot in slots
+            for t in (self.lora_A[slot], self.lora_B[slot])
+        ]
         first = 0 if self.tp_style in COLWISE else 1
         local[first::2] = _CopyManyToTP.apply(self.tp_group, *local[first::2])
         return local

@@ -10,7 +10,7 @@
 <run_dir>/checkpoints/        step_<N>/ = state.json + tensors.safetensors + meta.json (checksums)
 <run_dir>/control/            control messages, their results, and the stop request
 <run_dir>/labels.json         tags and a note, set by people (the job never reads it)
-<run_dir>/slurm.json          the SlurmOptions of a Slurm job (mlora_lab.slurm), reused by a resume
+<run_dir>/slurm.json          the SlurmOptions of a Slurm job (mlora_lab.lab.slurm), reused by a resume
 <run_dir>/slurm.sbatch        its batch script as last submitted (logs/launcher.log: its output)
 <run_dir>/sweep.json          a search inside the job (mlora_lab.search.Sweep), if it runs one
 <run_dir>/search.json         that search's state: trials, rungs, decisions and why (written by rank 0)
@@ -23,10 +23,18 @@ One module per format: :mod:`.files` (layout, names → paths, atomic writes, th
 :mod:`.labels` (tags and note).
 The job, the launcher, the dashboard, the reports and the CLI all go through them; nothing here
 imports the training code or the notebook side.
+
+Importing this package loads no torch: the checkpoint codec (:mod:`.checkpoint`, safetensors and
+torch) is imported on first use of ``rundir.checkpoint`` or ``rundir.CheckpointError``, so the notebook
+side reads a run (status, metrics, logs) without it.
 """
 
-from mlora_lab.rundir import checkpoint, control, labels
-from mlora_lab.rundir.checkpoint import CheckpointError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from mlora_lab.rundir import control, labels
 from mlora_lab.rundir.control import ControlError, ControlMessage, ControlResult, Op
 from mlora_lab.rundir.files import (
     RunDir,
@@ -101,3 +109,16 @@ __all__ = [
     "update_labels",
     "update_status",
 ]
+
+
+if TYPE_CHECKING:  # the same names, imported eagerly, for type checkers
+    from mlora_lab.rundir import checkpoint
+    from mlora_lab.rundir.checkpoint import CheckpointError
+
+
+def __getattr__(name: str) -> Any:
+    """The checkpoint codec, imported when it is first asked for (it loads torch)."""
+    if name in ("checkpoint", "CheckpointError"):
+        codec = importlib.import_module("mlora_lab.rundir.checkpoint")
+        return codec if name == "checkpoint" else codec.CheckpointError
+    raise AttributeError(f"module 'mlora_lab.rundir' has no attribute {name!r}")

@@ -345,8 +345,11 @@ def sent_tenants(run_dir: str | os.PathLike) -> dict[str, SentTenant]:
     is found. Files that are not well-formed messages are left out."""
     run = RunDir(run_dir)
     found: list[tuple[str, ControlMessage, bool]] = []
-    for folder, answered in ((run.control / "done", True), (run.control / "applying", False),
-                             (run.control, False)):  # fmt: skip
+    for folder, answered in (
+        (run.control / "done", True),
+        (run.control / "applying", False),
+        (run.control, False),
+    ):
         try:
             paths = list(run.inside(folder).iterdir())
         except (FileNotFoundError, NotADirectoryError, RunDirError):

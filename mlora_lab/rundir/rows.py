@@ -25,12 +25,15 @@ that was rewritten (resume drops the rows after its checkpoint) or replaced is n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import os
 import time
 import types
 import typing
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -73,10 +76,53 @@ class EventKind(TextEnum):
 
 @dataclass
 class Row:
+    """One line of metrics.jsonl. Readers get the typed row of its ``kind`` (:meth:`from_dict`) and
+    key on its class and attributes; :meth:`to_dict` is the JSON object the line holds."""
+
     kind: ClassVar[RowKind]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        """The row as a JSON object: ``kind`` first, then the fields in order, enums as their text."""
+        d = {"kind": self.kind.value, **vars(self)}
+        for name in ENUM_FIELDS[self.kind.value]:
+            d[name] = d[name].value
+        return d
+
+    @staticmethod
+    def from_dict(d: Any) -> Row:
+        """The typed row of a parsed line (a :class:`TrainRow` for ``{"kind": "train", ...}``, ...);
+        ``ValueError`` naming the problem when it is not a row (:func:`row_problem`). Fields a newer
+        writer added are dropped; optional fields an older one did not write are ``None``."""
+        return _row_of(d.copy() if type(d) is dict else d)
+
+
+def _row_of(d: Any) -> Row:
+    """:meth:`Row.from_dict` of a dict nobody else holds (a line just parsed): it becomes the row's
+    attributes."""
+    # A reader sees every row, and checking a row's fields one by one costs more than parsing its
+    # line. A row with exactly this writer's keys, in order, whose value types were already found
+    # good together (remembered per kind), needs only its enum values checked.
+    kind = d.get("kind") if type(d) is dict else None
+    good = _GOOD_TYPES.get(kind) if type(kind) is str else None
+    if good is None or tuple(d) != _KEY_ORDER[kind] or tuple(map(type, d.values())) not in good:
+        problem = row_problem(d)
+        if problem is not None:
+            raise ValueError(problem)
+        if tuple(d) != _KEY_ORDER[kind]:  # an older or newer writer's row: the dataclass fills it in
+            return ROW_TYPES[kind](**{name: d[name] for name in _FIELD_NAMES[kind] if name in d})
+        if len(good) < 64:  # (each float field may be null: a few layouts per kind)
+            good.add(tuple(map(type, d.values())))
+    # Exactly the fields of this writer's rows, in order, of the right types: built without the
+    # dataclass __init__ (which costs as much again).
+    row = object.__new__(ROW_TYPES[kind])
+    del d["kind"]
+    row.__dict__ = d
+    for name, enum in ENUM_FIELDS[kind].items():
+        try:
+            d[name] = enum(d[name])
+        except ValueError:
+            raise ValueError(f"{kind} row: {name!r} has the wrong type or value (str)") from None
+    return row
 
 
 @dataclass
@@ -147,6 +193,9 @@ class TenantRow(Row):
     reason: str | None = None
     time: float = field(default_factory=time.time)
 
+    def __post_init__(self) -> None:
+        self.state = TenantState(self.state)
+
 
 @dataclass
 class EventRow(Row):
@@ -155,6 +204,9 @@ class EventRow(Row):
     event: EventKind
     message: str = ""
     time: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.event = EventKind(self.event)
 
 
 ROW_TYPES: dict[RowKind, type[Row]] = {t.kind: t for t in (TrainRow, EvalRow, SystemRow, TenantRow, EventRow)}
@@ -194,6 +246,19 @@ def _schema(row_type: type[Row]) -> tuple[tuple[str, bool, frozenset[type], froz
 
 
 SCHEMAS = {kind.value: _schema(t) for kind, t in ROW_TYPES.items()}
+_FIELD_NAMES = {kind: tuple(name for name, *_ in schema) for kind, schema in SCHEMAS.items()}
+_KEY_ORDER = {kind: ("kind", *names) for kind, names in _FIELD_NAMES.items()}
+ENUM_FIELDS: dict[str, dict[str, type[Enum]]] = {
+    kind.value: {
+        f.name: hint
+        for f in dataclasses.fields(t)
+        if isinstance(hint := typing.get_type_hints(t)[f.name], type) and issubclass(hint, Enum)
+    }
+    for kind, t in ROW_TYPES.items()
+}
+"""Per kind, the fields that hold an enum (a tenant row's ``state``, an event row's ``event``)."""
+_GOOD_TYPES: dict[str, set[tuple[type, ...]]] = {kind: set() for kind in SCHEMAS}
+"""Per kind, the value types (in field order) of rows that passed :func:`row_problem` (see ``_row_of``)."""
 
 
 def row_problem(row: Any) -> str | None:
@@ -276,18 +341,34 @@ class MetricsWriter:
             self._fd = -1
 
 
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """No garbage collection while rows are read in bulk. Every typed row is an object the cyclic
+    collector tracks (a parsed line's dict of numbers and text is not), so reading 100k rows would
+    run it hundreds of times over a growing heap; none of them can find garbage (rows hold no
+    cycles). It runs again as usual afterwards (if it was on: a caller's own setting is kept)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class MetricsReader:
-    """Reads metrics.jsonl incrementally: remembers its byte offset and line number, never parses a
-    partial line, skips bad lines (one warning each, naming file and line), and starts over when the
-    file was rewritten or replaced (``generation`` then increases: callers that keep derived state,
-    like a dashboard, rebuild it from ``rows``)."""
+    """The one reader of metrics.jsonl: typed rows (:class:`TrainRow`, :class:`EvalRow`, ...), read
+    incrementally. It remembers its byte offset and line number, never parses a partial line, skips
+    bad lines (one warning each, naming file and line), and starts over when the file was rewritten or
+    replaced (``generation`` then increases: callers that keep derived state, like a dashboard,
+    rebuild it from ``rows``)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.offset = 0
         self.line = 0
         self.generation = 0
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[Row] = []
         self.skipped = 0
         self._ino: int | None = None
 
@@ -296,7 +377,7 @@ class MetricsReader:
         self.rows = []
         self.generation += 1
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[Row]:
         """Rows appended since the last call (also kept in ``self.rows``). After a rewrite, every row
         of the new file (and ``generation`` has moved on)."""
         try:
@@ -316,25 +397,24 @@ class MetricsReader:
         if end < 0:
             return []
         new = []
-        for raw in chunk[: end + 1].split(b"\n")[:-1]:
-            self.line += 1
-            if not raw.strip():
-                continue
-            try:
-                row = orjson.loads(raw)
-                problem = row_problem(row)
-            except orjson.JSONDecodeError as e:
-                problem = f"not valid JSON ({str(e).split(':')[0]})"
-            if problem:
-                self.skipped += 1
-                warnings.warn(
-                    f"{self.path} line {self.line}: skipped ({problem})", RuntimeWarning, stacklevel=2
-                )
-                continue
-            new.append(row)
+        with collection_paused():
+            for raw in chunk[: end + 1].split(b"\n")[:-1]:
+                self.line += 1
+                if not raw.strip():
+                    continue
+                try:
+                    new.append(_row_of(orjson.loads(raw)))
+                except orjson.JSONDecodeError as e:
+                    self._skip(f"not valid JSON ({str(e).split(':')[0]})")
+                except ValueError as e:
+                    self._skip(str(e))
         self.offset += end + 1
         self.rows.extend(new)
         return new
+
+    def _skip(self, problem: str) -> None:
+        self.skipped += 1
+        warnings.warn(f"{self.path} line {self.line}: skipped ({problem})", RuntimeWarning, stacklevel=3)
 
 
 def truncate_after(path: str | os.PathLike, step: int) -> None:

@@ -20,8 +20,19 @@ import psutil
 
 from mlora_lab.rundir.files import RunDir, RunDirError, TextEnum, atomic_write_json
 
-JOB_MODULE = "mlora_lab.train"
-"""Every process of a job (the torchrun agent and its workers) has this in its command line."""
+JOB_MODULE = "mlora_lab.job"
+"""The module a job's processes run (``python -m mlora_lab.job RUN_DIR``): every process of a job (the
+torchrun agent and its workers) has it in its command line."""
+
+JOB_MODULES = (JOB_MODULE, "mlora_lab.train")
+"""Job modules of this and earlier versions (a job started before the job moved to ``mlora_lab.job`` ran
+``mlora_lab.train``; a run directory it left must still be recognised as running)."""
+
+
+def is_job_command(cmdline: list[str]) -> bool:
+    """Whether a process's command line is that of a training job's process."""
+    line = " ".join(cmdline)
+    return any(module in line for module in JOB_MODULES)
 
 
 class RunState(TextEnum):
@@ -74,7 +85,7 @@ class ProcessIdentity:
                 return False  # the pid now belongs to another process
             if p.status() == psutil.STATUS_ZOMBIE:
                 return False
-            return JOB_MODULE in " ".join(p.cmdline())
+            return is_job_command(p.cmdline())
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return False
 

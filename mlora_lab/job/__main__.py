@@ -1,0 +1,189 @@
+"""Entry point of a training process: ``python -m mlora_lab.job RUN_DIR [--resume]``, started by torchrun::
+
+    torchrun --nproc-per-node 2 --rdzv-backend mlora-loopback -m mlora_lab.job runs/<id>
+
+Redirects the process's output to ``logs/rank<R>.log``, watches the torchrun agent (a worker whose agent
+was killed exits instead of training on as an orphan), turns SIGTERM/SIGINT into a graceful stop
+(finish the step, checkpoint, save, exit), takes the run directory's lock (rank 0: one job per
+directory), re-checks job.json, records the run's state in status.json, and trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from mlora_lab.job.trainer import Trainer
+from mlora_lab.parallel import init_distributed, shutdown_distributed
+from mlora_lab.rundir import (
+    ProcessIdentity,
+    RunDir,
+    RunDirError,
+    RunLock,
+    RunState,
+    read_status,
+    update_status,
+)
+from mlora_lab.rundir.status import this_host
+from mlora_lab.spec import JobSpec, SpecError
+from mlora_lab.validate import problems
+
+
+class LogStream(io.TextIOBase):
+    """A job's stdout/stderr: a line that cannot be written (the disk is full) is dropped, never
+    raised, so a full disk does not turn the next ``print`` into the end of a shared job."""
+
+    def __init__(self, fd: int) -> None:
+        self._f = os.fdopen(fd, "w", buffering=1, errors="backslashreplace")
+
+    def write(self, s: str) -> int:
+        with contextlib.suppress(OSError):
+            self._f.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+
+def redirect_output(path: Path) -> None:
+    """Send this process's stdout and stderr (Python and C level) to ``path`` (never through a
+    symlink planted there)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = LogStream(1)
+    sys.stderr = LogStream(2)
+
+
+def job_process() -> ProcessIdentity | None:
+    """The process that stands for the whole job on this node: the torchrun agent (this worker's
+    parent) under torchrun, else this process."""
+    return ProcessIdentity.of(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid())
+
+
+def exit_with_agent(poll_s: float = 1.0) -> None:
+    """Under torchrun, end this worker when its agent is gone (SIGKILLed, or killed by the OOM killer).
+
+    The agent stops its workers itself when it can; killed outright, it cannot, and torchrun has put
+    each worker in a session of its own, so nothing else reaches them: they would go on training as
+    orphans, holding the run directory and the device. A daemon thread watches the parent pid."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(poll_s)
+        print(f"the torchrun agent (pid {agent}) is gone: this worker exits", flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mlora-agent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for torchrun: ``python -m mlora_lab.job RUN_DIR [--resume]``."""
+    parser = argparse.ArgumentParser(description="mlora_lab training job (started by torchrun)")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint")
+    args = parser.parse_args(argv)
+    run = RunDir(args.run_dir)
+    rank = int(os.environ.get("RANK", 0))
+    redirect_output(run.log(rank))
+    exit_with_agent()
+    node = os.environ.get("SLURMD_NODENAME")  # under Slurm: the node as the cluster names it
+    where = (
+        f"Slurm node {node} (host {this_host()}, job {os.environ.get('SLURM_JOB_ID')})"
+        if node
+        else this_host()
+    )
+    print(f"[rank {rank}] pid {os.getpid()} on {where}", flush=True)
+    trainer: Trainer | None = None
+    signalled = False
+
+    def on_signal(signum, frame):  # graceful stop: finish the step, checkpoint, save, exit
+        nonlocal signalled
+        signalled = True
+        if trainer is not None:
+            trainer.stop_requested = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # Ctrl-C in a terminal reaches every rank: as graceful
+    lock = RunLock(run)
+    if rank == 0:
+        # One job per run directory: a launch hands the lock over within seconds; a second job on
+        # the same directory never gets it, and leaves that directory's status alone.
+        try:
+            lock.acquire(timeout=60)
+        except (RunDirError, OSError) as e:
+            print(f"not starting: {e}", flush=True)
+            return 1
+    dist = None
+    try:
+        dist = init_distributed()
+        spec = JobSpec.load(run.job)
+        # job.json may have been edited since the launch. (A sweep's job may have no tenant of its own:
+        # its trials come from the search, so it is checked as a job that waits for tenants.)
+        check = dataclasses.replace(spec, serve=True) if run.sweep.is_file() else spec
+        found = problems(check, files=False)
+        if found:
+            raise SpecError(found)
+        if dist.is_main:
+            me = job_process()
+            update_status(
+                run.root,
+                state=RunState.RUNNING,
+                pid=me.pid if me else None,
+                pid_start_time=me.start_time if me else None,
+                host=me.host if me else None,
+                error=None,
+                ended=None,
+            )
+        trainer = Trainer(spec, run.root, dist, resume=args.resume)
+        trainer.stop_requested |= signalled
+        trainer.train()
+        trainer.close()
+        if dist.is_main:
+            state = RunState.STOPPED if trainer.stop_requested else RunState.FINISHED
+            update_status(run.root, state=state, ended=time.time())
+        print(f"[rank {dist.rank}] done after {trainer.global_step} steps", flush=True)
+        return 0
+    except BaseException as exc:
+        traceback.print_exc()
+        try:
+            current = read_status(run.root)
+        except RunDirError:
+            current = None
+        if current is None or current.state is not RunState.FAILED:  # keep the first rank's error
+            try:
+                error = f"rank {rank}: {type(exc).__name__}: {exc}"
+                update_status(run.root, state=RunState.FAILED, ended=time.time(), error=error)
+            except OSError as e:  # a full disk: status.json keeps its last (intact) content and the
+                print(f"status.json not updated: {e}", flush=True)  # notebook side sees the job gone
+        return 1
+    finally:
+        shutdown_distributed()
+        lock.release()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

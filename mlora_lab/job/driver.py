@@ -1,0 +1,132 @@
+"""The driver seam: where the training loop takes its work from.
+
+The loop (:meth:`~mlora_lab.job.trainer.Trainer.step`) knows how to run one mixed-tenant step and
+nothing about where the rows come from::
+
+    plans  = [d.plan() for d in drivers]                      # each driver: its tenants' rows
+    batch  = engine.forward(rows of every plan)               # one forward of the shared base
+    L      = Σ_t  driver(t).loss(t, ℓ[rows of t], labels)     # each tenant's loss from its rows
+    L.backward()                                              # gradients reach only each tenant's slot
+    for t in the plans' complete tenants:                     # agreed on every rank: clip by t's own
+        AdamW step of t (or quarantine if NaN/inf or raised)  #   norm, quarantine the non-finite
+        driver(t).stepped(t, result)                          # counters, rows, finishing
+
+A **driver** owns the tenants it :meth:`~Driver.accepts` and, for each, a :class:`~.tenants.Feed` (its
+per-tenant state, saved in checkpoints). Per step it returns a :class:`Plan`: which of its running
+tenants take part (the same list on every process), this process's rows of each, which ones complete a
+window with this step (their optimiser steps after the backward), and which raised while preparing
+(quarantined on every process). Its :meth:`~Driver.loss` turns a tenant's per-token losses
+``ℓ [n, T-1]`` (fp32 cross entropy of each next token, 0 where the label is ignored; ``-ℓ`` is the
+token's log-probability) into the tenant's loss on this process, a scalar whose gradient summed over
+the processes is the tenant's gradient.
+
+The first driver is :class:`~.filedata.FileData` (SFT rows from a tenant's data file). Another driver
+(RL rollouts with a reward, requests of a training service) is added beside it in
+:mod:`mlora_lab.job.drivers`, not by editing the loop.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mlora_lab.data import Example
+from mlora_lab.job.engine import Engine
+from mlora_lab.job.recorder import Recorder
+from mlora_lab.job.tenants import Feed, TenantPool, TenantRun
+from mlora_lab.spec import JobSpec, Tenant
+
+
+@dataclass
+class Plan:
+    """One driver's share of a step."""
+
+    tenants: list[TenantRun]  # taking part in this step (the same list on every process)
+    rows: dict[str, list[Example]]  # this process's rows of each (a tenant may have none here)
+    complete: list[str] = field(default_factory=list)  # whose optimiser steps after this backward
+    failed: dict[str, str] = field(default_factory=dict)  # whose part raised here, with why
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A tenant's optimiser step: its loss over the window (summed over the processes), the learning
+    rate it used and its gradient norm before clipping."""
+
+    loss: float
+    lr: float
+    grad_norm: float
+
+
+@dataclass(frozen=True)
+class JobParts:
+    """What a driver may be built with: the job's spec and its shared parts."""
+
+    spec: JobSpec
+    engine: Engine
+    pool: TenantPool
+    recorder: Recorder
+
+
+class Driver(ABC):
+    """A source of work for the training loop (see the module docstring)."""
+
+    @abstractmethod
+    def accepts(self, tenant: Tenant) -> bool:
+        """Whether this driver feeds ``tenant``."""
+
+    @abstractmethod
+    def feed(self, tenant: Tenant) -> Feed:
+        """``tenant``'s per-tenant state, ready to train (reads its inputs). May raise: no slot is touched."""
+
+    @abstractmethod
+    def plan(self) -> Plan | None:
+        """This step's work for this driver's running tenants; ``None`` when it has none now."""
+
+    @abstractmethod
+    def loss(self, t: TenantRun, token_loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Tenant ``t``'s loss on this process from its rows' per-token losses ``token_loss`` [n, T-1]
+        and their labels [n, T] (in the order the plan gave the rows)."""
+
+    def stepped(self, t: TenantRun, result: StepResult) -> None:  # noqa: B027 (a hook: may do nothing)
+        """``t`` took an optimiser step (its counter ``t.step`` already moved)."""
+
+    def evaluate(self, only: Sequence[str] | None = None) -> dict[str, float]:
+        """Eval losses of this driver's tenants (or of those ``only``). A collective."""
+        return {}
+
+    def waiting(self) -> bool:
+        """Whether work may still come with none of its tenants running (a service waiting for requests)."""
+        return False
+
+
+DriverFactory = Callable[[JobParts], Driver]
+
+
+class Drivers:
+    """The job's drivers, in order of precedence: a tenant belongs to the first that accepts it."""
+
+    def __init__(self, drivers: Sequence[Driver]) -> None:
+        self.all = list(drivers)
+
+    def __iter__(self) -> Iterator[Driver]:
+        return iter(self.all)
+
+    def of(self, tenant: Tenant) -> Driver:
+        for d in self.all:
+            if d.accepts(tenant):
+                return d
+        raise ValueError(f"no driver of this job takes tenant {tenant.name!r}")
+
+    def feed(self, tenant: Tenant) -> Feed:
+        """The :data:`~.tenants.FeedFor` of the pool: ``tenant``'s feed, made by its driver."""
+        return self.of(tenant).feed(tenant)
+
+    def evaluate(self, only: Sequence[str] | None = None) -> dict[str, float]:
+        """Eval losses of every driver's tenants (or of those ``only``). A collective."""
+        out: dict[str, float] = {}
+        for d in self.all:
+            out |= d.evaluate(only)
+        return out

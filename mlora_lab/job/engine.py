@@ -1,0 +1,143 @@
+"""The engine: the shared frozen base with every tenant's LoRA slot, and the one forward all drivers share.
+
+:meth:`Engine.forward` takes the rows of a step, grouped by tenant, and returns the per-token loss of
+every row under its own tenant's adapter:
+
+1. the groups are collated into one right-padded batch ``[B, T]``, tenant by tenant (packed rows carry
+   restarting ``position_ids`` instead of a 2-D mask), and the model learns each row's slot
+   (:meth:`~mlora_lab.lora.MultiLoRAModel.set_segments`);
+2. the base runs once for the whole batch (with activation checkpointing, every k-th decoder block
+   recomputes its activations in the backward: :mod:`mlora_lab.memory`);
+3. the loss ``ℓ[b, p] = logsumexp(z) − z[y]`` of each target position is computed in chunks from the final
+   hidden states, never holding the full ``[B, T, V]`` logits (:func:`~mlora_lab.memory.token_loss`).
+
+Drivers turn these per-token values into each tenant's loss; the engine knows nothing of windows,
+rewards or requests. Built once per process by :meth:`Engine.build`, which is where the parallel layout
+is applied (:func:`~mlora_lab.parallel.parallelize`): the model code itself stays plain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import transformers
+
+from mlora_lab.bases import resolve_base
+from mlora_lab.data import IGNORE_INDEX, Batch, Example, check_vocab, collate, load_examples
+from mlora_lab.lora import MultiLoRAModel
+from mlora_lab.memory import (
+    causal_lm_token_loss,
+    checkpoint_blocks,
+    chunk_tokens_for,
+    hidden_states,
+    output_layer,
+    token_loss,
+)
+from mlora_lab.parallel import Collectives, ParallelDims, parallelize
+from mlora_lab.spec import JobSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Engine:
+    """The model with its slots, its tokenizer, and the forward of one mixed-tenant batch."""
+
+    def __init__(
+        self,
+        model: MultiLoRAModel,
+        tokenizer,
+        comm: Collectives,
+        base_path: str,
+        seq_len: int,
+        vocab_rows: int,
+    ) -> None:
+        self.model, self.tokenizer, self.comm = model, tokenizer, comm
+        self.device = comm.device
+        self.base_path, self.seq_len = base_path, seq_len
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        self.pad_id: int = pad
+        self.vocab_rows = vocab_rows  # of the unsharded embedding
+        # The loss is computed from the output layer's input in chunks (mlora_lab.memory); models
+        # whose forward post-processes the logits keep the full-logits loss.
+        self.head = output_layer(model.model)
+        self.chunk_tokens = chunk_tokens_for(self.vocab_rows)
+
+    @classmethod
+    def build(cls, spec: JobSpec, dims: ParallelDims, mesh, comm: Collectives) -> Engine:
+        """Load the base (a GGUF base from its converted cache), give it ``spec.max_tenants`` slots on
+        ``spec.slot_modules`` (and the tenants' target parameters), checkpoint its blocks if asked, and
+        apply the parallel layout. Slots are fixed for the life of the job."""
+        base_path = str(resolve_base(spec.base_model))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(spec.tokenizer or base_path)
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPES[spec.dtype])
+        base.to(comm.device)
+        vocab_rows = base.get_input_embeddings().weight.shape[0]  # before any sharding
+        model = MultiLoRAModel(
+            base,
+            max_tenants=spec.max_tenants,
+            max_rank=spec.max_rank,
+            slot_modules=spec.slot_modules,
+            slot_parameters=sorted({p for t in spec.tenants for p in t.target_parameters}),
+            wrap_experts=dims.ep > 1,
+        )
+        # Checkpoint blocks before FSDP wraps them: its hooks stay outside the recomputed region.
+        checkpoint_blocks(model.model, int(spec.activation_checkpointing))
+        parallelize(model, dims, mesh, comm.device.type, comm.dp_group)
+        return cls(model, tokenizer, comm, base_path, spec.seq_len, vocab_rows)
+
+    # -- data ------------------------------------------------------------------------------------
+    def examples(self, path: str | Path) -> list[Example]:
+        """A data file tokenized for this base, every token inside its embedding."""
+        examples = load_examples(path, self.tokenizer, self.seq_len)
+        check_vocab(examples, self.vocab_rows, str(path))  # no row of it may index past the embedding
+        return examples
+
+    def local_rows(self, rows: Sequence[Example]) -> list[Example]:
+        """This data-parallel process's share of a tenant's rows: ``d, d + D, ...``."""
+        return list(rows[self.comm.dp_rank :: self.comm.dp_size])
+
+    # -- the forward -----------------------------------------------------------------------------
+    def forward(self, groups: Sequence[tuple[str | None, list[Example]]]) -> tuple[Batch, torch.Tensor]:
+        """Collate ``groups`` into one batch, run the base with every row's LoRA, and return the batch
+        and the per-token loss ``[B, T-1]`` (fp32, 0 on ignored tokens). A process with no rows still
+        runs one padding row, so that it takes part in every collective of the forward/backward."""
+        if not any(rows for _, rows in groups):
+            groups = [(None, [Example([self.pad_id, self.pad_id], [IGNORE_INDEX, IGNORE_INDEX])])]
+        batch = collate(groups, self.pad_id).to(self.device)
+        self.model.set_segments(batch.segments, batch.num_rows)
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
+        if batch.position_ids is not None:  # packed rows: documents are told apart by their positions
+            inputs["position_ids"] = batch.position_ids
+            del inputs["attention_mask"]  # (transformers reads packing only without a 2-D mask)
+        if self.head is None:
+            return batch, causal_lm_token_loss(self.model.model(**inputs).logits, batch.labels)
+        with hidden_states(self.head):
+            hidden = self.model.model(**inputs).logits  # [B, T, H]: the output layer's input
+        # Chunks follow tenants only where the output layer has their LoRA; else any rows share one
+        slotted = [g for g in batch.segments if g[0] is not None and self._head_slotted(g[0])]
+        return batch, token_loss(hidden, batch.labels, self._project, slotted, self.chunk_tokens)
+
+    def _head_slotted(self, tenant: str) -> bool:
+        """Whether the output layer carries ``tenant``'s LoRA."""
+        ranks = getattr(self.head, "ranks", None)
+        return ranks is not None and ranks[self.model.tenants[tenant].slot] > 0
+
+    def _project(self, tenant: str | None, h: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, V]`` of ``h`` [n, H], rows of ``tenant`` (its slot, if the output layer has
+        one), for the chunked loss."""
+        slots = [] if tenant is None else [(self.model.tenants[tenant].slot, 0, h.shape[0])]
+        with self.model.routed(slots, h.shape[0]):
+            return self.head(h)
+
+    # -- adapters --------------------------------------------------------------------------------
+    def save_adapter(self, name: str, path: Path | None) -> Path | None:
+        """Write tenant ``name``'s adapter as a PEFT directory at ``path``: full tensors gathered on every
+        process (a collective), written by the caller that passes a ``path`` (rank 0), atomically."""
+        tensors = self.model.tenant_tensors(name)
+        if path is None:
+            return None
+        return self.model.save_adapter(name, path, self.base_path, tensors=tensors)

@@ -1,0 +1,143 @@
+"""What the job writes about itself: metrics rows, events and each rank's system meters.
+
+Rank 0 appends every row to ``metrics.jsonl`` (:class:`~mlora_lab.rundir.MetricsWriter`); every rank
+also keeps the rows in memory (:attr:`Recorder.history`), which the in-job search reads and in-process
+tests inspect. A row that cannot be written (a full disk) is kept in memory and said once per kind of
+error: training goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+
+import psutil
+import torch
+
+from mlora_lab.parallel import Collectives
+from mlora_lab.rundir import EventKind, EventRow, MetricsWriter, Row, RowKind, RunDir, SystemRow
+
+
+class Recorder:
+    """Rows of one job. ``step`` is the global step the rows are stamped with; the trainer moves it."""
+
+    def __init__(self, run: RunDir | None, comm: Collectives, is_main: bool, log_every: int = 1) -> None:
+        self.run, self.comm, self.is_main, self.log_every = run, comm, is_main, log_every
+        self.step = 0
+        self.history: list[dict] = []  # every row, also kept in memory
+        self.metrics: MetricsWriter | None = None
+        self._write_errors: set[str] = set()
+        self._cpu: CpuMeter | None = None
+        self._gpu: GpuMeter | None = None
+
+    def open(self) -> None:
+        """Start appending to metrics.jsonl (rank 0; after a resume has cut the rows past its checkpoint)."""
+        if self.run is not None and self.is_main:
+            self.metrics = MetricsWriter(self.run.metrics)
+
+    def start_meters(self) -> None:
+        """CPU and GPU use are measured from here (set-up excluded) to each system row."""
+        self._cpu, self._gpu = CpuMeter(), GpuMeter(self.comm.device)
+
+    def log(self, row: Row) -> None:
+        self.history.append(row.to_dict())
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.write(row)
+        except OSError as e:  # e.g. a full disk: training goes on; say so once per kind of error
+            if str(e) not in self._write_errors:
+                self._write_errors.add(str(e))
+                print(f"metrics.jsonl: cannot write ({e}); rows are kept in memory", flush=True)
+
+    def event(self, event: EventKind, message: str) -> None:
+        print(f"[{event.value}] {message}", flush=True)
+        self.log(EventRow(step=self.step, event=event, message=message))
+
+    def system(self, step_time: float, tokens: int) -> None:
+        """One ``system`` row per rank (gathered to rank 0): memory, step time, throughput, CPU/GPU use.
+        A collective every ``log_every`` steps."""
+        if self.step % self.log_every:
+            return
+        mem, peak = memory_bytes(self.comm.device)
+        cpu = self._cpu.percent() if self._cpu else None
+        gpu = self._gpu.utilization() if self._gpu else None
+        per_rank = self.comm.gather_objects((mem, peak, step_time, tokens, cpu, gpu))
+        total_tokens = sum(r[3] for r in per_rank)
+        for rank, (mem, peak, step_time, _, cpu, gpu) in enumerate(per_rank):
+            self.log(
+                SystemRow(
+                    step=self.step,
+                    rank=rank,
+                    mem_bytes=mem,
+                    peak_mem_bytes=peak,
+                    step_time=step_time,
+                    tokens_per_s=total_tokens / step_time if step_time > 0 else 0.0,
+                    cpu_percent=cpu,
+                    gpu_util=gpu,
+                )
+            )
+
+    def losses(self, tenant: str) -> list[float]:
+        """Per-step training losses of ``tenant`` (from the in-memory rows)."""
+        return [r["loss"] for r in self.history if r["kind"] == RowKind.TRAIN and r["tenant"] == tenant]
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+class CpuMeter:
+    """CPU used by this process and its live children between two calls of :meth:`percent`."""
+
+    def __init__(self) -> None:
+        self._me = psutil.Process()
+        self._times = self._tree_times()
+        self._at = time.monotonic()
+
+    def _tree_times(self) -> dict[int, float]:
+        """CPU seconds (user + system) of this process and each live descendant, by pid."""
+        times = {}
+        with contextlib.suppress(psutil.Error):
+            procs = [self._me, *self._me.children(recursive=True)]
+            for p in procs:
+                with contextlib.suppress(psutil.Error):  # a child may exit while we look
+                    t = p.cpu_times()
+                    times[p.pid] = t.user + t.system
+        return times
+
+    def percent(self) -> float | None:
+        """Percent of one core used since the previous call (or since this meter was made)."""
+        times, now = self._tree_times(), time.monotonic()
+        # a child born since the previous call used all of its time inside the interval
+        used = sum(max(t - self._times.get(pid, 0.0), 0.0) for pid, t in times.items())
+        elapsed, self._times, self._at = now - self._at, times, now
+        return 100.0 * used / elapsed if elapsed > 0 else None
+
+
+class GpuMeter:
+    """GPU utilisation of this process's device (``torch.cuda.utilization``, through NVML); ``None``
+    on CPU, and from the first failure on (no ``pynvml``, no NVML driver) without trying again."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._available = device.type == "cuda"
+
+    def utilization(self) -> float | None:
+        if not self._available:
+            return None
+        try:
+            return float(torch.cuda.utilization(self.device))
+        except Exception:  # pynvml missing, or NVML not usable here: the field stays empty
+            self._available = False
+            return None
+
+
+def memory_bytes(device: torch.device) -> tuple[int, int]:
+    """(current, peak) memory of this process: torch.cuda figures on GPU, RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    rss = psutil.Process().memory_info().rss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return rss, max(peak, rss)

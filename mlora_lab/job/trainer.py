@@ -1,0 +1,374 @@
+"""The training job: many LoRA tenants, one frozen base, mixed-tenant batches.
+
+Run by torchrun (``mlora-lab run job.json`` does this for you; see :mod:`mlora_lab.job.__main__`)::
+
+    torchrun --nproc-per-node 2 --rdzv-backend mlora-loopback -m mlora_lab.job runs/<id>   # reads runs/<id>/job.json
+    torchrun --nproc-per-node 1 --rdzv-backend mlora-loopback -m mlora_lab.job runs/<id> --resume
+
+or in-process, for tests and notebooks::
+
+    trainer = Trainer(JobSpec.load("job.json"), run_dir=None)
+    trainer.train()
+
+The :class:`Trainer` composes; it holds no tenant logic of its own. Its set-up phases build each part
+with what that part needs: the parallel layout and :class:`~mlora_lab.parallel.Collectives`; the
+:class:`~.engine.Engine` (the base with its slots, the one forward); the :class:`~.recorder.Recorder`
+(metrics rows); the :class:`~.tenants.TenantPool` (slots and tenant lifecycle); the drivers (where each
+tenant's work comes from: :mod:`~.driver`); the control handler; a search, if the run is a sweep; the
+:class:`~.checkpointer.Checkpointer`. Then it restores or starts the tenants.
+
+The story of one global step (:meth:`Trainer.step`):
+
+1. every driver plans its running tenants' share of the step (:class:`~.driver.Plan`): for the file-data
+   driver, each tenant's next ``batch_size`` rows of its window, this process's share of them;
+2. the rows of every plan go through the base once (:meth:`~.engine.Engine.forward`): per-token losses
+   ``ℓ [B, T-1]``, each row under its own tenant's adapter;
+3. each tenant's driver makes its loss ``L_t`` from its rows' ``ℓ``, and we back-propagate ``Σ_t L_t``;
+   each row only sees its own tenant's slot, so ``∂L/∂slot_t = ∂L_t/∂slot_t``;
+4. each tenant whose window is complete takes one AdamW step (own schedule, own clipping by its own
+   global gradient norm); a tenant whose loss or gradient is NaN/inf, or whose own part of the step
+   raised, is quarantined instead, on every process, and the others go on exactly as without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mlora_lab.job.agree import Change
+from mlora_lab.job.checkpointer import Checkpointer
+from mlora_lab.job.control import ControlHandler, Controls
+from mlora_lab.job.driver import Driver, DriverFactory, Drivers, JobParts, Plan, StepResult
+from mlora_lab.job.drivers import DEFAULT_DRIVERS
+from mlora_lab.job.engine import Engine
+from mlora_lab.job.recorder import Recorder
+from mlora_lab.job.search import SearchController, read_sweep
+from mlora_lab.job.tenants import TenantPool, TenantRun
+from mlora_lab.optim import step_many
+from mlora_lab.parallel import Collectives, DistInfo, ParallelDims
+from mlora_lab.rundir import ControlMessage, EventKind, RunDir, TenantState, checkpoint, control, rows
+from mlora_lab.spec import JobSpec, Tenant, effective_slot_modules
+
+
+class SaveError(RuntimeError):
+    """The job's final adapters or checkpoint could not be written (e.g. the disk is full)."""
+
+
+class Trainer:
+    """One job on one process: set-up (in ``__init__``) → :meth:`train`."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        run_dir: str | Path | None = None,
+        dist: DistInfo | None = None,
+        resume: bool = False,
+        drivers: Sequence[DriverFactory] = DEFAULT_DRIVERS,
+    ) -> None:
+        # The job's own copy: tenants added while it runs (and its slot modules) are recorded in it,
+        # never in the caller's spec.
+        self.spec = spec = copy.deepcopy(spec)
+        self.dist = dist or DistInfo()
+        self.run = RunDir(run_dir).create() if run_dir is not None else None
+        self.stop_requested = False
+        torch.manual_seed(spec.seed)
+        self.comm, mesh = self._layout()
+        self._record_slots()
+        self.engine = Engine.build(spec, self.dims, mesh, self.comm)
+        self.recorder = Recorder(self.run, self.comm, self.dist.is_main, spec.log_every)
+        self.pool = TenantPool(spec, self.engine, self.recorder, self.run, self.dist.is_main)
+        parts = JobParts(spec, self.engine, self.pool, self.recorder)
+        self.drivers = Drivers([make(parts) for make in drivers])
+        controls = Controls(self.pool, self.drivers.feed, self.run)
+        self.control = ControlHandler(self.run, self.comm, self.dist.is_main, controls)
+        self.checkpointer = Checkpointer(self.run, self.comm, self.dist.is_main)
+        self.search: SearchController | None = None
+        self._start_tenants(resume)
+        self.control.start(self.global_step)
+        self.recorder.start_meters()
+
+    # -- set-up phases -----------------------------------------------------------------------------
+    def _layout(self) -> tuple[Collectives, Any]:
+        """The parallel layout: one place decides it; the model stays plain until the engine applies it."""
+        p = self.spec.parallel
+        self.dims = ParallelDims(self.dist.world_size, fsdp=p.fsdp, tp=p.tp, ep=p.ep)
+        mesh = self.dims.build_mesh(self.dist.device.type)
+        return Collectives(self.dims, mesh, self.dist.device), mesh
+
+    def _record_slots(self) -> None:
+        """Slots are fixed for the life of the job: record them in job.json, so tenants added later are
+        checked against the layers that really have slots."""
+        self.spec.slot_modules = effective_slot_modules(self.spec)
+        if self.run is not None and self.dist.is_main:
+            self.spec.to_json(self.run.job)
+
+    def _start_tenants(self, resume: bool) -> None:
+        """Fill the slots: from the newest intact checkpoint (``resume``), else job.json's tenants fresh.
+        A sweep's trials are started, paused and restored by its search; on resume the job starts only
+        those that held a slot in the checkpoint."""
+        saved, skipped = None, []
+        if resume:
+            path, skipped = self.checkpointer.choose()
+            if path is None:
+                why = "".join(f"\n  {name}: {reason}" for name, reason in skipped)
+                where = self.run.checkpoints if self.run else None
+                raise FileNotFoundError(f"--resume: no intact checkpoint in {where}{why}")
+            saved = self.checkpointer.read(path)
+            if self.run is not None and self.dist.is_main:
+                rows.truncate_after(self.run.metrics, saved["global_step"])
+        self.recorder.open()
+        if saved is not None:
+            self.recorder.step = saved["global_step"]
+            for name, reason in skipped:
+                self.recorder.event(
+                    EventKind.CHECKPOINT_SKIPPED, f"{name} is damaged and was skipped: {reason}"
+                )
+            self.pool.removed = set(saved["removed"])
+        sweep = read_sweep(self.run) if self.run is not None else None
+        if sweep is not None:
+            self.search = SearchController(
+                sweep,
+                self.pool,
+                self.drivers.feed,
+                self.recorder,
+                self.comm,
+                self.drivers.evaluate,
+                self.run,
+                self.dist.is_main,
+                saved.get("search") if saved is not None else None,
+            )
+        not_in_slots = self.search.not_in_slots() if self.search is not None else set()
+        in_checkpoint = saved["tenants"] if saved is not None else {}
+        for tenant in self.spec.tenants:
+            if tenant.name not in self.pool.removed and tenant.name not in not_in_slots:
+                # a tenant added after the last checkpoint has no state in it: it starts afresh
+                self.pool.start(tenant, self.drivers.feed, log=tenant.name not in in_checkpoint)
+        for name, s in in_checkpoint.items():  # in the checkpoint, but job.json could not record it
+            if name not in self.pool and name not in self.pool.unstarted:
+                tenant = Tenant.from_dict(s["spec"])
+                self.spec.tenants.append(tenant)
+                self.pool.start(tenant, self.drivers.feed, log=False)
+        if saved is not None:
+            self.checkpointer.load(saved, self.parts())
+            self.recorder.event(EventKind.RESUMED, f"from {path.name} on {self.dist.world_size} process(es)")
+
+    # -- the parts -------------------------------------------------------------------------------
+    def parts(self) -> dict[str, Any]:
+        """The job's ``Stateful`` parts, as the checkpointer saves them."""
+        parts: dict[str, Any] = {"job": self, "tenants": self.pool}
+        if self.search is not None:
+            parts["search"] = self.search
+        return parts
+
+    def state_dict(self) -> dict[str, Any]:
+        """The job's own state: its global step, the world size it ran on, and the RNG state."""
+        return {
+            "global_step": self.global_step,
+            "world_size": self.dist.world_size,
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.recorder.step = state["global_step"]
+        torch.set_rng_state(state["rng"])
+
+    @property
+    def global_step(self) -> int:
+        return self.recorder.step
+
+    @property
+    def model(self):
+        """The :class:`~mlora_lab.lora.MultiLoRAModel` (base + slots)."""
+        return self.engine.model
+
+    @property
+    def tenants(self) -> dict[str, TenantRun]:
+        return self.pool.tenants
+
+    @property
+    def unstarted(self) -> dict[str, str]:
+        return self.pool.unstarted
+
+    @property
+    def history(self) -> list[dict]:
+        return self.recorder.history
+
+    def losses(self, tenant: str) -> list[float]:
+        """Per-step training losses of ``tenant`` (from the in-memory rows)."""
+        return self.recorder.losses(tenant)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def train(self, idle_s: float = 0.5) -> None:
+        """Run global steps until every tenant is done (or a stop is requested). In serve mode, while
+        some tenant is paused, or while a driver or the search may still bring work, the job then idles,
+        polling for control messages every ``idle_s`` seconds, until there is work again or it is stopped."""
+        self.model.train()
+        self.poll()
+        while not self.stop_requested:
+            if self.step():
+                if self.spec.eval_every and self.global_step % self.spec.eval_every == 0:
+                    self.evaluate()
+                if self.spec.save_every and self.global_step % self.spec.save_every == 0:
+                    self.save(final=False)
+            elif self.spec.serve or self.pool.any_paused() or any(d.waiting() for d in self.drivers):
+                time.sleep(idle_s)  # nothing to train now: wait cheaply for new or resumed tenants
+            elif not (self.search is not None and self.search.active):
+                break
+            self.poll()
+        if not self.stop_requested:
+            self.evaluate()  # (of the tenants that have eval data)
+        self.save(final=True)
+
+    def step(self) -> bool:
+        """One global step over every running tenant of every driver; False when there is none."""
+        plans = [(d, p) for d in self.drivers if (p := d.plan()) is not None]
+        if not plans:
+            return False
+        t0 = time.perf_counter()
+        owner = {t.name: d for d, p in plans for t in p.tenants}
+        groups = [(t.name, p.rows.get(t.name, [])) for _, p in plans for t in p.tenants]
+        batch, token_loss = self.engine.forward(groups)
+        total = token_loss.sum() * 0.0  # keeps every process's graph connected even without rows
+        for name, start, end in batch.segments:
+            if name is None:
+                continue
+            t = self.pool[name]
+            loss_t = owner[name].loss(t, token_loss[start:end], batch.labels[start:end])
+            t.window_loss += loss_t.detach()
+            total = total + loss_t
+        if total.requires_grad:  # (a single process whose rows all failed has nothing to train)
+            total.backward()
+        self.recorder.step += 1
+        for t in owner:
+            self.pool[t].accumulating = True
+        self._optimizer_steps(plans, owner)
+        self.recorder.system(time.perf_counter() - t0, int(batch.attention_mask.sum()))
+        return True
+
+    def _optimizer_steps(self, plans: list[tuple[Driver, Plan]], owner: dict[str, Driver]) -> None:
+        """One optimiser step for each tenant whose window is complete.
+
+        One all-reduce over every process carries, per tenant of the step, its squared gradient norm
+        (for clipping) and a flag for "its part of the step raised somewhere", so every process
+        quarantines the same tenants; one more sums the window losses over the data-parallel ranks.
+        With several processes, a last tiny all-reduce agrees on optimiser steps that raised."""
+        active = [t for _, p in plans for t in p.tenants]
+        complete = [n for _, p in plans for n in p.complete]  # the same on every process
+        failed = {n: why for _, p in plans for n, why in p.failed.items()}
+        ready = {name for name in complete if name not in failed}
+        # Gradients are summed over the data-parallel ranks here, once per window and only for the
+        # tenants that step: one flat all-reduce per group (mlora_lab.parallel).
+        self.model.reduce_gradients(complete)
+        local = torch.zeros(len(active), 2, dtype=torch.float64)
+        for i, t in enumerate(active):
+            if t.name in ready:
+                t.optimizer.bind()
+                local[i, 0] = t.optimizer.local_sq_norm()
+            local[i, 1] = float(t.name in failed)
+        agreed = self.comm.sum_over_world(local)
+        stepping, sq = [], {}
+        for t, (sq_t, flag) in zip(active, agreed):
+            if flag > 0:
+                self.pool.quarantine(
+                    t, f"its step raised {failed.get(t.name, 'an error on another process')}"
+                )
+            elif t.name in ready:
+                stepping.append(t)
+                sq[t.name] = sq_t
+        losses = self.comm.sum_over_dp(torch.stack([t.window_loss for t in stepping])) if stepping else []
+        finite = []
+        for t, loss in zip(stepping, losses):
+            if not (torch.isfinite(sq[t.name]) and torch.isfinite(loss)):
+                what = "loss" if not torch.isfinite(loss) else "gradient norm"
+                norm = float(sq[t.name]) ** 0.5
+                self.pool.quarantine(t, f"non-finite {what}: loss={float(loss)}, grad_norm={norm}")
+                continue
+            finite.append((t, StepResult(float(loss), t.optimizer.lr, float(sq[t.name].sqrt().float()))))
+        # every tenant's AdamW step in a few multi-tensor calls (mlora_lab.optim.step_many)
+        errors = step_many([(t.optimizer, sq[t.name].sqrt()) for t, _ in finite])
+        raised = {finite[i][0].name: why for i, why in errors.items()}
+        if self.dims.world_size > 1 and stepping:
+            flags = self.comm.sum_over_world(torch.tensor([float(t.name in raised) for t in stepping]))
+            raised |= {
+                t.name: raised.get(t.name, "an error on another process")
+                for t, f in zip(stepping, flags)
+                if f
+            }
+        for t, result in finite:
+            if t.name in raised:
+                continue
+            t.optimizer.zero_grad()
+            t.step += 1
+            t.new_window()
+            owner[t.name].stepped(t, result)
+            if t.step == 1 and t.state is TenantState.RUNNING:
+                # Its AdamW state exists from its first step on: a memory row says so (a tenant that
+                # finished with this step got its final row already).
+                self.pool.log_tenant(t)
+        for t in stepping:
+            if t.name in raised:
+                self.pool.quarantine(t, f"its optimiser step raised {raised[t.name]}")
+
+    def evaluate(self, only: Sequence[str] | None = None) -> dict[str, float]:
+        """Eval losses of every tenant with eval data (or of those ``only``). A collective."""
+        return self.drivers.evaluate(only)
+
+    # -- control ---------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """At a step boundary, on every rank: apply queued control messages, let the search decide, and
+        agree on a stop (the stop file, or SIGTERM/SIGINT on any rank)."""
+        if self.run is not None:
+            self.control.poll(self.global_step)
+            stop = control.stop_requested(self.run.root) or self.stop_requested
+            if self.dims.world_size > 1:
+                stop = bool(self.comm.sum_over_world(torch.tensor([float(stop)]))[0] > 0)
+            self.stop_requested = stop
+        if self.search is not None:
+            self.search.poll()
+
+    def apply_control(self, msg: dict | ControlMessage) -> None:
+        """Apply one control message right now, in this process (prepare + commit); raises, changing
+        nothing, if it cannot be applied. The job itself goes through :class:`~.control.ControlHandler`."""
+        if isinstance(msg, dict):
+            msg_id = control.new_message_id()
+            msg = ControlMessage.parse({**msg, "id": msg_id}, msg_id)
+        change: Change = self.control.controls.prepare(msg)
+        change.commit()
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path | None:
+        """Write ``checkpoints/step_<N>`` (see :class:`~.checkpointer.Checkpointer`). A collective."""
+        return self.checkpointer.save(self.global_step, self.parts())
+
+    def save(self, final: bool) -> None:
+        """Save every adapter and, when checkpointing (``save_every``, or a stop), a checkpoint.
+
+        A periodic save that fails (a full disk, say) is recorded as an ``event`` row and training
+        goes on: every earlier checkpoint is intact, and the shared job keeps its tenants. A final
+        save that fails raises :class:`SaveError` naming what was not saved, so the run ends
+        ``failed`` rather than claiming a result it does not have."""
+        problems = []
+        for name in list(self.pool.tenants):
+            try:
+                self.pool.save_adapter(name)
+            except checkpoint.WRITE_ERRORS as e:
+                problems.append(f"adapter of {name!r}: {e}")
+        if self.spec.save_every or self.stop_requested or not final:
+            try:
+                self.save_checkpoint()
+            except checkpoint.WRITE_ERRORS as e:
+                problems.append(f"checkpoint at step {self.global_step}: {e}")
+        if not problems:
+            return
+        message = "; ".join(problems)
+        if final:
+            raise SaveError(f"could not save: {message}")
+        self.recorder.event(EventKind.SAVE_FAILED, message)
+
+    def close(self) -> None:
+        self.recorder.close()

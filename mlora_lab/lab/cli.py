@@ -1,0 +1,470 @@
+"""The ``mlora-lab`` command line.
+
+mlora-lab run job.json        validate, launch under torchrun (or --launcher slurm), follow until it ends
+mlora-lab sweep sweep.json    a hyperparameter search inside one job (ASHA, PBT, grid, random), followed
+mlora-lab demo                build a tiny model + 3 tenants, train them together, summarise
+mlora-lab status RUN_DIR      state and per-tenant summary of a run
+mlora-lab stop RUN_DIR        graceful stop (checkpoint, save adapters, exit)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+import pandas as pd
+from tqdm import tqdm
+
+from mlora_lab.lab.handles import attach
+from mlora_lab.lab.launcher import LAUNCHERS, launch, prepare_run, resume
+from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
+from mlora_lab.lab.slurm import SlurmOptions
+from mlora_lab.rundir import (
+    ControlError,
+    EventRow,
+    Row,
+    RunDirError,
+    RunState,
+    TenantRow,
+    TenantState,
+    TrainRow,
+)
+from mlora_lab.search import dist_from_dict, strategy_from_dict
+from mlora_lab.spec import JobSpec, SpecError, Tenant
+
+# What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
+# resumed): one clear message and exit code 2, never a traceback. (A damaged checkpoint's
+# CheckpointError is a RuntimeError: the codec, and torch, are not imported to name it.)
+USER_ERRORS = (SpecError, RunDirError, ControlError, FileNotFoundError, RuntimeError)
+
+
+PROGRESS_EVERY_S = 10.0
+"""Without a terminal (CI, a pipe, a log file), a progress line at most this often ..."""
+PROGRESS_EVERY_FRACTION = 0.1
+"""... or when the steps done have grown by this fraction of all steps since the last one."""
+ENDED_EARLY = frozenset({TenantState.REMOVED, TenantState.FAILED, TenantState.REFUSED})
+"""Tenant states that end a tenant before its ``max_steps``: progress counts the steps it took."""
+
+
+class Follower:
+    """What a terminal shows of a run: one line per change (the run's state, a tenant's state with
+    its reason, a job event) and the progress, from the rows the run writes.
+
+    Progress counts optimiser steps over all tenants: ``total`` is the sum of their ``max_steps`` (a
+    tenant that was removed, failed or refused counts the steps it took), so it reaches 100 % when
+    the last tenant is done, and grows when a tenant is added while the job runs."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.started = time.monotonic()
+        self.run_state: RunState | None = None
+        self.states: dict[str, TenantState] = {}
+        self.steps: dict[str, int] = {}
+        self.losses: dict[str, float | None] = {}
+        self.max_steps = {t.name: t.max_steps for t in run.spec.tenants}
+        self._looked_up = set(self.max_steps)  # names whose max_steps we tried to find
+        self._events: set[tuple] = set()
+
+    def _stamp(self, text: str) -> str:
+        seconds = int(time.monotonic() - self.started)
+        return f"[{seconds // 60:02d}:{seconds % 60:02d}] {text}"
+
+    def see_state(self, state: RunState) -> list[str]:
+        """Lines for a change of the run's state."""
+        if state == self.run_state:
+            return []
+        self.run_state = state
+        why = f" ({self.run.reason})" if state is RunState.QUEUED and self.run.reason else ""
+        return [self._stamp(f"run {state.value}{why}")]
+
+    def see_rows(self, rows: list[Row]) -> list[str]:
+        """Take in new rows; the lines they call for (repeated rows, as after a resume re-reads the
+        file, call for none)."""
+        lines = []
+        for r in rows:
+            if isinstance(r, TrainRow):
+                self.steps[r.tenant] = r.tenant_step
+                self.losses[r.tenant] = r.loss
+            elif isinstance(r, TenantRow) and self.states.get(r.tenant) != r.state:
+                # (a tenant's second ``running`` row only adds its optimiser memory: not a change)
+                self.states[r.tenant] = r.state
+                reason = f": {r.reason}" if r.reason else ""
+                lines.append(self._stamp(f"tenant {r.tenant} {r.state}{reason}"))
+            elif isinstance(r, EventRow) and (key := (r.step, r.event, r.message)) not in self._events:
+                self._events.add(key)
+                lines.append(self._stamp(f"{r.event} at step {r.step}: {r.message}"))
+        if not self._looked_up.issuperset(self.states):  # a tenant added while the job runs
+            for name, spec in self.run.tenant_specs().items():
+                if spec is not None:
+                    self.max_steps.setdefault(name, spec.max_steps)
+            self._looked_up |= set(self.states)
+        return lines
+
+    @property
+    def done(self) -> int:
+        return sum(min(step, self.max_steps.get(n, step)) for n, step in self.steps.items())
+
+    @property
+    def total(self) -> int:
+        total = 0
+        for name in {*self.max_steps, *self.steps}:
+            if self.states.get(name) in ENDED_EARLY or name not in self.max_steps:
+                total += self.steps.get(name, 0)
+            else:
+                total += self.max_steps[name]
+        return total
+
+    def tenants_text(self) -> str:
+        """Each tenant's step (of its max_steps) and latest loss, compact."""
+        parts = []
+        for name in dict.fromkeys([*self.max_steps, *self.steps]):  # job.json's order, then added ones
+            loss = self.losses.get(name)
+            of = f"/{self.max_steps[name]}" if name in self.max_steps else ""
+            parts.append(f"{name} {self.steps.get(name, 0)}{of}" + ("" if loss is None else f" {loss:.3f}"))
+        return " | ".join(parts)
+
+    def progress_line(self) -> str:
+        total = self.total
+        share = f" ({100 * self.done // total}%)" if total else ""
+        return self._stamp(f"steps {self.done}/{total}{share}  {self.tenants_text()}")
+
+
+def follow(run: Run, out: TextIO | None = None, poll: float = 0.5, tty: bool | None = None) -> RunState:
+    """Show ``run`` until it ends; return its final state.
+
+    A line for each change (see :class:`Follower`); the progress is one live tqdm bar on a terminal,
+    and otherwise (``out`` is not a terminal, or ``tty=False``) a plain line at most every
+    ``PROGRESS_EVERY_S`` seconds or ``PROGRESS_EVERY_FRACTION`` of the steps, and one at the end: a
+    log of a long run stays short."""
+    out = sys.stdout if out is None else out
+    tty = out.isatty() if tty is None else tty
+    print(f"run directory: {run.path}", file=out, flush=True)
+    seen = Follower(run)
+    bar = tqdm(total=seen.total, file=out, unit="step", dynamic_ncols=True) if tty else None
+    shown_at, shown_done = time.monotonic(), 0
+    cursor = (0, 0)
+    try:
+        while True:
+            state = run.status
+            new, cursor = run.rows_since(cursor)
+            # The job writes its rows before its final state: a final state is said after them.
+            changed, lines = seen.see_state(state), seen.see_rows(new)
+            lines = lines + changed if state.final else changed + lines
+            for line in lines:
+                if bar is not None:
+                    bar.write(line, file=out)
+                else:
+                    print(line, file=out, flush=True)
+            done, total = seen.done, seen.total
+            if bar is not None:
+                if total != bar.total:  # a tenant was added, or ended early
+                    bar.total = total
+                    bar.refresh()
+                bar.set_postfix_str(seen.tenants_text(), refresh=False)
+                bar.update(done - bar.n)  # redraws at most every tqdm.mininterval
+            elif done != shown_done and (
+                state.final
+                or time.monotonic() - shown_at >= PROGRESS_EVERY_S
+                or done - shown_done >= PROGRESS_EVERY_FRACTION * max(total, 1)
+            ):
+                print(seen.progress_line(), file=out, flush=True)
+                shown_at, shown_done = time.monotonic(), done
+            if state.final:
+                return run.wait()
+            time.sleep(poll)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def summary_text(run: Run) -> str:
+    """:func:`~mlora_lab.lab.report.summary` of ``run`` as a table for a terminal (long reasons cut)."""
+    from mlora_lab.lab.report import summary
+
+    table = summary(run)
+    table["reason"] = table["reason"].fillna("")
+    with pd.option_context("display.width", 200, "display.max_columns", 40, "display.precision", 4):
+        return table.to_string(index=False, max_colwidth=60)
+
+
+def print_outcome(run: Run, state: str, out=sys.stdout) -> None:
+    print("\n" + summary_text(run), file=out)
+    if state != RunState.FINISHED:
+        print(f"\nrun {state}: {run.error or ''}\n--- rank 0 log tail ---\n{run.logs(0, 30)}", file=out)
+    else:
+        print(f"\nadapters (PEFT format): {run.path / 'adapters'}", file=out)
+
+
+def follow_to_exit(run: Run, no_follow: bool = False) -> int:
+    """Follow ``run`` to its end and summarise it (or just print its directory); the exit code."""
+    if no_follow:
+        print(run.path)
+        return 0
+    state = follow(run)
+    print_outcome(run, state)
+    return 0 if state == RunState.FINISHED else 1
+
+
+def slurm_options(args: argparse.Namespace) -> SlurmOptions | None:
+    """The Slurm options given on the command line; None when none is (a launch then uses the
+    defaults, a resume the run's own)."""
+    fields = {k: getattr(args, k) for k in ("partition", "time", "gpus_per_node", "cpus_per_task", "account")}
+    given = {k: v for k, v in fields.items() if v is not None}
+    extra, setup = list(args.sbatch_arg or []), list(args.setup or [])
+    if not given and not extra and not setup:
+        return None
+    return SlurmOptions(**given, extra=extra, setup=setup)
+
+
+def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "Slurm (with --launcher slurm; the run directory must be on a filesystem every node sees)"
+    )
+    g.add_argument("--partition", default=None)
+    g.add_argument("--time", default=None, help="time limit, in a Slurm format: 30, 04:00:00, 1-12:00:00")
+    g.add_argument(
+        "--gpus-per-node", type=int, default=None, help="GPUs per node (parallel.nproc: one rank per GPU)"
+    )
+    g.add_argument("--cpus-per-task", type=int, default=None, help="CPU cores per node")
+    g.add_argument("--account", default=None)
+    g.add_argument(
+        "--sbatch-arg",
+        action="append",
+        metavar="OPTION",
+        help="a further sbatch option, e.g. --sbatch-arg=--qos=high (repeatable)",
+    )
+    g.add_argument(
+        "--setup",
+        action="append",
+        metavar="LINE",
+        help="a shell line the batch script runs first, e.g. 'module load cuda' (repeatable)",
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    run = launch(
+        JobSpec.load(args.job), workdir=args.workdir, launcher=args.launcher, slurm=slurm_options(args)
+    )
+    return follow_to_exit(run, args.no_follow)
+
+
+SWEEP_KEYS = ("job", "space", "strategy", "budget", "seed", "objective", "mode", "base")
+
+
+def load_sweep_file(path: Path) -> dict:
+    """``sweep.json`` for the command line: ``{"job": <job.json's object, or its path>, "space": {...},
+    "strategy": {"kind": "asha", "n": 16, "min_steps": 20}, "budget": 180, "seed": 0,
+    "objective": "eval_loss", "mode": "min"}``; the base tenant is the job's first (or ``"base"``)."""
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found") from None
+    except (OSError, ValueError) as e:
+        raise SpecError([f"{path}: not readable JSON ({e})"]) from None
+    if not isinstance(d, dict) or "job" not in d or "space" not in d or "strategy" not in d:
+        raise SpecError(
+            [
+                f"{path}: needs an object with 'job', 'space' and 'strategy' (and optionally "
+                "'budget', 'seed', 'objective', 'mode', 'base')"
+            ]
+        )
+    unknown = set(d) - set(SWEEP_KEYS)
+    if unknown:
+        raise SpecError([f"{path}: unknown keys {sorted(unknown)}; known: {', '.join(SWEEP_KEYS)}"])
+    job = d["job"]
+    spec = JobSpec.load(Path(path).parent / job) if isinstance(job, str) else JobSpec.from_dict(job)
+    try:
+        strategy = strategy_from_dict(d["strategy"])
+        space = (
+            {k: dist_from_dict(v) for k, v in d["space"].items()} if isinstance(d["space"], dict) else None
+        )
+    except ValueError as e:
+        raise SpecError([f"{path}: {e}"]) from None
+    base = Tenant.from_dict(d["base"]) if "base" in d else None
+    return {
+        "spec": spec,
+        "space": space,
+        "strategy": strategy,
+        "budget": d.get("budget"),
+        "base": base,
+        "seed": d.get("seed", 0),
+        "objective": d.get("objective", "eval_loss"),
+        "mode": d.get("mode", "min"),
+    }
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from mlora_lab.lab.sweeps import sweep
+
+    d = load_sweep_file(args.sweep)
+    run = sweep(
+        d.pop("spec"),
+        d.pop("space"),
+        d.pop("strategy"),
+        d.pop("budget"),
+        workdir=args.workdir,
+        launcher=args.launcher,
+        slurm=slurm_options(args),
+        **d,
+    )
+    if args.no_follow:
+        print(run.path)
+        return 0
+    state = follow(run)
+    print_outcome(run, state)
+    with pd.option_context("display.width", 200, "display.max_columns", 40, "display.precision", 4):
+        print(
+            "\ntrials, best first:\n"
+            + run.results().drop(columns=["adapter"]).to_string(index=False, max_colwidth=50)
+        )
+    best = run.best()
+    if best is not None:
+        print(
+            f"\nbest: {best['tenant']} {best['config']} objective {best['objective']:.4g} -> {best['adapter']}"
+        )
+    return 0 if state == RunState.FINISHED else 1
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    # launchers/ start the processes themselves, on one node or many
+    run = prepare_run(JobSpec.load(args.job), workdir=args.workdir, launcher=None)
+    print(run.root)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from mlora_lab.lab.demo import build_demo
+    from mlora_lab.lab.report import plot_losses
+
+    work = Path(args.workdir)
+    kind = "Qwen3-MoE" if args.moe else "Llama-style"
+    print(f"building a tiny {kind} model, a local tokenizer and 3 tenants' data in {work}/ ...", flush=True)
+    spec = build_demo(work, steps=args.steps, nproc=args.nproc, moe=args.moe)
+    run = launch(spec, workdir=work / "runs")
+    code = follow_to_exit(run)
+    png = work / "loss_curves.png"
+    plot_losses(run, png)
+    print(f"loss curves: {png}")
+    return code
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    run = resume(
+        args.run_dir,
+        nproc=args.nproc,
+        fsdp=args.fsdp,
+        ep=args.ep,
+        tp=args.tp,
+        nnodes=args.nnodes,
+        launcher=args.launcher,
+        slurm=slurm_options(args),
+    )
+    return follow_to_exit(run, args.no_follow)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    run = attach(args.run_dir)
+    state = run.reconcile()
+    print(f"{run.path}: {state} (step {run.global_step})")
+    if state is RunState.QUEUED and run.reason:
+        print(f"queued: {run.reason}")
+    elif run.error:
+        print(f"error: {run.error}")
+    labels = run.labels
+    if labels.tags:
+        print(f"tags: {', '.join(labels.tags)}")
+    if labels.note:
+        print(f"note: {labels.note}")
+    print(summary_text(run))
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    run = attach(args.run_dir)
+    state = run.stop(timeout=args.timeout)
+    print(f"{run.path}: {state}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlora-lab", description="Multi-tenant LoRA lab")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="launch a job.json under torchrun and follow it")
+    p.add_argument("job", type=Path)
+    p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where run directories go (unless output_dir)")
+    p.add_argument("--no-follow", action="store_true", help="print the run directory and return at once")
+    p.add_argument(
+        "--launcher",
+        default="local",
+        choices=LAUNCHERS,
+        help="where the job runs: local (torchrun here) or slurm (sbatch; parallel.nnodes nodes)",
+    )
+    add_slurm_arguments(p)
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("sweep", help="launch a hyperparameter search inside one job and follow it")
+    p.add_argument("sweep", type=Path)
+    p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where run directories go (unless output_dir)")
+    p.add_argument("--no-follow", action="store_true", help="print the run directory and return at once")
+    p.add_argument("--launcher", default="local", choices=LAUNCHERS)
+    add_slurm_arguments(p)
+    p.set_defaults(func=cmd_sweep)
+    p = sub.add_parser("prepare", help="validate a job.json and create its run directory (for launchers/)")
+    p.add_argument("job", type=Path)
+    p.add_argument("--workdir", default=DEFAULT_WORKDIR)
+    p.set_defaults(func=cmd_prepare)
+    p = sub.add_parser("demo", help="train three tenants on a tiny model built locally")
+    p.add_argument("--workdir", default="mlora_demo")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument(
+        "--moe", action="store_true", help="a small Qwen3-MoE model, LoRA on its packed experts too"
+    )
+    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("resume", help="continue a run from its latest checkpoint")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--nproc", type=int, default=None, help="change the number of processes")
+    p.add_argument("--fsdp", type=int, default=None, help="change the FSDP degree (default: nproc / tp)")
+    p.add_argument("--tp", type=int, default=None, help="change the tensor-parallel degree")
+    p.add_argument("--ep", type=int, default=None, help="change the expert-parallel degree (MoE)")
+    p.add_argument("--nnodes", type=int, default=None, help="change the number of nodes (Slurm)")
+    p.add_argument(
+        "--launcher", default=None, choices=LAUNCHERS, help="default: the one the run was launched with"
+    )
+    add_slurm_arguments(p)
+    p.add_argument("--no-follow", action="store_true")
+    p.set_defaults(func=cmd_resume)
+    p = sub.add_parser("status", help="show a run's state and per-tenant summary")
+    p.add_argument("run_dir", type=Path)
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("stop", help="stop a run gracefully")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--timeout", type=float, default=60)
+    p.set_defaults(func=cmd_stop)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        text = str(e).strip() or type(e).__name__
+        if isinstance(e, SpecError):
+            print(text, file=sys.stderr)  # already one line per problem
+        else:
+            print(f"mlora-lab {args.command}: {text}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "\ninterrupted (the job, if one was started, keeps running; `mlora-lab stop RUN_DIR` ends it)",
+            file=sys.stderr,
+        )
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""What a dashboard shows, without a widget: the runs it offers, their states, series and ETAs.
+
+:class:`ViewModel` polls run directories only: each run's :class:`~mlora_lab.lab.liveness.Liveness`
+(reconciled, so a job that died unseen is recorded as failed or lost), its metrics through a
+:class:`~mlora_lab.lab.series.RunSeries`, and its labels. The widgets (:mod:`.board`) read it; it can
+be driven and tested without ipywidgets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from mlora_lab.lab.liveness import Liveness, Verdict
+from mlora_lab.lab.logs import read_log
+from mlora_lab.lab.plotting import Colours, run_name, series_key
+from mlora_lab.lab.series import RunSeries, TenantSeries, rows_frame
+from mlora_lab.rundir import (
+    EvalRow,
+    RunDirError,
+    RunState,
+    Status,
+    TenantState,
+    TrainRow,
+    read_labels,
+    read_status,
+    shown_tenant_state,
+)
+from mlora_lab.rundir.files import TextEnum
+
+RESCAN_EVERY_S = 5.0
+"""A workdir view looks for new runs (and re-reads tags) this often."""
+
+Key = tuple[str, str]
+"""A series of a view: (run name, tenant)."""
+
+
+class Unreadable(TextEnum):
+    """A run shown in a view whose status.json cannot be read: a state no run is ever in."""
+
+    BROKEN = "broken"
+
+
+Shown = RunState | Unreadable
+"""The state a view shows a run in."""
+TenantShown = TenantState | RunState
+"""The state a view shows a tenant in: its own, or its run's once the run ended while it still went."""
+
+
+def is_final(state: Shown | None) -> bool:
+    return isinstance(state, RunState) and state.final
+
+
+@dataclass
+class RunView:
+    """One run of a view: its directory, liveness, series and what was last read of it."""
+
+    name: str
+    liveness: Liveness
+    series: RunSeries
+    state: Shown | None = None
+    """``None`` before the first poll."""
+    verdict: Verdict | None = None
+    status: Status | None = None
+    labels: tuple[str, str] = ("", "")
+    """Its tags (comma-joined) and note."""
+
+    @property
+    def path(self) -> Path:
+        return self.series.path
+
+    @property
+    def final(self) -> bool:
+        return is_final(self.state)
+
+    def poll_state(self) -> bool:
+        """Reconcile the run's state (recording an end found: :meth:`Liveness.reconcile
+        <mlora_lab.lab.liveness.Liveness.reconcile>`); True if it changed."""
+        try:
+            self.verdict = self.liveness.reconcile()
+            state: Shown = self.verdict.state
+            self.status = read_status(self.path)
+        except (RunDirError, OSError):
+            state = Unreadable.BROKEN
+        changed = state != self.state
+        self.state = state
+        return changed
+
+    def tenant_state(self, tenant: str) -> TenantShown | None:
+        """The state a tenant is shown in: its own (from its latest tenant row), or its run's once the
+        run ended while it was still going (:func:`~mlora_lab.rundir.shown_tenant_state`); None when
+        nothing is known of it yet in a run whose state cannot be read."""
+        s = self.series.tenants[tenant]
+        # a tenant with steps but no tenant row yet (an older job logs none at the start) is running
+        own = s.state or (TenantState.RUNNING if len(s.train) else None)
+        if isinstance(self.state, Unreadable):
+            return own
+        shown = shown_tenant_state(own, self.state or RunState.RUNNING)
+        try:
+            return TenantState(shown)
+        except ValueError:  # the run's state: it ended while the tenant still went
+            return RunState(shown)
+
+    def failed_tenants(self) -> list[str]:
+        """Tenants quarantined or refused."""
+        bad = (TenantState.FAILED, TenantState.REFUSED)
+        return [t for t, s in self.series.tenants.items() if s.state in bad]
+
+    def elapsed(self) -> float | None:
+        """Seconds from the run's start to its end (or to now, while it goes)."""
+        if self.status is None or not self.status.started:
+            return None
+        end = self.status.ended if self.final and self.status.ended else time.time()
+        return end - self.status.started
+
+    def eta(self) -> float | None:
+        """Seconds until the slowest running tenant reaches its ``max_steps`` (None: unknown, or the
+        run has ended)."""
+        if self.final:
+            return None
+        resumes = self.series.resumes
+        etas = [
+            s.timing(resumes)[1]
+            for t, s in self.series.tenants.items()
+            if self.tenant_state(t) is TenantState.RUNNING
+        ]
+        etas = [e for e in etas if e is not None]
+        return max(etas) if etas else None  # the run ends with its slowest running tenant
+
+    @property
+    def waiting(self) -> str | None:
+        """Why a queued run waits (Slurm's words)."""
+        return self.verdict.waiting if self.verdict is not None else None
+
+    @property
+    def error(self) -> str | None:
+        return self.verdict.error if self.verdict is not None else None
+
+    def failure_log(self, lines: int = 6) -> str:
+        """The log tail of the rank its error names (``rank 1: ...``), else rank 0's."""
+        error = self.error or ""
+        rank = error.split(":")[0].replace("rank", "").strip() if error.startswith("rank") else "0"
+        return read_log(self.liveness.dir, int(rank) if rank.isdigit() else 0, tail=lines)
+
+    def read_labels(self) -> tuple[str, str]:
+        try:
+            labels = read_labels(self.path)
+        except (RunDirError, OSError):
+            return "", ""
+        return ", ".join(labels.tags), labels.note
+
+
+@dataclass
+class ViewModel:
+    """The runs a view offers (and, for a workdir, the directory it watches for new ones)."""
+
+    workdir: Path | None = None
+    runs: dict[str, RunView] = field(default_factory=dict)
+    colours: Colours = field(default_factory=Colours)
+    _paths: dict[str, Path] = field(default_factory=dict)  # run name -> its directory
+    _labels_read: float = 0.0
+    _rescanned: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def of(cls, runs: Any) -> ViewModel:
+        """A view of ``runs``: a run (a ``Run`` or a run directory), a list of them, or a workdir (every
+        run under it, and the ones launched there later)."""
+        if isinstance(runs, str | os.PathLike) and not (Path(os.fspath(runs)) / "job.json").is_file():
+            path = Path(os.fspath(runs))
+            if not path.is_dir():
+                raise RunDirError(f"{path}: neither a run directory nor a workdir of runs")
+            model = cls(workdir=path)
+            model.rescan()
+            return model
+        model = cls()
+        for run in [runs] if isinstance(runs, str | os.PathLike) else runs:
+            model.add(run)
+        return model
+
+    def add(self, run: Any) -> None:
+        """Offer a run: a run directory, or anything ``os.fspath`` takes that may carry its liveness
+        (a ``Run`` does: :meth:`~mlora_lab.lab.liveness.Liveness.of`)."""
+        liveness = Liveness.of(run)
+        if not liveness.dir.is_run():
+            raise RunDirError(f"{liveness.dir.root}: not a run directory (no job.json)")
+        name = run_name(
+            liveness.dir.root, self._paths
+        )  # two runs/ folders may each hold a run of the same name
+        if name not in self.runs:
+            self.runs[name] = RunView(name, liveness, RunSeries(liveness.dir, name))
+
+    def rescan(self) -> None:
+        """A workdir view: offer runs that appeared since the last look."""
+        self._rescanned = time.monotonic()
+        known = {view.path for view in self.runs.values()}
+        for job in sorted(self.workdir.glob("*/job.json")):
+            if job.parent.absolute() not in known:
+                with contextlib.suppress(RunDirError, OSError):
+                    self.add(job.parent)
+
+    def due_rescan(self) -> bool:
+        return self.workdir is not None and time.monotonic() - self._rescanned > RESCAN_EVERY_S
+
+    def poll(self, guard: AbstractContextManager[Any] | None = None) -> bool:
+        """Read the states and new rows of every offered run (and, every :data:`RESCAN_EVERY_S`,
+        their labels); True if anything changed. The rows are taken in under ``guard`` (a lock that
+        drawing holds), the states outside it (asking Slurm may take a while)."""
+        changed = False
+        for view in self.runs.values():
+            changed |= view.poll_state()
+            with guard or contextlib.nullcontext():
+                changed |= bool(view.series.poll())
+        if time.monotonic() - self._labels_read > RESCAN_EVERY_S:
+            self._labels_read = time.monotonic()
+            for view in self.runs.values():
+                labels = view.read_labels()
+                changed |= view.labels != labels
+                view.labels = labels
+        return changed
+
+    @property
+    def going(self) -> bool:
+        """True while a run may still change (one has not ended)."""
+        return any(not view.final for view in self.runs.values())
+
+    def live(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` whose run has not ended (and was read)."""
+        return [n for n in names if self.runs[n].state is not None and not self.runs[n].final]
+
+    def keys(self, names: Sequence[str]) -> list[Key]:
+        """Every (run, tenant) of these runs, in order (runs as given, each run's tenants as listed)."""
+        return [(n, t) for n in names for t in self.runs[n].series.tenants]
+
+    def tenant(self, key: Key) -> TenantSeries:
+        return self.runs[key[0]].series.tenants[key[1]]
+
+    def colour(self, key: Key) -> str:
+        """A series' colour (see :class:`~mlora_lab.lab.plotting.Colours`)."""
+        return self.colours(series_key(*key))
+
+    def metrics(self, picked: Sequence[Key]) -> pd.DataFrame:
+        """The train and eval rows of the ``picked`` tenants, with a ``run`` column first."""
+        tenants: dict[str, set[str]] = {}
+        for run, tenant in picked:
+            tenants.setdefault(run, set()).add(tenant)
+        frames = []
+        for run, names in tenants.items():
+            rows = [
+                r
+                for r in self.runs[run].series.rows
+                if isinstance(r, TrainRow | EvalRow) and r.tenant in names
+            ]
+            if rows:
+                df = rows_frame(rows)
+                df.insert(0, "run", run)
+                frames.append(df)
+        if not frames:
+            return pd.DataFrame(columns=["run", "kind", "tenant"])
+        return pd.concat(frames, ignore_index=True)

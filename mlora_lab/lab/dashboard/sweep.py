@@ -1,0 +1,98 @@
+"""A search's view: the run's dashboard, the trials table, and config → objective panels
+(``sweep.dashboard()``). Reads the run directory only (:mod:`mlora_lab.lab.trials`)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import ipywidgets as W
+from matplotlib.figure import Figure
+
+from mlora_lab.lab import trials
+from mlora_lab.lab.liveness import Liveness
+from mlora_lab.lab.plotting import figure_png
+from mlora_lab.rundir import RunDirError
+
+
+def trials_html(run: Any) -> str:
+    """The trials table (:func:`mlora_lab.lab.trials.results`, without the adapter paths) as HTML."""
+    try:
+        table = trials.results(Liveness.of(run).dir).drop(columns=["adapter"], errors="ignore")
+    except RunDirError as e:
+        return f"<i>{e}</i>"
+    if table.empty:
+        return "<i>no trials yet</i>"
+    return table.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0)
+
+
+class SweepBoard:
+    """A sweep's view: the run's :class:`~mlora_lab.lab.dashboard.Dashboard` (``.board``), the trials
+    table (``.trials``, an ipywidgets HTML) and the config → objective panels (``.scatter``), which a
+    daemon thread refreshes every ``2 × refresh_s`` seconds until the run ends.
+
+    ``run``: the sweep's run directory (or its ``SweepRun``)."""
+
+    def __init__(self, run: Any, board: Any, refresh_s: float = 1.0) -> None:
+        self.liveness = Liveness.of(run)
+        self.run, self.board = run, board
+        self.trials = W.HTML(value=trials_html(self.liveness))
+        self.scatter = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        self._shown: tuple | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._follow, args=(refresh_s,), name="mlora-sweep", daemon=True
+        )
+        self._thread.start()
+
+    def _follow(self, refresh_s: float) -> None:
+        while not self._stop.is_set():
+            final = self.liveness.verdict().state.final
+            self.refresh()
+            if final:
+                return
+            self._stop.wait(2 * refresh_s)
+
+    def refresh(self) -> None:
+        """Update the table, and the scatter when a trial reported since it was drawn (one refresh at a
+        time: the follower thread and a caller may both call it)."""
+        with self._lock:
+            value = trials_html(self.liveness)
+            if self.trials.value != value:
+                self.trials.value = value
+            search = trials.read_search(self.liveness.dir)
+            seen = tuple((t.id, len(t.results)) for t in search.trials) if search is not None else None
+            if seen != self._shown and search is not None and any(t.results for t in search.trials):
+                self.scatter.value = self._scatter_png()
+                self._shown = seen
+
+    def _scatter_png(self) -> bytes:
+        """Config → objective: each trial at its setting and its objective at its furthest step, one
+        panel per searched setting (``lr`` on a log axis), the best ringed."""
+        table = trials.results(self.liveness.dir).dropna(subset=["objective"])
+        sweep = trials.read_sweep(self.liveness.dir)
+        names = list(sweep.space)
+        fig = Figure(figsize=(3.2 * len(names), 2.6), layout="constrained")
+        axes = fig.subplots(1, len(names), squeeze=False)[0]
+        for ax, name in zip(axes, names):
+            x = table[name].astype(str) if table[name].dtype == object else table[name]
+            ax.scatter(x, table["objective"], c=table["steps"], cmap="viridis", s=28)
+            ax.scatter(x.iloc[:1], table["objective"].iloc[:1], s=120, facecolors="none", edgecolors="red")
+            if name == "lr":
+                ax.set_xscale("log")
+            ax.set_xlabel(name)
+            ax.tick_params(axis="x", labelrotation=20, labelsize=7)
+        axes[0].set_ylabel(f"{sweep.objective.metric} (colour: steps)")
+        return figure_png(fig)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.board.stop()
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.board)
+        display(self.trials)
+        display(self.scatter)

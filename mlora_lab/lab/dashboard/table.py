@@ -1,0 +1,151 @@
+"""The runs table of a view over several runs (or a workdir): sortable, filterable, a checkbox per run
+to plot it."""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ipywidgets as W
+
+from mlora_lab.lab.dashboard.model import RunView
+from mlora_lab.lab.dashboard.progress import run_state_html
+
+SORT_KEYS = ("started", "run", "state", "steps", "best loss", "tenants")
+STATE_CHOICES = ["any state", "running", "finished", "failed", "stopped", "lost", "starting"]
+COLUMNS = (
+    ("run", 220),
+    ("state", 170),
+    ("tenants", 190),
+    ("steps", 60),
+    ("best loss", 75),
+    ("started", 110),
+    ("tags", 170),
+)
+"""The table's columns and their widths in pixels."""
+
+
+class RunRow:
+    """One row of the runs table: a checkbox and the run's cells."""
+
+    def __init__(self, name: str, on_tick: Callable[[dict], None]) -> None:
+        self.check = W.Checkbox(value=False, indent=False, layout=W.Layout(width="28px"))
+        self.check.observe(on_tick, names="value")
+        self.cells = W.HTML()
+        self.box = W.HBox([self.check, self.cells], layout=W.Layout(align_items="center"))
+        self.name = name
+
+
+def row_html(values: dict[str, Any] | None) -> str:
+    """A row's cells (``None``: the header), of fixed widths, each cut to one line with its whole
+    text in the tooltip."""
+    cells = []
+    for col, width in COLUMNS:
+        if values is None:
+            text, title = f"<b>{col}</b>", col
+        else:
+            text, title = values[col], values.get(f"{col}_title", "")
+        cells.append(
+            f"<span title='{html.escape(str(title), quote=True)}' style='display:inline-block;width:{width}px;"
+            f"white-space:nowrap;overflow:hidden;text-overflow:ellipsis;vertical-align:middle'>{text}</span>"
+        )
+    pad = "" if values is not None else "<span style='display:inline-block;width:30px'></span>"
+    return pad + "".join(cells)
+
+
+def row_values(view: RunView) -> dict[str, Any]:
+    """A run's cells (HTML), their tooltips, its sort keys (``_sort``) and the text a filter matches
+    (``_text``: run name, tenants, tags and note)."""
+    feed, status = view.series, view.status
+    tags, note = view.labels
+    names = list(feed.tenants)
+    best = [s.best_loss for s in feed.tenants.values() if s.best_loss is not None]
+    started = status.started if status is not None and status.started else None
+    state = str(view.state) if view.state is not None else "?"
+    return {
+        "run": f"<b>{html.escape(view.name)}</b>",
+        "run_title": f"{view.name}\n{note}".strip(),
+        "state": run_state_html(view),
+        "state_title": state,
+        "tenants": html.escape(f"{len(names)}: {', '.join(names)}"),
+        "tenants_title": ", ".join(names),
+        "steps": str(feed.global_step),
+        "best loss": f"{min(best):.4f}" if best else "–",
+        "started": time.strftime("%m-%d %H:%M", time.localtime(started)) if started else "–",
+        "tags": html.escape(tags),
+        "tags_title": f"{tags}\n{note}".strip(),
+        "_sort": {
+            "run": view.name,
+            "state": state if view.state is not None else "",
+            "steps": feed.global_step,
+            "best loss": min(best) if best else float("inf"),
+            "started": started or 0.0,
+            "tenants": len(names),
+        },
+        "_text": " ".join([view.name, *names, tags, note]).lower(),
+    }
+
+
+class RunsTable:
+    """The table's widgets (:attr:`box`): a text filter (run, tenant or tag), a state filter, the sort
+    key and direction, the header, and a :class:`RunRow` per run (:attr:`rows`) in :attr:`body`."""
+
+    def __init__(self, on_tick: Callable[[str], None]) -> None:
+        self.filter = W.Text(placeholder="filter: run, tenant or tag", layout=W.Layout(width="240px"))
+        self.state_filter = W.Dropdown(options=STATE_CHOICES, layout=W.Layout(width="130px"))
+        self.sort_by = W.Dropdown(
+            options=list(SORT_KEYS), value="started", description="sort by", layout=W.Layout(width="210px")
+        )
+        self.sort_desc = W.ToggleButton(
+            value=True, description="descending", icon="sort-amount-desc", layout=W.Layout(width="130px")
+        )
+        self.header = W.HTML(row_html(None))
+        self.body = W.VBox(layout=W.Layout(max_height="240px", overflow="auto"))
+        self.rows: dict[str, RunRow] = {}
+        self._on_tick = on_tick
+        self._views: dict[str, RunView] = {}
+        for w in (self.filter, self.state_filter, self.sort_by, self.sort_desc):
+            w.observe(lambda _: self.render(), names="value")
+        self.sort_desc.observe(self._on_sort_direction, names="value")
+        controls = W.HBox([self.filter, self.state_filter, self.sort_by, self.sort_desc])
+        self.box = W.VBox(
+            [controls, self.header, self.body],
+            layout=W.Layout(display="none", border="1px solid #ddd", padding="4px", margin="4px 0"),
+        )
+
+    def add(self, view: RunView) -> None:
+        if view.name not in self.rows:
+            self._views[view.name] = view
+            self.rows[view.name] = RunRow(view.name, lambda _change, n=view.name: self._on_tick(n))
+
+    @property
+    def chosen(self) -> list[str]:
+        """The runs ticked, in the order they were offered."""
+        return [n for n, row in self.rows.items() if row.check.value]
+
+    def render(self) -> None:
+        """Refresh every row's cells, then show the rows that pass the filters, sorted."""
+        rows = []
+        text = self.filter.value.strip().lower()
+        state = self.state_filter.value
+        for name, row in self.rows.items():
+            view = self._views[name]
+            values = row_values(view)
+            cells = row_html(values)
+            if row.cells.value != cells:
+                row.cells.value = cells
+            if text and text not in values["_text"]:
+                continue
+            if state != "any state" and view.state != state:
+                continue
+            rows.append((values["_sort"][self.sort_by.value], name))
+        rows.sort(reverse=self.sort_desc.value)
+        children = tuple(self.rows[n].box for _, n in rows)
+        if self.body.children != children:
+            self.body.children = children
+
+    def _on_sort_direction(self, change: dict) -> None:
+        self.sort_desc.description = "descending" if change["new"] else "ascending"
+        self.sort_desc.icon = "sort-amount-desc" if change["new"] else "sort-amount-asc"

@@ -1,0 +1,391 @@
+"""Starting jobs in the background: :func:`launch`, :func:`resume` and :func:`prepare_run`.
+
+This side never imports the job: it writes the run directory and starts torchrun (``python -m``
+:data:`~mlora_lab.rundir.status.JOB_MODULE`) as a background process in its own session (a notebook
+interrupt does not reach it; a stop reaches every rank through the process group), and returns the
+run's handle (:func:`~mlora_lab.lab.handles.handle_for`: a ``Run``, or a ``SweepRun`` for a search).
+
+    run = launch(spec)        # validates first: a bad spec raises SpecError and starts nothing
+    run.wait()
+
+A run directory has one owner: a launch or resume holds its lock (``.lock``) while it checks the
+directory and starts the job, and the job's rank 0 holds it while it runs. Launching into a directory
+that holds a run is refused (resume it instead); of two launches racing for one directory, one wins.
+Single-node jobs rendezvous on 127.0.0.1 only (:mod:`mlora_lab.rendezvous`).
+
+``launcher="slurm"`` submits the job to Slurm instead (:mod:`mlora_lab.lab.slurm`: one torchrun agent
+per node); the run then follows Slurm as well as the run directory (:mod:`mlora_lab.lab.liveness`):
+``queued`` with Slurm's reason while the job waits, and ``failed`` with Slurm's reason when Slurm
+cancels it, times it out or loses a node (a job killed from outside cannot say so itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+from mlora_lab.bases import resolve_base
+from mlora_lab.lab import slurm as slurm_cmd  # (`slurm` is launch()'s options argument)
+from mlora_lab.lab.handles import handle_for
+from mlora_lab.lab.liveness import Liveness
+from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
+from mlora_lab.lab.slurm import SlurmError, SlurmOptions
+from mlora_lab.lab.threads import omp_threads, thread_env
+from mlora_lab.rundir import (
+    RunDir,
+    RunDirError,
+    RunLock,
+    RunState,
+    atomic_write_json,
+    atomic_write_text,
+    control,
+    read_status,
+    update_status,
+)
+from mlora_lab.rundir.status import JOB_MODULE, ProcessIdentity, this_host
+from mlora_lab.search import Sweep
+from mlora_lab.spec import JobSpec, Parallel, SpecError
+from mlora_lab.validate import problems as spec_problems
+from mlora_lab.validate import sweep_problems, sweep_slot_modules
+
+LAUNCHERS = ("local", "slurm")
+MULTI_NODE = (
+    "launch it with launcher='slurm' (ml.launch(spec, launcher='slurm', slurm=ml.SlurmOptions(...)), or "
+    "`mlora-lab run job.json --launcher slurm`), or start launchers/multinode.sh on every node"
+)
+
+
+def new_run_id() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def _run_root(spec: JobSpec, workdir: str | Path) -> Path:
+    """The run directory: ``output_dir``, else a new directory under ``workdir``."""
+    out = spec.output_dir
+    return Path(out if isinstance(out, str) and out else Path(workdir) / new_run_id()).absolute()
+
+
+def _directory_problem(root: Path) -> str | None:
+    """Why ``root`` cannot take a new run (None if it can: it is missing, or empty)."""
+    if not root.exists():
+        return None
+    if not root.is_dir():
+        return f"output_dir {str(root)!r} exists and is not a directory"
+    if RunDir(root).is_run():
+        return (
+            f"{root} already holds a run; continue it with ml.resume({str(root)!r}) (or `mlora-lab resume`), "
+            "or choose another output_dir"
+        )
+    if any(p.name != ".lock" for p in root.iterdir()):
+        return f"output_dir {str(root)!r} is not empty; give a new or empty directory for the run"
+    return None
+
+
+def _launcher_problems(
+    launcher: str | None, parallel: Any, options: SlurmOptions | None, root: Path, resume: bool = False
+) -> list[str]:
+    """Problems of running a job laid out as ``parallel`` with ``launcher`` (and its Slurm options):
+    an unknown launcher, several nodes on the local one, Slurm options that do not fit. Slurm itself
+    is asked too (``sbatch --test-only`` of the script that would be submitted), so a partition or
+    account it refuses is reported before anything is created."""
+    if launcher is not None and launcher not in LAUNCHERS:
+        return [f"unknown launcher {launcher!r}; known: {', '.join(LAUNCHERS)}"]
+    p = parallel if isinstance(parallel, Parallel) else Parallel()
+    nnodes, nproc = p.nnodes, p.nproc
+    if launcher != "slurm":
+        if options is not None:
+            return [
+                f"Slurm options were given, but the launcher is {launcher or 'none'!r}; use launcher='slurm'"
+            ]
+        if launcher == "local" and nnodes != 1:
+            return [f"parallel.nnodes = {nnodes}: the local launcher runs on this machine only; {MULTI_NODE}"]
+        return []
+    options = options if options is not None else SlurmOptions()
+    if not isinstance(options, SlurmOptions):
+        return [f"slurm= takes an ml.SlurmOptions, not {type(options).__name__}"]
+    problems = options.problems(nnodes, nproc)
+    if (problem := slurm_cmd.run_dir_problem(root)) is not None:
+        problems.append(problem)
+    if shutil.which("sbatch") is None:
+        problems.append("the slurm launcher needs Slurm's commands (sbatch, scontrol, scancel) on PATH")
+    if not problems:
+        script = slurm_cmd.render_script(options, root, nnodes, nproc, RunDir(root).slurm_script, resume)
+        if (refused := slurm_cmd.test_submit(script)) is not None:
+            problems.append(refused)
+    return problems
+
+
+def prepare_run(
+    spec: JobSpec,
+    workdir: str | Path = DEFAULT_WORKDIR,
+    launcher: str | None = None,
+    lock: RunLock | None = None,
+    slurm_options: SlurmOptions | None = None,
+    sweep: Sweep | None = None,
+) -> RunDir:
+    """Validate ``spec``, the launcher (and its Slurm options) and the run directory (one
+    :class:`~mlora_lab.spec.SpecError` listing every problem; nothing is created then), and create the
+    run directory with ``job.json`` (paths made absolute) and a ``starting`` status. ``launcher=None``:
+    the caller starts the processes itself (``launchers/``, on one node or many). With ``lock``, it is
+    left held for the caller. With ``sweep`` (:func:`mlora_lab.lab.sweeps.sweep`), the job runs that search
+    over tenant slots: it is checked with every value it can give a trial, and written as ``sweep.json``."""
+    spec = spec.resolved(Path.cwd())
+    root = _run_root(spec, workdir)
+    if sweep is not None:
+        sweep = dataclasses.replace(
+            sweep, base=dataclasses.replace(spec, tenants=[sweep.base]).resolved(Path.cwd()).tenants[0]
+        )
+        spec = dataclasses.replace(spec, slot_modules=sweep_slot_modules(spec, sweep))
+        problems = sweep_problems(spec, sweep)
+    else:
+        problems = spec_problems(spec)
+    if (problem := _directory_problem(root)) is not None:
+        problems.append(problem)
+    problems += _launcher_problems(launcher, spec.parallel, slurm_options, root)
+    if problems:
+        raise SpecError(problems)
+    run = RunDir(root)
+    owner = lock or RunLock(run)
+    try:
+        owner.acquire()
+    except RunDirError as e:
+        raise SpecError([str(e)]) from None
+    try:
+        if (problem := _directory_problem(root)) is not None:  # another launch got here first
+            raise SpecError([problem])
+        run.create()
+        spec.to_json(run.job)
+        if sweep is not None:
+            atomic_write_json(run.sweep, sweep.to_dict())
+        if launcher == "slurm":
+            atomic_write_json(run.slurm_options, (slurm_options or SlurmOptions()).to_dict())
+        update_status(run.root, state=RunState.STARTING, started=time.time(), launcher=launcher)
+    except BaseException:
+        owner.release()
+        raise
+    if lock is None:
+        owner.release()
+    return run
+
+
+def torchrun_command(spec: JobSpec, run_dir: Path, resume: bool = False) -> list[str]:
+    """The torchrun command line for a single-node job: a rendezvous that listens on 127.0.0.1 only
+    and picks free ports, so several runs can go at once. Multi-node jobs use ``launchers/``."""
+    from mlora_lab.rendezvous import single_node_torchrun_args  # (torch: only when a job starts)
+
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *single_node_torchrun_args(spec.parallel.nproc),
+    ]
+    return [*torchrun, "-m", JOB_MODULE, str(run_dir), *(["--resume"] if resume else [])]
+
+
+# Jobs this process started, with the threads they were given: the next job's threads leave room for them.
+_started: list[tuple[subprocess.Popen, int]] = []
+
+
+def job_env(nproc: int) -> dict[str, str]:
+    """The environment of a job's processes: ours, plus ``OMP_NUM_THREADS`` (unless set: see
+    :mod:`mlora_lab.lab.threads`; jobs started from here that still run count as busy cores), quiet
+    tokenizers and the loopback rendezvous settings."""
+    from mlora_lab.rendezvous import loopback_env
+
+    _started[:] = [(p, n) for p, n in _started if p.poll() is None]
+    env = dict(os.environ)
+    env.update(thread_env(nproc, busy=sum(n for _, n in _started), environ=env))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for key, value in loopback_env().items():
+        env.setdefault(key, value)
+    return env
+
+
+def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
+    """Start torchrun for ``run_dir`` (whose lock the caller holds) and record its process. A GGUF
+    base is converted first (once; mlora_lab.bases), so its errors come before any process starts and
+    the ranks find it ready."""
+    resolve_base(spec.base_model)
+    env = job_env(spec.parallel.nproc)
+    with open(run_dir.logs / "launcher.log", "ab") as log:
+        proc = subprocess.Popen(
+            torchrun_command(spec, run_dir.root, resume),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: Ctrl-C in the notebook does not reach the job
+            env=env,
+        )
+    _started.append((proc, spec.parallel.nproc * omp_threads(env.get("OMP_NUM_THREADS"))))
+    me = ProcessIdentity.of(proc.pid)
+    update_status(run_dir.root, pid=proc.pid, pid_start_time=me.start_time if me else None, host=this_host())
+    return handle_for(run_dir.root, process=proc)
+
+
+def _submit(run_dir: RunDir, spec: JobSpec, options: SlurmOptions, resume: bool = False) -> Run:
+    """Write the batch script into the run directory and submit it (the caller holds the lock). A
+    GGUF base is converted here first, once, as for a local job. The run is ``queued`` with the job
+    id in status.json; if sbatch refuses after all, the run is marked failed and :class:`SlurmError`
+    says why."""
+    resolve_base(spec.base_model)
+    p = spec.parallel
+    script = slurm_cmd.render_script(options, run_dir.root, p.nnodes, p.nproc, run_dir.slurm_script, resume)
+    atomic_write_text(run_dir.slurm_script, script)  # the record; Slurm gets the text itself
+    try:
+        job_id = slurm_cmd.submit(script)
+    except SlurmError as e:
+        update_status(run_dir.root, state=RunState.FAILED, ended=time.time(), error=str(e))
+        raise
+    update_status(
+        run_dir.root, state=RunState.QUEUED, launcher="slurm", slurm_job_id=job_id, slurm_state=None
+    )
+    return handle_for(run_dir.root)
+
+
+def launch(
+    spec: JobSpec,
+    workdir: str | Path = DEFAULT_WORKDIR,
+    launcher: str = "local",
+    slurm: SlurmOptions | None = None,
+    sweep: Sweep | None = None,
+) -> Run:
+    """Start ``spec`` in the background and return its :class:`Run` at once.
+
+    ``launcher="local"``: torchrun on this machine. ``launcher="slurm"``: one Slurm job of
+    ``parallel.nnodes`` nodes (``slurm``: partition, time, GPUs, ... as :class:`~mlora_lab.lab.slurm.SlurmOptions`),
+    submitted with ``sbatch``; the run directory must then be on a filesystem every node sees at the
+    same path (``workdir`` or ``output_dir`` on NFS/Lustre/GPFS, not /tmp), and so must this Python
+    and its packages. Everything is checked first: a bad spec, launcher or option raises
+    :class:`~mlora_lab.spec.SpecError` naming every problem, and nothing is created or submitted."""
+    spec = spec.resolved(Path.cwd())
+    root = _run_root(spec, workdir)
+    lock = RunLock(RunDir(root))
+    run_dir = prepare_run(
+        dataclasses.replace(spec, output_dir=str(root)),
+        workdir,
+        launcher,
+        lock=lock,
+        slurm_options=slurm,
+        sweep=sweep,
+    )
+    try:
+        if launcher == "slurm":
+            return _submit(run_dir, JobSpec.load(run_dir.job), slurm or SlurmOptions())
+        return _start(run_dir, JobSpec.load(run_dir.job))
+    finally:
+        lock.release()
+
+
+def resume(
+    run_dir: str | Path,
+    nproc: int | None = None,
+    fsdp: int | None = None,
+    ep: int | None = None,
+    tp: int | None = None,
+    launcher: str | None = None,
+    nnodes: int | None = None,
+    slurm: SlurmOptions | None = None,
+) -> Run:
+    """Continue a stopped, failed or lost run from its latest intact checkpoint, in the background.
+
+    ``nproc``/``nnodes``/``fsdp``/``ep``/``tp`` change the layout (checkpoints hold full tensors, so any
+    layout works). Given any of them, the run's ``tp`` and ``ep`` are kept where they still divide the
+    new world (else 1) and ``fsdp`` defaults to ``world / tp``. ``launcher``: ``local`` or ``slurm``
+    (default: the one the run was launched with); a Slurm resume reuses the run's Slurm options unless
+    ``slurm`` gives new ones. Every problem is reported before anything changes.
+    """
+    from mlora_lab.rundir import checkpoint  # (the codec loads torch: a resume starts a job anyway)
+
+    run = RunDir(Path(run_dir).absolute())
+    if not run.is_run():
+        raise RunDirError(f"{run.root}: not a run directory (no job.json)")
+    spec = JobSpec.load(run.job)
+    lock = RunLock(run)
+    lock.acquire()
+    try:
+        try:
+            state = Liveness(run.root).verdict().state
+        except RunDirError:  # a corrupt status.json: no job holds the lock we hold, so none runs
+            state = RunState.LOST
+        if not state.final:
+            raise RuntimeError(f"{run.root} is {state.value}; stop it first")
+        path, skipped = checkpoint.latest_intact(run.checkpoints)
+        if path is None:
+            why = "".join(f"; {p.name}: {reason}" for p, reason in skipped)
+            raise FileNotFoundError(f"{run.root}: no intact checkpoint to resume from{why}")
+        for damaged, reason in skipped:
+            warnings.warn(f"{damaged.name} is damaged ({reason}); resuming from {path.name}", stacklevel=2)
+        try:
+            before = read_status(run.root)
+        except RunDirError:  # corrupt (see above): the launcher it was launched with is unknown
+            before = None
+        launcher = launcher or (before.launcher if before and before.launcher in LAUNCHERS else "local")
+        if launcher == "slurm" and slurm is None and run.slurm_options.is_file():
+            slurm = read_slurm_options(run)
+        changed = any(v is not None for v in (nproc, fsdp, ep, tp, nnodes))
+        if changed:
+            p = spec.parallel
+            p.nproc = nproc or p.nproc
+            p.nnodes = nnodes or p.nnodes
+            p.tp = tp or (p.tp if p.world_size % p.tp == 0 else 1)
+            p.fsdp = fsdp or p.world_size // p.tp
+            p.ep = ep or (p.ep if (p.world_size // p.tp) % p.ep == 0 else 1)
+        problems = spec_problems(spec) if changed else []
+        problems += _launcher_problems(launcher, spec.parallel, slurm, run.root, resume=True)
+        if problems:
+            raise SpecError(problems)
+        if changed:
+            spec.to_json(run.job)
+        control.clear_stop(run.root)
+        update_status(
+            run.root,
+            state=RunState.STARTING,
+            pid=None,
+            pid_start_time=None,
+            host=None,
+            ended=None,
+            error=None,
+            launcher=launcher,
+            slurm_job_id=None,
+            slurm_state=None,
+        )
+        if launcher == "slurm":
+            options = slurm or SlurmOptions()
+            atomic_write_json(run.slurm_options, options.to_dict())
+            return _submit(run, spec, options, resume=True)
+        return _start(run, spec, resume=True)
+    finally:
+        lock.release()
+
+
+def read_slurm_options(run: RunDir) -> SlurmOptions:
+    """The Slurm options the run was launched with. Its ``setup`` lines and ``python`` run as shell on
+    the nodes, so the file is trusted only if it is yours and nobody else can write it."""
+    path = run.slurm_options
+    try:
+        st = path.stat(follow_symlinks=False)
+    except OSError as e:
+        raise SpecError([f"{path}: cannot be read ({e}); pass slurm=ml.SlurmOptions(...)"]) from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise SpecError(
+            [
+                f"{path} is not a file of yours that only you can write, so its setup lines are not run; "
+                "pass slurm=ml.SlurmOptions(...) to resume"
+            ]
+        )
+    try:
+        return SlurmOptions.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise SpecError(
+            [f"{run.slurm_options}: cannot be read ({e}); pass slurm=ml.SlurmOptions(...)"]
+        ) from None

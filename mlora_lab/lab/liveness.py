@@ -1,0 +1,285 @@
+"""Is the job still there? A run's state from status.json, the job's process and Slurm, together.
+
+status.json is written by the job (and by the launcher before the job starts). A job killed from
+outside (SIGKILL, the OOM killer, a reboot, Slurm cancelling it or losing a node) cannot write its
+end: only the side that watches can find it out. This module finds it out in two explicit steps:
+
+    live = Liveness(run_dir, process)   # process: the Popen when this process started the job
+    verdict = live.verdict()            # reads status.json, checks the process, asks Slurm; writes nothing
+    live.record(verdict)                # writes the end it found into status.json (if there is one)
+    live.reconcile()                    # both
+
+Reading a state never writes it: ``Run.status`` is a verdict; ``Run.reconcile()`` (called by
+``wait()``, ``stop()``, ``mlora-lab status`` and the dashboard's refresh) records it, so the next
+reader, in this process or another, finds the end written down and Slurm is asked no more.
+
+A run that says it is starting or running is checked against its process (pid, start time, host:
+:class:`~mlora_lab.rundir.ProcessIdentity`): if the process is gone, the run ``failed`` (this process
+started it and saw it exit) or is ``lost`` (it ended unseen); its last checkpoint can be resumed. A
+run on another host is believed as its status file says. A Slurm run is checked against Slurm
+(:mod:`mlora_lab.lab.slurm`), at most once a second per :class:`Liveness`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from mlora_lab.lab import slurm
+from mlora_lab.lab.logs import read_log
+from mlora_lab.rundir import RunDir, RunState, Status, control, read_status, update_status
+from mlora_lab.rundir.status import JOB_MODULE
+
+SLURM_MAX_AGE_S = 1.0
+"""Slurm is asked about a job at most this often (a dashboard reads the state every second)."""
+
+
+@dataclass(frozen=True)
+class Ending:
+    """An end of the run that status.json does not say yet, found by watching: the job's process is
+    gone without a final state, or Slurm ended the job."""
+
+    state: RunState
+    error: str | None
+    ended: float
+    slurm_state: str | None = None
+    """Slurm's final ``JobState`` of the job (a Slurm run only): once recorded, Slurm is not asked again."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A run's state now, and why it is there."""
+
+    state: RunState
+    error: str | None = None
+    """Why it failed, was lost or stopped (status.json's, or the :attr:`ending`'s)."""
+    waiting: str | None = None
+    """Slurm's words about a job that waits in its queue, or why Slurm could not be asked."""
+    ending: Ending | None = None
+    """The end to record in status.json (None: the file already says what there is to say)."""
+
+
+class Liveness:
+    """Watches one run directory: its status file, the job process this Python process started (if
+    it did: ``process``), and the job's Slurm job (asked at most once per :data:`SLURM_MAX_AGE_S`)."""
+
+    def __init__(self, run_dir: str | os.PathLike, process: subprocess.Popen | None = None) -> None:
+        self.dir = RunDir(Path(run_dir).absolute())
+        self.process = process
+        self._slurm_seen: tuple[float, int, slurm.SlurmJob | slurm.SlurmError | None] | None = None
+
+    @classmethod
+    def of(cls, run: Any) -> Liveness:
+        """The liveness of ``run``: its own when it carries one (a ``Run`` does, with the process it
+        was started with), else a new one for the run directory ``os.fspath(run)`` names."""
+        if isinstance(run, Liveness):
+            return run
+        own = getattr(run, "liveness", None)
+        return own if isinstance(own, Liveness) else cls(os.fspath(run))
+
+    def __fspath__(self) -> str:
+        return str(self.dir.root)
+
+    # -- the verdict ------------------------------------------------------------------------------
+    def verdict(self) -> Verdict:
+        """The run's state as its files, its process and Slurm say together; writes nothing.
+
+        :class:`~mlora_lab.rundir.RunDirError` if status.json is corrupt."""
+        status = read_status(self.dir.root)
+        if status is None:
+            return Verdict(RunState.STARTING)
+        if status.slurm_job_id is not None and status.slurm_state is None:
+            return self._slurm_verdict(status)
+        if status.state.final or self._alive(status) is not False:
+            return Verdict(status.state, status.error)
+        # The job's process is gone but nobody wrote a final state. Re-read first: the job may have
+        # written its final state just now.
+        status = read_status(self.dir.root) or status
+        if status.state.final:
+            return Verdict(status.state, status.error)
+        if self.process is not None:
+            state, error = RunState.FAILED, self._death_reason()
+        else:
+            where = f"pid {status.pid}" + (f" on {status.host}" if status.host else "")
+            state, error = (
+                RunState.LOST,
+                f"the job's process ({where}) is gone and never wrote a final state (killed, out of "
+                "memory, or the machine restarted); resume it from its last checkpoint",
+            )
+        return Verdict(state, error, ending=Ending(state, error, ended=time.time()))
+
+    def record(self, verdict: Verdict) -> None:
+        """Write the verdict's :attr:`~Verdict.ending` into status.json (nothing when it has none).
+        A full disk: the verdict stays true, only unrecorded."""
+        end = verdict.ending
+        if end is None:
+            return
+        fields: dict[str, Any] = {"state": end.state, "error": end.error, "ended": end.ended}
+        if end.slurm_state is not None:
+            fields["slurm_state"] = end.slurm_state
+        with contextlib.suppress(OSError):
+            update_status(self.dir.root, **fields)
+
+    def reconcile(self) -> Verdict:
+        """:meth:`verdict`, recorded."""
+        verdict = self.verdict()
+        self.record(verdict)
+        return verdict
+
+    def _alive(self, status: Status) -> bool | None:
+        """Is the job's process alive? None when this machine cannot tell (another host) or nothing
+        was started yet (a directory prepared for ``launchers/``)."""
+        if self.process is not None:
+            return self.process.poll() is None
+        identity = status.process
+        if identity is not None:
+            return identity.alive()
+        if status.pid is None:
+            return None
+        try:  # a status without the process's start time: trust the pid only if it is a job
+            p = psutil.Process(status.pid)
+            return p.status() != psutil.STATUS_ZOMBIE and JOB_MODULE in " ".join(p.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return False
+
+    def _death_reason(self) -> str:
+        code = self.process.poll() if self.process is not None else None
+        tail = read_log(self.dir, rank=None, tail=5).strip().splitlines()
+        return f"job exited (code {code}) without a final status; last log lines: {' | '.join(tail)}"
+
+    # -- Slurm ------------------------------------------------------------------------------------
+    def slurm_job(self) -> slurm.SlurmJob | None:
+        """What Slurm says of the run's job now (None: not a Slurm run, or Slurm forgot the job)."""
+        status = read_status(self.dir.root)
+        if status is None or status.slurm_job_id is None:
+            return None
+        return slurm.query(status.slurm_job_id)
+
+    def _ask_slurm(self, job_id: int) -> slurm.SlurmJob | slurm.SlurmError | None:
+        """:func:`~mlora_lab.lab.slurm.query` at most once per :data:`SLURM_MAX_AGE_S`."""
+        now = time.monotonic()
+        seen = self._slurm_seen
+        if seen is None or seen[1] != job_id or now - seen[0] > SLURM_MAX_AGE_S:
+            try:
+                answer: slurm.SlurmJob | slurm.SlurmError | None = slurm.query(job_id)
+            except slurm.SlurmError as e:
+                answer = e
+            self._slurm_seen = seen = (now, job_id, answer)
+        return seen[2]
+
+    def _slurm_verdict(self, status: Status) -> Verdict:
+        """The state of a Slurm run whose end Slurm has not confirmed yet.
+
+        Pending in Slurm: ``queued``. Running: as the run directory says (``starting`` until rank 0
+        writes ``running``). Ended: COMPLETED keeps the state the job wrote (``failed`` if it wrote
+        none); any other end (cancelled, timed out, a node lost, out of memory, preempted) is
+        ``failed`` with Slurm's reason, even when the job managed a graceful save on Slurm's SIGTERM,
+        unless it was this side that asked for the stop. The end comes with Slurm's state to record,
+        so that Slurm is asked no more. If Slurm cannot be asked (no Slurm commands here), the status
+        file is believed."""
+        job = self._ask_slurm(status.slurm_job_id)
+        if isinstance(job, slurm.SlurmError):
+            return Verdict(status.state, status.error, waiting=str(job))
+        if job is not None and job.pending:
+            return Verdict(RunState.QUEUED, status.error, waiting=job.describe())
+        if job is not None and not job.final:
+            if status.state is RunState.QUEUED:
+                return Verdict(RunState.STARTING, status.error)
+            if status.state is RunState.STOPPED and not control.stop_requested(self.dir.root):
+                # Slurm signalled it (scancel, time limit): its verdict follows
+                return Verdict(RunState.RUNNING, status.error)
+            return Verdict(status.state, status.error)
+        status = read_status(self.dir.root) or status  # the job may have written its end just now
+        if job is None:  # Slurm forgot the job (it ended more than MinJobAge ago)
+            slurm_state = "UNKNOWN"
+            if status.state.final:
+                state, error = status.state, status.error
+            else:
+                state, error = (
+                    RunState.LOST,
+                    f"Slurm no longer knows job {status.slurm_job_id} and the job never wrote a final "
+                    "state; resume it from its last checkpoint",
+                )
+        else:
+            slurm_state = job.state
+            if job.clean:
+                if status.state.final:
+                    state, error = status.state, status.error
+                else:
+                    tail = " | ".join(read_log(self.dir, rank=None, tail=5).strip().splitlines())
+                    state = RunState.FAILED
+                    error = f"{job.describe()}, but the job never wrote a final state; last log lines: {tail}"
+            elif status.state is RunState.STOPPED and control.stop_requested(self.dir.root):
+                state, error = status.state, status.error  # our stop, ended by scancel after its timeout
+            else:
+                own = (
+                    f"; the job said: {status.error}"
+                    if status.error and status.state is RunState.FAILED
+                    else ""
+                )
+                state, error = RunState.FAILED, f"{job.describe()}{own}; resume it from its last checkpoint"
+        ending = Ending(state, error, ended=status.ended or time.time(), slurm_state=slurm_state)
+        return Verdict(state, error, ending=ending)
+
+    # -- ending the job -----------------------------------------------------------------------------
+    def kill(self) -> None:
+        """SIGKILL every process of the job, after checking that the recorded process still is the
+        job (same pid, start time and host): a stale pid is never signalled. A Slurm job is cancelled
+        (``scancel``: SIGKILL to every process on every node, then the job is ended), and this waits
+        until Slurm says it has ended. A run that was not final is then ``stopped`` (error ``killed``)."""
+        status = read_status(self.dir.root)
+        if status is not None and status.slurm_job_id is not None and status.slurm_state is None:
+            self._cancel_slurm(status)
+            return
+        if self.process is not None and self.process.poll() is None:
+            kill_job(self.process.pid)
+        elif status is not None and status.process is not None and status.process.alive():
+            kill_job(status.process.pid)
+        if status is not None and not status.state.final:
+            with contextlib.suppress(OSError):
+                update_status(self.dir.root, state=RunState.STOPPED, ended=time.time(), error="killed")
+
+    def _cancel_slurm(self, status: Status, timeout: float = 120) -> None:
+        job_id = status.slurm_job_id
+        queued = self.verdict().state is RunState.QUEUED
+        slurm.cancel(job_id, signal="KILL")
+        slurm.cancel(job_id)
+        deadline = time.monotonic() + timeout
+        while (job := slurm.query(job_id)) is not None and not job.final and time.monotonic() < deadline:
+            time.sleep(0.5)
+        status = read_status(self.dir.root) or status
+        fields: dict[str, Any] = {"slurm_state": job.state if job is not None else "UNKNOWN"}
+        if not status.state.final:
+            what = "cancelled while queued" if queued else "killed"
+            fields |= {"state": RunState.STOPPED, "ended": time.time(), "error": f"{what} (scancel {job_id})"}
+        with contextlib.suppress(OSError):
+            update_status(self.dir.root, **fields)
+
+
+def kill_job(pid: int) -> None:
+    """SIGKILL a job's whole process tree: the torchrun agent ``pid`` and all its descendants.
+
+    The tree is listed *before* anything is killed: torchrun starts each worker in a session of its
+    own (``start_new_session=True``), so killing the agent's process group misses the workers, and
+    once the agent is dead they are orphans no longer found among its children. A job that
+    ``launch()`` started leads its own session, so its group goes too (anything else it spawned)."""
+    try:
+        proc = psutil.Process(pid)
+        tree = [*proc.children(recursive=True), proc]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            p.kill()
+    psutil.wait_procs(tree, timeout=10)

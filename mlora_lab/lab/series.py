@@ -1,0 +1,305 @@
+"""The series the lab draws, read from a run directory: one module for the dashboard, ``ml.compare``
+and the reports.
+
+:class:`RunSeries` reads one run directory's ``metrics.jsonl`` incrementally (the typed
+:class:`~mlora_lab.rundir.MetricsReader`) into numpy columns per tenant (train and eval rows), per
+rank (system rows) and the run's resume times; :meth:`RunSeries.xy` gives one tenant's metric against
+one of the :data:`X_AXES`. It needs nothing but the run directory: the run's handle, a dashboard and a
+comparison each keep their own. :func:`rows_frame` turns typed rows into the DataFrames the lab
+returns (one column per field, ``time`` as datetimes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mlora_lab.rundir import (
+    EvalRow,
+    EventKind,
+    EventRow,
+    MetricsReader,
+    Row,
+    RunDir,
+    SystemRow,
+    TenantRow,
+    TenantState,
+    TrainRow,
+)
+from mlora_lab.rundir.rows import ENUM_FIELDS
+from mlora_lab.spec import JobSpec, SpecError
+
+X_AXES = ("tenant step", "global step", "tokens", "wall time", "relative time")
+"""What a metric can be drawn against: the tenant's own step, the job's global step, the tenant's
+target tokens seen so far, the wall clock, or seconds since the run's first row."""
+TIME_AXES = ("wall time", "relative time")
+METRICS = {"loss": "train", "eval_loss": "eval", "lr": "train", "grad_norm": "train", "tokens": "train"}
+"""Metrics a tenant has, and the rows they come from."""
+
+GAP_FACTOR, GAP_MIN_S = 5.0, 5.0
+"""Two consecutive rows further apart in time than ``max(GAP_FACTOR x the median interval, GAP_MIN_S)``
+are not joined by a line (the job was stopped and resumed, or stalled)."""
+
+
+def rows_frame(rows: Sequence[Row]) -> pd.DataFrame:
+    """Typed rows as a DataFrame: a column per field (``kind`` first, then each kind's fields in order,
+    as in metrics.jsonl; enums as their text) and ``time`` as datetimes."""
+    df = pd.DataFrame([vars(r) for r in rows])  # (a row's attributes are its fields: no copy per row)
+    if rows:
+        df.insert(0, "kind", [r.kind.value for r in rows])
+    for column in {name for kind in {r.kind for r in rows} for name in ENUM_FIELDS[kind]}:
+        df[column] = [v.value if isinstance(v, Enum) else v for v in df[column]]
+    if "time" in df:
+        df["time"] = pd.to_datetime(df["time"], unit="s")
+    return df
+
+
+def gap_breaks(t: np.ndarray, resumes: Sequence[float] = ()) -> np.ndarray:
+    """``b[i]`` is True when point ``i`` must not be joined to point ``i - 1``: the rows are further apart
+    in time than the logging rhythm explains (see :data:`GAP_FACTOR`), or the run was resumed between
+    them (a ``resumed`` event)."""
+    t = np.asarray(t, dtype=float)
+    breaks = np.zeros(len(t), dtype=bool)
+    if len(t) < 2:
+        return breaks
+    dt = np.diff(t)
+    limit = max(GAP_FACTOR * float(np.median(dt)), GAP_MIN_S)
+    breaks[1:] = dt > limit
+    for when in resumes:
+        i = int(np.searchsorted(t, when, side="left"))
+        if 0 < i < len(t):
+            breaks[i] = True
+    return breaks
+
+
+class Columns:
+    """Append-only numeric columns that hand out numpy arrays without re-converting old values
+    (``None`` becomes NaN)."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+        self._new: list[tuple] = []
+        self._arrays = {n: np.empty(0) for n in names}
+        self._n = 0
+
+    def append(self, *values: Any) -> None:
+        self._new.append(values)
+        self._n += 1
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.arrays()[name]
+
+    def last(self, name: str) -> float | None:
+        """The latest value of a column (None when empty)."""
+        if self._new:
+            return self._new[-1][self.names.index(name)]
+        a = self._arrays[name]
+        return float(a[-1]) if len(a) else None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        if self._new:  # fold the new rows into the arrays once
+            block = np.array(self._new, dtype=float).reshape(len(self._new), len(self.names))
+            self._arrays = {
+                n: np.concatenate([self._arrays[n], block[:, i]]) for i, n in enumerate(self.names)
+            }
+            self._new = []
+        return self._arrays
+
+
+class TenantSeries:
+    """One tenant of one run: its train and eval rows as columns, its latest state and memory."""
+
+    TRAIN = ("step", "tenant_step", "tokens", "time", "loss", "lr", "grad_norm")
+    EVAL = ("step", "tenant_step", "tokens", "time", "loss")
+
+    def __init__(self, name: str, max_steps: int | None) -> None:
+        self.name = name
+        self.max_steps = max_steps
+        self.train = Columns(*self.TRAIN)
+        self.evals = Columns(*self.EVAL)
+        self.state: TenantState | None = None  # as its latest tenant row says (None: no row yet)
+        self.reason: str | None = None
+        self.adapter_bytes = 0
+        self.optimizer_bytes = 0
+        self.step = 0
+        self.tokens = 0
+        self.last_loss: float | None = None
+        self.best_loss: float | None = None
+
+    def add_train(self, r: TrainRow) -> None:
+        # tokens_seen is cumulative and exact; older jobs only log each step's tokens, so their sum
+        # misses the steps that log_every skipped
+        self.tokens = r.tokens_seen if r.tokens_seen is not None else self.tokens + (r.tokens or 0)
+        self.step = r.tenant_step
+        loss = r.loss
+        self.train.append(r.step, self.step, self.tokens, r.time, loss, r.lr, r.grad_norm)
+        if loss is not None:
+            self.last_loss = loss
+            self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
+
+    def add_eval(self, r: EvalRow) -> None:
+        # eval rows carry the global step; they are placed at the tenant's step and tokens at that step
+        # (its latest train row at or before it: normally the row just logged)
+        tenant_step, tokens = self.step, self.tokens
+        if len(self.train) and r.step < self.train.last("step"):
+            a = self.train.arrays()
+            i = int(np.searchsorted(a["step"], r.step, side="right")) - 1
+            tenant_step, tokens = (a["tenant_step"][i], a["tokens"][i]) if i >= 0 else (0, 0)
+        self.evals.append(r.step, tenant_step, tokens, r.time, r.loss)
+
+    def add_state(self, r: TenantRow) -> None:
+        self.state = r.state
+        self.reason = r.reason
+        # the latest row's numbers: a tenant row is written when the state changes and again once its
+        # optimiser state exists, so the latest is the tenant's current memory
+        self.adapter_bytes = r.adapter_bytes or 0
+        self.optimizer_bytes = r.optimizer_bytes or 0
+
+    def timing(self, resumes: Sequence[float] = (), window: int = 20) -> tuple[float, float | None]:
+        """``(elapsed, eta)`` in seconds: the time it has trained (gaps such as a stop before a resume
+        left out) and, from its step rate over its last ``window`` logged steps, the time it still
+        needs to reach ``max_steps`` (None when unknown)."""
+        a = self.train.arrays()
+        t, steps = a["time"], a["tenant_step"]
+        if len(t) < 2:
+            return 0.0, None
+        breaks = gap_breaks(t, resumes)
+        dt = np.diff(t)
+        elapsed = float(dt[~breaks[1:]].sum())
+        last_break = int(np.flatnonzero(breaks)[-1]) if breaks.any() else 0
+        k = max(last_break, len(t) - 1 - window)  # the rate since the last gap only
+        span = t[-1] - t[k]
+        if self.max_steps is None or span <= 0 or steps[-1] <= steps[k]:
+            return elapsed, None
+        rate = (steps[-1] - steps[k]) / span
+        return elapsed, max(0.0, (self.max_steps - steps[-1]) / rate)
+
+
+class RunSeries:
+    """Everything the lab draws of one run, read incrementally from its ``metrics.jsonl``.
+
+    ``run_dir``: the run directory (a path, a :class:`~mlora_lab.rundir.RunDir`, or anything
+    ``os.fspath`` takes, such as a ``Run``). ``poll()`` takes in the rows that arrived since the last
+    call (a rewritten file, after a resume, starts it over). Only reads the run directory."""
+
+    SYSTEM = ("time", "step", "mem", "peak", "tokens_per_s", "cpu_percent", "gpu_util")
+
+    def __init__(self, run_dir: RunDir | str | os.PathLike, name: str | None = None) -> None:
+        self.dir = run_dir if isinstance(run_dir, RunDir) else RunDir(os.path.abspath(os.fspath(run_dir)))
+        self.name = name or self.dir.root.name
+        self._reader = MetricsReader(self.dir.metrics)  # its own offset: it needs every row
+        self._max_steps: dict[str, int] = {}
+        self._read_spec()
+        self._reset()
+
+    @property
+    def path(self) -> Path:
+        return self.dir.root
+
+    def _read_spec(self) -> None:
+        with contextlib.suppress(SpecError, OSError, ValueError):  # a broken job.json: keep what we knew
+            self._max_steps = {t.name: t.max_steps for t in JobSpec.load(self.dir.job).tenants}
+
+    def _reset(self) -> None:
+        self.epoch = getattr(self, "epoch", -1) + 1  # counts restarts (a rewritten metrics.jsonl)
+        self.tenants: dict[str, TenantSeries] = {n: TenantSeries(n, m) for n, m in self._max_steps.items()}
+        self.system: dict[int, Columns] = {}
+        self.resumes: list[float] = []
+        self.t0: float | None = None
+        self.global_step = 0
+        self.tokens_per_s: float | None = None
+        self.version = 0  # counts rows taken in: a drawing is stale when it differs
+
+    def tenant(self, name: str) -> TenantSeries:
+        s = self.tenants.get(name)
+        if s is None:  # a tenant added while the job runs: the job records it in job.json
+            if name not in self._max_steps:
+                self._read_spec()
+            s = self.tenants[name] = TenantSeries(name, self._max_steps.get(name))
+        return s
+
+    def poll(self) -> int:
+        """Take in new rows; returns how many arrived."""
+        generation = self._reader.generation
+        new = self._reader.poll()
+        if self._reader.generation != generation:  # metrics.jsonl was rewritten (a resume): start over
+            self._reset()
+            new = list(self._reader.rows)
+        self.add(new)
+        return len(new)
+
+    @property
+    def rows(self) -> list[Row]:
+        """Every row read so far."""
+        return self._reader.rows
+
+    def add(self, rows: Sequence[Row]) -> None:
+        for r in rows:
+            if self.t0 is None:
+                self.t0 = r.time
+            self.global_step = max(self.global_step, r.step)
+            if isinstance(r, TrainRow):
+                self.tenant(r.tenant).add_train(r)
+            elif isinstance(r, EvalRow):
+                self.tenant(r.tenant).add_eval(r)
+            elif isinstance(r, SystemRow):
+                cols = self.system.get(r.rank)
+                if cols is None:
+                    cols = self.system[r.rank] = Columns(*self.SYSTEM)
+                cols.append(
+                    r.time, r.step, r.mem_bytes, r.peak_mem_bytes, r.tokens_per_s, r.cpu_percent, r.gpu_util
+                )
+                if r.rank == 0:
+                    self.tokens_per_s = r.tokens_per_s
+            elif isinstance(r, TenantRow):
+                self.tenant(r.tenant).add_state(r)
+            elif isinstance(r, EventRow) and r.event is EventKind.RESUMED:
+                self.resumes.append(r.time)
+        self.version += len(rows)
+
+    def x_values(self, cols: dict[str, np.ndarray], x: str) -> np.ndarray:
+        """The x coordinates of a tenant's rows (``cols``: its train or eval columns) for axis ``x``."""
+        if x == "tenant step":
+            return cols["tenant_step"]
+        if x == "global step":
+            return cols["step"]
+        if x == "tokens":
+            return cols["tokens"]
+        if x == "wall time":
+            return cols["time"] / 86400.0  # matplotlib's date numbers: days since 1970-01-01 (UTC)
+        if x == "relative time":
+            return cols["time"] - (self.t0 or 0.0)
+        raise ValueError(f"unknown x axis {x!r}; choose from {', '.join(X_AXES)}")
+
+    def xy(
+        self, tenant: str, metric: str, x: str = "tenant step"
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(x, y, breaks)`` of one tenant's ``metric`` (see :data:`METRICS`); ``breaks`` marks the points
+        not to join to the previous one (on time axes only; None otherwise)."""
+        s = self.tenants.get(tenant)
+        if s is None:
+            return np.empty(0), np.empty(0), None
+        cols = (s.evals if METRICS[metric] == "eval" else s.train).arrays()
+        y = cols["loss" if metric == "eval_loss" else metric]
+        xs = self.x_values(cols, x)
+        breaks = gap_breaks(cols["time"], self.resumes) if x in TIME_AXES else None
+        return xs, y, breaks
+
+    def system_x(self, cols: dict[str, np.ndarray], x: str) -> np.ndarray:
+        """x of system rows: the wall clock when that is the x axis, else seconds since the run started
+        (a rank has no tenant step or tokens)."""
+        if x == "wall time":
+            return cols["time"] / 86400.0
+        if x == "global step":
+            return cols["step"]
+        return cols["time"] - (self.t0 or 0.0)

@@ -1,0 +1,186 @@
+"""Every field's type and range, from its :class:`~mlora_lab.spec.FieldInfo` (the metadata
+the forms build their inputs from); no file is read.
+
+    check_job_fields(ctx)        the JobSpec's own fields (parallel and tenants are checked apart)
+    check_tenant_fields(ctx, t)  a Tenant's fields, and the rules that tie two of them together
+    check_field(ctx, ...)        one value against its FieldInfo: what the two above (and parallel) use
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mlora_lab.lora.targets import ALL_LINEAR
+from mlora_lab.spec import (
+    MAX_ROWS,
+    MAX_TARGETS,
+    FieldInfo,
+    JobSpec,
+    Tenant,
+    field_info,
+    fields_info,
+    valid_targets,
+)
+from mlora_lab.text import brief, is_finite, is_int, path_problem
+from mlora_lab.validate.context import Context, bound, got, usable_path
+from mlora_lab.validate.tenants import check_name
+
+
+def check_job_fields(ctx: Context) -> None:
+    """The job's fields (``parallel`` and ``tenants`` are checked part by part, in their own phases),
+    and an ``output_dir`` that exists as something other than a directory."""
+    s = ctx.spec
+    for name, info in fields_info(JobSpec):
+        if info.kind not in ("tenants", "parallel"):
+            check_field(ctx, None, name, getattr(s, name), info)
+    out = s.output_dir
+    if usable_path(out) and os.path.exists(out) and not os.path.isdir(out):
+        ctx.say(None, "output_dir", f"output_dir {brief(out)} exists and is not a directory")
+
+
+def check_tenant_fields(ctx: Context, t: Tenant) -> None:
+    """The tenant's fields, then what two of them say together: something to adapt, and a sane number
+    of rows per optimizer step."""
+    ok = {name: check_field(ctx, t, name, getattr(t, name), info) for name, info in fields_info(Tenant)}
+    if ok["target_modules"] and ok["target_parameters"] and not t.target_modules and not t.target_parameters:
+        ctx.say(t, "target_modules", "target_modules and target_parameters are both empty; nothing to adapt")
+    if ok["batch_size"] and ok["grad_accum"] and t.batch_size * t.grad_accum > MAX_ROWS:
+        ctx.say(
+            t,
+            "batch_size",
+            f"batch_size*grad_accum = {t.batch_size}*{t.grad_accum} = {t.batch_size * t.grad_accum:,} "
+            f"rows per optimizer step is more than {MAX_ROWS:,} (2**20); lower batch_size or grad_accum",
+        )
+
+
+def check_field(
+    ctx: Context, owner: Tenant | None, field: str, value: Any, info: FieldInfo, label: str = ""
+) -> bool:
+    """``value`` of ``field`` checked against its :class:`FieldInfo`; whether it passed. ``label``
+    is how messages name the field (``parallel.nproc``), ``field`` by default."""
+    label = label or field
+    if value is None and info.optional:
+        return True
+    kind = info.kind
+    if kind == "int":
+        if info.bool_ok and isinstance(value, bool):
+            return True
+        hi, hi_name = info.max, ""
+        at_most = getattr(ctx.spec, info.at_most, None) if info.at_most else None
+        # a bad bound (max_rank=0) is reported on its own field; this one keeps its own bounds
+        if is_int(at_most) and field_info(JobSpec, info.at_most).allows(at_most):
+            hi, hi_name = at_most, f"{info.at_most}={at_most}"
+        return _int(ctx, owner, field, value, info.min, hi, hi_name, label)
+    if kind in ("float", "log-float"):
+        return _num(ctx, owner, field, value, info, label)
+    if kind == "bool":
+        return _bool(ctx, owner, field, value, label)
+    if kind == "choice":
+        return _one_of(ctx, owner, field, value, info.choices, label)
+    if kind in ("path", "dir"):
+        return _path(ctx, owner, field, value, info, label)
+    if kind == "targets":
+        return _str_list(ctx, owner, field, value, union=field == "slot_modules", label=label)
+    if kind == "pair":
+        if not (isinstance(value, tuple | list) and len(value) == 2):
+            ctx.say(owner, field, f"{label} must be a pair of numbers {info.rule()} ({got(value)})")
+            return False
+        return all([_num(ctx, owner, field, v, info, f"{label}[{i}]") for i, v in enumerate(value)])
+    if kind == "name":
+        return check_name(ctx, value)
+    raise ValueError(f"field {field!r} has kind {kind!r}, which has no check")
+
+
+def _int(
+    ctx: Context,
+    owner: Tenant | None,
+    field: str,
+    v: Any,
+    lo: float | None,
+    hi: float | None,
+    hi_name: str = "",
+    label: str = "",
+) -> bool:
+    label = label or field
+    if not is_int(v):
+        ctx.say(owner, field, f"{label} must be an integer ({got(v)})")
+    elif lo is not None and v < lo:
+        ctx.say(owner, field, f"{label} must be >= {bound(lo)} (got {brief(v)})")
+    elif hi is not None and v > hi:
+        ctx.say(owner, field, f"{label} must be <= {hi_name or bound(hi)} (got {brief(v)})")
+    else:
+        return True
+    return False
+
+
+def _num(ctx: Context, owner: Tenant | None, field: str, v: Any, info: FieldInfo, label: str = "") -> bool:
+    """A finite real number within ``info``'s bounds."""
+    label = label or field
+    if not is_finite(v):
+        ctx.say(owner, field, f"{label} must be a finite number ({got(v)})")
+    elif not info.allows(v):
+        rule = info.rule() + (f" (or null for {info.null_means})" if info.null_means else "")
+        ctx.say(owner, field, f"{label} must be {rule} (got {brief(v)})")
+    else:
+        return True
+    return False
+
+
+def _bool(ctx: Context, owner: Tenant | None, field: str, v: Any, label: str = "") -> bool:
+    if isinstance(v, bool):
+        return True
+    ctx.say(owner, field, f"{label or field} must be true or false ({got(v)})")
+    return False
+
+
+def _path(ctx: Context, owner: Tenant | None, field: str, v: Any, info: FieldInfo, label: str = "") -> bool:
+    """A string that can name a file or directory (``None`` allowed when ``info.optional``)."""
+    label = label or field
+    what = "a directory" if info.kind == "dir" else "a file"
+    if v == "":
+        ctx.say(owner, field, f"{label} is empty; give the path of {what}")
+        return False
+    if not isinstance(v, str):
+        kind = "a non-empty string or null" if info.optional else "a non-empty string"
+        ctx.say(owner, field, f"{label} must be {kind} ({got(v)})")
+        return False
+    why = path_problem(v)
+    if why:
+        ctx.say(owner, field, f"{label} path {why}")
+        return False
+    return True
+
+
+def _one_of(
+    ctx: Context, owner: Tenant | None, field: str, v: Any, choices: tuple[str, ...], label: str = ""
+) -> bool:
+    if isinstance(v, str) and v in choices:
+        return True
+    ctx.say(owner, field, f"{label or field} must be one of {', '.join(choices)} (got {brief(v)})")
+    return False
+
+
+def _str_list(
+    ctx: Context, owner: Tenant | None, field: str, v: Any, union: bool = False, label: str = ""
+) -> bool:
+    label = label or field
+    if valid_targets(v, union):
+        return True
+    strings = isinstance(v, list | tuple) and all(isinstance(x, str) and x for x in v)
+    if isinstance(v, list | tuple) and len(v) > MAX_TARGETS:
+        ctx.say(owner, field, f"{label} has {len(v):,} entries (at most {MAX_TARGETS:,})")
+    elif strings and any(len(x) > 1000 for x in v):
+        ctx.say(owner, field, f"{label}: every entry must be at most 1000 characters (a module name)")
+    elif strings:
+        # PEFT reads "all-linear" only as the whole value; in a list it is one more module name, which
+        # matches nothing, so ["all-linear", "q_proj"] would silently adapt q_proj alone.
+        ctx.say(
+            owner,
+            field,
+            f"{label}: '{ALL_LINEAR}' must be the only entry (got {brief(list(v))}); with other names "
+            "PEFT would read it as a module name that matches nothing",
+        )
+    else:
+        ctx.say(owner, field, f"{label} must be a list of non-empty strings ({got(v)})")
+    return False

@@ -1,0 +1,353 @@
+"""The base model and what the tenants ask of it: its config and weights load, its tokenizer loads and
+fits its embedding, every target names layers it has (linear layers, or packed expert parameters),
+and the tenants' own tensors fit one device.
+
+    load_model_and_tokenizer(ctx)   sets ctx.model (a meta-device structure) and ctx.tok, or says why not
+    check_targets(ctx, t)           target_modules / target_parameters against the model
+    check_slot_modules(ctx, ts)     slot_modules against the model, and every target inside them
+    check_vocab(ctx)                the ids the job inserts (BOS, EOS, padding) are rows of the embedding
+    check_memory(ctx, ts)           the tenants' adapters, gradients and AdamW state fit one device
+
+Every check but the first is skipped when the model cannot be loaded (that problem is reported).
+"""
+
+from __future__ import annotations
+
+import os
+
+from mlora_lab.bases import GGUFBaseError, gguf_file, gguf_problem, gguf_tokenizer, is_gguf
+from mlora_lab.lora.targets import ALL_LINEAR, name_matches, suffixes
+from mlora_lab.spec import MAX_SLOTS, Tenant, tenant_label, valid_targets
+from mlora_lab.text import (
+    MAX_JSON_BYTES,
+    brief,
+    brief_list,
+    error_line,
+    is_int,
+    is_number,
+    read_json,
+    show_path,
+)
+from mlora_lab.validate.context import Context, usable_path
+from mlora_lab.validate.introspect import device_memory, load_config, model_info, select_linear
+from mlora_lab.validate.weights import safetensors_shapes
+
+# ---------------------------------------------------------------------------------------------
+# Loading the model's structure and the tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def load_model_and_tokenizer(ctx: Context) -> None:
+    """``ctx.model`` and ``ctx.tok``, from the cache when both loaded before without a problem."""
+    cache = ctx.cache
+    key = ctx.env_key() if cache is not None else None
+    if key is not None and key in cache.models:
+        ctx.model, ctx.tok = cache.models[key]
+        return
+    start = len(ctx.out)
+    _load_now(ctx)
+    if key is not None and len(ctx.out) == start:  # only successes: a fixed path is seen at once
+        cache.models[key] = (ctx.model, ctx.tok)
+
+
+def _load_now(ctx: Context) -> None:
+    s = ctx.spec
+    base_ok = False
+    if usable_path(s.base_model):
+        if is_gguf(s.base_model):
+            base_ok = _load_gguf(ctx, s.base_model)
+        elif not os.path.isdir(s.base_model):
+            ctx.say(
+                None,
+                "base_model",
+                f"base_model {brief(s.base_model)} is not a local directory (give the directory of a "
+                "model saved with save_pretrained, or a .gguf file; nothing is downloaded)",
+            )
+        else:
+            base_ok = _load_model(ctx, s.base_model)
+    tok_path = s.tokenizer if s.tokenizer is not None else s.base_model
+    label = "tokenizer" if s.tokenizer is not None else "tokenizer (base_model)"
+    if not usable_path(tok_path) or (s.tokenizer is None and not base_ok):
+        return  # already reported (bad type or path, or the base_model problem covers it)
+    gguf_tok = is_gguf(tok_path)
+    if not gguf_tok and not os.path.isdir(tok_path):
+        ctx.say(None, "tokenizer", f"{label} {brief(tok_path)} is not a local directory")
+        return
+    try:
+        from transformers import AutoTokenizer
+
+        # a GGUF's tokenizer (chat template included) is read from its metadata
+        ctx.tok = gguf_tokenizer(tok_path) if gguf_tok else AutoTokenizer.from_pretrained(tok_path)
+    except Exception as e:
+        ctx.say(
+            None, "tokenizer", f"{label} {brief(tok_path)}: AutoTokenizer cannot load it ({error_line(e)})"
+        )
+
+
+def _load_gguf(ctx: Context, path: str) -> bool:
+    """A GGUF base (``mlora_lab.bases``): one readable ``.gguf`` file whose metadata describes a
+    causal LM transformers can load. Nothing is converted here; the job converts it once, when it
+    loads the base (``resolve_base``)."""
+    where = f"base_model {brief(path)}"
+    try:
+        file = gguf_file(path)
+    except GGUFBaseError as e:
+        ctx.say(None, "base_model", f"{where}: {e.reason}")
+        return False
+    assert file is not None
+    why = gguf_problem(file)
+    if why:
+        ctx.say(None, "base_model", f"{where}: {why}")
+        return False
+    try:
+        load_config(path)
+    except Exception as e:
+        ctx.say(
+            None,
+            "base_model",
+            f"{where}: transformers cannot read a model config from this GGUF ({error_line(e)})",
+        )
+        return False
+    return _read_model_info(ctx, path, where)
+
+
+def _read_model_info(ctx: Context, path: str, where: str) -> bool:
+    """``ctx.model`` from the config at ``path`` (a meta-device build), or a problem."""
+    try:
+        ctx.model = model_info(os.path.abspath(path))
+    except Exception as e:
+        ctx.say(None, "base_model", f"{where}: cannot build a causal LM from its config ({error_line(e)})")
+        return False
+    return True
+
+
+def _load_model(ctx: Context, path: str) -> bool:
+    where = f"base_model {brief(path)}"
+    cfg = os.path.join(path, "config.json")
+    if os.path.isfile(cfg) and os.path.getsize(cfg) > MAX_JSON_BYTES:
+        ctx.say(None, "base_model", f"{where}: config.json is larger than 64 MiB; that is not a model config")
+        return False
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path)
+    except Exception as e:
+        ctx.say(None, "base_model", f"{where} does not hold a loadable transformers config ({error_line(e)})")
+        return False
+    if not _read_model_info(ctx, path, where):
+        return False
+    _check_weights(ctx, path, where)
+    return True
+
+
+def _check_weights(ctx: Context, path: str, where: str) -> None:
+    """``from_pretrained`` needs the weights next to the config: ``model.safetensors`` (a complete
+    file), an index whose shards all exist, or ``pytorch_model.bin``. A config-only directory
+    validates the layout but could never train."""
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        _, why = safetensors_shapes(single)
+        if why:
+            ctx.say(
+                None, "base_model", f"{where}: model.safetensors is not usable ({why}); save the model again"
+            )
+        return
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index_path = os.path.join(path, index)
+        if not os.path.isfile(index_path):
+            continue
+        value, why = read_json(index_path, "an index file")
+        weight_map = value.get("weight_map") if isinstance(value, dict) else None
+        shards = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
+        plain = all(isinstance(f, str) and f and os.path.basename(f) == f and usable_path(f) for f in shards)
+        if why or not shards or not plain:
+            why = why or "has no weight_map of tensor name -> shard file name"
+            ctx.say(None, "base_model", f"{where}: {index} {why}; save the model again")
+            return
+        missing = [f for f in shards if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            ctx.say(
+                None,
+                "base_model",
+                f"{where}: no weights found: {index} lists shard files that are missing "
+                f"({brief_list(missing, 5)}); copy every shard next to it",
+            )
+            return
+        for shard in shards if index.startswith("model.safetensors") else []:
+            _, why = safetensors_shapes(os.path.join(path, shard))
+            if why:
+                ctx.say(
+                    None,
+                    "base_model",
+                    f"{where}: shard {show_path(shard)} is not usable ({why}); save the model again",
+                )
+                return
+        return
+    if not os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        ctx.say(
+            None,
+            "base_model",
+            f"{where}: no weights found (it has a config but no model.safetensors, "
+            "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json); "
+            "save the model with save_pretrained",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets
+# ---------------------------------------------------------------------------------------------
+
+
+def _resolve_modules(ctx: Context, owner: Tenant | None, field: str, targets: list[str]) -> set[str] | None:
+    """Full names of the linear layers ``targets`` select; reports unknown / non-linear targets."""
+    m = ctx.model
+    assert m is not None
+    chosen: set[str] = set()
+    if ALL_LINEAR in targets:  # alone, or with other names in slot_modules (the union)
+        chosen = select_linear(m, [ALL_LINEAR])
+        if not chosen:
+            ctx.say(owner, field, f"{field} '{ALL_LINEAR}' matches no linear layer in the model")
+            return None
+        targets = [t for t in targets if t != ALL_LINEAR]
+    unknown: list[str] = []
+    ok = True
+    for target in targets:
+        hits = [(n, cls) for n, cls in m.modules if name_matches(n, target)]
+        if not hits:
+            unknown.append(target)
+            continue
+        not_linear = [(n, cls) for n, cls in hits if n not in m.linear]
+        if not_linear:
+            n, cls = not_linear[0]
+            ctx.say(
+                owner,
+                field,
+                f"{field} {brief(target)} matches modules that are not nn.Linear (e.g. {n}: {cls}); "
+                "LoRA goes on linear layers only",
+            )
+            ok = False
+        chosen |= {n for n, _ in hits if n in m.linear}
+    if unknown:
+        ctx.say(
+            owner,
+            field,
+            f"{field} not found in the model: {brief_list(unknown)} (available: {suffixes(m.linear)})",
+        )
+        ok = False
+    return chosen if ok else None
+
+
+def check_targets(ctx: Context, t: Tenant) -> None:
+    """``target_modules`` name linear layers of the model; ``target_parameters`` name its packed expert
+    parameters (and then ``dropout`` is 0: PEFT has none on expert weights)."""
+    if ctx.model is None:
+        return
+    mods = t.target_modules
+    if valid_targets(mods) and mods:
+        _resolve_modules(ctx, t, "target_modules", mods)
+    params = t.target_parameters
+    if not (valid_targets(params) and params):
+        return
+    unknown = [p for p in params if not any(name_matches(n, p) for n in ctx.model.experts)]
+    if unknown:
+        avail = (
+            f"available: {suffixes(ctx.model.experts)}"
+            if ctx.model.experts
+            else "the model has no 3-D expert parameters"
+        )
+        ctx.say(
+            t,
+            "target_parameters",
+            f"target_parameters not found in the model: {brief_list(unknown)} ({avail})",
+        )
+    elif is_number(t.dropout) and t.dropout:
+        ctx.say(
+            t, "dropout", "dropout must be 0 with target_parameters (PEFT has no dropout on expert weights)"
+        )
+
+
+def check_slot_modules(ctx: Context, tenants: list[Tenant]) -> None:
+    """``slot_modules`` name linear layers of the model, and cover every layer a tenant targets."""
+    slots = ctx.spec.slot_modules
+    if ctx.model is None or slots is None or not valid_targets(slots, union=True):
+        return  # no model, no slot_modules, or a type problem already reported
+    covered = _resolve_modules(ctx, None, "slot_modules", slots) if slots else set()
+    if covered is None:
+        return
+    for t in tenants:
+        if not valid_targets(t.target_modules):
+            continue
+        outside = [x for x in t.target_modules if select_linear(ctx.model, [x]) - covered]
+        if outside:
+            ctx.say(
+                t,
+                "target_modules",
+                f"target_modules {brief_list(outside)} not covered by slot_modules {brief(list(slots))}; "
+                "add them to slot_modules",
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary and memory
+# ---------------------------------------------------------------------------------------------
+
+
+def check_vocab(ctx: Context) -> None:
+    """Token ids index the input embedding. The ids the job itself inserts (BOS, EOS, padding)
+    must be rows of it; a tokenizer may have more tokens than rows (some tokenizer classes add
+    special tokens a model never saw), and a tenant whose rows contain such ids is refused alone
+    when it is loaded, before any of its rows reach the shared forward."""
+    m, tok = ctx.model, ctx.tok
+    if m is None or tok is None or not is_int(m.vocab):
+        return
+    used = {name: getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos", "pad")}
+    past = {name: i for name, i in used.items() if is_int(i) and not 0 <= i < m.vocab}
+    if past:
+        label = "tokenizer" if ctx.spec.tokenizer is not None else "tokenizer (base_model)"
+        ids = ", ".join(f"{name} id {i}" for name, i in past.items())
+        ctx.say(
+            None,
+            "tokenizer",
+            f"{label}: {ids} past the model's input embedding ({m.vocab:,} rows, vocab_size); "
+            "use the model's own tokenizer",
+        )
+
+
+def check_memory(ctx: Context, tenants: list[Tenant]) -> None:
+    """Sizes that cannot fit one device: the tenants' own tensors. Each tenant's exist only for it,
+    at its rank (nothing is allocated for free slots or for ``max_rank``), and are held whole on
+    every data-parallel rank. An estimate, made to catch the absurd:
+
+        need = sum over tenants of rank_t * F_t * 4 bytes * 4 (value, gradient, two AdamW moments)
+               F_t = sum over its linear layers of (in + out) + over its expert parameters E*(in + out)
+
+    (The logits are not estimated: the loss is computed in chunks and never holds them whole.)
+    """
+    m = ctx.model
+    mem = device_memory() if m is not None else None
+    if m is None or mem is None:
+        return
+    total, device = mem
+    sizes = []  # (bytes, tenant, rank, features)
+    for t in tenants:
+        if not (is_int(t.rank) and 1 <= t.rank <= MAX_SLOTS):
+            continue
+        chosen = select_linear(m, t.target_modules) if valid_targets(t.target_modules) else set()
+        feats = sum(inn + out for n, inn, out in m.linear_shapes if n in chosen)
+        params = t.target_parameters if valid_targets(t.target_parameters) else []
+        feats += sum(
+            E * (inn + out) for n, E, out, inn in m.expert_shapes if any(name_matches(n, p) for p in params)
+        )
+        sizes.append((t.rank * feats * 16, t.name, t.rank, feats))
+    need = sum(size for size, *_ in sizes)
+    if need > total:
+        gib = 2**30
+        _, name, rank, feats = max(sizes)
+        ctx.say(
+            None,
+            None,
+            f"the tenants' adapters need about {need / gib:,.1f} GiB per device with their gradients and "
+            f"AdamW state (rank x in+out features x 16 bytes, summed over tenants; the largest is "
+            f"{tenant_label(name)}: rank {rank} x {feats:,} features) but {device} has {total / gib:,.1f} GiB; "
+            "lower ranks, target fewer layers, or start fewer tenants at once",
+        )

@@ -1,0 +1,70 @@
+"""The process layout: ``parallel``'s fields and how they divide each other (no file read), then, once
+the model is loaded, whether the model splits over ``tp`` and ``ep`` ranks.
+
+    world_size = nproc * nnodes;  fsdp * tp divides world_size;  ep divides world_size / tp
+"""
+
+from __future__ import annotations
+
+import os
+
+from mlora_lab.spec import Parallel, fields_info
+from mlora_lab.validate.context import Context
+from mlora_lab.validate.fields import check_field
+from mlora_lab.validate.introspect import tp_problems
+
+
+def check_parallel(ctx: Context) -> None:
+    """``parallel``'s fields, then the layout they make; sets ``ctx.layout_ok`` when the fields are valid
+    (the TP / EP checks against the model need them)."""
+    p = ctx.spec.parallel
+    if not isinstance(p, Parallel):
+        ctx.say(None, "parallel", f"parallel must be a Parallel (got {type(p).__name__})")
+        return
+    ok = [check_field(ctx, None, f"parallel.{n}", getattr(p, n), info) for n, info in fields_info(Parallel)]
+    if not all(ok):
+        return
+    ctx.layout_ok = True
+    group = p.fsdp * p.tp
+    if p.world_size % group:
+        ctx.say(
+            None,
+            "parallel.fsdp",
+            f"parallel: fsdp*tp = {p.fsdp}*{p.tp} = {group} must divide "
+            f"nproc*nnodes = {p.nproc}*{p.nnodes} = {p.world_size}",
+        )
+    elif (p.world_size // p.tp) % p.ep:
+        ctx.say(
+            None,
+            "parallel.ep",
+            f"parallel: ep = {p.ep} must divide the data-parallel ranks (nproc*nnodes/tp = "
+            f"{p.world_size // p.tp}); expert parallelism splits the experts over groups of them",
+        )
+
+
+def check_tensor_parallel(ctx: Context) -> None:
+    """``tp > 1`` needs the model's TP plan and dimensions that split evenly over ``tp`` ranks."""
+    p = ctx.spec.parallel
+    if ctx.model is None or not ctx.layout_ok or p.tp <= 1:
+        return
+    for problem in tp_problems(os.path.abspath(ctx.spec.base_model), p.tp):
+        ctx.say(None, "parallel.tp", problem)
+
+
+def check_expert_parallel(ctx: Context) -> None:
+    """``ep > 1`` needs packed experts that split evenly over ``ep`` ranks."""
+    p = ctx.spec.parallel
+    if ctx.model is None or not ctx.layout_ok or p.ep <= 1:
+        return
+    if not ctx.model.expert_modules:
+        ctx.say(
+            None, "parallel.ep", f"parallel.ep = {p.ep}, but the model has no packed (3-D) expert parameters"
+        )
+        return
+    name, n, problem = ctx.model.expert_modules[0]
+    if problem:
+        ctx.say(None, "parallel.ep", f"parallel.ep = {p.ep}: experts module {name} {problem}")
+    elif n % p.ep:
+        ctx.say(
+            None, "parallel.ep", f"parallel.ep = {p.ep} does not divide the {n} experts of each MoE layer"
+        )
