@@ -370,8 +370,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     run = attach(args.run_dir)
     state = run.reconcile()
     print(f"{run.path}: {state} (step {run.global_step})")
-    if state is RunState.QUEUED and run.reason:
-        print(f"queued: {run.reason}")
+    if not state.final and run.reason:  # Slurm: why it waits in the queue, or that its job is ending
+        print(f"{state}: {run.reason}")
     elif run.error:
         print(f"error: {run.error}")
     labels = run.labels
@@ -387,6 +387,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
     run = attach(args.run_dir)
     state = run.stop(timeout=args.timeout)
     print(f"{run.path}: {state}")
+    if not state.final:  # (a Slurm run: returned only once Slurm says its job ended, or raised)
+        print(f"mlora-lab stop: the run has not ended: {run.reason or run.error}", file=sys.stderr)
+        return 1
     return 0
 
 
