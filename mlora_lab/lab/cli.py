@@ -368,12 +368,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     run = attach(args.run_dir)
-    state = run.reconcile()
+    verdict = run.liveness.reconcile()
+    state = verdict.state
     print(f"{run.path}: {state} (step {run.global_step})")
-    if not state.final and run.reason:  # Slurm: why it waits in the queue, or that its job is ending
-        print(f"{state}: {run.reason}")
-    elif run.error:
-        print(f"error: {run.error}")
+    if not state.final and verdict.waiting:  # Slurm: why it waits in the queue, or that its job is ending
+        print(f"{state}: {verdict.waiting}")
+    elif verdict.error:
+        print(f"error: {verdict.error}")
     labels = run.labels
     if labels.tags:
         print(f"tags: {', '.join(labels.tags)}")

@@ -17,7 +17,11 @@ A run that says it is starting or running is checked against its process (pid, s
 :class:`~mlora_lab.rundir.ProcessIdentity`): if the process is gone, the run ``failed`` (this process
 started it and saw it exit) or is ``lost`` (it ended unseen); its last checkpoint can be resumed. A
 run on another host is believed as its status file says. A Slurm run is checked against Slurm
-(:mod:`mlora_lab.lab.slurm`), at most once a second per :class:`Liveness`.
+(:mod:`mlora_lab.lab.slurm`), at most once a second per :class:`Liveness`, and has ended only when
+Slurm says its job has: rank 0 writes the end seconds before the workers, the torchrun agents, ``srun``
+and the steps' slurmstepd have exited, and the job stays RUNNING in Slurm until they have; meanwhile
+the run reads ``running``. :meth:`Liveness.wait` (``Run.wait``, ``Run.stop``) therefore returns only
+when nothing of the job is left.
 """
 
 from __future__ import annotations
