@@ -19,6 +19,12 @@ each with 1 and with 2 threads per process. Reported per case: the median step t
 processes kept busy meanwhile. Cases are interleaved over ``--rounds`` rounds (A, B, C, ..., A, B, ...),
 so drift of a shared machine hits them alike, and the table shows the median over rounds. The ratio
 that decides the rule: step time with 2 threads ÷ with 1 thread, per case.
+
+Then **what the launcher picks** (``mlora_lab.lab.threads``): the one-process job on the machine as it is
+(idle, after waiting for quiet) and with one core kept busy by a spinning process this benchmark starts:
+in each condition the load the launcher measures (``machine_load``), the threads it gives
+(``threads_per_process``), and the step time with 1 and with 2 threads, so the table shows whether the
+rule picked the faster one on both an idle and a loaded machine.
 """
 
 from __future__ import annotations
@@ -181,6 +187,45 @@ def main() -> None:
         ["case", "threads/process", "threads in all", "step s (median)", "range", "others' cores",
          "÷ 1 thread"], rows
     )  # fmt: skip
+    print("\nwhat the launcher picks (one process):")
+    common.print_table(
+        ["machine", "load measured", "threads picked", "step s, 1 thread", "step s, 2 threads", "faster",
+         "picked the faster"],
+        rule_rows(work, job, cfg["steps"], args.budget, rounds),
+    )  # fmt: skip
+
+
+def rule_rows(work: Path, job: Path, steps: int, budget: float, rounds: int) -> list[list]:
+    """For an idle machine and one with a core kept busy: the load the launcher measures, the threads it
+    picks for a one-process job, and that job's step time with 1 and with 2 threads (median of rounds)."""
+    from mlora_lab.lab.threads import machine_load, threads_per_process
+
+    out = []
+    for condition in ("idle", "one core busy"):
+        loads, picks, times = [], [], {1: [], 2: []}
+        for r in range(rounds):
+            spinner = None
+            if condition != "idle":
+                spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                time.sleep(1.0)
+            try:
+                loads.append(machine_load(1.0))
+                picks.append(threads_per_process(1, load=loads[-1]))
+                for threads in (1, 2):
+                    tag = f"rule_{condition.replace(' ', '')}_{threads}t_r{r}"
+                    times[threads].append(run_case(work, job, 1, 1, threads, steps, budget, tag)["step_time"])
+            finally:
+                if spinner is not None:
+                    spinner.kill()
+                    spinner.wait()
+            print(f"  {condition}, round {r + 1}: load {loads[-1]:.2f}, picks {picks[-1]}, step 1t "
+                  f"{times[1][-1]:.3f} s, 2t {times[2][-1]:.3f} s", flush=True)  # fmt: skip
+        t1, t2 = statistics.median(times[1]), statistics.median(times[2])
+        faster = 1 if t1 <= t2 else 2
+        picked = statistics.median_low(picks)
+        out.append([condition, f"{statistics.median(loads):.2f}", picked, f"{t1:.3f}", f"{t2:.3f}", faster,
+                    "yes" if picked == faster else "no"])  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ through ``job.json`` unchanged::
     check(spec)                                 # raises SpecError listing *every* problem at once
 
 Each field carries a :class:`FieldInfo` (``field_info(Tenant, "lr")``): its label, help line, widget
-kind, form section and bounds. The notebook forms (:mod:`mlora_lab.widgets`) build their inputs from it
+kind, form section and bounds. The notebook forms (:mod:`mlora_lab.lab.forms`) build their inputs from it
 and the validator (:mod:`mlora_lab.validate`) checks values against the same bounds, so a new
 ``Tenant`` field is one edit here.
 

@@ -121,16 +121,26 @@ class LocalSlurm:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 (kept open by the child)
-        self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=self.env)  # fmt: skip
+        self.procs[name] = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env
+        )
 
     def start(self, timeout: float = 60) -> None:
         self.write_config()
         m = self.root / "munge"
-        self._spawn("munged", [
-            _which("munged"), "--foreground", "--force", f"--socket={m}/munge.sock", f"--key-file={m}/munge.key",
-            f"--log-file={m}/munged.log", f"--pid-file={m}/munged.pid", f"--seed-file={m}/munged.seed",
-        ])  # fmt: skip
+        self._spawn(
+            "munged",
+            [
+                _which("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={m}/munge.sock",
+                f"--key-file={m}/munge.key",
+                f"--log-file={m}/munged.log",
+                f"--pid-file={m}/munged.pid",
+                f"--seed-file={m}/munged.seed",
+            ],
+        )
         self._wait(lambda: (m / "munge.sock").exists(), timeout, "munged")
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-f", str(self.conf)])
         self._wait(lambda: self.run("sinfo", "-h").returncode == 0, timeout, "slurmctld")
@@ -147,8 +157,10 @@ class LocalSlurm:
         while not ready():
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"local Slurm: no {what} ({'exited: ' + ', '.join(dead) if dead else 'timeout'})\n"
-                                   + self.log_tail())  # fmt: skip
+                raise RuntimeError(
+                    f"local Slurm: no {what} ({'exited: ' + ', '.join(dead) if dead else 'timeout'})\n"
+                    + self.log_tail()
+                )
             time.sleep(0.3)
 
     def log_tail(self, n: int = 20) -> str:
@@ -159,17 +171,21 @@ class LocalSlurm:
         return "\n".join(parts)
 
     def run(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-        return subprocess.run([_which(args[0]), *args[1:]], env=self.env, capture_output=True, text=True,
-                              timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            [_which(args[0]), *args[1:]], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
 
     def jobs(self) -> list[str]:
         """Ids of the jobs Slurm still has queued or running."""
         return self.run("squeue", "-h", "-o", "%i").stdout.split()
 
     def cancel_all(self, timeout: float = 60) -> None:
-        """End every job of this cluster (SIGKILL, then cancel) and wait until the queue is empty."""
+        """End every job of this cluster (SIGKILL to each step, then cancel) and wait until the queue
+        is empty. (``scancel --signal=KILL JOB`` would only SIGTERM the steps until ``KillWait``.)"""
         for job in self.jobs():
-            self.run("scancel", "--full", "--signal=KILL", job)
+            for step in self.run("squeue", "-h", "--steps", "-j", job, "-o", "%i").stdout.split():
+                if step.split(".", 1)[1].isdigit():
+                    self.run("scancel", "--signal=KILL", step)
             self.run("scancel", job)
         deadline = time.monotonic() + timeout
         while self.jobs() and time.monotonic() < deadline:

@@ -119,7 +119,11 @@ def test_live_dashboard_in_chromium(llama_path, tmp_path):
             assert drawn >= 2, (
                 "the loss plot and the system plot (the lr & grad norm tab is drawn when opened)"
             )
-            time.sleep(3)
+            # the next step may take a while on a busy machine: wait for it, then for its redraw
+            deadline = time.monotonic() + 180
+            while step_of(status.inner_text()) <= step_of(first_text) and time.monotonic() < deadline:
+                time.sleep(1)
+            time.sleep(2)
             second_text, second_imgs = (
                 status.inner_text(),
                 page.eval_on_selector_all("img", "e => e.map(i => i.src)"),

@@ -320,7 +320,7 @@ def test_a_launched_job_listens_on_loopback_only(llama_path, tmp_path):
 
 
 def job_workers(run_dir: Path) -> list[psutil.Process]:
-    """Every live ``mlora_lab.train`` process of ``run_dir`` on this machine, found by command line
+    """Every live ``mlora_lab.job`` process of ``run_dir`` on this machine, found by command line
     (torchrun starts each worker in a session of its own, so it is nobody's child once its agent dies)."""
     found = []
     for p in psutil.process_iter(["cmdline"]):

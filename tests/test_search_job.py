@@ -1,4 +1,4 @@
-"""The search inside a job (mlora_lab.search_job), on the tiny model in this process: a refilled slot
+"""The search inside a job (mlora_lab.job.search), on the tiny model in this process: a refilled slot
 starts clean, PBT's exploit copies adapter and optimiser state exactly, and a sweep stopped and resumed
 makes the same decisions as one that ran through."""
 

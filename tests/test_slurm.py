@@ -5,7 +5,8 @@ Slurm's answers scripted), then real jobs on a real two-node Slurm cluster on th
 On the cluster: two nodes × one process (fsdp=2) equal one local process; ``queued`` with Slurm's
 reason while the cluster is full; a live tenant reaches both nodes' ranks at the same step; a stop from
 the API is graceful; ``scancel`` and kill -9 of one node's worker are ``failed`` with the reason, and a
-Slurm resume continues exactly.
+Slurm resume continues exactly. Whenever a call says the run ended (``wait()``, ``stop()``, ``kill()``,
+``mlora-lab stop``), Slurm says the job ended and no process of it is left on either node.
 """
 
 from __future__ import annotations
@@ -251,6 +252,77 @@ def test_while_slurm_runs_the_job_the_run_directory_says_how_far_it_got(slurm_ru
     assert run.status == "running"
     update_status(run.path, state="stopped")  # saved on Slurm's SIGTERM; Slurm's verdict follows
     assert run.status == "running"
+    control.request_stop(run.path)  # our stop: it is over when Slurm says so too
+    assert run.status == "running"
+
+
+@pytest.mark.parametrize("written", ["stopped", "finished", "failed"])
+@pytest.mark.parametrize("active", ["RUNNING", "COMPLETING"])
+def test_a_run_whose_job_wrote_its_end_runs_until_slurm_ends_the_job(slurm_run, monkeypatch, written, active):
+    """Rank 0 writes the end before its process, the torchrun agents, srun and the batch step exit:
+    until Slurm says the job ended, the run is running (with Slurm's words), and nothing is recorded."""
+    run = slurm_run(SlurmJob(42, active, "None", nodes="node[1-2]"), state=written, error="boom")
+    control.request_stop(run.path)  # even the stop this side asked for
+    assert run.status == "running" and run.reconcile() == "running"
+    assert run.reason == (
+        f"the job wrote '{written}', but Slurm job 42 is {active.lower()} ({active}, nodes node[1-2]): "
+        "its processes are still ending"
+    )
+    assert read_status(run.path).slurm_state is None, "not recorded: Slurm is asked again"
+    assert run.wait(timeout=0.3, poll=0.1) == "running"  # a timeout: not final, and the reason says why
+    monkeypatch.setattr(slurm_module, "query", lambda job_id: SlurmJob(42, "COMPLETED", "None", "0:0"))
+    assert run.wait(timeout=5, poll=0.1) == written  # (Slurm is asked at most once a second)
+    assert read_status(run.path).slurm_state == "COMPLETED"
+
+
+def test_the_cli_says_that_slurm_still_ends_the_job(slurm_run, capsys):
+    run = slurm_run(SlurmJob(42, "RUNNING", "None"), state="stopped")
+    assert cli.main(["status", str(run.path)]) == 0
+    out = capsys.readouterr().out
+    assert "running (step 0)" in out
+    assert "running: the job wrote 'stopped', but Slurm job 42 is running (RUNNING): its processes" in out
+
+
+def test_an_end_slurm_cannot_confirm_is_reported_not_returned(slurm_run, monkeypatch):
+    """The run directory says stopped, but scontrol does not answer: the status shows the file's word,
+    wait() and stop() go on asking, then raise saying why; nothing is recorded."""
+    run = slurm_run(None, state="stopped")
+
+    def down(job_id):
+        raise slurm_module.SlurmError("scontrol show job 42 did not answer within 30 s (is slurmctld up?)")
+
+    monkeypatch.setattr(slurm_module, "query", down)
+    assert run.status == "stopped"  # believed, for the view
+    for call in (lambda: run.wait(timeout=0.3, poll=0.1), lambda: run.stop(timeout=0.3)):
+        with pytest.raises(slurm_module.SlurmError, match=r"says the run is stopped, but Slurm cannot say"):
+            call()
+    assert read_status(run.path).slurm_state is None
+
+
+def test_a_kill_slurm_does_not_carry_out_is_reported_with_slurms_state(slurm_run, monkeypatch):
+    run = slurm_run(SlurmJob(42, "COMPLETING", "None", nodes="node1"), state="running")
+    killed = []
+    monkeypatch.setattr(slurm_module, "kill", killed.append)
+    with pytest.raises(
+        slurm_module.SlurmError, match=r"Slurm job 42 is completing \(COMPLETING, nodes node1\)"
+    ):
+        run.liveness.kill(timeout=0.5)
+    assert killed == [42]
+    status = read_status(run.path)
+    assert status.state == "running" and status.slurm_state is None, "nothing recorded: Slurm is asked again"
+
+
+def test_a_kill_of_a_job_that_ended_meanwhile_is_its_end(slurm_run, monkeypatch):
+    run = slurm_run(SlurmJob(42, "COMPLETED", "None", "0:0"), state="stopped")
+
+    def refused(job_id):
+        raise slurm_module.SlurmError(
+            "scancel 42: scancel: error: Kill job error on job id 42: Invalid job id"
+        )
+
+    monkeypatch.setattr(slurm_module, "kill", refused)
+    run.kill()
+    assert read_status(run.path).slurm_state == "COMPLETED" and run.status == "stopped"
 
 
 def test_slurm_is_asked_no_more_once_it_gave_its_verdict(slurm_run, monkeypatch):
@@ -420,6 +492,66 @@ def slurm_verdict(run: ml.Run) -> str:
     return wait_for("Slurm's verdict", seen, run, poll=0.5)
 
 
+def job_processes(run: ml.Run, job_id: int) -> list[str]:
+    """Every process of the run's Slurm job still on this machine (both nodes are on it): the
+    ``slurmstepd`` of each of its steps (``slurmstepd: [ID.batch]``, ``[ID.0]``, ``[ID.extern]``), and
+    ``srun``, the torchrun agents and the workers, found by the run directory on their command line."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        line = " ".join(p.info["cmdline"] or [])
+        if (f"[{job_id}." in line and "slurmstepd" in line) or str(run.path) in line:
+            found.append(f"{p.info['pid']}: {line[:160]}")
+    return found
+
+
+def slurm_state(cluster, job_id: int) -> str:
+    """What ``scontrol`` says of the job (its JobState), and whether ``squeue`` still lists it."""
+    state = re.search(r"JobState=(\S+)", cluster.run("scontrol", "show", "job", str(job_id)).stdout)
+    listed = str(job_id) in cluster.jobs()
+    return f"{state.group(1) if state else '?'}{' (in squeue)' if listed else ''}"
+
+
+def ended(cluster, job_id: int) -> bool:
+    """Slurm says the job ended (a final JobState) and squeue no longer lists it."""
+    state = slurm_state(cluster, job_id)
+    return state.split(" ")[0] in slurm_module.FINAL_STATES and "squeue" not in state
+
+
+def assert_nothing_of_the_job_is_left(cluster, run: ml.Run, job_id: int, stepd_grace: float = 0) -> None:
+    """Slurm says the job ended and no process of it is left, at once; if not, say what lingered
+    and for how long (watched for up to a minute).
+
+    ``stepd_grace``: a job whose step failed (``srun --kill-on-bad-exit`` terminates the step) ends
+    while the step's two slurmstepd still run their own last seconds (measured on Slurm 22.05: ~2.6 s,
+    after slurmctld has dropped the step, so no Slurm command shows them, and after the job's own
+    processes are gone). Those, and only those, may take up to ``stepd_grace`` seconds to go."""
+    state, procs = slurm_state(cluster, job_id), job_processes(run, job_id)
+    if ended(cluster, job_id) and not procs:
+        return
+    if stepd_grace and ended(cluster, job_id) and all(f"slurmstepd: [{job_id}." in p for p in procs):
+        step_gone = "not found" in cluster.run("scontrol", "show", "step", f"{job_id}.0").stdout
+        deadline = time.monotonic() + stepd_grace
+        while step_gone and job_processes(run, job_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if step_gone and not job_processes(run, job_id):
+            return
+    timeline, start = [], time.monotonic()
+    while time.monotonic() - start < 60:
+        now = (slurm_state(cluster, job_id), job_processes(run, job_id))
+        if not timeline or timeline[-1][1:] != now:
+            timeline.append((round(time.monotonic() - start, 1), *now))
+        if not now[1] and ended(cluster, job_id):
+            break
+        time.sleep(0.5)
+    lines = "\n".join(f"  +{t}s: Slurm {s}; processes {p}" for t, s, p in timeline)
+    raise AssertionError(
+        f"the run reads {read_status(run.path).state} but Slurm says {state}, and {len(procs)} processes "
+        f"of job {job_id} are left:\n  " + "\n  ".join(procs) + f"\nafterwards:\n{lines}"
+    )
+
+
 @pytest.fixture(scope="module")
 def local_reference(llama_path, data, tmp_path_factory) -> ml.Run:
     """The job on one local process, run through."""
@@ -434,6 +566,7 @@ def test_two_slurm_nodes_equal_one_local_process(on_cluster, llama_path, data, l
     status = read_status(run.path)
     assert status.launcher == "slurm" and status.slurm_job_id is not None
     assert run.wait(300) == "finished", f"{run.error}\n{run.logs(None)}\n{run.logs(0)}\n{run.logs(1)}"
+    assert_nothing_of_the_job_is_left(on_cluster, run, status.slurm_job_id)
     assert_same_training(run, local_reference)
     # each rank ran on its own node, and its log is read from the run directory whatever node wrote it
     assert {node_of(run, 0), node_of(run, 1)} == {"node1", "node2"}
@@ -493,6 +626,7 @@ def test_queued_while_the_cluster_is_full_then_a_live_tenant_then_a_graceful_sto
     wait_for("tenant c to finish", lambda: run.tenant_state("c") == "finished", run)
 
     assert run.stop(timeout=120) == "stopped", run.logs(0)
+    assert_nothing_of_the_job_is_left(on_cluster, run, read_status(run.path).slurm_job_id)
     latest, _ = checkpoint.latest_intact(run.path / "checkpoints")
     assert latest is not None and checkpoint.read_checkpoint(latest)["tenants"]["a"]["step"] > 0
     assert run.adapter_path("a").is_dir() and run.adapter_path("c").is_dir()
@@ -501,13 +635,14 @@ def test_queued_while_the_cluster_is_full_then_a_live_tenant_then_a_graceful_sto
     assert status.state == "stopped" and status.error is None
 
 
-def interrupted(llama_path, data, folder: Path, interrupt) -> ml.Run:
+def interrupted(cluster, llama_path, data, folder: Path, interrupt) -> ml.Run:
     """Launch the reference job on Slurm, ``interrupt(run)`` once its first checkpoint is written,
-    and return the run once it has ended."""
+    and return the run once it has ended (Slurm ended the job: nothing of it is left)."""
     run = ml.launch(job(llama_path, tenants(data), folder / "run"), launcher="slurm", slurm=OPTIONS)
     wait_for("the first checkpoint", lambda: any((run.path / "checkpoints").glob("step_*/meta.json")), run)
     interrupt(run)
     assert run.wait(120) == "failed", f"{run.status}: {run.error}"
+    assert_nothing_of_the_job_is_left(cluster, run, read_status(run.path).slurm_job_id, stepd_grace=10)
     return run
 
 
@@ -516,7 +651,11 @@ def test_scancel_is_failed_with_the_reason_and_a_slurm_resume_continues_exactly(
     on_cluster, llama_path, data, local_reference, tmp_path
 ):
     run = interrupted(
-        llama_path, data, tmp_path, lambda r: on_cluster.run("scancel", str(read_status(r.path).slurm_job_id))
+        on_cluster,
+        llama_path,
+        data,
+        tmp_path,
+        lambda r: on_cluster.run("scancel", str(read_status(r.path).slurm_job_id)),
     )
     assert re.search(
         r"Slurm job \d+ was cancelled \(scancel, or an administrator\) \(CANCELLED", run.error
@@ -537,7 +676,7 @@ def test_kill_9_of_one_nodes_worker_is_failed_and_a_slurm_resume_continues_exact
         pid = int(re.search(r"\[rank 1\] pid (\d+) on Slurm node", run.logs(1, tail=None)).group(1))
         os.kill(pid, signal.SIGKILL)
 
-    run = interrupted(llama_path, data, tmp_path, kill_rank_1)
+    run = interrupted(on_cluster, llama_path, data, tmp_path, kill_rank_1)
     assert run.global_step < 60, "interrupted mid-run"
     assert slurm_verdict(run) in ("FAILED", "CANCELLED")
     assert run.status == "failed"
@@ -566,6 +705,7 @@ def test_the_command_line_launches_follows_and_resumes_on_slurm(
     wait_for("the first steps", lambda: run.global_step >= 2, run)
     assert cli.main(["stop", str(run.path), "--timeout", "120"]) == 0
     assert "stopped" in capsys.readouterr().out
+    assert_nothing_of_the_job_is_left(on_cluster, run, read_status(run.path).slurm_job_id)
     assert cli.main(["resume", str(run.path), "--no-follow"]) == 0  # Slurm again: the run's own launcher
     assert (
         "--time=15" in (run.path / "slurm.sbatch").read_text()
@@ -573,3 +713,47 @@ def test_the_command_line_launches_follows_and_resumes_on_slurm(
     )
     wait_for("the resumed job to run", lambda: run.status == "running", run)
     assert run.stop(timeout=120) == "stopped"
+    assert_nothing_of_the_job_is_left(on_cluster, run, read_status(run.path).slurm_job_id)
+
+
+STOPS = ("stop()", "mlora-lab stop", "the stop file, then wait()", "kill()")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", STOPS)
+def test_a_stopped_slurm_job_is_over_when_stop_and_wait_return(
+    on_cluster, llama_path, data, tmp_path, capsys, how
+):
+    """Issue 21: after ``stop()`` + ``wait()`` of a 2-node job the run read ``stopped`` while squeue
+    still listed the job as R and its srun and slurmstepd processes lived on (rank 0 writes the end
+    seconds before the workers, the torchrun agents, srun and the steps exit, and the run believed
+    it). Whichever way the job is stopped, once the call returns Slurm says the job ended and nothing
+    of it is left; a graceful stop ends the job itself (COMPLETED), a kill SIGKILLs it (its batch
+    script fails or is cancelled, whichever Slurm sees first)."""
+    long = [ml.Tenant(name="a", data=data["reverse"], rank=4, batch_size=2, max_steps=100_000, seed=1)]
+    run = ml.launch(job(llama_path, long, tmp_path / "run"), launcher="slurm", slurm=OPTIONS)
+    job_id = read_status(run.path).slurm_job_id
+    wait_for("the first steps", lambda: run.global_step >= 2, run)
+    assert len(job_processes(run, job_id)) >= 7  # batch and 2 step stepds, srun, 2 agents, 2 workers
+    if how == "stop()":
+        assert run.stop(timeout=120) == "stopped", run.error
+        assert_nothing_of_the_job_is_left(on_cluster, run, job_id)
+        assert run.wait(0) == "stopped"
+    elif how == "mlora-lab stop":
+        assert cli.main(["stop", str(run.path), "--timeout", "120"]) == 0
+        assert capsys.readouterr().out.strip() == f"{run.path}: stopped"
+        assert_nothing_of_the_job_is_left(on_cluster, run, job_id)
+    elif how == "the stop file, then wait()":  # (the dashboard's Stop button writes it)
+        control.request_stop(run.path)
+        assert run.wait(120) == "stopped", run.error
+        assert_nothing_of_the_job_is_left(on_cluster, run, job_id)
+    else:
+        run.kill()
+        assert_nothing_of_the_job_is_left(on_cluster, run, job_id)
+        assert run.status == "stopped" and run.error == f"killed (scancel {job_id})"
+        # SIGKILL, not Slurm's SIGTERM (on which the job would save and write its own end)
+        assert "done after" not in run.logs(0, tail=None) and read_status(run.path).error == run.error
+    ended = read_status(run.path).slurm_state
+    assert ended in ("CANCELLED", "FAILED") if how == "kill()" else ended == "COMPLETED"
+    assert cli.main(["status", str(run.path)]) == 0
+    assert capsys.readouterr().out.startswith(f"{run.path}: stopped")

@@ -368,12 +368,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     run = attach(args.run_dir)
-    state = run.reconcile()
+    verdict = run.liveness.reconcile()
+    state = verdict.state
     print(f"{run.path}: {state} (step {run.global_step})")
-    if state is RunState.QUEUED and run.reason:
-        print(f"queued: {run.reason}")
-    elif run.error:
-        print(f"error: {run.error}")
+    if not state.final and verdict.waiting:  # Slurm: why it waits in the queue, or that its job is ending
+        print(f"{state}: {verdict.waiting}")
+    elif verdict.error:
+        print(f"error: {verdict.error}")
     labels = run.labels
     if labels.tags:
         print(f"tags: {', '.join(labels.tags)}")
@@ -387,6 +388,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
     run = attach(args.run_dir)
     state = run.stop(timeout=args.timeout)
     print(f"{run.path}: {state}")
+    if not state.final:  # (a Slurm run: returned only once Slurm says its job ended, or raised)
+        print(f"mlora-lab stop: the run has not ended: {run.reason or run.error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -17,7 +17,11 @@ A run that says it is starting or running is checked against its process (pid, s
 :class:`~mlora_lab.rundir.ProcessIdentity`): if the process is gone, the run ``failed`` (this process
 started it and saw it exit) or is ``lost`` (it ended unseen); its last checkpoint can be resumed. A
 run on another host is believed as its status file says. A Slurm run is checked against Slurm
-(:mod:`mlora_lab.lab.slurm`), at most once a second per :class:`Liveness`.
+(:mod:`mlora_lab.lab.slurm`), at most once a second per :class:`Liveness`, and has ended only when
+Slurm says its job has: rank 0 writes the end seconds before the workers, the torchrun agents, ``srun``
+and the steps' slurmstepd have exited, and the job stays RUNNING in Slurm until they have; meanwhile
+the run reads ``running``. :meth:`Liveness.wait` (``Run.wait``, ``Run.stop``) therefore returns only
+when nothing of the job is left.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ from mlora_lab.rundir.status import JOB_MODULE
 
 SLURM_MAX_AGE_S = 1.0
 """Slurm is asked about a job at most this often (a dashboard reads the state every second)."""
+SLURM_CONFIRM_S = 60.0
+"""How long :meth:`Liveness.wait` goes on asking a Slurm that cannot be asked (a slurmctld that does
+not answer) whether the job of a run that says it ended has ended, before it says that it cannot tell."""
 
 
 @dataclass(frozen=True)
@@ -62,9 +69,13 @@ class Verdict:
     error: str | None = None
     """Why it failed, was lost or stopped (status.json's, or the :attr:`ending`'s)."""
     waiting: str | None = None
-    """Slurm's words about a job that waits in its queue, or why Slurm could not be asked."""
+    """Slurm's words about a job that waits in its queue or is still ending, or why Slurm could not
+    be asked."""
     ending: Ending | None = None
     """The end to record in status.json (None: the file already says what there is to say)."""
+    confirmed: bool = True
+    """False: a Slurm run's final state as only its run directory says it, because Slurm could not
+    be asked (:attr:`waiting` says why); :meth:`Liveness.wait` goes on asking."""
 
 
 class Liveness:
@@ -187,15 +198,21 @@ class Liveness:
         file is believed."""
         job = self._ask_slurm(status.slurm_job_id)
         if isinstance(job, slurm.SlurmError):
-            return Verdict(status.state, status.error, waiting=str(job))
+            return Verdict(status.state, status.error, waiting=str(job), confirmed=not status.state.final)
         if job is not None and job.pending:
             return Verdict(RunState.QUEUED, status.error, waiting=job.describe())
         if job is not None and not job.final:
             if status.state is RunState.QUEUED:
                 return Verdict(RunState.STARTING, status.error)
-            if status.state is RunState.STOPPED and not control.stop_requested(self.dir.root):
-                # Slurm signalled it (scancel, time limit): its verdict follows
-                return Verdict(RunState.RUNNING, status.error)
+            if status.state.final:
+                # Rank 0 writes the end before its process, the torchrun agents, srun and the batch
+                # step have exited (seconds on a quiet cluster; longer if one hangs): the job is over
+                # when Slurm says so. (Also a save on Slurm's own SIGTERM: Slurm's verdict follows.)
+                return Verdict(
+                    RunState.RUNNING,
+                    waiting=f"the job wrote '{status.state.value}', but {job.describe()}: its processes "
+                    "are still ending",
+                )
             return Verdict(status.state, status.error)
         status = read_status(self.dir.root) or status  # the job may have written its end just now
         if job is None:  # Slurm forgot the job (it ended more than MinJobAge ago)
@@ -229,15 +246,46 @@ class Liveness:
         ending = Ending(state, error, ended=status.ended or time.time(), slurm_state=slurm_state)
         return Verdict(state, error, ending=ending)
 
+    # -- waiting for the end ------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None, poll: float = 0.5) -> Verdict:
+        """Reconcile every ``poll`` seconds until the run has ended, or ``timeout`` seconds have passed;
+        the last verdict (recorded). A Slurm run has ended only when Slurm says its job has: nothing of
+        it is left then (no srun, slurmstepd, torchrun agent or worker); until then its verdict is not
+        final (``waiting`` says what Slurm says).
+
+        :class:`~mlora_lab.lab.slurm.SlurmError` when the run directory says the run ended but Slurm
+        could not be asked whether its job has, for :data:`SLURM_CONFIRM_S` or until ``timeout``: the
+        end is unconfirmed, and the error says why."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        unsure_since: float | None = None
+        while True:
+            verdict = self.reconcile()
+            if verdict.state.final and verdict.confirmed:
+                return verdict
+            now = time.monotonic()
+            unsure_since = None if verdict.confirmed else (now if unsure_since is None else unsure_since)
+            unsure = unsure_since is not None and now - unsure_since > SLURM_CONFIRM_S
+            if unsure or (deadline is not None and now > deadline):
+                if not verdict.confirmed:
+                    raise slurm.SlurmError(
+                        f"the run directory says the run is {verdict.state.value}, but Slurm cannot say "
+                        f"whether its job has ended: {verdict.waiting}"
+                    )
+                return verdict
+            time.sleep(poll)
+
     # -- ending the job -----------------------------------------------------------------------------
-    def kill(self) -> None:
+    def kill(self, timeout: float = 120) -> None:
         """SIGKILL every process of the job, after checking that the recorded process still is the
-        job (same pid, start time and host): a stale pid is never signalled. A Slurm job is cancelled
-        (``scancel``: SIGKILL to every process on every node, then the job is ended), and this waits
-        until Slurm says it has ended. A run that was not final is then ``stopped`` (error ``killed``)."""
+        job (same pid, start time and host): a stale pid is never signalled. A Slurm job is killed and
+        cancelled (:func:`~mlora_lab.lab.slurm.kill`: SIGKILL to every process of its steps on every
+        node, then ``scancel``), and this waits
+        until Slurm says it has ended (:class:`~mlora_lab.lab.slurm.SlurmError` with Slurm's state
+        if it has not after ``timeout`` seconds). A run that was not final is then ``stopped`` (error
+        ``killed``)."""
         status = read_status(self.dir.root)
         if status is not None and status.slurm_job_id is not None and status.slurm_state is None:
-            self._cancel_slurm(status)
+            self._cancel_slurm(status, timeout)
             return
         if self.process is not None and self.process.poll() is None:
             kill_job(self.process.pid)
@@ -248,12 +296,23 @@ class Liveness:
                 update_status(self.dir.root, state=RunState.STOPPED, ended=time.time(), error="killed")
 
     def _cancel_slurm(self, status: Status, timeout: float = 120) -> None:
+        """SIGKILL every process of the job and cancel it (:func:`~mlora_lab.lab.slurm.kill`), wait
+        until Slurm says it has ended, then record Slurm's final state (and ``stopped`` if the run was
+        not final). :class:`~mlora_lab.lab.slurm.SlurmError` with Slurm's state if it has not ended by
+        ``timeout``: nothing is recorded then, so the next verdict asks Slurm again."""
         job_id = status.slurm_job_id
         queued = self.verdict().state is RunState.QUEUED
-        slurm.cancel(job_id, signal="KILL")
-        slurm.cancel(job_id)
+        try:
+            slurm.kill(job_id)
+        except slurm.SlurmError:  # scancel refuses a job that ended meanwhile ("Invalid job id")
+            if (job := slurm.query(job_id)) is not None and not job.final:
+                raise
         deadline = time.monotonic() + timeout
-        while (job := slurm.query(job_id)) is not None and not job.final and time.monotonic() < deadline:
+        while (job := slurm.query(job_id)) is not None and not job.final:
+            if time.monotonic() > deadline:
+                raise slurm.SlurmError(
+                    f"scancel {job_id}: {job.describe()} still, {timeout:.0f} s after it was cancelled"
+                )
             time.sleep(0.5)
         status = read_status(self.dir.root) or status
         fields: dict[str, Any] = {"slurm_state": job.state if job is not None else "UNKNOWN"}

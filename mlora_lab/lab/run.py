@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import os
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -191,10 +190,11 @@ class Run:
     @property
     def reason(self) -> str | None:
         """Why the run is where it is: Slurm's words while it waits in the queue ("Slurm job 12 is
-        waiting in the queue (PENDING, reason Resources)"), the error of a run that failed, was lost
-        or killed; None otherwise."""
+        waiting in the queue (PENDING, reason Resources)") or while its job is still ending ("the job
+        wrote 'stopped', but Slurm job 12 is running (RUNNING, ...): its processes are still ending"),
+        the error of a run that failed, was lost or killed; None otherwise."""
         verdict = self.liveness.verdict()
-        return verdict.waiting if verdict.state is RunState.QUEUED else verdict.error
+        return verdict.waiting if not verdict.state.final and verdict.waiting else verdict.error
 
     @property
     def slurm_job(self) -> SlurmJob | None:
@@ -203,12 +203,12 @@ class Run:
 
     def wait(self, timeout: float | None = None, poll: float = 0.5) -> RunState:
         """Block until the run ends (or ``timeout`` seconds pass) and return its state (recorded:
-        :meth:`reconcile`)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not (state := self.reconcile()).final:
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            time.sleep(poll)
+        :meth:`reconcile`). A Slurm run ends when Slurm says its job has ended, not when the job
+        writes its end: nothing of the job is left then (:meth:`~mlora_lab.lab.liveness.Liveness.wait`).
+        After a timeout the state is not final and :attr:`reason` says what Slurm says;
+        :class:`~mlora_lab.lab.slurm.SlurmError` if the run says it ended but Slurm cannot be asked
+        whether its job has."""
+        state = self.liveness.wait(timeout, poll).state
         if self.process is not None and state.final:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=30)
@@ -216,9 +216,12 @@ class Run:
 
     def stop(self, timeout: float = 60) -> RunState:
         """Graceful stop: the job finishes its step, checkpoints, saves adapters and exits.
-        After ``timeout`` seconds the job's processes are killed."""
+        After ``timeout`` seconds the job's processes are killed. Returns once the run has ended (a
+        Slurm run: once Slurm says its job has ended, as :meth:`wait`); the state is not final only if
+        even the kill could not end it (:attr:`reason` says why), and a Slurm job that scancel has not
+        ended within two minutes raises :class:`~mlora_lab.lab.slurm.SlurmError` with Slurm's state."""
         if (state := self.reconcile()).final:
-            return state
+            return self.wait(timeout)  # (at once, unless Slurm could not confirm the end yet)
         if state is RunState.QUEUED:  # nothing runs yet: take it out of Slurm's queue
             self.kill()
             return self.reconcile()

@@ -49,9 +49,11 @@ __all__ = [
     "SlurmJob",
     "SlurmOptions",
     "cancel",
+    "kill",
     "query",
     "render_script",
     "run_dir_problem",
+    "steps",
     "submit",
     "test_submit",
 ]
@@ -460,3 +462,28 @@ def cancel(job_id: int, signal: str | None = None) -> None:
     proc = _command(args)
     if proc.returncode != 0 and "already completing or completed" not in proc.stderr:
         raise SlurmError(f"scancel {job_id}: {proc.stderr.strip()[:500]}")
+
+
+def steps(job_id: int) -> list[str]:
+    """The ids of the job's steps that Slurm still runs (``scontrol show step``): ``"12.batch"``,
+    ``"12.0"`` (the ``srun`` of the torchrun agents), ...; empty once the job has none or has ended."""
+    proc = _command(["scontrol", "-o", "show", "step", str(int(job_id))])
+    if proc.returncode != 0:  # "Invalid job id specified", "Job step 12. not found": no step runs
+        return []
+    return re.findall(r"(?:^|\s)StepId=(\d+\.\w+)", proc.stdout)
+
+
+def kill(job_id: int) -> None:
+    """End the job now: SIGKILL every process of its ``srun`` steps on every node, then cancel it.
+
+    ``scancel --signal=KILL JOB`` does not do that on a running job: Slurm takes it as a cancel, kills
+    the batch shell and sends the steps SIGTERM, then SIGKILL only ``KillWait`` seconds later (measured
+    on Slurm 22.05: the torchrun agents got SIGTERM and passed it to the workers, which saved and wrote
+    ``stopped`` themselves, while ``srun`` lived on, orphaned). A step signalled on its own
+    (``scancel --signal=KILL JOB.STEP``) is SIGKILLed at once by its slurmstepd, its whole process
+    tree: the torchrun agent and its workers. Then ``srun`` returns, the batch script ends, and the
+    ``scancel`` of the job ends whatever is left (a job still queued or in its ``setup`` lines)."""
+    for step in steps(job_id):
+        if step.split(".", 1)[1].isdigit():  # not the batch (or extern) step: the cancel ends those
+            _command(["scancel", "--signal=KILL", step])  # (a step that ended meanwhile is refused)
+    cancel(job_id)

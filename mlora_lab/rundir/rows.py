@@ -71,7 +71,7 @@ class EventKind(TextEnum):
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # damaged: resume fell back to an older one
     SAVE_FAILED = "save_failed"  # a periodic checkpoint or adapter save failed (e.g. disk full)
     METRICS_RECREATED = "metrics_recreated"  # metrics.jsonl was deleted or replaced under the job
-    SEARCH = "search"  # a decision of the job's hyperparameter search (mlora_lab.search_job)
+    SEARCH = "search"  # a decision of the job's hyperparameter search (mlora_lab.job.search)
 
 
 @dataclass

@@ -1,0 +1,91 @@
+"""The sweep: what a job searches (``<run_dir>/sweep.json``), and the tenant of each trial."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlora_lab.search.engine import Search
+from mlora_lab.search.space import (
+    Distribution,
+    Objective,
+    Strategy,
+    space_from_dict,
+    space_to_dict,
+    strategy_from_dict,
+    strategy_to_dict,
+)
+
+# -- the sweep: what a job searches ---------------------------------------------------------------------
+
+
+@dataclass
+class Sweep:
+    """A search over tenant settings inside one job (``<run_dir>/sweep.json``): trial ``i`` is the
+    tenant ``base`` with ``name = f"{prefix}{i:03d}"``, the trial's configuration applied and
+    ``max_steps = budget``."""
+
+    base: Any  # mlora_lab.spec.Tenant
+    space: dict[str, Distribution]
+    strategy: Strategy
+    budget: int
+    seed: int = 0
+    objective: Objective = field(default_factory=Objective)
+    prefix: str = "trial-"
+
+    def trial_tenant(self, trial_id: int, config: dict[str, Any]) -> Any:
+        """The tenant of trial ``trial_id`` with ``config``."""
+        return dataclasses.replace(
+            self.base, name=f"{self.prefix}{trial_id:03d}", max_steps=self.budget, **_tenant_values(config)
+        )
+
+    def trial_id(self, name: str) -> int | None:
+        """The trial a tenant name belongs to (None: not a trial of this sweep)."""
+        rest = name[len(self.prefix) :] if name.startswith(self.prefix) else ""
+        return int(rest) if rest.isdigit() and len(rest) >= 3 else None
+
+    def search(self) -> Search:
+        """A fresh :class:`Search` for this sweep."""
+        return Search(self.space, self.strategy, self.budget, self.seed, self.objective)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "base": self.base.to_dict(),
+            "space": space_to_dict(self.space),
+            "strategy": strategy_to_dict(self.strategy),
+            "budget": self.budget,
+            "seed": self.seed,
+            "objective": dataclasses.asdict(self.objective),
+            "prefix": self.prefix,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Sweep:
+        """From ``sweep.json``'s object; ``ValueError`` naming the problem otherwise."""
+        from mlora_lab.spec import SpecError, Tenant
+
+        if not isinstance(d, dict):
+            raise ValueError("sweep.json must hold a JSON object")
+        unknown = set(d) - {"base", "space", "strategy", "budget", "seed", "objective", "prefix"}
+        if unknown:
+            raise ValueError(f"sweep.json: unknown keys {sorted(map(str, unknown))}")
+        try:
+            base = Tenant.from_dict(d["base"])
+        except (KeyError, SpecError) as e:
+            raise ValueError(f"sweep.json: base tenant: {e}") from None
+        objective = d.get("objective", {})
+        return cls(
+            base=base,
+            space=space_from_dict(d.get("space")),
+            strategy=strategy_from_dict(d.get("strategy")),
+            budget=d.get("budget"),
+            seed=d.get("seed", 0),
+            objective=Objective(**objective) if isinstance(objective, dict) else Objective(str(objective)),
+            prefix=d.get("prefix", "trial-"),
+        )
+
+
+def _tenant_values(config: dict[str, Any]) -> dict[str, Any]:
+    """A configuration as tenant field values (choices of lists come back as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
