@@ -430,6 +430,39 @@ def test_a_failing_tracker_is_said_once_and_the_job_goes_on(llama_path, tmp_path
     ]
 
 
+def test_a_resumed_job_continues_its_tracker_runs(llama_path, tmp_path):
+    """A job resumed from its step-2 checkpoint logs steps 3.. again: each TensorBoard run keeps every
+    step once (the restart marker drops what the crashed job wrote after the checkpoint), on the
+    tenant's own steps (learnt from the rows before the checkpoint), with the resumed job's values."""
+    spec = job_spec(llama_path, tmp_path, report_to=["tensorboard"])
+    run_dir = tmp_path / "run-resumed"
+    first = Trainer(spec, run_dir=run_dir)
+    for _ in range(4):  # the job dies after step 4, its last checkpoint at step 2
+        first.step()
+        if first.global_step == 2:
+            first.save(final=False)
+    first.close()
+    logged = MetricsReader(run_dir / "metrics.jsonl").poll()
+    assert max(r.step for r in logged) == 4
+    again = Trainer(ml.JobSpec.load(run_dir / "job.json"), run_dir=run_dir, resume=True)
+    again.train()
+    again.close()
+    rows = MetricsReader(run_dir / "metrics.jsonl").poll()
+    assert [r.event for r in rows if isinstance(r, EventRow)] == [EventKind.RESUMED]
+    board = run_dir / "trackers" / "tensorboard"
+    for name in ("alice", "bob"):
+        mine = train_rows(rows, name)
+        assert [r.tenant_step for r in mine] == list(range(1, len(mine) + 1))
+        assert tb_scalars(board / "tenants" / name, "train/loss") == [
+            (r.tenant_step, pytest.approx(r.loss, rel=1e-6)) for r in mine
+        ]
+    system = [r for r in rows if isinstance(r, SystemRow)]
+    assert [s for s, _ in tb_scalars(board / "job", "system/mem_bytes/rank0")] == [r.step for r in system]
+    assert [text for _, text in tb_texts(board / "job", "events")] == [
+        "resumed: " + next(r.message for r in rows if isinstance(r, EventRow))
+    ]
+
+
 # -- after the fact ----------------------------------------------------------------------------------
 
 

@@ -151,9 +151,9 @@ def mirror_run(
 
     ``run`` is a run directory (or anything with a ``path``, such as a ``Run``). ``to``, ``group``,
     ``logging_dir`` and ``project`` default to the run's own ``report_to``, ``report_group``,
-    ``logging_dir`` and ``project``. Sending a run again to the same place writes nothing twice that a
-    tracker shows twice (TensorBoard and W&B keep the last value of a step, trackio's rows of steps it
-    already holds are skipped). :class:`~mlora_lab.spec.SpecError` for bad arguments (every problem at
+    ``logging_dir`` and ``project``. Sent again to the same place, TensorBoard and trackio still hold
+    each step once (TensorBoard's restart marker replaces what its folder held, trackio skips the steps
+    its run holds); W&B's runs keep their id, so a sync continues them. :class:`~mlora_lab.spec.SpecError` for bad arguments (every problem at
     once); ``RuntimeError`` naming each tracker that failed, after the others are done.
     """
     from mlora_lab.trackers.mirror import Mirror

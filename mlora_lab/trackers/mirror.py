@@ -87,10 +87,16 @@ class Mirror:
         with self._lock:
             if not self.backends:
                 return
-            tenant = getattr(row, "tenant", None)
-            for item in self.mapper.items(row):
-                run = self._new_run(item.key)
-                more = self._undescribed(tenant) if self.group == "job" and isinstance(tenant, str) else {}
+            try:
+                items = [
+                    (item, self._new_run(item.key), self._described_now(row))
+                    for item in self.mapper.items(row)
+                ]
+            except Exception as e:  # a row this mirror cannot map: no tracker can have it, or the next ones
+                for name in list(self.backends):
+                    self._drop(name, e)
+                return
+            for item, run, more in items:
                 for name in list(self.backends):
                     self._call(
                         name,
@@ -123,6 +129,11 @@ class Mirror:
         self.runs[key] = run
         return run
 
+    def _described_now(self, row: Row) -> dict[str, Any]:
+        """``report_group="job"``: the config of the row's tenant, the first time the job's run hears of it."""
+        tenant = getattr(row, "tenant", None)
+        return self._undescribed(tenant) if self.group == "job" and isinstance(tenant, str) else {}
+
     def _undescribed(self, tenant: str) -> dict[str, Any]:
         """``report_group="job"``: the config entries of ``tenant`` if the job's run has not had them."""
         if tenant in self.described:
@@ -148,9 +159,13 @@ class Mirror:
         try:
             fn()
         except Exception as e:
-            backend = self.backends.pop(name, None)
-            self.failed[name] = why = f"{type(e).__name__}: {error_line(e)}"
-            if backend is not None:
-                with contextlib.suppress(Exception):  # it failed already; what it says now adds nothing
-                    backend.close()
-            self.say(f"{name} failed ({why}); no more rows go to it, and training goes on")
+            self._drop(name, e)
+
+    def _drop(self, name: str, e: Exception) -> None:
+        """``name`` raised ``e``: it gets no more rows, and ``say`` hears it (once)."""
+        backend = self.backends.pop(name, None)
+        self.failed[name] = why = f"{type(e).__name__}: {error_line(e)}"
+        if backend is not None:
+            with contextlib.suppress(Exception):  # it failed already; what it says now adds nothing
+                backend.close()
+        self.say(f"{name} failed ({why}); no more rows go to it, and training goes on")
