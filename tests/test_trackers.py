@@ -32,7 +32,7 @@ from mlora_lab.rundir import (
 )
 from mlora_lab.spec import SpecError
 from mlora_lab.trackers import backends, mirror_run, report_to_problems, requested
-from mlora_lab.trackers.points import JOB, Log, Note, RowMapper
+from mlora_lab.trackers.points import JOB, Log, Note, RowMapper, job_title
 from mlora_lab.validate import problems
 from tests.conftest import task_rows, write_jsonl
 
@@ -160,6 +160,11 @@ def train(spec: ml.JobSpec, run_dir: Path) -> list:
     trainer.train()
     trainer.close()
     return MetricsReader(run_dir / "metrics.jsonl").poll()
+
+
+def title(run_dir: Path) -> str:
+    """What the run's tracker runs are called (its directory's name, or the job's name where it has one)."""
+    return job_title(ml.JobSpec.load(run_dir / "job.json"), run_dir)
 
 
 def train_rows(rows: list, tenant: str) -> list[TrainRow]:
@@ -363,11 +368,12 @@ def test_a_job_mirrors_every_row_live_one_tracker_run_per_tenant(llama_path, tmp
         (r.step, pytest.approx(r.step_time, rel=1e-6)) for r in system
     ]
 
+    job = title(run_dir)  # the directory's name, "run-live", unless the job has a name of its own
     runs = wandb_runs(run_dir / "trackers" / "wandb")
-    assert sorted(runs) == ["run-live", "run-live/alice", "run-live/bob"]
+    assert sorted(runs) == [job, f"{job}/alice", f"{job}/bob"]
     for name, tenant in (("alice", spec.tenants[0]), ("bob", spec.tenants[1])):
-        run = runs[f"run-live/{name}"]
-        assert (run["run"]["run_group"], run["run"]["job_type"]) == ("run-live", "tenant")
+        run = runs[f"{job}/{name}"]
+        assert (run["run"]["run_group"], run["run"]["job_type"]) == (job, "tenant")
         config = run["run"]["config"]["update"]
         assert (config["rank"], config["lr"], config["name"]) == (tenant.rank, tenant.lr, name)
         history = {h["step"]: h for h in run["history"]}
@@ -378,7 +384,7 @@ def test_a_job_mirrors_every_row_live_one_tracker_run_per_tenant(llama_path, tmp
         ]
         assert all(history[r.tenant_step]["train/global_step"] == r.step for r in mine)
         assert run["summary"]["tenant/state"] == "finished"
-    assert runs["run-live"]["run"]["job_type"] == "job"
+    assert runs[job]["run"]["job_type"] == "job"
 
 
 def test_a_failing_tracker_is_said_once_and_the_job_goes_on(llama_path, tmp_path, monkeypatch):
@@ -418,13 +424,13 @@ def test_a_failing_tracker_is_said_once_and_the_job_goes_on(llama_path, tmp_path
     assert len(train_rows(rows, "alice")) == 4 and len(train_rows(rows, "bob")) == 6
     assert not any(elsewhere.iterdir())
     # trackio, still mirroring, has every row (its store was imported here, so it is read in a child)
-    store = trackio_runs(run_dir / "trackers" / "trackio")
-    logs = [x for x in store["run-breaks/bob"]["logs"] if "train/loss" in x]
+    store, job = trackio_runs(run_dir / "trackers" / "trackio"), title(run_dir)
+    logs = [x for x in store[f"{job}/bob"]["logs"] if "train/loss" in x]
     assert [(x["step"], x["train/loss"]) for x in logs] == [
         (r.tenant_step, r.loss) for r in train_rows(rows, "bob")
     ]
-    assert store["run-breaks/bob"]["config"]["rank"] == 8
-    assert [x["events"] for x in store["run-breaks"]["logs"] if "events" in x] == [
+    assert store[f"{job}/bob"]["config"]["rank"] == 8
+    assert [x["events"] for x in store[job]["logs"] if "events" in x] == [
         f"tracker_failed: {m}"
         for _, m in events[1:]  # the tensorboard one came before trackio's job run
     ]
@@ -476,9 +482,9 @@ def test_report_mirrors_a_finished_run_as_one_job_run(finished):
         "trackio": str(run_dir / "trackers" / "trackio"),
         "tensorboard": str(run_dir / "trackers" / "tensorboard"),
     }
-    store = trackio_runs(run_dir / "trackers" / "trackio")
-    assert list(store) == ["run-finished"]
-    config, logs = store["run-finished"]["config"], store["run-finished"]["logs"]
+    store, job = trackio_runs(run_dir / "trackers" / "trackio"), title(run_dir)
+    assert list(store) == [job]
+    config, logs = store[job]["config"], store[job]["logs"]
     assert (config["tenants.alice.rank"], config["tenants.bob.lr"], config["seq_len"]) == (4, 5e-3, 48)
     for name in ("alice", "bob"):
         mine = train_rows(rows, name)
@@ -496,10 +502,25 @@ def test_report_mirrors_a_finished_run_as_one_job_run(finished):
         (r.step, r.loss) for r in evals
     ]
     assert ml.report(run_dir, to=["trackio", "tensorboard"], group="job") == where
-    assert trackio_runs(run_dir / "trackers" / "trackio")["run-finished"]["logs"] == logs
+    assert trackio_runs(run_dir / "trackers" / "trackio")[job]["logs"] == logs
     assert [s for s, _ in tb_scalars(run_dir / "trackers" / "tensorboard" / "job", "train/loss/alice")] == [
         r.step for r in train_rows(rows, "alice")
     ]
+
+
+def test_a_run_of_an_earlier_release_can_be_mirrored(tmp_path):
+    """``tests/data/run_v1``: a run directory written before ``report_to`` existed (its job.json has no
+    such field); mirrored elsewhere (nothing is written into it)."""
+    run_dir = Path(__file__).parent / "data" / "run_v1" / "run"
+    rows = MetricsReader(run_dir / "metrics.jsonl").poll()
+    assert "report_to" not in json.loads((run_dir / "job.json").read_text())
+    where = mirror_run(run_dir, "tensorboard", logging_dir=tmp_path / "out")
+    assert where == {"tensorboard": str(tmp_path / "out" / "tensorboard")}
+    for name in ("a", "b"):
+        assert tb_scalars(tmp_path / "out" / "tensorboard" / "tenants" / name, "train/loss") == [
+            (r.tenant_step, pytest.approx(r.loss, rel=1e-6)) for r in train_rows(rows, name)
+        ]
+    assert not (run_dir / "trackers").exists()
 
 
 def test_report_refuses_bad_arguments_with_every_problem(finished):
@@ -527,7 +548,7 @@ def test_cli_report(finished, tmp_path, capsys):
     assert tb_scalars(out / "tensorboard" / "tenants" / "bob", "train/loss") == [
         (r.tenant_step, pytest.approx(r.loss, rel=1e-6)) for r in bob
     ]
-    history = wandb_runs(out / "wandb")["run-finished/bob"]["history"]
+    history = wandb_runs(out / "wandb")[f"{title(run_dir)}/bob"]["history"]
     assert [(h["step"], h["train/loss"]) for h in history if "train/loss" in h] == [
         (r.tenant_step, r.loss) for r in bob
     ]
@@ -545,7 +566,7 @@ def test_a_launched_job_mirrors_to_every_installed_tracker(llama_path, tmp_path)
     assert run.wait(600) == "finished", run.logs(0)
     rows = MetricsReader(run.path / "metrics.jsonl").poll()
     assert not [r for r in rows if isinstance(r, EventRow)], run.logs(0)
-    name = run.path.name
+    name = title(run.path)
     folder = run.path / "trackers"
     assert sorted(p.name for p in folder.iterdir()) == ["tensorboard", "trackio", "wandb"]
     alice = train_rows(rows, "alice")

@@ -26,6 +26,7 @@ from mlora_lab.trackers.points import (
     RowMapper,
     TrackerRun,
     job_config,
+    job_title,
     tenant_config,
     tenant_run_config,
     tenants_entries,
@@ -60,7 +61,7 @@ class Mirror:
     ) -> None:
         self.say = say
         self.group = spec.report_group
-        self.title = getattr(spec, "name", None) or run.root.name  # JobSpec.name where the spec has it
+        self.title = job_title(spec, run.root)
         self.mapper = RowMapper(self.group)
         self.tenants = TenantSpecs(run, spec)
         self.job = job_config(spec)

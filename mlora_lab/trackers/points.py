@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mlora_lab.rundir import EvalRow, EventRow, Row, SystemRow, TenantRow, TrainRow
@@ -172,7 +173,13 @@ class RowMapper:
         return [Log(self._key(tenant), self._step(tenant, row), values)]
 
 
-# -- hyperparameters ---------------------------------------------------------------------------------
+# -- names and hyperparameters -----------------------------------------------------------------------
+
+
+def job_title(spec: JobSpec, run_dir: Path) -> str:
+    """The name of a run's tracker runs: the job's name where its spec has one, else its directory's
+    (a tenant's run is ``<title>/<tenant>``, grouped under ``<title>``)."""
+    return getattr(spec, "name", None) or run_dir.name
 
 
 def job_config(spec: JobSpec) -> dict[str, Any]:
