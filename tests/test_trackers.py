@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -521,6 +522,25 @@ def test_a_run_of_an_earlier_release_can_be_mirrored(tmp_path):
             (r.tenant_step, pytest.approx(r.loss, rel=1e-6)) for r in train_rows(rows, name)
         ]
     assert not (run_dir / "trackers").exists()
+
+
+def test_a_tenant_name_that_cannot_name_a_folder_is_left_out(tmp_path):
+    """A hand-written metrics.jsonl naming tenant ``../../escape``: its rows are left out (TensorBoard's
+    runs are folders), said, and nothing is written outside the trackers' folder."""
+    run_dir = tmp_path / "deep" / "run"
+    shutil.copytree(Path(__file__).parent / "data" / "run_v1" / "run", run_dir)
+    hostile = {"kind": "train", "step": 9, "tenant": "../../escape", "tenant_step": 1, "loss": 1.0}
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**hostile, "tokens": 1, "lr": 0.1, "grad_norm": 0.1, "time": 0.0}) + "\n")
+    with pytest.raises(RuntimeError, match=r"rows of tenant '\.\./\.\./escape' are not mirrored"):
+        mirror_run(run_dir, "tensorboard")
+    assert not list(tmp_path.rglob("escape"))
+    board = run_dir / "trackers" / "tensorboard"
+    assert sorted(p.name for p in (board / "tenants").iterdir()) == ["a", "b"]
+    rows = MetricsReader(run_dir / "metrics.jsonl").poll()
+    assert tb_scalars(board / "tenants" / "a", "train/loss") == [
+        (r.tenant_step, pytest.approx(r.loss, rel=1e-6)) for r in train_rows(rows, "a")
+    ]
 
 
 def test_report_refuses_bad_arguments_with_every_problem(finished):

@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from mlora_lab.rundir import Row, RunDir
+from mlora_lab.rundir import Row, RunDir, name_problem
 from mlora_lab.spec import JobSpec, SpecError, Tenant
-from mlora_lab.text import error_line
+from mlora_lab.text import brief, error_line
 from mlora_lab.trackers.backends import BACKENDS, Backend, Where
 from mlora_lab.trackers.points import (
     JOB,
@@ -68,6 +68,7 @@ class Mirror:
         self.runs: dict[str | None, TrackerRun] = {}
         self.described: set[str] = set()  # tenants whose config the job's run has (report_group="job")
         self.failed: dict[str, str] = {}
+        self.skipped: set[str] = set()  # tenant names of rows left out
         self._lock = threading.RLock()  # say() may log an event row, which comes back here
         where = Where(run, spec.logging_dir, spec.project)
         self.backends: dict[str, Backend] = {}
@@ -87,6 +88,14 @@ class Mirror:
         """Send ``row`` to every tracker still mirroring."""
         with self._lock:
             if not self.backends:
+                return
+            tenant = getattr(row, "tenant", None)
+            if tenant is not None and (why := name_problem(tenant)) is not None:
+                # a hand-written metrics.jsonl: a tenant name that cannot name a folder (TensorBoard's
+                # run) never comes from a job; its rows are left out, said once
+                if tenant not in self.skipped:
+                    self.skipped.add(tenant)
+                    self.say(f"rows of tenant {brief(tenant)} are not mirrored: not a tenant name ({why})")
                 return
             try:
                 items = [
