@@ -437,6 +437,23 @@ def test_a_failing_tracker_is_said_once_and_the_job_goes_on(llama_path, tmp_path
     ]
 
 
+def test_a_tracker_missing_where_the_job_runs_is_said_and_the_job_trains(llama_path, tmp_path, monkeypatch):
+    """Checked on the machine that launched it, run on one without wandb (another node's environment):
+    one ``tracker_failed`` event naming the extra, and the job trains as without trackers."""
+    spec = job_spec(llama_path, tmp_path, report_to=["wandb"])
+    monkeypatch.setitem(trackers.MODULES, "wandb", "wandb_is_not_installed_here")
+    rows = train(spec, tmp_path / "run-missing")
+    assert [(r.event, r.message) for r in rows if isinstance(r, EventRow)] == [
+        (
+            EventKind.TRACKER_FAILED,
+            "report_to: wandb is not installed here; pip install 'mlora_lab[wandb]' "
+            "(or 'mlora_lab[trackers]' for tensorboard, trackio, wandb); no rows are mirrored (training goes on)",
+        )
+    ]
+    assert len(train_rows(rows, "alice")) == 4 and len(train_rows(rows, "bob")) == 6
+    assert not (tmp_path / "run-missing" / "trackers").exists()
+
+
 def test_a_resumed_job_continues_its_tracker_runs(llama_path, tmp_path):
     """A job resumed from its step-2 checkpoint logs steps 3.. again: each TensorBoard run keeps every
     step once (the restart marker drops what the crashed job wrote after the checkpoint), on the

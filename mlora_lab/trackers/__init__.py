@@ -124,9 +124,13 @@ def open_sink(run: RunDir, say: Callable[[str], None]) -> Mirror | None:
     """
     try:
         spec = JobSpec.load(run.job)
+    except SpecError as e:  # the job wrote it just before; it knows its spec, this only cannot tell
+        print(f"trackers: job.json not readable ({error_line(e)}); no rows are mirrored", flush=True)
+        return None
+    try:
         trackers = requested(spec.report_to)
-    except (SpecError, ValueError) as e:
-        say(f"report_to: {error_line(e)}; no rows are mirrored (training goes on)")
+    except ValueError as e:  # e.g. a tracker installed where the job was checked, not where it runs
+        say(f"{error_line(e)}; no rows are mirrored (training goes on)")
         return None
     if not trackers:
         return None
