@@ -188,6 +188,7 @@ def test_report_to_is_taken_as_transformers_takes_it():
     assert requested(None) == requested("none") == requested(["none"]) == requested([]) == []
     assert requested("all") == requested(["all"]) == ["tensorboard", "trackio", "wandb"]  # all installed here
     assert requested("wandb") == ["wandb"]
+    assert requested(("all",)) == requested("all") and requested(("trackio",)) == ["trackio"]
     assert requested(["wandb", "tensorboard", "wandb"]) == ["wandb", "tensorboard"]
     assert report_to_problems(["tensorbord"]) == [
         "report_to: unknown tracker 'tensorbord' (did you mean 'tensorboard'?); "

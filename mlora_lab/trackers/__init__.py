@@ -66,6 +66,7 @@ def report_to_problems(value: Any) -> list[str]:
     """Every problem of a ``report_to`` value (empty when it is good), each a sentence naming what to
     change: its type, an unknown tracker (with the closest name), a tracker whose package is not
     installed (with the pip extra that installs it), ``"all"`` with none installed."""
+    value = list(value) if isinstance(value, tuple) else value
     if value is None or value == "none" or value == ["none"]:
         return []
     if value == "all" or value == ["all"]:
@@ -108,6 +109,7 @@ def requested(value: Any) -> list[str]:
     problems = report_to_problems(value)
     if problems:
         raise ValueError("; ".join(problems))
+    value = list(value) if isinstance(value, tuple) else value
     if value is None or value == "none" or value == ["none"]:
         return []
     if value == "all" or value == ["all"]:

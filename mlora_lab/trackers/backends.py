@@ -79,7 +79,7 @@ def scalar(value: Any) -> bool | int | float | str:
     ``None`` as their JSON text)."""
     if isinstance(value, bool | int | float | str):
         return value
-    return json.dumps(value)
+    return json.dumps(value, default=str)
 
 
 class TensorBoard:
@@ -132,7 +132,7 @@ class TensorBoard:
         )
         hparams = {k: scalar(v) for k, v in run.config.items()}
         self._event(run.key, run.since, self._hparams.hparams_pb(hparams, trial_id=run.title))
-        self._text(run.key, run.since, "config", json.dumps(run.config, indent=1))
+        self._text(run.key, run.since, "config", json.dumps(run.config, indent=1, default=str))
         self.writers[run.key].flush()
 
     def log(self, key: str | None, step: int, values: dict[str, float]) -> None:
@@ -148,7 +148,7 @@ class TensorBoard:
         self.writers[key].flush()
 
     def add_config(self, key: str | None, step: int, config: dict[str, Any]) -> None:
-        self._text(key, step, "config", json.dumps(config, indent=1))
+        self._text(key, step, "config", json.dumps(config, indent=1, default=str))
         self.writers[key].flush()
 
     def close(self) -> None:
@@ -162,7 +162,7 @@ class Wandb:
     is set, under ``<logging_dir>/wandb`` (W&B adds its own ``wandb/`` inside: ``offline-run-*``), named
     ``<job>/<tenant>`` with ``group=<job>``, ``job_type`` tenant or job, the config as the run's config,
     notes in its summary. The run id is stable per run directory and key (``resume="allow"``): once
-    synced, a resumed job continues its runs, and W&B keeps one value per step."""
+    synced, a resumed job (or a later mirror of the run) continues the same W&B runs."""
 
     name = "wandb"
 
