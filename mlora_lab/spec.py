@@ -47,6 +47,13 @@ SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
 """Base-model dtypes a job may run in."""
 
+TRACKERS = ("tensorboard", "trackio", "wandb")
+"""Experiment trackers a job can mirror its metrics rows to (``JobSpec.report_to``), each an optional extra
+of the package (``pip install 'mlora_lab[wandb]'``; ``mlora_lab[trackers]`` for all three). ``"all"`` and
+``"none"`` are taken as transformers' ``TrainingArguments.report_to`` takes them."""
+REPORT_GROUPS = ("tenant", "job")
+"""``JobSpec.report_group``: one tracker run per tenant (grouped under the job), or one run for the job."""
+
 MAX_NAME_LEN = 100
 """Longest tenant name (it names a directory)."""
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
@@ -135,6 +142,8 @@ FIELD_KINDS = (
     "pair",
     "tenants",
     "parallel",
+    "trackers",
+    "id",
 )
 """Kinds of :attr:`FieldInfo.kind`. The last two are the spec's nested parts, checked on their own."""
 
@@ -147,7 +156,9 @@ class FieldInfo:
     ``name`` (a tenant name), ``path`` (a data file: a box offering the ``.jsonl`` files it finds),
     ``dir`` (a directory), ``int``, ``float``, ``log-float`` (a float typed exactly, with a slider that
     snaps to 1, 2, 3, 5 x 10^k beside it), ``bool``, ``choice`` (one of ``choices``), ``targets`` (a
-    list of module names), ``pair`` (two floats, not shown in forms).
+    list of module names), ``pair`` (two floats, not shown in forms), ``trackers`` (``report_to``: tracker
+    names, ``"all"`` or ``"none"``), ``id`` (a short name of ``[A-Za-z0-9._-]``); the last two are not
+    shown in forms.
     """
 
     label: str
@@ -440,6 +451,29 @@ class JobSpec:
         "save every", section="Logging", min=0, max=MAX_COUNT,
         help="save adapters and a checkpoint every N steps; 0 = only at the end"))
     """Save adapters and a checkpoint every this many steps; 0 = only at the end."""
+    report_to: list[str] | str = field(default_factory=list, metadata=_meta(
+        "report to", kind="trackers", section="Logging", form=False,
+        help="mirror metrics to tensorboard, trackio, wandb"))
+    """Experiment trackers that rank 0 mirrors every metrics row to while the job runs: a list of
+    ``"tensorboard"``, ``"trackio"``, ``"wandb"``, or ``"all"`` (those installed) / ``"none"``, as
+    transformers' ``report_to``. Each is an optional extra; one that is not installed is a validation
+    problem, one that fails while the job runs is said once in its events and never ends it
+    (:mod:`mlora_lab.trackers`). W&B runs offline unless ``WANDB_MODE`` says otherwise."""
+    report_group: str = field(default="tenant", metadata=_meta(
+        "report group", kind="choice", choices=REPORT_GROUPS, section="Logging", form=False,
+        help="a tracker run per tenant, or one for the job"))
+    """``"tenant"``: one tracker run per tenant, on its own tenant step, grouped under the job (W&B and
+    trackio ``group=``), plus one run of the job's own rows (system, events); ``"job"``: one run for the
+    whole job, on the global step, every tenant's metric under its name (``train/loss/alice``)."""
+    logging_dir: str | None = field(default=None, metadata=_meta(
+        "logging dir", kind="dir", optional=True, form=False))
+    """Where the trackers write (``tensorboard/``, ``wandb/``, ``trackio/`` in it); ``None`` = the run
+    directory's ``trackers/``, unless ``WANDB_DIR`` / ``TRACKIO_DIR`` are set: nothing leaves the run
+    directory unless asked."""
+    project: str | None = field(default=None, metadata=_meta(
+        "project", kind="id", optional=True, form=False))
+    """The W&B / trackio project the tracker runs go to; ``None`` = ``WANDB_PROJECT`` for W&B, else
+    ``"mlora_lab"``."""
     serve: bool = field(default=False, metadata=_meta(
         "serve", kind="bool", section="Job", help="stay up for tenants added later"))
     """Stay up after all tenants finish, waiting for tenants added from the notebook."""
@@ -471,6 +505,7 @@ class JobSpec:
         self.base_model = _path_str(self.base_model)
         self.tokenizer = _path_str(self.tokenizer)
         self.output_dir = _path_str(self.output_dir)
+        self.logging_dir = _path_str(self.logging_dir)
 
     # -- JSON ----------------------------------------------------------------------------------
 
@@ -558,12 +593,13 @@ class JobSpec:
         return cls.from_dict(d).resolved(os.path.dirname(os.path.abspath(path)))
 
     def resolved(self, base_dir: str | os.PathLike) -> JobSpec:
-        """A copy whose relative paths (base_model, tokenizer, data, eval_data, init_adapter) are made
-        absolute against ``base_dir``; absolute paths and ``None`` are kept."""
+        """A copy whose relative paths (base_model, tokenizer, logging_dir, data, eval_data, init_adapter) are
+        made absolute against ``base_dir``; absolute paths and ``None`` are kept."""
         base = os.path.abspath(os.fspath(base_dir))
         out = copy.deepcopy(self)
         out.base_model = _resolve(out.base_model, base)
         out.tokenizer = _resolve(out.tokenizer, base)
+        out.logging_dir = _resolve(out.logging_dir, base)
         for t in out.tenants:
             if isinstance(t, Tenant):
                 t.data = _resolve(t.data, base)

@@ -72,6 +72,7 @@ class EventKind(TextEnum):
     SAVE_FAILED = "save_failed"  # a periodic checkpoint or adapter save failed (e.g. disk full)
     METRICS_RECREATED = "metrics_recreated"  # metrics.jsonl was deleted or replaced under the job
     SEARCH = "search"  # a decision of the job's hyperparameter search (mlora_lab.job.search)
+    TRACKER_FAILED = "tracker_failed"  # a tracker of report_to failed and gets no more rows
 
 
 @dataclass
