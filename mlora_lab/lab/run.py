@@ -216,13 +216,17 @@ class Run:
 
     def stop(self, timeout: float = 60) -> RunState:
         """Graceful stop: the job finishes its step, checkpoints, saves adapters and exits.
-        After ``timeout`` seconds the job's processes are killed."""
+        After ``timeout`` seconds the job's processes are killed. On a disk too full for the stop
+        file, the job is sent SIGTERM instead (:meth:`~mlora_lab.lab.liveness.Liveness.signal_stop`)."""
         if (state := self.reconcile()).final:
             return state
         if state is RunState.QUEUED:  # nothing runs yet: take it out of Slurm's queue
             self.kill()
             return self.reconcile()
-        control.request_stop(self.dir.root)
+        try:
+            control.request_stop(self.dir.root)
+        except OSError:  # a full disk has no room for the stop file: a signal needs none
+            self.liveness.signal_stop()
         state = self.wait(timeout)
         if not state.final:
             self.kill()
