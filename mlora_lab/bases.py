@@ -348,7 +348,7 @@ def _gguf_tensor_problem(identity: tuple[str, int, int]) -> str | None:
         if empty:
             problems.append(
                 f"its metadata counts {layers} blocks (block_count), but block {empty[0]} has no tensors"
-                f"{f' (nor {len(empty) - 1} more)' if len(empty) > 1 else ''}: it would be left at random values"
+                f"{f' (nor {len(empty) - 1} more)' if len(empty) > 1 else ''}: it would keep random values"
             )
     problems += _tensor_shape_problems(header, cfg)
     if not problems:

@@ -373,7 +373,7 @@ def test_workers_end_when_their_agent_is_killed(llama_path, tmp_path):
     assert ml.attach(run.path).status in ("failed", "lost")
 
 
-# -- links planted in a run: refused, and said in the run's error (issue 22) ------------------------------------
+# -- links planted in a run: refused, and said in the run's error (issue 22) -----------------------------
 
 
 def resumable_run(llama_path, tmp_path: Path) -> Path:
@@ -446,7 +446,7 @@ def test_a_run_that_cannot_start_is_failed_with_the_cause(llama_path, tmp_path, 
     assert ml.attach(tmp_path / "r").status is RunState.FAILED
 
 
-# -- a full disk: said in status, and stop needs no space (issue 22) -------------------------------------------
+# -- a full disk: said in status, and stop needs no space (issue 22) -------------------------------------
 
 
 def test_status_json_is_written_on_a_full_disk_and_the_disk_stays_full(small_disk):

@@ -716,12 +716,34 @@ ALLOWED_WRITERS = {
     ("mlora_lab/lab/slurm.py", "NamedTemporaryFile"): "a private temporary file for sbatch --test-only",
 }
 WRITER_CALLS = {
-    "write_text", "write_bytes", "savefig", "to_csv", "to_parquet", "save_file", "save_pretrained",
-    "mkstemp", "mkdtemp", "NamedTemporaryFile", "mkdir", "makedirs", "replace", "rename", "copy",
-    "copyfile", "copy2", "copytree", "move", "symlink", "link", "save",
-}  # fmt: skip
-OWNED_CALLS = {"replace": "os", "rename": "os", "link": "os", "symlink": "os", "makedirs": "os", "save": "torch",
-               "copy": "shutil", "copyfile": "shutil", "copy2": "shutil", "copytree": "shutil", "move": "shutil"}  # fmt: skip
+    "write_text",
+    "write_bytes",
+    "savefig",
+    "to_csv",
+    "to_parquet",
+    "save_file",
+    "save_pretrained",
+    "mkstemp",
+    "mkdtemp",
+    "NamedTemporaryFile",
+    "mkdir",
+    "makedirs",
+    "replace",
+    "rename",
+    "copy",
+    "copyfile",
+    "copy2",
+    "copytree",
+    "move",
+    "symlink",
+    "link",
+    "save",
+}
+OWNED_CALLS = {
+    **dict.fromkeys(("replace", "rename", "link", "symlink", "makedirs"), "os"),
+    **dict.fromkeys(("copy", "copyfile", "copy2", "copytree", "move"), "shutil"),
+    "save": "torch",
+}
 
 
 def _writers(path: Path) -> set[str]:

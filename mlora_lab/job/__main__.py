@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run = RunDir(args.run_dir)
     rank = int(os.environ.get("RANK", 0))
+    exit_with_agent()
     lock = RunLock(run)
     if rank == 0:
         # One job per run directory: a launch hands the lock over within seconds; a second job on
@@ -148,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if rank == 0:
         reserve_spare(run.root)
-    exit_with_agent()
     node = os.environ.get("SLURMD_NODENAME")  # under Slurm: the node as the cluster names it
     where = (
         f"Slurm node {node} (host {this_host()}, job {os.environ.get('SLURM_JOB_ID')})"

@@ -147,11 +147,8 @@ def _convert_base(spec: JobSpec) -> None:
     except GGUFBaseError as e:
         raise SpecError([f"base_model {e}"]) from None
     except Exception as e:
-        raise SpecError(
-            [
-                f"base_model {show_path(spec.base_model)}: cannot be converted ({type(e).__name__}: {error_line(e)})"
-            ]
-        ) from None
+        why = f"{type(e).__name__}: {error_line(e)}"
+        raise SpecError([f"base_model {show_path(spec.base_model)}: cannot be converted ({why})"]) from None
 
 
 def _fail_start(run: RunDir, exc: BaseException) -> None:
