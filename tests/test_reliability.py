@@ -23,7 +23,8 @@ import mlora_lab as ml
 from mlora_lab.job.trainer import SaveError, Trainer
 from mlora_lab.lab import cli
 from mlora_lab.lab.launcher import prepare_run
-from mlora_lab.rundir import RunState, TenantState, checkpoint, read_status
+from mlora_lab.rundir import RunState, TenantState, checkpoint, control, read_status, update_status
+from mlora_lab.spec import JobSpec
 from mlora_lab.validate import problems as spec_problems
 
 # -- one owner per run directory ------------------------------------------------------------------------
@@ -370,3 +371,136 @@ def test_workers_end_when_their_agent_is_killed(llama_path, tmp_path):
     assert not wait_gone(run.path, timeout=30), "workers outlived their agent"
     assert "the torchrun agent" in run.logs(0) + run.logs(1)
     assert ml.attach(run.path).status in ("failed", "lost")
+
+
+# -- links planted in a run: refused, and said in the run's error (issue 22) -----------------------------
+
+
+def resumable_run(llama_path, tmp_path: Path) -> Path:
+    """A stopped run with one checkpoint (trained in this process), ready for ``ml.resume``."""
+    good = good_tenants(tmp_path, max_steps=3)
+    run = prepare_run(job(llama_path, good, output_dir=str(tmp_path / "r")))
+    trainer = Trainer(JobSpec.load(run.job), run_dir=run.root)
+    trainer.step()
+    trainer.save_checkpoint()
+    trainer.close()
+    update_status(run.root, state=RunState.STOPPED, ended=time.time())
+    return run.root
+
+
+@pytest.mark.parametrize("planted", ["logs/launcher.log", "logs"])
+def test_resume_never_appends_through_a_planted_log_link(llama_path, tmp_path, planted):
+    """A symlink planted at logs/launcher.log (or at logs/) of a stopped run: the resume refuses it,
+    naming the link, before it changes anything or starts a process; the file the link leads to keeps
+    its content (the launcher used to append torchrun's output to it)."""
+    root = resumable_run(llama_path, tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "launcher.log").write_text("original\n")
+    link = root / planted
+    if link.is_dir():
+        for p in link.iterdir():
+            p.unlink()
+        link.rmdir()
+    link.symlink_to(victim if planted == "logs" else victim / "launcher.log")
+    with pytest.raises(ml.SpecError, match=r"logs.* is a symbolic link"):
+        ml.resume(root)
+    assert (victim / "launcher.log").read_text() == "original\n" and len(list(victim.iterdir())) == 1
+    status = read_status(root)
+    assert status.state is RunState.STOPPED and status.pid is None
+
+
+def test_a_refused_rank_log_link_is_the_runs_error(llama_path, tmp_path):
+    """logs/rank0.log planted as a symlink whose target's name holds a newline: the job refuses to
+    write through it, says so in the run's error (status.json, ``run.error``), and no line of the name
+    reaches any output as a line of its own."""
+    run = prepare_run(job(llama_path, good_tenants(tmp_path, max_steps=2), output_dir=str(tmp_path / "r")))
+    injected = "INJECTED: a whole line of the attacker's choosing"
+    victim = tmp_path / f"victim\n{injected}"
+    (run.logs / "rank0.log").symlink_to(victim)
+    proc = subprocess.run([sys.executable, "-m", "mlora_lab.job", str(run.root)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1
+    output = proc.stdout + proc.stderr
+    assert injected not in output.splitlines() and not victim.exists()
+    status = read_status(run.root)
+    assert status.state is RunState.FAILED, (status, output[-2000:])
+    assert "rank0.log" in status.error and "symbolic link" in status.error and "\n" not in status.error
+    assert ml.attach(run.root).error == status.error
+
+
+def test_a_run_that_cannot_start_is_failed_with_the_cause(llama_path, tmp_path, monkeypatch):
+    """Anything that goes wrong between creating the run directory and the job writing ``running``
+    (here: the process cannot be started) ends the run ``failed`` with the cause, never ``starting``
+    for ever."""
+    from mlora_lab.lab import launcher
+
+    def no_process(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", no_process)
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        ml.launch(job(llama_path, good_tenants(tmp_path, max_steps=2), output_dir=str(tmp_path / "r")))
+    status = read_status(tmp_path / "r")
+    assert status.state is RunState.FAILED and "Cannot allocate memory" in status.error
+    assert ml.attach(tmp_path / "r").status is RunState.FAILED
+
+
+# -- a full disk: said in status, and stop needs no space (issue 22) -------------------------------------
+
+
+def test_status_json_is_written_on_a_full_disk_and_the_disk_stays_full(small_disk):
+    """The job keeps some space allocated (``.spare``): on a full disk, status.json (a save failure
+    while the run goes on, or the run's end) is still written, again and again, and what the spare
+    freed is taken back at once (the disk stays full: nothing else fills the room it made)."""
+    from mlora_lab.rundir import RunDir, record_problem
+    from mlora_lab.rundir.files import SPARE, reserve_spare
+
+    run = RunDir(small_disk / "run").create()
+    update_status(run.root, state=RunState.RUNNING)
+    assert reserve_spare(run.root) == 256 << 10
+    fill(small_disk)
+    for i in range(5):
+        record_problem(run.root, f"saving failed at step {i}: No space left on device")
+        assert read_status(run.root).error.startswith(f"saving failed at step {i}")
+        with pytest.raises(OSError, match="No space left"):
+            control.request_stop(run.root)  # the room the spare made is taken back
+    record_problem(run.root, None)
+    assert read_status(run.root).error is None and read_status(run.root).state is RunState.RUNNING
+    update_status(run.root, state=RunState.FAILED, error="rank 0: SaveError: could not save")
+    assert read_status(run.root).state is RunState.FAILED
+    assert (run.root / SPARE).stat().st_size > 200 << 10
+    record_problem(run.root, "too late")  # a final state and its error are never touched
+    assert read_status(run.root).error == "rank 0: SaveError: could not save"
+
+
+def test_a_full_disk_is_said_in_status_and_stop_needs_no_space(llama_path, tmp_path, small_disk):
+    """A launched job on a disk that fills up: while every save fails, the run still reads ``running``
+    and says why in status.json, ``run.error`` and the dashboard's header; ``run.stop()`` on the full
+    disk stops it gracefully (a signal instead of the control file it cannot write), and the run ends
+    saying what it could not save rather than ``killed``."""
+    from mlora_lab.lab.dashboard import Dashboard
+
+    good = good_tenants(tmp_path, max_steps=100_000)
+    run = ml.launch(job(llama_path, good, save_every=1, output_dir=str(small_disk / "run")))
+    try:
+        deadline = time.monotonic() + 180
+        while not checkpoint.checkpoint_dirs(run.path / "checkpoints"):
+            assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
+            time.sleep(0.1)
+        fill(small_disk)
+        deadline = time.monotonic() + 120
+        while "No space left" not in (read_status(run.path).error or ""):
+            assert run.status == "running" and time.monotonic() < deadline, run.logs(0)
+            time.sleep(0.2)
+        assert run.status == "running" and "saving failed" in run.error
+        dash = Dashboard([run], interactive=False)
+        dash.refresh()
+        assert "No space left" in dash.status.value
+        with pytest.raises(OSError):
+            control.request_stop(run.path)  # the disk is full indeed
+        state = run.stop(timeout=120)
+    finally:
+        run.kill()
+    assert state.final and run.error != "killed", (state, run.error, run.logs(0))
+    assert state is RunState.STOPPED or "could not save" in run.error, (state, run.error)

@@ -18,7 +18,16 @@ import psutil
 import torch
 
 from mlora_lab.parallel import Collectives
-from mlora_lab.rundir import EventKind, EventRow, MetricsWriter, Row, RowKind, RunDir, SystemRow
+from mlora_lab.rundir import (
+    EventKind,
+    EventRow,
+    MetricsWriter,
+    Row,
+    RowKind,
+    RunDir,
+    SystemRow,
+    record_problem,
+)
 from mlora_lab.trackers import open_sink
 
 if TYPE_CHECKING:
@@ -64,6 +73,14 @@ class Recorder:
     def event(self, event: EventKind, message: str) -> None:
         print(f"[{event.value}] {message}", flush=True)
         self.log(EventRow(step=self.step, event=event, message=message))
+        if event is EventKind.SAVE_FAILED:  # the run goes on, but status.json says it cannot save
+            self.save_problem(f"saving failed at step {self.step}: {message} (training goes on)")
+
+    def save_problem(self, problem: str | None) -> None:
+        """Say in status.json (rank 0) that saving fails while the run goes on, or, with ``None``, that
+        it works again (:func:`~mlora_lab.rundir.record_problem`)."""
+        if self.run is not None and self.is_main:
+            record_problem(self.run.root, problem)
 
     def system(self, step_time: float, tokens: int) -> None:
         """One ``system`` row per rank (gathered to rank 0): memory, step time, throughput, CPU/GPU use.

@@ -364,6 +364,7 @@ class Trainer:
             except checkpoint.WRITE_ERRORS as e:
                 problems.append(f"checkpoint at step {self.global_step}: {e}")
         if not problems:
+            self.recorder.save_problem(None)  # saving works (again): status.json says no more that it fails
             return
         message = "; ".join(problems)
         if final:

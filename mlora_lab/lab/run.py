@@ -219,13 +219,17 @@ class Run:
         After ``timeout`` seconds the job's processes are killed. Returns once the run has ended (a
         Slurm run: once Slurm says its job has ended, as :meth:`wait`); the state is not final only if
         even the kill could not end it (:attr:`reason` says why), and a Slurm job that scancel has not
-        ended within two minutes raises :class:`~mlora_lab.lab.slurm.SlurmError` with Slurm's state."""
+        ended within two minutes raises :class:`~mlora_lab.lab.slurm.SlurmError` with Slurm's state.
+        On a disk too full for the stop file, the job is sent SIGTERM instead (:meth:`~mlora_lab.lab.liveness.Liveness.signal_stop`)."""
         if (state := self.reconcile()).final:
             return self.wait(timeout)  # (at once, unless Slurm could not confirm the end yet)
         if state is RunState.QUEUED:  # nothing runs yet: take it out of Slurm's queue
             self.kill()
             return self.reconcile()
-        control.request_stop(self.dir.root)
+        try:
+            control.request_stop(self.dir.root)
+        except OSError:  # a full disk has no room for the stop file: a signal needs none
+            self.liveness.signal_stop()
         state = self.wait(timeout)
         if not state.final:
             self.kill()

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 import orjson
 
-from mlora_lab.rundir.files import TextEnum, atomic_write_bytes
+from mlora_lab.rundir.files import TextEnum, atomic_write_bytes, guarded_open
 
 
 class RowKind(TextEnum):
@@ -312,10 +312,8 @@ class MetricsWriter:
         self._open()
 
     def _open(self) -> None:
-        # O_NOFOLLOW: a symlink planted at metrics.jsonl must not make the job append elsewhere.
-        self._fd = os.open(
-            self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-        )
+        # never through a link: a symlink planted at metrics.jsonl must not make the job append elsewhere
+        self._fd = guarded_open(self.path.parent, self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         self._ino = os.fstat(self._fd).st_ino
 
     def _replaced(self) -> bool:

@@ -56,7 +56,8 @@ def run_state_html(view: RunView) -> str:
 
 def header_html(view: RunView) -> str:
     """One run's header line: name, state, step, tokens/s, elapsed, ETA; Slurm's reason while it
-    waits; the error and the log tail of the rank that failed."""
+    waits; what fails in a run that goes on (saves on a full disk); the error and the log tail of
+    the rank that failed."""
     feed = view.series
     text = f"<b>{html.escape(view.name)}</b> — {run_state_html(view)} · step {feed.global_step}"
     if feed.tokens_per_s is not None:
@@ -67,6 +68,8 @@ def header_html(view: RunView) -> str:
         text += f" · ETA {duration(eta)}"
     if view.state is RunState.QUEUED and view.waiting:  # Slurm: why it waits (Resources, ...)
         text += f" · {html.escape(view.waiting)}"
+    if view.state is RunState.RUNNING and view.error:  # it goes on, but says what fails (saves)
+        text += f"<div style='color:{AMBER};white-space:pre-wrap'>{html.escape(view.error)}</div>"
     if view.state in (RunState.FAILED, RunState.LOST):
         text += (
             f"<pre style='color:{RED};white-space:pre-wrap;margin:2px 0'>{html.escape(view.error or '')}\n"
