@@ -291,11 +291,12 @@ class Trainer:
             finite.append((t, StepResult(float(loss), t.optimizer.lr, float(sq[t.name].sqrt().float()))))
         # every tenant's AdamW step in a few multi-tensor calls (mlora_lab.optim.step_many)
         errors = step_many([(t.optimizer, sq[t.name].sqrt()) for t, _ in finite])
+        # (a step refused or diverged on one process: with sharded slots each process checks its part)
         raised = {finite[i][0].name: why for i, why in errors.items()}
         if self.dims.world_size > 1 and stepping:
             flags = self.comm.sum_over_world(torch.tensor([float(t.name in raised) for t in stepping]))
             raised |= {
-                t.name: raised.get(t.name, "an error on another process")
+                t.name: raised.get(t.name, "failed on another process")
                 for t, f in zip(stepping, flags)
                 if f
             }
@@ -312,7 +313,7 @@ class Trainer:
                 self.pool.log_tenant(t)
         for t in stepping:
             if t.name in raised:
-                self.pool.quarantine(t, f"its optimiser step raised {raised[t.name]}")
+                self.pool.quarantine(t, f"its optimiser step {raised[t.name]}")
 
     def evaluate(self, only: Sequence[str] | None = None) -> dict[str, float]:
         """Eval losses of every tenant with eval data (or of those ``only``). A collective."""
