@@ -14,7 +14,7 @@ from conftest import task_rows, write_jsonl
 import mlora_lab as ml
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.rundir import RunDir, atomic_write_json
-from mlora_lab.search import ASHA, PBT, Action, Sweep, choice, loguniform
+from mlora_lab.search import ASHA, PBT, Action, Objective, Sweep, choice, loguniform
 
 
 @pytest.fixture
@@ -169,6 +169,57 @@ def test_a_sweep_stopped_and_resumed_decides_the_same(llama_path, base_tenant, t
         assert all(abs(a["results"][k] - b["results"][k]) <= 1e-6 for k in a["results"])
 
 
+def _trial_rows(tr: Trainer, name: str, kind: str) -> list[dict]:
+    return [r for r in tr.history if r["kind"] == kind and r["tenant"] == name]
+
+
+def test_a_diverging_trial_fails_alone_frees_its_slot_and_is_never_the_best(
+    llama_path, base_tenant, tmp_path
+):
+    """A sweep whose range reaches lr=1e38 (a job.json written by hand: ml.sweep refuses the range) ended
+    the job for every trial. Now each such trial is quarantined with why, gives its slot back to the next
+    trial, and is never the best; the others train to the budget."""
+    space = {"lr": choice(1e38, 1e-3), "seed": choice(0, 1)}
+    sweep = Sweep(base_tenant, space, ml.Grid(), budget=3, objective=Objective("train_loss"))
+    tr = sweep_trainer(llama_path, tmp_path / "run", sweep, max_tenants=2)
+    tr.train(idle_s=0.01)
+    tr.close()
+    trials = {t["id"]: t for t in search_state(tmp_path / "run")["trials"]}
+    assert [trials[i]["state"] for i in range(4)] == ["failed", "failed", "finished", "finished"]
+    assert "non-finite update" in trials[0]["reason"] and "lr=1e+38" in trials[0]["reason"]
+    rows = _trial_rows(tr, "trial-000", "tenant")
+    assert rows[-1]["state"] == "failed" and "non-finite update" in rows[-1]["reason"]
+    from mlora_lab.search import Search
+
+    best = Search.from_dict(search_state(tmp_path / "run")).best_trial()
+    assert best.id in (2, 3)
+
+
+def exiting_objective(rows: list[dict]) -> float:
+    """An objective that ends the process for trial-001 and is NaN for trial-002 (for the test below)."""
+    name = rows[-1]["tenant"]
+    if name == "trial-001":
+        raise SystemExit(3)
+    if name == "trial-002":
+        return float("nan")
+    return sum(r["loss"] for r in rows if r["kind"] == "train")
+
+
+def test_an_objective_that_exits_fails_only_its_trial(llama_path, base_tenant, tmp_path):
+    """An objective raising SystemExit ended the whole sweep and left every trial "running". It is the
+    failure of the trial it was called for (so is a NaN), with why; the sweep goes on to its end."""
+    sweep = Sweep(base_tenant, {"seed": choice(0, 1, 2, 3)}, ml.Grid(), budget=2,
+                  objective=Objective("test_search_job:exiting_objective"))  # fmt: skip
+    tr = sweep_trainer(llama_path, tmp_path / "run", sweep)
+    tr.train(idle_s=0.01)
+    tr.close()
+    trials = {t["id"]: t for t in search_state(tmp_path / "run")["trials"]}
+    assert [trials[i]["state"] for i in range(4)] == ["finished", "failed", "failed", "finished"]
+    assert "raised SystemExit: 3" in trials[1]["reason"] and "is nan" in trials[2]["reason"]
+    assert _trial_rows(tr, "trial-001", "tenant")[-1]["state"] == "failed"
+    assert not tr.model.tenants, "every slot was given back"
+
+
 # -- ml.sweep: launched jobs -----------------------------------------------------------------------------
 
 
@@ -200,6 +251,26 @@ def test_a_bad_sweep_is_refused_naming_every_problem_before_anything_starts(
     space = {"target_modules": ml.choice(["q_proj"], ["no_such_proj"])}
     with pytest.raises(ml.SpecError, match="no_such_proj"):
         ml.sweep(sweep_job(llama_path, base_tenant, tmp_path / "r"), space, ml.Grid())
+    with pytest.raises(ml.SpecError) as err:  # what the job would call, or run, and could not
+        ml.sweep(
+            sweep_job(llama_path, base_tenant, tmp_path / "r"),
+            {"lr": ml.loguniform(1e-4, 1e38), "seed": ml.choice(*range(1000))},
+            ml.Random(2),
+            objective="sys:exit",
+        )
+    text = str(err.value)
+    assert "objective 'sys:exit' is a builtin_function_or_method (a builtin), not a Python function" in text
+    assert "lr must be in (0, 10] (got 1e+38)" in text
+    many = {name: ml.choice(*range(1, 1001)) for name in ("seed", "warmup_steps", "batch_size", "grad_accum")}
+    with pytest.raises(ml.SpecError, match=r"a grid of 1,000,000,000,000 points .* is more than 10,000"):
+        ml.sweep(sweep_job(llama_path, base_tenant, tmp_path / "r"), many, ml.Grid())
+    # (warned before the launch checks anything: here it then refuses the rank)
+    with (
+        pytest.warns(UserWarning, match="no trial can be promoted to the budget of 60 steps"),
+        pytest.raises(ml.SpecError),
+    ):
+        ml.sweep(sweep_job(llama_path, base_tenant, tmp_path / "r"), {"rank": ml.choice(4, 99)},
+                 ml.ASHA(6, min_steps=5, eta=3), budget=60)  # fmt: skip
     with pytest.raises(ml.SpecError, match="defined in the notebook"):
         ml.sweep(
             sweep_job(llama_path, base_tenant, tmp_path / "r"),

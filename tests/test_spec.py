@@ -257,7 +257,11 @@ BAD_CASES: list[tuple[str, Callable[[JobSpec, Path], None], str]] = [
     ("lr0", at("tenants.0.lr", 0.0), "tenant 'a': lr must be > 0"),
     ("lr_nan", at("tenants.0.lr", float("nan")), "tenant 'a': lr must be a finite number"),
     ("lr_huge", at("tenants.0.lr", 1e38), "tenant 'a': lr must be in (0, 10] (got 1e+38)"),
-    ("wd_huge", at("tenants.0.weight_decay", 1e34), "tenant 'a': weight_decay must be in [0, 10] (got 1e+34)"),
+    (
+        "wd_huge",
+        at("tenants.0.weight_decay", 1e34),
+        "tenant 'a': weight_decay must be in [0, 10] (got 1e+34)",
+    ),
     ("eps_huge", at("tenants.0.eps", 1e300), "tenant 'a': eps must be in (0, 1] (got 1e+300)"),
     ("wd_neg", at("tenants.0.weight_decay", -0.01), "tenant 'a': weight_decay must be >= 0"),
     ("beta_one", at("tenants.0.betas", (0.9, 1.0)), "tenant 'a': betas[1] must be in [0, 1)"),

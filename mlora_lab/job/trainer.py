@@ -296,9 +296,7 @@ class Trainer:
         if self.dims.world_size > 1 and stepping:
             flags = self.comm.sum_over_world(torch.tensor([float(t.name in raised) for t in stepping]))
             raised |= {
-                t.name: raised.get(t.name, "failed on another process")
-                for t, f in zip(stepping, flags)
-                if f
+                t.name: raised.get(t.name, "failed on another process") for t, f in zip(stepping, flags) if f
             }
         for t, result in finite:
             if t.name in raised:
