@@ -352,3 +352,25 @@ def test_a_pbt_sweep_stops_resumes_and_shows_its_trials(llama_path, base_tenant,
     board.refresh()
     assert "trial-000" in board.trials.value and bytes(board.scatter.value[:4]) == b"\x89PNG"
     board.stop()
+
+
+@pytest.mark.slow
+def test_a_stopped_asha_sweep_with_more_trials_than_slots_resumes(llama_path, base_tenant, tmp_path):
+    """Every trial the job starts is listed in job.json (the views read its settings there), and the job
+    checked job.json again when it resumed: an ASHA search of 6 trials on 3 slots, once stopped, could never
+    be resumed ("4 tenants but max_tenants=3"). Trials are checked with the sweep, so it resumes and ends."""
+    import time
+
+    spec = sweep_job(llama_path, base_tenant, tmp_path / "run")
+    spec.save_every = 2
+    space = {"lr": ml.loguniform(1e-4, 3e-2)}
+    run = ml.sweep(spec, space, ml.ASHA(6, min_steps=2, eta=2), budget=8, seed=1, objective="train_loss")
+    deadline = time.monotonic() + 300
+    while len(ml.JobSpec.load(run.path / "job.json").tenants) <= spec.max_tenants:
+        assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
+        time.sleep(0.1)
+    assert run.stop(timeout=120) == "stopped"
+    resumed = ml.resume(run.path, nproc=1)  # (a layout given: the launcher checks job.json again too)
+    assert resumed.wait(300) == "finished", (resumed.status, resumed.logs(0))
+    states = {t.state for t in resumed.search.trials}
+    assert states <= {"finished", "pruned"} and "finished" in states, states

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mlora_lab.spec import JobSpec, Problem
+from mlora_lab.spec import JobSpec, Problem, Tenant
 from mlora_lab.text import is_int
 from mlora_lab.validate.context import ValidationCache, capped
 from mlora_lab.validate.validator import Validator
@@ -84,3 +84,19 @@ def sweep_problems(spec: JobSpec, sweep: Any, cache: ValidationCache | None = No
                 seen.add(text)
                 out.append(p)
     return capped(out)
+
+
+def job_of_sweep(spec: JobSpec, sweep: Any) -> JobSpec:
+    """The job of a sweep's run directory as it is checked again when it starts or resumes: job.json lists
+    each trial the job started (the notebook's views read a trial's settings there), but trials take the
+    sweep's slots and were checked with the sweep at launch (:func:`sweep_problems`). So only the job's own
+    tenants are checked (an ASHA search of 6 trials on 3 slots is not "6 tenants but max_tenants=3"), and
+    the job may have none: it waits for its trials."""
+    tenants = spec.tenants
+    if isinstance(tenants, list):
+        tenants = [
+            t
+            for t in tenants
+            if not (isinstance(t, Tenant) and isinstance(t.name, str) and sweep.trial_id(t.name) is not None)
+        ]
+    return dataclasses.replace(spec, tenants=tenants, serve=True)
