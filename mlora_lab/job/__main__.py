@@ -33,6 +33,7 @@ from mlora_lab.rundir import (
     read_status,
     update_status,
 )
+from mlora_lab.rundir.files import DIR_MODE
 from mlora_lab.rundir.status import this_host
 from mlora_lab.spec import JobSpec, SpecError
 from mlora_lab.validate import job_of_sweep, problems
@@ -64,7 +65,7 @@ class LogStream(io.TextIOBase):
 def redirect_output(path: Path) -> None:
     """Send this process's stdout and stderr (Python and C level) to ``path`` (never through a
     symlink planted there)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(DIR_MODE, parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -78,7 +78,37 @@ class Checkpointer:
         return (self.run.checkpoints / name if name and self.run else None), skipped
 
     def read(self, path: Path) -> dict[str, Any]:
-        return checkpoint.read_checkpoint(path)
+        """The state of checkpoint ``path``, checked (:func:`~mlora_lab.rundir.checkpoint.check_job_state`)."""
+        state = checkpoint.read_checkpoint(path)
+        checkpoint.check_job_state(state, path.name)
+        return state
+
+    def latest(self) -> tuple[Path | None, dict[str, Any] | None, list[tuple[str, str]]]:
+        """The checkpoint to resume from and its state: the newest one that is intact and whose state
+        passes its checks, and the newer ones skipped, ``(name, why)``. A collective (rank 0 picks the
+        newest intact one); every process then reads, and skips, the same files of the shared run directory."""
+        path, skipped = self.choose()
+        while path is not None:
+            try:
+                return path, self.read(path), skipped
+            except checkpoint.CheckpointError as e:
+                skipped.append((path.name, str(e)))
+            older = [
+                p
+                for p in checkpoint.checkpoint_dirs(path.parent)
+                if checkpoint.step_of(p) < checkpoint.step_of(path)
+            ]
+            path = next((p for p in reversed(older) if self._intact(p, skipped)), None)
+        return None, None, skipped
+
+    @staticmethod
+    def _intact(path: Path, skipped: list[tuple[str, str]]) -> bool:
+        try:
+            checkpoint.verify(path)
+            return True
+        except checkpoint.CheckpointError as e:
+            skipped.append((path.name, str(e)))
+            return False
 
     @staticmethod
     def load(state: dict[str, Any], parts: Mapping[str, Stateful]) -> None:

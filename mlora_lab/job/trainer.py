@@ -52,7 +52,7 @@ from mlora_lab.job.tenants import TenantPool, TenantRun
 from mlora_lab.optim import step_many
 from mlora_lab.parallel import Collectives, DistInfo, ParallelDims
 from mlora_lab.rundir import ControlMessage, EventKind, RunDir, TenantState, checkpoint, control, rows
-from mlora_lab.spec import JobSpec, Tenant, effective_slot_modules
+from mlora_lab.spec import JobSpec, effective_slot_modules
 
 
 class SaveError(RuntimeError):
@@ -113,12 +113,11 @@ class Trainer:
         those that held a slot in the checkpoint."""
         saved, skipped = None, []
         if resume:
-            path, skipped = self.checkpointer.choose()
+            path, saved, skipped = self.checkpointer.latest()
             if path is None:
                 why = "".join(f"\n  {name}: {reason}" for name, reason in skipped)
                 where = self.run.checkpoints if self.run else None
                 raise FileNotFoundError(f"--resume: no intact checkpoint in {where}{why}")
-            saved = self.checkpointer.read(path)
             if self.run is not None and self.dist.is_main:
                 rows.truncate_after(self.run.metrics, saved["global_step"])
         self.recorder.open()
@@ -148,12 +147,8 @@ class Trainer:
             if tenant.name not in self.pool.removed and tenant.name not in not_in_slots:
                 # a tenant added after the last checkpoint has no state in it: it starts afresh
                 self.pool.start(tenant, self.drivers.feed, log=tenant.name not in in_checkpoint)
-        for name, s in in_checkpoint.items():  # in the checkpoint, but job.json could not record it
-            if name not in self.pool and name not in self.pool.unstarted:
-                tenant = Tenant.from_dict(s["spec"])
-                self.spec.tenants.append(tenant)
-                self.pool.start(tenant, self.drivers.feed, log=False)
-        if saved is not None:
+        if saved is not None:  # its tenants that job.json does not list (not recorded, or renamed by hand)
+            self.pool.start_unlisted(saved, {t.name for t in self.spec.tenants}, self.drivers.feed)
             self.checkpointer.load(saved, self.parts())
             self.recorder.event(EventKind.RESUMED, f"from {path.name} on {self.dist.world_size} process(es)")
 

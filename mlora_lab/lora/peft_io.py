@@ -18,7 +18,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
-from mlora_lab.rundir.files import atomic_directory
+from mlora_lab.rundir.files import DIR_MODE, atomic_directory
 
 PREFIX = "base_model.model."
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -117,7 +117,7 @@ def write_adapter(
     A reader never sees a half-written directory: either the old adapter or the new one.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(DIR_MODE, parents=True, exist_ok=True)
     state = {}
     for module, (A, B) in tensors.items():
         state[f"{PREFIX}{module}.lora_A.weight"] = A.detach().to("cpu").contiguous()

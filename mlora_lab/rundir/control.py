@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from mlora_lab.rundir.files import (
+    DIR_MODE,
     RunDir,
     RunDirError,
     TextEnum,
@@ -169,7 +170,7 @@ def send(
     """Queue a control message; returns its id."""
     op = Op(op)
     control = RunDir(run_dir).control
-    control.mkdir(parents=True, exist_ok=True)
+    control.mkdir(DIR_MODE, parents=True, exist_ok=True)
     msg = ControlMessage(new_message_id(), op, name=name, tenant=tenant)
     atomic_write_json(control / f"{time.time_ns():020d}-{msg.id}.json", msg.to_dict())
     return msg.id
@@ -228,7 +229,7 @@ def incoming(run_dir: str | os.PathLike) -> list[Incoming]:
 
 def _move(run: RunDir, path: Path, folder: str) -> Path:
     """Move a message file into ``control/<folder>/`` (never through a symlink planted there)."""
-    (run.control / folder).mkdir(exist_ok=True)
+    (run.control / folder).mkdir(DIR_MODE, exist_ok=True)
     target = run.inside(run.control / folder / path.name)
     os.replace(path, target)
     return target

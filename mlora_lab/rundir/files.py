@@ -27,6 +27,32 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 """A tenant name: it becomes a directory name (``adapters/<name>/``), so only these characters."""
 
 
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+"""The run directory's one mode policy: every file is created ``0644`` and every directory ``0755``, less
+what the process's umask takes away (the modes ``os.open(path, flags, 0o644)`` and ``mkdir(0o755)`` give).
+With the usual umask 022 anyone on the machine may read a run; with 077 only its owner. Files first written
+under a temporary name (``mkstemp`` and safetensors create ``0600``) are given the same mode."""
+
+
+def run_mode(directory: bool = False) -> int:
+    """The mode of a new file (``directory=False``) or directory of a run under this process's umask."""
+    return (DIR_MODE if directory else FILE_MODE) & ~_umask()
+
+
+def _umask() -> int:
+    try:  # (Linux: read it without setting it, which would race with other threads' new files)
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 class TextEnum(str, Enum):
     """The run directory's enums: members are their JSON strings (``RunState.RUNNING == "running"``),
     and ``str()`` / f-strings give the plain value."""
@@ -105,9 +131,9 @@ class RunDir:
 
     def create(self) -> RunDir:
         """Create the directory and its sub-directories (those that exist are kept)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(DIR_MODE, parents=True, exist_ok=True)
         for d in (self.logs, self.adapters, self.checkpoints, self.control):
-            d.mkdir(exist_ok=True)
+            d.mkdir(DIR_MODE, exist_ok=True)
             self.inside(d)  # a planted symlink (adapters -> /elsewhere) is refused here
         return self
 
@@ -122,15 +148,16 @@ def fsync_dir(path: str | os.PathLike) -> None:
             os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` so that a reader sees the old content or the new, never a mix, and
     a crash (or a full disk) leaves the old file intact: a temporary file in the same directory,
-    fsynced, then renamed over ``path`` (which replaces a symlink there, never its target)."""
+    fsynced, then renamed over ``path`` (which replaces a symlink there, never its target). Its mode is
+    :func:`run_mode` unless ``mode`` is given."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(DIR_MODE, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, mode)  # mkstemp creates 0600; run files are meant to be read by others
+        os.fchmod(fd, run_mode() if mode is None else mode)  # (mkstemp creates 0600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -160,13 +187,14 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     (a full disk, a crash of the writer) the temporary directory is removed and ``path`` is untouched.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(DIR_MODE, parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, run_mode(directory=True))
         yield tmp
         for f in tmp.iterdir():
-            if f.is_file():
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, run_mode())  # one policy for what the block wrote (safetensors makes 0600)
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         fsync_dir(tmp)
@@ -200,7 +228,7 @@ class RunLock:
 
     def acquire(self, timeout: float = 0.0, poll: float = 0.1) -> None:
         """Take the lock, waiting up to ``timeout`` seconds; :class:`RunDirError` if another holds it."""
-        self.run.root.mkdir(parents=True, exist_ok=True)
+        self.run.root.mkdir(DIR_MODE, parents=True, exist_ok=True)
         fd = os.open(self.run.lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         deadline = time.monotonic() + timeout
         while True:
