@@ -189,10 +189,46 @@ def test_a_diverging_trial_fails_alone_frees_its_slot_and_is_never_the_best(
     assert "non-finite update" in trials[0]["reason"] and "lr=1e+38" in trials[0]["reason"]
     rows = _trial_rows(tr, "trial-000", "tenant")
     assert rows[-1]["state"] == "failed" and "non-finite update" in rows[-1]["reason"]
-    from mlora_lab.search import Search
+    from mlora_lab.lab import trials as lab_trials
 
-    best = Search.from_dict(search_state(tmp_path / "run")).best_trial()
-    assert best.id in (2, 3)
+    table, best = lab_trials.results(RunDir(tmp_path / "run")), lab_trials.best(RunDir(tmp_path / "run"))
+    assert best["trial"] in (2, 3) and table.iloc[0].trial == best["trial"]
+    assert list(table.state[-2:]) == ["failed", "failed"], "failed trials last, however far they got"
+
+
+def test_results_of_a_grid_too_large_say_so(base_tenant, tmp_path):
+    """results() of a run whose sweep.json holds a 4.2e10-point grid (written by hand) died with a bare
+    MemoryError; it says what is wrong with the file."""
+    from mlora_lab.lab import trials as lab_trials
+    from mlora_lab.rundir import RunDirError
+
+    space = {f: choice(*range(1, 1001)) for f in ("seed", "warmup_steps", "batch_size")}
+    space["grad_accum"] = choice(*range(1, 43))
+    run = RunDir(tmp_path / "run").create()
+    atomic_write_json(run.sweep, Sweep(base_tenant, space, ml.Grid(), budget=3).to_dict())
+    with pytest.raises(RunDirError, match=r"sweep.json: a grid of 42,000,000,000 points"):
+        lab_trials.results(run)
+
+
+def test_asha_with_too_few_trials_trains_its_best_to_the_budget_in_a_job(llama_path, base_tenant, tmp_path):
+    """ASHA(n=6, eta=3) over rungs at 1, 3, 9, 27 steps can promote nobody to the budget: the job ended
+    with every trial pruned. Its best trial of the highest rung reached is restored and trains on to the
+    budget, and is the search's best."""
+    sweep = Sweep(base_tenant, {"lr": loguniform(1e-4, 3e-2)}, ASHA(n=6, min_steps=1, eta=3), budget=27,
+                  seed=2, objective=Objective("train_loss", window=1))  # fmt: skip
+    tr = sweep_trainer(llama_path, tmp_path / "run", sweep)
+    tr.train(idle_s=0.01)
+    tr.close()
+    state = search_state(tmp_path / "run")
+    (finished,) = [t for t in state["trials"] if t["state"] == "finished"]
+    assert max(int(k) for k in finished["results"]) == 27
+    assert {t["state"] for t in state["trials"] if t is not finished} == {"pruned"}
+    assert any(
+        d["trial"] == finished["id"] and "no trial trained to the budget" in d["why"]
+        for d in state["decisions"]
+    )
+    steps = [r["tenant_step"] for r in _trial_rows(tr, f"trial-{finished['id']:03d}", "train")]
+    assert steps == list(range(1, 28)), "trained on from where it stopped, to the budget"
 
 
 def exiting_objective(rows: list[dict]) -> float:

@@ -6,14 +6,17 @@ resumed on any number of processes. The checkpointer knows no part's insides: it
 and saves the union of their state dicts, each part owning its own top-level keys:
 
 * the job (:class:`~mlora_lab.job.trainer.Trainer`): ``global_step``, ``world_size``, ``rng``;
-* the tenants (:class:`~mlora_lab.job.tenants.TenantPool`): ``removed`` and ``tenants`` (per tenant: spec,
+* the tenants (:class:`~mlora_lab.job.tenants.TenantPool`): ``removed``, ``tenants`` (per tenant: spec,
   adapter, optimiser and schedule, counters, the gradient accumulated so far, and its feed's state —
-  data cursor and accumulation window for a file-data tenant);
+  data cursor, accumulation window and a digest of its rows for a file-data tenant; a tenant a resume
+  held back keeps its saved state here) and ``unrecorded`` (tenants job.json could not be updated with);
+  the digest and ``unrecorded`` are optional: checkpoints written before them resume as they did;
 * a search (:class:`~mlora_lab.job.search.SearchController`), if the job runs one: ``search``.
 
 The files and their format (JSON + safetensors, checksums, atomic commit) are
 :mod:`mlora_lab.rundir.checkpoint`'s. Rank 0 writes; rank 0 also picks the checkpoint to resume from (the
-newest intact one, skipping damaged ones, with the reasons) and every rank reads that one.
+newest intact one, skipping damaged ones, with the reasons) and every rank reads that one; a state that
+fails :func:`~mlora_lab.rundir.checkpoint.check_job_state` (a tenant named ``../..``) is skipped too.
 """
 
 from __future__ import annotations

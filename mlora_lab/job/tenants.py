@@ -1,9 +1,10 @@
 """The tenants of a job: who holds which slot, in which state, and everything needed to continue each.
 
 A tenant's life (:class:`~mlora_lab.rundir.TenantState`): ``pending`` → ``running`` ⇄ ``paused`` →
-``finished``, or ``removed``; ``failed`` when quarantined (its loss or gradient went NaN/inf, or its
-own part of a step raised) or when it could not start. Every change of state writes a ``tenant`` row
-with the tenant's adapter and optimiser memory.
+``finished``, or ``removed``; ``failed`` when quarantined (its loss or gradient went NaN/inf, its update
+would not be finite or its weights diverged, or its own part of a step raised), when it could not start,
+or when a resume held it back (it no longer fits its checkpoint: its saved state is kept). Every change of
+state writes a ``tenant`` row with the tenant's adapter and optimiser memory.
 
 :class:`TenantPool` is the one place that fills and frees slots: control messages, the in-job search
 and the job's start all go through it, and every change that fills a slot is a :class:`~.agree.Change`
@@ -403,6 +404,9 @@ class TenantPool:
         its rank or targets, its data changed since the checkpoint, ...) is not resumed: it is held back
         with why, naming it, and the others resume. Every process decides the same (agreed)."""
         # (``unrecorded`` is not read back: job.json, loaded at the start, lists every tenant of the spec)
+        for name, s in state["tenants"].items():
+            if name in self.unstarted and name not in self.held:  # could not start now (its data is gone?):
+                self.held[name] = s  # its state waits in the checkpoints, as a held-back tenant's does
         names = [n for n in state["tenants"] if n in self.tenants]
         errors: dict[str, str] = {}
         for name in names:

@@ -26,8 +26,9 @@ The story of one global step (:meth:`Trainer.step`):
 3. each tenant's driver makes its loss ``L_t`` from its rows' ``ℓ``, and we back-propagate ``Σ_t L_t``;
    each row only sees its own tenant's slot, so ``∂L/∂slot_t = ∂L_t/∂slot_t``;
 4. each tenant whose window is complete takes one AdamW step (own schedule, own clipping by its own
-   global gradient norm); a tenant whose loss or gradient is NaN/inf, or whose own part of the step
-   raised, is quarantined instead, on every process, and the others go on exactly as without it.
+   global gradient norm); a tenant whose loss or gradient is NaN/inf, whose update would not be finite
+   (lr=1e38) or whose weights diverge with it, or whose own part of the step raised, is quarantined
+   instead, on every process, and the others go on exactly as without it (:func:`~mlora_lab.optim.step_many`).
 """
 
 from __future__ import annotations
@@ -108,9 +109,11 @@ class Trainer:
             self.spec.to_json(self.run.job)
 
     def _start_tenants(self, resume: bool) -> None:
-        """Fill the slots: from the newest intact checkpoint (``resume``), else job.json's tenants fresh.
-        A sweep's trials are started, paused and restored by its search; on resume the job starts only
-        those that held a slot in the checkpoint."""
+        """Fill the slots: from the newest intact checkpoint whose state passes its checks (``resume``),
+        else job.json's tenants fresh. A sweep's trials are started, paused and restored by its search; on
+        resume the job starts only those that held a slot in the checkpoint. A tenant that no longer fits
+        its checkpoint (its data, rank or targets changed, job.json renamed it) is held back by the pool,
+        named, and the others resume."""
         saved, skipped = None, []
         if resume:
             path, saved, skipped = self.checkpointer.latest()
