@@ -74,6 +74,14 @@ MAX_DEGREE = 2**20
 """Every ``parallel`` field."""
 MAX_TARGETS = 10_000
 """Entries of ``target_modules`` / ``target_parameters`` / ``slot_modules`` (each at most 1000 characters)."""
+# The optimiser's scalars: AdamW moves every element of an adapter by about ``lr`` per step, whatever the
+# gradient's scale, so past these nothing trains (the weights are rewritten at every step), and far past
+# them (lr=1e38) the update does not even fit in float32. The job quarantines a tenant whose update
+# overflows or whose weights diverge anyway (mlora_lab.optim); these bounds refuse the typo before launch.
+MAX_LR = 10.0
+"""Largest ``lr``: LoRA trains at 1e-5 .. 1e-2; 10 already rewrites every weight each step."""
+MAX_WEIGHT_DECAY = 10.0
+"""Largest ``weight_decay``: AdamW multiplies the weights by ``1 - lr·wd`` per step; at lr 0.1 this is 0."""
 MAX_PROBLEMS = 200
 """:func:`mlora_lab.validate.problems` lists at most this many, then ``... and N more problem(s)``."""
 _MAX_DEPTH = 16  # job.json nests 3 deep (tenants[i].betas); 16 leaves room and stops RecursionError
@@ -293,17 +301,18 @@ class Tenant:
         "target parameters", kind="targets", form=False, help="packed MoE expert weights to adapt"))
     """3-D packed MoE expert parameters to adapt (e.g. ``mlp.experts.gate_up_proj``), PEFT-style."""
     lr: float = field(default=2e-4, metadata=_meta(
-        "lr", kind="log-float", section="Optimizer", min=0, min_open=True, typical=(1e-6, 1e-1),
+        "lr", kind="log-float", section="Optimizer", min=0, min_open=True, max=MAX_LR, typical=(1e-6, 1e-1),
         help="peak learning rate, used exactly as typed"))
-    """Peak learning rate of this tenant's AdamW."""
+    """Peak learning rate of this tenant's AdamW (at most :data:`MAX_LR`)."""
     weight_decay: float = field(default=0.0, metadata=_meta(
-        "weight decay", kind="float", section="Advanced", min=0, help="AdamW weight decay"))
-    """AdamW weight decay."""
+        "weight decay", kind="float", section="Advanced", min=0, max=MAX_WEIGHT_DECAY, help="AdamW weight decay"))
+    """AdamW weight decay (at most :data:`MAX_WEIGHT_DECAY`)."""
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=_meta(
         "betas", kind="pair", min=0, max=1, max_open=True, form=False))
     """AdamW betas (a JSON list in ``job.json``)."""
-    eps: float = field(default=1e-8, metadata=_meta("eps", kind="float", min=0, min_open=True, form=False))
-    """AdamW epsilon."""
+    eps: float = field(default=1e-8, metadata=_meta(
+        "eps", kind="float", min=0, min_open=True, max=1, form=False))
+    """AdamW epsilon, in (0, 1]."""
     schedule: str = field(default="constant", metadata=_meta(
         "schedule", kind="choice", choices=SCHEDULES, section="Optimizer",
         help="after warmup: constant or decay to 0"))

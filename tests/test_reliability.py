@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -504,3 +505,153 @@ def test_a_full_disk_is_said_in_status_and_stop_needs_no_space(llama_path, tmp_p
         run.kill()
     assert state.final and run.error != "killed", (state, run.error, run.logs(0))
     assert state is RunState.STOPPED or "could not save" in run.error, (state, run.error)
+
+
+# -- resume: a tenant that no longer fits its checkpoint is named, held and never lost -----------------------
+
+
+def stopped_at_step_2(llama_path: str, tmp_path: Path, **kw) -> tuple[Path, list[ml.Tenant]]:
+    """A run of tenants a and b (4 steps each) with checkpoints at steps 1 and 2, as a stop leaves it."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    good = good_tenants(tmp_path, max_steps=4)
+    trainer = Trainer(job(llama_path, good, **kw), run_dir=tmp_path / "run")
+    for _ in range(2):
+        trainer.step()
+        trainer.save(final=False)
+    trainer.close()
+    return tmp_path / "run", good
+
+
+def resume_in_process(run: Path) -> Trainer:
+    trainer = Trainer(ml.JobSpec.load(run / "job.json"), run_dir=run, resume=True)
+    trainer.train()
+    trainer.close()
+    return trainer
+
+
+def edit_job(run: Path, **fields) -> None:
+    d = json.loads((run / "job.json").read_text())
+    d["tenants"][0].update(fields)
+    (run / "job.json").write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ("fewer_rows", "its training data changed since the checkpoint (5 rows now, 16 then"),
+        ("same_count_other_rows", "its training data changed since the checkpoint (16 rows now, 16 then"),
+        ("rank", "job.json gives it rank=8 where its checkpoint has rank=4"),
+        ("targets", "job.json gives it target_modules=['q_proj'] where its checkpoint has target_modules"),
+    ],
+)
+def test_a_tenant_that_no_longer_fits_its_checkpoint_is_named_held_and_resumed_once_put_back(
+    llama_path, tmp_path, change, why
+):
+    """Resuming after a tenant's data changed (fewer rows, or as many with other content: that one
+    resumed silently) or its rank or targets changed in job.json gave a message naming no tenant, or
+    none at all. Now that tenant is held back with why, naming it; the others resume; its state stays in
+    every checkpoint, and once the change is undone a resume continues it from there."""
+    run, good = stopped_at_step_2(llama_path, tmp_path)
+    data = Path(good[0].data)
+    original = data.read_bytes()
+    if change == "fewer_rows":
+        write_jsonl(data, long_text_rows(5, seed=1))
+    elif change == "same_count_other_rows":
+        write_jsonl(data, long_text_rows(16, seed=7))
+    elif change == "rank":
+        edit_job(run, rank=8)
+    else:
+        edit_job(run, target_modules=["q_proj"])
+    adapter = (run / "adapters" / "a" / "adapter_model.safetensors").read_bytes()
+    resumed = resume_in_process(run)
+    assert "a" not in resumed.tenants and resumed.tenants["b"].state is TenantState.FINISHED
+    reason = resumed.unstarted["a"]
+    assert reason.startswith("could not be resumed: ") and why in reason, reason
+    rows = [r for r in resumed.history if r["kind"] == "tenant" and r["tenant"] == "a"]
+    assert rows[-1]["state"] == "failed" and why in rows[-1]["reason"]
+    assert (run / "adapters" / "a" / "adapter_model.safetensors").read_bytes() == adapter, "not written over"
+    # put right: the next resume continues a from its checkpointed step 2 to its end
+    data.write_bytes(original)
+    edit_job(run, rank=4, target_modules=["q_proj", "v_proj"])
+    again = resume_in_process(run)
+    assert again.tenants["a"].state is TenantState.FINISHED and again.tenants["a"].step == 4
+    steps = [r["tenant_step"] for r in again.history if r["kind"] == "train" and r["tenant"] == "a"]
+    assert steps == [3, 4]
+
+
+def test_a_renamed_tenant_does_not_train_beside_its_old_name(llama_path, tmp_path):
+    """Renaming a tenant in job.json before a resume trained both: the new name from scratch and the
+    old one from the checkpoint. The old one is held (its state kept, the rename suggested); only the
+    tenants job.json lists train."""
+    run, _ = stopped_at_step_2(llama_path, tmp_path)
+    edit_job(run, name="a2")
+    resumed = resume_in_process(run)
+    assert sorted(resumed.tenants) == ["a2", "b"]
+    assert "job.json no longer lists it (renamed to 'a2'?)" in resumed.unstarted["a"]
+    saved = checkpoint.read_checkpoint(checkpoint.latest_intact(run / "checkpoints")[0])
+    assert saved["tenants"]["a"]["step"] == 2, "a's state is kept in the checkpoints"
+
+
+def recommit(path: Path, edit) -> None:
+    """Change a checkpoint's state.json and write checksums that match it (a crafted checkpoint)."""
+    state = json.loads((path / "state.json").read_text())
+    edit(state)
+    (path / "state.json").write_text(json.dumps(state))
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"]["state.json"] = {
+        "bytes": (path / "state.json").stat().st_size,
+        "sha256": checkpoint._digest(path / "state.json"),
+    }
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def rename_a(state: dict, to: str) -> None:
+    state["tenants"][to] = state["tenants"].pop("a")
+    state["tenants"][to]["spec"]["name"] = to
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (lambda s: rename_a(s, "../.."), "tenant name '../..' is not a safe name"),
+        (lambda s: s.update(global_step=1e30), "global_step must be a whole number from 0 to 2**53-1"),
+        (lambda s: s["tenants"]["a"].update(step=-3), "tenant 'a': step must be a whole number"),
+        (lambda s: s["tenants"]["a"]["spec"].update(name="b"), "does not hold its own spec"),
+    ],
+)
+def test_a_crafted_checkpoint_is_refused_and_the_previous_one_used(llama_path, tmp_path, edit, why):
+    """A checkpoint's checksums show it is the one written, not that its content is sane: tenant names
+    (``../..`` trained until the final save) and steps (global_step 1e30 gave a bare TypeError) are
+    checked on load; such a checkpoint is skipped, saying why, for the previous intact one."""
+    run, _ = stopped_at_step_2(llama_path, tmp_path)
+    newest = checkpoint.checkpoint_dirs(run / "checkpoints")[-1]
+    assert newest.name == "step_00000002"
+    recommit(newest, edit)
+    resumed = Trainer(ml.JobSpec.load(run / "job.json"), run_dir=run, resume=True)
+    skipped = [r for r in resumed.history if r["kind"] == "event" and r["event"] == "checkpoint_skipped"]
+    assert skipped and why in skipped[0]["message"] and "step_00000002" in skipped[0]["message"]
+    assert resumed.global_step == 1 and sorted(resumed.tenants) == ["a", "b"]
+    resumed.train()
+    assert not (run / "adapters" / ".." / "..").resolve().joinpath("adapter_config.json").exists()
+    (older,) = [c for c in checkpoint.checkpoint_dirs(run / "checkpoints") if c != newest]
+    recommit(older, edit)  # every one crafted: nothing to resume from
+    with pytest.raises(FileNotFoundError, match=re.escape(why)):
+        Trainer(ml.JobSpec.load(run / "job.json"), run_dir=run, resume=True)
+
+
+def test_one_mode_policy_for_the_run_directory(llama_path, tmp_path):
+    """Adapter weights were written 0600 (safetensors) while their config followed the umask. Every file
+    of a run is 0644 and every directory 0755, less the umask: readable by others under umask 022, by
+    nobody else under 077."""
+    for mask, file_mode, dir_mode in ((0o022, 0o644, 0o755), (0o077, 0o600, 0o700)):
+        old = os.umask(mask)
+        try:
+            run, _ = stopped_at_step_2(llama_path, tmp_path / f"umask{mask:o}")
+        finally:
+            os.umask(old)
+        found = {p: p.stat().st_mode & 0o777 for p in run.rglob("*") if not p.is_symlink()}
+        files = {p.relative_to(run): m for p, m in found.items() if p.is_file() and p.name != ".lock"}
+        dirs = {p.relative_to(run): m for p, m in found.items() if p.is_dir()}
+        assert Path("adapters/a/adapter_model.safetensors") in files and Path("job.json") in files
+        assert {m for m in files.values()} == {file_mode}, {str(p): oct(m) for p, m in files.items()}
+        assert {m for m in dirs.values()} == {dir_mode}, {str(p): oct(m) for p, m in dirs.items()}

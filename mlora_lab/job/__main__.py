@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import io
 import os
 import signal
@@ -25,6 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
+from mlora_lab.job.search import read_sweep
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.parallel import init_distributed, shutdown_distributed
 from mlora_lab.rundir import (
@@ -41,7 +41,7 @@ from mlora_lab.rundir.files import reserve_spare
 from mlora_lab.rundir.status import this_host
 from mlora_lab.spec import JobSpec, SpecError
 from mlora_lab.text import error_line
-from mlora_lab.validate import problems
+from mlora_lab.validate import job_of_sweep, problems
 
 
 class LogStream(io.TextIOBase):
@@ -171,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dist = init_distributed()
         spec = JobSpec.load(run.job)
-        # job.json may have been edited since the launch. (A sweep's job may have no tenant of its own:
-        # its trials come from the search, so it is checked as a job that waits for tenants.)
-        check = dataclasses.replace(spec, serve=True) if run.sweep.is_file() else spec
-        found = problems(check, files=False)
+        # job.json may have been edited since the launch. (A sweep's trials are checked with the sweep:
+        # the job itself is checked for its own tenants, and may have none.)
+        sweep = read_sweep(run)
+        found = problems(job_of_sweep(spec, sweep) if sweep is not None else spec, files=False)
         if found:
             raise SpecError(found)
         if dist.is_main:

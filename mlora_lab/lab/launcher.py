@@ -67,8 +67,8 @@ from mlora_lab.rundir.status import JOB_MODULE, ProcessIdentity, this_host
 from mlora_lab.search import Sweep
 from mlora_lab.spec import JobSpec, Parallel, SpecError
 from mlora_lab.text import error_line, show_path
+from mlora_lab.validate import job_of_sweep, sweep_problems, sweep_slot_modules
 from mlora_lab.validate import problems as spec_problems
-from mlora_lab.validate import sweep_problems, sweep_slot_modules
 
 LAUNCHERS = ("local", "slurm")
 MULTI_NODE = (
@@ -400,7 +400,8 @@ def resume(
             p.tp = tp or (p.tp if p.world_size % p.tp == 0 else 1)
             p.fsdp = fsdp or p.world_size // p.tp
             p.ep = ep or (p.ep if (p.world_size // p.tp) % p.ep == 0 else 1)
-        problems = spec_problems(spec) if changed else []
+        sweep = Sweep.from_dict(json.loads(run.sweep.read_text("utf-8"))) if run.sweep.is_file() else None
+        problems = spec_problems(spec if sweep is None else job_of_sweep(spec, sweep)) if changed else []
         problems += _launcher_problems(launcher, spec.parallel, slurm, run.root, resume=True)
         problems += [link_message(link, run.root) for link in run.links()]
         if problems:

@@ -43,6 +43,32 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 """A tenant name: it becomes a directory name (``adapters/<name>/``), so only these characters."""
 
 
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+"""The run directory's one mode policy: every file is created ``0644`` and every directory ``0755``, less
+what the process's umask takes away (the modes ``os.open(path, flags, 0o644)`` and ``mkdir(0o755)`` give).
+With the usual umask 022 anyone on the machine may read a run; with 077 only its owner. Files first written
+under a temporary name (``mkstemp`` and safetensors create ``0600``) are given the same mode."""
+
+
+def run_mode(directory: bool = False) -> int:
+    """The mode of a new file (``directory=False``) or directory of a run under this process's umask."""
+    return (DIR_MODE if directory else FILE_MODE) & ~_umask()
+
+
+def _umask() -> int:
+    try:  # (Linux: read it without setting it, which would race with other threads' new files)
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 class TextEnum(str, Enum):
     """The run directory's enums: members are their JSON strings (``RunState.RUNNING == "running"``),
     and ``str()`` / f-strings give the plain value."""
@@ -228,7 +254,7 @@ def open_folder(root: str | os.PathLike, parts: Sequence[str], create: bool = Fa
                 if not create:
                     raise
                 with contextlib.suppress(FileExistsError):
-                    os.mkdir(part, 0o755, dir_fd=fd)
+                    os.mkdir(part, DIR_MODE, dir_fd=fd)
                 try:
                     sub = os.open(part, _FOLDER, dir_fd=fd)
                 except OSError as e:
@@ -254,7 +280,7 @@ def _split(path: str | os.PathLike, root: str | os.PathLike | None) -> tuple[Pat
 
 
 def guarded_open(
-    root: str | os.PathLike, path: str | os.PathLike, flags: int, mode: int = 0o644, create: bool = True
+    root: str | os.PathLike, path: str | os.PathLike, flags: int, mode: int = FILE_MODE, create: bool = True
 ) -> int:
     """``os.open(path, flags | O_NOFOLLOW)`` for a file below ``root``, through no link (see the module
     docstring), its folders created when ``create``. Only a regular file is opened: a FIFO or a device
@@ -294,7 +320,7 @@ def _temporary_name(name: str, kind: str) -> str:
 
 
 def atomic_write_bytes(
-    path: str | os.PathLike, data: bytes, mode: int = 0o644, *, root: str | os.PathLike | None = None
+    path: str | os.PathLike, data: bytes, mode: int | None = None, *, root: str | os.PathLike | None = None
 ) -> None:
     """Write ``data`` to ``path`` so that a reader sees the old content or the new, never a mix, and
     a crash (or a full disk) leaves the old file intact: a temporary file in the same folder, fsynced,
@@ -308,7 +334,7 @@ def atomic_write_bytes(
             tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder
         )
         try:
-            os.fchmod(fd, mode)  # the umask does not decide: run files are meant to be read by others
+            os.fchmod(fd, run_mode() if mode is None else mode)  # (created 0600 while it is written)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -356,13 +382,14 @@ def atomic_directory(path: str | os.PathLike, *, root: str | os.PathLike | None 
                 if stat.S_ISREG(os.stat(entry, dir_fd=inner, follow_symlinks=False).st_mode):
                     fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=inner)
                     try:
+                        os.fchmod(fd, run_mode())  # one policy for what the block wrote (safetensors: 0600)
                         os.fsync(fd)
                     finally:
                         os.close(fd)
             fsync_dir(inner)
         finally:
             os.close(inner)
-        os.chmod(tmp, 0o755, dir_fd=folder)
+        os.chmod(tmp, run_mode(directory=True), dir_fd=folder)
         try:
             old = os.stat(name, dir_fd=folder, follow_symlinks=False)
         except FileNotFoundError:
