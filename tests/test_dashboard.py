@@ -689,6 +689,38 @@ def test_interactive_figures_zoom_pan_and_hover(tmp_path):
     assert ax.get_xlim()[1] >= 80
 
 
+def test_interactive_frames_are_pngs_before_the_browser_answers(tmp_path, monkeypatch):
+    """Under Run All the kernel handles no message from the browser while a later cell blocks in
+    ``run.wait()``; every frame the refresh thread pushes meanwhile must still be an image the browser
+    can decode (ipympl 0.10 sent the raw RGBA buffer until the browser's "initialized" was handled)."""
+    import base64
+    import json as _json
+
+    pytest.importorskip("ipympl")
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a", "b"], 1, 20))
+    dash = dash_of(run.root, interactive=True)
+    canvas = dash.loss_plot
+    assert canvas.syncing_data_url, "no browser has answered: the canvas still keeps its static copy"
+    frames = []
+    monkeypatch.setattr(canvas, "send", lambda content, buffers=None: frames.append((content, buffers)))
+    write(run, *steps(["a", "b"], 21, 40))
+    dash.refresh()  # what the refresh thread does: a frame of the pixels that changed
+    write(run, *steps(["a", "b"], 41, 60))
+    dash.refresh()
+    binary = [b for content, b in frames if _json.loads(content["data"])["type"] == "binary"]
+    assert len(binary) == 2
+    for (buffer,) in binary:
+        assert bytes(buffer[:8]) == b"\x89PNG\r\n\x1a\n", "a frame the browser cannot decode"
+        assert png_size(bytes(buffer)) == (720, 288)
+    assert canvas._current_image_mode == "diff"
+    # the static copy is the whole figure, not the last diff
+    whole = base64.b64decode(canvas._data_url)
+    assert png_size(whole) == (720, 288)
+    image = matplotlib.image.imread(__import__("io").BytesIO(whole), format="png")
+    assert image[..., 3].min() == 1.0, "every pixel of the static copy is opaque"
+
+
 def test_without_ipympl_figures_are_images(tmp_path, monkeypatch):
     import ipywidgets as W
 

@@ -8,8 +8,11 @@ ipympl canvas, or PNG images (``interactive=False``: nbclient, Voila, an exporte
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import html
+import io
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -165,6 +168,16 @@ class Hover:
         return f"<b>{html.escape(self.names[line])}</b> · {html.escape(xlabel)} {xtext} · {py:.6g}"
 
 
+def png_of_rgba(buffer: np.ndarray) -> bytes:
+    """A PNG of an Agg pixel buffer (``[h, w]`` uint32, one RGBA pixel each)."""
+    from PIL import Image
+
+    pixels = buffer.view(np.uint8).reshape((*buffer.shape, 4))
+    with io.BytesIO() as png:
+        Image.fromarray(pixels).save(png, format="png", compress_level=1)
+        return png.getvalue()
+
+
 def interactive_canvas(fig: Figure, lock: threading.RLock) -> W.DOMWidget:
     """An ipympl canvas for ``fig`` (zoom, pan, mouse events) that draws under ``lock``: the refresh
     thread changes line data while the frontend asks the kernel's main thread for a new image."""
@@ -174,6 +187,20 @@ def interactive_canvas(fig: Figure, lock: threading.RLock) -> W.DOMWidget:
         def draw(self) -> None:
             with self.lab_lock:
                 super().draw()
+
+        def send_binary(self, data: bytes) -> None:
+            """Send one frame (``data``: a PNG, the whole figure or the pixels that changed).
+
+            ipympl 0.10 sends the raw RGBA buffer instead of ``data`` until the kernel has handled the
+            frontend's ``initialized`` message: a frame no browser can decode, so the figure stays an
+            empty box. Under Run All that message waits behind the cell that blocks (``run.wait()``), so
+            every frame the refresh thread pushes meanwhile was lost. Here the frame is always the PNG,
+            and the static copy (``_data_url``, for frontends without a live kernel) is kept up to date
+            the way ipympl means to."""
+            if getattr(self, "syncing_data_url", False):
+                full = data if self._current_image_mode == "full" else png_of_rgba(self._last_buff)
+                self._data_url = base64.b64encode(full).decode("ascii")
+            self.send({"data": json.dumps({"type": "binary"})}, buffers=[data])
 
     canvas = LockedCanvas(fig)
     canvas.lab_lock = lock
