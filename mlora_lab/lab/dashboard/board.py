@@ -52,8 +52,10 @@ from mlora_lab.lab.plotting import DISPLAY_DPI, figure_png, fit_layout
 from mlora_lab.lab.series import X_AXES, RunSeries
 from mlora_lab.rundir import control
 
-SYSTEM_EVERY_S = 2.0
-"""The system tab changes slowly: it is redrawn at most this often while a run goes."""
+TAB_EVERY_S = 2.0
+"""The tabs' figures (system, lr & grad norm) are redrawn at most this often while a run goes, the tab
+shown or not: a tab picked while a later cell blocks (``run.wait()``) reaches the kernel only when that
+cell ends, so a figure drawn only once its tab is picked would stay empty meanwhile."""
 SYSTEM_TAB, OPTIM_TAB, LOGS_TAB, EXPORT_TAB = range(4)
 
 
@@ -110,7 +112,7 @@ class Dashboard:
         self._stop_event = threading.Event()
         self._handles: list[Any] = []
         self._drawn: dict[str, tuple] = {}
-        self._system_drawn = 0.0
+        self._tab_drawn: dict[str, float] = {}
         self._stopping: set[str] = set()
         self.progress_rows: dict[Key, TenantProgress] = {}
 
@@ -412,27 +414,27 @@ class Dashboard:
         )
 
     def _redraw(self, force: bool = False) -> None:
-        """Redraw the loss figure and the visible tab's figure if their data or settings changed."""
+        """Redraw the figures whose data or settings changed: the loss figure at once, the tabs' figures
+        at most every :data:`TAB_EVERY_S` (the tab shown at once when ``force``d by a control)."""
         scene = self._scene()
         versions = tuple(view.series.version for view in self.model.runs.values())
         settings = (scene.x, scene.smoothing, scene.logy, scene.outliers, scene.several)
         version = (tuple(scene.picked), versions, *settings)
-        tab = self.tabs.selected_index
         if force or self._drawn.get("loss") != version:
             self.loss.draw(scene)
             self.loss.show()
             self._drawn["loss"] = version
-        if tab == OPTIM_TAB and (force or self._drawn.get("optim") != version):
-            self.optim.draw(scene)
-            self.optim.show()
-            self._drawn["optim"] = version
-        if tab == SYSTEM_TAB and (force or self._drawn.get("system") != version):
-            due = time.monotonic() - self._system_drawn > SYSTEM_EVERY_S
-            if force or not self.model.going or due:
-                self.system.draw(scene)
-                self.system.show()
-                self._drawn["system"] = version
-                self._system_drawn = time.monotonic()
+        now = time.monotonic()
+        for tab, name, panel in ((SYSTEM_TAB, "system", self.system), (OPTIM_TAB, "optim", self.optim)):
+            if not force and self._drawn.get(name) == version:
+                continue
+            shown = self.tabs.selected_index == tab
+            due = name not in self._tab_drawn or now - self._tab_drawn[name] >= TAB_EVERY_S
+            if (force and shown) or due or not self.model.going:
+                panel.draw(scene)
+                panel.show()
+                self._drawn[name] = version
+                self._tab_drawn[name] = now
 
     def redraw(self, figures: Sequence[str] = ("loss", "optim", "system")) -> None:
         """Redraw these figures now (``loss``, ``optim``, ``system``)."""
