@@ -18,7 +18,7 @@ from matplotlib.backend_bases import MouseEvent
 import mlora_lab as ml
 from mlora_lab.lab import plotting
 from mlora_lab.lab.dashboard import Dashboard
-from mlora_lab.lab.plotting import PALETTE, Colours, Ema, ema, series_key, thin, thin_with_breaks
+from mlora_lab.lab.plotting import PALETTE, Ema, ema, series_colour, thin, thin_with_breaks
 from mlora_lab.lab.run import Run
 from mlora_lab.lab.series import gap_breaks
 from mlora_lab.rundir import (
@@ -40,14 +40,22 @@ T0 = 1.8e9
 # -- run directories written by hand -------------------------------------------------------------------
 
 
-def make_run(root: Path, tenants=("a", "b"), max_steps: int = 100, state: str = "running") -> RunDir:
+def make_run(
+    root: Path, tenants=("a", "b"), max_steps: int = 100, state: str = "running", name: str | None = ""
+) -> RunDir:
     """A run directory with job.json and status.json, as a launch leaves it (no process: a status
-    without a pid is taken as it is written)."""
+    without a pid is taken as it is written). The job is named like its directory (``name=""``), or
+    ``name``, or (None) by default, from its tenants."""
     run = RunDir(root).create()
     data = root / "d.jsonl"
     data.write_text('{"text": "x"}\n')
     tenants = [Tenant(name=t, data=str(data), max_steps=max_steps) for t in tenants]
-    JobSpec(base_model=str(root), tenants=tenants, max_tenants=max(8, len(tenants))).to_json(run.job)
+    spec = JobSpec(
+        base_model=str(root), tenants=tenants, max_tenants=max(8, len(tenants)), name=name or root.name
+    )
+    if name is None:
+        spec = spec.resolved(root)
+    spec.to_json(run.job)
     update_status(root, state=state, started=time.time() - 60)
     return run
 
@@ -149,22 +157,15 @@ def test_lines_break_across_gaps_and_resumes_also_after_thinning():
     assert x[i - 1] == 99 and x[i + 1] == 1000  # the last point before the gap and the first after it
 
 
-def test_colours_are_stable_across_figures_and_distinct_within_one():
-    key = series_key("run1", "alice")
-    slot = zlib.crc32(key.encode()) % 10
-    assert Colours()(key) == PALETTE[slot]  # from the key alone: the same in every figure
-    figure = Colours()
-    figure(series_key("run1", "bob"))
-    clash = next(f"run9/t{i}" for i in range(100) if zlib.crc32(f"run9/t{i}".encode()) % 10 == slot)
-    assert (
-        figure(clash) == PALETTE[slot] and figure(key) != PALETTE[slot]
-    )  # taken in this figure: the next free
-    assert figure(key) == figure(key)
-    many = Colours()
-    colours = [many(f"run/t{i}") for i in range(20)]
-    assert len(set(colours)) == 20 and set(colours[:10]) == set(
-        PALETTE[:10]
-    )  # tab10 first, then darker tones
+def test_colours_come_from_the_run_name_and_the_tenants_place_alone():
+    start = zlib.crc32(b"quickstart") % 10
+    assert series_colour("quickstart", 0) == PALETTE[start]  # nothing else decides it
+    tenants = [series_colour("quickstart", i) for i in range(20)]
+    assert len(set(tenants)) == 20, "a run's tenants never share a colour"
+    assert set(tenants[:10]) == set(PALETTE[:10]) and set(tenants[10:]) == set(PALETTE[10:])
+    assert series_colour("quickstart", 20) == tenants[0]
+    others = {series_colour(f"run{i}", 0) for i in range(40)}
+    assert len(others) == 10, "each run starts its tenants at its own place in the palette"
 
 
 def test_log_axis_has_readable_ticks_grid_and_unclipped_labels(tmp_path):
@@ -213,7 +214,8 @@ def test_after_stop_tenants_read_stopped_not_running(tmp_path):
     assert "<b>stopped</b>" in dash.status.value
     infos = [r.info.value for r in dash.progress_rows.values()]
     assert all("stopped" in i and "running" not in i for i in infos), infos
-    assert dash.stop_button.disabled and dash.stop_button.description == "stopped"
+    assert dash.stop_button.disabled and dash.stop_button.description == "run stopped"
+    assert dash.stop_button.button_style == "", "an ended run's button is quiet, not red"
 
 
 def test_a_quarantined_tenant_keeps_a_finished_run_from_looking_green(tmp_path):
@@ -440,7 +442,8 @@ def test_a_workdir_view_lists_sorts_filters_and_overlays_runs(tmp_path):
     ]
     assert len(rows) == 3
     cells = dash.table.rows[r1.root.name].cells.value
-    assert "baseline" in cells and ">30<" in cells and ">1.2000<" in cells  # tags, steps, best loss
+    best = min(plotting.best_smoothed(np.array([r.loss for r in steps([t], 1, 30)])) for t in "ab")
+    assert "baseline" in cells and ">30<" in cells and f">{best:.4f}<" in cells  # tags, step, best loss
     dash.table.filter.value = "baseline"
     assert dash.table.body.children == (dash.table.rows[r1.root.name].box,)
     dash.table.filter.value = "z"  # a tenant name
@@ -449,7 +452,7 @@ def test_a_workdir_view_lists_sorts_filters_and_overlays_runs(tmp_path):
     dash.table.state_filter.value = "finished"
     assert dash.table.body.children == (dash.table.rows[r1.root.name].box,)
     dash.table.state_filter.value = "any state"
-    dash.table.sort_by.value = "steps"
+    dash.table.sort_by.value = "global step"
     assert dash.table.body.children[0] is dash.table.rows[r1.root.name].box  # most steps first
     dash.table.sort_desc.value = False
     assert dash.table.body.children[-1] is dash.table.rows[r1.root.name].box
@@ -484,7 +487,7 @@ def test_stop_asks_each_chosen_live_run_and_says_which(tmp_path):
     update_status(roots[0], state="stopped")
     dash.choose(["one"])
     dash.refresh()
-    assert dash.stop_button.description == "stopped" and dash.stop_button.disabled
+    assert dash.stop_button.description == "run stopped" and dash.stop_button.disabled
     assert dash_of(roots[2]).stop_button.description == "Stop"  # one run shown: no name needed
 
 
@@ -794,7 +797,12 @@ def test_two_runs_with_the_same_directory_name_stay_apart(tmp_path):
     dash = dash_of(a.root, b.root, a.root)  # the same directory twice is one run
     assert list(dash.feeds) == ["same", "b/same"]
     assert [dash.feeds[n].tenants["t"].step for n in dash.feeds] == [3, 5]
-    assert dash.colour(("same", "t")) != dash.colour(("b/same", "t"))
+    # both jobs are named "same": one colour (a notebook run again keeps its colours), told apart by
+    # their labels and line styles
+    assert dash.colour(("same", "t")) == dash.colour(("b/same", "t"))
+    assert [dash.label(k) for k in dash.picked() if k[1] == "t"] == ["same / t", "same · b/same / t"]
+    styles = {ln.get_linestyle() for ln in dash.loss.lines.visible("main")}
+    assert styles == {"-", "--"}
 
 
 def sweep_run(root: Path, lrs: dict[str, float], ranks: dict[str, int], best: dict[str, float]) -> RunDir:
@@ -836,7 +844,7 @@ def test_hyperparameters_next_to_results(tmp_path):
     assert sorted(map(tuple, points.tolist())) == [(1e-4, 2.0), (1e-3, 1.0), (1e-2, 3.0)]
     best_ring = axes[0].collections[1].get_offsets().tolist()
     assert best_ring == [[1e-3, 1.0]], "the best tenant is ringed"
-    assert "best: r/b" in axes[0].texts[0].get_text()
+    assert "best: b" in axes[0].texts[0].get_text()
     with pytest.warns(UserWarning):
         par = hparams(str(run.root), kind="parallel", params=["lr", "rank", "alpha"])
     ax = par.axes[0]

@@ -29,12 +29,14 @@ from matplotlib.lines import Line2D
 from mlora_lab.lab.dashboard.model import Key
 from mlora_lab.lab.plotting import (
     DISPLAY_DPI,
-    Colours,
+    LINESTYLES,
     Ema,
+    drawable,
     figure_png,
     fit_layout,
     marker_for,
     placeholder,
+    plain,
     robust_ylim,
     set_log_y,
     set_x_axis,
@@ -44,6 +46,8 @@ from mlora_lab.lab.plotting import (
 from mlora_lab.lab.series import RunSeries
 
 RED, AMBER, GREEN, GREY, INK = "#c0392b", "#b9770e", "#27ae60", "#7f8c8d", "#2c3e50"
+CSS_STYLES = {"-": "solid", "--": "dashed", ":": "dotted", "-.": "dashed"}
+"""matplotlib's line styles as CSS borders (the HTML legend)."""
 POINT_BUDGET = 40_000
 """Points drawn per axes in all (see :meth:`Scene.points`)."""
 WAITING = "waiting for the first step…"
@@ -63,11 +67,15 @@ class Scene:
     max_points: int
     label: Callable[[Key], str]
     colour: Callable[[Key], str]
-    colours: Colours
 
     @property
     def several(self) -> bool:
         return len(self.chosen) > 1
+
+    def style(self, run: str) -> str:
+        """A run's line style: solid with one run shown, else one per run in the order chosen (runs of
+        the same name share colours: a notebook run twice)."""
+        return LINESTYLES[self.chosen.index(run) % len(LINESTYLES)] if self.several else "-"
 
     def points(self, lines: int) -> int:
         """Points per drawn line: ``max_points``, less when many lines share a figure (drawing costs
@@ -97,8 +105,13 @@ class LineSet:
             line.set_visible(key in keys)
         return [line for key, line in self.lines.items() if key in keys]
 
-    def visible(self) -> list[Line2D]:
-        return [line for line in self.lines.values() if line.get_visible()]
+    def visible(self, role: str | None = None) -> list[Line2D]:
+        """The visible lines (of one role: the last part of their key, ``main``, ``raw``, ``eval``)."""
+        return [
+            line
+            for key, line in self.lines.items()
+            if line.get_visible() and (role is None or key[-1] == role)
+        ]
 
 
 class Smoother:
@@ -295,7 +308,7 @@ class Panel:
             lo_x, hi_x = ax.get_xlim()
             shown = []
             # the raw values decide: a spike's smoothed echo is part of the outlier, not of the curve
-            for line in [line for line in lines if line.get_label() == "_raw"] or lines:
+            for line in self.sets[ax].visible("raw") or lines:
                 xs, ys = np.asarray(line.get_xdata(), dtype=float), np.asarray(line.get_ydata(), dtype=float)
                 shown.append(ys[(xs >= lo_x) & (xs <= hi_x)])
             lim = robust_ylim(shown, log=log)
@@ -314,19 +327,23 @@ class Panel:
         feed, colour, label = scene.feeds[key[0]], scene.colour(key), scene.label(key)
         lines = self.sets[ax]
         xs, ys, breaks = feed.xy(key[1], metric, scene.x)
+        ys = drawable(ys)  # (a loss of 1e308 is drawn at 1e300; the smoothing sees what is drawn)
         s = scene.smoothing if smooth else 0.0
         shown: set[tuple] = set()
         if not len(xs):
             return shown, 0
+        style = scene.style(key[0])
         line = lines.get((key, "main"), color=colour, linewidth=1.5, markersize=3)
         smoothed = smoother(feed, key, metric, ys, s) if s > 0 else ys
-        line.set_data(*thin_with_breaks(xs, smoothed, breaks, points))
+        line.set_data(*thin_with_breaks(xs, drawable(smoothed), breaks, points))
         line.set_marker(marker_for(len(xs)))
-        line.set_label(label)
+        line.set_linestyle(style)
+        line.set_label(plain(label))
         self.hover.name(line, label + (" (smoothed)" if s > 0 else ""))
         shown.add((key, "main"))
         if s > 0 and len(xs) > 1:  # smoothing never hides the data: the raw line stays, faded
             raw = lines.get((key, "raw"), color=colour, linewidth=0.8, alpha=0.25, label="_raw")
+            raw.set_linestyle(style)
             raw.set_data(*thin_with_breaks(xs, ys, breaks, points))
             self.hover.name(raw, label + " (raw)")
             shown.add((key, "raw"))
@@ -366,14 +383,16 @@ class LossFigure(Panel):
                     "label": "_eval",
                 }
                 line = self.lines.get((key, "eval"), color=scene.colour(key), **style)
-                line.set_data(*thin_with_breaks(ex, ey, ebreaks, per_line))
+                line.set_data(*thin_with_breaks(ex, drawable(ey), ebreaks, per_line))
                 self.hover.name(line, scene.label(key) + " (eval)")
                 shown.add((key, "eval"))
-        visible = self.lines.show_only(shown)
+        self.lines.show_only(shown)
         placeholder(self.ax, None if points else WAITING)
         set_log_y(self.ax, scene.logy)
         self.autoscale(self.ax, scene.outliers)
-        self._update_legend([line for line in visible if line.get_label() not in ("_raw", "_eval")])
+        self._update_legend(
+            [(self.lines[(k, "main")], scene.label(k)) for k in scene.picked if (k, "main") in shown]
+        )
 
     @contextlib.contextmanager
     def legend_in_figure(self) -> Iterator[None]:
@@ -391,15 +410,15 @@ class LossFigure(Panel):
             if legend is not None:
                 legend.remove()
 
-    def _update_legend(self, mains: list[Line2D]) -> None:
+    def _update_legend(self, mains: list[tuple[Line2D, str]]) -> None:
         """The loss plot's legend, as HTML above it: drawing ten legend entries into the figure costs as
         much as drawing all its lines (text is slow to render at 2x), and an HTML legend never covers
         data. Exports put a real legend into the figure (:meth:`legend_in_figure`)."""
         items = "".join(
             f"<span style='white-space:nowrap;margin-right:12px'><span style='display:inline-block;width:18px;"
-            f"height:3px;vertical-align:middle;background:{line.get_color()}'></span> {html.escape(line.get_label())}"
-            "</span>"
-            for line in mains
+            f"height:0;vertical-align:middle;border-top:3px {CSS_STYLES.get(line.get_linestyle(), 'solid')} "
+            f"{line.get_color()}'></span> {html.escape(label)}</span>"
+            for line, label in mains
         )
         value = (
             f"<div style='font-size:12px;line-height:1.6'>{items}<span style='color:{GREY}'>· faded: raw values · "
