@@ -64,9 +64,16 @@ def rows_frame(rows: Sequence[Row]) -> pd.DataFrame:
 
 
 def to_datetimes(seconds: Any) -> Any:
-    """Seconds since 1970 as pandas datetimes; a time pandas cannot hold (before 1677 or after 2262,
-    e.g. a hand-written ``time: 1e12``) becomes ``NaT`` instead of failing the whole table."""
-    return pd.to_datetime(seconds, unit="s", errors="coerce")
+    """Seconds since 1970 (a Series, or one number or None) as pandas datetimes. A time no clock gives
+    (before 1970 or after :data:`MAX_TIME_S`, e.g. a hand-written ``time: 1e12``) is ``NaT``: pandas
+    cannot hold most of them at its resolution, and one would fail the whole table
+    (``OutOfBoundsDatetime``)."""
+    if isinstance(seconds, pd.Series):
+        t = pd.to_numeric(seconds, errors="coerce").astype(float)
+        return pd.to_datetime(t.where((t >= 0) & (t <= MAX_TIME_S)), unit="s", errors="coerce")
+    if seconds is None or not (isinstance(seconds, int | float) and 0 <= seconds <= MAX_TIME_S):
+        return pd.NaT
+    return pd.to_datetime(seconds, unit="s")
 
 
 MAX_TIME_S = 2**33
