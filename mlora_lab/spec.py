@@ -56,6 +56,8 @@ REPORT_GROUPS = ("tenant", "job")
 
 MAX_NAME_LEN = 100
 """Longest tenant name (it names a directory)."""
+MAX_RUN_NAME_LEN = 100
+"""The longest ``JobSpec.name``."""
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 """What a tenant name is made of (it names a directory): ``SAFE_NAME.fullmatch(name)``."""
 
@@ -139,6 +141,7 @@ class SpecError(ValueError):
 
 FIELD_KINDS = (
     "name",
+    "text",
     "path",
     "dir",
     "int",
@@ -428,6 +431,14 @@ class JobSpec:
     ``mlora_lab.bases.resolve_base``; nothing is downloaded."""
     tenants: list[Tenant] = field(metadata=_meta("tenants", kind="tenants", form=False))
     """The tenants to train (may be empty with ``serve=True``)."""
+    name: str | None = field(default=None, metadata=_meta(
+        "run name", kind="text", section="Job", optional=True, max=MAX_RUN_NAME_LEN,
+        help="shown in every label; empty: made from the tenants' names"))
+    """The run's name, shown in every label (legends, progress rows, the runs table, the dashboard's
+    header; ``run / tenant`` when runs are shown together) and the key of its tenants' colours, so that a
+    notebook run again keeps its colours: at most ``MAX_RUN_NAME_LEN`` printable characters. ``None`` =
+    made from the tenants' names when the spec is resolved (:func:`default_run_name`: ``"alice+bob"``),
+    which a launch does before it writes ``job.json``. The run directory keeps its timestamped id."""
     tokenizer: str | None = field(default=None, metadata=_meta(
         "tokenizer", kind="dir", optional=True, form=False))
     """Tokenizer directory; ``None`` = ``base_model``."""
@@ -603,9 +614,12 @@ class JobSpec:
 
     def resolved(self, base_dir: str | os.PathLike) -> JobSpec:
         """A copy whose relative paths (base_model, tokenizer, logging_dir, data, eval_data, init_adapter) are
-        made absolute against ``base_dir``; absolute paths and ``None`` are kept."""
+        made absolute against ``base_dir`` (absolute paths and ``None`` are kept), and whose ``name``, if
+        ``None``, is :func:`default_run_name`."""
         base = os.path.abspath(os.fspath(base_dir))
         out = copy.deepcopy(self)
+        if out.name is None:
+            out.name = default_run_name(out)
         out.base_model = _resolve(out.base_model, base)
         out.tokenizer = _resolve(out.tokenizer, base)
         out.logging_dir = _resolve(out.logging_dir, base)
@@ -624,6 +638,18 @@ class JobSpec:
             if t.name == name:
                 return t
         raise KeyError(f"no tenant {name!r}; tenants: {[t.name for t in self.tenants]}")
+
+
+def default_run_name(job: JobSpec) -> str:
+    """A readable name for a run that was given none: its tenants' names joined by ``+`` (at most three,
+    then how many more: ``"a+b+c+4 more"``), cut to 60 characters; ``"serve"`` for a serving job without
+    tenants, ``"run"`` for none at all."""
+    tenants = job.tenants if isinstance(job.tenants, list | tuple) else []
+    names = [t.name for t in tenants if isinstance(t, Tenant) and isinstance(t.name, str) and t.name]
+    if not names:
+        return "serve" if job.serve is True else "run"
+    text = "+".join(names[:3]) + (f"+{len(names) - 3} more" if len(names) > 3 else "")
+    return text if len(text) <= 60 else text[:59] + "…"
 
 
 def effective_slot_modules(job: JobSpec) -> list[str]:

@@ -91,6 +91,7 @@ def sweep(
         seed=seed,
         objective=Objective(objective_reference(objective), mode),
     )
-    run = launch(dataclasses.replace(spec, tenants=tenants), workdir, launcher, slurm=slurm, sweep=plan)
+    named = dataclasses.replace(spec, tenants=tenants, name=spec.name or f"{base.name} sweep")
+    run = launch(named, workdir, launcher, slurm=slurm, sweep=plan)
     # (its directory has a sweep.json: the launch already handed back a SweepRun, mlora_lab.lab.handles)
     return run if isinstance(run, SweepRun) else SweepRun(run.path, process=run.process)

@@ -102,6 +102,8 @@ def check_field(
         return not problems
     if kind == "id":
         return _id(ctx, owner, field, value, label)
+    if kind == "text":
+        return _text(ctx, owner, field, value, info, label)
     raise ValueError(f"field {field!r} has kind {kind!r}, which has no check")
 
 
@@ -135,6 +137,23 @@ def _num(ctx: Context, owner: Tenant | None, field: str, v: Any, info: FieldInfo
     elif not info.allows(v):
         rule = info.rule() + (f" (or null for {info.null_means})" if info.null_means else "")
         ctx.say(owner, field, f"{label} must be {rule} (got {brief(v)})")
+    else:
+        return True
+    return False
+
+
+def _text(ctx: Context, owner: Tenant | None, field: str, v: Any, info: FieldInfo, label: str = "") -> bool:
+    """A line of text people read (a run's name): 1 to ``info.max`` printable characters (no line
+    break, control character or lone surrogate: it is shown in labels and messages)."""
+    label = label or field
+    if not isinstance(v, str):
+        ctx.say(owner, field, f"{label} must be a string ({got(v)})")
+    elif not v.strip():
+        ctx.say(owner, field, f"{label} is empty; give a name, or null for one made from the tenants")
+    elif info.max is not None and len(v) > info.max:
+        ctx.say(owner, field, f"{label} is {len(v):,} characters long (at most {bound(info.max)})")
+    elif not v.isprintable():
+        ctx.say(owner, field, f"{label} {brief(v)} holds a line break or another unprintable character")
     else:
         return True
     return False
