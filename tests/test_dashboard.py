@@ -3,6 +3,7 @@ are written here directly (no job is launched: fast, and every case is exact).""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import warnings
@@ -1077,7 +1078,7 @@ def test_log_lr_ticks_stay_readable_inside_one_decade(tmp_path):
     ]
     assert 2 <= len(shown) <= 8, [t.get_text() for t in shown]
     boxes = sorted((t.get_window_extent().x0, t.get_window_extent().x1) for t in shown)
-    assert all(a[1] < b[0] for a, b in zip(boxes, boxes[1:])), "tick labels overlap"
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(boxes)), "tick labels overlap"
 
 
 def test_summary_puts_what_people_run_it_for_first(tmp_path):
