@@ -713,6 +713,10 @@ ALLOWED_WRITERS = {
     ("mlora_lab/lab/demo.py", "write_text"): "the demo's data, in the folder the caller names",
     ("mlora_lab/lab/report.py", "savefig"): "plot_losses(path=...): a file the caller names",
     ("mlora_lab/lab/plotting.py", "savefig"): "into an in-memory buffer",
+    (
+        "mlora_lab/trackers/backends.py",
+        "mkdir",
+    ): "a tracker folder the user names (logging_dir, its variable)",
     ("mlora_lab/lab/slurm.py", "NamedTemporaryFile"): "a private temporary file for sbatch --test-only",
 }
 WRITER_CALLS = {

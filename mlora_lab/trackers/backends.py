@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mlora_lab.rundir import RunDir
+from mlora_lab.rundir.files import LinkRefused, open_folder, relative_parts
 from mlora_lab.trackers.points import TrackerRun
 
 DEFAULT_PROJECT = "mlora_lab"
@@ -46,6 +47,16 @@ class Where:
         if own:
             return Path(os.path.expanduser(own))
         return self.run.inside(self.run.root / "trackers" / tracker)
+
+    def make(self, folder: Path) -> None:
+        """Create ``folder``: below the run directory through its guard (no link followed on the way), a
+        folder the user named (``logging_dir``, the tracker's own variable) as it is."""
+        try:
+            parts = relative_parts(self.run.root, folder)
+        except LinkRefused:  # (not below the run directory)
+            folder.mkdir(parents=True, exist_ok=True)
+        else:
+            os.close(open_folder(self.run.root, parts, create=True))
 
     def project_for(self, tracker: str) -> str:
         if self.project:
@@ -178,7 +189,7 @@ class Wandb:
         return str(self.dir)
 
     def start(self, run: TrackerRun) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.where.make(self.dir)
         wandb = self.wandb
         self.runs[run.key] = wandb.init(
             project=self.where.project_for(self.name),
