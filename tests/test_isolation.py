@@ -429,15 +429,18 @@ def test_folders_replaced_under_a_running_job_never_lead_it_outside(llama_path, 
         trainer.poll()
         trainer.save(final=False)
     assert not any(outside.iterdir()), sorted(outside.iterdir())
-    assert any(r["kind"] == "event" and "outside the run directory" in r["message"] for r in trainer.history)
-    # results/ leads outside, so the message cannot be answered safely: it waits in the queue, untouched
-    assert (run.control / f"{sorted(p.name for p in run.control.glob('*.json'))[0]}").name.endswith(
-        f"{msg}.json"
-    )
+    events = [r["message"] for r in trainer.history if r["kind"] == "event"]
+    assert any(f"{run.checkpoints} is a symbolic l" in m for m in events), events
+    # the message is applied (refused: no tenant zz) and filed under rejected/ (a real folder); its answer
+    # cannot be written (results/ leads outside), which the job's log says instead
+    assert (run.control / "rejected" / f"{msg}.json").name in {
+        p.name.split("-", 1)[1] for p in (run.control / "rejected").glob("*.json")
+    }
+    assert not (outside / f"{msg}.json").exists()
     shutil.rmtree(run.control)
     run.control.write_text("not a folder")
     with pytest.raises(
-        SaveError, match="outside the run directory"
+        SaveError, match="checkpoints is a symbolic link"
     ):  # the final checkpoint has nowhere to go
         trainer.train()
     assert all(trainer.tenants[g.name].state is TenantState.FINISHED for g in good)
