@@ -31,6 +31,8 @@ def sweep_trainer(llama_path: str, out: Path, sweep: Sweep, resume: bool = False
         run = RunDir(out).create()
         spec.to_json(run.job)
         atomic_write_json(run.root / "sweep.json", sweep.to_dict())
+    else:  # as the job does: job.json, which lists the trials the sweep started
+        spec = ml.JobSpec.load(RunDir(out).job)
     return Trainer(spec, out, resume=resume)
 
 
