@@ -6,7 +6,8 @@ Drawing helpers, shared so that a plot looks the same wherever it is made:
 - :data:`PALETTE` and :func:`series_colour`: one colour per (run, tenant), the same in every figure and
   every time the notebook runs; :func:`run_name`: a run's key in a view (unique, even when two workdirs
   hold runs of the same name); :func:`run_titles`, :func:`series_label`: what labels call runs and
-  series; :func:`plain`: user text that matplotlib never parses as mathtext;
+  series; :func:`plain`: user text that matplotlib never parses as mathtext; :func:`category_label`,
+  :func:`set_categories`: a setting's values on a category axis;
 - :func:`ema` / :class:`Ema`: TensorBoard's bias-corrected smoothing, whole or incremental;
 - :func:`thin`: at most ``max_points`` per line, keeping each bucket's min and max (spikes stay);
 - :func:`with_breaks` / :func:`thin_with_breaks`: lines never join points across a stop → resume gap
@@ -160,6 +161,32 @@ def plain(text: object) -> str:
     ``$`` escaped, so an even number of them is never parsed as mathtext (which may raise, and the
     figure with it)."""
     return str(text).replace("$", r"\$")
+
+
+CATEGORY_CHARS = 40
+"""A setting's value on a category axis (``target_modules``, ``schedule``) is shown whole up to this many
+characters: four projections (``q_proj,k_proj,v_proj,o_proj``) are what tells two trials apart, and a
+cut in their middle hid exactly that; past it (a hand-written list of every layer) it is cut in the
+middle, and the point's readout has it whole."""
+
+
+def category_label(value: object, limit: int = CATEGORY_CHARS) -> str:
+    """A setting's value as a category's tick label: plain text (:func:`plain`), at most ``limit``
+    characters (:data:`CATEGORY_CHARS`)."""
+    return plain(shorten(str(value), limit))
+
+
+def set_categories(ax: Axes, categories: Sequence[object]) -> None:
+    """Put ``categories`` (the values of a setting that is not a number: ``target_modules``,
+    ``schedule``) on the x axis at 0, 1, ..., each labelled :func:`category_label`, slanted and ending
+    under its tick: long labels (four projections) then lie side by side instead of running into the
+    next one."""
+    ax.set_xticks(range(len(categories)), [category_label(c) for c in categories])
+    ax.set_xlim(-0.5, len(categories) - 0.5)
+    ax.tick_params(axis="x", labelrotation=30)
+    for label in ax.get_xticklabels():
+        label.set_horizontalalignment("right")
+        label.set_rotation_mode("anchor")
 
 
 def series_colour(run: str, index: int) -> str:
@@ -386,9 +413,15 @@ def style_axes(
 
 
 def set_x_axis(ax: Axes, x: str) -> None:
-    """Label and tick the x axis for one of :data:`X_AXES` (clock times for wall time)."""
+    """Label and tick the x axis for one of :data:`X_AXES` (clock times for wall time).
+
+    The x limits start over at (0, 1): limits left from another axis mean nothing on this one, and an
+    axes with no drawable point on it (a system row stamped in the year 33658 is NaN on the wall clock)
+    would keep them: 1e12 seconds taken as days is past the dates matplotlib can tick, and the whole
+    figure failed."""
     import matplotlib.dates as mdates
 
+    ax.set_xlim(0, 1, auto=None)  # (auto=None: a zoom's autoscale-off, or on, is left as it is)
     ax.set_xlabel(X_LABELS[x], fontsize=9)
     if x == "wall time":
         local = datetime.datetime.now().astimezone().tzinfo  # clock times as the user's clock shows them

@@ -23,6 +23,7 @@ from mlora_lab.lab.plotting import (
     EXPORT_DPI,
     LINESTYLES,
     best_smoothed,
+    category_label,
     cut_note,
     drawable,
     ema,
@@ -34,6 +35,7 @@ from mlora_lab.lab.plotting import (
     run_name,
     run_titles,
     series_label,
+    set_categories,
     set_log_x,
     set_log_y,
     set_x_axis,
@@ -643,9 +645,7 @@ def hparams(
             if p in LOG_HPARAMS and numeric[p]:
                 set_log_x(ax)
             if not numeric[p]:
-                ax.set_xticks(range(len(categories[p])), [plain(shorten(c, 24)) for c in categories[p]])
-                ax.tick_params(axis="x", labelrotation=20)
-                ax.set_xlim(-0.5, len(categories[p]) - 0.5)
+                set_categories(ax, categories[p])
             style_axes(ax, xlabel=plain(p), ylabel=f"best {metric}" if ax is axes[0] else None)
         axes[0].annotate(
             f"best: {plain(names[best])}",
@@ -684,7 +684,7 @@ def hparams(
                 k = len(categories[name])
                 for c, label in enumerate(categories[name]):
                     at = c / (k - 1) if k > 1 else 0.5
-                    ax.text(j + 0.03, at, plain(shorten(label, 20)), va="center", fontsize=7, color="#555")
+                    ax.text(j + 0.03, at, category_label(label), va="center", fontsize=7, color="#555")
                 continue
             lo_v, hi_v = np.nanmin(v), np.nanmax(v)
             ax.text(j, -0.06, f"{lo_v:.3g}", ha="center", va="top", fontsize=7, color="#555")

@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from mlora_lab.lab import trials
 from mlora_lab.lab.dashboard.figures import RED
 from mlora_lab.lab.liveness import Liveness
-from mlora_lab.lab.plotting import drawable, figure_png, plain, set_log_x, shorten
+from mlora_lab.lab.plotting import drawable, figure_png, plain, set_categories, set_log_x
 from mlora_lab.rundir import RunDirError
 from mlora_lab.text import error_line
 
@@ -112,14 +112,14 @@ class SweepBoard:
             else:
                 categories = sorted({str(v) for v in values})
                 x = np.array([categories.index(str(v)) for v in values], dtype=float)
-                ax.set_xticks(range(len(categories)), [plain(shorten(c, 24)) for c in categories])
-                ax.set_xlim(-0.5, len(categories) - 0.5)
             ax.scatter(x, y, c=table["steps"], cmap="viridis", s=28)
             ax.scatter(x[:1], y[:1], s=120, facecolors="none", edgecolors="red")
             if name in LOG_SETTINGS and numeric and (x[np.isfinite(x)] > 0).all():
                 set_log_x(ax)
             ax.set_xlabel(plain(name))
             ax.tick_params(axis="x", labelrotation=20, labelsize=7)
+            if not numeric:
+                set_categories(ax, categories)
         axes[0].set_ylabel(plain(f"{sweep.objective.metric} (colour: steps)"))
         return figure_png(fig)
 
