@@ -67,7 +67,7 @@ def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> N
 
 
 def step_of(text: str) -> int:
-    return int(text.split("· step ")[1].split()[0])
+    return int(text.split("· global step ")[1].split()[0])
 
 
 def test_live_dashboard_in_chromium(llama_path, tmp_path):
@@ -270,7 +270,7 @@ def drive_quickstart(page, port: int, root: Path, wait_cell: int, tmp_path: Path
     run_dir = wait_for_run(root / "lab" / "runs", timeout=300)
     run = ml.attach(run_dir)
     # the job runs: the dashboard's header counts steps, its figures are ipympl canvases
-    header = page.locator(".widget-html-content", has_text=f"{run_dir.name} — running · step").first
+    header = page.locator(".widget-html-content", has_text=f"{run_dir.name} — running · global step").first
     header.wait_for(timeout=300_000)
     page.wait_for_selector(".jupyter-matplotlib-figure canvas", timeout=60_000)
     page.wait_for_function("() => document.body.innerText.includes('· loss ')", timeout=120_000)
