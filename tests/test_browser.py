@@ -27,7 +27,8 @@ from nbformat.v4 import new_code_cell, new_notebook
 import mlora_lab as ml
 from mlora_lab.lab.demo import task_rows, write_jsonl
 
-pytestmark = pytest.mark.slow
+# one worker runs them one after the other (pytest-xdist --dist loadgroup): each drives a browser and a job
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("browser")]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",

@@ -37,6 +37,9 @@ from mlora_lab.rundir import RunDir, atomic_write_json, checkpoint, control, rea
 from mlora_lab.rundir.status import JOB_MODULE
 from mlora_lab.text import brief
 
+# every test here shares one local Slurm cluster: one pytest-xdist worker runs them all (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("slurm")
+
 # -- options and the batch script (no cluster) ------------------------------------------------------
 
 
