@@ -39,6 +39,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "launch": "mlora_lab.lab.launcher",
     "loguniform": "mlora_lab.search",
     "randint": "mlora_lab.search",
+    "report": "mlora_lab.trackers",
     "resume": "mlora_lab.lab.launcher",
     "runs": "mlora_lab.lab.report",
     "summary": "mlora_lab.lab.report",
@@ -71,6 +72,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         uniform,
     )
     from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant  # noqa: F401
+    from mlora_lab.trackers import report  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

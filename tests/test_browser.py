@@ -1,8 +1,9 @@
 """In a real browser (headless Chromium driven by Playwright, never a downloaded browser):
 
-- JupyterLab opens the quickstart notebook and runs it: the interactive (ipympl) figures, the progress
-  bars and the runs table appear and keep updating while a later cell blocks in ``run.wait()``, and the
-  dashboard's Stop button stops the job;
+- JupyterLab opens the quickstart notebook and runs it with Run All: the interactive (ipympl) figures,
+  the progress bars and the runs table appear and keep updating while a later cell blocks in
+  ``run.wait()`` (the kernel then handles no message from the browser at all), and the dashboard's Stop
+  button stops the job;
 - Voila serves a notebook with a live PNG dashboard of a running job; it updates and Stop works.
 
 Screenshots go to the test's temp dir."""
@@ -26,7 +27,8 @@ from nbformat.v4 import new_code_cell, new_notebook
 import mlora_lab as ml
 from mlora_lab.lab.demo import task_rows, write_jsonl
 
-pytestmark = pytest.mark.slow
+# one worker runs them one after the other (pytest-xdist --dist loadgroup): each drives a browser and a job
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("browser")]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -66,7 +68,7 @@ def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> N
 
 
 def step_of(text: str) -> int:
-    return int(text.split("· step ")[1].split()[0])
+    return int(text.split("· global step ")[1].split()[0])
 
 
 def test_live_dashboard_in_chromium(llama_path, tmp_path):
@@ -163,6 +165,31 @@ def canvas_pixels(page) -> list[str]:
     )
 
 
+def figure_ink(page) -> list[int]:
+    """Per ipympl figure on the page, how many of its image canvas's pixels are drawn (opaque and not
+    white): 0 for an empty white box, thousands for axes, ticks and lines."""
+    return page.eval_on_selector_all(
+        ".jupyter-matplotlib-canvas-div",
+        """divs => divs.map(d => {
+            const c = d.querySelector('canvas');
+            if (!c || c.width < 50 || c.height < 50) return 0;
+            const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let n = 0;
+            for (let i = 0; i < px.length; i += 4) {
+                if (px[i + 3] > 200 && (px[i] < 200 || px[i + 1] < 200 || px[i + 2] < 200)) n++;
+            }
+            return n;
+        })""",
+    )
+
+
+def run_all(page) -> None:
+    """Run → Run All Cells, as a user does."""
+    page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt").click()
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+
+
 def wait_for_run(runs: Path, timeout: float) -> Path:
     """The one run directory the notebook creates under ``runs``."""
     deadline = time.monotonic() + timeout
@@ -175,7 +202,8 @@ def wait_for_run(runs: Path, timeout: float) -> Path:
 
 
 def test_quickstart_in_jupyterlab(tmp_path):
-    """The quickstart as a user runs it in JupyterLab, up to the cell that waits for the job."""
+    """The quickstart as a user runs it in JupyterLab (Run All), watched while the cell that waits for the
+    job blocks."""
     root = tmp_path / "lab"
     root.mkdir()
     nb = nbformat.read(QUICKSTART, as_version=4)
@@ -219,45 +247,48 @@ def test_quickstart_in_jupyterlab(tmp_path):
 
 
 def drive_quickstart(page, port: int, root: Path, wait_cell: int, tmp_path: Path) -> None:
-    """Run the quickstart up to its ``run.wait()`` cell, watch the dashboard update while the kernel is
-    busy in it, interrupt the wait, press Stop."""
+    """Run All the quickstart, watch the dashboard update while the kernel is busy in the ``run.wait()``
+    cell, interrupt the wait, press Stop."""
     page.goto(f"http://127.0.0.1:{port}/lab/tree/quickstart.ipynb", timeout=180_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
     no_news = page.get_by_role("button", name="No", exact=True)
     if no_news.count():  # JupyterLab asks once whether to fetch news
         no_news.click()
-    # Run every code cell up to the one that blocks in run.wait(), each in turn: select it, Shift+Enter,
-    # and wait for its prompt to show an execution count (the last one: "[*]", busy). A press made
-    # while the kernel connection is still settling can be lost, so a cell that shows no sign of
-    # running after a few seconds is run again.
+    # Run All: the kernel gets every cell at once, so from the dashboard's cell to the end of run.wait()
+    # it never handles a message from the browser (the figures' handshake waits behind the wait). A
+    # press made while the kernel connection is still settling can be lost: tried again if nothing runs.
     cells = nbformat.read(root / "quickstart.ipynb", 4).cells
-    for i, cell in enumerate(cells[: wait_cell + 1]):
-        if cell.cell_type != "code":
-            continue
-        prompt = page.locator(".jp-Notebook .jp-Cell").nth(i).locator(".jp-InputPrompt")
-        done = r"/\[\*\]/" if i == wait_cell else r"/\[\d+\]/"
-        for attempt in range(3):
-            prompt.click()
-            page.keyboard.press("Shift+Enter")
-            try:
-                page.wait_for_function(
-                    "e => /\\[(\\*|\\d+)\\]/.test(e.textContent)",
-                    arg=prompt.element_handle(),
-                    timeout=10_000,
-                )
-                break
-            except playwright.TimeoutError:
-                assert attempt < 2, f"cell {i} does not run"
-        page.wait_for_function(
-            f"e => {done}.test(e.textContent)", arg=prompt.element_handle(), timeout=300_000
-        )
+    first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")
+    first_prompt = page.locator(".jp-Notebook .jp-Cell").nth(first_code).locator(".jp-InputPrompt")
+    wait_prompt = page.locator(".jp-Notebook .jp-Cell").nth(wait_cell).locator(".jp-InputPrompt")
+    for attempt in range(3):
+        run_all(page)
+        try:
+            page.wait_for_function(
+                "e => /\\[(\\*|\\d+)\\]/.test(e.textContent)",
+                arg=first_prompt.element_handle(),
+                timeout=10_000,
+            )
+            break
+        except playwright.TimeoutError:
+            assert attempt < 2, "Run All runs nothing"
     run_dir = wait_for_run(root / "lab" / "runs", timeout=300)
     run = ml.attach(run_dir)
     # the job runs: the dashboard's header counts steps, its figures are ipympl canvases
-    header = page.locator(".widget-html-content", has_text=f"{run_dir.name} — running · step").first
+    header = page.locator(".widget-html-content", has_text=f"{run_dir.name} — running · global step").first
     header.wait_for(timeout=300_000)
     page.wait_for_selector(".jupyter-matplotlib-figure canvas", timeout=60_000)
     page.wait_for_function("() => document.body.innerText.includes('· loss ')", timeout=120_000)
+    page.wait_for_function(
+        "e => e.textContent.includes('[*]')", arg=wait_prompt.element_handle(), timeout=60_000
+    )
+    header.scroll_into_view_if_needed()
+    # the figures are drawn (not empty boxes) while the wait blocks, and keep being redrawn
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and min(figure_ink(page), default=0) < 2000:
+        time.sleep(1)
+    ink = figure_ink(page)
+    assert len(ink) >= 2 and min(ink) >= 2000, f"figures left blank while run.wait() blocks: {ink}"
     body = page.inner_text("body")
     for tenant in ("spanish", "french", "count"):
         assert tenant in body, f"tenant {tenant} is not on the page"
@@ -275,6 +306,7 @@ def drive_quickstart(page, port: int, root: Path, wait_cell: int, tmp_path: Path
         time.sleep(2)
         if step_of(header.inner_text()) > first_step + 2 and canvas_pixels(page) != first_pixels:
             break
+    assert "[*]" in wait_prompt.inner_text(), "still inside run.wait()"
     assert step_of(header.inner_text()) > first_step, "the header follows the job"
     assert canvas_pixels(page) != first_pixels, "the interactive figures are redrawn"
     assert page.locator(".widget-hprogress .progress-bar").first.get_attribute("style") != first_bar

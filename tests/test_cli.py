@@ -339,3 +339,18 @@ def test_follow_on_a_terminal_draws_one_bar_and_prints_changes_above_it(tmp_path
     assert len(lines) <= 12, lines  # the changes and the bar, not a line per poll
     assert any(line.rstrip().endswith("tenant b failed: non-finite loss") for line in lines)
     assert "124/124" in text.rsplit("\r", 1)[-1] and "a 100/100 1.000" in text
+
+
+def test_resume_names_a_planted_log_link_in_one_line(tmp_path, llama_path):
+    """``mlora-lab resume`` of a run whose logs/launcher.log was replaced by a symlink: one line naming
+    the link (no traceback), exit status 2, the file it leads to untouched, and nothing started."""
+    from test_reliability import resumable_run
+
+    root = resumable_run(llama_path, tmp_path)
+    victim = tmp_path / "victim.log"
+    victim.write_text("original\n")
+    (root / "logs" / "launcher.log").symlink_to(victim)
+    proc = cli("resume", str(root), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "launcher.log is a symbolic link" in proc.stderr and "Traceback" not in proc.stderr
+    assert victim.read_text() == "original\n" and read_status(root).state == "stopped"

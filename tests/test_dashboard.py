@@ -3,12 +3,14 @@ are written here directly (no job is launched: fast, and every case is exact).""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import warnings
 import zlib
 from pathlib import Path
 
+import matplotlib.colors
 import matplotlib.image
 import numpy as np
 import pandas as pd
@@ -18,7 +20,7 @@ from matplotlib.backend_bases import MouseEvent
 import mlora_lab as ml
 from mlora_lab.lab import plotting
 from mlora_lab.lab.dashboard import Dashboard
-from mlora_lab.lab.plotting import PALETTE, Colours, Ema, ema, series_key, thin, thin_with_breaks
+from mlora_lab.lab.plotting import PALETTE, Ema, ema, series_colour, thin, thin_with_breaks
 from mlora_lab.lab.run import Run
 from mlora_lab.lab.series import gap_breaks
 from mlora_lab.rundir import (
@@ -40,14 +42,25 @@ T0 = 1.8e9
 # -- run directories written by hand -------------------------------------------------------------------
 
 
-def make_run(root: Path, tenants=("a", "b"), max_steps: int = 100, state: str = "running") -> RunDir:
+def make_run(
+    root: Path, tenants=("a", "b"), max_steps: int = 100, state: str = "running", name: str | None = ""
+) -> RunDir:
     """A run directory with job.json and status.json, as a launch leaves it (no process: a status
-    without a pid is taken as it is written)."""
+    without a pid is taken as it is written). The job is named like its directory (``name=""``), or
+    ``name``, or (None) by default, from its tenants."""
     run = RunDir(root).create()
     data = root / "d.jsonl"
     data.write_text('{"text": "x"}\n')
     tenants = [Tenant(name=t, data=str(data), max_steps=max_steps) for t in tenants]
-    JobSpec(base_model=str(root), tenants=tenants, max_tenants=max(8, len(tenants))).to_json(run.job)
+    spec = JobSpec(
+        base_model=str(root),
+        tenants=tenants,
+        max_tenants=max(8, len(tenants)),
+        name=root.name if name == "" else name,
+    )
+    if name is None:
+        spec = spec.resolved(root)
+    spec.to_json(run.job)
     update_status(root, state=state, started=time.time() - 60)
     return run
 
@@ -149,22 +162,15 @@ def test_lines_break_across_gaps_and_resumes_also_after_thinning():
     assert x[i - 1] == 99 and x[i + 1] == 1000  # the last point before the gap and the first after it
 
 
-def test_colours_are_stable_across_figures_and_distinct_within_one():
-    key = series_key("run1", "alice")
-    slot = zlib.crc32(key.encode()) % 10
-    assert Colours()(key) == PALETTE[slot]  # from the key alone: the same in every figure
-    figure = Colours()
-    figure(series_key("run1", "bob"))
-    clash = next(f"run9/t{i}" for i in range(100) if zlib.crc32(f"run9/t{i}".encode()) % 10 == slot)
-    assert (
-        figure(clash) == PALETTE[slot] and figure(key) != PALETTE[slot]
-    )  # taken in this figure: the next free
-    assert figure(key) == figure(key)
-    many = Colours()
-    colours = [many(f"run/t{i}") for i in range(20)]
-    assert len(set(colours)) == 20 and set(colours[:10]) == set(
-        PALETTE[:10]
-    )  # tab10 first, then darker tones
+def test_colours_come_from_the_run_name_and_the_tenants_place_alone():
+    start = zlib.crc32(b"quickstart") % 10
+    assert series_colour("quickstart", 0) == PALETTE[start]  # nothing else decides it
+    tenants = [series_colour("quickstart", i) for i in range(20)]
+    assert len(set(tenants)) == 20, "a run's tenants never share a colour"
+    assert set(tenants[:10]) == set(PALETTE[:10]) and set(tenants[10:]) == set(PALETTE[10:])
+    assert series_colour("quickstart", 20) == tenants[0]
+    others = {series_colour(f"run{i}", 0) for i in range(40)}
+    assert len(others) == 10, "each run starts its tenants at its own place in the palette"
 
 
 def test_log_axis_has_readable_ticks_grid_and_unclipped_labels(tmp_path):
@@ -213,7 +219,8 @@ def test_after_stop_tenants_read_stopped_not_running(tmp_path):
     assert "<b>stopped</b>" in dash.status.value
     infos = [r.info.value for r in dash.progress_rows.values()]
     assert all("stopped" in i and "running" not in i for i in infos), infos
-    assert dash.stop_button.disabled and dash.stop_button.description == "stopped"
+    assert dash.stop_button.disabled and dash.stop_button.description == "run stopped"
+    assert dash.stop_button.button_style == "", "an ended run's button is quiet, not red"
 
 
 def test_a_quarantined_tenant_keeps_a_finished_run_from_looking_green(tmp_path):
@@ -440,7 +447,8 @@ def test_a_workdir_view_lists_sorts_filters_and_overlays_runs(tmp_path):
     ]
     assert len(rows) == 3
     cells = dash.table.rows[r1.root.name].cells.value
-    assert "baseline" in cells and ">30<" in cells and ">1.2000<" in cells  # tags, steps, best loss
+    best = min(plotting.best_smoothed(np.array([r.loss for r in steps([t], 1, 30)])) for t in "ab")
+    assert "baseline" in cells and ">30<" in cells and f">{best:.4f}<" in cells  # tags, step, best loss
     dash.table.filter.value = "baseline"
     assert dash.table.body.children == (dash.table.rows[r1.root.name].box,)
     dash.table.filter.value = "z"  # a tenant name
@@ -449,7 +457,7 @@ def test_a_workdir_view_lists_sorts_filters_and_overlays_runs(tmp_path):
     dash.table.state_filter.value = "finished"
     assert dash.table.body.children == (dash.table.rows[r1.root.name].box,)
     dash.table.state_filter.value = "any state"
-    dash.table.sort_by.value = "steps"
+    dash.table.sort_by.value = "global step"
     assert dash.table.body.children[0] is dash.table.rows[r1.root.name].box  # most steps first
     dash.table.sort_desc.value = False
     assert dash.table.body.children[-1] is dash.table.rows[r1.root.name].box
@@ -484,7 +492,7 @@ def test_stop_asks_each_chosen_live_run_and_says_which(tmp_path):
     update_status(roots[0], state="stopped")
     dash.choose(["one"])
     dash.refresh()
-    assert dash.stop_button.description == "stopped" and dash.stop_button.disabled
+    assert dash.stop_button.description == "run stopped" and dash.stop_button.disabled
     assert dash_of(roots[2]).stop_button.description == "Stop"  # one run shown: no name needed
 
 
@@ -689,6 +697,60 @@ def test_interactive_figures_zoom_pan_and_hover(tmp_path):
     assert ax.get_xlim()[1] >= 80
 
 
+def test_interactive_frames_are_pngs_before_the_browser_answers(tmp_path, monkeypatch):
+    """Under Run All the kernel handles no message from the browser while a later cell blocks in
+    ``run.wait()``; every frame the refresh thread pushes meanwhile must still be an image the browser
+    can decode (ipympl 0.10 sent the raw RGBA buffer until the browser's "initialized" was handled)."""
+    import base64
+    import json as _json
+
+    pytest.importorskip("ipympl")
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a", "b"], 1, 20))
+    dash = dash_of(run.root, interactive=True)
+    canvas = dash.loss_plot
+    assert canvas.syncing_data_url, "no browser has answered: the canvas still keeps its static copy"
+    frames = []
+    monkeypatch.setattr(canvas, "send", lambda content, buffers=None: frames.append((content, buffers)))
+    write(run, *steps(["a", "b"], 21, 40))
+    dash.refresh()  # what the refresh thread does: a frame of the pixels that changed
+    write(run, *steps(["a", "b"], 41, 60))
+    dash.refresh()
+    binary = [b for content, b in frames if _json.loads(content["data"])["type"] == "binary"]
+    assert len(binary) == 2
+    for (buffer,) in binary:
+        assert bytes(buffer[:8]) == b"\x89PNG\r\n\x1a\n", "a frame the browser cannot decode"
+        assert png_size(bytes(buffer)) == (720, 288)
+    assert canvas._current_image_mode == "diff"
+    # the static copy is the whole figure, not the last diff
+    whole = base64.b64decode(canvas._data_url)
+    assert png_size(whole) == (720, 288)
+    image = matplotlib.image.imread(__import__("io").BytesIO(whole), format="png")
+    assert image[..., 3].min() == 1.0, "every pixel of the static copy is opaque"
+
+
+def test_every_tab_is_drawn_without_being_picked(tmp_path, monkeypatch):
+    """Picking a tab reaches the kernel only once a blocking cell ends: the tabs' figures are drawn in
+    the background whether their tab is shown or not (at most every TAB_EVERY_S while a run goes)."""
+    from mlora_lab.lab.dashboard import board
+
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a", "b"], 1, 20))
+    dash = dash_of(run.root)
+    assert dash.tabs.selected_index == board.SYSTEM_TAB
+    lr_lines = [line for line in dash.optim.lr_ax.get_lines() if line.get_visible()]
+    assert len(lr_lines) == 2 and all(len(line.get_xdata()) == 20 for line in lr_lines)
+    # while the run goes, the hidden tab follows at its own pace, not at every refresh
+    monkeypatch.setattr(board, "TAB_EVERY_S", 3600.0)
+    write(run, *steps(["a", "b"], 21, 30))
+    dash.refresh()
+    assert len(dash.optim.lr_ax.get_lines()[0].get_xdata()) == 20
+    assert len(dash.loss.ax.get_lines()[0].get_xdata()) == 30
+    monkeypatch.setattr(board, "TAB_EVERY_S", 0.0)
+    dash.refresh()
+    assert len(dash.optim.lr_ax.get_lines()[0].get_xdata()) == 30
+
+
 def test_without_ipympl_figures_are_images(tmp_path, monkeypatch):
     import ipywidgets as W
 
@@ -740,7 +802,12 @@ def test_two_runs_with_the_same_directory_name_stay_apart(tmp_path):
     dash = dash_of(a.root, b.root, a.root)  # the same directory twice is one run
     assert list(dash.feeds) == ["same", "b/same"]
     assert [dash.feeds[n].tenants["t"].step for n in dash.feeds] == [3, 5]
-    assert dash.colour(("same", "t")) != dash.colour(("b/same", "t"))
+    # both jobs are named "same": one colour (a notebook run again keeps its colours), told apart by
+    # their labels and line styles
+    assert dash.colour(("same", "t")) == dash.colour(("b/same", "t"))
+    assert [dash.label(k) for k in dash.picked() if k[1] == "t"] == ["same / t", "same · b/same / t"]
+    styles = {ln.get_linestyle() for ln in dash.loss.lines.visible("main")}
+    assert styles == {"-", "--"}
 
 
 def sweep_run(root: Path, lrs: dict[str, float], ranks: dict[str, int], best: dict[str, float]) -> RunDir:
@@ -782,7 +849,7 @@ def test_hyperparameters_next_to_results(tmp_path):
     assert sorted(map(tuple, points.tolist())) == [(1e-4, 2.0), (1e-3, 1.0), (1e-2, 3.0)]
     best_ring = axes[0].collections[1].get_offsets().tolist()
     assert best_ring == [[1e-3, 1.0]], "the best tenant is ringed"
-    assert "best: r/b" in axes[0].texts[0].get_text()
+    assert "best: b" in axes[0].texts[0].get_text()
     with pytest.warns(UserWarning):
         par = hparams(str(run.root), kind="parallel", params=["lr", "rank", "alpha"])
     ax = par.axes[0]
@@ -790,3 +857,394 @@ def test_hyperparameters_next_to_results(tmp_path):
     assert len(ax.lines) == 3 + 4, "a line per tenant with an eval loss, and a vertical axis per column"
     with pytest.raises(ValueError, match="unknown hyperparameter"):
         hparams(str(run.root), params=["momentum"])
+
+
+# -- issue 22: the notebook side, as a new user and an attacker tried it ------------------------------
+
+
+def test_a_failed_refresh_is_shown_and_logged_and_the_view_goes_on(tmp_path, monkeypatch, caplog):
+    """One refresh that raises (a label matplotlib could not parse, say) must not end the live view."""
+    run = make_run(tmp_path / "r")
+    write(run, *steps(["a"], 1, 5, t0=time.time() - 10))
+    dash = Dashboard([Run(run.root)], refresh_s=0.05, interactive=False)
+    real_draw, broken = dash.loss.draw, {"left": 2}
+
+    def draw(scene):
+        if broken["left"]:
+            broken["left"] -= 1
+            raise ValueError("Unknown symbol: \\frac, found '\\'")
+        real_draw(scene)
+
+    monkeypatch.setattr(dash.loss, "draw", draw)
+    with caplog.at_level("WARNING", logger="mlora_lab.lab.dashboard.board"):
+        dash.start()
+        deadline = time.monotonic() + 20
+        while broken["left"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert broken["left"] == 0 and dash.live, "the view refreshes on after a failed refresh"
+        write(run, *steps(["a"], 6, 9, t0=time.time() - 10))
+
+        # the axes' own list of lines (the refresh thread may add one while it is read: a dict would raise)
+        def drawn() -> list[int]:
+            return [len(ln.get_xdata()) for ln in dash.loss.ax.get_lines() if ln.get_label() == "a"]
+
+        # until the refresh that read them has drawn them: the first whole refresh renders every figure,
+        # seconds on a loaded machine, so no fixed pause is long enough
+        while not ("recovered" in dash.problem.value and drawn() == [9]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert dash.feeds["r"].tenants["a"].step == 9 and dash.live
+    assert "Unknown symbol" in dash.problem.value and "recovered" in dash.problem.value
+    assert len([r for r in caplog.records if "Unknown symbol" in r.getMessage()]) == 1, "logged once"
+    (line,) = dash.loss.lines.visible("main")
+    assert len(line.get_xdata()) == 9, "drawn again after the failure"
+    update_status(run.root, state="finished", ended=time.time())
+    while dash.live and time.monotonic() < deadline + 10:
+        time.sleep(0.05)
+    assert not dash.live
+
+
+MATHTEXT = r"cost $\frac{1}{$ vs $5"
+"""A run name with an even number of dollars that matplotlib's mathtext cannot parse."""
+
+
+def test_no_label_is_parsed_as_mathtext(tmp_path):
+    """Run names (free text) and a sweep's categorical values reach legends, tick labels, titles and
+    annotations: every one is shown literally, never parsed as mathtext (which raised)."""
+    from mlora_lab.lab.report import hparams, plot_losses
+
+    roots = []
+    for k, name in enumerate((MATHTEXT, "$x$ plain")):
+        run = make_run(tmp_path / f"r{k}", name=name)
+        write(
+            run,
+            *steps(["a", "b"], 1, 6),
+            TenantRow(step=1, tenant="a", state="running", adapter_bytes=2**20, optimizer_bytes=2**21),
+            SystemRow(
+                step=1, rank=0, mem_bytes=2**30, peak_mem_bytes=2**30, step_time=1, tokens_per_s=9, time=T0
+            ),
+            EvalRow(step=6, tenant="a", loss=1.0, time=T0 + 6),
+            EvalRow(step=6, tenant="b", loss=2.0, time=T0 + 6),
+        )
+        roots.append(run.root)
+    dash = dash_of(*roots)
+    written = dash.export(tmp_path / "exports")  # loss with a legend, optim, system with tenant bars
+    assert len(written) == 7 and not dash.problem.value
+    assert MATHTEXT in dash.loss.legend.value.replace("&#x27;", "'").replace("&amp;", "&")
+    bars = [t.get_text() for t in dash.system.bars_ax.get_yticklabels()]
+    assert any(r"\$\frac" in t for t in bars), bars
+    for fig in (
+        ml.compare([Run(r) for r in roots]),
+        plot_losses(Run(roots[0])),
+        hparams([str(r) for r in roots]),
+    ):
+        fig._repr_png_()
+    single = dash_of(roots[0])
+    single.export(tmp_path / "one")
+    assert MATHTEXT in single.status.value.replace("&#x27;", "'").replace("&amp;", "&")
+
+
+def test_one_colour_per_run_and_tenant_in_every_view_and_after_a_rerun(tmp_path):
+    """The same (run, tenant) has the same colour in the single-run dashboard, the multi-run dashboard
+    (whatever else is shown, in any order), ml.compare, ml.hparams, and in a run of the same notebook made
+    later (another directory, the same job name)."""
+    from mlora_lab.lab.report import hparams
+
+    first = make_run(tmp_path / "20260101-000000-aaaaaa", tenants=("a", "b", "c"), name="quickstart")
+    again = make_run(tmp_path / "20260102-000000-bbbbbb", tenants=("a", "b", "c"), name="quickstart")
+    other = make_run(tmp_path / "20260103-000000-cccccc", tenants=("x", "a"), name="sweep")
+    for run in (first, again, other):
+        tenants = json.loads(run.job.read_text())["tenants"]
+        write(run, *steps([t["name"] for t in tenants], 1, 5))
+    solo = {k[1]: c for k, c in dash_of(first.root).colors.items()}
+    assert len(set(solo.values())) == 3
+    for roots in ((first.root, other.root), (other.root, first.root), (other.root, again.root, first.root)):
+        dash = dash_of(*roots)
+        for key in dash.picked():
+            if key[0] in (first.root.name, again.root.name):
+                assert dash.colour(key) == solo[key[1]], (roots, key)
+    assert {k[1]: c for k, c in dash_of(again.root).colors.items()} == solo
+    fig = ml.compare([Run(other.root), Run(first.root)])
+    drawn = {
+        ln.get_label(): ln.get_color() for ln in fig.axes[0].get_lines() if not ln.get_label().startswith("_")
+    }
+    assert {t: drawn[f"quickstart / {t}"] for t in "abc"} == solo
+    write(first, *[EvalRow(step=5, tenant=t, loss=1.0 + i, time=T0 + 5) for i, t in enumerate("abc")])
+    points = hparams(str(first.root), params=["max_steps"], metric="eval_loss").axes[0].collections[0]
+    assert [matplotlib.colors.to_hex(c) for c in points.get_facecolors()] == [solo[t] for t in "abc"]
+
+
+def test_run_names_label_every_view_and_long_ones_keep_the_tenant(tmp_path):
+    long = "a hyperparameter study of rank and learning rate on the spanish task, second try"
+    one = make_run(tmp_path / "20260101-000000-aaaaaa", tenants=("spanish", "french"), name=long)
+    two = make_run(tmp_path / "20260102-000000-bbbbbb", tenants=("spanish", "french"), name=None)
+    for run in (one, two):
+        write(run, *steps(["spanish", "french"], 1, 3))
+    assert json.loads(two.job.read_text())["name"] == "spanish+french", "a readable default"
+    dash = dash_of(one.root, two.root)
+    labels = [dash.label(k) for k in dash.picked()]
+    assert all(len(label) <= 48 for label in labels), labels
+    assert [label.rsplit(" / ", 1)[1] for label in labels] == ["spanish", "french", "spanish", "french"]
+    assert labels[0].startswith("a hyperparameter") and "…" in labels[0]
+    assert labels[2] == "spanish+french / spanish"
+    assert "20260101-000000-aaaaaa" not in "".join(labels), "labels are names, not timestamps"
+    assert "spanish+french" in dash.status.value and "a hyperparameter study" in dash.status.value
+    cells = dash.table.rows[two.root.name].cells.value
+    assert ">spanish+french<" in cells
+    legend = [ln.get_label() for ln in ml.compare([Run(one.root), Run(two.root)]).axes[0].get_lines()]
+    assert "spanish+french / french" in legend
+
+
+def test_tenant_states_agree_with_the_run_after_a_stop(tmp_path):
+    """run.tenant_states() says what summary, status and the dashboard say: a tenant the job was still
+    training when the run stopped reads stopped (also through ml.attach)."""
+    from mlora_lab.rundir import RunState, TenantState
+
+    run = make_run(tmp_path / "r", tenants=("a", "b", "c"))
+    write(
+        run,
+        TenantRow(step=0, tenant="a", state="running"),
+        TenantRow(step=0, tenant="b", state="running"),
+        TenantRow(step=0, tenant="c", state="running"),
+        TenantRow(step=3, tenant="c", state="finished"),
+        *steps(["a", "b"], 1, 5),
+    )
+    assert Run(run.root).tenant_states() == {
+        "a": TenantState.RUNNING,
+        "b": TenantState.RUNNING,
+        "c": TenantState.FINISHED,
+    }
+    update_status(run.root, state="stopped", ended=time.time())
+    for handle in (Run(run.root), ml.attach(run.root)):
+        states = handle.tenant_states()
+        assert states == {"a": RunState.STOPPED, "b": RunState.STOPPED, "c": TenantState.FINISHED}
+        assert handle.tenant_state("a") == "stopped"
+    summary = ml.summary(Run(run.root)).set_index("tenant")["state"].to_dict()
+    assert {t: str(s) for t, s in states.items()} == summary
+
+
+def test_hparams_shows_categorical_settings_and_names_points_on_hover(tmp_path):
+    """target_modules (a sweep's decisive setting) and schedule are drawn as categories, and the point
+    under the cursor is named: run / tenant, its settings, its metric."""
+    from mlora_lab.lab.report import hparams
+
+    run = RunDir(tmp_path / "r").create()
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    configs = {
+        "qv": dict(target_modules=["q_proj", "v_proj"], lr=1e-3, schedule="constant"),
+        "all": dict(target_modules=["all-linear"], lr=2e-3, schedule="cosine"),
+        "qkvo": dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lr=1e-3, schedule="cosine"),
+    }
+    tenants = [Tenant(name=n, data=str(data), **c) for n, c in configs.items()]
+    JobSpec(base_model=str(tmp_path), tenants=tenants, name="study").to_json(run.job)
+    update_status(run.root, state="finished", started=time.time() - 60)
+    write(
+        run,
+        *steps(list(configs), 1, 3),
+        *[
+            EvalRow(step=3, tenant=t, loss=v, time=T0 + 3)
+            for t, v in (("qv", 2.0), ("all", 1.0), ("qkvo", 1.5))
+        ],
+    )
+    fig = hparams(str(run.root))
+    names = [ax.get_xlabel() for ax in fig.axes]
+    assert names == ["lr", "targets", "schedule"], names
+    targets = fig.axes[1]
+    ticks = [t.get_text() for t in targets.get_xticklabels()]
+    assert ticks == ["all-linear", "q_proj,k_proj,v_proj,o_proj", "q_proj,v_proj"]
+    xy = targets.collections[0].get_offsets()
+    assert sorted(map(tuple, np.asarray(xy).tolist())) == [(0.0, 1.0), (1.0, 1.5), (2.0, 2.0)]
+    fig._repr_png_()  # (draws: the transforms below are the drawn ones)
+    px, py = targets.transData.transform((1.0, 1.5))
+    text = fig.point_at(targets, px + 1, py)
+    assert text.startswith("qkvo · ") and "targets q_proj,k_proj,v_proj,o_proj" in text
+    assert "schedule cosine" in text and "best eval_loss 1.5" in text
+    assert fig.point_at(targets, 0, 0) is None
+    par = hparams(str(run.root), kind="parallel")
+    assert [t.get_text() for t in par.axes[0].get_xticklabels()] == [
+        "lr",
+        "targets",
+        "schedule",
+        "best eval_loss",
+    ]
+
+
+def test_log_lr_ticks_stay_readable_inside_one_decade(tmp_path):
+    """An lr searched over less than a decade (3e-4 .. 2e-3): a handful of plain, apart tick labels, not
+    a pile of minor ones."""
+    from mlora_lab.lab.report import hparams
+
+    lrs = {"a": 3e-4, "b": 5e-4, "c": 1e-3, "d": 2e-3}
+    run = sweep_run(tmp_path / "r", lrs, dict.fromkeys(lrs, 8), best={t: 1.0 + i for i, t in enumerate(lrs)})
+    fig = hparams(str(run.root), params=["lr"])
+    fig._repr_png_()
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    shown = [
+        t
+        for t in (*ax.get_xticklabels(), *ax.get_xticklabels(minor=True))
+        if t.get_text() and lo <= t.get_position()[0] <= hi
+    ]
+    assert 2 <= len(shown) <= 8, [t.get_text() for t in shown]
+    boxes = sorted((t.get_window_extent().x0, t.get_window_extent().x1) for t in shown)
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(boxes)), "tick labels overlap"
+
+
+def test_summary_puts_what_people_run_it_for_first(tmp_path):
+    """A notebook shows the first and last columns of a wide table and hides the middle behind "…": the
+    state, steps and losses come before the settings; best_loss is the smoothed curve's lowest point."""
+    from mlora_lab.lab.report import summary
+
+    run = make_run(tmp_path / "r", tenants=("a",))
+    losses = [3.0, 2.0, 0.1, 2.0, 1.8, 1.7]  # one lucky batch at step 3
+    write(
+        run,
+        *[
+            TrainRow(
+                step=i + 1,
+                tenant="a",
+                tenant_step=i + 1,
+                loss=v,
+                tokens=10,
+                lr=1e-3,
+                grad_norm=1.0,
+                time=T0 + i,
+            )
+            for i, v in enumerate(losses)
+        ],
+    )
+    table = summary(Run(run.root))
+    with pd.option_context("display.max_columns", 20, "display.width", 200):
+        shown = repr(table).splitlines()[0]
+    for column in ("state", "steps", "final_loss", "best_loss", "eval_loss", "best_eval_loss"):
+        assert column in shown, (column, shown)
+    assert list(table.columns[:8]) == [
+        "tenant",
+        "state",
+        "steps",
+        "max_steps",
+        "final_loss",
+        "best_loss",
+        "eval_loss",
+        "best_eval_loss",
+    ]
+    assert table.loc[0, "best_loss"] == pytest.approx(plotting.ema(np.array(losses), 0.6).min())
+    assert table.loc[0, "best_loss"] > 1.0, "one lucky batch does not set it"
+
+
+def test_the_views_say_which_step_and_what_the_cpu_percent_means(tmp_path):
+    run = make_run(tmp_path / "r", state="finished")
+    write(
+        run,
+        *steps(["a", "b"], 1, 4),
+        SystemRow(
+            step=4,
+            rank=0,
+            mem_bytes=2**30,
+            peak_mem_bytes=2**30,
+            step_time=1.0,
+            tokens_per_s=10.0,
+            cpu_percent=250.0,
+            time=T0 + 4,
+        ),
+    )
+    dash = dash_of(run.root)
+    assert "· global step 4" in dash.status.value
+    assert "one core" in dash.system.util_ax.get_title()
+    assert dash.stop_button.description == "run finished" and dash.stop_button.icon == "check"
+    assert dash.stop_button.button_style != "danger"
+
+
+def test_extreme_but_well_typed_rows_break_no_view(tmp_path):
+    """time 1e12 (year 33658) and losses of ±1e308 are valid JSON numbers: the tables, the summary and
+    every figure on every x axis go on (the time is NaT in tables; a loss is drawn clipped)."""
+    from mlora_lab.lab.report import summary
+
+    run = make_run(tmp_path / "r")
+    rows = steps(["a", "b"], 1, 6)
+    rows += [
+        TrainRow(
+            step=7, tenant="a", tenant_step=7, loss=1e308, tokens=10, lr=1e-3, grad_norm=1e308, time=1e12
+        ),
+        TrainRow(
+            step=7, tenant="b", tenant_step=7, loss=-1e308, tokens=10, lr=1e-3, grad_norm=1.0, time=T0 + 7
+        ),
+        EvalRow(step=7, tenant="a", loss=1e308, time=T0 + 7),
+        SystemRow(
+            step=7,
+            rank=0,
+            mem_bytes=2**62,
+            peak_mem_bytes=2**62,
+            step_time=1.0,
+            tokens_per_s=1e308,
+            time=1e12,
+        ),
+    ]
+    write(run, *rows)
+    m = Run(run.root).metrics()
+    assert len(m) == 15 and pd.isna(m["time"].iloc[12]) and m["time"].iloc[0].year == 2027
+    assert len(Run(run.root).system_metrics()) == 1
+    table = summary(Run(run.root)).set_index("tenant")
+    assert table.loc["a", "final_loss"] == 1e308 and np.isnan(table.loc["a", "time_s"])
+    dash = dash_of(run.root)
+    for x in ("tenant step", "global step", "tokens", "wall time", "relative time"):
+        dash.x_axis.value = x
+        for logy in (False, True):
+            dash.logy.value = logy
+            dash.export(tmp_path / "exports")
+    assert not dash.problem.value
+    (ya,) = [ln for k, ln in dash.loss.lines.lines.items() if k == ((run.root.name, "a"), "main")]
+    assert np.nanmax(ya.get_ydata()) <= 1e300 and np.isfinite(dash.loss.ax.get_ylim()).all()
+    for metric in ("loss", "eval_loss", "grad_norm"):
+        ml.compare(Run(run.root), metric=metric, logy=True)._repr_png_()
+    ml.runs(tmp_path)
+
+
+def test_a_million_tenants_do_not_hang_the_view(tmp_path):
+    """A metrics file naming very many tenants: the view reads it in seconds, offers, draws and shows
+    progress for at most MAX_SERIES of them, and says so."""
+    from mlora_lab.lab.dashboard import board
+
+    n = 20_000
+    run = make_run(tmp_path / "r", tenants=("a",))
+    with open(run.metrics, "w") as f:  # written directly: MetricsWriter would take a while
+        for i in range(n):
+            f.write(
+                json.dumps(
+                    {
+                        "kind": "train",
+                        "step": 1,
+                        "tenant": f"t{i}",
+                        "tenant_step": 1,
+                        "loss": 1.0,
+                        "tokens": 1,
+                        "lr": 1e-3,
+                        "grad_norm": 1.0,
+                        "time": T0 + 1,
+                    }
+                )
+                + "\n"
+            )
+    t0 = time.monotonic()
+    dash = dash_of(run.root)
+    dash.refresh()
+    took = time.monotonic() - t0
+    assert len(dash.feeds["r"].tenants) == n + 1
+    assert len(dash.tenants.options) == board.MAX_SERIES and len(dash.progress.children) == board.MAX_SERIES
+    assert f"of {n + 1:,} tenants" in dash.capped.value
+    # the first MAX_SERIES offered are job.json's "a" and t0..t98: "a" has logged no step, so no line
+    assert len(dash.loss.lines.visible("main")) == board.MAX_SERIES - 1
+    assert len(dash.table.rows["r"].cells.value) < 10_000
+    assert took < 60, f"{took:.0f} s"
+
+
+def test_a_huge_note_is_not_shown_whole(tmp_path):
+    run = make_run(tmp_path / "runs" / "r")
+    note = "x" * (50 * 2**20)
+    run.labels.write_text(json.dumps({"tags": ["t"], "note": note}))
+    dash = Dashboard(tmp_path / "runs", interactive=False)
+    dash.refresh()
+    cells = dash.table.rows["r"].cells.value
+    assert len(cells) < 20_000 and "52,428,800 characters" in dash.model.runs["r"].labels[1]
+    table = ml.runs(tmp_path / "runs")
+    assert len(table["note"][0]) < 5_000 and table["tags"][0] == "t"

@@ -88,10 +88,10 @@ def test_hundreds_of_hostile_requests_leave_the_other_tenants_exact(llama_path, 
     # (the second running row carries the tenant's optimiser memory, from its first step on)
     assert states["a"] == states["b"] == ["running", "running", "finished"]
     assert [t.name for t in ml.JobSpec.load(trainer.run.job).tenants][:2] == ["a", "b"]
-    # the tenants the job accepted on purpose (a huge lr, a 5 MB line) never hurt a or b; the
-    # overflowing one is quarantined with its reason
+    # the tenants the job accepted on purpose (an inf in an init adapter, a 5 MB line) never hurt a or b;
+    # the non-finite one is quarantined with its reason (a huge lr is refused at the add now)
     quarantined = [n for n, t in trainer.tenants.items() if t.state is TenantState.FAILED]
-    assert quarantined and all("non-finite" in trainer.tenants[n].reason for n in quarantined)
+    assert "h7" in quarantined and all("non-finite" in trainer.tenants[n].reason for n in quarantined)
 
 
 def test_a_refused_add_is_recorded_as_refused_and_the_name_is_free_again(llama_path, make_data, tmp_path):
@@ -150,6 +150,34 @@ def test_an_optimiser_step_that_raises_quarantines_only_its_tenant(llama_path, t
         trainer.tenants["b"].state is TenantState.FAILED and "illegal memory" in trainer.tenants["b"].reason
     )
     assert trainer.losses("a") == pytest.approx(reference.losses("a"), abs=1e-6)
+
+
+def test_a_huge_learning_rate_fails_only_its_tenant(llama_path, tmp_path):
+    """lr=1e38 (job.json as the Trainer takes it, unchecked) overflowed the optimiser step every tenant
+    shares and ended the job for all. Now that tenant is quarantined at its first step with why, a tenant
+    whose weights diverge (weight_decay=1e34 multiplies them by -1e32) too, and the others train exactly
+    as without them; an add carrying such an lr is refused before it reaches a slot."""
+    good = good_tenants(tmp_path, max_steps=3)
+    reference = Trainer(job(llama_path, good))
+    reference.train()
+    common = dict(data=good[0].data, rank=4, max_steps=3, target_modules=["q_proj"])
+    huge = ml.Tenant(name="huge", lr=1e38, **common)
+    decay = ml.Tenant(name="decay", lr=1e-2, weight_decay=1e34, **common)
+    trainer = Trainer(job(llama_path, [*good, huge, decay]), run_dir=tmp_path / "run")
+    add = control.send(trainer.run.root, "add", tenant={**huge.to_dict(), "name": "huge2"})
+    trainer.train()
+    t = trainer.tenants["huge"]
+    assert t.state is TenantState.FAILED and t.step == 0, (t.state, t.reason)
+    assert "non-finite update" in t.reason and "lr=1e+38" in t.reason and "tenant step 1" in t.reason
+    d = trainer.tenants["decay"]
+    assert d.state is TenantState.FAILED and "diverged" in d.reason and "tenant step 1" in d.reason
+    for g in good:
+        assert trainer.tenants[g.name].state is TenantState.FINISHED
+        assert trainer.losses(g.name) == pytest.approx(reference.losses(g.name), abs=1e-6)
+        got, want = trainer.model.tenant_tensors(g.name), reference.model.tenant_tensors(g.name)
+        assert max((got[m][i] - want[m][i]).abs().max().item() for m in got for i in (0, 1)) <= 1e-6
+    with pytest.raises(ControlError, match=r"lr must be in \(0, 10\] \(got 1e\+38\)"):
+        control.wait_result(trainer.run.root, add)
 
 
 class FakeComm(Collectives):
@@ -351,7 +379,7 @@ def test_fuzz_a_serving_two_rank_job(llama_path, tmp_path):
         if row["kind"] == "tenant":
             last[row["tenant"]] = row["state"]
     assert "pending" not in last.values()
-    # each burst carried a valid tenant with lr=1e308: accepted, it overflowed and was quarantined
+    # each burst carried a valid tenant whose init adapter holds an inf: accepted, quarantined in training
     assert all(last[f"x{burst}_7"] == "failed" for burst in range(4)), {
         k: v for k, v in last.items() if "_7" in k
     }
@@ -401,15 +429,18 @@ def test_folders_replaced_under_a_running_job_never_lead_it_outside(llama_path, 
         trainer.poll()
         trainer.save(final=False)
     assert not any(outside.iterdir()), sorted(outside.iterdir())
-    assert any(r["kind"] == "event" and "outside the run directory" in r["message"] for r in trainer.history)
-    # results/ leads outside, so the message cannot be answered safely: it waits in the queue, untouched
-    assert (run.control / f"{sorted(p.name for p in run.control.glob('*.json'))[0]}").name.endswith(
-        f"{msg}.json"
-    )
+    events = [r["message"] for r in trainer.history if r["kind"] == "event"]
+    assert any(f"{run.checkpoints} is a symbolic l" in m for m in events), events
+    # the message is applied (refused: no tenant zz) and filed under rejected/ (a real folder); its answer
+    # cannot be written (results/ leads outside), which the job's log says instead
+    assert (run.control / "rejected" / f"{msg}.json").name in {
+        p.name.split("-", 1)[1] for p in (run.control / "rejected").glob("*.json")
+    }
+    assert not (outside / f"{msg}.json").exists()
     shutil.rmtree(run.control)
     run.control.write_text("not a folder")
     with pytest.raises(
-        SaveError, match="outside the run directory"
+        SaveError, match="checkpoints is a symbolic link"
     ):  # the final checkpoint has nowhere to go
         trainer.train()
     assert all(trainer.tenants[g.name].state is TenantState.FINISHED for g in good)

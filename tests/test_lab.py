@@ -14,7 +14,7 @@ import pytest
 import mlora_lab as ml
 from mlora_lab.lab.dashboard import Dashboard
 from mlora_lab.lab.demo import task_rows, write_jsonl
-from mlora_lab.lab.plotting import ema, thin
+from mlora_lab.lab.plotting import best_smoothed, ema, thin
 from mlora_lab.lab.report import SUMMARY_COLUMNS
 from mlora_lab.rundir import RunLabels, update_status
 
@@ -64,8 +64,10 @@ def test_run_handle_and_runs_table(finished_run):
         run.adapter_path("nobody")
     table = ml.runs(run.path.parent)
     assert list(table["state"]) == ["finished"] and table["tenants"][0] == "rev, up"
-    assert table["steps"][0] == 8
-    assert table["best_loss"][0] == m[m["kind"] == "train"]["loss"].min()
+    assert table["global_step"][0] == 8
+    train = m[m["kind"] == "train"]
+    best = min(best_smoothed(train[train["tenant"] == t]["loss"].to_numpy()) for t in ("rev", "up"))
+    assert table["best_loss"][0] == pytest.approx(best) and best > train["loss"].min()
 
 
 @slow
@@ -242,9 +244,10 @@ def test_runs_table_shows_tags_note_and_best_loss(tmp_path):
         r1.tag("two words")
     table = ml.runs(runs_dir).set_index("run")
     assert list(table.columns) == [
+        "name",
         "state",
         "tenants",
-        "steps",
+        "global_step",
         "best_loss",
         "tags",
         "note",
@@ -252,8 +255,11 @@ def test_runs_table_shows_tags_note_and_best_loss(tmp_path):
         "path",
         "problem",
     ]
-    assert table.loc["r1", ["best_loss", "tags", "note", "steps"]].tolist() == [
-        1.5,
+    # best_loss: the lowest point of the smoothed loss (EMA 0.6: 2.0, then (0.6*2 + 1.5) / 1.6), not a
+    # lucky step's raw value; a job without a name gets one from its tenants
+    assert table.loc["r1", ["name", "best_loss", "tags", "note", "global_step"]].tolist() == [
+        "a",
+        pytest.approx((0.6 * 2.0 + 1.5) / 1.6),
         "baseline",
         "first try\nlr too high?",
         3,

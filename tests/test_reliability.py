@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,8 @@ import mlora_lab as ml
 from mlora_lab.job.trainer import SaveError, Trainer
 from mlora_lab.lab import cli
 from mlora_lab.lab.launcher import prepare_run
-from mlora_lab.rundir import RunState, TenantState, checkpoint, read_status
+from mlora_lab.rundir import RunState, TenantState, checkpoint, control, read_status, update_status
+from mlora_lab.spec import JobSpec
 from mlora_lab.validate import problems as spec_problems
 
 # -- one owner per run directory ------------------------------------------------------------------------
@@ -370,3 +372,286 @@ def test_workers_end_when_their_agent_is_killed(llama_path, tmp_path):
     assert not wait_gone(run.path, timeout=30), "workers outlived their agent"
     assert "the torchrun agent" in run.logs(0) + run.logs(1)
     assert ml.attach(run.path).status in ("failed", "lost")
+
+
+# -- links planted in a run: refused, and said in the run's error (issue 22) -----------------------------
+
+
+def resumable_run(llama_path, tmp_path: Path) -> Path:
+    """A stopped run with one checkpoint (trained in this process), ready for ``ml.resume``."""
+    good = good_tenants(tmp_path, max_steps=3)
+    run = prepare_run(job(llama_path, good, output_dir=str(tmp_path / "r")))
+    trainer = Trainer(JobSpec.load(run.job), run_dir=run.root)
+    trainer.step()
+    trainer.save_checkpoint()
+    trainer.close()
+    update_status(run.root, state=RunState.STOPPED, ended=time.time())
+    return run.root
+
+
+@pytest.mark.parametrize("planted", ["logs/launcher.log", "logs"])
+def test_resume_never_appends_through_a_planted_log_link(llama_path, tmp_path, planted):
+    """A symlink planted at logs/launcher.log (or at logs/) of a stopped run: the resume refuses it,
+    naming the link, before it changes anything or starts a process; the file the link leads to keeps
+    its content (the launcher used to append torchrun's output to it)."""
+    root = resumable_run(llama_path, tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "launcher.log").write_text("original\n")
+    link = root / planted
+    if link.is_dir():
+        for p in link.iterdir():
+            p.unlink()
+        link.rmdir()
+    link.symlink_to(victim if planted == "logs" else victim / "launcher.log")
+    with pytest.raises(ml.SpecError, match=r"logs.* is a symbolic link"):
+        ml.resume(root)
+    assert (victim / "launcher.log").read_text() == "original\n" and len(list(victim.iterdir())) == 1
+    status = read_status(root)
+    assert status.state is RunState.STOPPED and status.pid is None
+
+
+def test_a_refused_rank_log_link_is_the_runs_error(llama_path, tmp_path):
+    """logs/rank0.log planted as a symlink whose target's name holds a newline: the job refuses to
+    write through it, says so in the run's error (status.json, ``run.error``), and no line of the name
+    reaches any output as a line of its own."""
+    run = prepare_run(job(llama_path, good_tenants(tmp_path, max_steps=2), output_dir=str(tmp_path / "r")))
+    injected = "INJECTED: a whole line of the attacker's choosing"
+    victim = tmp_path / f"victim\n{injected}"
+    (run.logs / "rank0.log").symlink_to(victim)
+    proc = subprocess.run([sys.executable, "-m", "mlora_lab.job", str(run.root)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1
+    output = proc.stdout + proc.stderr
+    assert injected not in output.splitlines() and not victim.exists()
+    status = read_status(run.root)
+    assert status.state is RunState.FAILED, (status, output[-2000:])
+    assert "rank0.log" in status.error and "symbolic link" in status.error and "\n" not in status.error
+    assert ml.attach(run.root).error == status.error
+
+
+def test_a_run_that_cannot_start_is_failed_with_the_cause(llama_path, tmp_path, monkeypatch):
+    """Anything that goes wrong between creating the run directory and the job writing ``running``
+    (here: the process cannot be started) ends the run ``failed`` with the cause, never ``starting``
+    for ever."""
+    from mlora_lab.lab import launcher
+
+    def no_process(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", no_process)
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        ml.launch(job(llama_path, good_tenants(tmp_path, max_steps=2), output_dir=str(tmp_path / "r")))
+    status = read_status(tmp_path / "r")
+    assert status.state is RunState.FAILED and "Cannot allocate memory" in status.error
+    assert ml.attach(tmp_path / "r").status is RunState.FAILED
+
+
+# -- a full disk: said in status, and stop needs no space (issue 22) -------------------------------------
+
+
+def test_status_json_is_written_on_a_full_disk_and_the_disk_stays_full(small_disk):
+    """The job keeps some space allocated (``.spare``): on a full disk, status.json (a save failure
+    while the run goes on, or the run's end) is still written, again and again, and what the spare
+    freed is taken back at once (the disk stays full: nothing else fills the room it made)."""
+    from mlora_lab.rundir import RunDir, record_problem
+    from mlora_lab.rundir.files import SPARE, reserve_spare
+
+    run = RunDir(small_disk / "run").create()
+    update_status(run.root, state=RunState.RUNNING)
+    assert reserve_spare(run.root) == 256 << 10
+    fill(small_disk)
+    for i in range(5):
+        record_problem(run.root, f"saving failed at step {i}: No space left on device")
+        assert read_status(run.root).error.startswith(f"saving failed at step {i}")
+        with pytest.raises(OSError, match="No space left"):
+            control.request_stop(run.root)  # the room the spare made is taken back
+    record_problem(run.root, None)
+    assert read_status(run.root).error is None and read_status(run.root).state is RunState.RUNNING
+    update_status(run.root, state=RunState.FAILED, error="rank 0: SaveError: could not save")
+    assert read_status(run.root).state is RunState.FAILED
+    assert (run.root / SPARE).stat().st_size > 200 << 10
+    record_problem(run.root, "too late")  # a final state and its error are never touched
+    assert read_status(run.root).error == "rank 0: SaveError: could not save"
+
+
+def test_a_full_disk_is_said_in_status_and_stop_needs_no_space(llama_path, tmp_path, small_disk):
+    """A launched job on a disk that fills up: while every save fails, the run still reads ``running``
+    and says why in status.json, ``run.error`` and the dashboard's header; ``run.stop()`` on the full
+    disk stops it gracefully (a signal instead of the control file it cannot write), and the run ends
+    saying what it could not save rather than ``killed``."""
+    from mlora_lab.lab.dashboard import Dashboard
+
+    good = good_tenants(tmp_path, max_steps=100_000)
+    run = ml.launch(job(llama_path, good, save_every=1, output_dir=str(small_disk / "run")))
+    try:
+        deadline = time.monotonic() + 180
+        while not checkpoint.checkpoint_dirs(run.path / "checkpoints"):
+            assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
+            time.sleep(0.1)
+        fill(small_disk)
+        deadline = time.monotonic() + 120
+        while "No space left" not in (read_status(run.path).error or ""):
+            assert run.status == "running" and time.monotonic() < deadline, run.logs(0)
+            time.sleep(0.2)
+        assert run.status == "running" and "saving failed" in run.error
+        dash = Dashboard([run], interactive=False)
+        dash.refresh()
+        assert "No space left" in dash.status.value
+        with pytest.raises(OSError):
+            control.request_stop(run.path)  # the disk is full indeed
+        state = run.stop(timeout=120)
+    finally:
+        run.kill()
+    assert state.final and run.error != "killed", (state, run.error, run.logs(0))
+    assert state is RunState.STOPPED or "could not save" in run.error, (state, run.error)
+
+
+# -- resume: a tenant that no longer fits its checkpoint is named, held and never lost -----------------------
+
+
+def stopped_at_step_2(llama_path: str, tmp_path: Path, **kw) -> tuple[Path, list[ml.Tenant]]:
+    """A run of tenants a and b (4 steps each) with checkpoints at steps 1 and 2, as a stop leaves it."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    good = good_tenants(tmp_path, max_steps=4)
+    trainer = Trainer(job(llama_path, good, **kw), run_dir=tmp_path / "run")
+    for _ in range(2):
+        trainer.step()
+        trainer.save(final=False)
+    trainer.close()
+    return tmp_path / "run", good
+
+
+def resume_in_process(run: Path) -> Trainer:
+    trainer = Trainer(ml.JobSpec.load(run / "job.json"), run_dir=run, resume=True)
+    trainer.train()
+    trainer.close()
+    return trainer
+
+
+def edit_job(run: Path, **fields) -> None:
+    d = json.loads((run / "job.json").read_text())
+    d["tenants"][0].update(fields)
+    (run / "job.json").write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ("fewer_rows", "its training data changed since the checkpoint (5 rows now, 16 then"),
+        ("same_count_other_rows", "its training data changed since the checkpoint (16 rows now, 16 then"),
+        ("rank", "job.json gives it rank=8 where its checkpoint has rank=4"),
+        ("targets", "job.json gives it target_modules=['q_proj'] where its checkpoint has target_modules"),
+    ],
+)
+def test_a_tenant_that_no_longer_fits_its_checkpoint_is_named_held_and_resumed_once_put_back(
+    llama_path, tmp_path, change, why
+):
+    """Resuming after a tenant's data changed (fewer rows, or as many with other content: that one
+    resumed silently) or its rank or targets changed in job.json gave a message naming no tenant, or
+    none at all. Now that tenant is held back with why, naming it; the others resume; its state stays in
+    every checkpoint, and once the change is undone a resume continues it from there."""
+    run, good = stopped_at_step_2(llama_path, tmp_path)
+    data = Path(good[0].data)
+    original = data.read_bytes()
+    if change == "fewer_rows":
+        write_jsonl(data, long_text_rows(5, seed=1))
+    elif change == "same_count_other_rows":
+        write_jsonl(data, long_text_rows(16, seed=7))
+    elif change == "rank":
+        edit_job(run, rank=8)
+    else:
+        edit_job(run, target_modules=["q_proj"])
+    adapter = (run / "adapters" / "a" / "adapter_model.safetensors").read_bytes()
+    resumed = resume_in_process(run)
+    assert "a" not in resumed.tenants and resumed.tenants["b"].state is TenantState.FINISHED
+    reason = resumed.unstarted["a"]
+    assert reason.startswith("could not be resumed: ") and why in reason, reason
+    rows = [r for r in resumed.history if r["kind"] == "tenant" and r["tenant"] == "a"]
+    assert rows[-1]["state"] == "failed" and why in rows[-1]["reason"]
+    assert (run / "adapters" / "a" / "adapter_model.safetensors").read_bytes() == adapter, "not written over"
+    # put right: the next resume continues a from its checkpointed step 2 to its end
+    data.write_bytes(original)
+    edit_job(run, rank=4, target_modules=["q_proj", "v_proj"])
+    again = resume_in_process(run)
+    assert again.tenants["a"].state is TenantState.FINISHED and again.tenants["a"].step == 4
+    steps = [r["tenant_step"] for r in again.history if r["kind"] == "train" and r["tenant"] == "a"]
+    assert steps == [3, 4]
+
+
+def test_a_renamed_tenant_does_not_train_beside_its_old_name(llama_path, tmp_path):
+    """Renaming a tenant in job.json before a resume trained both: the new name from scratch and the
+    old one from the checkpoint. The old one is held (its state kept, the rename suggested); only the
+    tenants job.json lists train."""
+    run, _ = stopped_at_step_2(llama_path, tmp_path)
+    edit_job(run, name="a2")
+    resumed = resume_in_process(run)
+    assert sorted(resumed.tenants) == ["a2", "b"]
+    assert "job.json no longer lists it (renamed to 'a2'?)" in resumed.unstarted["a"]
+    saved = checkpoint.read_checkpoint(checkpoint.latest_intact(run / "checkpoints")[0])
+    assert saved["tenants"]["a"]["step"] == 2, "a's state is kept in the checkpoints"
+
+
+def recommit(path: Path, edit) -> None:
+    """Change a checkpoint's state.json and write checksums that match it (a crafted checkpoint)."""
+    state = json.loads((path / "state.json").read_text())
+    edit(state)
+    (path / "state.json").write_text(json.dumps(state))
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"]["state.json"] = {
+        "bytes": (path / "state.json").stat().st_size,
+        "sha256": checkpoint._digest(path / "state.json"),
+    }
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def rename_a(state: dict, to: str) -> None:
+    state["tenants"][to] = state["tenants"].pop("a")
+    state["tenants"][to]["spec"]["name"] = to
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (lambda s: rename_a(s, "../.."), "tenant name '../..' is not a safe name"),
+        (lambda s: s.update(global_step=1e30), "global_step must be a whole number from 0 to 2**53-1"),
+        (lambda s: s["tenants"]["a"].update(step=-3), "tenant 'a': step must be a whole number"),
+        (lambda s: s["tenants"]["a"]["spec"].update(name="b"), "does not hold its own spec"),
+    ],
+)
+def test_a_crafted_checkpoint_is_refused_and_the_previous_one_used(llama_path, tmp_path, edit, why):
+    """A checkpoint's checksums show it is the one written, not that its content is sane: tenant names
+    (``../..`` trained until the final save) and steps (global_step 1e30 gave a bare TypeError) are
+    checked on load; such a checkpoint is skipped, saying why, for the previous intact one."""
+    run, _ = stopped_at_step_2(llama_path, tmp_path)
+    newest = checkpoint.checkpoint_dirs(run / "checkpoints")[-1]
+    assert newest.name == "step_00000002"
+    recommit(newest, edit)
+    resumed = Trainer(ml.JobSpec.load(run / "job.json"), run_dir=run, resume=True)
+    skipped = [r for r in resumed.history if r["kind"] == "event" and r["event"] == "checkpoint_skipped"]
+    assert skipped and why in skipped[0]["message"] and "step_00000002" in skipped[0]["message"]
+    assert resumed.global_step == 1 and sorted(resumed.tenants) == ["a", "b"]
+    resumed.train()
+    assert not (run / "adapters" / ".." / "..").resolve().joinpath("adapter_config.json").exists()
+    (older,) = [c for c in checkpoint.checkpoint_dirs(run / "checkpoints") if c != newest]
+    recommit(older, edit)  # every one crafted: nothing to resume from
+    with pytest.raises(FileNotFoundError, match=re.escape(why)):
+        Trainer(ml.JobSpec.load(run / "job.json"), run_dir=run, resume=True)
+
+
+def test_one_mode_policy_for_the_run_directory(llama_path, tmp_path):
+    """Adapter weights were written 0600 (safetensors) while their config followed the umask. Every file
+    of a run is 0644 and every directory 0755, less the umask: readable by others under umask 022, by
+    nobody else under 077."""
+    for mask, file_mode, dir_mode in ((0o022, 0o644, 0o755), (0o077, 0o600, 0o700)):
+        old = os.umask(mask)
+        try:
+            run, _ = stopped_at_step_2(llama_path, tmp_path / f"umask{mask:o}")
+        finally:
+            os.umask(old)
+        found = {p: p.stat().st_mode & 0o777 for p in run.rglob("*") if not p.is_symlink()}
+        files = {p.relative_to(run): m for p, m in found.items() if p.is_file() and p.name != ".lock"}
+        dirs = {p.relative_to(run): m for p, m in found.items() if p.is_dir()}
+        assert Path("adapters/a/adapter_model.safetensors") in files and Path("job.json") in files
+        assert {m for m in files.values()} == {file_mode}, {str(p): oct(m) for p, m in files.items()}
+        assert {m for m in dirs.values()} == {dir_mode}, {str(p): oct(m) for p, m in dirs.items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from mlora_lab.rundir import (
     update_status,
 )
 from mlora_lab.rundir.rows import truncate_after
+from mlora_lab.spec import JobSpec
 
 
 @pytest.fixture
@@ -617,3 +619,181 @@ def test_stage_and_sent_tenants_follow_a_message_through_the_job(run):
     assert control.sent_tenants(run.root)["x"].answered is True
     with pytest.raises(ValueError, match="not a control message id"):
         control.stage(run.root, "../x")
+
+
+# -- every writer: never through a link (issue 22) ----------------------------------------------------------
+
+
+def _plant(run: RunDir, name: str, target: Path) -> None:
+    """Replace ``name`` (a folder or a file of the run) by a symlink to ``target``."""
+    path = run.root / name
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(target, target_is_directory=target.is_dir())
+
+
+def _export_default(run: RunDir) -> None:
+    from matplotlib.figure import Figure
+
+    from mlora_lab.lab.dashboard.outputs import default_export_dir, export_files
+
+    export_files(default_export_dir([run.root]), [("loss", Figure())], None)
+
+
+FOLDER_WRITERS = {
+    "control/ (a message)": ("control", lambda run: control.send(run.root, "pause", name="a")),
+    "control/ (a stop)": ("control", lambda run: control.request_stop(run.root)),
+    "control/results/": (
+        "control/results",
+        lambda run: control.write_result(run.root, ControlResult("a" * 32, True, None, 1)),
+    ),
+    "exports/ (the dashboard's default)": ("exports", _export_default),
+    "adapters/ (a link that stays inside)": ("adapters", lambda run: run.adapter("alice")),
+    "checkpoints/": ("checkpoints", lambda run: run.inside(run.checkpoints / "step_00000001")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOLDER_WRITERS))
+def test_no_writer_goes_through_a_folder_replaced_by_a_link(tmp_path, case):
+    """A folder of the run replaced by a symlink (to a folder outside, or to another folder of the run):
+    every writer refuses it with an error naming the link, and writes nothing anywhere (issue 22:
+    control/ and exports/ were followed, links inside the run were allowed)."""
+    folder, write = FOLDER_WRITERS[case]
+    run = RunDir(tmp_path / "run").create()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = run.root / "elsewhere" if "inside" in case else outside
+    target.mkdir(exist_ok=True)
+    _plant(run, folder, target)
+    with pytest.raises(RunDirError, match="symbolic link"):
+        write(run)
+    assert not any(outside.iterdir()) and not any(target.iterdir())
+
+
+@pytest.mark.parametrize("name", ["status.json", "job.json", "labels.json", "control/stop"])
+def test_a_file_replaced_by_a_link_is_never_followed(tmp_path, name):
+    """A file of the run replaced by a symlink: an atomic write replaces the link (labels, which are
+    read before they are written, refuse it); the file it pointed to is untouched either way."""
+    from mlora_lab.rundir import update_labels
+
+    run = RunDir(tmp_path / "run").create()
+    if name != "job.json":
+        JobSpec(base_model="m", tenants=[]).to_json(run.job)
+    victim = tmp_path / "victim"
+    victim.write_text('{"tags": ["planted"], "note": ""}')
+    _plant(run, name, victim)
+    writes = {
+        "status.json": lambda: update_status(run.root, state=RunState.STARTING),
+        "job.json": lambda: JobSpec(base_model="m", tenants=[]).to_json(run.job),
+        "control/stop": lambda: control.request_stop(run.root),
+    }
+    if name == "labels.json":
+        with pytest.raises(RunDirError, match="symbolic link"):
+            update_labels(run.root, add=["x"])
+    else:
+        writes[name]()
+        assert not (run.root / name).is_symlink()
+    assert victim.read_text() == '{"tags": ["planted"], "note": ""}'
+
+
+ALLOWED_WRITERS = {
+    # (file, call): why it may write without the run directory's guard (mlora_lab/rundir/files.py)
+    ("mlora_lab/rundir/checkpoint.py", "write_text"): "inside the fresh directory of atomic_directory",
+    ("mlora_lab/rundir/checkpoint.py", "save_file"): "inside the fresh directory of atomic_directory",
+    ("mlora_lab/lora/peft_io.py", "save_pretrained"): "inside the fresh directory of atomic_directory",
+    ("mlora_lab/lora/peft_io.py", "save_file"): "inside the fresh directory of atomic_directory",
+    ("mlora_lab/bases.py", "mkdtemp"): "the GGUF cache (no run directory): a private new directory",
+    ("mlora_lab/bases.py", "save_pretrained"): "the GGUF cache: inside that private new directory",
+    ("mlora_lab/bases.py", "rename"): "the GGUF cache: that directory renamed into place",
+    ("mlora_lab/bases.py", "mkdir"): "the GGUF cache's own folder (MLORA_LAB_CACHE or ~/.cache)",
+    ("mlora_lab/tiny.py", "mkdir"): "tiny test models, in a folder the caller names",
+    ("mlora_lab/tiny.py", "save_pretrained"): "tiny test models, in a folder the caller names",
+    ("mlora_lab/lab/demo.py", "mkdir"): "the demo's data, in the folder the caller names",
+    ("mlora_lab/lab/demo.py", "write_text"): "the demo's data, in the folder the caller names",
+    ("mlora_lab/lab/report.py", "savefig"): "plot_losses(path=...): a file the caller names",
+    ("mlora_lab/lab/plotting.py", "savefig"): "into an in-memory buffer",
+    (
+        "mlora_lab/trackers/backends.py",
+        "mkdir",
+    ): "a tracker folder the user names (logging_dir, its variable)",
+    ("mlora_lab/lab/slurm.py", "NamedTemporaryFile"): "a private temporary file for sbatch --test-only",
+}
+WRITER_CALLS = {
+    "write_text",
+    "write_bytes",
+    "savefig",
+    "to_csv",
+    "to_parquet",
+    "save_file",
+    "save_pretrained",
+    "mkstemp",
+    "mkdtemp",
+    "NamedTemporaryFile",
+    "mkdir",
+    "makedirs",
+    "replace",
+    "rename",
+    "copy",
+    "copyfile",
+    "copy2",
+    "copytree",
+    "move",
+    "symlink",
+    "link",
+    "save",
+}
+OWNED_CALLS = {
+    **dict.fromkeys(("replace", "rename", "link", "symlink", "makedirs"), "os"),
+    **dict.fromkeys(("copy", "copyfile", "copy2", "copytree", "move"), "shutil"),
+    "save": "torch",
+}
+
+
+def _writers(path: Path) -> set[str]:
+    """Calls in ``path`` that create or write files: the names above (those of OWNED_CALLS only on
+    their module: ``os.replace``, ``shutil.copy``; ``to_csv`` only with a target), ``open`` in a
+    writing mode and ``os.open`` with writing flags."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+        owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+        if name == "open" and owner in (None, "io", "builtins"):
+            mode = (
+                node.args[1]
+                if len(node.args) > 1
+                else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            )
+            if isinstance(mode, ast.Constant) and set(str(mode.value)) & set("wax+"):
+                found.add("open")
+        elif name == "open" and owner == "os":
+            flags = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+            if flags & {"O_WRONLY", "O_RDWR", "O_CREAT", "O_APPEND", "O_TRUNC"}:
+                found.add("os.open")
+        elif name in OWNED_CALLS and owner != OWNED_CALLS[name]:
+            continue  # dict.copy, str.replace, a widget's rename...
+        elif name in ("to_csv", "to_parquet") and not node.args:
+            continue
+        elif name in WRITER_CALLS:
+            found.add(name)
+    return found
+
+
+def test_every_file_the_package_writes_goes_through_the_guard():
+    """Only mlora_lab/rundir/files.py opens, creates or renames files (no-follow, inside the run
+    directory); every other writer is listed here with the reason it may write on its own."""
+    root = Path(__file__).resolve().parent.parent
+    found = set()
+    for path in sorted((root / "mlora_lab").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel != "mlora_lab/rundir/files.py":
+            found |= {(rel, call) for call in _writers(path)}
+    unguarded = sorted(found - set(ALLOWED_WRITERS))
+    assert not unguarded, f"writers that bypass mlora_lab/rundir/files.py: {unguarded}"
+    stale = sorted(set(ALLOWED_WRITERS) - found)
+    assert not stale, f"allowed writers that no longer exist (remove them from the list): {stale}"

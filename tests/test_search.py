@@ -267,3 +267,98 @@ def test_pbt_is_seeded_and_resumes_to_the_same_decisions():
     resumed = Search.from_dict(json.loads(json.dumps(first.to_dict())))
     rest = pbt_run(resumed, losses, 30, start=14)
     assert part + rest == straight
+
+
+# -- what a search must never do -------------------------------------------------------------------------
+
+
+def test_asha_with_too_few_trials_for_its_rungs_finishes_its_best_and_says_so_before():
+    """n=6, eta=3 over rungs at 5, 15, 45, 60 steps: at most 4, then 2, then 0 trials reach each rung, so
+    the search ended with every trial pruned and nothing trained to the budget, silently. A warning says
+    so before the search starts, and the search trains its best trial of the highest rung reached on to
+    the budget, so it ends with one trained as asked."""
+    from mlora_lab.search import asha_warning
+
+    strategy, budget = ASHA(6, min_steps=5, eta=3), 60
+    note = asha_warning(strategy, budget)
+    assert note is not None and "no trial can be promoted to the budget of 60 steps" in note
+    assert "n >= 27" in note and asha_warning(ASHA(27, min_steps=5, eta=3), budget) is None
+    rng = random.Random(3)
+    rungs = asha_rungs(5, 3, budget)
+    values = [[rng.random() for _ in rungs] for _ in range(6)]
+    search = Search({"lr": loguniform(1e-5, 1e-2)}, strategy, budget, seed=3)
+    drive(search, 2, values)
+    assert search.done
+    (finished,) = [t for t in search.trials if t.state == "finished"]
+    assert max(finished.results) == budget and search.best_trial() is finished
+    reached = max(k for k, r in enumerate(search.rung_results[:-1]) if r)  # the highest rung reached
+    best_there = min(search.rung_results[reached], key=search.rung_results[reached].get)
+    assert finished.id == best_there
+    assert {t.state for t in search.trials if t is not finished} == {"pruned"}
+    said = [d for d in search.decisions if d["trial"] == finished.id and d["action"] == "promote"]
+    assert "no trial trained to the budget" in said[-1]["why"]
+
+
+def test_asha_that_reaches_its_budget_is_unchanged_by_the_finish():
+    """The finish only acts when nothing else can: a search whose trials reach the budget decides as the
+    published rule (the parametrised test above) and promotes nobody extra."""
+    rng = random.Random(0)
+    values = [[rng.random() for _ in asha_rungs(1, 3, 9)] for _ in range(9)]
+    search = Search({"lr": loguniform(1e-5, 1e-2)}, ASHA(9, 1, 3), 9, seed=0)
+    drive(search, 9, values)
+    assert not any("no trial trained" in d["why"] for d in search.decisions)
+
+
+@pytest.mark.parametrize("bad", [math.nan, -math.inf, math.inf])
+def test_a_non_finite_objective_fails_its_trial_and_is_never_the_best(bad):
+    """NaN, -inf (for min) and +inf were ranked as numbers: -inf was the best trial. A value that is not
+    a finite number is no result: the trial fails (with why), frees its slot and is never promoted, the
+    best or compared."""
+    for mode in ("min", "max"):
+        search = Search({"lr": loguniform(1e-5, 1e-2)}, ASHA(4, 1, 2), 4, objective=Objective(mode=mode))
+        search.fill(4)
+        assert search.report(0, 1, bad, 1, why="its objective raised SystemExit") == [_stop(0)]
+        assert search.trial(0).state == "failed" and "SystemExit" in search.trial(0).reason
+        assert not search.trial(0).results and search.best_value(search.trial(0)) is None
+        for i, v in ((1, 0.5), (2, 0.25), (3, 0.75)):
+            search.report(i, 1, v, 1)
+        assert 0 not in search.rung_results[0] and search.best_trial().id in (1, 2, 3)
+        promoted = [a.trial for a in search.fill(4, 1) if a.op in ("continue", "restore")]
+        assert 0 not in promoted
+
+
+def _stop(trial: int):
+    from mlora_lab.search import Action
+
+    return Action("stop", trial, why="failed")
+
+
+def test_a_grid_too_large_is_refused_before_it_is_enumerated():
+    """A 4.2e10-point grid was accepted and died with a bare MemoryError (in the job and in results()).
+    It is counted, not enumerated, and refused with a clear message."""
+    space = {
+        "rank": choice(*range(1, 65)),
+        "seed": choice(*range(1000)),
+        "warmup_steps": choice(*range(1000)),
+        "lr": choice(*(1e-5 * (i + 1) for i in range(656))),
+    }
+    problems = search_problems(space, Grid(), 10, Objective(), slots=4, max_rank=64)
+    assert any("a grid of 41,984,000,000 points" in p and "more than 10,000 trials" in p for p in problems)
+    with pytest.raises(ValueError, match="a grid of 41,984,000,000 points"):
+        Search(space, Grid(), budget=10)
+
+
+@pytest.mark.parametrize(
+    ("metric", "why"),
+    [
+        ("sys:exit", "not a Python function"),
+        ("json:JSONDecoder", "is a class"),
+        ("no_such_module_here:f", "cannot be imported"),
+        ("math:no_such_name", "has no 'no_such_name'"),
+    ],
+)
+def test_an_objective_must_be_a_python_function(metric, why):
+    with pytest.raises(ValueError, match=why):
+        Objective(metric).function()
+    assert Objective("test_search:_stop").function() is _stop
+    assert Objective("eval_loss").function() is None

@@ -14,7 +14,7 @@ from conftest import task_rows, write_jsonl
 import mlora_lab as ml
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.rundir import RunDir, atomic_write_json
-from mlora_lab.search import ASHA, PBT, Action, Sweep, choice, loguniform
+from mlora_lab.search import ASHA, PBT, Action, Objective, Sweep, choice, loguniform
 
 
 @pytest.fixture
@@ -31,6 +31,8 @@ def sweep_trainer(llama_path: str, out: Path, sweep: Sweep, resume: bool = False
         run = RunDir(out).create()
         spec.to_json(run.job)
         atomic_write_json(run.root / "sweep.json", sweep.to_dict())
+    else:  # as the job does: job.json, which lists the trials the sweep started
+        spec = ml.JobSpec.load(RunDir(out).job)
     return Trainer(spec, out, resume=resume)
 
 
@@ -169,6 +171,93 @@ def test_a_sweep_stopped_and_resumed_decides_the_same(llama_path, base_tenant, t
         assert all(abs(a["results"][k] - b["results"][k]) <= 1e-6 for k in a["results"])
 
 
+def _trial_rows(tr: Trainer, name: str, kind: str) -> list[dict]:
+    return [r for r in tr.history if r["kind"] == kind and r["tenant"] == name]
+
+
+def test_a_diverging_trial_fails_alone_frees_its_slot_and_is_never_the_best(
+    llama_path, base_tenant, tmp_path
+):
+    """A sweep whose range reaches lr=1e38 (a job.json written by hand: ml.sweep refuses the range) ended
+    the job for every trial. Now each such trial is quarantined with why, gives its slot back to the next
+    trial, and is never the best; the others train to the budget."""
+    space = {"lr": choice(1e38, 1e-3), "seed": choice(0, 1)}
+    sweep = Sweep(base_tenant, space, ml.Grid(), budget=3, objective=Objective("train_loss"))
+    tr = sweep_trainer(llama_path, tmp_path / "run", sweep, max_tenants=2)
+    tr.train(idle_s=0.01)
+    tr.close()
+    trials = {t["id"]: t for t in search_state(tmp_path / "run")["trials"]}
+    assert [trials[i]["state"] for i in range(4)] == ["failed", "failed", "finished", "finished"]
+    assert "non-finite update" in trials[0]["reason"] and "lr=1e+38" in trials[0]["reason"]
+    rows = _trial_rows(tr, "trial-000", "tenant")
+    assert rows[-1]["state"] == "failed" and "non-finite update" in rows[-1]["reason"]
+    from mlora_lab.lab import trials as lab_trials
+
+    table, best = lab_trials.results(RunDir(tmp_path / "run")), lab_trials.best(RunDir(tmp_path / "run"))
+    assert best["trial"] in (2, 3) and table.iloc[0].trial == best["trial"]
+    assert list(table.state[-2:]) == ["failed", "failed"], "failed trials last, however far they got"
+
+
+def test_results_of_a_grid_too_large_say_so(base_tenant, tmp_path):
+    """results() of a run whose sweep.json holds a 4.2e10-point grid (written by hand) died with a bare
+    MemoryError; it says what is wrong with the file."""
+    from mlora_lab.lab import trials as lab_trials
+    from mlora_lab.rundir import RunDirError
+
+    space = {f: choice(*range(1, 1001)) for f in ("seed", "warmup_steps", "batch_size")}
+    space["grad_accum"] = choice(*range(1, 43))
+    run = RunDir(tmp_path / "run").create()
+    atomic_write_json(run.sweep, Sweep(base_tenant, space, ml.Grid(), budget=3).to_dict())
+    with pytest.raises(RunDirError, match=r"sweep.json: a grid of 42,000,000,000 points"):
+        lab_trials.results(run)
+
+
+def test_asha_with_too_few_trials_trains_its_best_to_the_budget_in_a_job(llama_path, base_tenant, tmp_path):
+    """ASHA(n=6, eta=3) over rungs at 1, 3, 9, 27 steps can promote nobody to the budget: the job ended
+    with every trial pruned. Its best trial of the highest rung reached is restored and trains on to the
+    budget, and is the search's best."""
+    sweep = Sweep(base_tenant, {"lr": loguniform(1e-4, 3e-2)}, ASHA(n=6, min_steps=1, eta=3), budget=27,
+                  seed=2, objective=Objective("train_loss", window=1))  # fmt: skip
+    tr = sweep_trainer(llama_path, tmp_path / "run", sweep)
+    tr.train(idle_s=0.01)
+    tr.close()
+    state = search_state(tmp_path / "run")
+    (finished,) = [t for t in state["trials"] if t["state"] == "finished"]
+    assert max(int(k) for k in finished["results"]) == 27
+    assert {t["state"] for t in state["trials"] if t is not finished} == {"pruned"}
+    assert any(
+        d["trial"] == finished["id"] and "no trial trained to the budget" in d["why"]
+        for d in state["decisions"]
+    )
+    steps = [r["tenant_step"] for r in _trial_rows(tr, f"trial-{finished['id']:03d}", "train")]
+    assert steps == list(range(1, 28)), "trained on from where it stopped, to the budget"
+
+
+def exiting_objective(rows: list[dict]) -> float:
+    """An objective that ends the process for trial-001 and is NaN for trial-002 (for the test below)."""
+    name = rows[-1]["tenant"]
+    if name == "trial-001":
+        raise SystemExit(3)
+    if name == "trial-002":
+        return float("nan")
+    return sum(r["loss"] for r in rows if r["kind"] == "train")
+
+
+def test_an_objective_that_exits_fails_only_its_trial(llama_path, base_tenant, tmp_path):
+    """An objective raising SystemExit ended the whole sweep and left every trial "running". It is the
+    failure of the trial it was called for (so is a NaN), with why; the sweep goes on to its end."""
+    sweep = Sweep(base_tenant, {"seed": choice(0, 1, 2, 3)}, ml.Grid(), budget=2,
+                  objective=Objective("test_search_job:exiting_objective"))  # fmt: skip
+    tr = sweep_trainer(llama_path, tmp_path / "run", sweep)
+    tr.train(idle_s=0.01)
+    tr.close()
+    trials = {t["id"]: t for t in search_state(tmp_path / "run")["trials"]}
+    assert [trials[i]["state"] for i in range(4)] == ["finished", "failed", "failed", "finished"]
+    assert "raised SystemExit: 3" in trials[1]["reason"] and "is nan" in trials[2]["reason"]
+    assert _trial_rows(tr, "trial-001", "tenant")[-1]["state"] == "failed"
+    assert not tr.model.tenants, "every slot was given back"
+
+
 # -- ml.sweep: launched jobs -----------------------------------------------------------------------------
 
 
@@ -200,6 +289,26 @@ def test_a_bad_sweep_is_refused_naming_every_problem_before_anything_starts(
     space = {"target_modules": ml.choice(["q_proj"], ["no_such_proj"])}
     with pytest.raises(ml.SpecError, match="no_such_proj"):
         ml.sweep(sweep_job(llama_path, base_tenant, tmp_path / "r"), space, ml.Grid())
+    with pytest.raises(ml.SpecError) as err:  # what the job would call, or run, and could not
+        ml.sweep(
+            sweep_job(llama_path, base_tenant, tmp_path / "r"),
+            {"lr": ml.loguniform(1e-4, 1e38), "seed": ml.choice(*range(1000))},
+            ml.Random(2),
+            objective="sys:exit",
+        )
+    text = str(err.value)
+    assert "objective 'sys:exit' is a builtin_function_or_method (a builtin), not a Python function" in text
+    assert "lr must be in (0, 10] (got 1e+38)" in text
+    many = {name: ml.choice(*range(1, 1001)) for name in ("seed", "warmup_steps", "batch_size", "grad_accum")}
+    with pytest.raises(ml.SpecError, match=r"a grid of 1,000,000,000,000 points .* is more than 10,000"):
+        ml.sweep(sweep_job(llama_path, base_tenant, tmp_path / "r"), many, ml.Grid())
+    # (warned before the launch checks anything: here it then refuses the rank)
+    with (
+        pytest.warns(UserWarning, match="no trial can be promoted to the budget of 60 steps"),
+        pytest.raises(ml.SpecError),
+    ):
+        ml.sweep(sweep_job(llama_path, base_tenant, tmp_path / "r"), {"rank": ml.choice(4, 99)},
+                 ml.ASHA(6, min_steps=5, eta=3), budget=60)  # fmt: skip
     with pytest.raises(ml.SpecError, match="defined in the notebook"):
         ml.sweep(
             sweep_job(llama_path, base_tenant, tmp_path / "r"),
@@ -281,3 +390,25 @@ def test_a_pbt_sweep_stops_resumes_and_shows_its_trials(llama_path, base_tenant,
     board.refresh()
     assert "trial-000" in board.trials.value and bytes(board.scatter.value[:4]) == b"\x89PNG"
     board.stop()
+
+
+@pytest.mark.slow
+def test_a_stopped_asha_sweep_with_more_trials_than_slots_resumes(llama_path, base_tenant, tmp_path):
+    """Every trial the job starts is listed in job.json (the views read its settings there), and the job
+    checked job.json again when it resumed: an ASHA search of 6 trials on 3 slots, once stopped, could never
+    be resumed ("4 tenants but max_tenants=3"). Trials are checked with the sweep, so it resumes and ends."""
+    import time
+
+    spec = sweep_job(llama_path, base_tenant, tmp_path / "run")
+    spec.save_every = 2
+    space = {"lr": ml.loguniform(1e-4, 3e-2)}
+    run = ml.sweep(spec, space, ml.ASHA(6, min_steps=2, eta=2), budget=8, seed=1, objective="train_loss")
+    deadline = time.monotonic() + 300
+    while len(ml.JobSpec.load(run.path / "job.json").tenants) <= spec.max_tenants:
+        assert run.status in ("starting", "running") and time.monotonic() < deadline, run.logs(0)
+        time.sleep(0.1)
+    assert run.stop(timeout=120) == "stopped"
+    resumed = ml.resume(run.path, nproc=1)  # (a layout given: the launcher checks job.json again too)
+    assert resumed.wait(300) == "finished", (resumed.status, resumed.logs(0))
+    states = {t.state for t in resumed.search.trials}
+    assert states <= {"finished", "pruned"} and "finished" in states, states

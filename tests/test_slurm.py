@@ -14,7 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
+import socket
+import string
+import subprocess
 import time
 from pathlib import Path
 
@@ -24,13 +28,17 @@ from conftest import task_rows, write_jsonl
 from test_distributed import assert_same_adapters
 
 import mlora_lab as ml
-from mlora_lab.lab import cli
+from mlora_lab.lab import cli, sbatch_args
 from mlora_lab.lab import slurm as slurm_module
 from mlora_lab.lab.launcher import prepare_run, read_slurm_options
 from mlora_lab.lab.slurm import SlurmJob, SlurmOptions, render_script
 from mlora_lab.lora import read_adapter
 from mlora_lab.rundir import RunDir, atomic_write_json, checkpoint, control, read_status, update_status
 from mlora_lab.rundir.status import JOB_MODULE
+from mlora_lab.text import brief
+
+# every test here shares one local Slurm cluster: one pytest-xdist worker runs them all (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("slurm")
 
 # -- options and the batch script (no cluster) ------------------------------------------------------
 
@@ -163,6 +171,494 @@ def test_slurm_launch_without_slurm_commands_creates_nothing(llama_path, tmp_pat
     text = str(err.value)
     assert "sbatch, scontrol, scancel" in text and "slurm.time" in text and "node count" in text
     assert not (tmp_path / "r").exists()
+
+
+# -- extra: each entry read as sbatch reads the #SBATCH line it becomes ----------------------------
+
+# sbatch's names of the options an extra entry may not give (written out here, apart from the module's
+# own table): the launcher sets them, they change how sbatch answers it, or they are SlurmOptions fields.
+LAUNCHER_OWNED = [
+    *("nodes", "ntasks", "ntasks-per-node", "tasks-per-node", "ntasks-per-core", "ntasks-per-socket"),
+    *("ntasks-per-gpu", "ntasks-per-tres", "output", "error", "open-mode", "chdir", "requeue", "no-requeue"),
+    *("job-name", "wrap", "parsable", "test-only", "wait", "help", "usage", "version", "array", "clusters"),
+    *("cluster", "partition", "time", "account", "cpus-per-task", "gpus-per-node", "gpus", "gpus-per-task"),
+]
+
+# (entry, what its refusal says): the issue's cases, the shortest abbreviation sbatch 22.05 accepts of
+# every launcher-owned option, exact names, short forms, bundled shorts, values after a space, unicode
+# look-alikes, empty entries, and words sbatch reads otherwise than they look.
+HOSTILE = [
+    (
+        "--qos=x --output=/elsewhere --chdir=/",
+        ["holds 3 options (--qos, --output, --chdir)", "sets --output,"],
+    ),
+    ("--qos=x --output=/elsewhere --chdir=/", ["sets --chdir, which the launcher sets itself"]),
+    (
+        "--outp=/elsewhere",
+        ["sets --output (sbatch reads '--outp' as --output), which the launcher sets itself"],
+    ),
+    ("--chd=/", ["sets --chdir (sbatch reads '--chd' as --chdir)"]),
+    ("--requ", ["sets --requeue (sbatch reads '--requ' as --requeue)", "start it over from step 0"]),
+    *[
+        (entry, [f"(sbatch reads {entry.split('=')[0]!r} as --{name})"])
+        for entry, name in [
+            ("--ou=/x", "output"),
+            ("--er=/x", "error"),
+            ("--op=truncate", "open-mode"),
+            ("--ch=/", "chdir"),
+            ("--req", "requeue"),
+            ("--no-r", "no-requeue"),
+            ("--j=x", "job-name"),
+            ("--wr=x", "wrap"),
+            ("--pars", "parsable"),
+            ("--te", "test-only"),
+            ("--he", "help"),
+            ("--usa", "usage"),
+            ("--vers", "version"),
+            ("--ar=1-4", "array"),
+            ("--part=gpu", "partition"),
+            ("--acco=a", "account"),
+            ("--cpus-per-t=8", "cpus-per-task"),
+            ("--gpus-per-n=8", "gpus-per-node"),
+            ("--gpus-per-t=1", "gpus-per-task"),
+            ("--ta=2", "ntasks-per-node"),
+            ("--ntasks-per-n=2", "ntasks-per-node"),
+            ("--ntasks-per-c=1", "ntasks-per-core"),
+            ("--ntasks-per-s=1", "ntasks-per-socket"),
+            ("--ntasks-per-g=1", "ntasks-per-gpu"),
+            ("--ntasks-per-t=gres/gpu:1", "ntasks-per-tres"),
+        ]
+    ],
+    ("--nodes=3", ["sets --nodes, but the node count comes from parallel.nnodes (= 2)"]),
+    ("--ntasks=4", ["sets --ntasks, but the node count comes from parallel.nnodes"]),
+    ("--tasks-per-node=2", ["sets --ntasks-per-node (sbatch reads '--tasks-per-node' as --ntasks-per-node)"]),
+    ("--open-mode=truncate", ["sets --open-mode, which the launcher sets itself"]),
+    ("--no-requeue", ["sets --no-requeue, which the launcher sets itself"]),
+    ("--time=10", ["sets --time: use SlurmOptions.time instead"]),
+    ("--gpus=8", ["sets --gpus: use SlurmOptions.gpus_per_node instead"]),
+    ("--wait", ["sets --wait", "would not answer the launcher until the job ended"]),
+    ("--clusters=other", ["sets --clusters", "follows the job on this cluster"]),
+    ("--cluster=other", ["sets --cluster,"]),
+    ("--help", ["sets --help", "submit nothing"]),
+    # short forms, values attached or in the next word
+    ("-N 3", ["sets --nodes (sbatch reads '-N' as --nodes), but the node count"]),
+    ("-N3", ["sets --nodes (sbatch reads '-N' as --nodes)"]),
+    ("-n4", ["sets --ntasks (sbatch reads '-n'"]),
+    ("-o /x", ["sets --output (sbatch reads '-o' as --output)"]),
+    ("-o/x", ["sets --output (sbatch reads '-o' as --output)"]),
+    ("-e /x", ["sets --error (sbatch reads '-e' as --error)"]),
+    ("-D /", ["sets --chdir (sbatch reads '-D' as --chdir)"]),
+    ("-D/", ["sets --chdir (sbatch reads '-D' as --chdir)"]),
+    ("-J x", ["sets --job-name (sbatch reads '-J'"]),
+    ("-p gpu", ["sets --partition (sbatch reads '-p' as --partition): use SlurmOptions.partition"]),
+    ("-t 10", ["use SlurmOptions.time"]),
+    ("-A acct", ["use SlurmOptions.account"]),
+    ("-c8", ["use SlurmOptions.cpus_per_task"]),
+    ("-c 8", ["use SlurmOptions.cpus_per_task"]),
+    ("-a 1-4", ["sets --array (sbatch reads '-a'", "several times at once"]),
+    ("-W", ["sets --wait (sbatch reads '-W'"]),
+    ("-M other", ["sets --clusters (sbatch reads '-M'"]),
+    ("-G 8", ["sets --gpus (sbatch reads '-G'"]),
+    ("-h", ["sets --help (sbatch reads '-h'"]),
+    ("-V", ["sets --version (sbatch reads '-V'"]),
+    # bundled short options
+    ("-Ho/x", ["holds 2 options (-H, -o)", "sets --output (sbatch reads '-o' as --output)"]),
+    ("-HOD/", ["holds 3 options (-H, -O, -D)", "sets --chdir (sbatch reads '-D'"]),
+    ("-vJname", ["sets --job-name (sbatch reads '-J'"]),
+    ("-QW", ["sets --wait (sbatch reads '-W'"]),
+    ("-OsN2", ["holds 3 options", "sets --nodes (sbatch reads '-N'"]),
+    # values after a space (no '=')
+    ("--output /x", ["sets --output, which the launcher sets itself"]),
+    ("--outp /x", ["sets --output (sbatch reads '--outp' as --output)"]),
+    ("--chdir /", ["sets --chdir,"]),
+    ("--nodes 3", ["sets --nodes, but the node count"]),
+    ("--job-name x", ["sets --job-name,"]),
+    ("--partition gpu", ["use SlurmOptions.partition"]),
+    ("--account a", ["use SlurmOptions.account"]),
+    ("--cpus-per-task 8", ["use SlurmOptions.cpus_per_task"]),
+    # look-alikes of '-' and ' ' that sbatch does not read as such
+    ("\u2014output=/x", ["U+2014, EM DASH", "write the option in ASCII"]),
+    ("\u2013output=/x", ["U+2013, EN DASH"]),
+    ("\u2212\u2212output=/x", ["U+2212, MINUS SIGN"]),
+    ("\u2010\u2010output=/x", ["U+2010, HYPHEN"]),
+    ("--qos=x\u2003--output=/y", ["U+2003, EM SPACE"]),
+    ("\u00a0--qos=x", ["U+00A0, NO-BREAK SPACE"]),
+    ("--qos=x\u200b", ["U+200B, ZERO WIDTH SPACE"]),
+    ("--qos=high\u3000-o/x", ["U+3000, IDEOGRAPHIC SPACE"]),
+    # empty entries
+    ("", ["is empty: give one sbatch option per entry"]),
+    (" ", ["is empty"]),
+    ("    ", ["is empty"]),
+    ("\t", ["line break or control character"]),
+    # words sbatch reads otherwise than they look
+    ("--qos", ["--qos needs a value in the same entry (--qos=VALUE)", "next #SBATCH line"]),
+    ("-C", ["-C needs a value in the same entry"]),
+    ("--qos=x #--output=/y", ["an unquoted '#' starts a comment", "sbatch would drop '#--output=/y'"]),
+    ("--comment=a#b", ["an unquoted '#' starts a comment"]),
+    ("--qos hetjob", ["'hetjob' is a heterogeneous-job separator", "--qos needs a value in the same entry"]),
+    ("hetjob", ["heterogeneous-job separator"]),
+    ("PackJob --qos=x", ["'PackJob' is a heterogeneous-job separator"]),
+    (":--qos=x", ["a word starting with ':' is fatal to sbatch"]),
+    ("--qos=x '' --output=/y", ["an empty word", "the words after it would be dropped"]),
+    ("--comment='x", ["it has an unmatched ' (fatal to sbatch)"]),
+    ('--comment="x', ['it has an unmatched " (fatal to sbatch)']),
+    ("--comment=a\\ --output=/y", ["a backslash before a space does not join words", "sets --output,"]),
+    ("--comment=x\\", ["it ends in a backslash"]),
+    ("--c=x", ["--c is ambiguous to sbatch (it abbreviates --chdir, --cluster, "]),
+    ("--no=x", ["--no is ambiguous to sbatch (it abbreviates --no-kill, --no-requeue, --nodefile"]),
+    ("--=x", ["'--=x' names no option"]),
+    ("--", ["'--' ends sbatch's options"]),
+    ("-", ["'-' is not an sbatch option"]),
+    ("qos=high", ["'qos=high' is not an sbatch option (options start with '-')"]),
+    ("--exclusive foo", ["'foo' is not an sbatch option"]),
+    ("--requeue=no", ["--requeue takes no value", "sets --requeue,"]),
+    ("-f", ["sbatch has no option -f"]),
+    ("--foo --output=/x", ["--foo is not an option of sbatch 22.05", "sets --output,"]),
+]
+
+# Options an entry may give: one each, its value after '=' or a space (quoted values stay one value).
+ACCEPTED = [
+    "--qos=high",
+    "--mem=0",
+    "--exclusive",
+    "--constraint=a100",
+    "-C a100",
+    "--qos high",
+    "-q high",
+    "--mem 0",
+    "--exclusive=user",
+    "--exclusi",
+    "--constraint=a100&80gb",
+    "--gres=gpu:8",
+    "--comment='a b'",
+    '--comment="--output=/elsewhere --chdir=/"',
+    "--comment --output=/elsewhere",
+    "--comment=a\\#b",
+    "-H",
+    "--hold",
+    "--nice=5",
+    "--mail-type=END,FAIL",
+    "--dependency=afterok:12",
+    "--reserv=maint",
+    "--time-min=10",
+    "--signal=B:USR1@60",
+    "  --qos=high  ",
+]
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"), HOSTILE, ids=[f"{i}:{e!r}"[:60] for i, (e, _) in enumerate(HOSTILE)]
+)
+def test_an_extra_entry_is_read_as_sbatch_reads_it_and_refused_naming_why(entry, expected):
+    problems = SlurmOptions(extra=["--qos=high", entry]).problems(nnodes=2, nproc=1)
+    named = [p for p in problems if p.startswith(f"slurm.extra entry {brief(entry)}")]
+    assert named and len(named) == len(problems), problems  # every problem names the entry, and only it
+    for words in expected:
+        assert any(words in p for p in named), (words, problems)
+
+
+@pytest.mark.parametrize("entry", ACCEPTED)
+def test_an_extra_entry_of_one_option_the_launcher_leaves_to_the_user_is_accepted(entry):
+    assert SlurmOptions(extra=[entry]).problems(nnodes=2, nproc=1) == []
+
+
+def test_every_abbreviation_and_short_form_of_a_launcher_owned_option_is_refused():
+    """Every spelling sbatch reads as a launcher-owned option (each prefix that names it alone, its
+    short letter, alone or bundled after a flag) is refused. The prefixes are those of the module's
+    table, which test_the_option_table_is_sbatchs checks prefix by prefix against the installed sbatch."""
+    checked = 0
+    for name in LAUNCHER_OWNED:
+        option = sbatch_args.OPTIONS[name]
+        spellings = [
+            "--" + name[:n] + "=1"
+            for n in range(1, len(name) + 1)
+            if isinstance(sbatch_args.resolve(name[:n]), sbatch_args.Option)
+            and sbatch_args.resolve(name[:n]).canonical == option.canonical
+        ]
+        if option.short:
+            spellings += [f"-{option.short}1", f"-{option.short} 1", f"-H{option.short}1"]
+        assert spellings, name
+        for spelled in spellings:
+            problems = SlurmOptions(extra=[spelled]).problems(nnodes=2, nproc=1)
+            assert any(f"sets --{option.canonical}" in p for p in problems), (spelled, problems)
+            checked += 1
+    assert checked > 100
+
+
+def test_every_problem_of_every_entry_is_named_in_one_error(llama_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], serve=True, output_dir=str(tmp_path / "r"))
+    extra = ["--qos=high", "--outp=/elsewhere", "--chd=/", "--requ", "-Ho/x", "", "\u2014output=/x", "--c=1"]
+    with pytest.raises(ml.SpecError) as err:
+        ml.launch(spec, launcher="slurm", slurm=SlurmOptions(extra=extra))
+    text = str(err.value)
+    for entry in extra[1:]:
+        assert f"slurm.extra entry {brief(entry)}" in text, (entry, text)
+    assert "--qos=high" not in text and not (tmp_path / "r").exists()
+    argv = ["run", str(tmp_path / "job.json"), "--launcher", "slurm", "--sbatch-arg=--outp=/elsewhere"]
+    spec.to_json(tmp_path / "job.json")
+    assert cli.main(argv) == 2
+
+
+def test_an_option_newer_than_sbatch_22_05_is_left_to_the_clusters_sbatch():
+    """A long option sbatch 22.05 does not have (a newer Slurm's ``--segment``) is neither a
+    launcher-owned option nor an abbreviation of one: the cluster's own ``sbatch --test-only`` at
+    launch judges it. Alone in its entry only, since how sbatch reads a word after it is unknown."""
+    assert SlurmOptions(extra=["--segment=4"]).problems(2, 1) == []
+    assert SlurmOptions(extra=["--oom-kill-step"]).problems(2, 1) == []
+    assert "whether '4' is its value is unknown" in SlurmOptions(extra=["--segment 4"]).problems(2, 1)[0]
+
+
+def test_the_launchers_own_sbatch_lines_are_read_as_written(tmp_path):
+    """Every #SBATCH line the launcher writes is one word to sbatch, the option it means: the run
+    directory (in --output, --chdir and the job name) may hold shell characters, but not what
+    sbatch's line reader treats specially (space, quotes, backslash, '#', '%')."""
+    run_dir = tmp_path / "r$(id)&;|<>!*?[]{}~=:@,+x"
+    assert slurm_module.run_dir_problem(run_dir) is None
+    options = SlurmOptions(partition="gpu", time="1-0", cpus_per_task=4, gpus_per_node=2, account="a.b")
+    for line in options.sbatch_lines(2, f"mlora-{run_dir.name}", run_dir / "logs" / "launcher.log", run_dir):
+        reading = sbatch_args.read_line(line.removeprefix("#SBATCH "))
+        assert reading.problems == [] and reading.words == [line.removeprefix("#SBATCH ")], line
+        assert len(reading.given) == 1 and reading.given[0].option is not None, line
+    for bad in ("runs#1", "a b", "r%j", "r'1", 'r"1', "a\\b"):
+        assert "'#' or '%'" in slurm_module.run_dir_problem(tmp_path / bad / "r"), bad
+
+
+# -- the same, asked of the installed sbatch (no cluster: its own reading, before it would submit) ---
+
+
+@pytest.fixture(scope="module")
+def sbatch_here(tmp_path_factory):
+    """``sbatch_here(*args, script=None)``: the installed sbatch run offline (installed first if missing,
+    as for the cluster): a client configuration naming a controller that refuses every connection, no
+    SBATCH_* variables, and ``--test-only`` with a burst-buffer file that does not exist wherever a
+    script is given, so sbatch stops before it would ask any controller."""
+    why = slurm_cluster.install()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("sbatch")
+    refuser = socket.socket()  # bound, never listening: sbatch's connection is refused at once
+    refuser.bind(("127.0.0.1", 0))
+    (root / "slurm.conf").write_text(
+        f"ClusterName=offline\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort={refuser.getsockname()[1]}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "SLURM_"))}
+    env["SLURM_CONF"] = str(root / "slurm.conf")
+    made = iter(range(10**6))
+
+    def run(*args: str, script: str | None = None, variables=None) -> subprocess.CompletedProcess:
+        if script is not None:
+            path = root / f"probe{next(made)}.sbatch"
+            path.write_text(script)
+            # --bbf of no file: sbatch stops right after listing the options it read (--verbose)
+            args = ("--verbose", "--test-only", f"--bbf={root}/none", *args, str(path))
+        return subprocess.run(
+            [shutil.which("sbatch"), *args],
+            env={**env, **(variables or {})},
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    yield run
+    refuser.close()
+
+
+OPTIONAL_VALUE = "(an option with an optional value)"
+
+
+def sbatch_reads(sbatch_here, prefix: str) -> str | list[str] | None:
+    """How the installed sbatch reads ``--prefix``, from glibc getopt's messages: the full name of the
+    option it names, the names it could abbreviate (ambiguous), or None (no option). For an option
+    with an optional value getopt names nothing: :data:`OPTIONAL_VALUE`."""
+    err = sbatch_here("--" + prefix).stderr  # the last word: an option that needs a value says so
+    if m := re.search(r"option '--[\w-]*' is ambiguous; possibilities:(.*)", err):
+        return sorted(re.findall(r"'--([\w-]+)'", m.group(1)))
+    if "unrecognized option" in err:
+        return None
+    if m := re.search(r"option '--([\w-]+)' requires an argument", err):
+        return m.group(1)
+    if m := re.search(r"option '--([\w-]+)' doesn't allow an argument", sbatch_here(f"--{prefix}=x").stderr):
+        return m.group(1)
+    return OPTIONAL_VALUE
+
+
+def ours(prefix: str) -> str | list[str] | None:
+    found = sbatch_args.resolve(prefix)
+    if isinstance(found, sbatch_args.Option) and found.value == sbatch_args.OPTIONAL:
+        return OPTIONAL_VALUE
+    return found.name if isinstance(found, sbatch_args.Option) else found
+
+
+def test_the_option_table_is_sbatchs(sbatch_here):
+    """The module's table is the installed sbatch's: every option ``sbatch --help`` lists, with its short
+    letter; every long option getopt knows (``--a`` ... ``--z`` list them all, or name the only one);
+    every prefix of every name read alike (the same option, or ambiguous among the same names, or
+    none); every short letter known alike, needing a value alike."""
+    help_text = sbatch_here("--help").stdout
+    listed = re.findall(r"^\s+(?:-(\w),?\s+)?--([a-z][\w-]*)", help_text, re.M)
+    assert len(listed) > 80, help_text
+    for short, name in listed:
+        assert name in sbatch_args.OPTIONS, f"sbatch --help lists --{name}"
+        assert sbatch_args.OPTIONS[name].short == (short or None), name
+
+    known: set[str] = set()
+    for letter in string.ascii_lowercase:
+        read = sbatch_reads(sbatch_here, letter)
+        known.update(read if isinstance(read, list) else [read] if isinstance(read, str) else [])
+    assert OPTIONAL_VALUE not in known
+    assert known == set(sbatch_args.OPTIONS), known ^ set(sbatch_args.OPTIONS)
+
+    prefixes = sorted({name[:n] for name in sbatch_args.OPTIONS for n in range(1, len(name) + 1)})
+    differ = {p: (sbatch_reads(sbatch_here, p), ours(p)) for p in prefixes}
+    differ = {p: both for p, both in differ.items() if both[0] != both[1]}
+    assert not differ, differ
+
+    for letter in string.ascii_letters + string.digits:
+        err = sbatch_here("-" + letter).stderr
+        option = sbatch_args.SHORT.get(letter)
+        assert ("invalid option" in err) == (option is None), (letter, err)
+        needs = option is not None and option.value == sbatch_args.REQUIRED
+        assert ("option requires an argument" in err) == needs, (letter, err)
+
+
+def defined_options(sbatch_here, script: str, variables=None) -> dict[str, str]:
+    """The options sbatch read from ``script`` (``sbatch --verbose`` lists them before it would submit),
+    or AssertionError with sbatch's message if it refused the script first. ``variables``: added to
+    sbatch's environment."""
+    proc = sbatch_here(script=script, variables=variables)
+    found = dict(re.findall(r"^sbatch: ([\w-]+)\s+: (.*)$", proc.stderr, re.M))
+    assert "end of defined options" in proc.stderr, proc.stderr[-1000:]
+    return {k: v for k, v in found.items() if k not in ("verbose", "test-only", "bbf")}
+
+
+# What the launcher sets (sbatch's names for it): an accepted extra leaves each of them as it was.
+LAUNCHERS_OWN = (
+    *("job-name", "nodes", "ntasks", "ntasks-per-node", "no-requeue", "requeue", "output", "error"),
+    *("open-mode", "chdir", "partition", "time", "account", "cpus-per-task", "array", "wait"),
+)
+
+# Entries refused above that sbatch reads as overriding the launcher's own options: what it then reads.
+OVERRIDES = [
+    ("--qos=x --output=/elsewhere --chdir=/", {"output": "/elsewhere", "chdir": "/", "qos": "x"}),
+    ("--outp=/elsewhere", {"output": "/elsewhere"}),
+    ("--chd=/", {"chdir": "/"}),
+    ("--requ", {"requeue": "requeue"}),
+    ("--ou /x", {"output": "/x"}),
+    ("--er=/x", {"error": "/x"}),
+    ("--op=truncate", {"open-mode": "t"}),
+    ("--j=x", {"job-name": "x"}),
+    ("--ar=1-4", {"array": "1-4"}),
+    ("--part=gpu", {"partition": "gpu"}),
+    ("--acco=a", {"account": "a"}),
+    ("--cpus-per-t=8", {"cpus-per-task": "8"}),
+    ("--ta=3", {"ntasks-per-node": "3"}),
+    ("--tasks-per-node=3", {"ntasks-per-node": "3"}),
+    ("--nodes 3", {"nodes": "3"}),
+    ("-N3", {"nodes": "3"}),
+    ("-n4", {"ntasks": "4"}),
+    ("-o /x", {"output": "/x"}),
+    ("-D/", {"chdir": "/"}),
+    ("-J x", {"job-name": "x"}),
+    ("-t 10", {"time": "00:10:00"}),
+    ("-Ho/x", {"hold": "set", "output": "/x"}),
+    ("-HOD/", {"chdir": "/"}),
+    ("-QW", {"wait": "set"}),
+    ("--comment=a\\ --output=/y", {"comment": "a", "output": "/y"}),
+    ("--foo=1 --output=/x", None),  # sbatch 22.05 refuses the script: no such option
+]
+
+
+def launcher_script(extra: list[str]) -> str:
+    """The batch script the launcher writes, with ``extra`` (not validated) after its own lines."""
+    options = SlurmOptions(partition="debug", time="20", cpus_per_task=2, account="acct", extra=extra)
+    return render_script(options, Path("/shared/runs/r1"), nnodes=2, nproc=1, script=Path("/s.sbatch"))
+
+
+def test_sbatch_reads_each_accepted_entry_as_we_do_and_keeps_the_launchers_options(sbatch_here):
+    base = defined_options(sbatch_here, launcher_script([]))
+    assert base["output"] == "/shared/runs/r1/logs/launcher.log" and base["chdir"] == "/shared/runs/r1"
+    assert base["job-name"] == "mlora-r1" and base["nodes"] == "2" and base["no-requeue"] == "no-requeue"
+    for entry in ACCEPTED:
+        got = defined_options(sbatch_here, launcher_script([entry]))
+        assert {k: got.get(k) for k in LAUNCHERS_OWN} == {k: base.get(k) for k in LAUNCHERS_OWN}, entry
+        for given in sbatch_args.read_line(entry).given:  # sbatch read the option we read, with its value
+            assert given.option.name in got, (entry, got)
+            if given.option.name in ("comment", "constraint", "qos", "reservation", "nice"):
+                assert got[given.option.name] == given.value, (entry, got)
+
+
+@pytest.mark.parametrize(("entry", "read"), OVERRIDES)
+def test_sbatch_reads_the_refused_entries_as_overriding_the_launcher(sbatch_here, entry, read):
+    """Why each refusal matters: the installed sbatch, given the script with the entry, reads what the
+    refusal says (and the refusal names each launcher option it overrides)."""
+    problems = SlurmOptions(extra=[entry]).problems(nnodes=2, nproc=1)
+    assert problems
+    if read is None:
+        assert "unrecognized option" in sbatch_here(script=launcher_script([entry])).stderr
+        return
+    got = defined_options(sbatch_here, launcher_script([entry]))
+    assert {k: got.get(k) for k in read} == read, got
+    for name in set(read) & set(LAUNCHERS_OWN):
+        assert any(f"sets --{name}" in p for p in problems), (name, problems)
+
+
+def test_sbatch_input_variables_cannot_override_the_launchers_options(sbatch_here):
+    """sbatch reads its SBATCH_* variables after the script: exported in the notebook's shell, they
+    would override the launcher's lines (SBATCH_REQUEUE=1 would requeue a run from step 0). The
+    launcher runs sbatch without those of the options the script gives or it owns, and keeps the rest."""
+    script = launcher_script(["--qos=high"])
+    base = defined_options(sbatch_here, script)
+    hostile = {
+        "SBATCH_REQUEUE": "1",
+        "SBATCH_OUTPUT": "/elsewhere",
+        "SBATCH_ERROR": "/elsewhere",
+        "SBATCH_OPEN_MODE": "truncate",
+        "SBATCH_JOB_NAME": "x",
+        "SBATCH_ARRAY_INX": "1-3",
+        "SBATCH_WAIT": "1",
+        "SBATCH_TIMELIMIT": "5",
+        "SBATCH_PARTITION": "other",
+        "SBATCH_ACCOUNT": "other",
+        "SBATCH_QOS": "low",
+    }
+    raw = defined_options(sbatch_here, script, hostile)
+    for variable in hostile:
+        name = sbatch_args.variable_option(variable)
+        assert raw.get(name) not in (None, base.get(name)), (variable, raw)
+    kept = {**hostile, "SBATCH_MEM_PER_NODE": "1000", "SBATCH_COMMENT": "kept"}
+    got = defined_options(sbatch_here, script, slurm_module.sbatch_environment(script, kept))
+    assert {k: got.get(k) for k in LAUNCHERS_OWN} == {k: base.get(k) for k in LAUNCHERS_OWN}, got
+    assert got["qos"] == "high" and "mem" in got  # the script's qos; a memory default it leaves open
+    assert slurm_module.sbatch_environment(script, kept) == {
+        "SBATCH_MEM_PER_NODE": "1000",
+        "SBATCH_COMMENT": "kept",
+    }
+
+
+def test_sbatch_drops_what_a_comment_or_an_empty_word_hides(sbatch_here):
+    """The entries refused for a '#', an empty word or 'hetjob' are read by sbatch as the refusals say."""
+    got = defined_options(sbatch_here, launcher_script(["--comment=a#b --output=/y"]))
+    assert got["comment"] == "a" and got["output"] == "/shared/runs/r1/logs/launcher.log"
+    got = defined_options(sbatch_here, launcher_script(["--comment=x '' --output=/y"]))
+    assert got["comment"] == "x" and got["output"] == "/shared/runs/r1/logs/launcher.log"
+    got = defined_options(sbatch_here, launcher_script(["--comment hetjob", "--output=/y"]))
+    assert got["comment"] == "--output=/y"  # the next line's word became the value
+
+
+def test_sbatch_reads_the_launchers_lines_for_a_run_directory_full_of_shell_characters(sbatch_here, tmp_path):
+    run_dir = tmp_path / "r$(id)&;|<>!*?[]{}~=:@,+x"
+    script = render_script(SlurmOptions(), run_dir, nnodes=2, nproc=1, script=run_dir / "slurm.sbatch")
+    got = defined_options(sbatch_here, script)
+    assert got["output"] == f"{run_dir}/logs/launcher.log" and got["chdir"] == str(run_dir)
+    assert got["job-name"] == f"mlora-{run_dir.name}"
+    hashed = tmp_path / "runs#1" / "r"
+    assert "'#'" in slurm_module.run_dir_problem(hashed)
+    script = render_script(SlurmOptions(), hashed, nnodes=2, nproc=1, script=hashed / "slurm.sbatch")
+    assert defined_options(sbatch_here, script)["chdir"] == f"{tmp_path}/runs"  # why '#' is refused
 
 
 # -- the run's state from what Slurm says (Slurm's answers scripted) -------------------------------
@@ -757,3 +1253,46 @@ def test_a_stopped_slurm_job_is_over_when_stop_and_wait_return(
     assert ended in ("CANCELLED", "FAILED") if how == "kill()" else ended == "COMPLETED"
     assert cli.main(["status", str(run.path)]) == 0
     assert capsys.readouterr().out.startswith(f"{run.path}: stopped")
+
+
+def scontrol_job(cluster, job_id: str) -> dict[str, str]:
+    out = cluster.run("scontrol", "show", "job", "-o", job_id).stdout
+    return dict(re.findall(r"(?:^|\s)([A-Za-z]+)=(\S*)", out))
+
+
+@pytest.mark.slow
+def test_on_slurm_an_accepted_extra_keeps_the_jobs_log_directory_and_requeue(on_cluster, tmp_path):
+    """Slurm itself takes the launcher's script with each accepted extra (``sbatch --test-only``), and a
+    held job of it has the launcher's log, working directory, no requeue, node count and name, as
+    ``scontrol show job`` reads them; the same script with a refused entry (not validated) would have
+    had Slurm write the log elsewhere, run elsewhere and requeue the job."""
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+
+    def held(extra: list[str]) -> dict[str, str]:
+        script = render_script(SlurmOptions(time="5", extra=extra), run_dir, 2, 1, run_dir / "slurm.sbatch")
+        assert slurm_module.test_submit(script) is None, extra
+        (tmp_path / "held.sbatch").write_text(script)
+        proc = on_cluster.run("sbatch", "--parsable", "--hold", str(tmp_path / "held.sbatch"))
+        assert proc.returncode == 0, proc.stderr
+        job_id = proc.stdout.strip()
+        try:
+            return scontrol_job(on_cluster, job_id)
+        finally:
+            on_cluster.run("scancel", job_id)
+
+    accepted = ["--mem=0", "--exclusive", "-H", '--comment="--output=/elsewhere --chdir=/ --requeue"']
+    assert SlurmOptions(extra=accepted).problems(2, 1) == []
+    for extra in [[], *[[entry] for entry in accepted], accepted]:
+        job = held(extra)
+        assert job["StdOut"] == job["StdErr"] == str(run_dir / "logs" / "launcher.log"), (extra, job)
+        assert (job["WorkDir"], job["Requeue"], job["NumNodes"]) == (str(run_dir), "0", "2-2"), (
+            extra,
+            job,
+        )  # pending: min-max
+        assert job["JobName"] == "mlora-run" and job["JobState"] == "PENDING", (extra, job)
+
+    refused = "--qos=normal --outp=/tmp --chd=/ --requ"
+    assert len(SlurmOptions(extra=[refused]).problems(2, 1)) == 4
+    job = held([refused])
+    assert (job["StdOut"], job["WorkDir"], job["Requeue"]) == ("/tmp", "/", "1"), job

@@ -254,12 +254,19 @@ BAD_CASES: list[tuple[str, Callable[[JobSpec, Path], None], str]] = [
     ("rslora_str", at("tenants.0.use_rslora", "yes"), "tenant 'a': use_rslora must be true or false"),
     ("dropout1", at("tenants.0.dropout", 1.0), "tenant 'a': dropout must be in [0, 1)"),
     ("dropout_neg", at("tenants.0.dropout", -0.1), "tenant 'a': dropout must be in [0, 1)"),
-    ("lr0", at("tenants.0.lr", 0.0), "tenant 'a': lr must be > 0"),
+    ("lr0", at("tenants.0.lr", 0.0), "tenant 'a': lr must be in (0, 10] (got 0.0)"),
     ("lr_nan", at("tenants.0.lr", float("nan")), "tenant 'a': lr must be a finite number"),
-    ("wd_neg", at("tenants.0.weight_decay", -0.01), "tenant 'a': weight_decay must be >= 0"),
+    ("lr_huge", at("tenants.0.lr", 1e38), "tenant 'a': lr must be in (0, 10] (got 1e+38)"),
+    (
+        "wd_huge",
+        at("tenants.0.weight_decay", 1e34),
+        "tenant 'a': weight_decay must be in [0, 10] (got 1e+34)",
+    ),
+    ("eps_huge", at("tenants.0.eps", 1e300), "tenant 'a': eps must be in (0, 1] (got 1e+300)"),
+    ("wd_neg", at("tenants.0.weight_decay", -0.01), "tenant 'a': weight_decay must be in [0, 10]"),
     ("beta_one", at("tenants.0.betas", (0.9, 1.0)), "tenant 'a': betas[1] must be in [0, 1)"),
     ("betas_len", at("tenants.0.betas", (0.9,)), "tenant 'a': betas must be a pair"),
-    ("eps0", at("tenants.0.eps", 0), "tenant 'a': eps must be > 0"),
+    ("eps0", at("tenants.0.eps", 0), "tenant 'a': eps must be in (0, 1]"),
     (
         "schedule",
         at("tenants.0.schedule", "step"),
@@ -423,7 +430,7 @@ def test_many_problems_are_reported_at_once(tmp_path, llama_path):
         "seq_len must be >= 2",
         "must divide nproc*nnodes",
         "tenant 'a': rank must be >= 1",
-        "tenant 'a': lr must be > 0",
+        "tenant 'a': lr must be in (0, 10]",
         "tenant 'a': schedule must be one of",
         "tenant 'a': target_modules not found in the model: nope",
         "tenant 'b/c': name is not a safe directory name",
@@ -822,7 +829,7 @@ VALID = [
     ("target_parameters", []),
     ("use_rslora", True),
     ("shuffle", True),
-    *((f, 2**63) for f in ("alpha", "lr", "weight_decay", "eps", "max_grad_norm")),
+    *((f, 2**63) for f in ("alpha", "max_grad_norm")),
 ]
 
 

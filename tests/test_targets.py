@@ -177,10 +177,9 @@ def test_spec_wrapper_adapter_and_form_agree(arch, saved, tmp_path):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_suffix_and_regex_matching_agree_with_peft(arch, saved):
+    config = transformers.AutoConfig.from_pretrained(saved(arch))  # (built outside: it saves real weights)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.from_pretrained(saved(arch))
-        )
+        model = transformers.AutoModelForCausalLM.from_config(config)
     names = [n for n, _ in model.named_modules() if n]
     parts = {n.rsplit(".", 1)[-1] for n in names}
     twos = {".".join(n.split(".")[-2:]) for n in names if "." in n}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import html
 import importlib
 import os
@@ -533,3 +534,80 @@ def test_launch_button_runs_a_tiny_job(llama_path, make_data, tmp_path):
     builder.stop_watching()
     assert "finished" in shown(builder.status) and not builder.launch_button.disabled
     assert run.adapter_path("alice").is_dir()
+
+
+# -- file chooser and upload ------------------------------------------------------------------------
+
+
+def test_the_file_chooser_browses_folders_and_fills_the_input(llama_path, make_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    make_data("text", name="a")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.parquet").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("not data")
+    (tmp_path / ".hidden.jsonl").write_text("")
+    form = TenantForm(base_model=llama_path, data_dir=tmp_path)
+    chooser = form._inputs["data"].chooser
+    assert chooser.box.layout.display == "none"
+    form.data_browse.value = True
+    assert chooser.box.layout.display == ""
+    labels = [label for label, _ in chooser.entries.options]
+    assert labels == ["📁 ..", "📁 sub", "📄 a.jsonl"]  # folders, then data files; no text or hidden file
+    chooser.entries.value = str(tmp_path / "sub")  # a folder opens
+    assert chooser.folder == tmp_path / "sub" and "📄 b.parquet" in [lb for lb, _ in chooser.entries.options]
+    chooser.entries.value = str(tmp_path)  # ".." goes up
+    chooser.entries.value = str(
+        tmp_path / "a.jsonl"
+    )  # a file fills the input (relative to the cwd) and closes
+    assert form.data.value == "a.jsonl" and form.tenant().data == "a.jsonl"
+    assert chooser.box.layout.display == "none" and not form.data_browse.value
+
+
+def test_a_folder_chooser_uses_the_folder_it_shows(tmp_path, monkeypatch):
+    from mlora_lab.lab.fields import FileChooser
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    target = W.Text()
+    chooser = FileChooser(target, tmp_path, want_dir=True)
+    assert chooser.upload is None  # a folder is not uploaded
+    chooser.show(True)
+    chooser.entries.value = str(tmp_path / "models")
+    chooser.entries.value = str(tmp_path / "models" / "tiny")
+    chooser.use.click()
+    assert target.value == os.path.join("models", "tiny")
+
+
+def upload(widget: W.FileUpload, name: str, content: bytes) -> None:
+    """What the browser sends when a file is picked in the upload button."""
+    widget.value = (
+        {
+            "name": name,
+            "type": "",
+            "size": len(content),
+            "content": memoryview(content),
+            "last_modified": datetime.datetime.now(datetime.timezone.utc),
+        },
+    )
+
+
+def test_upload_saves_into_the_data_folder_never_over_another_file(llama_path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    form = TenantForm(base_model=llama_path, data_dir=tmp_path / "data")
+    rows = b'{"text": "hello"}\n'
+    upload(form.data_upload, "../my data (1).jsonl", rows)  # a path and odd characters: only a safe name
+    saved = tmp_path / "data" / "my_data_1_.jsonl"
+    assert saved.read_bytes() == rows and form.data.value == os.path.join("data", "my_data_1_.jsonl")
+    assert form.data_upload.value == ()  # ready for the next file
+    upload(form.data_upload, "my data (1).jsonl", rows)  # the same file again: the same path
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["my_data_1_.jsonl"]
+    upload(form.data_upload, "my data (1).jsonl", b'{"text": "other"}\n')  # other content: never over it
+    assert (
+        saved.read_bytes() == rows
+        and (tmp_path / "data" / "my_data_1_-2.jsonl").read_bytes() == b'{"text": "other"}\n'
+    )
+    assert form.data.value == os.path.join("data", "my_data_1_-2.jsonl")
+    upload(form.data_upload, "run.sh", b"rm -rf /")  # not a data file: said, nothing written
+    chooser = form._inputs["data"].chooser
+    assert "not a data file" in shown(chooser.message) and not (tmp_path / "data" / "run.sh").exists()
+    assert form.data.value == os.path.join("data", "my_data_1_-2.jsonl")

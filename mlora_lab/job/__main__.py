@@ -2,17 +2,19 @@
 
     torchrun --nproc-per-node 2 --rdzv-backend mlora-loopback -m mlora_lab.job runs/<id>
 
-Redirects the process's output to ``logs/rank<R>.log``, watches the torchrun agent (a worker whose agent
-was killed exits instead of training on as an orphan), turns SIGTERM/SIGINT into a graceful stop
-(finish the step, checkpoint, save, exit), takes the run directory's lock (rank 0: one job per
-directory), re-checks job.json, records the run's state in status.json, and trains.
+Takes the run directory's lock (rank 0: one job per directory), redirects the process's output to
+``logs/rank<R>.log`` (never through a link planted there: a log that cannot be opened fails the run,
+saying why in status.json), watches the torchrun agent (a worker whose agent was killed exits instead
+of training on as an orphan), turns SIGTERM/SIGINT into a graceful stop (finish the step, checkpoint,
+save, exit: ``Run.stop()`` sends it when the disk is too full for the stop file), keeps some disk
+space in reserve for its last status (``.spare``), re-checks job.json, records the run's state in
+status.json, and trains.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import io
 import os
 import signal
@@ -22,6 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
+from mlora_lab.job.search import read_sweep
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.parallel import init_distributed, shutdown_distributed
 from mlora_lab.rundir import (
@@ -30,12 +33,15 @@ from mlora_lab.rundir import (
     RunDirError,
     RunLock,
     RunState,
+    guarded_open,
     read_status,
     update_status,
 )
+from mlora_lab.rundir.files import reserve_spare
 from mlora_lab.rundir.status import this_host
 from mlora_lab.spec import JobSpec, SpecError
-from mlora_lab.validate import problems
+from mlora_lab.text import error_line
+from mlora_lab.validate import job_of_sweep, problems
 
 
 class LogStream(io.TextIOBase):
@@ -61,11 +67,10 @@ class LogStream(io.TextIOBase):
         return True
 
 
-def redirect_output(path: Path) -> None:
-    """Send this process's stdout and stderr (Python and C level) to ``path`` (never through a
-    symlink planted there)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+def redirect_output(run: RunDir, rank: int) -> None:
+    """Send this process's stdout and stderr (Python and C level) to rank ``rank``'s log, never through
+    a symlink planted at ``logs/`` or at the log (:class:`~mlora_lab.rundir.LinkRefused`)."""
+    fd = guarded_open(run.root, run.log(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
@@ -73,6 +78,22 @@ def redirect_output(path: Path) -> None:
     os.close(fd)
     sys.stdout = LogStream(1)
     sys.stderr = LogStream(2)
+
+
+def record_failure(run: RunDir, error: str) -> None:
+    """Mark the run failed with ``error``, unless a rank has already said why it failed (the first
+    error is the cause; the others follow from it). On a disk too full even for that, say so in
+    the log: status.json keeps its last, intact content, and the notebook side sees the job gone."""
+    try:
+        current = read_status(run.root)
+    except RunDirError:
+        current = None
+    if current is not None and current.state is RunState.FAILED:
+        return
+    try:
+        update_status(run.root, state=RunState.FAILED, ended=time.time(), error=error)
+    except OSError as e:
+        print(f"status.json not updated: {e}", flush=True)
 
 
 def job_process() -> ProcessIdentity | None:
@@ -108,8 +129,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run = RunDir(args.run_dir)
     rank = int(os.environ.get("RANK", 0))
-    redirect_output(run.log(rank))
     exit_with_agent()
+    lock = RunLock(run)
+    if rank == 0:
+        # One job per run directory: a launch hands the lock over within seconds; a second job on
+        # the same directory never gets it, and leaves that directory's status and logs alone.
+        try:
+            lock.acquire(timeout=60)
+        except (RunDirError, OSError) as e:
+            print(f"not starting: {e}", flush=True)
+            return 1
+    try:
+        redirect_output(run, rank)
+    except OSError as e:  # a link planted at logs/ or at the log (LinkRefused), a full disk
+        error = f"rank {rank}: cannot write its log: {error_line(e, limit=600)}"
+        print(error, file=sys.stderr, flush=True)  # (torchrun's output: logs/launcher.log)
+        record_failure(run, error)
+        lock.release()
+        return 1
+    if rank == 0:
+        reserve_spare(run.root)
     node = os.environ.get("SLURMD_NODENAME")  # under Slurm: the node as the cluster names it
     where = (
         f"Slurm node {node} (host {this_host()}, job {os.environ.get('SLURM_JOB_ID')})"
@@ -128,23 +167,14 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)  # Ctrl-C in a terminal reaches every rank: as graceful
-    lock = RunLock(run)
-    if rank == 0:
-        # One job per run directory: a launch hands the lock over within seconds; a second job on
-        # the same directory never gets it, and leaves that directory's status alone.
-        try:
-            lock.acquire(timeout=60)
-        except (RunDirError, OSError) as e:
-            print(f"not starting: {e}", flush=True)
-            return 1
     dist = None
     try:
         dist = init_distributed()
         spec = JobSpec.load(run.job)
-        # job.json may have been edited since the launch. (A sweep's job may have no tenant of its own:
-        # its trials come from the search, so it is checked as a job that waits for tenants.)
-        check = dataclasses.replace(spec, serve=True) if run.sweep.is_file() else spec
-        found = problems(check, files=False)
+        # job.json may have been edited since the launch. (A sweep's trials are checked with the sweep:
+        # the job itself is checked for its own tenants, and may have none.)
+        sweep = read_sweep(run)
+        found = problems(job_of_sweep(spec, sweep) if sweep is not None else spec, files=False)
         if found:
             raise SpecError(found)
         if dist.is_main:
@@ -169,16 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except BaseException as exc:
         traceback.print_exc()
-        try:
-            current = read_status(run.root)
-        except RunDirError:
-            current = None
-        if current is None or current.state is not RunState.FAILED:  # keep the first rank's error
-            try:
-                error = f"rank {rank}: {type(exc).__name__}: {exc}"
-                update_status(run.root, state=RunState.FAILED, ended=time.time(), error=error)
-            except OSError as e:  # a full disk: status.json keeps its last (intact) content and the
-                print(f"status.json not updated: {e}", flush=True)  # notebook side sees the job gone
+        record_failure(run, f"rank {rank}: {type(exc).__name__}: {exc}")
         return 1
     finally:
         shutdown_distributed()

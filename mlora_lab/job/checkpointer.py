@@ -6,14 +6,17 @@ resumed on any number of processes. The checkpointer knows no part's insides: it
 and saves the union of their state dicts, each part owning its own top-level keys:
 
 * the job (:class:`~mlora_lab.job.trainer.Trainer`): ``global_step``, ``world_size``, ``rng``;
-* the tenants (:class:`~mlora_lab.job.tenants.TenantPool`): ``removed`` and ``tenants`` (per tenant: spec,
+* the tenants (:class:`~mlora_lab.job.tenants.TenantPool`): ``removed``, ``tenants`` (per tenant: spec,
   adapter, optimiser and schedule, counters, the gradient accumulated so far, and its feed's state —
-  data cursor and accumulation window for a file-data tenant);
+  data cursor, accumulation window and a digest of its rows for a file-data tenant; a tenant a resume
+  held back keeps its saved state here) and ``unrecorded`` (tenants job.json could not be updated with);
+  the digest and ``unrecorded`` are optional: checkpoints written before them resume as they did;
 * a search (:class:`~mlora_lab.job.search.SearchController`), if the job runs one: ``search``.
 
 The files and their format (JSON + safetensors, checksums, atomic commit) are
 :mod:`mlora_lab.rundir.checkpoint`'s. Rank 0 writes; rank 0 also picks the checkpoint to resume from (the
-newest intact one, skipping damaged ones, with the reasons) and every rank reads that one.
+newest intact one, skipping damaged ones, with the reasons) and every rank reads that one; a state that
+fails :func:`~mlora_lab.rundir.checkpoint.check_job_state` (a tenant named ``../..``) is skipped too.
 """
 
 from __future__ import annotations
@@ -78,7 +81,37 @@ class Checkpointer:
         return (self.run.checkpoints / name if name and self.run else None), skipped
 
     def read(self, path: Path) -> dict[str, Any]:
-        return checkpoint.read_checkpoint(path)
+        """The state of checkpoint ``path``, checked (:func:`~mlora_lab.rundir.checkpoint.check_job_state`)."""
+        state = checkpoint.read_checkpoint(path)
+        checkpoint.check_job_state(state, path.name)
+        return state
+
+    def latest(self) -> tuple[Path | None, dict[str, Any] | None, list[tuple[str, str]]]:
+        """The checkpoint to resume from and its state: the newest one that is intact and whose state
+        passes its checks, and the newer ones skipped, ``(name, why)``. A collective (rank 0 picks the
+        newest intact one); every process then reads, and skips, the same files of the shared run directory."""
+        path, skipped = self.choose()
+        while path is not None:
+            try:
+                return path, self.read(path), skipped
+            except checkpoint.CheckpointError as e:
+                skipped.append((path.name, str(e)))
+            older = [
+                p
+                for p in checkpoint.checkpoint_dirs(path.parent)
+                if checkpoint.step_of(p) < checkpoint.step_of(path)
+            ]
+            path = next((p for p in reversed(older) if self._intact(p, skipped)), None)
+        return None, None, skipped
+
+    @staticmethod
+    def _intact(path: Path, skipped: list[tuple[str, str]]) -> bool:
+        try:
+            checkpoint.verify(path)
+            return True
+        except checkpoint.CheckpointError as e:
+            skipped.append((path.name, str(e)))
+            return False
 
     @staticmethod
     def load(state: dict[str, Any], parts: Mapping[str, Stateful]) -> None:

@@ -15,6 +15,8 @@ not train.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,17 @@ from mlora_lab.rundir import EvalRow, TenantState, TrainRow
 from mlora_lab.spec import Tenant
 
 
+def rows_digest(examples: Sequence[Example]) -> str:
+    """SHA-256 of a tenant's tokenized rows (ids, labels and positions of each, in order): what its data
+    cursor indexes into. Equal digests mean the same rows, whatever file, tokenizer or ``seq_len`` made them."""
+    h = hashlib.sha256()
+    for ex in examples:
+        for part in (ex.input_ids, ex.labels, ex.position_ids or ()):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(array("q", part).tobytes())
+    return h.hexdigest()
+
+
 @dataclass
 class FileFeed:
     """A file-data tenant's feed: its data order, eval rows and the accumulation window."""
@@ -38,6 +51,13 @@ class FileFeed:
     micro: int = 0  # micro-batches done in the current accumulation window
     window: list[list[Example]] = field(default_factory=list)
     window_tokens: int = 0
+    digest: str | None = field(default=None, repr=False)  # of the stream's rows, made when first needed
+
+    def data_digest(self) -> str:
+        """:func:`rows_digest` of the tenant's training rows (computed once: only checkpoints need it)."""
+        if self.digest is None:
+            self.digest = rows_digest(self.stream.examples)
+        return self.digest
 
     def reset(self) -> None:
         self.micro = 0
@@ -55,9 +75,22 @@ class FileFeed:
             "micro": self.micro,
             "window": [[[ex.input_ids, ex.labels, ex.position_ids] for ex in rows] for rows in self.window],
             "window_tokens": self.window_tokens,
+            "data_digest": self.data_digest(),
         }
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state; ``ValueError`` if the tenant's rows are not the rows that
+        state counts through (its data changed since: the same number of rows with other content too).
+        Checkpoints written before the digest existed have none, and are taken as they are."""
+        saved = s.get("data_digest")
+        if saved is not None and saved != self.data_digest():
+            before = s["stream"].get("n_examples") if isinstance(s.get("stream"), dict) else None
+            rows = f"{len(self.stream)} rows now" + (f", {before} then" if before is not None else "")
+            raise ValueError(
+                f"its training data changed since the checkpoint ({rows}; their content differs): put the "
+                "data back as it was to resume it, or train on the new data as a new tenant that starts from "
+                "its adapter (init_adapter: its directory in adapters/)"
+            )
         self.stream.load_state_dict(s["stream"])
         self.micro = s["micro"]
         self.window = [[_example(row) for row in rows] for rows in s["window"]]

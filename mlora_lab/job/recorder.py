@@ -3,7 +3,8 @@
 Rank 0 appends every row to ``metrics.jsonl`` (:class:`~mlora_lab.rundir.MetricsWriter`); every rank
 also keeps the rows in memory (:attr:`Recorder.history`), which the in-job search reads and in-process
 tests inspect. A row that cannot be written (a full disk) is kept in memory and said once per kind of
-error: training goes on.
+error: training goes on. Rank 0 also mirrors every row to the trackers job.json's ``report_to`` names
+(:func:`mlora_lab.trackers.open_sink`, which imports them only then).
 """
 
 from __future__ import annotations
@@ -11,12 +12,26 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
 from mlora_lab.parallel import Collectives
-from mlora_lab.rundir import EventKind, EventRow, MetricsWriter, Row, RowKind, RunDir, SystemRow
+from mlora_lab.rundir import (
+    EventKind,
+    EventRow,
+    MetricsWriter,
+    Row,
+    RowKind,
+    RunDir,
+    SystemRow,
+    record_problem,
+)
+from mlora_lab.trackers import open_sink
+
+if TYPE_CHECKING:
+    from mlora_lab.trackers.mirror import Mirror
 
 
 class Recorder:
@@ -27,6 +42,7 @@ class Recorder:
         self.step = 0
         self.history: list[dict] = []  # every row, also kept in memory
         self.metrics: MetricsWriter | None = None
+        self.sink: Mirror | None = None  # the trackers of report_to (rank 0)
         self._write_errors: set[str] = set()
         self._cpu: CpuMeter | None = None
         self._gpu: GpuMeter | None = None
@@ -35,6 +51,7 @@ class Recorder:
         """Start appending to metrics.jsonl (rank 0; after a resume has cut the rows past its checkpoint)."""
         if self.run is not None and self.is_main:
             self.metrics = MetricsWriter(self.run.metrics)
+            self.sink = open_sink(self.run, lambda why: self.event(EventKind.TRACKER_FAILED, why))
 
     def start_meters(self) -> None:
         """CPU and GPU use are measured from here (set-up excluded) to each system row."""
@@ -50,10 +67,20 @@ class Recorder:
             if str(e) not in self._write_errors:
                 self._write_errors.add(str(e))
                 print(f"metrics.jsonl: cannot write ({e}); rows are kept in memory", flush=True)
+        if self.sink is not None:  # never raises: a tracker that fails is said once and dropped
+            self.sink.write(row)
 
     def event(self, event: EventKind, message: str) -> None:
         print(f"[{event.value}] {message}", flush=True)
         self.log(EventRow(step=self.step, event=event, message=message))
+        if event is EventKind.SAVE_FAILED:  # the run goes on, but status.json says it cannot save
+            self.save_problem(f"saving failed at step {self.step}: {message} (training goes on)")
+
+    def save_problem(self, problem: str | None) -> None:
+        """Say in status.json (rank 0) that saving fails while the run goes on, or, with ``None``, that
+        it works again (:func:`~mlora_lab.rundir.record_problem`)."""
+        if self.run is not None and self.is_main:
+            record_problem(self.run.root, problem)
 
     def system(self, step_time: float, tokens: int) -> None:
         """One ``system`` row per rank (gathered to rank 0): memory, step time, throughput, CPU/GPU use.
@@ -84,6 +111,8 @@ class Recorder:
         return [r["loss"] for r in self.history if r["kind"] == RowKind.TRAIN and r["tenant"] == tenant]
 
     def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
         if self.metrics is not None:
             self.metrics.close()
 

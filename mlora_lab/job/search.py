@@ -21,7 +21,6 @@ decisions as one that ran through; ``search.json`` in the run directory holds th
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -40,7 +39,7 @@ from mlora_lab.rundir import (
     TenantState,
     atomic_write_json,
 )
-from mlora_lab.search import Action, ActionOp, Search, Sweep, TrialState
+from mlora_lab.search import Action, ActionOp, Objective, Search, Sweep, TrialState
 from mlora_lab.spec import Tenant
 
 OPTIMIZER_FIELDS = ("lr", "weight_decay", "max_grad_norm")
@@ -49,16 +48,9 @@ Evaluate = Callable[[Sequence[str]], dict[str, float]]
 
 
 def load_objective(metric: str) -> Callable[[list[dict]], float] | None:
-    """The user's objective function for ``"module:function"`` (None for the built-in metrics)."""
-    if ":" not in metric:
-        return None
-    module, _, name = metric.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"objective {metric!r} is not a function")
-    return obj
+    """The user's objective function for ``"module:function"`` (None for the built-in metrics);
+    ``ValueError`` when it cannot be used (:meth:`~mlora_lab.search.Objective.function`)."""
+    return Objective(metric).function()
 
 
 class SearchController:
@@ -161,31 +153,41 @@ class SearchController:
         for i in failed:
             run = self.pool.tenants.get(self.name(i))
             engine.fail(i, (run.reason if run else None) or "its tenant is gone", step)
+            if run is not None:  # a quarantined trial gives its slot back (its tenant row says why)
+                actions.append(Action(ActionOp.STOP, i, why="failed"))
         paused = []
         for i in sorted(due):
             run = self.pool[self.name(i)]
-            actions += engine.report(i, run.step, self._value(i, evals), step)
+            value, why = self._value(i, evals)
+            actions += engine.report(i, run.step, value, step, why=why)
             if engine.trial(i).state is TrialState.PAUSED:
                 paused.append(i)
         freed = sum(a.op is ActionOp.STOP for a in actions)
         actions += engine.fill(free + freed + len(paused), step, tuple(paused))
         return actions, engine.to_dict()
 
-    def _value(self, trial_id: int, evals: dict[str, float]) -> float:
-        """The objective of a trial now: its eval loss (when it has eval data), else the mean of its
-        last ``window`` train losses, or the user's function of its rows."""
+    def _value(self, trial_id: int, evals: dict[str, float]) -> tuple[float, str]:
+        """The objective of a trial now, and why it is NaN when it is: its eval loss (when it has eval
+        data), else the mean of its last ``window`` train losses, or the user's function of its rows."""
         name, objective = self.name(trial_id), self.sweep.objective
         rows = [r for r in (*self.past_rows, *self.recorder.history) if r.get("tenant") == name]
         if self.objective_fn is not None:
+            # The boundary of a call into the user's code: whatever it raises (SystemExit included) is this
+            # trial's failure, not the job's end. (An interrupt of an in-process job still stops it.)
             try:
-                return float(self.objective_fn(rows))
-            except Exception as e:  # one trial's bad objective is that trial's NaN, not the job's end
-                print(f"objective of {name}: {describe(e)}", flush=True)
-                return math.nan
+                return float(self.objective_fn(rows)), ""
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:
+                why = f"{objective.metric} raised {describe(e)}"
+                print(f"objective of {name}: {why}", flush=True)
+                return math.nan, why
         if objective.metric == "eval_loss" and name in evals:
-            return evals[name]
+            return evals[name], ""
         losses = [r["loss"] for r in rows if r["kind"] == RowKind.TRAIN and r["loss"] is not None]
-        return sum(losses[-objective.window :]) / len(losses[-objective.window :]) if losses else math.nan
+        if not losses:
+            return math.nan, "no train loss was logged (log_every is larger than its report step?)"
+        return sum(losses[-objective.window :]) / len(losses[-objective.window :]), ""
 
     # -- applying an action (every rank) -----------------------------------------------------------
     def apply(self, a: Action) -> None:
@@ -208,8 +210,11 @@ class SearchController:
             if refusal is not None:
                 self.engine.fail(a.trial, f"could not be restored: {refusal.error}", step)
         elif a.op is ActionOp.STOP:
+            t = self.engine.trial(a.trial)
             if name in pool:
-                pool.release(name, None, None)
+                failed = t.state is TrialState.FAILED and pool[name].state is not TenantState.FAILED
+                # (a trial failed by its objective says so in a tenant row; a quarantined one said it)
+                pool.release(name, *((TenantState.FAILED, t.reason) if failed else (None, None)))
         elif a.op is ActionOp.EXPLOIT:
             source_state = pool.tenant_state(self.name(a.source))
             pool.load_tenant_state(name, source_state, whole=False)

@@ -1,9 +1,10 @@
 """The tenants of a job: who holds which slot, in which state, and everything needed to continue each.
 
 A tenant's life (:class:`~mlora_lab.rundir.TenantState`): ``pending`` → ``running`` ⇄ ``paused`` →
-``finished``, or ``removed``; ``failed`` when quarantined (its loss or gradient went NaN/inf, or its
-own part of a step raised) or when it could not start. Every change of state writes a ``tenant`` row
-with the tenant's adapter and optimiser memory.
+``finished``, or ``removed``; ``failed`` when quarantined (its loss or gradient went NaN/inf, its update
+would not be finite or its weights diverged, or its own part of a step raised), when it could not start,
+or when a resume held it back (it no longer fits its checkpoint: its saved state is kept). Every change of
+state writes a ``tenant`` row with the tenant's adapter and optimiser memory.
 
 :class:`TenantPool` is the one place that fills and frees slots: control messages, the in-job search
 and the job's start all go through it, and every change that fills a slot is a :class:`~.agree.Change`
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mlora_lab.job.agree import Change, agree
+from mlora_lab.job.agree import Change, agree, describe
 from mlora_lab.job.engine import Engine
 from mlora_lab.job.recorder import Recorder
 from mlora_lab.optim import TenantOptimizer, build_optimizer
@@ -44,6 +45,15 @@ class Feed(Protocol):
 
 FeedFor = Callable[[Tenant], Feed]
 """Makes a tenant's :class:`Feed` (reads and tokenizes its data, say); may raise, touching no slot."""
+
+FIXED_ON_RESUME = ("rank", "alpha", "use_rslora", "target_modules", "target_parameters")
+"""Tenant settings a resume cannot change: they make the adapter's shape and scale."""
+
+
+def _plain(value: Any) -> Any:
+    """A setting as JSON holds it (tuples as lists), for comparing job.json with a checkpoint."""
+    return list(value) if isinstance(value, tuple | list) else value
+
 
 POOL_KEYS = (
     "spec",
@@ -96,6 +106,10 @@ class TenantPool:
         self.tenants: dict[str, TenantRun] = {}
         self.removed: set[str] = set()  # names of tenants removed while the job ran (never reused)
         self.unstarted: dict[str, str] = {}  # job.json tenants that could not be started, with why
+        self.unrecorded: set[str] = set()  # tenants job.json could not be updated with (a full disk)
+        # Saved states of tenants a resume could not restore (job.json or their data no longer fit the
+        # checkpoint): kept in every checkpoint, so a later resume restores them once that is put right.
+        self.held: dict[str, dict[str, Any]] = {}
 
     # -- reading -----------------------------------------------------------------------------------
     def __contains__(self, name: object) -> bool:
@@ -224,11 +238,14 @@ class TenantPool:
         if any(t.name == tenant.name for t in self.spec.tenants):
             return
         self.spec.tenants.append(tenant)
+        self.unrecorded.add(tenant.name)
         if self.run is not None and self.is_main:
             try:
                 self.spec.to_json(self.run.job)
             except OSError as e:  # the tenant is in the next checkpoint anyway; resume restores it
                 print(f"job.json not updated for tenant {tenant.name!r}: {e}", flush=True)
+                return
+        self.unrecorded.clear()  # (a write holds every tenant of the spec: those that failed before too)
 
     # -- changing state ----------------------------------------------------------------------------
     def set_state(self, t: TenantRun, state: TenantState, reason: str | None = None) -> None:
@@ -371,12 +388,91 @@ class TenantPool:
                 io.local(p.grad)[i].copy_(part if io.first_copy(p) else torch.zeros_like(part))
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"removed", "tenants"}``: every tenant's :meth:`tenant_state`. A collective."""
-        return {"removed": sorted(self.removed), "tenants": {n: self.tenant_state(n) for n in self.tenants}}
+        """``{"removed", "tenants", "unrecorded"}``: every tenant's :meth:`tenant_state` (and the saved
+        state of each tenant held back at a resume), and the tenants job.json could not be updated with.
+        A collective."""
+        live = {n: self.tenant_state(n) for n in self.tenants}
+        return {
+            "removed": sorted(self.removed),
+            "tenants": {**self.held, **live},
+            "unrecorded": sorted(self.unrecorded),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the tenants of ``state`` that hold a slot now (one that could not be started this time
-        has a row that says why)."""
+        has a row that says why). A tenant whose saved state does not fit what it is now (job.json changed
+        its rank or targets, its data changed since the checkpoint, ...) is not resumed: it is held back
+        with why, naming it, and the others resume. Every process decides the same (agreed)."""
+        # (``unrecorded`` is not read back: job.json, loaded at the start, lists every tenant of the spec)
         for name, s in state["tenants"].items():
-            if name in self.tenants:
-                self.load_tenant_state(name, s)
+            if name in self.unstarted and name not in self.held:  # could not start now (its data is gone?):
+                self.held[name] = s  # its state waits in the checkpoints, as a held-back tenant's does
+        names = [n for n in state["tenants"] if n in self.tenants]
+        errors: dict[str, str] = {}
+        for name in names:
+            try:
+                self.check_resumable(self.tenants[name], state["tenants"][name])
+                self.load_tenant_state(name, state["tenants"][name])
+            except Exception as e:  # whatever a tenant's own state does, it is that tenant's failure
+                errors[name] = describe(e)
+        if not names:
+            return
+        flags = self.comm.sum_over_world(torch.tensor([float(n in errors) for n in names]))
+        for name, flag in zip(names, flags):
+            if flag > 0:
+                self.drop(name)  # (its adapters/<name> keeps its last save: nothing is written over it)
+                why = errors.get(name, "its state could not be restored on another process")
+                self.hold(name, state["tenants"][name], f"could not be resumed: {why}")
+
+    @staticmethod
+    def check_resumable(t: TenantRun, saved: dict[str, Any]) -> None:
+        """``ValueError`` when ``t`` (as job.json now gives it) cannot take its checkpoint's state: the
+        adapter's shape and scale (rank, alpha, rsLoRA, targets) are fixed for the life of a tenant."""
+        spec = saved.get("spec")
+        if not isinstance(spec, dict):
+            return
+        changed = [
+            f"{f}={getattr(t.spec, f)!r} where its checkpoint has {f}={spec[f]!r}"
+            for f in FIXED_ON_RESUME
+            if f in spec and _plain(getattr(t.spec, f)) != _plain(spec[f])
+        ]
+        if changed:
+            raise ValueError(
+                f"job.json gives it {'; '.join(changed)}: a resumed tenant keeps its adapter's shape (put "
+                "job.json back to resume it, or train the new settings as a new tenant)"
+            )
+
+    def hold(self, name: str, saved: dict[str, Any], reason: str) -> None:
+        """Keep ``name``'s saved state (in every checkpoint) without a slot, and say why: a ``failed`` row
+        and a log line that name it. A later resume restores it once what was wrong is put right."""
+        self.held[name] = saved
+        self.unstarted[name] = reason
+        print(f"tenant {name!r} {reason}", flush=True)
+        self.recorder.log(
+            TenantRow(step=self.recorder.step, tenant=name, state=TenantState.FAILED, reason=reason)
+        )
+
+    def start_unlisted(self, saved: dict[str, Any], listed: set[str], feed_for: FeedFor) -> None:
+        """On resume: the checkpoint's tenants that job.json does not list. One the job could not record in
+        job.json (a full disk) is restored from the checkpoint and recorded now; one that job.json no longer
+        lists (renamed or deleted by hand) is held back, saying so, not trained beside its new name.
+        (Checkpoints from before ``unrecorded`` existed restore all of them.)"""
+        unrecorded = saved.get("unrecorded")
+        new = sorted(listed - set(saved["tenants"]) - self.removed)
+        for name, s in saved["tenants"].items():
+            if name in listed or name in self.tenants or name in self.unstarted:
+                continue
+            if unrecorded is None or name in unrecorded:
+                tenant = Tenant.from_dict(s["spec"])
+                self.record(tenant)
+                self.start(tenant, feed_for, log=False)
+                continue
+            hint = f" (renamed to {', '.join(map(repr, new))}?)" if new else ""
+            self.hold(
+                name,
+                s,
+                f"not resumed: job.json no longer lists it{hint}; a tenant keeps its name for the life of a "
+                "run. Its state stays in the checkpoints and its adapter in adapters/; list it in job.json "
+                "again to resume it, or train a copy under another name that starts from its adapter "
+                "(init_adapter)",
+            )

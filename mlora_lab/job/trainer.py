@@ -26,8 +26,9 @@ The story of one global step (:meth:`Trainer.step`):
 3. each tenant's driver makes its loss ``L_t`` from its rows' ``ℓ``, and we back-propagate ``Σ_t L_t``;
    each row only sees its own tenant's slot, so ``∂L/∂slot_t = ∂L_t/∂slot_t``;
 4. each tenant whose window is complete takes one AdamW step (own schedule, own clipping by its own
-   global gradient norm); a tenant whose loss or gradient is NaN/inf, or whose own part of the step
-   raised, is quarantined instead, on every process, and the others go on exactly as without it.
+   global gradient norm); a tenant whose loss or gradient is NaN/inf, whose update would not be finite
+   (lr=1e38) or whose weights diverge with it, or whose own part of the step raised, is quarantined
+   instead, on every process, and the others go on exactly as without it (:func:`~mlora_lab.optim.step_many`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from mlora_lab.job.tenants import TenantPool, TenantRun
 from mlora_lab.optim import step_many
 from mlora_lab.parallel import Collectives, DistInfo, ParallelDims
 from mlora_lab.rundir import ControlMessage, EventKind, RunDir, TenantState, checkpoint, control, rows
-from mlora_lab.spec import JobSpec, Tenant, effective_slot_modules
+from mlora_lab.spec import JobSpec, effective_slot_modules
 
 
 class SaveError(RuntimeError):
@@ -108,17 +109,18 @@ class Trainer:
             self.spec.to_json(self.run.job)
 
     def _start_tenants(self, resume: bool) -> None:
-        """Fill the slots: from the newest intact checkpoint (``resume``), else job.json's tenants fresh.
-        A sweep's trials are started, paused and restored by its search; on resume the job starts only
-        those that held a slot in the checkpoint."""
+        """Fill the slots: from the newest intact checkpoint whose state passes its checks (``resume``),
+        else job.json's tenants fresh. A sweep's trials are started, paused and restored by its search; on
+        resume the job starts only those that held a slot in the checkpoint. A tenant that no longer fits
+        its checkpoint (its data, rank or targets changed, job.json renamed it) is held back by the pool,
+        named, and the others resume."""
         saved, skipped = None, []
         if resume:
-            path, skipped = self.checkpointer.choose()
+            path, saved, skipped = self.checkpointer.latest()
             if path is None:
                 why = "".join(f"\n  {name}: {reason}" for name, reason in skipped)
                 where = self.run.checkpoints if self.run else None
                 raise FileNotFoundError(f"--resume: no intact checkpoint in {where}{why}")
-            saved = self.checkpointer.read(path)
             if self.run is not None and self.dist.is_main:
                 rows.truncate_after(self.run.metrics, saved["global_step"])
         self.recorder.open()
@@ -148,12 +150,8 @@ class Trainer:
             if tenant.name not in self.pool.removed and tenant.name not in not_in_slots:
                 # a tenant added after the last checkpoint has no state in it: it starts afresh
                 self.pool.start(tenant, self.drivers.feed, log=tenant.name not in in_checkpoint)
-        for name, s in in_checkpoint.items():  # in the checkpoint, but job.json could not record it
-            if name not in self.pool and name not in self.pool.unstarted:
-                tenant = Tenant.from_dict(s["spec"])
-                self.spec.tenants.append(tenant)
-                self.pool.start(tenant, self.drivers.feed, log=False)
-        if saved is not None:
+        if saved is not None:  # its tenants that job.json does not list (not recorded, or renamed by hand)
+            self.pool.start_unlisted(saved, {t.name for t in self.spec.tenants}, self.drivers.feed)
             self.checkpointer.load(saved, self.parts())
             self.recorder.event(EventKind.RESUMED, f"from {path.name} on {self.dist.world_size} process(es)")
 
@@ -291,13 +289,12 @@ class Trainer:
             finite.append((t, StepResult(float(loss), t.optimizer.lr, float(sq[t.name].sqrt().float()))))
         # every tenant's AdamW step in a few multi-tensor calls (mlora_lab.optim.step_many)
         errors = step_many([(t.optimizer, sq[t.name].sqrt()) for t, _ in finite])
+        # (a step refused or diverged on one process: with sharded slots each process checks its part)
         raised = {finite[i][0].name: why for i, why in errors.items()}
         if self.dims.world_size > 1 and stepping:
             flags = self.comm.sum_over_world(torch.tensor([float(t.name in raised) for t in stepping]))
             raised |= {
-                t.name: raised.get(t.name, "an error on another process")
-                for t, f in zip(stepping, flags)
-                if f
+                t.name: raised.get(t.name, "failed on another process") for t, f in zip(stepping, flags) if f
             }
         for t, result in finite:
             if t.name in raised:
@@ -312,7 +309,7 @@ class Trainer:
                 self.pool.log_tenant(t)
         for t in stepping:
             if t.name in raised:
-                self.pool.quarantine(t, f"its optimiser step raised {raised[t.name]}")
+                self.pool.quarantine(t, f"its optimiser step {raised[t.name]}")
 
     def evaluate(self, only: Sequence[str] | None = None) -> dict[str, float]:
         """Eval losses of every tenant with eval data (or of those ``only``). A collective."""
@@ -364,6 +361,7 @@ class Trainer:
             except checkpoint.WRITE_ERRORS as e:
                 problems.append(f"checkpoint at step {self.global_step}: {e}")
         if not problems:
+            self.recorder.save_problem(None)  # saving works (again): status.json says no more that it fails
             return
         message = "; ".join(problems)
         if final:

@@ -5,6 +5,7 @@ mlora-lab sweep sweep.json    a hyperparameter search inside one job (ASHA, PBT,
 mlora-lab demo                build a tiny model + 3 tenants, train them together, summarise
 mlora-lab status RUN_DIR      state and per-tenant summary of a run
 mlora-lab stop RUN_DIR        graceful stop (checkpoint, save adapters, exit)
+mlora-lab report RUN_DIR --to tensorboard   mirror a run's metrics to trackers (mlora_lab.trackers)
 """
 
 from __future__ import annotations
@@ -394,6 +395,16 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from mlora_lab.trackers import mirror_run
+
+    to = [t for given in args.to for t in given.split(",") if t] if args.to else None
+    where = mirror_run(args.run_dir, to, group=args.group, logging_dir=args.logging_dir, project=args.project)
+    for tracker, path in where.items():
+        print(f"{tracker}: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlora-lab", description="Multi-tenant LoRA lab")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -448,6 +459,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", type=Path)
     p.add_argument("--timeout", type=float, default=60)
     p.set_defaults(func=cmd_stop)
+    p = sub.add_parser("report", help="mirror a run's metrics to TensorBoard, trackio or W&B (offline)")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument(
+        "--to",
+        action="append",
+        metavar="TRACKER",
+        help="tensorboard, trackio, wandb (repeat, or comma-separated), all; default: the run's report_to",
+    )
+    p.add_argument("--group", default=None, help="tenant (a tracker run per tenant) or job (one run)")
+    p.add_argument("--logging-dir", default=None, help="where the trackers write; default: RUN_DIR/trackers")
+    p.add_argument("--project", default=None, help="W&B / trackio project; default: mlora_lab")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

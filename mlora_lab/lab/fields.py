@@ -9,14 +9,19 @@ clamp: a value out of range stays as typed and is reported (:func:`problems_html
 
 from __future__ import annotations
 
+import contextlib
 import html
 import math
+import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ipywidgets as W
 
 from mlora_lab.lora.targets import ALL_LINEAR
+from mlora_lab.rundir import atomic_write_bytes
 from mlora_lab.spec import FieldInfo, Problem
 from mlora_lab.text import show_path
 
@@ -65,6 +70,8 @@ class FieldInput:
     snapping slider (``lr_slider``), a targets list's note (``target_modules_note``)."""
     row: W.Widget | None = None
     """What the form lays out: the input, its helpers and its help line."""
+    chooser: FileChooser | None = None
+    """A path input's file chooser and upload."""
 
     @property
     def null_toggle(self) -> W.Checkbox | None:
@@ -73,7 +80,7 @@ class FieldInput:
     def show(self, value: Any) -> None:
         """Put ``value`` (from a dataclass) into the input; nothing is clamped (sliders widen instead)."""
         info, w = self.info, self.widget
-        if info.kind in ("name", "path", "dir"):
+        if info.kind in ("name", "text", "path", "dir"):
             w.value = "" if value is None else str(value)
         elif info.kind == "targets":
             targets = [str(x) for x in value] if isinstance(value, list | tuple) else []
@@ -101,7 +108,7 @@ class FieldInput:
     def read(self) -> Any:
         """The field's value as the dataclass takes it."""
         info, value = self.info, self.widget.value
-        if info.kind in ("name", "path", "dir"):
+        if info.kind in ("name", "text", "path", "dir"):
             text = value.strip()
             return None if info.optional and not text else text
         if info.kind == "targets":
@@ -115,14 +122,26 @@ class FieldInput:
         return bool(self.info.empty) and isinstance(self.widget.value, str) and not self.widget.value.strip()
 
 
-def make_input(name: str, info: FieldInfo, default: Any, paths: list[str], targets: list[str]) -> FieldInput:
+def make_input(
+    name: str,
+    info: FieldInfo,
+    default: Any,
+    paths: list[str],
+    targets: list[str],
+    folder: str | os.PathLike | None = None,
+) -> FieldInput:
     """The input for field ``name`` from its :class:`FieldInfo`: ``paths`` are offered by ``path``
     inputs, ``targets`` by ``targets`` inputs. Number inputs are unbounded (a bounded one would clamp
-    silently); sliders span ``typical`` (or ``min`` .. the ``at_most`` bound, set by the form)."""
+    silently); sliders span ``typical`` (or ``min`` .. the ``at_most`` bound, set by the form). A path
+    input has a file chooser (``<name>_browse``, starting in ``folder``) and, for a file, an upload
+    button (``<name>_upload``: the file is saved into ``folder``)."""
     common: dict[str, Any] = {"description": info.label, "style": LABEL_STYLE, "tooltip": info.help or None}
     kind, extras = info.kind, {}
+    chooser = None
     if kind == "name":
         widget = W.Text(layout=narrow_layout(), **common)
+    elif kind == "text":
+        widget = W.Text(placeholder="optional" if info.optional else "", layout=wide_layout(), **common)
     elif kind in ("path", "dir"):
         hint = "path/to/train.jsonl" if kind == "path" else "directory"
         # continuous_update=False: a path is checked when typed out, not on every keystroke.
@@ -135,6 +154,10 @@ def make_input(name: str, info: FieldInfo, default: Any, paths: list[str], targe
             **extra,
             **common,
         )
+        chooser = FileChooser(widget, folder, want_dir=kind == "dir")
+        extras[f"{name}_browse"] = chooser.toggle
+        if chooser.upload is not None:
+            extras[f"{name}_upload"] = chooser.upload
     elif kind == "int" and info.slider:
         lo = int(info.min if info.min is not None else 0)
         widget = W.IntSlider(min=lo, max=max(lo, 1), layout=wide_layout(), **common)
@@ -167,9 +190,161 @@ def make_input(name: str, info: FieldInfo, default: Any, paths: list[str], targe
     help_line = W.HTML(f"<span style='color:#57606a;font-size:90%'>{html.escape(info.help)}</span>")
     parts = [widget, *(w for k, w in extras.items() if not k.endswith("_note")), help_line]
     row = W.HBox(parts, layout=W.Layout(align_items="center"))
-    note = extras.get(f"{name}_note")
-    inp.row = W.VBox([row, note]) if note is not None else row
+    below = [w for w in (extras.get(f"{name}_note"), chooser.box if chooser else None) if w is not None]
+    inp.row = W.VBox([row, *below]) if below else row
+    inp.chooser = chooser
     return inp
+
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+"""Files a data input's chooser lists and its upload accepts (what ``Tenant.data`` reads)."""
+CHOOSER_ENTRIES = 500
+"""A chooser lists at most this many entries of a folder."""
+
+
+class FileChooser:
+    """A file (or folder) chooser made of widgets, for a path input (``target``).
+
+    ``toggle`` ("browse…") shows ``box``: the folder it is in and a list of its sub-folders and data
+    files (:data:`DATA_SUFFIXES`); picking a folder opens it (``..`` goes up), picking a file puts its
+    path into the input (relative to the working directory when it is under it) and closes the
+    chooser; for a folder input, "use this folder" puts the folder's. ``upload`` (file inputs only) takes
+    a file from the browser's machine and saves it into ``folder`` (``uploads/`` by default) under its
+    own name made safe, never over another file, then puts its path into the input."""
+
+    def __init__(self, target: W.ValueWidget, folder: str | os.PathLike | None, want_dir: bool) -> None:
+        self.target = target
+        self.want_dir = want_dir
+        self.home = Path(folder) if folder is not None else None
+        self.folder = Path(folder or ".").absolute()
+        self.toggle = W.ToggleButton(
+            description="browse…",
+            icon="folder-open",
+            tooltip="pick from this machine's files",
+            layout=W.Layout(width="100px"),
+        )
+        self.upload: W.FileUpload | None = None
+        if not want_dir:
+            self.upload = W.FileUpload(
+                accept=",".join(DATA_SUFFIXES),
+                multiple=False,
+                description="upload",
+                tooltip="send a file from your computer (saved next to the data)",
+                layout=W.Layout(width="100px"),
+            )
+            self.upload.observe(self._on_upload, names="value")
+        self.where = W.HTML()
+        self.entries = W.Select(options=[], rows=8, layout=wide_layout())
+        self.use = W.Button(
+            description="use this folder",
+            icon="check",
+            layout=W.Layout(width="160px", display="" if want_dir else "none"),
+        )
+        self.message = W.HTML()
+        self.box = W.VBox(
+            [self.where, self.entries, W.HBox([self.use, self.message])],
+            layout=W.Layout(display="none", margin="0 0 0 150px"),
+        )
+        self.toggle.observe(lambda change: self.show(change["new"]), names="value")
+        self.entries.observe(self._on_pick, names="value")
+        self.use.on_click(lambda _: self.choose(self.folder))
+
+    def show(self, on: bool) -> None:
+        if on:
+            self.open(self.folder)
+        self.box.layout.display = "" if on else "none"
+        if self.toggle.value != on:
+            self.toggle.value = on
+
+    def open(self, folder: Path) -> None:
+        """List ``folder`` (sub-folders, then the files a data input takes; hidden ones left out)."""
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError as e:
+            self.message.value = message_html(f"cannot list {folder}: {e.strerror or e}", good=False)
+            return
+        self.folder = folder
+        dirs = [n for n in names if not n.startswith(".") and (folder / n).is_dir()]
+        files = (
+            []
+            if self.want_dir
+            else [
+                n
+                for n in names
+                if not n.startswith(".") and n.endswith(DATA_SUFFIXES) and (folder / n).is_file()
+            ]
+        )
+        options = [("📁 ..", str(folder.parent))] if folder.parent != folder else []
+        options += [(f"📁 {n}", str(folder / n)) for n in dirs] + [
+            (f"📄 {n}", str(folder / n)) for n in files
+        ]
+        more = len(options) - CHOOSER_ENTRIES
+        self.entries.unobserve(self._on_pick, names="value")
+        self.entries.options = options[:CHOOSER_ENTRIES]
+        self.entries.value = None
+        self.entries.observe(self._on_pick, names="value")
+        shown = html.escape(show_path(str(folder)))
+        self.where.value = f"<code>{shown}</code>" + (
+            f" <i>(the first {CHOOSER_ENTRIES} of {len(options):,})</i>" if more > 0 else ""
+        )
+        self.message.value = ""
+
+    def _on_pick(self, change: dict) -> None:
+        path = change["new"]
+        if path is None:
+            return
+        path = Path(path)
+        if path.is_dir():
+            self.open(path)
+        else:
+            self.choose(path)
+
+    def choose(self, path: Path) -> None:
+        """Put ``path`` into the input (relative to the working directory when under it) and close."""
+        self.target.value = shown_path(path)
+        self.show(False)
+
+    def _on_upload(self, change: dict) -> None:
+        for item in change["new"] or ():
+            try:
+                saved = save_upload(self.home or Path("uploads"), item["name"], bytes(item["content"]))
+            except (OSError, ValueError) as e:
+                self.message.value = message_html(f"upload failed: {e}", good=False)
+                self.box.layout.display = ""
+                continue
+            self.target.value = shown_path(saved)
+        with contextlib.suppress(Exception):  # ready for the next file (the value is the browser's)
+            self.upload.value = ()
+
+
+SAFE_FILE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def save_upload(folder: Path, name: str, content: bytes) -> Path:
+    """Save an uploaded file into ``folder`` (created if need be), atomically, under its name made safe
+    (``my data (1).jsonl`` -> ``my_data_1_.jsonl``; never a path, never hidden), and never over another
+    file: an existing file of other content gives ``name-2.jsonl``. Returns where it is."""
+    base = SAFE_FILE.sub("_", Path(str(name)).name).lstrip(".") or "upload"
+    if not base.endswith(DATA_SUFFIXES):
+        raise ValueError(f"{show_path(name)}: not a data file ({', '.join(DATA_SUFFIXES)})")
+    stem, suffix = base[: -len(Path(base).suffix)], Path(base).suffix
+    path, k = folder / base, 1
+    while path.exists():
+        if path.is_file() and path.read_bytes() == content:
+            return path
+        k += 1
+        path = folder / f"{stem}-{k}{suffix}"
+    atomic_write_bytes(path, content)
+    return path
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as a form shows it: relative to the working directory when it is under it."""
+    path = Path(path).absolute()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def snapping_slider(target: W.FloatText, span: tuple[float, float]) -> W.SelectionSlider:

@@ -154,7 +154,9 @@ class TenantForm:
         for name, info in fields_info(Tenant):
             if info.form:
                 default = Tenant.__dataclass_fields__[name].default
-                self._inputs[name] = inp = make_input(name, info, default, files, self.linear_names)
+                self._inputs[name] = inp = make_input(
+                    name, info, default, files, self.linear_names, folder=self.data_dir
+                )
                 setattr(self, name, inp.widget)
                 for attr, w in inp.extras.items():
                     setattr(self, attr, w)

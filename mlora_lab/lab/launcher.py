@@ -13,6 +13,13 @@ directory and starts the job, and the job's rank 0 holds it while it runs. Launc
 that holds a run is refused (resume it instead); of two launches racing for one directory, one wins.
 Single-node jobs rendezvous on 127.0.0.1 only (:mod:`mlora_lab.rendezvous`).
 
+Everything that can be checked is checked before the run directory is created (a GGUF base is
+converted then too); a resume names every symlink planted where the job writes before it changes
+anything, and torchrun's output goes to ``logs/launcher.log`` through no link
+(:func:`~mlora_lab.rundir.guarded_open`). Whatever fails once the directory exists, before the job
+says ``running`` (the process cannot be started, its pid cannot be recorded), ends the run ``failed``
+with the cause: a run is never left ``starting`` for ever.
+
 ``launcher="slurm"`` submits the job to Slurm instead (:mod:`mlora_lab.lab.slurm`: one torchrun agent
 per node); the run then follows Slurm as well as the run directory (:mod:`mlora_lab.lab.liveness`):
 ``queued`` with Slurm's reason while the job waits, and ``failed`` with Slurm's reason when Slurm
@@ -21,6 +28,7 @@ cancels it, times it out or loses a node (a job killed from outside cannot say s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,10 +42,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from mlora_lab.bases import resolve_base
+from mlora_lab.bases import GGUFBaseError, is_gguf, resolve_base
 from mlora_lab.lab import slurm as slurm_cmd  # (`slurm` is launch()'s options argument)
 from mlora_lab.lab.handles import handle_for
-from mlora_lab.lab.liveness import Liveness
+from mlora_lab.lab.liveness import Liveness, kill_job
+from mlora_lab.lab.logs import LAUNCHER_LOG
 from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
 from mlora_lab.lab.slurm import SlurmError, SlurmOptions
 from mlora_lab.lab.threads import omp_threads, thread_env
@@ -49,14 +58,17 @@ from mlora_lab.rundir import (
     atomic_write_json,
     atomic_write_text,
     control,
+    guarded_open,
     read_status,
     update_status,
 )
+from mlora_lab.rundir.files import link_message
 from mlora_lab.rundir.status import JOB_MODULE, ProcessIdentity, this_host
 from mlora_lab.search import Sweep
 from mlora_lab.spec import JobSpec, Parallel, SpecError
+from mlora_lab.text import error_line, show_path
+from mlora_lab.validate import job_of_sweep, sweep_problems, sweep_slot_modules
 from mlora_lab.validate import problems as spec_problems
-from mlora_lab.validate import sweep_problems, sweep_slot_modules
 
 LAUNCHERS = ("local", "slurm")
 MULTI_NODE = (
@@ -125,6 +137,34 @@ def _launcher_problems(
     return problems
 
 
+def _convert_base(spec: JobSpec) -> None:
+    """A GGUF base converted now (once: :func:`~mlora_lab.bases.resolve_base`), before anything of the
+    run is created or changed; :class:`~mlora_lab.spec.SpecError` naming the file if it cannot be."""
+    if not is_gguf(spec.base_model):
+        return
+    try:
+        resolve_base(spec.base_model)
+    except GGUFBaseError as e:
+        raise SpecError([f"base_model {e}"]) from None
+    except Exception as e:
+        why = f"{type(e).__name__}: {error_line(e)}"
+        raise SpecError([f"base_model {show_path(spec.base_model)}: cannot be converted ({why})"]) from None
+
+
+def _fail_start(run: RunDir, exc: BaseException) -> None:
+    """The run could not be started: ``failed`` with the cause (unless it already says how it ended).
+    On a disk too full even for that, the run stays as it was."""
+    try:
+        status = read_status(run.root)
+    except RunDirError:
+        status = None
+    if status is not None and status.state.final:
+        return
+    error = f"the job could not be started: {type(exc).__name__}: {error_line(exc, limit=600)}"
+    with contextlib.suppress(OSError):
+        update_status(run.root, state=RunState.FAILED, ended=time.time(), error=error)
+
+
 def prepare_run(
     spec: JobSpec,
     workdir: str | Path = DEFAULT_WORKDIR,
@@ -138,7 +178,10 @@ def prepare_run(
     run directory with ``job.json`` (paths made absolute) and a ``starting`` status. ``launcher=None``:
     the caller starts the processes itself (``launchers/``, on one node or many). With ``lock``, it is
     left held for the caller. With ``sweep`` (:func:`mlora_lab.lab.sweeps.sweep`), the job runs that search
-    over tenant slots: it is checked with every value it can give a trial, and written as ``sweep.json``."""
+    over tenant slots: it is checked with every value it can give a trial, and written as ``sweep.json``.
+    With a launcher, a GGUF base is converted before the directory is created (a file that cannot be
+    converted is a SpecError too). If writing the run's files fails half-way (a full disk), a run that
+    has its job.json is marked ``failed`` with the cause."""
     spec = spec.resolved(Path.cwd())
     root = _run_root(spec, workdir)
     if sweep is not None:
@@ -154,6 +197,8 @@ def prepare_run(
     problems += _launcher_problems(launcher, spec.parallel, slurm_options, root)
     if problems:
         raise SpecError(problems)
+    if launcher is not None:
+        _convert_base(spec)
     run = RunDir(root)
     owner = lock or RunLock(run)
     try:
@@ -170,7 +215,9 @@ def prepare_run(
         if launcher == "slurm":
             atomic_write_json(run.slurm_options, (slurm_options or SlurmOptions()).to_dict())
         update_status(run.root, state=RunState.STARTING, started=time.time(), launcher=launcher)
-    except BaseException:
+    except BaseException as e:
+        if run.is_run() and not isinstance(e, SpecError):
+            _fail_start(run, e)
         owner.release()
         raise
     if lock is None:
@@ -212,12 +259,13 @@ def job_env(nproc: int) -> dict[str, str]:
 
 
 def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
-    """Start torchrun for ``run_dir`` (whose lock the caller holds) and record its process. A GGUF
-    base is converted first (once; mlora_lab.bases), so its errors come before any process starts and
-    the ranks find it ready."""
-    resolve_base(spec.base_model)
+    """Start torchrun for ``run_dir`` (whose lock the caller holds; a GGUF base is converted already)
+    and record its process. Its output goes to ``logs/launcher.log``, never through a link planted
+    there or at ``logs/``. A process whose pid cannot be recorded is ended again (the caller marks the
+    run failed): nothing could tell later whether it still runs."""
     env = job_env(spec.parallel.nproc)
-    with open(run_dir.logs / "launcher.log", "ab") as log:
+    log = guarded_open(run_dir.root, run_dir.logs / LAUNCHER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
         proc = subprocess.Popen(
             torchrun_command(spec, run_dir.root, resume),
             stdin=subprocess.DEVNULL,
@@ -226,18 +274,23 @@ def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
             start_new_session=True,  # own process group: Ctrl-C in the notebook does not reach the job
             env=env,
         )
+    finally:
+        os.close(log)
     _started.append((proc, spec.parallel.nproc * omp_threads(env.get("OMP_NUM_THREADS"))))
-    me = ProcessIdentity.of(proc.pid)
-    update_status(run_dir.root, pid=proc.pid, pid_start_time=me.start_time if me else None, host=this_host())
+    try:
+        me = ProcessIdentity.of(proc.pid)
+        start = me.start_time if me else None
+        update_status(run_dir.root, pid=proc.pid, pid_start_time=start, host=this_host())
+    except BaseException:
+        kill_job(proc.pid)
+        raise
     return handle_for(run_dir.root, process=proc)
 
 
 def _submit(run_dir: RunDir, spec: JobSpec, options: SlurmOptions, resume: bool = False) -> Run:
-    """Write the batch script into the run directory and submit it (the caller holds the lock). A
-    GGUF base is converted here first, once, as for a local job. The run is ``queued`` with the job
-    id in status.json; if sbatch refuses after all, the run is marked failed and :class:`SlurmError`
-    says why."""
-    resolve_base(spec.base_model)
+    """Write the batch script into the run directory and submit it (the caller holds the lock; a GGUF
+    base is converted already, as for a local job). The run is ``queued`` with the job id in
+    status.json; if sbatch refuses after all, the run is marked failed and :class:`SlurmError` says why."""
     p = spec.parallel
     script = slurm_cmd.render_script(options, run_dir.root, p.nnodes, p.nproc, run_dir.slurm_script, resume)
     atomic_write_text(run_dir.slurm_script, script)  # the record; Slurm gets the text itself
@@ -266,7 +319,9 @@ def launch(
     submitted with ``sbatch``; the run directory must then be on a filesystem every node sees at the
     same path (``workdir`` or ``output_dir`` on NFS/Lustre/GPFS, not /tmp), and so must this Python
     and its packages. Everything is checked first: a bad spec, launcher or option raises
-    :class:`~mlora_lab.spec.SpecError` naming every problem, and nothing is created or submitted."""
+    :class:`~mlora_lab.spec.SpecError` naming every problem, and nothing is created or submitted. If the
+    job cannot be started or submitted after all, the run is ``failed`` with the cause and the error
+    is raised."""
     spec = spec.resolved(Path.cwd())
     root = _run_root(spec, workdir)
     lock = RunLock(RunDir(root))
@@ -282,6 +337,9 @@ def launch(
         if launcher == "slurm":
             return _submit(run_dir, JobSpec.load(run_dir.job), slurm or SlurmOptions())
         return _start(run_dir, JobSpec.load(run_dir.job))
+    except BaseException as e:
+        _fail_start(run_dir, e)
+        raise
     finally:
         lock.release()
 
@@ -302,7 +360,9 @@ def resume(
     layout works). Given any of them, the run's ``tp`` and ``ep`` are kept where they still divide the
     new world (else 1) and ``fsdp`` defaults to ``world / tp``. ``launcher``: ``local`` or ``slurm``
     (default: the one the run was launched with); a Slurm resume reuses the run's Slurm options unless
-    ``slurm`` gives new ones. Every problem is reported before anything changes.
+    ``slurm`` gives new ones. Every problem is reported before anything changes, a symlink planted
+    where the job writes (``logs/``, a log, ``control/``, ...) included; a GGUF base is converted then
+    too. If the job cannot be started after all, the run is ``failed`` with the cause.
     """
     from mlora_lab.rundir import checkpoint  # (the codec loads torch: a resume starts a job anyway)
 
@@ -340,10 +400,13 @@ def resume(
             p.tp = tp or (p.tp if p.world_size % p.tp == 0 else 1)
             p.fsdp = fsdp or p.world_size // p.tp
             p.ep = ep or (p.ep if (p.world_size // p.tp) % p.ep == 0 else 1)
-        problems = spec_problems(spec) if changed else []
+        sweep = Sweep.from_dict(json.loads(run.sweep.read_text("utf-8"))) if run.sweep.is_file() else None
+        problems = spec_problems(spec if sweep is None else job_of_sweep(spec, sweep)) if changed else []
         problems += _launcher_problems(launcher, spec.parallel, slurm, run.root, resume=True)
+        problems += [link_message(link, run.root) for link in run.links()]
         if problems:
             raise SpecError(problems)
+        _convert_base(spec)
         if changed:
             spec.to_json(run.job)
         control.clear_stop(run.root)
@@ -359,11 +422,15 @@ def resume(
             slurm_job_id=None,
             slurm_state=None,
         )
-        if launcher == "slurm":
-            options = slurm or SlurmOptions()
-            atomic_write_json(run.slurm_options, options.to_dict())
-            return _submit(run, spec, options, resume=True)
-        return _start(run, spec, resume=True)
+        try:
+            if launcher == "slurm":
+                options = slurm or SlurmOptions()
+                atomic_write_json(run.slurm_options, options.to_dict())
+                return _submit(run, spec, options, resume=True)
+            return _start(run, spec, resume=True)
+        except BaseException as e:
+            _fail_start(run, e)
+            raise
     finally:
         lock.release()
 

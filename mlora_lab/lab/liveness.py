@@ -39,8 +39,8 @@ import psutil
 
 from mlora_lab.lab import slurm
 from mlora_lab.lab.logs import read_log
-from mlora_lab.rundir import RunDir, RunState, Status, control, read_status, update_status
-from mlora_lab.rundir.status import JOB_MODULE
+from mlora_lab.rundir import RunDir, RunDirError, RunState, Status, control, read_status, update_status
+from mlora_lab.rundir.status import JOB_MODULE, is_job_command
 
 SLURM_MAX_AGE_S = 1.0
 """Slurm is asked about a job at most this often (a dashboard reads the state every second)."""
@@ -275,6 +275,32 @@ class Liveness:
             time.sleep(poll)
 
     # -- ending the job -----------------------------------------------------------------------------
+    def signal_stop(self) -> None:
+        """Ask the job for a graceful stop by SIGTERM rather than by the stop file: on a full disk the
+        file cannot be written, and a signal needs no space. Each rank turns SIGTERM into the same
+        stop as the file's (the ranks agree on it at the next step boundary: finish the step,
+        checkpoint, save, exit). The recorded process is checked first (same pid, start time, host:
+        a stale pid is never signalled). :class:`~mlora_lab.rundir.RunDirError` saying why when the
+        job cannot be signalled from here (it runs on another host; a Slurm job: see the message)."""
+        status = read_status(self.dir.root)
+        if status is not None and status.slurm_job_id is not None and status.slurm_state is None:
+            raise RunDirError(
+                f"{self.dir.root}: the stop file cannot be written (is the disk full?) and this Python does "
+                f"not signal Slurm job {status.slurm_job_id} itself; free some space and stop again, or "
+                "run.kill() to cancel it without a final save"
+            )
+        if self.process is not None and self.process.poll() is None:
+            pid = self.process.pid
+        elif status is not None and status.process is not None and status.process.alive():
+            pid = status.process.pid
+        else:
+            where = f" (it runs on {status.host})" if status is not None and status.host else ""
+            raise RunDirError(
+                f"{self.dir.root}: the stop file cannot be written (is the disk full?) and the job's "
+                f"process cannot be signalled from here{where}; free some space and stop again"
+            )
+        terminate_job(pid)
+
     def kill(self, timeout: float = 120) -> None:
         """SIGKILL every process of the job, after checking that the recorded process still is the
         job (same pid, start time and host): a stale pid is never signalled. A Slurm job is killed and
@@ -321,6 +347,28 @@ class Liveness:
             fields |= {"state": RunState.STOPPED, "ended": time.time(), "error": f"{what} (scancel {job_id})"}
         with contextlib.suppress(OSError):
             update_status(self.dir.root, **fields)
+
+
+def terminate_job(pid: int) -> None:
+    """SIGTERM every rank of the job whose process (the torchrun agent, or a job started without
+    torchrun) is ``pid``: the ranks are the agent's descendants that run the job's module. The agent
+    itself is left alone (signalled, it would give its workers only 30 s before killing them); when it
+    has no rank yet, it gets the signal itself."""
+    try:
+        agent = psutil.Process(pid)
+        ranks = [p for p in agent.children(recursive=True) if is_job_command(_cmdline(p))]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return
+    for p in ranks or [agent]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            p.send_signal(signal.SIGTERM)
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
 
 
 def kill_job(pid: int) -> None:

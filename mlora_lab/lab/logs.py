@@ -3,10 +3,11 @@ agent's ``logs/launcher.log`` (a Slurm job's batch output goes there too)."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
-from mlora_lab.rundir import RunDir
+from mlora_lab.rundir import RunDir, RunDirError, guarded_open
 
 LAUNCHER_LOG = "launcher.log"
 TAIL_BYTES = 64 << 10
@@ -20,18 +21,25 @@ def log_path(run: RunDir, rank: int | None) -> Path:
 
 def read_log(run: RunDir, rank: int | None = 0, tail: int | None = 50) -> str:
     """The last ``tail`` lines (``None``: all) of rank ``rank``'s log (``None``: the launcher's); ``""``
-    when it does not exist yet."""
+    when it does not exist yet; why not, in parentheses, when it is a symlink (or a FIFO) planted there
+    (never read through)."""
     try:
-        lines = log_path(run, rank).read_text(errors="replace").splitlines()
+        path = log_path(run, rank)
+        with open(guarded_open(run.root, path, os.O_RDONLY, create=False), "rb") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()
     except FileNotFoundError:
         return ""
+    except RunDirError as e:
+        return f"({e})"
     return "\n".join(lines[-tail:] if tail else lines)
 
 
 def tail_lines(path: Path, lines: int, max_bytes: int = TAIL_BYTES) -> str:
     """The last ``lines`` lines of a text file, reading at most its last ``max_bytes``."""
     try:
-        with open(path, "rb") as f:
+        with open(
+            guarded_open(path.parent, path, os.O_RDONLY, create=False), "rb"
+        ) as f:  # (no link, no FIFO)
             f.seek(0, 2)
             size = f.tell()
             f.seek(max(0, size - max_bytes))

@@ -3,9 +3,11 @@ draw is :mod:`mlora_lab.lab.series`).
 
 Drawing helpers, shared so that a plot looks the same wherever it is made:
 
-- :data:`PALETTE` and :class:`Colours`: one colour per ``run/tenant``, the same in every figure
-  (see :class:`Colours` for the rule); :func:`run_name`: a run's name in a view (unique, even when two
-  workdirs hold runs of the same name);
+- :data:`PALETTE` and :func:`series_colour`: one colour per (run, tenant), the same in every figure and
+  every time the notebook runs; :func:`run_name`: a run's key in a view (unique, even when two workdirs
+  hold runs of the same name); :func:`run_titles`, :func:`series_label`: what labels call runs and
+  series; :func:`plain`: user text that matplotlib never parses as mathtext; :func:`category_label`,
+  :func:`set_categories`: a setting's values on a category axis;
 - :func:`ema` / :class:`Ema`: TensorBoard's bias-corrected smoothing, whole or incremental;
 - :func:`thin`: at most ``max_points`` per line, keeping each bucket's min and max (spikes stay);
 - :func:`with_breaks` / :func:`thin_with_breaks`: lines never join points across a stop → resume gap
@@ -24,7 +26,9 @@ import contextlib
 import datetime
 import io
 import math
+import re
 import zlib
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -40,6 +44,9 @@ PALETTE = [
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
     "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#31a354", "#e6550d", "#756bb1", "#636363",
 ]  # fmt: skip
+
+LINESTYLES = ["-", "--", ":", "-."]
+"""One per run where a figure shows several (solid for the first)."""
 
 DISPLAY_DPI = 80
 """Figures are laid out at this resolution (a 9-inch figure is 720 CSS pixels wide) ..."""
@@ -62,14 +69,15 @@ FEW_POINTS = 25
 
 
 def series_key(run: str, tenant: str) -> str:
-    """The name a series is known by everywhere (colours, labels): ``"<run dir name>/<tenant>"``."""
+    """The name a series is known by in messages: ``"<run>/<tenant>"``."""
     return f"{run}/{tenant}"
 
 
 def run_name(path: Path, taken: dict[str, Path]) -> str:
-    """A run's name in a view (labels, colours, the runs table): its directory's name, unless another
-    run of the view (``taken``: name -> path) already has it, then ``<parent>/<name>`` (and a number,
-    if need be). The same directory always gets the name it already has. Records the name in ``taken``."""
+    """A run's key in a view (``dash.choose``, the runs table's rows): its directory's name, unless another
+    run of the view (``taken``: key -> path) already has it, then ``<parent>/<name>`` (and a number,
+    if need be). The same directory always gets the key it already has. Records the key in ``taken``.
+    (What labels show is the run's title: :func:`run_titles`.)"""
     path = Path(path).absolute()
     for name, other in taken.items():
         if other == path:
@@ -84,39 +92,147 @@ def run_name(path: Path, taken: dict[str, Path]) -> str:
     return name
 
 
-class Colours:
-    """One colour per series key (``run/tenant``), stable across figures.
+RUN_ID = re.compile(r"(\d{4})(\d{2})(\d{2})-(\d{2})(\d{2})(\d{2})-[0-9a-f]{6}")
+"""A run directory named by a launch (``20261125-185851-94644c``)."""
 
-    A key's colour is ``PALETTE[crc32(key) % 10]`` (matplotlib's ten clearly different tab10 colours):
-    the same in the dashboard, in ``ml.compare`` and in next week's notebook, whatever else is drawn.
-    Within one figure two keys must not share a colour, so when the hashed colour is taken by a key
-    assigned earlier, the next free tab10 colour is used, and once all ten are taken the ten darker
-    tones (``PALETTE[10:]``) in the same way. Series are assigned in the order they are listed: runs in
-    the given order, each run's tenants in job.json order, then tenants added later; past 20 series
-    colours repeat.
-    """
 
-    def __init__(self) -> None:
-        self._of: dict[str, str] = {}
+def run_titles(runs: Sequence[tuple[str, str]]) -> list[str]:
+    """What labels call each of ``runs`` (``(name, key)`` pairs: the job's ``JobSpec.name`` and the run's
+    key in the view, :func:`run_name`): the name, and where two runs shown together share it (a
+    notebook run twice), the time its directory was made (``quickstart · 11-25 18:58:51``), else its
+    key."""
+    counts = Counter(name for name, _ in runs)
+    titles = []
+    for name, key in runs:
+        if counts[name] > 1 and key != name:
+            m = RUN_ID.fullmatch(Path(key).name)
+            name = f"{name} · " + (f"{m[2]}-{m[3]} {m[4]}:{m[5]}:{m[6]}" if m else key)
+        titles.append(name)
+    seen: Counter[str] = Counter()
+    out = []
+    for title in titles:  # the same second twice: numbered
+        seen[title] += 1
+        out.append(title if titles.count(title) == 1 else f"{title} #{seen[title]}")
+    return out
 
-    def __call__(self, key: str) -> str:
-        colour = self._of.get(key)
-        if colour is None:
-            start = zlib.crc32(key.encode()) % 10
-            taken = set(self._of.values())
-            candidates = [PALETTE[base + (start + k) % 10] for base in (0, 10) for k in range(10)]
-            colour = next((c for c in candidates if c not in taken), PALETTE[start])
-            self._of[key] = colour
-        return colour
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._of
+def shorten(text: str, limit: int) -> str:
+    """``text`` cut in the middle to at most ``limit`` characters (``"a-long…name"``): both ends stay,
+    which is where runs and trials differ."""
+    if len(text) <= limit:
+        return text
+    if limit < 3:
+        return text[:limit]
+    head = limit // 2
+    return text[:head] + "…" + text[len(text) - (limit - 1 - head) :]
 
-    def items(self) -> Iterable[tuple[str, str]]:
-        return self._of.items()
+
+LABEL_CHARS = 48
+"""A series' label (``run / tenant``) is at most this long: the run's title is shortened first."""
+
+
+def series_label(run_title: str | None, tenant: str, limit: int = LABEL_CHARS) -> str:
+    """A series' label in legends, progress rows and readouts: ``tenant`` when one run is shown
+    (``run_title`` None), else ``run / tenant``; the run's title is cut in the middle so that the
+    label fits in ``limit`` characters, and the tenant's name only once the title is down to 12."""
+    if run_title is None:
+        return shorten(tenant, limit)
+    room = limit - 3 - len(tenant)
+    if room >= min(12, len(run_title)):
+        return f"{shorten(run_title, room)} / {tenant}"
+    title = shorten(run_title, 12)
+    return f"{title} / {shorten(tenant, limit - 3 - len(title))}"
+
+
+NOTE_CHARS = 4000
+"""A run's note is shown up to this many characters (what ``run.note`` accepts)."""
+
+
+def cut_note(note: str, limit: int = NOTE_CHARS) -> str:
+    """A note as the lab shows it: whole up to ``limit`` characters, else its start and how long it is
+    (a hand-written labels.json may hold megabytes)."""
+    if len(note) <= limit:
+        return note
+    return f"{note[:limit]}… (cut: the note is {len(note):,} characters long)"
+
+
+def plain(text: object) -> str:
+    """User text (a run's or tenant's name, a setting's value) as matplotlib shows it literally: every
+    ``$`` escaped, so an even number of them is never parsed as mathtext (which may raise, and the
+    figure with it)."""
+    return str(text).replace("$", r"\$")
+
+
+CATEGORY_CHARS = 40
+"""A setting's value on a category axis (``target_modules``, ``schedule``) is shown whole up to this many
+characters: four projections (``q_proj,k_proj,v_proj,o_proj``) are what tells two trials apart, and a
+cut in their middle hid exactly that; past it (a hand-written list of every layer) it is cut in the
+middle, and the point's readout has it whole."""
+
+
+def category_label(value: object, limit: int = CATEGORY_CHARS) -> str:
+    """A setting's value as a category's tick label: plain text (:func:`plain`), at most ``limit``
+    characters (:data:`CATEGORY_CHARS`)."""
+    return plain(shorten(str(value), limit))
+
+
+def set_categories(ax: Axes, categories: Sequence[object]) -> None:
+    """Put ``categories`` (the values of a setting that is not a number: ``target_modules``,
+    ``schedule``) on the x axis at 0, 1, ..., each labelled :func:`category_label`, slanted and ending
+    under its tick: long labels (four projections) then lie side by side instead of running into the
+    next one."""
+    ax.set_xticks(range(len(categories)), [category_label(c) for c in categories])
+    ax.set_xlim(-0.5, len(categories) - 0.5)
+    ax.tick_params(axis="x", labelrotation=30)
+    for label in ax.get_xticklabels():
+        label.set_horizontalalignment("right")
+        label.set_rotation_mode("anchor")
+
+
+def series_colour(run: str, index: int) -> str:
+    """The colour of tenant number ``index`` of the run named ``run`` (``JobSpec.name``), the same in the
+    dashboard (one run or several), in ``ml.compare``, ``ml.hparams`` and after the notebook is run again.
+
+    ``PALETTE[(crc32(run) + index) % 10]`` (matplotlib's ten clearly different tab10 colours), in the
+    darker tones (``PALETTE[10:]``) for tenants 10-19, repeating from tenant 20: a run's tenants never
+    share a colour (up to 20), each run starts its tenants at its own place in the palette, and
+    nothing but the run's name and the tenant's place in its run (job.json's order, then tenants in the
+    order they first appear in the metrics) decides it: not what else a figure shows, nor in which
+    order. Runs of the same name (a notebook run again) get the same colours: figures that show them
+    together tell them apart by line style and label."""
+    start = zlib.crc32(run.encode("utf-8", "surrogatepass")) % 10
+    return PALETTE[(start + index) % 10 + 10 * ((index // 10) % 2)]
+
+
+MAX_DRAWN = 1e300
+"""Values are drawn clipped to ±this: matplotlib's limits overflow past ~1e307 (a loss of 1e308 made
+the whole figure fail), and a spike of 1e300 is still a spike."""
+
+
+def drawable(values: np.ndarray) -> np.ndarray:
+    """``values`` as a figure can draw them: floats, clipped to ±:data:`MAX_DRAWN`; NaN and ±inf stay
+    gaps (matplotlib never joins a line through them)."""
+    v = np.asarray(values, dtype=float)
+    finite = np.isfinite(v)
+    if finite.all() and (not len(v) or np.abs(v).max() <= MAX_DRAWN):
+        return v
+    return np.where(finite, np.clip(v, -MAX_DRAWN, MAX_DRAWN), np.nan)
 
 
 # -- smoothing and thinning ---------------------------------------------------------------------------
+
+
+SMOOTHING = 0.6
+"""The smoothing the dashboard draws with by default, and that ``best_loss`` columns use."""
+
+
+def best_smoothed(values: np.ndarray, smoothing: float = SMOOTHING) -> float | None:
+    """The lowest point of the smoothed curve (:func:`ema` with ``smoothing``): a train loss's "best",
+    which one lucky batch cannot set (the raw minimum can). None without a finite value."""
+    v = drawable(values)
+    if not np.isfinite(v).any():
+        return None
+    return float(np.nanmin(ema(v, smoothing)))
 
 
 def ema(values: np.ndarray, smoothing: float) -> np.ndarray:
@@ -272,6 +388,16 @@ def set_log_y(ax: Axes, log: bool) -> None:
     ax.grid(True, which="major", alpha=0.3)
 
 
+def set_log_x(ax: Axes) -> None:
+    """A log x axis whose ticks stay readable on any range (:class:`LogTicks`: inside one decade, e.g. an
+    lr searched from 3e-4 to 2e-3, plain steps instead of a pile of minor labels)."""
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogTicks())
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(_plain_number))
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+
+
 def style_axes(
     ax: Axes, xlabel: str | None = None, ylabel: str | None = None, title: str | None = None, size: int = 8
 ) -> None:
@@ -287,9 +413,15 @@ def style_axes(
 
 
 def set_x_axis(ax: Axes, x: str) -> None:
-    """Label and tick the x axis for one of :data:`X_AXES` (clock times for wall time)."""
+    """Label and tick the x axis for one of :data:`X_AXES` (clock times for wall time).
+
+    The x limits start over at (0, 1): limits left from another axis mean nothing on this one, and an
+    axes with no drawable point on it (a system row stamped in the year 33658 is NaN on the wall clock)
+    would keep them: 1e12 seconds taken as days is past the dates matplotlib can tick, and the whole
+    figure failed."""
     import matplotlib.dates as mdates
 
+    ax.set_xlim(0, 1, auto=None)  # (auto=None: a zoom's autoscale-off, or on, is left as it is)
     ax.set_xlabel(X_LABELS[x], fontsize=9)
     if x == "wall time":
         local = datetime.datetime.now().astimezone().tzinfo  # clock times as the user's clock shows them

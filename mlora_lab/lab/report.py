@@ -21,21 +21,31 @@ from mlora_lab.lab.handles import attach
 from mlora_lab.lab.plotting import (
     DISPLAY_DPI,
     EXPORT_DPI,
-    Colours,
+    LINESTYLES,
+    best_smoothed,
+    category_label,
+    cut_note,
+    drawable,
     ema,
     figure_png,
     marker_for,
     placeholder,
+    plain,
     robust_ylim,
     run_name,
-    series_key,
+    run_titles,
+    series_label,
+    set_categories,
+    set_log_x,
     set_log_y,
     set_x_axis,
+    shorten,
     style_axes,
     thin_with_breaks,
 )
 from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
-from mlora_lab.lab.series import METRICS, X_AXES, RunSeries
+from mlora_lab.lab.series import METRICS, X_AXES, RunSeries, to_datetimes
+from mlora_lab.lab.trials import results
 from mlora_lab.rundir import (
     RowKind,
     RunDirError,
@@ -50,27 +60,29 @@ from mlora_lab.spec import SpecError, Tenant
 SUMMARY_COLUMNS = [
     "tenant",
     "state",
+    "steps",
+    "max_steps",
+    "final_loss",
+    "best_loss",
+    "eval_loss",
+    "best_eval_loss",
+    "first_loss",
+    "lr",
     "rank",
     "alpha",
-    "targets",
-    "lr",
     "schedule",
     "warmup",
     "dropout",
     "batch_size",
     "grad_accum",
-    "steps",
-    "max_steps",
-    "first_loss",
-    "final_loss",
-    "best_loss",
-    "eval_loss",
-    "best_eval_loss",
+    "targets",
     "rows",
     "tokens",
     "time_s",
     "reason",
 ]
+"""What people run :func:`summary` for comes first (a notebook shows the first and last ten columns of a
+wide table and hides the middle behind "…"): state, steps, losses; then the settings."""
 SETTINGS = (
     "rank",
     "alpha",
@@ -85,19 +97,34 @@ SETTINGS = (
 )
 BROKEN = "broken"
 """The state :func:`runs` lists a run in whose files cannot be read (no run is ever in it)."""
-LINESTYLES = ["-", "--", ":", "-."]
 
 RunLike = Run | str | Path
 
-RUNS_COLUMNS = ["run", "state", "tenants", "steps", "best_loss", "tags", "note", "started", "path", "problem"]
+RUNS_COLUMNS = [
+    "run",
+    "name",
+    "state",
+    "tenants",
+    "global_step",
+    "best_loss",
+    "tags",
+    "note",
+    "started",
+    "path",
+    "problem",
+]
 
 
 def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
-    """One row per run directory under ``workdir``: id, state, tenants (comma-joined names), global
-    steps, ``best_loss`` (the lowest train loss of any tenant; None before the first step), ``tags``
-    (comma-joined, in the order they were added: ``table[table.tags.str.contains("baseline")]``),
-    ``note`` and start time. A run whose files cannot be read is listed as ``broken`` (its ``state``),
-    with the reason in ``problem``; unreadable labels leave its tags and note empty and say why in ``problem``."""
+    """One row per run directory under ``workdir``: ``run`` (its directory's name), ``name`` (the job's
+    ``JobSpec.name``), state, tenants (comma-joined names), ``global_step`` (the job's step: one per
+    batch, whichever tenants took part), ``best_loss`` (the lowest smoothed train loss of any tenant:
+    the EMA the dashboard draws, factor :data:`~mlora_lab.lab.plotting.SMOOTHING`, so one lucky batch
+    cannot set it; None before the first step), ``tags`` (comma-joined, in the order they were added:
+    ``table[table.tags.str.contains("baseline")]``), ``note`` (cut past
+    :data:`~mlora_lab.lab.plotting.NOTE_CHARS` characters) and start time. A run whose files cannot be
+    read is listed as ``broken`` (its ``state``), with the reason in ``problem``; unreadable labels leave
+    its tags and note empty and say why in ``problem``."""
     rows = []
     for job in sorted(Path(workdir).glob("*/job.json")):
         row = {"run": job.parent.name, "path": str(job.parent), "problem": None}
@@ -105,19 +132,30 @@ def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
             run = Run(job.parent)
             status = read_status(job.parent)
             metrics = run.typed_rows()
-            losses = [r.loss for r in metrics if isinstance(r, TrainRow) and r.loss is not None]
+            losses: dict[str, list[float]] = {}
+            for r in metrics:
+                if isinstance(r, TrainRow) and r.loss is not None:
+                    losses.setdefault(r.tenant, []).append(r.loss)
+            best = [b for v in losses.values() if (b := best_smoothed(np.array(v))) is not None]
             row |= {
+                "name": run.spec.name,
                 "state": run.status.value,
                 "tenants": ", ".join(t.name for t in run.spec.tenants),
-                "steps": max((r.step for r in metrics), default=0),
-                "best_loss": min(losses, default=None),
-                "started": pd.to_datetime(status.started if status else None, unit="s"),
+                "global_step": max((r.step for r in metrics), default=0),
+                "best_loss": min(best, default=None),
+                "started": to_datetimes(status.started if status else None),
             }
         except (RunDirError, SpecError, OSError) as e:
-            row |= {"state": BROKEN, "tenants": None, "steps": None, "started": pd.NaT, "problem": str(e)}
+            row |= {
+                "state": BROKEN,
+                "tenants": None,
+                "global_step": None,
+                "started": pd.NaT,
+                "problem": str(e),
+            }
         try:
             labels = read_labels(job.parent)
-            row |= {"tags": ", ".join(labels.tags), "note": labels.note}
+            row |= {"tags": ", ".join(labels.tags), "note": cut_note(labels.note)}
         except RunDirError as e:
             row["problem"] = "; ".join(p for p in (row["problem"], str(e)) if p)
         rows.append(row)
@@ -154,11 +192,15 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
     - ``state``: the tenant's state now (``pending``, ``running``, ``paused``, ``finished``,
       ``removed``, ``failed``, ``refused``; a tenant the job was still training when the run stopped,
       failed or was lost shows the run's state) and ``reason`` (why it failed or was refused);
-    - its settings: ``rank``, ``alpha``, ``targets`` (target modules, then target parameters,
-      comma-joined), ``lr``, ``schedule``, ``warmup`` (steps), ``dropout``, ``batch_size``, ``grad_accum``,
-      ``max_steps``;
-    - its results: ``steps`` taken, first/final/best train loss, last and best eval loss, ``rows`` of its data
-      and target ``tokens`` trained on, and ``time_s`` from its first to its last logged step.
+    - its results first (a notebook hides the middle columns of a wide table): ``steps`` (the tenant's
+      own optimiser steps) of ``max_steps``, ``final_loss`` (its last logged train loss), ``best_loss``
+      (the lowest point of its smoothed train loss: the EMA the dashboard draws, factor
+      :data:`~mlora_lab.lab.plotting.SMOOTHING`; one lucky batch cannot set it), ``eval_loss`` (the last)
+      and ``best_eval_loss``, ``first_loss``;
+    - its settings: ``lr``, ``rank``, ``alpha``, ``schedule``, ``warmup`` (steps), ``dropout``,
+      ``batch_size``, ``grad_accum``, ``targets`` (target modules, then target parameters, comma-joined);
+    - ``rows`` of its data and target ``tokens`` trained on, ``time_s`` from its first to its last logged
+      step, and ``reason``.
 
     Tenants added while the job ran are included, also those the job refused or has not added yet
     (their settings are those their ``add`` message sent). ``rows`` is None for runs written before
@@ -189,19 +231,33 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
                     "steps": int(train["tenant_step"].max()) if len(train) else 0,
                     "first_loss": train["loss"].iloc[0] if len(train) else None,
                     "final_loss": train["loss"].iloc[-1] if len(train) else None,
-                    "best_loss": train["loss"].min() if len(train) else None,
+                    "best_loss": best_smoothed(train["loss"].to_numpy(dtype=float)) if len(train) else None,
                     "eval_loss": evals["loss"].iloc[-1] if len(evals) else None,
                     "best_eval_loss": evals["loss"].min() if len(evals) else None,
                     "rows": _last_count(train, "rows_seen"),
                     "tokens": tokens,
-                    "time_s": (train["time"].iloc[-1] - train["time"].iloc[0]).total_seconds()
-                    if len(train)
-                    else 0.0,
+                    "time_s": _seconds(train["time"]),
                     "reason": row.reason if row else None,
                 }
             )
     columns = (["run"] if len(runs) > 1 else []) + SUMMARY_COLUMNS
     return pd.DataFrame(out)[columns] if out else pd.DataFrame(columns=columns)
+
+
+def _seconds(times: pd.Series) -> float:
+    """Seconds from the first to the last of ``times`` (NaN when a time could not be read)."""
+    if not len(times):
+        return 0.0
+    span = times.iloc[-1] - times.iloc[0]
+    return float("nan") if pd.isna(span) else span.total_seconds()
+
+
+def _title(run: Run) -> str:
+    """A run's name (``JobSpec.name``; its directory's when job.json cannot be read)."""
+    try:
+        return run.spec.name or run.path.name
+    except SpecError:
+        return run.path.name
 
 
 def _settings(t: Tenant | None) -> dict:
@@ -273,7 +329,10 @@ def compare(
             f"compare: no {metric!r} values{which} in run(s) {', '.join(missing)}; they are not in the figure",
             stacklevel=2,
         )
-    style_axes(ax, ylabel=metric, title=f"{metric}: " + ", ".join(r.path.name for r in runs), size=9)
+    taken: dict[str, Path] = {}
+    titles = run_titles([(_title(r), run_name(r.path, taken)) for r in runs])
+    names = ", ".join(shorten(name, 40) for name in titles)
+    style_axes(ax, ylabel=metric, title=plain(shorten(f"{metric}: {names}", 120)), size=9)
     _finish(ax, logy, ignore_outliers, f"no {metric!r} values to draw")
     return fig
 
@@ -288,32 +347,33 @@ def _overlay(
     with_eval: bool = False,
 ) -> list[str]:
     """Draw ``metric`` of every (run, tenant) on ``ax`` (and, ``with_eval``, the eval loss as dots);
-    returns the names of the runs that had no value to draw."""
+    returns the names of the runs that had no value to draw. Colours are the tenants' own
+    (:meth:`~mlora_lab.lab.series.RunSeries.colour`), each run has its line style, labels are
+    ``run / tenant`` with the run's title (:func:`~mlora_lab.lab.plotting.run_titles`)."""
     taken: dict[str, Path] = {}
     feeds = [RunSeries(run.dir, run_name(run.path, taken)) for run in runs]
-    colours = Colours()
     for feed in feeds:
         feed.poll()
-        for name in feed.tenants:  # colours follow the listing order, as in the dashboard
-            colours(series_key(feed.name, name))
+    titles = run_titles([(feed.title, feed.name) for feed in feeds])
     set_x_axis(ax, x)
     missing = []
-    for i, feed in enumerate(feeds):
+    for i, (feed, title) in enumerate(zip(feeds, titles)):
         style = LINESTYLES[i % len(LINESTYLES)]
         drew = False
         for name in feed.tenants:
             if tenants is not None and name not in tenants:
                 continue
             xs, ys, breaks = feed.xy(name, metric, x)
+            ys = drawable(ys)
             if not np.isfinite(ys).any():
                 continue
             drew = True
-            colour = colours(series_key(feed.name, name))
-            label = name if len(feeds) == 1 else f"{feed.name} / {name}"
+            colour = feed.colour(name)
+            label = series_label(None if len(feeds) == 1 else title, name)
             is_eval = metric == "eval_loss"
             marker = "o" if is_eval else marker_for(len(xs))
             if smoothing > 0 and len(xs) > 1:  # the raw values stay visible under the smoothed line
-                ax.plot(
+                (raw,) = ax.plot(
                     *thin_with_breaks(xs, ys, breaks, COMPARE_POINTS),
                     linestyle=style,
                     color=colour,
@@ -321,25 +381,28 @@ def _overlay(
                     linewidth=0.8,
                     label="_raw",
                 )
-            ax.plot(
-                *thin_with_breaks(xs, ema(ys, smoothing), breaks, COMPARE_POINTS),
+                raw.lab_role = "raw"
+            (line,) = ax.plot(
+                *thin_with_breaks(xs, drawable(ema(ys, smoothing)), breaks, COMPARE_POINTS),
                 linestyle=style,
                 marker=marker,
                 markersize=3,
                 color=colour,
                 linewidth=1.4,
-                label=label,
+                label=plain(label),
             )
+            line.lab_role = "main"
             if with_eval:
                 ex, ey, ebreaks = feed.xy(name, "eval_loss", x)
                 if len(ex):
-                    ax.plot(
-                        *thin_with_breaks(ex, ey, ebreaks, COMPARE_POINTS),
+                    (dots,) = ax.plot(
+                        *thin_with_breaks(ex, drawable(ey), ebreaks, COMPARE_POINTS),
                         "o",
                         color=colour,
                         markersize=4,
                         label="_eval",
                     )
+                    dots.lab_role = "eval"
         if not drew:
             missing.append(feed.name)
     return missing
@@ -348,7 +411,7 @@ def _overlay(
 def _finish(ax: Axes, logy: bool, ignore_outliers: bool, empty: str) -> None:
     """Scale, limits, legend, and a note instead of empty ticks when nothing was drawn."""
     set_log_y(ax, logy)
-    mains = [line for line in ax.lines if not line.get_label().startswith("_")]
+    mains = [line for line in ax.lines if getattr(line, "lab_role", None) == "main"]
     if not mains:
         placeholder(ax, empty)
         return
@@ -367,17 +430,130 @@ def plot_losses(run: RunLike, path: str | Path | None = None, smoothing: float =
     fig = LabFigure(figsize=(8, 4.5))
     ax = fig.add_subplot(1, 1, 1)
     _overlay(ax, [run], "loss", None, smoothing, "tenant step", with_eval=True)
-    style_axes(ax, ylabel="loss (lines: train, dots: eval)", title=run.path.name, size=9)
+    style_axes(ax, ylabel="loss (lines: train, dots: eval)", title=plain(shorten(_title(run), 80)), size=9)
     _finish(ax, False, False, "no steps logged yet")
     if path is not None:
         fig.savefig(path, dpi=EXPORT_DPI)
     return fig
 
 
-HPARAMS = ("lr", "rank", "alpha", "dropout", "warmup", "batch_size", "grad_accum", "max_steps")
-"""Numeric settings :func:`hparams` can put on an axis (the ``summary()`` columns of the same names)."""
+HPARAMS = (
+    "lr",
+    "rank",
+    "alpha",
+    "dropout",
+    "warmup",
+    "batch_size",
+    "grad_accum",
+    "max_steps",
+    "targets",
+    "schedule",
+)
+"""Settings :func:`hparams` can put on an axis (the ``summary()`` columns of the same names); a sweep's
+searched settings can be named too."""
 LOG_HPARAMS = frozenset({"lr"})
 """Settings searched on a log scale: their axes are logarithmic."""
+SUMMARY_OF_FIELD = {"target_modules": "targets", "warmup_steps": "warmup"}
+"""A Tenant field's column in :func:`summary` where the names differ."""
+
+
+class HParamsFigure(LabFigure):
+    """:func:`hparams`' figure: a PNG wherever it is shown, and shown live (ipympl) a readout under it that
+    names the point under the cursor (run / tenant, its settings, its metric)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.points: list[tuple[Axes, np.ndarray, list[str]]] = []
+        """Per axes, its points in data coordinates (``[n, 2]``) and what each one is."""
+
+    def point_at(self, ax: Axes, x_px: float, y_px: float, radius_px: float = 12.0) -> str | None:
+        """What the point nearest display position ``(x_px, y_px)`` in ``ax`` is (None: none within
+        ``radius_px``)."""
+        best = None
+        for owner, xy, texts in self.points:
+            if owner is not ax or not len(xy):
+                continue
+            ok = np.isfinite(xy).all(axis=1)
+            if not ok.any():
+                continue
+            d = np.hypot(*(ax.transData.transform(xy[ok]) - (x_px, y_px)).T)
+            i = int(d.argmin())
+            if d[i] <= radius_px and (best is None or d[i] < best[0]):
+                best = (d[i], np.flatnonzero(ok)[i], texts)
+        return None if best is None else best[2][best[1]]
+
+    def _ipython_display_(self) -> None:
+        import base64
+
+        from IPython.display import display
+
+        png, size = self._repr_png_()
+        data = {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": repr(self)}
+        try:
+            import ipympl.backend_nbagg  # noqa: F401
+            import ipywidgets as W
+
+            from mlora_lab.lab.dashboard.figures import interactive_canvas
+        except ImportError:
+            display(data, raw=True, metadata={"image/png": size})
+            return
+        import html
+        import threading
+
+        canvas = interactive_canvas(self, threading.RLock())
+        readout = W.HTML(layout=W.Layout(min_height="1.4em"))
+
+        def on_motion(event: Any) -> None:
+            text = self.point_at(event.inaxes, event.x, event.y) if event.inaxes is not None else None
+            readout.value = html.escape(text or "")
+
+        canvas.mpl_connect("motion_notify_event", on_motion)
+        canvas.draw()
+        box = W.VBox([canvas, readout])
+        data |= box._repr_mimebundle_() or {}
+        display(data, raw=True, metadata={"image/png": size})
+
+
+def _hparams_table(runs: Sequence[Run]) -> tuple[pd.DataFrame, list[str]]:
+    """:func:`summary` of ``runs`` (with a ``run`` column), each trial of a sweep with the settings it
+    was given (from the sweep's record: its tenant may not be in job.json), and the names of the
+    settings the sweeps searched."""
+    table = summary(runs)
+    if "run" not in table:
+        table.insert(0, "run", runs[0].path.name if runs else "")
+    searched: list[str] = []
+    for run in runs:
+        if not run.dir.sweep.is_file():
+            continue
+        try:
+            trials = results(run.dir)
+        except RunDirError:
+            continue
+        config = [c for c in trials.columns if c not in TRIAL_COLUMNS]
+        for key in config:
+            column = SUMMARY_OF_FIELD.get(key, key)
+            searched.append(column)
+            if column not in table:
+                table[column] = None
+            table[column] = table[column].astype(object)
+            values = trials[key]
+            if column == "targets":  # (the summary's spelling: "q_proj,v_proj")
+                values = values.map(lambda v: v.replace(", ", ",") if isinstance(v, str) else v)
+            by_tenant = dict(zip(trials["tenant"], values))
+            mine = (table["run"] == run.path.name) & table["tenant"].isin(by_tenant)
+            table.loc[mine, column] = table.loc[mine, "tenant"].map(by_tenant)
+    return table, list(dict.fromkeys(searched))
+
+
+TRIAL_COLUMNS = frozenset(
+    {"trial", "tenant", "state", "steps", "rung", "objective", "best", "parent", "reason", "adapter"}
+)
+"""The columns of a sweep's results that are not a searched setting."""
+
+
+def _is_number(column: pd.Series) -> bool:
+    values = column.dropna()
+    return bool(len(values)) and all(isinstance(v, int | float | np.integer | np.floating) for v in values)
 
 
 def hparams(
@@ -392,26 +568,29 @@ def hparams(
     line (``kind="parallel"``: parallel coordinates, an axis per setting and a last one for the metric,
     lines coloured by the metric, best darkest).
 
-    ``metric`` is ``eval_loss`` (the lowest eval loss the tenant reached) or ``loss`` (its lowest train
-    loss); tenants without it are left out, with a warning naming them. ``params`` are ``summary()``
-    columns from :data:`HPARAMS`; by default every one that differs between the tenants shown (a setting
-    all tenants share explains nothing). ``lr`` is drawn on a log axis. Colours are the tenants'
-    colours of every other figure (:class:`mlora_lab.lab.plotting.Colours`).
+    ``metric`` is ``eval_loss`` (the lowest eval loss the tenant reached) or ``loss`` (the lowest point
+    of its smoothed train loss); tenants without it are left out, with a warning naming them.
+    ``params`` are ``summary()`` columns from :data:`HPARAMS` or settings a sweep searched; by default
+    every one that differs between the tenants shown (a setting all tenants share explains nothing).
+    Numbers are drawn on their value (``lr`` on a log axis), other settings (``targets``, ``schedule``)
+    as categories. A sweep's trials carry the settings they were given. Colours are the tenants'
+    colours of every other figure (:func:`mlora_lab.lab.plotting.series_colour`). Shown live (ipympl),
+    the point under the cursor is named under the figure: run / tenant, its settings and its metric
+    (``fig.point_at(ax, x, y)`` gives the same text).
     """
     if kind not in ("scatter", "parallel"):
         raise ValueError(f"kind must be 'scatter' or 'parallel', got {kind!r}")
     column = {"eval_loss": "best_eval_loss", "loss": "best_loss"}.get(metric)
     if column is None:
         raise ValueError(f"metric must be 'eval_loss' or 'loss', got {metric!r}")
-    unknown = [p for p in params or () if p not in HPARAMS]
+    runs = _as_runs(runs)
+    table, searched = _hparams_table(runs)
+    known = list(dict.fromkeys([*HPARAMS, *searched]))
+    unknown = [p for p in params or () if p not in known]
     if unknown:
         raise ValueError(
-            f"unknown hyperparameter(s) {', '.join(map(repr, unknown))}; choose from {', '.join(HPARAMS)}"
+            f"unknown hyperparameter(s) {', '.join(map(repr, unknown))}; choose from {', '.join(known)}"
         )
-    runs = _as_runs(runs)
-    table = summary(runs)
-    if "run" not in table:
-        table.insert(0, "run", runs[0].path.name if runs else "")
     missing = table[table[column].isna()]
     if len(missing):
         warnings.warn(
@@ -422,9 +601,9 @@ def hparams(
         )
     table = table[table[column].notna()].reset_index(drop=True)
     if params is None:
-        params = [p for p in HPARAMS if table[p].dropna().nunique() > 1]
+        params = [p for p in known if p in table and table[p].dropna().astype(str).nunique() > 1]
     params = list(params)
-    fig = LabFigure(
+    fig = HParamsFigure(
         figsize=figsize or ((4 + 2.6 * max(1, len(params)), 3.6) if kind == "scatter" else (9, 4))
     )
     if not len(table) or not params:
@@ -433,23 +612,43 @@ def hparams(
         ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="#666")
         ax.set_axis_off()
         return fig
-    colours = Colours()
-    keys = [series_key(r.run, r.tenant) for r in table.itertuples()]
-    y = table[column].to_numpy(dtype=float)
+    feeds = {run.path.name: RunSeries(run.dir) for run in runs}
+    titles = dict(zip(feeds, run_titles([(f.title, name) for name, f in feeds.items()])))
+    colours = [feeds[r.run].colour(r.tenant) for r in table.itertuples()]
+    names = [series_label(titles[r.run] if len(runs) > 1 else None, r.tenant) for r in table.itertuples()]
+    y = drawable(table[column].to_numpy(dtype=float))
+    texts = [
+        f"{name} · "
+        + " · ".join(f"{p} {_shown(v)}" for p in params if not pd.isna(v := table.at[i, p]))
+        + f" · best {metric} {y[i]:.4g}"
+        for i, name in enumerate(names)
+    ]
+    numeric = {p: _is_number(table[p]) for p in params}
+    categories = {p: sorted({str(v) for v in table[p].dropna()}) for p in params if not numeric[p]}
+
+    def position(p: str) -> np.ndarray:
+        if numeric[p]:
+            return drawable(pd.to_numeric(table[p], errors="coerce").to_numpy(dtype=float))
+        index = {c: i for i, c in enumerate(categories[p])}
+        return np.array([index.get(str(v), np.nan) if not pd.isna(v) else np.nan for v in table[p]], float)
+
+    best = int(np.nanargmin(y))
     if kind == "scatter":
         axes = fig.subplots(1, len(params), sharey=True, squeeze=False)[0]
         for ax, p in zip(axes, params):
-            x = table[p].to_numpy(dtype=float)
-            ax.scatter(x, y, c=[colours(k) for k in keys], s=36, edgecolors="white", linewidths=0.5, zorder=3)
-            best = int(np.nanargmin(y))
+            x = position(p)
+            ax.scatter(x, y, c=colours, s=36, edgecolors="white", linewidths=0.5, zorder=3)
             ax.scatter(
                 [x[best]], [y[best]], s=140, facecolors="none", edgecolors="#222", linewidths=1.2, zorder=4
             )
-            if p in LOG_HPARAMS:
-                ax.set_xscale("log")
-            style_axes(ax, xlabel=p, ylabel=f"best {metric}" if ax is axes[0] else None)
+            fig.points.append((ax, np.column_stack([x, y]), texts))
+            if p in LOG_HPARAMS and numeric[p]:
+                set_log_x(ax)
+            if not numeric[p]:
+                set_categories(ax, categories[p])
+            style_axes(ax, xlabel=plain(p), ylabel=f"best {metric}" if ax is axes[0] else None)
         axes[0].annotate(
-            f"best: {keys[best]}",
+            f"best: {plain(names[best])}",
             xy=(0.02, 0.98),
             xycoords="axes fraction",
             va="top",
@@ -460,34 +659,50 @@ def hparams(
         import matplotlib as mpl
 
         ax = fig.add_subplot(1, 1, 1)
-        names = [*params, f"best {metric}"]
-        raw = [table[p].to_numpy(dtype=float) for p in params] + [y]
+        axis_names = [*params, f"best {metric}"]
+        raw = [position(p) for p in params] + [y]
         scaled = []
-        for name, v in zip(names, raw):
+        for name, v in zip(axis_names, raw):
+            if name in categories:
+                k = len(categories[name])
+                scaled.append(v / (k - 1) if k > 1 else np.full_like(v, 0.5))
+                continue
             v = np.log10(v) if name in LOG_HPARAMS else v
             lo, hi = np.nanmin(v), np.nanmax(v)
             scaled.append((v - lo) / (hi - lo) if hi > lo else np.full_like(v, 0.5))
         cmap = mpl.colormaps["viridis_r"]
         lo, hi = np.nanmin(y), np.nanmax(y)
         norm = mpl.colors.Normalize(lo, hi if hi > lo else lo + 1)
-        xs = np.arange(len(names))
+        xs = np.arange(len(axis_names))
         order = np.argsort(-y)  # the best last, drawn on top
         for i in order:
             ax.plot(xs, [s[i] for s in scaled], color=cmap(norm(y[i])), linewidth=1.6, alpha=0.9)
-        for j, v in enumerate(raw):
+        fig.points.append((ax, np.column_stack([np.full(len(y), xs[-1]), scaled[-1]]), texts))
+        for j, (name, v) in enumerate(zip(axis_names, raw)):
             ax.axvline(j, color="#999", linewidth=0.8)
+            if name in categories:
+                k = len(categories[name])
+                for c, label in enumerate(categories[name]):
+                    at = c / (k - 1) if k > 1 else 0.5
+                    ax.text(j + 0.03, at, category_label(label), va="center", fontsize=7, color="#555")
+                continue
             lo_v, hi_v = np.nanmin(v), np.nanmax(v)
             ax.text(j, -0.06, f"{lo_v:.3g}", ha="center", va="top", fontsize=7, color="#555")
             ax.text(j, 1.06, f"{hi_v:.3g}", ha="center", va="bottom", fontsize=7, color="#555")
-        ax.set_xticks(xs, names, fontsize=8)
+        ax.set_xticks(xs, [plain(n) for n in axis_names], fontsize=8)
         ax.set_yticks([])
         ax.set_ylim(-0.15, 1.15)
-        ax.set_xlim(-0.3, len(names) - 0.7)
+        ax.set_xlim(-0.3, len(axis_names) - 0.7)
         for side in ("left", "right", "top"):
             ax.spines[side].set_visible(False)
         fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=f"best {metric}", pad=0.02)
     fig.suptitle(f"hyperparameters → best {metric} ({len(table)} tenants)", fontsize=10)
     return fig  # LabFigure's constrained layout places the panels, the colorbar and the title
+
+
+def _shown(v: Any) -> str:
+    """A setting's value in a readout."""
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
 Prompt = str | Sequence[Mapping[str, str]]

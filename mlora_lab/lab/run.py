@@ -41,10 +41,13 @@ from mlora_lab.rundir import (
     TenantState,
     control,
     read_labels,
+    shown_tenant_state,
     update_labels,
 )
 from mlora_lab.rundir.files import TextEnum
 from mlora_lab.spec import JobSpec, SpecError, Tenant
+
+TENANT_STATES = frozenset(s.value for s in TenantState)
 
 DEFAULT_WORKDIR = "runs"
 """Where a launch puts its run directory (``<workdir>/<run id>``) unless the spec has an ``output_dir``."""
@@ -219,13 +222,17 @@ class Run:
         After ``timeout`` seconds the job's processes are killed. Returns once the run has ended (a
         Slurm run: once Slurm says its job has ended, as :meth:`wait`); the state is not final only if
         even the kill could not end it (:attr:`reason` says why), and a Slurm job that scancel has not
-        ended within two minutes raises :class:`~mlora_lab.lab.slurm.SlurmError` with Slurm's state."""
+        ended within two minutes raises :class:`~mlora_lab.lab.slurm.SlurmError` with Slurm's state.
+        On a disk too full for the stop file, the job is sent SIGTERM instead (:meth:`~mlora_lab.lab.liveness.Liveness.signal_stop`)."""
         if (state := self.reconcile()).final:
             return self.wait(timeout)  # (at once, unless Slurm could not confirm the end yet)
         if state is RunState.QUEUED:  # nothing runs yet: take it out of Slurm's queue
             self.kill()
             return self.reconcile()
-        control.request_stop(self.dir.root)
+        try:
+            control.request_stop(self.dir.root)
+        except OSError:  # a full disk has no room for the stop file: a signal needs none
+            self.liveness.signal_stop()
         state = self.wait(timeout)
         if not state.final:
             self.kill()
@@ -276,15 +283,26 @@ class Run:
         self._check_known(name)
         return self._control(Op.RESUME, name, wait, timeout, name=name)
 
-    def tenant_state(self, name: str) -> TenantState | None:
-        """The tenant's latest state: pending, running, paused, finished, removed, failed or refused."""
+    def tenant_state(self, name: str) -> TenantState | RunState | None:
+        """The tenant's state now (:meth:`tenant_states`); None when no row names it yet."""
         return self.tenant_states().get(name)
 
-    def tenant_states(self) -> dict[str, TenantState]:
-        """Every tenant's latest state as its rows say (one pass over the rows), in the order the
-        tenants first appear. A tenant the job was still training when it stopped or failed says
-        ``running``: :func:`~mlora_lab.rundir.shown_tenant_state` gives the state to show."""
-        return {r.tenant: r.state for r in self.typed_rows() if isinstance(r, TenantRow)}
+    def tenant_states(self) -> dict[str, TenantState | RunState]:
+        """Every tenant's state now, in the order the tenants first appear in the rows: pending,
+        running, paused, finished, removed, failed or refused as its latest row says, except that once
+        the run has ended (stopped, failed, lost) a tenant its job was still training shows the run's
+        state, as :func:`~mlora_lab.lab.report.summary`, ``mlora-lab status`` and the dashboard do
+        (:func:`~mlora_lab.rundir.shown_tenant_state`: the job writes no row for those tenants when it
+        stops)."""
+        own = {r.tenant: r.state for r in self.typed_rows() if isinstance(r, TenantRow)}
+        run_state = self.status
+        if not run_state.final:
+            return own
+        out: dict[str, TenantState | RunState] = {}
+        for name, state in own.items():
+            shown = shown_tenant_state(state, run_state)
+            out[name] = TenantState(shown) if shown in TENANT_STATES else RunState(shown)
+        return out
 
     def tenant_specs(self) -> dict[str, Tenant | None]:
         """Every tenant the run has, had or was asked to add, in order: job.json's (the job records

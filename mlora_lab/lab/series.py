@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import zlib
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mlora_lab.lab.plotting import SMOOTHING, drawable, series_colour
 from mlora_lab.rundir import (
     EvalRow,
     EventKind,
@@ -57,8 +59,33 @@ def rows_frame(rows: Sequence[Row]) -> pd.DataFrame:
     for column in {name for kind in {r.kind for r in rows} for name in ENUM_FIELDS[kind]}:
         df[column] = [v.value if isinstance(v, Enum) else v for v in df[column]]
     if "time" in df:
-        df["time"] = pd.to_datetime(df["time"], unit="s")
+        df["time"] = to_datetimes(df["time"])
     return df
+
+
+def to_datetimes(seconds: Any) -> Any:
+    """Seconds since 1970 (a Series, or one number or None) as pandas datetimes. A time no clock gives
+    (before 1970 or after :data:`MAX_TIME_S`, e.g. a hand-written ``time: 1e12``) is ``NaT``: pandas
+    cannot hold most of them at its resolution, and one would fail the whole table
+    (``OutOfBoundsDatetime``)."""
+    if isinstance(seconds, pd.Series):
+        t = pd.to_numeric(seconds, errors="coerce").astype(float)
+        return pd.to_datetime(t.where((t >= 0) & (t <= MAX_TIME_S)), unit="s", errors="coerce")
+    if seconds is None or not (isinstance(seconds, int | float) and 0 <= seconds <= MAX_TIME_S):
+        return pd.NaT
+    return pd.to_datetime(seconds, unit="s")
+
+
+MAX_TIME_S = 2**33
+"""Rows stamped after this (the year 2242) are not placed on a wall-clock axis: matplotlib's dates end
+at the year 9999, and one hand-written ``time: 1e12`` would fail the whole figure."""
+
+
+def date_numbers(seconds: np.ndarray) -> np.ndarray:
+    """Seconds since 1970 as matplotlib's date numbers (days since 1970-01-01, UTC); a time no clock
+    gives (negative, or past :data:`MAX_TIME_S`) is NaN: not drawn."""
+    t = np.asarray(seconds, dtype=float)
+    return np.where((t >= 0) & (t <= MAX_TIME_S), t, np.nan) / 86400.0
 
 
 def gap_breaks(t: np.ndarray, resumes: Sequence[float] = ()) -> np.ndarray:
@@ -135,6 +162,9 @@ class TenantSeries:
         self.tokens = 0
         self.last_loss: float | None = None
         self.best_loss: float | None = None
+        """The lowest point of its smoothed train loss (:func:`~mlora_lab.lab.plotting.best_smoothed`,
+        kept up row by row: the EMA's numerator and denominator are two numbers)."""
+        self._ema = (0.0, 0.0)
 
     def add_train(self, r: TrainRow) -> None:
         # tokens_seen is cumulative and exact; older jobs only log each step's tokens, so their sum
@@ -145,7 +175,14 @@ class TenantSeries:
         self.train.append(r.step, self.step, self.tokens, r.time, loss, r.lr, r.grad_norm)
         if loss is not None:
             self.last_loss = loss
-            self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
+        # the EMA of plotting.best_smoothed over what is drawn (clipped; NaN only decays the weights)
+        w, (num, den) = SMOOTHING, self._ema
+        v = float(drawable(np.array([np.nan if loss is None else loss]))[0])
+        num, den = (w * num + v, w * den + 1.0) if v == v else (w * num, w * den)
+        self._ema = (num, den)
+        if den > 0 and v == v:
+            smoothed = num / den
+            self.best_loss = smoothed if self.best_loss is None else min(self.best_loss, smoothed)
 
     def add_eval(self, r: EvalRow) -> None:
         # eval rows carry the global step; they are placed at the tenant's step and tokens at that step
@@ -197,8 +234,13 @@ class RunSeries:
     def __init__(self, run_dir: RunDir | str | os.PathLike, name: str | None = None) -> None:
         self.dir = run_dir if isinstance(run_dir, RunDir) else RunDir(os.path.abspath(os.fspath(run_dir)))
         self.name = name or self.dir.root.name
+        self.title = self.dir.root.name
+        """The job's name (``JobSpec.name``; the directory's name when job.json cannot be read)."""
         self._reader = MetricsReader(self.dir.metrics)  # its own offset: it needs every row
         self._max_steps: dict[str, int] = {}
+        self._index: dict[str, int] = {}  # each tenant's place in the run, kept across a restart
+        self._spec_fresh = False
+        self._best: tuple[tuple[int, int] | None, float | None] = (None, None)
         self._read_spec()
         self._reset()
 
@@ -208,11 +250,30 @@ class RunSeries:
 
     def _read_spec(self) -> None:
         with contextlib.suppress(SpecError, OSError, ValueError):  # a broken job.json: keep what we knew
-            self._max_steps = {t.name: t.max_steps for t in JobSpec.load(self.dir.job).tenants}
+            spec = JobSpec.load(self.dir.job)
+            self._max_steps = {t.name: t.max_steps for t in spec.tenants}
+            self.title = spec.name or self.title
+
+    def best_loss(self) -> float | None:
+        """The lowest smoothed train loss of any of its tenants (:attr:`TenantSeries.best_loss`)."""
+        if self._best[0] != (self.epoch, self.version):
+            best = [s.best_loss for s in self.tenants.values() if s.best_loss is not None]
+            self._best = ((self.epoch, self.version), min(best, default=None))
+        return self._best[1]
+
+    def colour(self, tenant: str) -> str:
+        """The tenant's colour in every figure (:func:`~mlora_lab.lab.plotting.series_colour`: the job's
+        name and the tenant's place in this run: job.json's order, then as tenants first appear)."""
+        index = self._index.get(tenant)
+        if index is None:  # (not a tenant of this run: a colour of its own name)
+            index = zlib.crc32(tenant.encode("utf-8", "surrogatepass")) % 20
+        return series_colour(self.title, index)
 
     def _reset(self) -> None:
         self.epoch = getattr(self, "epoch", -1) + 1  # counts restarts (a rewritten metrics.jsonl)
-        self.tenants: dict[str, TenantSeries] = {n: TenantSeries(n, m) for n, m in self._max_steps.items()}
+        self.tenants: dict[str, TenantSeries] = {}
+        for n in self._max_steps:
+            self.tenant(n)
         self.system: dict[int, Columns] = {}
         self.resumes: list[float] = []
         self.t0: float | None = None
@@ -223,9 +284,11 @@ class RunSeries:
     def tenant(self, name: str) -> TenantSeries:
         s = self.tenants.get(name)
         if s is None:  # a tenant added while the job runs: the job records it in job.json
-            if name not in self._max_steps:
-                self._read_spec()
+            if name not in self._max_steps and not self._spec_fresh:
+                self._read_spec()  # (once per batch of rows: a file naming 10**6 tenants reads it once)
+                self._spec_fresh = True
             s = self.tenants[name] = TenantSeries(name, self._max_steps.get(name))
+            self._index.setdefault(name, len(self._index))
         return s
 
     def poll(self) -> int:
@@ -244,6 +307,7 @@ class RunSeries:
         return self._reader.rows
 
     def add(self, rows: Sequence[Row]) -> None:
+        self._spec_fresh = False
         for r in rows:
             if self.t0 is None:
                 self.t0 = r.time
@@ -276,7 +340,7 @@ class RunSeries:
         if x == "tokens":
             return cols["tokens"]
         if x == "wall time":
-            return cols["time"] / 86400.0  # matplotlib's date numbers: days since 1970-01-01 (UTC)
+            return date_numbers(cols["time"])
         if x == "relative time":
             return cols["time"] - (self.t0 or 0.0)
         raise ValueError(f"unknown x axis {x!r}; choose from {', '.join(X_AXES)}")
@@ -299,7 +363,7 @@ class RunSeries:
         """x of system rows: the wall clock when that is the x axis, else seconds since the run started
         (a rank has no tenant step or tokens)."""
         if x == "wall time":
-            return cols["time"] / 86400.0
+            return date_numbers(cols["time"])
         if x == "global step":
             return cols["step"]
         return cols["time"] - (self.t0 or 0.0)

@@ -28,16 +28,19 @@ This module imports no torch: the notebook side uses it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlora_lab.lab.sbatch_args import read_line, script_options, variable_option
 from mlora_lab.rundir.status import JOB_MODULE
 from mlora_lab.text import brief
 
@@ -53,6 +56,7 @@ __all__ = [
     "query",
     "render_script",
     "run_dir_problem",
+    "sbatch_environment",
     "steps",
     "submit",
     "test_submit",
@@ -92,38 +96,53 @@ _MEANING = {
     "REVOKED": "was revoked",
 }
 
-# sbatch options the launcher sets itself: node count and tasks follow parallel.nnodes, and the log,
-# working directory and requeue policy are part of the run directory's contract.
-_OWN_OPTIONS = {
-    "-N": "--nodes",
-    "--nodes": "--nodes",
-    "-n": "--ntasks",
-    "--ntasks": "--ntasks",
-    "--ntasks-per-node": "--ntasks-per-node",
-    "-o": "--output",
-    "--output": "--output",
-    "-e": "--error",
-    "--error": "--error",
-    "-D": "--chdir",
-    "--chdir": "--chdir",
-    "--open-mode": "--open-mode",
-    "--requeue": "--requeue",
-    "--no-requeue": "--no-requeue",
-    "--wrap": "--wrap",
-    "--parsable": "--parsable",
-    "-J": "--job-name",
-    "--job-name": "--job-name",
-    "-p": "partition",
-    "--partition": "partition",
-    "-t": "time",
-    "--time": "time",
-    "-A": "account",
-    "--account": "account",
-    "-c": "cpus_per_task",
-    "--cpus-per-task": "cpus_per_task",
-    "--gpus-per-node": "gpus_per_node",
+# sbatch options (by sbatch's own name; abbreviations and short forms are read as sbatch reads them) that
+# an ``extra`` entry may not give: the node and task counts follow parallel.nnodes; the log, working
+# directory, requeue policy and name are part of the run directory's contract; some change how sbatch
+# answers the launcher; and some are SlurmOptions fields. Each with why.
+_NODES = "nodes"
+_OWN_OPTIONS: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "nodes",
+            "ntasks",
+            "ntasks-per-node",
+            "ntasks-per-core",
+            "ntasks-per-socket",
+            "ntasks-per-gpu",
+            "ntasks-per-tres",
+        ),
+        _NODES,
+    ),
+    **dict.fromkeys(
+        ("output", "error", "open-mode"),
+        "the job's output is appended to logs/launcher.log in the run directory, where the run reads it",
+    ),
+    "chdir": "the job runs in its run directory",
+    **dict.fromkeys(
+        ("requeue", "no-requeue"),
+        "a run is never requeued: a requeued script would start it over from step 0 (resume it instead)",
+    ),
+    "job-name": "the job is named after its run",
+    "wrap": "the job runs the launcher's batch script",
+    "parsable": "the launcher submits with sbatch --parsable and reads the job id from its answer",
+    "test-only": "the job would never be submitted (the launcher asks sbatch --test-only itself first)",
+    "wait": "sbatch would not answer the launcher until the job ended",
+    **dict.fromkeys(("help", "usage", "version"), "sbatch would print it and submit nothing"),
+    "array": "an array job would run the same run directory several times at once",
+    **dict.fromkeys(
+        ("clusters", "cluster"), "the launcher follows the job on this cluster (scontrol, scancel)"
+    ),
 }
-_FIELD_OPTIONS = {"partition", "time", "account", "cpus_per_task", "gpus_per_node"}
+_FIELD_OPTIONS = {
+    "partition": "partition",
+    "time": "time",
+    "account": "account",
+    "cpus-per-task": "cpus_per_task",
+    "gpus-per-node": "gpus_per_node",
+    "gpus": "gpus_per_node",
+    "gpus-per-task": "gpus_per_node",
+}
 
 # Slurm's time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 # days-hours:minutes, days-hours:minutes:seconds; "UNLIMITED"/"INFINITE" for no limit.
@@ -146,8 +165,12 @@ class SlurmOptions:
     ``gpus_per_node``: GPUs per node (0: none; set ``parallel.nproc`` to the same number, one rank per
     GPU, and install a CUDA build of torch). ``cpus_per_task``: CPU cores per node for its agent and
     workers (``OMP_NUM_THREADS`` is set to ``cpus_per_task / nproc``). ``extra``: further sbatch options,
-    one per entry (``"--constraint=a100"``, ``"--qos=high"``); those the launcher sets itself (nodes,
-    tasks, output, chdir, requeue) are refused. ``setup``: shell lines the batch script runs before
+    exactly one per entry, its value after ``=`` or a space (``"--constraint=a100"``, ``"-C a100"``,
+    ``"--qos=high"``); each entry becomes one ``#SBATCH`` line, read as sbatch reads it (abbreviations,
+    short and bundled options, quotes, ``#`` comments: :mod:`mlora_lab.lab.sbatch_args`), and an entry
+    that gives an option the launcher sets (nodes and tasks, output, error, chdir, requeue, job name,
+    wrap, array, cluster, ...) or a field of these options (partition, time, account, cpus, GPUs) is
+    refused, however it is spelled. ``setup``: shell lines the batch script runs before
     ``srun`` (``"module load cuda/12.4"``). ``python``: the interpreter on the nodes (default: this
     one, which the nodes must see at the same path). ``rdzv_port``: the rendezvous port on the first
     node (default: 20000 + job id mod 20000, so jobs sharing a node rarely collide)."""
@@ -261,35 +284,51 @@ class SlurmOptions:
 
 def run_dir_problem(run_dir: Path) -> str | None:
     """Why ``run_dir`` cannot be a Slurm job's directory (None if it can): it goes into ``#SBATCH``
-    lines, which sbatch splits at whitespace and in which ``%`` is a filename pattern (``%j``)."""
+    lines, in which sbatch splits words at whitespace, reads quotes and backslashes, starts a comment
+    at ``#``, and reads ``%`` as a filename pattern (``%j``)."""
     text = str(run_dir)
-    bad = sorted({c for c in text if c.isspace() or c in "%\"'\\" or _CONTROL.match(c)})
+    bad = sorted({c for c in text if c.isspace() or c in "#%\"'\\" or _CONTROL.match(c)})
     if bad:
         return (
             f"the run directory {text[:200]!r} holds {''.join(bad)!r}: a Slurm job's directory must not "
-            "contain whitespace, quotes, backslashes or '%' (it goes into #SBATCH --output/--chdir)"
+            "contain whitespace, quotes, backslashes, '#' or '%' (it goes into #SBATCH --output/--chdir)"
         )
     return None
 
 
-def _extra_problems(option: str, nnodes: int) -> list[str]:
-    """Problems of one ``extra`` sbatch option: it must be an option, and not one the launcher sets."""
-    if not option.startswith("-"):
-        return [f"slurm.extra entry {brief(option)} is not an sbatch option (those start with '-')"]
-    name = option.split("=", 1)[0].split(" ", 1)[0]
-    if not name.startswith("--"):
-        name = name[:2]  # a short option may carry its value: -N2, -c8
-    own = _OWN_OPTIONS.get(name)
-    if own is None:
-        return []
-    if own in ("--nodes", "--ntasks", "--ntasks-per-node"):
-        return [
-            f"slurm.extra sets {own} ({brief(option)}), but the node count comes from parallel.nnodes "
-            f"(= {nnodes}) with one task per node: change parallel.nnodes instead"
-        ]
-    if own in _FIELD_OPTIONS:
-        return [f"slurm.extra sets {name}: use SlurmOptions.{own} instead"]
-    return [f"slurm.extra sets {own}, which the launcher sets itself (the run directory's log and layout)"]
+def _extra_problems(entry: str, nnodes: int) -> list[str]:
+    """Problems of one ``extra`` entry, read as sbatch reads the ``#SBATCH`` line it becomes
+    (:func:`sbatch_args.read_line`: words, abbreviations, short options, values): it must give exactly
+    one option, with its value after ``=`` or a space, and not one the launcher sets or does not allow."""
+    where = f"slurm.extra entry {brief(entry)}"
+    reading = read_line(entry)
+    out = [f"{where}: {problem}" for problem in reading.problems]
+    if not reading.words and not reading.problems:
+        out.append(f"{where} is empty: give one sbatch option per entry, or leave the entry out")
+    if len(reading.given) > 1:
+        out.append(
+            f"{where} holds {len(reading.given)} options ({', '.join(g.spelled for g in reading.given[:10])}): "
+            "give one sbatch option per entry (its value after '=' or a space)"
+        )
+    seen = set()
+    for given in reading.given:
+        name = given.option.canonical if given.option is not None else None
+        if name in seen or (name not in _OWN_OPTIONS and name not in _FIELD_OPTIONS):
+            continue
+        seen.add(name)
+        read_as = "" if given.spelled == f"--{name}" else f" (sbatch reads {given.spelled!r} as --{name})"
+        if name in _FIELD_OPTIONS:
+            out.append(f"{where} sets --{name}{read_as}: use SlurmOptions.{_FIELD_OPTIONS[name]} instead")
+        elif _OWN_OPTIONS[name] == _NODES:
+            out.append(
+                f"{where} sets --{name}{read_as}, but the node count comes from parallel.nnodes "
+                f"(= {nnodes}) with one task per node: change parallel.nnodes instead"
+            )
+        else:
+            out.append(
+                f"{where} sets --{name}{read_as}, which the launcher sets itself: {_OWN_OPTIONS[name]}"
+            )
+    return out
 
 
 def _is_int(v: Any) -> bool:
@@ -346,7 +385,20 @@ def render_script(
     )
 
 
-def _command(args: list[str], timeout: float = 30, stdin: str | None = None) -> subprocess.CompletedProcess:
+def sbatch_environment(script: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment to run sbatch in for ``script``: ``environ`` (default: this process's) without
+    the ``SBATCH_*`` input variables of the options the script gives or the launcher owns. sbatch reads
+    those variables after the script, so ``SBATCH_REQUEUE=1`` or ``SBATCH_OUTPUT=...`` exported in a
+    shell would override the script's ``--no-requeue`` and ``--output``; the others stay (an
+    ``SBATCH_ACCOUNT`` default applies where the options set no account)."""
+    environ = os.environ if environ is None else environ
+    given = script_options(script) | set(_OWN_OPTIONS)
+    return {k: v for k, v in environ.items() if variable_option(k) not in given}
+
+
+def _command(
+    args: list[str], timeout: float = 30, stdin: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run a Slurm command; :class:`SlurmError` if it is missing or cannot be run."""
     if shutil.which(args[0]) is None:
         raise SlurmError(
@@ -354,7 +406,7 @@ def _command(args: list[str], timeout: float = 30, stdin: str | None = None) -> 
         )
     feed: dict[str, Any] = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
     try:
-        return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **feed)
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, **feed)
     except subprocess.TimeoutExpired:
         raise SlurmError(
             f"{' '.join(args[:2])} did not answer within {timeout:.0f} s (is slurmctld up?)"
@@ -365,7 +417,7 @@ def submit(script: str) -> int:
     """``sbatch --parsable`` of the script's text (given on stdin, so what is submitted is what was
     rendered, whatever happens to a copy on disk): the new job's id. :class:`SlurmError` with sbatch's
     message if Slurm refuses the job (unknown partition, a limit, ...)."""
-    proc = _command(["sbatch", "--parsable"], timeout=60, stdin=script)
+    proc = _command(["sbatch", "--parsable"], timeout=60, stdin=script, env=sbatch_environment(script))
     out = proc.stdout.strip()
     if proc.returncode != 0 or not out:
         raise SlurmError(f"sbatch refused the job: {(proc.stderr or out).strip()[:2000]}")
@@ -382,7 +434,7 @@ def test_submit(script: str) -> str | None:
         f.write(script)
         f.flush()
         try:
-            proc = _command(["sbatch", "--test-only", f.name], timeout=60)
+            proc = _command(["sbatch", "--test-only", f.name], timeout=60, env=sbatch_environment(script))
         except SlurmError as e:
             return str(e)
     if proc.returncode != 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from mlora_lab.lab.launcher import launch
 from mlora_lab.lab.run import DEFAULT_WORKDIR
 from mlora_lab.lab.slurm import SlurmOptions
 from mlora_lab.lab.sweep_run import SweepRun
-from mlora_lab.search import Objective, Strategy, Sweep, dist_from_dict
+from mlora_lab.search import Objective, Strategy, Sweep, asha_warning, dist_from_dict
 from mlora_lab.spec import JobSpec, SpecError, Tenant
 
 
@@ -78,14 +79,19 @@ def sweep(
             raise SpecError(["ml.sweep needs a base tenant: base=ml.Tenant(...) or the job's first tenant"])
         base = tenants.pop(0)
     space = {name: dist_from_dict(d) for name, d in space.items()}
+    budget = base.max_steps if budget is None else budget
+    note = asha_warning(strategy, budget)
+    if note is not None:  # a valid search that will not do what its settings suggest: say so before it runs
+        warnings.warn(note, stacklevel=2)
     plan = Sweep(
         base=base,
         space=space,
         strategy=strategy,
-        budget=base.max_steps if budget is None else budget,
+        budget=budget,
         seed=seed,
         objective=Objective(objective_reference(objective), mode),
     )
-    run = launch(dataclasses.replace(spec, tenants=tenants), workdir, launcher, slurm=slurm, sweep=plan)
+    named = dataclasses.replace(spec, tenants=tenants, name=spec.name or f"{base.name} sweep")
+    run = launch(named, workdir, launcher, slurm=slurm, sweep=plan)
     # (its directory has a sweep.json: the launch already handed back a SweepRun, mlora_lab.lab.handles)
     return run if isinstance(run, SweepRun) else SweepRun(run.path, process=run.process)

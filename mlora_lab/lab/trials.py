@@ -42,12 +42,15 @@ def _adapter(run: RunDir, name: str) -> str | None:
 
 
 def results(run: RunDir) -> pd.DataFrame:
-    """One row per trial, best first: ``trial``, ``tenant``, ``state`` (waiting, running, paused,
-    pruned, finished, failed), one column per searched setting, ``steps`` (the furthest step it
+    """One row per trial, best first (failed ones last): ``trial``, ``tenant``, ``state`` (waiting, running,
+    paused, pruned, finished, failed), one column per searched setting, ``steps`` (the furthest step it
     reported at), ``rung`` (ASHA), ``objective`` (there), ``best`` (its best reported), ``parent``
     (PBT: the member it last copied), ``reason`` and ``adapter`` (its saved adapter, if any)."""
     search, sweep = read_search(run), read_sweep(run)
-    trials = search.trials if search is not None else sweep.search().trials
+    try:
+        trials = search.trials if search is not None else sweep.search().trials
+    except ValueError as e:  # a search that cannot be set up (a grid too large to run, say)
+        raise RunDirError(f"{run.sweep}: {e}") from None
     rows = []
     for t in trials:
         name = trial_name(sweep, t.id)
@@ -71,9 +74,11 @@ def results(run: RunDir) -> pd.DataFrame:
     if table.empty:
         return table
     ascending = sweep.objective.mode == "min"
-    return table.sort_values(
-        ["steps", "objective"], ascending=[False, ascending], na_position="last", kind="stable"
-    ).reset_index(drop=True)
+    # failed trials last: however far one got, it is not a result (best() never picks it either)
+    table["_failed"] = table["state"] == "failed"
+    order = ["_failed", "steps", "objective"]
+    table = table.sort_values(order, ascending=[True, False, ascending], na_position="last", kind="stable")
+    return table.drop(columns="_failed").reset_index(drop=True)
 
 
 def decisions(run: RunDir) -> pd.DataFrame:

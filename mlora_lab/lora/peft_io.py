@@ -117,7 +117,6 @@ def write_adapter(
     A reader never sees a half-written directory: either the old adapter or the new one.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {}
     for module, (A, B) in tensors.items():
         state[f"{PREFIX}{module}.lora_A.weight"] = A.detach().to("cpu").contiguous()

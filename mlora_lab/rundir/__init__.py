@@ -15,7 +15,11 @@
 <run_dir>/sweep.json          a search inside the job (mlora_lab.search.Sweep), if it runs one
 <run_dir>/search.json         that search's state: trials, rungs, decisions and why (written by rank 0)
 <run_dir>/.lock               held (flock) by whoever owns the directory: a launch, then the job
+<run_dir>/.spare              space the job keeps allocated, freed to write status.json on a full disk
 ```
+
+No file of a run is written through a symlink planted in it (:mod:`.files`: the one guard every writer
+goes through).
 
 One module per format: :mod:`.files` (layout, names → paths, atomic writes, the lock),
 :mod:`.status` (run states, process identity), :mod:`.rows` (metrics rows, writer, reader),
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from mlora_lab.rundir import control, labels
 from mlora_lab.rundir.control import ControlError, ControlMessage, ControlResult, Op
 from mlora_lab.rundir.files import (
+    LinkRefused,
     RunDir,
     RunDirError,
     RunLock,
@@ -44,6 +49,7 @@ from mlora_lab.rundir.files import (
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
+    guarded_open,
     name_problem,
 )
 from mlora_lab.rundir.labels import RunLabels, read_labels, update_labels
@@ -66,6 +72,7 @@ from mlora_lab.rundir.status import (
     RunState,
     Status,
     read_status,
+    record_problem,
     shown_tenant_state,
     update_status,
 )
@@ -79,6 +86,7 @@ __all__ = [
     "EvalRow",
     "EventKind",
     "EventRow",
+    "LinkRefused",
     "MetricsReader",
     "MetricsWriter",
     "Op",
@@ -101,10 +109,12 @@ __all__ = [
     "atomic_write_text",
     "checkpoint",
     "control",
+    "guarded_open",
     "labels",
     "name_problem",
     "read_labels",
     "read_status",
+    "record_problem",
     "shown_tenant_state",
     "update_labels",
     "update_status",

@@ -32,9 +32,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from mlora_lab.rundir.files import RunDirError, atomic_directory, atomic_write_json
+from mlora_lab.rundir.files import RunDirError, atomic_directory, atomic_write_json, name_problem
 
 FORMAT = 1
+MAX_STEP = 2**53 - 1
+"""The largest step a checkpoint may hold (``spec.MAX_COUNT``: what a float64 JSON reader holds exactly)."""
 WRITE_ERRORS = (OSError, SafetensorError, RunDirError)
 """What a failed write raises: a full disk (safetensors reports ENOSPC as a SafetensorError), or a
 folder of the run replaced by a symlink that leads outside it."""
@@ -168,6 +170,37 @@ def read_checkpoint(path: str | os.PathLike) -> Any:
     except (OSError, ValueError, SafetensorError) as e:
         raise CheckpointError(f"{path.name}: cannot be decoded ({e})") from None
     return decode(obj, tensors)
+
+
+def check_job_state(state: Any, name: str = "checkpoint") -> None:
+    """The parts of a job's checkpoint state that name files or count steps, checked before anything uses
+    them: the checksums show a checkpoint is the one written, not that what wrote it was honest (a tenant
+    named ``../..`` would be trained until its adapter is saved; a step of 1e30 is not a step).
+    :class:`CheckpointError` saying what is wrong, ``name`` (the directory's) first."""
+
+    def fail(why: str) -> None:
+        raise CheckpointError(f"{name}: {why}")
+
+    def count(value: Any, what: str, low: int = 0) -> None:
+        if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_STEP):
+            fail(f"{what} must be a whole number from {low} to 2**53-1 (got {str(value)[:40]})")
+
+    if not isinstance(state, dict):
+        fail("its state is not an object")
+    count(state.get("global_step"), "global_step")
+    if "world_size" in state:
+        count(state["world_size"], "world_size", low=1)
+    tenants, removed = state.get("tenants"), state.get("removed", [])
+    if not isinstance(tenants, dict) or not isinstance(removed, list):
+        fail("its tenants must be an object and removed a list")
+    for tenant in [*tenants, *removed]:
+        if (why := name_problem(tenant)) is not None:
+            fail(f"tenant name {str(tenant)[:80]!r} is not a safe name ({why})")
+    for tenant, saved in tenants.items():
+        spec = saved.get("spec") if isinstance(saved, dict) else None
+        if not isinstance(spec, dict) or spec.get("name") != tenant:
+            fail(f"the state of tenant {tenant!r} does not hold its own spec")
+        count(saved.get("step"), f"tenant {tenant!r}: step")
 
 
 def checkpoint_dirs(checkpoints: str | os.PathLike) -> list[Path]:

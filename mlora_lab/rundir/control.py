@@ -43,6 +43,7 @@ from mlora_lab.rundir.files import (
     TextEnum,
     atomic_write_json,
     atomic_write_text,
+    move_into,
     name_problem,
 )
 
@@ -168,10 +169,9 @@ def send(
 ) -> str:
     """Queue a control message; returns its id."""
     op = Op(op)
-    control = RunDir(run_dir).control
-    control.mkdir(parents=True, exist_ok=True)
+    run = RunDir(run_dir)
     msg = ControlMessage(new_message_id(), op, name=name, tenant=tenant)
-    atomic_write_json(control / f"{time.time_ns():020d}-{msg.id}.json", msg.to_dict())
+    atomic_write_json(run.control / f"{time.time_ns():020d}-{msg.id}.json", msg.to_dict(), root=run.root)
     return msg.id
 
 
@@ -228,17 +228,14 @@ def incoming(run_dir: str | os.PathLike) -> list[Incoming]:
 
 def _move(run: RunDir, path: Path, folder: str) -> Path:
     """Move a message file into ``control/<folder>/`` (never through a symlink planted there)."""
-    (run.control / folder).mkdir(exist_ok=True)
-    target = run.inside(run.control / folder / path.name)
-    os.replace(path, target)
-    return target
+    return move_into(run.root, path, run.control / folder)
 
 
 def reject(run_dir: str | os.PathLike, item: Incoming, step: int) -> None:
     """Move an invalid message to ``rejected/`` with its reason (and answer it, if its id allows)."""
     run = RunDir(run_dir)
     target = _move(run, item.path, "rejected")
-    atomic_write_text(target.with_name(target.name + ".reason"), f"{item.problem}\n")
+    atomic_write_text(target.with_name(target.name + ".reason"), f"{item.problem}\n", root=run.root)
     if item.msg_id and not _result_path(run, item.msg_id).exists():
         write_result(run.root, ControlResult(item.msg_id, False, f"rejected: {item.problem}", step))
 
@@ -249,7 +246,8 @@ def claim(run_dir: str | os.PathLike, item: Incoming) -> Path:
 
 
 def write_result(run_dir: str | os.PathLike, result: ControlResult) -> None:
-    atomic_write_json(_result_path(RunDir(run_dir), result.id), result.to_dict())
+    run = RunDir(run_dir)
+    atomic_write_json(_result_path(run, result.id), result.to_dict(), root=run.root)
 
 
 def finish(run_dir: str | os.PathLike, claimed: Path, result: ControlResult) -> None:
@@ -375,7 +373,8 @@ def sent_tenants(run_dir: str | os.PathLike) -> dict[str, SentTenant]:
 
 def request_stop(run_dir: str | os.PathLike) -> None:
     """Ask the job to stop gracefully (finish the step, checkpoint, save adapters, exit)."""
-    atomic_write_text(RunDir(run_dir).control / "stop", f"{time.time()}\n")
+    run = RunDir(run_dir)
+    atomic_write_text(run.control / "stop", f"{time.time()}\n", root=run.root)
 
 
 def stop_requested(run_dir: str | os.PathLike) -> bool:

@@ -1,9 +1,20 @@
-"""The run directory's layout, the one atomic-write helper, and ownership of a run directory.
+"""The run directory's layout, the guard every writer goes through, and ownership of a run directory.
 
 Every path the job writes is derived here from the run directory's root and a name that came from
-somewhere else (a tenant name from job.json or a control message, a rank). :meth:`RunDir.inside`
-resolves such a path and refuses it unless it stays inside the run directory, so neither a crafted
-name (``../../x``) nor a stray symlink planted in the directory can make the job write elsewhere.
+somewhere else (a tenant name from job.json or a control message, a rank). Whoever can write into a
+run directory (a shared filesystem, a second user) can also plant a symlink there, so no file of a run
+is ever opened, created or replaced through one. One guard does it, for every writer of the package:
+
+    run.inside(path)                          # path, lexically inside the run, no link below its root
+    fd = guarded_open(root, path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)   # a log, metrics.jsonl, a lock
+    atomic_write_bytes(path, data, root=root) # a whole file (status.json, a control message, an export)
+    with atomic_directory(path, root=root) as tmp: ...     # a whole directory (an adapter, a checkpoint)
+
+Each walks from ``root`` (trusted as given: it may itself be a link, say to a bigger disk) one folder at
+a time with ``O_NOFOLLOW``, holding each folder open, and opens or renames the last name relative to
+its folder, so a link planted anywhere below ``root`` (a folder or the file itself) is refused with
+:class:`LinkRefused`, which names it, even one planted while the writer walks. An atomic write onto a
+link replaces the link, never the file it leads to. Without ``root``, the file's own folder is the root.
 """
 
 from __future__ import annotations
@@ -14,17 +25,48 @@ import fcntl
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
+import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from mlora_lab.text import show_path
+
+T = TypeVar("T")
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 """A tenant name: it becomes a directory name (``adapters/<name>/``), so only these characters."""
+
+
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+"""The run directory's one mode policy: every file is created ``0644`` and every directory ``0755``, less
+what the process's umask takes away (the modes ``os.open(path, flags, 0o644)`` and ``mkdir(0o755)`` give).
+With the usual umask 022 anyone on the machine may read a run; with 077 only its owner. Files first written
+under a temporary name (``mkstemp`` and safetensors create ``0600``) are given the same mode."""
+
+
+def run_mode(directory: bool = False) -> int:
+    """The mode of a new file (``directory=False``) or directory of a run under this process's umask."""
+    return (DIR_MODE if directory else FILE_MODE) & ~_umask()
+
+
+def _umask() -> int:
+    try:  # (Linux: read it without setting it, which would race with other threads' new files)
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class TextEnum(str, Enum):
@@ -37,6 +79,12 @@ class TextEnum(str, Enum):
 
 class RunDirError(RuntimeError):
     """A run directory, or a file in it, that cannot be used as asked; the message says why."""
+
+
+class LinkRefused(RunDirError, OSError):
+    """A file of a run directory that would be written (or read) through a symlink, or a path that
+    leads outside the directory. Also an ``OSError``: a write that was refused is a write that failed,
+    for every ``except OSError`` that handles one (a failed save, a metrics row kept in memory)."""
 
 
 def name_problem(name: Any) -> str | None:
@@ -79,12 +127,37 @@ class RunDir:
     search = property(lambda self: self.root / "search.json")
 
     def inside(self, path: str | os.PathLike) -> Path:
-        """``path`` resolved (symlinks followed), checked to stay inside the run directory."""
+        """``path`` checked: lexically inside the run directory, and no part of it below the root (the
+        folders on the way, the file itself) is a symlink. Returns it under the resolved root.
+        :class:`LinkRefused` naming the link (or the way out) otherwise. Parts that do not exist yet
+        are fine: the writers create them (never through a link either, see :func:`guarded_open`)."""
         root = self.root.resolve()
-        resolved = Path(path).resolve()
-        if resolved != root and root not in resolved.parents:
-            raise RunDirError(f"{path} resolves to {resolved}, outside the run directory {root}")
-        return resolved
+        parts = relative_parts(self.root, path)
+        here = root
+        for part in parts:
+            here = here / part
+            try:
+                st = os.lstat(here)
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                raise LinkRefused(f"{show_path(here)}: cannot be checked ({e.strerror or e})") from None
+            if stat.S_ISLNK(st.st_mode):
+                raise LinkRefused(link_message(here, root))
+        return root.joinpath(*parts)
+
+    def links(self) -> list[Path]:
+        """The symlinks planted where the job or a launch writes: its folders (``logs/``, ``control/``
+        and the folders in it, ``adapters/``, ``checkpoints/``) and the files it appends to (each log,
+        metrics.jsonl, the lock). Each would be refused by the writer (:func:`guarded_open`): a resume
+        names them all before it starts anything. (A link at a file that is written whole, status.json
+        say, is replaced, not refused.)"""
+        control = [self.control / name for name in ("applying", "done", "rejected", "results")]
+        paths = [self.logs, self.control, *control, self.adapters, self.checkpoints, self.metrics, self.lock]
+        with contextlib.suppress(OSError):
+            if not self.logs.is_symlink():
+                paths += sorted(self.logs.iterdir())
+        return [p for p in paths if p.is_symlink()]
 
     def log(self, rank: int) -> Path:
         """Rank ``rank``'s log file."""
@@ -104,17 +177,137 @@ class RunDir:
         return self.job.is_file()
 
     def create(self) -> RunDir:
-        """Create the directory and its sub-directories (those that exist are kept)."""
+        """Create the directory and its sub-directories (those that exist are kept; a symlink planted
+        in place of one, ``adapters -> /elsewhere``, is refused)."""
         self.root.mkdir(parents=True, exist_ok=True)
         for d in (self.logs, self.adapters, self.checkpoints, self.control):
-            d.mkdir(exist_ok=True)
-            self.inside(d)  # a planted symlink (adapters -> /elsewhere) is refused here
+            os.close(open_folder(self.root, relative_parts(self.root, d), create=True))
         return self
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename or a new entry in directory ``path`` durable."""
+# ---------------------------------------------------------------------------------------------
+# The guard: paths below a root, walked without following a link
+# ---------------------------------------------------------------------------------------------
+
+
+def relative_parts(root: str | os.PathLike, path: str | os.PathLike) -> tuple[str, ...]:
+    """The names that lead from ``root`` to ``path`` (absolute, or relative to ``root``), found
+    lexically (``a/../b`` is ``b``: the writers open what the names say, never following a link, so
+    this is where they write); :class:`LinkRefused` if ``path`` is not below ``root``."""
+    base = Path(os.path.abspath(root))
+    p = Path(path)
+    p = Path(os.path.abspath(p if p.is_absolute() else base / p))
+    for candidate in (base, Path(os.path.realpath(base))):
+        with contextlib.suppress(ValueError):
+            return p.relative_to(candidate).parts
+    raise LinkRefused(f"{show_path(p)} is outside the run directory {show_path(base)}")
+
+
+def link_message(path: Path, root: Path) -> str:
+    """Why a symlink at ``path`` is refused (its target shown, never a newline of it as a line)."""
+    try:
+        target = show_path(os.readlink(path))
+    except OSError:
+        target = "?"
+    return (
+        f"{show_path(path)} is a symbolic link (to {target}); files of the run directory "
+        f"{show_path(root)} are never written or read through a link, which can lead outside it: "
+        "remove the link"
+    )
+
+
+def _refusal(e: OSError, folder_fd: int, name: str, where: Path, root: Path) -> OSError:
+    """The error for ``e``, raised opening ``name`` in ``folder_fd``: :class:`LinkRefused` when a link
+    is in the way (or something that is not a folder, or not a regular file, where one goes), else
+    ``e`` itself."""
+    try:
+        kind = stat.S_IFMT(os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return e
+    if kind == stat.S_IFLNK:
+        return LinkRefused(link_message(where, root))
+    if e.errno == errno.ENOTDIR:
+        return LinkRefused(f"{show_path(where)} is not a folder")
+    if e.errno == errno.ENXIO or kind not in (stat.S_IFREG, stat.S_IFDIR):
+        return LinkRefused(f"{show_path(where)} is not a regular file (a FIFO, a socket or a device)")
+    return e
+
+
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_folder(root: str | os.PathLike, parts: Sequence[str], create: bool = False) -> int:
+    """A descriptor of the folder ``root/parts...``, opened one name at a time without following a
+    link (``root`` itself is trusted as given); missing folders are created (0755) when ``create``.
+    The caller closes it."""
+    root = Path(root)
+    if create:
+        root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    here = root
+    try:
+        for part in parts:
+            here = here / part
+            try:
+                sub = os.open(part, _FOLDER, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, DIR_MODE, dir_fd=fd)
+                try:
+                    sub = os.open(part, _FOLDER, dir_fd=fd)
+                except OSError as e:
+                    raise _refusal(e, fd, part, here, root) from None
+            except OSError as e:
+                raise _refusal(e, fd, part, here, root) from None
+            os.close(fd)
+            fd = sub
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _split(path: str | os.PathLike, root: str | os.PathLike | None) -> tuple[Path, tuple[str, ...], str]:
+    """(root, folders from the root to the file, the file's name) for a write of ``path``."""
+    path = Path(path)
+    base = Path(root) if root is not None else path.parent
+    parts = relative_parts(base, path)
+    if not parts:
+        raise LinkRefused(f"{show_path(path)} names the run directory itself, not a file in it")
+    return base, parts[:-1], parts[-1]
+
+
+def guarded_open(
+    root: str | os.PathLike, path: str | os.PathLike, flags: int, mode: int = FILE_MODE, create: bool = True
+) -> int:
+    """``os.open(path, flags | O_NOFOLLOW)`` for a file below ``root``, through no link (see the module
+    docstring), its folders created when ``create``. Only a regular file is opened: a FIFO or a device
+    planted in its place is refused without blocking. The caller closes the descriptor."""
+    base, folders, name = _split(path, root)
+    folder = open_folder(base, folders, create=create)
+    where = base.joinpath(*folders, name)
+    try:
+        try:
+            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode, dir_fd=folder)
+        except OSError as e:
+            raise _refusal(e, folder, name, where, base) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise LinkRefused(f"{show_path(where)} is not a regular file (a FIFO, a device or a folder)")
+        os.set_blocking(fd, True)
+        return fd
+    finally:
+        os.close(folder)
+
+
+def fsync_dir(path: str | os.PathLike | int) -> None:
+    """Make a rename or a new entry in directory ``path`` (or an open descriptor of it) durable."""
     with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
+        if isinstance(path, int):
+            os.fsync(path)
+            return
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -122,67 +315,177 @@ def fsync_dir(path: str | os.PathLike) -> None:
             os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:
+def _temporary_name(name: str, kind: str) -> str:
+    return f".{name}.{kind}-{secrets.token_hex(6)}"
+
+
+def atomic_write_bytes(
+    path: str | os.PathLike, data: bytes, mode: int | None = None, *, root: str | os.PathLike | None = None
+) -> None:
     """Write ``data`` to ``path`` so that a reader sees the old content or the new, never a mix, and
-    a crash (or a full disk) leaves the old file intact: a temporary file in the same directory,
-    fsynced, then renamed over ``path`` (which replaces a symlink there, never its target)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    a crash (or a full disk) leaves the old file intact: a temporary file in the same folder, fsynced,
+    then renamed over ``path`` (which replaces a symlink there, never its target). The folders from
+    ``root`` (default: the file's own folder) are walked and created without following a link."""
+    base, folders, name = _split(path, root)
+    folder = open_folder(base, folders, create=True)
     try:
-        os.fchmod(fd, mode)  # mkstemp creates 0600; run files are meant to be read by others
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+        tmp = _temporary_name(name, "tmp")
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder
+        )
+        try:
+            os.fchmod(fd, run_mode() if mode is None else mode)  # (created 0600 while it is written)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=folder)
+            raise
+        fsync_dir(folder)
+    finally:
+        os.close(folder)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+def atomic_write_text(path: str | os.PathLike, text: str, *, root: str | os.PathLike | None = None) -> None:
     """:func:`atomic_write_bytes` of UTF-8 text (a lone surrogate, which hostile input can carry into
     a message, is written as its ``\\udXXX`` escape rather than failing the write)."""
-    atomic_write_bytes(path, text.encode("utf-8", "backslashreplace"))
+    atomic_write_bytes(path, text.encode("utf-8", "backslashreplace"), root=root)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, root: str | os.PathLike | None = None) -> None:
     """:func:`atomic_write_bytes` of ``obj`` as indented JSON."""
-    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n", root=root)
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_directory(path: str | os.PathLike, *, root: str | os.PathLike | None = None) -> Iterator[Path]:
     """Build a directory under a temporary name and rename it onto ``path`` when the block ends
     without an exception: readers see the old directory or the complete new one. On an exception
     (a full disk, a crash of the writer) the temporary directory is removed and ``path`` is untouched.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+
+    The folders from ``root`` (default: the directory's own parent) are walked and created without
+    following a link, and held open: the swap happens in the folder that was checked. The temporary
+    directory is private (0700) until it is complete, so nobody plants anything in it while the
+    block writes there; a link found at ``path`` itself is replaced, never followed."""
+    base, folders, name = _split(path, root)
+    folder = open_folder(base, folders, create=True)
+    tmp = _temporary_name(name, "tmp")
     try:
-        os.chmod(tmp, 0o755)
-        yield tmp
-        for f in tmp.iterdir():
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-        if path.exists():
+        os.mkdir(tmp, 0o700, dir_fd=folder)
+        yield base.joinpath(*folders, tmp)
+        inner = os.open(tmp, _FOLDER, dir_fd=folder)
+        try:
+            for entry in os.listdir(inner):
+                if stat.S_ISREG(os.stat(entry, dir_fd=inner, follow_symlinks=False).st_mode):
+                    fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=inner)
+                    try:
+                        os.fchmod(fd, run_mode())  # one policy for what the block wrote (safetensors: 0600)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            fsync_dir(inner)
+        finally:
+            os.close(inner)
+        os.chmod(tmp, run_mode(directory=True), dir_fd=folder)
+        try:
+            old = os.stat(name, dir_fd=folder, follow_symlinks=False)
+        except FileNotFoundError:
+            old = None
+        if old is not None and not stat.S_ISDIR(old.st_mode):
+            os.unlink(name, dir_fd=folder)  # a file or a link in its place: replaced, never followed
+            old = None
+        if old is not None:
             # Swap: the old directory moves aside first, so ``path`` is never missing for long.
-            old = path.parent / f".{path.name}.old-{os.getpid()}-{time.monotonic_ns()}"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
+            aside = _temporary_name(name, f"old-{os.getpid()}")
+            os.replace(name, aside, src_dir_fd=folder, dst_dir_fd=folder)
+            os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+            shutil.rmtree(aside, dir_fd=folder, ignore_errors=True)
         else:
-            os.replace(tmp, path)
-        fsync_dir(path.parent)
+            os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+        fsync_dir(folder)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, dir_fd=folder, ignore_errors=True)
+        os.close(folder)
+
+
+def move_into(root: str | os.PathLike, path: str | os.PathLike, folder: str | os.PathLike) -> Path:
+    """Move the file ``path`` into ``folder`` (both below ``root``), keeping its name: the rename
+    happens between folders opened without following a link, and a link at ``path`` is moved as
+    the link it is (never followed). Returns the new path."""
+    base, src_folders, name = _split(path, root)
+    dst_parts = relative_parts(base, folder)
+    src = open_folder(base, src_folders)
+    try:
+        dst = open_folder(base, dst_parts, create=True)
+        try:
+            os.replace(name, name, src_dir_fd=src, dst_dir_fd=dst)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+    return Path(base).joinpath(*dst_parts, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Room for the last words on a full disk
+# ---------------------------------------------------------------------------------------------
+
+SPARE = ".spare"
+SPARE_BYTES = 256 << 10
+"""What the job keeps allocated in ``<run_dir>/.spare``: on a full disk, freeing it makes room for
+status.json to say so (a few KB each time; the rest is allocated again right after)."""
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def reserve_spare(root: str | os.PathLike, size: int = SPARE_BYTES) -> int:
+    """Allocate (up to) ``size`` bytes in ``root/.spare``: as much of it as the disk has room for, in
+    ever smaller pieces (so a full disk stays full: the spare never leaves room that another write
+    then takes); returns the bytes it holds. Never raises."""
+    try:
+        fd = guarded_open(root, Path(root) / SPARE, os.O_WRONLY | os.O_CREAT, 0o600, create=False)
+    except OSError:
+        return 0
+    try:
+        held = os.fstat(fd).st_size
+        piece = size - held
+        while held < size and piece >= 4096:
+            piece = min(piece, size - held)
+            try:
+                os.posix_fallocate(fd, held, piece)
+                held += piece
+            except OSError:
+                piece //= 2
+        return held
+    finally:
+        os.close(fd)
+
+
+def _free_spare(root: str | os.PathLike) -> bool:
+    spare = Path(root) / SPARE
+    try:
+        if not stat.S_ISREG(os.stat(spare, follow_symlinks=False).st_mode):
+            return False
+        os.unlink(spare)
+    except OSError:
+        return False
+    return True
+
+
+def with_spare(root: str | os.PathLike, write: Callable[[], T]) -> T:
+    """``write()``; if the disk is full and ``root`` holds a spare allocation (:func:`reserve_spare`),
+    free it, ``write()`` again, and allocate what is left again."""
+    try:
+        return write()
+    except OSError as e:
+        if e.errno not in NO_SPACE or not _free_spare(root):
+            raise
+    try:
+        return write()
+    finally:
+        reserve_spare(root)
 
 
 class RunLock:
@@ -200,8 +503,7 @@ class RunLock:
 
     def acquire(self, timeout: float = 0.0, poll: float = 0.1) -> None:
         """Take the lock, waiting up to ``timeout`` seconds; :class:`RunDirError` if another holds it."""
-        self.run.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.run.lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = guarded_open(self.run.root, self.run.lock, os.O_RDWR | os.O_CREAT)
         deadline = time.monotonic() + timeout
         while True:
             try:

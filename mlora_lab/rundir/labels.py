@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlora_lab.rundir.files import RunDir, RunDirError, atomic_write_json
+from mlora_lab.rundir.files import LinkRefused, RunDir, RunDirError, atomic_write_json, guarded_open
 
 TAG = re.compile(r"[^\s,]{1,40}")
 """A tag: 1 to 40 characters, no whitespace and no comma (``ml.runs()`` shows tags comma-joined)."""
@@ -74,9 +74,12 @@ def read_labels(run_dir: str | os.PathLike) -> RunLabels:
     """The run's labels (empty when it has none); :class:`RunDirError` if the file is corrupt."""
     path = RunDir(run_dir).labels
     try:
-        text = path.read_bytes()
+        with os.fdopen(guarded_open(path.parent, path, os.O_RDONLY, create=False), "rb") as f:
+            text = f.read()  # (never through a link planted in its place)
     except FileNotFoundError:
         return RunLabels()
+    except LinkRefused:
+        raise
     except OSError as e:
         raise RunDirError(f"{path}: cannot be read ({e.strerror or e})") from None
     try:
@@ -114,14 +117,14 @@ def update_labels(
             raise ValueError(f"a run has at most {MAX_TAGS} tags ({len(tags)} asked for)")
         labels = RunLabels(tags, current.note if note is None else note)
         if labels != current:
-            atomic_write_json(run.labels, labels.to_dict())
+            atomic_write_json(run.labels, labels.to_dict(), root=run.root)
     return labels
 
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``path`` (created if needed) for the block."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = guarded_open(path.parent, path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

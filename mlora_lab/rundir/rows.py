@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 import orjson
 
-from mlora_lab.rundir.files import TextEnum, atomic_write_bytes
+from mlora_lab.rundir.files import TextEnum, atomic_write_bytes, guarded_open
 
 
 class RowKind(TextEnum):
@@ -72,6 +72,7 @@ class EventKind(TextEnum):
     SAVE_FAILED = "save_failed"  # a periodic checkpoint or adapter save failed (e.g. disk full)
     METRICS_RECREATED = "metrics_recreated"  # metrics.jsonl was deleted or replaced under the job
     SEARCH = "search"  # a decision of the job's hyperparameter search (mlora_lab.job.search)
+    TRACKER_FAILED = "tracker_failed"  # a tracker of report_to failed and gets no more rows
 
 
 @dataclass
@@ -311,10 +312,8 @@ class MetricsWriter:
         self._open()
 
     def _open(self) -> None:
-        # O_NOFOLLOW: a symlink planted at metrics.jsonl must not make the job append elsewhere.
-        self._fd = os.open(
-            self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-        )
+        # never through a link: a symlink planted at metrics.jsonl must not make the job append elsewhere
+        self._fd = guarded_open(self.path.parent, self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         self._ino = os.fstat(self._fd).st_ino
 
     def _replaced(self) -> bool:

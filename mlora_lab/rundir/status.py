@@ -9,6 +9,7 @@ process is gone: the run is ``lost`` (its last checkpoint can be resumed), never
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import socket
@@ -18,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from mlora_lab.rundir.files import RunDir, RunDirError, TextEnum, atomic_write_json
+from mlora_lab.rundir.files import RunDir, RunDirError, TextEnum, atomic_write_json, with_spare
 
 JOB_MODULE = "mlora_lab.job"
 """The module a job's processes run (``python -m mlora_lab.job RUN_DIR``): every process of a job (the
@@ -181,7 +182,10 @@ def read_status(run_dir: str | Path) -> Status | None:
 
 
 def write_status(run_dir: str | Path, status: Status) -> Status:
-    atomic_write_json(RunDir(run_dir).status, status.to_dict())
+    """Write ``status.json`` atomically. On a full disk the job's spare allocation (``.spare``, see
+    :func:`~mlora_lab.rundir.files.reserve_spare`) makes room for it."""
+    run = RunDir(run_dir)
+    with_spare(run.root, lambda: atomic_write_json(run.status, status.to_dict(), root=run.root))
     return status
 
 
@@ -195,6 +199,23 @@ def update_status(run_dir: str | Path, **fields: Any) -> Status:
         fields["state"] = RunState(fields["state"])
     base = current or Status(state=fields.get("state", RunState.STARTING))
     return write_status(run_dir, dataclasses.replace(base, **fields))
+
+
+def record_problem(run_dir: str | Path, problem: str | None) -> None:
+    """Say ``problem`` in the ``error`` of a run that goes on (a save that failed: the run still
+    trains, and every earlier checkpoint is intact), or clear it (``None``: saving works again). Only
+    while status.json says ``running``: a final state and its error are never touched, and a run
+    directory without a status (a job started by hand, in-process) gets none. On a full disk the
+    job's spare allocation makes room for it; if even that fails, the problem stays unsaid (the
+    job's rows and its log still have it)."""
+    try:
+        current = read_status(run_dir)
+    except (RunDirError, OSError):
+        return
+    if current is None or current.state is not RunState.RUNNING or current.error == problem:
+        return
+    with contextlib.suppress(OSError):
+        write_status(run_dir, dataclasses.replace(current, error=problem))
 
 
 def shown_tenant_state(tenant_state: str | None, run_state: str) -> str:

@@ -38,6 +38,7 @@ from __future__ import annotations
 from mlora_lab.search.engine import Action, ActionOp, Search, Trial, TrialState
 from mlora_lab.search.space import (
     ASHA,
+    MAX_TRIALS,
     PBT,
     PBT_SEARCHABLE,
     SEARCHABLE,
@@ -50,10 +51,13 @@ from mlora_lab.search.space import (
     Random,
     Strategy,
     Uniform,
+    asha_reach,
     asha_rungs,
+    asha_warning,
     choice,
     dist_from_dict,
     dist_to_dict,
+    grid_size,
     loguniform,
     randint,
     search_problems,
@@ -67,6 +71,7 @@ from mlora_lab.search.sweep import Sweep
 
 __all__ = [
     "ASHA",
+    "MAX_TRIALS",
     "PBT",
     "PBT_SEARCHABLE",
     "SEARCHABLE",
@@ -85,10 +90,13 @@ __all__ = [
     "Trial",
     "TrialState",
     "Uniform",
+    "asha_reach",
     "asha_rungs",
+    "asha_warning",
     "choice",
     "dist_from_dict",
     "dist_to_dict",
+    "grid_size",
     "loguniform",
     "randint",
     "search_problems",

@@ -21,6 +21,7 @@ from mlora_lab.search.space import (
     Objective,
     Strategy,
     asha_rungs,
+    grid_problem,
     space_from_dict,
     space_to_dict,
     strategy_from_dict,
@@ -133,6 +134,10 @@ class Search:
     def _configs(self) -> list[dict[str, Any]]:
         s = self.strategy
         if isinstance(s, Grid):
+            # (counted before it is enumerated: a grid of 4.2e10 points is refused, not a MemoryError)
+            too_big = grid_problem(self.space)
+            if too_big is not None:
+                raise ValueError(too_big)
             names = list(self.space)
             values = [[thawed(v) for v in self.space[n].values] for n in names]
             return [dict(zip(names, combo)) for combo in itertools.product(*values)]
@@ -161,13 +166,31 @@ class Search:
         )
 
     def can_fill(self) -> bool:
-        """A free slot would be used now: a trial waits to start, or one can be promoted."""
-        return any(t.state is TrialState.WAITING for t in self.trials) or self._promotable() is not None
+        """A free slot would be used now: a trial waits to start, or one can be promoted (or, ASHA with
+        none trained to the budget, finish the search)."""
+        return (
+            any(t.state is TrialState.WAITING for t in self.trials)
+            or self._promotable() is not None
+            or self._finisher() is not None
+        )
 
-    def report(self, trial_id: int, step: int, value: float, global_step: int = 0) -> list[Action]:
-        """The trial reached ``step`` (= :meth:`next_report`) with objective ``value``."""
+    def report(
+        self, trial_id: int, step: int, value: float, global_step: int = 0, why: str = ""
+    ) -> list[Action]:
+        """The trial reached ``step`` (= :meth:`next_report`) with objective ``value``. A value that is not
+        a finite number (NaN, ±inf: its objective raised, ``why``, or its training diverged) is no result:
+        the trial fails, and is never promoted, exploited or the best."""
         t = self.trials[trial_id]
-        t.step, t.results[step] = step, float(value)
+        value = float(value)
+        if not math.isfinite(value):
+            t.step = step
+            self.fail(
+                trial_id,
+                f"its objective at step {step} is {value}" + (f" ({why})" if why else ""),
+                global_step,
+            )
+            return [Action(ActionOp.STOP, t.id, why="failed")]
+        t.step, t.results[step] = step, value
         s = self.strategy
         if step >= self.budget:
             t.state = TrialState.FINISHED
@@ -247,7 +270,7 @@ class Search:
                     )
         waiting = next((t for t in self.trials if t.state is TrialState.WAITING), None)
         if waiting is None:
-            return None
+            return self._finish_best(global_step, paused_in_slot)
         waiting.state = TrialState.RUNNING
         self._say(global_step, waiting, "start", _brief_config(waiting.config))
         return Action(ActionOp.START, waiting.id, config=dict(waiting.config), why="a free slot")
@@ -268,6 +291,43 @@ class Search:
                 if i not in self.promoted[k] and self.trials[i].state is TrialState.PAUSED:
                     return self.trials[i], k
         return None
+
+    def _finisher(self) -> tuple[Trial, int] | None:
+        """ASHA out of work with no trial trained to the budget (too few trials for its rungs: ``n=6,
+        eta=3`` and rungs at 5, 15, 45, 60 steps promote at most 4, 2, 0): the best trial of the highest
+        rung reached, and that rung. None while anything else can still happen."""
+        if not isinstance(self.strategy, ASHA) or self._promotable() is not None:
+            return None
+        busy = (TrialState.WAITING, TrialState.RUNNING, TrialState.FINISHED)
+        if any(t.state in busy for t in self.trials):
+            return None
+        for k in reversed(range(len(self.rungs) - 1)):
+            for i in self._ranked(k):
+                t = self.trials[i]
+                if t.state is TrialState.PAUSED and t.rung == k:
+                    return t, k
+        return None
+
+    def _finish_best(self, global_step: int, paused_in_slot: tuple[int, ...]) -> Action | None:
+        """Promote :meth:`_finisher`'s trial straight to the budget, so the search ends with a trial
+        trained as asked (its decision says why)."""
+        found = self._finisher()
+        if found is None:
+            return None
+        t, k = found
+        top = len(self.rungs) - 1
+        self.promoted[k].append(t.id)
+        t.rung, t.state, t.reason = top, TrialState.RUNNING, None
+        self._say(
+            global_step,
+            t,
+            "promote",
+            f"no trial trained to the budget (n={self.strategy.n} trials are too few for eta="
+            f"{self.strategy.eta} over {len(self.rungs)} rungs): the best of rung {k} ({self.rungs[k]} steps) "
+            f"trains on to the budget ({self.budget} steps)",
+        )
+        op = ActionOp.CONTINUE if t.id in paused_in_slot else ActionOp.RESTORE
+        return Action(op, t.id, why="the best trial finishes the search")
 
     def _pbt_step(self, t: Trial, global_step: int) -> list[Action]:
         s = self.strategy
@@ -299,7 +359,7 @@ class Search:
     # -- results -----------------------------------------------------------------------------
     def best_value(self, trial: Trial) -> float | None:
         """The trial's best reported objective (None before its first report)."""
-        values = [v for v in trial.results.values() if not math.isnan(v)]
+        values = [v for v in trial.results.values() if math.isfinite(v)]
         if not values:
             return None
         return min(values) if self.objective.mode == "min" else max(values)
@@ -310,8 +370,13 @@ class Search:
 
     def best_trial(self) -> Trial | None:
         """The trial whose objective at its furthest step is best, preferring trials that went
-        further (an ASHA trial pruned early is not compared with one trained to the top)."""
-        done = [t for t in self.trials if t.results and t.state is not TrialState.FAILED]
+        further (an ASHA trial pruned early is not compared with one trained to the top). A trial that
+        failed (its tenant diverged or raised, its objective was not a number) is never the best."""
+        done = [
+            t
+            for t in self.trials
+            if t.results and t.state is not TrialState.FAILED and math.isfinite(self.final_value(t))
+        ]
         if not done:
             return None
         return min(done, key=lambda t: (-max(t.results), self.objective.key(self.final_value(t)), t.id))

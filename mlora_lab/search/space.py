@@ -4,8 +4,11 @@ JSON forms, and :func:`search_problems`, every problem of a search definition th
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,6 +31,10 @@ SEARCHABLE = (
 
 PBT_SEARCHABLE = ("lr", "weight_decay", "max_grad_norm")
 """What PBT may vary: settings of the optimiser, which can change while a member trains."""
+
+MAX_TRIALS = 10_000
+"""The most trials a search may hold (``n`` of random and ASHA, the points of a grid): every trial is a
+row of its state, its decisions and its table."""
 
 
 # -- distributions ---------------------------------------------------------------------------------
@@ -272,10 +279,39 @@ class Objective:
         return a < b if self.mode == "min" else a > b
 
     def key(self, value: float) -> float:
-        """Sort key: ascending = best first (NaN last)."""
-        if value is None or math.isnan(value):
+        """Sort key: ascending = best first (NaN and ±inf last: no objective, not the best one)."""
+        if value is None or not math.isfinite(value):
             return math.inf
         return value if self.mode == "min" else -value
+
+    def function(self) -> Callable[[list[dict]], float] | None:
+        """The user's function for a ``"module:function"`` metric (None for ``eval_loss`` / ``train_loss``),
+        imported; ``ValueError`` saying why it cannot be used: the module does not import, has no such
+        name, or the name is not a Python function (``sys:exit``, a class or a builtin would be called with
+        the trial's rows)."""
+        if self.metric in ("eval_loss", "train_loss"):
+            return None
+        if not isinstance(self.metric, str) or not _is_reference(self.metric):
+            raise ValueError(f"objective {str(self.metric)[:80]!r} is not 'module:function'")
+        module, _, name = self.metric.partition(":")
+        try:
+            found: Any = importlib.import_module(module)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # (a module that calls sys.exit() on import, too)
+            raise ValueError(
+                f"objective {self.metric!r}: module {module!r} cannot be imported ({type(e).__name__}: {e})"
+            ) from None
+        for part in name.split("."):
+            found = getattr(found, part, _MISSING)
+            if found is _MISSING:
+                raise ValueError(f"objective {self.metric!r}: module {module!r} has no {name!r}")
+        if not inspect.isfunction(found):
+            raise ValueError(
+                f"objective {self.metric!r} is {_what(found)}, not a Python function of a trial's rows "
+                "(def objective(rows): return ...)"
+            )
+        return found
 
     def problems(self) -> list[str]:
         out = []
@@ -292,6 +328,14 @@ class Objective:
         return out
 
 
+_MISSING = object()
+
+
+def _what(obj: Any) -> str:
+    kind = "a class" if inspect.isclass(obj) else f"a {type(obj).__name__}"
+    return kind + (" (a builtin)" if inspect.isbuiltin(obj) else "")
+
+
 def _is_reference(text: str) -> bool:
     module, _, name = text.partition(":")
     return bool(module and name) and all(p.isidentifier() for p in (*module.split("."), *name.split(".")))
@@ -304,6 +348,70 @@ def asha_rungs(min_steps: int, eta: int, budget: int) -> list[int]:
         rungs.append(r)
         r *= eta
     return [*rungs, budget]
+
+
+def asha_reach(n: int, eta: int, rungs: int) -> tuple[list[int], list[int]]:
+    """How many of ``n`` trials reach each of ``rungs`` rungs: ``(at least, at most)``.
+
+    Of the ``m`` trials that reach rung ``k``, the top ``⌊m/η⌋`` are promoted by the end of the search
+    (so at least ``⌊…⌊n/η⌋…/η⌋``); a trial is promoted only while it is in the top ``⌊s/η⌋`` of the ``s``
+    there at the time, which the ``η - 1`` worst of them never are (so at most ``m - η + 1``)."""
+    least, most = [n], [n]
+    for _ in range(rungs - 1):
+        least.append(least[-1] // eta)
+        most.append(max(most[-1] - eta + 1, 0))
+    return least, most
+
+
+def asha_warning(strategy: Any, budget: int) -> str | None:
+    """What to tell the user before an ASHA search starts whose trials may never train to the budget
+    (``n=6, eta=3`` over rungs at 5, 15, 45, 60 steps: at most 4, 2, then 0 trials reach each rung), or
+    None. The search then trains its best trial of the highest rung reached on to the budget
+    (:class:`~mlora_lab.search.engine.Search`), so it still ends with one trained as asked."""
+    s = strategy
+    counts = (s.n, s.eta, s.min_steps, budget) if isinstance(s, ASHA) else ()
+    if not counts or not all(isinstance(v, int) and not isinstance(v, bool) for v in counts):
+        return None
+    if not (s.n >= 1 and s.eta >= 2 and 1 <= s.min_steps < budget):  # (refused by the checks anyway)
+        return None
+    rungs = asha_rungs(strategy.min_steps, strategy.eta, budget)
+    least, most = asha_reach(strategy.n, strategy.eta, len(rungs))
+    if least[-1] > 0:
+        return None
+    head = f"ASHA(n={s.n}, eta={s.eta}) with rungs at {', '.join(map(str, rungs))} steps: "
+    if most[-1] == 0:
+        reach = (
+            f"no trial can be promoted to the budget of {budget} steps (at most {', '.join(map(str, most))} "
+            "reach each rung), so the search will train its best trial of the highest rung reached on to the "
+            "budget at the end"
+        )
+    else:
+        reach = (
+            f"a trial is promoted to the budget of {budget} steps only if later trials keep beating earlier "
+            f"ones (at least {', '.join(map(str, least))} reach each rung); if none is, the search trains its "
+            "best trial of the highest rung reached on to the budget at the end"
+        )
+    return (
+        f"{head}{reach}. n >= {s.eta ** (len(rungs) - 1)} (or fewer rungs: a larger min_steps) promotes one."
+    )
+
+
+def grid_size(space: dict[str, Any]) -> int:
+    """The number of points of a grid over ``space`` (the product of its choices' sizes), counted without
+    enumerating them."""
+    return math.prod(len(d.values) for d in space.values() if isinstance(d, Choice))
+
+
+def grid_problem(space: dict[str, Any]) -> str | None:
+    """Why a grid over ``space`` is too large to run (None when it is not)."""
+    size = grid_size(space)
+    if size <= MAX_TRIALS:
+        return None
+    sizes = " x ".join(f"{len(d.values)} {name}" for name, d in space.items() if isinstance(d, Choice))
+    return (
+        f"a grid of {size:,} points ({sizes}) is more than {MAX_TRIALS:,} trials; "
+        "search fewer values, or draw n of them with random or asha"
+    )
 
 
 def search_problems(
@@ -341,9 +449,11 @@ def search_problems(
             out.append(
                 f"a grid needs a choice of values for every field; {', '.join(ranges)} are ranges (use random or asha)"
             )
+        elif (too_big := grid_problem(space)) is not None:
+            out.append(too_big)
     elif isinstance(s, Random | ASHA):
-        if not isinstance(s.n, int) or isinstance(s.n, bool) or not 1 <= s.n <= 10_000:
-            out.append(f"{s.kind}: n (trials) must be a whole number from 1 to 10000, got {s.n!r}")
+        if not isinstance(s.n, int) or isinstance(s.n, bool) or not 1 <= s.n <= MAX_TRIALS:
+            out.append(f"{s.kind}: n (trials) must be a whole number from 1 to {MAX_TRIALS}, got {s.n!r}")
         if isinstance(s, ASHA):
             if not isinstance(s.eta, int) or isinstance(s.eta, bool) or s.eta < 2:
                 out.append(f"asha: eta must be a whole number >= 2, got {s.eta!r}")

@@ -40,7 +40,7 @@ needs it.
 from mlora_lab.spec import Problem
 from mlora_lab.validate.context import ValidationCache
 from mlora_lab.validate.introspect import all_linear_names, linear_target_options, model_target_names
-from mlora_lab.validate.sweep import sweep_problems, sweep_slot_modules
+from mlora_lab.validate.sweep import job_of_sweep, sweep_problems, sweep_slot_modules
 from mlora_lab.validate.validator import Validator, check, problems, tenant_problems
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "Validator",
     "all_linear_names",
     "check",
+    "job_of_sweep",
     "linear_target_options",
     "model_target_names",
     "problems",

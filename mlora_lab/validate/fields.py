@@ -4,6 +4,9 @@ the forms build their inputs from); no file is read.
     check_job_fields(ctx)        the JobSpec's own fields (parallel and tenants are checked apart)
     check_tenant_fields(ctx, t)  a Tenant's fields, and the rules that tie two of them together
     check_field(ctx, ...)        one value against its FieldInfo: what the two above (and parallel) use
+
+``report_to`` is checked by :func:`mlora_lab.trackers.report_to_problems`: an unknown tracker, or one
+whose package is not installed here (naming the pip extra that installs it).
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from typing import Any
 
 from mlora_lab.lora.targets import ALL_LINEAR
 from mlora_lab.spec import (
+    MAX_NAME_LEN,
     MAX_ROWS,
     MAX_TARGETS,
+    SAFE_NAME,
     FieldInfo,
     JobSpec,
     Tenant,
@@ -23,6 +28,7 @@ from mlora_lab.spec import (
     valid_targets,
 )
 from mlora_lab.text import brief, is_finite, is_int, path_problem
+from mlora_lab.trackers import report_to_problems
 from mlora_lab.validate.context import Context, bound, got, usable_path
 from mlora_lab.validate.tenants import check_name
 
@@ -89,6 +95,15 @@ def check_field(
         return all([_num(ctx, owner, field, v, info, f"{label}[{i}]") for i, v in enumerate(value)])
     if kind == "name":
         return check_name(ctx, value)
+    if kind == "trackers":
+        problems = report_to_problems(value)
+        for problem in problems:
+            ctx.say(owner, field, problem)
+        return not problems
+    if kind == "id":
+        return _id(ctx, owner, field, value, label)
+    if kind == "text":
+        return _text(ctx, owner, field, value, info, label)
     raise ValueError(f"field {field!r} has kind {kind!r}, which has no check")
 
 
@@ -127,6 +142,23 @@ def _num(ctx: Context, owner: Tenant | None, field: str, v: Any, info: FieldInfo
     return False
 
 
+def _text(ctx: Context, owner: Tenant | None, field: str, v: Any, info: FieldInfo, label: str = "") -> bool:
+    """A line of text people read (a run's name): 1 to ``info.max`` printable characters (no line
+    break, control character or lone surrogate: it is shown in labels and messages)."""
+    label = label or field
+    if not isinstance(v, str):
+        ctx.say(owner, field, f"{label} must be a string ({got(v)})")
+    elif not v.strip():
+        ctx.say(owner, field, f"{label} is empty; give a name, or null for one made from the tenants")
+    elif info.max is not None and len(v) > info.max:
+        ctx.say(owner, field, f"{label} is {len(v):,} characters long (at most {bound(info.max)})")
+    elif not v.isprintable():
+        ctx.say(owner, field, f"{label} {brief(v)} holds a line break or another unprintable character")
+    else:
+        return True
+    return False
+
+
 def _bool(ctx: Context, owner: Tenant | None, field: str, v: Any, label: str = "") -> bool:
     if isinstance(v, bool):
         return True
@@ -150,6 +182,15 @@ def _path(ctx: Context, owner: Tenant | None, field: str, v: Any, info: FieldInf
         ctx.say(owner, field, f"{label} path {why}")
         return False
     return True
+
+
+def _id(ctx: Context, owner: Tenant | None, field: str, v: Any, label: str = "") -> bool:
+    """A short name (a W&B / trackio project): 1 to ``MAX_NAME_LEN`` characters of ``[A-Za-z0-9._-]``."""
+    label = label or field
+    if isinstance(v, str) and 0 < len(v) <= MAX_NAME_LEN and SAFE_NAME.fullmatch(v):
+        return True
+    ctx.say(owner, field, f"{label} must be 1-{MAX_NAME_LEN} characters from A-Z a-z 0-9 . _ - ({got(v)})")
+    return False
 
 
 def _one_of(

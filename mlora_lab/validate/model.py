@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import os
 
-from mlora_lab.bases import GGUFBaseError, gguf_file, gguf_problem, gguf_tokenizer, is_gguf
+from mlora_lab.bases import (
+    GGUFBaseError,
+    gguf_file,
+    gguf_problem,
+    gguf_tensor_problem,
+    gguf_tokenizer,
+    is_gguf,
+)
 from mlora_lab.lora.targets import ALL_LINEAR, name_matches, suffixes
 from mlora_lab.spec import MAX_SLOTS, Tenant, tenant_label, valid_targets
 from mlora_lab.text import (
@@ -86,8 +93,8 @@ def _load_now(ctx: Context) -> None:
 
 def _load_gguf(ctx: Context, path: str) -> bool:
     """A GGUF base (``mlora_lab.bases``): one readable ``.gguf`` file whose metadata describes a
-    causal LM transformers can load. Nothing is converted here; the job converts it once, when it
-    loads the base (``resolve_base``)."""
+    causal LM transformers can load, and whose tensors make that model. Nothing is converted here;
+    the launch converts it once, before it creates the run (``resolve_base``)."""
     where = f"base_model {brief(path)}"
     try:
         file = gguf_file(path)
@@ -107,6 +114,10 @@ def _load_gguf(ctx: Context, path: str) -> bool:
             "base_model",
             f"{where}: transformers cannot read a model config from this GGUF ({error_line(e)})",
         )
+        return False
+    why = gguf_tensor_problem(file)
+    if why:
+        ctx.say(None, "base_model", f"{where}: {why}")
         return False
     return _read_model_info(ctx, path, where)
 

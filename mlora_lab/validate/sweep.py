@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mlora_lab.spec import JobSpec, Problem
+from mlora_lab.spec import JobSpec, Problem, Tenant
 from mlora_lab.text import is_int
 from mlora_lab.validate.context import ValidationCache, capped
 from mlora_lab.validate.validator import Validator
@@ -50,9 +50,10 @@ def sweep_slot_modules(spec: JobSpec, sweep: Any) -> list[str]:
 
 def sweep_problems(spec: JobSpec, sweep: Any, cache: ValidationCache | None = None) -> list[Problem]:
     """Every problem of running ``sweep`` (a :class:`~mlora_lab.search.Sweep`) in the job ``spec``, at
-    once: the search itself (:func:`~mlora_lab.search.search_problems`), the job with the base tenant as
-    a trial, and the tenant every choice and both ends of every range would give (a rank above
-    ``max_rank``, target modules the model lacks, a data file that cannot be read, ...)."""
+    once: the search itself (:func:`~mlora_lab.search.search_problems`), its objective function (imported:
+    it must be a Python function), the job with the base tenant as a trial, and the tenant every choice and
+    both ends of every range would give (a rank above ``max_rank``, an lr past the bound, target modules the
+    model lacks, a data file that cannot be read, ...)."""
     from mlora_lab.search import search_problems
 
     slots = (spec.max_tenants if is_int(spec.max_tenants) else 0) - (
@@ -63,7 +64,12 @@ def sweep_problems(spec: JobSpec, sweep: Any, cache: ValidationCache | None = No
         Problem(None, "search", p)
         for p in search_problems(sweep.space, sweep.strategy, sweep.budget, sweep.objective, slots, max_rank)
     ]
-    if out:
+    if not sweep.objective.problems():
+        try:  # what the job will call: a Python function of a trial's rows (never sys:exit or a class)
+            sweep.objective.function()
+        except ValueError as e:
+            out.append(Problem(None, "objective", str(e)))
+    if any(p.field == "search" for p in out):
         return out
     validator = Validator(cache or ValidationCache())
     configs = _representative_configs(sweep.space)
@@ -78,3 +84,19 @@ def sweep_problems(spec: JobSpec, sweep: Any, cache: ValidationCache | None = No
                 seen.add(text)
                 out.append(p)
     return capped(out)
+
+
+def job_of_sweep(spec: JobSpec, sweep: Any) -> JobSpec:
+    """The job of a sweep's run directory as it is checked again when it starts or resumes: job.json lists
+    each trial the job started (the notebook's views read a trial's settings there), but trials take the
+    sweep's slots and were checked with the sweep at launch (:func:`sweep_problems`). So only the job's own
+    tenants are checked (an ASHA search of 6 trials on 3 slots is not "6 tenants but max_tenants=3"), and
+    the job may have none: it waits for its trials."""
+    tenants = spec.tenants
+    if isinstance(tenants, list):
+        tenants = [
+            t
+            for t in tenants
+            if not (isinstance(t, Tenant) and isinstance(t.name, str) and sweep.trial_id(t.name) is not None)
+        ]
+    return dataclasses.replace(spec, tenants=tenants, serve=True)

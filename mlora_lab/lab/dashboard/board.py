@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import html
+import logging
 import os
 import threading
 import time
@@ -42,18 +43,36 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from mlora_lab.lab.dashboard.controls import Controls
-from mlora_lab.lab.dashboard.figures import RED, Hover, LossFigure, OptimFigure, Panel, Scene, Smoother
+from mlora_lab.lab.dashboard.figures import (
+    AMBER,
+    GREY,
+    RED,
+    Hover,
+    LossFigure,
+    OptimFigure,
+    Panel,
+    Scene,
+    Smoother,
+)
 from mlora_lab.lab.dashboard.model import Key, RunView, Shown, TenantShown, ViewModel
 from mlora_lab.lab.dashboard.outputs import ExportTab, LogTab, default_export_dir, export_files
 from mlora_lab.lab.dashboard.progress import TenantProgress, header_html
 from mlora_lab.lab.dashboard.system import SystemFigure
 from mlora_lab.lab.dashboard.table import RunsTable
-from mlora_lab.lab.plotting import DISPLAY_DPI, figure_png, fit_layout
+from mlora_lab.lab.plotting import DISPLAY_DPI, figure_png, fit_layout, series_label
 from mlora_lab.lab.series import X_AXES, RunSeries
 from mlora_lab.rundir import control
+from mlora_lab.text import error_line
 
-SYSTEM_EVERY_S = 2.0
-"""The system tab changes slowly: it is redrawn at most this often while a run goes."""
+log = logging.getLogger(__name__)
+
+MAX_SERIES = 100
+"""A view offers, draws and shows progress rows for at most this many (run, tenant) series (a metrics
+file may name a million tenants): the first ones, in the runs' order, and says so."""
+TAB_EVERY_S = 2.0
+"""The tabs' figures (system, lr & grad norm) are redrawn at most this often while a run goes, the tab
+shown or not: a tab picked while a later cell blocks (``run.wait()``) reaches the kernel only when that
+cell ends, so a figure drawn only once its tab is picked would stay empty meanwhile."""
 SYSTEM_TAB, OPTIM_TAB, LOGS_TAB, EXPORT_TAB = range(4)
 
 
@@ -110,11 +129,16 @@ class Dashboard:
         self._stop_event = threading.Event()
         self._handles: list[Any] = []
         self._drawn: dict[str, tuple] = {}
-        self._system_drawn = 0.0
+        self._tab_drawn: dict[str, float] = {}
         self._stopping: set[str] = set()
         self.progress_rows: dict[Key, TenantProgress] = {}
 
         self.status = W.HTML()
+        self.problem = W.HTML()
+        """Why the last refresh failed (the view goes on refreshing), or that one failed earlier."""
+        self._failures: list[tuple[float, str]] = []  # (when, what) of refreshes that failed
+        self.capped = W.HTML()
+        """Says so when a view has more tenants than it shows (:data:`MAX_SERIES`)."""
         self.table = RunsTable(self._on_tick)
         self.controls = Controls(
             x,
@@ -155,7 +179,9 @@ class Dashboard:
         self.tabs.observe(lambda _: self._on_tab(), names="selected_index")
         self.logs.source.observe(lambda _: self._update_log(force=True), names="value")
         figure = [self.loss.legend, self.loss.widget, self.loss.readout]
-        self.widget = W.VBox([self.status, self.table.box, c.box, self.progress, *figure, self.tabs])
+        self.widget = W.VBox(
+            [self.status, self.problem, self.table.box, c.box, self.capped, self.progress, *figure, self.tabs]
+        )
         for view in self.model.runs.values():
             self.table.add(view)
         with self._quieted():
@@ -220,7 +246,7 @@ class Dashboard:
     def start(self) -> Dashboard:
         """Refresh in a background thread until every run has ended (a workdir view: until
         :meth:`stop`), and return the dashboard."""
-        if self.refresh() and self._thread is None:
+        if self._refresh_or_say() and self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="mlora-dashboard", daemon=True)
             self._thread.start()
         return self
@@ -236,14 +262,7 @@ class Dashboard:
 
     def _loop(self) -> None:
         while not self._stop_event.wait(self.refresh_s):
-            try:
-                going = self.refresh()
-            except Exception as e:  # a broken refresh must say so, not die silently
-                self.status.value += (
-                    f"<pre style='color:{RED}'>dashboard refresh failed: {html.escape(repr(e))}</pre>"
-                )
-                return
-            if not going:
+            if not self._refresh_or_say():
                 break
         # every run has ended: the displayed output gets a final picture (frontends that keep the
         # PNG, such as an exported notebook, then show the finished curves)
@@ -251,6 +270,39 @@ class Dashboard:
             with contextlib.suppress(Exception):
                 data, metadata = self.bundle()
                 handle.update(data, raw=True, metadata=metadata)
+
+    def _refresh_or_say(self) -> bool:
+        """:meth:`refresh`, whatever it raises: a refresh that fails is logged (with its traceback, once
+        per distinct error) and shown above the figures, and the view goes on refreshing (a bad row,
+        a figure that cannot be drawn, a file that went away for a moment must not end a live view).
+        Returns whether to go on."""
+        try:
+            going = self.refresh()
+        except Exception as e:
+            self._say_failure("refresh", e)
+            if self.workdir is not None:  # keep going unless it is known that nothing more can change
+                return not self._stop_event.is_set()
+            return self.model.going
+        if self._failures and "failed" in self.problem.value and "recovered" not in self.problem.value:
+            when, what = self._failures[-1]
+            self.problem.value = (
+                f"<div style='color:{GREY};font-size:12px'>{len(self._failures)} refresh(es) failed, the last "
+                f"at {time.strftime('%H:%M:%S', time.localtime(when))} ({html.escape(what)}); "
+                "recovered since (details in the log)</div>"
+            )
+        return going
+
+    def _say_failure(self, doing: str, e: Exception) -> None:
+        what = f"{type(e).__name__}: {error_line(e)}"
+        if what not in {w for _, w in self._failures}:
+            log.warning("the dashboard's %s failed: %s", doing, what, exc_info=True)
+        self._failures.append((time.time(), what))
+        del self._failures[:-100]
+        self.problem.value = (
+            f"<pre style='color:{RED};white-space:pre-wrap;margin:2px 0'>dashboard {doing} failed at "
+            f"{time.strftime('%H:%M:%S')} ({len(self._failures)} so far): {html.escape(what)}\n"
+            "it keeps refreshing; the traceback is in the log (logger mlora_lab.lab.dashboard)</pre>"
+        )
 
     @contextlib.contextmanager
     def _quieted(self) -> Iterator[None]:
@@ -320,10 +372,13 @@ class Dashboard:
         """A control changed: update and redraw at once (not at the next refresh)."""
         if self._quiet:
             return
-        with self._lock:
-            self._update_header()
-            self._update_progress()
-            self._redraw(force=True)
+        try:
+            with self._lock:
+                self._update_header()
+                self._update_progress()
+                self._redraw(force=True)
+        except Exception as e:  # (in the kernel's widget callback: say it where it is seen)
+            self._say_failure("redraw", e)
 
     # -- header, tenants, progress, stop -----------------------------------------------------------
     def picked(self) -> list[Key]:
@@ -334,11 +389,15 @@ class Dashboard:
         ]
 
     def label(self, key: Key) -> str:
-        """A series' name in legends and readouts: ``run / tenant`` when several runs are shown."""
-        return f"{key[0]} / {key[1]}" if len(self.chosen) > 1 else key[1]
+        """A series' name in legends, progress rows and readouts: the tenant, or ``run / tenant`` when
+        several runs are shown (the run's title: its job's name), at most
+        :data:`~mlora_lab.lab.plotting.LABEL_CHARS` characters (the run's title is shortened first)."""
+        several = len(self.chosen) > 1
+        return series_label(self.model.runs[key[0]].title if several else None, key[1])
 
     def colour(self, key: Key) -> str:
-        """A series' colour (see :class:`~mlora_lab.lab.plotting.Colours`)."""
+        """A series' colour (:func:`~mlora_lab.lab.plotting.series_colour`: its run's name and its place
+        in the run, whatever else is shown)."""
         return self.model.colour(key)
 
     @property
@@ -351,10 +410,18 @@ class Dashboard:
         return self.model.runs[key[0]].tenant_state(key[1])
 
     def _update_picker(self) -> None:
-        keys = self.model.keys(self.chosen)
-        for k in keys:
-            self.colour(k)  # colours are assigned in listing order (runs, then tenants)
+        self.model.retitle(self.chosen)
+        keys = self.model.keys(self.chosen, limit=MAX_SERIES)
         self.controls.offer(keys, self.label)
+        total = self.model.count(self.chosen)
+        capped = (
+            f"<span style='color:{AMBER}'>showing the first {len(keys):,} of {total:,} tenants (the view draws "
+            f"at most {MAX_SERIES}); pick others with <code>ml.compare(run, tenants=[...])</code></span>"
+            if total > len(keys)
+            else ""
+        )
+        if self.capped.value != capped:
+            self.capped.value = capped
 
     def _update_header(self) -> None:
         views: list[RunView] = [self.model.runs[n] for n in self.chosen or list(self.model.runs)[:1]]
@@ -383,7 +450,13 @@ class Dashboard:
 
     def _update_stop(self) -> None:
         ended = {str(self.model.runs[n].state or "?") for n in self.chosen}
-        self.controls.show_stop(self.model.live(self.chosen), len(self.chosen), ended, self._stopping)
+        self.controls.show_stop(
+            self.model.live(self.chosen),
+            len(self.chosen),
+            ended,
+            self._stopping,
+            title=lambda n: self.model.runs[n].title or n,
+        )
 
     def stop_runs(self) -> list[str]:
         """Ask every chosen live run to stop gracefully (each job checkpoints, then exits); returns
@@ -408,31 +481,30 @@ class Dashboard:
             max_points=self.max_points,
             label=self.label,
             colour=self.colour,
-            colours=self.model.colours,
         )
 
     def _redraw(self, force: bool = False) -> None:
-        """Redraw the loss figure and the visible tab's figure if their data or settings changed."""
+        """Redraw the figures whose data or settings changed: the loss figure at once, the tabs' figures
+        at most every :data:`TAB_EVERY_S` (the tab shown at once when ``force``d by a control)."""
         scene = self._scene()
         versions = tuple(view.series.version for view in self.model.runs.values())
         settings = (scene.x, scene.smoothing, scene.logy, scene.outliers, scene.several)
         version = (tuple(scene.picked), versions, *settings)
-        tab = self.tabs.selected_index
         if force or self._drawn.get("loss") != version:
             self.loss.draw(scene)
             self.loss.show()
             self._drawn["loss"] = version
-        if tab == OPTIM_TAB and (force or self._drawn.get("optim") != version):
-            self.optim.draw(scene)
-            self.optim.show()
-            self._drawn["optim"] = version
-        if tab == SYSTEM_TAB and (force or self._drawn.get("system") != version):
-            due = time.monotonic() - self._system_drawn > SYSTEM_EVERY_S
-            if force or not self.model.going or due:
-                self.system.draw(scene)
-                self.system.show()
-                self._drawn["system"] = version
-                self._system_drawn = time.monotonic()
+        now = time.monotonic()
+        for tab, name, panel in ((SYSTEM_TAB, "system", self.system), (OPTIM_TAB, "optim", self.optim)):
+            if not force and self._drawn.get(name) == version:
+                continue
+            shown = self.tabs.selected_index == tab
+            due = name not in self._tab_drawn or now - self._tab_drawn[name] >= TAB_EVERY_S
+            if (force and shown) or due or not self.model.going:
+                panel.draw(scene)
+                panel.show()
+                self._drawn[name] = version
+                self._tab_drawn[name] = now
 
     def redraw(self, figures: Sequence[str] = ("loss", "optim", "system")) -> None:
         """Redraw these figures now (``loss``, ``optim``, ``system``)."""

@@ -9,7 +9,11 @@ from typing import Any
 import ipywidgets as W
 
 from mlora_lab.lab.dashboard.model import Key
+from mlora_lab.lab.plotting import shorten
 from mlora_lab.lab.series import X_AXES
+
+ENDED_ICONS = {"finished": "check", "stopped": "stop", "failed": "times", "lost": "question"}
+"""The Stop button's icon once the runs shown have ended, by how they ended."""
 
 
 class Controls:
@@ -93,20 +97,36 @@ class Controls:
             self.tenants.value = [k for _, k in self.tenants.options] if on else []
         self._on_change()
 
-    def show_stop(self, live: list[str], chosen: int, ended: set[str], stopping: set[str]) -> None:
+    def show_stop(
+        self,
+        live: list[str],
+        chosen: int,
+        ended: set[str],
+        stopping: set[str],
+        title: Callable[[str], str] = str,
+    ) -> None:
         """Name what Stop stops: the run (one run shown), ``Stop <run>`` (one live run among several
-        shown) or ``Stop <n> runs``; once asked, ``Stopping…`` until they end; with none live, the
-        state they ended in (``ended`` holds the chosen runs' states)."""
-        if not live:
-            description, disabled = (next(iter(ended)) if len(ended) == 1 else "ended"), True
-        elif set(live) <= stopping:
+        shown, by its ``title``) or ``Stop <n> runs``; once asked, ``Stopping…`` until they end; with
+        none live, a quiet disabled button saying how they ended (``ended`` holds the chosen runs'
+        states): ``run finished``."""
+        if not live:  # nothing to stop: a quiet, disabled button that says how the run ended, not a red one
+            state = next(iter(ended)) if len(ended) == 1 else "ended"
+            self.stop_button.button_style = ""
+            self.stop_button.icon = ENDED_ICONS.get(state, "stop")
+            self.stop_button.description = f"run {state}" if len(ended) == 1 else "runs ended"
+            self.stop_button.disabled = True
+            self.stop_button.tooltip = "nothing to stop: " + (
+                f"the run is {state}" if len(ended) == 1 else "every run shown has ended"
+            )
+            return
+        self.stop_button.button_style = "danger"
+        self.stop_button.icon = "stop"
+        if set(live) <= stopping:
             description, disabled = ("Stopping…" if len(live) == 1 else f"Stopping {len(live)} runs…"), True
         elif len(live) == 1:
-            description, disabled = ("Stop" if chosen == 1 else f"Stop {live[0]}"), False
+            description, disabled = ("Stop" if chosen == 1 else f"Stop {shorten(title(live[0]), 30)}"), False
         else:
             description, disabled = f"Stop {len(live)} runs", False
         self.stop_button.description = description
         self.stop_button.disabled = disabled
-        self.stop_button.tooltip = (
-            ("graceful stop (checkpoint, then exit) of " + ", ".join(live)) if live else ""
-        )
+        self.stop_button.tooltip = "graceful stop (checkpoint, then exit) of " + ", ".join(map(title, live))

@@ -8,8 +8,11 @@ ipympl canvas, or PNG images (``interactive=False``: nbclient, Voila, an exporte
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import html
+import io
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -26,12 +29,14 @@ from matplotlib.lines import Line2D
 from mlora_lab.lab.dashboard.model import Key
 from mlora_lab.lab.plotting import (
     DISPLAY_DPI,
-    Colours,
+    LINESTYLES,
     Ema,
+    drawable,
     figure_png,
     fit_layout,
     marker_for,
     placeholder,
+    plain,
     robust_ylim,
     set_log_y,
     set_x_axis,
@@ -41,6 +46,8 @@ from mlora_lab.lab.plotting import (
 from mlora_lab.lab.series import RunSeries
 
 RED, AMBER, GREEN, GREY, INK = "#c0392b", "#b9770e", "#27ae60", "#7f8c8d", "#2c3e50"
+CSS_STYLES = {"-": "solid", "--": "dashed", ":": "dotted", "-.": "dashed"}
+"""matplotlib's line styles as CSS borders (the HTML legend)."""
 POINT_BUDGET = 40_000
 """Points drawn per axes in all (see :meth:`Scene.points`)."""
 WAITING = "waiting for the first step…"
@@ -60,11 +67,15 @@ class Scene:
     max_points: int
     label: Callable[[Key], str]
     colour: Callable[[Key], str]
-    colours: Colours
 
     @property
     def several(self) -> bool:
         return len(self.chosen) > 1
+
+    def style(self, run: str) -> str:
+        """A run's line style: solid with one run shown, else one per run in the order chosen (runs of
+        the same name share colours: a notebook run twice)."""
+        return LINESTYLES[self.chosen.index(run) % len(LINESTYLES)] if self.several else "-"
 
     def points(self, lines: int) -> int:
         """Points per drawn line: ``max_points``, less when many lines share a figure (drawing costs
@@ -94,8 +105,13 @@ class LineSet:
             line.set_visible(key in keys)
         return [line for key, line in self.lines.items() if key in keys]
 
-    def visible(self) -> list[Line2D]:
-        return [line for line in self.lines.values() if line.get_visible()]
+    def visible(self, role: str | None = None) -> list[Line2D]:
+        """The visible lines (of one role: the last part of their key, ``main``, ``raw``, ``eval``)."""
+        return [
+            line
+            for key, line in self.lines.items()
+            if line.get_visible() and (role is None or key[-1] == role)
+        ]
 
 
 class Smoother:
@@ -165,6 +181,16 @@ class Hover:
         return f"<b>{html.escape(self.names[line])}</b> · {html.escape(xlabel)} {xtext} · {py:.6g}"
 
 
+def png_of_rgba(buffer: np.ndarray) -> bytes:
+    """A PNG of an Agg pixel buffer (``[h, w]`` uint32, one RGBA pixel each)."""
+    from PIL import Image
+
+    pixels = buffer.view(np.uint8).reshape((*buffer.shape, 4))
+    with io.BytesIO() as png:
+        Image.fromarray(pixels).save(png, format="png", compress_level=1)
+        return png.getvalue()
+
+
 def interactive_canvas(fig: Figure, lock: threading.RLock) -> W.DOMWidget:
     """An ipympl canvas for ``fig`` (zoom, pan, mouse events) that draws under ``lock``: the refresh
     thread changes line data while the frontend asks the kernel's main thread for a new image."""
@@ -174,6 +200,20 @@ def interactive_canvas(fig: Figure, lock: threading.RLock) -> W.DOMWidget:
         def draw(self) -> None:
             with self.lab_lock:
                 super().draw()
+
+        def send_binary(self, data: bytes) -> None:
+            """Send one frame (``data``: a PNG, the whole figure or the pixels that changed).
+
+            ipympl 0.10 sends the raw RGBA buffer instead of ``data`` until the kernel has handled the
+            frontend's ``initialized`` message: a frame no browser can decode, so the figure stays an
+            empty box. Under Run All that message waits behind the cell that blocks (``run.wait()``), so
+            every frame the refresh thread pushes meanwhile was lost. Here the frame is always the PNG,
+            and the static copy (``_data_url``, for frontends without a live kernel) is kept up to date
+            the way ipympl means to."""
+            if getattr(self, "syncing_data_url", False):
+                full = data if self._current_image_mode == "full" else png_of_rgba(self._last_buff)
+                self._data_url = base64.b64encode(full).decode("ascii")
+            self.send({"data": json.dumps({"type": "binary"})}, buffers=[data])
 
     canvas = LockedCanvas(fig)
     canvas.lab_lock = lock
@@ -268,7 +308,7 @@ class Panel:
             lo_x, hi_x = ax.get_xlim()
             shown = []
             # the raw values decide: a spike's smoothed echo is part of the outlier, not of the curve
-            for line in [line for line in lines if line.get_label() == "_raw"] or lines:
+            for line in self.sets[ax].visible("raw") or lines:
                 xs, ys = np.asarray(line.get_xdata(), dtype=float), np.asarray(line.get_ydata(), dtype=float)
                 shown.append(ys[(xs >= lo_x) & (xs <= hi_x)])
             lim = robust_ylim(shown, log=log)
@@ -287,19 +327,23 @@ class Panel:
         feed, colour, label = scene.feeds[key[0]], scene.colour(key), scene.label(key)
         lines = self.sets[ax]
         xs, ys, breaks = feed.xy(key[1], metric, scene.x)
+        ys = drawable(ys)  # (a loss of 1e308 is drawn at 1e300; the smoothing sees what is drawn)
         s = scene.smoothing if smooth else 0.0
         shown: set[tuple] = set()
         if not len(xs):
             return shown, 0
+        style = scene.style(key[0])
         line = lines.get((key, "main"), color=colour, linewidth=1.5, markersize=3)
         smoothed = smoother(feed, key, metric, ys, s) if s > 0 else ys
-        line.set_data(*thin_with_breaks(xs, smoothed, breaks, points))
+        line.set_data(*thin_with_breaks(xs, drawable(smoothed), breaks, points))
         line.set_marker(marker_for(len(xs)))
-        line.set_label(label)
+        line.set_linestyle(style)
+        line.set_label(plain(label))
         self.hover.name(line, label + (" (smoothed)" if s > 0 else ""))
         shown.add((key, "main"))
         if s > 0 and len(xs) > 1:  # smoothing never hides the data: the raw line stays, faded
             raw = lines.get((key, "raw"), color=colour, linewidth=0.8, alpha=0.25, label="_raw")
+            raw.set_linestyle(style)
             raw.set_data(*thin_with_breaks(xs, ys, breaks, points))
             self.hover.name(raw, label + " (raw)")
             shown.add((key, "raw"))
@@ -339,14 +383,16 @@ class LossFigure(Panel):
                     "label": "_eval",
                 }
                 line = self.lines.get((key, "eval"), color=scene.colour(key), **style)
-                line.set_data(*thin_with_breaks(ex, ey, ebreaks, per_line))
+                line.set_data(*thin_with_breaks(ex, drawable(ey), ebreaks, per_line))
                 self.hover.name(line, scene.label(key) + " (eval)")
                 shown.add((key, "eval"))
-        visible = self.lines.show_only(shown)
+        self.lines.show_only(shown)
         placeholder(self.ax, None if points else WAITING)
         set_log_y(self.ax, scene.logy)
         self.autoscale(self.ax, scene.outliers)
-        self._update_legend([line for line in visible if line.get_label() not in ("_raw", "_eval")])
+        self._update_legend(
+            [(self.lines[(k, "main")], scene.label(k)) for k in scene.picked if (k, "main") in shown]
+        )
 
     @contextlib.contextmanager
     def legend_in_figure(self) -> Iterator[None]:
@@ -364,15 +410,15 @@ class LossFigure(Panel):
             if legend is not None:
                 legend.remove()
 
-    def _update_legend(self, mains: list[Line2D]) -> None:
+    def _update_legend(self, mains: list[tuple[Line2D, str]]) -> None:
         """The loss plot's legend, as HTML above it: drawing ten legend entries into the figure costs as
         much as drawing all its lines (text is slow to render at 2x), and an HTML legend never covers
         data. Exports put a real legend into the figure (:meth:`legend_in_figure`)."""
         items = "".join(
             f"<span style='white-space:nowrap;margin-right:12px'><span style='display:inline-block;width:18px;"
-            f"height:3px;vertical-align:middle;background:{line.get_color()}'></span> {html.escape(line.get_label())}"
-            "</span>"
-            for line in mains
+            f"height:0;vertical-align:middle;border-top:3px {CSS_STYLES.get(line.get_linestyle(), 'solid')} "
+            f"{line.get_color()}'></span> {html.escape(label)}</span>"
+            for line, label in mains
         )
         value = (
             f"<div style='font-size:12px;line-height:1.6'>{items}<span style='color:{GREY}'>· faded: raw values · "

@@ -9,6 +9,7 @@ be driven and tested without ipywidgets.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ import pandas as pd
 
 from mlora_lab.lab.liveness import Liveness, Verdict
 from mlora_lab.lab.logs import read_log
-from mlora_lab.lab.plotting import Colours, run_name, series_key
+from mlora_lab.lab.plotting import cut_note, run_name, run_titles
 from mlora_lab.lab.series import RunSeries, TenantSeries, rows_frame
 from mlora_lab.rundir import (
     EvalRow,
@@ -71,7 +72,11 @@ class RunView:
     verdict: Verdict | None = None
     status: Status | None = None
     labels: tuple[str, str] = ("", "")
-    """Its tags (comma-joined) and note."""
+    """Its tags (comma-joined) and note (:func:`~mlora_lab.lab.plotting.cut_note`)."""
+    title: str = ""
+    """What labels call it: the job's name, told apart from other runs of the view with the same name
+    (:func:`~mlora_lab.lab.plotting.run_titles`)."""
+    _labels_seen: tuple | None = field(default=None, repr=False)
 
     @property
     def path(self) -> Path:
@@ -151,11 +156,21 @@ class RunView:
         return read_log(self.liveness.dir, int(rank) if rank.isdigit() else 0, tail=lines)
 
     def read_labels(self) -> tuple[str, str]:
+        """Its tags and note, read again only when labels.json changed; a note longer than
+        :data:`~mlora_lab.lab.plotting.NOTE_CHARS` (a hand-written file may hold megabytes) is cut."""
+        try:
+            st = self.path.joinpath("labels.json").stat()
+            seen = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            seen = None
+        if seen is not None and seen == self._labels_seen:
+            return self.labels
+        self._labels_seen = seen
         try:
             labels = read_labels(self.path)
         except (RunDirError, OSError):
             return "", ""
-        return ", ".join(labels.tags), labels.note
+        return ", ".join(labels.tags), cut_note(labels.note)
 
 
 @dataclass
@@ -164,7 +179,6 @@ class ViewModel:
 
     workdir: Path | None = None
     runs: dict[str, RunView] = field(default_factory=dict)
-    colours: Colours = field(default_factory=Colours)
     _paths: dict[str, Path] = field(default_factory=dict)  # run name -> its directory
     _labels_read: float = 0.0
     _rescanned: float = field(default_factory=time.monotonic)
@@ -235,16 +249,36 @@ class ViewModel:
         """Those of ``names`` whose run has not ended (and was read)."""
         return [n for n in names if self.runs[n].state is not None and not self.runs[n].final]
 
-    def keys(self, names: Sequence[str]) -> list[Key]:
-        """Every (run, tenant) of these runs, in order (runs as given, each run's tenants as listed)."""
-        return [(n, t) for n in names for t in self.runs[n].series.tenants]
+    def keys(self, names: Sequence[str], limit: int | None = None) -> list[Key]:
+        """The (run, tenant) pairs of these runs, in order (runs as given, each run's tenants as listed):
+        all of them, or the first ``limit``."""
+        out: list[Key] = []
+        for n in names:
+            tenants = self.runs[n].series.tenants
+            room = len(tenants) if limit is None else limit - len(out)
+            out += [(n, t) for t in itertools.islice(tenants, max(0, room))]
+        return out
+
+    def count(self, names: Sequence[str]) -> int:
+        """How many (run, tenant) pairs these runs have."""
+        return sum(len(self.runs[n].series.tenants) for n in names)
+
+    def retitle(self, names: Sequence[str]) -> None:
+        """Give the runs their titles for a view showing ``names`` together (the others their own name)."""
+        titles = run_titles([(self.runs[n].series.title, n) for n in names])
+        for n, title in zip(names, titles):
+            self.runs[n].title = title
+        for n, view in self.runs.items():
+            if n not in names:
+                view.title = view.series.title
 
     def tenant(self, key: Key) -> TenantSeries:
         return self.runs[key[0]].series.tenants[key[1]]
 
     def colour(self, key: Key) -> str:
-        """A series' colour (see :class:`~mlora_lab.lab.plotting.Colours`)."""
-        return self.colours(series_key(*key))
+        """A series' colour (:func:`~mlora_lab.lab.plotting.series_colour`: its run's name and its place
+        in the run)."""
+        return self.runs[key[0]].series.colour(key[1])
 
     def metrics(self, picked: Sequence[Key]) -> pd.DataFrame:
         """The train and eval rows of the ``picked`` tenants, with a ``run`` column first."""

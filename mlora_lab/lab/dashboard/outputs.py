@@ -87,6 +87,9 @@ def export_files(
     """Write each named figure (PNG at twice the display resolution, and SVG) and the metrics (CSV)
     into ``folder``, each file atomically; names start with the time, so exports never overwrite each
     other. Returns the files written."""
+    # an exports/ folder (a run's, or next to the runs: the default) is a folder of the runs: never
+    # written through a link planted in its place; a folder named otherwise is taken as given
+    root = folder.parent if folder.name == "exports" else folder
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if folder.is_dir() and any(folder.glob(f"{stamp}-*")):  # a second export within the second
         stamp += f"-{time.monotonic_ns() % 10**6:06d}"
@@ -95,11 +98,11 @@ def export_files(
         fit_layout(fig)
         for suffix, data in (("png", figure_png(fig)), ("svg", figure_svg(fig))):
             path = folder / f"{stamp}-{name}.{suffix}"
-            atomic_write_bytes(path, data)
+            atomic_write_bytes(path, data, root=root)
             written.append(path)
     if metrics is not None:
         path = folder / f"{stamp}-metrics.csv"
-        atomic_write_bytes(path, metrics.to_csv(index=False).encode())
+        atomic_write_bytes(path, metrics.to_csv(index=False).encode(), root=root)
         written.append(path)
     return written
 

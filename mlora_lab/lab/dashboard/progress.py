@@ -10,6 +10,7 @@ import numpy as np
 
 from mlora_lab.lab.dashboard.figures import AMBER, GREEN, GREY, INK, RED
 from mlora_lab.lab.dashboard.model import RunView, TenantShown, Unreadable
+from mlora_lab.lab.plotting import shorten
 from mlora_lab.lab.series import TenantSeries
 from mlora_lab.rundir import RunState, TenantState
 
@@ -56,9 +57,13 @@ def run_state_html(view: RunView) -> str:
 
 def header_html(view: RunView) -> str:
     """One run's header line: name, state, step, tokens/s, elapsed, ETA; Slurm's reason while it
-    waits; the error and the log tail of the rank that failed."""
+    waits; what fails in a run that goes on (saves on a full disk); the error and the log tail of
+    the rank that failed."""
     feed = view.series
-    text = f"<b>{html.escape(view.name)}</b> — {run_state_html(view)} · step {feed.global_step}"
+    name = f"<b>{html.escape(shorten(feed.title, 60))}</b>"
+    if feed.title != view.name:  # the run's directory, to find it (and tell re-runs of a notebook apart)
+        name += f" <span style='color:{GREY}'>{html.escape(view.name)}</span>"
+    text = f"{name} — {run_state_html(view)} · global step {feed.global_step}"
     if feed.tokens_per_s is not None:
         text += f" · {feed.tokens_per_s:,.0f} tokens/s"
     if (elapsed := view.elapsed()) is not None:
@@ -67,6 +72,8 @@ def header_html(view: RunView) -> str:
         text += f" · ETA {duration(eta)}"
     if view.state is RunState.QUEUED and view.waiting:  # Slurm: why it waits (Resources, ...)
         text += f" · {html.escape(view.waiting)}"
+    if view.state is RunState.RUNNING and view.error:  # it goes on, but says what fails (saves)
+        text += f"<div style='color:{AMBER};white-space:pre-wrap'>{html.escape(view.error)}</div>"
     if view.state in (RunState.FAILED, RunState.LOST):
         text += (
             f"<pre style='color:{RED};white-space:pre-wrap;margin:2px 0'>{html.escape(view.error or '')}\n"
@@ -89,7 +96,11 @@ class TenantProgress:
         self.bar.style.bar_color = colour
         self.info = W.HTML(layout=W.Layout(width="460px", min_width="200px"))
         self.reason = W.HTML(layout=W.Layout(width="880px", max_width="100%", display="none"))
-        self.box = W.VBox([W.HBox([self.name, self.bar, self.info]), self.reason])
+        # never shrunk: in the scrolling list of rows (a max height) flex items shrink by default, and a
+        # row shrunk below its text draws over the next one (a trial's bar over a prune reason)
+        self.box = W.VBox(
+            [W.HBox([self.name, self.bar, self.info]), self.reason], layout=W.Layout(flex="0 0 auto")
+        )
         self.rename(label, colour)
 
     def rename(self, label: str, colour: str) -> None:

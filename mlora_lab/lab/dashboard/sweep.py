@@ -3,16 +3,27 @@
 
 from __future__ import annotations
 
+import html
+import logging
 import threading
+import time
 from typing import Any
 
 import ipywidgets as W
+import numpy as np
 from matplotlib.figure import Figure
 
 from mlora_lab.lab import trials
+from mlora_lab.lab.dashboard.figures import RED
 from mlora_lab.lab.liveness import Liveness
-from mlora_lab.lab.plotting import figure_png
+from mlora_lab.lab.plotting import drawable, figure_png, plain, set_categories, set_log_x
 from mlora_lab.rundir import RunDirError
+from mlora_lab.text import error_line
+
+log = logging.getLogger(__name__)
+
+LOG_SETTINGS = frozenset({"lr"})
+"""Settings drawn on a log axis."""
 
 
 def trials_html(run: Any) -> str:
@@ -38,6 +49,9 @@ class SweepBoard:
         self.run, self.board = run, board
         self.trials = W.HTML(value=trials_html(self.liveness))
         self.scatter = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        self.problem = W.HTML()
+        """Why the last refresh failed (it goes on refreshing)."""
+        self._failed: set[str] = set()
         self._shown: tuple | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -48,8 +62,21 @@ class SweepBoard:
 
     def _follow(self, refresh_s: float) -> None:
         while not self._stop.is_set():
-            final = self.liveness.verdict().state.final
-            self.refresh()
+            final = False
+            try:
+                final = self.liveness.verdict().state.final
+                self.refresh()
+                if self.problem.value:
+                    self.problem.value = ""
+            except Exception as e:  # a refresh that fails is said and logged; the view goes on
+                what = f"{type(e).__name__}: {error_line(e)}"
+                if what not in self._failed:
+                    self._failed.add(what)
+                    log.warning("the sweep view's refresh failed: %s", what, exc_info=True)
+                self.problem.value = (
+                    f"<pre style='color:{RED};white-space:pre-wrap'>sweep view refresh failed at "
+                    f"{time.strftime('%H:%M:%S')}: {html.escape(what)}\nit keeps refreshing</pre>"
+                )
             if final:
                 return
             self._stop.wait(2 * refresh_s)
@@ -69,21 +96,31 @@ class SweepBoard:
 
     def _scatter_png(self) -> bytes:
         """Config → objective: each trial at its setting and its objective at its furthest step, one
-        panel per searched setting (``lr`` on a log axis), the best ringed."""
-        table = trials.results(self.liveness.dir).dropna(subset=["objective"])
+        panel per searched setting (``lr`` on a log axis with readable ticks on any range; settings
+        that are not numbers, such as ``target_modules``, as categories), the best ringed."""
+        table = trials.results(self.liveness.dir).dropna(subset=["objective"]).reset_index(drop=True)
         sweep = trials.read_sweep(self.liveness.dir)
         names = list(sweep.space)
         fig = Figure(figsize=(3.2 * len(names), 2.6), layout="constrained")
         axes = fig.subplots(1, len(names), squeeze=False)[0]
+        y = drawable(table["objective"].to_numpy(dtype=float))
         for ax, name in zip(axes, names):
-            x = table[name].astype(str) if table[name].dtype == object else table[name]
-            ax.scatter(x, table["objective"], c=table["steps"], cmap="viridis", s=28)
-            ax.scatter(x.iloc[:1], table["objective"].iloc[:1], s=120, facecolors="none", edgecolors="red")
-            if name == "lr":
-                ax.set_xscale("log")
-            ax.set_xlabel(name)
+            values = table[name]
+            numeric = values.map(lambda v: isinstance(v, int | float) and not isinstance(v, bool)).all()
+            if numeric:
+                x = drawable(values.to_numpy(dtype=float))
+            else:
+                categories = sorted({str(v) for v in values})
+                x = np.array([categories.index(str(v)) for v in values], dtype=float)
+            ax.scatter(x, y, c=table["steps"], cmap="viridis", s=28)
+            ax.scatter(x[:1], y[:1], s=120, facecolors="none", edgecolors="red")
+            if name in LOG_SETTINGS and numeric and (x[np.isfinite(x)] > 0).all():
+                set_log_x(ax)
+            ax.set_xlabel(plain(name))
             ax.tick_params(axis="x", labelrotation=20, labelsize=7)
-        axes[0].set_ylabel(f"{sweep.objective.metric} (colour: steps)")
+            if not numeric:
+                set_categories(ax, categories)
+        axes[0].set_ylabel(plain(f"{sweep.objective.metric} (colour: steps)"))
         return figure_png(fig)
 
     def stop(self) -> None:
@@ -94,5 +131,4 @@ class SweepBoard:
         from IPython.display import display
 
         display(self.board)
-        display(self.trials)
-        display(self.scatter)
+        display(W.VBox([self.problem, self.trials, self.scatter]))

@@ -10,7 +10,19 @@ import numpy as np
 
 from mlora_lab.lab.dashboard.figures import WAITING, Hover, Panel, Scene, Smoother
 from mlora_lab.lab.dashboard.model import Key
-from mlora_lab.lab.plotting import PALETTE, marker_for, placeholder, set_x_axis, style_axes, thin_with_breaks
+from mlora_lab.lab.plotting import (
+    MAX_DRAWN,
+    PALETTE,
+    drawable,
+    marker_for,
+    placeholder,
+    plain,
+    series_colour,
+    set_x_axis,
+    shorten,
+    style_axes,
+    thin_with_breaks,
+)
 from mlora_lab.lab.series import TIME_AXES, gap_breaks
 
 MAX_BARS = 20
@@ -32,7 +44,7 @@ class SystemFigure(Panel):
         (self.mem_ax, self.util_ax), (self.tput_ax, self.bars_ax) = self.axes(2, 2)
         self.smoother = smoother
         style_axes(self.mem_ax, title="memory per rank (MiB)")
-        style_axes(self.util_ax, title="utilisation (%): GPU solid, CPU dashed")
+        style_axes(self.util_ax, title="utilisation: GPU % (solid), CPU % of one core (dashed)")
         style_axes(self.tput_ax, title="tokens / s")
         style_axes(self.bars_ax, title="adapter + optimiser per tenant (MiB)")
         self.bar_keys: list[Key] | None = None
@@ -56,20 +68,19 @@ class SystemFigure(Panel):
                 cols = columns.arrays()
                 xs = feed.system_x(cols, x)
                 breaks = gap_breaks(cols["time"], feed.resumes) if x in TIME_AXES else None
-                label = f"{name} / rank {rank}" if scene.several else f"rank {rank}"
-                colour = (
-                    scene.colours(f"{name}/rank {rank}") if scene.several else PALETTE[rank % len(PALETTE)]
-                )
-                mib = cols["mem"] / 2**20
-                line = mem.get((name, rank), color=colour, linewidth=1.2, label=label)
+                label = f"{shorten(feed.title, 24)} / rank {rank}" if scene.several else f"rank {rank}"
+                colour = series_colour(feed.title, rank) if scene.several else PALETTE[rank % len(PALETTE)]
+                mib = drawable(cols["mem"] / 2**20)
+                line = mem.get((name, rank), color=colour, linewidth=1.2, label=plain(label))
+                line.set_linestyle(scene.style(name))
                 line.set_data(*thin_with_breaks(xs, mib, breaks, per_line))
                 line.set_marker(marker_for(len(xs)))
                 self.hover.name(line, label)
                 shown[self.mem_ax].add((name, rank))
-                if len(mib):
+                if np.isfinite(mib).any():
                     mem_range += [float(np.nanmin(mib)), float(np.nanmax(mib))]
                 for field, style in (("gpu_util", "-"), ("cpu_percent", "--")):
-                    ys = cols[field]
+                    ys = drawable(cols[field])
                     if not np.isfinite(ys).any():
                         continue
                     util_points += int(np.isfinite(ys).sum())
@@ -79,14 +90,14 @@ class SystemFigure(Panel):
                         color=colour,
                         linestyle=style,
                         linewidth=1.0,
-                        label=f"{label} {what}",
+                        label=plain(f"{label} {what}"),
                     )
                     line.set_data(*thin_with_breaks(xs, ys, breaks, per_line))
-                    self.hover.name(line, f"{label} {what} %")
+                    self.hover.name(line, f"{label} {what} %" + (" of one core" if what == "CPU" else ""))
                     shown[self.util_ax].add((name, rank, field))
                 if rank == 0:
-                    tps = cols["tokens_per_s"]
-                    tcolour = scene.colours(f"{name}/tokens") if scene.several else "#555555"
+                    tps = drawable(cols["tokens_per_s"])
+                    tcolour = series_colour(feed.title, 0) if scene.several else "#555555"
                     smooth = self.smoother(
                         feed, (name, "#rank0"), "tokens_per_s", tps, max(scene.smoothing, 0.5)
                     )
@@ -94,14 +105,15 @@ class SystemFigure(Panel):
                         (name, "main"),
                         color=tcolour,
                         linewidth=1.4,
-                        label=name if scene.several else "tokens/s",
+                        label=plain(feed.title) if scene.several else "tokens/s",
                     )
+                    line.set_linestyle(scene.style(name))
                     line.set_data(*thin_with_breaks(xs, smooth, breaks, per_line))
                     line.set_marker(marker_for(len(xs)))
-                    self.hover.name(line, f"{name} tokens/s (smoothed)")
+                    self.hover.name(line, f"{feed.title} tokens/s (smoothed)")
                     raw = tput.get((name, "raw"), color=tcolour, linewidth=0.7, alpha=0.25, label="_raw")
                     raw.set_data(*thin_with_breaks(xs, tps, breaks, per_line))
-                    self.hover.name(raw, f"{name} tokens/s (raw)")
+                    self.hover.name(raw, f"{feed.title} tokens/s (raw)")
                     shown[self.tput_ax] |= {(name, "main"), (name, "raw")}
         for ax, keys in shown.items():
             self.sets[ax].show_only(keys)
@@ -115,7 +127,7 @@ class SystemFigure(Panel):
         placeholder(self.mem_ax, None if shown else WAITING)
         self.autoscale(self.mem_ax, False, from_zero=True)  # from 0: 1 % jitter must not look like a leak
         title = "memory per rank (MiB)"
-        if mem_range:
+        if mem_range and max(map(abs, mem_range)) < 1e15:
             title += f" · range {min(mem_range):,.0f}–{max(mem_range):,.0f}"
         self.mem_ax.set_title(title, fontsize=9)
         legend_key = tuple(sorted(map(str, shown)))
@@ -141,7 +153,9 @@ class SystemFigure(Panel):
         for key in scene.picked:
             t = scene.feeds[key[0]].tenants[key[1]]
             if t.adapter_bytes or t.optimizer_bytes:
-                sizes[key] = (t.adapter_bytes / 2**20, t.optimizer_bytes / 2**20)
+                sizes[key] = tuple(
+                    float(np.clip(b / 2**20, 0, MAX_DRAWN)) for b in (t.adapter_bytes, t.optimizer_bytes)
+                )
         order = list(sizes)
         keys = sorted(sorted(sizes, key=lambda k: -sum(sizes[k]))[:MAX_BARS], key=order.index)  # the biggest
         if keys != self.bar_keys:  # other tenants: new bars (rare); numeric positions, so no stale labels
@@ -151,7 +165,7 @@ class SystemFigure(Panel):
             adapter = ax.barh(ys, [sizes[k][0] for k in keys], color=colours)
             left = [sizes[k][0] for k in keys]
             optim = ax.barh(ys, [sizes[k][1] for k in keys], left=left, color=colours, alpha=0.4, hatch="//")
-            ax.set_yticks(ys, [scene.label(k) for k in keys])
+            ax.set_yticks(ys, [plain(scene.label(k)) for k in keys])
             if keys:
                 ax.set_ylim(len(keys) - 0.5, -0.5)  # the first tenant on top
             self.bars = (adapter, optim)

@@ -4,6 +4,7 @@ to plot it."""
 from __future__ import annotations
 
 import html
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,19 +13,22 @@ import ipywidgets as W
 
 from mlora_lab.lab.dashboard.model import RunView
 from mlora_lab.lab.dashboard.progress import run_state_html
+from mlora_lab.lab.plotting import shorten
 
-SORT_KEYS = ("started", "run", "state", "steps", "best loss", "tenants")
+SORT_KEYS = ("started", "run", "state", "global step", "best loss", "tenants")
 STATE_CHOICES = ["any state", "running", "finished", "failed", "stopped", "lost", "starting"]
 COLUMNS = (
     ("run", 220),
     ("state", 170),
     ("tenants", 190),
-    ("steps", 60),
+    ("global step", 80),
     ("best loss", 75),
     ("started", 110),
     ("tags", 170),
 )
 """The table's columns and their widths in pixels."""
+MAX_NAMES = 50
+"""A run's tenants are listed up to this many (a metrics file may name a million)."""
 
 
 class RunRow:
@@ -34,7 +38,9 @@ class RunRow:
         self.check = W.Checkbox(value=False, indent=False, layout=W.Layout(width="28px"))
         self.check.observe(on_tick, names="value")
         self.cells = W.HTML()
-        self.box = W.HBox([self.check, self.cells], layout=W.Layout(align_items="center"))
+        self.box = W.HBox(
+            [self.check, self.cells], layout=W.Layout(align_items="center", flex="0 0 auto")
+        )  # (never shrunk in the scrolling list: see TenantProgress)
         self.name = name
 
 
@@ -60,31 +66,37 @@ def row_values(view: RunView) -> dict[str, Any]:
     (``_text``: run name, tenants, tags and note)."""
     feed, status = view.series, view.status
     tags, note = view.labels
-    names = list(feed.tenants)
-    best = [s.best_loss for s in feed.tenants.values() if s.best_loss is not None]
+    names = list(itertools.islice(feed.tenants, MAX_NAMES))
+    more = len(feed.tenants) - len(names)
+    listed = ", ".join(names) + (f", … ({more:,} more)" if more else "")
+    best = feed.best_loss()
     started = status.started if status is not None and status.started else None
     state = str(view.state) if view.state is not None else "?"
+    title = feed.title
     return {
-        "run": f"<b>{html.escape(view.name)}</b>",
-        "run_title": f"{view.name}\n{note}".strip(),
+        "run": f"<b>{html.escape(shorten(title, 40))}</b>"
+        + (f" <span style='color:#888'>{html.escape(view.name)}</span>" if title != view.name else ""),
+        "run_title": f"{title}\n{view.name}\n{note[:500]}".strip(),
         "state": run_state_html(view),
         "state_title": state,
-        "tenants": html.escape(f"{len(names)}: {', '.join(names)}"),
-        "tenants_title": ", ".join(names),
-        "steps": str(feed.global_step),
-        "best loss": f"{min(best):.4f}" if best else "–",
+        "tenants": html.escape(f"{len(feed.tenants):,}: {listed}"),
+        "tenants_title": listed,
+        "global step": str(feed.global_step),
+        "global step_title": "the job's step (one per batch, whichever tenants took part)",
+        "best loss": f"{best:.4f}" if best is not None else "–",
+        "best loss_title": "the lowest smoothed train loss of any tenant (EMA 0.6, as the figure draws it)",
         "started": time.strftime("%m-%d %H:%M", time.localtime(started)) if started else "–",
         "tags": html.escape(tags),
-        "tags_title": f"{tags}\n{note}".strip(),
+        "tags_title": f"{tags}\n{note[:500]}".strip(),
         "_sort": {
-            "run": view.name,
+            "run": title,
             "state": state if view.state is not None else "",
-            "steps": feed.global_step,
-            "best loss": min(best) if best else float("inf"),
+            "global step": feed.global_step,
+            "best loss": best if best is not None else float("inf"),
             "started": started or 0.0,
-            "tenants": len(names),
+            "tenants": len(feed.tenants),
         },
-        "_text": " ".join([view.name, *names, tags, note]).lower(),
+        "_text": " ".join([title, view.name, *names, tags, note]).lower(),
     }
 
 
