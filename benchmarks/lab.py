@@ -66,13 +66,17 @@ def latency(quick: bool) -> None:
 
 
 def fake_rows(n: int, tenants: int, t0: float = 1.8e9) -> list[str]:
+    """Train rows as the job writes them (every field of this release's ``TrainRow``, in its order)."""
+    from mlora_lab.rundir import TrainRow
+
     rows = []
     for i in range(n):
         tenant = i % tenants
         step = i // tenants + 1
-        rows.append(json.dumps({"kind": "train", "step": step, "tenant": f"tenant{tenant}", "tenant_step": step,
-                                "loss": 5.0 / (1 + 0.001 * step) + 0.1 * np.sin(step), "tokens": 512,
-                                "lr": 1e-4, "grad_norm": 1.0, "time": t0 + step * 0.1}))  # fmt: skip
+        row = TrainRow(step=step, tenant=f"tenant{tenant}", tenant_step=step,
+                       loss=5.0 / (1 + 0.001 * step) + 0.1 * float(np.sin(step)), tokens=512, lr=1e-4,
+                       grad_norm=1.0, time=t0 + step * 0.1, rows_seen=4 * step, tokens_seen=512 * step)  # fmt: skip
+        rows.append(json.dumps(row.to_dict()))
     return rows
 
 
