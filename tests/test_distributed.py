@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -225,15 +226,15 @@ def test_resume_in_process_equals_uninterrupted(arch, tiny_models, make_data, tm
 
 
 @pytest.mark.parametrize(
-    "arch, layout, resume_nproc",
-    [("llama", {}, 2), ("llama", {}, 1), ("qwen3_moe", {"ep": 2}, 2), ("llama", {"tp": 2, "fsdp": 1}, 2)],
-    ids=["fsdp2-fsdp2", "fsdp2-one", "ep2-ep2", "tp2-tp2"],
+    "arch, layout, resume_nprocs",
+    [("llama", {}, (2, 1)), ("qwen3_moe", {"ep": 2}, (2,)), ("llama", {"tp": 2, "fsdp": 1}, (2,))],
+    ids=["fsdp2-fsdp2-and-one", "ep2-ep2", "tp2-tp2"],
 )
-def test_resume_after_stop_with_two_ranks(arch, layout, resume_nproc, tiny_models, make_data, tmp_path):
+def test_resume_after_stop_with_two_ranks(arch, layout, resume_nprocs, tiny_models, make_data, tmp_path):
     """A 2-process run stopped early (graceful stop: checkpoint at the step it stopped), resumed on 2
-    or 1 processes, ends like the uninterrupted 2-process run; with ep=2 (tp=2) the checkpoint gathers
-    the split experts' (projections') adapters, optimiser states and partial gradients, and resuming
-    splits them again."""
+    (and, from a copy of the stopped run directory, on 1) processes, ends like the uninterrupted
+    2-process run; with ep=2 (tp=2) the checkpoint gathers the split experts' (projections') adapters,
+    optimiser states and partial gradients, and resuming splits them again."""
     base = tiny_models(arch)
     # long enough that the stop lands mid-run, whatever the machine's speed
     tenants = [dataclasses.replace(t, max_steps=10 * t.max_steps) for t in tenants_for(arch, make_data)]
@@ -252,18 +253,21 @@ def test_resume_after_stop_with_two_ranks(arch, layout, resume_nproc, tiny_model
     assert stopped.wait(300) == "stopped", stopped.logs(0)
     ckpts = sorted((stopped.path / "checkpoints").glob("step_*"))
     assert len(ckpts) == 1 and 1 <= int(ckpts[0].name.split("_")[1]) < 80, ckpts
-    run_dir = stopped.dir
-    resumed = finished(ml.resume(run_dir.root, nproc=resume_nproc))
-    assert read_status(run_dir.root).state == "finished"
+    copies = [stopped.path]
+    for n in resume_nprocs[1:]:  # the same stopped run, resumed on another layout from its own copy
+        copies.append(tmp_path / f"copy-{n}" / stopped.path.name)
+        shutil.copytree(stopped.path, copies[-1], symlinks=True)
     names = [t.name for t in tenants]
-    # Stopped mid-window, the partial gradient is saved as the sum over the ranks and resumed on one of
-    # them, so the window's sum is added in another order than straight through: float reassociation
-    # (measured 2e-6 after 80 steps), not a different computation.
-    tol = TOL
-    assert_same_adapters(adapters(straight, names), adapters(resumed, names), tol)
-    l1, l2 = losses(straight), losses(resumed)
-    assert set(l1) == set(l2), "metrics hold each tenant step once"
-    assert max(abs(l1[k] - l2[k]) for k in l1) <= tol
+    for root, nproc in zip(copies, resume_nprocs, strict=True):
+        resumed = finished(ml.resume(root, nproc=nproc))
+        assert read_status(root).state == "finished"
+        # Stopped mid-window, the partial gradient is saved as the sum over the ranks and resumed on
+        # one of them, so the window's sum is added in another order than straight through: float
+        # reassociation (measured 2e-6 after 80 steps), not a different computation.
+        assert_same_adapters(adapters(straight, names), adapters(resumed, names), TOL)
+        l1, l2 = losses(straight), losses(resumed)
+        assert set(l1) == set(l2), "metrics hold each tenant step once"
+        assert max(abs(l1[k] - l2[k]) for k in l1) <= TOL, nproc
 
 
 @pytest.mark.parametrize(

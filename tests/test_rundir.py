@@ -369,8 +369,8 @@ def test_reader_notices_a_rewritten_or_replaced_file(tmp_path):
 
 def test_rows_are_typed_and_every_kind_round_trips(tmp_path):
     """The reader gives each line's typed row (the writer's own rows, equal field by field); a field a
-    newer writer added is dropped; a row whose layout was seen before is still checked for its enum
-    values (the reader remembers good layouts, not good rows)."""
+    newer writer added is dropped; a row of a layout seen before is still checked for its enum values;
+    a bad line is skipped with a warning that names the field."""
     path = tmp_path / "metrics.jsonl"
     written = [
         TrainRow(
@@ -402,9 +402,12 @@ def test_rows_are_typed_and_every_kind_round_trips(tmp_path):
     with open(path, "a") as f:  # the layout of the tenant row above, with a state no tenant is ever in
         f.write(json.dumps({**written[3].to_dict(), "state": "hacked"}) + "\n")
     reader = MetricsReader(path)
-    with pytest.warns(RuntimeWarning, match="'state' has the wrong type or value"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"line 6: skipped \(not a metrics row: Invalid enum value 'hacked' - at `\$.state`\)",
+    ):
         assert reader.poll() == written
-    with pytest.raises(ValueError, match="unknown kind"):
+    with pytest.raises(ValueError, match=r"Invalid value 'secret' - at `\$.kind`"):
         Row.from_dict({"kind": "secret"})
 
 
@@ -596,7 +599,7 @@ def test_old_rows_without_the_newer_fields_are_read(tmp_path):
     assert new[0].cpu_percent == 180.5 and new[0].gpu_util is None
     assert (new[1].rows_seen, new[1].tokens_seen) == (4, 10)
     path.write_text(json.dumps({**old[0], "rows_seen": "4"}) + "\n")
-    with pytest.warns(RuntimeWarning, match="'rows_seen' has the wrong type"):
+    with pytest.warns(RuntimeWarning, match=r"Expected `int \| null`, got `str` - at `\$.rows_seen`"):
         assert MetricsReader(path).poll() == []
 
 
@@ -797,3 +800,52 @@ def test_every_file_the_package_writes_goes_through_the_guard():
     assert not unguarded, f"writers that bypass mlora_lab/rundir/files.py: {unguarded}"
     stale = sorted(set(ALLOWED_WRITERS) - found)
     assert not stale, f"allowed writers that no longer exist (remove them from the list): {stale}"
+
+
+def test_rows_frame_keeps_row_order_kinds_and_types(tmp_path):
+    """The lab's DataFrame of typed rows: the rows in file order across kinds, ``kind`` first and each
+    kind's fields in order (kinds as they first appear), NaN where a kind lacks a field or a float was
+    not finite (null), enums as their text, ints kept as ints when every value is one."""
+    from mlora_lab.lab.series import rows_frame
+
+    path = tmp_path / "metrics.jsonl"
+    written = [
+        EvalRow(step=1, tenant="a", loss=3.0, time=10.0),
+        TrainRow(step=1, tenant="a", tenant_step=1, loss=2.0, tokens=3, lr=0.1, grad_norm=None, time=11.0),
+        TenantRow(step=1, tenant="b", state="failed", reason="non-finite loss", time=12.0),
+        TrainRow(
+            step=2, tenant="a", tenant_step=2, loss=float("nan"), tokens=4, lr=0.1, grad_norm=1.0, time=13.0
+        ),
+        EvalRow(step=2, tenant="a", loss=2.5, time=14.0),
+    ]
+    writer = MetricsWriter(path)
+    for row in written:
+        writer.write(row)
+    writer.close()
+    rows = MetricsReader(path).poll()
+    df = rows_frame(rows)
+    assert list(df["kind"]) == ["eval", "train", "tenant", "train", "eval"]
+    assert list(df.columns[:5]) == ["kind", "step", "tenant", "loss", "time"]
+    assert list(df.columns[5:]) == ["tenant_step", "tokens", "lr", "grad_norm", "rows_seen", "tokens_seen",
+                                    "state", "adapter_bytes", "optimizer_bytes", "local_adapter_bytes",
+                                    "local_optimizer_bytes", "reason"]  # fmt: skip
+    assert list(df["step"]) == [1, 1, 1, 2, 2] and df["step"].dtype == "int64"
+    assert df["loss"].isna().tolist() == [
+        False,
+        False,
+        True,
+        True,
+        False,
+    ]  # a tenant row has none; NaN was null
+    assert df.loc[[0, 1, 4], "loss"].tolist() == [3.0, 2.0, 2.5]
+    assert df["state"].tolist()[2] == "failed" and type(df["state"].tolist()[2]) is str
+    assert df["grad_norm"].isna().tolist() == [True, True, True, False, True]
+    assert [t.timestamp() for t in df["time"]] == [10.0, 11.0, 12.0, 13.0, 14.0]
+    one = rows_frame([r for r in rows if r.kind == "train"])
+    assert one["tokens"].dtype == "int64" and list(one.columns)[:4] == [
+        "kind",
+        "step",
+        "tenant",
+        "tenant_step",
+    ]
+    assert rows_frame([]).empty

@@ -21,6 +21,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pandas as pd
 
 from mlora_lab.lab.liveness import Liveness
@@ -45,6 +46,7 @@ from mlora_lab.rundir import (
     update_labels,
 )
 from mlora_lab.rundir.files import TextEnum
+from mlora_lab.rundir.rows import collection_paused
 from mlora_lab.spec import JobSpec, SpecError, Tenant
 
 TENANT_STATES = frozenset(s.value for s in TenantState)
@@ -378,7 +380,8 @@ class Run:
         generation, dicts = self._dicts
         if generation != self._reader.generation:
             dicts = []
-        dicts.extend(r.to_dict() for r in rows[len(dicts) :])
+        with collection_paused():
+            dicts.extend(msgspec.to_builtins(rows[len(dicts) :]))  # (one call for them all: as Row.to_dict)
         self._dicts = (self._reader.generation, dicts)
         return dicts
 

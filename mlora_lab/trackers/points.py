@@ -35,7 +35,6 @@ the job run's is the job's fields, and in ``"job"`` grouping each tenant's as ``
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,12 +95,12 @@ class TrackerRun:
 def numbers(row: Row, names: tuple[str, ...] | None = None) -> dict[str, float]:
     """The row's finite numeric fields (``names``, or every field that is a measurement)."""
     out = {}
-    for f in dataclasses.fields(row):
-        if (names is None and f.name in NOT_METRICS) or (names is not None and f.name not in names):
+    for name in row.__struct_fields__:
+        if (names is None and name in NOT_METRICS) or (names is not None and name not in names):
             continue
-        v = getattr(row, f.name)
+        v = getattr(row, name)
         if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-            out[f.name] = v
+            out[name] = v
     return out
 
 
