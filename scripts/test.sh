@@ -15,4 +15,4 @@ export TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=
 # Two workers (the suite's jobs take one thread a process); the Slurm cluster and the browser tests each keep
 # to one worker (--dist loadgroup). A short base folder: messages that show a path cut it at 80 characters.
 basetemp="$(mktemp -d "${TMPDIR:-/tmp}/mlt.XXXXXX")"
-exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup --basetemp "$basetemp" "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations 25 --basetemp "$basetemp" "$@"
