@@ -22,6 +22,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "Objective": "mlora_lab.search",
     "PBT": "mlora_lab.search",
     "Parallel": "mlora_lab.spec",
+    "RL": "mlora_lab.spec",
     "Random": "mlora_lab.search",
     "Request": "mlora_lab.lab.run",
     "Run": "mlora_lab.lab.run",
@@ -71,7 +72,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         randint,
         uniform,
     )
-    from mlora_lab.spec import JobSpec, Parallel, SpecError, Tenant  # noqa: F401
+    from mlora_lab.spec import RL, JobSpec, Parallel, SpecError, Tenant  # noqa: F401
     from mlora_lab.trackers import report  # noqa: F401
 
 

@@ -71,6 +71,8 @@ class JsonlReport:
     """Row kinds seen: a subset of ``{"text", "prompt", "messages"}``."""
     problems: list[str] = field(default_factory=list)
     """Every problem (capped at ~20 per file plus an "... and N more" line); empty = file is usable."""
+    columns: set[str] = field(default_factory=set)
+    """Every key seen in a valid row (an RL tenant's reward functions take them as arguments)."""
 
 
 # In a Python str from JSON every surrogate code point is a lone one ("\ud800"): a valid pair
@@ -88,10 +90,13 @@ def _surrogate_problem(label: str, text: str) -> list[str]:
     return [f"{label} contains a lone surrogate (\\u{ord(found.group()):04x}), which is not valid text"]
 
 
-def _row_kind_and_problems(row: Any) -> tuple[str | None, list[str]]:
-    """Classify one parsed row; problems are phrased without the file/line prefix."""
+def _row_kind_and_problems(row: Any, prompts: bool = False) -> tuple[str | None, list[str]]:
+    """Classify one parsed row; problems are phrased without the file/line prefix. With ``prompts`` the
+    row is an RL tenant's: a prompt to complete (:func:`_prompt_row_problems`)."""
     if not isinstance(row, dict):
         return None, [f"expected a JSON object, got {type(row).__name__}"]
+    if prompts:
+        return _prompt_row_problems(row)
     present = [kind for kind, keys in _KIND_KEYS.items() if any(key in row for key in keys)]
     if not present:
         return None, ["row has none of 'text', 'prompt'+'completion', 'messages'"]
@@ -134,6 +139,29 @@ def _row_kind_and_problems(row: Any) -> tuple[str | None, list[str]]:
     return kind, problems
 
 
+def _prompt_row_problems(row: dict) -> tuple[str | None, list[str]]:
+    """An RL row: ``prompt`` (text to complete) or ``messages`` (a chat, completed as the assistant's
+    next turn), never both; any other key is a column the reward functions may take."""
+    has_prompt, has_messages = "prompt" in row, "messages" in row
+    if has_prompt == has_messages:
+        why = "has both" if has_prompt else "has neither"
+        return None, [f"an RL row needs 'prompt' (text) or 'messages' (a chat) to complete; this one {why}"]
+    if has_prompt:
+        if not isinstance(row["prompt"], str) or not row["prompt"]:
+            return "prompt", ["'prompt' must be a non-empty string"]
+        return "prompt", _surrogate_problem("'prompt'", row["prompt"])
+    msgs, problems = row["messages"], []
+    if not isinstance(msgs, list) or not msgs:
+        return "messages", ["'messages' must be a non-empty list of {'role', 'content'} objects"]
+    for i, m in enumerate(msgs):
+        if not (isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))):
+            problems.append(f"messages[{i}] needs 'role' and 'content' strings")
+            continue
+        for key in ("role", "content"):
+            problems += _surrogate_problem(f"'messages[{i}].{key}'", m[key])
+    return "messages", problems
+
+
 def _cap(problems: list[str], where: str, total: int | None = None) -> list[str]:
     """At most ``MAX_PROBLEMS_PER_FILE`` of ``problems``, then how many more of ``total`` (default: all
     of ``problems``) there are."""
@@ -167,7 +195,7 @@ def _open_problem(path: Any) -> tuple[str, str | None]:
     return where, None
 
 
-def _parse_lines(fh: BinaryIO) -> Iterator[tuple[int, str | None, Any, list[str]]]:
+def _parse_lines(fh: BinaryIO, prompts: bool = False) -> Iterator[tuple[int, str | None, Any, list[str]]]:
     """``(line number, kind, row, problems)`` of every non-blank line, read one line at a time."""
     for lineno, bline in enumerate(fh, start=1):
         try:
@@ -188,42 +216,45 @@ def _parse_lines(fh: BinaryIO) -> Iterator[tuple[int, str | None, Any, list[str]
         except ValueError as e:  # e.g. an integer of more than 4300 digits
             yield lineno, None, None, [f"not valid JSON ({error_line(e)})"]
             continue
-        kind, problems = _row_kind_and_problems(row)
+        kind, problems = _row_kind_and_problems(row, prompts)
         yield lineno, kind, row, problems
 
 
-def _scan(path: str | Path, keep_rows: bool = True) -> tuple[JsonlReport, list[dict]]:
+def _scan(path: str | Path, keep_rows: bool = True, prompts: bool = False) -> tuple[JsonlReport, list[dict]]:
     """Parse and check a JSONL file, one line at a time; returns the report and (with
-    ``keep_rows``) the rows that parsed as valid."""
+    ``keep_rows``) the rows that parsed as valid. ``prompts``: an RL tenant's prompt rows."""
     where, why = _open_problem(path)
     if why:
         return JsonlReport(0, set(), [f"{where}: {why}"]), []
     problems: list[str] = []
     n_problems = 0  # all of them; only the first few are kept as text
     kinds: set[str] = set()
+    columns: set[str] = set()
     rows: list[dict] = []
     n_rows = 0
     try:
         with open(os.fsdecode(os.fspath(path)), "rb") as fh:
-            for lineno, kind, row, row_problems in _parse_lines(fh):
+            for lineno, kind, row, row_problems in _parse_lines(fh, prompts):
                 n_rows += 1
                 n_problems += len(row_problems)
                 if len(problems) <= MAX_PROBLEMS_PER_FILE:
                     problems += [f"{where} line {lineno}: {msg}" for msg in row_problems]
                 if kind is not None:
                     kinds.add(kind)
-                if kind is not None and not row_problems and keep_rows:
-                    rows.append(row)
+                if kind is not None and not row_problems:
+                    columns.update(k for k in row if isinstance(k, str))
+                    if keep_rows:
+                        rows.append(row)
     except OSError as e:
         n_problems += 1
         problems.append(f"{where}: cannot read ({e.strerror or e})")
     if n_rows == 0 and not n_problems:
         n_problems += 1
         problems.append(f"{where}: empty file (no rows)")
-    return JsonlReport(n_rows, kinds, _cap(problems, where, n_problems)), rows
+    return JsonlReport(n_rows, kinds, _cap(problems, where, n_problems), columns), rows
 
 
-def scan_jsonl(path: str | Path) -> JsonlReport:
+def scan_jsonl(path: str | Path, prompts: bool = False) -> JsonlReport:
     """Check a tenant JSONL file and report every problem; never raises.
 
     Problems name the file and the 1-based line, e.g. ``"data.jsonl line 3: not valid JSON (...)"``.
@@ -231,16 +262,17 @@ def scan_jsonl(path: str | Path) -> JsonlReport:
     is read one line at a time and no row is kept.
     """
     try:
-        return _scan(path, keep_rows=False)[0]
+        return _scan(path, keep_rows=False, prompts=prompts)[0]
     except Exception as e:  # "never raises": an unforeseen failure is still a reported problem
         return JsonlReport(
             0, set(), [f"{show_path(path)}: cannot scan ({type(e).__name__}: {error_line(e)})"]
         )
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """All rows of a tenant JSONL file, in file order. Raises :class:`DataError` listing every problem."""
-    report, rows = _scan(path)
+def read_jsonl(path: str | Path, prompts: bool = False) -> list[dict]:
+    """All rows of a tenant JSONL file, in file order (``prompts``: an RL tenant's prompt rows). Raises
+    :class:`DataError` listing every problem."""
+    report, rows = _scan(path, prompts=prompts)
     if report.problems:
         raise DataError(report.problems, header=f"bad tenant data file {path}")
     return rows

@@ -53,6 +53,14 @@ of the package (``pip install 'mlora_lab[wandb]'``; ``mlora_lab[trackers]`` for 
 ``"none"`` are taken as transformers' ``TrainingArguments.report_to`` takes them."""
 REPORT_GROUPS = ("tenant", "job")
 """``JobSpec.report_group``: one tracker run per tenant (grouped under the job), or one run for the job."""
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo")
+"""``RL.loss_type``: how TRL 1.16's ``GRPOTrainer`` turns per-token terms into a loss (``dapo`` its default)."""
+SCALE_REWARDS = ("group", "batch", "none")
+"""``RL.scale_rewards``: divide advantages by the std of the prompt's group, of the batch, or not at all."""
+MAX_REWARDS = 16
+"""Most reward functions one tenant may combine."""
+MAX_NEW_TOKENS = 2**16
+MAX_GROUP = 2**12
 
 MAX_NAME_LEN = 100
 """Longest tenant name (it names a directory)."""
@@ -155,8 +163,13 @@ FIELD_KINDS = (
     "parallel",
     "trackers",
     "id",
+    "rl",
+    "rewards",
+    "numbers",
+    "texts",
 )
-"""Kinds of :attr:`FieldInfo.kind`. The last two are the spec's nested parts, checked on their own."""
+"""Kinds of :attr:`FieldInfo.kind`. ``tenants``, ``parallel`` and ``rl`` are the spec's nested parts,
+checked on their own; ``rewards`` (reward functions), ``numbers`` and ``texts`` (lists) are RL's."""
 
 
 @dataclass(frozen=True)
@@ -343,9 +356,14 @@ class Tenant:
     seed: int = field(default=0, metadata=_meta(
         "seed", section="Optimizer", min=0, max=MAX_SEED, help="LoRA init, dropout and data order"))
     """Seed of this tenant's LoRA init, dropout and data order."""
+    rl: RL | None = field(default=None, metadata=_meta(
+        "rl", kind="rl", section="RL", optional=True, form=False, help="learn from rewards (GRPO)"))
+    """``None``: supervised rows. An :class:`RL`: the rows are prompts, and the tenant learns from rewards."""
     # fmt: on
 
     def __post_init__(self) -> None:
+        if isinstance(self.rl, dict):
+            self.rl = RL.from_dict(self.rl)
         self.data = _path_str(self.data)
         self.eval_data = _path_str(self.eval_data)
         self.init_adapter = _path_str(self.init_adapter)
@@ -370,9 +388,103 @@ class Tenant:
         Any input gives a ``Tenant`` or ``SpecError``, nothing else; field values are not checked here
         (:func:`mlora_lab.validate.problems` does that) except for nesting too deep to copy."""
         kwargs, problems = _kwargs_for(cls, d, "tenant")
+        if isinstance(kwargs.get("rl"), dict):
+            problems += _kwargs_for(RL, kwargs["rl"], "tenant.rl")[1]
         if problems:
             raise SpecError(problems)
         return d if isinstance(d, Tenant) else cls(**kwargs)
+
+
+@dataclass
+class RL:
+    """A tenant that learns from rewards instead of fixed rows: GRPO, as TRL 1.16's ``GRPOTrainer``.
+
+    Each optimizer step the job samples ``group_size`` completions of each of the tenant's ``batch_size``
+    prompts (all RL tenants in one batched generation, each row with its own adapter), scores them with
+    the reward functions (a weighted sum; ``None`` from a function is skipped, as TRL's ``nansum``), turns
+    the rewards into advantages within each prompt's group, ``A = (r - mean) / (std + 1e-4)`` (std over the
+    group with n-1, or the batch, or 1: ``scale_rewards``), and minimises the clipped importance-ratio
+    loss over the completion tokens (``loss_type``), plus ``beta`` times the KL to the base model (the
+    shared base with the adapter switched off). The tenant's data rows are prompts: ``{"prompt": ...}`` or
+    ``{"messages": [...]}`` (the chat template with the generation prompt), and any other fields, which
+    reach the reward functions as keyword arguments. See :mod:`mlora_lab.rl.rewards` for how reward
+    functions are called."""
+
+    # fmt: off
+    reward: str | list[str] = field(metadata=_meta(
+        "reward", kind="rewards", section="RL", max=MAX_REWARDS, help="module:function or file.py:function"))
+    """The reward function, ``"module:function"`` or ``"path/to/file.py:function"`` (a relative file is
+    taken from where the job is launched), or a list of them whose rewards are summed (``reward_weights``)."""
+    reward_weights: list[float] | None = field(default=None, metadata=_meta(
+        "reward weights", kind="numbers", section="RL", optional=True, help="one per reward function"))
+    """A weight per reward function (default 1 each); the tenant's reward is their weighted sum."""
+    group_size: int = field(default=8, metadata=_meta(
+        "group size", section="RL", min=2, max=MAX_GROUP, help="completions sampled per prompt"))
+    """Completions per prompt (TRL's ``num_generations``): advantages compare completions of one prompt."""
+    max_new_tokens: int = field(default=64, metadata=_meta(
+        "max new tokens", section="RL", min=1, max=MAX_NEW_TOKENS, help="longest completion"))
+    """Longest completion (TRL's ``max_completion_length``); prompt and completion fit ``seq_len``."""
+    temperature: float = field(default=1.0, metadata=_meta(
+        "temperature", kind="float", section="RL", min=0, min_open=True, max=100, help="sampling temperature"))
+    """Sampling temperature (> 0: a group of greedy completions would all be the same)."""
+    top_p: float = field(default=1.0, metadata=_meta(
+        "top p", kind="float", section="RL", min=0, min_open=True, max=1, help="nucleus sampling"))
+    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches ``top_p``."""
+    top_k: int = field(default=0, metadata=_meta(
+        "top k", section="RL", min=0, max=2**31 - 1, help="0: all tokens"))
+    """Sample from the ``top_k`` most likely tokens only (0: no limit)."""
+    stop: list[str] = field(default_factory=list, metadata=_meta(
+        "stop", kind="texts", section="RL", max=64, help="strings that end a completion"))
+    """Strings that end a completion (besides EOS and ``max_new_tokens``); the stop string is kept."""
+    loss_type: str = field(default="dapo", metadata=_meta(
+        "loss type", kind="choice", choices=LOSS_TYPES, section="RL", help="TRL's loss_type"))
+    """How per-token terms make the loss, as TRL's ``loss_type`` (:data:`LOSS_TYPES`; ``dapo``: summed over
+    every completion token of the step and divided by their number)."""
+    epsilon: float = field(default=0.2, metadata=_meta(
+        "epsilon", kind="float", section="RL", min=0, min_open=True, max=10, help="clip the ratio to 1 ± epsilon"))
+    """The importance ratio is clipped to ``[1 - epsilon, 1 + epsilon_high]``."""
+    epsilon_high: float | None = field(default=None, metadata=_meta(
+        "epsilon high", kind="float", section="RL", min=0, min_open=True, max=100, optional=True,
+        null_means="same as epsilon", help="upper clip (DAPO); null: epsilon"))
+    """Upper clip of the ratio (DAPO's clip-higher); ``None``: ``epsilon``. For ``cispo`` the cap of the ratio."""
+    beta: float = field(default=0.0, metadata=_meta(
+        "beta", kind="float", section="RL", min=0, max=100, help="KL weight to the base model"))
+    """Weight of the KL to the reference, the base model without the adapter (0: no reference pass)."""
+    num_iterations: int = field(default=1, metadata=_meta(
+        "iterations", section="RL", min=1, max=64, help="updates per generation"))
+    """Optimizer steps on each generation's completions (TRL's ``num_iterations``, μ)."""
+    scale_rewards: str = field(default="group", metadata=_meta(
+        "scale rewards", kind="choice", choices=SCALE_REWARDS, section="RL", help="advantage std: group/batch/none"))
+    """Divide advantages by the reward std of the prompt's group, of the whole batch, or not at all."""
+    mask_truncated_completions: bool = field(default=False, metadata=_meta(
+        "mask truncated", kind="bool", section="RL", help="no loss on completions cut at max_new_tokens"))
+    """Leave completions that hit ``max_new_tokens`` without EOS or a stop string out of the loss (as TRL)."""
+    reward_timeout_s: float = field(default=60.0, metadata=_meta(
+        "reward timeout", kind="float", section="RL", min=0, min_open=True, max=86_400,
+        help="seconds a reward call may take"))
+    """Seconds one call of the tenant's reward functions may take; past it the tenant is quarantined."""
+    log_completions: int = field(default=2, metadata=_meta(
+        "log completions", section="RL", min=0, max=64, help="samples kept per logged step"))
+    """Sampled completions (with their rewards) kept per logged step, shown by the dashboard."""
+    # fmt: on
+
+    @property
+    def rewards(self) -> list[str]:
+        """``reward`` as a list."""
+        return [self.reward] if isinstance(self.reward, str) else list(self.reward)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | RL) -> RL:
+        """Build from a dict (``rl`` of a tenant in ``job.json``); unknown or missing keys raise
+        ``SpecError``."""
+        kwargs, problems = _kwargs_for(cls, d, "rl")
+        if problems:
+            raise SpecError(problems)
+        return d if isinstance(d, RL) else cls(**kwargs)
 
 
 @dataclass
@@ -561,6 +673,8 @@ class JobSpec:
                     f" ({brief(t['name'])})" if isinstance(t, dict) and "name" in t else ""
                 )
                 t_kwargs, t_problems = _kwargs_for(Tenant, t, label)
+                if isinstance(t_kwargs.get("rl"), dict):
+                    t_problems += _kwargs_for(RL, t_kwargs["rl"], f"{label}.rl")[1]
                 problems += t_problems
                 if not t_problems:
                     built.append(t if isinstance(t, Tenant) else Tenant(**t_kwargs))
@@ -628,6 +742,14 @@ class JobSpec:
                 t.data = _resolve(t.data, base)
                 t.eval_data = _resolve(t.eval_data, base)
                 t.init_adapter = _resolve(t.init_adapter, base)
+                if isinstance(t.rl, RL):
+                    t.rl.reward = (
+                        resolve_reward(t.rl.reward, base)
+                        if isinstance(t.rl.reward, str)
+                        else [resolve_reward(r, base) for r in t.rl.reward]
+                        if isinstance(t.rl.reward, list)
+                        else t.rl.reward
+                    )
         return out
 
     # -- lookup --------------------------------------------------------------------------------
@@ -741,6 +863,18 @@ def _kwargs_for(cls: type, d: Any, where: str) -> tuple[dict[str, Any], list[str
     deep = [k for k, v in d.items() if k in fields and k not in ("tenants", "parallel") and _too_deep(v)]
     problems += [f"{where}: {k} is nested more than {_MAX_DEPTH} levels deep" for k in deep]
     return {k: v for k, v in d.items() if k in fields and k not in deep}, problems
+
+
+def resolve_reward(ref: Any, base: str) -> Any:
+    """A reward ``"path/to/file.py:function"`` with a relative file made absolute against ``base``; a
+    ``"module:function"`` (no ``/`` and no ``.py``) and anything else are kept."""
+    if not isinstance(ref, str):
+        return ref
+    target, sep, function = ref.rpartition(":")
+    is_file = target.endswith(".py") or "/" in target or os.sep in target
+    if not sep or not target or not is_file:
+        return ref
+    return f"{_resolve(target, base)}:{function}"
 
 
 def _resolve(path: Any, base: str) -> Any:

@@ -30,6 +30,7 @@ from mlora_lab.spec import (
 from mlora_lab.text import brief, is_finite, is_int, path_problem
 from mlora_lab.trackers import report_to_problems
 from mlora_lab.validate.context import Context, bound, got, usable_path
+from mlora_lab.validate.rl import check_rl_fields
 from mlora_lab.validate.tenants import check_name
 
 
@@ -48,7 +49,12 @@ def check_job_fields(ctx: Context) -> None:
 def check_tenant_fields(ctx: Context, t: Tenant) -> None:
     """The tenant's fields, then what two of them say together: something to adapt, and a sane number
     of rows per optimizer step."""
-    ok = {name: check_field(ctx, t, name, getattr(t, name), info) for name, info in fields_info(Tenant)}
+    ok = {
+        name: check_rl_fields(ctx, t)
+        if info.kind == "rl"
+        else check_field(ctx, t, name, getattr(t, name), info)
+        for name, info in fields_info(Tenant)
+    }
     if ok["target_modules"] and ok["target_parameters"] and not t.target_modules and not t.target_parameters:
         ctx.say(t, "target_modules", "target_modules and target_parameters are both empty; nothing to adapt")
     if ok["batch_size"] and ok["grad_accum"] and t.batch_size * t.grad_accum > MAX_ROWS:

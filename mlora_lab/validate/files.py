@@ -13,10 +13,11 @@ import os
 from typing import Any
 
 from mlora_lab.lora.targets import name_matches
-from mlora_lab.spec import JobSpec, Tenant, field_info, valid_targets
+from mlora_lab.spec import RL, JobSpec, Tenant, field_info, valid_targets
 from mlora_lab.text import brief, brief_list, is_int, json_type, read_json, show_path
 from mlora_lab.validate.context import Context, got, more, usable_path
 from mlora_lab.validate.introspect import select_linear
+from mlora_lab.validate.rl import check_rewards
 from mlora_lab.validate.weights import safetensors_shapes
 
 # ---------------------------------------------------------------------------------------------
@@ -26,13 +27,35 @@ from mlora_lab.validate.weights import safetensors_shapes
 
 def check_data(ctx: Context, t: Tenant) -> None:
     """Every problem of the tenant's ``data`` and ``eval_data`` files (each problem keeps its file in
-    ``Problem.path``, so a view can group one file's problems across tenants)."""
+    ``Problem.path``, so a view can group one file's problems across tenants). An RL tenant's rows are
+    prompts, and its reward functions are checked against their columns (:mod:`.rl`)."""
+    if isinstance(t.rl, RL):
+        columns = None
+        if usable_path(t.data):
+            report = _scan_prompt_file(ctx, t.data)
+            for problem in report.problems:
+                ctx.say(t, "data", f"data: {problem}", path=t.data)
+            columns = None if report.problems else report.columns
+        check_rewards(ctx, t, columns)
+        return
     for name in ("data", "eval_data"):
         path = getattr(t, name)
         if not usable_path(path):
             continue  # a type or path problem, reported with the fields
         for tail in _data_file_problems(ctx, path):
             ctx.say(t, name, name + tail, path=path)
+
+
+def _scan_prompt_file(ctx: Context, path: str) -> Any:
+    """An RL tenant's prompt file: its problems, and the columns its rows hold."""
+    from mlora_lab.data import scan_jsonl  # the data module imports torch
+
+    report = scan_jsonl(path, prompts=True)
+    if "messages" in report.kinds and ctx.tok is not None and not getattr(ctx.tok, "chat_template", None):
+        report.problems.append(
+            f"{show_path(path)} has chat ('messages') rows but the tokenizer has no chat_template"
+        )
+    return report
 
 
 def _file_key(path: str) -> tuple[str, int | None, int | None]:

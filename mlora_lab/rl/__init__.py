@@ -1,0 +1,1 @@
+"""Reinforcement learning for tenants: reward functions (:mod:`.rewards`, run in a worker process)."""

@@ -1,0 +1,188 @@
+"""RL tenants in the spec: ``ml.RL`` in job.json, and validation of its settings, its prompt rows and its
+reward functions, every problem reported at once before anything starts."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import mlora_lab as ml
+from mlora_lab.spec import RL, JobSpec, SpecError, Tenant
+from mlora_lab.validate import problems as spec_problems
+
+REWARDS = """
+def short(completions, **kwargs):
+    return [-len(c) for c in completions]
+
+def with_answer(prompts, completions, answer, **kwargs):
+    return [float(a in c) for a, c in zip(answer, completions)]
+
+def wrong(text):
+    return [0.0]
+"""
+
+
+def write(path: Path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+def prompts(tmp: Path, name: str = "prompts.jsonl") -> str:
+    rows = [
+        {"prompt": "2 + 2 =", "answer": "4"},
+        {"messages": [{"role": "user", "content": "3 + 1?"}], "answer": "4"},
+    ]
+    return write(tmp / name, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def texts(spec: JobSpec) -> list[str]:
+    return [str(p) for p in spec_problems(spec)]
+
+
+def test_rl_settings_round_trip_through_job_json_and_file_rewards_become_absolute(tmp_path):
+    rl = RL(reward=["rewards.py:short", "trl.rewards:think_format_reward"], reward_weights=[1.0, 0.5], group_size=4,
+            max_new_tokens=16, stop=["\n\n"], loss_type="grpo", beta=0.04)  # fmt: skip
+    spec = JobSpec(
+        base_model="m", tenants=[Tenant(name="a", data="p.jsonl", rl=rl), Tenant(name="b", data="s.jsonl")]
+    )
+    d = json.loads(spec.to_json())
+    assert d["tenants"][0]["rl"]["reward"] == ["rewards.py:short", "trl.rewards:think_format_reward"]
+    assert d["tenants"][1]["rl"] is None
+    again = JobSpec.from_dict(d)
+    assert again == spec and isinstance(again.tenants[0].rl, RL)
+    spec.to_json(tmp_path / "job.json")
+    loaded = JobSpec.load(tmp_path / "job.json")
+    assert loaded.tenants[0].rl.reward == [
+        f"{tmp_path / 'rewards.py'}:short",
+        "trl.rewards:think_format_reward",
+    ]
+    assert Tenant(name="c", data="x", rl={"reward": "m:f", "group_size": 2}).rl == RL(
+        reward="m:f", group_size=2
+    )
+    assert ml.RL is RL
+
+
+def test_unknown_rl_keys_are_named_with_every_other_problem():
+    d = {
+        "base_model": "m",
+        "tenants": [{"name": "a", "data": "p", "rl": {"rewards": "m:f", "group": 2}, "lrr": 1}],
+    }
+    with pytest.raises(SpecError) as e:
+        JobSpec.from_dict(d)
+    message = str(e.value)
+    assert "tenants[0] ('a'): unknown field 'lrr' (did you mean 'lr'?)" in message
+    assert "tenants[0] ('a').rl: unknown fields 'rewards' (did you mean 'reward'?), 'group'" in message
+    assert "tenants[0] ('a').rl: missing required field reward" in message
+
+
+def test_a_good_rl_tenant_validates_beside_an_sft_tenant(tmp_path, llama_path, make_data):
+    rewards = write(tmp_path / "rewards.py", REWARDS)
+    spec = JobSpec(base_model=llama_path, seq_len=64, tenants=[
+        Tenant(name="rl", data=prompts(tmp_path), rl=RL(reward=[f"{rewards}:short", f"{rewards}:with_answer"],
+                                                         group_size=4, max_new_tokens=16)),
+        Tenant(name="sft", data=make_data("text")),
+    ])  # fmt: skip
+    assert texts(spec) == []
+
+
+def test_bad_rl_settings_are_all_reported_at_once(tmp_path, llama_path):
+    rewards = write(tmp_path / "rewards.py", REWARDS)
+    data = prompts(tmp_path)
+    bad = RL(reward=[f"{rewards}:short", "no module"], reward_weights=[1.0], group_size=1, max_new_tokens=0,
+             temperature=0.0, top_p=1.5, top_k=-1, stop=[""], loss_type="ppo", epsilon=0.0, beta=-1.0,
+             num_iterations=0, scale_rewards="std", reward_timeout_s=0)  # fmt: skip
+    spec = JobSpec(base_model=llama_path, seq_len=64, tenants=[Tenant(name="a", data=data, rl=bad)])
+    found = "\n".join(texts(spec))
+    for expected in [
+        "rl.group_size must be >= 2 (got 1)",
+        "rl.max_new_tokens must be >= 1 (got 0)",
+        "rl.temperature must be in (0, 100] (got 0.0)",
+        "rl.top_p must be in (0, 1] (got 1.5)",
+        "rl.top_k must be >= 0 (got -1)",
+        "rl.stop must be a list of non-empty strings",
+        "rl.loss_type must be one of dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo (got 'ppo')",
+        "rl.epsilon must be in (0, 10] (got 0.0)",
+        "rl.beta must be in [0, 100] (got -1.0)",
+        "rl.num_iterations must be >= 1",
+        "rl.scale_rewards must be one of group, batch, none (got 'std')",
+        "rl.reward_timeout_s must be in (0, 86400] (got 0)",
+        "reward 'no module' is not 'module:function'",
+    ]:
+        assert expected in found, expected
+    long = RL(reward=f"{rewards}:short", max_new_tokens=64, reward_weights=[1.0, 2.0])
+    spec = JobSpec(
+        base_model=llama_path, seq_len=64, tenants=[Tenant(name="a", data=data, eval_data=data, rl=long)]
+    )
+    found = "\n".join(texts(spec))
+    assert "rl.max_new_tokens=64 leaves no room for a prompt in seq_len=64" in found
+    assert "rl.reward_weights has 2 weights for 1 reward functions" in found
+    assert "an RL tenant has no eval_data" in found
+
+
+def test_reward_functions_are_checked_against_the_rows_before_launch(tmp_path, llama_path):
+    rewards = write(tmp_path / "rewards.py", REWARDS)
+    write(tmp_path / "hangs_on_import.py", "import time\ntime.sleep(0)\nraise RuntimeError('bad config')\n")
+    no_answer = write(tmp_path / "plain.jsonl", '{"prompt": "hi"}\n')
+    refs = [f"{rewards}:with_answer", f"{rewards}:wrong", f"{rewards}:nope", f"{tmp_path / 'none.py'}:f",
+            f"{tmp_path / 'hangs_on_import.py'}:f"]  # fmt: skip
+    spec = JobSpec(
+        base_model=llama_path, seq_len=64, tenants=[Tenant(name="a", data=no_answer, rl=RL(reward=refs))]
+    )
+    found = texts(spec)
+    assert len(found) == 6, found
+    joined = "\n".join(found)
+    assert "with_answer' needs 'answer', which no data row has (the rows' columns: prompt)" in joined
+    assert ":wrong' does not take prompts or completions" in joined and ":wrong' needs 'text'" in joined
+    assert "has no 'nope'" in joined
+    assert "no file" in joined
+    assert "raised RuntimeError: bad config" in joined
+
+
+def test_rl_rows_are_prompts(tmp_path, llama_path):
+    rewards = write(tmp_path / "rewards.py", REWARDS)
+    rows = ['{"prompt": "ok"}', '{"text": "not a prompt"}', '{"prompt": "a", "messages": []}', '{"prompt": ""}',
+            '{"messages": [{"role": "user"}]}']  # fmt: skip
+    data = write(tmp_path / "rows.jsonl", "\n".join(rows) + "\n")
+    spec = JobSpec(
+        base_model=llama_path,
+        seq_len=64,
+        tenants=[Tenant(name="a", data=data, rl=RL(reward=f"{rewards}:short"))],
+    )
+    joined = "\n".join(texts(spec))
+    assert (
+        "line 2: an RL row needs 'prompt' (text) or 'messages' (a chat) to complete; this one has neither"
+        in joined
+    )
+    assert (
+        "line 3: an RL row needs 'prompt' (text) or 'messages' (a chat) to complete; this one has both"
+        in joined
+    )
+    assert "line 4: 'prompt' must be a non-empty string" in joined
+    assert "line 5: messages[0] needs 'role' and 'content' strings" in joined
+    # the same rows are not SFT rows: a prompt without completion is refused there
+    sft = JobSpec(
+        base_model=llama_path,
+        seq_len=64,
+        tenants=[Tenant(name="a", data=write(tmp_path / "p.jsonl", '{"prompt": "x"}\n'))],
+    )
+    assert "'prompt' without 'completion'" in "\n".join(texts(sft))
+
+
+def test_a_tenant_with_rl_added_to_a_running_job_is_checked_the_same(tmp_path, llama_path):
+    from mlora_lab.validate import tenant_problems
+
+    job = JobSpec(base_model=llama_path, seq_len=64, tenants=[Tenant(name="a", data=prompts(tmp_path),
+                                                                     rl=RL(reward="m:f"))])  # fmt: skip
+    write(tmp_path / "r.py", textwrap.dedent(REWARDS))
+    found = [
+        str(p)
+        for p in tenant_problems(
+            job,
+            Tenant(name="b", data=prompts(tmp_path, "b.jsonl"), rl=RL(reward=f"{tmp_path / 'r.py'}:wrong")),
+        )
+    ]
+    assert any("does not take prompts or completions" in f for f in found), found
