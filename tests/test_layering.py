@@ -10,7 +10,7 @@ the test fails on:
   run directory;
 * the engine (``lora/``, ``parallel/``, ``data``, ``optim``, ``memory``) importing ``validate/``, ``job/``
   or ``lab/``;
-* torch in the light contract (``spec``, ``text``, ``search``, ``rundir`` but its tensor codec), which
+* torch in the light contract (``spec``, ``text``, ``sources``, ``search``, ``rundir`` but its tensor codec), which
   the notebook side reads without loading torch;
 * a private name (``_x``) imported from another module.
 
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mlora_lab"
 
 ENGINE = ("mlora_lab.lora", "mlora_lab.parallel", "mlora_lab.data", "mlora_lab.optim", "mlora_lab.memory")
-LIGHT = ("mlora_lab.spec", "mlora_lab.text", "mlora_lab.search", "mlora_lab.rundir")
+LIGHT = ("mlora_lab.spec", "mlora_lab.text", "mlora_lab.sources", "mlora_lab.search", "mlora_lab.rundir")
 LIGHT_EXCEPT = ("mlora_lab.rundir.checkpoint",)  # the tensor codec of checkpoints: safetensors, torch
 NOTEBOOK_LIBRARIES = ("pandas", "matplotlib", "ipywidgets", "ipympl", "IPython")
 

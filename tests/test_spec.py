@@ -912,7 +912,7 @@ def test_problems_without_files_reads_no_file(tmp_path, llama_path, monkeypatch)
         raise AssertionError("problems(files=False) read a file")
 
     # every reader, in every module of the validator that holds one (and in the data module)
-    readers = ("model_info", "read_json", "safetensors_shapes", "scan_jsonl", "target_problem")
+    readers = ("model_info", "read_json", "safetensors_shapes", "scan_source", "target_problem")
     modules = [m for name, m in sys.modules.items() if name.startswith("mlora_lab.validate.")]
     patched = 0
     for module in [*modules, mlora_lab.data, mlora_lab.text]:
