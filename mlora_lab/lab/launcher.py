@@ -179,7 +179,7 @@ def prepare_run(
     run directory with ``job.json`` (paths made absolute) and a ``starting`` status. Tenant rows held in
     memory (a DataFrame, a list of dicts, a datasets.Dataset) are read once, validated, and written into
     the run directory (``data/<tenant>/train.jsonl``, :mod:`~mlora_lab.lab.tenant_data`), which job.json
-    then names. ``launcher=None``:
+    then names (relative to itself: a copied run directory reads its own copy). ``launcher=None``:
     the caller starts the processes itself (``launchers/``, on one node or many). With ``lock``, it is
     left held for the caller. With ``sweep`` (:func:`mlora_lab.lab.sweeps.sweep`), the job runs that search
     over tenant slots: it is checked with every value it can give a trial, and written as ``sweep.json``.
