@@ -49,7 +49,7 @@ loss_type                       this micro-batch's loss                         
 grpo, sapo                      ``Σ_i (Σ_t m·L / max(Σ_t m, 1)) / S``                        ``.mean() / GA``
 luspo                           ``Σ_i Σ_t m·L / S``                                          ``.mean() / GA``
 dr_grpo                         ``Σ m·L / (S · max_completion_length)``                      ``/ (B·L_max) / GA``
-bnpo                            ``Σ m·L / max(Σ m, 1) / K`` (the local token mean, as TRL)   ``/ GA``
+bnpo                            ``Σ m·L / max(Σ m, 1) / K`` (the local token mean, as TRL)   ``/ max(Σ m, 1) / GA``
 dapo (TRL's default), cispo,    ``Σ m·L / max(N, 1)``                                        ``num_items_in_batch``
 vespo                                                                                        ``/ P · GA / spg``
 ==============================  ==========================================================  =====================
