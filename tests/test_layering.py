@@ -8,8 +8,8 @@ the test fails on:
 * ``job/`` (the torchrun process) importing ``lab/`` or the notebook's libraries (pandas, matplotlib,
   ipywidgets), or ``lab/`` (the notebook and CLI process) importing ``job/``: the two meet only in the
   run directory;
-* the engine (``lora/``, ``parallel/``, ``data``, ``optim``, ``memory``) importing ``validate/``, ``job/``
-  or ``lab/``;
+* the engine (``lora/``, ``parallel/``, ``data``, ``optim``, ``memory``, ``sampling``) importing
+  ``validate/``, ``job/`` or ``lab/``;
 * torch in the light contract (``spec``, ``text``, ``search``, ``rundir`` but its tensor codec), which
   the notebook side reads without loading torch;
 * a private name (``_x``) imported from another module.
@@ -31,7 +31,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mlora_lab"
 
-ENGINE = ("mlora_lab.lora", "mlora_lab.parallel", "mlora_lab.data", "mlora_lab.optim", "mlora_lab.memory")
+ENGINE = (
+    "mlora_lab.lora",
+    "mlora_lab.parallel",
+    "mlora_lab.data",
+    "mlora_lab.optim",
+    "mlora_lab.memory",
+    "mlora_lab.sampling",
+)
 LIGHT = ("mlora_lab.spec", "mlora_lab.text", "mlora_lab.search", "mlora_lab.rundir")
 LIGHT_EXCEPT = ("mlora_lab.rundir.checkpoint",)  # the tensor codec of checkpoints: safetensors, torch
 NOTEBOOK_LIBRARIES = ("pandas", "matplotlib", "ipywidgets", "ipympl", "IPython")
