@@ -98,17 +98,21 @@ def check(layout: str, arch: str, rank: int, world: int) -> None:
         got = sample(split, [everything[i] for i in mine], any_running=hook)
         want = [c for c in expected if c.request in mine]
         assert len(got) == len(want), (layout, arch, case)
+        worst = 0.0
         for c, w in zip(got, want):
             assert mine[c.request] == w.request and c.index == w.index
             assert c.tokens == w.tokens, (layout, arch, case, w.request, c.tokens, w.tokens)
             assert c.stop_reason == w.stop_reason
             gap = max(abs(a - b) for a, b in zip(c.logprobs, w.logprobs))
             assert gap <= 1e-5, (layout, arch, case, w.request, gap)
+            worst = max(worst, gap)
         counts = [None] * world
         dist.all_gather_object(counts, len(calls))
         assert len(set(counts)) == 1, f"forwards per process differ: {counts}"
         # one forward per token of the longest completion anywhere (the prefill gives the first token)
         assert counts[0] == max(len(c.tokens) for c in expected), (counts, case)
+        print(f"rank {rank}: {layout} {arch} {case}: {len(got)} completions, {counts[0]} forwards, "
+              f"logprobs within {worst:.1e}", flush=True)  # fmt: skip
     print(f"rank {rank}: {layout} {arch} ok", flush=True)
 
 
