@@ -195,6 +195,22 @@ def request_problems(
     return problems
 
 
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``prompts`` as one left-padded batch: ``input_ids``, ``attention_mask`` (1 on tokens) and
+    ``position_ids`` (``cumsum(mask) - 1``: a row's first token is at 0 however much padding precedes
+    it), each [R, T] with T the longest prompt."""
+    T = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), T), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), T), dtype=torch.long)
+    for j, p in enumerate(prompts):
+        input_ids[j, T - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        mask[j, T - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+    return input_ids.to(device), mask.to(device), positions.to(device)
+
+
 @dataclass
 class _Row:
     """One sample row's settings and what it has produced so far."""
@@ -259,14 +275,7 @@ def sample(
 
     prompts = [list(requests[i].prompt) for i in order] or [[pad]]  # no requests: one idle row
     tenants = [requests[i].tenant for i in order] or [None]
-    T = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), T), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), T), dtype=torch.long)
-    for j, p in enumerate(prompts):
-        input_ids[j, T - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[j, T - len(p) :] = 1
-    input_ids, mask = input_ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+    input_ids, mask, positions = left_pad(prompts, pad, device)
     next_position = [len(p) for p in prompts]  # [R]: where each row's next token sits
 
     cache = DynamicCache(config=model.model.config)
@@ -275,38 +284,34 @@ def sample(
     model.eval()
     try:
         logits = _last_logits(model, input_ids, tenants, mask, positions, cache)  # [R, V]
-        # batch[b]: the row index (into ``rows``) of batch row b; None is the idle row
-        batch: list[int | None] = list(range(len(rows)))
+        batch: list[_Row | None] = list(rows) or [None]  # the rows in the batch; None: the idle row
         if rows:
             index = torch.tensor(expand, device=device)
             cache.batch_select_indices(index)
             mask, logits = mask[index], logits[index]
             next_position = [next_position[p] for p in expand]
-        else:
-            batch = [None]
         while True:
-            _choose(logits, [None if b is None else rows[b] for b in batch], tokenizer)
-            running = any(not rows[b].done for b in batch if b is not None)
+            _choose(logits, batch, tokenizer)
+            running = any(row is not None and not row.done for row in batch)
             if not (any_running(running) if any_running is not None else running):
                 break
-            keep = [j for j, b in enumerate(batch) if b is not None and not rows[b].done] or [0]
+            keep = [j for j, row in enumerate(batch) if row is not None and not row.done] or [0]
             if len(keep) < len(batch):
                 index = torch.tensor(keep, device=device)
                 cache.batch_select_indices(index)
                 mask = mask[index]
-                # an idle row (all of this process's rows stopped) is a stopped row kept as filler
-                batch = [None if batch[j] is None or rows[batch[j]].done else batch[j] for j in keep]
+                # nothing running here: a stopped row stays as the idle row, its output thrown away
+                batch = [None if batch[j] is None or batch[j].done else batch[j] for j in keep]
                 next_position = [next_position[j] for j in keep]
-            step_ids = torch.tensor(
-                [[pad if b is None else rows[b].out.tokens[-1]] for b in batch], dtype=torch.long
-            ).to(device)
+            step_ids = [[pad if row is None else row.out.tokens[-1]] for row in batch]
+            step_ids = torch.tensor(step_ids, dtype=torch.long).to(device)  # [B, 1]
             step_positions = torch.tensor([[p] for p in next_position], dtype=torch.long).to(device)
-            mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
-            step_tenants = [None if b is None else rows[b].tenant for b in batch]
+            mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)  # [B, T + k + 1]
+            step_tenants = [None if row is None else row.tenant for row in batch]
             logits = _last_logits(model, step_ids, step_tenants, mask, step_positions, cache)  # [B, V]
             # an idle row stays at its position: its output is thrown away, and it must not walk past
             # the model's positions while other processes finish long completions
-            next_position = [p if b is None else p + 1 for p, b in zip(next_position, batch)]
+            next_position = [p if row is None else p + 1 for p, row in zip(next_position, batch)]
     finally:
         model.train(was_training)
         model.routing.segments, model.routing.num_rows = saved_routing
