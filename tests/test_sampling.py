@@ -25,7 +25,7 @@ from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.sampling import SampleRequest, row_seed, sample
 from mlora_lab.tiny import EXPERT_TARGETS, MOE_ARCHITECTURES, TYPICAL_TARGETS
 
-ARCHS = ["llama", "qwen2", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "phi3", "gpt_neox", "qwen3_moe", "mixtral"]
 TOL = 1e-5
 TEXTS = ["red", "the model and the adapter", "one two three four five six seven", "hello world"]
 
@@ -51,9 +51,9 @@ def make_adapters(arch: str, base: str, root: Path) -> dict[str, str]:
     return dirs
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def setup(request, tiny_models, tmp_path_factory):
-    arch = request.param
+def build_setup(arch: str, tiny_models, tmp_path_factory) -> SimpleNamespace:
+    """A MultiLoRAModel of ``arch`` with tenants ``a`` and ``b`` loaded from PEFT directories, its
+    tokenizer and four prompts of different lengths."""
     base = tiny_models(arch)
     dirs = make_adapters(arch, base, tmp_path_factory.mktemp(f"adapters_{arch}"))
     mm = MultiLoRAModel(
@@ -69,6 +69,17 @@ def setup(request, tiny_models, tmp_path_factory):
     prompts = [tok(t).input_ids for t in TEXTS]
     assert len({len(p) for p in prompts}) == len(prompts), "prompts of different lengths"
     return SimpleNamespace(arch=arch, base=base, dirs=dirs, mm=mm, tok=tok, prompts=prompts)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def setup(request, tiny_models, tmp_path_factory) -> SimpleNamespace:
+    return build_setup(request.param, tiny_models, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models, tmp_path_factory) -> SimpleNamespace:
+    """For checks of code that is the same for every architecture."""
+    return build_setup("llama", tiny_models, tmp_path_factory)
 
 
 def peft_model(base: str, adapter: str | None) -> torch.nn.Module:
@@ -151,6 +162,11 @@ def test_samples_are_reproducible_and_independent_of_the_batch(setup):
     )
     assert [c.tokens for c in other_seed] != [c.tokens for c in alone]
     assert row_seed(1, 0) != row_seed(0, 1)
+    unseeded = SampleRequest(p[1], "b", num_samples=2, max_new_tokens=6)  # a seed from torch's generator
+    torch.manual_seed(5)
+    first = sample(mm, [unseeded])
+    torch.manual_seed(5)
+    assert [c.tokens for c in sample(mm, [unseeded])] == [c.tokens for c in first]
     # logprobs: the model's own (a forward over the same tokens); sampling logprobs: of z / temperature
     for c in alone:
         logits = forward_logits(mm, "b", list(p[1]), c.tokens)
@@ -163,12 +179,10 @@ def test_samples_are_reproducible_and_independent_of_the_batch(setup):
 
 
 @pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (None, 0.3), (4, 0.5)])
-def test_top_k_and_top_p_draw_only_inside_their_set(setup, top_k, top_p):
+def test_top_k_and_top_p_draw_only_inside_their_set(llama, top_k, top_p):
     """Every drawn token is among the ``top_k`` most likely, and within the smallest set reaching
     ``top_p`` after top-k; its sampling logprob is that of the renormalised set."""
-    if setup.arch != "llama":
-        pytest.skip("the filters are the same code for every architecture")
-    mm, prompt = setup.mm, list(setup.prompts[1])
+    mm, prompt = llama.mm, list(llama.prompts[1])
     request = SampleRequest(prompt, "a", num_samples=6, max_new_tokens=8, temperature=1.5, top_k=top_k,
                             top_p=top_p, stop_token_ids=(), seed=11)  # fmt: skip
     for c in sample(mm, [request]):
