@@ -13,7 +13,8 @@ samples run as one batch through :meth:`MultiLoRAModel.forward` (``tenants`` rou
 adapter, ``None`` to the plain base) with a transformers ``DynamicCache``:
 
     prefill   input_ids, attention_mask, position_ids [R, T]  (left-padded to the longest prompt T)
-              → logits of the last position [R, V]; the cache [R, heads, T, d] is then repeated to
+              → logits of the last position [R, V] (of every position [R, T, V] when a request asks
+              for its prompt's logprobs); the cache [R, heads, T, d] is then repeated to
               the samples' rows [S, heads, T, d] (each prompt is computed once, whatever num_samples)
     step k    every row draws its token from its logits [B, V]; rows that stopped leave the batch
               (the cache, mask and routing are cut to the rows still running: B shrinks)
@@ -102,6 +103,8 @@ class SampleRequest:
     seed: int | None = None
     """Seeds sample ``i``'s generator with :func:`row_seed` ``(seed, i)``; ``None``: a seed drawn from
     torch's global generator (reproducible under ``torch.manual_seed``)."""
+    prompt_logprobs: bool = False
+    """Also give the prompt's own logprobs (then the prefill keeps every position's logits, [R, T, V])."""
 
 
 @dataclass
@@ -116,6 +119,9 @@ class Completion:
     sampling_logprobs: list[float] = field(default_factory=list)
     """Log-probability under the distribution the token was drawn from (``0.0`` when greedy)."""
     stop_reason: StopReason = "length"
+    prompt_logprobs: list[float | None] | None = None
+    """When asked: ``[None, log p(prompt[1] | prompt[:1]), ..., log p(prompt[n-1] | prompt[:n-1])]``
+    (raw logits, like ``logprobs``; the first token has no logprob)."""
 
 
 def row_seed(seed: int, index: int) -> int:
@@ -283,7 +289,12 @@ def sample(
     was_training = model.training
     model.eval()
     try:
-        logits = _last_logits(model, input_ids, tenants, mask, positions, cache)  # [R, V]
+        want = [j for j, i in enumerate(order) if requests[i].prompt_logprobs]
+        logits = _forward(model, input_ids, tenants, mask, positions, cache, every_position=bool(want))
+        for row, p in zip(rows, expand):
+            if p in want:
+                row.out.prompt_logprobs = _prompt_logprobs(logits[p], input_ids[p], len(prompts[p]))
+        logits = logits[:, -1].float()  # [R, V]
         batch: list[_Row | None] = list(rows) or [None]  # the rows in the batch; None: the idle row
         if rows:
             index = torch.tensor(expand, device=device)
@@ -308,7 +319,7 @@ def sample(
             step_positions = torch.tensor([[p] for p in next_position], dtype=torch.long).to(device)
             mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)  # [B, T + k + 1]
             step_tenants = [None if row is None else row.tenant for row in batch]
-            logits = _last_logits(model, step_ids, step_tenants, mask, step_positions, cache)  # [B, V]
+            logits = _forward(model, step_ids, step_tenants, mask, step_positions, cache)[:, -1].float()
             # an idle row stays at its position: its output is thrown away, and it must not walk past
             # the model's positions while other processes finish long completions
             next_position = [p if row is None else p + 1 for p, row in zip(next_position, batch)]
@@ -318,26 +329,36 @@ def sample(
     return sorted((row.out for row in rows), key=lambda c: (c.request, c.index))
 
 
-def _last_logits(
+def _forward(
     model: MultiLoRAModel,
     input_ids: torch.Tensor,
     tenants: list[str | None],
     mask: torch.Tensor,
     positions: torch.Tensor,
     cache: DynamicCache,
+    every_position: bool = False,
 ) -> torch.Tensor:
     """One forward of ``input_ids`` [B, t] (rows routed to ``tenants``) over ``cache`` (extended in
-    place): the logits of each row's last position, float32 [B, V]. ``mask`` is [B, cached + t]."""
+    place; ``mask`` is [B, cached + t]): the logits of the last position [B, 1, V], or of every
+    position [B, t, V] with ``every_position``."""
     out = model(
         input_ids,
         tenants=tenants,
         attention_mask=mask,
         position_ids=positions,
         use_cache=True,
-        logits_to_keep=1,  # the output layer runs on the last position only
+        logits_to_keep=0 if every_position else 1,  # 1: the output layer runs on the last position only
         **{_cache_keyword(type(model.model)): cache},
     )
-    return out.logits[:, -1].float()
+    return out.logits
+
+
+def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, n: int) -> list[float | None]:
+    """``[None, log_softmax(z_0)[p_1], ...]`` for the last ``n`` positions of one left-padded row
+    (``logits`` [T, V], ``ids`` [T]): each prompt token's logprob given the tokens before it."""
+    T = ids.shape[0]
+    logp = logits[T - n : T - 1].float().log_softmax(-1)  # [n - 1, V]
+    return [None, *logp.gather(1, ids[T - n + 1 :, None])[:, 0].tolist()]
 
 
 def _choose(logits: torch.Tensor, batch: list[_Row | None], tokenizer: Any) -> None:

@@ -1,7 +1,8 @@
 """Batched multi-tenant sampling (mlora_lab.sampling) over a table of tiny architectures.
 
 - greedy tokens and their logprobs equal PEFT's ``generate`` with each adapter alone (and the plain
-  base for ``tenant=None``), from one mixed batch of prompts of different lengths;
+  base for ``tenant=None``), from one mixed batch of prompts of different lengths; prompt logprobs
+  equal PEFT's forward of the prompt alone;
 - sampled tokens are reproducible from the seed and do not depend on the rest of the batch; their
   logprobs are a forward pass's over the same tokens; top-k / top-p draw only inside their set;
 - stop token ids, stop strings and max_new_tokens stop rows independently;
@@ -115,7 +116,8 @@ def test_greedy_equals_peft_generate_with_each_adapter_alone(setup):
     n = 10
     tenants = ["a", None, "b", "a"]  # interleaved: the sampler groups them; the output keeps this order
     requests = [
-        SampleRequest(p, t, max_new_tokens=n, temperature=0.0) for p, t in zip(setup.prompts, tenants)
+        SampleRequest(p, t, max_new_tokens=n, temperature=0.0, prompt_logprobs=True)
+        for p, t in zip(setup.prompts, tenants)
     ]
     requests.append(SampleRequest(setup.prompts[2], "b", num_samples=2, max_new_tokens=n, temperature=0.0))
     out = sample(setup.mm, requests)
@@ -127,6 +129,14 @@ def test_greedy_equals_peft_generate_with_each_adapter_alone(setup):
         tokens, logprobs = greedy_generate(references[r.tenant], list(r.prompt), n)
         assert c.tokens == tokens, f"{setup.arch} request {c.request}"
         worst = max(worst, max(abs(a - b) for a, b in zip(c.logprobs, logprobs)))
+        if r.prompt_logprobs:  # a plain forward of the prompt alone: padding changed nothing
+            with torch.no_grad():
+                z = references[r.tenant](input_ids=torch.tensor([list(r.prompt)])).logits[0, :-1]
+            expected = z.float().log_softmax(-1).gather(1, torch.tensor(r.prompt[1:])[:, None])[:, 0]
+            assert c.prompt_logprobs[0] is None and len(c.prompt_logprobs) == len(r.prompt)
+            worst = max(worst, (torch.tensor(c.prompt_logprobs[1:]) - expected).abs().max().item())
+        else:
+            assert c.prompt_logprobs is None
         assert c.sampling_logprobs == [0.0] * len(tokens)
         eos = setup.mm.model.generation_config.eos_token_id
         assert c.stop_reason == ("eos" if tokens[-1] == eos else "length") and len(tokens) <= n
