@@ -259,7 +259,7 @@ def sample(
     eos = frozenset(default_stop_ids(model, tokenizer))
 
     # Tenant order: each tenant's rows contiguous, in order of first appearance.
-    first = {}
+    first: dict[str | None, int] = {}
     for r in requests:
         first.setdefault(r.tenant, len(first))
     order = sorted(range(len(requests)), key=lambda i: first[requests[i].tenant])
@@ -291,9 +291,10 @@ def sample(
     try:
         want = [j for j, i in enumerate(order) if requests[i].prompt_logprobs]
         logits = _forward(model, input_ids, tenants, mask, positions, cache, every_position=bool(want))
+        prompt_lps = {j: _prompt_logprobs(logits[j], input_ids[j], len(prompts[j])) for j in want}
         for row, p in zip(rows, expand):
-            if p in want:
-                row.out.prompt_logprobs = _prompt_logprobs(logits[p], input_ids[p], len(prompts[p]))
+            if p in prompt_lps:
+                row.out.prompt_logprobs = list(prompt_lps[p])
         logits = logits[:, -1].float()  # [R, V]
         batch: list[_Row | None] = list(rows) or [None]  # the rows in the batch; None: the idle row
         if rows:
@@ -314,8 +315,8 @@ def sample(
                 # nothing running here: a stopped row stays as the idle row, its output thrown away
                 batch = [None if batch[j] is None or batch[j].done else batch[j] for j in keep]
                 next_position = [next_position[j] for j in keep]
-            step_ids = [[pad if row is None else row.out.tokens[-1]] for row in batch]
-            step_ids = torch.tensor(step_ids, dtype=torch.long).to(device)  # [B, 1]
+            last = [[pad if row is None else row.out.tokens[-1]] for row in batch]
+            step_ids = torch.tensor(last, dtype=torch.long).to(device)  # [B, 1]
             step_positions = torch.tensor([[p] for p in next_position], dtype=torch.long).to(device)
             mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)  # [B, T + k + 1]
             step_tenants = [None if row is None else row.tenant for row in batch]
