@@ -8,8 +8,8 @@ the test fails on:
 * ``job/`` (the torchrun process) importing ``lab/`` or the notebook's libraries (pandas, matplotlib,
   ipywidgets), or ``lab/`` (the notebook and CLI process) importing ``job/``: the two meet only in the
   run directory;
-* the engine (``lora/``, ``parallel/``, ``data``, ``optim``, ``memory``, ``rl/``) importing ``validate/``, ``job/``
-  or ``lab/``;
+* the engine (``lora/``, ``parallel/``, ``data``, ``optim``, ``memory``, ``sampling``, ``rl/``) importing
+  ``validate/``, ``job/`` or ``lab/``;
 * torch in the light contract (``spec``, ``text``, ``search``, ``rundir`` but its tensor codec), which
   the notebook side reads without loading torch;
 * a private name (``_x``) imported from another module.
@@ -37,6 +37,7 @@ ENGINE = (
     "mlora_lab.data",
     "mlora_lab.optim",
     "mlora_lab.memory",
+    "mlora_lab.sampling",
     "mlora_lab.rl",
 )
 LIGHT = ("mlora_lab.spec", "mlora_lab.text", "mlora_lab.search", "mlora_lab.rundir")

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mlora_lab.rl import LOSS_TYPES, advantages, combine_rewards, masked_means, nanstd, policy_loss
+from mlora_lab.rl.grpo import LOSS_TYPES, advantages, combine_rewards, masked_means, nanstd, policy_loss
 
 trl = pytest.importorskip("trl")
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402

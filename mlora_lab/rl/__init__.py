@@ -1,29 +1,9 @@
-"""Reinforcement learning maths: GRPO's group-normalised advantages and its clipped policy loss.
+"""Reinforcement learning for tenants, engine side (nothing here knows processes or devices):
 
-Pure torch, no processes or devices: the RL driver calls these per tenant per step and does the
-reductions over processes itself (:mod:`mlora_lab.rl.grpo` says which counts to pass).
+- :mod:`mlora_lab.rl.grpo`: GRPO's group-normalised advantages and clipped policy loss, equal to TRL
+  1.16.0's (the RL driver calls them per tenant per step and does the reductions over processes itself;
+  the module says which counts to pass);
+
+Import the submodules themselves: this package imports nothing, so that the reward worker and the
+checks before launch, which need no torch, do not load it.
 """
-
-from __future__ import annotations
-
-from mlora_lab.rl.grpo import (
-    LOSS_TYPES,
-    SCALE_REWARDS,
-    RewardStats,
-    advantages,
-    combine_rewards,
-    masked_means,
-    nanstd,
-    policy_loss,
-)
-
-__all__ = [
-    "LOSS_TYPES",
-    "SCALE_REWARDS",
-    "RewardStats",
-    "advantages",
-    "combine_rewards",
-    "masked_means",
-    "nanstd",
-    "policy_loss",
-]
