@@ -10,8 +10,8 @@ the test fails on:
   run directory;
 * the engine (``lora/``, ``parallel/``, ``data``, ``optim``, ``memory``, ``sampling``, ``rl/``) importing
   ``validate/``, ``job/`` or ``lab/``;
-* torch in the light contract (``spec``, ``text``, ``search``, ``rundir`` but its tensor codec), which
-  the notebook side reads without loading torch;
+* torch in the light contract (``spec``, ``text``, ``sources``, ``search``, ``rundir`` but its tensor codec),
+  which the notebook side reads without loading torch;
 * a private name (``_x``) imported from another module.
 
 ``from a.b import c`` is an edge to the module ``a.b.c`` when there is one, else to ``a.b``. Importing a
@@ -40,7 +40,7 @@ ENGINE = (
     "mlora_lab.sampling",
     "mlora_lab.rl",
 )
-LIGHT = ("mlora_lab.spec", "mlora_lab.text", "mlora_lab.search", "mlora_lab.rundir")
+LIGHT = ("mlora_lab.spec", "mlora_lab.text", "mlora_lab.sources", "mlora_lab.search", "mlora_lab.rundir")
 LIGHT_EXCEPT = ("mlora_lab.rundir.checkpoint",)  # the tensor codec of checkpoints: safetensors, torch
 NOTEBOOK_LIBRARIES = ("pandas", "matplotlib", "ipywidgets", "ipympl", "IPython")
 

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from mlora_lab.lora.targets import ALL_LINEAR
+from mlora_lab.sources import memory_kind, source_type_problem
 from mlora_lab.spec import (
     MAX_NAME_LEN,
     MAX_ROWS,
@@ -167,10 +168,18 @@ def _bool(ctx: Context, owner: Tenant | None, field: str, v: Any, label: str = "
 
 
 def _path(ctx: Context, owner: Tenant | None, field: str, v: Any, info: FieldInfo, label: str = "") -> bool:
-    """A string that can name a file or directory (``None`` allowed when ``info.optional``)."""
+    """A string that can name a file or directory (``None`` allowed when ``info.optional``); for a
+    ``path`` field (a tenant's data), rows held in memory too (:mod:`mlora_lab.sources`)."""
     label = label or field
     what = "a directory" if info.kind == "dir" else "a file"
-    if v == "":
+    if info.kind == "path":  # a tenant's data: a file, or rows held in memory (read in the files phase)
+        if memory_kind(v) is not None:
+            return True
+        why = source_type_problem(v)
+        if why is not None and v is not None:
+            ctx.say(owner, field, f"{label} {why}")
+            return False
+    if isinstance(v, str) and v == "":
         ctx.say(owner, field, f"{label} is empty; give the path of {what}")
         return False
     if not isinstance(v, str):
