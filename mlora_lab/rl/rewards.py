@@ -1,0 +1,318 @@
+"""Reward functions of RL tenants: TRL's signature, run in a worker process with a timeout.
+
+A reward function is written as for TRL's ``GRPOTrainer`` (matched: TRL 1.16.0,
+``GRPOTrainer._calculate_rewards``), so one written for TRL works here unchanged::
+
+    def short_answer(prompts, completions, completion_ids, **kwargs) -> list[float | None]:
+        return [-len(c) / 100 for c in completions]
+
+It is named ``"module:function"`` (an importable module, e.g. ``"trl.rewards:think_format_reward"``) or
+``"path/to/file.py:function"`` (a file; a relative path is taken from where the job is launched and
+made absolute in the spec). It is called, as TRL calls it, with keyword arguments only:
+
+=================  ===============================================================================
+``prompts``        one per completion (a prompt repeated ``group_size`` times): the row's ``prompt``
+                   text, or its ``messages`` (a list of ``{"role", "content"}``) for a chat row
+``completions``    the generated text; for a chat row ``[{"role": "assistant", "content": text}]``
+``completion_ids`` the generated token ids (lists of ints)
+every other column of the tenant's data rows, one value per completion (``answer=[...]``)
+``trainer_state``  an object with ``global_step`` (the tenant's step) and ``max_steps``
+``log_metric``     ``log_metric(name, value)``: a number logged with the tenant's row
+``log_extra``      ``log_extra(column, values)``: a column shown with the tenant's sampled completions
+=================  ===============================================================================
+
+A function without ``**kwargs`` gets only the arguments it names (TRL would pass them all and fail);
+one that names an argument no row has is refused before launch. It returns one number per completion;
+``None`` (or NaN) means "no reward for this one" (several functions are then summed over the others,
+as TRL's ``nansum``). An ``async def`` function is awaited.
+
+**Isolation.** The functions of a tenant run in their own worker process
+(``python -m mlora_lab.rl.reward_worker``), which imports them once and then answers one request per
+step. So a reward that raises, hangs (past ``timeout_s`` the worker and its children are killed, and a
+new one is started for the next call), crashes the interpreter, prints to stdout, or returns the wrong
+count, a non-number or no reward at all, fails **only that tenant's call**, with the reason
+(:class:`RewardError`); the job goes on. The worker ends when its pipe closes or its parent dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from mlora_lab.text import brief, error_line
+
+STANDARD_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+"""What every call may pass besides the data's columns (TRL 1.16 passes all of these)."""
+REQUIRED_ARGS = ("prompts", "completions")
+"""What a reward function must accept (by name, or through ``**kwargs``)."""
+WORKER_MODULE = "mlora_lab.rl.reward_worker"
+START_TIMEOUT_S = 60.0
+"""How long importing a tenant's reward functions in a new worker may take."""
+
+
+class RewardError(RuntimeError):
+    """A reward call failed: the tenant it serves is quarantined with this message; others go on."""
+
+
+@dataclass(frozen=True)
+class RewardRef:
+    """``"module:function"`` or ``"path/to/file.py:function"``, split."""
+
+    target: str
+    function: str
+
+    @property
+    def is_file(self) -> bool:
+        return self.target.endswith(".py") or "/" in self.target or os.sep in self.target
+
+    def __str__(self) -> str:
+        return f"{self.target}:{self.function}"
+
+
+def parse_reward(text: Any) -> RewardRef | str:
+    """The :class:`RewardRef` of ``text``, or why it is not one."""
+    if not isinstance(text, str):
+        return f"a reward must be a string 'module:function' or 'file.py:function' ({brief(text)})"
+    target, sep, function = text.rpartition(":")
+    if not sep or not target or not function:
+        return f"reward {brief(text)} is not 'module:function' or 'path/to/file.py:function'"
+    if not function.isidentifier():
+        return f"reward {brief(text)}: {brief(function)} is not a function name"
+    ref = RewardRef(target, function)
+    if not ref.is_file and not all(part.isidentifier() for part in target.split(".")):
+        return f"reward {brief(text)}: {brief(target)} is neither a module name nor a .py file"
+    return ref
+
+
+@dataclass(frozen=True)
+class RewardSignature:
+    """What the worker found when it imported a reward function: the names it accepts, the names it
+    requires (no default), and whether it takes ``**kwargs``."""
+
+    ref: str
+    accepts: tuple[str, ...]
+    required: tuple[str, ...]
+    var_keyword: bool
+    is_async: bool
+
+    def problems(self, columns: set[str] | None) -> list[str]:
+        """Why it cannot be called with TRL's arguments and these data ``columns`` (None: not known)."""
+        out = []
+        missing = [a for a in REQUIRED_ARGS if a not in self.accepts and not self.var_keyword]
+        if missing:
+            out.append(
+                f"reward {brief(self.ref)} does not take {' or '.join(missing)} (a reward function is called "
+                f"as fn(prompts=..., completions=..., completion_ids=..., **columns); add **kwargs)"
+            )
+        if columns is not None:
+            unknown = [a for a in self.required if a not in STANDARD_ARGS and a not in columns]
+            if unknown:
+                out.append(
+                    f"reward {brief(self.ref)} needs {', '.join(map(repr, unknown))}, which no data row has "
+                    f"(the rows' columns: {', '.join(sorted(columns)) or 'none'})"
+                )
+        return out
+
+
+def inspect_rewards(
+    rewards: Sequence[str], cwd: str | os.PathLike | None = None, timeout_s: float = START_TIMEOUT_S
+) -> list[RewardSignature | str]:
+    """Import each reward function in a fresh worker process (the notebook's own ``sys.modules`` keeps
+    an old copy of an edited file; an import that hangs cannot hang the caller) and return its
+    signature, or why it cannot be used: not found, not importable, not callable."""
+    problems: list[RewardSignature | str | None] = [None] * len(rewards)
+    refs = []
+    for i, text in enumerate(rewards):
+        ref = parse_reward(text)
+        if isinstance(ref, str):
+            problems[i] = ref
+        else:
+            refs.append((i, str(ref)))
+    if refs:
+        try:
+            answer = _run_worker(["--inspect", *(r for _, r in refs)], cwd, timeout_s)
+        except RewardError as e:
+            answer = [str(e)] * len(refs)
+        for (i, _), got in zip(refs, answer, strict=True):
+            if isinstance(got, dict):
+                got |= {"accepts": tuple(got["accepts"]), "required": tuple(got["required"])}
+            problems[i] = RewardSignature(**got) if isinstance(got, dict) else str(got)
+    return problems  # type: ignore[return-value]
+
+
+def _run_worker(args: list[str], cwd: str | os.PathLike | None, timeout_s: float) -> Any:
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", WORKER_MODULE, *args],
+            cwd=cwd,
+            capture_output=True,
+            timeout=timeout_s,
+            start_new_session=True,
+        )
+    except subprocess.TimeoutExpired:
+        raise RewardError(f"importing the reward functions took more than {timeout_s:g} s") from None
+    if proc.returncode != 0:
+        tail = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [
+            f"exit code {proc.returncode}"
+        ]
+        raise RewardError(f"the reward worker failed: {error_line(RuntimeError(tail[0]))}")
+    return orjson.loads(proc.stdout)
+
+
+@dataclass
+class RewardBatch:
+    """One call's inputs: ``n`` completions (a tenant's prompts, each ``group_size`` times)."""
+
+    prompts: list[Any]
+    completions: list[Any]
+    completion_ids: list[list[int]]
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    """Every other data column, one value per completion."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """``trainer_state``'s attributes (``global_step``, ``max_steps``)."""
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+
+@dataclass
+class RewardResult:
+    """What a call gave: ``rewards[i][f]`` = function ``f``'s reward of completion ``i`` (NaN: none),
+    the metrics the functions logged (means) and the extra columns they asked to show."""
+
+    rewards: list[list[float]]
+    metrics: dict[str, float]
+    extra: dict[str, list[Any]]
+    seconds: float
+
+
+class RewardWorker:
+    """The worker process of one tenant's reward functions (see the module docstring).
+
+    :meth:`submit` sends a batch and returns at once; :meth:`result` waits for its answer (at most
+    ``timeout_s`` from the submit), so the workers of several tenants compute at the same time. A
+    failed call raises :class:`RewardError`; the next submit starts a new worker if this one was lost.
+    """
+
+    def __init__(self, rewards: Sequence[str], timeout_s: float = 60.0, cwd: str | os.PathLike | None = None):
+        self.rewards = list(rewards)
+        self.timeout_s = timeout_s
+        self.cwd = cwd
+        self._proc: subprocess.Popen | None = None
+        self._buffer = b""
+        self._sent_at: float | None = None
+        self._sent_n = 0
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id (``None`` while none runs)."""
+        return self._proc.pid if self._proc is not None else None
+
+    # -- the process ---------------------------------------------------------------------------
+    def _start(self) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", WORKER_MODULE, "--serve", *self.rewards],
+            cwd=self.cwd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # its own process group: a timeout kills what the function started too
+        )
+        self._proc, self._buffer = proc, b""
+        hello = self._read_line(time.monotonic() + START_TIMEOUT_S, "importing the reward functions")
+        if "error" in hello:
+            self.close()
+            raise RewardError(str(hello["error"]))
+        return proc
+
+    def close(self) -> None:
+        """Kill the worker (and everything it started)."""
+        proc, self._proc, self._sent_at = self._proc, None, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # (already gone)
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        proc.wait()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _read_line(self, deadline: float, doing: str) -> dict[str, Any]:
+        """The worker's next answer line, read without blocking past ``deadline``."""
+        proc = self._proc
+        assert proc is not None and proc.stdout is not None
+        fd = proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    self.close()
+                    raise RewardError(f"{doing} took more than {self.timeout_s:g} s (timeout_s): stopped")
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    code = proc.wait()
+                    self.close()
+                    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                    raise RewardError(f"the reward worker {how} while {doing}")
+                self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return orjson.loads(line)
+
+    # -- calls ---------------------------------------------------------------------------------
+    def submit(self, batch: RewardBatch) -> None:
+        """Send ``batch`` to the worker (starting one if needed); the answer is read by :meth:`result`."""
+        if self._sent_at is not None:
+            raise RuntimeError("submit() twice without result()")
+        proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
+        message = {
+            "prompts": batch.prompts,
+            "completions": batch.completions,
+            "completion_ids": batch.completion_ids,
+            "columns": batch.columns,
+            "state": batch.state,
+        }
+        try:
+            data = orjson.dumps(message, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        except orjson.JSONEncodeError as e:
+            raise RewardError(f"the reward inputs cannot be sent to the worker: {error_line(e)}") from None
+        self._sent_at, self._sent_n = time.monotonic(), len(batch)
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(data)
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):  # it died since: the read below says how
+            pass
+
+    def result(self) -> RewardResult:
+        """The answer to the last :meth:`submit`: :class:`RewardResult`, or :class:`RewardError`."""
+        if self._sent_at is None:
+            raise RuntimeError("result() without submit()")
+        started, n = self._sent_at, self._sent_n
+        answer = self._read_line(started + self.timeout_s, "computing the rewards")
+        self._sent_at = None
+        if "error" in answer:
+            raise RewardError(str(answer["error"]))
+        rewards = [[math.nan if v is None else float(v) for v in row] for row in answer["rewards"]]
+        if len(rewards) != n:
+            raise RewardError(f"the reward worker answered {len(rewards)} rewards for {n} completions")
+        return RewardResult(
+            rewards, answer.get("metrics", {}), answer.get("extra", {}), time.monotonic() - started
+        )
+
+    def __call__(self, batch: RewardBatch) -> RewardResult:
+        self.submit(batch)
+        return self.result()

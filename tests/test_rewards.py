@@ -1,0 +1,296 @@
+"""Reward functions of RL tenants (mlora_lab.rl.rewards): found and checked before launch, called as
+TRL 1.16 calls them, and every way one can fail fails only its own call, with the reason."""
+
+from __future__ import annotations
+
+import math
+import os
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from mlora_lab.rl.rewards import (
+    RewardBatch,
+    RewardError,
+    RewardSignature,
+    RewardWorker,
+    inspect_rewards,
+    parse_reward,
+)
+
+REWARDS = """
+import asyncio, os, sys, time
+
+def short(completions, **kwargs):
+    return [-len(c) / 10 for c in completions]
+
+def uses_answer(prompts, completions, answer, completion_ids, trainer_state, log_metric, log_extra):
+    log_metric("hits", sum(a in c for a, c in zip(answer, completions)))
+    log_extra("answer", answer)
+    return [float(a in c) + trainer_state.global_step for a, c in zip(answer, completions)]
+
+def only_named(prompts, completions):   # no **kwargs: given only what it names
+    return [len(p) for p in prompts]
+
+def partial(completions, **kwargs):
+    return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+def nothing(completions, **kwargs):
+    return [None] * len(completions)
+
+def nan_everywhere(completions, **kwargs):
+    return [float("nan")] * len(completions)
+
+def raises(completions, **kwargs):
+    raise KeyError("no such field")
+
+def exits(completions, **kwargs):
+    sys.exit(3)
+
+def crashes(completions, **kwargs):
+    os._exit(9)
+
+def hangs(completions, **kwargs):
+    time.sleep(600)
+
+def wrong_count(completions, **kwargs):
+    return [1.0]
+
+def not_numbers(completions, **kwargs):
+    return ["good"] * len(completions)
+
+def chatty(completions, **kwargs):
+    print("thinking...")                  # stdout: must not reach the answer channel
+    return [0.5] * len(completions)
+
+async def later(completions, **kwargs):
+    await asyncio.sleep(0)
+    return [2.0] * len(completions)
+
+def needs_column(completions, difficulty, **kwargs):
+    return [0.0] * len(completions)
+
+def no_completions(prompts):
+    return [0.0] * len(prompts)
+
+NOT_A_FUNCTION = 3
+"""
+
+
+@pytest.fixture()
+def rewards_file(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(textwrap.dedent(REWARDS))
+    return path
+
+
+def batch(n: int = 4, **columns) -> RewardBatch:
+    return RewardBatch(
+        prompts=[f"prompt {i // 2}" for i in range(n)],
+        completions=["ab", "abcd", "x", "the answer is 4"][:n],
+        completion_ids=[[1, 2], [1, 2, 3, 4], [5], [6, 7, 8]][:n],
+        columns=columns,
+        state={"global_step": 7, "max_steps": 10},
+    )
+
+
+def test_references_are_parsed():
+    assert str(parse_reward("rewards.py:short")) == "rewards.py:short"
+    assert parse_reward("pkg.mod:fn").is_file is False and parse_reward("a/b.py:fn").is_file is True
+    for bad, why in [
+        ("short", "is not 'module:function'"),
+        (":fn", "is not 'module:function'"),
+        ("rewards.py:", "is not 'module:function'"),
+        ("rewards.py:not-a-name", "is not a function name"),
+        ("my module:fn", "neither a module name nor a .py file"),
+        (3, "must be a string"),
+    ]:
+        assert why in parse_reward(bad), bad
+
+
+def test_inspection_finds_signatures_and_says_what_is_wrong(rewards_file, tmp_path):
+    (tmp_path / "loud.py").write_text("print('imported!')\ndef fn(completions, **kw):\n    return []\n")
+    (tmp_path / "broken.py").write_text("import no_such_package_here\n")
+    refs = [
+        f"{rewards_file}:short",
+        f"{rewards_file}:needs_column",
+        f"{rewards_file}:no_completions",
+        f"{rewards_file}:missing",
+        f"{rewards_file}:NOT_A_FUNCTION",
+        f"{tmp_path / 'nowhere.py'}:fn",
+        "no_such_module_anywhere:fn",
+        "broken:fn",  # a module in the launch directory, whose own import fails
+        "loud:fn",  # prints while imported: the answer channel stays clean
+        "json:dumps",
+        "bad ref",
+    ]
+    got = inspect_rewards(refs, cwd=tmp_path)
+    short, column, no_completions = got[:3]
+    assert isinstance(short, RewardSignature) and short.var_keyword and short.required == ("completions",)
+    assert short.problems({"prompt"}) == []
+    assert column.problems({"prompt", "difficulty"}) == []
+    assert (
+        "needs 'difficulty', which no data row has (the rows' columns: prompt)"
+        in column.problems({"prompt"})[0]
+    )
+    assert column.problems(None) == []  # columns not known: only the signature is judged
+    assert "does not take completions" in no_completions.problems(set())[0]
+    assert "has no 'missing'" in got[3]
+    assert "is not a function (int)" in got[4]
+    assert "no file" in got[5]
+    assert "no module named 'no_such_module_anywhere'" in got[6]
+    assert "importing 'broken' raised ModuleNotFoundError: No module named 'no_such_package_here'" in got[7]
+    assert isinstance(got[8], RewardSignature)
+    assert isinstance(got[9], RewardSignature) and got[9].var_keyword
+    assert "is not 'module:function'" in got[10]
+
+
+def test_a_worker_calls_functions_as_trl_does(rewards_file):
+    refs = [
+        f"{rewards_file}:{name}"
+        for name in ("short", "uses_answer", "only_named", "partial", "chatty", "later")
+    ]
+    worker = RewardWorker(refs, timeout_s=30)
+    try:
+        answer = ["b", "c", "x", "4"]
+        out = worker(batch(answer=answer))
+        n = 4
+        assert len(out.rewards) == n and all(len(r) == len(refs) for r in out.rewards)
+        assert [r[0] for r in out.rewards] == [-0.2, -0.4, -0.1, -1.5]
+        assert [r[1] for r in out.rewards] == [8.0, 8.0, 8.0, 8.0]  # found + trainer_state.global_step
+        assert [r[2] for r in out.rewards] == [8.0, 8.0, 8.0, 8.0]  # len("prompt 0")
+        assert [math.isnan(r[3]) for r in out.rewards] == [False, True, False, True]
+        assert [r[4] for r in out.rewards] == [0.5] * n and [r[5] for r in out.rewards] == [2.0] * n
+        assert out.metrics == {"hits": 4.0} and out.extra == {"answer": answer}
+        again = worker(batch(answer=answer))  # the same worker answers the next step
+        assert again.rewards == out.rewards or all(
+            (a == b) or (math.isnan(a) and math.isnan(b))
+            for x, y in zip(again.rewards, out.rewards)
+            for a, b in zip(x, y)
+        )
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("raises", "reward '.*:raises' raised KeyError: 'no such field'"),
+        ("exits", "raised SystemExit: 3"),
+        ("crashes", "the reward worker exited with code 9 while computing the rewards"),
+        ("wrong_count", "returned 1 rewards for 4 completions"),
+        ("not_numbers", "returned 'good' for completion 0, not a number or None"),
+        ("nothing", "gave no reward \\(None or NaN\\) for any of the 4 completions"),
+        ("nan_everywhere", "gave no reward"),
+        ("missing", "has no 'missing'"),
+    ],
+)
+def test_a_failing_reward_fails_its_call_with_the_reason_and_the_next_call_works(
+    rewards_file, tmp_path, name, message
+):
+    """A failure is the call's alone: the worker (or a new one, when it died) serves the next call."""
+    good = tmp_path / "good.py"
+    good.write_text("def ok(completions, **kw):\n    return [1.0] * len(completions)\n")
+    worker = RewardWorker([f"{rewards_file}:{name}"], timeout_s=30)
+    with pytest.raises(RewardError, match=message):
+        worker(batch())
+    worker.close()
+    fine = RewardWorker([f"{good}:ok"], timeout_s=30)
+    assert fine(batch()).rewards == [[1.0]] * 4
+    fine.close()
+
+
+def test_a_hanging_reward_is_stopped_at_its_timeout_with_its_children_and_a_new_worker_serves_next(tmp_path):
+    path = tmp_path / "hang.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import os, subprocess, sys, time
+            def fn(completions, **kw):
+                if not os.path.exists(__file__ + ".called"):  # the first call ever (in any worker) hangs
+                    open(__file__ + ".called", "w").close()
+                    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+                    time.sleep(600)
+                return [1.0] * len(completions)
+            """
+        )
+    )
+    worker = RewardWorker([f"{path}:fn"], timeout_s=3)
+    worker.submit(batch())
+    pid = worker.pid
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match=r"computing the rewards took more than 3 s \(timeout_s\): stopped"):
+        worker.result()
+    assert time.monotonic() - t0 < 10
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not [
+        p for p in psutil.process_iter(["cmdline"]) if "time.sleep(600)" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert worker(batch()).rewards == [[1.0]] * 4  # a fresh worker serves the next call
+    worker.close()
+
+
+def test_workers_of_several_tenants_compute_at_once(tmp_path):
+    path = tmp_path / "slow.py"
+    path.write_text(
+        "import time\ndef fn(completions, **kw):\n    time.sleep(1.5)\n    return [1.0] * len(completions)\n"
+    )
+    workers = [RewardWorker([f"{path}:fn"], timeout_s=30) for _ in range(3)]
+    for w in workers:
+        w(batch(1))  # started and warm
+    t0 = time.monotonic()
+    for w in workers:
+        w.submit(batch())
+    assert all(w.result().rewards == [[1.0]] * 4 for w in workers)
+    assert time.monotonic() - t0 < 3 * 1.5  # overlapped, not one after another
+    for w in workers:
+        w.close()
+
+
+def test_a_worker_ends_when_its_parent_dies(tmp_path):
+    """The job is gone (killed): its reward worker does not outlive it, even inside a hanging function."""
+    path = tmp_path / "hang.py"
+    path.write_text("import time\ndef fn(completions, **kw):\n    time.sleep(600)\n")
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, sys
+            from mlora_lab.rl.rewards import RewardBatch, RewardWorker
+            w = RewardWorker([{str(path)!r} + ":fn"], timeout_s=600)
+            w.submit(RewardBatch(["p"], ["c"], [[1]]))
+            print(w.pid, flush=True)
+            os._exit(0)
+            """
+        )
+    )
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=os.environ
+    )
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the reward worker outlived its parent"
+        time.sleep(0.2)
+
+
+def test_trl_reward_functions_work_unchanged():
+    """TRL's own reward functions, named as modules, called with TRL's chat completions."""
+    pytest.importorskip("trl")
+    worker = RewardWorker(["trl.rewards:think_format_reward"], timeout_s=60)
+    chat = [
+        [{"role": "assistant", "content": "<think>\nhm\n</think>\n4"}],
+        [{"role": "assistant", "content": "4"}],
+    ]
+    out = worker(
+        RewardBatch(
+            prompts=[[{"role": "user", "content": "2+2?"}]] * 2, completions=chat, completion_ids=[[1], [2]]
+        )
+    )
+    assert out.rewards == [[1.0], [0.0]]
+    worker.close()
