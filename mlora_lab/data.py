@@ -1,7 +1,8 @@
-"""Tenant data: JSONL rows → token rows with label masks → mixed-tenant batches.
+"""Tenant data: rows → token rows with label masks → mixed-tenant batches.
 
-A tenant's data file holds one JSON object per line, in one of three shapes (rows of different
-shapes may be mixed in one file)::
+A tenant's rows come from a file (JSON Lines, JSON, parquet, CSV) or, in the notebook, from a pandas
+DataFrame, a list of dicts or a datasets.Dataset (:mod:`mlora_lab.sources` reads them all as plain
+JSON rows). Each row has one of three shapes (rows of different shapes may be mixed in one source)::
 
     {"text": "..."}                                      loss on every token
     {"prompt": "...", "completion": "..."}               loss on the completion only
@@ -9,35 +10,32 @@ shapes may be mixed in one file)::
 
 The flow is one way::
 
-    scan_jsonl(path)  -> JsonlReport        every problem of a file, never raises (spec validation)
-    load_examples(path, tok, seq_len)       -> list[Example]  (input_ids + labels, -100 = no loss)
+    scan_source(source) -> SourceReport     every problem of a source, never raises (spec validation)
+    load_examples(source, tok, seq_len)     -> list[Example]  (input_ids + labels, -100 = no loss)
     TenantStream(examples, seed).take(n)    -> the tenant's next n examples, seeded shuffle per epoch
     collate([(tenant, examples), ...], pad) -> Batch  [B, T], rows of each tenant contiguous
 
 Labels are *unshifted*: ``labels[i]`` is the target for position ``i`` and the model shifts
 internally (as HF causal LMs do), so ``labels[0]`` never contributes to the loss.
 
-Files are hostile input: they are read line by line (a FIFO or /dev/zero is refused, never read),
+Files are hostile input: they are read a row at a time (a FIFO or /dev/zero is refused, never read),
 and a row is cut to ``seq_len`` tokens *before* it is tokenized whole (:func:`tokenize_example`), so
 one 50-MB line costs a few kB of tokenizing. Rows that keep no target token are dropped.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import re
-import stat
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
-from mlora_lab.text import brief, error_line, path_problem, show_path
+from mlora_lab.sources import SourceError, memory_kind, source_name, source_rows
+from mlora_lab.text import error_line
 
 IGNORE_INDEX = -100
 ROW_KINDS = ("text", "prompt", "messages")  # "prompt" = a prompt/completion row
@@ -62,17 +60,17 @@ class DataError(ValueError):
 
 
 @dataclass
-class JsonlReport:
-    """What :func:`scan_jsonl` found in one file."""
+class SourceReport:
+    """What :func:`scan_source` found in one source."""
 
     n_rows: int
-    """Non-blank lines (rows), valid or not."""
+    """Rows (non-blank lines of a JSON Lines or CSV file), valid or not."""
     kinds: set[str] = field(default_factory=set)
     """Row kinds seen: a subset of ``{"text", "prompt", "messages"}``."""
     problems: list[str] = field(default_factory=list)
-    """Every problem (capped at ~20 per file plus an "... and N more" line); empty = file is usable."""
+    """Every problem (capped at ~20 per source plus an "... and N more" line); empty = usable."""
     columns: set[str] = field(default_factory=set)
-    """Every key seen in a valid row (an RL tenant's reward functions take them as arguments)."""
+    """Every key with a value in a valid row (an RL tenant's reward functions take them as arguments)."""
 
 
 # In a Python str from JSON every surrogate code point is a lone one ("\ud800"): a valid pair
@@ -91,13 +89,15 @@ def _surrogate_problem(label: str, text: str) -> list[str]:
 
 
 def _row_kind_and_problems(row: Any, prompts: bool = False) -> tuple[str | None, list[str]]:
-    """Classify one parsed row; problems are phrased without the file/line prefix. With ``prompts`` the
-    row is an RL tenant's: a prompt to complete (:func:`_prompt_row_problems`)."""
+    """Classify one parsed row; problems are phrased without the file/line prefix. A key whose value is
+    null counts as missing: a table (a DataFrame, a parquet file) holds every column in every row, so
+    its ``text`` rows have a null ``prompt`` and ``completion``. With ``prompts`` the row is an RL
+    tenant's: a prompt to complete (:func:`_prompt_row_problems`)."""
     if not isinstance(row, dict):
         return None, [f"expected a JSON object, got {type(row).__name__}"]
     if prompts:
         return _prompt_row_problems(row)
-    present = [kind for kind, keys in _KIND_KEYS.items() if any(key in row for key in keys)]
+    present = [kind for kind, keys in _KIND_KEYS.items() if any(row.get(key) is not None for key in keys)]
     if not present:
         return None, ["row has none of 'text', 'prompt'+'completion', 'messages'"]
     if len(present) > 1:
@@ -114,7 +114,7 @@ def _row_kind_and_problems(row: Any, prompts: bool = False) -> tuple[str | None,
             problems += _surrogate_problem("'text'", row["text"])
     elif kind == "prompt":
         for key in ("prompt", "completion"):
-            if key not in row:
+            if row.get(key) is None:
                 other = "completion" if key == "prompt" else "prompt"
                 problems.append(f"'{other}' without '{key}'")
             elif not isinstance(row[key], str):
@@ -142,7 +142,7 @@ def _row_kind_and_problems(row: Any, prompts: bool = False) -> tuple[str | None,
 def _prompt_row_problems(row: dict) -> tuple[str | None, list[str]]:
     """An RL row: ``prompt`` (text to complete) or ``messages`` (a chat, completed as the assistant's
     next turn), never both; any other key is a column the reward functions may take."""
-    has_prompt, has_messages = "prompt" in row, "messages" in row
+    has_prompt, has_messages = row.get("prompt") is not None, row.get("messages") is not None
     if has_prompt == has_messages:
         why = "has both" if has_prompt else "has neither"
         return None, [f"an RL row needs 'prompt' (text) or 'messages' (a chat) to complete; this one {why}"]
@@ -172,60 +172,21 @@ def _cap(problems: list[str], where: str, total: int | None = None) -> list[str]
     return [*problems[:MAX_PROBLEMS_PER_FILE], f"{where}: ... and {extra} more problem(s)"]
 
 
-def _open_problem(path: Any) -> tuple[str, str | None]:
-    """``(where, why)``: how messages name ``path``, and why it cannot be read as a data file (``None``:
-    it is a regular file). Nothing is opened: a FIFO would block and /dev/zero never ends."""
-    try:
-        p = os.fspath(path)
-    except TypeError:
-        return brief(path), f"not a file path ({type(path).__name__})"
-    p = os.fsdecode(p)
-    where = show_path(p)
-    why = path_problem(p)
-    if why:
-        return where, f"the path {why}"
-    try:
-        st = os.stat(p)
-    except (FileNotFoundError, NotADirectoryError):
-        return where, "file not found"
-    except OSError as e:  # e.g. a name too long, a permission denied on a parent
-        return where, f"cannot read ({e.strerror or e})"
-    if not stat.S_ISREG(st.st_mode):
-        return where, "not a regular file"
-    return where, None
+def _checked_rows(source: Any, prompts: bool = False) -> Iterator[tuple[str, str | None, Any, list[str]]]:
+    """``(label, kind, row, problems)`` of every row of ``source`` (:func:`~mlora_lab.sources.source_rows`),
+    its shape checked. Raises :class:`~mlora_lab.sources.SourceError`."""
+    for r in source_rows(source):
+        if r.problems:
+            yield r.label, None, None, list(r.problems)
+            continue
+        kind, problems = _row_kind_and_problems(r.row, prompts)
+        yield r.label, kind, r.row, problems
 
 
-def _parse_lines(fh: BinaryIO, prompts: bool = False) -> Iterator[tuple[int, str | None, Any, list[str]]]:
-    """``(line number, kind, row, problems)`` of every non-blank line, read one line at a time."""
-    for lineno, bline in enumerate(fh, start=1):
-        try:
-            line = bline.decode("utf-8-sig" if lineno == 1 else "utf-8")
-        except UnicodeDecodeError as e:
-            yield lineno, None, None, [f"not valid UTF-8 ({e.reason} at byte {e.start})"]
-            continue
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            yield lineno, None, None, [f"not valid JSON ({e.msg} at column {e.colno})"]
-            continue
-        except RecursionError:
-            yield lineno, None, None, ["not valid JSON (nested too deeply)"]
-            continue
-        except ValueError as e:  # e.g. an integer of more than 4300 digits
-            yield lineno, None, None, [f"not valid JSON ({error_line(e)})"]
-            continue
-        kind, problems = _row_kind_and_problems(row, prompts)
-        yield lineno, kind, row, problems
-
-
-def _scan(path: str | Path, keep_rows: bool = True, prompts: bool = False) -> tuple[JsonlReport, list[dict]]:
-    """Parse and check a JSONL file, one line at a time; returns the report and (with
-    ``keep_rows``) the rows that parsed as valid. ``prompts``: an RL tenant's prompt rows."""
-    where, why = _open_problem(path)
-    if why:
-        return JsonlReport(0, set(), [f"{where}: {why}"]), []
+def _scan(source: Any, keep_rows: bool = True, prompts: bool = False) -> tuple[SourceReport, list[dict]]:
+    """Read and check every row of ``source`` (``prompts``: an RL tenant's prompt rows); returns the
+    report and (with ``keep_rows``) the rows that are valid."""
+    where = source_name(source)
     problems: list[str] = []
     n_problems = 0  # all of them; only the first few are kept as text
     kinds: set[str] = set()
@@ -233,48 +194,48 @@ def _scan(path: str | Path, keep_rows: bool = True, prompts: bool = False) -> tu
     rows: list[dict] = []
     n_rows = 0
     try:
-        with open(os.fsdecode(os.fspath(path)), "rb") as fh:
-            for lineno, kind, row, row_problems in _parse_lines(fh, prompts):
-                n_rows += 1
-                n_problems += len(row_problems)
-                if len(problems) <= MAX_PROBLEMS_PER_FILE:
-                    problems += [f"{where} line {lineno}: {msg}" for msg in row_problems]
-                if kind is not None:
-                    kinds.add(kind)
-                if kind is not None and not row_problems:
-                    columns.update(k for k in row if isinstance(k, str))
-                    if keep_rows:
-                        rows.append(row)
-    except OSError as e:
+        for label, kind, row, row_problems in _checked_rows(source, prompts):
+            n_rows += 1
+            n_problems += len(row_problems)
+            if len(problems) <= MAX_PROBLEMS_PER_FILE:
+                problems += [f"{where} {label}: {msg}" for msg in row_problems]
+            if kind is not None:
+                kinds.add(kind)
+            if kind is not None and not row_problems:
+                columns.update(k for k, v in row.items() if isinstance(k, str) and v is not None)
+                if keep_rows:
+                    rows.append(row)
+    except SourceError as e:
         n_problems += 1
-        problems.append(f"{where}: cannot read ({e.strerror or e})")
+        problems.append(f"{where}: {e}")
     if n_rows == 0 and not n_problems:
         n_problems += 1
-        problems.append(f"{where}: empty file (no rows)")
-    return JsonlReport(n_rows, kinds, _cap(problems, where, n_problems), columns), rows
+        problems.append(f"{where}: {'empty file' if memory_kind(source) is None else 'empty'} (no rows)")
+    return SourceReport(n_rows, kinds, _cap(problems, where, n_problems), columns), rows
 
 
-def scan_jsonl(path: str | Path, prompts: bool = False) -> JsonlReport:
-    """Check a tenant JSONL file and report every problem; never raises.
+def scan_source(source: Any, prompts: bool = False) -> SourceReport:
+    """Check a tenant's data source (a file of any kind :mod:`mlora_lab.sources` reads, or an in-memory
+    source) and report every problem; never raises.
 
-    Problems name the file and the 1-based line, e.g. ``"data.jsonl line 3: not valid JSON (...)"``.
-    Blank lines are skipped. The list is capped at ~20 problems plus ``"... and N more"``. The file
-    is read one line at a time and no row is kept.
+    Problems name the source and the row, e.g. ``"data.jsonl line 3: not valid JSON (...)"``,
+    ``"DataFrame row 2: 'text' must be a string"``. Blank lines are skipped. The list is capped at ~20
+    problems plus ``"... and N more"``. Files are read one row at a time and no row is kept.
     """
     try:
-        return _scan(path, keep_rows=False, prompts=prompts)[0]
+        return _scan(source, keep_rows=False, prompts=prompts)[0]
     except Exception as e:  # "never raises": an unforeseen failure is still a reported problem
-        return JsonlReport(
-            0, set(), [f"{show_path(path)}: cannot scan ({type(e).__name__}: {error_line(e)})"]
+        return SourceReport(
+            0, set(), [f"{source_name(source)}: cannot scan ({type(e).__name__}: {error_line(e)})"]
         )
 
 
-def read_jsonl(path: str | Path, prompts: bool = False) -> list[dict]:
-    """All rows of a tenant JSONL file, in file order (``prompts``: an RL tenant's prompt rows). Raises
+def read_rows(source: Any, prompts: bool = False) -> list[dict]:
+    """All rows of a tenant's data source, in order (``prompts``: an RL tenant's prompt rows). Raises
     :class:`DataError` listing every problem."""
-    report, rows = _scan(path, prompts=prompts)
+    report, rows = _scan(source, prompts=prompts)
     if report.problems:
-        raise DataError(report.problems, header=f"bad tenant data file {path}")
+        raise DataError(report.problems, header=f"bad tenant data {source_name(source)}")
     return rows
 
 
@@ -529,10 +490,10 @@ def tokenize_rows(rows: list[dict], tokenizer: Any, seq_len: int, source: str = 
     return examples
 
 
-def load_examples(path: str | Path, tokenizer: Any, seq_len: int) -> list[Example]:
-    """:func:`read_jsonl` + :func:`tokenize_rows`: a tenant's file as token rows (rows with no
+def load_examples(source: Any, tokenizer: Any, seq_len: int) -> list[Example]:
+    """:func:`read_rows` + :func:`tokenize_rows`: a tenant's data source as token rows (rows with no
     target token left dropped; :class:`DataError` if no row keeps one)."""
-    return tokenize_rows(read_jsonl(path), tokenizer, seq_len, source=str(path))
+    return tokenize_rows(read_rows(source), tokenizer, seq_len, source=source_name(source))
 
 
 def check_vocab(examples: list[Example], vocab: int, source: str = "") -> None:
@@ -554,29 +515,28 @@ def check_vocab(examples: list[Example], vocab: int, source: str = "") -> None:
         raise DataError([message], header=f"cannot use {where}")
 
 
-def target_problem(path: str | Path, tokenizer: Any, seq_len: int) -> str | None:
-    """Why :func:`load_examples` would refuse ``path`` at ``seq_len`` although every row is valid
-    JSONL, or ``None``: the first row that fails to tokenize (e.g. a chat template that is not
-    prefix-stable), or no row keeping a target token. Cheap for a usable file: rows are read and
-    tokenized (each cut at ``seq_len``, :func:`tokenize_example`) only until one keeps a target.
-    Rows :func:`scan_jsonl` reports are skipped; never raises.
+def target_problem(source: Any, tokenizer: Any, seq_len: int) -> str | None:
+    """Why :func:`load_examples` would refuse ``source`` at ``seq_len`` although every row is valid,
+    or ``None``: the first row that fails to tokenize (e.g. a chat template that is not prefix-stable),
+    or no row keeping a target token. Cheap for a usable source: rows are read and tokenized (each cut
+    at ``seq_len``, :func:`tokenize_example`) only until one keeps a target. Rows
+    :func:`scan_source` reports are skipped; never raises.
     """
-    where, why = _open_problem(path)
-    if why:
-        return f"{where}: {why}"
+    where = source_name(source)
     n_rows = n_cut = 0
     try:
-        with open(os.fsdecode(os.fspath(path)), "rb") as fh:
-            for lineno, kind, row, problems in _parse_lines(fh):
-                if kind is None or problems:
-                    continue
-                try:
-                    ex, truncated = tokenize_example(row, tokenizer, seq_len)
-                except DataError as e:
-                    return f"{where} line {lineno}: {e.problems[0] if e.problems else e}"
-                if ex.n_target:
-                    return None
-                n_rows, n_cut = n_rows + 1, n_cut + truncated
+        for label, kind, row, problems in _checked_rows(source):
+            if kind is None or problems:
+                continue
+            try:
+                ex, truncated = tokenize_example(row, tokenizer, seq_len)
+            except DataError as e:
+                return f"{where} {label}: {e.problems[0] if e.problems else e}"
+            if ex.n_target:
+                return None
+            n_rows, n_cut = n_rows + 1, n_cut + truncated
+    except SourceError as e:
+        return f"{where}: {e}"
     except Exception as e:  # a tokenizer that raises on a row: reported, not thrown
         return f"{where}: cannot tokenize ({type(e).__name__}: {error_line(e)})"
     return _no_target_problem(where, n_rows, n_cut, seq_len) if n_rows else None

@@ -1,7 +1,8 @@
 """What a job is: ``Tenant``, ``Parallel`` and ``JobSpec``, their JSON form, and what each field means.
 
 These are plain dataclasses that store names and paths, never live objects, so a spec round-trips
-through ``job.json`` unchanged::
+through ``job.json`` unchanged (the one exception lives only in the notebook: a tenant's rows held in memory,
+a DataFrame say, which a launch writes into the run directory before it writes ``job.json``)::
 
     spec = JobSpec(base_model="models/tiny", tenants=[Tenant(name="alice", data="alice.jsonl")])
     spec.to_json("run/job.json")                # atomic write
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlora_lab.lora.targets import ALL_LINEAR
+from mlora_lab.sources import describe, memory_kind
 from mlora_lab.text import brief, json_type, parse_json, read_json, show_path
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -282,13 +284,16 @@ class Tenant:
         "name", kind="name", section="Data", help="letters, digits, . _ - (it names a directory)",
         empty="enter a name for this tenant"))
     """Unique name; it becomes a directory name (``adapters/<name>/``), so only ``[A-Za-z0-9._-]``."""
-    data: str = field(metadata=_meta(
-        "data (.jsonl)", kind="path", section="Data", help="rows of text, prompt/completion or messages",
+    data: str | Any = field(metadata=_meta(
+        "data", kind="path", section="Data", help=".jsonl/.json/.parquet/.csv rows: text, prompt/completion or messages",
         empty="choose a training data file"))
-    """Training data: a JSONL file of ``text``, ``prompt``/``completion`` or ``messages`` rows."""
-    eval_data: str | None = field(default=None, metadata=_meta(
+    """Training data: rows of ``text``, ``prompt``/``completion`` or ``messages``, from a ``.jsonl``,
+    ``.json``, ``.parquet`` or ``.csv`` file, or (in the notebook) a pandas DataFrame, a list of dicts or
+    a ``datasets.Dataset`` (:mod:`mlora_lab.sources`). job.json holds only paths: a launch (and
+    ``run.add_tenant``) writes an in-memory source into the run directory and names that file there."""
+    eval_data: str | Any | None = field(default=None, metadata=_meta(
         "eval data", kind="path", section="Data", optional=True, help="optional held-out rows, same format"))
-    """Optional held-out JSONL file (same format), evaluated every ``JobSpec.eval_every`` steps."""
+    """Optional held-out rows (any source ``data`` takes), evaluated every ``JobSpec.eval_every`` steps."""
     init_adapter: str | None = field(default=None, metadata=_meta(
         "init adapter", kind="dir", section="Advanced", optional=True,
         help="optional PEFT adapter directory to start from"))
@@ -376,7 +381,11 @@ class Tenant:
         return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict (``betas`` as a list)."""
+        """Plain JSON-ready dict (``betas`` as a list). A tenant whose data is held in memory (a DataFrame,
+        ...) has none: :class:`SpecError` says to launch it or to write the data to a file."""
+        held = in_memory_problems(self)
+        if held:
+            raise SpecError(held)
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas) if isinstance(self.betas, tuple | list) else self.betas
         return d
@@ -642,7 +651,13 @@ class JobSpec:
     # -- JSON ----------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict, field order as in ``job.json``."""
+        """Plain JSON-ready dict, field order as in ``job.json``. A tenant whose data is held in memory
+        makes it :class:`SpecError` (naming every such tenant): job.json names files, so launch the spec
+        (the launch writes the rows into the run directory) or write the data to a file."""
+        tenants = self.tenants if isinstance(self.tenants, list | tuple) else []
+        held = [p for t in tenants if isinstance(t, Tenant) for p in in_memory_problems(t)]
+        if held:
+            raise SpecError(held)
         d: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -689,8 +704,18 @@ class JobSpec:
         return cls(**kwargs)
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
-        """The spec as JSON text (indent 2); with ``path``, also write it there atomically."""
-        text = json.dumps(self.to_dict(), indent=2)
+        """The spec as JSON text (indent 2); with ``path``, also write it there atomically. A tenant's
+        ``data`` / ``eval_data`` below the file's own directory is written relative to it (:meth:`load`
+        resolves it there again): a run directory that is copied or moved reads its own copy of the rows
+        a launch wrote into it (``data/<tenant>/train.jsonl``), not the original's."""
+        d = self.to_dict()
+        if path is not None:
+            here = os.path.dirname(os.path.abspath(os.fspath(path)))
+            for t in d["tenants"] if isinstance(d["tenants"], list) else []:
+                for key in ("data", "eval_data"):
+                    if isinstance(t, dict) and isinstance(t.get(key), str):
+                        t[key] = _relative_below(t[key], here)
+        text = json.dumps(d, indent=2)
         if path is not None:
             from mlora_lab.rundir.files import atomic_write_text  # the one atomic write (rundir owns files)
 
@@ -731,7 +756,16 @@ class JobSpec:
         made absolute against ``base_dir`` (absolute paths and ``None`` are kept), and whose ``name``, if
         ``None``, is :func:`default_run_name`."""
         base = os.path.abspath(os.fspath(base_dir))
-        out = copy.deepcopy(self)
+        # In-memory data (a DataFrame, ...) is shared with the copy, not copied: it is never changed here.
+        tenants = self.tenants if isinstance(self.tenants, list | tuple) else []
+        memo = {
+            id(v): v
+            for t in tenants
+            if isinstance(t, Tenant)
+            for v in (t.data, t.eval_data)
+            if memory_kind(v) is not None
+        }
+        out = copy.deepcopy(self, memo)
         if out.name is None:
             out.name = default_run_name(out)
         out.base_model = _resolve(out.base_model, base)
@@ -808,6 +842,27 @@ def tenant_label(name: Any) -> str:
     return f"tenant {brief(name, MAX_NAME_LEN + 2)}"
 
 
+def in_memory_problems(t: Tenant) -> list[Problem]:
+    """One problem per field of ``t`` (``data``, ``eval_data``) that holds rows in memory rather than a
+    path: what :meth:`Tenant.to_dict` and :meth:`JobSpec.to_dict` refuse, since job.json names files."""
+    out = []
+    for name in ("data", "eval_data"):
+        value = getattr(t, name)
+        if memory_kind(value) is None:
+            continue
+        label = t.name if isinstance(t.name, str) else None
+        out.append(
+            Problem(
+                label,
+                name,
+                f"{name} is {describe(value)} held in memory, which job.json cannot hold: launch the spec "
+                "(ml.launch writes the rows into the run directory and names that file) or write the rows "
+                "to a file and give its path (df.to_json('rows.jsonl', orient='records', lines=True))",
+            )
+        )
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Building the dataclasses from hostile dicts
 # ---------------------------------------------------------------------------------------------
@@ -862,6 +917,13 @@ def _kwargs_for(cls: type, d: Any, where: str) -> tuple[dict[str, Any], list[str
     # tenants[i] and parallel are checked level by level by the caller; every other value is a leaf
     deep = [k for k, v in d.items() if k in fields and k not in ("tenants", "parallel") and _too_deep(v)]
     problems += [f"{where}: {k} is nested more than {_MAX_DEPTH} levels deep" for k in deep]
+    if cls is Tenant:  # a dict is JSON (job.json, a control message): it names files, never holds rows
+        problems += [
+            f"{where}: {k} must be a file path (got {json_type(d[k])}); rows held in memory are for the "
+            "notebook's Tenant, which a launch writes to a file"
+            for k in ("data", "eval_data")
+            if isinstance(d.get(k), list | dict)
+        ]
     return {k: v for k, v in d.items() if k in fields and k not in deep}, problems
 
 
@@ -875,6 +937,18 @@ def resolve_reward(ref: Any, base: str) -> Any:
     if not sep or not target or not is_file:
         return ref
     return f"{_resolve(target, base)}:{function}"
+
+
+def _relative_below(path: str, base: str) -> str:
+    """``path`` relative to ``base`` when it is an absolute path below ``base`` (lexically), else as it is."""
+    if not os.path.isabs(path):
+        return path
+    try:
+        if os.path.commonpath([os.path.normpath(path), base]) != base:
+            return path
+    except ValueError:  # (different drives)
+        return path
+    return os.path.relpath(os.path.normpath(path), base)
 
 
 def _resolve(path: Any, base: str) -> Any:

@@ -1,4 +1,5 @@
-"""mlora_lab.data: JSONL checks, label masks, per-tenant data order, mixed-tenant batches."""
+"""mlora_lab.data: row checks (of JSONL files here; every other source: test_sources.py), label masks,
+per-tenant data order, mixed-tenant batches."""
 
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ from mlora_lab.data import (
     Batch,
     DataError,
     Example,
-    JsonlReport,
+    SourceReport,
     TenantStream,
     collate,
     load_examples,
-    read_jsonl,
-    scan_jsonl,
+    read_rows,
+    scan_source,
     target_problem,
     tokenize_example,
     tokenize_rows,
@@ -48,7 +49,7 @@ def targets(ex: Example) -> list[int]:
     return [t for t in ex.labels if t != IGNORE_INDEX]
 
 
-# --------------------------------------------------------------------------- scan_jsonl
+# --------------------------------------------------------------------------- scan_source
 
 
 GOOD = {"text": "hello world"}
@@ -97,14 +98,14 @@ GOOD = {"text": "hello world"}
 def test_scan_reports_bad_row_with_line_number(tmp_path, bad_line, message):
     # line 1 good, line 2 blank (skipped but counted in line numbers), line 3 bad, line 4 good
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD, "", bad_line, GOOD])
-    report = scan_jsonl(path)
-    assert isinstance(report, JsonlReport)
+    report = scan_source(path)
+    assert isinstance(report, SourceReport)
     assert report.n_rows == 3
     assert len(report.problems) == 1, report.problems
     assert report.problems[0].startswith(f"{path} line 3: ")
     assert message in report.problems[0]
     with pytest.raises(DataError) as err:
-        read_jsonl(path)
+        read_rows(path)
     assert err.value.problems == report.problems
     assert "line 3" in str(err.value)
     if isinstance(bad_line, dict) and "must" not in message and "JSON" not in message:
@@ -115,37 +116,38 @@ def test_scan_reports_bad_row_with_line_number(tmp_path, bad_line, message):
 def test_a_surrogate_pair_is_one_character_and_fine(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "smile \\ud83d\\ude00"}\n')  # JSON escapes of one emoji
-    assert scan_jsonl(path).problems == []
-    assert read_jsonl(path) == [{"text": "smile \U0001f600"}]
+    assert scan_source(path).problems == []
+    assert read_rows(path) == [{"text": "smile \U0001f600"}]
 
 
 def test_scan_missing_and_empty_files(tmp_path):
     missing = tmp_path / "nope.jsonl"
-    assert scan_jsonl(missing).problems == [f"{missing}: file not found"]
+    assert scan_source(missing).problems == [f"{missing}: file not found"]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n\n")
-    report = scan_jsonl(empty)
+    report = scan_source(empty)
     assert report.n_rows == 0
     assert report.problems == [f"{empty}: empty file (no rows)"]
-    assert scan_jsonl(tmp_path).problems == [f"{tmp_path}: not a regular file"]
+    assert scan_source(tmp_path).problems == [f"{tmp_path}: not a regular file"]
 
 
 def test_scan_refuses_what_is_not_a_regular_file_or_a_path(tmp_path):
     os.mkfifo(tmp_path / "fifo.jsonl")  # opening it would block: it is never opened
-    assert scan_jsonl(tmp_path / "fifo.jsonl").problems == [f"{tmp_path / 'fifo.jsonl'}: not a regular file"]
-    assert scan_jsonl("/dev/zero").problems == ["/dev/zero: not a regular file"]
-    assert scan_jsonl("a\0b.jsonl").problems == [
+    assert scan_source(tmp_path / "fifo.jsonl").problems == [f"{tmp_path / 'fifo.jsonl'}: not a regular file"]
+    assert scan_source("/dev/zero").problems == ["/dev/zero: not a regular file"]
+    assert scan_source("a\0b.jsonl").problems == [
         "'a\\x00b.jsonl': the path contains a NUL byte, which no file name can hold"
     ]
-    assert scan_jsonl("a\ud800.jsonl").problems == [
+    assert scan_source("a\ud800.jsonl").problems == [
         "'a\\ud800.jsonl': the path contains a lone surrogate (\\ud800), which is not valid text"
     ]
-    (problem,) = scan_jsonl("d" * 10_000_000).problems
+    (problem,) = scan_source("d" * 10_000_000).problems
     assert problem.startswith("'dddd") and len(problem) < 200  # the name is shortened, not repeated
     assert problem.endswith(
         "... (10,000,000 characters): the path is 10,000,000 characters long (at most 4096)"
     )
-    assert scan_jsonl(3).problems == ["3: not a file path (int)"]  # type: ignore[arg-type]
+    (problem,) = scan_source(3).problems  # type: ignore[arg-type]
+    assert problem.startswith("3: not a data source: it must be a .jsonl, .json, .parquet or .csv file path")
     assert target_problem("/dev/zero", build_tokenizer(), 8) == "/dev/zero: not a regular file"
 
 
@@ -155,17 +157,17 @@ def test_scan_reads_line_by_line(tmp_path, monkeypatch):
     path.write_text('{"text": "one two three four five six seven eight"}\n' * 30_000)
     monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail("read the whole file"))
     tracemalloc.start()
-    report = scan_jsonl(path)
+    report = scan_source(path)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert report == JsonlReport(n_rows=30_000, kinds={"text"}, problems=[])
+    assert report == SourceReport(n_rows=30_000, kinds={"text"}, problems=[])
     assert peak < 256 * 2**10, peak  # measured ~7 kB; reading it whole took > 1.5 MB, then a list of lines
 
 
 def test_scan_bad_utf8_names_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
-    (problem,) = scan_jsonl(path).problems
+    (problem,) = scan_source(path).problems
     assert problem.startswith(f"{path} line 2: not valid UTF-8")
 
 
@@ -176,14 +178,14 @@ def test_scan_good_file_kinds_and_read(tmp_path):
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
     ]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    report = scan_jsonl(path)
-    assert report == JsonlReport(n_rows=3, kinds={"text", "prompt", "messages"}, problems=[])
-    assert read_jsonl(path) == rows
+    report = scan_source(path)
+    assert report == SourceReport(n_rows=3, kinds={"text", "prompt", "messages"}, problems=[])
+    assert read_rows(path) == rows
 
 
 def test_scan_caps_problems(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", ["{bad"] * 50)
-    report = scan_jsonl(path)
+    report = scan_source(path)
     assert report.n_rows == 50
     assert len(report.problems) == 21
     assert report.problems[0].startswith(f"{path} line 1: ")

@@ -237,7 +237,7 @@ def test_resume_after_stop_with_two_ranks(arch, layout, resume_nprocs, tiny_mode
     optimiser states and partial gradients, and resuming splits them again."""
     base = tiny_models(arch)
     # long enough that the stop lands mid-run, whatever the machine's speed
-    tenants = [dataclasses.replace(t, max_steps=10 * t.max_steps) for t in tenants_for(arch, make_data)]
+    tenants = [dataclasses.replace(t, max_steps=4 * t.max_steps) for t in tenants_for(arch, make_data)]
 
     def two_ranks(out: Path) -> ml.JobSpec:
         spec = job(base, tenants, out, nproc=2)
@@ -252,7 +252,8 @@ def test_resume_after_stop_with_two_ranks(arch, layout, resume_nprocs, tiny_mode
     (stopped.path / "control" / "stop").write_text("now")
     assert stopped.wait(300) == "stopped", stopped.logs(0)
     ckpts = sorted((stopped.path / "checkpoints").glob("step_*"))
-    assert len(ckpts) == 1 and 1 <= int(ckpts[0].name.split("_")[1]) < 80, ckpts
+    # stopped before the end: the last global step is 32 (tenant b: 16 steps of 2 micro-batches)
+    assert len(ckpts) == 1 and 1 <= int(ckpts[0].name.split("_")[1]) < 32, ckpts
     copies = [stopped.path]
     for n in resume_nprocs[1:]:  # the same stopped run, resumed on another layout from its own copy
         copies.append(tmp_path / f"copy-{n}" / stopped.path.name)

@@ -8,10 +8,10 @@ the test fails on:
 * ``job/`` (the torchrun process) importing ``lab/`` or the notebook's libraries (pandas, matplotlib,
   ipywidgets), or ``lab/`` (the notebook and CLI process) importing ``job/``: the two meet only in the
   run directory;
-* the engine (``lora/``, ``parallel/``, ``data``, ``optim``, ``memory``) importing ``validate/``, ``job/``
-  or ``lab/``;
-* torch in the light contract (``spec``, ``text``, ``search``, ``rundir`` but its tensor codec), which
-  the notebook side reads without loading torch;
+* the engine (``lora/``, ``parallel/``, ``data``, ``optim``, ``memory``, ``sampling``, ``rl/``) importing
+  ``validate/``, ``job/`` or ``lab/``;
+* torch in the light contract (``spec``, ``text``, ``sources``, ``search``, ``rundir`` but its tensor codec),
+  which the notebook side reads without loading torch;
 * a private name (``_x``) imported from another module.
 
 ``from a.b import c`` is an edge to the module ``a.b.c`` when there is one, else to ``a.b``. Importing a
@@ -31,8 +31,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mlora_lab"
 
-ENGINE = ("mlora_lab.lora", "mlora_lab.parallel", "mlora_lab.data", "mlora_lab.optim", "mlora_lab.memory")
-LIGHT = ("mlora_lab.spec", "mlora_lab.text", "mlora_lab.search", "mlora_lab.rundir")
+ENGINE = (
+    "mlora_lab.lora",
+    "mlora_lab.parallel",
+    "mlora_lab.data",
+    "mlora_lab.optim",
+    "mlora_lab.memory",
+    "mlora_lab.sampling",
+    "mlora_lab.rl",
+)
+LIGHT = ("mlora_lab.spec", "mlora_lab.text", "mlora_lab.sources", "mlora_lab.search", "mlora_lab.rundir")
 LIGHT_EXCEPT = ("mlora_lab.rundir.checkpoint",)  # the tensor codec of checkpoints: safetensors, torch
 NOTEBOOK_LIBRARIES = ("pandas", "matplotlib", "ipywidgets", "ipympl", "IPython")
 

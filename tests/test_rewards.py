@@ -177,7 +177,7 @@ def test_a_worker_calls_functions_as_trl_does(rewards_file):
 @pytest.mark.parametrize(
     "name, message",
     [
-        ("raises", "reward '.*:raises' raised KeyError: 'no such field'"),
+        ("raises", "raised KeyError: 'no such field'"),
         ("exits", "raised SystemExit: 3"),
         ("crashes", "the reward worker exited with code 9 while computing the rewards"),
         ("wrong_count", "returned 1 rewards for 4 completions"),

@@ -154,8 +154,8 @@ def test_rank_above_max_rank_is_kept_and_reported(llama_path, make_data):
 
 def test_data_file_is_scanned_only_when_it_changes(llama_path, make_data, monkeypatch):
     calls = []
-    real = mlora_lab.data.scan_jsonl
-    monkeypatch.setattr(mlora_lab.data, "scan_jsonl", lambda p: calls.append(p) or real(p))
+    real = mlora_lab.data.scan_source
+    monkeypatch.setattr(mlora_lab.data, "scan_source", lambda p: calls.append(p) or real(p))
     path = make_data("text")
     form = filled_form(llama_path, path)
     n = len(calls)

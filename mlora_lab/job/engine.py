@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -36,6 +37,7 @@ from mlora_lab.memory import (
     token_loss,
 )
 from mlora_lab.parallel import Collectives, ParallelDims, parallelize
+from mlora_lab.sources import source_name
 from mlora_lab.spec import JobSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,10 +92,12 @@ class Engine:
         return cls(model, tokenizer, comm, base_path, spec.seq_len, vocab_rows)
 
     # -- data ------------------------------------------------------------------------------------
-    def examples(self, path: str | Path) -> list[Example]:
-        """A data file tokenized for this base, every token inside its embedding."""
-        examples = load_examples(path, self.tokenizer, self.seq_len)
-        check_vocab(examples, self.vocab_rows, str(path))  # no row of it may index past the embedding
+    def examples(self, source: Any) -> list[Example]:
+        """A tenant's data source (a file; in an in-process job, an in-memory source too) tokenized for
+        this base, every token inside its embedding."""
+        examples = load_examples(source, self.tokenizer, self.seq_len)
+        # no row of it may index past the embedding
+        check_vocab(examples, self.vocab_rows, source_name(source))
         return examples
 
     def local_rows(self, rows: Sequence[Example]) -> list[Example]:

@@ -121,7 +121,7 @@ class FileData(Driver):
 
     def feed(self, tenant: Tenant) -> FileFeed:
         examples = self.engine.examples(tenant.data)
-        evals = self.engine.examples(tenant.eval_data) if tenant.eval_data else []
+        evals = self.engine.examples(tenant.eval_data) if tenant.eval_data is not None else []
         return FileFeed(TenantStream(examples, seed=tenant.seed, shuffle=tenant.shuffle), evals)
 
     def _mine(self, tenants: Sequence[TenantRun]) -> list[TenantRun]:

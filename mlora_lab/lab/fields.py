@@ -22,6 +22,7 @@ import ipywidgets as W
 
 from mlora_lab.lora.targets import ALL_LINEAR
 from mlora_lab.rundir import atomic_write_bytes
+from mlora_lab.sources import FILE_SUFFIXES
 from mlora_lab.spec import FieldInfo, Problem
 from mlora_lab.text import show_path
 
@@ -196,7 +197,7 @@ def make_input(
     return inp
 
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+DATA_SUFFIXES = FILE_SUFFIXES
 """Files a data input's chooser lists and its upload accepts (what ``Tenant.data`` reads)."""
 CHOOSER_ENTRIES = 500
 """A chooser lists at most this many entries of a folder."""

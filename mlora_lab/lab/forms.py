@@ -45,6 +45,7 @@ from mlora_lab.lab.fields import (
 )
 from mlora_lab.lora.targets import ALL_LINEAR
 from mlora_lab.rundir import RunState
+from mlora_lab.sources import describe
 from mlora_lab.spec import (
     FieldInfo,
     JobSpec,
@@ -427,7 +428,7 @@ class TenantForm:
             rows = [
                 [
                     t.name,
-                    t.data,
+                    describe(t.data),  # (a path, or "a DataFrame of 120 rows": never the frame's repr)
                     t.rank,
                     f"{t.alpha:g}" + (" (rs)" if t.use_rslora else ""),
                     ", ".join(t.target_modules),

@@ -44,6 +44,7 @@ from typing import Any
 
 from mlora_lab.bases import GGUFBaseError, is_gguf, resolve_base
 from mlora_lab.lab import slurm as slurm_cmd  # (`slurm` is launch()'s options argument)
+from mlora_lab.lab import tenant_data
 from mlora_lab.lab.handles import handle_for
 from mlora_lab.lab.liveness import Liveness, kill_job
 from mlora_lab.lab.logs import LAUNCHER_LOG
@@ -175,19 +176,22 @@ def prepare_run(
 ) -> RunDir:
     """Validate ``spec``, the launcher (and its Slurm options) and the run directory (one
     :class:`~mlora_lab.spec.SpecError` listing every problem; nothing is created then), and create the
-    run directory with ``job.json`` (paths made absolute) and a ``starting`` status. ``launcher=None``:
+    run directory with ``job.json`` (paths made absolute) and a ``starting`` status. Tenant rows held in
+    memory (a DataFrame, a list of dicts, a datasets.Dataset) are read once, validated, and written into
+    the run directory (``data/<tenant>/train.jsonl``, :mod:`~mlora_lab.lab.tenant_data`), which job.json
+    then names (relative to itself: a copied run directory reads its own copy). ``launcher=None``:
     the caller starts the processes itself (``launchers/``, on one node or many). With ``lock``, it is
     left held for the caller. With ``sweep`` (:func:`mlora_lab.lab.sweeps.sweep`), the job runs that search
     over tenant slots: it is checked with every value it can give a trial, and written as ``sweep.json``.
     With a launcher, a GGUF base is converted before the directory is created (a file that cannot be
     converted is a SpecError too). If writing the run's files fails half-way (a full disk), a run that
     has its job.json is marked ``failed`` with the cause."""
-    spec = spec.resolved(Path.cwd())
+    # Rows held in memory (a DataFrame, ...) are read once, here: what is validated is what is written.
+    spec = tenant_data.freeze_all(spec.resolved(Path.cwd()))
     root = _run_root(spec, workdir)
     if sweep is not None:
-        sweep = dataclasses.replace(
-            sweep, base=dataclasses.replace(spec, tenants=[sweep.base]).resolved(Path.cwd()).tenants[0]
-        )
+        base = dataclasses.replace(spec, tenants=[sweep.base]).resolved(Path.cwd()).tenants[0]
+        sweep = dataclasses.replace(sweep, base=tenant_data.freeze(base))
         spec = dataclasses.replace(spec, slot_modules=sweep_slot_modules(spec, sweep))
         problems = sweep_problems(spec, sweep)
     else:
@@ -209,8 +213,10 @@ def prepare_run(
         if (problem := _directory_problem(root)) is not None:  # another launch got here first
             raise SpecError([problem])
         run.create()
+        spec = tenant_data.write_all(run, spec)
         spec.to_json(run.job)
         if sweep is not None:
+            sweep = dataclasses.replace(sweep, base=tenant_data.write_data(run, sweep.base))
             atomic_write_json(run.sweep, sweep.to_dict())
         if launcher == "slurm":
             atomic_write_json(run.slurm_options, (slurm_options or SlurmOptions()).to_dict())

@@ -764,7 +764,7 @@ def compare_generations(
         tok.pad_token = tok.eos_token
 
     def trained_on_chat(t) -> bool:
-        report = data.scan_jsonl(t.data)
+        report = data.scan_source(t.data)
         if not report.kinds:
             warnings.warn(
                 f"compare_generations: cannot tell how tenant {t.name!r} was trained ({'; '.join(report.problems[:1])}); "

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import pandas as pd
 
+from mlora_lab.lab import tenant_data
 from mlora_lab.lab.liveness import Liveness
 from mlora_lab.lab.logs import read_log
 from mlora_lab.lab.series import rows_frame
@@ -250,7 +251,9 @@ class Run:
     def add_tenant(self, tenant: Tenant, wait: bool = True, timeout: float = 120) -> Request:
         """Add ``tenant`` to the running job. It is validated here first (against the job's model,
         ``max_rank``, slots and existing names): a bad tenant raises and nothing is sent. Its paths
-        are made absolute here, so the job reads the files that were validated.
+        are made absolute here, so the job reads the files that were validated; rows it holds in memory
+        (a DataFrame, ...) are read once, validated and written into the run directory
+        (``data/<tenant>/train.jsonl``), and the job reads that file.
 
         ``wait=True`` blocks until the job has added it (or raises ``ControlError`` with the job's
         reason); a job that is still loading its model picks messages up only once it runs, and the
@@ -260,6 +263,7 @@ class Run:
 
         spec = self.spec
         tenant = dataclasses.replace(spec, tenants=[tenant]).resolved(Path.cwd()).tenants[0]
+        tenant = tenant_data.freeze(tenant)
         problems = tenant_problems(spec, tenant)
         states = self.tenant_states()
         holding = [t.name for t in spec.tenants if states.get(t.name) is not TenantState.REMOVED]
@@ -267,6 +271,7 @@ class Run:
             problems.append(f"no free slot: max_tenants={spec.max_tenants} are taken by {holding}")
         if problems:
             raise SpecError(problems)
+        tenant = tenant_data.write_data(self.dir, tenant)
         return self._control(Op.ADD, tenant.name, wait, timeout, tenant=tenant.to_dict())
 
     def remove_tenant(self, name: str, wait: bool = True, timeout: float = 120) -> Request:

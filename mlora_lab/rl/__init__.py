@@ -1,1 +1,12 @@
-"""Reinforcement learning for tenants: reward functions (:mod:`.rewards`, run in a worker process)."""
+"""Reinforcement learning for tenants, engine side (nothing here knows processes or devices):
+
+- :mod:`mlora_lab.rl.grpo`: GRPO's group-normalised advantages and clipped policy loss, equal to TRL
+  1.16.0's (the RL driver calls them per tenant per step and does the reductions over processes itself;
+  the module says which counts to pass);
+- :mod:`mlora_lab.rl.rewards`: reward functions with TRL's signature, imported and called in a worker
+  process of their own per tenant (:mod:`mlora_lab.rl.reward_worker`), with a timeout; a failing
+  reward fails only its tenant's call, with the reason.
+
+Import the submodules themselves: this package imports nothing, so that the reward worker and the
+checks before launch, which need no torch, do not load it.
+"""

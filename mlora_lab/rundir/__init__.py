@@ -7,6 +7,8 @@
 <run_dir>/metrics.jsonl       typed rows (train / eval / system / tenant / event), appended by rank 0
 <run_dir>/logs/rank<R>.log    each rank's stdout+stderr (logs/launcher.log: the torchrun agent's)
 <run_dir>/adapters/<tenant>/  latest PEFT adapter directory of that tenant
+<run_dir>/data/<tenant>/      train.jsonl / eval.jsonl: rows the tenant was given in memory (a DataFrame,
+                              ...), written at launch or add_tenant; job.json names them
 <run_dir>/checkpoints/        step_<N>/ = state.json + tensors.safetensors + meta.json (checksums)
 <run_dir>/control/            control messages, their results, and the stop request
 <run_dir>/labels.json         tags and a note, set by people (the job never reads it)

@@ -117,6 +117,7 @@ class RunDir:
     metrics = property(lambda self: self.root / "metrics.jsonl")
     logs = property(lambda self: self.root / "logs")
     adapters = property(lambda self: self.root / "adapters")
+    data = property(lambda self: self.root / "data")
     checkpoints = property(lambda self: self.root / "checkpoints")
     control = property(lambda self: self.root / "control")
     labels = property(lambda self: self.root / "labels.json")
@@ -171,6 +172,16 @@ class RunDir:
         if problem:
             raise RunDirError(f"tenant name {str(tenant)[:80]!r} cannot name a directory: {problem}")
         return self.inside(self.adapters / tenant)
+
+    def tenant_data(self, tenant: str, split: str) -> Path:
+        """``data/<tenant>/<split>.jsonl`` (``split``: ``"train"`` or ``"eval"``): the rows a tenant was
+        given in memory (a DataFrame, ...), written by the launch or ``run.add_tenant``; job.json names it."""
+        problem = name_problem(tenant)
+        if problem:
+            raise RunDirError(f"tenant name {str(tenant)[:80]!r} cannot name a directory: {problem}")
+        if split not in ("train", "eval"):
+            raise RunDirError(f"a tenant's data split is 'train' or 'eval' (got {str(split)[:80]!r})")
+        return self.inside(self.data / tenant / f"{split}.jsonl")
 
     def is_run(self) -> bool:
         """True when the directory holds a run (a job.json)."""

@@ -25,7 +25,8 @@ class ValidationCache:
       when both loaded without a problem (a path that is fixed later is seen at once);
     - each data file's problems, per file version (absolute path, mtime, size) and what the check
       depends on (the tokenizer's paths, ``seq_len``): a file is read again only when it changes,
-      and renaming its tenant does not re-read it.
+      and renaming its tenant does not re-read it (a launch's snapshot of rows held in memory is kept
+      the same way; a DataFrame itself, which may change in place, is read at every check).
 
     Not thread-safe: one cache per form, used from the notebook's thread.
     """
@@ -34,7 +35,7 @@ class ValidationCache:
         self.models: dict[tuple[Any, ...], tuple[ModelInfo | None, Any]] = {}
         """``(base_model, tokenizer)`` absolute paths -> (the model's structure, the tokenizer)."""
         self.data_files: dict[tuple[Any, ...], list[str]] = {}
-        """(file version, model key, tokenizer loaded, ``seq_len``) -> the file's problems, each the
+        """(file version or snapshot key, model key, tokenizer loaded, ``seq_len``) -> its problems, each the
         rest of a sentence that starts with the field's name."""
 
     def clear(self) -> None:

@@ -15,10 +15,12 @@ import os
 from typing import Any
 
 from mlora_lab.lora.targets import ALL_LINEAR
+from mlora_lab.sources import memory_kind, source_type_problem
 from mlora_lab.spec import (
     MAX_NAME_LEN,
     MAX_ROWS,
     MAX_TARGETS,
+    RL,
     SAFE_NAME,
     FieldInfo,
     JobSpec,
@@ -30,7 +32,7 @@ from mlora_lab.spec import (
 from mlora_lab.text import brief, is_finite, is_int, path_problem
 from mlora_lab.trackers import report_to_problems
 from mlora_lab.validate.context import Context, bound, got, usable_path
-from mlora_lab.validate.rl import check_rl_fields
+from mlora_lab.validate.rl import check_numbers, check_reward_refs, check_texts
 from mlora_lab.validate.tenants import check_name
 
 
@@ -64,6 +66,50 @@ def check_tenant_fields(ctx: Context, t: Tenant) -> None:
             f"batch_size*grad_accum = {t.batch_size}*{t.grad_accum} = {t.batch_size * t.grad_accum:,} "
             f"rows per optimizer step is more than {MAX_ROWS:,} (2**20); lower batch_size or grad_accum",
         )
+
+
+def check_rl_fields(ctx: Context, t: Tenant) -> bool:
+    """``t.rl``'s fields against their :class:`~mlora_lab.spec.FieldInfo`, then: a weight per reward,
+    a completion that fits ``seq_len`` after at least one prompt token, and no ``eval_data`` (an RL
+    tenant is measured by its rewards)."""
+    rl = t.rl
+    if rl is None:
+        return True
+    if not isinstance(rl, RL):
+        ctx.say(t, "rl", f"rl must be RL settings (an object with at least 'reward') or null ({got(rl)})")
+        return False
+    before = len(ctx.out)
+    ok = {}
+    for name, info in fields_info(RL):
+        value = getattr(rl, name)
+        label = f"rl.{name}"
+        if info.kind == "rewards":
+            ok[name] = check_reward_refs(ctx, t, value, label)
+        elif info.kind == "numbers":
+            ok[name] = check_numbers(ctx, t, value, info, label)
+        elif info.kind == "texts":
+            ok[name] = check_texts(ctx, t, value, info, label)
+        else:
+            ok[name] = check_field(ctx, t, "rl", value, info, label=label)
+    weights = rl.reward_weights
+    if ok["reward"] and ok["reward_weights"] and weights is not None and len(weights) != len(rl.rewards):
+        ctx.say(
+            t,
+            "rl",
+            f"rl.reward_weights has {len(weights)} weights for {len(rl.rewards)} reward functions; "
+            "give one weight per function",
+        )
+    seq_len = ctx.spec.seq_len
+    if ok["max_new_tokens"] and is_int(seq_len) and rl.max_new_tokens >= seq_len:
+        ctx.say(
+            t,
+            "rl",
+            f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for a prompt in seq_len={seq_len}; "
+            "prompt and completion together fit seq_len",
+        )
+    if t.eval_data is not None:
+        ctx.say(t, "eval_data", "an RL tenant has no eval_data (it is measured by its rewards); remove it")
+    return len(ctx.out) == before
 
 
 def check_field(
@@ -173,10 +219,18 @@ def _bool(ctx: Context, owner: Tenant | None, field: str, v: Any, label: str = "
 
 
 def _path(ctx: Context, owner: Tenant | None, field: str, v: Any, info: FieldInfo, label: str = "") -> bool:
-    """A string that can name a file or directory (``None`` allowed when ``info.optional``)."""
+    """A string that can name a file or directory (``None`` allowed when ``info.optional``); for a
+    ``path`` field (a tenant's data), rows held in memory too (:mod:`mlora_lab.sources`)."""
     label = label or field
     what = "a directory" if info.kind == "dir" else "a file"
-    if v == "":
+    if info.kind == "path":  # a tenant's data: a file, or rows held in memory (read in the files phase)
+        if memory_kind(v) is not None:
+            return True
+        why = source_type_problem(v)
+        if why is not None and v is not None:
+            ctx.say(owner, field, f"{label} {why}")
+            return False
+    if isinstance(v, str) and v == "":
         ctx.say(owner, field, f"{label} is empty; give the path of {what}")
         return False
     if not isinstance(v, str):

@@ -1,8 +1,8 @@
-"""The files a tenant names: its data files (every problem of every line, and a row that keeps a
-target token at ``seq_len``) and its ``init_adapter`` (a PEFT LoRA adapter whose config matches the
-tenant and whose tensor shapes fit the base model, read from the weights' header alone).
+"""What a tenant reads: its data (every problem of every row, of a file or of rows held in memory, and a
+row that keeps a target token at ``seq_len``) and its ``init_adapter`` (a PEFT LoRA adapter whose config
+matches the tenant and whose tensor shapes fit the base model, read from the weights' header alone).
 
-    check_data(ctx, t)           data and eval_data (scanned once per file version with a cache)
+    check_data(ctx, t)           data and eval_data (a file scanned once per version with a cache)
     check_init_adapter(ctx, t)   adapter_config.json against the tenant, weight shapes against the model
 """
 
@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from mlora_lab.lora.targets import name_matches
+from mlora_lab.sources import Snapshot, memory_kind, source_name
 from mlora_lab.spec import RL, JobSpec, Tenant, field_info, valid_targets
 from mlora_lab.text import brief, brief_list, is_int, json_type, read_json, show_path
 from mlora_lab.validate.context import Context, got, more, usable_path
@@ -26,34 +27,37 @@ from mlora_lab.validate.weights import safetensors_shapes
 
 
 def check_data(ctx: Context, t: Tenant) -> None:
-    """Every problem of the tenant's ``data`` and ``eval_data`` files (each problem keeps its file in
-    ``Problem.path``, so a view can group one file's problems across tenants). An RL tenant's rows are
-    prompts, and its reward functions are checked against their columns (:mod:`.rl`)."""
+    """Every problem of the tenant's ``data`` and ``eval_data`` sources (a file's problems keep its path
+    in ``Problem.path``, so a view can group one file's problems across tenants). An RL tenant's rows
+    are prompts, and its reward functions are checked against their columns (:mod:`.rl`)."""
     if isinstance(t.rl, RL):
         columns = None
-        if usable_path(t.data):
-            report = _scan_prompt_file(ctx, t.data)
+        if memory_kind(t.data) is not None or usable_path(t.data):
+            report = _scan_prompts(ctx, t.data)
+            path = t.data if isinstance(t.data, str) else None
             for problem in report.problems:
-                ctx.say(t, "data", f"data: {problem}", path=t.data)
+                ctx.say(t, "data", f"data: {problem}", path=path)
             columns = None if report.problems else report.columns
         check_rewards(ctx, t, columns)
         return
     for name in ("data", "eval_data"):
-        path = getattr(t, name)
-        if not usable_path(path):
-            continue  # a type or path problem, reported with the fields
-        for tail in _data_file_problems(ctx, path):
-            ctx.say(t, name, name + tail, path=path)
+        source = getattr(t, name)
+        if memory_kind(source) is not None:
+            for tail in _data_problems(ctx, source):
+                ctx.say(t, name, name + tail)
+        elif usable_path(source):  # (else a type or path problem, reported with the fields)
+            for tail in _data_problems(ctx, source):
+                ctx.say(t, name, name + tail, path=source)
 
 
-def _scan_prompt_file(ctx: Context, path: str) -> Any:
-    """An RL tenant's prompt file: its problems, and the columns its rows hold."""
-    from mlora_lab.data import scan_jsonl  # the data module imports torch
+def _scan_prompts(ctx: Context, source: Any) -> Any:
+    """An RL tenant's prompt rows: their problems, and the columns they hold."""
+    from mlora_lab.data import scan_source  # the data module imports torch
 
-    report = scan_jsonl(path, prompts=True)
+    report = scan_source(source, prompts=True)
     if "messages" in report.kinds and ctx.tok is not None and not getattr(ctx.tok, "chat_template", None):
         report.problems.append(
-            f"{show_path(path)} has chat ('messages') rows but the tokenizer has no chat_template"
+            f"{source_name(source)} has chat ('messages') rows but the tokenizer has no chat_template"
         )
     return report
 
@@ -67,28 +71,39 @@ def _file_key(path: str) -> tuple[str, int | None, int | None]:
     return (os.path.abspath(path), st.st_mtime_ns, st.st_size)
 
 
-def _data_file_problems(ctx: Context, path: str) -> list[str]:
-    """The problems of one data file, each as the rest of a sentence that starts with the field's
-    name (``": a.jsonl line 3: not valid JSON"``); served from the cache while the file, the
+def _source_key(source: Any) -> tuple[Any, ...] | None:
+    """What identifies one version of a source: a file's version, a snapshot's own key (it never
+    changes); ``None`` for rows held in memory that may still change (a DataFrame: read every time)."""
+    if isinstance(source, Snapshot):
+        return ("snapshot", source.key)
+    if isinstance(source, str):
+        return _file_key(source)
+    return None
+
+
+def _data_problems(ctx: Context, source: Any) -> list[str]:
+    """The problems of one data source, each as the rest of a sentence that starts with the field's
+    name (``": a.jsonl line 3: not valid JSON"``); served from the cache while the source, the
     tokenizer and ``seq_len`` stay the same."""
     seq_len = ctx.spec.seq_len
-    if ctx.cache is None or not is_int(seq_len):
-        return _scan_data_file(ctx, path)
-    key = (_file_key(path), ctx.env_key(), ctx.tok is not None, seq_len)
+    key = _source_key(source)
+    if ctx.cache is None or key is None or not is_int(seq_len):
+        return _scan_data(ctx, source)
+    key = (key, ctx.env_key(), ctx.tok is not None, seq_len)
     hit = ctx.cache.data_files.get(key)
     if hit is None:
-        hit = ctx.cache.data_files[key] = _scan_data_file(ctx, path)
+        hit = ctx.cache.data_files[key] = _scan_data(ctx, source)
     return hit
 
 
-def _scan_data_file(ctx: Context, path: str) -> list[str]:
-    from mlora_lab.data import scan_jsonl, target_problem  # the data module imports torch
+def _scan_data(ctx: Context, source: Any) -> list[str]:
+    from mlora_lab.data import scan_source, target_problem  # the data module imports torch
 
     seq_len = ctx.spec.seq_len
-    report = scan_jsonl(path)
+    report = scan_source(source)
     tails = [f": {p}" for p in report.problems]
     if not report.problems and report.n_rows == 0:
-        tails.append(f": {show_path(path)}: no rows")
+        tails.append(f": {source_name(source)}: no rows")
     no_template = (
         "messages" in report.kinds and ctx.tok is not None and not getattr(ctx.tok, "chat_template", None)
     )
@@ -98,8 +113,8 @@ def _scan_data_file(ctx: Context, path: str) -> list[str]:
         return tails
     if is_int(seq_len) and field_info(JobSpec, "seq_len").allows(seq_len):
         # Tokenizes rows (each cut at seq_len) only until one keeps a target token: one row for
-        # a usable file, every row only for a file the job would refuse anyway.
-        why = target_problem(path, ctx.tok, seq_len)
+        # a usable source, every row only for a source the job would refuse anyway.
+        why = target_problem(source, ctx.tok, seq_len)
         if why:
             tails.append(f": {why}")
     return tails
