@@ -130,7 +130,7 @@ def test_reward_functions_are_checked_against_the_rows_before_launch(tmp_path, l
     refs = [f"{rewards}:with_answer", f"{rewards}:wrong", f"{rewards}:nope", f"{tmp_path / 'none.py'}:f",
             f"{tmp_path / 'hangs_on_import.py'}:f"]  # fmt: skip
     spec = JobSpec(
-        base_model=llama_path, seq_len=64, tenants=[Tenant(name="a", data=no_answer, rl=RL(reward=refs))]
+        base_model=llama_path, seq_len=128, tenants=[Tenant(name="a", data=no_answer, rl=RL(reward=refs))]
     )
     found = texts(spec)
     assert len(found) == 6, found
