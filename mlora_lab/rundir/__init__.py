@@ -4,7 +4,7 @@
 <run_dir>/job.json            the spec as launched (JobSpec as JSON)
 <run_dir>/status.json         {"state", "pid", "pid_start_time", "host", "started", "ended", "error",
                                "launcher", "slurm_job_id", "slurm_state"}
-<run_dir>/metrics.jsonl       typed rows (train / eval / system / tenant / event), appended by rank 0
+<run_dir>/metrics.jsonl       typed rows (train / eval / system / tenant / event / completion), appended by rank 0
 <run_dir>/logs/rank<R>.log    each rank's stdout+stderr (logs/launcher.log: the torchrun agent's)
 <run_dir>/adapters/<tenant>/  latest PEFT adapter directory of that tenant
 <run_dir>/data/<tenant>/      train.jsonl / eval.jsonl: rows the tenant was given in memory (a DataFrame,
@@ -56,6 +56,7 @@ from mlora_lab.rundir.files import (
 )
 from mlora_lab.rundir.labels import RunLabels, read_labels, update_labels
 from mlora_lab.rundir.rows import (
+    CompletionRow,
     EvalRow,
     EventKind,
     EventRow,
@@ -82,6 +83,7 @@ from mlora_lab.rundir.status import (
 __all__ = [
     "FINAL_STATES",
     "CheckpointError",
+    "CompletionRow",
     "ControlError",
     "ControlMessage",
     "ControlResult",

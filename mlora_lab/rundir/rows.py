@@ -3,7 +3,11 @@
 One JSON object per line, with a ``kind``:
 
 ========  ====================================================================================
-train     ``step, tenant, tenant_step, loss, tokens, lr, grad_norm, rows_seen, tokens_seen, time``
+train     ``step, tenant, tenant_step, loss, tokens, lr, grad_norm, rows_seen, tokens_seen, time``;
+          an RL tenant's rows add ``reward, reward_std, completion_len, kl, clip_ratio`` (``None``
+          for an SFT tenant)
+completion ``step, tenant, tenant_step, prompt, completion, reward, time``: a few sampled
+          completions of an RL tenant per logged step (``rl.log_completions``), with their reward
 eval      ``step, tenant, loss, time``
 system    ``step, rank, mem_bytes, peak_mem_bytes, step_time, tokens_per_s, cpu_percent, gpu_util,
           time``
@@ -49,6 +53,7 @@ class RowKind(TextEnum):
     SYSTEM = "system"
     TENANT = "tenant"
     EVENT = "event"
+    COMPLETION = "completion"
 
 
 class TenantState(TextEnum):
@@ -120,6 +125,18 @@ class TrainRow(Row, tag="train"):
     not packed rows). Cumulative, so it stays exact when ``log_every > 1`` skips rows."""
     tokens_seen: int | None = None
     """Target tokens trained on so far, this step included (cumulative, as ``rows_seen``)."""
+    reward: float | None = None
+    """RL tenants: the mean reward of the generation this step trained on (completions no reward function
+    scored left out; TRL's ``reward``)."""
+    reward_std: float | None = None
+    """RL tenants: the standard deviation (n − 1) of those rewards (TRL's ``reward_std``)."""
+    completion_len: float | None = None
+    """RL tenants: the mean number of tokens of the generation's completions."""
+    kl: float | None = None
+    """RL tenants with ``beta > 0``: the mean per-token KL estimate to the base model (TRL's ``kl``)."""
+    clip_ratio: float | None = None
+    """RL tenants: the share of completion tokens whose importance ratio was clipped (TRL's
+    ``clip_ratio/region_mean``; ``cispo_clip_ratio`` for cispo; ``None`` for the losses without a clip)."""
 
 
 class EvalRow(Row, tag="eval"):
@@ -181,8 +198,27 @@ class EventRow(Row, tag="event"):
         self.event = EventKind(self.event)
 
 
-ROW_TYPES: dict[RowKind, type[Row]] = {t.kind: t for t in (TrainRow, EvalRow, SystemRow, TenantRow, EventRow)}
-AnyRow = TrainRow | EvalRow | SystemRow | TenantRow | EventRow
+class CompletionRow(Row, tag="completion"):
+    """A completion an RL tenant sampled, with its prompt and reward (``rl.log_completions`` of them per
+    logged step): what the dashboard shows as the tenant's recent samples."""
+
+    kind: ClassVar[RowKind] = RowKind.COMPLETION
+    step: int
+    tenant: str
+    tenant_step: int
+    prompt: str
+    """The prompt as the model saw it (a chat rendered through the template)."""
+    completion: str
+    """The completion's text (special tokens left out, as the reward functions get it)."""
+    reward: float | None
+    """Its reward (the weighted sum of the reward functions); ``None`` when none scored it."""
+    time: float = msgspec.field(default_factory=time.time)
+
+
+ROW_TYPES: dict[RowKind, type[Row]] = {
+    t.kind: t for t in (TrainRow, EvalRow, SystemRow, TenantRow, EventRow, CompletionRow)
+}
+AnyRow = TrainRow | EvalRow | SystemRow | TenantRow | EventRow | CompletionRow
 """Any metrics row: the type a line is decoded into (its ``kind`` picks which)."""
 FIELD_NAMES: dict[str, tuple[str, ...]] = {kind.value: t.__struct_fields__ for kind, t in ROW_TYPES.items()}
 """Per kind, its fields in order (the keys of its line after ``kind``)."""
