@@ -186,3 +186,14 @@ def test_a_tenant_with_rl_added_to_a_running_job_is_checked_the_same(tmp_path, l
         )
     ]
     assert any("does not take prompts or completions" in f for f in found), found
+
+
+def test_what_the_rl_driver_does_not_train_yet_is_refused(tmp_path, llama_path):
+    """Sampling temperatures other than 1 (the training forward scores with the raw logits) and gradient
+    accumulation (one generation per optimizer step) are refused before launch, with what to do."""
+    rewards = write(tmp_path / "rewards.py", REWARDS)
+    rl = RL(reward=f"{rewards}:short", temperature=0.7, group_size=2, max_new_tokens=8)
+    tenant = Tenant(name="a", data=prompts(tmp_path), rl=rl, grad_accum=2)
+    found = "\n".join(texts(JobSpec(base_model=llama_path, seq_len=64, tenants=[tenant])))
+    assert "rl.temperature=0.7: only 1.0 for now" in found
+    assert "grad_accum=2: an RL tenant takes one generation" in found

@@ -8,5 +8,6 @@ from __future__ import annotations
 
 from mlora_lab.job.driver import DriverFactory
 from mlora_lab.job.filedata import FileData
+from mlora_lab.job.rl import RLDriver
 
-DEFAULT_DRIVERS: tuple[DriverFactory, ...] = (FileData,)
+DEFAULT_DRIVERS: tuple[DriverFactory, ...] = (RLDriver, FileData)

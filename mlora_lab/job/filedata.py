@@ -117,7 +117,7 @@ class FileData(Driver):
         )
 
     def accepts(self, tenant: Tenant) -> bool:
-        return True  # every tenant of a job without another driver learns from its rows
+        return tenant.rl is None  # an RL tenant's rows are prompts: the RL driver's (mlora_lab.job.rl)
 
     def feed(self, tenant: Tenant) -> FileFeed:
         examples = self.engine.examples(tenant.data)

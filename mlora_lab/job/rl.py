@@ -1,0 +1,537 @@
+"""The RL driver: tenants that learn from rewards by GRPO (TRL 1.16's ``GRPOTrainer``), in the same loop
+and the same base forward as the SFT tenants.
+
+An RL tenant's optimiser window (``grad_accum`` is 1) is one **generation**: ``B = batch_size`` prompts
+of its data, ``G = rl.group_size`` completions of each, ``N = B·G`` completions in all, trained on for
+``rl.num_iterations`` optimiser steps (TRL's μ) before the next generation::
+
+    generate    at a window start: the B prompts of EVERY RL tenant starting a window, in ONE sample()
+                call (each row with its own adapter; stop at EOS, at rl.stop strings, at max_new_tokens)
+    reward      on rank 0: each tenant's reward worker (its own process, with a timeout) scores its N
+                completions; every tenant's batch is submitted before any answer is read, so they
+                compute at once; the answers (or each failure) are broadcast to every process
+    advantage   R = combine_rewards(r [N, F], rl.reward_weights)   A = advantages(R, G, rl.scale_rewards)
+    rows        prompt + completion, labels on the completion tokens only (EOS included when drawn;
+                none at all on a completion cut at max_new_tokens with rl.mask_truncated_completions)
+    loss        from the loop's per-token losses ℓ [n, T-1] of this process's rows: the completion's
+                log-probs logps[i, k] = −ℓ[i, P_i − 1 + k] (P_i its prompt's tokens) [n, L], and
+                policy_loss(logps, old, A, mask) with TRL's normalisers over the whole window:
+                S = N completions, N_tok = its completion tokens, K = data-parallel processes
+                (their gradients are summed, as for the SFT tenants)
+
+**Why every process generates everything.** Under FSDP, TP and EP every forward is a collective, so all
+processes must run the same forwards: they all call :func:`~mlora_lab.sampling.sample` with the same
+requests and the same seeds (so they draw the same completions), and an ``any_running`` hook (an
+all-reduce of "a row still runs here") keeps their decode steps in step. Splitting the prompts over the
+data-parallel ranks, and gathering the completions, is a later optimisation. Each process then trains on
+its own share of the rows (``engine.local_rows``).
+
+**Seeds.** Completion ``j`` of prompt ``b`` of generation ``g`` of a tenant with ``seed`` draws from
+``row_seed(generation_seed(seed, g, b), j)``: nothing else. A resume regenerates nothing that was trained
+on and needs no RNG state; the same tenant alone or beside others draws the same tokens (up to
+floating-point differences of differently shaped batches, see :mod:`mlora_lab.sampling`).
+
+**Logprobs.** ``−ℓ`` is ``log_softmax(z)[y]`` of the raw logits: TRL's ``log_softmax(z / temperature)``
+when the temperature is 1, which validation requires for now. With ``num_iterations = 1`` the old
+log-probs are ``sg(logps)`` (ratio 1, TRL's own shortcut); with more, the first step's ``sg(logps)`` are
+kept (gathered from every process, so a checkpoint holds them whatever the world size) and the later
+steps' ratios are taken against them. With ``beta > 0`` the reference log-probs are those of the base
+model alone: one no-grad forward of the generation's rows with no adapter (tenant ``None``) right after
+the generation, once per generation, on the shared base (no second copy of the model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mlora_lab.data import IGNORE_INDEX, DataError, Example, TenantStream, encode, read_rows, render_chat
+from mlora_lab.job.agree import describe
+from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
+from mlora_lab.job.tenants import TenantRun
+from mlora_lab.rl.grpo import CLIPPED, advantages, combine_rewards, nanstd, policy_loss
+from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardWorker
+from mlora_lab.rundir import CompletionRow, TrainRow
+from mlora_lab.sampling import Completion, SampleRequest, sample
+from mlora_lab.sources import source_name
+from mlora_lab.spec import RL, Tenant
+
+
+def generation_seed(seed: int, generation: int, position: int) -> int:
+    """The sampling seed of the prompt at ``position`` of a tenant's ``generation``: 63 bits of a hash of
+    the three (each completion's own generator is then seeded with ``row_seed(this, j)``)."""
+    digest = hashlib.blake2b(f"mlora_lab.rl/{seed}/{generation}/{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt of an RL tenant, as the model and the reward functions see it."""
+
+    ids: list[int]
+    """Token ids to complete (cut from the left to ``seq_len − max_new_tokens``)."""
+    prompt: Any
+    """As the reward functions get it: the row's ``prompt`` text, or its ``messages`` list."""
+    text: str
+    """The text the ids encode (a chat rendered with the generation prompt): what the samples show."""
+    columns: dict[str, Any]
+    """Every other field of the row, for the reward functions' keyword arguments."""
+
+    @property
+    def chat(self) -> bool:
+        return not isinstance(self.prompt, str)
+
+
+@dataclass
+class Generation:
+    """One generation of a tenant: its completions and everything its window's steps train on.
+
+    Completion ``i = b·G + j`` is completion ``j`` of prompt ``prompts[b]`` (TRL's order). ``old_logps`` and
+    ``ref_logps`` are ``[N, L]`` (``L`` the longest completion; 0 past a completion's end), for every
+    completion, on every process."""
+
+    index: int  # the tenant's generation counter when it was drawn
+    prompts: list[int]  # [B] indices into the feed's prompts
+    group_size: int
+    tokens: list[list[int]]  # [N] completion tokens
+    truncated: list[bool]  # [N] stopped by max_new_tokens (no EOS, no stop string)
+    rewards: torch.Tensor  # [N] combined reward, NaN where none was given
+    advantages: torch.Tensor  # [N]
+    iteration: int = 0  # optimiser steps taken on it so far
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    rows: list[Example] = field(default_factory=list, repr=False)
+    n_tokens: int = 0  # completion tokens that carry loss, over all N
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_len(self) -> int:
+        return max(len(c) for c in self.tokens)
+
+    def build(self, prompts: Sequence[PromptRow], mask_truncated: bool) -> None:
+        """The training rows: prompt + completion, labels on the completion's tokens (none on a truncated
+        completion when ``mask_truncated``), and the count of tokens that carry loss."""
+        self.rows, self.n_tokens = [], 0
+        for i, tokens in enumerate(self.tokens):
+            ids = prompts[self.prompts[i // self.group_size]].ids
+            masked = mask_truncated and self.truncated[i]
+            labels = (
+                [IGNORE_INDEX] * (len(ids) + len(tokens)) if masked else [IGNORE_INDEX] * len(ids) + tokens
+            )
+            self.rows.append(Example([*ids, *tokens], labels))
+            self.n_tokens += 0 if masked else len(tokens)
+
+    def prompt_len(self, i: int) -> int:
+        return len(self.rows[i]) - len(self.tokens[i])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "prompts": self.prompts,
+            "group_size": self.group_size,
+            "tokens": self.tokens,
+            "truncated": self.truncated,
+            "rewards": self.rewards,
+            "advantages": self.advantages,
+            "iteration": self.iteration,
+            "old_logps": self.old_logps,
+            "ref_logps": self.ref_logps,
+        }
+
+    @classmethod
+    def from_state(cls, s: dict[str, Any]) -> Generation:
+        return cls(
+            index=int(s["index"]),
+            prompts=[int(p) for p in s["prompts"]],
+            group_size=int(s["group_size"]),
+            tokens=[list(map(int, c)) for c in s["tokens"]],
+            truncated=[bool(x) for x in s["truncated"]],
+            rewards=s["rewards"].float(),
+            advantages=s["advantages"].float(),
+            iteration=int(s["iteration"]),
+            old_logps=None if s["old_logps"] is None else s["old_logps"].float(),
+            ref_logps=None if s["ref_logps"] is None else s["ref_logps"].float(),
+        )
+
+
+def prompts_digest(prompts: Sequence[PromptRow]) -> str:
+    """SHA-256 of a tenant's prompt token ids, in order: what its prompt cursor indexes into."""
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(len(p.ids).to_bytes(8, "little"))
+        h.update(array("q", p.ids).tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class RLFeed:
+    """An RL tenant's feed: its prompts, their order, its generation counter and the generation its
+    window trains on (``None`` between windows)."""
+
+    prompts: list[PromptRow]
+    stream: TenantStream  # over prompt indices: take(n) gives the next n indices
+    mask_truncated: bool = False  # the tenant's rl.mask_truncated_completions (rows of a restored generation)
+    generations: int = 0  # generations drawn so far (the seeds derive from it)
+    current: Generation | None = None
+    digest: str = ""
+
+    def reset(self) -> None:
+        """A quarantine drops the generation in progress."""
+        self.current = None
+
+    def prompts_taken(self) -> int:
+        return self.stream.epoch * len(self.stream) + self.stream.cursor
+
+    def state_dict(self) -> dict[str, Any]:
+        # (keys apart from the pool's: mlora_lab.job.tenants.POOL_KEYS)
+        return {
+            "rl_stream": self.stream.state_dict(),
+            "rl_generations": self.generations,
+            "rl_current": None if self.current is None else self.current.state_dict(),
+            "rl_prompts_digest": self.digest,
+        }
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        """Continue from a checkpoint; ``ValueError`` if the tenant's prompts changed since."""
+        if s["rl_prompts_digest"] != self.digest:
+            raise ValueError(
+                f"its prompts changed since the checkpoint ({len(self.prompts)} prompts now; their tokens "
+                "differ): put the data back as it was to resume it, or train on the new prompts as a new "
+                "tenant that starts from its adapter (init_adapter)"
+            )
+        self.stream.load_state_dict(s["rl_stream"])
+        self.generations = int(s["rl_generations"])
+        self.current = None if s["rl_current"] is None else Generation.from_state(s["rl_current"])
+        if self.current is not None:
+            self.current.build(self.prompts, self.mask_truncated)
+
+
+def read_prompts(tenant: Tenant, tokenizer: Any, seq_len: int, vocab: int) -> list[PromptRow]:
+    """An RL tenant's prompt rows, tokenized: ``prompt`` text with the tokenizer's special tokens,
+    ``messages`` through the chat template with the generation prompt (its special tokens are the
+    template's). A prompt longer than ``seq_len − max_new_tokens`` keeps its last tokens (one warning)."""
+    rl: RL = tenant.rl
+    where = source_name(tenant.data)
+    room = seq_len - rl.max_new_tokens
+    out, cut, problems = [], 0, []
+    for n, row in enumerate(read_rows(tenant.data, prompts=True), start=1):
+        if row.get("messages") is not None:
+            prompt, text = (
+                row["messages"],
+                render_chat(tokenizer, row["messages"], add_generation_prompt=True),
+            )
+            ids = encode(tokenizer, text, add_special_tokens=False)
+        else:
+            prompt = text = row["prompt"]
+            ids = encode(tokenizer, text, add_special_tokens=True)
+        if not ids:
+            problems.append(f"{where} row {n}: the prompt encodes to no token")
+        elif max(ids) >= vocab:
+            problems.append(f"{where} row {n}: token id {max(ids)} is outside the model's {vocab} embeddings")
+        if len(ids) > room:
+            ids, cut = ids[len(ids) - room :], cut + 1
+        columns = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
+        out.append(PromptRow(ids, prompt, text, columns))
+    if problems:
+        raise DataError(problems, header=f"cannot use {where}")
+    if cut:
+        warnings.warn(
+            f"{where}: {cut} of {len(out)} prompt(s) longer than seq_len - max_new_tokens = {room} tokens "
+            "keep their last tokens",
+            UserWarning,
+            stacklevel=2,
+        )
+    return out
+
+
+def completion_index(
+    g: Generation, local: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the completion tokens of rows ``local`` of ``g`` sit in the loop's per-token losses
+    ``ℓ [n, T-1]`` (``ℓ[:, p]`` predicts token ``p + 1``): ``(index [n, L], valid [n, L])`` with
+    ``index[r, k] = P_r − 1 + k`` for the ``k``-th completion token (0 past the completion's end, where
+    ``valid`` is False), ``L`` the longest of these completions."""
+    starts = torch.tensor([g.prompt_len(i) - 1 for i in local], dtype=torch.long)
+    lengths = torch.tensor([len(g.tokens[i]) for i in local], dtype=torch.long)
+    k = torch.arange(int(lengths.max()) if len(local) else 0)
+    valid = k[None] < lengths[:, None]
+    index = torch.where(valid, starts[:, None] + k[None], 0)
+    return index.to(device), valid.to(device)
+
+
+class RLDriver(Driver):
+    """RL tenants: generations, rewards, GRPO's loss (see the module docstring)."""
+
+    def __init__(self, parts: JobParts) -> None:
+        self.spec, self.engine, self.pool, self.recorder = (
+            parts.spec,
+            parts.engine,
+            parts.pool,
+            parts.recorder,
+        )
+        self.comm = parts.engine.comm
+        self.workers: dict[str, RewardWorker] = {}  # rank 0: one per RL tenant that is running
+        # per tenant, from its loss to its optimiser step: (local row indices, sg(logps) [n, L], metrics)
+        self.pending: dict[str, tuple[list[int], torch.Tensor | None, dict[str, torch.Tensor]]] = {}
+
+    def accepts(self, tenant: Tenant) -> bool:
+        return tenant.rl is not None
+
+    def feed(self, tenant: Tenant) -> RLFeed:
+        e = self.engine
+        prompts = read_prompts(tenant, e.tokenizer, self.spec.seq_len, e.vocab_rows)
+        # (the stream's "examples" are the prompts' indices: it only counts and orders them)
+        indices: list[Any] = list(range(len(prompts)))
+        stream = TenantStream(indices, seed=tenant.seed, shuffle=tenant.shuffle)
+        return RLFeed(prompts, stream, tenant.rl.mask_truncated_completions, digest=prompts_digest(prompts))
+
+    def _mine(self, tenants: Sequence[TenantRun]) -> list[TenantRun]:
+        return [t for t in tenants if isinstance(t.feed, RLFeed)]
+
+    # -- a step's plan ---------------------------------------------------------------------------
+    def plan(self) -> Plan | None:
+        active = self._mine(self.pool.running())
+        for name in [n for n in self.workers if n not in {t.name for t in active}]:
+            self.workers.pop(name).close()  # finished, failed, paused or removed: its worker is not needed
+        self.pending.clear()
+        if not active:
+            return None
+        starting = [t for t in active if t.feed.current is None]  # the same on every process
+        failed = self._generate(starting) if starting else {}
+        rows = {t.name: self.engine.local_rows(t.feed.current.rows) for t in active if t.name not in failed}
+        return Plan(tenants=active, rows=rows, complete=[t.name for t in active], failed=failed)
+
+    def _generate(self, tenants: list[TenantRun]) -> dict[str, str]:
+        """A new generation for each of ``tenants``: one batched sampling, rewards, advantages, rows (and
+        the reference log-probs where ``beta > 0``). Returns the tenants that failed, with why (the same
+        on every process)."""
+        requests: list[SampleRequest] = []
+        drawn: dict[str, list[int]] = {}
+        for t in tenants:
+            f, rl = t.feed, t.spec.rl
+            drawn[t.name] = f.stream.take(t.spec.batch_size)
+            for b, p in enumerate(drawn[t.name]):
+                requests.append(
+                    SampleRequest(
+                        prompt=f.prompts[p].ids,
+                        tenant=t.name,
+                        num_samples=rl.group_size,
+                        max_new_tokens=rl.max_new_tokens,
+                        temperature=rl.temperature,
+                        top_p=rl.top_p,
+                        top_k=rl.top_k or None,
+                        stop_strings=tuple(rl.stop),
+                        seed=generation_seed(t.spec.seed, f.generations, b),
+                    )
+                )
+        any_running = self._any_running if self.comm.mesh is not None else None
+        try:
+            completions = sample(
+                self.engine.model, requests, tokenizer=self.engine.tokenizer, any_running=any_running
+            )
+        except Exception as e:
+            why = f"its generation raised {describe(e)}"
+            return {t.name: why for t in tenants}
+        by_tenant: dict[str, list[Completion]] = {t.name: [] for t in tenants}
+        for c in completions:
+            by_tenant[requests[c.request].tenant].append(c)
+
+        scored = self._rewards(tenants, drawn, by_tenant)
+        failed = {}
+        made = []
+        for t in tenants:
+            f, rl = t.feed, t.spec.rl
+            got = scored[t.name]
+            f.generations += 1
+            if isinstance(got, str):
+                failed[t.name] = f"RewardError: {got}"  # (the loop says "its step raised ...")
+                continue
+            weights = rl.reward_weights if rl.reward_weights is not None else [1.0] * len(rl.rewards)
+            R = combine_rewards(torch.tensor(got, dtype=torch.float32), weights)
+            A, _ = advantages(R, rl.group_size, rl.scale_rewards)
+            cs = by_tenant[t.name]
+            g = Generation(
+                index=f.generations - 1,
+                prompts=drawn[t.name],
+                group_size=rl.group_size,
+                tokens=[list(c.tokens) for c in cs],
+                truncated=[c.stop_reason == "length" for c in cs],
+                rewards=R,
+                advantages=A,
+            )
+            g.build(f.prompts, rl.mask_truncated_completions)
+            f.current = g
+            made.append(t)
+        with_ref = [t for t in made if t.spec.rl.beta > 0]
+        if with_ref:
+            self._reference(with_ref)
+        return failed
+
+    def _any_running(self, running: bool) -> bool:
+        """Whether a sampling row still runs on any process (an all-reduce: every process calls it after
+        every decode step, so all run the same forwards)."""
+        return bool(self.comm.sum_over_world(torch.tensor([float(running)]))[0] > 0)
+
+    def _rewards(
+        self, tenants: list[TenantRun], drawn: dict[str, list[int]], by_tenant: dict[str, list[Completion]]
+    ) -> dict[str, list[list[float]] | str]:
+        """Each tenant's rewards ``[N][F]`` (NaN: none), or why its call failed: computed on rank 0 (every
+        tenant's batch submitted before any answer is awaited), broadcast to every process."""
+        if not self.pool.is_main:
+            return self.comm.broadcast_object(None)  # type: ignore[return-value]
+        tok = self.engine.tokenizer
+        out: dict[str, list[list[float]] | str] = {}
+        sent = []
+        for t in tenants:
+            f, rl = t.feed, t.spec.rl
+            rows = [f.prompts[p] for p in drawn[t.name] for _ in range(rl.group_size)]
+            texts = [tok.decode(c.tokens, skip_special_tokens=True) for c in by_tenant[t.name]]
+            keys = sorted({k for r in rows for k in r.columns})
+            batch = RewardBatch(
+                prompts=[r.prompt for r in rows],
+                completions=[
+                    [{"role": "assistant", "content": x}] if r.chat else x for r, x in zip(rows, texts)
+                ],
+                completion_ids=[list(c.tokens) for c in by_tenant[t.name]],
+                columns={k: [r.columns.get(k) for r in rows] for k in keys},
+                state={"global_step": t.step, "max_steps": t.spec.max_steps},
+            )
+            worker = self.workers.get(t.name)
+            if worker is None:
+                worker = self.workers[t.name] = RewardWorker(rl.rewards, timeout_s=rl.reward_timeout_s)
+            try:
+                worker.submit(batch)
+                sent.append(t)
+            except RewardError as e:
+                out[t.name] = str(e)
+        for t in sent:
+            try:
+                out[t.name] = self.workers[t.name].result().rewards
+            except RewardError as e:
+                out[t.name] = str(e)
+        return self.comm.broadcast_object(out)  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _reference(self, tenants: list[TenantRun]) -> None:
+        """``beta > 0``: each generation's completion log-probs under the base model alone: one forward of
+        their rows with no adapter (every process its share; a collective), gathered into ``[N, L]``."""
+        local = {t.name: self.engine.local_rows(range(len(t.feed.current))) for t in tenants}
+        groups = [(None, [t.feed.current.rows[i] for i in local[t.name]]) for t in tenants]
+        _, token_loss = self.engine.forward(groups)
+        start = 0
+        for t in tenants:
+            g, mine = t.feed.current, local[t.name]
+            ref = torch.zeros(len(g), g.max_len, dtype=torch.float32)
+            if mine:
+                index, valid = completion_index(g, mine, token_loss.device)
+                part = -token_loss[start : start + len(mine)].gather(1, index) * valid
+                ref[mine, : part.shape[1]] = part.float().cpu()
+            start += len(mine)
+            g.ref_logps = self.comm.sum_over_dp(ref).float()
+
+    # -- the loss --------------------------------------------------------------------------------
+    def loss(self, t: TenantRun, token_loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """GRPO's loss of this process's rows of ``t``'s generation (:func:`~mlora_lab.rl.grpo.policy_loss`
+        with the window's counts: every completion and completion token on every process)."""
+        g: Generation = t.feed.current
+        rl: RL = t.spec.rl
+        local = self.engine.local_rows(range(len(g)))
+        index, valid = completion_index(g, local, token_loss.device)
+        logps = -token_loss.gather(1, index)  # [n, L]
+        mask = valid & (labels[:, 1:].gather(1, index) != IGNORE_INDEX)
+        L = logps.shape[1]
+        old = g.old_logps[local, :L].to(logps.device) if g.iteration > 0 and g.old_logps is not None else None
+        ref = g.ref_logps[local, :L].to(logps.device) if rl.beta > 0 else None
+        loss, metrics = policy_loss(
+            logps,
+            old,
+            g.advantages[local].to(logps.device),
+            mask,
+            loss_type=rl.loss_type,
+            epsilon_low=rl.epsilon,
+            epsilon_high=rl.epsilon_high,
+            beta=rl.beta,
+            ref_logps=ref,
+            max_completion_length=rl.max_new_tokens,
+            num_sequences=len(g),
+            num_tokens=float(g.n_tokens),
+            num_micro_batches=self.comm.dp_size,
+        )
+        self.pending[t.name] = (list(local), logps.detach(), metrics)
+        return loss
+
+    # -- after its optimiser step ----------------------------------------------------------------
+    def stepped(self, t: TenantRun, result: StepResult) -> None:
+        """Counters, the kept old log-probs, rows; the next window draws a new generation once this one
+        had its ``num_iterations`` steps. Collectives (called on every process, tenant by tenant)."""
+        f: RLFeed = t.feed
+        g: Generation = f.current
+        rl: RL = t.spec.rl
+        local, logps, metrics = self.pending.pop(t.name, ([], None, {}))
+        clip_key = "cispo_clip_ratio" if rl.loss_type == "cispo" else "clip_ratio/region_mean"
+        pairs = torch.zeros(4, dtype=torch.float64)  # (kl sum, kl count, clipped sum, clipped count)
+        for i, key in enumerate(("kl", clip_key)):
+            if key in metrics:
+                pairs[2 * i : 2 * i + 2] = metrics[key].detach().double().cpu()
+        totals = self.comm.sum_over_dp(pairs)
+        if rl.num_iterations > 1 and g.iteration == 0:  # the later steps' ratios are against these
+            old = torch.zeros(len(g), g.max_len, dtype=torch.float32)
+            if local and logps is not None:
+                old[local, : logps.shape[1]] = logps.float().cpu()
+            g.old_logps = self.comm.sum_over_dp(old).float()
+        g.iteration += 1
+        t.tokens_seen += g.n_tokens
+        if t.step % self.spec.log_every == 0 or t.step == t.spec.max_steps:
+            self._log(t, g, result, totals)
+        if g.iteration >= rl.num_iterations:
+            f.current = None
+        if t.step >= t.spec.max_steps:
+            self.pool.finish(t)
+
+    def _log(self, t: TenantRun, g: Generation, result: StepResult, totals: torch.Tensor) -> None:
+        rl: RL = t.spec.rl
+        scored = g.rewards[~torch.isnan(g.rewards)]
+        row = TrainRow(
+            step=self.recorder.step,
+            tenant=t.name,
+            tenant_step=t.step,
+            loss=result.loss,
+            tokens=g.n_tokens,
+            lr=result.lr,
+            grad_norm=result.grad_norm,
+            rows_seen=t.feed.prompts_taken(),
+            tokens_seen=t.tokens_seen,
+            reward=float(scored.mean()) if len(scored) else None,
+            reward_std=float(nanstd(g.rewards)) if len(scored) > 1 else None,
+            completion_len=sum(map(len, g.tokens)) / len(g),
+            kl=float(totals[0] / max(float(totals[1]), 1.0)) if rl.beta > 0 else None,
+            clip_ratio=float(totals[2] / max(float(totals[3]), 1.0))
+            if rl.loss_type in (*CLIPPED, "cispo")
+            else None,
+        )
+        self.recorder.log(row)
+        tok = self.engine.tokenizer
+        G = g.group_size
+        # one completion per prompt first, then the prompts' second ones, ...
+        order = [b * G + j for j in range(G) for b in range(len(g.prompts))][: rl.log_completions]
+        for i in order:
+            reward = float(g.rewards[i])
+            self.recorder.log(
+                CompletionRow(
+                    step=self.recorder.step,
+                    tenant=t.name,
+                    tenant_step=t.step,
+                    prompt=t.feed.prompts[g.prompts[i // G]].text,
+                    completion=tok.decode(g.tokens[i], skip_special_tokens=True),
+                    reward=reward if math.isfinite(reward) else None,
+                )
+            )

@@ -1,0 +1,337 @@
+"""The RL driver (mlora_lab.job.rl): GRPO tenants in the training loop, beside SFT tenants.
+
+- one RL tenant trains exactly as plain PEFT with a hand-written GRPO loop (TRL's dapo loss, KL to the
+  base with the adapter off, two updates per generation) replaying the completions the job sampled;
+- RL and SFT tenants in one job each end as in a job of their own;
+- a reward function that raises or hangs quarantines only its tenant, with the reason;
+- a job stopped mid-generation and resumed ends as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import transformers
+
+from mlora_lab.job.driver import JobParts, Plan
+from mlora_lab.job.filedata import FileData
+from mlora_lab.job.rl import Generation, RLDriver, RLFeed
+from mlora_lab.job.trainer import Trainer
+from mlora_lab.reference import peft_lora_tensors
+from mlora_lab.rundir import CompletionRow, RowKind, TenantState
+from mlora_lab.spec import RL, JobSpec, Tenant
+
+TOL = 1e-5
+
+REWARDS = """
+def _text(c):
+    return c if isinstance(c, str) else c[0]["content"]
+
+def short(prompts, completions, **kwargs):
+    return [-len(_text(c)) / 10 for c in completions]
+
+def vowels(prompts, completions, completion_ids, **kwargs):
+    assert len(completion_ids) == len(completions)
+    return [sum(_text(c).count(v) for v in "aeiou") / 4 for c in completions]
+
+def has_word(prompts, completions, word, trainer_state, **kwargs):
+    assert trainer_state.max_steps > trainer_state.global_step >= 0
+    return [float(w in _text(c)) + 0.1 * len(_text(c).split()) for c, w in zip(completions, word)]
+
+def boom(prompts, completions, **kwargs):
+    raise RuntimeError("boom goes the reward")
+
+def hang(prompts, completions, **kwargs):
+    import time
+    time.sleep(600)
+"""
+
+WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "river", "city", "road"]
+
+
+def reward_file(tmp: Path) -> str:
+    path = tmp / "rewards.py"
+    path.write_text(REWARDS)
+    return str(path)
+
+
+def prompt_file(tmp: Path, chat: bool = False, n: int = 6) -> str:
+    rows = []
+    for i in range(n):
+        text = f"say {' '.join(WORDS[i : i + 1 + i % 3])} and"
+        row = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+        rows.append({**row, "word": WORDS[(i + 3) % len(WORDS)]})
+    path = tmp / ("chat.jsonl" if chat else "prompts.jsonl")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def rl_tenant(name: str, data: str, rl: RL, **kw) -> Tenant:
+    settings = dict(rank=4, alpha=8, target_modules=["q_proj", "v_proj"], lr=2e-2, batch_size=2, max_steps=4,
+                    max_grad_norm=None, eps=1e-6, seed=3)  # fmt: skip
+    return Tenant(name=name, data=data, rl=rl, **(settings | kw))
+
+
+def job(base: str, tenants: list[Tenant], **kw) -> JobSpec:
+    return JobSpec(base_model=base, tenants=tenants, seq_len=48, max_rank=8, max_tenants=4, **kw)
+
+
+class Recording(RLDriver):
+    """The RL driver, keeping every generation its tenants train on (for the replays below)."""
+
+    def __init__(self, parts: JobParts) -> None:
+        super().__init__(parts)
+        self.generations: dict[str, list[tuple[Generation, RLFeed]]] = {}
+
+    def plan(self) -> Plan | None:
+        plan = super().plan()
+        for t in plan.tenants if plan is not None else []:
+            g = t.feed.current
+            if g is not None and g.iteration == 0 and t.name not in plan.failed:
+                self.generations.setdefault(t.name, []).append((g, t.feed))
+        return plan
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    return max(max((a[k][0] - b[k][0]).abs().max().item(), (a[k][1] - b[k][1]).abs().max().item()) for k in a)
+
+
+def peft_adapter(base: str, path: Path, t: Tenant) -> str:
+    """A PEFT adapter with B ≠ 0 (so the first step already has a gradient through A and B)."""
+    torch.manual_seed(11)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    config = peft.LoraConfig(r=t.rank, lora_alpha=t.alpha, target_modules=t.target_modules,
+                             init_lora_weights=False)  # fmt: skip
+    peft.get_peft_model(model, config).save_pretrained(path)
+    return str(path)
+
+
+def completion_logps(model, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """``log p(completion token k | prompt, earlier tokens)`` of each (prompt, completion), ``[N, L]``
+    (0 past a completion's end): one padded forward, TRL's ``log_softmax`` of the logits."""
+    T = max(len(p) + len(c) for p, c in rows)
+    L = max(len(c) for _, c in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    attn = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        attn[i, : len(p) + len(c)] = 1
+    logp = model(input_ids=ids, attention_mask=attn).logits.float()[:, :-1].log_softmax(-1)
+    logp = logp.gather(2, ids[:, 1:, None])[..., 0]  # [N, T-1]: of token p + 1
+    out = torch.zeros(len(rows), L)
+    for i, (p, c) in enumerate(rows):
+        out[i, : len(c)] = logp[i, len(p) - 1 : len(p) - 1 + len(c)]
+    return out
+
+
+def test_one_rl_tenant_equals_peft_with_a_hand_written_grpo_loop(llama_path, tmp_path):
+    rewards = reward_file(tmp_path)
+    rl = RL(reward=[f"{rewards}:short", f"{rewards}:vowels"], reward_weights=[1.0, 0.5], group_size=4,
+            max_new_tokens=8, beta=0.04, num_iterations=2, epsilon=0.2)  # fmt: skip
+    t = rl_tenant("a", prompt_file(tmp_path), rl)
+    t = replace(t, init_adapter=peft_adapter(llama_path, tmp_path / "init", t))
+    trainer = Trainer(job(llama_path, [t]), drivers=(Recording, FileData))
+    trainer.train()
+    assert trainer.tenants["a"].state is TenantState.FINISHED and trainer.tenants["a"].step == 4
+    (driver, _) = trainer.drivers
+    generations = driver.generations["a"]
+    assert len(generations) == 2  # 4 steps, 2 per generation
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama_path)
+    model = peft.PeftModel.from_pretrained(base, t.init_adapter, is_trainable=True)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=0.0, foreach=False)
+    tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+    losses = []
+    for g, feed in generations:
+        G = rl.group_size
+        rows = [(feed.prompts[g.prompts[i // G]].ids, g.tokens[i]) for i in range(len(g))]
+        texts = [tok.decode(c, skip_special_tokens=True) for _, c in rows]
+        # the rewards, by hand: TRL's weighted sum, then (r − mean) / (std + 1e-4) per prompt's group
+        R = torch.tensor([-len(x) / 10 + 0.5 * sum(x.count(v) for v in "aeiou") / 4 for x in texts])
+        assert torch.allclose(R, g.rewards, atol=1e-6)
+        groups = R.view(-1, G)
+        A = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
+        mask = torch.zeros(len(rows), max(len(c) for _, c in rows))
+        for i, (_, c) in enumerate(rows):
+            mask[i, : len(c)] = 1
+        with torch.no_grad(), model.disable_adapter():
+            ref = completion_logps(model, rows)
+        old = None
+        for _ in range(rl.num_iterations):
+            logps = completion_logps(model, rows)
+            old = logps.detach() if old is None else old
+            ratio = torch.exp(logps - old)
+            clipped = ratio.clamp(1 - rl.epsilon, 1 + rl.epsilon)
+            per_token = -torch.min(ratio * A[:, None], clipped * A[:, None])
+            kl = (torch.exp(ref - logps) - (ref - logps) - 1) * ratio
+            loss = ((per_token + rl.beta * kl) * mask).sum() / mask.sum()  # dapo: over every completion token
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+
+    assert trainer.losses("a") == pytest.approx(losses, abs=TOL)
+    diff = max_diff(trainer.model.tenant_tensors("a"), peft_lora_tensors(model))
+    assert diff <= TOL, f"adapter differs from PEFT + hand-written GRPO by {diff}"
+    start = peft_lora_tensors(peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(llama_path), t.init_adapter))  # fmt: skip
+    assert max_diff(start, peft_lora_tensors(model)) > 1e-3, "training moved the adapter"
+
+    rows = [r for r in trainer.history if r["kind"] == RowKind.TRAIN]
+    per_step = [g for g, _ in generations for _ in range(rl.num_iterations)]
+    assert [r["reward"] for r in rows] == pytest.approx([float(g.rewards.mean()) for g in per_step])
+    assert [r["completion_len"] for r in rows] == pytest.approx(
+        [sum(map(len, g.tokens)) / len(g) for g in per_step]
+    )
+    assert all(r["kl"] > 0 and 0 <= r["clip_ratio"] <= 1 for r in rows)  # (the init adapter is not the base)
+    samples = [CompletionRow.from_dict(r) for r in trainer.history if r["kind"] == RowKind.COMPLETION]
+    assert len(samples) == 4 * rl.log_completions and all(s.tenant == "a" for s in samples)
+
+
+def test_rl_and_sft_tenants_together_each_equal_alone(llama_path, tmp_path, make_data):
+    rewards = reward_file(tmp_path)
+    a = rl_tenant("a", prompt_file(tmp_path), RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6))
+    b = rl_tenant("b", prompt_file(tmp_path, chat=True),
+                  RL(reward=f"{rewards}:has_word", group_size=4, max_new_tokens=5, loss_type="grpo",
+                     scale_rewards="batch", mask_truncated_completions=True, top_k=20, stop=["e"]),
+                  rank=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lr=1e-2,
+                  batch_size=3, max_steps=3, seed=5)  # fmt: skip
+    sft = Tenant(name="s", data=make_data("reverse"), rank=4, alpha=8, target_modules=["q_proj", "v_proj"],
+                 lr=5e-3, batch_size=2, max_steps=5, seed=1)  # fmt: skip
+    slots = dict(slot_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    together = Trainer(job(llama_path, [a, b, sft], **slots))
+    together.train()
+    for t in (a, b, sft):
+        alone = Trainer(job(llama_path, [t], **slots))
+        alone.train()
+        assert together.tenants[t.name].state is alone.tenants[t.name].state is TenantState.FINISHED
+        assert together.losses(t.name) == pytest.approx(alone.losses(t.name), abs=TOL), t.name
+        diff = max_diff(together.model.tenant_tensors(t.name), alone.model.tenant_tensors(t.name))
+        assert diff <= TOL, f"{t.name}: together vs alone adapters differ by {diff}"
+        if t.rl is not None:
+
+            def rewards(trainer, name=t.name):
+                return [
+                    r["reward"] for r in trainer.history if r["kind"] == RowKind.TRAIN and r["tenant"] == name
+                ]
+
+            assert rewards(together) == pytest.approx(rewards(alone), abs=1e-6)
+    sft_rows = [r for r in together.history if r["kind"] == RowKind.TRAIN and r["tenant"] == "s"]
+    assert all(r["reward"] is None and r["kl"] is None for r in sft_rows)
+
+
+def test_a_reward_that_raises_or_hangs_quarantines_only_its_tenant(llama_path, tmp_path, make_data):
+    rewards = reward_file(tmp_path)
+    data = prompt_file(tmp_path)
+    good = rl_tenant("good", data, RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6), max_steps=3)
+    boom = rl_tenant("boom", data, RL(reward=f"{rewards}:boom", group_size=3, max_new_tokens=6), seed=4)
+    hang = rl_tenant("hang", data, RL(reward=f"{rewards}:hang", group_size=3, max_new_tokens=6,
+                                      reward_timeout_s=2.0), seed=5)  # fmt: skip
+    sft = Tenant(name="s", data=make_data("text"), rank=4, alpha=8, target_modules=["q_proj"], lr=5e-3,
+                 batch_size=2, max_steps=3)  # fmt: skip
+    trainer = Trainer(job(llama_path, [good, boom, hang, sft]))
+    trainer.train()
+    states = {n: (t.state, t.reason or "") for n, t in trainer.tenants.items()}
+    assert states["good"][0] is TenantState.FINISHED and states["s"][0] is TenantState.FINISHED
+    assert states["boom"][0] is TenantState.FAILED and "boom goes the reward" in states["boom"][1]
+    assert states["hang"][0] is TenantState.FAILED and "took more than 2 s" in states["hang"][1]
+    assert trainer.tenants["boom"].step == trainer.tenants["hang"].step == 0
+    alone = Trainer(job(llama_path, [good]))
+    alone.train()
+    assert trainer.losses("good") == pytest.approx(alone.losses("good"), abs=TOL)
+    assert max_diff(trainer.model.tenant_tensors("good"), alone.model.tenant_tensors("good")) <= TOL
+
+
+def test_stopped_mid_generation_and_resumed_equals_straight_through(llama_path, tmp_path):
+    rewards = reward_file(tmp_path)
+    rl = RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6, beta=0.1, num_iterations=2)
+    tenants = [rl_tenant("a", prompt_file(tmp_path), rl, max_steps=5)]
+    straight = Trainer(job(llama_path, tenants))
+    straight.train()
+    first = Trainer(job(llama_path, tenants), run_dir=tmp_path / "run")
+    for _ in range(3):
+        assert first.step()
+    g = first.tenants["a"].feed.current
+    assert g is not None and g.iteration == 1 and g.old_logps is not None and g.ref_logps is not None
+    first.save_checkpoint()
+    first.close()
+    again = Trainer(job(llama_path, tenants), run_dir=tmp_path / "run", resume=True)
+    restored = again.tenants["a"].feed.current
+    assert restored.tokens == g.tokens and torch.equal(restored.old_logps, g.old_logps)
+    again.train()
+    assert again.tenants["a"].step == 5
+    assert again.losses("a")[-2:] == pytest.approx(straight.losses("a")[-2:], abs=1e-6)
+    for m, (A, B) in straight.model.tenant_tensors("a").items():
+        A2, B2 = again.model.tenant_tensors("a")[m]
+        assert max((A - A2).abs().max().item(), (B - B2).abs().max().item()) <= 1e-6
+
+
+def test_rewards_reach_the_functions_as_trl_gives_them(llama_path, tmp_path):
+    """Chat prompts reach the reward function as their messages and completions as one assistant
+    message; the data's other columns, one value per completion."""
+    seen = tmp_path / "seen.jsonl"
+    path = tmp_path / "spy.py"
+    path.write_text(
+        "import json\n"
+        "def spy(prompts, completions, completion_ids, word, trainer_state, **kwargs):\n"
+        f"    with open({str(seen)!r}, 'a') as f:\n"
+        "        f.write(json.dumps([prompts, completions, completion_ids, word, trainer_state.global_step]) + '\\n')\n"
+        "    return [float(len(c)) for c in completion_ids]\n"
+    )
+    rl = RL(reward=f"{path}:spy", group_size=2, max_new_tokens=4)
+    t = rl_tenant("c", prompt_file(tmp_path, chat=True), rl, batch_size=2, max_steps=2, shuffle=False)
+    trainer = Trainer(job(llama_path, [t]))
+    trainer.train()
+    calls = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert [c[4] for c in calls] == [0, 1]
+    prompts, completions, ids, words, _ = calls[0]
+    assert prompts[0] == prompts[1] == [{"role": "user", "content": "say red and"}]
+    assert words == ["cat", "cat", "dog", "dog"]
+    assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in completions)
+    assert all(1 <= len(x) <= 4 for x in ids)
+    rewards = [r["reward"] for r in trainer.history if r["kind"] == RowKind.TRAIN]
+    assert rewards == pytest.approx([sum(map(len, ids)) / len(ids), sum(map(len, calls[1][2])) / len(ids)])
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_equal_one(llama_path, tmp_path):
+    """Under torchrun with fsdp=2 both ranks sample the same completions (same requests, same seeds, the
+    decode steps kept in step by ``any_running``), rank 0's rewards reach both, each trains its share of
+    the rows (9 completions: 5 and 4), and the run ends as on one process."""
+    import mlora_lab as ml
+    from mlora_lab.lora import read_adapter
+
+    rewards = reward_file(tmp_path)
+    data = prompt_file(tmp_path)
+    tenants = [
+        rl_tenant("a", data, RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6), batch_size=3,
+                  max_steps=3),
+        rl_tenant("b", data, RL(reward=f"{rewards}:has_word", group_size=2, max_new_tokens=5, beta=0.1,
+                                num_iterations=2), max_steps=3, seed=7),
+    ]  # fmt: skip
+    runs = []
+    for nproc in (1, 2):
+        spec = job(llama_path, tenants, parallel=ml.Parallel(nproc=nproc, fsdp=nproc))
+        spec.output_dir = str(tmp_path / f"out{nproc}")
+        run = ml.launch(spec)
+        state = run.wait(600)
+        assert state == "finished", f"{state}: {run.error}\n{run.logs(0)}"
+        runs.append(run)
+    one, two = (r.metrics() for r in runs)
+    for m in (one, two):
+        assert set(m[m["kind"] == "train"]["tenant"]) == {"a", "b"}
+    key = ["tenant", "tenant_step"]
+    one, two = (m[m["kind"] == "train"].set_index(key).sort_index() for m in (one, two))
+    assert list(one["reward"]) == pytest.approx(list(two["reward"]), abs=1e-6)
+    assert list(one["loss"]) == pytest.approx(list(two["loss"]), abs=TOL)
+    for name in ("a", "b"):
+        x, y = (read_adapter(r.adapter_path(name))[1] for r in runs)
+        assert max_diff(x, y) <= TOL
