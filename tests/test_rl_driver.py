@@ -147,7 +147,7 @@ def test_one_rl_tenant_equals_peft_with_a_hand_written_grpo_loop(llama_path, tmp
     model = peft.PeftModel.from_pretrained(base, t.init_adapter, is_trainable=True)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=0.0, foreach=False)
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=0.0, foreach=False)
     tok = transformers.AutoTokenizer.from_pretrained(llama_path)
     losses = []
     for g, feed in generations:
