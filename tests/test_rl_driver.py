@@ -176,7 +176,7 @@ def test_one_rl_tenant_equals_peft_with_a_hand_written_grpo_loop(llama_path, tmp
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
 
     assert trainer.losses("a") == pytest.approx(losses, abs=TOL)
     diff = max_diff(trainer.model.tenant_tensors("a"), peft_lora_tensors(model))
