@@ -20,6 +20,7 @@ import torch
 
 from mlora_lab.rundir import (
     CheckpointError,
+    CompletionRow,
     ControlError,
     ControlResult,
     EvalRow,
@@ -29,6 +30,7 @@ from mlora_lab.rundir import (
     MetricsWriter,
     ProcessIdentity,
     Row,
+    RowKind,
     RunDir,
     RunDirError,
     RunLock,
@@ -574,7 +576,8 @@ def test_old_rows_without_the_newer_fields_are_read(tmp_path):
         SystemRow(step=1, rank=0, mem_bytes=1, peak_mem_bytes=1, step_time=0.1, tokens_per_s=50.0, time=1.0),
     ]
     assert rows[0].rows_seen is None and rows[1].cpu_percent is None  # not recorded then
-    assert rows[0].to_dict() == {**old[0], "rows_seen": None, "tokens_seen": None}
+    rl = dict.fromkeys(("reward", "reward_std", "completion_len", "kl", "clip_ratio"))  # (RL tenants' fields)
+    assert rows[0].to_dict() == {**old[0], "rows_seen": None, "tokens_seen": None, **rl}
     writer = MetricsWriter(path)
     writer.write(
         SystemRow(
@@ -827,6 +830,7 @@ def test_rows_frame_keeps_row_order_kinds_and_types(tmp_path):
     assert list(df["kind"]) == ["eval", "train", "tenant", "train", "eval"]
     assert list(df.columns[:5]) == ["kind", "step", "tenant", "loss", "time"]
     assert list(df.columns[5:]) == ["tenant_step", "tokens", "lr", "grad_norm", "rows_seen", "tokens_seen",
+                                    "reward", "reward_std", "completion_len", "kl", "clip_ratio",
                                     "state", "adapter_bytes", "optimizer_bytes", "local_adapter_bytes",
                                     "local_optimizer_bytes", "reason"]  # fmt: skip
     assert list(df["step"]) == [1, 1, 1, 2, 2] and df["step"].dtype == "int64"
@@ -849,3 +853,25 @@ def test_rows_frame_keeps_row_order_kinds_and_types(tmp_path):
         "tenant_step",
     ]
     assert rows_frame([]).empty
+
+
+def test_completion_rows_round_trip_and_sit_beside_the_others_in_a_frame(tmp_path):
+    """An RL tenant's sampled completions (a row kind of their own) are written, read back typed, and kept
+    apart from the train rows in a frame (a reader that does not know them skips nothing else)."""
+    from mlora_lab.lab.series import rows_frame
+
+    path = tmp_path / "metrics.jsonl"
+    sample = CompletionRow(
+        step=3, tenant="a", tenant_step=3, prompt="say \u00e9\n", completion=" ok", reward=None
+    )
+    train = TrainRow(step=3, tenant="a", tenant_step=3, loss=0.1, tokens=8, lr=0.1, grad_norm=1.0, reward=0.5,
+                     reward_std=0.25, completion_len=4.0, kl=None, clip_ratio=0.0)  # fmt: skip
+    writer = MetricsWriter(path)
+    writer.write(train)
+    writer.write(sample)
+    writer.close()
+    rows = MetricsReader(path).poll()
+    assert rows == [train, sample] and rows[1].kind is RowKind.COMPLETION
+    df = rows_frame(rows)
+    assert list(df["kind"]) == ["train", "completion"]
+    assert df["reward"].tolist()[0] == 0.5 and df["completion"].tolist()[1] == " ok"
