@@ -435,8 +435,8 @@ class RL:
     """Longest completion (TRL's ``max_completion_length``); prompt and completion fit ``seq_len``."""
     temperature: float = field(default=1.0, metadata=_meta(
         "temperature", kind="float", section="RL", min=0, min_open=True, max=100, help="sampling temperature"))
-    """Sampling temperature (> 0: a group of greedy completions would all be the same). For now only 1.0
-    is accepted: the training forward scores completions with the raw logits (validation says so)."""
+    """Sampling temperature (> 0: a group of greedy completions would all be the same); the training
+    forward scores completions at it too (``log_softmax(logits / temperature)``, as TRL)."""
     top_p: float = field(default=1.0, metadata=_meta(
         "top p", kind="float", section="RL", min=0, min_open=True, max=1, help="nucleus sampling"))
     """Nucleus sampling: sample from the smallest set of tokens whose probability reaches ``top_p``."""

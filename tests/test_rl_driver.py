@@ -112,9 +112,9 @@ def peft_adapter(base: str, path: Path, t: Tenant) -> str:
     return str(path)
 
 
-def completion_logps(model, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+def completion_logps(model, rows: list[tuple[list[int], list[int]]], temperature: float) -> torch.Tensor:
     """``log p(completion token k | prompt, earlier tokens)`` of each (prompt, completion), ``[N, L]``
-    (0 past a completion's end): one padded forward, TRL's ``log_softmax`` of the logits."""
+    (0 past a completion's end): one padded forward, TRL's ``log_softmax(logits / temperature)``."""
     T = max(len(p) + len(c) for p, c in rows)
     L = max(len(c) for _, c in rows)
     ids = torch.zeros(len(rows), T, dtype=torch.long)
@@ -122,7 +122,8 @@ def completion_logps(model, rows: list[tuple[list[int], list[int]]]) -> torch.Te
     for i, (p, c) in enumerate(rows):
         ids[i, : len(p) + len(c)] = torch.tensor(p + c)
         attn[i, : len(p) + len(c)] = 1
-    logp = model(input_ids=ids, attention_mask=attn).logits.float()[:, :-1].log_softmax(-1)
+    logits = model(input_ids=ids, attention_mask=attn).logits.float() / temperature
+    logp = logits[:, :-1].log_softmax(-1)
     logp = logp.gather(2, ids[:, 1:, None])[..., 0]  # [N, T-1]: of token p + 1
     out = torch.zeros(len(rows), L)
     for i, (p, c) in enumerate(rows):
@@ -130,10 +131,11 @@ def completion_logps(model, rows: list[tuple[list[int], list[int]]]) -> torch.Te
     return out
 
 
-def test_one_rl_tenant_equals_peft_with_a_hand_written_grpo_loop(llama_path, tmp_path):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_one_rl_tenant_equals_peft_with_a_hand_written_grpo_loop(temperature, llama_path, tmp_path):
     rewards = reward_file(tmp_path)
     rl = RL(reward=[f"{rewards}:short", f"{rewards}:vowels"], reward_weights=[1.0, 0.5], group_size=4,
-            max_new_tokens=8, beta=0.04, num_iterations=2, epsilon=0.2)  # fmt: skip
+            max_new_tokens=8, beta=0.04, num_iterations=2, epsilon=0.2, temperature=temperature)  # fmt: skip
     t = rl_tenant("a", prompt_file(tmp_path), rl)
     t = replace(t, init_adapter=peft_adapter(llama_path, tmp_path / "init", t))
     trainer = Trainer(job(llama_path, [t]), drivers=(Recording, FileData))
@@ -163,10 +165,10 @@ def test_one_rl_tenant_equals_peft_with_a_hand_written_grpo_loop(llama_path, tmp
         for i, (_, c) in enumerate(rows):
             mask[i, : len(c)] = 1
         with torch.no_grad(), model.disable_adapter():
-            ref = completion_logps(model, rows)
+            ref = completion_logps(model, rows, rl.temperature)
         old = None
         for _ in range(rl.num_iterations):
-            logps = completion_logps(model, rows)
+            logps = completion_logps(model, rows, rl.temperature)
             old = logps.detach() if old is None else old
             ratio = torch.exp(logps - old)
             clipped = ratio.clamp(1 - rl.epsilon, 1 + rl.epsilon)
@@ -198,7 +200,8 @@ def test_one_rl_tenant_equals_peft_with_a_hand_written_grpo_loop(llama_path, tmp
 
 def test_rl_and_sft_tenants_together_each_equal_alone(llama_path, tmp_path, make_data):
     rewards = reward_file(tmp_path)
-    a = rl_tenant("a", prompt_file(tmp_path), RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6))
+    a = rl_tenant("a", prompt_file(tmp_path), RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6,
+                                                  temperature=0.8, beta=0.05))  # fmt: skip
     b = rl_tenant("b", prompt_file(tmp_path, chat=True),
                   RL(reward=f"{rewards}:has_word", group_size=4, max_new_tokens=5, loss_type="grpo",
                      scale_rewards="batch", mask_truncated_completions=True, top_k=20, stop=["e"]),

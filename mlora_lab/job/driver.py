@@ -48,6 +48,8 @@ class Plan:
     rows: dict[str, list[Example]]  # this process's rows of each (a tenant may have none here)
     complete: list[str] = field(default_factory=list)  # whose optimiser steps after this backward
     failed: dict[str, str] = field(default_factory=dict)  # whose part raised here, with why
+    # whose logits are divided by a temperature before the loss (an RL tenant scores at its sampling one)
+    temperatures: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ is applied (:func:`~mlora_lab.parallel.parallelize`): the model code itself stay
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +105,19 @@ class Engine:
         return list(rows[self.comm.dp_rank :: self.comm.dp_size])
 
     # -- the forward -----------------------------------------------------------------------------
-    def forward(self, groups: Sequence[tuple[str | None, list[Example]]]) -> tuple[Batch, torch.Tensor]:
+    def forward(
+        self,
+        groups: Sequence[tuple[str | None, list[Example]]],
+        temperatures: Mapping[str | None, float] | None = None,
+    ) -> tuple[Batch, torch.Tensor]:
         """Collate ``groups`` into one batch, run the base with every row's LoRA, and return the batch
         and the per-token loss ``[B, T-1]`` (fp32, 0 on ignored tokens). A process with no rows still
-        runs one padding row, so that it takes part in every collective of the forward/backward."""
+        runs one padding row, so that it takes part in every collective of the forward/backward.
+
+        ``temperatures[key]`` (``None``: the rows without an adapter) divides the logits of that group's
+        rows before the loss: ``ℓ = logsumexp(z/τ) − z[y]/τ``, so ``−ℓ`` is ``log_softmax(z/τ)[y]``, how
+        TRL scores a completion sampled at temperature ``τ``. Groups not named keep ``τ = 1``."""
+        temps = {k: float(v) for k, v in (temperatures or {}).items() if v != 1.0}
         if not any(rows for _, rows in groups):
             groups = [(None, [Example([self.pad_id, self.pad_id], [IGNORE_INDEX, IGNORE_INDEX])])]
         batch = collate(groups, self.pad_id).to(self.device)
@@ -118,24 +127,38 @@ class Engine:
             inputs["position_ids"] = batch.position_ids
             del inputs["attention_mask"]  # (transformers reads packing only without a 2-D mask)
         if self.head is None:
-            return batch, causal_lm_token_loss(self.model.model(**inputs).logits, batch.labels)
+            logits = self.model.model(**inputs).logits
+            if temps:  # [B, 1, 1]: each row's group's temperature
+                scale = torch.ones(batch.num_rows, 1, 1, device=logits.device, dtype=logits.dtype)
+                for key, start, end in batch.segments:
+                    scale[start:end] = temps.get(key, 1.0)
+                logits = logits / scale
+            return batch, causal_lm_token_loss(logits, batch.labels)
         with hidden_states(self.head):
             hidden = self.model.model(**inputs).logits  # [B, T, H]: the output layer's input
-        # Chunks follow tenants only where the output layer has their LoRA; else any rows share one
-        slotted = [g for g in batch.segments if g[0] is not None and self._head_slotted(g[0])]
-        return batch, token_loss(hidden, batch.labels, self._project, slotted, self.chunk_tokens)
+        # Chunks follow tenants only where the output layer has their LoRA or their logits are scaled;
+        # else any rows share one (rows outside these runs are projected with key None)
+        slotted = [
+            g for g in batch.segments if g[0] is not None and (self._head_slotted(g[0]) or g[0] in temps)
+        ]
+
+        def project(key: str | None, h: torch.Tensor) -> torch.Tensor:
+            return self._project(key, h, temps.get(key, 1.0))
+
+        return batch, token_loss(hidden, batch.labels, project, slotted, self.chunk_tokens)
 
     def _head_slotted(self, tenant: str) -> bool:
         """Whether the output layer carries ``tenant``'s LoRA."""
         ranks = getattr(self.head, "ranks", None)
         return ranks is not None and ranks[self.model.tenants[tenant].slot] > 0
 
-    def _project(self, tenant: str | None, h: torch.Tensor) -> torch.Tensor:
+    def _project(self, tenant: str | None, h: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Logits ``[n, V]`` of ``h`` [n, H], rows of ``tenant`` (its slot, if the output layer has
-        one), for the chunked loss."""
+        one), divided by ``temperature``, for the chunked loss."""
         slots = [] if tenant is None else [(self.model.tenants[tenant].slot, 0, h.shape[0])]
         with self.model.routed(slots, h.shape[0]):
-            return self.head(h)
+            logits = self.head(h)
+        return logits if temperature == 1.0 else logits / temperature
 
     # -- adapters --------------------------------------------------------------------------------
     def save_adapter(self, name: str, path: Path | None) -> Path | None:

@@ -31,8 +31,9 @@ its own share of the rows (``engine.local_rows``).
 on and needs no RNG state; the same tenant alone or beside others draws the same tokens (up to
 floating-point differences of differently shaped batches, see :mod:`mlora_lab.sampling`).
 
-**Logprobs.** ``−ℓ`` is ``log_softmax(z)[y]`` of the raw logits: TRL's ``log_softmax(z / temperature)``
-when the temperature is 1, which validation requires for now. With ``num_iterations = 1`` the old
+**Logprobs.** The plan asks the loop to divide each RL tenant's logits by its ``rl.temperature``, so
+``−ℓ`` is TRL's ``log_softmax(z / temperature)[y]`` (top-k / top-p do not enter it, as in TRL). With
+``num_iterations = 1`` the old
 log-probs are ``sg(logps)`` (ratio 1, TRL's own shortcut); with more, the first step's ``sg(logps)`` are
 kept (gathered from every process, so a checkpoint holds them whatever the world size) and the later
 steps' ratios are taken against them. With ``beta > 0`` the reference log-probs are those of the base
@@ -308,7 +309,9 @@ class RLDriver(Driver):
         starting = [t for t in active if t.feed.current is None]  # the same on every process
         failed = self._generate(starting) if starting else {}
         rows = {t.name: self.engine.local_rows(t.feed.current.rows) for t in active if t.name not in failed}
-        return Plan(tenants=active, rows=rows, complete=[t.name for t in active], failed=failed)
+        temperatures = {t.name: t.spec.rl.temperature for t in active}  # TRL: log_softmax(z / temperature)
+        complete = [t.name for t in active]
+        return Plan(tenants=active, rows=rows, complete=complete, failed=failed, temperatures=temperatures)
 
     def _generate(self, tenants: list[TenantRun]) -> dict[str, str]:
         """A new generation for each of ``tenants``: one batched sampling, rewards, advantages, rows (and
@@ -420,13 +423,18 @@ class RLDriver(Driver):
                 out[t.name] = str(e)
         return self.comm.broadcast_object(out)  # type: ignore[return-value]
 
-    @torch.no_grad()
     def _reference(self, tenants: list[TenantRun]) -> None:
-        """``beta > 0``: each generation's completion log-probs under the base model alone: one forward of
-        their rows with no adapter (every process its share; a collective), gathered into ``[N, L]``."""
+        """``beta > 0``: each generation's completion log-probs under the base model alone (at the tenant's
+        temperature, as TRL's reference): one forward of their rows with no adapter per temperature
+        (every process its share; a collective), gathered into ``[N, L]``."""
+        for temperature in sorted({t.spec.rl.temperature for t in tenants}):
+            self._reference_at(temperature, [t for t in tenants if t.spec.rl.temperature == temperature])
+
+    @torch.no_grad()
+    def _reference_at(self, temperature: float, tenants: list[TenantRun]) -> None:
         local = {t.name: self.engine.local_rows(range(len(t.feed.current))) for t in tenants}
         groups = [(None, [t.feed.current.rows[i] for i in local[t.name]]) for t in tenants]
-        _, token_loss = self.engine.forward(groups)
+        _, token_loss = self.engine.forward(groups, {None: temperature})
         start = 0
         for t in tenants:
             g, mine = t.feed.current, local[t.name]

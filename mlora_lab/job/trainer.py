@@ -230,7 +230,8 @@ class Trainer:
         t0 = time.perf_counter()
         owner = {t.name: d for d, p in plans for t in p.tenants}
         groups = [(t.name, p.rows.get(t.name, [])) for _, p in plans for t in p.tenants]
-        batch, token_loss = self.engine.forward(groups)
+        temperatures: dict[str | None, float] = {n: v for _, p in plans for n, v in p.temperatures.items()}
+        batch, token_loss = self.engine.forward(groups, temperatures)
         total = token_loss.sum() * 0.0  # keeps every process's graph connected even without rows
         for name, start, end in batch.segments:
             if name is None:

@@ -71,8 +71,8 @@ def check_tenant_fields(ctx: Context, t: Tenant) -> None:
 def check_rl_fields(ctx: Context, t: Tenant) -> bool:
     """``t.rl``'s fields against their :class:`~mlora_lab.spec.FieldInfo`, then: a weight per reward,
     a completion that fits ``seq_len`` after at least one prompt token, no ``eval_data`` (an RL
-    tenant is measured by its rewards), and, for now, temperature 1 and ``grad_accum`` 1 (what the RL
-    driver, :mod:`mlora_lab.job.rl`, trains exactly)."""
+    tenant is measured by its rewards), and, for now, ``grad_accum`` 1 (one generation per optimizer
+    step: what the RL driver, :mod:`mlora_lab.job.rl`, trains)."""
     rl = t.rl
     if rl is None:
         return True
@@ -111,13 +111,6 @@ def check_rl_fields(ctx: Context, t: Tenant) -> bool:
     if t.eval_data is not None:
         ctx.say(t, "eval_data", "an RL tenant has no eval_data (it is measured by its rewards); remove it")
     # What the RL driver does not do yet (mlora_lab.job.rl): refused here, not trained differently.
-    if ok["temperature"] and rl.temperature != 1.0:
-        ctx.say(
-            t,
-            "rl",
-            f"rl.temperature={rl.temperature:g}: only 1.0 for now (the training forward scores completions "
-            "with the raw logits, log_softmax(z); TRL's log_softmax(z / temperature) per tenant is not built yet)",
-        )
     if is_int(t.grad_accum) and t.grad_accum != 1:
         ctx.say(
             t,
