@@ -315,8 +315,8 @@ def test_fsdp2_two_ranks_equal_one(llama_path, tmp_path):
     rewards = reward_file(tmp_path)
     data = prompt_file(tmp_path)
     tenants = [
-        rl_tenant("a", data, RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6), batch_size=3,
-                  max_steps=3),
+        rl_tenant("a", data, RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6, temperature=0.9),
+                  batch_size=3, max_steps=3),
         rl_tenant("b", data, RL(reward=f"{rewards}:has_word", group_size=2, max_new_tokens=5, beta=0.1,
                                 num_iterations=2), max_steps=3, seed=7),
     ]  # fmt: skip
