@@ -20,8 +20,9 @@ window with this step (their optimiser steps after the backward), and which rais
 token's log-probability) into the tenant's loss on this process, a scalar whose gradient summed over
 the processes is the tenant's gradient.
 
-The first driver is :class:`~.filedata.FileData` (SFT rows from a tenant's data file). Another driver
-(RL rollouts with a reward, requests of a training service) is added beside it in
+The first driver is :class:`~.filedata.FileData` (SFT rows from a tenant's data file); the second is
+:class:`~.rl.RLDriver` (GRPO tenants: generations, rewards, and a plan that names the temperature their
+logits are scored at). Another driver (requests of a training service) is added beside them in
 :mod:`mlora_lab.job.drivers`, not by editing the loop.
 """
 

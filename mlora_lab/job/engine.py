@@ -9,7 +9,9 @@ every row under its own tenant's adapter:
 2. the base runs once for the whole batch (with activation checkpointing, every k-th decoder block
    recomputes its activations in the backward: :mod:`mlora_lab.memory`);
 3. the loss ``ℓ[b, p] = logsumexp(z) − z[y]`` of each target position is computed in chunks from the final
-   hidden states, never holding the full ``[B, T, V]`` logits (:func:`~mlora_lab.memory.token_loss`).
+   hidden states, never holding the full ``[B, T, V]`` logits (:func:`~mlora_lab.memory.token_loss`);
+   a group given a temperature ``τ`` has its logits divided by it first (an RL tenant's completions are
+   scored at the temperature they were sampled at).
 
 Drivers turn these per-token values into each tenant's loss; the engine knows nothing of windows,
 rewards or requests. Built once per process by :meth:`Engine.build`, which is where the parallel layout
