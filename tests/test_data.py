@@ -160,7 +160,7 @@ def test_scan_reads_line_by_line(tmp_path, monkeypatch):
     report = scan_source(path)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert report == SourceReport(n_rows=30_000, kinds={"text"}, problems=[])
+    assert report == SourceReport(n_rows=30_000, kinds={"text"}, problems=[], columns={"text"})
     assert peak < 256 * 2**10, peak  # measured ~7 kB; reading it whole took > 1.5 MB, then a list of lines
 
 
@@ -179,7 +179,12 @@ def test_scan_good_file_kinds_and_read(tmp_path):
     ]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     report = scan_source(path)
-    assert report == SourceReport(n_rows=3, kinds={"text", "prompt", "messages"}, problems=[])
+    assert report == SourceReport(
+        n_rows=3,
+        kinds={"text", "prompt", "messages"},
+        problems=[],
+        columns={"text", "prompt", "completion", "id", "messages"},
+    )
     assert read_rows(path) == rows
 
 

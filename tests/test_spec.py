@@ -825,6 +825,7 @@ TENANT_FIELDS = [f for f in Tenant.__dataclass_fields__ if f != "name"]
 VALID = [
     ("eval_data", None),
     ("init_adapter", None),
+    ("rl", None),
     ("max_grad_norm", None),
     ("target_parameters", []),
     ("use_rslora", True),

@@ -1,10 +1,11 @@
 """An RL tenant's settings (:class:`~mlora_lab.spec.RL`) and its reward functions.
 
-check_rl_fields(ctx, t)    every field of ``t.rl`` (no file read), and what two of them say together
+check_reward_refs / check_numbers / check_texts   RL's own field kinds (``validate.fields.check_rl_fields``
+                           checks ``t.rl`` field by field with them; no file is read)
 check_rewards(ctx, t, columns)   the reward functions imported in a short-lived worker process (the
-                           notebook never imports the user's file itself, so an edited file is seen
-                           anew and a module that hangs cannot hang it): each exists, is callable,
-                           takes TRL's arguments, and names no argument the data rows lack
+                       notebook never imports the user's file itself, so an edited file is seen
+                       anew and a module that hangs cannot hang it): each exists, is callable,
+                       takes TRL's arguments, and names no argument the data rows lack
 """
 
 from __future__ import annotations
