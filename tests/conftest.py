@@ -110,18 +110,3 @@ def stop_runs_under(folder: Path) -> list[str]:
             run.kill()
             stopped.append(run.path.name)
     return stopped
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest work first. The suite runs on two pytest-xdist workers (scripts/test.sh), which take tests
-    in this order; the Slurm tests run as one unit on one worker (``xdist_group``), several minutes. Begun
-    mid-way, as the file order had it, that unit (or a long test picked up last) kept one worker busy
-    while the other had nothing left to do. Grouped tests first, then the slow ones, then the many short
-    ones, which fill in around them; the order within each kind is kept (a stable sort)."""
-
-    def rank(item: pytest.Item) -> int:
-        if item.get_closest_marker("xdist_group") is not None:
-            return 0
-        return 1 if item.get_closest_marker("slow") is not None else 2
-
-    items.sort(key=rank)

@@ -498,6 +498,7 @@ def test_a_full_disk_is_said_in_status_and_stop_needs_no_space(llama_path, tmp_p
         dash = Dashboard([run], interactive=False)
         dash.refresh()
         assert "No space left" in dash.status.value
+        fill(small_disk)  # again: a save that failed meanwhile may have freed its temporary files' space
         with pytest.raises(OSError):
             control.request_stop(run.path)  # the disk is full indeed
         state = run.stop(timeout=120)

@@ -7,21 +7,35 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import sys
 from collections import defaultdict
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 
 from mlora_lab.rl.grpo import LOSS_TYPES, advantages, combine_rewards, masked_means, nanstd, policy_loss
 
-trl = pytest.importorskip("trl")
-from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
-from trl.trainer.utils import nanstd as trl_nanstd  # noqa: E402
+# TRL imports trackio when it is installed, and trackio fixes its store folder when it is imported: an
+# in-process trackio mirror later in this worker (tests/test_trackers.py) is then, rightly, refused. TRL's
+# loss code needs no tracker, so TRL is imported with trackio taken as absent.
+_TRACKIO_BEFORE = "trackio" in sys.modules
+with (
+    mock.patch("transformers.integrations.is_trackio_available", return_value=False),
+    mock.patch("transformers.integrations.integration_utils.is_trackio_available", return_value=False),
+):
+    trl = pytest.importorskip("trl")
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    from trl.trainer.utils import nanstd as trl_nanstd
 
 SAPO = dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)  # GRPOConfig's defaults
 VESPO = dict(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
 TOL = 1e-6
+
+
+def test_importing_trl_here_left_trackio_unimported():
+    assert _TRACKIO_BEFORE or "trackio" not in sys.modules
 
 
 def test_the_matched_trl_version_is_installed():

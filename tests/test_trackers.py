@@ -414,7 +414,7 @@ def test_a_failing_tracker_is_said_once_and_the_job_goes_on(llama_path, tmp_path
     monkeypatch.delenv("TRACKIO_DIR", raising=False)  # its default: inside the run directory
     rows = train(spec, run_dir)
     events = [(r.event, r.message) for r in rows if isinstance(r, EventRow)]
-    assert [e for e, _ in events] == [EventKind.TRACKER_FAILED, EventKind.TRACKER_FAILED]
+    assert [e for e, _ in events] == [EventKind.TRACKER_FAILED, EventKind.TRACKER_FAILED], events
     assert (
         events[0][1].startswith("tensorboard failed (LinkRefused: ")
         and "trackers/tensorboard is a symbolic link" in events[0][1]
