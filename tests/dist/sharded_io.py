@@ -18,7 +18,13 @@ from mlora_lab.parallel import ParallelDims, init_distributed, parallelize, shut
 
 def main(model_dir: str) -> None:
     info = init_distributed()
-    dims = ParallelDims(info.world_size, fsdp=info.world_size)
+    check(model_dir, info.rank, info.world_size)
+    shutdown_distributed()
+
+
+def check(model_dir: str, rank: int, world_size: int) -> None:
+    """Every check above, in a process group that is already up (``world_size`` processes, FSDP2 over all)."""
+    dims = ParallelDims(world_size, fsdp=world_size)
     mesh = dims.build_mesh("cpu")
     plain = MultiLoRAModel(transformers.AutoModelForCausalLM.from_pretrained(model_dir), max_tenants=3, max_rank=8)
     split = MultiLoRAModel(transformers.AutoModelForCausalLM.from_pretrained(model_dir), max_tenants=3, max_rank=8)
@@ -51,7 +57,7 @@ def main(model_dir: str) -> None:
     # the same sum without touching the gradient; a rank that made none counts as zeros
     pairs = list(split.tenant_slices("a"))
     for k, (p, _) in enumerate(pairs):
-        p.grad = None if (info.rank == 1 and k == 0) else torch.full_like(p, float(info.rank + 1))
+        p.grad = None if (rank == 1 and k == 0) else torch.full_like(p, float(rank + 1))
     b_grad = torch.ones_like(split.layers[split.tenants["b"].modules[0]].lora_A[split.tenants["b"].slot])
     split.layers[split.tenants["b"].modules[0]].lora_A[split.tenants["b"].slot].grad = b_grad
     expected0 = torch.full_like(pairs[0][0], 1.0)  # rank 1 made no gradient for it
@@ -75,8 +81,7 @@ def main(model_dir: str) -> None:
         torch.testing.assert_close(
             again.optimizer.state[again.params[k]]["exp_avg"], opt.optimizer.state[opt.params[k]]["exp_avg"]
         )
-    print(f"rank {info.rank}: sharded I/O ok", flush=True)
-    shutdown_distributed()
+    print(f"rank {rank}: sharded I/O ok", flush=True)
 
 
 if __name__ == "__main__":
