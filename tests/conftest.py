@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch thread per job process, as the launcher picks on a busy machine (mlora_lab.lab.threads), whatever
 # the machine looks like at the moment a job starts. (This process keeps the threads torch took at import.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """GGUF bases converted by the tests and their jobs go to one folder of this session, shared by the
+    xdist workers (they inherit this process's environment), never to the user's ``~/.cache``."""
+    if not hasattr(config, "workerinput") and "MLORA_LAB_CACHE" not in os.environ:
+        config.stash[_OWN_CACHE] = os.environ["MLORA_LAB_CACHE"] = tempfile.mkdtemp(
+            prefix="mlora-test-cache-"
+        )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if own := config.stash.get(_OWN_CACHE, None):
+        shutil.rmtree(own, ignore_errors=True)
+
+
+_OWN_CACHE = pytest.StashKey[str]()
 
 
 @pytest.fixture(scope="session")

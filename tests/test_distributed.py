@@ -1,4 +1,5 @@
-"""Real torchrun, 2 processes on gloo: N ranks equal 1 rank, resume, two nodes on loopback, the demo."""
+"""Real torchrun, 2 processes on gloo: N ranks equal 1 rank, resume, two nodes on loopback (the demo on two
+processes: tests/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -349,14 +350,3 @@ def test_two_nodes_on_loopback_equal_one_node(llama_path, make_data, tmp_path):
     assert two_nodes.status == "finished"
     names = [t.name for t in tenants]
     assert_same_adapters(adapters(one_node, names), adapters(two_nodes, names), 1e-6)
-
-
-def test_demo_with_two_processes(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlora_lab.lab.cli", "demo", "--workdir", str(tmp_path), "--steps", "6", "--nproc", "2"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_dir = next((tmp_path / "runs").iterdir())
-    assert ml.attach(run_dir).spec.parallel.nproc == 2
-    assert {r["rank"] for r in ml.attach(run_dir).rows() if r["kind"] == "system"} == {0, 1}

@@ -19,6 +19,8 @@ from mlora_lab.lab.report import SUMMARY_COLUMNS
 from mlora_lab.rundir import RunLabels, update_status
 
 slow = pytest.mark.slow  # every test that launches a job (the generations' prompt rendering needs none)
+# The tests of the finished run go to one xdist worker: a module fixture is made once per worker.
+on_one_worker = pytest.mark.xdist_group("lab_finished_run")
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,7 @@ def finished_run(tiny_models, tmp_path_factory):
 
 
 @slow
+@on_one_worker
 def test_run_handle_and_runs_table(finished_run):
     run = ml.attach(finished_run.path)
     assert run.status == "finished"
@@ -71,6 +74,7 @@ def test_run_handle_and_runs_table(finished_run):
 
 
 @slow
+@on_one_worker
 def test_summary_compare_and_generations(finished_run):
     s = ml.summary(finished_run)
     assert list(s["tenant"]) == ["rev", "up"] and list(s["state"]) == ["finished", "finished"]
@@ -94,6 +98,7 @@ def test_summary_compare_and_generations(finished_run):
 
 
 @slow
+@on_one_worker
 def test_dashboard_on_a_finished_run(finished_run):
     dash = finished_run.dashboard(interactive=False)
     assert not dash.live, "a finished run is drawn once, then the dashboard stops refreshing"
@@ -114,6 +119,7 @@ def test_dashboard_on_a_finished_run(finished_run):
 
 
 @slow
+@on_one_worker
 def test_dashboard_shows_a_failed_rank(finished_run, tmp_path):
     import shutil
 
@@ -330,6 +336,7 @@ def test_ema_and_thinning():
 
 
 @slow
+@on_one_worker
 def test_metrics_rows_stay_json(finished_run):
     for line in (finished_run.path / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)

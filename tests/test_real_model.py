@@ -19,7 +19,8 @@ from mlora_lab.bases import real_model_path, resolve_base
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.validate import problems as spec_problems
 
-pytestmark = pytest.mark.slow
+# one worker for every real-model test: the base is converted once (test_bases), then found in the cache
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real_model")]
 TOL = 1e-5
 
 

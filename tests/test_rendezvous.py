@@ -139,6 +139,10 @@ class Jobs:
             proc.wait(10)
 
 
+# The tests of the three jobs below go to one xdist worker: a module fixture is made once per worker.
+on_one_worker = pytest.mark.xdist_group("rendezvous_jobs")
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory):
     """Three jobs at once (saves wall time on a small machine): two on ``mlora-loopback`` and a
@@ -178,6 +182,7 @@ def assert_loopback_job(listing: dict) -> None:
 
 
 @pytest.mark.slow
+@on_one_worker
 def test_single_node_job_listens_on_loopback_only(jobs):
     listing = jobs("a")
     assert_loopback_job(listing)
@@ -185,6 +190,7 @@ def test_single_node_job_listens_on_loopback_only(jobs):
 
 
 @pytest.mark.slow
+@on_one_worker
 def test_two_jobs_at_once_get_their_own_ports(jobs):
     a, b = jobs("a"), jobs("b")
     assert_loopback_job(b)
@@ -194,6 +200,7 @@ def test_two_jobs_at_once_get_their_own_ports(jobs):
 
 
 @pytest.mark.slow
+@on_one_worker
 def test_standalone_listens_on_all_interfaces(jobs):
     """Negative control: stock ``--standalone`` agent stores listen on the wildcard address (``::``), so
     the listing above would have seen them."""

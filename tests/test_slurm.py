@@ -1057,23 +1057,6 @@ def local_reference(llama_path, data, tmp_path_factory) -> ml.Run:
 
 
 @pytest.mark.slow
-def test_two_slurm_nodes_equal_one_local_process(on_cluster, llama_path, data, local_reference, tmp_path):
-    run = ml.launch(job(llama_path, tenants(data), tmp_path / "run"), launcher="slurm", slurm=OPTIONS)
-    status = read_status(run.path)
-    assert status.launcher == "slurm" and status.slurm_job_id is not None
-    assert run.wait(300) == "finished", f"{run.error}\n{run.logs(None)}\n{run.logs(0)}\n{run.logs(1)}"
-    assert_nothing_of_the_job_is_left(on_cluster, run, status.slurm_job_id)
-    assert_same_training(run, local_reference)
-    # each rank ran on its own node, and its log is read from the run directory whatever node wrote it
-    assert {node_of(run, 0), node_of(run, 1)} == {"node1", "node2"}
-    assert f"slurm job {status.slurm_job_id} on node[1-2]" in run.logs(None)
-    assert (run.path / "slurm.sbatch").is_file() and json.loads((run.path / "slurm.json").read_text())[
-        "time"
-    ] == "20"
-    assert slurm_verdict(run) == "COMPLETED"
-
-
-@pytest.mark.slow
 def test_a_partition_slurm_refuses_creates_nothing(on_cluster, llama_path, data, tmp_path):
     with pytest.raises(ml.SpecError, match=r"Slurm would refuse the job: .*[Ii]nvalid partition"):
         ml.launch(
@@ -1142,10 +1125,21 @@ def interrupted(cluster, llama_path, data, folder: Path, interrupt) -> ml.Run:
     return run
 
 
+def checkpoint_steps(run: ml.Run) -> list[int]:
+    """The global steps of the run's complete checkpoints."""
+    return sorted(
+        int(p.parent.name.split("_")[1]) for p in (run.path / "checkpoints").glob("step_*/meta.json")
+    )
+
+
 @pytest.mark.slow
-def test_scancel_is_failed_with_the_reason_and_a_slurm_resume_continues_exactly(
+def test_two_slurm_nodes_equal_one_local_process_through_scancel_and_kill_9(
     on_cluster, llama_path, data, local_reference, tmp_path
 ):
+    """A job on two Slurm nodes is cancelled by scancel (failed, with Slurm's reason), resumed on Slurm;
+    the resumed job loses one node's worker to SIGKILL (failed), is resumed again, and the run ends
+    exactly like the same job on one local process straight through (one run for the three: each
+    interruption's resume must continue exactly, and so must the last one)."""
     run = interrupted(
         on_cluster,
         llama_path,
@@ -1157,29 +1151,38 @@ def test_scancel_is_failed_with_the_reason_and_a_slurm_resume_continues_exactly(
         r"Slurm job \d+ was cancelled \(scancel, or an administrator\) \(CANCELLED", run.error
     ), run.error
     assert run.global_step < 60, "interrupted mid-run"
-    first_job = read_status(run.path).slurm_job_id
+    status = read_status(run.path)
+    assert status.launcher == "slurm" and status.slurm_job_id is not None
+    assert (run.path / "slurm.sbatch").is_file() and json.loads((run.path / "slurm.json").read_text())[
+        "time"
+    ] == "20"
+
+    # resumed on Slurm (the run's own launcher), then a worker of one node killed outright
+    first_job, saved = status.slurm_job_id, checkpoint_steps(run)[-1]
     resumed = ml.resume(run.path, launcher="slurm")
     assert read_status(run.path).slurm_job_id not in (None, first_job)
-    assert resumed.wait(300) == "finished", resumed.logs(0)
-    assert_same_training(resumed, local_reference)
+    wait_for("a checkpoint of the resumed job", lambda: checkpoint_steps(resumed)[-1] > saved, resumed)
+    *_, pid = re.findall(r"\[rank 1\] pid (\d+) on Slurm node", resumed.logs(1, tail=None))
+    os.kill(int(pid), signal.SIGKILL)
+    assert resumed.wait(120) == "failed", f"{resumed.status}: {resumed.error}"
+    assert_nothing_of_the_job_is_left(on_cluster, resumed, read_status(run.path).slurm_job_id, stepd_grace=10)
+    assert resumed.global_step < 60, "interrupted mid-run"
+    assert slurm_verdict(resumed) in ("FAILED", "CANCELLED")
+    assert "Slurm job" in resumed.error and "resume it from its last checkpoint" in resumed.error, (
+        resumed.error
+    )
 
-
-@pytest.mark.slow
-def test_kill_9_of_one_nodes_worker_is_failed_and_a_slurm_resume_continues_exactly(
-    on_cluster, llama_path, data, local_reference, tmp_path
-):
-    def kill_rank_1(run: ml.Run) -> None:
-        pid = int(re.search(r"\[rank 1\] pid (\d+) on Slurm node", run.logs(1, tail=None)).group(1))
-        os.kill(pid, signal.SIGKILL)
-
-    run = interrupted(on_cluster, llama_path, data, tmp_path, kill_rank_1)
-    assert run.global_step < 60, "interrupted mid-run"
-    assert slurm_verdict(run) in ("FAILED", "CANCELLED")
-    assert run.status == "failed"
-    assert "Slurm job" in run.error and "resume it from its last checkpoint" in run.error, run.error
-    resumed = ml.resume(run.path, launcher="slurm", nnodes=2)
-    assert resumed.wait(300) == "finished", resumed.logs(0)
-    assert_same_training(resumed, local_reference)
+    again = ml.resume(run.path, launcher="slurm", nnodes=2)
+    job_id = read_status(run.path).slurm_job_id
+    assert again.wait(300) == "finished", (
+        f"{again.error}\n{again.logs(None)}\n{again.logs(0)}\n{again.logs(1)}"
+    )
+    assert_nothing_of_the_job_is_left(on_cluster, again, job_id)
+    assert_same_training(again, local_reference)
+    # each rank ran on its own node, and its log is read from the run directory whatever node wrote it
+    assert {node_of(again, 0), node_of(again, 1)} == {"node1", "node2"}
+    assert f"slurm job {job_id} on node[1-2]" in again.logs(None)
+    assert slurm_verdict(again) == "COMPLETED"
 
 
 @pytest.mark.slow
