@@ -252,13 +252,8 @@ def test_serve_mode_and_run_api_with_two_ranks(llama_path, make_data, tmp_path):
         assert run.status == "running" and time.monotonic() < deadline + 120, run.logs(0)
         time.sleep(0.3)
     assert run.stop(timeout=120) == "stopped"
-    fresh = ml.launch(
-        job(llama_path, [b], parallel=ml.Parallel(nproc=2, fsdp=2), output_dir=str(tmp_path / "fresh"))
-    )
-    assert fresh.wait(300) == "finished"
-    got = read_adapter(run.adapter_path("b"))[1]
-    want = read_adapter(fresh.adapter_path("b"))[1]
-    assert max_diff(got, want) <= 1e-5
+    # like a fresh job of b alone (on one process, here: 2 ranks equal 1 within 1e-5, test_distributed)
+    assert max_diff(read_adapter(run.adapter_path("b"))[1], alone(llama_path, b)) <= 1e-5
 
 
 def workers(run: ml.Run) -> list[psutil.Process]:
@@ -273,7 +268,6 @@ def test_kill_9_of_one_rank_then_resume(llama_path, make_data, tmp_path):
         tenant("b", make_data, kind="upper", max_steps=30, grad_accum=2),
     ]
     two = ml.Parallel(nproc=2, fsdp=2)
-    straight = ml.launch(job(llama_path, tenants, parallel=two, output_dir=str(tmp_path / "straight")))
     run = ml.launch(job(llama_path, tenants, parallel=two, save_every=3, output_dir=str(tmp_path / "run")))
     deadline = time.monotonic() + 180
     while not any((run.path / "checkpoints").glob("step_*/meta.json")):
@@ -289,15 +283,14 @@ def test_kill_9_of_one_rank_then_resume(llama_path, make_data, tmp_path):
     assert run.error
     alive = psutil.wait_procs([*procs, launcher], timeout=30)[1]
     assert not alive, f"processes left behind: {alive}"
-    assert straight.wait(300) == "finished"
     resumed = ml.resume(run.path)
+    straight = Trainer(job(llama_path, tenants))  # the same job straight through, on one process here
+    straight.train()
     assert resumed.wait(300) == "finished", resumed.logs(0)
     for t in tenants:
-        got, want = (
-            read_adapter(resumed.adapter_path(t.name))[1],
-            read_adapter(straight.adapter_path(t.name))[1],
-        )
-        assert max_diff(got, want) <= 1e-6
+        # 2 ranks sum a window's gradients in another order than 1 (test_distributed: within 1e-5)
+        got = read_adapter(resumed.adapter_path(t.name))[1]
+        assert max_diff(got, straight.model.tenant_tensors(t.name)) <= 1e-5
 
 
 @pytest.mark.slow
