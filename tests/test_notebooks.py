@@ -8,6 +8,7 @@ same before and after, and stops every job the notebook started, whether the not
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -21,6 +22,10 @@ from nbclient import NotebookClient
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+SHORTENED = {"01_quickstart"}
+"""Notebooks run here with a quarter of their training steps: the quickstart trains 300-400 steps so that a
+reader sees what the tenants learn, which the test does not judge (the whole test took 98 s with them, 42 s
+with a quarter)."""
 
 
 def git_status() -> str | None:
@@ -37,6 +42,9 @@ def test_notebook_runs(path: Path, tmp_path: Path):
     copy = tmp_path / path.name
     shutil.copy(path, copy)
     nb = nbformat.read(copy, as_version=4)
+    if path.stem in SHORTENED:  # every cell runs as written; only the number of training steps is cut
+        for cell in nb.cells:
+            cell.source = re.sub(r"max_steps=(\d+)", lambda m: f"max_steps={int(m[1]) // 4}", cell.source)
     before = git_status()
     client = NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
