@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
+import typing
 import zlib
 from collections.abc import Sequence
 from enum import Enum
@@ -36,7 +38,7 @@ from mlora_lab.rundir import (
     TenantState,
     TrainRow,
 )
-from mlora_lab.rundir.rows import ENUM_FIELDS, FIELD_NAMES, collection_paused
+from mlora_lab.rundir.rows import FIELD_NAMES, ROW_TYPES, collection_paused
 from mlora_lab.spec import JobSpec, SpecError
 
 X_AXES = ("tenant step", "global step", "tokens", "wall time", "relative time")
@@ -56,26 +58,76 @@ def rows_frame(rows: Sequence[Row]) -> pd.DataFrame:
     kinds in the order they first appear, as in metrics.jsonl; enums as their text), one row per
     row in their order, and ``time`` as datetimes. A field a kind lacks is NaN in that kind's rows.
 
-    Built from one tuple of values per row and a kind at a time (``DataFrame.from_records``), not from
-    one dict per row: a notebook reads frames of 100k rows."""
+    Built a column at a time from the rows' value tuples, each with the dtype its field's type gives
+    (:data:`_COLUMN_TYPES`), not by letting pandas infer one per row or per column: a notebook reads
+    frames of 100k rows."""
     with collection_paused():
         return _rows_frame(rows)
 
 
+_TEXT = pd.StringDtype("python", na_value=np.nan)
+"""Text columns: pandas' ``str`` dtype kept in Python strings. The Arrow-backed default (with pyarrow
+installed) costs a conversion of every string when a frame is built, for columns that are only compared
+and grouped by (tenant names, states): measured 0.17 -> 0.28 s for a frame of 100k rows."""
+
+
+def _column_type(hint: Any) -> str:
+    """How a field's values become a column: ``int`` (int64), ``int?`` (int64, or float64 with NaN
+    where a value is None), ``float`` (float64, None as NaN), ``text`` (:data:`_TEXT`), ``enum`` (the
+    members' text, as ``text``) or ``object``."""
+    args = (
+        set(typing.get_args(hint)) if typing.get_origin(hint) in (typing.Union, types.UnionType) else {hint}
+    )
+    optional, args = type(None) in args, args - {type(None)}
+    if len(args) != 1:
+        return "object"
+    (t,) = args
+    if isinstance(t, type) and issubclass(t, Enum):
+        return "enum"
+    if t is str:
+        return "text"
+    if t is int:
+        return "int?" if optional else "int"
+    return "float" if t is float else "object"
+
+
+_COLUMN_TYPES: dict[str, tuple[str, ...]] = {
+    kind.value: tuple(_column_type(typing.get_type_hints(t)[name]) for name in t.__struct_fields__)
+    for kind, t in ROW_TYPES.items()
+}
+"""Per row kind, the column type (:func:`_column_type`) of each of its fields, in ``FIELD_NAMES`` order."""
+
+
+def _column(values: np.ndarray, how: str) -> Any:
+    """One field's values (an object array, one per row) as a column of the type ``how`` names."""
+    if how == "float":
+        return values.astype(np.float64)  # (None -> NaN)
+    if how == "int" or (how == "int?" and not np.equal(values, None).any()):
+        return values.astype(np.int64)
+    if how == "int?":
+        return values.astype(np.float64)
+    if how == "text":
+        return pd.array(values, dtype=_TEXT)
+    if how == "enum":
+        return pd.array([v.value for v in values], dtype=_TEXT)
+    return values
+
+
 def _rows_frame(rows: Sequence[Row]) -> pd.DataFrame:
-    types = set(map(type, rows))
+    row_types = set(map(type, rows))
     parts = []
-    for row_type in sorted(types, key=[type(r) for r in rows].index) if len(types) > 1 else types:
-        at = [i for i, r in enumerate(rows) if type(r) is row_type] if len(types) > 1 else None
+    for row_type in sorted(row_types, key=[type(r) for r in rows].index) if len(row_types) > 1 else row_types:
+        at = [i for i, r in enumerate(rows) if type(r) is row_type] if len(row_types) > 1 else None
         mine = rows if at is None else [rows[i] for i in at]
         kind = row_type.kind.value
-        part = pd.DataFrame.from_records(
-            list(map(msgspec.structs.astuple, mine)), columns=list(FIELD_NAMES[kind]), index=at
-        )
-        for name in ENUM_FIELDS[kind]:
-            part[name] = [v.value if isinstance(v, Enum) else v for v in part[name]]
-        part.insert(0, "kind", kind)
-        parts.append(part)
+        names = FIELD_NAMES[kind]
+        # [rows, fields] of objects in one pass in C (every field holds a scalar, so the shape is exact)
+        table = np.empty((len(mine), len(names)), dtype=object)
+        table[:] = list(map(msgspec.structs.astuple, mine))
+        data = {"kind": pd.array([kind] * len(mine), dtype=_TEXT)}
+        for j, (name, how) in enumerate(zip(names, _COLUMN_TYPES[kind], strict=True)):
+            data[name] = _column(table[:, j], how)
+        parts.append(pd.DataFrame(data, index=at))
     if not parts:
         return pd.DataFrame()
     df = parts[0] if len(parts) == 1 else pd.concat(parts).sort_index(kind="stable").reset_index(drop=True)

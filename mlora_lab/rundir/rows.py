@@ -33,7 +33,6 @@ import contextlib
 import gc
 import os
 import time
-import typing
 import warnings
 from collections.abc import Iterator
 from enum import Enum
@@ -222,15 +221,6 @@ AnyRow = TrainRow | EvalRow | SystemRow | TenantRow | EventRow | CompletionRow
 """Any metrics row: the type a line is decoded into (its ``kind`` picks which)."""
 FIELD_NAMES: dict[str, tuple[str, ...]] = {kind.value: t.__struct_fields__ for kind, t in ROW_TYPES.items()}
 """Per kind, its fields in order (the keys of its line after ``kind``)."""
-ENUM_FIELDS: dict[str, dict[str, type[Enum]]] = {
-    kind.value: {
-        name: hint
-        for name, hint in typing.get_type_hints(t).items()
-        if name in t.__struct_fields__ and isinstance(hint, type) and issubclass(hint, Enum)
-    }
-    for kind, t in ROW_TYPES.items()
-}
-"""Per kind, the fields that hold an enum (a tenant row's ``state``, an event row's ``event``)."""
 
 _DECODER = msgspec.json.Decoder(AnyRow)
 
