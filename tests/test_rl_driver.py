@@ -304,37 +304,54 @@ def test_rewards_reach_the_functions_as_trl_gives_them(llama_path, tmp_path):
     assert rewards == pytest.approx([sum(map(len, ids)) / len(ids), sum(map(len, calls[1][2])) / len(ids)])
 
 
-@pytest.mark.slow
-def test_fsdp2_two_ranks_equal_one(llama_path, tmp_path):
-    """Under torchrun with fsdp=2 both ranks sample the same completions (same requests, same seeds, the
-    decode steps kept in step by ``any_running``), rank 0's rewards reach both, each trains its share of
-    the rows (9 completions: 5 and 4), and the run ends as on one process."""
-    import mlora_lab as ml
-    from mlora_lab.lora import read_adapter
-
-    rewards = reward_file(tmp_path)
-    data = prompt_file(tmp_path)
-    tenants = [
+def two_rl_tenants(folder: Path) -> list[Tenant]:
+    """Two RL tenants for the torchrun tests: one at temperature 0.9 with 3 prompts x 3 completions (9
+    rows: 5 and 4 on two ranks), one with a KL term (beta 0.1) and two updates per generation."""
+    rewards, data = reward_file(folder), prompt_file(folder)
+    return [
         rl_tenant("a", data, RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6, temperature=0.9),
                   batch_size=3, max_steps=3),
         rl_tenant("b", data, RL(reward=f"{rewards}:has_word", group_size=2, max_new_tokens=5, beta=0.1,
                                 num_iterations=2), max_steps=3, seed=7),
     ]  # fmt: skip
-    runs = []
-    for nproc in (1, 2):
-        spec = job(llama_path, tenants, parallel=ml.Parallel(nproc=nproc, fsdp=nproc))
-        spec.output_dir = str(tmp_path / f"out{nproc}")
-        run = ml.launch(spec)
-        state = run.wait(600)
-        assert state == "finished", f"{state}: {run.error}\n{run.logs(0)}"
-        runs.append(run)
-    one, two = (r.metrics() for r in runs)
-    for m in (one, two):
-        assert set(m[m["kind"] == "train"]["tenant"]) == {"a", "b"}
-    key = ["tenant", "tenant_step"]
-    one, two = (m[m["kind"] == "train"].set_index(key).sort_index() for m in (one, two))
-    assert list(one["reward"]) == pytest.approx(list(two["reward"]), abs=1e-6)
-    assert list(one["loss"]) == pytest.approx(list(two["loss"]), abs=TOL)
+
+
+@pytest.fixture(scope="module")
+def one_process(llama_path, tmp_path_factory) -> tuple[list[Tenant], Trainer, Path]:
+    """:func:`two_rl_tenants` trained on one process, here (the reference of the torchrun tests)."""
+    folder = tmp_path_factory.mktemp("rl_one")
+    tenants = two_rl_tenants(folder)
+    trainer = Trainer(job(llama_path, tenants), run_dir=folder / "run")
+    trainer.train()
+    trainer.close()
+    return tenants, trainer, folder / "run"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rl_one_process")  # (a module fixture is made once per xdist worker)
+@pytest.mark.parametrize("layout", [{"fsdp": 2}, {"fsdp": 1, "tp": 2}], ids=["fsdp2", "tp2"])
+def test_two_ranks_equal_one(layout, one_process, llama_path, tmp_path):
+    """Under torchrun with fsdp=2 (tp=2) both ranks sample the same completions (same requests, same
+    seeds, the decode steps kept in step by ``any_running``; under tp=2 every forward is split), rank 0's
+    rewards reach both, each trains its share of the rows (fsdp=2: 9 completions, 5 and 4; tp=2: all of
+    them, its half of each projection), and the run ends as on one process."""
+    import mlora_lab as ml
+    from mlora_lab.lora import read_adapter
+
+    tenants, trainer, reference = one_process
+    spec = job(llama_path, tenants, parallel=ml.Parallel(nproc=2, **layout))
+    spec.output_dir = str(tmp_path / "out")
+    run = ml.launch(spec)
+    state = run.wait(600)
+    assert state == "finished", f"{state}: {run.error}\n{run.logs(0)}\n{run.logs(1)}"
+    m = run.metrics()
+    m = m[m["kind"] == "train"]
+    assert set(m["tenant"]) == {"a", "b"}
+    want = {(r["tenant"], r["tenant_step"]): r for r in trainer.history if r["kind"] == RowKind.TRAIN}
+    got = m.set_index(["tenant", "tenant_step"]).sort_index()
+    assert set(got.index) == set(want)
+    assert list(got["reward"]) == pytest.approx([want[k]["reward"] for k in got.index], abs=1e-6)
+    assert list(got["loss"]) == pytest.approx([want[k]["loss"] for k in got.index], abs=TOL)
     for name in ("a", "b"):
-        x, y = (read_adapter(r.adapter_path(name))[1] for r in runs)
+        x, y = read_adapter(run.adapter_path(name))[1], read_adapter(reference / "adapters" / name)[1]
         assert max_diff(x, y) <= TOL
