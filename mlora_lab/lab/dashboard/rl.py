@@ -21,7 +21,6 @@ from mlora_lab.lab.dashboard.figures import GREY, WAITING, Hover, Panel, Scene, 
 from mlora_lab.lab.dashboard.model import Key, Sample, ViewModel
 from mlora_lab.lab.plotting import placeholder, style_axes
 
-
 NO_RL_PICKED = "no RL tenant picked"
 """What the reward panel says when the tenants picked are SFT tenants only (the runs have RL tenants)."""
 
