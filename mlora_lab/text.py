@@ -8,6 +8,7 @@ short and every reader here answers rather than raises::
 
     brief("x" * 10**7)                 # "'xxxx...xxx'... (10,000,000 characters)"  (about 80 characters)
     brief(10**400)                     # "a 401-digit integer"
+    shown_text(completion, 400)        # multi-line text kept readable, cut, control characters escaped
     show_path("/data/alice.jsonl")     # the path as it is; a hostile one as a shortened repr
     path_problem("a\\0b")               # "contains a NUL byte, which no file name can hold"
     value, why = parse_json(text)      # why: "Expecting value at line 1 column 1", "nested too deeply"
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import reprlib
 import stat
 from typing import Any
@@ -92,6 +94,28 @@ def brief(v: Any, limit: int = 80) -> str:
         return r if len(r) <= limit else r[: limit - 3] + "..."
     except Exception:  # a value whose repr fails or is refused (an int past Python's digit limit)
         return f"<{type(v).__name__}>"
+
+
+HIDDEN = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff\ud800-\udfff]"
+)
+"""Characters that would make shown text lie about itself or break its transport: C0/C1 controls but
+newline and tab (a terminal escape, a carriage return that overwrites), zero-width and bidirectional
+marks and overrides (text that reads differently than it is), and lone surrogates (not valid text: the
+frontend's JSON would refuse the message)."""
+
+
+def shown_text(text: str, limit: int) -> str:
+    """Model-written or user text (a prompt, a completion) as a view shows it: lines kept, cut in the
+    middle to about ``limit`` characters, saying how long it was (``"start … [12,345 characters] … end"``;
+    the start is what came first, the end where a prompt asks and a completion concludes), and every
+    hidden character (:data:`HIDDEN`) shown as its escape (``\\x1b``, ``\\u202e``). Plain text:
+    a view still escapes it for HTML."""
+    if len(text) > limit:
+        head = max(1, limit * 2 // 3)
+        tail = max(0, limit - head)
+        text = f"{text[:head]} … [{len(text):,} characters] … {text[len(text) - tail :] if tail else ''}"
+    return HIDDEN.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 def brief_list(items: list[Any], n: int = 10) -> str:

@@ -24,6 +24,7 @@ from mlora_lab.text import (
     path_problem,
     read_json,
     show_path,
+    shown_text,
 )
 
 
@@ -91,6 +92,20 @@ def test_brief_escapes_control_characters():
     assert shown == repr("a\nb\rc\x1b[31mred\x00\u202e")
     # escapes can make the repr longer than the string: still at most about the limit
     assert len(brief("\x00" * 79)) <= 80
+
+
+def test_shown_text_keeps_lines_escapes_hidden_characters_and_cuts_in_the_middle():
+    assert shown_text("line one\n\tline two", 100) == "line one\n\tline two"  # as it is: lines and tabs
+    # a terminal escape, a carriage return, NUL, a bidi override, a zero-width space, a lone surrogate
+    hostile = "a\x1b[31mb\rc\x00d\u202ee\u200bf\ud800g\x85h"
+    shown = shown_text(hostile, 100)
+    assert shown == "a\\x1b[31mb\\rc\\x00d\\u202ee\\u200bf\\ud800g\\x85h"
+    assert shown.isprintable() and shown.encode("utf-8")  # valid text, nothing hidden
+    long = "BEGIN " + "x" * 10_000 + " END"
+    cut = shown_text(long, 90)
+    assert cut.startswith("BEGIN xxx") and cut.endswith("xx END") and "[10,010 characters]" in cut
+    assert len(cut) < 90 + 30
+    assert shown_text("", 10) == "" and shown_text("é中文 ok", 10) == "é中文 ok"  # printable: untouched
 
 
 def test_brief_names_huge_integers_by_their_digits():

@@ -188,6 +188,8 @@ def summary_text(run: Run) -> str:
 
     table = summary(run)
     table["reason"] = table["reason"].fillna("")
+    if table["reward"].isna().all():  # a run without RL tenants: no column of NaN in a narrow terminal
+        table = table.drop(columns="reward")
     with pd.option_context("display.width", 200, "display.max_columns", 40, "display.precision", 4):
         return table.to_string(index=False, max_colwidth=60)
 

@@ -44,7 +44,7 @@ from mlora_lab.lab.plotting import (
     thin_with_breaks,
 )
 from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
-from mlora_lab.lab.series import METRICS, X_AXES, RunSeries, to_datetimes
+from mlora_lab.lab.series import METRICS, RL_METRICS, X_AXES, RunSeries, to_datetimes
 from mlora_lab.lab.trials import results
 from mlora_lab.rundir import (
     RowKind,
@@ -66,6 +66,7 @@ SUMMARY_COLUMNS = [
     "best_loss",
     "eval_loss",
     "best_eval_loss",
+    "reward",
     "first_loss",
     "lr",
     "rank",
@@ -196,7 +197,8 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
       own optimiser steps) of ``max_steps``, ``final_loss`` (its last logged train loss), ``best_loss``
       (the lowest point of its smoothed train loss: the EMA the dashboard draws, factor
       :data:`~mlora_lab.lab.plotting.SMOOTHING`; one lucky batch cannot set it), ``eval_loss`` (the last)
-      and ``best_eval_loss``, ``first_loss``;
+      and ``best_eval_loss``, ``reward`` (an RL tenant's latest logged mean reward; NaN for an SFT
+      tenant), ``first_loss``;
     - its settings: ``lr``, ``rank``, ``alpha``, ``schedule``, ``warmup`` (steps), ``dropout``,
       ``batch_size``, ``grad_accum``, ``targets`` (target modules, then target parameters, comma-joined);
     - ``rows`` of its data and target ``tokens`` trained on, ``time_s`` from its first to its last logged
@@ -234,6 +236,7 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
                     "best_loss": best_smoothed(train["loss"].to_numpy(dtype=float)) if len(train) else None,
                     "eval_loss": evals["loss"].iloc[-1] if len(evals) else None,
                     "best_eval_loss": evals["loss"].min() if len(evals) else None,
+                    "reward": _last_value(train, "reward"),
                     "rows": _last_count(train, "rows_seen"),
                     "tokens": tokens,
                     "time_s": _seconds(train["time"]),
@@ -286,6 +289,13 @@ def _last_count(train: pd.DataFrame, column: str) -> int | None:
     return int(values.iloc[-1]) if len(values) else None
 
 
+def _last_value(train: pd.DataFrame, column: str) -> float:
+    """The latest finite value of a column; NaN when no row has one (an SFT tenant's ``reward``: NaN, not
+    None, so that the column is a float column in every table, even one of SFT tenants only)."""
+    values = pd.to_numeric(train[column], errors="coerce").dropna() if column in train else ()
+    return float(values.iloc[-1]) if len(values) else float("nan")
+
+
 COMPARE_POINTS = 4000
 """Points per line in a comparison figure: longer series are thinned, keeping each bucket's min and max."""
 
@@ -302,7 +312,9 @@ def compare(
 ) -> Figure:
     """Overlay ``metric`` of tenants across runs.
 
-    ``metric`` is one of ``loss``, ``eval_loss``, ``lr``, ``grad_norm``, ``tokens``; ``x`` one of
+    ``metric`` is one of ``loss``, ``eval_loss``, ``lr``, ``grad_norm``, ``tokens``, or what RL tenants
+    log (:data:`~mlora_lab.lab.series.RL_METRICS`: ``reward``, ``reward_std``, ``completion_len``, ``kl``,
+    ``clip_ratio``; SFT tenants have none and are not drawn for them); ``x`` one of
     ``tenant step`` (default), ``global step``, ``tokens`` (the tenant's target tokens seen so far),
     ``wall time``, ``relative time`` (seconds since the run's first row); ``tenants`` limits the
     tenants drawn (default: all). Each (run, tenant) has its own colour, the same as in the dashboard
@@ -313,7 +325,8 @@ def compare(
     stopped and resumed (on time axes), and a series of a few points has markers.
 
     A run with no value of ``metric`` for the tenants asked (no eval rows for ``eval_loss``, say) is
-    left out with a warning naming it.
+    left out with a warning naming it; an RL metric that no run has at all (no RL tenant) is a
+    ``ValueError`` naming the metrics they have.
     """
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; choose from {sorted(METRICS)}")
@@ -354,6 +367,13 @@ def _overlay(
     feeds = [RunSeries(run.dir, run_name(run.path, taken)) for run in runs]
     for feed in feeds:
         feed.poll()
+    if metric in RL_METRICS and not any(feed.has(metric) for feed in feeds):
+        # one error rather than a warning per run and an empty figure: nothing could be drawn
+        have = [m for m in METRICS if any(m in feed.metric_names() for feed in feeds)]
+        raise ValueError(
+            f"no {metric!r} values in these runs (only RL tenants, Tenant.rl, log {', '.join(RL_METRICS)}; "
+            f"kl only with beta > 0); choose from {have}"
+        )
     titles = run_titles([(feed.title, feed.name) for feed in feeds])
     set_x_axis(ax, x)
     missing = []

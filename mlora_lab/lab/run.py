@@ -3,7 +3,8 @@
     run = ml.launch(spec)        # (mlora_lab.lab.launcher) or ml.attach("runs/<id>")
     run.status                   # the state now (read, never written: see mlora_lab.lab.liveness)
     run.wait(); run.stop()       # ... these record what they find
-    run.metrics()                # pandas DataFrame of train/eval rows
+    run.metrics()                # pandas DataFrame of train/eval rows (RL tenants: reward, kl, ... too)
+    run.completions()            # RL tenants' sampled completions with their rewards
     run.add_tenant(ml.Tenant(...)); run.pause_tenant("alice")
 
 Every method only reads the run directory (status.json, metrics.jsonl through the one typed reader,
@@ -416,7 +417,8 @@ class Run:
         return frame.copy(deep=False)
 
     def metrics(self) -> pd.DataFrame:
-        """Train and eval rows: one row per tenant per logged step."""
+        """Train and eval rows: one row per tenant per logged step (an RL tenant's train rows also have
+        ``reward, reward_std, completion_len, kl, clip_ratio``; NaN for an SFT tenant)."""
         return self._table((RowKind.TRAIN, RowKind.EVAL))
 
     def system_metrics(self) -> pd.DataFrame:
@@ -430,6 +432,12 @@ class Run:
     def events(self) -> pd.DataFrame:
         """Job events: resumed, a damaged checkpoint skipped, a save that failed, ..."""
         return self._table((RowKind.EVENT,))
+
+    def completions(self) -> pd.DataFrame:
+        """RL tenants' sampled completions: ``step, tenant, tenant_step, prompt, completion, reward, time``,
+        ``rl.log_completions`` of them per tenant per logged step (their rewards per step are the
+        ``reward`` columns of :meth:`metrics`)."""
+        return self._table((RowKind.COMPLETION,))
 
     @property
     def global_step(self) -> int:

@@ -16,6 +16,7 @@ import os
 import types
 import typing
 import zlib
+from collections import deque
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
@@ -27,6 +28,7 @@ import pandas as pd
 
 from mlora_lab.lab.plotting import SMOOTHING, drawable, series_colour
 from mlora_lab.rundir import (
+    CompletionRow,
     EvalRow,
     EventKind,
     EventRow,
@@ -45,8 +47,19 @@ X_AXES = ("tenant step", "global step", "tokens", "wall time", "relative time")
 """What a metric can be drawn against: the tenant's own step, the job's global step, the tenant's
 target tokens seen so far, the wall clock, or seconds since the run's first row."""
 TIME_AXES = ("wall time", "relative time")
-METRICS = {"loss": "train", "eval_loss": "eval", "lr": "train", "grad_norm": "train", "tokens": "train"}
-"""Metrics a tenant has, and the rows they come from."""
+RL_METRICS = ("reward", "reward_std", "completion_len", "kl", "clip_ratio")
+"""What an RL tenant's train rows add (:class:`~mlora_lab.rundir.TrainRow`); an SFT tenant has none."""
+METRICS = {
+    "loss": "train",
+    "eval_loss": "eval",
+    "lr": "train",
+    "grad_norm": "train",
+    "tokens": "train",
+    **dict.fromkeys(RL_METRICS, "rl"),
+}
+"""Metrics a tenant has, and the rows they come from (``rl``: the train rows of an RL tenant)."""
+RECENT_SAMPLES = 16
+"""Completion rows kept per tenant (the latest ones): the dashboard shows a few of them."""
 
 GAP_FACTOR, GAP_MIN_S = 5.0, 5.0
 """Two consecutive rows further apart in time than ``max(GAP_FACTOR x the median interval, GAP_MIN_S)``
@@ -222,6 +235,7 @@ class TenantSeries:
 
     TRAIN = ("step", "tenant_step", "tokens", "time", "loss", "lr", "grad_norm")
     EVAL = ("step", "tenant_step", "tokens", "time", "loss")
+    RL = ("step", "tenant_step", "tokens", "time", *RL_METRICS)
 
     def __init__(self, name: str, max_steps: int | None) -> None:
         self.name = name
@@ -239,6 +253,12 @@ class TenantSeries:
         """The lowest point of its smoothed train loss (:func:`~mlora_lab.lab.plotting.best_smoothed`,
         kept up row by row: the EMA's numerator and denominator are two numbers)."""
         self._ema = (0.0, 0.0)
+        self.rl: Columns | None = None
+        """An RL tenant's :data:`RL` columns, from its first train row that carries one of
+        :data:`RL_METRICS` on (None for an SFT tenant: it costs such a tenant nothing)."""
+        self.last_reward: float | None = None
+        self.samples: deque[CompletionRow] | None = None
+        """Its latest :data:`RECENT_SAMPLES` completion rows, oldest first (None: it has none)."""
 
     def add_train(self, r: TrainRow) -> None:
         # tokens_seen is cumulative and exact; older jobs only log each step's tokens, so their sum
@@ -257,6 +277,39 @@ class TenantSeries:
         if den > 0 and v == v:
             smoothed = num / den
             self.best_loss = smoothed if self.best_loss is None else min(self.best_loss, smoothed)
+        # (an SFT row: five checks, and nothing more is kept or computed for it)
+        if self.rl is not None or not (
+            r.reward is None
+            and r.completion_len is None
+            and r.reward_std is None
+            and r.kl is None
+            and r.clip_ratio is None
+        ):
+            self.add_rl(r)
+
+    def add_rl(self, r: TrainRow) -> None:
+        """An RL tenant's train row: every one from its first on goes into :attr:`rl` (a value it lacks is
+        NaN), so its lines break where a generation had no reward rather than join across it."""
+        if self.rl is None:
+            self.rl = Columns(*self.RL)
+        self.rl.append(
+            r.step,
+            r.tenant_step,
+            self.tokens,
+            r.time,
+            r.reward,
+            r.reward_std,
+            r.completion_len,
+            r.kl,
+            r.clip_ratio,
+        )
+        if r.reward is not None:
+            self.last_reward = r.reward
+
+    def add_completion(self, r: CompletionRow) -> None:
+        if self.samples is None:
+            self.samples = deque(maxlen=RECENT_SAMPLES)
+        self.samples.append(r)
 
     def add_eval(self, r: EvalRow) -> None:
         # eval rows carry the global step; they are placed at the tenant's step and tokens at that step
@@ -354,6 +407,9 @@ class RunSeries:
         self.global_step = 0
         self.tokens_per_s: float | None = None
         self.version = 0  # counts rows taken in: a drawing is stale when it differs
+        self.rl_version = 0  # counts RL train rows and completion rows (the reward panel, the samples)
+        self.rewarded = False  # some tenant has a reward value (the dashboard then shows its panel)
+        self.sampled = False  # some tenant has completion rows
 
     def tenant(self, name: str) -> TenantSeries:
         s = self.tenants.get(name)
@@ -387,7 +443,11 @@ class RunSeries:
                 self.t0 = r.time
             self.global_step = max(self.global_step, r.step)
             if isinstance(r, TrainRow):
-                self.tenant(r.tenant).add_train(r)
+                s = self.tenant(r.tenant)
+                s.add_train(r)
+                if s.rl is not None:
+                    self.rl_version += 1
+                    self.rewarded = self.rewarded or r.reward is not None
             elif isinstance(r, EvalRow):
                 self.tenant(r.tenant).add_eval(r)
             elif isinstance(r, SystemRow):
@@ -403,10 +463,14 @@ class RunSeries:
                 self.tenant(r.tenant).add_state(r)
             elif isinstance(r, EventRow) and r.event is EventKind.RESUMED:
                 self.resumes.append(r.time)
+            elif isinstance(r, CompletionRow):
+                self.tenant(r.tenant).add_completion(r)
+                self.rl_version += 1
+                self.sampled = True
         self.version += len(rows)
 
     def x_values(self, cols: dict[str, np.ndarray], x: str) -> np.ndarray:
-        """The x coordinates of a tenant's rows (``cols``: its train or eval columns) for axis ``x``."""
+        """The x coordinates of a tenant's rows (``cols``: its train, eval or RL columns) for axis ``x``."""
         if x == "tenant step":
             return cols["tenant_step"]
         if x == "global step":
@@ -425,13 +489,24 @@ class RunSeries:
         """``(x, y, breaks)`` of one tenant's ``metric`` (see :data:`METRICS`); ``breaks`` marks the points
         not to join to the previous one (on time axes only; None otherwise)."""
         s = self.tenants.get(tenant)
-        if s is None:
+        source = METRICS[metric]
+        columns = None if s is None else s.evals if source == "eval" else s.rl if source == "rl" else s.train
+        if columns is None:  # (not a tenant of the run, or an SFT tenant asked for an RL metric)
             return np.empty(0), np.empty(0), None
-        cols = (s.evals if METRICS[metric] == "eval" else s.train).arrays()
+        cols = columns.arrays()
         y = cols["loss" if metric == "eval_loss" else metric]
         xs = self.x_values(cols, x)
         breaks = gap_breaks(cols["time"], self.resumes) if x in TIME_AXES else None
         return xs, y, breaks
+
+    def has(self, metric: str) -> bool:
+        """True when some tenant of the run has a finite value of ``metric``."""
+        return any(np.isfinite(self.xy(name, metric)[1]).any() for name in self.tenants)
+
+    def metric_names(self) -> list[str]:
+        """The :data:`METRICS` the run :meth:`has`, in their order (what a message offers when a metric
+        asked for has no value)."""
+        return [metric for metric in METRICS if self.has(metric)]
 
     def system_x(self, cols: dict[str, np.ndarray], x: str) -> np.ndarray:
         """x of system rows: the wall clock when that is the x axis, else seconds since the run started

@@ -4,6 +4,7 @@
 - :mod:`.table`: the runs table of a view over several runs;
 - :mod:`.progress`: the header and the tenants' progress rows;
 - :mod:`.figures` and :mod:`.system`: the loss, lr + grad-norm and system figures, and the hover readout;
+- :mod:`.rl`: RL tenants' reward panel and recent samples (made only when a run has RL rows);
 - :mod:`.outputs`: the logs tab and export;
 - :mod:`.sweep`: a search's view (trials table, config → objective);
 - :mod:`.board`: :class:`Dashboard`, which assembles the widgets and refreshes them in a thread.

@@ -15,10 +15,12 @@ What it shows: a header per run (state, step, tokens/s, elapsed, ETA); with seve
 filterable runs table to pick from (:mod:`.table`); per tenant a progress row (state, loss, elapsed,
 ETA, the reason of a failure: :mod:`.progress`); the loss (train lines, smoothed over a faded raw
 line, and eval dots) against the tenant step, the global step, tokens seen, the wall clock or the
-time since the run started; tabs with memory per rank, CPU/GPU utilisation, throughput and each
-tenant's adapter + optimiser memory (:mod:`.system`); learning rate and gradient norm
-(:mod:`.figures`); a live tail of each rank's log; export of the figures (PNG, SVG) and of the shown
-tenants' metrics (CSV) (:mod:`.outputs`). What it shows is computed without widgets (:mod:`.model`).
+time since the run started; for RL tenants their reward, and their latest sampled completions with
+their rewards (:mod:`.rl`: shown only when a run has RL rows); tabs with memory per rank, CPU/GPU
+utilisation, throughput and each tenant's adapter + optimiser memory (:mod:`.system`); learning rate
+and gradient norm (:mod:`.figures`); a live tail of each rank's log; export of the figures (PNG, SVG)
+and of the shown tenants' metrics (CSV) (:mod:`.outputs`). What it shows is computed without widgets
+(:mod:`.model`).
 
 Figures are interactive (zoom, pan, and a readout of the point under the cursor) when ipympl is
 installed (``interactive=None``, the default), and PNG images otherwise or with ``interactive=False``
@@ -57,6 +59,7 @@ from mlora_lab.lab.dashboard.figures import (
 from mlora_lab.lab.dashboard.model import Key, RunView, Shown, TenantShown, ViewModel
 from mlora_lab.lab.dashboard.outputs import ExportTab, LogTab, default_export_dir, export_files
 from mlora_lab.lab.dashboard.progress import TenantProgress, header_html
+from mlora_lab.lab.dashboard.rl import RLViews
 from mlora_lab.lab.dashboard.system import SystemFigure
 from mlora_lab.lab.dashboard.table import RunsTable
 from mlora_lab.lab.plotting import DISPLAY_DPI, figure_png, fit_layout, series_label
@@ -162,6 +165,8 @@ class Dashboard:
         self.logy.observe(lambda _: self.loss.ax.set_autoscaley_on(True), names="value")
         self.optim = OptimFigure(self.interactive, self._lock, self.hover, smoother)
         self.system = SystemFigure(self.interactive, self._lock, self.hover, smoother)
+        self.rl_views = RLViews(self.interactive, self._lock, self.hover, smoother)
+        """The reward panel and the recent samples of RL tenants (made when a run first has RL rows)."""
         for panel in self._panels():
             panel.set_x(x)
         self.logs = LogTab(self._quieted)
@@ -180,7 +185,17 @@ class Dashboard:
         self.logs.source.observe(lambda _: self._update_log(force=True), names="value")
         figure = [self.loss.legend, self.loss.widget, self.loss.readout]
         self.widget = W.VBox(
-            [self.status, self.problem, self.table.box, c.box, self.capped, self.progress, *figure, self.tabs]
+            [
+                self.status,
+                self.problem,
+                self.table.box,
+                c.box,
+                self.capped,
+                self.progress,
+                *figure,
+                self.rl_views.box,
+                self.tabs,
+            ]
         )
         for view in self.model.runs.values():
             self.table.add(view)
@@ -190,8 +205,8 @@ class Dashboard:
             names = list(self.model.runs)
             self._set_chosen(names if self.workdir is None else (live or names[-1:]))
 
-    def _panels(self) -> tuple[Panel, Panel, Panel]:
-        return self.loss, self.optim, self.system
+    def _panels(self) -> tuple[Panel, ...]:
+        return self.loss, self.optim, self.system, *self.rl_views.panels()
 
     # -- what the model holds, by run name ------------------------------------------------------------
     @property
@@ -494,6 +509,7 @@ class Dashboard:
             self.loss.draw(scene)
             self.loss.show()
             self._drawn["loss"] = version
+        self.rl_views.update(scene, self.model, force)  # (an SFT-only view: two flags read, nothing drawn)
         now = time.monotonic()
         for tab, name, panel in ((SYSTEM_TAB, "system", self.system), (OPTIM_TAB, "optim", self.optim)):
             if not force and self._drawn.get(name) == version:
@@ -507,8 +523,10 @@ class Dashboard:
                 self._tab_drawn[name] = now
 
     def redraw(self, figures: Sequence[str] = ("loss", "optim", "system")) -> None:
-        """Redraw these figures now (``loss``, ``optim``, ``system``)."""
+        """Redraw these figures now (``loss``, ``optim``, ``system``; ``reward`` once it is shown)."""
         panels = {"loss": self.loss, "optim": self.optim, "system": self.system}
+        if self.rl_views.figure is not None:
+            panels["reward"] = self.rl_views.figure
         with self._lock:
             scene = self._scene()
             for name in figures:
@@ -548,10 +566,11 @@ class Dashboard:
     def export(
         self, folder: str | Path | None = None, figures: bool = True, metrics: bool = True
     ) -> list[Path]:
-        """Write the figures (``loss``, ``optim``, ``system``: PNG at twice the display resolution and
-        SVG) and the shown tenants' train and eval rows (CSV with a ``run`` column) into ``folder``
-        (default: the export folder field, see the class docstring), each file atomically; names start
-        with the time, so exports never overwrite each other. Returns the files written."""
+        """Write the figures (``loss``, ``optim``, ``system``, and ``reward`` with RL tenants: PNG at twice
+        the display resolution and SVG) and the shown tenants' train and eval rows (CSV with a ``run``
+        column) into ``folder`` (default: the export folder field, see the class docstring), each file
+        atomically; names start with the time, so exports never overwrite each other. Returns the files
+        written."""
         if folder is None:
             default = default_export_dir([self.model.runs[n].path for n in self.chosen])
             folder = self.exporter.folder.value or default
@@ -564,6 +583,8 @@ class Dashboard:
                 for panel in self._panels():
                     panel.draw(scene)
                 drawn = [("loss", self.loss.fig), ("optim", self.optim.fig), ("system", self.system.fig)]
+                if self.rl_views.figure is not None and self.model.rewarded(self.chosen):
+                    drawn.append(("reward", self.rl_views.figure.fig))
             legend = self.loss.legend_in_figure() if figures else contextlib.nullcontext()
             with legend:
                 return export_files(Path(folder), drawn, self.metrics() if metrics else None)

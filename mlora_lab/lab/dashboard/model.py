@@ -1,4 +1,5 @@
-"""What a dashboard shows, without a widget: the runs it offers, their states, series and ETAs.
+"""What a dashboard shows, without a widget: the runs it offers, their states, series and ETAs, and RL
+tenants' recent samples.
 
 :class:`ViewModel` polls run directories only: each run's :class:`~mlora_lab.lab.liveness.Liveness`
 (reconciled, so a job that died unseen is recorded as failed or lost), its metrics through a
@@ -36,6 +37,7 @@ from mlora_lab.rundir import (
     shown_tenant_state,
 )
 from mlora_lab.rundir.files import TextEnum
+from mlora_lab.text import shown_text
 
 RESCAN_EVERY_S = 5.0
 """A workdir view looks for new runs (and re-reads tags) this often."""
@@ -58,6 +60,26 @@ TenantShown = TenantState | RunState
 
 def is_final(state: Shown | None) -> bool:
     return isinstance(state, RunState) and state.final
+
+
+SAMPLES_SHOWN = 3
+"""Sampled completions the samples view shows per RL tenant: its latest."""
+PROMPT_CHARS, COMPLETION_CHARS = 300, 600
+"""A sample's prompt and completion are shown up to about this many characters (cut in the middle: a
+prompt rendered through a chat template starts with the same system text every time)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled completion (a :class:`~mlora_lab.rundir.CompletionRow`) as a view shows it: its texts
+    cut and their hidden characters escaped (:func:`~mlora_lab.text.shown_text`), plain text still to be
+    escaped for HTML."""
+
+    step: int
+    tenant_step: int
+    reward: float | None
+    prompt: str
+    completion: str
 
 
 @dataclass
@@ -279,6 +301,46 @@ class ViewModel:
         """A series' colour (:func:`~mlora_lab.lab.plotting.series_colour`: its run's name and its place
         in the run)."""
         return self.runs[key[0]].series.colour(key[1])
+
+    # -- RL tenants: whether to show their views, and what ------------------------------------------
+    def rewarded(self, names: Sequence[str]) -> bool:
+        """True when some tenant of these runs has a reward value (the reward panel is shown)."""
+        return any(self.runs[n].series.rewarded for n in names)
+
+    def sampled(self, names: Sequence[str]) -> bool:
+        """True when some tenant of these runs has sampled completions (the samples view is shown)."""
+        return any(self.runs[n].series.sampled for n in names)
+
+    def rl_versions(self, names: Sequence[str]) -> tuple[tuple[int, int], ...]:
+        """What the RL views of these runs were drawn from: each run's restarts and RL rows taken in
+        (they are stale when it differs; an SFT row never changes it)."""
+        return tuple((self.runs[n].series.epoch, self.runs[n].series.rl_version) for n in names)
+
+    def samples(self, picked: Sequence[Key], n: int = SAMPLES_SHOWN) -> list[tuple[Key, list[Sample]]]:
+        """Per picked tenant that has sampled completions, in ``picked``'s order: its latest ``n``, newest
+        first (the last rows of metrics.jsonl first; texts as :class:`Sample` shows them)."""
+        out = []
+        for key in picked:
+            rows = self.tenant(key).samples
+            if not rows:
+                continue
+            latest = [rows[-1 - i] for i in range(min(n, len(rows)))]
+            out.append(
+                (
+                    key,
+                    [
+                        Sample(
+                            r.step,
+                            r.tenant_step,
+                            r.reward,
+                            shown_text(r.prompt, PROMPT_CHARS),
+                            shown_text(r.completion, COMPLETION_CHARS),
+                        )
+                        for r in latest
+                    ],
+                )
+            )
+        return out
 
     def metrics(self, picked: Sequence[Key]) -> pd.DataFrame:
         """The train and eval rows of the ``picked`` tenants, with a ``run`` column first."""

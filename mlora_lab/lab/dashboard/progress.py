@@ -1,5 +1,6 @@
 """The dashboard's text: a header line per run (state, step, tokens/s, elapsed, ETA, why it waits or
-failed) and a progress row per tenant (bar, step, state, loss, elapsed, ETA, the reason of a failure)."""
+failed) and a progress row per tenant (bar, step, state, loss, an RL tenant's reward, elapsed, ETA, the
+reason of a failure)."""
 
 from __future__ import annotations
 
@@ -128,6 +129,8 @@ class TenantProgress:
         text = f"{tenant.step}/{tenant.max_steps if tenant.max_steps else '?'} · {shown}"
         if tenant.last_loss is not None:
             text += f" · loss {tenant.last_loss:.4f}"
+        if tenant.last_reward is not None:  # an RL tenant: what it is trained to raise
+            text += f" · reward {tenant.last_reward:.4g}"
         elapsed, eta = tenant.timing(resumes)
         if elapsed:
             text += f" · {duration(elapsed)}"

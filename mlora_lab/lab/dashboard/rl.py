@@ -1,0 +1,157 @@
+"""The dashboard's views of RL tenants: the reward panel and the recent samples.
+
+- :class:`RewardFigure`: each RL tenant's mean reward per generation (``TrainRow.reward``) against the
+  view's x axis, smoothed over its faded raw values like the loss, in the tenant's colour;
+- :class:`SamplesView`: per tenant its latest sampled completions (step, reward, prompt, completion),
+  newest first, as :meth:`~mlora_lab.lab.dashboard.model.ViewModel.samples` gives them;
+- :class:`RLViews`: both, made when a chosen run first has an RL row, shown only while one has, and
+  redrawn only when RL rows arrived or a setting changed. A view of SFT runs never builds them, and
+  each refresh asks the model two yes/no questions for them (one flag per run), nothing more.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+from collections.abc import Callable, Sequence
+
+import ipywidgets as W
+
+from mlora_lab.lab.dashboard.figures import GREY, WAITING, Hover, Panel, Scene, Smoother
+from mlora_lab.lab.dashboard.model import Key, Sample, ViewModel
+from mlora_lab.lab.plotting import placeholder, style_axes
+
+NO_RL_PICKED = "no RL tenant picked"
+"""What the reward panel says when the tenants picked are SFT tenants only (the runs have RL tenants)."""
+
+
+class RewardFigure(Panel):
+    """The mean reward of every picked RL tenant's generations (SFT tenants have none: not drawn)."""
+
+    def __init__(self, interactive: bool, lock: threading.RLock, hover: Hover, smoother: Smoother) -> None:
+        super().__init__((9, 2.7), interactive, lock, hover)
+        self.ax = self.axes(1, 1)
+        self.smoother = smoother
+        style_axes(self.ax, ylabel="reward (mean per generation)")
+
+    def draw(self, scene: Scene) -> None:
+        self.x = scene.x
+        keys = [k for k in scene.picked if scene.feeds[k[0]].tenants[k[1]].rl is not None]
+        per_line = scene.points(len(keys) * (2 if scene.smoothing > 0 else 1))
+        shown: set[tuple] = set()
+        points = 0
+        for key in keys:
+            got, n = self.train_lines(
+                self.ax, scene, self.smoother, key, "reward", smooth=True, points=per_line
+            )
+            shown |= got
+            points += n
+        self.sets[self.ax].show_only(shown)
+        placeholder(self.ax, None if points else NO_RL_PICKED if not keys else WAITING)
+        # (never a log axis: rewards may be negative)
+        self.autoscale(self.ax, scene.outliers)
+
+
+def samples_html(
+    groups: Sequence[tuple[Key, Sequence[Sample]]], label: Callable[[Key], str], colour: Callable[[Key], str]
+) -> str:
+    """The samples view's HTML: per tenant its label in its colour, then a table of its samples (tenant
+    step, reward, prompt, completion), newest first. Every text is HTML-escaped here (the model already
+    cut it and escaped its hidden characters), so a completion cannot inject markup into the page."""
+    if not groups:
+        return ""
+    cell = "padding:2px 6px;vertical-align:top;border-top:1px solid #eee"
+    text = f"{cell};white-space:pre-wrap;word-break:break-word;font-family:monospace;font-size:11px"
+    parts = [
+        f"<div style='font-size:12px'><b>recent samples</b> <span style='color:{GREY}'>(newest first; "
+        "<code>run.completions()</code> has them all)</span>"
+    ]
+    for key, samples in groups:
+        c, name = colour(key), html.escape(label(key))
+        parts.append(
+            f"<div style='margin-top:6px'><span style='display:inline-block;width:10px;height:10px;"
+            f"background:{c};margin-right:4px'></span><b style='color:{c}'>{name}</b></div>"
+            f"<table style='border-collapse:collapse;width:100%;table-layout:fixed'>"
+            f"<tr style='color:{GREY};text-align:left'><th style='width:60px'>step</th>"
+            "<th style='width:70px'>reward</th><th>prompt</th><th>completion</th></tr>"
+        )
+        for s in samples:
+            reward = "–" if s.reward is None else f"{s.reward:.4g}"
+            parts.append(
+                f"<tr><td style='{cell}'>{s.tenant_step}</td><td style='{cell}'>{reward}</td>"
+                f"<td style='{text}'>{html.escape(s.prompt)}</td>"
+                f"<td style='{text}'>{html.escape(s.completion)}</td></tr>"
+            )
+        parts.append("</table>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+class SamplesView:
+    """The recent samples (:func:`samples_html`), in a box that scrolls past a few tenants."""
+
+    def __init__(self) -> None:
+        self.widget = W.HTML(layout=W.Layout(max_height="360px", overflow="auto"))
+
+    def update(
+        self,
+        groups: Sequence[tuple[Key, Sequence[Sample]]],
+        label: Callable[[Key], str],
+        colour: Callable[[Key], str],
+    ) -> None:
+        value = samples_html(groups, label, colour)
+        if self.widget.value != value:
+            self.widget.value = value
+
+
+class RLViews:
+    """The reward panel and the samples view, made on first need (see the module docstring): ``box``
+    is what the dashboard places under the loss figure."""
+
+    def __init__(self, interactive: bool, lock: threading.RLock, hover: Hover, smoother: Smoother) -> None:
+        self.box = W.VBox(layout=W.Layout(display="none"))
+        self.figure: RewardFigure | None = None
+        self.samples: SamplesView | None = None
+        self._figure_box: W.VBox | None = None
+        self._make = (interactive, lock, hover, smoother)
+        self._drawn: tuple | None = None
+
+    def panels(self) -> tuple[Panel, ...]:
+        """The reward panel once it exists (for the dashboard's x axis, zoom reset, readout, export)."""
+        return (self.figure,) if self.figure is not None else ()
+
+    @property
+    def shown(self) -> bool:
+        return self.box.layout.display != "none"
+
+    def update(self, scene: Scene, model: ViewModel, force: bool = False) -> bool:
+        """Show and redraw the views for ``scene``; returns whether they were redrawn. Hidden while no
+        chosen run has an RL row (then nothing else is done); redrawn when RL rows arrived, or what is
+        picked or a setting changed, or ``force``."""
+        rewarded, sampled = model.rewarded(scene.chosen), model.sampled(scene.chosen)
+        if not (rewarded or sampled):
+            if self.shown:
+                self.box.layout.display = "none"
+            return False
+        settings = (scene.x, scene.smoothing, scene.outliers, tuple(scene.chosen))
+        version = (tuple(scene.picked), model.rl_versions(scene.chosen), settings)
+        if not force and version == self._drawn and self.shown:
+            return False
+        if self.figure is None:
+            self._build(scene)
+        assert self.figure is not None and self.samples is not None and self._figure_box is not None
+        self._figure_box.layout.display = "" if rewarded else "none"
+        if rewarded:
+            self.figure.draw(scene)
+            self.figure.show()
+        self.samples.update(model.samples(scene.picked), scene.label, scene.colour)
+        self.box.layout.display = ""
+        self._drawn = version
+        return True
+
+    def _build(self, scene: Scene) -> None:
+        self.figure = RewardFigure(*self._make)
+        self.figure.set_x(scene.x)
+        self.samples = SamplesView()
+        self._figure_box = W.VBox([self.figure.widget, self.figure.readout])
+        self.box.children = (self._figure_box, self.samples.widget)
