@@ -178,14 +178,16 @@ def worker_mlora(p: dict) -> dict:
         spec = JobSpec(base_model=p["model"], tenants=tenants, seq_len=PROMPT_ROOM + p["new_tokens"],
                        max_tenants=len(tenants), max_rank=p["rank"])  # fmt: skip
         trainer = Trainer(spec, run_dir=None)
-        t_loaded = time.perf_counter()
+        t_loaded, c_loaded = time.perf_counter(), time.process_time()
         stamps: list[float] = []
+        cpu_stamps: list[float] = []
         step = trainer.step
 
         def timed_step() -> bool:
             stepped = step()
             if stepped:
                 stamps.append(time.perf_counter())
+                cpu_stamps.append(time.process_time())
             return stepped
 
         trainer.step = timed_step  # (train() calls self.step())
@@ -201,6 +203,7 @@ def worker_mlora(p: dict) -> dict:
         setup_s=t_loaded - t0,
         train_s=t1 - t_loaded,
         steps=step_times(t_loaded, stamps),
+        cpu_steps=step_times(c_loaded, cpu_stamps),
         completion_len=statistics.mean(r["completion_len"] for r in rows),
         rss_imported=rss_imported,
         peak_tree=mem.peak,
@@ -238,9 +241,11 @@ def worker_trl(p: dict) -> dict:
     class Stamps(transformers.TrainerCallback):
         def __init__(self) -> None:
             self.stamps: list[float] = []
+            self.cpu_stamps: list[float] = []
 
         def on_step_end(self, args, state, control, **kwargs):
             self.stamps.append(time.perf_counter())
+            self.cpu_stamps.append(time.process_time())
 
     rss_imported = common.rss_bytes()
     stamps = Stamps()
@@ -264,7 +269,7 @@ def worker_trl(p: dict) -> dict:
         trainer = GRPOTrainer(model=model, reward_funcs=module.length_reward, args=config,
                               train_dataset=dataset, processing_class=tok, peft_config=lora,
                               callbacks=[stamps])  # fmt: skip
-        t_loaded = time.perf_counter()
+        t_loaded, c_loaded = time.perf_counter(), time.process_time()
         trainer.train()
         t1 = time.perf_counter()
     assert trainer.state.global_step == p["steps"] == len(stamps.stamps)
@@ -276,6 +281,7 @@ def worker_trl(p: dict) -> dict:
         setup_s=t_loaded - t0,
         train_s=t1 - t_loaded,
         steps=step_times(t_loaded, stamps.stamps),
+        cpu_steps=step_times(c_loaded, stamps.cpu_stamps),
         completion_len=statistics.mean(lengths),
         rss_imported=rss_imported,
         peak_tree=mem.peak,
@@ -482,6 +488,11 @@ def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
         return med(res["steps"][1:])
 
     trl_step = med([s for r in trls for s in r["steps"][1:]])
+    trl_cpu_step = med([s for r in trls for s in r["cpu_steps"][1:]])
+
+    def cpu_steady(res: dict) -> float:  # (the main process's CPU: mlora_lab's reward worker not counted)
+        return med(res["cpu_steps"][1:])
+
     step_ratio = steady(m1) / trl_step
     trl_job = sum(r["job_s"] for r in trls)
     trl_train = sum(r["train_s"] for r in trls)
@@ -500,6 +511,8 @@ def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
         [
             ["1 tenant: step s (median, first excluded)", f"{steady(m1):.3f}", f"{trl_step:.3f}", f"{step_ratio:.3f}"],
             ["  steps s (mlora 1 tenant; TRL run 0)", fmt_steps(m1), fmt_steps(trls[0]), ""],
+            ["  step CPU s (median, first excluded)", f"{cpu_steady(m1):.3f}", f"{trl_cpu_step:.3f}",
+             f"{cpu_steady(m1) / trl_cpu_step:.3f}"],
             ["  mean completion length (tokens)", f"{m1['completion_len']:.1f}", f"{trl_len:.1f}", ""],
             [f"{n} tenants: 1 job vs {n} runs in a row, job s", f"{mn['job_s']:.2f}", f"{trl_job:.2f}",
              f"{mn['job_s'] / trl_job:.3f}"],
@@ -508,6 +521,8 @@ def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
             ["  training s (all steps)", f"{mn['train_s']:.2f}", f"{trl_train:.2f}", f"{mn['train_s'] / trl_train:.3f}"],
             [f"  step s ({n}-tenant job; TRL: {n} x one run's)", f"{steady(mn):.3f}", f"{n * trl_step:.3f}",
              f"{steady(mn) / (n * trl_step):.3f}"],
+            [f"  step CPU s ({n}-tenant job; TRL: {n} x one run's)", f"{cpu_steady(mn):.3f}",
+             f"{n * trl_cpu_step:.3f}", f"{cpu_steady(mn) / (n * trl_cpu_step):.3f}"],
             [f"  steps s ({n}-tenant job)", fmt_steps(mn), "", ""],
             ["  mean completion length (tokens)", f"{mn['completion_len']:.1f}", f"{trl_len:.1f}", ""],
             ["  process wall s (incl. start-up, imports)", f"{runs[f'mlora{n}'].process_wall_s:.2f}",
