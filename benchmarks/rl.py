@@ -1,7 +1,7 @@
 """RL (issue 23): batched multi-tenant rollouts vs PEFT ``generate``, and GRPO steps vs TRL's ``GRPOTrainer``.
 
-    .venv/bin/python benchmarks/rl.py            # full run (~7 min on 2 cores)
-    .venv/bin/python benchmarks/rl.py --quick    # smoke test (~1.5 min: 7 processes start; numbers mean nothing)
+    .venv/bin/python benchmarks/rl.py            # full run (~9 min on 2 cores; --part rollouts|grpo: one half)
+    .venv/bin/python benchmarks/rl.py --quick    # smoke test (~1 min: 4 processes start; numbers mean nothing)
 
 **1. Rollouts** (in this process, the two sides interleaved, 1 warm-up round, median of the repeats):
 ``tenants`` PEFT adapters of rank r on all 7 projections (B drawn at random, so every adapter gives other
