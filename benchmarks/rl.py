@@ -1,0 +1,553 @@
+"""RL (issue 23): batched multi-tenant rollouts vs PEFT ``generate``, and GRPO steps vs TRL's ``GRPOTrainer``.
+
+    .venv/bin/python benchmarks/rl.py            # full run (~9 min on 2 cores; --part rollouts|grpo: one half)
+    .venv/bin/python benchmarks/rl.py --quick    # smoke test (~1 min: 4 processes start; numbers mean nothing)
+
+**1. Rollouts** (in this process, the two sides interleaved, 1 warm-up round, median of the repeats):
+``tenants`` PEFT adapters of rank r on all 7 projections (B drawn at random, so every adapter gives other
+tokens), one prompt each, ``samples`` completions of ``new_tokens`` tokens per tenant, temperature 1, no
+top-k / top-p, KV cache on both sides:
+
+- mlora: ONE :func:`mlora_lab.sampling.sample` call over a ``MultiLoRAModel`` holding the 4 adapters (each
+  row routed to its own adapter), ``stop_token_ids=()`` so that no row stops before ``new_tokens``;
+- PEFT: the 4 ``PeftModel`` s one after another, each ``generate(do_sample=True, temperature=1, top_k=0,
+  top_p=1, num_return_sequences=samples, max_new_tokens=min_new_tokens=new_tokens)``;
+- also shown: mlora with one ``sample()`` call per tenant, one after another (the batching alone).
+
+Every completion is checked to have exactly ``new_tokens`` tokens on both sides. Goal: tokens/s ratio >= 1.5.
+
+**2. GRPO steps.** One RL tenant in an in-process mlora_lab job (``Trainer(JobSpec(...), run_dir=None)
+.train()``, what a launched job runs on each process, without torchrun's start-up) vs TRL 1.16's
+``GRPOTrainer`` with ``peft_config=LoraConfig(...)`` on the same model with the same settings: ``prompts``
+prompts x ``group`` completions per optimiser step (TRL: ``per_device_train_batch_size = prompts x group``,
+``num_generations = group``, one gradient-accumulation step), ``max_new_tokens`` (TRL:
+``max_completion_length``), temperature 1, loss ``dapo``, beta 0, one iteration, epsilon 0.2, group
+scaling, lr 1e-4 constant, AdamW (weight decay 0), clip 1.0, rank r / alpha 2r on all 7 projections, fp32,
+no gradient checkpointing (TRL's default is on, mlora_lab's off: off on both), the same prompts and the same
+reward function from one file, written with TRL's calling convention (a length reward: long completions
+win, so few stop at EOS; each side's mean completion length is printed). Each run is its own process
+(``--worker``), so its peak memory is its own: the peak RSS of the process *and its children* (mlora_lab's
+reward worker is a child process), sampled with psutil every 20 ms; imports are done before the clock starts.
+
+- step time: the median time between the ends of consecutive optimiser steps, the first step excluded
+  (it pays the reward worker's start and first-call costs); TRL's from a ``TrainerCallback`` (``on_step_end``;
+  generation, rewards, forward, backward, optimiser step and logging all fall between two of them).
+  Goal: mlora / TRL <= 1.0.
+- 4 tenants: one mlora job with 4 RL tenants (all 4 generate in one ``sample()`` call and train in one
+  forward + backward per step) vs 4 TRL runs one after another (4 processes). Time = set-up (tokenizer,
+  model load + wrap, prompts) + all steps, imports excluded. Goal: mlora / sum of the 4 TRL runs <= 0.7.
+- memory: peak RSS of the 4-tenant job vs one TRL run (the largest of the 4). Goal <= 1.3.
+
+Threads: ``--threads`` (default 1, as every benchmark here: see README) in every process
+(``torch.set_num_threads`` and ``OMP_NUM_THREADS``, which the reward worker inherits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+import psutil
+import torch
+
+ROLLOUT_GOAL = 1.5  # tokens/s, mlora / PEFT: at least
+STEP_GOAL = 1.0  # GRPO step time, mlora / TRL: at most
+JOB_GOAL = 0.7  # 4 tenants in one job / 4 TRL runs in a row: at most
+MEM_GOAL = 1.3  # peak RSS, 4-tenant job / one TRL run: at most
+LR = 1e-4
+
+FULL = dict(
+    size=common.ModelSize(384, 6, 8, 4, 4096),
+    rank=16,
+    rollout=dict(tenants=4, samples=8, new_tokens=64, repeats=3),
+    grpo=dict(tenants=4, prompts=2, group=8, new_tokens=32, steps=6),
+)
+QUICK = dict(
+    size=common.ModelSize(128, 2, 4, 2, 1024),
+    rank=8,
+    rollout=dict(tenants=4, samples=8, new_tokens=16, repeats=1),
+    grpo=dict(tenants=2, prompts=2, group=4, new_tokens=8, steps=3),
+)
+PROMPT_ROOM = 32  # tokens a prompt may have (seq_len = this + max_new_tokens)
+
+REWARDS = '''
+def length_reward(prompts, completions, **kwargs):
+    """TRL's calling convention: one number per completion (long completions win)."""
+    return [len(c) / 100.0 for c in completions]
+'''
+
+
+# -- data -------------------------------------------------------------------------------------------
+
+
+def prompt_texts(n: int, seed: int) -> list[str]:
+    """``n`` short prompts of pseudo-words (a few tokens each, well under ``PROMPT_ROOM``)."""
+    rng = random.Random(seed)
+    vocab = " ".join(common.synthetic_corpus()[-200:]).split()
+    return [" ".join(rng.choice(vocab) for _ in range(rng.randint(3, 6))) for _ in range(n)]
+
+
+def write_prompts(path: Path, n: int, seed: int) -> str:
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompt_texts(n, seed)))
+    return str(path)
+
+
+# -- peak memory of a process and its children -------------------------------------------------------
+
+
+class PeakRSS:
+    """Samples the RSS of this process plus all its children (psutil) every ``interval`` s in a thread."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._me = psutil.Process()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> int:
+        total = self._me.memory_info().rss
+        for child in self._me.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                total += child.memory_info().rss
+        self.peak = max(self.peak, total)
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> PeakRSS:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def step_times(start: float, stamps: list[float]) -> list[float]:
+    """Durations between consecutive time stamps (the first from ``start``)."""
+    edges = [start, *stamps]
+    return [b - a for a, b in itertools.pairwise(edges)]
+
+
+# -- 2. GRPO workers (each in its own process) ----------------------------------------------------------
+
+
+def worker_mlora(p: dict) -> dict:
+    from mlora_lab.job.trainer import Trainer
+    from mlora_lab.rundir import RowKind
+    from mlora_lab.spec import RL, JobSpec, Tenant
+
+    rss_imported = common.rss_bytes()
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        rl = RL(reward=f"{p['reward']}:length_reward", group_size=p["group"], max_new_tokens=p["new_tokens"],
+                temperature=1.0, loss_type="dapo", beta=0.0, num_iterations=1, epsilon=0.2,
+                scale_rewards="group")  # fmt: skip
+        tenants = [
+            Tenant(
+                name=f"t{i}",
+                data=path,
+                rl=rl,
+                rank=p["rank"],
+                alpha=2 * p["rank"],
+                target_modules=common.LLAMA_TARGETS,
+                lr=LR,
+                weight_decay=0.0,
+                max_grad_norm=1.0,
+                batch_size=p["prompts"],
+                max_steps=p["steps"],
+                seed=i,
+            )
+            for i, path in enumerate(p["data"])
+        ]
+        spec = JobSpec(base_model=p["model"], tenants=tenants, seq_len=PROMPT_ROOM + p["new_tokens"],
+                       max_tenants=len(tenants), max_rank=p["rank"])  # fmt: skip
+        trainer = Trainer(spec, run_dir=None)
+        t_loaded, c_loaded = time.perf_counter(), time.process_time()
+        stamps: list[float] = []
+        cpu_stamps: list[float] = []
+        step = trainer.step
+
+        def timed_step() -> bool:
+            stepped = step()
+            if stepped:
+                stamps.append(time.perf_counter())
+                cpu_stamps.append(time.process_time())
+            return stepped
+
+        trainer.step = timed_step  # (train() calls self.step())
+        trainer.train()
+        t1 = time.perf_counter()
+        trainer.close()
+    assert all(t.step == p["steps"] for t in trainer.tenants.values()), {
+        n: (t.step, t.state, t.reason) for n, t in trainer.tenants.items()
+    }
+    rows = [r for r in trainer.history if r["kind"] == RowKind.TRAIN]
+    return dict(
+        job_s=t1 - t0,
+        setup_s=t_loaded - t0,
+        train_s=t1 - t_loaded,
+        steps=step_times(t_loaded, stamps),
+        cpu_steps=step_times(c_loaded, cpu_stamps),
+        completion_len=statistics.mean(r["completion_len"] for r in rows),
+        rss_imported=rss_imported,
+        peak_tree=mem.peak,
+        peak_self=common.peak_rss_bytes(),
+    )
+
+
+def import_trl():
+    """TRL, imported with trackio taken as absent (as tests/test_rl_loss.py does): trackio would fix its
+    store folder on import; nothing here reports to it (``report_to="none"``)."""
+    from unittest import mock
+
+    with (
+        mock.patch("transformers.integrations.is_trackio_available", return_value=False),
+        mock.patch("transformers.integrations.integration_utils.is_trackio_available", return_value=False),
+    ):
+        import trl
+        from trl import GRPOConfig, GRPOTrainer
+    return trl, GRPOConfig, GRPOTrainer
+
+
+def worker_trl(p: dict) -> dict:
+    import importlib.util
+
+    import datasets
+    import peft
+    import transformers
+
+    _, GRPOConfig, GRPOTrainer = import_trl()
+    spec = importlib.util.spec_from_file_location("bench_rewards", p["reward"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    datasets.disable_progress_bars()
+
+    class Stamps(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+            self.cpu_stamps: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.stamps.append(time.perf_counter())
+            self.cpu_stamps.append(time.process_time())
+
+    rss_imported = common.rss_bytes()
+    stamps = Stamps()
+    with PeakRSS() as mem, tempfile.TemporaryDirectory(prefix="mlora_bench_trl_") as out:
+        t0 = time.perf_counter()
+        tok = transformers.AutoTokenizer.from_pretrained(p["model"])
+        model = transformers.AutoModelForCausalLM.from_pretrained(p["model"], dtype=torch.float32)
+        rows = [json.loads(line) for line in Path(p["data"]).read_text().splitlines()]
+        dataset = datasets.Dataset.from_list(rows)
+        config = GRPOConfig(
+            output_dir=out, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+            use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, dataloader_pin_memory=False,
+            per_device_train_batch_size=p["prompts"] * p["group"], gradient_accumulation_steps=1,
+            num_generations=p["group"], max_completion_length=p["new_tokens"], temperature=1.0, top_p=1.0,
+            top_k=0, loss_type="dapo", beta=0.0, num_iterations=1, epsilon=0.2, scale_rewards="group",
+            learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+            optim="adamw_torch", max_steps=p["steps"], seed=p["seed"], log_completions=False,
+        )  # fmt: skip
+        lora = peft.LoraConfig(r=p["rank"], lora_alpha=2 * p["rank"], target_modules=common.LLAMA_TARGETS,
+                               lora_dropout=0.0)  # fmt: skip
+        trainer = GRPOTrainer(model=model, reward_funcs=module.length_reward, args=config,
+                              train_dataset=dataset, processing_class=tok, peft_config=lora,
+                              callbacks=[stamps])  # fmt: skip
+        t_loaded, c_loaded = time.perf_counter(), time.process_time()
+        trainer.train()
+        t1 = time.perf_counter()
+    assert trainer.state.global_step == p["steps"] == len(stamps.stamps)
+    lengths = [
+        h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h
+    ]
+    return dict(
+        job_s=t1 - t0,
+        setup_s=t_loaded - t0,
+        train_s=t1 - t_loaded,
+        steps=step_times(t_loaded, stamps.stamps),
+        cpu_steps=step_times(c_loaded, stamps.cpu_stamps),
+        completion_len=statistics.mean(lengths),
+        rss_imported=rss_imported,
+        peak_tree=mem.peak,
+        peak_self=common.peak_rss_bytes(),
+    )
+
+
+def worker(payload: str) -> None:
+    p = json.loads(payload)
+    common.setup(p["threads"])
+    if p["kind"] == "trl":
+        import_trl()  # (imports before the clock, as mlora_lab's below)
+    else:
+        import mlora_lab.job.trainer  # noqa: F401
+    common.report_to_parent(worker_mlora(p) if p["kind"] == "mlora" else worker_trl(p))
+
+
+# -- 1. rollouts (in this process) -------------------------------------------------------------------------
+
+
+def make_adapters(model_dir: str, root: Path, n: int, rank: int) -> list[str]:
+    """``n`` PEFT adapter directories, rank ``rank`` on all 7 projections, B ~ N(0, 0.02²) (non-zero: each
+    adapter changes the model's tokens)."""
+    import peft
+    import transformers
+
+    dirs = []
+    for i in range(n):
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=common.LLAMA_TARGETS,
+                                 lora_dropout=0.0)  # fmt: skip
+        model = peft.get_peft_model(base, config)
+        g = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=g) * 0.02)
+        model.save_pretrained(root / f"t{i}")
+        dirs.append(str(root / f"t{i}"))
+    return dirs
+
+
+def rollouts(model_dir: str, tmp: Path, cfg: dict, rank: int, repeats: int, with_sequential: bool) -> dict:
+    import peft
+    import transformers
+
+    from mlora_lab.lora import MultiLoRAModel
+    from mlora_lab.sampling import SampleRequest, sample
+
+    n, S, L = cfg["tenants"], cfg["samples"], cfg["new_tokens"]
+    dirs = make_adapters(model_dir, tmp / "adapters", n, rank)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok(t).input_ids for t in prompt_texts(n, seed=7)]
+
+    def load():
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    mm = MultiLoRAModel(load(), max_tenants=n, max_rank=rank, slot_modules=common.LLAMA_TARGETS)
+    for i, d in enumerate(dirs):
+        mm.load_adapter(f"t{i}", d)
+    mm.eval()
+    requests = [
+        SampleRequest(
+            prompts[i], f"t{i}", num_samples=S, max_new_tokens=L, temperature=1.0, stop_token_ids=(), seed=i
+        )
+        for i in range(n)
+    ]
+    peft_models = [peft.PeftModel.from_pretrained(load(), d).eval() for d in dirs]
+
+    def run_mlora() -> None:
+        out = sample(mm, requests)
+        assert len(out) == n * S and all(len(c.tokens) == L for c in out)
+
+    def run_mlora_sequential() -> None:
+        for r in requests:
+            out = sample(mm, [r])
+            assert all(len(c.tokens) == L for c in out)
+
+    def run_peft() -> None:
+        for model, prompt in zip(peft_models, prompts):
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                     temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=L, min_new_tokens=L,
+                                     num_return_sequences=S, pad_token_id=tok.pad_token_id)  # fmt: skip
+            assert out.shape == (S, len(prompt) + L), out.shape
+
+    fns = {"mlora": run_mlora, "peft": run_peft}
+    if with_sequential:
+        fns["mlora_seq"] = run_mlora_sequential
+    times = common.time_interleaved(fns, warmup=1, repeats=repeats)
+    # the adapters differ: the same prompt through each gives other logits
+    with torch.no_grad():
+        ids = torch.tensor([prompts[0]] * n)
+        logits = mm(ids, tenants=[f"t{i}" for i in range(n)]).logits[:, -1]
+    gap = min((logits[i] - logits[j]).abs().max().item() for i in range(n) for j in range(i))
+    return dict(times=times, tokens=n * S * L, prompt_lens=[len(p) for p in prompts], gap=gap)
+
+
+# -- the benchmark ------------------------------------------------------------------------------------------
+
+
+def at_least(value: float, goal: float) -> str:
+    return f"{value:.3f} (goal >= {goal:.2f}: {'MET' if value >= goal else 'MISSED'})"
+
+
+def main() -> None:
+    parser = common.bench_parser(__doc__, "tiny model, few tokens and steps (smoke test)")
+    parser.add_argument("--repeats", type=int, default=None, help="rollout repeats")
+    parser.add_argument("--part", choices=["all", "rollouts", "grpo"], default="all")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    cfg = QUICK if args.quick else FULL
+    common.setup(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # children (and their reward workers) inherit it
+    load_before = common.wait_for_quiet(0 if args.quick else args.max_wait)
+    med = common.median
+
+    with tempfile.TemporaryDirectory(prefix="mlora_bench_") as tmp_name:
+        tmp = Path(tmp_name)
+        model_dir = common.build_model(tmp / "model", cfg["size"])
+        print(f"\n# rl: GRPO tenants (issue 23) vs PEFT generate and TRL {trl_version()} GRPOTrainer\n")
+        print(common.machine_line())
+        print(
+            f"threads: torch.set_num_threads({args.threads}) and OMP_NUM_THREADS={args.threads} in every process"
+        )
+        print(f"model: {cfg['size'].describe(common.n_params(model_dir))}; LoRA rank {cfg['rank']}, alpha "
+              f"{2 * cfg['rank']}, all 7 projections; fp32")  # fmt: skip
+        print(f"other processes kept {load_before:.2f} cores busy before the run\n")
+
+        if args.part in ("all", "rollouts"):
+            r = cfg["rollout"]
+            repeats = args.repeats or r["repeats"]
+            print(f"## 1. rollouts: {r['tenants']} tenants x {r['samples']} completions x {r['new_tokens']} "
+                  f"new tokens, temperature 1, KV cache; median of {repeats} interleaved repeat(s)\n",
+                  flush=True)  # fmt: skip
+            res = rollouts(model_dir, tmp, r, cfg["rank"], repeats, with_sequential=not args.quick)
+            t = res["times"]
+            rows = []
+            labels = {
+                "peft": f"PEFT: {r['tenants']} models, generate() one after another",
+                "mlora": f"mlora: one sample() call, {r['tenants'] * r['samples']} rows",
+                "mlora_seq": "mlora: one sample() call per tenant, in a row",
+            }
+            peft_tps = res["tokens"] / med([x.wall for x in t["peft"]])
+            for name in ("peft", "mlora", "mlora_seq"):
+                if name not in t:
+                    continue
+                wall, cpu = med([x.wall for x in t[name]]), med([x.cpu for x in t[name]])
+                tps = res["tokens"] / wall
+                others = med([x.contention for x in t[name]])
+                rows.append([labels[name], f"{wall:.3f}", common.spread([x.wall for x in t[name]]), f"{cpu:.3f}",
+                             f"{tps:.0f}", f"{others:.2f}", f"{tps / peft_tps:.3f}"])  # fmt: skip
+            common.print_table(
+                ["", "wall s", "wall min–max", "CPU s", "tokens/s", "others' cores", "tokens/s ÷ PEFT"], rows
+            )
+            ratio = res["tokens"] / med([x.wall for x in t["mlora"]]) / peft_tps
+            cpu_ratio = med([x.cpu for x in t["peft"]]) / med([x.cpu for x in t["mlora"]])
+            print(f"(prompt lengths {res['prompt_lens']} tokens; every completion {r['new_tokens']} tokens on both "
+                  f"sides; the adapters' last-position logits on one prompt differ pairwise by >= {res['gap']:.3f})")  # fmt: skip
+            print(f"\nRATIO rollout tokens/s mlora / PEFT: {at_least(ratio, ROLLOUT_GOAL)}  "
+                  f"[mlora {res['tokens'] / med([x.wall for x in t['mlora']]):.0f} vs PEFT {peft_tps:.0f} tokens/s; "
+                  f"by CPU time {cpu_ratio:.3f}]\n", flush=True)  # fmt: skip
+
+        if args.part in ("all", "grpo"):
+            grpo(args, cfg, tmp, model_dir)
+
+
+def trl_version() -> str:
+    from importlib.metadata import version
+
+    return version("trl")
+
+
+def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
+    g = cfg["grpo"]
+    n = g["tenants"]
+    reward = tmp / "rewards.py"
+    reward.write_text(REWARDS)
+    data = [write_prompts(tmp / f"prompts{i}.jsonl", g["prompts"] * g["steps"], seed=i) for i in range(n)]
+    shared = dict(model=model_dir, reward=str(reward), rank=cfg["rank"], threads=args.threads,
+                  **{k: g[k] for k in ("prompts", "group", "new_tokens", "steps")})  # fmt: skip
+    print(f"## 2. GRPO: {g['prompts']} prompts x {g['group']} completions x <= {g['new_tokens']} new tokens per "
+          f"optimiser step, {g['steps']} steps; loss dapo, beta 0, 1 iteration; one process per run\n",
+          flush=True)  # fmt: skip
+    runs: dict[str, common.ChildResult] = {}
+    # interleaved, so drift of the machine hits both sides alike
+    order = [("mlora1", dict(kind="mlora", data=data[:1])), ("trl0", dict(kind="trl", data=data[0], seed=0)),
+             (f"mlora{n}", dict(kind="mlora", data=data))]  # fmt: skip
+    order += [(f"trl{i}", dict(kind="trl", data=data[i], seed=i)) for i in range(1, n)]
+    for name, extra in order:
+        print(f"  {name} ...", flush=True)
+        b0, t0 = common.machine_busy_seconds(), time.perf_counter()
+        runs[name] = common.run_child(__file__, dict(shared, **extra))
+        # cores kept busy by every process, this run's included (its CPU is not known out here)
+        runs[name].result["busy"] = (common.machine_busy_seconds() - b0) / (time.perf_counter() - t0)
+    med = common.median
+    trls = [runs[f"trl{i}"].result for i in range(n)]
+    m1, mn = runs["mlora1"].result, runs[f"mlora{n}"].result
+
+    def steady(res: dict) -> float:
+        return med(res["steps"][1:])
+
+    trl_step = med([s for r in trls for s in r["steps"][1:]])
+    trl_cpu_step = med([s for r in trls for s in r["cpu_steps"][1:]])
+
+    def cpu_steady(res: dict) -> float:  # (the main process's CPU: mlora_lab's reward worker not counted)
+        return med(res["cpu_steps"][1:])
+
+    step_ratio = steady(m1) / trl_step
+    trl_job = sum(r["job_s"] for r in trls)
+    trl_train = sum(r["train_s"] for r in trls)
+    trl_setup = sum(r["setup_s"] for r in trls)
+    trl_wall = sum(runs[f"trl{i}"].process_wall_s for i in range(n))
+    trl_peak = max(r["peak_tree"] for r in trls)
+    trl_len = statistics.mean(r["completion_len"] for r in trls)
+    trl_imported = med([r["rss_imported"] for r in trls])
+    mib = common.mib
+
+    def fmt_steps(res: dict) -> str:
+        return " ".join(f"{s:.2f}" for s in res["steps"])
+
+    common.print_table(
+        ["", "mlora", "TRL", "ratio"],
+        [
+            ["1 tenant: step s (median, first excluded)", f"{steady(m1):.3f}", f"{trl_step:.3f}", f"{step_ratio:.3f}"],
+            ["  steps s (mlora 1 tenant; TRL run 0)", fmt_steps(m1), fmt_steps(trls[0]), ""],
+            ["  step CPU s (median, first excluded)", f"{cpu_steady(m1):.3f}", f"{trl_cpu_step:.3f}",
+             f"{cpu_steady(m1) / trl_cpu_step:.3f}"],
+            ["  mean completion length (tokens)", f"{m1['completion_len']:.1f}", f"{trl_len:.1f}", ""],
+            [f"{n} tenants: 1 job vs {n} runs in a row, job s", f"{mn['job_s']:.2f}", f"{trl_job:.2f}",
+             f"{mn['job_s'] / trl_job:.3f}"],
+            ["  set-up s (tokenizer, model, wrap, prompts)", f"{mn['setup_s']:.2f}", f"{trl_setup:.2f}",
+             f"{mn['setup_s'] / trl_setup:.3f}"],
+            ["  training s (all steps)", f"{mn['train_s']:.2f}", f"{trl_train:.2f}", f"{mn['train_s'] / trl_train:.3f}"],
+            [f"  step s ({n}-tenant job; TRL: {n} x one run's)", f"{steady(mn):.3f}", f"{n * trl_step:.3f}",
+             f"{steady(mn) / (n * trl_step):.3f}"],
+            [f"  step CPU s ({n}-tenant job; TRL: {n} x one run's)", f"{cpu_steady(mn):.3f}",
+             f"{n * trl_cpu_step:.3f}", f"{cpu_steady(mn) / (n * trl_cpu_step):.3f}"],
+            [f"  steps s ({n}-tenant job)", fmt_steps(mn), "", ""],
+            ["  mean completion length (tokens)", f"{mn['completion_len']:.1f}", f"{trl_len:.1f}", ""],
+            ["  process wall s (incl. start-up, imports)", f"{runs[f'mlora{n}'].process_wall_s:.2f}",
+             f"{trl_wall:.2f}", f"{runs[f'mlora{n}'].process_wall_s / trl_wall:.3f}"],
+            [f"peak RSS, process + children ({n}-tenant job; TRL: one run)", mib(mn["peak_tree"]), mib(trl_peak),
+             f"{mn['peak_tree'] / trl_peak:.3f}"],
+            ["  peak RSS, 1-tenant job / one TRL run", mib(m1["peak_tree"]), mib(trl_peak),
+             f"{m1['peak_tree'] / trl_peak:.3f}"],
+            ["  RSS after imports (main process)", mib(mn["rss_imported"]), mib(trl_imported), ""],
+            ["  peak RSS above imports", mib(mn["peak_tree"] - mn["rss_imported"]), mib(trl_peak - trl_imported),
+             f"{(mn['peak_tree'] - mn['rss_imported']) / (trl_peak - trl_imported):.3f}"],
+            ["  peak RSS of the main process only (ru_maxrss)", mib(mn["peak_self"]),
+             mib(max(r["peak_self"] for r in trls)), f"{mn['peak_self'] / max(r['peak_self'] for r in trls):.3f}"],
+        ],
+    )  # fmt: skip
+    busy = {k: f"{v.result['busy']:.2f}" for k, v in runs.items()}
+    print(f"\nall cores busy during each run (ours included; 1 = only the run itself on 1 thread): {busy}")
+    print(f"\nRATIO GRPO step time, 1 tenant, mlora / TRL: {common.verdict(step_ratio, STEP_GOAL)}  "
+          f"[mlora {steady(m1):.3f} s vs TRL {trl_step:.3f} s]")  # fmt: skip
+    print(f"RATIO {n} tenants in one job / {n} TRL runs in a row (set-up + steps): "
+          f"{common.verdict(mn['job_s'] / trl_job, JOB_GOAL)}  [mlora {mn['job_s']:.2f} s vs TRL {trl_job:.2f} s; "
+          f"training only {mn['train_s'] / trl_train:.3f}]")  # fmt: skip
+    print(f"RATIO peak RSS {n}-tenant job / one TRL run: {common.verdict(mn['peak_tree'] / trl_peak, MEM_GOAL)}  "
+          f"[mlora {mib(mn['peak_tree'])} vs TRL {mib(trl_peak)}]")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
