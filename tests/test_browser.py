@@ -320,5 +320,8 @@ def drive_quickstart(page, port: int, root: Path, wait_cell: int, tmp_path: Path
     assert run.wait(timeout=120) == "stopped", run.logs(0)
     assert all(run.adapter_path(t).is_dir() for t in ("spanish", "french", "count"))
     page.wait_for_selector(f"text={run_dir.name} — stopped", timeout=30_000)
-    assert "running" not in page.locator(".widget-hprogress").first.locator("xpath=..").inner_text()
+    # each widget's update is applied on its own in the browser: give the row a moment after the header
+    row = page.locator(".widget-hprogress").first.locator("xpath=..")
+    playwright.expect(row).not_to_contain_text("running", timeout=10_000)
+    assert "stopped" in row.inner_text(), row.inner_text()
     page.screenshot(path=str(tmp_path / "jupyterlab-3.png"), full_page=True)

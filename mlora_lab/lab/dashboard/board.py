@@ -370,8 +370,10 @@ class Dashboard:
         self.model.poll(self._lock)
         with self._lock:
             self._update_picker()
-            self._update_header()
+            # the rows before the header: the browser applies widget updates in the order sent, so a
+            # header that says the run ended never shows beside a row still saying "running"
             self._update_progress()
+            self._update_header()
             self._update_stop()
             if len(self.model.runs) > 1 or self.workdir is not None:
                 self.table.box.layout.display = ""
@@ -389,8 +391,8 @@ class Dashboard:
             return
         try:
             with self._lock:
-                self._update_header()
                 self._update_progress()
+                self._update_header()
                 self._redraw(force=True)
         except Exception as e:  # (in the kernel's widget callback: say it where it is seen)
             self._say_failure("redraw", e)
