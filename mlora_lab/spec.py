@@ -408,8 +408,9 @@ class Tenant:
 class RL:
     """A tenant that learns from rewards instead of fixed rows: GRPO, as TRL 1.16's ``GRPOTrainer``.
 
-    Each optimizer step the job samples ``group_size`` completions of each of the tenant's ``batch_size``
-    prompts (all RL tenants in one batched generation, each row with its own adapter), scores them with
+    Each optimizer step the job samples ``group_size`` completions of each of the tenant's
+    ``batch_size × grad_accum`` prompts (all RL tenants in one batched generation, each row with its own
+    adapter; the step then trains in ``grad_accum`` micro-batches of ``batch_size`` prompts), scores them with
     the reward functions (a weighted sum; ``None`` from a function is skipped, as TRL's ``nansum``), turns
     the rewards into advantages within each prompt's group, ``A = (r - mean) / (std + 1e-4)`` (std over the
     group with n-1, or the batch, or 1: ``scale_rewards``), and minimises the clipped importance-ratio

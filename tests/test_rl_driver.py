@@ -241,6 +241,31 @@ def test_rl_and_sft_tenants_together_each_equal_alone(llama_path, tmp_path, make
     assert all(r["reward"] is None and r["kl"] is None for r in sft_rows)
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_accumulating_micro_batches_equals_one_batch(loss_type, llama_path, tmp_path):
+    """``batch_size=1, grad_accum=3`` draws the same 3 prompts and completions as ``batch_size=3`` (the same
+    seeds) and trains them in three micro-batches: the same losses, rewards, KL and adapters, with TRL's
+    normalisers over the whole generation (two updates per generation: the kept old log-probs too)."""
+    rewards = reward_file(tmp_path)
+    rl = RL(reward=f"{rewards}:vowels", group_size=2, max_new_tokens=6, loss_type=loss_type, beta=0.05,
+            num_iterations=2)  # fmt: skip
+    data = prompt_file(tmp_path)
+    one = Trainer(job(llama_path, [rl_tenant("a", data, rl, batch_size=3)]))
+    one.train()
+    acc = Trainer(job(llama_path, [rl_tenant("a", data, rl, batch_size=1, grad_accum=3)]))
+    acc.train()
+    assert acc.tenants["a"].step == 4
+    assert acc.losses("a") == pytest.approx(one.losses("a"), abs=TOL)
+    diff = max_diff(acc.model.tenant_tensors("a"), one.model.tenant_tensors("a"))
+    assert diff <= TOL, f"accumulated vs one batch: adapters differ by {diff}"
+
+    def rows(trainer):
+        return [r for r in trainer.history if r["kind"] == RowKind.TRAIN]
+
+    for key in ("reward", "completion_len", "kl", "clip_ratio", "tokens", "rows_seen"):
+        assert [r[key] for r in rows(acc)] == pytest.approx([r[key] for r in rows(one)], abs=1e-6), key
+
+
 def test_a_reward_that_raises_or_hangs_quarantines_only_its_tenant(llama_path, tmp_path, make_data):
     rewards = reward_file(tmp_path)
     data = prompt_file(tmp_path)
@@ -266,7 +291,10 @@ def test_a_reward_that_raises_or_hangs_quarantines_only_its_tenant(llama_path, t
 def test_stopped_mid_generation_and_resumed_equals_straight_through(llama_path, tmp_path):
     rewards = reward_file(tmp_path)
     rl = RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6, beta=0.1, num_iterations=2)
-    tenants = [rl_tenant("a", prompt_file(tmp_path), rl, max_steps=5)]
+    # "b" accumulates 4 micro-batches: after 3 loop steps it is inside its first window, with the old
+    # log-probs and KL sums of 3 micro-batches kept
+    tenants = [rl_tenant("a", prompt_file(tmp_path), rl, max_steps=5),
+               rl_tenant("b", prompt_file(tmp_path), rl, max_steps=2, batch_size=1, grad_accum=4, seed=8)]  # fmt: skip
     straight = Trainer(job(llama_path, tenants))
     straight.train()
     first = Trainer(job(llama_path, tenants), run_dir=tmp_path / "run")
@@ -274,17 +302,29 @@ def test_stopped_mid_generation_and_resumed_equals_straight_through(llama_path, 
         assert first.step()
     g = first.tenants["a"].feed.current
     assert g is not None and g.iteration == 1 and g.old_logps is not None and g.ref_logps is not None
+    gb = first.tenants["b"].feed.current
+    assert first.tenants["b"].feed.micro == 3 and gb.iteration == 0 and first.tenants["b"].step == 0
+    assert gb.old_local is not None and gb.stats[1] > 0
     first.save_checkpoint()
     first.close()
     again = Trainer(job(llama_path, tenants), run_dir=tmp_path / "run", resume=True)
     restored = again.tenants["a"].feed.current
     assert restored.tokens == g.tokens and torch.equal(restored.old_logps, g.old_logps)
+    rb = again.tenants["b"].feed.current
+    assert again.tenants["b"].feed.micro == 3 and torch.equal(rb.stats, gb.stats)
+    assert torch.equal(rb.old_local, gb.old_local)
     again.train()
-    assert again.tenants["a"].step == 5
-    assert again.losses("a")[-2:] == pytest.approx(straight.losses("a")[-2:], abs=1e-6)
-    for m, (A, B) in straight.model.tenant_tensors("a").items():
-        A2, B2 = again.model.tenant_tensors("a")[m]
-        assert max((A - A2).abs().max().item(), (B - B2).abs().max().item()) <= 1e-6
+    assert again.tenants["a"].step == 5 and again.tenants["b"].step == 2
+    for name, after in (("a", 2), ("b", 2)):
+        assert again.losses(name)[-after:] == pytest.approx(straight.losses(name)[-after:], abs=1e-6), name
+        for m, (A, B) in straight.model.tenant_tensors(name).items():
+            A2, B2 = again.model.tenant_tensors(name)[m]
+            assert max((A - A2).abs().max().item(), (B - B2).abs().max().item()) <= 1e-6, name
+
+    def kl(trainer):
+        return [r["kl"] for r in trainer.history if r["kind"] == RowKind.TRAIN and r["tenant"] == "b"]
+
+    assert kl(again) == pytest.approx(kl(straight), abs=1e-6)  # (its window's sums were saved)
 
 
 def test_rewards_reach_the_functions_as_trl_gives_them(llama_path, tmp_path):
@@ -316,13 +356,14 @@ def test_rewards_reach_the_functions_as_trl_gives_them(llama_path, tmp_path):
 
 def two_rl_tenants(folder: Path) -> list[Tenant]:
     """Two RL tenants for the torchrun tests: one at temperature 0.9 with 3 prompts x 3 completions (9
-    rows: 5 and 4 on two ranks), one with a KL term (beta 0.1) and two updates per generation."""
+    rows: 5 and 4 on two ranks), one with a KL term (beta 0.1), two updates per generation and two
+    micro-batches per update (1 prompt x 2 completions each: one row per rank)."""
     rewards, data = reward_file(folder), prompt_file(folder)
     return [
         rl_tenant("a", data, RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6, temperature=0.9),
                   batch_size=3, max_steps=3),
         rl_tenant("b", data, RL(reward=f"{rewards}:has_word", group_size=2, max_new_tokens=5, beta=0.1,
-                                num_iterations=2), max_steps=3, seed=7),
+                                num_iterations=2), batch_size=1, grad_accum=2, max_steps=3, seed=7),
     ]  # fmt: skip
 
 

@@ -1,11 +1,14 @@
 """The RL driver: tenants that learn from rewards by GRPO (TRL 1.16's ``GRPOTrainer``), in the same loop
 and the same base forward as the SFT tenants.
 
-An RL tenant's optimiser window (``grad_accum`` is 1) is one **generation**: ``B = batch_size`` prompts
-of its data, ``G = rl.group_size`` completions of each, ``N = B·G`` completions in all, trained on for
-``rl.num_iterations`` optimiser steps (TRL's μ) before the next generation::
+An RL tenant's optimiser window is one **generation**: ``B·k`` prompts of its data (``B = batch_size``,
+``k = grad_accum``), ``G = rl.group_size`` completions of each, ``N = B·k·G`` completions in all, trained on
+for ``rl.num_iterations`` optimiser steps (TRL's μ) before the next generation. Each optimiser step is ``k``
+micro-batches of ``B·G`` rows (micro-batch ``m``: the completions of prompts ``m·B … m·B + B − 1``), their
+gradients summed: TRL's ``gradient_accumulation_steps = k`` with ``steps_per_generation = k`` (its
+default), ``per_device_train_batch_size = B·G``::
 
-    generate    at a window start: the B prompts of EVERY RL tenant starting a window, in ONE sample()
+    generate    at a window start: the B·k prompts of EVERY RL tenant starting a window, in ONE sample()
                 call (each row with its own adapter; stop at EOS, at rl.stop strings, at max_new_tokens)
     reward      on rank 0: each tenant's reward worker (its own process, with a timeout) scores its N
                 completions; every tenant's batch is submitted before any answer is read, so they
@@ -16,8 +19,8 @@ of its data, ``G = rl.group_size`` completions of each, ``N = B·G`` completions
     loss        from the loop's per-token losses ℓ [n, T-1] of this process's rows: the completion's
                 log-probs logps[i, k] = −ℓ[i, P_i − 1 + k] (P_i its prompt's tokens) [n, L], and
                 policy_loss(logps, old, A, mask) with TRL's normalisers over the whole window:
-                S = N completions, N_tok = its completion tokens, K = data-parallel processes
-                (their gradients are summed, as for the SFT tenants)
+                S = N completions, N_tok = its completion tokens, K = k·D micro-batches (D
+                data-parallel processes; their gradients are summed, as for the SFT tenants)
 
 **Why every process generates everything.** Under FSDP, TP and EP every forward is a collective, so all
 processes must run the same forwards: they all call :func:`~mlora_lab.sampling.sample` with the same
@@ -35,8 +38,9 @@ floating-point differences of differently shaped batches, see :mod:`mlora_lab.sa
 ``−ℓ`` is TRL's ``log_softmax(z / temperature)[y]`` (top-k / top-p do not enter it, as in TRL). With
 ``num_iterations = 1`` the old
 log-probs are ``sg(logps)`` (ratio 1, TRL's own shortcut); with more, the first step's ``sg(logps)`` are
-kept (gathered from every process, so a checkpoint holds them whatever the world size) and the later
-steps' ratios are taken against them. With ``beta > 0`` the reference log-probs are those of the base
+kept (each micro-batch's as it is computed, then gathered from every process at the window's end, so a
+checkpoint holds them whatever the world size, mid-window too) and the later steps' ratios are taken
+against them. With ``beta > 0`` the reference log-probs are those of the base
 model alone: one no-grad forward of the generation's rows with no adapter (tenant ``None``) right after
 the generation, once per generation, on the shared base (no second copy of the model).
 """
@@ -108,6 +112,10 @@ class Generation:
     iteration: int = 0  # optimiser steps taken on it so far
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    # within a window: this process's sg(logps) of the micro-batches done (first window, μ > 1), [N, L]
+    old_local: torch.Tensor | None = None
+    # within a window: this process's (kl sum, kl count, clipped sum, clipped count) of the micro-batches done
+    stats: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
     rows: list[Example] = field(default_factory=list, repr=False)
     n_tokens: int = 0  # completion tokens that carry loss, over all N
 
@@ -134,6 +142,11 @@ class Generation:
     def prompt_len(self, i: int) -> int:
         return len(self.rows[i]) - len(self.tokens[i])
 
+    def micro(self, m: int, k: int) -> range:
+        """The completions of micro-batch ``m`` of ``k``: those of its ``B`` prompts, ``B·G`` in all."""
+        n = len(self.tokens) // k
+        return range(m * n, (m + 1) * n)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "index": self.index,
@@ -146,6 +159,8 @@ class Generation:
             "iteration": self.iteration,
             "old_logps": self.old_logps,
             "ref_logps": self.ref_logps,
+            "old_local": self.old_local,
+            "stats": self.stats,
         }
 
     @classmethod
@@ -161,6 +176,8 @@ class Generation:
             iteration=int(s["iteration"]),
             old_logps=None if s["old_logps"] is None else s["old_logps"].float(),
             ref_logps=None if s["ref_logps"] is None else s["ref_logps"].float(),
+            old_local=None if s.get("old_local") is None else s["old_local"].float(),
+            stats=s["stats"].double() if "stats" in s else torch.zeros(4, dtype=torch.float64),
         )
 
 
@@ -184,10 +201,12 @@ class RLFeed:
     generations: int = 0  # generations drawn so far (the seeds derive from it)
     current: Generation | None = None
     digest: str = ""
+    micro: int = 0  # micro-batches done in the current optimiser window (of grad_accum)
 
     def reset(self) -> None:
         """A quarantine drops the generation in progress."""
         self.current = None
+        self.micro = 0
 
     def prompts_taken(self) -> int:
         return self.stream.epoch * len(self.stream) + self.stream.cursor
@@ -199,6 +218,7 @@ class RLFeed:
             "rl_generations": self.generations,
             "rl_current": None if self.current is None else self.current.state_dict(),
             "rl_prompts_digest": self.digest,
+            "rl_micro": self.micro,
         }
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
@@ -212,6 +232,7 @@ class RLFeed:
         self.stream.load_state_dict(s["rl_stream"])
         self.generations = int(s["rl_generations"])
         self.current = None if s["rl_current"] is None else Generation.from_state(s["rl_current"])
+        self.micro = int(s.get("rl_micro", 0))
         if self.current is not None:
             self.current.build(self.prompts, self.mask_truncated)
 
@@ -281,8 +302,6 @@ class RLDriver(Driver):
         )
         self.comm = parts.engine.comm
         self.workers: dict[str, RewardWorker] = {}  # rank 0: one per RL tenant that is running
-        # per tenant, from its loss to its optimiser step: (local row indices, sg(logps) [n, L], metrics)
-        self.pending: dict[str, tuple[list[int], torch.Tensor | None, dict[str, torch.Tensor]]] = {}
 
     def accepts(self, tenant: Tenant) -> bool:
         return tenant.rl is not None
@@ -303,15 +322,25 @@ class RLDriver(Driver):
         active = self._mine(self.pool.running())
         for name in [n for n in self.workers if n not in {t.name for t in active}]:
             self.workers.pop(name).close()  # finished, failed, paused or removed: its worker is not needed
-        self.pending.clear()
         if not active:
             return None
         starting = [t for t in active if t.feed.current is None]  # the same on every process
         failed = self._generate(starting) if starting else {}
-        rows = {t.name: self.engine.local_rows(t.feed.current.rows) for t in active if t.name not in failed}
+        rows = {}
+        for t in active:
+            f: RLFeed = t.feed
+            if t.name not in failed:
+                g = f.current
+                rows[t.name] = [g.rows[i] for i in self._local(t, f.micro)]
+            f.micro += 1  # (the micro-batch the loss below is of: micro - 1)
         temperatures = {t.name: t.spec.rl.temperature for t in active}  # TRL: log_softmax(z / temperature)
-        complete = [t.name for t in active]
+        complete = [t.name for t in active if t.feed.micro == t.spec.grad_accum]  # the same on every process
         return Plan(tenants=active, rows=rows, complete=complete, failed=failed, temperatures=temperatures)
+
+    def _local(self, t: TenantRun, m: int) -> list[int]:
+        """This process's completions of micro-batch ``m`` of ``t``'s generation (indices into it)."""
+        part = t.feed.current.micro(m, t.spec.grad_accum)
+        return [part[i] for i in self.engine.local_rows(range(len(part)))]
 
     def _generate(self, tenants: list[TenantRun]) -> dict[str, str]:
         """A new generation for each of ``tenants``: one batched sampling, rewards, advantages, rows (and
@@ -321,7 +350,7 @@ class RLDriver(Driver):
         drawn: dict[str, list[int]] = {}
         for t in tenants:
             f, rl = t.feed, t.spec.rl
-            drawn[t.name] = f.stream.take(t.spec.batch_size)
+            drawn[t.name] = f.stream.take(t.spec.batch_size * t.spec.grad_accum)
             for b, p in enumerate(drawn[t.name]):
                 requests.append(
                     SampleRequest(
@@ -452,7 +481,7 @@ class RLDriver(Driver):
         with the window's counts: every completion and completion token on every process)."""
         g: Generation = t.feed.current
         rl: RL = t.spec.rl
-        local = self.engine.local_rows(range(len(g)))
+        local = self._local(t, t.feed.micro - 1)
         index, valid = completion_index(g, local, token_loss.device)
         logps = -token_loss.gather(1, index)  # [n, L]
         mask = valid & (labels[:, 1:].gather(1, index) != IGNORE_INDEX)
@@ -472,9 +501,17 @@ class RLDriver(Driver):
             max_completion_length=rl.max_new_tokens,
             num_sequences=len(g),
             num_tokens=float(g.n_tokens),
-            num_micro_batches=self.comm.dp_size,
+            num_micro_batches=self.comm.dp_size * t.spec.grad_accum,
         )
-        self.pending[t.name] = (list(local), logps.detach(), metrics)
+        clip_key = "cispo_clip_ratio" if rl.loss_type == "cispo" else "clip_ratio/region_mean"
+        for i, key in enumerate(("kl", clip_key)):
+            if key in metrics:
+                g.stats[2 * i : 2 * i + 2] += metrics[key].detach().double().cpu()
+        if rl.num_iterations > 1 and g.iteration == 0:  # the later steps' ratios are against these
+            if g.old_local is None:
+                g.old_local = torch.zeros(len(g), g.max_len, dtype=torch.float32)
+            if local:
+                g.old_local[local, : logps.shape[1]] = logps.detach().float().cpu()
         return loss
 
     # -- after its optimiser step ----------------------------------------------------------------
@@ -484,18 +521,12 @@ class RLDriver(Driver):
         f: RLFeed = t.feed
         g: Generation = f.current
         rl: RL = t.spec.rl
-        local, logps, metrics = self.pending.pop(t.name, ([], None, {}))
-        clip_key = "cispo_clip_ratio" if rl.loss_type == "cispo" else "clip_ratio/region_mean"
-        pairs = torch.zeros(4, dtype=torch.float64)  # (kl sum, kl count, clipped sum, clipped count)
-        for i, key in enumerate(("kl", clip_key)):
-            if key in metrics:
-                pairs[2 * i : 2 * i + 2] = metrics[key].detach().double().cpu()
-        totals = self.comm.sum_over_dp(pairs)
+        f.micro = 0
+        totals = self.comm.sum_over_dp(g.stats)  # (kl sum, kl count, clipped sum, clipped count)
+        g.stats = torch.zeros(4, dtype=torch.float64)
         if rl.num_iterations > 1 and g.iteration == 0:  # the later steps' ratios are against these
-            old = torch.zeros(len(g), g.max_len, dtype=torch.float32)
-            if local and logps is not None:
-                old[local, : logps.shape[1]] = logps.float().cpu()
-            g.old_logps = self.comm.sum_over_dp(old).float()
+            old = g.old_local if g.old_local is not None else torch.zeros(len(g), g.max_len)
+            g.old_logps, g.old_local = self.comm.sum_over_dp(old).float(), None
         g.iteration += 1
         t.tokens_seen += g.n_tokens
         if t.step % self.spec.log_every == 0 or t.step == t.spec.max_steps:

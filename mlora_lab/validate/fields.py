@@ -110,14 +110,6 @@ def check_rl_fields(ctx: Context, t: Tenant) -> bool:
         )
     if t.eval_data is not None:
         ctx.say(t, "eval_data", "an RL tenant has no eval_data (it is measured by its rewards); remove it")
-    # What the RL driver does not do yet (mlora_lab.job.rl): refused here, not trained differently.
-    if is_int(t.grad_accum) and t.grad_accum != 1:
-        ctx.say(
-            t,
-            "grad_accum",
-            f"grad_accum={t.grad_accum}: an RL tenant takes one generation (batch_size prompts x group_size "
-            "completions) per optimizer step, grad_accum 1; raise batch_size instead",
-        )
     return len(ctx.out) == before
 
 
