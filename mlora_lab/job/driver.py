@@ -76,6 +76,14 @@ class JobParts:
 class Driver(ABC):
     """A source of work for the training loop (see the module docstring)."""
 
+    def __init__(self, parts: JobParts) -> None:
+        self.spec, self.engine, self.pool, self.recorder = (
+            parts.spec,
+            parts.engine,
+            parts.pool,
+            parts.recorder,
+        )
+
     @abstractmethod
     def accepts(self, tenant: Tenant) -> bool:
         """Whether this driver feeds ``tenant``."""

@@ -25,7 +25,7 @@ import torch
 
 from mlora_lab.data import IGNORE_INDEX, Example, TenantStream
 from mlora_lab.job.agree import describe
-from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
+from mlora_lab.job.driver import Driver, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rundir import EvalRow, TenantState, TrainRow
 from mlora_lab.spec import Tenant
@@ -107,14 +107,6 @@ def _example(saved: list) -> Example:
 
 class FileData(Driver):
     """SFT tenants fed from their data files (see the module docstring)."""
-
-    def __init__(self, parts: JobParts) -> None:
-        self.spec, self.engine, self.pool, self.recorder = (
-            parts.spec,
-            parts.engine,
-            parts.pool,
-            parts.recorder,
-        )
 
     def accepts(self, tenant: Tenant) -> bool:
         return tenant.rl is None  # an RL tenant's rows are prompts: the RL driver's (mlora_lab.job.rl)

@@ -294,12 +294,7 @@ class RLDriver(Driver):
     """RL tenants: generations, rewards, GRPO's loss (see the module docstring)."""
 
     def __init__(self, parts: JobParts) -> None:
-        self.spec, self.engine, self.pool, self.recorder = (
-            parts.spec,
-            parts.engine,
-            parts.pool,
-            parts.recorder,
-        )
+        super().__init__(parts)
         self.comm = parts.engine.comm
         self.workers: dict[str, RewardWorker] = {}  # rank 0: one per RL tenant that is running
 
