@@ -411,9 +411,23 @@ def _draw(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.T
         remove |= probs.cumsum(-1) - probs >= top_p[:, None]
         z = z.masked_fill(torch.zeros_like(remove).scatter_(1, order, remove), -math.inf)
     logp = z.log_softmax(-1)
-    probs = logp.exp()
-    tokens = torch.cat([torch.multinomial(probs[i], 1, generator=r.generator) for i, r in enumerate(rows)])
+    # Inverse-CDF draws: one uniform u ~ U[0, 1) from each row's own generator, then the first token whose
+    # cumulative probability exceeds u · total (right=True: a token of probability 0 adds no step to the
+    # CDF, so it is never drawn). One batched search instead of one multinomial call per row.
+    u = torch.cat([torch.rand(1, generator=r.generator, device=device) for r in rows])  # [n]
+    cdf = logp.exp().cumsum(-1)  # [n, V]
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
+    # (rounding can leave the top of a row's CDF on a run of zero-probability tokens: step back to the
+    # last token that has probability)
+    tokens = torch.where(torch.isinf(logp.gather(1, tokens[:, None])[:, 0]), _last_possible(logp), tokens)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def _last_possible(logp: torch.Tensor) -> torch.Tensor:
+    """The highest token id of each row of ``logp`` [n, V] with a finite log-probability, [n]."""
+    V = logp.shape[-1]
+    ids = torch.arange(V, device=logp.device).expand_as(logp)
+    return torch.where(torch.isfinite(logp), ids, -1).amax(-1)
 
 
 def _has_stop_string(tokenizer: Any, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:

@@ -31,6 +31,7 @@ opaque here).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,25 +62,9 @@ class _SegmentedLoRA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, base: torch.Tensor | None, plan: tuple, *factors: torch.Tensor):
-        _, _, ib, b_index, *_ = plan[0]
-        out_features = factors[ib][b_index].shape[-2]
-        if base is None:  # plan entries cover disjoint rows (most of them): zero only the gaps
-            out = x.new_empty(*x.shape[:-1], out_features)
-            _zero_gaps(out, plan)
-        else:
-            out = base
+        if base is not None:
             ctx.mark_dirty(base)
-        xas = []
-        for ia, a_index, ib, b_index, start, end, scale in plan:
-            xa = F.linear(x[start:end], factors[ia][a_index])  # [n, ..., r]
-            rows = out[start:end].view(-1, out_features)  # rows of a contiguous tensor: a view
-            xa2 = xa.reshape(-1, xa.shape[-1])
-            B = factors[ib][b_index]
-            if base is None:
-                torch.mm(xa2, B.T, out=rows).mul_(scale)
-            else:
-                rows.addmm_(xa2, B.T, alpha=scale)
-            xas.append(xa)
+        out, xas = _add_deltas(x, base, plan, factors)
         ctx.plan, ctx.n_factors = plan, len(factors)
         ctx.save_for_backward(x, *factors, *xas)
         return out
@@ -115,6 +100,32 @@ class _SegmentedLoRA(torch.autograd.Function):
         return grad_x, grad_out if need_base else None, None, *grads
 
 
+def _add_deltas(
+    x: torch.Tensor, base: torch.Tensor | None, plan: tuple, factors: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The forward of :class:`_SegmentedLoRA`: ``base`` (or zeros) plus each plan entry's delta, in place,
+    and each entry's ``x A^T`` [n, ..., r] (what the backward needs)."""
+    _, _, ib, b_index, *_ = plan[0]
+    out_features = factors[ib][b_index].shape[-2]
+    if base is None:  # plan entries cover disjoint rows (most of them): zero only the gaps
+        out = x.new_empty(*x.shape[:-1], out_features)
+        _zero_gaps(out, plan)
+    else:
+        out = base
+    xas = []
+    for ia, a_index, ib, b_index, start, end, scale in plan:
+        xa = F.linear(x[start:end], factors[ia][a_index])  # [n, ..., r]
+        rows = out[start:end].view(-1, out_features)  # rows of a contiguous tensor: a view
+        xa2 = xa.reshape(-1, xa.shape[-1])
+        B = factors[ib][b_index]
+        if base is None:
+            torch.mm(xa2, B.T, out=rows).mul_(scale)
+        else:
+            rows.addmm_(xa2, B.T, alpha=scale)
+        xas.append(xa)
+    return out, xas
+
+
 def _zero_gaps(t: torch.Tensor, plan: tuple) -> None:
     """Zero the rows of ``t`` outside every plan entry's ``[start, end)`` (entries are disjoint)."""
     row = 0
@@ -133,7 +144,12 @@ def segmented_lora(
     and not a view (autograd cannot rebase a view). A low-precision base (bf16) with fp32 adapters
     adds in fp32 and rounds once, in PEFT's order."""
     x = x.to(factors[0].dtype)
-    if y.dtype == factors[0].dtype and not y._is_view():
+    in_place = y.dtype == factors[0].dtype and not y._is_view()
+    if not torch.is_grad_enabled():  # sampling, evaluation: the same arithmetic, without autograd's node
+        if in_place:
+            return _add_deltas(x, y, plan, factors)[0]
+        return (y + _add_deltas(x, None, plan, factors)[0]).to(y.dtype)
+    if in_place:
         return _SegmentedLoRA.apply(x, y, plan, *factors)
     return (y + _SegmentedLoRA.apply(x, None, plan, *factors)).to(y.dtype)
 
