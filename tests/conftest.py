@@ -17,6 +17,7 @@ from mlora_lab.tiny import build_tiny_model
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TINKER_TELEMETRY", "0")  # the Tinker SDK sends nothing anywhere from a test
 # Jobs the tests start run side by side with each other, with notebook kernels and with this process: one
 # torch thread per job process, as the launcher picks on a busy machine (mlora_lab.lab.threads), whatever
 # the machine looks like at the moment a job starts. (This process keeps the threads torch took at import.)
