@@ -1,0 +1,215 @@
+"""Where the HTTP thread and the training loop meet: requests in, results out, both thread-safe.
+
+The server thread (:mod:`.app`) never computes: it checks a request, turns it into a :class:`Work` item,
+puts it in the :class:`Inbox` and answers the client with a future id at once. The training loop (the
+service driver, on rank 0) takes the waiting items at each step boundary, runs them in every model's
+``seq_id`` order, and settles each item's future in :class:`Futures`; a client's ``retrieve_future``
+long-polls there. Nothing here knows HTTP or torch.
+
+Ordering. A training client numbers its ordered requests 1, 2, 3, ... (``seq_id``, per model); it may send
+them concurrently (the chunks of one ``forward_backward`` arrive together, the first chunk last), so the
+inbox hands out, per model, only the run of consecutive ``seq_id`` s that follows the last one handed out
+(:meth:`Inbox.take`); a later one waits for the gap to fill. A request sent again with a ``seq_id`` already
+received (the SDK resends after a timeout or a 5xx) is answered with the first one's future and never run
+twice (:meth:`Inbox.put`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Kind(StrEnum):
+    """What a work item asks of the training loop."""
+
+    CREATE_MODEL = "create_model"
+    FORWARD_BACKWARD = "forward_backward"  # also ``forward`` (its ForwardBackward says forward_only)
+    OPTIM_STEP = "optim_step"
+    SAVE_WEIGHTS = "save_weights"  # save_state: adapter + optimiser, resumable
+    SAVE_FOR_SAMPLER = "save_weights_for_sampler"  # a frozen snapshot to sample from
+    LOAD_WEIGHTS = "load_weights"
+    SAMPLE = "sample"
+
+
+ORDERED = frozenset(
+    {Kind.FORWARD_BACKWARD, Kind.OPTIM_STEP, Kind.SAVE_WEIGHTS, Kind.SAVE_FOR_SAMPLER, Kind.LOAD_WEIGHTS}
+)
+"""The kinds a training client numbers with ``seq_id`` (and that run in that order)."""
+
+
+class ErrorCategory(StrEnum):
+    """How the SDK files a failed future (its ``RequestErrorCategory`` values)."""
+
+    USER = "user"
+    SERVER = "server"
+    UNKNOWN = "unknown"
+
+
+@dataclass
+class Work:
+    """One request for the training loop."""
+
+    kind: Kind
+    request_id: str
+    owner: str
+    """The name of the API key that sent it (a key reaches only its own models and checkpoints)."""
+    model_id: str | None = None
+    seq_id: int | None = None
+    body: Any = None
+    """The checked request: a :class:`~.wire.ForwardBackward`, or the fields of the JSON body."""
+    received: float = field(default_factory=time.time)
+
+
+@dataclass
+class Result:
+    """A settled future: a JSON object, protobuf bytes (``content_type`` says which), or an error."""
+
+    json: dict[str, Any] | None = None
+    proto: bytes | None = None
+    error: str | None = None
+    category: ErrorCategory = ErrorCategory.USER
+
+    @property
+    def content_type(self) -> str:
+        return "application/x-protobuf" if self.proto is not None else "application/json"
+
+
+class InboxFull(Exception):
+    """The inbox holds as many waiting items as it may: the client should retry later (HTTP 429)."""
+
+
+class Inbox:
+    """Waiting work, at most ``capacity`` items (see the module docstring for the ordering)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._unordered: list[Work] = []
+        self._ordered: dict[str, dict[int, Work]] = defaultdict(dict)  # model -> seq_id -> waiting item
+        self._next: dict[str, int] = {}  # model -> the seq_id to hand out next
+        self._seen: dict[tuple[str, int], str] = {}  # (model, seq_id) -> its request id
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._unordered) + sum(len(q) for q in self._ordered.values())
+
+    def start_model(self, model_id: str, next_seq_id: int = 1) -> None:
+        """A model exists from now on; its ordered requests count from ``next_seq_id``."""
+        with self._lock:
+            self._next.setdefault(model_id, next_seq_id)
+
+    def put(self, work: Work) -> str:
+        """Queue ``work``; returns the request id the client waits on: ``work``'s own, or that of the
+        request already received with the same ``(model_id, seq_id)``. :class:`InboxFull` when full."""
+        with self._lock:
+            if work.kind in ORDERED:
+                key = (work.model_id, work.seq_id)
+                if key in self._seen:
+                    return self._seen[key]
+            if len(self._unordered) + sum(len(q) for q in self._ordered.values()) >= self.capacity:
+                raise InboxFull(f"{self.capacity} requests are waiting")
+            if work.kind in ORDERED:
+                self._seen[(work.model_id, work.seq_id)] = work.request_id
+                self._ordered[work.model_id][work.seq_id] = work
+            else:
+                self._unordered.append(work)
+            return work.request_id
+
+    def take(self) -> list[Work]:
+        """Every item that may run now: unordered ones in arrival order, then per model the consecutive
+        run of ``seq_id`` s from the next one expected (a model not started yet hands out nothing)."""
+        with self._lock:
+            out, self._unordered = self._unordered, []
+            for model, waiting in self._ordered.items():
+                if model not in self._next:
+                    continue
+                seq = self._next[model]
+                while seq in waiting:
+                    out.append(waiting.pop(seq))
+                    seq += 1
+                self._next[model] = seq
+            return out
+
+    def forget_model(self, model_id: str) -> list[Work]:
+        """Drop a model's waiting items (it is gone); returns them, so their futures can be failed."""
+        with self._lock:
+            self._next.pop(model_id, None)
+            return list(self._ordered.pop(model_id, {}).values())
+
+
+class Futures:
+    """Results by request id, and waiting for them from the server's event loop (long-polls).
+
+    :meth:`settle` may be called from any thread; :meth:`wait` runs on the loop given to :meth:`bind`."""
+
+    def __init__(self, keep_s: float = 600.0) -> None:
+        self.keep_s = keep_s
+        self._lock = threading.Lock()
+        self._results: dict[str, tuple[float, Result]] = {}
+        self._pending: set[str] = set()
+        self._waiters: dict[str, list[asyncio.Future]] = defaultdict(list)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count()
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def new(self) -> str:
+        """A fresh request id, pending until settled."""
+        request_id = f"{next(self._ids)}-{secrets.token_hex(8)}"
+        with self._lock:
+            self._pending.add(request_id)
+        return request_id
+
+    def known(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._pending or request_id in self._results
+
+    def settle(self, request_id: str, result: Result) -> None:
+        """Record the result and wake whoever waits for it."""
+        now = time.time()
+        with self._lock:
+            self._pending.discard(request_id)
+            self._results[request_id] = (now, result)
+            for rid in [r for r, (t, _) in self._results.items() if now - t > self.keep_s]:
+                del self._results[rid]
+            waiters = self._waiters.pop(request_id, [])
+        if waiters and self._loop is not None:
+            self._loop.call_soon_threadsafe(_wake, waiters, result)
+
+    def get(self, request_id: str) -> Result | None:
+        with self._lock:
+            found = self._results.get(request_id)
+        return None if found is None else found[1]
+
+    async def wait(self, request_id: str, timeout: float) -> Result | None:
+        """The result, as soon as it is settled, or ``None`` after ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            found = self._results.get(request_id)
+            if found is not None:
+                return found[1]
+            waiter = loop.create_future()
+            self._waiters[request_id].append(waiter)
+        try:
+            return await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            with self._lock:
+                if waiter in self._waiters.get(request_id, []):
+                    self._waiters[request_id].remove(waiter)
+            return self.get(request_id)
+
+
+def _wake(waiters: Sequence[asyncio.Future], result: Result) -> None:
+    for w in waiters:
+        if not w.done():
+            w.set_result(result)

@@ -1,0 +1,68 @@
+"""The inbox hands a model's requests out in seq_id order, waiting for gaps, and never twice; futures wake
+their long-polls from another thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from mlora_lab.service.work import Futures, Inbox, InboxFull, Kind, Result, Work
+
+
+def work(kind: Kind, seq: int | None, model: str = "s:train:0", rid: str | None = None) -> Work:
+    return Work(kind, rid or f"{model}/{seq}", owner="k", model_id=model, seq_id=seq)
+
+
+def test_ordered_requests_come_out_in_seq_order_once_the_gaps_fill():
+    inbox = Inbox()
+    for seq in (3, 2):  # the chunks of one call: sent together, the first one last
+        inbox.put(work(Kind.FORWARD_BACKWARD, seq))
+    inbox.put(work(Kind.OPTIM_STEP, 5))
+    assert inbox.take() == []  # the model is not started yet
+    inbox.start_model("s:train:0")
+    assert inbox.take() == []  # seq 1 is missing
+    inbox.put(work(Kind.FORWARD_BACKWARD, 1))
+    assert [w.seq_id for w in inbox.take()] == [1, 2, 3]
+    assert inbox.take() == []  # 4 is missing: 5 waits
+    inbox.put(work(Kind.SAVE_WEIGHTS, 4))
+    inbox.put(work(Kind.SAMPLE, None, rid="sample-1"))
+    assert [(w.kind, w.seq_id) for w in inbox.take()] == [(Kind.SAMPLE, None), (Kind.SAVE_WEIGHTS, 4),
+                                                         (Kind.OPTIM_STEP, 5)]  # fmt: skip
+
+
+def test_a_resent_request_gets_the_first_ones_future_and_runs_once():
+    inbox = Inbox()
+    inbox.start_model("m", 1)
+    assert inbox.put(work(Kind.FORWARD_BACKWARD, 1, "m", rid="first")) == "first"
+    assert inbox.put(work(Kind.FORWARD_BACKWARD, 1, "m", rid="again")) == "first"
+    assert [w.request_id for w in inbox.take()] == ["first"]
+    assert inbox.put(work(Kind.FORWARD_BACKWARD, 1, "m", rid="late")) == "first"  # even after it ran
+    assert inbox.take() == []
+
+
+def test_a_full_inbox_refuses_and_a_forgotten_model_gives_its_items_back():
+    inbox = Inbox(capacity=2)
+    inbox.put(work(Kind.FORWARD_BACKWARD, 2, "m"))
+    inbox.put(work(Kind.FORWARD_BACKWARD, 3, "m"))
+    with pytest.raises(InboxFull):
+        inbox.put(work(Kind.FORWARD_BACKWARD, 4, "m"))
+    assert sorted(w.seq_id for w in inbox.forget_model("m")) == [2, 3] and len(inbox) == 0
+
+
+def test_a_long_poll_wakes_when_another_thread_settles_and_times_out_otherwise():
+    futures = Futures()
+
+    async def main():
+        futures.bind(asyncio.get_running_loop())
+        rid, other = futures.new(), futures.new()
+        threading.Timer(0.05, futures.settle, (rid, Result(json={"ok": 1}))).start()
+        got = await futures.wait(rid, timeout=5)
+        missing = await futures.wait(other, timeout=0.05)
+        return got, missing, futures.known(other), futures.known("nope")
+
+    got, missing, known, unknown = asyncio.run(main())
+    assert got.json == {"ok": 1} and got.content_type == "application/json"
+    assert missing is None and known and not unknown
+    assert Result(proto=b"x").content_type == "application/x-protobuf"
