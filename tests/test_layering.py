@@ -5,9 +5,9 @@ functions and under ``TYPE_CHECKING`` alike, since each is a dependency the day 
 the test fails on:
 
 * an import circle between modules;
-* ``job/`` (the torchrun process) importing ``lab/`` or the notebook's libraries (pandas, matplotlib,
-  ipywidgets), or ``lab/`` (the notebook and CLI process) importing ``job/``: the two meet only in the
-  run directory;
+* the job side — ``job/`` (the torchrun process) and ``service/`` (what its rank 0 serves to Tinker
+  clients) — importing ``lab/`` or the notebook's libraries (pandas, matplotlib, ipywidgets), or ``lab/``
+  (the notebook and CLI process) importing ``job/``: the two meet only in the run directory;
 * the engine (``lora/``, ``parallel/``, ``data``, ``optim``, ``memory``, ``sampling``, ``rl/``) importing
   ``validate/``, ``job/`` or ``lab/``;
 * torch in the light contract (``spec``, ``text``, ``sources``, ``search``, ``rundir`` but its tensor codec),
@@ -42,6 +42,7 @@ ENGINE = (
 )
 LIGHT = ("mlora_lab.spec", "mlora_lab.text", "mlora_lab.sources", "mlora_lab.search", "mlora_lab.rundir")
 LIGHT_EXCEPT = ("mlora_lab.rundir.checkpoint",)  # the tensor codec of checkpoints: safetensors, torch
+JOB_SIDE = ("mlora_lab.job", "mlora_lab.service")  # processes started by torchrun
 NOTEBOOK_LIBRARIES = ("pandas", "matplotlib", "ipywidgets", "ipympl", "IPython")
 
 
@@ -144,6 +145,7 @@ def test_the_rooms_are_where_the_guide_says():
     names = set(modules())
     for room in (
         "mlora_lab.job",
+        "mlora_lab.service",
         "mlora_lab.lab",
         "mlora_lab.validate",
         "mlora_lab.rundir",
@@ -165,8 +167,8 @@ def test_no_import_circles():
 
 def test_the_job_and_the_lab_meet_only_in_the_run_directory():
     def rule(name: str, target: str, names: tuple) -> str | None:
-        if within(name, "mlora_lab.job") and within(target, "mlora_lab.lab", *NOTEBOOK_LIBRARIES):
-            return f"the job imports {target}"
+        if within(name, *JOB_SIDE) and within(target, "mlora_lab.lab", *NOTEBOOK_LIBRARIES):
+            return f"the job side module {name} imports {target}"
         if within(name, "mlora_lab.lab") and within(target, "mlora_lab.job"):
             return f"the lab imports {target}"
         return None
