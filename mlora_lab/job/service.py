@@ -1,0 +1,287 @@
+"""The service driver: training clients of the Tinker API drive their tenants request by request.
+
+Third driver of the training loop (after file data and RL, :mod:`mlora_lab.job.driver`). The HTTP thread
+(:mod:`mlora_lab.service.app`) only queues :class:`~mlora_lab.service.work.Work`; at each step boundary this
+driver takes what may run (:meth:`~mlora_lab.service.work.Inbox.take`: every model's requests in ``seq_id``
+order) and turns it into one mixed-tenant step, so the requests of every client that wait at the same moment
+share one forward and one backward of the base:
+
+    create_model      a tenant in a free slot: rank r, alpha ``lora_alpha`` (Tinker has none: a job setting),
+                      LoRA on the attention (``train_attn``) and MLP (``train_mlp``) projections and on the
+                      output layer (``train_unembed``), PEFT's initialisation from the client's seed
+    forward_backward  its datums are rows of the step: input ``x [N]`` + one more position, labels
+                      ``[-, y_0 … y_{N-1}]`` (``y = target_tokens``), so the loop's per-token loss ``ℓ [N]``
+                      gives ``lp_t = −ℓ_t = log p(y_t | x_{≤t})``, the logprobs the client gets back; the
+                      request's loss is Tinker's sum over its datums (:mod:`mlora_lab.service.losses`);
+                      ``forward`` (forward-only) rows take part in the forward and add nothing to the backward
+    optim_step        the tenant's AdamW step after the backward, with the request's ``AdamParams``
+                      (torch AdamW: lr, betas, eps, decoupled weight decay; clipping when ``grad_clip_norm``
+                      > 0, by torch's rule): gradients of every ``forward_backward`` since the last
+                      optim_step are summed, as in Tinker
+
+A model's requests run in ``seq_id`` order: in one step a model takes its waiting forward/backward requests
+up to and including its first optim_step; what follows waits for the next step (it must see the new
+weights). Results are settled as soon as they are known: a forward/backward's after the forward, an
+optim_step's after the optimiser step (or its failure: a quarantined tenant fails its waiting requests).
+
+Sampling, saving and loading are not done by this driver yet: such requests fail with a user error that
+says so.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mlora_lab.data import IGNORE_INDEX, Example
+from mlora_lab.job.agree import agree
+from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
+from mlora_lab.job.tenants import TenantRun
+from mlora_lab.lora.model import MultiLoRAModel
+from mlora_lab.lora.targets import output_layer_names
+from mlora_lab.rundir import TenantState, TrainRow
+from mlora_lab.service import losses, wire
+from mlora_lab.service.work import ErrorCategory, Kind, Result, Work
+from mlora_lab.spec import MAX_COUNT, Tenant
+
+ATTENTION = (".self_attn.", ".attention.", ".attn.", ".self_attention.")
+"""A module path holding one of these is an attention projection (``train_attn``); other linear layers of
+the blocks are the MLP's (``train_mlp``, experts included)."""
+
+
+def tinker_targets(
+    model: MultiLoRAModel, train_attn: bool, train_mlp: bool, train_unembed: bool
+) -> list[str]:
+    """The full names of the slotted layers of ``model`` a Tinker ``LoraConfig`` selects; ``ValueError``
+    when it asks for a part that has no adapter slot in this job (the job's ``slot_modules``)."""
+    heads = set(output_layer_names(model.model))
+    chosen, missing = [], []
+    for part, wanted in (("attention", train_attn), ("MLP", train_mlp), ("output layer", train_unembed)):
+        names = [n for n in model.layers if _part(n, heads) == part]
+        if wanted and not names:
+            missing.append(part)
+        chosen += names if wanted else []
+    if missing:
+        raise ValueError(
+            f"this job has no adapter slots on the {' or '.join(missing)} (its slot_modules); "
+            f"create the client with train_{'unembed' if missing == ['output layer'] else 'attn/mlp'}=False, "
+            "or serve a job whose slot_modules cover it"
+        )
+    return chosen
+
+
+def _part(name: str, heads: set[str]) -> str:
+    if name in heads:
+        return "output layer"
+    return "attention" if any(a in f".{name}." for a in ATTENTION) else "MLP"
+
+
+@dataclass
+class ServiceFeed:
+    """A service tenant's per-tenant state: its model id and the current window's counters."""
+
+    model_id: str
+    window_tokens: int = 0
+    window_requests: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"service_model_id": self.model_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model_id = state["service_model_id"]
+
+    def reset(self) -> None:
+        self.window_tokens = self.window_requests = 0
+
+
+@dataclass
+class _Pending:
+    """What a tenant runs in this step: its forward/backward requests (with their datums' lengths) and the
+    optim_step that ends it, if any."""
+
+    forwards: list[tuple[Work, list[int]]] = field(default_factory=list)
+    optim: Work | None = None
+
+
+class ServiceDriver(Driver):
+    """Tenants of Tinker training clients (see the module docstring). ``state`` is the service's shared
+    state (:class:`~mlora_lab.service.app.ServiceState`): its inbox, futures and model registry."""
+
+    def __init__(self, parts: JobParts, state: Any, lora_alpha: float = 32.0) -> None:
+        super().__init__(parts)
+        self.state, self.lora_alpha = state, float(lora_alpha)
+        self.comm = parts.engine.comm
+        self.names: dict[str, str] = {}  # model id -> tenant name
+        self.queues: dict[str, deque[Work]] = {}  # model id -> its requests taken, not run yet
+        self.step_work: dict[str, _Pending] = {}  # tenant -> what it runs in the current step
+        self.waiting_optim: dict[str, Work] = {}  # tenant -> its optim_step, until the step settles it
+        if self.comm.dims.world_size > 1:
+            raise NotImplementedError("the Tinker service runs on one process for now (parallel.nproc=1)")
+
+    def accepts(self, tenant: Tenant) -> bool:
+        return tenant.name in self.names.values()
+
+    def feed(self, tenant: Tenant) -> ServiceFeed:
+        model_id = next(m for m, n in self.names.items() if n == tenant.name)
+        return ServiceFeed(model_id)
+
+    def waiting(self) -> bool:
+        return True  # clients may send requests at any time
+
+    # -- a step's plan ---------------------------------------------------------------------------
+    def plan(self) -> Plan | None:
+        self._settle_failed()
+        for work in self.state.inbox.take():
+            if work.kind is Kind.CREATE_MODEL:
+                self._create(work)
+            elif work.model_id in self.queues:
+                self.queues[work.model_id].append(work)
+            else:
+                self._fail(work, f"no model {work.model_id!r} on this server")
+        self.step_work = {}
+        for model_id, queue in self.queues.items():
+            name = self.names[model_id]
+            t = self.pool.tenants.get(name)
+            if t is None or t.state is not TenantState.RUNNING:
+                continue
+            pending = _Pending()
+            while queue:
+                work = queue[0]
+                if work.kind is Kind.FORWARD_BACKWARD:
+                    queue.popleft()
+                    fb: wire.ForwardBackward = work.body
+                    lengths = [len(d.tokens) for d in fb.data]
+                    try:  # (a request that cannot be computed fails alone, before the step)
+                        losses.validate(fb.loss_fn, fb.config, [d.inputs for d in fb.data], lengths,
+                                        vocab_size=self.engine.vocab_rows)  # fmt: skip
+                    except losses.LossInputError as e:
+                        self._fail(work, str(e))
+                        continue
+                    pending.forwards.append((work, lengths))
+                elif work.kind is Kind.OPTIM_STEP:
+                    pending.optim = queue.popleft()
+                    break
+                else:
+                    queue.popleft()
+                    self._fail(work, f"{work.kind} is not supported by this server yet")
+            if pending.forwards or pending.optim is not None:
+                self.step_work[name] = pending
+        if not self.step_work:
+            return None
+        tenants = [self.pool[n] for n in self.step_work]
+        rows: dict[str, list[Example]] = {}
+        complete = []
+        for t in tenants:
+            pending = self.step_work[t.name]
+            rows[t.name] = [_row(d) for work, _ in pending.forwards for d in work.body.data]
+            if pending.optim is not None:
+                self._set_adam(t, pending.optim.body)
+                self.waiting_optim[t.name] = pending.optim
+                complete.append(t.name)
+        return Plan(tenants=tenants, rows=rows, complete=complete)
+
+    def _create(self, work: Work) -> None:
+        info = work.body
+        model_id = info.model_id
+        if model_id in self.names:
+            self._fail(work, f"model {model_id!r} exists already")
+            return
+        name = model_id.replace(":", "-")
+        try:
+            targets = tinker_targets(self.engine.model, info.train_attn, info.train_mlp, info.train_unembed)
+        except ValueError as e:
+            self._fail(work, str(e))
+            return
+        tenant = Tenant(name=name, data="", rank=info.rank, alpha=self.lora_alpha, target_modules=targets,
+                        lr=1e-4, weight_decay=0.0, max_grad_norm=None, batch_size=1, max_steps=MAX_COUNT,
+                        seed=0 if info.seed is None else int(info.seed), dropout=0.0)  # fmt: skip
+        self.names[model_id] = name
+        refusal = agree(self.comm, lambda: self.pool.prepare_add(tenant, self.feed))
+        if refusal is not None:
+            del self.names[model_id]
+            self._fail(work, f"cannot create the model: {refusal.error}")
+            return
+        self.queues[model_id] = deque()
+        self.state.models[model_id] = info
+        self.state.inbox.start_model(model_id)
+        self.state.futures.settle(
+            work.request_id, Result(json={"model_id": model_id, "type": "create_model"})
+        )
+
+    def _set_adam(self, t: TenantRun, params: Any) -> None:
+        """The request's AdamParams on the tenant's AdamW for the coming step (the schedule is constant)."""
+        p = _params(params)
+        opt = t.optimizer
+        opt.set_hyperparameters(lr=p["learning_rate"], weight_decay=p["weight_decay"])
+        group = opt.optimizer.param_groups[0]
+        group["betas"], group["eps"] = (p["beta1"], p["beta2"]), p["eps"]
+        opt.max_grad_norm = p["grad_clip_norm"] if p["grad_clip_norm"] > 0 else None
+
+    # -- the loss ----------------------------------------------------------------------------------
+    def loss(self, t: TenantRun, token_loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each forward/backward request's Tinker loss from its rows (settling the request's future with
+        its loss and per-datum logprobs); the tenant's loss is the sum of those that are not forward-only."""
+        pending = self.step_work[t.name]
+        total = token_loss.sum() * 0.0
+        start = 0
+        for work, lengths in pending.forwards:
+            fb: wire.ForwardBackward = work.body
+            rows, start = range(start, start + len(lengths)), start + len(lengths)
+            per_datum, loss_sum, metrics = [], token_loss.new_zeros(()), {}
+            for i, d, n in zip(rows, fb.data, lengths):
+                lp = -token_loss[i, :n]
+                value, m = losses.datum_loss(fb.loss_fn, lp, d.inputs, fb.config)
+                loss_sum = loss_sum + value
+                per_datum.append(lp.detach().float().cpu())
+                for k, v in m.items():
+                    metrics[k] = metrics.get(k, 0.0) + float(v)
+            metrics["loss:sum"] = float(loss_sum.detach())
+            self.state.futures.settle(
+                work.request_id, Result(proto=wire.forward_backward_output(per_datum, metrics))
+            )
+            if not fb.forward_only:
+                total = total + loss_sum
+                t.feed.window_tokens += sum(lengths)
+                t.feed.window_requests += 1
+        return total
+
+    # -- after its optimiser step --------------------------------------------------------------------
+    def stepped(self, t: TenantRun, result: StepResult) -> None:
+        work = self.waiting_optim.pop(t.name, None)
+        if work is not None:
+            metrics = {"grad_norm:max": result.grad_norm, "learning_rate:max": result.lr}
+            self.state.futures.settle(work.request_id, Result(json={"metrics": metrics}))
+        f: ServiceFeed = t.feed
+        self.recorder.log(TrainRow(step=self.recorder.step, tenant=t.name, tenant_step=t.step, loss=result.loss,
+                                   tokens=f.window_tokens, lr=result.lr, grad_norm=result.grad_norm))  # fmt: skip
+        f.reset()
+
+    def _settle_failed(self) -> None:
+        """Requests of tenants the last step quarantined fail with the tenant's reason."""
+        for name, work in list(self.waiting_optim.items()):
+            t = self.pool.tenants.get(name)
+            if t is None or t.state is TenantState.FAILED:
+                del self.waiting_optim[name]
+                why = t.reason if t is not None else "it is gone"
+                self._fail(work, f"the model's step failed: {why}", ErrorCategory.USER)
+
+    def _fail(self, work: Work, why: str, category: ErrorCategory = ErrorCategory.USER) -> None:
+        self.state.futures.settle(work.request_id, Result(error=why, category=category))
+
+
+def _row(d: wire.Datum) -> Example:
+    """A datum as a row of the step: ``x`` and one more position, labels ``[-, y_0, …, y_{N-1}]`` (the
+    extra input token is never predicted from; its logits are not used)."""
+    targets = d.inputs["target_tokens"].reshape(-1).tolist()
+    return Example([*d.tokens, targets[-1]], [IGNORE_INDEX, *targets])
+
+
+def _params(params: Any) -> Mapping[str, float]:
+    keys = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    if isinstance(params, Mapping):
+        return {k: float(params[k]) for k in keys}
+    return {k: float(getattr(params, k)) for k in keys}
