@@ -1,0 +1,593 @@
+"""The HTTP side of the service: Starlette routes that check a request, queue it and answer futures.
+
+Nothing here computes. Each route checks its request (the caller's API key, the body's size and fields,
+that the session, model, sampling session or checkpoint is the caller's), turns it into a
+:class:`~.work.Work` item in the :class:`~.work.Inbox` and answers ``{"request_id"}`` at once; the training
+loop settles the future in :class:`~.work.Futures` and the client long-polls ``retrieve_future`` for it.
+The routes and their bodies are those of the ``tinker`` SDK 0.38.0 (``/work/notes/tinker_protocol.md``).
+
+Errors always carry a JSON body (the SDK retries a bare 400 as a connection error):
+401 no or a wrong ``X-API-Key``; 404 an id that is unknown *or another key's* (so ids do not leak);
+400 unreadable JSON or protobuf; 422 fields that are wrong (``{"detail": ...}`` names every problem);
+410 a finished session; 413 a body over ``max_body_bytes``; 429 the inbox is full (never 402: the SDK
+pauses for an hour on it); 500 a bug in a handler (the server goes on).
+
+:class:`Server` runs the app under uvicorn on a daemon thread with its own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mlora_lab.service import wire
+from mlora_lab.service.bodies import (
+    BodyError,
+    CheckpointPath,
+    Fields,
+    Load,
+    ModelInfo,
+    Save,
+    parse_checkpoint_path,
+    read_adam,
+    read_create_model,
+    read_sample,
+    read_save,
+)
+from mlora_lab.service.keys import Keys
+from mlora_lab.service.work import Futures, Inbox, InboxFull, Kind, Work
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/api/v1"
+
+
+@dataclass
+class Session:
+    """A client's session: it owns the models and sampling sessions it creates."""
+
+    owner: str
+    created: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.time)
+    """When the session last showed life (a heartbeat or any request naming it)."""
+    model_ids: list[str] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class SamplingSession:
+    """What a sampling session samples from: ``model_path`` (a sampler snapshot) or the base model."""
+
+    owner: str
+    base_model: str
+    model_path: str | None = None
+    model_id: str | None = None
+    """The training model it was saved from (``save_weights_and_get_sampling_client``), if any."""
+    created: float = field(default_factory=time.time)
+
+
+@dataclass
+class ServiceState:
+    """Everything the routes read and write; shared with the training loop (take :attr:`lock`)."""
+
+    inbox: Inbox
+    futures: Futures
+    keys: Keys
+    base_model: str
+    """The model name clients pass (``create_lora_training_client(base_model)``)."""
+    limits: wire.Limits
+    max_rank: int = 64
+    tokenizer_id: str | None = None
+    """What ``get_info`` names as the tokenizer (a local directory works); defaults to ``base_model``."""
+    models: dict[str, ModelInfo] = field(default_factory=dict)
+    """Filled by the training loop once a model exists."""
+    sessions: dict[str, Session] = field(default_factory=dict)
+    sampling_sessions: dict[str, SamplingSession] = field(default_factory=dict)
+    max_body_bytes: int = 8 << 20
+    poll_s: float = 25.0
+    """How long ``retrieve_future`` holds a request before answering ``try_again`` (the SDK waits 45 s)."""
+    client_config: dict[str, Any] = field(default_factory=lambda: {"use_pyqwest_transport": False})
+    """The answer to ``client/config`` (e.g. ``fwdbwd_max_chunk_len``, the datums per request)."""
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    creating: dict[str, str] = field(default_factory=dict)
+    """model_id -> the request id of its create (a resent create_model gets the same future)."""
+    future_owners: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """request_id -> (the key name that asked, when): only its owner may retrieve a future."""
+
+    def owns_run(self, owner: str, run_id: str) -> bool:
+        """Whether ``run_id`` (a model id, the first part of a ``tinker://`` path) is ``owner``'s."""
+        with self.lock:
+            model = self.models.get(run_id)
+            if model is not None:
+                return model.owner == owner
+            session = self.sessions.get(run_id.split(":train:")[0])
+            return session is not None and session.owner == owner and run_id in session.model_ids
+
+
+class Refused(Exception):
+    """An answer other than success: ``status`` and a JSON ``detail``."""
+
+    def __init__(self, status: int, detail: str | list[str]) -> None:
+        self.status = status
+        self.detail = detail
+        super().__init__(detail)
+
+
+def error(status: int, detail: Any) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status)
+
+
+Handler = Callable[[Request, ServiceState, str], Awaitable[Response]]
+
+
+def create_app(state: ServiceState) -> Starlette:
+    """The Starlette app serving ``state``."""
+
+    def route(path: str, handler: Handler, methods: tuple[str, ...] = ("POST",), auth: bool = True) -> Route:
+        async def endpoint(request: Request) -> Response:
+            try:
+                owner = ""
+                if auth:
+                    owner = state.keys.who(request.headers.get("x-api-key")) or ""
+                    if not owner:
+                        return error(401, "a valid X-API-Key header is needed")
+                return await handler(request, state, owner)
+            except Refused as e:
+                return error(e.status, e.detail)
+            except BodyError as e:
+                return error(422, e.problems)
+            except wire.WireError as e:
+                return error(400, e.problems)
+            except InboxFull as e:
+                return JSONResponse({"detail": f"the service is busy ({e}); retry later"}, status_code=429,
+                                    headers={"retry-after": "1"})  # fmt: skip
+            except Exception:
+                log.exception("%s %s failed", request.method, request.url.path)
+                return error(500, "internal error in the service")
+
+        return Route(PREFIX + path, endpoint, methods=list(methods))
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        detail = exc.detail if isinstance(exc, HTTPException) else "internal error in the service"
+        return error(status, detail)
+
+    routes = [
+        route("/healthz", healthz, ("GET",), auth=False),
+        route("/client/config", client_config),
+        route("/client/dynamic_config", dynamic_config),
+        route("/create_session", create_session),
+        route("/session_heartbeat", session_heartbeat),
+        route("/sessions/{session_id}/finish", finish_session),
+        route("/telemetry", telemetry),
+        route("/get_server_capabilities", capabilities, ("GET",)),
+        route("/create_model", create_model),
+        route("/get_info", get_info),
+        route("/forward_backward", forward_backward),
+        route("/optim_step", optim_step),
+        route("/save_weights", save_weights),
+        route("/save_weights_for_sampler", save_weights_for_sampler),
+        route("/load_weights", load_weights),
+        route("/create_sampling_session", create_sampling_session),
+        route("/samplers/{sampler_id}", get_sampler, ("GET",)),
+        route("/asample", asample),
+        route("/retrieve_future", retrieve_future),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: http_error})
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+async def read_body(request: Request, state: ServiceState) -> bytes:
+    """The body, refused with 413 past ``max_body_bytes`` (by its Content-Length, and as it is read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise Refused(400, f"Content-Length {declared!r} is not a number") from None
+        if size > state.max_body_bytes:
+            raise Refused(413, f"the body has {size} bytes; at most {state.max_body_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > state.max_body_bytes:
+            raise Refused(413, f"the body has more than {state.max_body_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, state: ServiceState) -> dict[str, Any]:
+    raw = await read_body(request, state)
+    try:
+        body = json.loads(raw) if raw else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Refused(400, f"the body is not JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise Refused(422, ["the body must be a JSON object"])
+    return body
+
+
+def own_session(state: ServiceState, owner: str, session_id: Any) -> Session:
+    """The caller's live session ``session_id`` (404 when unknown or another key's, 410 when finished)."""
+    with state.lock:
+        session = state.sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None or session.owner != owner:
+            raise Refused(404, f"no session {session_id!r}")
+        if session.finished:
+            raise Refused(410, f"session {session_id!r} has finished")
+        session.last_seen = time.time()
+        return session
+
+
+def own_model(state: ServiceState, owner: str, model_id: Any) -> ModelInfo:
+    with state.lock:
+        model = state.models.get(model_id) if isinstance(model_id, str) else None
+        if model is None or model.owner != owner:
+            raise Refused(404, f"no model {model_id!r}")
+        session = state.sessions.get(model_id.split(":train:")[0])
+        if session is not None:
+            if session.finished:
+                raise Refused(410, f"the session of model {model_id!r} has finished")
+            session.last_seen = time.time()
+        return model
+
+
+def own_checkpoint(state: ServiceState, owner: str, path: CheckpointPath | None) -> CheckpointPath:
+    if path is None or not state.owns_run(owner, path.run_id):
+        raise Refused(404, f"no checkpoint {str(path) if path else path!r}")
+    return path
+
+
+def queue(state: ServiceState, work: Work) -> str:
+    """Put ``work`` in the inbox; the request id the client waits on (the first one's for a resend)."""
+    request_id = state.inbox.put(work)
+    with state.lock:
+        now = time.time()
+        state.future_owners.setdefault(request_id, (work.owner, now))
+        if len(state.future_owners) > 4 * state.inbox.capacity:  # forget futures the Futures forgot
+            for rid, (_, t) in list(state.future_owners.items()):
+                if now - t > state.futures.keep_s and not state.futures.known(rid):
+                    del state.future_owners[rid]
+    return request_id
+
+
+def new_work(state: ServiceState, kind: Kind, owner: str, **kw: Any) -> Work:
+    return Work(kind, state.futures.new(), owner, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- routes
+
+
+async def healthz(request: Request, state: ServiceState, owner: str) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def client_config(request: Request, state: ServiceState, owner: str) -> Response:
+    await read_body(request, state)
+    return JSONResponse(state.client_config)
+
+
+async def dynamic_config(request: Request, state: ServiceState, owner: str) -> Response:
+    await read_body(request, state)
+    return JSONResponse({})
+
+
+async def telemetry(request: Request, state: ServiceState, owner: str) -> Response:
+    await read_body(request, state)
+    return JSONResponse({"status": "accepted"})
+
+
+async def capabilities(request: Request, state: ServiceState, owner: str) -> Response:
+    model = {"model_name": state.base_model, "max_context_length": state.limits.max_tokens,
+             "trainable": True, "sampleable": True}  # fmt: skip
+    return JSONResponse({"supported_models": [model]})
+
+
+async def create_session(request: Request, state: ServiceState, owner: str) -> Response:
+    f = Fields(await read_json(request, state))
+    tags = f.body.get("tags", [])
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        f.problems.append("tags must be a list of strings")
+    if not isinstance(f.body.get("user_metadata", {}), dict):
+        f.problems.append("user_metadata must be an object")
+    f.raise_if_any()
+    session_id = secrets.token_hex(8)
+    with state.lock:
+        state.sessions[session_id] = Session(owner)
+    return JSONResponse({"session_id": session_id})
+
+
+async def session_heartbeat(request: Request, state: ServiceState, owner: str) -> Response:
+    f = Fields(await read_json(request, state))
+    session_id = f.str("session_id")
+    f.raise_if_any()
+    with state.lock:
+        session = state.sessions.get(session_id)  # type: ignore[arg-type]
+        if session is None or session.owner != owner or session.finished:
+            raise Refused(410, f"session {session_id!r} is unknown or finished")
+        session.last_seen = time.time()
+    return JSONResponse({"type": "session_heartbeat"})
+
+
+async def finish_session(request: Request, state: ServiceState, owner: str) -> Response:
+    await read_body(request, state)
+    session = own_session(state, owner, request.path_params["session_id"])
+    with state.lock:
+        session.finished = True
+    return Response(status_code=204)
+
+
+async def create_model(request: Request, state: ServiceState, owner: str) -> Response:
+    body = await read_json(request, state)
+    session_id, _, info = read_create_model(body, owner=owner, base_model=state.base_model,
+                                            max_rank=state.max_rank)  # fmt: skip
+    session = own_session(state, owner, session_id)
+    with state.lock:
+        if info.model_id in state.creating:
+            return JSONResponse({"request_id": state.creating[info.model_id], "model_id": info.model_id})
+        work = new_work(state, Kind.CREATE_MODEL, owner, model_id=info.model_id, body=info)
+        request_id = queue(state, work)
+        state.creating[info.model_id] = request_id
+        session.model_ids.append(info.model_id)
+    return JSONResponse({"request_id": request_id, "model_id": info.model_id})
+
+
+async def get_info(request: Request, state: ServiceState, owner: str) -> Response:
+    f = Fields(await read_json(request, state))
+    model_id = f.str("model_id")
+    f.raise_if_any()
+    model = own_model(state, owner, model_id)
+    data = {
+        "arch": "lora",
+        "model_name": model.base_model,
+        "tokenizer_id": state.tokenizer_id or model.base_model,
+    }
+    return JSONResponse({"type": "get_info", "model_data": data, "model_id": model.model_id,
+                         "optimizer_config": {"type": "adamw"}, "is_lora": True, "lora_rank": model.rank,
+                         "model_name": model.base_model})  # fmt: skip
+
+
+async def forward_backward(request: Request, state: ServiceState, owner: str) -> Response:
+    if "zstd" in request.headers.get("content-encoding", ""):
+        raise Refused(
+            400, "compressed forward_backward bodies are not accepted (proto_compress_fwdbwd is off)"
+        )
+    fb = wire.read_forward_backward(await read_body(request, state), state.limits)
+    own_model(state, owner, fb.model_id)
+    work = new_work(state, Kind.FORWARD_BACKWARD, owner, model_id=fb.model_id, seq_id=fb.seq_id, body=fb)
+    return JSONResponse({"request_id": queue(state, work), "model_id": fb.model_id})
+
+
+async def optim_step(request: Request, state: ServiceState, owner: str) -> Response:
+    model_id, seq_id, step = read_adam(await read_json(request, state))
+    own_model(state, owner, model_id)
+    work = new_work(state, Kind.OPTIM_STEP, owner, model_id=model_id, seq_id=seq_id, body=step)
+    return JSONResponse({"request_id": queue(state, work), "model_id": model_id})
+
+
+async def save_weights(request: Request, state: ServiceState, owner: str) -> Response:
+    model_id, seq_id, save, _ = read_save(await read_json(request, state), "state")
+    own_model(state, owner, model_id)
+    work = new_work(state, Kind.SAVE_WEIGHTS, owner, model_id=model_id, seq_id=seq_id, body=save)
+    return JSONResponse({"request_id": queue(state, work), "model_id": model_id})
+
+
+async def save_weights_for_sampler(request: Request, state: ServiceState, owner: str) -> Response:
+    model_id, seq_id, save, sampling_seq = read_save(await read_json(request, state), "sampler")
+    model = own_model(state, owner, model_id)
+    if sampling_seq is not None:
+        sampling_id = f"{model_id.split(':train:')[0]}:sample:{sampling_seq}"
+        save = Save(save.kind, None, sampling_id, save.overwrite, save.ttl_seconds)
+        with state.lock:
+            known = state.sampling_sessions.get(sampling_id)
+            if known is not None and known.model_id != model_id:
+                raise Refused(422, [f"sampling_session_seq_id {sampling_seq} is taken in this session"])
+            state.sampling_sessions[sampling_id] = SamplingSession(owner, model.base_model, model_id=model_id)
+    work = new_work(state, Kind.SAVE_FOR_SAMPLER, owner, model_id=model_id, seq_id=seq_id, body=save)
+    return JSONResponse({"request_id": queue(state, work), "model_id": model_id})
+
+
+async def load_weights(request: Request, state: ServiceState, owner: str) -> Response:
+    f = Fields(await read_json(request, state))
+    path = parse_checkpoint_path(f.body.get("path"), "path", f.problems)
+    if path is not None and path.kind != "weights":
+        f.problems.append(f"path {str(path)!r} is a sampler snapshot; load a state (tinker://…/weights/…)")
+    optimizer = f.bool("optimizer", False)
+    if "model_id" in f.body:  # load_state into an existing model, in its seq_id order
+        model_id, seq_id = f.str("model_id"), f.int("seq_id", 1, 2**31 - 1)
+        f.raise_if_any()
+        own_model(state, owner, model_id)
+        own_checkpoint(state, owner, path)
+        load = Load(str(path), bool(optimizer), create=False, owner=owner)
+        work = new_work(state, Kind.LOAD_WEIGHTS, owner, model_id=model_id, seq_id=seq_id, body=load)
+        return JSONResponse({"request_id": queue(state, work), "model_id": model_id})
+    # create_training_client_from_state: a new model whose first request (seq_id 0) is this load
+    session_id, model_seq_id = f.str("session_id"), f.int("model_seq_id", 0, 2**31 - 1)
+    asked = f.body.get("base_model")
+    if asked is not None and asked != state.base_model:
+        f.problems.append(
+            f"base_model {asked!r} is not served here; this service trains {state.base_model!r}"
+        )
+    f.raise_if_any()
+    session = own_session(state, owner, session_id)
+    own_checkpoint(state, owner, path)
+    model_id = f"{session_id}:train:{model_seq_id}"
+    with state.lock:
+        if model_id in state.creating:  # a resend: the same future
+            return JSONResponse({"request_id": state.creating[model_id], "model_id": model_id})
+        if model_id in state.models:
+            raise Refused(422, [f"model {model_id!r} exists already (model_seq_id {model_seq_id} is taken)"])
+        state.inbox.start_model(model_id, 0)
+        work = new_work(state, Kind.LOAD_WEIGHTS, owner, model_id=model_id, seq_id=0,
+                        body=Load(str(path), bool(optimizer), create=True, owner=owner))  # fmt: skip
+        request_id = queue(state, work)
+        state.creating[model_id] = request_id
+        session.model_ids.append(model_id)
+    return JSONResponse({"request_id": request_id, "model_id": model_id})
+
+
+async def create_sampling_session(request: Request, state: ServiceState, owner: str) -> Response:
+    f = Fields(await read_json(request, state))
+    session_id = f.str("session_id")
+    seq = f.int("sampling_session_seq_id", 0, 2**31 - 1)
+    model_path = None
+    if f.body.get("model_path") is not None:
+        model_path = parse_checkpoint_path(f.body["model_path"], "model_path", f.problems)
+    asked = f.body.get("base_model")
+    if asked is not None and asked != state.base_model:
+        f.problems.append(
+            f"base_model {asked!r} is not served here; this service samples {state.base_model!r}"
+        )
+    f.raise_if_any()
+    own_session(state, owner, session_id)
+    if model_path is not None:
+        own_checkpoint(state, owner, model_path)
+    sampling_id = f"{session_id}:sample:{seq}"
+    with state.lock:
+        known = state.sampling_sessions.get(sampling_id)
+        path = str(model_path) if model_path else None
+        if known is not None and known.model_path != path:
+            raise Refused(422, [f"sampling_session_seq_id {seq} is taken in this session"])
+        state.sampling_sessions[sampling_id] = SamplingSession(owner, state.base_model, model_path=path)
+    return JSONResponse({"sampling_session_id": sampling_id})
+
+
+async def get_sampler(request: Request, state: ServiceState, owner: str) -> Response:
+    sampler_id = request.path_params["sampler_id"]
+    with state.lock:
+        s = state.sampling_sessions.get(sampler_id)
+        if s is None or s.owner != owner:
+            raise Refused(404, f"no sampler {sampler_id!r}")
+        answer = {"sampler_id": sampler_id, "base_model": s.base_model}
+        if s.model_path:
+            answer["model_path"] = s.model_path
+    return JSONResponse(answer)
+
+
+async def asample(request: Request, state: ServiceState, owner: str) -> Response:
+    f, sample = read_sample(await read_json(request, state), vocab_size=state.limits.vocab_size,
+                            max_context=state.limits.max_tokens)  # fmt: skip
+    sampling_id = f.body.get("sampling_session_id")
+    model_path = f.body.get("model_path")
+    if sampling_id is not None:
+        with state.lock:
+            s = state.sampling_sessions.get(sampling_id) if isinstance(sampling_id, str) else None
+            if s is None or s.owner != owner:
+                raise Refused(404, f"no sampling session {sampling_id!r}")
+            model_path = s.model_path
+            sampling_model = s.model_id
+        session = state.sessions.get(sampling_id.split(":sample:")[0])
+        if session is not None:
+            session.last_seen = time.time()
+    else:
+        sampling_model = None
+        if model_path is not None:
+            problems: list[str] = []
+            own_checkpoint(state, owner, parse_checkpoint_path(model_path, "model_path", problems))
+        elif f.body.get("base_model") != state.base_model:
+            raise Refused(422, [f"name sampling_session_id, model_path or base_model {state.base_model!r}"])
+    work = new_work(state, Kind.SAMPLE, owner, model_id=sampling_model)
+    ids = [f"{work.request_id}:{i}" for i in range(sample.num_samples)]
+    work.body = replace(sample, sampling_session_id=sampling_id, model_path=model_path, sequence_ids=ids)
+    return JSONResponse({"request_id": queue(state, work), "sample_sequence_ids": ids})
+
+
+async def retrieve_future(request: Request, state: ServiceState, owner: str) -> Response:
+    f = Fields(await read_json(request, state))
+    request_id = f.str("request_id")
+    f.raise_if_any()
+    with state.lock:
+        known = state.future_owners.get(request_id)  # type: ignore[arg-type]
+    if known is None or known[0] != owner or not state.futures.known(request_id):  # type: ignore[arg-type]
+        raise Refused(404, f"no future {request_id!r}")
+    result = await state.futures.wait(request_id, state.poll_s)  # type: ignore[arg-type]
+    if result is None:
+        return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+    if result.error is not None:
+        return JSONResponse({"error": result.error, "category": str(result.category)})
+    if result.proto is not None:
+        return Response(result.proto, media_type="application/x-protobuf")
+    return JSONResponse(result.json or {})
+
+
+# ---------------------------------------------------------------------------------------------- server
+
+
+class Server:
+    """uvicorn serving ``state`` on a daemon thread with its own event loop (``futures`` bound to it).
+
+    ``Server(state).start()`` returns once it accepts connections; ``.url`` is then its base URL."""
+
+    def __init__(self, state: ServiceState, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.state = state
+        self.host = host
+        self.port = port
+        self.url: str | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+
+    def start(self, timeout: float = 30.0) -> Server:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(create_app(self.state), log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=75)  # fmt: skip
+        self._server = uvicorn.Server(config)
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            self.state.futures.bind(loop)
+            try:
+                loop.run_until_complete(self._server.serve(sockets=[sock]))  # type: ignore[union-attr]
+            except BaseException as e:  # reported by start() when it happens before startup
+                self._failed = e
+                log.exception("the service's HTTP server stopped")
+            finally:
+                sock.close()
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name="mlora-service-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if self._failed is not None or not self._thread.is_alive():
+                raise RuntimeError(f"the service's HTTP server did not start: {self._failed}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the service's HTTP server did not start in {timeout} s")
+            time.sleep(0.01)
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{shown}:{self.port}"
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,363 @@
+"""The JSON requests of the Tinker protocol, checked, and what the training loop gets from them.
+
+Each ``read_*`` function takes a decoded JSON body and returns the checked request as a small dataclass
+(the :attr:`~.work.Work.body` the training loop reads), or raises :class:`BodyError` naming every problem
+at once. Ownership (which key may reach which session, model or checkpoint) is :mod:`.app`'s business;
+these functions check only shapes, types and ranges. Unknown fields are ignored, so a newer SDK that adds
+one still works.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+"""A checkpoint name (the last part of a ``tinker://`` path)."""
+CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+MAX_NUM_SAMPLES = 16
+MAX_STOP = 32
+
+
+class BodyError(ValueError):
+    """A request body that cannot be used: every problem found (a user error, HTTP 400/422)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+@dataclass
+class ModelInfo:
+    """A LoRA training model (a tenant of the job), as created by ``create_model``."""
+
+    model_id: str
+    owner: str
+    base_model: str
+    rank: int
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """``optim_step``'s ``AdamParams``: torch AdamW with decoupled weight decay; clip 0 = none."""
+
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass(frozen=True)
+class Save:
+    """``save_weights`` (``kind="state"``: adapter + optimiser) or ``save_weights_for_sampler``
+    (``kind="sampler"``): either ``name`` is given, or ``sampling_session_id`` (a snapshot with no name
+    whose sampling session the future's result names)."""
+
+    kind: str
+    name: str | None
+    sampling_session_id: str | None = None
+    overwrite: bool = False
+    ttl_seconds: int | None = None
+
+
+@dataclass(frozen=True)
+class Load:
+    """``load_weights``: into an existing model, or (``create``) a new model ``model_id`` from a state."""
+
+    path: str
+    optimizer: bool
+    create: bool = False
+    owner: str = ""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """``asample``: one prompt, ``num_samples`` completions of it."""
+
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_strings: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_at_eos: bool = True
+    """``stop`` absent keeps the model's end-of-sequence stop; ``stop: []`` turns every stop off."""
+    prompt_logprobs: bool = False
+    sampling_session_id: str | None = None
+    model_path: str | None = None
+    """The ``tinker://…/sampler_weights/…`` snapshot to sample from; None: the base model."""
+    sequence_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CheckpointPath:
+    """A parsed ``tinker://<training_run_id>/<weights|sampler_weights>/<name>``."""
+
+    run_id: str
+    kind: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"tinker://{self.run_id}/{self.kind}/{self.name}"
+
+
+def parse_checkpoint_path(path: Any, where: str, problems: list[str]) -> CheckpointPath | None:
+    if not isinstance(path, str) or not path.startswith("tinker://"):
+        problems.append(f"{where} must be a tinker:// path, got {_show(path)}")
+        return None
+    parts = path[len("tinker://") :].split("/")
+    if len(parts) != 3 or not parts[0] or parts[1] not in CHECKPOINT_KINDS or not NAME.fullmatch(parts[2]):
+        problems.append(f"{where} {path!r} is not tinker://<run>/weights|sampler_weights/<name>")
+        return None
+    return CheckpointPath(*parts)
+
+
+class Fields:
+    """Reads typed fields of a JSON object, collecting a problem for each one that is missing or wrong."""
+
+    def __init__(self, body: Any, where: str = "") -> None:
+        self.problems: list[str] = []
+        self.where = where
+        if not isinstance(body, dict):
+            self.problems.append(f"{where or 'the body'} must be a JSON object, got {_show(body)}")
+            body = {}
+        self.body: dict[str, Any] = body
+
+    def _name(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def _get(self, key: str, required: bool) -> Any:
+        value = self.body.get(key)
+        if value is None and required:
+            self.problems.append(f"{self._name(key)} is missing")
+        return value
+
+    def str(self, key: str, required: bool = True, pattern: re.Pattern | None = None) -> str | None:
+        value = self._get(key, required)
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value:
+            self.problems.append(f"{self._name(key)} must be a non-empty string, got {_show(value)}")
+            return None
+        if pattern is not None and not pattern.fullmatch(value):
+            self.problems.append(f"{self._name(key)} {value!r} must match {pattern.pattern}")
+            return None
+        if "/" in value and pattern is None and key.endswith("_id"):
+            self.problems.append(f"{self._name(key)} {value!r} must not contain '/'")
+            return None
+        return value
+
+    def int(self, key: str, lo: int | None = None, hi: int | None = None, required: bool = True,
+            default: int | None = None) -> int | None:  # fmt: skip
+        value = self._get(key, required)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.problems.append(f"{self._name(key)} must be an integer, got {_show(value)}")
+            return default
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            self.problems.append(f"{self._name(key)} is {value}; it must be in [{lo}, {hi}]")
+            return default
+        return value
+
+    def float(self, key: str, default: float | None = None, required: bool = False, *,
+              gt: float | None = None, ge: float | None = None, lt: float | None = None,
+              le: float | None = None) -> float | None:  # fmt: skip
+        value = self._get(key, required)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self.problems.append(f"{self._name(key)} must be a finite number, got {_show(value)}")
+            return default
+        value = float(value)
+        bounds = [(gt, lambda b: value > b, ">"), (ge, lambda b: value >= b, ">="),
+                  (lt, lambda b: value < b, "<"), (le, lambda b: value <= b, "<=")]  # fmt: skip
+        for bound, ok, sign in bounds:
+            if bound is not None and not ok(bound):
+                self.problems.append(f"{self._name(key)} is {value}; it must be {sign} {bound}")
+                return default
+        return value
+
+    def bool(self, key: str, default: bool | None = None, required: bool = False) -> bool | None:
+        value = self._get(key, required)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            self.problems.append(f"{self._name(key)} must be true or false, got {_show(value)}")
+            return default
+        return value
+
+    def raise_if_any(self, more: list[str] = ()) -> None:  # type: ignore[assignment]
+        problems = self.problems + list(more)
+        if problems:
+            raise BodyError(problems)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_create_model(body: Any, *, owner: str, base_model: str, max_rank: int) -> tuple[str, int, ModelInfo]:
+    """``(session_id, model_seq_id, the model)`` of a ``create_model`` body."""
+    f = Fields(body)
+    session_id = f.str("session_id")
+    model_seq_id = f.int("model_seq_id", 0, 2**31 - 1)
+    asked = f.str("base_model")
+    if asked is not None and asked != base_model:
+        f.problems.append(f"base_model {asked!r} is not served here; this service trains {base_model!r}")
+    lora = Fields(f.body.get("lora_config", {}), "lora_config")
+    rank = lora.int("rank", 1, max_rank)
+    seed = lora.int("seed", required=False)
+    train = {k: lora.bool(k, True) for k in ("train_attn", "train_mlp", "train_unembed")}
+    if not any(v for v in train.values() if v is not None) and not lora.problems:
+        lora.problems.append("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+    optimizer = f.body.get("optimizer_config")
+    if optimizer is not None:
+        kind = optimizer.get("type") if isinstance(optimizer, dict) else optimizer
+        if kind != "adamw":
+            f.problems.append(f"optimizer_config type {_show(kind)} is not supported; only 'adamw'")
+    f.raise_if_any(lora.problems)
+    model_id = f"{session_id}:train:{model_seq_id}"
+    info = ModelInfo(model_id, owner, base_model, rank, seed, **train)  # type: ignore[arg-type]
+    return session_id, model_seq_id, info  # type: ignore[return-value]
+
+
+def read_adam(body: Any) -> tuple[str, int, AdamStep]:
+    """``(model_id, seq_id, the step)`` of an ``optim_step`` body."""
+    f = Fields(body)
+    model_id = f.str("model_id")
+    seq_id = f.int("seq_id", 1, 2**31 - 1)
+    params = next(
+        (f.body[k] for k in ("adam_params", "optim_params", "optimizer_params") if k in f.body), None
+    )
+    family = params.get("type") if isinstance(params, dict) else None
+    if params is None:
+        f.problems.append("adam_params is missing")
+    elif "optimizer_params" in f.body or family not in (None, "adam", "adamw"):
+        f.problems.append(f"optimizer {_show(family)} is not supported; only Adam (AdamParams)")
+    a = Fields(params if isinstance(params, dict) else {}, "adam_params")
+    step = AdamStep(
+        learning_rate=a.float("learning_rate", 1e-4, gt=0.0),  # type: ignore[arg-type]
+        beta1=a.float("beta1", 0.9, ge=0.0, lt=1.0),  # type: ignore[arg-type]
+        beta2=a.float("beta2", 0.95, ge=0.0, lt=1.0),  # type: ignore[arg-type]
+        eps=a.float("eps", 1e-12, gt=0.0),  # type: ignore[arg-type]
+        weight_decay=a.float("weight_decay", 0.0, ge=0.0),  # type: ignore[arg-type]
+        grad_clip_norm=a.float("grad_clip_norm", 0.0, ge=0.0),  # type: ignore[arg-type]
+    )
+    f.raise_if_any(a.problems if params is not None else [])
+    return model_id, seq_id, step  # type: ignore[return-value]
+
+
+def read_save(body: Any, kind: str) -> tuple[str, int, Save, int | None]:
+    """``(model_id, seq_id, the save, sampling_session_seq_id)`` of a ``save_weights`` (``kind="state"``)
+    or ``save_weights_for_sampler`` (``kind="sampler"``) body."""
+    f = Fields(body)
+    model_id = f.str("model_id")
+    seq_id = f.int("seq_id", 1, 2**31 - 1)
+    name = f.str("path", required=False, pattern=NAME)
+    sampling_seq = None
+    if kind == "sampler" and f.body.get("path") is None:
+        sampling_seq = f.int("sampling_session_seq_id", 0, 2**31 - 1)
+    elif f.body.get("path") is None:
+        f.problems.append("path is missing (the checkpoint's name)")
+    if kind == "sampler":
+        k = f.body.get("kind", "snapshot")
+        if k not in ("snapshot", "inflight"):
+            f.problems.append(f"kind {_show(k)} must be 'snapshot' or 'inflight'")
+    ttl = f.int("ttl_seconds", 1, required=False)
+    overwrite = f.bool("overwrite", False)
+    f.raise_if_any()
+    return model_id, seq_id, Save(kind, name, None, bool(overwrite), ttl), sampling_seq  # type: ignore[return-value]
+
+
+def read_sample(body: Any, *, vocab_size: int, max_context: int) -> tuple[Fields, Sample]:
+    """The checked ``asample`` body (``sequence_ids`` left empty: the server names them). The returned
+    :class:`Fields` holds the request's target (``sampling_session_id``, ``model_path``, ``base_model``)."""
+    f = Fields(body)
+    num_samples = f.int("num_samples", 1, MAX_NUM_SAMPLES, required=False, default=1)
+    prompt: list[int] = []
+    chunks = f.body.get("prompt", {}).get("chunks") if isinstance(f.body.get("prompt"), dict) else None
+    if not isinstance(chunks, list) or not chunks:
+        f.problems.append("prompt.chunks must be a non-empty list of encoded_text chunks")
+        chunks = []
+    for i, chunk in enumerate(chunks[:1024]):
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            kind = chunk.get("type") if isinstance(chunk, dict) else chunk
+            f.problems.append(f"prompt chunk {i} is {_show(kind)}; this server takes encoded_text only")
+            continue
+        tokens = chunk.get("tokens")
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            f.problems.append(f"prompt chunk {i}: tokens must be a list of integers")
+            continue
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        if bad:
+            f.problems.append(
+                f"prompt chunk {i}: token id {bad[0]} is outside the vocabulary of {vocab_size}"
+            )
+        prompt.extend(tokens)
+    if chunks and not prompt and not f.problems:
+        f.problems.append("the prompt holds no token")
+    p = Fields(f.body.get("sampling_params"), "sampling_params")
+    room = max_context - len(prompt)
+    max_tokens = p.int("max_tokens", 1, max(room, 1), required=False, default=min(room, 256))
+    if room < 1:
+        p.problems.append(
+            f"the prompt has {len(prompt)} tokens; at most {max_context - 1} leave room to sample"
+        )
+    temperature = p.float("temperature", 1.0, ge=0.0)
+    top_k = p.int("top_k", required=False, default=-1)
+    if top_k is not None and top_k != -1 and top_k < 1:
+        p.problems.append(f"sampling_params.top_k is {top_k}; it must be -1 (no limit) or >= 1")
+    top_p = p.float("top_p", 1.0, gt=0.0, le=1.0)
+    seed = p.int("seed", -(2**63), 2**64 - 1, required=False)
+    stop = p.body.get("stop")
+    stop_strings: list[str] = []
+    stop_ids: list[int] = []
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or len(stop) > MAX_STOP:
+            p.problems.append(f"sampling_params.stop must be a string or a list of at most {MAX_STOP}")
+        elif all(isinstance(s, str) and s for s in stop):
+            stop_strings = list(stop)
+        elif all(type(s) is int and 0 <= s < vocab_size for s in stop):
+            stop_ids = list(stop)
+        else:
+            p.problems.append(
+                "sampling_params.stop must hold non-empty strings or token ids in the vocabulary"
+            )
+    prompt_logprobs = f.bool("prompt_logprobs", False)
+    for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if f.body.get(key) not in (None, 0):
+            f.problems.append(f"{key} {_show(f.body[key])} is not supported by this server (only 0)")
+    if f.body.get("target_prompt_logprobs") is not None:
+        f.problems.append("target_prompt_logprobs is not supported by this server")
+    if f.body.get("prompt_logprobs_last_n") is not None:
+        f.problems.append("prompt_logprobs_last_n is not supported by this server")
+    f.raise_if_any(p.problems)
+    sample = Sample(
+        prompt=prompt,
+        num_samples=num_samples,  # type: ignore[arg-type]
+        max_tokens=max_tokens,  # type: ignore[arg-type]
+        temperature=temperature,  # type: ignore[arg-type]
+        top_k=top_k,  # type: ignore[arg-type]
+        top_p=top_p,  # type: ignore[arg-type]
+        seed=seed,
+        stop_strings=stop_strings,
+        stop_token_ids=stop_ids,
+        stop_at_eos=stop is None,
+        prompt_logprobs=bool(prompt_logprobs),
+    )
+    return f, sample
