@@ -8,6 +8,7 @@ clipping) from the same initial adapter: the losses, every datum's per-token log
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import peft
@@ -37,7 +38,8 @@ TEXTS = ["the red cat sat on the road", "a blue bird and a green tree", "count t
 class Served:
     """A job on this process, its training loop on a thread, its service on loopback."""
 
-    def __init__(self, base: str, max_tenants: int = 2) -> None:
+    def __init__(self, base: str, max_tenants: int = 2, background: bool = True) -> None:
+        self.base = base
         spec = JobSpec(base_model=base, tenants=[], seq_len=48, max_tenants=max_tenants, max_rank=8,
                        slot_modules=[*SLOTS, "lm_head"])  # fmt: skip
         self.keys = Keys()
@@ -52,15 +54,30 @@ class Served:
             vocab_size=self.trainer.engine.vocab_rows, max_tokens=spec.seq_len - 1
         )
         self.server = Server(self.state).start()
-        self.thread = threading.Thread(target=self.trainer.train, kwargs={"idle_s": 0.005}, daemon=True)
-        self.thread.start()
+        self.thread = None
+        if background:
+            self.thread = threading.Thread(target=self.trainer.train, kwargs={"idle_s": 0.005}, daemon=True)
+            self.thread.start()
+
+    def step_while(self, going, batch: int = 1, timeout: float = 120.0) -> None:
+        """Without the background loop: step whenever ``batch`` requests wait (or any wait and none came
+        for a second), while ``going()``."""
+        deadline, last = time.monotonic() + timeout, time.monotonic()
+        while going() and time.monotonic() < deadline:
+            waiting = len(self.state.inbox)
+            if waiting >= batch or (waiting and time.monotonic() - last > 1.0):
+                self.trainer.step()
+                last = time.monotonic()
+            else:
+                time.sleep(0.002)
 
     def client(self, key: str | None = None) -> tinker.ServiceClient:
         return tinker.ServiceClient(base_url=self.server.url, api_key=key or self.key)
 
     def close(self) -> None:
         self.trainer.stop_requested = True
-        self.thread.join(60)
+        if self.thread is not None:
+            self.thread.join(60)
         self.server.stop()
 
 
@@ -91,36 +108,45 @@ def to_sdk(d: tuple[list[int], list[int], list[float]]) -> types.Datum:
     )
 
 
-def test_sdk_forward_backward_in_chunks_and_optim_steps_equal_peft_and_adamw(served, llama_path, tmp_path):
-    tok = transformers.AutoTokenizer.from_pretrained(llama_path)
-    data = datums(tok, TEXTS)
-    tc = served.client().create_lora_training_client(
-        base_model=llama_path, rank=4, seed=7, train_unembed=False
-    )
-    name = tc.model_id.replace(":", "-")
-    init = Path(served.trainer.engine.save_adapter(name, tmp_path / "init"))  # (the loop idles: no request)
-    # (Adam's eps 1e-4: gradient entries that are rounding noise (~1e-10) are divided by eps; at 1e-8 and
-    # lr 2e-2 that alone moved the adapters by 3e-5 between two exact computations, losses equal to 1e-5)
-    adam = types.AdamParams(
-        learning_rate=2e-2, beta1=0.9, beta2=0.95, eps=1e-4, weight_decay=0.01, grad_clip_norm=0.5
-    )
-    got_losses, got_logprobs, norms = [], [], []
-    for _ in range(3):
-        first = tc.forward_backward([to_sdk(d) for d in data[:2]], "cross_entropy")
-        second = tc.forward_backward([to_sdk(d) for d in data[2:]], "cross_entropy")
-        step = tc.optim_step(adam)
-        a, b = first.result(), second.result()
-        norms.append(step.result().metrics["grad_norm:max"])
-        got_losses.append(a.metrics["loss:sum"] + b.metrics["loss:sum"])
-        got_logprobs.append([o["logprobs"].to_torch() for o in (*a.loss_fn_outputs, *b.loss_fn_outputs)])
+# (Adam's eps 1e-4: gradient entries that are rounding noise (~1e-10) are divided by eps; at 1e-8 and lr 2e-2
+# that alone moved the adapters by 3e-5 between two exact computations, whose losses agreed to 1e-5)
+ADAM = dict(learning_rate=2e-2, beta1=0.9, beta2=0.95, eps=1e-4, weight_decay=0.01, grad_clip_norm=0.5)
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(llama_path)
-    model = peft.PeftModel.from_pretrained(base, str(init), is_trainable=True)
+
+def training_client(served: Served, seed: int):
+    """A LoRA training client of rank 4 (attention and MLP), and its tenant's name in the job."""
+    tc = served.client().create_lora_training_client(
+        base_model=served.base, rank=4, seed=seed, train_unembed=False
+    )
+    tc = tc.result()  # (the SDK hands back a future of the client)
+    return tc, tc.model_id.replace(":", "-")
+
+
+def sdk_steps(tc, chunks: list[list], steps: int):
+    """``steps`` rounds of one forward_backward per chunk, then optim_step: each round's summed loss:sum,
+    every datum's logprobs, and the gradient norms the optimiser steps saw."""
+    losses, logprobs, norms = [], [], []
+    for _ in range(steps):
+        futures = [tc.forward_backward([to_sdk(d) for d in chunk], "cross_entropy") for chunk in chunks]
+        step = tc.optim_step(types.AdamParams(**ADAM))
+        results = [f.result() for f in futures]
+        norms.append(step.result().metrics["grad_norm:max"])
+        losses.append(sum(r.metrics["loss:sum"] for r in results))
+        logprobs.append([o["logprobs"].to_torch() for r in results for o in r.loss_fn_outputs])
+    return losses, logprobs, norms
+
+
+def peft_steps(base: str, init: Path, data: list, steps: int):
+    """The same with plain PEFT + torch AdamW from the adapter saved at ``init``: the losses and logprobs
+    of each round, and the PeftModel at the end."""
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), str(init),
+                                           is_trainable=True)  # fmt: skip
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=2e-2, betas=(0.9, 0.95), eps=1e-4, weight_decay=0.01, foreach=False)
-    want_losses, want_logprobs = [], []
-    for _ in range(3):
+    opt = torch.optim.AdamW(params, lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]),
+                            eps=ADAM["eps"], weight_decay=ADAM["weight_decay"], foreach=False)  # fmt: skip
+    losses, logprobs = [], []
+    for _ in range(steps):
         total, lps = 0.0, []
         for x, y, w in data:
             logits = model(input_ids=torch.tensor([x])).logits[0].float()
@@ -129,19 +155,72 @@ def test_sdk_forward_backward_in_chunks_and_optim_steps_equal_peft_and_adamw(ser
             loss.backward()  # gradients add up over the datums and the chunks until the step
             total += float(loss.detach())
             lps.append(lp.detach())
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        torch.nn.utils.clip_grad_norm_(params, ADAM["grad_clip_norm"])
         opt.step()
         opt.zero_grad()
-        want_losses.append(total)
-        want_logprobs.append(lps)
+        losses.append(total)
+        logprobs.append(lps)
+    return losses, logprobs, model
 
-    assert max(norms) > 0.5, f"clipping was not exercised: gradient norms {norms}"
+
+def assert_same(got, want, ours: dict, theirs: dict) -> None:
+    (got_losses, got_logprobs), (want_losses, want_logprobs) = got, want
     assert got_losses == pytest.approx(want_losses, abs=TOL)
-    for got, want in zip(got_logprobs, want_logprobs):
-        assert all(torch.allclose(g, v, atol=TOL) for g, v in zip(got, want))
-    ours = served.trainer.model.tenant_tensors(name)
-    theirs = peft_lora_tensors(model)
+    for g_round, w_round in zip(got_logprobs, want_logprobs, strict=True):
+        assert all(torch.allclose(g, w, atol=TOL) for g, w in zip(g_round, w_round, strict=True))
     assert set(ours) == set(theirs)
     diff = max(max((ours[k][0] - theirs[k][0]).abs().max().item(), (ours[k][1] - theirs[k][1]).abs().max().item())
                for k in ours)  # fmt: skip
     assert diff <= TOL, f"the adapter differs from PEFT + AdamW by {diff}"
+
+
+def test_sdk_forward_backward_in_chunks_and_optim_steps_equal_peft_and_adamw(served, llama_path, tmp_path):
+    data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS)
+    tc, name = training_client(served, seed=7)
+    init = Path(
+        served.trainer.engine.save_adapter(name, tmp_path / "init")
+    )  # (no request waits: the loop idles)
+    losses, logprobs, norms = sdk_steps(tc, [data[:2], data[2:]], steps=3)
+    assert max(norms) > ADAM["grad_clip_norm"], f"clipping was not exercised: gradient norms {norms}"
+    want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=3)
+    assert_same((losses, logprobs), (want_losses, want_logprobs), served.trainer.model.tenant_tensors(name),
+                peft_lora_tensors(model))  # fmt: skip
+
+
+def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tmp_path):
+    """Two programs drive a tenant each, in threads, at the same time; the loop steps once both have sent
+    a round (so every step holds both: the system rows count 2 tenants), and each ends as PEFT alone."""
+    served = Served(llama_path, background=False)
+    try:
+        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS)
+        halves = {7: data[:2], 8: data[2:]}
+        clients: dict[int, tuple] = {}
+        results: dict[int, tuple] = {}
+        go = threading.Event()
+
+        def program(seed: int) -> None:
+            clients[seed] = training_client(served, seed)
+            go.wait(60)
+            results[seed] = sdk_steps(clients[seed][0], [halves[seed]], steps=3)
+
+        threads = [threading.Thread(target=program, args=(seed,), daemon=True) for seed in halves]
+        for t in threads:
+            t.start()
+        served.step_while(lambda: len(clients) < 2)  # the two create_model requests
+        inits = {seed: Path(served.trainer.engine.save_adapter(name, tmp_path / f"init{seed}"))
+                 for seed, (_, name) in clients.items()}  # fmt: skip
+        go.set()
+        served.step_while(
+            lambda: any(t.is_alive() for t in threads), batch=4
+        )  # 2 x (forward_backward, optim)
+        for t in threads:
+            t.join(10)
+        shared = [r["tenants"] for r in served.trainer.history if r["kind"] == "system"]
+        assert shared.count(2) == 3, f"tenants per step: {shared}"
+        for seed, (_, name) in clients.items():
+            losses, logprobs, _ = results[seed]
+            want_losses, want_logprobs, model = peft_steps(llama_path, inits[seed], halves[seed], steps=3)
+            assert_same((losses, logprobs), (want_losses, want_logprobs),
+                        served.trainer.model.tenant_tensors(name), peft_lora_tensors(model))  # fmt: skip
+    finally:
+        served.close()

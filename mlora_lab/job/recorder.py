@@ -82,17 +82,17 @@ class Recorder:
         if self.run is not None and self.is_main:
             record_problem(self.run.root, problem)
 
-    def system(self, step_time: float, tokens: int) -> None:
-        """One ``system`` row per rank (gathered to rank 0): memory, step time, throughput, CPU/GPU use.
-        A collective every ``log_every`` steps."""
+    def system(self, step_time: float, tokens: int, tenants: int | None = None) -> None:
+        """One ``system`` row per rank (gathered to rank 0): memory, step time, throughput, CPU/GPU use,
+        and how many tenants had rows in the step. A collective every ``log_every`` steps."""
         if self.step % self.log_every:
             return
         mem, peak = memory_bytes(self.comm.device)
         cpu = self._cpu.percent() if self._cpu else None
         gpu = self._gpu.utilization() if self._gpu else None
-        per_rank = self.comm.gather_objects((mem, peak, step_time, tokens, cpu, gpu))
+        per_rank = self.comm.gather_objects((mem, peak, step_time, tokens, cpu, gpu, tenants))
         total_tokens = sum(r[3] for r in per_rank)
-        for rank, (mem, peak, step_time, _, cpu, gpu) in enumerate(per_rank):
+        for rank, (mem, peak, step_time, _, cpu, gpu, tenants) in enumerate(per_rank):
             self.log(
                 SystemRow(
                     step=self.step,
@@ -103,6 +103,7 @@ class Recorder:
                     tokens_per_s=total_tokens / step_time if step_time > 0 else 0.0,
                     cpu_percent=cpu,
                     gpu_util=gpu,
+                    tenants=tenants,
                 )
             )
 

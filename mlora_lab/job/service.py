@@ -25,7 +25,7 @@ weights). Results are settled as soon as they are known: a forward/backward's af
 optim_step's after the optimiser step (or its failure: a quarantined tenant fails its waiting requests).
 
 Sampling, saving and loading are not done by this driver yet: such requests fail with a user error that
-says so.
+says so. It runs on one process for now (``parallel.nproc = 1``).
 """
 
 from __future__ import annotations
@@ -138,6 +138,9 @@ class ServiceDriver(Driver):
         for work in self.state.inbox.take():
             if work.kind is Kind.CREATE_MODEL:
                 self._create(work)
+            elif work.kind not in (Kind.FORWARD_BACKWARD, Kind.OPTIM_STEP):
+                self._fail(work, f"{work.kind} is not supported by this server yet (forward_backward, forward "
+                           "and optim_step are)")  # fmt: skip
             elif work.model_id in self.queues:
                 self.queues[work.model_id].append(work)
             else:
@@ -162,12 +165,9 @@ class ServiceDriver(Driver):
                         self._fail(work, str(e))
                         continue
                     pending.forwards.append((work, lengths))
-                elif work.kind is Kind.OPTIM_STEP:
+                else:  # an optim_step (the only other kind queued): it ends the tenant's part of this step
                     pending.optim = queue.popleft()
                     break
-                else:
-                    queue.popleft()
-                    self._fail(work, f"{work.kind} is not supported by this server yet")
             if pending.forwards or pending.optim is not None:
                 self.step_work[name] = pending
         if not self.step_work:
@@ -206,7 +206,8 @@ class ServiceDriver(Driver):
             self._fail(work, f"cannot create the model: {refusal.error}")
             return
         self.queues[model_id] = deque()
-        self.state.models[model_id] = info
+        with self.state.lock:  # (the HTTP thread reads the registry under it)
+            self.state.models[model_id] = info
         self.state.inbox.start_model(model_id)
         self.state.futures.settle(
             work.request_id, Result(json={"model_id": model_id, "type": "create_model"})

@@ -246,7 +246,8 @@ class Trainer:
         for t in owner:
             self.pool[t].accumulating = True
         self._optimizer_steps(plans, owner)
-        self.recorder.system(time.perf_counter() - t0, int(batch.attention_mask.sum()))
+        tenants = len({name for name, start, end in batch.segments if name is not None and end > start})
+        self.recorder.system(time.perf_counter() - t0, int(batch.attention_mask.sum()), tenants)
         return True
 
     def _optimizer_steps(self, plans: list[tuple[Driver, Plan]], owner: dict[str, Driver]) -> None:

@@ -164,6 +164,9 @@ class SystemRow(Row, tag="system"):
     gpu_util: float | None = None
     """GPU utilisation in percent (``torch.cuda.utilization``: the share of the last sample period in
     which a kernel ran); ``None`` on CPU, or when NVML (``pynvml``) is not available."""
+    tenants: int | None = None
+    """Tenants whose rows shared the step's forward (on rank 0's rows: every tenant of the step there);
+    ``None`` in rows of older jobs. A served job's steps batch the requests of every waiting client."""
 
 
 class TenantRow(Row, tag="tenant"):

@@ -1,11 +1,14 @@
-"""The Tinker-compatible training service, job side: what rank 0 of a served job computes for the programs
-that drive their tenants through the ``tinker`` SDK (0.38.0; its wire protocol is mapped in the project's
-notes).
+"""The Tinker-compatible training service, job side: what rank 0 of a served job runs for the programs that
+drive their tenants through the ``tinker`` SDK (0.38.0), unchanged.
 
-- :mod:`mlora_lab.service.losses`: Tinker's built-in losses (``cross_entropy``, ``importance_sampling``,
-  ``ppo``, ``cispo``, ``dro``) as per-token sums over one forward of the shared base, their checks (one
-  error naming every problem of a request) and the metrics the SDK merges.
+- :mod:`.app`: the HTTP front (Starlette + uvicorn on a thread): checks each request, queues it, answers
+  futures; it never computes. :mod:`.keys` (API keys), :mod:`.bodies` (JSON bodies, checked).
+- :mod:`.work`: the inbox (every model's requests in ``seq_id`` order, a resend run once) and the futures,
+  where the HTTP thread and the training loop meet.
+- :mod:`.wire`: the protobuf wire format, with the SDK's own message classes.
+- :mod:`.losses`: Tinker's built-in losses (``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``,
+  ``dro``) as per-token sums over one forward of the shared base.
 
-More modules (the HTTP front, the request queue, the protobuf codec) come later. Import the submodules
-themselves: this package imports nothing.
+The training loop's side is :class:`mlora_lab.job.service.ServiceDriver`, the loop's third driver.
+Import the submodules themselves: this package imports nothing.
 """

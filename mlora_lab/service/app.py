@@ -258,6 +258,8 @@ def own_checkpoint(state: ServiceState, owner: str, path: CheckpointPath | None)
 def queue(state: ServiceState, work: Work) -> str:
     """Put ``work`` in the inbox; the request id the client waits on (the first one's for a resend)."""
     request_id = state.inbox.put(work)
+    if request_id != work.request_id:  # a resend: the client waits on the first one's future
+        state.futures.forget(work.request_id)
     with state.lock:
         now = time.time()
         state.future_owners.setdefault(request_id, (work.owner, now))

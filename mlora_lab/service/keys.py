@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
-import os
 import secrets
-import tempfile
 import threading
 from pathlib import Path
+
+from mlora_lab.rundir.files import atomic_write_bytes
 
 PREFIX = "tml-"
 
@@ -93,18 +93,9 @@ class Keys:
     def _save_locked(self) -> None:
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        try:
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"keys": self._keys}, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        # owner-only, written atomically through the run directory's guarded writer (no link is followed)
+        body = json.dumps({"keys": self._keys}, indent=1, sort_keys=True).encode()
+        atomic_write_bytes(self.path, body, mode=0o600)
         self._stamp = _stamp(self.path)
 
     def _load(self) -> None:

@@ -170,6 +170,12 @@ class Futures:
             self._pending.add(request_id)
         return request_id
 
+    def forget(self, request_id: str) -> None:
+        """Drop a request id that will never be settled (a resend answered with the first one's)."""
+        with self._lock:
+            self._pending.discard(request_id)
+            self._results.pop(request_id, None)
+
     def known(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._pending or request_id in self._results
