@@ -3,6 +3,9 @@
 Supervised exactness: the SDK's ``forward_backward(cross_entropy)`` in two chunks, then ``optim_step`` with
 AdamParams, for several steps, equals plain PEFT + ``torch.optim.AdamW`` (decoupled weight decay, torch's
 clipping) from the same initial adapter: the losses, every datum's per-token logprobs and the adapter.
+A sampler snapshot of it then samples as PEFT's model generates (greedy tokens, their logprobs, the prompt's
+logprobs) and does not move while the client trains on; the base model samples as the plain base.
+Two clients at once share every step of the loop, and each equals PEFT alone.
 """
 
 from __future__ import annotations
@@ -185,6 +188,50 @@ def test_sdk_forward_backward_in_chunks_and_optim_steps_equal_peft_and_adamw(ser
     want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=3)
     assert_same((losses, logprobs), (want_losses, want_logprobs), served.trainer.model.tenant_tensors(name),
                 peft_lora_tensors(model))  # fmt: skip
+
+    # Sampling: a snapshot of the trained adapter samples as PEFT's model generates; it stays as it was
+    # while the client trains on; the base model samples as the plain base does.
+    model.eval()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompts = [d[0][:4] for d in data[:2]]
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    got = [
+        sampler.sample(types.ModelInput.from_ints(p), num_samples=2, sampling_params=greedy) for p in prompts
+    ]
+    got = [f.result() for f in got]
+    for p, answer in zip(prompts, got):
+        tokens, logprobs = peft_greedy(model, p, 6)
+        assert [seq.tokens for seq in answer.sequences] == [tokens, tokens]
+        assert answer.sequences[0].logprobs == pytest.approx(logprobs, abs=1e-4)
+    prompt_lps = sampler.compute_logprobs(types.ModelInput.from_ints(data[0][0])).result()
+    with torch.no_grad():
+        lp = model(input_ids=torch.tensor([data[0][0]])).logits[0, :-1].float().log_softmax(-1)
+    assert prompt_lps[0] is None
+    assert prompt_lps[1:] == pytest.approx(
+        lp.gather(1, torch.tensor(data[0][0][1:])[:, None])[:, 0].tolist(), abs=1e-4
+    )
+    sdk_steps(tc, [data[:2]], steps=1)  # the client trains on; its snapshot does not move
+    again = sampler.sample(
+        types.ModelInput.from_ints(prompts[0]), num_samples=1, sampling_params=greedy
+    ).result()
+    assert again.sequences[0].tokens == got[0].sequences[0].tokens
+    base = served.client().create_sampling_client(base_model=llama_path).result()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(llama_path).eval()
+    answer = base.sample(
+        types.ModelInput.from_ints(prompts[1]), num_samples=1, sampling_params=greedy
+    ).result()
+    assert answer.sequences[0].tokens == peft_greedy(plain, prompts[1], 6)[0]
+
+
+def peft_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """HF ``generate``'s greedy tokens (stopping at EOS, as a sample with no ``stop`` does) and their
+    log-softmax logprobs."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, [step.float().log_softmax(-1)[0, t].item() for step, t in zip(out.logits, tokens)]
 
 
 def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tmp_path):

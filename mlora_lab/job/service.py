@@ -24,12 +24,23 @@ up to and including its first optim_step; what follows waits for the next step (
 weights). Results are settled as soon as they are known: a forward/backward's after the forward, an
 optim_step's after the optimiser step (or its failure: a quarantined tenant fails its waiting requests).
 
-Sampling, saving and loading are not done by this driver yet: such requests fail with a user error that
-says so. It runs on one process for now (``parallel.nproc = 1``).
+    save_weights_for_sampler   a **snapshot**: the tenant's adapter as it is now, copied into a slot of its
+                      own (no optimiser; later steps of the tenant do not change it), at its place in
+                      the model's ``seq_id`` order; named (``tinker://<model>/sampler_weights/<name>``) or
+                      not (a sampling session of the SDK's ``save_weights_and_get_sampling_client``)
+    asample           the samples of every client waiting at a step boundary, in ONE batched generation
+                      (:func:`mlora_lab.sampling.sample`: each row with its snapshot's adapter, or the
+                      base alone; a KV cache; seeds; stop strings and token ids; per-token logprobs always,
+                      the prompt's when asked)
+
+Saving and loading training state are not done by this driver yet: such requests fail with a user error
+that says so. It runs on one process for now (``parallel.nproc = 1``). A snapshot holds a slot while the
+job runs (snapshots and training clients share ``max_tenants``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,6 +55,7 @@ from mlora_lab.job.tenants import TenantRun
 from mlora_lab.lora.model import MultiLoRAModel
 from mlora_lab.lora.targets import output_layer_names
 from mlora_lab.rundir import TenantState, TrainRow
+from mlora_lab.sampling import SampleRequest, default_stop_ids, sample
 from mlora_lab.service import losses, wire
 from mlora_lab.service.work import ErrorCategory, Kind, Result, Work
 from mlora_lab.spec import MAX_COUNT, Tenant
@@ -119,6 +131,8 @@ class ServiceDriver(Driver):
         self.queues: dict[str, deque[Work]] = {}  # model id -> its requests taken, not run yet
         self.step_work: dict[str, _Pending] = {}  # tenant -> what it runs in the current step
         self.waiting_optim: dict[str, Work] = {}  # tenant -> its optim_step, until the step settles it
+        self.snapshots: dict[str, str] = {}  # tinker:// path or sampling session id -> its slot's name
+        self._snapshot_ids = itertools.count()
         if self.comm.dims.world_size > 1:
             raise NotImplementedError("the Tinker service runs on one process for now (parallel.nproc=1)")
 
@@ -135,12 +149,15 @@ class ServiceDriver(Driver):
     # -- a step's plan ---------------------------------------------------------------------------
     def plan(self) -> Plan | None:
         self._settle_failed()
+        samples: list[Work] = []
         for work in self.state.inbox.take():
             if work.kind is Kind.CREATE_MODEL:
                 self._create(work)
-            elif work.kind not in (Kind.FORWARD_BACKWARD, Kind.OPTIM_STEP):
-                self._fail(work, f"{work.kind} is not supported by this server yet (forward_backward, forward "
-                           "and optim_step are)")  # fmt: skip
+            elif work.kind is Kind.SAMPLE:
+                samples.append(work)
+            elif work.kind not in (Kind.FORWARD_BACKWARD, Kind.OPTIM_STEP, Kind.SAVE_FOR_SAMPLER):
+                self._fail(work, f"{work.kind} is not supported by this server yet (forward_backward, forward, "
+                           "optim_step, sampler snapshots and sampling are)")  # fmt: skip
             elif work.model_id in self.queues:
                 self.queues[work.model_id].append(work)
             else:
@@ -165,11 +182,17 @@ class ServiceDriver(Driver):
                         self._fail(work, str(e))
                         continue
                     pending.forwards.append((work, lengths))
+                elif work.kind is Kind.SAVE_FOR_SAMPLER:
+                    if pending.forwards:  # it must see the weights after them: next step
+                        break
+                    self._snapshot(queue.popleft(), t)
                 else:  # an optim_step (the only other kind queued): it ends the tenant's part of this step
                     pending.optim = queue.popleft()
                     break
             if pending.forwards or pending.optim is not None:
                 self.step_work[name] = pending
+        if samples:
+            self._sample(samples)
         if not self.step_work:
             return None
         tenants = [self.pool[n] for n in self.step_work]
@@ -212,6 +235,79 @@ class ServiceDriver(Driver):
         self.state.futures.settle(
             work.request_id, Result(json={"model_id": model_id, "type": "create_model"})
         )
+
+    # -- sampling ----------------------------------------------------------------------------------
+    def _snapshot(self, work: Work, t: TenantRun) -> None:
+        """Copy ``t``'s adapter, as it is now, into a slot of its own, named by the request."""
+        save = work.body
+        key = save.sampling_session_id or f"tinker://{work.model_id}/sampler_weights/{save.name}"
+        if key in self.snapshots and not save.overwrite:
+            self._fail(work, f"{key} exists already (save with overwrite=True to replace it)")
+            return
+        model = self.engine.model
+        adapter = model.tenants[t.name]
+        snap = f"{t.name}.s{next(self._snapshot_ids)}"
+        try:
+            if len(model.tenants) >= self.spec.max_tenants:
+                raise ValueError(f"no free slot for a sampler snapshot: all max_tenants={self.spec.max_tenants} "
+                                 "slots hold training clients or snapshots")  # fmt: skip
+            model.add_tenant(snap, rank=adapter.rank, alpha=adapter.alpha, target_modules=adapter.modules,
+                             use_rslora=adapter.use_rslora, init=model.tenant_tensors(t.name))  # fmt: skip
+        except ValueError as e:
+            self._fail(work, str(e))
+            return
+        if key in self.snapshots:  # overwritten: the old copy's slot is freed
+            model.remove_tenant(self.snapshots[key])
+        self.snapshots[key] = snap
+        if save.sampling_session_id:
+            answer = {"sampling_session_id": save.sampling_session_id, "type": "save_weights_for_sampler"}
+        else:
+            answer = {"path": key, "type": "save_weights_for_sampler"}
+        self.state.futures.settle(work.request_id, Result(json=answer))
+
+    def _sample(self, works: list[Work]) -> None:
+        """Every waiting sample request in one batched generation; each future gets its sequences."""
+        requests, taken = [], []
+        eos = default_stop_ids(self.engine.model, self.engine.tokenizer)
+        for work in works:
+            s = work.body
+            source = s.sampling_session_id if s.sampling_session_id in self.snapshots else s.model_path
+            if source is not None and source not in self.snapshots:
+                self._fail(work, f"no sampler snapshot {source!r} on this server")
+                continue
+            ids = list(s.stop_token_ids)
+            # ``stop`` absent: the model's end-of-sequence; ``stop: []``: nothing stops a sample but its
+            # length; stop strings or ids: those and the end-of-sequence
+            stops = ids + eos if (s.stop_at_eos or s.stop_strings or ids) else []
+            requests.append(
+                SampleRequest(
+                    prompt=s.prompt,
+                    tenant=None if source is None else self.snapshots[source],
+                    num_samples=s.num_samples,
+                    max_new_tokens=s.max_tokens,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    top_k=None if s.top_k < 1 else s.top_k,
+                    stop_token_ids=tuple(dict.fromkeys(stops)),
+                    stop_strings=tuple(s.stop_strings),
+                    seed=s.seed,
+                    prompt_logprobs=s.prompt_logprobs,
+                )
+            )
+            taken.append(work)
+        if not requests:
+            return
+        try:
+            done = sample(self.engine.model, requests, tokenizer=self.engine.tokenizer)
+        except ValueError as e:  # (checked by the HTTP side already; a request it let through fails alone)
+            for work in taken:
+                self._fail(work, f"sampling failed: {e}")
+            return
+        for i, work in enumerate(taken):
+            mine = [c for c in done if c.request == i]
+            sequences = [wire.Sampled(c.tokens, c.logprobs, stopped=c.stop_reason != "length") for c in mine]
+            prompt = mine[0].prompt_logprobs if requests[i].prompt_logprobs else None
+            self.state.futures.settle(work.request_id, Result(proto=wire.sample_response(sequences, prompt)))
 
     def _set_adam(self, t: TenantRun, params: Any) -> None:
         """The request's AdamParams on the tenant's AdamW for the coming step (the schedule is constant)."""
