@@ -41,7 +41,9 @@ TEXTS = ["the red cat sat on the road", "a blue bird and a green tree", "count t
 class Served:
     """A job on this process, its training loop on a thread, its service on loopback."""
 
-    def __init__(self, base: str, max_tenants: int = 2, background: bool = True) -> None:
+    def __init__(
+        self, base: str, max_tenants: int = 2, background: bool = True, checkpoints: Path | None = None
+    ) -> None:
         self.base = base
         spec = JobSpec(base_model=base, tenants=[], seq_len=48, max_tenants=max_tenants, max_rank=8,
                        slot_modules=[*SLOTS, "lm_head"])  # fmt: skip
@@ -50,7 +52,12 @@ class Served:
         self.state = ServiceState(inbox=Inbox(), futures=Futures(), keys=self.keys, base_model=base,
                                   limits=wire.Limits(vocab_size=1, max_tokens=1), max_rank=8, tokenizer_id=base)  # fmt: skip
         self.trainer = Trainer(
-            spec, drivers=(lambda parts: ServiceDriver(parts, self.state), RLDriver, FileData)
+            spec,
+            drivers=(
+                lambda parts: ServiceDriver(parts, self.state, checkpoints=checkpoints),
+                RLDriver,
+                FileData,
+            ),
         )
         # (a datum is its input tokens and one more position: seq_len - 1 input tokens at most)
         self.state.limits = wire.Limits(
@@ -85,8 +92,8 @@ class Served:
 
 
 @pytest.fixture
-def served(llama_path):
-    s = Served(llama_path)
+def served(llama_path, tmp_path):
+    s = Served(llama_path, checkpoints=tmp_path / "service")
     yield s
     s.close()
 
@@ -271,3 +278,34 @@ def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tm
                         served.trainer.model.tenant_tensors(name), peft_lora_tensors(model))  # fmt: skip
     finally:
         served.close()
+
+
+def test_save_state_load_it_and_a_client_from_it_continue_exactly(served, llama_path, tmp_path):
+    """``save_state`` keeps the adapter and its AdamW state (and a PEFT adapter folder); ``load_state`` puts
+    the weights back; a client made from the state with its optimiser takes the very step the first one
+    took after saving."""
+    data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+    tc, name = training_client(served, seed=5)
+    sdk_steps(tc, [data], steps=2)
+    path = tc.save_state("s1").result().path
+    assert path == f"tinker://{tc.model_id}/weights/s1"
+    saved = served.trainer.model.tenant_tensors(name)
+    after, _, _ = sdk_steps(tc, [data], steps=1)
+    moved = served.trainer.model.tenant_tensors(name)
+    tc.load_state(path).result()
+    assert all(torch.equal(saved[k][0], v[0]) and torch.equal(saved[k][1], v[1])
+               for k, v in served.trainer.model.tenant_tensors(name).items())  # fmt: skip
+    other = served.client().create_training_client_from_state_with_optimizer(path).result()
+    again, _, _ = sdk_steps(other, [data], steps=1)
+    assert again == pytest.approx(after, abs=1e-6)
+    theirs = served.trainer.model.tenant_tensors(other.model_id.replace(":", "-"))
+    assert max(max((moved[k][0] - theirs[k][0]).abs().max().item(), (moved[k][1] - theirs[k][1]).abs().max().item())
+               for k in moved) <= 1e-6  # fmt: skip
+    # the state's PEFT folder loads in PEFT with the saved weights
+    folder = tmp_path / "service" / "weights" / name / "s1" / "adapter"
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(llama_path), str(folder)
+    )
+    assert all(torch.equal(saved[k][0], v[0]) for k, v in peft_lora_tensors(loaded).items())
+    with pytest.raises(tinker.RequestFailedError, match="exists already"):
+        tc.save_state("s1").result()

@@ -33,9 +33,16 @@ optim_step's after the optimiser step (or its failure: a quarantined tenant fail
                       base alone; a KV cache; seeds; stop strings and token ids; per-token logprobs always,
                       the prompt's when asked)
 
-Saving and loading training state are not done by this driver yet: such requests fail with a user error
-that says so. It runs on one process for now (``parallel.nproc = 1``). A snapshot holds a slot while the
-job runs (snapshots and training clients share ``max_tenants``).
+    save_weights      ``save_state``: ``<checkpoints>/weights/<model>/<name>/`` in the checkpoint format (JSON
+                      + safetensors, never a pickle; complete or absent), holding the adapter, the AdamW
+                      state and the client's LoRA settings, and ``adapter/`` beside them, a PEFT adapter
+                      directory; answered ``tinker://<model>/weights/<name>``
+    load_weights      into the model (``load_state``: the weights, a fresh AdamW; ``..._with_optimizer``:
+                      its state too), or a new model from it (``create_training_client_from_state``:
+                      the load is that model's first request)
+
+It runs on one process for now (``parallel.nproc = 1``). A snapshot holds a slot while the job runs
+(snapshots and training clients share ``max_tenants``).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import itertools
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,11 +62,16 @@ from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.lora.model import MultiLoRAModel
 from mlora_lab.lora.targets import output_layer_names
-from mlora_lab.rundir import TenantState, TrainRow
+from mlora_lab.rundir import TenantState, TrainRow, checkpoint
+from mlora_lab.rundir.checkpoint import CheckpointError, read_checkpoint, write_state_dir
 from mlora_lab.sampling import SampleRequest, default_stop_ids, sample
 from mlora_lab.service import losses, wire
+from mlora_lab.service.bodies import ModelInfo
 from mlora_lab.service.work import ErrorCategory, Kind, Result, Work
 from mlora_lab.spec import MAX_COUNT, Tenant
+
+STATE_FORMAT = "mlora_lab.service.state/1"
+"""What a saved Tinker state says it is (a checkpoint-format directory of another kind is refused)."""
 
 ATTENTION = (".self_attn.", ".attention.", ".attn.", ".self_attention.")
 """A module path holding one of these is an attention projection (``train_attn``); other linear layers of
@@ -123,9 +136,12 @@ class ServiceDriver(Driver):
     """Tenants of Tinker training clients (see the module docstring). ``state`` is the service's shared
     state (:class:`~mlora_lab.service.app.ServiceState`): its inbox, futures and model registry."""
 
-    def __init__(self, parts: JobParts, state: Any, lora_alpha: float = 32.0) -> None:
+    def __init__(
+        self, parts: JobParts, state: Any, lora_alpha: float = 32.0, checkpoints: str | Path | None = None
+    ) -> None:
         super().__init__(parts)
         self.state, self.lora_alpha = state, float(lora_alpha)
+        self.checkpoints = None if checkpoints is None else Path(checkpoints)
         self.comm = parts.engine.comm
         self.names: dict[str, str] = {}  # model id -> tenant name
         self.queues: dict[str, deque[Work]] = {}  # model id -> its requests taken, not run yet
@@ -155,7 +171,15 @@ class ServiceDriver(Driver):
                 self._create(work)
             elif work.kind is Kind.SAMPLE:
                 samples.append(work)
-            elif work.kind not in (Kind.FORWARD_BACKWARD, Kind.OPTIM_STEP, Kind.SAVE_FOR_SAMPLER):
+            elif work.kind is Kind.LOAD_WEIGHTS and work.body.create:
+                self._create_from_state(work)
+            elif work.kind not in (
+                Kind.FORWARD_BACKWARD,
+                Kind.OPTIM_STEP,
+                Kind.SAVE_FOR_SAMPLER,
+                Kind.SAVE_WEIGHTS,
+                Kind.LOAD_WEIGHTS,
+            ):
                 self._fail(work, f"{work.kind} is not supported by this server yet (forward_backward, forward, "
                            "optim_step, sampler snapshots and sampling are)")  # fmt: skip
             elif work.model_id in self.queues:
@@ -182,10 +206,11 @@ class ServiceDriver(Driver):
                         self._fail(work, str(e))
                         continue
                     pending.forwards.append((work, lengths))
-                elif work.kind is Kind.SAVE_FOR_SAMPLER:
-                    if pending.forwards:  # it must see the weights after them: next step
+                elif work.kind in (Kind.SAVE_FOR_SAMPLER, Kind.SAVE_WEIGHTS, Kind.LOAD_WEIGHTS):
+                    if pending.forwards:  # it must come after them (and their step): next step
                         break
-                    self._snapshot(queue.popleft(), t)
+                    {Kind.SAVE_FOR_SAMPLER: self._snapshot, Kind.SAVE_WEIGHTS: self._save_state,
+                     Kind.LOAD_WEIGHTS: self._load_state}[work.kind](queue.popleft(), t)  # fmt: skip
                 else:  # an optim_step (the only other kind queued): it ends the tenant's part of this step
                     pending.optim = queue.popleft()
                     break
@@ -207,18 +232,20 @@ class ServiceDriver(Driver):
                 complete.append(t.name)
         return Plan(tenants=tenants, rows=rows, complete=complete)
 
-    def _create(self, work: Work) -> None:
-        info = work.body
+    def _create(self, work: Work, info: Any = None) -> TenantRun | None:
+        """A tenant for the model ``info`` describes (``work.body`` by default); None (the request failed,
+        saying why) if it cannot be made."""
+        info = info or work.body
         model_id = info.model_id
         if model_id in self.names:
             self._fail(work, f"model {model_id!r} exists already")
-            return
+            return None
         name = model_id.replace(":", "-")
         try:
             targets = tinker_targets(self.engine.model, info.train_attn, info.train_mlp, info.train_unembed)
         except ValueError as e:
             self._fail(work, str(e))
-            return
+            return None
         tenant = Tenant(name=name, data="", rank=info.rank, alpha=self.lora_alpha, target_modules=targets,
                         lr=1e-4, weight_decay=0.0, max_grad_norm=None, batch_size=1, max_steps=MAX_COUNT,
                         seed=0 if info.seed is None else int(info.seed), dropout=0.0)  # fmt: skip
@@ -227,14 +254,104 @@ class ServiceDriver(Driver):
         if refusal is not None:
             del self.names[model_id]
             self._fail(work, f"cannot create the model: {refusal.error}")
-            return
+            return None
         self.queues[model_id] = deque()
         with self.state.lock:  # (the HTTP thread reads the registry under it)
             self.state.models[model_id] = info
         self.state.inbox.start_model(model_id)
-        self.state.futures.settle(
-            work.request_id, Result(json={"model_id": model_id, "type": "create_model"})
-        )
+        if work.kind is Kind.CREATE_MODEL:
+            answer = {"model_id": model_id, "type": "create_model"}
+            self.state.futures.settle(work.request_id, Result(json=answer))
+        return self.pool[name]
+
+    # -- training state ----------------------------------------------------------------------------
+    def _folder(self, path: str) -> Path | None:
+        """Where ``tinker://<model>/weights/<name>`` lives (None: this server saves no state)."""
+        if self.checkpoints is None:
+            return None
+        run, _, name = path.removeprefix("tinker://").split("/")
+        return self.checkpoints / "weights" / run.replace(":", "-") / name
+
+    def _save_state(self, work: Work, t: TenantRun) -> None:
+        save = work.body
+        path = f"tinker://{work.model_id}/weights/{save.name}"
+        folder = self._folder(path)
+        if folder is None:
+            self._fail(work, "this server keeps no saved states (it runs without a run directory)")
+            return
+        if folder.exists() and not save.overwrite:
+            self._fail(work, f"{path} exists already (save with overwrite=True to replace it)")
+            return
+        info = self.state.models[work.model_id]
+        lora = {k: getattr(info, k) for k in ("rank", "seed", "train_attn", "train_mlp", "train_unembed")}
+        tree = {
+            "format": STATE_FORMAT,
+            "model_id": work.model_id,
+            "lora": {**lora, "alpha": self.lora_alpha},
+            "adapter": self.engine.model.tenant_tensors(t.name),
+            "optimizer": t.optimizer.state_dict(gather=self.engine.model.io.gather),
+            "step": t.step,
+        }
+
+        def peft_folder(tmp: Path) -> None:
+            self.engine.save_adapter(t.name, tmp / "adapter")
+
+        try:
+            write_state_dir(folder, t.step, tree, beside=peft_folder)
+        except checkpoint.WRITE_ERRORS as e:
+            self._fail(work, f"could not save {path}: {e}", ErrorCategory.SERVER)
+            return
+        self.state.futures.settle(work.request_id, Result(json={"path": path, "type": "save_weights"}))
+
+    def _read_state(self, work: Work) -> dict[str, Any] | None:
+        folder = self._folder(work.body.path)
+        try:
+            if folder is None or not folder.exists():
+                raise CheckpointError(f"no saved state {work.body.path} on this server")
+            state = read_checkpoint(folder)
+            if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+                raise CheckpointError(f"{work.body.path} is not a saved state of this service")
+        except CheckpointError as e:
+            self._fail(work, str(e))
+            return None
+        return state
+
+    def _load_state(self, work: Work, t: TenantRun) -> None:
+        """``load_state``: the saved weights (and, asked, the AdamW state; else a fresh one) into ``t``."""
+        state = self._read_state(work)
+        if state is None:
+            return
+        mine = self.engine.model.tenant_tensors(t.name)
+        theirs = state["adapter"]
+        if set(mine) != set(theirs) or any(mine[k][0].shape != theirs[k][0].shape for k in mine):
+            self._fail(work, f"{work.body.path} has another LoRA shape (rank or layers) than this model")
+            return
+        self._restore(t, state, work.body.optimizer)
+        answer = {"path": work.body.path, "type": "load_weights"}
+        self.state.futures.settle(work.request_id, Result(json=answer))
+
+    def _create_from_state(self, work: Work) -> None:
+        """``create_training_client_from_state``: a new model with the saved LoRA settings, then the load."""
+        state = self._read_state(work)
+        if state is None:
+            return
+        lora = state["lora"]
+        info = ModelInfo(work.model_id, work.body.owner, self.state.base_model, int(lora["rank"]), lora["seed"],
+                         bool(lora["train_attn"]), bool(lora["train_mlp"]), bool(lora["train_unembed"]))  # fmt: skip
+        t = self._create(work, info)
+        if t is None:
+            return
+        self._restore(t, state, work.body.optimizer)
+        answer = {"path": work.body.path, "type": "load_weights", "model_id": work.model_id}
+        self.state.futures.settle(work.request_id, Result(json=answer))
+
+    def _restore(self, t: TenantRun, state: dict[str, Any], optimizer: bool) -> None:
+        self.engine.model.set_tenant_tensors(t.name, state["adapter"])
+        t.optimizer.zero_grad()
+        if optimizer:
+            t.optimizer.load_state_dict(state["optimizer"], scatter=self.engine.model.io.scatter)
+        else:
+            t.optimizer.optimizer.state.clear()  # AdamW starts again: no moments, step 0
 
     # -- sampling ----------------------------------------------------------------------------------
     def _snapshot(self, work: Work, t: TenantRun) -> None:

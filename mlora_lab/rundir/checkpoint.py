@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +115,20 @@ def step_of(path: Path) -> int:
 
 def write_checkpoint(checkpoints: str | os.PathLike, step: int, tree: Any) -> Path:
     """Write ``tree`` as ``checkpoints/step_<step>`` (complete, or not at all)."""
+    return write_state_dir(Path(checkpoints) / f"step_{step:08d}", step, tree)
+
+
+def write_state_dir(
+    final: str | os.PathLike, step: int, tree: Any, beside: Callable[[Path], None] | None = None
+) -> Path:
+    """Write ``tree`` in the checkpoint format at ``final`` (complete, or not at all; an old directory
+    there is replaced). ``beside(tmp)`` may add more to the directory before it is complete (a PEFT
+    adapter folder, say): it is checked by nobody but its own reader."""
     obj, tensors = encode(tree)
-    final = Path(checkpoints) / f"step_{step:08d}"
+    final = Path(final)
     with atomic_directory(final) as tmp:
+        if beside is not None:
+            beside(tmp)
         (tmp / STATE).write_text(json.dumps(obj), encoding="utf-8")
         save_file(tensors, str(tmp / TENSORS), metadata={"format": "pt"})
         files = {
