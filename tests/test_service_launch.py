@@ -71,6 +71,8 @@ def test_served_job_trains_a_tinker_client_checks_keys_and_stops(llama_path, tmp
         # a stop ends the run and its service
         assert svc.stop() == "stopped", svc.logs(0)
         assert not (svc.path / "service" / "endpoint.json").exists()
+        assert (svc.adapter_path(tenant) / "adapter_config.json").is_file()  # saved at the stop, as PEFT
+        assert type(ml.attach(svc.path)).__name__ == "ServedRun"
         with pytest.raises(RuntimeError, match="stopped"):
             svc.base_url  # noqa: B018
         print(f"service up {started:.1f} s after ml.serve; whole test {time.monotonic() - t0:.1f} s")
