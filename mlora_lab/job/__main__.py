@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.stop_requested |= signalled
         trainer.train()
         trainer.close()
+        if service is not None:  # (before the final state: a reader that sees it finds no endpoint)
+            service.stop()
         if dist.is_main:
             state = RunState.STOPPED if trainer.stop_requested else RunState.FINISHED
             update_status(run.root, state=state, ended=time.time())
