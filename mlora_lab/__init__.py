@@ -26,6 +26,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "Random": "mlora_lab.search",
     "Request": "mlora_lab.lab.run",
     "Run": "mlora_lab.lab.run",
+    "Service": "mlora_lab.spec",
     "SlurmOptions": "mlora_lab.lab.slurm",
     "SpecError": "mlora_lab.spec",
     "Sweep": "mlora_lab.search",
@@ -43,6 +44,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "report": "mlora_lab.trackers",
     "resume": "mlora_lab.lab.launcher",
     "runs": "mlora_lab.lab.report",
+    "serve": "mlora_lab.lab.launcher",
     "summary": "mlora_lab.lab.report",
     "sweep": "mlora_lab.lab.sweeps",
     "uniform": "mlora_lab.search",
@@ -53,7 +55,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from mlora_lab.lab.dashboard import Dashboard  # noqa: F401
     from mlora_lab.lab.forms import JobBuilder, TenantForm  # noqa: F401
     from mlora_lab.lab.handles import attach  # noqa: F401
-    from mlora_lab.lab.launcher import launch, resume  # noqa: F401
+    from mlora_lab.lab.launcher import launch, resume, serve  # noqa: F401
     from mlora_lab.lab.report import compare, compare_generations, hparams, runs, summary  # noqa: F401
     from mlora_lab.lab.run import Request, Run  # noqa: F401
     from mlora_lab.lab.slurm import SlurmOptions  # noqa: F401
@@ -72,7 +74,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         randint,
         uniform,
     )
-    from mlora_lab.spec import RL, JobSpec, Parallel, SpecError, Tenant  # noqa: F401
+    from mlora_lab.spec import RL, JobSpec, Parallel, Service, SpecError, Tenant  # noqa: F401
     from mlora_lab.trackers import report  # noqa: F401
 
 

@@ -1,4 +1,4 @@
-"""What a job is: ``Tenant``, ``Parallel`` and ``JobSpec``, their JSON form, and what each field means.
+"""What a job is: ``Tenant``, ``Parallel``, ``Service`` and ``JobSpec``, their JSON form, and what each field means.
 
 These are plain dataclasses that store names and paths, never live objects, so a spec round-trips
 through ``job.json`` unchanged (the one exception lives only in the notebook: a tenant's rows held in memory,
@@ -94,6 +94,9 @@ MAX_LR = 10.0
 """Largest ``lr``: LoRA trains at 1e-5 .. 1e-2; 10 already rewrites every weight each step."""
 MAX_WEIGHT_DECAY = 10.0
 """Largest ``weight_decay``: AdamW multiplies the weights by ``1 - lr·wd`` per step; at lr 0.1 this is 0."""
+MAX_PORT = 65_535
+MAX_QUEUE = 2**20
+"""Most requests a served job's inbox holds (``Service.max_queue``)."""
 MAX_PROBLEMS = 200
 """:func:`mlora_lab.validate.problems` lists at most this many, then ``... and N more problem(s)``."""
 _MAX_DEPTH = 16  # job.json nests 3 deep (tenants[i].betas); 16 leaves room and stops RecursionError
@@ -169,9 +172,10 @@ FIELD_KINDS = (
     "rewards",
     "numbers",
     "texts",
+    "service",
 )
-"""Kinds of :attr:`FieldInfo.kind`. ``tenants``, ``parallel`` and ``rl`` are the spec's nested parts,
-checked on their own; ``rewards`` (reward functions), ``numbers`` and ``texts`` (lists) are RL's."""
+"""Kinds of :attr:`FieldInfo.kind`. ``tenants``, ``parallel``, ``service`` and ``rl`` are the spec's nested
+parts, checked on their own; ``rewards`` (reward functions), ``numbers`` and ``texts`` (lists) are RL's."""
 
 
 @dataclass(frozen=True)
@@ -544,6 +548,42 @@ class Parallel:
 
 
 @dataclass
+class Service:
+    """The job also serves the Tinker API (:mod:`mlora_lab.service`): programs drive their own tenants with
+    the official ``tinker`` SDK, request by request, and the requests of every client that wait at the same
+    moment share one mixed-tenant step. Rank 0 serves HTTP on a thread; every request needs an API key
+    (``<run_dir>/service/keys.json``, owner-only). The job stays up until it is stopped (as ``serve``)."""
+
+    # fmt: off
+    host: str = field(default="127.0.0.1", metadata=_meta(
+        "host", kind="text", section="Service", max=255, help="address to listen on (loopback by default)"))
+    """The address the server listens on: loopback unless told otherwise (``"0.0.0.0"``: every interface)."""
+    port: int = field(default=0, metadata=_meta(
+        "port", section="Service", min=0, max=MAX_PORT, help="0: any free port"))
+    """The TCP port; 0 = a free one, chosen when the server starts (``service/endpoint.json`` says which)."""
+    lora_alpha: float = field(default=32.0, metadata=_meta(
+        "lora alpha", kind="float", section="Service", min=0, min_open=True,
+        help="alpha of the clients' adapters (Tinker has none)"))
+    """LoRA alpha of every client's adapter: Tinker's ``LoraConfig`` has a rank and no alpha."""
+    max_queue: int = field(default=4096, metadata=_meta(
+        "max queue", section="Service", min=1, max=MAX_QUEUE, help="waiting requests; more are answered 429"))
+    """Requests that may wait at once; past it a request is answered 429 (the SDK retries it)."""
+    # fmt: on
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | Service) -> Service:
+        """Build from a dict (``service`` of ``job.json``); unknown keys raise ``SpecError``."""
+        kwargs, problems = _kwargs_for(cls, d, "service")
+        if problems:
+            raise SpecError(problems)
+        return d if isinstance(d, Service) else cls(**kwargs)
+
+
+@dataclass
 class JobSpec:
     """A whole job: one frozen base model, its tenants, and the job-wide settings. ``= job.json``."""
 
@@ -553,7 +593,7 @@ class JobSpec:
     directory holding one ``.gguf`` and no ``config.json``), converted once into a cache by
     ``mlora_lab.bases.resolve_base``; nothing is downloaded."""
     tenants: list[Tenant] = field(metadata=_meta("tenants", kind="tenants", form=False))
-    """The tenants to train (may be empty with ``serve=True``)."""
+    """The tenants to train (may be empty with ``serve=True`` or a ``service``)."""
     name: str | None = field(default=None, metadata=_meta(
         "run name", kind="text", section="Job", optional=True, max=MAX_RUN_NAME_LEN,
         help="shown in every label; empty: made from the tenants' names"))
@@ -642,9 +682,15 @@ class JobSpec:
     ``"all-linear"`` may come with other names: the union); ``None`` = the union of the tenants'
     ``target_modules``. Set it so that tenants added later may target modules no initial tenant uses
     (the layers are wrapped once, when the job starts; wrapping allocates nothing per tenant)."""
+    service: Service | None = field(default=None, metadata=_meta(
+        "service", kind="service", optional=True, form=False, help="serve the Tinker API"))
+    """``None``: no service. A :class:`Service`: the job also serves the Tinker API (``ml.serve(spec)``), on
+    one process for now, and stays up until it is stopped."""
     # fmt: on
 
     def __post_init__(self) -> None:
+        if isinstance(self.service, dict):
+            self.service = Service.from_dict(self.service)
         self.base_model = _path_str(self.base_model)
         self.tokenizer = _path_str(self.tokenizer)
         self.output_dir = _path_str(self.output_dir)
@@ -665,8 +711,8 @@ class JobSpec:
             value = getattr(self, f.name)
             if f.name == "tenants":
                 value = [t.to_dict() if isinstance(t, Tenant) else copy.deepcopy(t) for t in value]
-            elif f.name == "parallel":
-                value = value.to_dict() if isinstance(value, Parallel) else copy.deepcopy(value)
+            elif f.name in ("parallel", "service"):
+                value = value.to_dict() if isinstance(value, Parallel | Service) else copy.deepcopy(value)
             else:
                 value = copy.deepcopy(value)
             d[f.name] = value
@@ -701,6 +747,11 @@ class JobSpec:
             problems += p_problems
             if not p_problems and not isinstance(kwargs["parallel"], Parallel):
                 kwargs["parallel"] = Parallel(**p_kwargs)
+        if kwargs.get("service") is not None:
+            s_kwargs, s_problems = _kwargs_for(Service, kwargs["service"], "service")
+            problems += s_problems
+            if not s_problems and not isinstance(kwargs["service"], Service):
+                kwargs["service"] = Service(**s_kwargs)
         if problems:
             raise SpecError(problems)
         return cls(**kwargs)
@@ -800,12 +851,12 @@ class JobSpec:
 
 def default_run_name(job: JobSpec) -> str:
     """A readable name for a run that was given none: its tenants' names joined by ``+`` (at most three,
-    then how many more: ``"a+b+c+4 more"``), cut to 60 characters; ``"serve"`` for a serving job without
-    tenants, ``"run"`` for none at all."""
+    then how many more: ``"a+b+c+4 more"``), cut to 60 characters; ``"serve"`` for a serving job (or one
+    with a ``service``) without tenants, ``"run"`` for none at all."""
     tenants = job.tenants if isinstance(job.tenants, list | tuple) else []
     names = [t.name for t in tenants if isinstance(t, Tenant) and isinstance(t.name, str) and t.name]
     if not names:
-        return "serve" if job.serve is True else "run"
+        return "serve" if job.serve is True or job.service is not None else "run"
     text = "+".join(names[:3]) + (f"+{len(names) - 3} more" if len(names) > 3 else "")
     return text if len(text) <= 60 else text[:59] + "…"
 
@@ -917,7 +968,11 @@ def _kwargs_for(cls: type, d: Any, where: str) -> tuple[dict[str, Any], list[str
             f"{where}: missing required field{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
         )
     # tenants[i] and parallel are checked level by level by the caller; every other value is a leaf
-    deep = [k for k, v in d.items() if k in fields and k not in ("tenants", "parallel") and _too_deep(v)]
+    deep = [
+        k
+        for k, v in d.items()
+        if k in fields and k not in ("tenants", "parallel", "service") and _too_deep(v)
+    ]
     problems += [f"{where}: {k} is nested more than {_MAX_DEPTH} levels deep" for k in deep]
     if cls is Tenant:  # a dict is JSON (job.json, a control message): it names files, never holds rows
         problems += [

@@ -18,7 +18,16 @@ import pytest
 import mlora_lab.text
 import mlora_lab.validate
 import mlora_lab.validate.model
-from mlora_lab.spec import JobSpec, Parallel, Problem, SpecError, Tenant, fields_info
+from mlora_lab.spec import (
+    JobSpec,
+    Parallel,
+    Problem,
+    Service,
+    SpecError,
+    Tenant,
+    default_run_name,
+    fields_info,
+)
 from mlora_lab.tiny import build_tokenizer
 from mlora_lab.validate import check, model_target_names, tenant_problems
 from mlora_lab.validate import problems as spec_problems
@@ -549,6 +558,42 @@ def test_unloadable_model_skips_model_checks_but_reports_the_rest(tmp_path):
 def test_serve_mode_allows_no_tenants(tmp_path, llama_path):
     spec = JobSpec(base_model=llama_path, tenants=[], serve=True)
     assert spec_problems(spec) == []
+
+
+def test_a_service_round_trips_and_needs_no_tenants(tmp_path, llama_path):
+    spec = JobSpec(
+        base_model=llama_path, tenants=[], service=Service(host="0.0.0.0", port=8123, lora_alpha=16.0)
+    )
+    assert json.loads(spec.to_json())["service"] == {"host": "0.0.0.0", "port": 8123, "lora_alpha": 16.0,
+                                                     "max_queue": 4096}  # fmt: skip
+    assert (
+        JobSpec.from_json(spec.to_json()) == spec
+        and JobSpec.from_json(JobSpec(base_model="m", tenants=[]).to_json()).service is None
+    )
+    assert JobSpec(base_model="m", tenants=[], service={"port": 1}).service == Service(port=1)
+    assert spec_problems(spec) == [] and default_run_name(spec) == "serve"
+    with pytest.raises(SpecError, match=r"service: unknown field 'prot' \(did you mean 'port'\?\)"):
+        JobSpec.from_dict({"base_model": "m", "tenants": [], "service": {"prot": 1}})
+
+
+def test_every_service_problem_is_named_at_once(tmp_path, llama_path):
+    bad = Service(host=3, port=70_000, lora_alpha=0.0, max_queue=0)
+    spec = good_spec(llama_path, tmp_path, service=bad, parallel=Parallel(nproc=2))
+    by_field = {p.field: str(p) for p in spec_problems(spec, files=False)}
+    assert by_field == {
+        "service.host": "service.host must be a string (got 3 of type int)",
+        "service.port": "service.port must be <= 2**16 - 1 (got 70000)",
+        "service.lora_alpha": "service.lora_alpha must be > 0 (got 0.0)",
+        "service.max_queue": "service.max_queue must be >= 1 (got 0)",
+        "parallel.nproc": "the Tinker service runs on one process for now (got parallel.nproc*nnodes = 2*1); "
+        "serve with nproc=1 and nnodes=1",
+    }
+    spec.service = "yes"
+    assert texts(spec, files=False) == [
+        "service must be Service settings (an object) or null (got 'yes' of type str)"
+    ]
+    spec.service, spec.parallel = Service(port=65_535), Parallel()
+    assert texts(spec) == []
 
 
 def test_phi3_fused_projections(tmp_path, tiny_models):

@@ -8,7 +8,9 @@ saying why in status.json), watches the torchrun agent (a worker whose agent was
 of training on as an orphan), turns SIGTERM/SIGINT into a graceful stop (finish the step, checkpoint,
 save, exit: ``Run.stop()`` sends it when the disk is too full for the stop file), keeps some disk
 space in reserve for its last status (``.spare``), re-checks job.json, records the run's state in
-status.json, and trains.
+status.json, and trains. A served job (``JobSpec.service``) also serves the Tinker API while it trains
+(:class:`~mlora_lab.job.served.JobService`: its driver first, the server up once the job is assembled,
+down when the job ends).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import time
 import traceback
 from pathlib import Path
 
+from mlora_lab.job.drivers import DEFAULT_DRIVERS
 from mlora_lab.job.search import read_sweep
+from mlora_lab.job.served import JobService
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.parallel import init_distributed, shutdown_distributed
 from mlora_lab.rundir import (
@@ -157,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"[rank {rank}] pid {os.getpid()} on {where}", flush=True)
     trainer: Trainer | None = None
+    service: JobService | None = None
     signalled = False
 
     def on_signal(signum, frame):  # graceful stop: finish the step, checkpoint, save, exit
@@ -188,10 +193,17 @@ def main(argv: list[str] | None = None) -> int:
                 error=None,
                 ended=None,
             )
-        trainer = Trainer(spec, run.root, dist, resume=args.resume)
+        if spec.service is not None and dist.is_main:
+            service = JobService(spec, run)
+        drivers = service.drivers() if service is not None else DEFAULT_DRIVERS
+        trainer = Trainer(spec, run.root, dist, resume=args.resume, drivers=drivers)
+        if service is not None:
+            service.start()
         trainer.stop_requested |= signalled
         trainer.train()
         trainer.close()
+        if service is not None:  # (before the final state: a reader that sees it finds no endpoint)
+            service.stop()
         if dist.is_main:
             state = RunState.STOPPED if trainer.stop_requested else RunState.FINISHED
             update_status(run.root, state=state, ended=time.time())
@@ -202,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         record_failure(run, f"rank {rank}: {type(exc).__name__}: {exc}")
         return 1
     finally:
+        if service is not None:
+            service.stop()
         shutdown_distributed()
         lock.release()
 

@@ -11,7 +11,7 @@ Layered from the bottom up (a module imports only modules above it in this list,
     trials                            a search's trials and results, from sweep.json / search.json
     dashboard/                        the live view: model, runs table, figures, logs and export
     run                               the Run handle (+ Request): reads files, writes control messages
-    sweep_run                         SweepRun, the handle of a run that searches
+    sweep_run, served_run             SweepRun, ServedRun: the handles of a run that searches, that serves
     handles                           attach(): the handle a run directory calls for
     launcher                          launch, resume: local torchrun or Slurm
     sweeps                            ml.sweep: a search launched in one job

@@ -1,6 +1,7 @@
 """The ``mlora-lab`` command line.
 
 mlora-lab run job.json        validate, launch under torchrun (or --launcher slurm), follow until it ends
+mlora-lab serve job.json      the same with the Tinker API served: prints its URL, base model and keys file
 mlora-lab sweep sweep.json    a hyperparameter search inside one job (ASHA, PBT, grid, random), followed
 mlora-lab demo                build a tiny model + 3 tenants, train them together, summarise
 mlora-lab status RUN_DIR      state and per-tenant summary of a run
@@ -21,7 +22,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from mlora_lab.lab.handles import attach
-from mlora_lab.lab.launcher import LAUNCHERS, launch, prepare_run, resume
+from mlora_lab.lab.launcher import LAUNCHERS, launch, prepare_run, resume, serve
 from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
 from mlora_lab.lab.slurm import SlurmOptions
 from mlora_lab.rundir import (
@@ -255,6 +256,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return follow_to_exit(run, args.no_follow)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    svc = serve(
+        JobSpec.load(args.job), workdir=args.workdir, launcher=args.launcher, slurm=slurm_options(args)
+    )
+    print(f"run directory: {svc.path}\nwaiting for the job to load its model and listen...", flush=True)
+    endpoint = svc.endpoint()
+    print(f"Tinker API at {endpoint.url}")
+    print(f"base model:   {endpoint.base_model}")
+    print(f"API keys:     {svc.keys_path} (owner-only; the key named 'owner' is yours)", flush=True)
+    if args.no_follow:
+        return 0
+    state = follow(svc)  # (until `mlora-lab stop RUN_DIR` or Ctrl-C here and then a stop)
+    print_outcome(svc, state)
+    return 0 if state in (RunState.FINISHED, RunState.STOPPED) else 1
+
+
 SWEEP_KEYS = ("job", "space", "strategy", "budget", "seed", "objective", "mode", "base")
 
 
@@ -422,6 +439,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_slurm_arguments(p)
     p.set_defaults(func=cmd_run)
+    p = sub.add_parser("serve", help="launch a job.json that serves the Tinker API, print its URL, follow it")
+    p.add_argument("job", type=Path)
+    p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where run directories go (unless output_dir)")
+    p.add_argument("--no-follow", action="store_true", help="return once the service listens")
+    p.add_argument("--launcher", default="local", choices=LAUNCHERS)
+    add_slurm_arguments(p)
+    p.set_defaults(func=cmd_serve)
     p = sub.add_parser("sweep", help="launch a hyperparameter search inside one job and follow it")
     p.add_argument("sweep", type=Path)
     p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where run directories go (unless output_dir)")

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlora_lab.lab.run import Run
+from mlora_lab.lab.served_run import ServedRun
 from mlora_lab.lab.sweep_run import SweepRun
 from mlora_lab.rundir import RunDir, RunDirError
+from mlora_lab.rundir.service import is_served
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class HandleKind:
 
 HANDLE_KINDS: tuple[HandleKind, ...] = (
     HandleKind("sweep", lambda run: run.sweep.is_file(), SweepRun),  # a search inside the job
+    HandleKind("service", is_served, ServedRun),  # the job serves the Tinker API
 )
 
 
@@ -44,7 +47,8 @@ def handle_for(run_dir: str | os.PathLike, process: subprocess.Popen | None = No
 
 def attach(run_dir: str | os.PathLike) -> Run:
     """A :class:`~mlora_lab.lab.run.Run` for an existing run directory (after a kernel restart, or a
-    finished run); a :class:`~mlora_lab.lab.sweep_run.SweepRun` for a run that searches."""
+    finished run); a :class:`~mlora_lab.lab.sweep_run.SweepRun` for a run that searches, a
+    :class:`~mlora_lab.lab.served_run.ServedRun` for one that serves the Tinker API."""
     run = RunDir(run_dir)
     if not run.root.is_dir():
         raise RunDirError(f"{run_dir}: no such directory")

@@ -49,6 +49,7 @@ from mlora_lab.lab.handles import handle_for
 from mlora_lab.lab.liveness import Liveness, kill_job
 from mlora_lab.lab.logs import LAUNCHER_LOG
 from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
+from mlora_lab.lab.served_run import ServedRun
 from mlora_lab.lab.slurm import SlurmError, SlurmOptions
 from mlora_lab.lab.threads import omp_threads, thread_env
 from mlora_lab.rundir import (
@@ -64,9 +65,10 @@ from mlora_lab.rundir import (
     update_status,
 )
 from mlora_lab.rundir.files import link_message
+from mlora_lab.rundir.service import remove_endpoint
 from mlora_lab.rundir.status import JOB_MODULE, ProcessIdentity, this_host
 from mlora_lab.search import Sweep
-from mlora_lab.spec import JobSpec, Parallel, SpecError
+from mlora_lab.spec import JobSpec, Parallel, Service, SpecError
 from mlora_lab.text import error_line, show_path
 from mlora_lab.validate import job_of_sweep, sweep_problems, sweep_slot_modules
 from mlora_lab.validate import problems as spec_problems
@@ -270,6 +272,7 @@ def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
     there or at ``logs/``. A process whose pid cannot be recorded is ended again (the caller marks the
     run failed): nothing could tell later whether it still runs."""
     env = job_env(spec.parallel.nproc)
+    remove_endpoint(run_dir)  # (a served run's, left by a job that was killed: the new job writes its own)
     log = guarded_open(run_dir.root, run_dir.logs / LAUNCHER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         proc = subprocess.Popen(
@@ -298,6 +301,7 @@ def _submit(run_dir: RunDir, spec: JobSpec, options: SlurmOptions, resume: bool 
     base is converted already, as for a local job). The run is ``queued`` with the job id in
     status.json; if sbatch refuses after all, the run is marked failed and :class:`SlurmError` says why."""
     p = spec.parallel
+    remove_endpoint(run_dir)  # (as for a local job)
     script = slurm_cmd.render_script(options, run_dir.root, p.nnodes, p.nproc, run_dir.slurm_script, resume)
     atomic_write_text(run_dir.slurm_script, script)  # the record; Slurm gets the text itself
     try:
@@ -348,6 +352,20 @@ def launch(
         raise
     finally:
         lock.release()
+
+
+def serve(spec: JobSpec, **launch_kwargs: Any) -> ServedRun:
+    """:func:`launch` ``spec`` with the Tinker service on (``spec.service``, or :class:`~mlora_lab.spec.Service`
+    defaults: loopback, a free port) and return its :class:`~mlora_lab.lab.served_run.ServedRun` at once::
+
+        svc = ml.serve(spec)
+        tc = svc.client().create_lora_training_client(base_model=svc.base_model, rank=8)
+
+    ``svc.base_url`` waits for the job to load its model and listen. ``launch_kwargs`` go to :func:`launch`.
+    The job stays up until it is stopped (``svc.stop()``); ``spec.tenants`` may be empty."""
+    service = spec.service if spec.service is not None else Service()
+    run = launch(dataclasses.replace(spec, service=service), **launch_kwargs)
+    return run if isinstance(run, ServedRun) else ServedRun(run.path, process=run.process)
 
 
 def resume(

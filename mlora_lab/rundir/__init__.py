@@ -16,6 +16,7 @@
 <run_dir>/slurm.sbatch        its batch script as last submitted (logs/launcher.log: its output)
 <run_dir>/sweep.json          a search inside the job (mlora_lab.search.Sweep), if it runs one
 <run_dir>/search.json         that search's state: trials, rungs, decisions and why (written by rank 0)
+<run_dir>/service/            a served job's endpoint.json (its URL) and keys.json (API keys, 0600)
 <run_dir>/.lock               held (flock) by whoever owns the directory: a launch, then the job
 <run_dir>/.spare              space the job keeps allocated, freed to write status.json on a full disk
 ```
@@ -25,8 +26,8 @@ goes through).
 
 One module per format: :mod:`.files` (layout, names → paths, atomic writes, the lock),
 :mod:`.status` (run states, process identity), :mod:`.rows` (metrics rows, writer, reader),
-:mod:`.control` (messages, results, stop), :mod:`.checkpoint` (checkpoint layout and format) and
-:mod:`.labels` (tags and note).
+:mod:`.control` (messages, results, stop), :mod:`.checkpoint` (checkpoint layout and format),
+:mod:`.labels` (tags and note) and :mod:`.service` (a served job's endpoint and keys).
 The job, the launcher, the dashboard, the reports and the CLI all go through them; nothing here
 imports the training code or the notebook side.
 

@@ -126,6 +126,7 @@ class RunDir:
     slurm_script = property(lambda self: self.root / "slurm.sbatch")
     sweep = property(lambda self: self.root / "sweep.json")
     search = property(lambda self: self.root / "search.json")
+    service = property(lambda self: self.root / "service")
 
     def inside(self, path: str | os.PathLike) -> Path:
         """``path`` checked: lexically inside the run directory, and no part of it below the root (the

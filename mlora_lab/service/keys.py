@@ -2,7 +2,7 @@
 
 A key is ``"tml-" + secrets.token_urlsafe(32)`` (the SDK refuses keys without the ``tml-`` prefix). The
 file is JSON ``{"keys": {name: key}}``, written atomically (a temporary file in the same folder, 0600, then
-renamed over the old one). :meth:`Keys.who` re-reads the file when it changed on disk, so a notebook adds
+renamed over the old one): its format lives in :mod:`mlora_lab.rundir.service`. :meth:`Keys.who` re-reads the file when it changed on disk, so a notebook adds
 or revokes a key by rewriting it (or with :meth:`Keys.add` / :meth:`Keys.revoke` in any process).
 """
 
@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import json
-import secrets
 import threading
 from pathlib import Path
 
-from mlora_lab.rundir.files import atomic_write_bytes
+from mlora_lab.rundir.service import KEY_PREFIX as PREFIX
+from mlora_lab.rundir.service import new_key, read_keys, write_keys
 
-PREFIX = "tml-"
-
-
-def new_key() -> str:
-    return PREFIX + secrets.token_urlsafe(32)
+__all__ = ["PREFIX", "Keys", "new_key"]
 
 
 class Keys:
@@ -94,19 +89,13 @@ class Keys:
         if self.path is None:
             return
         # owner-only, written atomically through the run directory's guarded writer (no link is followed)
-        body = json.dumps({"keys": self._keys}, indent=1, sort_keys=True).encode()
-        atomic_write_bytes(self.path, body, mode=0o600)
+        write_keys(self.path, self._keys)
         self._stamp = _stamp(self.path)
 
     def _load(self) -> None:
         assert self.path is not None
         stamp = _stamp(self.path)
-        data = json.loads(self.path.read_text(encoding="utf-8"))
-        keys = data.get("keys") if isinstance(data, dict) else None
-        if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                 for k, v in keys.items()):  # fmt: skip
-            raise ValueError(f"{self.path}: expected {{'keys': {{name: key}}}}")
-        self._keys = dict(keys)
+        self._keys = read_keys(self.path)
         self._stamp = stamp
 
     def _reload_if_changed(self) -> None:
@@ -123,9 +112,10 @@ class Keys:
                 self._load()
 
 
-def _stamp(path: Path) -> tuple[int, int] | None:
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    # (an atomic rewrite is a new inode: seen even within the filesystem's mtime granularity at equal size)
     try:
         st = path.stat()
     except FileNotFoundError:
         return None
-    return (st.st_mtime_ns, st.st_size)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)

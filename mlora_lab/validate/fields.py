@@ -37,11 +37,11 @@ from mlora_lab.validate.tenants import check_name
 
 
 def check_job_fields(ctx: Context) -> None:
-    """The job's fields (``parallel`` and ``tenants`` are checked part by part, in their own phases),
+    """The job's fields (``parallel``, ``service`` and ``tenants`` are checked part by part, in their own phases),
     and an ``output_dir`` that exists as something other than a directory."""
     s = ctx.spec
     for name, info in fields_info(JobSpec):
-        if info.kind not in ("tenants", "parallel"):
+        if info.kind not in ("tenants", "parallel", "service"):
             check_field(ctx, None, name, getattr(s, name), info)
     out = s.output_dir
     if usable_path(out) and os.path.exists(out) and not os.path.isdir(out):

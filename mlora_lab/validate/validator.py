@@ -24,6 +24,7 @@ from mlora_lab.validate.model import (
     load_model_and_tokenizer,
 )
 from mlora_lab.validate.parallel import check_expert_parallel, check_parallel, check_tensor_parallel
+from mlora_lab.validate.service import check_service
 from mlora_lab.validate.tenants import check_tenant_set, existing_name_problems
 
 
@@ -33,6 +34,7 @@ def run_checks(ctx: Context, files: bool = True) -> list[Problem]:
     s = ctx.spec
     check_job_fields(ctx)
     check_parallel(ctx)
+    check_service(ctx)
     tenants = s.tenants if isinstance(s.tenants, list) else []
     if not isinstance(s.tenants, list):
         ctx.say(None, "tenants", f"tenants must be a list of Tenant (got {type(s.tenants).__name__})")

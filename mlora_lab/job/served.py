@@ -1,0 +1,81 @@
+"""A served job's Tinker service on its process (``JobSpec.service``): keys, shared state, HTTP server.
+
+Where the job is assembled (:mod:`mlora_lab.job.__main__`)::
+
+    with JobService(spec, run) as service:           # keys.json made (one "owner" key) if it has none
+        trainer = Trainer(spec, run.root, dist, drivers=service.drivers())   # ServiceDriver first
+        service.start()                              # uvicorn on a thread; service/endpoint.json says where
+        trainer.train()
+    # the server has stopped and endpoint.json is gone
+
+The HTTP thread only queues work and answers futures (:mod:`mlora_lab.service.app`); the training loop takes
+the work at its step boundaries through :class:`~mlora_lab.job.service.ServiceDriver`, whose ``waiting()``
+keeps the job up while it has no tenant. The Tinker service runs on one process for now (validated before
+launch: :mod:`mlora_lab.validate.service`).
+"""
+
+from __future__ import annotations
+
+from mlora_lab.bases import resolve_base
+from mlora_lab.job.driver import DriverFactory, JobParts
+from mlora_lab.job.drivers import DEFAULT_DRIVERS
+from mlora_lab.job.service import ServiceDriver
+from mlora_lab.rundir import RunDir
+from mlora_lab.rundir import service as files
+from mlora_lab.service import wire
+from mlora_lab.service.app import Server, ServiceState
+from mlora_lab.service.keys import Keys
+from mlora_lab.service.work import Futures, Inbox
+from mlora_lab.spec import JobSpec, Service
+
+
+class JobService:
+    """The service of one served job (``spec.service`` set), on the process that serves it."""
+
+    def __init__(self, spec: JobSpec, run: RunDir) -> None:
+        assert isinstance(spec.service, Service), "a JobService needs a spec with a service"
+        self.settings, self.run = spec.service, run
+        keys = Keys(path=files.keys_path(run))
+        if files.OWNER not in keys.names():
+            keys.add(files.OWNER)
+        tokenizer = spec.tokenizer or str(resolve_base(spec.base_model))
+        self.state = ServiceState(
+            inbox=Inbox(capacity=self.settings.max_queue),
+            futures=Futures(),
+            keys=keys,
+            base_model=spec.base_model,
+            limits=wire.Limits(vocab_size=1, max_tokens=1),  # (set from the engine with the driver)
+            max_rank=spec.max_rank,
+            tokenizer_id=tokenizer,
+        )
+        self.server: Server | None = None
+
+    def driver(self, parts: JobParts) -> ServiceDriver:
+        """The loop's service driver, the state's limits set from the job's model and ``seq_len`` (a datum
+        is its input tokens and one more position: ``seq_len - 1`` input tokens at most)."""
+        self.state.limits = wire.Limits(vocab_size=parts.engine.vocab_rows, max_tokens=parts.spec.seq_len - 1)
+        return ServiceDriver(parts, self.state, lora_alpha=self.settings.lora_alpha)
+
+    def drivers(self) -> tuple[DriverFactory, ...]:
+        """The job's drivers: the service's first (a client's tenant is its own), then the default ones."""
+        return (self.driver, *DEFAULT_DRIVERS)
+
+    def start(self) -> str:
+        """Listen, and say where in ``service/endpoint.json``; the URL."""
+        self.server = Server(self.state, self.settings.host, self.settings.port).start()
+        files.write_endpoint(self.run, self.server.url, self.state.base_model)
+        print(f"Tinker service at {self.server.url} (keys: {files.keys_path(self.run)})", flush=True)
+        return self.server.url
+
+    def stop(self) -> None:
+        """Stop listening; endpoint.json is removed first, so nobody is sent to a closed port."""
+        files.remove_endpoint(self.run)
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def __enter__(self) -> JobService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

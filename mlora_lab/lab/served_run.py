@@ -1,0 +1,123 @@
+"""The handle of a run whose job serves the Tinker API: :class:`ServedRun` (``ml.serve`` returns one, and
+``ml.attach`` does for a run directory whose job.json has a ``service``).
+
+    svc = ml.serve(spec)                      # a Run: dashboard, metrics, stop, ... as any other
+    tc = svc.client().create_lora_training_client(base_model=svc.base_model, rank=8)
+    svc.new_key("bob"); svc.revoke_key("bob")
+
+This side never talks to the job's process: it reads ``service/endpoint.json`` (where the server listens)
+and reads and rewrites ``service/keys.json`` (which the server re-reads), both through
+:mod:`mlora_lab.rundir.service`. The ``tinker`` SDK (the ``serve`` extra) is imported only by :meth:`client`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from mlora_lab.lab.run import Run
+from mlora_lab.rundir import RunState
+from mlora_lab.rundir import service as files
+from mlora_lab.rundir.files import name_problem
+
+ENDPOINT_TIMEOUT_S = 300.0
+"""How long :attr:`ServedRun.base_url` waits for the job to load its model and listen."""
+
+
+class ServiceNotUp(RuntimeError):
+    """The run's service is not listening: the run ended (or failed) before, or it did not start in time."""
+
+
+class ServedRun(Run):
+    """A :class:`~mlora_lab.lab.run.Run` whose job also serves the Tinker API (``JobSpec.service``)."""
+
+    def endpoint(self, timeout: float = ENDPOINT_TIMEOUT_S, poll: float = 0.2) -> files.Endpoint:
+        """Where the service listens, once it does: waits up to ``timeout`` seconds while the job starts
+        (it loads the model first). :class:`ServiceNotUp` when the run ends first (with the job's error) or
+        the time runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.status  # first: an endpoint removed at the end is then seen as the end
+            found = files.read_endpoint(self.dir)
+            if state.final:
+                why = f": {self.error}" if self.error else ""
+                raise ServiceNotUp(
+                    f"the run is {state.value}{why}; its Tinker service is not up ({self.path})"
+                )
+            if found is not None and state is RunState.RUNNING:
+                return found
+            if time.monotonic() >= deadline:
+                raise ServiceNotUp(
+                    f"the Tinker service of {self.path} did not start within {timeout:g} s (run {state.value}); "
+                    f"see run.logs(0)"
+                )
+            time.sleep(poll)
+
+    @property
+    def base_url(self) -> str:
+        """The service's URL (``http://127.0.0.1:PORT``), once it listens (:meth:`endpoint`)."""
+        return self.endpoint().url
+
+    @property
+    def base_model(self) -> str:
+        """The model name clients pass (``create_lora_training_client(base_model=...)``): the job's base."""
+        return self.spec.base_model
+
+    @property
+    def keys_path(self) -> Path:
+        """``service/keys.json``: the API keys, by name, owner-only."""
+        return files.keys_path(self.dir)
+
+    @property
+    def api_key(self) -> str:
+        """The key the job made for its owner (``"owner"`` in the keys file), once the service is up."""
+        return self.key(files.OWNER)
+
+    def key(self, name: str) -> str:
+        """The API key called ``name``; ``KeyError`` naming the keys there are."""
+        self.endpoint()  # (the job makes the keys file before it listens)
+        keys = files.read_keys(self.keys_path)
+        if name not in keys:
+            raise KeyError(f"no API key named {name!r} in {self.keys_path}; keys: {sorted(keys)}")
+        return keys[name]
+
+    def new_key(self, name: str) -> str:
+        """A new API key for ``name`` (replacing its old one), accepted by the running service at once (it
+        re-reads the keys file). Models a key creates are its own."""
+        problem = name_problem(name)
+        if problem:
+            raise ValueError(f"a key's name is 1-100 characters from A-Z a-z 0-9 . _ - ({problem})")
+        self.endpoint()  # the job writes the keys file before it listens; after that, only we do
+        keys = files.read_keys(self.keys_path)
+        keys[name] = files.new_key()
+        files.write_keys(self.keys_path, keys, root=self.path)
+        return keys[name]
+
+    def revoke_key(self, name: str) -> None:
+        """Forget ``name``'s key: the service refuses it from its next request on."""
+        self.endpoint()
+        keys = files.read_keys(self.keys_path)
+        if name not in keys:
+            raise KeyError(f"no API key named {name!r} in {self.keys_path}; keys: {sorted(keys)}")
+        del keys[name]
+        files.write_keys(self.keys_path, keys, root=self.path)
+
+    def client(self, api_key: str | None = None, **kwargs: Any) -> Any:
+        """A ``tinker.ServiceClient`` bound to the service (with the owner's key unless ``api_key`` is
+        given); ``kwargs`` go to it. Needs the ``tinker`` SDK: ``pip install 'mlora_lab[serve]'``."""
+        try:
+            import tinker
+        except ImportError as e:
+            raise ImportError(
+                "svc.client() needs the tinker SDK: pip install 'mlora_lab[serve]' (or tinker==0.38.0)"
+            ) from e
+        return tinker.ServiceClient(base_url=self.base_url, api_key=api_key or self.api_key, **kwargs)
+
+    def local_path(self, tinker_path: str) -> Path:
+        """The PEFT adapter directory of a ``tinker://`` checkpoint. Not yet: the service cannot save
+        checkpoints (``save_weights_for_sampler`` / ``save_state``) so far."""
+        raise NotImplementedError(
+            f"{tinker_path!r}: the service cannot save checkpoints yet, so there is no local path for one; "
+            "a client's adapter is saved as adapters/<tenant>/ when the run stops (run.adapter_path)"
+        )

@@ -1,0 +1,110 @@
+"""A served job's files (``JobSpec.service``): where its Tinker service listens, and the keys it accepts.
+
+```
+<run_dir>/service/endpoint.json   {"url": "http://127.0.0.1:PORT", "base_model": "..."}: written by the job's
+                                  rank 0 once its server listens, removed when the server stops
+<run_dir>/service/keys.json       {"keys": {name: "tml-..."}}: the API keys, owner-only (0600); the job
+                                  creates it with one key named "owner" when it has none, and re-reads it
+                                  whenever it is rewritten (a notebook's new_key / revoke_key)
+```
+
+Both are written whole, atomically, through the run directory's guard (:mod:`.files`). The job side
+(:mod:`mlora_lab.service.keys`) and the notebook side (:class:`mlora_lab.lab.served_run.ServedRun`) read and
+write them only through this module. A key is ``"tml-"`` and 32 random bytes, URL-safe (the SDK refuses
+keys without the ``tml-`` prefix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlora_lab.rundir.files import RunDir, RunDirError, atomic_write_bytes, atomic_write_json
+from mlora_lab.text import read_json
+
+KEY_PREFIX = "tml-"
+OWNER = "owner"
+"""The name of the key the job creates: the one ``svc.api_key`` is."""
+KEYS_MODE = 0o600
+
+
+def keys_path(run: RunDir) -> Path:
+    return run.service / "keys.json"
+
+
+def endpoint_path(run: RunDir) -> Path:
+    return run.service / "endpoint.json"
+
+
+def is_served(run: RunDir) -> bool:
+    """Whether the run's job.json asks for a service (read as plain JSON: no spec is built)."""
+    d, why = read_json(str(run.job), "a job file")
+    return why is None and isinstance(d, dict) and isinstance(d.get("service"), dict)
+
+
+# -- keys ----------------------------------------------------------------------------------------
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def read_keys(path: str | os.PathLike) -> dict[str, str]:
+    """The keys file at ``path`` (``{}`` when there is none); ``ValueError`` when it is not a keys file
+    (only a regular file is read)."""
+    value, why = read_json(os.fspath(path), "a keys file")
+    if why == "not found":
+        return {}
+    keys = value.get("keys") if isinstance(value, dict) else None
+    if why is not None or not isinstance(keys, dict):
+        raise ValueError(f"{path}: expected {{'keys': {{name: key}}}} ({why or 'another shape'})")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items()):
+        raise ValueError(f"{path}: every key's name and value must be strings")
+    return dict(keys)
+
+
+def write_keys(path: str | os.PathLike, keys: dict[str, str], root: str | os.PathLike | None = None) -> None:
+    """Write ``{"keys": keys}`` to ``path`` atomically, owner-only, through no link (below ``root``)."""
+    body = json.dumps({"keys": keys}, indent=1, sort_keys=True).encode()
+    atomic_write_bytes(path, body, mode=KEYS_MODE, root=root)
+
+
+# -- endpoint ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a served job listens and the model name its clients pass."""
+
+    url: str
+    base_model: str
+
+
+def write_endpoint(run: RunDir, url: str, base_model: str) -> None:
+    atomic_write_json(endpoint_path(run), {"url": url, "base_model": base_model}, root=run.root)
+
+
+def read_endpoint(run: RunDir) -> Endpoint | None:
+    """The endpoint the job wrote, or None while there is none (not up yet, or stopped)."""
+    path = endpoint_path(run)
+    if not path.exists():
+        return None
+    d, why = read_json(str(path), "an endpoint file")
+    if why == "not found":  # (removed while we looked)
+        return None
+    if why is not None or not isinstance(d, dict):
+        raise RunDirError(f"{path}: not an endpoint file ({why or 'not a JSON object'})")
+    url, base = d.get("url"), d.get("base_model")
+    if not (isinstance(url, str) and isinstance(base, str)):
+        raise RunDirError(f"{path}: expected {{'url': str, 'base_model': str}}")
+    return Endpoint(url, base)
+
+
+def remove_endpoint(run: RunDir) -> None:
+    """Say the server no longer listens (nothing happens when the file is already gone)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(run.inside(endpoint_path(run)))
