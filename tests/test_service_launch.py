@@ -59,6 +59,11 @@ def test_served_job_trains_a_tinker_client_checks_keys_and_stops(llama_path, tmp
             time.sleep(0.2)
         train = svc.metrics()
         assert list(train[train["tenant"] == tenant]["loss"]) == pytest.approx([loss], rel=1e-4)
+        # a saved state is also a PEFT adapter directory in the run, found from its tinker:// path
+        saved = tc.save_state("after-one-step").result().path
+        assert (svc.local_path(saved) / "adapter_config.json").is_file()
+        with pytest.raises(FileNotFoundError):
+            svc.local_path(f"tinker://{tc.model_id}/weights/never-saved")
         # keys: a wrong one is refused; one added works at once, and is refused once revoked
         base = svc.base_model
         assert refused(tinker.ServiceClient(base_url=svc.base_url, api_key="tml-wrong"), base)

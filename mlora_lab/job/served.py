@@ -54,7 +54,9 @@ class JobService:
         """The loop's service driver, the state's limits set from the job's model and ``seq_len`` (a datum
         is its input tokens and one more position: ``seq_len - 1`` input tokens at most)."""
         self.state.limits = wire.Limits(vocab_size=parts.engine.vocab_rows, max_tokens=parts.spec.seq_len - 1)
-        return ServiceDriver(parts, self.state, lora_alpha=self.settings.lora_alpha)
+        return ServiceDriver(
+            parts, self.state, lora_alpha=self.settings.lora_alpha, checkpoints=self.run.service
+        )
 
     def drivers(self) -> tuple[DriverFactory, ...]:
         """The job's drivers: the service's first (a client's tenant is its own), then the default ones."""

@@ -64,6 +64,7 @@ from mlora_lab.lora.model import MultiLoRAModel
 from mlora_lab.lora.targets import output_layer_names
 from mlora_lab.rundir import TenantState, TrainRow, checkpoint
 from mlora_lab.rundir.checkpoint import CheckpointError, read_checkpoint, write_state_dir
+from mlora_lab.rundir.service import saved_folder
 from mlora_lab.sampling import SampleRequest, default_stop_ids, sample
 from mlora_lab.service import losses, wire
 from mlora_lab.service.bodies import ModelInfo
@@ -266,11 +267,8 @@ class ServiceDriver(Driver):
 
     # -- training state ----------------------------------------------------------------------------
     def _folder(self, path: str) -> Path | None:
-        """Where ``tinker://<model>/weights/<name>`` lives (None: this server saves no state)."""
-        if self.checkpoints is None:
-            return None
-        run, _, name = path.removeprefix("tinker://").split("/")
-        return self.checkpoints / "weights" / run.replace(":", "-") / name
+        """Where the checkpoint ``path`` (``tinker://…``) lives (None: this server saves nothing)."""
+        return None if self.checkpoints is None else saved_folder(self.checkpoints, path)
 
     def _save_state(self, work: Work, t: TenantRun) -> None:
         save = work.body
@@ -376,6 +374,13 @@ class ServiceDriver(Driver):
         if key in self.snapshots:  # overwritten: the old copy's slot is freed
             model.remove_tenant(self.snapshots[key])
         self.snapshots[key] = snap
+        folder = self._folder(key) if save.name else None
+        if folder is not None:  # a named snapshot is also a PEFT adapter directory (svc.local_path)
+            try:
+                self.engine.save_adapter(snap, folder)
+            except checkpoint.WRITE_ERRORS as e:
+                self._fail(work, f"could not save {key}: {e}", ErrorCategory.SERVER)
+                return
         if save.sampling_session_id:
             answer = {"sampling_session_id": save.sampling_session_id, "type": "save_weights_for_sampler"}
         else:

@@ -115,9 +115,7 @@ class ServedRun(Run):
         return tinker.ServiceClient(base_url=self.base_url, api_key=api_key or self.api_key, **kwargs)
 
     def local_path(self, tinker_path: str) -> Path:
-        """The PEFT adapter directory of a ``tinker://`` checkpoint. Not yet: the service cannot save
-        checkpoints (``save_weights_for_sampler`` / ``save_state``) so far."""
-        raise NotImplementedError(
-            f"{tinker_path!r}: the service cannot save checkpoints yet, so there is no local path for one; "
-            "a client's adapter is saved as adapters/<tenant>/ when the run stops (run.adapter_path)"
-        )
+        """The PEFT adapter directory of a checkpoint a client saved: ``tinker://…/weights/<name>``
+        (``save_state``) or ``tinker://…/sampler_weights/<name>`` (a named ``save_weights_for_sampler``);
+        ``FileNotFoundError`` when the run has none of that name."""
+        return files.local_path(self.dir, tinker_path)

@@ -6,7 +6,14 @@
 <run_dir>/service/keys.json       {"keys": {name: "tml-..."}}: the API keys, owner-only (0600); the job
                                   creates it with one key named "owner" when it has none, and re-reads it
                                   whenever it is rewritten (a notebook's new_key / revoke_key)
+<run_dir>/service/weights/<model>/<name>/          a client's save_state (tinker://<model_id>/weights/<name>):
+                                  the checkpoint format (:mod:`.checkpoint`) with the adapter, its AdamW state
+                                  and the client's LoRA settings, and adapter/, a PEFT adapter directory
+<run_dir>/service/sampler_weights/<model>/<name>/  a named sampler snapshot (save_weights_for_sampler):
+                                  a PEFT adapter directory
 ```
+
+``<model>`` is the model id with ``:`` written ``-`` (:func:`saved_folder`, :func:`local_path`).
 
 Both are written whole, atomically, through the run directory's guard (:mod:`.files`). The job side
 (:mod:`mlora_lab.service.keys`) and the notebook side (:class:`mlora_lab.lab.served_run.ServedRun`) read and
@@ -38,6 +45,30 @@ def keys_path(run: RunDir) -> Path:
 
 def endpoint_path(run: RunDir) -> Path:
     return run.service / "endpoint.json"
+
+
+TINKER = "tinker://"
+SAVED_KINDS = ("weights", "sampler_weights")
+
+
+def saved_folder(service: str | os.PathLike, tinker_path: str) -> Path:
+    """Where the ``tinker://<model_id>/<weights|sampler_weights>/<name>`` a service saved lives, under its
+    folder ``service`` (``<run_dir>/service``); ``ValueError`` for a path of another form."""
+    parts = tinker_path.removeprefix(TINKER).split("/") if tinker_path.startswith(TINKER) else []
+    if len(parts) != 3 or parts[1] not in SAVED_KINDS or not all(parts) or ".." in parts or "" in parts:
+        raise ValueError(f"{tinker_path!r} is not tinker://<model>/weights|sampler_weights/<name>")
+    run_id, kind, name = parts
+    return Path(service) / kind / run_id.replace(":", "-") / name
+
+
+def local_path(run: RunDir, tinker_path: str) -> Path:
+    """The PEFT adapter directory of a checkpoint the run's service saved (``FileNotFoundError`` when there
+    is none)."""
+    folder = saved_folder(run.service, tinker_path)
+    adapter = folder / "adapter" if tinker_path.removeprefix(TINKER).split("/")[1] == "weights" else folder
+    if not (adapter / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{tinker_path}: no saved adapter at {adapter}")
+    return adapter
 
 
 def is_served(run: RunDir) -> bool:
