@@ -27,6 +27,7 @@ from mlora_lab.job.rl import RLDriver  # noqa: E402
 from mlora_lab.job.service import ServiceDriver  # noqa: E402
 from mlora_lab.job.trainer import Trainer  # noqa: E402
 from mlora_lab.reference import peft_lora_tensors  # noqa: E402
+from mlora_lab.rundir import TenantState  # noqa: E402
 from mlora_lab.service import wire  # noqa: E402
 from mlora_lab.service.app import Server, ServiceState  # noqa: E402
 from mlora_lab.service.keys import Keys  # noqa: E402
@@ -54,7 +55,9 @@ class Served:
         self.trainer = Trainer(
             spec,
             drivers=(
-                lambda parts: ServiceDriver(parts, self.state, checkpoints=checkpoints),
+                lambda parts: ServiceDriver(
+                    parts, self.state, checkpoints=checkpoints, session_timeout_s=30.0
+                ),
                 RLDriver,
                 FileData,
             ),
@@ -379,3 +382,29 @@ def test_each_loss_is_its_formula_over_the_returned_logprobs_and_its_gradient_cr
         max((ta[k][0] - tb[k][0]).abs().max().item(), (ta[k][1] - tb[k][1]).abs().max().item()) for k in ta
     )
     assert moved > 1e-2 and diff <= 1e-6, (moved, diff)  # (measured: moved 0.56-0.97, diff 0.0)
+
+
+def test_a_client_that_goes_away_has_its_tenant_saved_and_paused_and_it_goes_on_when_it_is_back(
+    served, llama_path
+):
+    data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+    tc, name = training_client(served, seed=9)
+    sdk_steps(tc, [data], steps=1)
+    tenant = served.trainer.tenants[name]
+    session = served.state.sessions[tc.model_id.split(":train:")[0]]
+    deadline = time.monotonic() + 20
+    while tenant.state is not TenantState.PAUSED and time.monotonic() < deadline:
+        with served.state.lock:  # silent for longer than the timeout (again, should a heartbeat come in)
+            session.last_seen = time.time() - 60
+        time.sleep(0.2)
+    assert tenant.state is TenantState.PAUSED and "no heartbeat" in tenant.reason, (
+        tenant.state,
+        tenant.reason,
+    )
+    rows = [r for r in served.trainer.history if r["kind"] == "tenant" and r["tenant"] == name]
+    assert rows[-1]["state"] == "paused" and "adapter saved" in rows[-1]["reason"]
+    before = served.trainer.model.tenant_tensors(name)
+    sdk_steps(tc, [data], steps=1)  # the client is back: its request brings the tenant back
+    assert tenant.state is TenantState.RUNNING and tenant.step == 2
+    after = served.trainer.model.tenant_tensors(name)
+    assert any(not torch.equal(before[k][1], after[k][1]) for k in before)

@@ -41,6 +41,10 @@ optim_step's after the optimiser step (or its failure: a quarantined tenant fail
                       its state too), or a new model from it (``create_training_client_from_state``:
                       the load is that model's first request)
 
+A client that goes away (its session finished, or no heartbeat nor request for ``session_timeout_s``; the
+SDK heartbeats every 10 s) has its tenants saved (``adapters/<tenant>``) and paused, not lost; a paused
+tenant whose session shows life again (a request naming its model) goes on where it stopped.
+
 It runs on one process for now (``parallel.nproc = 1``). A snapshot holds a slot while the job runs
 (snapshots and training clients share ``max_tenants``).
 """
@@ -48,6 +52,7 @@ It runs on one process for now (``parallel.nproc = 1``). A snapshot holds a slot
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -70,6 +75,9 @@ from mlora_lab.service import losses, wire
 from mlora_lab.service.bodies import ModelInfo
 from mlora_lab.service.work import ErrorCategory, Kind, Result, Work
 from mlora_lab.spec import MAX_COUNT, Tenant
+
+GONE = "its client sent no heartbeat nor request"
+"""The start of the reason a tenant of a client that went away is paused with."""
 
 STATE_FORMAT = "mlora_lab.service.state/1"
 """What a saved Tinker state says it is (a checkpoint-format directory of another kind is refused)."""
@@ -138,9 +146,16 @@ class ServiceDriver(Driver):
     state (:class:`~mlora_lab.service.app.ServiceState`): its inbox, futures and model registry."""
 
     def __init__(
-        self, parts: JobParts, state: Any, lora_alpha: float = 32.0, checkpoints: str | Path | None = None
+        self,
+        parts: JobParts,
+        state: Any,
+        lora_alpha: float = 32.0,
+        checkpoints: str | Path | None = None,
+        session_timeout_s: float = 60.0,
     ) -> None:
         super().__init__(parts)
+        self.session_timeout_s = float(session_timeout_s)
+        self._watched = 0.0
         self.state, self.lora_alpha = state, float(lora_alpha)
         self.checkpoints = None if checkpoints is None else Path(checkpoints)
         self.comm = parts.engine.comm
@@ -166,6 +181,7 @@ class ServiceDriver(Driver):
     # -- a step's plan ---------------------------------------------------------------------------
     def plan(self) -> Plan | None:
         self._settle_failed()
+        self._watch_sessions()
         samples: list[Work] = []
         for work in self.state.inbox.take():
             if work.kind is Kind.CREATE_MODEL:
@@ -264,6 +280,28 @@ class ServiceDriver(Driver):
             answer = {"model_id": model_id, "type": "create_model"}
             self.state.futures.settle(work.request_id, Result(json=answer))
         return self.pool[name]
+
+    def _watch_sessions(self) -> None:
+        """Pause (after saving) the tenants of clients that went away; resume those whose client is back.
+        Looked at once a second."""
+        now = time.time()
+        if now - self._watched < 1.0:
+            return
+        self._watched = now
+        with self.state.lock:
+            sessions = [(s.finished, s.last_seen, list(s.model_ids)) for s in self.state.sessions.values()]
+        for finished, seen, models in sessions:
+            gone = finished or now - seen > self.session_timeout_s
+            for model_id in models:
+                t = self.pool.tenants.get(self.names.get(model_id, ""))
+                if t is None:
+                    continue
+                if gone and t.state is TenantState.RUNNING:
+                    self.pool.save_adapter_logged(t.name)
+                    why = "its client finished its session" if finished else GONE
+                    self.pool.set_state(t, TenantState.PAUSED, f"{why} (adapter saved)")
+                elif not gone and t.state is TenantState.PAUSED and (t.reason or "").startswith(GONE):
+                    self.pool.set_state(t, TenantState.RUNNING)
 
     # -- training state ----------------------------------------------------------------------------
     def _folder(self, path: str) -> Path | None:
