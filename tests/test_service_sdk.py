@@ -408,3 +408,53 @@ def test_a_client_that_goes_away_has_its_tenant_saved_and_paused_and_it_goes_on_
     assert tenant.state is TenantState.RUNNING and tenant.step == 2
     after = served.trainer.model.tenant_tensors(name)
     assert any(not torch.equal(before[k][1], after[k][1]) for k in before)
+
+
+def test_hostile_requests_fail_alone_and_an_honest_client_beside_them_equals_peft(
+    served, llama_path, tmp_path
+):
+    """Out-of-vocabulary ids (input and target), NaN advantages, mismatched shapes, a huge num_samples and
+    another key's model id are each refused, one by one, while an honest client trains beside them exactly
+    as PEFT would."""
+    import httpx
+
+    data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+    honest, name = training_client(served, seed=4)
+    init = Path(served.trainer.engine.save_adapter(name, tmp_path / "init"))
+    bad, _ = training_client(served, seed=5)
+    x, y, w = data[0]
+    vocab = served.trainer.engine.vocab_rows
+
+    def datum(tokens=x, **inputs) -> types.Datum:
+        return types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
+
+    failed = {
+        "target out of vocabulary": bad.forward_backward([datum(target_tokens=[vocab + 5] * len(x), weights=w)],
+                                                         "cross_entropy"),
+        "NaN advantages": bad.forward_backward([datum(target_tokens=y, logprobs=[0.0] * len(x),
+                                                      advantages=[float("nan")] * len(x))], "importance_sampling"),
+        "mismatched shapes": bad.forward_backward([datum(target_tokens=y, weights=w[:-1])], "cross_entropy"),
+    }  # fmt: skip
+    losses, logprobs, _ = sdk_steps(honest, [data], steps=1)  # (while those wait or fail)
+    for what, future in failed.items():
+        with pytest.raises(tinker.RequestFailedError):
+            future.result()
+            pytest.fail(f"{what} was not refused")
+    with pytest.raises(tinker.BadRequestError, match="outside the model's vocabulary"):
+        bad.forward_backward([datum(tokens=[vocab + 1, 2], target_tokens=[1, 2], weights=[1.0, 1.0])],
+                             "cross_entropy").result()  # fmt: skip
+    url, key = served.server.url, served.key
+    sampler = served.client().create_sampling_client(base_model=llama_path).result()
+    huge = httpx.post(f"{url}/api/v1/asample", headers={"X-API-Key": key}, json={
+        "sampling_session_id": sampler._sampling_session_id, "seq_id": 0, "num_samples": 10**6,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": x}]}, "sampling_params": {"max_tokens": 4},
+        "type": "sample"})  # fmt: skip
+    assert huge.status_code == 422 and "num_samples" in huge.text
+    bob = served.keys.add("bob")
+    theirs = httpx.post(f"{url}/api/v1/get_info", headers={"X-API-Key": bob},
+                        json={"model_id": honest.model_id, "type": "get_info"})  # fmt: skip
+    assert theirs.status_code == 404
+    more, more_lps, _ = sdk_steps(honest, [data], steps=1)
+    want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=2)
+    assert_same((losses + more, logprobs + more_lps), (want_losses, want_logprobs),
+                served.trainer.model.tenant_tensors(name), peft_lora_tensors(model))  # fmt: skip

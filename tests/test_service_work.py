@@ -66,3 +66,15 @@ def test_a_long_poll_wakes_when_another_thread_settles_and_times_out_otherwise()
     assert got.json == {"ok": 1} and got.content_type == "application/json"
     assert missing is None and known and not unknown
     assert Result(proto=b"x").content_type == "application/x-protobuf"
+
+
+def test_a_seq_id_refused_at_the_door_is_stepped_over():
+    """The client spent the seq_id of a request the HTTP side refused (a 4xx): the next ones still run."""
+    inbox = Inbox()
+    inbox.start_model("m")
+    inbox.put(work(Kind.OPTIM_STEP, 3, "m"))
+    inbox.skip("m", 2)
+    inbox.put(work(Kind.FORWARD_BACKWARD, 1, "m"))
+    assert [w.seq_id for w in inbox.take()] == [1, 3] and len(inbox) == 0
+    inbox.skip("m", 1)  # (a seq_id already received is not skipped again)
+    assert inbox.take() == []

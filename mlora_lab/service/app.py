@@ -18,13 +18,14 @@ pauses for an hour on it); 500 a bug in a handler (the server goes on).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -255,6 +256,26 @@ def own_checkpoint(state: ServiceState, owner: str, path: CheckpointPath | None)
     return path
 
 
+def skip_refused(state: ServiceState, owner: str, model_id: Any, seq_id: Any) -> None:
+    """An ordered request of one of ``owner``'s models refused at the door still spent its ``seq_id`` on the
+    client: the model's next requests must not wait for it."""
+    if isinstance(model_id, str) and type(seq_id) is int and seq_id >= 1:
+        with state.lock:
+            model = state.models.get(model_id)
+        if model is not None and model.owner == owner:
+            state.inbox.skip(model_id, seq_id)
+
+
+@contextlib.contextmanager
+def skipped_when_refused(state: ServiceState, owner: str, body: dict[str, Any]) -> Iterator[None]:
+    """Around reading an ordered JSON request: a refusal steps its ``seq_id`` over (:func:`skip_refused`)."""
+    try:
+        yield
+    except (BodyError, Refused):
+        skip_refused(state, owner, body.get("model_id"), body.get("seq_id"))
+        raise
+
+
 def queue(state: ServiceState, work: Work) -> str:
     """Put ``work`` in the inbox; the request id the client waits on (the first one's for a resend)."""
     request_id = state.inbox.put(work)
@@ -371,28 +392,38 @@ async def forward_backward(request: Request, state: ServiceState, owner: str) ->
         raise Refused(
             400, "compressed forward_backward bodies are not accepted (proto_compress_fwdbwd is off)"
         )
-    fb = wire.read_forward_backward(await read_body(request, state), state.limits)
+    try:
+        fb = wire.read_forward_backward(await read_body(request, state), state.limits)
+    except wire.WireError as e:
+        skip_refused(state, owner, e.model_id, e.seq_id)
+        raise
     own_model(state, owner, fb.model_id)
     work = new_work(state, Kind.FORWARD_BACKWARD, owner, model_id=fb.model_id, seq_id=fb.seq_id, body=fb)
     return JSONResponse({"request_id": queue(state, work), "model_id": fb.model_id})
 
 
 async def optim_step(request: Request, state: ServiceState, owner: str) -> Response:
-    model_id, seq_id, step = read_adam(await read_json(request, state))
+    body = await read_json(request, state)
+    with skipped_when_refused(state, owner, body):
+        model_id, seq_id, step = read_adam(body)
     own_model(state, owner, model_id)
     work = new_work(state, Kind.OPTIM_STEP, owner, model_id=model_id, seq_id=seq_id, body=step)
     return JSONResponse({"request_id": queue(state, work), "model_id": model_id})
 
 
 async def save_weights(request: Request, state: ServiceState, owner: str) -> Response:
-    model_id, seq_id, save, _ = read_save(await read_json(request, state), "state")
+    body = await read_json(request, state)
+    with skipped_when_refused(state, owner, body):
+        model_id, seq_id, save, _ = read_save(body, "state")
     own_model(state, owner, model_id)
     work = new_work(state, Kind.SAVE_WEIGHTS, owner, model_id=model_id, seq_id=seq_id, body=save)
     return JSONResponse({"request_id": queue(state, work), "model_id": model_id})
 
 
 async def save_weights_for_sampler(request: Request, state: ServiceState, owner: str) -> Response:
-    model_id, seq_id, save, sampling_seq = read_save(await read_json(request, state), "sampler")
+    body = await read_json(request, state)
+    with skipped_when_refused(state, owner, body):
+        model_id, seq_id, save, sampling_seq = read_save(body, "sampler")
     model = own_model(state, owner, model_id)
     if sampling_seq is not None:
         sampling_id = f"{model_id.split(':train:')[0]}:sample:{sampling_seq}"

@@ -42,10 +42,12 @@ _INT64 = np.dtype("<i8")
 
 
 class WireError(ValueError):
-    """A request that cannot be read or used: every problem found, one per line (a user error)."""
+    """A request that cannot be read or used: every problem found, one per line (a user error); the
+    request's ``model_id`` and ``seq_id`` when they could be read (the seq_id is spent all the same)."""
 
-    def __init__(self, problems: Sequence[str]) -> None:
+    def __init__(self, problems: Sequence[str], model_id: str = "", seq_id: int = 0) -> None:
         self.problems = list(problems)
+        self.model_id, self.seq_id = model_id, seq_id
         super().__init__("; ".join(self.problems))
 
 
@@ -110,7 +112,7 @@ def read_forward_backward(body: bytes, limits: Limits) -> ForwardBackward:
     for i, d in enumerate(msg.data[: limits.max_datums]):
         data.append(_datum(d, f"datum {i}", limits, problems))
     if problems:
-        raise WireError(problems)
+        raise WireError(problems, msg.model_id, msg.seq_id)
     return ForwardBackward(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, data)
 
 

@@ -94,13 +94,17 @@ class Inbox:
         self.capacity = capacity
         self._lock = threading.Lock()
         self._unordered: list[Work] = []
-        self._ordered: dict[str, dict[int, Work]] = defaultdict(dict)  # model -> seq_id -> waiting item
+        # model -> seq_id -> waiting item (None: a seq_id refused at the door, to step over)
+        self._ordered: dict[str, dict[int, Work | None]] = defaultdict(dict)
         self._next: dict[str, int] = {}  # model -> the seq_id to hand out next
         self._seen: dict[tuple[str, int], str] = {}  # (model, seq_id) -> its request id
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._unordered) + sum(len(q) for q in self._ordered.values())
+            return self._count()
+
+    def _count(self) -> int:
+        return len(self._unordered) + sum(w is not None for q in self._ordered.values() for w in q.values())
 
     def start_model(self, model_id: str, next_seq_id: int = 1) -> None:
         """A model exists from now on; its ordered requests count from ``next_seq_id``."""
@@ -115,7 +119,7 @@ class Inbox:
                 key = (work.model_id, work.seq_id)
                 if key in self._seen:
                     return self._seen[key]
-            if len(self._unordered) + sum(len(q) for q in self._ordered.values()) >= self.capacity:
+            if self._count() >= self.capacity:
                 raise InboxFull(f"{self.capacity} requests are waiting")
             if work.kind in ORDERED:
                 self._seen[(work.model_id, work.seq_id)] = work.request_id
@@ -134,16 +138,26 @@ class Inbox:
                     continue
                 seq = self._next[model]
                 while seq in waiting:
-                    out.append(waiting.pop(seq))
+                    work = waiting.pop(seq)
+                    if work is not None:
+                        out.append(work)
                     seq += 1
                 self._next[model] = seq
             return out
+
+    def skip(self, model_id: str, seq_id: int) -> None:
+        """``seq_id`` of ``model_id`` was refused before it was queued (a 4xx answer): the client counted it
+        anyway, so the model's later requests must not wait for it."""
+        with self._lock:
+            if (model_id, seq_id) not in self._seen:
+                self._seen[(model_id, seq_id)] = ""
+                self._ordered[model_id][seq_id] = None
 
     def forget_model(self, model_id: str) -> list[Work]:
         """Drop a model's waiting items (it is gone); returns them, so their futures can be failed."""
         with self._lock:
             self._next.pop(model_id, None)
-            return list(self._ordered.pop(model_id, {}).values())
+            return [w for w in self._ordered.pop(model_id, {}).values() if w is not None]
 
 
 class Futures:
