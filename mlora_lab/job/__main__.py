@@ -25,10 +25,10 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlora_lab.job.drivers import DEFAULT_DRIVERS
 from mlora_lab.job.search import read_sweep
-from mlora_lab.job.served import JobService
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.parallel import init_distributed, shutdown_distributed
 from mlora_lab.rundir import (
@@ -46,6 +46,9 @@ from mlora_lab.rundir.status import this_host
 from mlora_lab.spec import JobSpec, SpecError
 from mlora_lab.text import error_line
 from mlora_lab.validate import job_of_sweep, problems
+
+if TYPE_CHECKING:
+    from mlora_lab.job.served import JobService
 
 
 class LogStream(io.TextIOBase):
@@ -194,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                 ended=None,
             )
         if spec.service is not None and dist.is_main:
+            # (imported here: the HTTP server and the tinker SDK cost a job that serves nothing ~1.4 s of start)
+            from mlora_lab.job.served import JobService
+
             service = JobService(spec, run)
         drivers = service.drivers() if service is not None else DEFAULT_DRIVERS
         trainer = Trainer(spec, run.root, dist, resume=args.resume, drivers=drivers)
