@@ -190,15 +190,6 @@ class ServiceDriver(Driver):
                 samples.append(work)
             elif work.kind is Kind.LOAD_WEIGHTS and work.body.create:
                 self._create_from_state(work)
-            elif work.kind not in (
-                Kind.FORWARD_BACKWARD,
-                Kind.OPTIM_STEP,
-                Kind.SAVE_FOR_SAMPLER,
-                Kind.SAVE_WEIGHTS,
-                Kind.LOAD_WEIGHTS,
-            ):
-                self._fail(work, f"{work.kind} is not supported by this server yet (forward_backward, forward, "
-                           "optim_step, sampler snapshots and sampling are)")  # fmt: skip
             elif work.model_id in self.queues:
                 self.queues[work.model_id].append(work)
             else:
