@@ -169,6 +169,25 @@ def test_sdk_forward_backward_in_chunks_and_optim_steps_equal_peft_and_adamw(ser
     assert answer.sequences[0].tokens == peft_greedy(plain, prompts[1], 6)[0]
 
 
+def test_a_new_sampler_snapshot_takes_the_slot_of_the_least_recently_used_unnamed_one(served):
+    """An RL loop saves a sampler snapshot every step (``save_weights_and_get_sampling_client``), so a job
+    whose slots are all taken (max_tenants=2: the client and one snapshot) gives the next snapshot the slot of
+    the unnamed one least recently made or sampled; sampling from that one then fails, saying why. A named
+    snapshot keeps its slot: with the client and a named one in both slots, a new snapshot is refused."""
+    tc, _ = training_client(served, seed=3)
+    prompt = types.ModelInput.from_ints([1, 5, 6, 7])
+    greedy = types.SamplingParams(max_tokens=3, temperature=0.0)
+    first = tc.save_weights_and_get_sampling_client().result()
+    assert first.sample(prompt, 1, greedy).result().sequences
+    second = tc.save_weights_and_get_sampling_client().result()
+    assert second.sample(prompt, 1, greedy).result().sequences
+    with pytest.raises(tinker.RequestFailedError, match="was released: a newer snapshot took its slot"):
+        first.sample(prompt, 1, greedy).result()
+    tc.save_weights_for_sampler("kept").result()  # (in second's slot)
+    with pytest.raises(tinker.RequestFailedError, match="no free slot for a sampler snapshot"):
+        tc.save_weights_and_get_sampling_client().result()
+
+
 def peft_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """HF ``generate``'s greedy tokens (stopping at EOS, as a sample with no ``stop`` does) and their
     log-softmax logprobs."""

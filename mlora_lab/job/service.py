@@ -45,8 +45,11 @@ A client that goes away (its session finished, or no heartbeat nor request for `
 SDK heartbeats every 10 s) has its tenants saved (``adapters/<tenant>``) and paused, not lost; a paused
 tenant whose session shows life again (a request naming its model) goes on where it stopped.
 
-It runs on one process for now (``parallel.nproc = 1``). A snapshot holds a slot while the job runs
-(snapshots and training clients share ``max_tenants``).
+It runs on one process for now (``parallel.nproc = 1``). A snapshot holds a slot (snapshots and training
+clients share ``max_tenants``): a named one while the job runs; an unnamed one (a sampling session) until a new
+snapshot needs its slot, when the least recently used unnamed snapshot that no waiting sample reads is
+released (an RL loop saves one every step and samples only from the newest); sampling from it later fails,
+saying so.
 """
 
 from __future__ import annotations
@@ -165,6 +168,10 @@ class ServiceDriver(Driver):
         self.waiting_optim: dict[str, Work] = {}  # tenant -> its optim_step, until the step settles it
         self.snapshots: dict[str, str] = {}  # tinker:// path or sampling session id -> its slot's name
         self._snapshot_ids = itertools.count()
+        self.used: dict[str, int] = {}  # unnamed snapshot (sampling session id) -> when last made or sampled
+        self.released: set[str] = set()  # unnamed snapshots whose slot a newer snapshot took
+        self._sampling: set[str] = set()  # what the samples of the current plan read (never released)
+        self._clock = itertools.count()
         if self.comm.dims.world_size > 1:
             raise NotImplementedError("the Tinker service runs on one process for now (parallel.nproc=1)")
 
@@ -195,6 +202,7 @@ class ServiceDriver(Driver):
             else:
                 self._fail(work, f"no model {work.model_id!r} on this server")
         self.step_work = {}
+        self._sampling = {w.body.sampling_session_id or w.body.model_path for w in samples}
         for model_id, queue in self.queues.items():
             name = self.names[model_id]
             t = self.pool.tenants.get(name)
@@ -392,9 +400,9 @@ class ServiceDriver(Driver):
         adapter = model.tenants[t.name]
         snap = f"{t.name}.s{next(self._snapshot_ids)}"
         try:
-            if len(model.tenants) >= self.spec.max_tenants:
+            if len(model.tenants) >= self.spec.max_tenants and not self._release_unnamed(keep=key):
                 raise ValueError(f"no free slot for a sampler snapshot: all max_tenants={self.spec.max_tenants} "
-                                 "slots hold training clients or snapshots")  # fmt: skip
+                                 "slots hold training clients, named snapshots or unnamed ones being sampled")  # fmt: skip
             model.add_tenant(snap, rank=adapter.rank, alpha=adapter.alpha, target_modules=adapter.modules,
                              use_rslora=adapter.use_rslora, init=model.tenant_tensors(t.name))  # fmt: skip
         except ValueError as e:
@@ -403,6 +411,8 @@ class ServiceDriver(Driver):
         if key in self.snapshots:  # overwritten: the old copy's slot is freed
             model.remove_tenant(self.snapshots[key])
         self.snapshots[key] = snap
+        if save.sampling_session_id:
+            self.used[key] = next(self._clock)
         folder = self._folder(key) if save.name else None
         if folder is not None:  # a named snapshot is also a PEFT adapter directory (svc.local_path)
             try:
@@ -416,6 +426,18 @@ class ServiceDriver(Driver):
             answer = {"path": key, "type": "save_weights_for_sampler"}
         self.state.futures.settle(work.request_id, Result(json=answer))
 
+    def _release_unnamed(self, keep: str) -> bool:
+        """Free the slot of the least recently used unnamed snapshot that no sample of this plan reads (nor
+        ``keep``, the one being made); False if there is none."""
+        free = [k for k in self.used if k != keep and k not in self._sampling]
+        if not free:
+            return False
+        key = min(free, key=self.used.__getitem__)
+        self.engine.model.remove_tenant(self.snapshots.pop(key))
+        del self.used[key]
+        self.released.add(key)
+        return True
+
     def _sample(self, works: list[Work]) -> None:
         """Every waiting sample request in one batched generation; each future gets its sequences."""
         requests, taken = [], []
@@ -423,9 +445,15 @@ class ServiceDriver(Driver):
         for work in works:
             s = work.body
             source = s.sampling_session_id if s.sampling_session_id in self.snapshots else s.model_path
+            if s.sampling_session_id in self.released:
+                self._fail(work, f"sampler snapshot {s.sampling_session_id!r} was released: a newer snapshot "
+                                 f"took its slot (max_tenants={self.spec.max_tenants}); save the weights again")  # fmt: skip
+                continue
             if source is not None and source not in self.snapshots:
                 self._fail(work, f"no sampler snapshot {source!r} on this server")
                 continue
+            if source in self.used:
+                self.used[source] = next(self._clock)
             ids = list(s.stop_token_ids)
             # ``stop`` absent: the model's end-of-sequence; ``stop: []``: nothing stops a sample but its
             # length; stop strings or ids: those and the end-of-sequence
