@@ -78,13 +78,15 @@ def test_sl_loop_trains_and_saves_its_final_checkpoint_as_a_peft_adapter(cookboo
 
 
 def test_rl_loop_importance_sampling_raises_the_reward_of_a_toy_task(cookbook, tmp_path, monkeypatch):
-    """Reward: the share of a completion's characters that are lowercase ASCII letters (about 0.6 in the
-    tiny random model's near-uniform tokens, byte tokens among them). Over 10 steps of 4 questions x 8
-    samples the mean reward of the last 3 steps is well above that of the first 3 (seen over 22 runs with
-    other sampling seeds: 0.58-0.65 before, 0.97-1.0 after). Every step's sampler snapshot takes the slot of
-    the one before (max_tenants=2). The job trained the client's tenant one optimiser step per step the
-    loop trained."""
-    monkeypatch.setattr(rl_loop, "get_reward", lowercase_share)
+    """Reward: a completion's lowercase ASCII letters, 32 of them or more scoring 1 (about 1/3 for the tiny
+    random model's near-uniform 8 tokens, byte tokens among them: it learns to say longer lowercase words).
+    Over 10 steps of 4 questions x 8 samples the mean reward of the last 3 steps is well above that of the
+    first 3 (seen over 21 runs with other sampling seeds: 0.30-0.37 before, 0.74-1.0 after; a reward that
+    saturates sooner, the share of lowercase letters, rose less surely, as Adam's steps on the few groups
+    left unsaturated sometimes knocked it back). Every step's sampler snapshot takes the slot of the one
+    before (max_tenants=2). The job trained the client's tenant one optimiser step per step the loop
+    trained."""
+    monkeypatch.setattr(rl_loop, "get_reward", lowercase_letters)
     local_dataset(monkeypatch, [{"question": f"say a word after {w}", "answer": "#### 0"} for w in WORDS * 4])
     log_path = tmp_path / "rl"
     rl_loop.main(rl_loop.Config(base_url=cookbook.server.url, log_path=str(log_path), model_name=cookbook.base,
@@ -94,11 +96,11 @@ def test_rl_loop_importance_sampling_raises_the_reward_of_a_toy_task(cookbook, t
     metrics = logged(log_path, "metrics.jsonl")
     rewards = [row["reward/total"] for row in metrics]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert len(rewards) == 10 and last > first + 0.25, f"the reward did not rise: {rewards}"
+    assert len(rewards) == 10 and last > first + 0.3, f"the reward did not rise: {rewards}"
     trained = sum("grad_norm:max" in row for row in metrics)  # (a step whose groups all tie trains nothing)
     rows = [r for r in cookbook.trainer.history if r["kind"] == "train"]
-    assert trained >= 5 and [r["tenant_step"] for r in rows] == list(range(1, trained + 1))
+    assert trained >= 3 and [r["tenant_step"] for r in rows] == list(range(1, trained + 1))
 
 
-def lowercase_share(response: str, answer: str) -> float:
-    return sum("a" <= c <= "z" for c in response) / max(len(response), 1)
+def lowercase_letters(response: str, answer: str) -> float:
+    return min(1.0, sum("a" <= c <= "z" for c in response) / 32)
