@@ -7,12 +7,14 @@ service on loopback.
 be local is patched: ``datasets.load_dataset`` (a few rows built here), the recommended renderer of a model
 the cookbook does not know (``role_colon``, the cookbook's plain ``User: … / Assistant: …`` format; the
 cookbook loads the tokenizer of a local directory itself) and, for RL, the reward (a toy task the tiny
-model learns in a few steps, in place of grading GSM8K). The SDK takes the key from ``TINKER_API_KEY``.
+model learns in a few steps, in place of grading GSM8K); and, as this is a test process, the loops' set-up
+of the logging module is skipped. The SDK takes the key from ``TINKER_API_KEY``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import datasets
@@ -23,6 +25,7 @@ pytest.importorskip("tinker_cookbook")
 from served_job import Served
 from tinker_cookbook import model_info
 from tinker_cookbook.recipes import rl_loop, sl_loop
+from tinker_cookbook.utils import ml_log
 
 from mlora_lab.rundir.service import saved_folder
 
@@ -35,6 +38,11 @@ def cookbook(llama_path, tmp_path, monkeypatch, one_thread):
     holds a worked example), whose name the cookbook's loops can use."""
     served = Served(llama_path, checkpoints=tmp_path / "service", seq_len=256)
     monkeypatch.setenv("TINKER_API_KEY", served.key)
+    # (the loops set up the logging module as a program's main would: every root handler, pytest's capture
+    # among them, replaced by a console and a file handler, for the rest of the session)
+    monkeypatch.setattr(
+        ml_log, "configure_logging_module", lambda path, level=logging.INFO: logging.getLogger()
+    )
     recommended = model_info.get_recommended_renderer_name
     monkeypatch.setattr(
         model_info,
