@@ -458,3 +458,69 @@ def test_hostile_requests_fail_alone_and_an_honest_client_beside_them_equals_pef
     want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=2)
     assert_same((losses + more, logprobs + more_lps), (want_losses, want_logprobs),
                 served.trainer.model.tenant_tensors(name), peft_lora_tensors(model))  # fmt: skip
+
+
+def test_a_flood_of_10000_requests_is_answered_request_by_request_and_an_honest_client_equals_peft(
+    served, llama_path, tmp_path
+):
+    """Another key sends 10,000 requests from 4 threads while an honest client trains: optimiser steps far
+    ahead of its model's seq_ids (never runnable), samples of the base, bodies that make no sense, a wrong
+    key. Each gets its own answer (2xx, 4xx, or 429 once that sender's share of the queue is full; never a
+    5xx, never a hang), the queue stays bounded, and the honest client's steps equal PEFT's."""
+    import collections
+    import concurrent.futures
+
+    import httpx
+
+    data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+    honest, name = training_client(served, seed=3)
+    init = Path(served.trainer.engine.save_adapter(name, tmp_path / "init"))
+    mallory = served.keys.add("mallory")
+    tc = served.client(mallory).create_lora_training_client(
+        base_model=llama_path, rank=2, train_unembed=False
+    )
+    model_id = tc.result().model_id
+    session = (
+        served.client(mallory).create_sampling_client(base_model=llama_path).result()._sampling_session_id
+    )
+    url = f"{served.server.url}/api/v1"
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": data[0][0][:3]}]}
+
+    def request(i: int) -> tuple[str, str, dict]:
+        kind = i % 5
+        if kind in (0, 1):  # ordered, never runnable: seq_id 1 of this model never comes
+            return "optim_step", mallory, {"model_id": model_id, "seq_id": 1000 + i, "type": "optim_step",
+                                           "adam_params": {"learning_rate": 1e-3}}  # fmt: skip
+        if kind == 2:
+            return "asample", mallory, {"sampling_session_id": session, "seq_id": i, "num_samples": 1,
+                                        "prompt": prompt, "sampling_params": {"max_tokens": 1}, "type": "sample"}  # fmt: skip
+        if kind == 3:
+            return "optim_step", mallory, {"model_id": model_id, "seq_id": -i, "adam_params": "lots"}
+        return "get_info", "tml-wrong", {"model_id": model_id, "type": "get_info"}
+
+    def send(chunk: range) -> collections.Counter:
+        seen: collections.Counter = collections.Counter()
+        with httpx.Client(timeout=30) as http:
+            for i in chunk:
+                path, key, body = request(i)
+                r = http.post(f"{url}/{path}", headers={"X-API-Key": key}, json=body)
+                seen[(path if key == mallory else "wrong key", r.status_code)] += 1
+                assert len(served.state.inbox) <= served.state.inbox.capacity
+        return seen
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        floods = [pool.submit(send, range(k, 10_000, 4)) for k in range(4)]
+        losses, logprobs, _ = sdk_steps(honest, [data], steps=2)  # (while the flood goes on)
+        answers = sum((f.result() for f in floods), collections.Counter())
+    took = time.monotonic() - t0
+    assert sum(answers.values()) == 10_000
+    assert {s for _, s in answers} <= {200, 401, 422, 429}, answers
+    assert answers[("wrong key", 401)] == 2000 and answers[("optim_step", 422)] == 2000, answers
+    assert answers[("optim_step", 429)] > 0 and answers[("optim_step", 200)] == served.state.inbox.per_source
+    assert answers[("asample", 200)] > 0, answers
+    more, more_lps, _ = sdk_steps(honest, [data], steps=1)  # the service still answers at once
+    want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=3)
+    assert_same((losses + more, logprobs + more_lps), (want_losses, want_logprobs),
+                served.trainer.model.tenant_tensors(name), peft_lora_tensors(model))  # fmt: skip
+    print(f"10,000 requests in {took:.1f} s: {dict(answers)}")

@@ -25,6 +25,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -51,7 +52,7 @@ from mlora_lab.service.bodies import (
     read_save,
 )
 from mlora_lab.service.keys import Keys
-from mlora_lab.service.work import Futures, Inbox, InboxFull, Kind, Work
+from mlora_lab.service.work import Futures, Inbox, InboxFull, Kind, SeqIdPassed, Work
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +108,8 @@ class ServiceState:
     lock: threading.RLock = field(default_factory=threading.RLock)
     creating: dict[str, str] = field(default_factory=dict)
     """model_id -> the request id of its create (a resent create_model gets the same future)."""
-    future_owners: dict[str, tuple[str, float]] = field(default_factory=dict)
-    """request_id -> (the key name that asked, when): only its owner may retrieve a future."""
+    future_owners: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
+    """request_id -> (the key name that asked, when), oldest first: only its owner may retrieve a future."""
 
     def owns_run(self, owner: str, run_id: str) -> bool:
         """Whether ``run_id`` (a model id, the first part of a ``tinker://`` path) is ``owner``'s."""
@@ -154,6 +155,8 @@ def create_app(state: ServiceState) -> Starlette:
                 return error(422, e.problems)
             except wire.WireError as e:
                 return error(400, e.problems)
+            except SeqIdPassed as e:
+                return error(422, str(e))
             except InboxFull as e:
                 return JSONResponse({"detail": f"the service is busy ({e}); retry later"}, status_code=429,
                                     headers={"retry-after": "1"})  # fmt: skip
@@ -284,10 +287,11 @@ def queue(state: ServiceState, work: Work) -> str:
     with state.lock:
         now = time.time()
         state.future_owners.setdefault(request_id, (work.owner, now))
-        if len(state.future_owners) > 4 * state.inbox.capacity:  # forget futures the Futures forgot
-            for rid, (_, t) in list(state.future_owners.items()):
-                if now - t > state.futures.keep_s and not state.futures.known(rid):
-                    del state.future_owners[rid]
+        while state.future_owners:  # forget, oldest first, the futures the Futures forgot
+            rid, (_, t) = next(iter(state.future_owners.items()))
+            if now - t <= state.futures.keep_s or state.futures.known(rid):
+                break
+            del state.future_owners[rid]
     return request_id
 
 
@@ -579,8 +583,12 @@ class Server:
 
     def start(self, timeout: float = 30.0) -> Server:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on a socket that says it is TCP. Without it
+        # uvicorn's response (headers, then body: two writes) waited for the client's delayed ACK, 40 ms a
+        # request; the flag is also set here, inherited by every accepted connection
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(create_app(self.state), log_level="warning", access_log=False, lifespan="off",
