@@ -97,6 +97,8 @@ MAX_WEIGHT_DECAY = 10.0
 MAX_PORT = 65_535
 MAX_QUEUE = 2**20
 """Most requests a served job's inbox holds (``Service.max_queue``)."""
+MAX_SESSION_TIMEOUT = 7 * 24 * 3600.0
+"""Longest ``Service.session_timeout``: a week."""
 MAX_PROBLEMS = 200
 """:func:`mlora_lab.validate.problems` lists at most this many, then ``... and N more problem(s)``."""
 _MAX_DEPTH = 16  # job.json nests 3 deep (tenants[i].betas); 16 leaves room and stops RecursionError
@@ -567,7 +569,13 @@ class Service:
     """LoRA alpha of every client's adapter: Tinker's ``LoraConfig`` has a rank and no alpha."""
     max_queue: int = field(default=4096, metadata=_meta(
         "max queue", section="Service", min=1, max=MAX_QUEUE, help="waiting requests; more are answered 429"))
-    """Requests that may wait at once; past it a request is answered 429 (the SDK retries it)."""
+    """Requests that may wait at once; past it a request is answered 429 (the SDK retries it). One source (a
+    model's numbered requests, or one key's samples) holds at most a quarter of them."""
+    session_timeout: float = field(default=60.0, metadata=_meta(
+        "session timeout", kind="float", section="Service", min=1, max=MAX_SESSION_TIMEOUT,
+        help="seconds without heartbeat before a client's tenants are saved and paused"))
+    """Seconds a client may be silent (no heartbeat nor request; the SDK heartbeats every 10 s) before its
+    tenants are saved and paused; a request of its brings them back."""
     # fmt: on
 
     def to_dict(self) -> dict[str, Any]:

@@ -55,7 +55,11 @@ class JobService:
         is its input tokens and one more position: ``seq_len - 1`` input tokens at most)."""
         self.state.limits = wire.Limits(vocab_size=parts.engine.vocab_rows, max_tokens=parts.spec.seq_len - 1)
         return ServiceDriver(
-            parts, self.state, lora_alpha=self.settings.lora_alpha, checkpoints=self.run.service
+            parts,
+            self.state,
+            lora_alpha=self.settings.lora_alpha,
+            checkpoints=self.run.service,
+            session_timeout_s=self.settings.session_timeout,
         )
 
     def drivers(self) -> tuple[DriverFactory, ...]:
