@@ -92,7 +92,8 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
     """The SDK drives a served job on two processes under fsdp=2 (rank 0 serves, both run every step):
     forward_backward in chunks of 3 and 2 datums (each rank gets some of the step's datums, unevenly) +
     optim_step, a forward of one datum (rank 1 has no row at all), save_state, a sampler snapshot's greedy
-    samples: the losses, logprobs, saved adapter and samples equal PEFT + AdamW on one process to 1e-5.
+    samples: the losses, logprobs, saved adapter and samples equal PEFT + AdamW on one process to 1e-5; a
+    client made from the saved state (with its AdamW state) then steps as the first one does.
     (Measured: losses 2.4e-6, logprobs 4.8e-7, adapter 8.4e-7. The same test under tp=2 passes too, at
     6.2e-6, 1.4e-6 and 2.7e-6; it is left out for CI's time, another ~35 s.)"""
     from test_service_sdk import TEXTS, assert_same, datums, peft_greedy, peft_steps, sdk_steps, to_sdk
@@ -100,7 +101,7 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
     from mlora_lab.lora import read_adapter
     from mlora_lab.reference import peft_lora_tensors
 
-    spec = ml.JobSpec(base_model=llama_path, tenants=[], seq_len=48, max_tenants=2, max_rank=8,
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], seq_len=48, max_tenants=3, max_rank=8,
                       slot_modules=SLOTS, parallel=ml.Parallel(nproc=2, fsdp=2))  # fmt: skip
     t0 = time.monotonic()
     svc = ml.serve(spec, workdir=tmp_path / "runs")
@@ -134,6 +135,14 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
             tokens, lps = peft_greedy(model, p, 5)
             assert [s.tokens for s in answer.sequences] == [tokens, tokens]
             assert answer.sequences[0].logprobs == pytest.approx(lps, abs=1e-4)
+        # a client from the saved state (read by rank 0, broadcast) takes the step the first one takes next
+        other = svc.client().create_training_client_from_state_with_optimizer(
+            f"tinker://{tc.model_id}/weights/final"
+        )
+        next_loss = sdk_steps(tc, [data[:3], data[3:]], steps=1)[0]
+        assert sdk_steps(other.result(), [data[:3], data[3:]], steps=1)[0] == pytest.approx(
+            next_loss, abs=1e-6
+        )
         assert svc.stop() == "stopped", svc.logs(0)
         print(f"served on two processes for {served_s:.1f} s; whole test {time.monotonic() - t0:.1f} s")
     finally:
