@@ -586,9 +586,7 @@ def test_every_service_problem_is_named_at_once(tmp_path, llama_path):
         "service.lora_alpha": "service.lora_alpha must be > 0 (got 0.0)",
         "service.max_queue": "service.max_queue must be >= 1 (got 0)",
         "service.session_timeout": "service.session_timeout must be in [1, 604800] (got 0.5)",
-        "parallel.nproc": "the Tinker service runs on one process for now (got parallel.nproc*nnodes = 2*1); "
-        "serve with nproc=1 and nnodes=1",
-    }
+    }  # (nproc=2: a service runs on several processes too)
     spec.service = "yes"
     assert texts(spec, files=False) == [
         "service must be Service settings (an object) or null (got 'yes' of type str)"

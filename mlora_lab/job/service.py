@@ -21,8 +21,9 @@ share one forward and one backward of the base:
 
 A model's requests run in ``seq_id`` order: in one step a model takes its waiting forward/backward requests
 up to and including its first optim_step; what follows waits for the next step (it must see the new
-weights). Results are settled as soon as they are known: a forward/backward's after the forward, an
-optim_step's after the optimiser step (or its failure: a quarantined tenant fails its waiting requests).
+weights). Results are settled at the end of their step: an optim_step's after the optimiser step (or its
+failure: a quarantined tenant fails its waiting requests), a forward/backward's once the step is over
+(:meth:`~mlora_lab.job.driver.Driver.after_step`: its datums' results are gathered from every process).
 
     save_weights_for_sampler   a **snapshot**: the tenant's adapter as it is now, copied into a slot of its
                       own (no optimiser; later steps of the tenant do not change it), at its place in
@@ -45,12 +46,36 @@ A client that goes away (its session finished, or no heartbeat nor request for `
 SDK heartbeats every 10 s) has its tenants saved (``adapters/<tenant>``) and paused, not lost; a paused
 tenant whose session shows life again (a request naming its model) goes on where it stopped.
 
-It runs on one process for now (``parallel.nproc = 1``). A snapshot holds a slot while the job runs
-(snapshots and training clients share ``max_tenants``).
+**On several processes** (fsdp, tp, ep under torchrun), rank 0 alone serves HTTP and holds the inbox, the
+futures and the keys; the other processes build this driver with no service state and follow rank 0, so
+that every process runs the same plan in the same order (every forward is a collective):
+
+    orders      at each step boundary rank 0 takes the inbox (a sample without a seed gets one drawn
+                here) and decides which clients went away or came back; one broadcast hands these orders
+                to every process, which all apply them: creates (``agree``), pauses (the adapter saved:
+                a gather), snapshots (``add_tenant`` everywhere), states (see below), samples
+    rows        a tenant's datums of the step (its requests' in ``seq_id`` order, then datum order) are
+                split over the data-parallel ranks as the file-data rows are: rank ``d`` of ``D`` takes
+                datums ``d, d + D, …`` (the TP ranks of one data-parallel rank the same ones); a process
+                may have none of a tenant's datums. Its loss there is the sum of its datums' Tinker losses,
+                so the gradients summed over the data-parallel ranks are the request's
+    answers     each process keeps its datums' logprobs, loss and metrics; after the step one gather brings
+                them to rank 0, which puts the logprobs in datum order and sums ``loss:sum`` and the other
+                metrics over the datums, in datum order (what one process computes)
+    files       a saved state's or snapshot's tensors are gathered on every process (``TensorIO``) and
+                written by rank 0 alone; rank 0 reads a state and broadcasts it (or why it cannot be
+                read), and says whether a save may go ahead (its folder exists already or not), so a
+                request fails alike on every process
+    samples     every process runs every sample request (same seeds: the same tokens), its decode steps
+                kept in step with the others (``any_running``), as the RL driver generates
+
+Only rank 0 settles futures. A snapshot holds a slot while the job runs (snapshots and training clients
+share ``max_tenants``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -134,16 +159,27 @@ class ServiceFeed:
 
 @dataclass
 class _Pending:
-    """What a tenant runs in this step: its forward/backward requests (with their datums' lengths) and the
-    optim_step that ends it, if any."""
+    """What a tenant runs in this step: its forward/backward requests (with their datums' lengths), the
+    optim_step that ends it, if any, and which of their datums are this process's rows."""
 
     forwards: list[tuple[Work, list[int]]] = field(default_factory=list)
     optim: Work | None = None
+    local: list[tuple[int, int]] = field(default_factory=list)  # (request, datum) of each row here, in order
+
+
+@dataclass
+class _Orders:
+    """What rank 0 decided at a step boundary, the same on every process once broadcast."""
+
+    pauses: dict[str, str]  # tenant -> why: its client went away
+    resumes: list[str]  # tenants whose client is back
+    works: list[Work]  # the requests taken from the inbox, in its order
 
 
 class ServiceDriver(Driver):
     """Tenants of Tinker training clients (see the module docstring). ``state`` is the service's shared
-    state (:class:`~mlora_lab.service.app.ServiceState`): its inbox, futures and model registry."""
+    state (:class:`~mlora_lab.service.app.ServiceState`): its inbox, futures and model registry, on rank 0;
+    ``None`` on every other process (it follows rank 0's orders)."""
 
     def __init__(
         self,
@@ -154,10 +190,13 @@ class ServiceDriver(Driver):
         session_timeout_s: float = 60.0,
     ) -> None:
         super().__init__(parts)
+        self.main = parts.pool.is_main
+        if self.main != (state is not None):
+            raise ValueError("the service's state belongs to rank 0, and only to it")
         self.session_timeout_s = float(session_timeout_s)
         self._watched = 0.0
         self.state, self.lora_alpha = state, float(lora_alpha)
-        self.checkpoints = None if checkpoints is None else Path(checkpoints)
+        self.checkpoints = None if checkpoints is None else Path(checkpoints)  # (rank 0 alone writes there)
         self.comm = parts.engine.comm
         self.names: dict[str, str] = {}  # model id -> tenant name
         self.queues: dict[str, deque[Work]] = {}  # model id -> its requests taken, not run yet
@@ -165,8 +204,8 @@ class ServiceDriver(Driver):
         self.waiting_optim: dict[str, Work] = {}  # tenant -> its optim_step, until the step settles it
         self.snapshots: dict[str, str] = {}  # tinker:// path or sampling session id -> its slot's name
         self._snapshot_ids = itertools.count()
-        if self.comm.dims.world_size > 1:
-            raise NotImplementedError("the Tinker service runs on one process for now (parallel.nproc=1)")
+        # request id -> datum -> (logprobs, loss, metrics) of this process's datums of the current step
+        self.scored: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]] = {}
 
     def accepts(self, tenant: Tenant) -> bool:
         return tenant.name in self.names.values()
@@ -181,9 +220,11 @@ class ServiceDriver(Driver):
     # -- a step's plan ---------------------------------------------------------------------------
     def plan(self) -> Plan | None:
         self._settle_failed()
-        self._watch_sessions()
+        # (every process runs what rank 0 took, in its order: every forward is a collective)
+        orders: _Orders = self.comm.broadcast_object(self._orders() if self.main else None)  # type: ignore[assignment]
+        self._apply_sessions(orders)
         samples: list[Work] = []
-        for work in self.state.inbox.take():
+        for work in orders.works:
             if work.kind is Kind.CREATE_MODEL:
                 self._create(work)
             elif work.kind is Kind.SAMPLE:
@@ -233,12 +274,33 @@ class ServiceDriver(Driver):
         complete = []
         for t in tenants:
             pending = self.step_work[t.name]
-            rows[t.name] = [_row(d) for work, _ in pending.forwards for d in work.body.data]
+            datums = [
+                (k, i) for k, (work, _) in enumerate(pending.forwards) for i in range(len(work.body.data))
+            ]
+            pending.local = self.engine.local_rows(datums)  # (this data-parallel rank's share, as FileData's)
+            rows[t.name] = [_row(pending.forwards[k][0].body.data[i]) for k, i in pending.local]
+            for work, lengths in pending.forwards:
+                if not work.body.forward_only:
+                    t.feed.window_tokens += sum(lengths)
+                    t.feed.window_requests += 1
             if pending.optim is not None:
                 self._set_adam(t, pending.optim.body)
                 self.waiting_optim[t.name] = pending.optim
                 complete.append(t.name)
         return Plan(tenants=tenants, rows=rows, complete=complete)
+
+    def _orders(self) -> _Orders:
+        """Rank 0: the sessions' changes and the waiting requests. A sample with no seed gets one here, from
+        torch's generator, so that every process draws the same tokens."""
+        pauses, resumes = self._watch_sessions()
+        works = []
+        for work in self.state.inbox.take():
+            s = work.body
+            if work.kind is Kind.SAMPLE and s.seed is None and s.temperature > 0:
+                seed = int(torch.randint(0, 2**63 - 1, ()))
+                work = dataclasses.replace(work, body=dataclasses.replace(s, seed=seed))
+            works.append(work)
+        return _Orders(pauses, resumes, works)
 
     def _create(self, work: Work, info: Any = None) -> TenantRun | None:
         """A tenant for the model ``info`` describes (``work.body`` by default); None (the request failed,
@@ -264,20 +326,22 @@ class ServiceDriver(Driver):
             self._fail(work, f"cannot create the model: {refusal.error}")
             return None
         self.queues[model_id] = deque()
-        with self.state.lock:  # (the HTTP thread reads the registry under it)
-            self.state.models[model_id] = info
-        self.state.inbox.start_model(model_id)
+        if self.main:
+            with self.state.lock:  # (the HTTP thread reads the registry under it)
+                self.state.models[model_id] = info
+            self.state.inbox.start_model(model_id)
         if work.kind is Kind.CREATE_MODEL:
-            answer = {"model_id": model_id, "type": "create_model"}
-            self.state.futures.settle(work.request_id, Result(json=answer))
+            self._settle(work, Result(json={"model_id": model_id, "type": "create_model"}))
         return self.pool[name]
 
-    def _watch_sessions(self) -> None:
-        """Pause (after saving) the tenants of clients that went away; resume those whose client is back.
-        Looked at once a second."""
+    def _watch_sessions(self) -> tuple[dict[str, str], list[str]]:
+        """Rank 0: the tenants of clients that went away (to pause, with why) and those whose client is back
+        (to resume). Looked at once a second."""
         now = time.time()
+        pauses: dict[str, str] = {}
+        resumes: list[str] = []
         if now - self._watched < 1.0:
-            return
+            return pauses, resumes
         self._watched = now
         with self.state.lock:
             sessions = [(s.finished, s.last_seen, list(s.model_ids)) for s in self.state.sessions.values()]
@@ -288,11 +352,19 @@ class ServiceDriver(Driver):
                 if t is None:
                     continue
                 if gone and t.state is TenantState.RUNNING:
-                    self.pool.save_adapter_logged(t.name)
-                    why = "its client finished its session" if finished else GONE
-                    self.pool.set_state(t, TenantState.PAUSED, f"{why} (adapter saved)")
+                    pauses[t.name] = "its client finished its session" if finished else GONE
                 elif not gone and t.state is TenantState.PAUSED and (t.reason or "").startswith(GONE):
-                    self.pool.set_state(t, TenantState.RUNNING)
+                    resumes.append(t.name)
+        return pauses, resumes
+
+    def _apply_sessions(self, orders: _Orders) -> None:
+        """Pause (after saving: a collective) the tenants of clients that went away; resume those whose
+        client is back."""
+        for name, why in orders.pauses.items():
+            self.pool.save_adapter_logged(name)
+            self.pool.set_state(self.pool[name], TenantState.PAUSED, f"{why} (adapter saved)")
+        for name in orders.resumes:
+            self.pool.set_state(self.pool[name], TenantState.RUNNING)
 
     # -- training state ----------------------------------------------------------------------------
     def _folder(self, path: str) -> Path | None:
@@ -303,11 +375,20 @@ class ServiceDriver(Driver):
         save = work.body
         path = f"tinker://{work.model_id}/weights/{save.name}"
         folder = self._folder(path)
+        refusal = None
         if folder is None:
-            self._fail(work, "this server keeps no saved states (it runs without a run directory)")
+            refusal = "this server keeps no saved states (it runs without a run directory)"
+        elif self.main and folder.exists() and not save.overwrite:
+            refusal = f"{path} exists already (save with overwrite=True to replace it)"
+        if folder is not None:  # (rank 0 sees the folder: every process refuses with it, or gathers with it)
+            refusal = self.comm.broadcast_object(refusal)
+        if refusal is not None:
+            self._fail(work, str(refusal))
             return
-        if folder.exists() and not save.overwrite:
-            self._fail(work, f"{path} exists already (save with overwrite=True to replace it)")
+        io = self.engine.model.io
+        adapter = self.engine.model.tenant_tensors(t.name)  # (gathers: collectives)
+        optimizer = t.optimizer.state_dict(gather=io.gather)
+        if not self.main:
             return
         info = self.state.models[work.model_id]
         lora = {k: getattr(info, k) for k in ("rank", "seed", "train_attn", "train_mlp", "train_unembed")}
@@ -315,31 +396,38 @@ class ServiceDriver(Driver):
             "format": STATE_FORMAT,
             "model_id": work.model_id,
             "lora": {**lora, "alpha": self.lora_alpha},
-            "adapter": self.engine.model.tenant_tensors(t.name),
-            "optimizer": t.optimizer.state_dict(gather=self.engine.model.io.gather),
+            "adapter": adapter,
+            "optimizer": optimizer,
             "step": t.step,
         }
 
         def peft_folder(tmp: Path) -> None:
-            self.engine.save_adapter(t.name, tmp / "adapter")
+            self.engine.model.save_adapter(t.name, tmp / "adapter", self.engine.base_path, tensors=adapter)
 
         try:
             write_state_dir(folder, t.step, tree, beside=peft_folder)
         except checkpoint.WRITE_ERRORS as e:
             self._fail(work, f"could not save {path}: {e}", ErrorCategory.SERVER)
             return
-        self.state.futures.settle(work.request_id, Result(json={"path": path, "type": "save_weights"}))
+        self._settle(work, Result(json={"path": path, "type": "save_weights"}))
 
     def _read_state(self, work: Work) -> dict[str, Any] | None:
-        folder = self._folder(work.body.path)
-        try:
-            if folder is None or not folder.exists():
-                raise CheckpointError(f"no saved state {work.body.path} on this server")
-            state = read_checkpoint(folder)
-            if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-                raise CheckpointError(f"{work.body.path} is not a saved state of this service")
-        except CheckpointError as e:
-            self._fail(work, str(e))
+        """The saved state ``work`` names, read by rank 0 and broadcast (or why it cannot be read: then the
+        request failed, and None)."""
+        state: dict[str, Any] | str | None = None
+        if self.main:
+            folder = self._folder(work.body.path)
+            try:
+                if folder is None or not folder.exists():
+                    raise CheckpointError(f"no saved state {work.body.path} on this server")
+                state = read_checkpoint(folder)
+                if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+                    raise CheckpointError(f"{work.body.path} is not a saved state of this service")
+            except (CheckpointError, ValueError, OSError) as e:  # (rank 0 must reach the broadcast)
+                state = str(e)
+        state = self.comm.broadcast_object(state)  # type: ignore[assignment]
+        if isinstance(state, str):
+            self._fail(work, state)
             return None
         return state
 
@@ -354,8 +442,7 @@ class ServiceDriver(Driver):
             self._fail(work, f"{work.body.path} has another LoRA shape (rank or layers) than this model")
             return
         self._restore(t, state, work.body.optimizer)
-        answer = {"path": work.body.path, "type": "load_weights"}
-        self.state.futures.settle(work.request_id, Result(json=answer))
+        self._settle(work, Result(json={"path": work.body.path, "type": "load_weights"}))
 
     def _create_from_state(self, work: Work) -> None:
         """``create_training_client_from_state``: a new model with the saved LoRA settings, then the load."""
@@ -363,14 +450,14 @@ class ServiceDriver(Driver):
         if state is None:
             return
         lora = state["lora"]
-        info = ModelInfo(work.model_id, work.body.owner, self.state.base_model, int(lora["rank"]), lora["seed"],
+        info = ModelInfo(work.model_id, work.body.owner, self.spec.base_model, int(lora["rank"]), lora["seed"],
                          bool(lora["train_attn"]), bool(lora["train_mlp"]), bool(lora["train_unembed"]))  # fmt: skip
         t = self._create(work, info)
         if t is None:
             return
         self._restore(t, state, work.body.optimizer)
         answer = {"path": work.body.path, "type": "load_weights", "model_id": work.model_id}
-        self.state.futures.settle(work.request_id, Result(json=answer))
+        self._settle(work, Result(json=answer))
 
     def _restore(self, t: TenantRun, state: dict[str, Any], optimizer: bool) -> None:
         self.engine.model.set_tenant_tensors(t.name, state["adapter"])
@@ -405,8 +492,8 @@ class ServiceDriver(Driver):
         self.snapshots[key] = snap
         folder = self._folder(key) if save.name else None
         if folder is not None:  # a named snapshot is also a PEFT adapter directory (svc.local_path)
-            try:
-                self.engine.save_adapter(snap, folder)
+            try:  # (gathered on every process, written by rank 0)
+                self.engine.save_adapter(snap, folder if self.main else None)
             except checkpoint.WRITE_ERRORS as e:
                 self._fail(work, f"could not save {key}: {e}", ErrorCategory.SERVER)
                 return
@@ -414,10 +501,11 @@ class ServiceDriver(Driver):
             answer = {"sampling_session_id": save.sampling_session_id, "type": "save_weights_for_sampler"}
         else:
             answer = {"path": key, "type": "save_weights_for_sampler"}
-        self.state.futures.settle(work.request_id, Result(json=answer))
+        self._settle(work, Result(json=answer))
 
     def _sample(self, works: list[Work]) -> None:
-        """Every waiting sample request in one batched generation; each future gets its sequences."""
+        """Every waiting sample request in one batched generation (on every process: its forwards are
+        collectives); each future gets its sequences."""
         requests, taken = [], []
         eos = default_stop_ids(self.engine.model, self.engine.tokenizer)
         for work in works:
@@ -448,8 +536,11 @@ class ServiceDriver(Driver):
             taken.append(work)
         if not requests:
             return
+        any_running = self._any_running if self.comm.mesh is not None else None
         try:
-            done = sample(self.engine.model, requests, tokenizer=self.engine.tokenizer)
+            done = sample(
+                self.engine.model, requests, tokenizer=self.engine.tokenizer, any_running=any_running
+            )
         except ValueError as e:  # (checked by the HTTP side already; a request it let through fails alone)
             for work in taken:
                 self._fail(work, f"sampling failed: {e}")
@@ -458,7 +549,11 @@ class ServiceDriver(Driver):
             mine = [c for c in done if c.request == i]
             sequences = [wire.Sampled(c.tokens, c.logprobs, stopped=c.stop_reason != "length") for c in mine]
             prompt = mine[0].prompt_logprobs if requests[i].prompt_logprobs else None
-            self.state.futures.settle(work.request_id, Result(proto=wire.sample_response(sequences, prompt)))
+            self._settle(work, Result(proto=wire.sample_response(sequences, prompt)))
+
+    def _any_running(self, running: bool) -> bool:
+        """Whether a sampling row still runs on any process (an all-reduce after every decode step)."""
+        return bool(self.comm.sum_over_world(torch.tensor([float(running)]))[0] > 0)
 
     def _set_adam(self, t: TenantRun, params: Any) -> None:
         """The request's AdamParams on the tenant's AdamW for the coming step (the schedule is constant)."""
@@ -471,30 +566,19 @@ class ServiceDriver(Driver):
 
     # -- the loss ----------------------------------------------------------------------------------
     def loss(self, t: TenantRun, token_loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Each forward/backward request's Tinker loss from its rows (settling the request's future with
-        its loss and per-datum logprobs); the tenant's loss is the sum of those that are not forward-only."""
+        """Each of this process's datums of ``t``: its Tinker loss and logprobs (kept for its request's
+        answer, after the step); the tenant's loss here is the sum of the losses of the datums of requests
+        that are not forward-only."""
         pending = self.step_work[t.name]
         total = token_loss.sum() * 0.0
-        start = 0
-        for work, lengths in pending.forwards:
+        for r, (k, i) in enumerate(pending.local):
+            work, lengths = pending.forwards[k]
             fb: wire.ForwardBackward = work.body
-            rows, start = range(start, start + len(lengths)), start + len(lengths)
-            per_datum, loss_sum, metrics = [], token_loss.new_zeros(()), {}
-            for i, d, n in zip(rows, fb.data, lengths):
-                lp = -token_loss[i, :n]
-                value, m = losses.datum_loss(fb.loss_fn, lp, d.inputs, fb.config)
-                loss_sum = loss_sum + value
-                per_datum.append(lp.detach().float().cpu())
-                for k, v in m.items():
-                    metrics[k] = metrics.get(k, 0.0) + float(v)
-            metrics["loss:sum"] = float(loss_sum.detach())
-            self.state.futures.settle(
-                work.request_id, Result(proto=wire.forward_backward_output(per_datum, metrics))
-            )
+            lp = -token_loss[r, : lengths[i]]
+            value, metrics = losses.datum_loss(fb.loss_fn, lp, fb.data[i].inputs, fb.config)
+            self.scored.setdefault(work.request_id, {})[i] = (lp.detach(), value.detach(), metrics)
             if not fb.forward_only:
-                total = total + loss_sum
-                t.feed.window_tokens += sum(lengths)
-                t.feed.window_requests += 1
+                total = total + value
         return total
 
     # -- after its optimiser step --------------------------------------------------------------------
@@ -502,11 +586,46 @@ class ServiceDriver(Driver):
         work = self.waiting_optim.pop(t.name, None)
         if work is not None:
             metrics = {"grad_norm:max": result.grad_norm, "learning_rate:max": result.lr}
-            self.state.futures.settle(work.request_id, Result(json={"metrics": metrics}))
+            self._settle(work, Result(json={"metrics": metrics}))
         f: ServiceFeed = t.feed
         self.recorder.log(TrainRow(step=self.recorder.step, tenant=t.name, tenant_step=t.step, loss=result.loss,
                                    tokens=f.window_tokens, lr=result.lr, grad_norm=result.grad_norm))  # fmt: skip
         f.reset()
+
+    def after_step(self) -> None:
+        """Answer the step's forward/backward requests: every process's datums' results, gathered on rank 0
+        (one collective), in datum order; ``loss:sum`` and the other metrics summed over the datums in that
+        order, as one process sums them. (TP ranks hold the same datums: either copy will do.)"""
+        works = [work for p in self.step_work.values() for work, _ in p.forwards]
+        scored, self.scored = self.scored, {}
+        if not works:  # (the same on every process)
+            return
+        mine = {
+            rid: {i: (lp.float().cpu(), v.cpu(), {k: float(x) for k, x in m.items()}) for i, (lp, v, m) in got.items()}
+            for rid, got in scored.items()
+        }  # fmt: skip
+        everyone = self.comm.gather_objects(mine)
+        if not self.main:
+            return
+        for work in works:
+            got: dict[int, tuple] = {}
+            for part in everyone:
+                got |= part.get(work.request_id, {})  # type: ignore[union-attr]
+            fb: wire.ForwardBackward = work.body
+            if len(got) != len(fb.data):  # (cannot happen: every datum is some process's row)
+                self._fail(
+                    work, f"{len(fb.data) - len(got)} datum(s) were not computed", ErrorCategory.SERVER
+                )
+                continue
+            per_datum, loss_sum, metrics = [], torch.zeros(()), {}
+            for i in range(len(fb.data)):
+                lp, value, m = got[i]
+                per_datum.append(lp)
+                loss_sum = loss_sum + value
+                for k, v in m.items():
+                    metrics[k] = metrics.get(k, 0.0) + v
+            metrics["loss:sum"] = float(loss_sum)
+            self._settle(work, Result(proto=wire.forward_backward_output(per_datum, metrics)))
 
     def _settle_failed(self) -> None:
         """Requests of tenants the last step quarantined fail with the tenant's reason."""
@@ -517,8 +636,13 @@ class ServiceDriver(Driver):
                 why = t.reason if t is not None else "it is gone"
                 self._fail(work, f"the model's step failed: {why}", ErrorCategory.USER)
 
+    def _settle(self, work: Work, result: Result) -> None:
+        """``work``'s answer (rank 0 holds the futures; the other processes ran it with rank 0)."""
+        if self.main:
+            self.state.futures.settle(work.request_id, result)
+
     def _fail(self, work: Work, why: str, category: ErrorCategory = ErrorCategory.USER) -> None:
-        self.state.futures.settle(work.request_id, Result(error=why, category=category))
+        self._settle(work, Result(error=why, category=category))
 
 
 def _row(d: wire.Datum) -> Example:
