@@ -5,6 +5,7 @@ served job on two processes (fsdp=2) equals PEFT + AdamW on one."""
 from __future__ import annotations
 
 import math
+import socket
 import stat
 import time
 
@@ -32,13 +33,20 @@ def refused(client: tinker.ServiceClient, base_model: str) -> bool:
 
 
 @pytest.mark.slow  # (starts a job)
-def test_served_job_trains_a_tinker_client_checks_keys_and_stops(llama_path, tmp_path):
-    spec = ml.JobSpec(base_model=llama_path, tenants=[], seq_len=48, max_tenants=2, max_rank=8,
-                      slot_modules=SLOTS)  # fmt: skip
+def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_path, tmp_path):
+    """Served, a client trains, keys are checked, the job stops; resumed on the same port, the very same SDK
+    client goes on (its seq_ids continue) with its tenant's weights and AdamW state, and equals a client made
+    from the state it saved before the stop."""
+    with socket.socket() as s:  # (a free port, for the resume to serve on the same one)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # (3 slots: this client's tenant, the one a key made before it was revoked, and the resumed twin)
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], seq_len=48, max_tenants=3, max_rank=8,
+                      slot_modules=SLOTS, service=ml.Service(port=port, session_timeout=5))  # fmt: skip
     t0 = time.monotonic()
     svc = ml.serve(spec, workdir=tmp_path / "runs")
     try:
-        assert isinstance(svc, ml.Run) and svc.spec.service == ml.Service()
+        assert isinstance(svc, ml.Run) and svc.spec.service == ml.Service(port=port, session_timeout=5)
         assert svc.base_url.startswith("http://127.0.0.1:") and svc.base_model == llama_path
         started = time.monotonic() - t0
         # one forward_backward of two datums, then optim_step, through the real SDK
@@ -82,6 +90,23 @@ def test_served_job_trains_a_tinker_client_checks_keys_and_stops(llama_path, tmp
         assert type(ml.attach(svc.path)).__name__ == "ServedRun"
         with pytest.raises(RuntimeError, match="stopped"):
             svc.base_url  # noqa: B018
+        # resumed: the client's tenant is back (job.json records its Tinker model), served on the same port
+        again = ml.resume(svc.path)
+        assert type(again).__name__ == "ServedRun" and again.base_url == svc.base_url
+        assert svc.status == "running"  # (the old handle follows the job that took its run over)
+        twin = again.client().create_training_client_from_state_with_optimizer(saved).result()
+        forwards = [c.forward(data, "cross_entropy") for c in (tc, twin)]  # tc: the client from before
+        got, want = (f.result().metrics["loss:sum"] for f in forwards)
+        assert got == pytest.approx(want, abs=1e-6) and got < loss  # the weights after its one step
+        for c in (tc, twin):  # one more step each: its AdamW state came back too
+            c.forward_backward(data, "cross_entropy").result()
+            c.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        got, want = (c.forward(data, "cross_entropy").result().metrics["loss:sum"] for c in (tc, twin))
+        assert got == pytest.approx(want, abs=1e-6)
+        # its client's session is heard again (the SDK heartbeats to the same session id): its tenant runs
+        state = again.tenant_states()
+        assert state[tenant] == "running", state
+        assert again.stop() == "stopped", again.logs(0)
         print(f"service up {started:.1f} s after ml.serve; whole test {time.monotonic() - t0:.1f} s")
     finally:
         stop_runs_under(tmp_path)

@@ -79,7 +79,7 @@ import dataclasses
 import itertools
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,7 +99,7 @@ from mlora_lab.sampling import SampleRequest, default_stop_ids, sample
 from mlora_lab.service import losses, wire
 from mlora_lab.service.bodies import ModelInfo
 from mlora_lab.service.work import ErrorCategory, Kind, Result, Work
-from mlora_lab.spec import MAX_COUNT, Tenant
+from mlora_lab.spec import MAX_COUNT, ClientModel, Tenant
 
 GONE = "its client sent no heartbeat nor request"
 """The start of the reason a tenant of a client that went away is paused with."""
@@ -141,17 +141,24 @@ def _part(name: str, heads: set[str]) -> str:
 
 @dataclass
 class ServiceFeed:
-    """A service tenant's per-tenant state: its model id and the current window's counters."""
+    """A service tenant's per-tenant state: its model id, the current window's counters, and (checkpointed)
+    the ``seq_id`` its client's next request to run has, so that a resumed job takes the client's requests
+    on from there."""
 
     model_id: str
     window_tokens: int = 0
     window_requests: int = 0
+    next_seq_id: Callable[[], int | None] = lambda: None
+    """The seq_id of the model's first request not run yet (rank 0 knows it; None elsewhere)."""
+    restored_seq_id: int | None = None
+    """What a checkpoint said :attr:`next_seq_id` was (a resumed job starts the model's inbox there)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"service_model_id": self.model_id}
+        return {"service_model_id": self.model_id, "service_next_seq_id": self.next_seq_id()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model_id = state["service_model_id"]
+        self.restored_seq_id = state.get("service_next_seq_id")
 
     def reset(self) -> None:
         self.window_tokens = self.window_requests = 0
@@ -204,21 +211,59 @@ class ServiceDriver(Driver):
         self.waiting_optim: dict[str, Work] = {}  # tenant -> its optim_step, until the step settles it
         self.snapshots: dict[str, str] = {}  # tinker:// path or sampling session id -> its slot's name
         self._snapshot_ids = itertools.count()
+        self._restored: list[str] = []  # clients' tenants a resume brought back, to register on rank 0
         # request id -> datum -> (logprobs, loss, metrics) of this process's datums of the current step
         self.scored: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]] = {}
 
     def accepts(self, tenant: Tenant) -> bool:
-        return tenant.name in self.names.values()
+        return tenant.client is not None or tenant.name in self.names.values()
 
     def feed(self, tenant: Tenant) -> ServiceFeed:
+        """The feed of a tenant :meth:`_create` is making, or of a client's tenant a resumed job brings back
+        from ``job.json`` (registered again under its model id; :meth:`_restore_models` opens its inbox once
+        the checkpoint said where its client's requests go on)."""
+        if tenant.name not in self.names.values():
+            assert tenant.client is not None
+            self.names[tenant.client.model_id] = tenant.name
+            self.queues[tenant.client.model_id] = deque()
+            self._restored.append(tenant.name)
         model_id = next(m for m, n in self.names.items() if n == tenant.name)
-        return ServiceFeed(model_id)
+        return ServiceFeed(model_id, next_seq_id=lambda: self._next_seq_id(model_id))
+
+    def _next_seq_id(self, model_id: str) -> int | None:
+        """Rank 0: the seq_id of the model's first request not run yet (taken but waiting, or the inbox's)."""
+        if not self.main:
+            return None
+        queue = self.queues.get(model_id)
+        waiting = [w.seq_id for w in queue or () if w.seq_id is not None]
+        return min(waiting) if waiting else self.state.inbox.next_seq_id(model_id)
+
+    def _restore_models(self) -> None:
+        """Rank 0, the first step of a resumed job: the clients' models its checkpoint brought back are
+        registered again (their ids and owners: the keys that made them reach them and their saved states),
+        their inboxes open at the seq_id their clients go on from, and each client's session is watched
+        again: a client that does not come back within the session timeout has its tenant saved and paused
+        (one paused already waits for a request of its client)."""
+        restored, self._restored = self._restored, []
+        if not self.main:
+            return
+        for name in restored:
+            t = self.pool.tenants.get(name)
+            if t is None or t.spec.client is None:
+                continue
+            c = t.spec.client
+            info = ModelInfo(c.model_id, c.owner, self.state.base_model, t.spec.rank, c.seed, c.train_attn,
+                             c.train_mlp, c.train_unembed)  # fmt: skip
+            waiting = t.state is TenantState.PAUSED and (t.reason or "").startswith(GONE)
+            self.state.restore_model(info, t.feed.restored_seq_id or 1, alive=not waiting)
 
     def waiting(self) -> bool:
         return True  # clients may send requests at any time
 
     # -- a step's plan ---------------------------------------------------------------------------
     def plan(self) -> Plan | None:
+        if self._restored:
+            self._restore_models()
         self._settle_failed()
         # (every process runs what rank 0 took, in its order: every forward is a collective)
         orders: _Orders = self.comm.broadcast_object(self._orders() if self.main else None)  # type: ignore[assignment]
@@ -316,9 +361,12 @@ class ServiceDriver(Driver):
         except ValueError as e:
             self._fail(work, str(e))
             return None
+        client = ClientModel(
+            model_id, info.owner, info.seed, info.train_attn, info.train_mlp, info.train_unembed
+        )
         tenant = Tenant(name=name, data="", rank=info.rank, alpha=self.lora_alpha, target_modules=targets,
                         lr=1e-4, weight_decay=0.0, max_grad_norm=None, batch_size=1, max_steps=MAX_COUNT,
-                        seed=0 if info.seed is None else int(info.seed), dropout=0.0)  # fmt: skip
+                        seed=0 if info.seed is None else int(info.seed), dropout=0.0, client=client)  # fmt: skip
         self.names[model_id] = name
         refusal = agree(self.comm, lambda: self.pool.prepare_add(tenant, self.feed))
         if refusal is not None:

@@ -111,6 +111,20 @@ class ServiceState:
     future_owners: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
     """request_id -> (the key name that asked, when), oldest first: only its owner may retrieve a future."""
 
+    def restore_model(self, info: ModelInfo, next_seq_id: int, alive: bool) -> None:
+        """A model a resumed job brought back: registered under its id and owner, its requests taken from
+        ``next_seq_id`` on, its session watched again (``alive``: as if it had just been heard from, so its
+        client has the session timeout to come back; else as long silent)."""
+        session_id = info.model_id.split(":train:")[0]
+        with self.lock:
+            self.models[info.model_id] = info
+            session = self.sessions.setdefault(session_id, Session(owner=info.owner, last_seen=0.0))
+            if info.model_id not in session.model_ids:
+                session.model_ids.append(info.model_id)
+            if alive:
+                session.last_seen = time.time()
+        self.inbox.start_model(info.model_id, next_seq_id)
+
     def owns_run(self, owner: str, run_id: str) -> bool:
         """Whether ``run_id`` (a model id, the first part of a ``tinker://`` path) is ``owner``'s."""
         with self.lock:
