@@ -43,7 +43,12 @@ class Served:
     """A job on this process, its training loop on a thread, its service on loopback."""
 
     def __init__(
-        self, base: str, max_tenants: int = 2, background: bool = True, checkpoints: Path | None = None
+        self,
+        base: str,
+        max_tenants: int = 2,
+        background: bool = True,
+        checkpoints: Path | None = None,
+        session_timeout_s: float = 30.0,
     ) -> None:
         self.base = base
         spec = JobSpec(base_model=base, tenants=[], seq_len=48, max_tenants=max_tenants, max_rank=8,
@@ -56,7 +61,7 @@ class Served:
             spec,
             drivers=(
                 lambda parts: ServiceDriver(
-                    parts, self.state, checkpoints=checkpoints, session_timeout_s=30.0
+                    parts, self.state, checkpoints=checkpoints, session_timeout_s=session_timeout_s
                 ),
                 RLDriver,
                 FileData,
@@ -524,3 +529,65 @@ def test_a_flood_of_10000_requests_is_answered_request_by_request_and_an_honest_
     assert_same((losses + more, logprobs + more_lps), (want_losses, want_logprobs),
                 served.trainer.model.tenant_tensors(name), peft_lora_tensors(model))  # fmt: skip
     print(f"10,000 requests in {took:.1f} s: {dict(answers)}")
+
+
+KILLED_CLIENT = """
+import json, sys, time
+import tinker
+from tinker import types
+url, key, base = sys.argv[1:4]
+tc = tinker.ServiceClient(base_url=url, api_key=key).create_lora_training_client(
+    base_model=base, rank=4, seed=11, train_unembed=False).result()
+d = [types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7, 8, 9]),
+                 loss_fn_inputs={"target_tokens": [6, 7, 8, 9, 10], "weights": [1.0] * 5})]
+for _ in range(2):
+    tc.forward_backward(d, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+path = tc.save_state("before-the-kill").result().path
+fb = tc.forward_backward(d * 8, "cross_entropy")  # mid-step: sent, and no optim_step will follow
+fb.result()
+print(json.dumps({"model_id": tc.model_id, "path": path}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_kill_9_of_a_client_mid_step_loses_nothing_and_the_others_go_on(llama_path, tmp_path):
+    """A client process trains two steps, saves its state, sends a forward_backward and is killed (SIGKILL)
+    before its optim_step. Another client trains on, equal to PEFT; the dead client's tenant is saved and
+    paused once its session times out, with exactly the weights of its last optimiser step."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from mlora_lab.rundir.checkpoint import read_checkpoint
+    from mlora_lab.rundir.service import saved_folder
+
+    served = Served(llama_path, checkpoints=tmp_path / "service", session_timeout_s=2.0)
+    try:
+        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+        honest, name = training_client(served, seed=4)
+        init = Path(served.trainer.engine.save_adapter(name, tmp_path / "init"))
+        child = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, served.server.url, served.key, llama_path],
+                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "TINKER_TELEMETRY": "0"})  # fmt: skip
+        try:
+            said = json.loads(child.stdout.readline())
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(30)
+        losses, logprobs, _ = sdk_steps(honest, [data], steps=2)  # the job goes on
+        dead = served.trainer.tenants[said["model_id"].replace(":", "-")]
+        deadline = time.monotonic() + 30
+        while dead.state is not TenantState.PAUSED and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert dead.state is TenantState.PAUSED and "no heartbeat" in dead.reason, (dead.state, dead.reason)
+        assert dead.step == 2
+        saved = read_checkpoint(saved_folder(tmp_path / "service", said["path"]))["adapter"]
+        now = served.trainer.model.tenant_tensors(dead.name)
+        assert all(torch.equal(now[k][0], saved[k][0]) and torch.equal(now[k][1], saved[k][1]) for k in saved)
+        want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=2)
+        assert_same((losses, logprobs), (want_losses, want_logprobs), served.trainer.model.tenant_tensors(name),
+                    peft_lora_tensors(model))  # fmt: skip
+    finally:
+        served.close()
