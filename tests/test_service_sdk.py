@@ -56,7 +56,7 @@ class Served:
         self.keys = Keys()
         self.key = self.keys.add("owner")
         self.state = ServiceState(inbox=Inbox(), futures=Futures(), keys=self.keys, base_model=base,
-                                  limits=wire.Limits(vocab_size=1, max_tokens=1), max_rank=8, tokenizer_id=base)  # fmt: skip
+                                  limits=wire.Limits(vocab_size=1, max_tokens=1), max_rank=8, tokenizer_id=base, checkpoints=checkpoints)  # fmt: skip
         self.trainer = Trainer(
             spec,
             drivers=(
@@ -101,7 +101,7 @@ class Served:
 
 @pytest.fixture
 def served(llama_path, tmp_path):
-    s = Served(llama_path, checkpoints=tmp_path / "service")
+    s = Served(llama_path, max_tenants=3, checkpoints=tmp_path / "service")
     yield s
     s.close()
 
@@ -317,6 +317,26 @@ def test_save_state_load_it_and_a_client_from_it_continue_exactly(served, llama_
     assert all(torch.equal(saved[k][0], v[0]) for k, v in peft_lora_tensors(loaded).items())
     with pytest.raises(tinker.RequestFailedError, match="exists already"):
         tc.save_state("s1").result()
+    # the REST reads list the models and their checkpoints, from the service folder, to their owner only
+    snapshot = tc.save_weights_for_sampler("w1").result().path
+    rest = served.client().create_rest_client()
+    listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [(c.tinker_path, c.checkpoint_type, c.checkpoint_id) for c in listed] == [
+        (path, "training", "weights/s1"), (snapshot, "sampler", "sampler_weights/w1")]  # fmt: skip
+    assert all(c.size_bytes > 0 for c in listed)
+    run = rest.get_training_run(tc.model_id).result()
+    assert (run.lora_rank, run.model_owner, run.base_model) == (4, "owner", llama_path)
+    assert run.last_checkpoint.tinker_path == path and run.last_sampler_checkpoint.tinker_path == snapshot
+    runs = rest.list_training_runs().result()
+    assert {r.training_run_id for r in runs.training_runs} == {tc.model_id, other.model_id}
+    assert runs.cursor.total_count == 2
+    assert len(rest.list_user_checkpoints(limit=1).result().checkpoints) == 1
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert (info.lora_rank, info.train_attn, info.train_mlp, info.train_unembed) == (4, True, True, False)
+    stranger = served.client(served.keys.add("stranger")).create_rest_client()
+    with pytest.raises(tinker.NotFoundError):
+        stranger.list_checkpoints(tc.model_id).result()
+    assert stranger.list_training_runs().result().training_runs == []
 
 
 RL_LOSSES = {

@@ -50,6 +50,7 @@ class JobService:
             limits=wire.Limits(vocab_size=1, max_tokens=1),  # (set from the engine with the driver)
             max_rank=spec.max_rank,
             tokenizer_id=tokenizer,
+            checkpoints=run.service,
         )
         self.server: Server | None = None
 
