@@ -611,3 +611,42 @@ def test_kill_9_of_a_client_mid_step_loses_nothing_and_the_others_go_on(llama_pa
                     peft_lora_tensors(model))  # fmt: skip
     finally:
         served.close()
+
+
+def test_snapshots_share_the_slots_an_rl_loop_saves_one_per_step_and_inflight_moves_on(served, llama_path):
+    """With max_tenants=3 and one training client, an RL loop's save_weights_and_get_sampling_client every step
+    (12 snapshots) never runs out of slots: a snapshot is loaded when sampled, the least recently sampled
+    unloaded, and one loaded again samples exactly as before (greedy tokens and logprobs). A model keeps its
+    8 most recent unnamed snapshots; sampling an older one fails saying so. A new training client takes a
+    snapshot's slot. An inflight sampling client follows the model's later inflight saves."""
+    from mlora_lab.job.service import SESSION_SNAPSHOTS
+
+    data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+    tc, _ = training_client(served, seed=2)
+    greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+    prompt = types.ModelInput.from_ints(data[0][0][:3])
+
+    def draw(sampler) -> tuple[list[int], list[float]]:
+        seq = sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+        return seq.tokens, seq.logprobs
+
+    samplers, first = [], []
+    for _ in range(12):
+        sdk_steps(tc, [data], steps=1)
+        samplers.append(tc.save_weights_and_get_sampling_client().result())
+        first.append(draw(samplers[-1]))
+    assert len({tuple(t) for t, _ in first}) > 1 or len({tuple(lp) for _, lp in first}) > 1  # (weights moved)
+    for i in (4, 11, 5):  # unloaded and loaded again: the same samples
+        tokens, logprobs = draw(samplers[i])
+        assert tokens == first[i][0] and logprobs == pytest.approx(first[i][1], abs=1e-6)
+    with pytest.raises(tinker.RequestFailedError, match=f"{SESSION_SNAPSHOTS} most recent"):
+        draw(samplers[0])
+    other, _ = training_client(served, seed=3)  # (takes the slot of a loaded snapshot)
+    assert draw(samplers[11])[0] == first[11][0]
+    inflight = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    before = draw(inflight)
+    assert before[0] == first[11][0] and before[1] == pytest.approx(first[11][1], abs=1e-6)
+    sdk_steps(tc, [data], steps=3)
+    fresh = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    assert draw(inflight) == draw(fresh) != before  # the older inflight client samples the new weights
+    del other

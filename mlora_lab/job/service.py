@@ -53,7 +53,7 @@ that every process runs the same plan in the same order (every forward is a coll
     orders      at each step boundary rank 0 takes the inbox (a sample without a seed gets one drawn
                 here) and decides which clients went away or came back; one broadcast hands these orders
                 to every process, which all apply them: creates (``agree``), pauses (the adapter saved:
-                a gather), snapshots (``add_tenant`` everywhere), states (see below), samples
+                a gather), snapshots (their tensors gathered everywhere), states (see below), samples
     rows        a tenant's datums of the step (its requests' in ``seq_id`` order, then datum order) are
                 split over the data-parallel ranks as the file-data rows are: rank ``d`` of ``D`` takes
                 datums ``d, d + D, …`` (the TP ranks of one data-parallel rank the same ones); a process
@@ -69,8 +69,14 @@ that every process runs the same plan in the same order (every forward is a coll
     samples     every process runs every sample request (same seeds: the same tokens), its decode steps
                 kept in step with the others (``any_running``), as the RL driver generates
 
-Only rank 0 settles futures. A snapshot holds a slot while the job runs (snapshots and training clients
-share ``max_tenants``).
+Only rank 0 settles futures.
+
+Snapshots and slots. A sampler snapshot keeps the adapter's tensors (in memory, on every process; a named
+one is also a PEFT folder) and is loaded into a free slot when it is sampled from. Snapshots and training
+clients share ``max_tenants``: a training client being created, or a batch sampling from snapshots that are
+not loaded, unloads the snapshots sampled least recently. A model keeps its :data:`SESSION_SNAPSHOTS` most
+recent unnamed snapshots (``save_weights_and_get_sampling_client``, once per step of an RL loop); its
+``kind="inflight"`` saves share one target, which each such save moves on for every inflight session.
 """
 
 from __future__ import annotations
@@ -174,6 +180,26 @@ class _Pending:
     local: list[tuple[int, int]] = field(default_factory=list)  # (request, datum) of each row here, in order
 
 
+SESSION_SNAPSHOTS = 8
+"""Unnamed sampler snapshots kept per model (the most recent saves; named ones are all kept)."""
+
+
+@dataclass(eq=False)
+class _Snapshot:
+    """A sampler snapshot: the adapter's full tensors when it was saved (on every process) and its LoRA
+    shape, and the slot it is loaded in now (None: unloaded to make room; loaded again when sampled)."""
+
+    model_id: str
+    tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    rank: int
+    alpha: float
+    modules: tuple[str, ...]
+    use_rslora: bool
+    named: bool
+    slot: str | None = None
+    used: int = 0
+
+
 @dataclass
 class _Orders:
     """What rank 0 decided at a step boundary, the same on every process once broadcast."""
@@ -209,7 +235,11 @@ class ServiceDriver(Driver):
         self.queues: dict[str, deque[Work]] = {}  # model id -> its requests taken, not run yet
         self.step_work: dict[str, _Pending] = {}  # tenant -> what it runs in the current step
         self.waiting_optim: dict[str, Work] = {}  # tenant -> its optim_step, until the step settles it
-        self.snapshots: dict[str, str] = {}  # tinker:// path or sampling session id -> its slot's name
+        # tinker:// path or sampling session id -> its snapshot (a model's inflight sessions share one)
+        self.snapshots: dict[str, _Snapshot] = {}
+        self._uses = (
+            itertools.count()
+        )  # (when a snapshot was last sampled from: the least recent leaves first)
         self._snapshot_ids = itertools.count()
         self._restored: list[str] = []  # clients' tenants a resume brought back, to register on rank 0
         # request id -> datum -> (logprobs, loss, metrics) of this process's datums of the current step
@@ -368,6 +398,9 @@ class ServiceDriver(Driver):
                         lr=1e-4, weight_decay=0.0, max_grad_norm=None, batch_size=1, max_steps=MAX_COUNT,
                         seed=0 if info.seed is None else int(info.seed), dropout=0.0, client=client)  # fmt: skip
         self.names[model_id] = name
+        self._free_slots(
+            1
+        )  # (a loaded snapshot gives its slot to a training client; it loads again when sampled)
         refusal = agree(self.comm, lambda: self.pool.prepare_add(tenant, self.feed))
         if refusal is not None:
             del self.names[model_id]
@@ -517,7 +550,9 @@ class ServiceDriver(Driver):
 
     # -- sampling ----------------------------------------------------------------------------------
     def _snapshot(self, work: Work, t: TenantRun) -> None:
-        """Copy ``t``'s adapter, as it is now, into a slot of its own, named by the request."""
+        """Keep ``t``'s adapter, as it is now, under the request's name: a frozen snapshot (named, or the
+        sampling session of ``save_weights_and_get_sampling_client``), or the model's inflight target, which
+        this save updates for every inflight session of the model."""
         save = work.body
         key = save.sampling_session_id or f"tinker://{work.model_id}/sampler_weights/{save.name}"
         if key in self.snapshots and not save.overwrite:
@@ -525,23 +560,23 @@ class ServiceDriver(Driver):
             return
         model = self.engine.model
         adapter = model.tenants[t.name]
-        snap = f"{t.name}.s{next(self._snapshot_ids)}"
-        try:
-            if len(model.tenants) >= self.spec.max_tenants:
-                raise ValueError(f"no free slot for a sampler snapshot: all max_tenants={self.spec.max_tenants} "
-                                 "slots hold training clients or snapshots")  # fmt: skip
-            model.add_tenant(snap, rank=adapter.rank, alpha=adapter.alpha, target_modules=adapter.modules,
-                             use_rslora=adapter.use_rslora, init=model.tenant_tensors(t.name))  # fmt: skip
-        except ValueError as e:
-            self._fail(work, str(e))
-            return
-        if key in self.snapshots:  # overwritten: the old copy's slot is freed
-            model.remove_tenant(self.snapshots[key])
-        self.snapshots[key] = snap
+        tensors = model.tenant_tensors(t.name)  # (full tensors, on every process)
+        target = self.snapshots.get(f"inflight {work.model_id}") if save.inflight else self.snapshots.get(key)
+        if target is not None:  # overwritten, or the inflight target moves on: in place, in its slot too
+            target.tensors = tensors
+            if target.slot is not None:
+                model.set_tenant_tensors(target.slot, tensors)
+        else:
+            target = _Snapshot(work.model_id, tensors, adapter.rank, adapter.alpha, tuple(adapter.modules),
+                               adapter.use_rslora, named=save.name is not None)  # fmt: skip
+        if save.inflight:
+            self.snapshots[f"inflight {work.model_id}"] = target
+        self.snapshots[key] = target
+        self._forget_old_sessions(work.model_id)
         folder = self._folder(key) if save.name else None
         if folder is not None:  # a named snapshot is also a PEFT adapter directory (svc.local_path)
-            try:  # (gathered on every process, written by rank 0)
-                self.engine.save_adapter(snap, folder if self.main else None)
+            try:  # (the tenant's adapter, which the snapshot is a copy of now: gathered, written by rank 0)
+                self.engine.save_adapter(t.name, folder if self.main else None)
             except checkpoint.WRITE_ERRORS as e:
                 self._fail(work, f"could not save {key}: {e}", ErrorCategory.SERVER)
                 return
@@ -551,17 +586,74 @@ class ServiceDriver(Driver):
             answer = {"path": key, "type": "save_weights_for_sampler"}
         self._settle(work, Result(json=answer))
 
+    def _forget_old_sessions(self, model_id: str) -> None:
+        """A model keeps the snapshots of its :data:`SESSION_SNAPSHOTS` most recent unnamed sampler saves (an
+        RL loop saves one per step): older ones are dropped, and sampling from them fails saying so."""
+        keys = [k for k, snap in self.snapshots.items()
+                if snap.model_id == model_id and not snap.named and not k.startswith("inflight ")]  # fmt: skip
+        for k in keys[:-SESSION_SNAPSHOTS]:
+            snap = self.snapshots.pop(k)
+            if snap.slot is not None and all(other is not snap for other in self.snapshots.values()):
+                self.engine.model.remove_tenant(snap.slot)
+                snap.slot = None
+
+    def _free_slots(self, wanted: int, keep: set[int] = frozenset()) -> int:
+        """Unload least recently sampled snapshots (not those in ``keep``, by id) until ``wanted`` slots are
+        free or none is left to unload; the free slots."""
+        model = self.engine.model
+        loaded = sorted({id(s): s for s in self.snapshots.values() if s.slot is not None and id(s) not in keep}
+                        .values(), key=lambda s: s.used)  # fmt: skip
+        while self.spec.max_tenants - len(model.tenants) < wanted and loaded:
+            snap = loaded.pop(0)
+            model.remove_tenant(snap.slot)
+            snap.slot = None
+        return self.spec.max_tenants - len(model.tenants)
+
+    def _load_snapshots(self, snaps: list[_Snapshot]) -> set[int]:
+        """Put ``snaps`` in slots (evicting others, least recently sampled first); the ids of those that
+        could not get one (every slot holds a training client or a snapshot this batch samples)."""
+        need = {id(s): s for s in snaps}
+        missing = [s for s in need.values() if s.slot is None]
+        free = self._free_slots(len(missing), keep=set(need))
+        failed = set()
+        for snap in missing:
+            if free <= 0:
+                failed.add(id(snap))
+                continue
+            snap.slot = f"snapshot.{next(self._snapshot_ids)}"
+            self.engine.model.add_tenant(snap.slot, rank=snap.rank, alpha=snap.alpha, target_modules=list(snap.modules),
+                                         use_rslora=snap.use_rslora, init=snap.tensors)  # fmt: skip
+            free -= 1
+        for snap in need.values():
+            snap.used = next(self._uses)
+        return failed
+
     def _sample(self, works: list[Work]) -> None:
         """Every waiting sample request in one batched generation (on every process: its forwards are
-        collectives); each future gets its sequences."""
+        collectives); each future gets its sequences. The snapshots sampled from are loaded into free slots
+        first (a snapshot not sampled from lately may have been unloaded to make room)."""
         requests, taken = [], []
         eos = default_stop_ids(self.engine.model, self.engine.tokenizer)
+        sources: list[_Snapshot | None] = []
         for work in works:
             s = work.body
-            source = s.sampling_session_id if s.sampling_session_id in self.snapshots else s.model_path
+            # a snapshot's sampling session (its work names the model), a saved snapshot, or the base model
+            source = s.sampling_session_id if work.model_id is not None else s.model_path
             if source is not None and source not in self.snapshots:
-                self._fail(work, f"no sampler snapshot {source!r} on this server")
+                self._fail(work, f"no sampler snapshot {source!r} on this server (an unnamed one is kept for "
+                                 f"the {SESSION_SNAPSHOTS} most recent saves of its model)")  # fmt: skip
                 continue
+            sources.append(None if source is None else self.snapshots[source])
+            taken.append(work)
+        failed = self._load_snapshots([s for s in sources if s is not None])
+        kept = []
+        for work, snap in zip(taken, sources):
+            if snap is not None and id(snap) in failed:
+                self._fail(work, f"no free slot to sample from its snapshot: the job's max_tenants="
+                                 f"{self.spec.max_tenants} slots hold training clients and the snapshots sampled "
+                                 "with it; try again, or serve with a larger max_tenants")  # fmt: skip
+                continue
+            s = work.body
             ids = list(s.stop_token_ids)
             # ``stop`` absent: the model's end-of-sequence; ``stop: []``: nothing stops a sample but its
             # length; stop strings or ids: those and the end-of-sequence
@@ -569,7 +661,7 @@ class ServiceDriver(Driver):
             requests.append(
                 SampleRequest(
                     prompt=s.prompt,
-                    tenant=None if source is None else self.snapshots[source],
+                    tenant=None if snap is None else snap.slot,
                     num_samples=s.num_samples,
                     max_new_tokens=s.max_tokens,
                     temperature=s.temperature,
@@ -581,7 +673,8 @@ class ServiceDriver(Driver):
                     prompt_logprobs=s.prompt_logprobs,
                 )
             )
-            taken.append(work)
+            kept.append(work)
+        taken = kept
         if not requests:
             return
         any_running = self._any_running if self.comm.mesh is not None else None

@@ -47,7 +47,6 @@ from mlora_lab.service.bodies import (
     Fields,
     Load,
     ModelInfo,
-    Save,
     parse_checkpoint_path,
     read_adam,
     read_create_model,
@@ -456,7 +455,7 @@ async def save_weights_for_sampler(request: Request, state: ServiceState, owner:
     model = own_model(state, owner, model_id)
     if sampling_seq is not None:
         sampling_id = f"{model_id.split(':train:')[0]}:sample:{sampling_seq}"
-        save = Save(save.kind, None, sampling_id, save.overwrite, save.ttl_seconds)
+        save = replace(save, name=None, sampling_session_id=sampling_id)
         with state.lock:
             known = state.sampling_sessions.get(sampling_id)
             if known is not None and known.model_id != model_id:
