@@ -264,3 +264,14 @@ def test_connections_are_served_without_nagles_delay(service):
         for protocol in connections:
             sock = protocol.transport.get_extra_info("socket")
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+
+
+def test_a_server_on_every_interface_is_reached_by_the_machines_name():
+    """``Service(host="0.0.0.0")`` (a job on a Slurm node, reached from the login node): endpoint.json names the
+    machine, not the wildcard address; loopback and IPv6 addresses are written as they are."""
+    import socket
+
+    from mlora_lab.service.app import reachable
+
+    assert reachable("0.0.0.0") == reachable("::") == socket.gethostname()
+    assert reachable("127.0.0.1") == "127.0.0.1" and reachable("::1") == "[::1]"

@@ -692,6 +692,15 @@ async def retrieve_future(request: Request, state: ServiceState, owner: str) -> 
 # ---------------------------------------------------------------------------------------------- server
 
 
+def reachable(host: str) -> str:
+    """The address clients reach a server listening on ``host`` at: this machine's name for a wildcard
+    (``0.0.0.0``, ``::``: every interface; a job on a Slurm node is reached from the login node by name),
+    an IPv6 address in brackets."""
+    if host in ("", "0.0.0.0", "::"):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host else host
+
+
 class Server:
     """uvicorn serving ``state`` on a daemon thread with its own event loop (``futures`` bound to it).
 
@@ -742,8 +751,7 @@ class Server:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the service's HTTP server did not start in {timeout} s")
             time.sleep(0.01)
-        shown = f"[{self.host}]" if ":" in self.host else self.host
-        self.url = f"http://{shown}:{self.port}"
+        self.url = f"http://{reachable(self.host)}:{self.port}"
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
