@@ -20,83 +20,14 @@ import torch
 import transformers
 
 tinker = pytest.importorskip("tinker")
+from served_job import Served  # noqa: E402
 from tinker import types  # noqa: E402
 
-from mlora_lab.job.filedata import FileData  # noqa: E402
-from mlora_lab.job.rl import RLDriver  # noqa: E402
-from mlora_lab.job.service import ServiceDriver  # noqa: E402
-from mlora_lab.job.trainer import Trainer  # noqa: E402
 from mlora_lab.reference import peft_lora_tensors  # noqa: E402
 from mlora_lab.rundir import TenantState  # noqa: E402
-from mlora_lab.service import wire  # noqa: E402
-from mlora_lab.service.app import Server, ServiceState  # noqa: E402
-from mlora_lab.service.keys import Keys  # noqa: E402
-from mlora_lab.service.work import Futures, Inbox  # noqa: E402
-from mlora_lab.spec import JobSpec  # noqa: E402
 
 TOL = 1e-5
-SLOTS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TEXTS = ["the red cat sat on the road", "a blue bird and a green tree", "count the river city car", "dog"]
-
-
-class Served:
-    """A job on this process, its training loop on a thread, its service on loopback."""
-
-    def __init__(
-        self,
-        base: str,
-        max_tenants: int = 2,
-        background: bool = True,
-        checkpoints: Path | None = None,
-        session_timeout_s: float = 30.0,
-    ) -> None:
-        self.base = base
-        spec = JobSpec(base_model=base, tenants=[], seq_len=48, max_tenants=max_tenants, max_rank=8,
-                       slot_modules=[*SLOTS, "lm_head"])  # fmt: skip
-        self.keys = Keys()
-        self.key = self.keys.add("owner")
-        self.state = ServiceState(inbox=Inbox(), futures=Futures(), keys=self.keys, base_model=base,
-                                  limits=wire.Limits(vocab_size=1, max_tokens=1), max_rank=8, tokenizer_id=base, checkpoints=checkpoints)  # fmt: skip
-        self.trainer = Trainer(
-            spec,
-            drivers=(
-                lambda parts: ServiceDriver(
-                    parts, self.state, checkpoints=checkpoints, session_timeout_s=session_timeout_s
-                ),
-                RLDriver,
-                FileData,
-            ),
-        )
-        # (a datum is its input tokens and one more position: seq_len - 1 input tokens at most)
-        self.state.limits = wire.Limits(
-            vocab_size=self.trainer.engine.vocab_rows, max_tokens=spec.seq_len - 1
-        )
-        self.server = Server(self.state).start()
-        self.thread = None
-        if background:
-            self.thread = threading.Thread(target=self.trainer.train, kwargs={"idle_s": 0.005}, daemon=True)
-            self.thread.start()
-
-    def step_while(self, going, batch: int = 1, timeout: float = 120.0) -> None:
-        """Without the background loop: step whenever ``batch`` requests wait (or any wait and none came
-        for a second), while ``going()``."""
-        deadline, last = time.monotonic() + timeout, time.monotonic()
-        while going() and time.monotonic() < deadline:
-            waiting = len(self.state.inbox)
-            if waiting >= batch or (waiting and time.monotonic() - last > 1.0):
-                self.trainer.step()
-                last = time.monotonic()
-            else:
-                time.sleep(0.002)
-
-    def client(self, key: str | None = None) -> tinker.ServiceClient:
-        return tinker.ServiceClient(base_url=self.server.url, api_key=key or self.key)
-
-    def close(self) -> None:
-        self.trainer.stop_requested = True
-        if self.thread is not None:
-            self.thread.join(60)
-        self.server.stop()
 
 
 @pytest.fixture
@@ -181,9 +112,10 @@ def peft_steps(base: str, init: Path, data: list, steps: int):
     return losses, logprobs, model
 
 
-def assert_same(got, want, ours: dict, theirs: dict) -> None:
+def assert_same(got, want, ours: dict, theirs: dict, rel: float = 0.0) -> None:
+    """Losses (within ``TOL``, or ``rel`` of their size), logprobs and adapters (within ``TOL``) agree."""
     (got_losses, got_logprobs), (want_losses, want_logprobs) = got, want
-    assert got_losses == pytest.approx(want_losses, abs=TOL)
+    assert got_losses == pytest.approx(want_losses, abs=TOL, rel=rel)
     for g_round, w_round in zip(got_logprobs, want_logprobs, strict=True):
         assert all(torch.allclose(g, w, atol=TOL) for g, w in zip(g_round, w_round, strict=True))
     assert set(ours) == set(theirs)
@@ -546,8 +478,10 @@ def test_a_flood_of_10000_requests_is_answered_request_by_request_and_an_honest_
     assert answers[("asample", 200)] > 0, answers
     more, more_lps, _ = sdk_steps(honest, [data], steps=1)  # the service still answers at once
     want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=3)
+    # (its losses are sums of ~50 over the tokens: float32 rounding alone is ~5e-6 of them; measured 1.5e-5 once,
+    # 3e-7 of the loss, when its steps shared the loop with the flood's samples)
     assert_same((losses + more, logprobs + more_lps), (want_losses, want_logprobs),
-                served.trainer.model.tenant_tensors(name), peft_lora_tensors(model))  # fmt: skip
+                served.trainer.model.tenant_tensors(name), peft_lora_tensors(model), rel=1e-6)  # fmt: skip
     print(f"10,000 requests in {took:.1f} s: {dict(answers)}")
 
 
