@@ -38,6 +38,7 @@ class Served:
         background: bool = True,
         checkpoints: Path | None = None,
         seq_len: int = 48,
+        session_timeout_s: float = 30.0,
     ) -> None:
         self.base = base
         spec = JobSpec(base_model=base, tenants=[], seq_len=seq_len, max_tenants=max_tenants, max_rank=8,
@@ -45,12 +46,12 @@ class Served:
         self.keys = Keys()
         self.key = self.keys.add("owner")
         self.state = ServiceState(inbox=Inbox(), futures=Futures(), keys=self.keys, base_model=base,
-                                  limits=wire.Limits(vocab_size=1, max_tokens=1), max_rank=8, tokenizer_id=base)  # fmt: skip
+                                  limits=wire.Limits(vocab_size=1, max_tokens=1), max_rank=8, tokenizer_id=base, checkpoints=checkpoints)  # fmt: skip
         self.trainer = Trainer(
             spec,
             drivers=(
                 lambda parts: ServiceDriver(
-                    parts, self.state, checkpoints=checkpoints, session_timeout_s=30.0
+                    parts, self.state, checkpoints=checkpoints, session_timeout_s=session_timeout_s
                 ),
                 RLDriver,
                 FileData,

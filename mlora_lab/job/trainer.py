@@ -28,7 +28,9 @@ The story of one global step (:meth:`Trainer.step`):
 4. each tenant whose window is complete takes one AdamW step (own schedule, own clipping by its own
    global gradient norm); a tenant whose loss or gradient is NaN/inf, whose update would not be finite
    (lr=1e38) or whose weights diverge with it, or whose own part of the step raised, is quarantined
-   instead, on every process, and the others go on exactly as without it (:func:`~mlora_lab.optim.step_many`).
+   instead, on every process, and the others go on exactly as without it (:func:`~mlora_lab.optim.step_many`);
+5. each driver that planned hears that the step is over (:meth:`~.driver.Driver.after_step`, on every
+   process: the service driver gathers its requests' answers there).
 """
 
 from __future__ import annotations
@@ -246,6 +248,8 @@ class Trainer:
         for t in owner:
             self.pool[t].accumulating = True
         self._optimizer_steps(plans, owner)
+        for d, _ in plans:
+            d.after_step()
         tenants = len({name for name, start, end in batch.segments if name is not None and end > start})
         self.recorder.system(time.perf_counter() - t0, int(batch.attention_mask.sum()), tenants)
         return True
