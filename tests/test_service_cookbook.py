@@ -91,9 +91,9 @@ def test_rl_loop_importance_sampling_raises_the_reward_of_a_toy_task(cookbook, t
     Over 10 steps of 4 questions x 8 samples the mean reward of the last 3 steps is well above that of the
     first 3 (seen over 21 runs with other sampling seeds: 0.30-0.37 before, 0.74-1.0 after; a reward that
     saturates sooner, the share of lowercase letters, rose less surely, as Adam's steps on the few groups
-    left unsaturated sometimes knocked it back). Every step's sampler snapshot takes the slot of the one
-    before (max_tenants=2). The job trained the client's tenant one optimiser step per step the loop
-    trained."""
+    left unsaturated sometimes knocked it back). Every step's new sampler snapshot is loaded into the slot
+    of the one before (max_tenants=2). The job trained the client's tenant one optimiser step per step the
+    loop trained."""
     monkeypatch.setattr(rl_loop, "get_reward", lowercase_letters)
     local_dataset(monkeypatch, [{"question": f"say a word after {w}", "answer": "#### 0"} for w in WORDS * 4])
     log_path = tmp_path / "rl"
