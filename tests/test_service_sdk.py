@@ -43,7 +43,12 @@ class Served:
     """A job on this process, its training loop on a thread, its service on loopback."""
 
     def __init__(
-        self, base: str, max_tenants: int = 2, background: bool = True, checkpoints: Path | None = None
+        self,
+        base: str,
+        max_tenants: int = 2,
+        background: bool = True,
+        checkpoints: Path | None = None,
+        idle_s: float = 0.5,
     ) -> None:
         self.base = base
         spec = JobSpec(base_model=base, tenants=[], seq_len=48, max_tenants=max_tenants, max_rank=8,
@@ -69,7 +74,7 @@ class Served:
         self.server = Server(self.state).start()
         self.thread = None
         if background:
-            self.thread = threading.Thread(target=self.trainer.train, kwargs={"idle_s": 0.005}, daemon=True)
+            self.thread = threading.Thread(target=self.trainer.train, kwargs={"idle_s": idle_s}, daemon=True)
             self.thread.start()
 
     def step_while(self, going, batch: int = 1, timeout: float = 120.0) -> None:
@@ -89,6 +94,7 @@ class Served:
 
     def close(self) -> None:
         self.trainer.stop_requested = True
+        self.trainer.wake.set()  # (out of its idle wait)
         if self.thread is not None:
             self.thread.join(60)
         self.server.stop()
@@ -458,3 +464,18 @@ def test_hostile_requests_fail_alone_and_an_honest_client_beside_them_equals_pef
     want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=2)
     assert_same((losses + more, logprobs + more_lps), (want_losses, want_logprobs),
                 served.trainer.model.tenant_tensors(name), peft_lora_tensors(model))  # fmt: skip
+
+
+def test_a_request_that_comes_while_the_loop_idles_runs_at_once(llama_path):
+    """A served job idles between requests (polling its control messages every ``idle_s``, 0.5 s in a
+    launched job); a request that comes meanwhile wakes it, rather than waiting out the idle poll: each
+    round trip of a client's loop costs its step, not the poll (it cost ~0.5 s each)."""
+    served = Served(llama_path, idle_s=30.0)
+    try:
+        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+        t0 = time.monotonic()
+        tc, _ = training_client(served, seed=1)
+        sdk_steps(tc, [data], steps=3)
+        assert time.monotonic() - t0 < 15.0  # (4 round trips; each waited out the 30 s poll before)
+    finally:
+        served.close()

@@ -157,6 +157,7 @@ class ServiceDriver(Driver):
         self.session_timeout_s = float(session_timeout_s)
         self._watched = 0.0
         self.state, self.lora_alpha = state, float(lora_alpha)
+        state.inbox.arrived = parts.wake  # a request wakes the idle loop at once
         self.checkpoints = None if checkpoints is None else Path(checkpoints)
         self.comm = parts.engine.comm
         self.names: dict[str, str] = {}  # model id -> tenant name

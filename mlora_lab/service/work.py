@@ -98,6 +98,8 @@ class Inbox:
         self._ordered: dict[str, dict[int, Work | None]] = defaultdict(dict)
         self._next: dict[str, int] = {}  # model -> the seq_id to hand out next
         self._seen: dict[tuple[str, int], str] = {}  # (model, seq_id) -> its request id
+        self.arrived: threading.Event | None = None
+        """Set whenever work is put or a gap stepped over (the training loop idles on it)."""
 
     def __len__(self) -> int:
         with self._lock:
@@ -126,7 +128,8 @@ class Inbox:
                 self._ordered[work.model_id][work.seq_id] = work
             else:
                 self._unordered.append(work)
-            return work.request_id
+        self._arrived()
+        return work.request_id
 
     def take(self) -> list[Work]:
         """Every item that may run now: unordered ones in arrival order, then per model the consecutive
@@ -152,6 +155,11 @@ class Inbox:
             if (model_id, seq_id) not in self._seen:
                 self._seen[(model_id, seq_id)] = ""
                 self._ordered[model_id][seq_id] = None
+        self._arrived()
+
+    def _arrived(self) -> None:
+        if self.arrived is not None:
+            self.arrived.set()
 
     def forget_model(self, model_id: str) -> list[Work]:
         """Drop a model's waiting items (it is gone); returns them, so their futures can be failed."""
