@@ -479,3 +479,36 @@ def test_a_request_that_comes_while_the_loop_idles_runs_at_once(llama_path):
         assert time.monotonic() - t0 < 15.0  # (4 round trips; each waited out the 30 s poll before)
     finally:
         served.close()
+
+
+def test_an_rl_loop_takes_a_new_sampling_client_every_step_with_few_slots(llama_path, tmp_path):
+    """Tinker's RL loop (cookbook style) calls ``save_weights_and_get_sampling_client`` once per iteration:
+    each makes a snapshot of its own, held in a slot. Such sampling sessions are ephemeral (as in Tinker):
+    when every slot is taken, the least recently used one gives its slot up, to a new snapshot or a new
+    client, and sampling from it later fails saying so (never samples the base instead). Named snapshots
+    (``save_weights_for_sampler(name)``) keep theirs."""
+    served = Served(llama_path, max_tenants=3, checkpoints=tmp_path / "service")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+        data = datums(tok, TEXTS[:2])
+        prompt = types.ModelInput.from_ints(data[0][0][:4])
+        greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+        tc, _ = training_client(served, seed=2)
+        kept = tc.save_weights_for_sampler("kept").result().path  # client + kept: one slot left
+        samplers = []
+        for _ in range(4):  # each iteration's snapshot takes the slot of the one before
+            samplers.append(tc.save_weights_and_get_sampling_client().result())
+            answer = samplers[-1].sample(prompt, num_samples=2, sampling_params=greedy).result()
+            assert len(answer.sequences) == 2
+            sdk_steps(tc, [data], steps=1)
+        with pytest.raises(tinker.RequestFailedError, match="expired"):
+            samplers[0].sample(prompt, num_samples=1, sampling_params=greedy).result()
+        # a new client takes the latest session's slot; the named snapshot still samples as it did
+        other, _ = training_client(served, seed=3)
+        sdk_steps(other, [data], steps=1)
+        first = served.client().create_sampling_client(model_path=kept).result()
+        assert first.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0].tokens
+        with pytest.raises(tinker.RequestFailedError, match="expired"):
+            samplers[-1].sample(prompt, num_samples=1, sampling_params=greedy).result()
+    finally:
+        served.close()

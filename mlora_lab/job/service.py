@@ -45,15 +45,20 @@ A client that goes away (its session finished, or no heartbeat nor request for `
 SDK heartbeats every 10 s) has its tenants saved (``adapters/<tenant>``) and paused, not lost; a paused
 tenant whose session shows life again (a request naming its model) goes on where it stopped.
 
-It runs on one process for now (``parallel.nproc = 1``). A snapshot holds a slot while the job runs
-(snapshots and training clients share ``max_tenants``).
+Snapshots and training clients share the job's ``max_tenants`` slots. A named snapshot holds its slot while
+the job runs. A sampling session's (``save_weights_and_get_sampling_client``, which an RL loop calls once per
+iteration) is ephemeral, as in Tinker: when every slot is taken, the least recently used one gives its slot
+up to a new snapshot or a new client (never one a sample of this step waits for), and a later sample from
+it fails saying so.
+
+It runs on one process for now (``parallel.nproc = 1``).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,6 +170,9 @@ class ServiceDriver(Driver):
         self.step_work: dict[str, _Pending] = {}  # tenant -> what it runs in the current step
         self.waiting_optim: dict[str, Work] = {}  # tenant -> its optim_step, until the step settles it
         self.snapshots: dict[str, str] = {}  # tinker:// path or sampling session id -> its slot's name
+        self.ephemeral: OrderedDict[str, None] = OrderedDict()  # session snapshots, least recently used 1st
+        self.expired: dict[str, str] = {}  # sampling session id -> why its snapshot is gone
+        self._sampling: set[str] = set()  # the sessions the samples of this step sample from
         self._snapshot_ids = itertools.count()
         if self.comm.dims.world_size > 1:
             raise NotImplementedError("the Tinker service runs on one process for now (parallel.nproc=1)")
@@ -184,7 +192,9 @@ class ServiceDriver(Driver):
         self._settle_failed()
         self._watch_sessions()
         samples: list[Work] = []
-        for work in self.state.inbox.take():
+        taken = self.state.inbox.take()
+        self._sampling = {w.body.sampling_session_id for w in taken if w.kind is Kind.SAMPLE}
+        for work in taken:
             if work.kind is Kind.CREATE_MODEL:
                 self._create(work)
             elif work.kind is Kind.SAMPLE:
@@ -259,6 +269,7 @@ class ServiceDriver(Driver):
                         lr=1e-4, weight_decay=0.0, max_grad_norm=None, batch_size=1, max_steps=MAX_COUNT,
                         seed=0 if info.seed is None else int(info.seed), dropout=0.0)  # fmt: skip
         self.names[model_id] = name
+        self._free_a_slot()
         refusal = agree(self.comm, lambda: self.pool.prepare_add(tenant, self.feed))
         if refusal is not None:
             del self.names[model_id]
@@ -392,6 +403,7 @@ class ServiceDriver(Driver):
         model = self.engine.model
         adapter = model.tenants[t.name]
         snap = f"{t.name}.s{next(self._snapshot_ids)}"
+        self._free_a_slot()
         try:
             if len(model.tenants) >= self.spec.max_tenants:
                 raise ValueError(f"no free slot for a sampler snapshot: all max_tenants={self.spec.max_tenants} "
@@ -404,6 +416,8 @@ class ServiceDriver(Driver):
         if key in self.snapshots:  # overwritten: the old copy's slot is freed
             model.remove_tenant(self.snapshots[key])
         self.snapshots[key] = snap
+        if save.sampling_session_id:
+            self.ephemeral[key] = None
         folder = self._folder(key) if save.name else None
         if folder is not None:  # a named snapshot is also a PEFT adapter directory (svc.local_path)
             try:
@@ -417,12 +431,33 @@ class ServiceDriver(Driver):
             answer = {"path": key, "type": "save_weights_for_sampler"}
         self.state.futures.settle(work.request_id, Result(json=answer))
 
+    def _free_a_slot(self) -> None:
+        """When every slot is taken, free that of the least recently used sampling session's snapshot
+        (not one a sample of this step samples from); it expires."""
+        model = self.engine.model
+        if len(model.tenants) < self.spec.max_tenants:
+            return
+        for key in self.ephemeral:
+            if key not in self._sampling:
+                del self.ephemeral[key]
+                model.remove_tenant(self.snapshots.pop(key))
+                self.expired[key] = (
+                    f"sampling session {key!r} expired: its snapshot gave its slot up to a newer one (all "
+                    f"max_tenants={self.spec.max_tenants} slots were taken); save the weights for the sampler again"
+                )
+                return
+
     def _sample(self, works: list[Work]) -> None:
         """Every waiting sample request in one batched generation; each future gets its sequences."""
         requests, taken = [], []
         eos = default_stop_ids(self.engine.model, self.engine.tokenizer)
         for work in works:
             s = work.body
+            if s.sampling_session_id in self.expired:  # (never the base instead)
+                self._fail(work, self.expired[s.sampling_session_id])
+                continue
+            if s.sampling_session_id in self.ephemeral:
+                self.ephemeral.move_to_end(s.sampling_session_id)
             source = s.sampling_session_id if s.sampling_session_id in self.snapshots else s.model_path
             if source is not None and source not in self.snapshots:
                 self._fail(work, f"no sampler snapshot {source!r} on this server")
