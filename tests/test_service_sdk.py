@@ -512,3 +512,29 @@ def test_an_rl_loop_takes_a_new_sampling_client_every_step_with_few_slots(llama_
             samplers[-1].sample(prompt, num_samples=1, sampling_params=greedy).result()
     finally:
         served.close()
+
+
+def test_requests_two_clients_send_at_the_same_moment_share_a_step(llama_path):
+    """Requests sent together reach the job some milliseconds apart (another client's, a client's optim_step
+    behind its forward_backward); the loop, woken by the first, waits for the rest (``GATHER_QUIET_S``), so
+    two clients in lock-step share their steps rather than each taking steps of its own."""
+    served = Served(llama_path, max_tenants=2)
+    try:
+        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+        clients = [training_client(served, seed=seed)[0] for seed in (1, 2)]
+        together = threading.Barrier(2)
+
+        def program(tc) -> None:
+            for _ in range(4):
+                together.wait(30)
+                sdk_steps(tc, [data], steps=1)
+
+        threads = [threading.Thread(target=program, args=(tc,), daemon=True) for tc in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        shared = [r["tenants"] for r in served.trainer.history if r["kind"] == "system"]
+        assert shared.count(2) >= 3, f"tenants per step: {shared}"  # (measured: [2, 2, 2, 2]; without: 1s)
+    finally:
+        served.close()

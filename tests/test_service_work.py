@@ -78,3 +78,14 @@ def test_a_seq_id_refused_at_the_door_is_stepped_over():
     assert [w.seq_id for w in inbox.take()] == [1, 3] and len(inbox) == 0
     inbox.skip("m", 1)  # (a seq_id already received is not skipped again)
     assert inbox.take() == []
+
+
+def test_the_inbox_says_how_long_to_wait_for_what_was_sent_together():
+    inbox = Inbox()
+    assert inbox.gather_wait(quiet_s=10, most_s=20) == 0  # nothing waits
+    inbox.put(work(Kind.SAMPLE, None, rid="a"))
+    assert 9 < inbox.gather_wait(quiet_s=10, most_s=20) <= 10  # until none came for quiet_s
+    assert 4 < inbox.gather_wait(quiet_s=10, most_s=5) <= 5  # ... or the first waited most_s
+    assert inbox.gather_wait(quiet_s=0, most_s=20) == 0
+    inbox.take()
+    assert inbox.gather_wait(quiet_s=10, most_s=20) == 0  # taken: nothing waits

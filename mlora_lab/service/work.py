@@ -100,6 +100,8 @@ class Inbox:
         self._seen: dict[tuple[str, int], str] = {}  # (model, seq_id) -> its request id
         self.arrived: threading.Event | None = None
         """Set whenever work is put or a gap stepped over (the training loop idles on it)."""
+        self._first: float | None = None  # when the first item since the last take came (monotonic)
+        self._last = 0.0  # when the latest came
 
     def __len__(self) -> int:
         with self._lock:
@@ -128,6 +130,8 @@ class Inbox:
                 self._ordered[work.model_id][work.seq_id] = work
             else:
                 self._unordered.append(work)
+            self._last = time.monotonic()
+            self._first = self._first or self._last
         self._arrived()
         return work.request_id
 
@@ -135,6 +139,7 @@ class Inbox:
         """Every item that may run now: unordered ones in arrival order, then per model the consecutive
         run of ``seq_id`` s from the next one expected (a model not started yet hands out nothing)."""
         with self._lock:
+            self._first = None
             out, self._unordered = self._unordered, []
             for model, waiting in self._ordered.items():
                 if model not in self._next:
@@ -147,6 +152,15 @@ class Inbox:
                     seq += 1
                 self._next[model] = seq
             return out
+
+    def gather_wait(self, quiet_s: float, most_s: float) -> float:
+        """How much longer to wait for what was sent together with the items that came since the last
+        :meth:`take` (0: take them now): until none has come for ``quiet_s`` seconds, or the first of them
+        has waited ``most_s``."""
+        with self._lock:
+            if self._first is None:
+                return 0.0
+            return max(0.0, min(self._last + quiet_s, self._first + most_s) - time.monotonic())
 
     def skip(self, model_id: str, seq_id: int) -> None:
         """``seq_id`` of ``model_id`` was refused before it was queued (a 4xx answer): the client counted it
