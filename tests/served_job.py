@@ -39,6 +39,7 @@ class Served:
         checkpoints: Path | None = None,
         seq_len: int = 48,
         session_timeout_s: float = 30.0,
+        idle_s: float = 0.5,
     ) -> None:
         self.base = base
         spec = JobSpec(base_model=base, tenants=[], seq_len=seq_len, max_tenants=max_tenants, max_rank=8,
@@ -64,7 +65,7 @@ class Served:
         self.server = Server(self.state).start()
         self.thread = None
         if background:
-            self.thread = threading.Thread(target=self.trainer.train, kwargs={"idle_s": 0.005}, daemon=True)
+            self.thread = threading.Thread(target=self.trainer.train, kwargs={"idle_s": idle_s}, daemon=True)
             self.thread.start()
 
     def step_while(self, going, batch: int = 1, timeout: float = 120.0) -> None:
@@ -84,6 +85,7 @@ class Served:
 
     def close(self) -> None:
         self.trainer.stop_requested = True
+        self.trainer.wake.set()  # (out of its idle wait)
         if self.thread is not None:
             self.thread.join(60)
         self.server.stop()

@@ -547,6 +547,21 @@ def test_kill_9_of_a_client_mid_step_loses_nothing_and_the_others_go_on(llama_pa
         served.close()
 
 
+def test_a_request_that_comes_while_the_loop_idles_runs_at_once(llama_path):
+    """A served job idles between requests (polling its control messages every ``idle_s``, 0.5 s in a
+    launched job); a request that comes meanwhile wakes it, rather than waiting out the idle poll: each
+    round trip of a client's loop costs its step, not the poll (it cost ~0.5 s each)."""
+    served = Served(llama_path, idle_s=30.0)
+    try:
+        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+        t0 = time.monotonic()
+        tc, _ = training_client(served, seed=1)
+        sdk_steps(tc, [data], steps=3)
+        assert time.monotonic() - t0 < 15.0  # (4 round trips; each waited out the 30 s poll before)
+    finally:
+        served.close()
+
+
 def test_snapshots_share_the_slots_an_rl_loop_saves_one_per_step_and_inflight_moves_on(served, llama_path):
     """With max_tenants=3 and one training client, an RL loop's save_weights_and_get_sampling_client every step
     (12 snapshots) never runs out of slots: a snapshot is loaded when sampled, the least recently sampled
@@ -584,3 +599,29 @@ def test_snapshots_share_the_slots_an_rl_loop_saves_one_per_step_and_inflight_mo
     fresh = tc.save_weights_and_get_sampling_client(kind="inflight").result()
     assert draw(inflight) == draw(fresh) != before  # the older inflight client samples the new weights
     del other
+
+
+def test_requests_two_clients_send_at_the_same_moment_share_a_step(llama_path):
+    """Requests sent together reach the job some milliseconds apart (another client's, a client's optim_step
+    behind its forward_backward); the loop, woken by the first, waits for the rest (``GATHER_QUIET_S``), so
+    two clients in lock-step share their steps rather than each taking steps of its own."""
+    served = Served(llama_path, max_tenants=2)
+    try:
+        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+        clients = [training_client(served, seed=seed)[0] for seed in (1, 2)]
+        together = threading.Barrier(2)
+
+        def program(tc) -> None:
+            for _ in range(4):
+                together.wait(30)
+                sdk_steps(tc, [data], steps=1)
+
+        threads = [threading.Thread(target=program, args=(tc,), daemon=True) for tc in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        shared = [r["tenants"] for r in served.trainer.history if r["kind"] == "system"]
+        assert shared.count(2) >= 3, f"tenants per step: {shared}"  # (measured: [2, 2, 2, 2]; without: 1s)
+    finally:
+        served.close()

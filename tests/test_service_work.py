@@ -111,3 +111,14 @@ def test_resends_are_recognised_for_the_last_seq_ids_and_a_long_gone_one_is_refu
     with pytest.raises(SeqIdPassed):  # long forgotten: refused, never left waiting for a turn gone by
         inbox.put(work(Kind.FORWARD_BACKWARD, 2, "m", rid="late"))
     assert len(inbox) == 0 and inbox.take() == []
+
+
+def test_the_inbox_says_how_long_to_wait_for_what_was_sent_together():
+    inbox = Inbox()
+    assert inbox.gather_wait(quiet_s=10, most_s=20) == 0  # nothing waits
+    inbox.put(work(Kind.SAMPLE, None, rid="a"))
+    assert 9 < inbox.gather_wait(quiet_s=10, most_s=20) <= 10  # until none came for quiet_s
+    assert 4 < inbox.gather_wait(quiet_s=10, most_s=5) <= 5  # ... or the first waited most_s
+    assert inbox.gather_wait(quiet_s=0, most_s=20) == 0
+    inbox.take()
+    assert inbox.gather_wait(quiet_s=10, most_s=20) == 0  # taken: nothing waits

@@ -29,6 +29,7 @@ logits are scored at). Another driver (requests of a training service) is added 
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,9 @@ class JobParts:
     engine: Engine
     pool: TenantPool
     recorder: Recorder
+    wake: threading.Event = field(default_factory=threading.Event)
+    """Set by a driver whose work comes from another thread (a served request) when some arrives: the loop,
+    idle, wakes at once instead of at its next idle poll."""
 
 
 class Driver(ABC):

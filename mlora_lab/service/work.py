@@ -113,6 +113,10 @@ class Inbox:
         self._seen: dict[str, dict[int, str]] = defaultdict(dict)  # model -> seq_id -> its request id
         self._held: dict[str, int] = defaultdict(int)  # source -> its waiting items
         self._waiting = 0
+        self.arrived: threading.Event | None = None
+        """Set whenever work is put or a gap stepped over (the training loop idles on it)."""
+        self._first: float | None = None  # when the first item since the last take came (monotonic)
+        self._last = 0.0  # when the latest came
 
     def __len__(self) -> int:
         with self._lock:
@@ -161,12 +165,16 @@ class Inbox:
                 self._unordered.append(work)
             self._held[source] += 1
             self._waiting += 1
-            return work.request_id
+            self._last = time.monotonic()
+            self._first = self._first or self._last
+        self._arrived()
+        return work.request_id
 
     def take(self) -> list[Work]:
         """Every item that may run now: unordered ones in arrival order, then per model the consecutive
         run of ``seq_id`` s from the next one expected (a model not started yet hands out nothing)."""
         with self._lock:
+            self._first = None
             out, self._unordered = self._unordered, []
             for model, waiting in self._ordered.items():
                 if model not in self._next:
@@ -186,6 +194,15 @@ class Inbox:
                 self._release(work)
             return out
 
+    def gather_wait(self, quiet_s: float, most_s: float) -> float:
+        """How much longer to wait for what was sent together with the items that came since the last
+        :meth:`take` (0: take them now): until none has come for ``quiet_s`` seconds, or the first of them
+        has waited ``most_s``."""
+        with self._lock:
+            if self._first is None:
+                return 0.0
+            return max(0.0, min(self._last + quiet_s, self._first + most_s) - time.monotonic())
+
     def _release(self, work: Work) -> None:
         source = self.source(work)
         self._held[source] -= 1
@@ -200,6 +217,11 @@ class Inbox:
             if seq_id not in self._seen[model_id]:
                 self._seen[model_id][seq_id] = ""
                 self._ordered[model_id][seq_id] = None
+        self._arrived()
+
+    def _arrived(self) -> None:
+        if self.arrived is not None:
+            self.arrived.set()
 
     def forget_model(self, model_id: str) -> list[Work]:
         """Drop a model's waiting items (it is gone); returns them, so their futures can be failed."""
