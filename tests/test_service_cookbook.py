@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import datasets
@@ -23,11 +24,22 @@ import pytest
 pytest.importorskip("tinker")
 pytest.importorskip("tinker_cookbook")
 from served_job import Served
-from tinker_cookbook import model_info
-from tinker_cookbook.recipes import rl_loop, sl_loop
-from tinker_cookbook.utils import ml_log
 
-from mlora_lab.rundir.service import saved_folder
+# The cookbook's logging module imports wandb and trackio when they are installed, and trackio fixes its store
+# folder when it is imported: a trackio mirror later in this pytest worker (tests/test_trackers.py) is then
+# refused, and test_rl_loss checks that nothing imported it. The loops log to no tracker here, so the cookbook
+# is imported with those two taken as absent (only for its import: None in sys.modules makes `import` fail).
+_ABSENT = [m for m in ("trackio", "wandb") if m not in sys.modules]
+sys.modules.update(dict.fromkeys(_ABSENT))
+try:
+    from tinker_cookbook import model_info
+    from tinker_cookbook.recipes import rl_loop, sl_loop
+    from tinker_cookbook.utils import ml_log
+finally:
+    for _m in _ABSENT:
+        del sys.modules[_m]
+
+from mlora_lab.rundir.service import saved_folder  # noqa: E402
 
 WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "river", "city", "road", "car", "plane"]
 

@@ -870,6 +870,7 @@ VALID = [
     ("eval_data", None),
     ("init_adapter", None),
     ("rl", None),
+    ("client", None),
     ("max_grad_norm", None),
     ("target_parameters", []),
     ("use_rslora", True),
