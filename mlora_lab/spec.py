@@ -421,6 +421,15 @@ class Tenant:
         return d if isinstance(d, Tenant) else cls(**kwargs)
 
 
+def _built(cls: type, d: Any, where: str) -> Any:
+    """``d`` if it is a ``cls`` already, else ``cls`` built from the dict ``d``; unknown or missing keys raise
+    :class:`SpecError` (the nested parts' ``from_dict``)."""
+    kwargs, problems = _kwargs_for(cls, d, where)
+    if problems:
+        raise SpecError(problems)
+    return d if isinstance(d, cls) else cls(**kwargs)
+
+
 @dataclass
 class RL:
     """A tenant that learns from rewards instead of fixed rows: GRPO, as TRL 1.16's ``GRPOTrainer``.
@@ -509,10 +518,7 @@ class RL:
     def from_dict(cls, d: dict[str, Any] | RL) -> RL:
         """Build from a dict (``rl`` of a tenant in ``job.json``); unknown or missing keys raise
         ``SpecError``."""
-        kwargs, problems = _kwargs_for(cls, d, "rl")
-        if problems:
-            raise SpecError(problems)
-        return d if isinstance(d, RL) else cls(**kwargs)
+        return _built(cls, d, "rl")
 
 
 @dataclass
@@ -542,10 +548,7 @@ class ClientModel:
     def from_dict(cls, d: dict[str, Any] | ClientModel) -> ClientModel:
         """Build from a dict (``client`` of a tenant in ``job.json``); unknown or missing keys raise
         ``SpecError``."""
-        kwargs, problems = _kwargs_for(cls, d, "client")
-        if problems:
-            raise SpecError(problems)
-        return d if isinstance(d, ClientModel) else cls(**kwargs)
+        return _built(cls, d, "client")
 
 
 @dataclass
