@@ -12,6 +12,7 @@ returns (one column per field, ``time`` as datetimes).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import types
 import typing
@@ -135,9 +136,11 @@ def _rows_frame(rows: Sequence[Row]) -> pd.DataFrame:
         mine = rows if at is None else [rows[i] for i in at]
         kind = row_type.kind.value
         names = FIELD_NAMES[kind]
-        # [rows, fields] of objects in one pass in C (every field holds a scalar, so the shape is exact)
-        table = np.empty((len(mine), len(names)), dtype=object)
-        table[:] = list(map(msgspec.structs.astuple, mine))
+        # [rows, fields] of objects from one flat iterator in C (every field holds a scalar, so the
+        # shape is exact): assigning the list of tuples instead makes numpy discover a nested
+        # sequence, 4x slower for 100k rows
+        values = itertools.chain.from_iterable(map(msgspec.structs.astuple, mine))
+        table = np.fromiter(values, dtype=object, count=len(mine) * len(names)).reshape(len(mine), len(names))
         data = {"kind": pd.array([kind] * len(mine), dtype=_TEXT)}
         for j, (name, how) in enumerate(zip(names, _COLUMN_TYPES[kind], strict=True)):
             data[name] = _column(table[:, j], how)
