@@ -43,7 +43,12 @@ class Served:
     """A job on this process, its training loop on a thread, its service on loopback."""
 
     def __init__(
-        self, base: str, max_tenants: int = 2, background: bool = True, checkpoints: Path | None = None
+        self,
+        base: str,
+        max_tenants: int = 2,
+        background: bool = True,
+        checkpoints: Path | None = None,
+        idle_s: float = 0.005,
     ) -> None:
         self.base = base
         spec = JobSpec(base_model=base, tenants=[], seq_len=48, max_tenants=max_tenants, max_rank=8,
@@ -69,7 +74,7 @@ class Served:
         self.server = Server(self.state).start()
         self.thread = None
         if background:
-            self.thread = threading.Thread(target=self.trainer.train, kwargs={"idle_s": 0.005}, daemon=True)
+            self.thread = threading.Thread(target=self.trainer.train, kwargs={"idle_s": idle_s}, daemon=True)
             self.thread.start()
 
     def step_while(self, going, batch: int = 1, timeout: float = 120.0) -> None:
@@ -89,6 +94,7 @@ class Served:
 
     def close(self) -> None:
         self.trainer.stop_requested = True
+        self.trainer.wake.set()  # (an idle loop sees the stop now, not after its idle wait)
         if self.thread is not None:
             self.thread.join(60)
         self.server.stop()
@@ -242,6 +248,23 @@ def peft_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
     tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, [step.float().log_softmax(-1)[0, t].item() for step, t in zip(out.logits, tokens)]
+
+
+def test_an_idle_loop_takes_each_request_at_once_not_at_its_next_poll(llama_path):
+    """The loop idles on an event every request sets: with an idle wait of 10 minutes, a client is created
+    and takes a step (both of whose requests may find the loop idle) as soon as the loop can run them."""
+    served = Served(llama_path, idle_s=600.0)
+    try:
+        time.sleep(0.5)  # (the loop has found nothing to do and waits)
+        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+        tc = served.client().create_lora_training_client(base_model=served.base, rank=4, train_unembed=False)
+        tc = tc.result(timeout=60)
+        fb = tc.forward_backward([to_sdk(d) for d in data], "cross_entropy")
+        step = tc.optim_step(types.AdamParams(**ADAM))
+        assert fb.result(timeout=60).metrics["loss:sum"] > 0
+        assert step.result(timeout=60).metrics["grad_norm:max"] > 0
+    finally:
+        served.close()
 
 
 def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tmp_path):

@@ -1,5 +1,5 @@
-"""The inbox hands a model's requests out in seq_id order, waiting for gaps, and never twice; futures wake
-their long-polls from another thread."""
+"""The inbox hands a model's requests out in seq_id order, waiting for gaps, and never twice, and wakes the
+idle training loop; futures wake their long-polls from another thread."""
 
 from __future__ import annotations
 
@@ -78,3 +78,19 @@ def test_a_seq_id_refused_at_the_door_is_stepped_over():
     assert [w.seq_id for w in inbox.take()] == [1, 3] and len(inbox) == 0
     inbox.skip("m", 1)  # (a seq_id already received is not skipped again)
     assert inbox.take() == []
+
+
+def test_a_put_or_a_skipped_seq_id_wakes_the_idle_loop_a_resend_does_not():
+    inbox, wake = Inbox(), threading.Event()
+    inbox.wake_with(wake)
+    inbox.start_model("m", 1)
+    inbox.put(work(Kind.FORWARD_BACKWARD, 1, "m", rid="first"))
+    assert wake.is_set()
+    wake.clear()
+    inbox.put(work(Kind.FORWARD_BACKWARD, 1, "m", rid="again"))  # a resend: nothing new to take
+    assert not wake.is_set()
+    inbox.skip("m", 3)  # (a later seq_id may be waiting for it)
+    assert wake.is_set()
+    wake.clear()
+    inbox.put(work(Kind.SAMPLE, None, rid="sample-1"))
+    assert wake.is_set()

@@ -28,6 +28,7 @@ logits are scored at). Another driver (requests of a training service) is added 
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +72,9 @@ class JobParts:
     engine: Engine
     pool: TenantPool
     recorder: Recorder
+    wake: threading.Event = field(default_factory=threading.Event)
+    """Set (from any thread) when work arrives for a loop that may be idle: its idle wait ends at once
+    (the service's inbox sets it for every request, so a request never waits out ``idle_s``)."""
 
 
 class Driver(ABC):

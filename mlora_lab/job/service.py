@@ -157,6 +157,7 @@ class ServiceDriver(Driver):
         self.session_timeout_s = float(session_timeout_s)
         self._watched = 0.0
         self.state, self.lora_alpha = state, float(lora_alpha)
+        state.inbox.wake_with(parts.wake)  # a request ends the loop's idle wait at once
         self.checkpoints = None if checkpoints is None else Path(checkpoints)
         self.comm = parts.engine.comm
         self.names: dict[str, str] = {}  # model id -> tenant name

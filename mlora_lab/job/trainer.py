@@ -34,6 +34,7 @@ The story of one global step (:meth:`Trainer.step`):
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -83,7 +84,8 @@ class Trainer:
         self.engine = Engine.build(spec, self.dims, mesh, self.comm)
         self.recorder = Recorder(self.run, self.comm, self.dist.is_main, spec.log_every)
         self.pool = TenantPool(spec, self.engine, self.recorder, self.run, self.dist.is_main)
-        parts = JobParts(spec, self.engine, self.pool, self.recorder)
+        self.wake = threading.Event()  # set when a driver's work arrives from another thread (see train)
+        parts = JobParts(spec, self.engine, self.pool, self.recorder, self.wake)
         self.drivers = Drivers([make(parts) for make in drivers])
         controls = Controls(self.pool, self.drivers.feed, self.run)
         self.control = ControlHandler(self.run, self.comm, self.dist.is_main, controls)
@@ -204,7 +206,8 @@ class Trainer:
     def train(self, idle_s: float = 0.5) -> None:
         """Run global steps until every tenant is done (or a stop is requested). In serve mode, while
         some tenant is paused, or while a driver or the search may still bring work, the job then idles,
-        polling for control messages every ``idle_s`` seconds, until there is work again or it is stopped."""
+        polling for control messages every ``idle_s`` seconds, until there is work again or it is stopped;
+        work a driver receives from another thread (a service request) ends the wait at once (:attr:`wake`)."""
         self.model.train()
         self.poll()
         while not self.stop_requested:
@@ -214,7 +217,10 @@ class Trainer:
                 if self.spec.save_every and self.global_step % self.spec.save_every == 0:
                     self.save(final=False)
             elif self.spec.serve or self.pool.any_paused() or any(d.waiting() for d in self.drivers):
-                time.sleep(idle_s)  # nothing to train now: wait cheaply for new or resumed tenants
+                # nothing to train now: wait cheaply for new or resumed tenants. Cleared after the wait and
+                # before the next plan: work that arrives later is either taken by that plan or sets it again
+                self.wake.wait(idle_s)
+                self.wake.clear()
             elif not (self.search is not None and self.search.active):
                 break
             self.poll()

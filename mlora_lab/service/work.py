@@ -12,6 +12,9 @@ inbox hands out, per model, only the run of consecutive ``seq_id`` s that follow
 (:meth:`Inbox.take`); a later one waits for the gap to fill. A request sent again with a ``seq_id`` already
 received (the SDK resends after a timeout or a 5xx) is answered with the first one's future and never run
 twice (:meth:`Inbox.put`).
+
+Waking. An idle training loop waits on an event (:meth:`Inbox.wake_with`) that every item put (or seq_id
+stepped over) sets, so a request is taken at once rather than at the loop's next poll.
 """
 
 from __future__ import annotations
@@ -98,6 +101,15 @@ class Inbox:
         self._ordered: dict[str, dict[int, Work | None]] = defaultdict(dict)
         self._next: dict[str, int] = {}  # model -> the seq_id to hand out next
         self._seen: dict[tuple[str, int], str] = {}  # (model, seq_id) -> its request id
+        self._wake: threading.Event | None = None
+
+    def wake_with(self, event: threading.Event) -> None:
+        """Set ``event`` whenever an item may have become ready to take (the training loop's idle wait)."""
+        self._wake = event
+
+    def _woken(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
 
     def __len__(self) -> int:
         with self._lock:
@@ -126,7 +138,8 @@ class Inbox:
                 self._ordered[work.model_id][work.seq_id] = work
             else:
                 self._unordered.append(work)
-            return work.request_id
+        self._woken()
+        return work.request_id
 
     def take(self) -> list[Work]:
         """Every item that may run now: unordered ones in arrival order, then per model the consecutive
@@ -152,6 +165,7 @@ class Inbox:
             if (model_id, seq_id) not in self._seen:
                 self._seen[(model_id, seq_id)] = ""
                 self._ordered[model_id][seq_id] = None
+        self._woken()
 
     def forget_model(self, model_id: str) -> list[Work]:
         """Drop a model's waiting items (it is gone); returns them, so their futures can be failed."""
