@@ -267,6 +267,33 @@ def test_an_idle_loop_takes_each_request_at_once_not_at_its_next_poll(llama_path
         served.close()
 
 
+def test_an_optim_step_that_comes_alone_runs_no_forward(llama_path):
+    """A client's optim_step that reaches the loop after its forward_backward's step (the SDK sends them one
+    after the other; an idle loop takes the first at once) steps the optimiser without a forward."""
+    served = Served(llama_path, background=False)
+    try:
+        made: list = []
+        maker = threading.Thread(target=lambda: made.append(training_client(served, seed=3)), daemon=True)
+        maker.start()
+        served.step_while(lambda: not made)
+        tc, name = made[0]
+        forwards = []
+        forward = served.trainer.engine.forward
+        served.trainer.engine.forward = lambda *a, **kw: (forwards.append(1), forward(*a, **kw))[1]
+        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+        fb = tc.forward_backward([to_sdk(d) for d in data], "cross_entropy")
+        served.step_while(lambda: not fb.future().done())
+        before = served.trainer.model.tenant_tensors(name)
+        step = tc.optim_step(types.AdamParams(**ADAM))
+        served.step_while(lambda: not step.future().done())
+        assert step.result().metrics["grad_norm:max"] > 0 and len(forwards) == 1
+        after = served.trainer.model.tenant_tensors(name)
+        assert any(not torch.equal(before[k][1], after[k][1]) for k in before)
+        assert [r["tokens_per_s"] for r in served.trainer.history if r["kind"] == "system"][-1] == 0
+    finally:
+        served.close()
+
+
 def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tmp_path):
     """Two programs drive a tenant each, in threads, at the same time; the loop steps once both have sent
     a round (so every step holds both: the system rows count 2 tenants), and each ends as PEFT alone."""
