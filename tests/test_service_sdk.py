@@ -49,6 +49,7 @@ class Served:
         background: bool = True,
         checkpoints: Path | None = None,
         idle_s: float = 0.005,
+        max_step_tokens: int | None = None,
     ) -> None:
         self.base = base
         spec = JobSpec(base_model=base, tenants=[], seq_len=48, max_tenants=max_tenants, max_rank=8,
@@ -61,7 +62,11 @@ class Served:
             spec,
             drivers=(
                 lambda parts: ServiceDriver(
-                    parts, self.state, checkpoints=checkpoints, session_timeout_s=30.0
+                    parts,
+                    self.state,
+                    checkpoints=checkpoints,
+                    session_timeout_s=30.0,
+                    max_step_tokens=max_step_tokens,
                 ),
                 RLDriver,
                 FileData,
@@ -79,11 +84,13 @@ class Served:
 
     def step_while(self, going, batch: int = 1, timeout: float = 120.0) -> None:
         """Without the background loop: step whenever ``batch`` requests wait (or any wait and none came
-        for a second), while ``going()``."""
+        for a second), or the driver holds requests a step left for the next, while ``going()``."""
         deadline, last = time.monotonic() + timeout, time.monotonic()
+        driver = self.trainer.drivers.all[0]
         while going() and time.monotonic() < deadline:
             waiting = len(self.state.inbox)
-            if waiting >= batch or (waiting and time.monotonic() - last > 1.0):
+            left = any(driver.queues.values())  # (max_step_tokens: taken, not run yet)
+            if waiting >= batch or left or (waiting and time.monotonic() - last > 1.0):
                 self.trainer.step()
                 last = time.monotonic()
             else:
@@ -294,13 +301,16 @@ def test_an_optim_step_that_comes_alone_runs_no_forward(llama_path):
         served.close()
 
 
-def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tmp_path):
+@pytest.mark.parametrize("max_step_tokens", [None, "one request"])
+def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tmp_path, max_step_tokens):
     """Two programs drive a tenant each, in threads, at the same time; the loop steps once both have sent
-    a round (so every step holds both: the system rows count 2 tenants), and each ends as PEFT alone."""
-    served = Served(llama_path, background=False)
+    a round (so every step holds both: the system rows count 2 tenants), and each ends as PEFT alone.
+    With ``max_step_tokens`` that one client's request fills, each step holds one of them, in turns."""
+    data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS)
+    halves = {7: data[:2], 8: data[2:]}
+    cap = None if max_step_tokens is None else max(sum(len(x) for x, _, _ in h) for h in halves.values())
+    served = Served(llama_path, background=False, max_step_tokens=cap)
     try:
-        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS)
-        halves = {7: data[:2], 8: data[2:]}
         clients: dict[int, tuple] = {}
         results: dict[int, tuple] = {}
         go = threading.Event()
@@ -323,7 +333,10 @@ def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tm
         for t in threads:
             t.join(10)
         shared = [r["tenants"] for r in served.trainer.history if r["kind"] == "system"]
-        assert shared.count(2) == 3, f"tenants per step: {shared}"
+        if cap is None:
+            assert shared.count(2) == 3, f"tenants per step: {shared}"
+        else:  # (each round: one step per client's forward_backward)
+            assert shared.count(1) == 6 and 2 not in shared, f"tenants per step: {shared}"
         for seed, (_, name) in clients.items():
             losses, logprobs, _ = results[seed]
             want_losses, want_logprobs, model = peft_steps(llama_path, inits[seed], halves[seed], steps=3)

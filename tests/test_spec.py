@@ -565,7 +565,7 @@ def test_a_service_round_trips_and_needs_no_tenants(tmp_path, llama_path):
         base_model=llama_path, tenants=[], service=Service(host="0.0.0.0", port=8123, lora_alpha=16.0)
     )
     assert json.loads(spec.to_json())["service"] == {"host": "0.0.0.0", "port": 8123, "lora_alpha": 16.0,
-                                                     "max_queue": 4096}  # fmt: skip
+                                                     "max_queue": 4096, "max_step_tokens": None}  # fmt: skip
     assert (
         JobSpec.from_json(spec.to_json()) == spec
         and JobSpec.from_json(JobSpec(base_model="m", tenants=[]).to_json()).service is None
@@ -577,7 +577,7 @@ def test_a_service_round_trips_and_needs_no_tenants(tmp_path, llama_path):
 
 
 def test_every_service_problem_is_named_at_once(tmp_path, llama_path):
-    bad = Service(host=3, port=70_000, lora_alpha=0.0, max_queue=0)
+    bad = Service(host=3, port=70_000, lora_alpha=0.0, max_queue=0, max_step_tokens=0)
     spec = good_spec(llama_path, tmp_path, service=bad, parallel=Parallel(nproc=2))
     by_field = {p.field: str(p) for p in spec_problems(spec, files=False)}
     assert by_field == {
@@ -585,6 +585,7 @@ def test_every_service_problem_is_named_at_once(tmp_path, llama_path):
         "service.port": "service.port must be <= 2**16 - 1 (got 70000)",
         "service.lora_alpha": "service.lora_alpha must be > 0 (got 0.0)",
         "service.max_queue": "service.max_queue must be >= 1 (got 0)",
+        "service.max_step_tokens": "service.max_step_tokens must be >= 1 (got 0)",
         "parallel.nproc": "the Tinker service runs on one process for now (got parallel.nproc*nnodes = 2*1); "
         "serve with nproc=1 and nnodes=1",
     }

@@ -54,9 +54,8 @@ class JobService:
         """The loop's service driver, the state's limits set from the job's model and ``seq_len`` (a datum
         is its input tokens and one more position: ``seq_len - 1`` input tokens at most)."""
         self.state.limits = wire.Limits(vocab_size=parts.engine.vocab_rows, max_tokens=parts.spec.seq_len - 1)
-        return ServiceDriver(
-            parts, self.state, lora_alpha=self.settings.lora_alpha, checkpoints=self.run.service
-        )
+        return ServiceDriver(parts, self.state, lora_alpha=self.settings.lora_alpha, checkpoints=self.run.service,
+                             max_step_tokens=self.settings.max_step_tokens)  # fmt: skip
 
     def drivers(self) -> tuple[DriverFactory, ...]:
         """The job's drivers: the service's first (a client's tenant is its own), then the default ones."""

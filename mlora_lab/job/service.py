@@ -23,6 +23,8 @@ A model's requests run in ``seq_id`` order: in one step a model takes its waitin
 up to and including its first optim_step; what follows waits for the next step (it must see the new
 weights). Results are settled as soon as they are known: a forward/backward's after the forward, an
 optim_step's after the optimiser step (or its failure: a quarantined tenant fails its waiting requests).
+With ``max_step_tokens``, a step takes forward/backward requests until their datums hold that many input
+tokens (at least one request); the rest wait for the next steps, and the models take turns to go first.
 
     save_weights_for_sampler   a **snapshot**: the tenant's adapter as it is now, copied into a slot of its
                       own (no optimiser; later steps of the tenant do not change it), at its place in
@@ -152,8 +154,11 @@ class ServiceDriver(Driver):
         lora_alpha: float = 32.0,
         checkpoints: str | Path | None = None,
         session_timeout_s: float = 60.0,
+        max_step_tokens: int | None = None,
     ) -> None:
         super().__init__(parts)
+        self.max_step_tokens = max_step_tokens
+        self._first = 0  # which model goes first in the next step (they take turns)
         self.session_timeout_s = float(session_timeout_s)
         self._watched = 0.0
         self.state, self.lora_alpha = state, float(lora_alpha)
@@ -196,7 +201,13 @@ class ServiceDriver(Driver):
             else:
                 self._fail(work, f"no model {work.model_id!r} on this server")
         self.step_work = {}
-        for model_id, queue in self.queues.items():
+        models = list(self.queues)
+        if self.max_step_tokens is not None and models:  # the models take turns to go first
+            self._first = (self._first + 1) % len(models)
+            models = models[self._first :] + models[: self._first]
+        tokens = 0  # input tokens of the step's datums so far
+        for model_id in models:
+            queue = self.queues[model_id]
             name = self.names[model_id]
             t = self.pool.tenants.get(name)
             if t is None or t.state is not TenantState.RUNNING:
@@ -205,9 +216,11 @@ class ServiceDriver(Driver):
             while queue:
                 work = queue[0]
                 if work.kind is Kind.FORWARD_BACKWARD:
-                    queue.popleft()
                     fb: wire.ForwardBackward = work.body
                     lengths = [len(d.tokens) for d in fb.data]
+                    if self._full(tokens, sum(lengths)):  # it and the model's later requests: next step
+                        break
+                    queue.popleft()
                     try:  # (a request that cannot be computed fails alone, before the step)
                         losses.validate(fb.loss_fn, fb.config, [d.inputs for d in fb.data], lengths,
                                         vocab_size=self.engine.vocab_rows)  # fmt: skip
@@ -215,6 +228,7 @@ class ServiceDriver(Driver):
                         self._fail(work, str(e))
                         continue
                     pending.forwards.append((work, lengths))
+                    tokens += sum(lengths)
                 elif work.kind in (Kind.SAVE_FOR_SAMPLER, Kind.SAVE_WEIGHTS, Kind.LOAD_WEIGHTS):
                     if pending.forwards:  # it must come after them (and their step): next step
                         break
@@ -240,6 +254,11 @@ class ServiceDriver(Driver):
                 self.waiting_optim[t.name] = pending.optim
                 complete.append(t.name)
         return Plan(tenants=tenants, rows=rows, complete=complete)
+
+    def _full(self, tokens: int, more: int) -> bool:
+        """Whether a step holding ``tokens`` input tokens has no room for ``more`` (``max_step_tokens``; a
+        step always takes its first request)."""
+        return self.max_step_tokens is not None and tokens > 0 and tokens + more > self.max_step_tokens
 
     def _create(self, work: Work, info: Any = None) -> TenantRun | None:
         """A tenant for the model ``info`` describes (``work.body`` by default); None (the request failed,
