@@ -42,6 +42,9 @@ the torchrun agent and the worker. The worker's own figure (the job's system row
 before it trains anything, which one job shares among its clients. Goal: 4-client job / 4 one-client jobs
 <= 0.35.
 
+``--max-step-tokens N`` serves parts 2 and 3 with ``Service(max_step_tokens=N)``: a step of the loop then takes
+clients' requests up to N datum tokens (N = ``rows x tokens``: one client's request per step).
+
 Threads: ``--threads`` (default 1, as every benchmark here: see README) in this process
 (``torch.set_num_threads``) and ``OMP_NUM_THREADS`` in the served jobs. Linux only (``/proc``).
 """
@@ -71,7 +74,7 @@ CLIENTS = 4
 LR = 1e-4
 
 FULL = dict(
-    size=common.ModelSize(384, 6, 8, 4, 4096), rank=16, rows=8, tokens=128, repeats=8, steps=3, rounds=3
+    size=common.ModelSize(384, 6, 8, 4, 4096), rank=16, rows=8, tokens=128, repeats=6, steps=3, rounds=3
 )
 QUICK = dict(
     size=common.ModelSize(128, 2, 4, 2, 1024), rank=8, rows=8, tokens=32, repeats=2, steps=2, rounds=1
@@ -336,9 +339,9 @@ class Clients:
 def serve_spec(model_dir: str, cfg: dict, max_tenants: int):
     import mlora_lab as ml
 
+    service = ml.Service(lora_alpha=2.0 * cfg["rank"], max_step_tokens=cfg["max_step_tokens"])
     return ml.JobSpec(base_model=model_dir, tenants=[], seq_len=cfg["tokens"] + 1, max_tenants=max_tenants,
-                      max_rank=cfg["rank"], slot_modules=common.LLAMA_TARGETS,
-                      service=ml.Service(lora_alpha=2.0 * cfg["rank"]))  # fmt: skip
+                      max_rank=cfg["rank"], slot_modules=common.LLAMA_TARGETS, service=service)  # fmt: skip
 
 
 def served_jobs(cfg: dict, model_dir: str, work: Path) -> dict:
@@ -477,8 +480,10 @@ def main() -> None:
     parser = common.bench_parser(__doc__, "tiny model, few rows and steps (smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats of part 1")
     parser.add_argument("--part", choices=["all", "overhead", "clients"], default="all")
+    parser.add_argument("--max-step-tokens", type=int, default=None,
+                        help="the served jobs' Service.max_step_tokens (parts 2 and 3; default: none)")  # fmt: skip
     args = parser.parse_args()
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL, max_step_tokens=args.max_step_tokens)
     common.setup(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the served jobs' processes inherit it
     load_before = common.wait_for_quiet(0 if args.quick else args.max_wait)
@@ -493,6 +498,7 @@ def main() -> None:
         print(f"model: {cfg['size'].describe(common.n_params(model_dir))}; LoRA rank {cfg['rank']}, alpha "
               f"{2 * cfg['rank']}, all 7 projections; fp32; a client's step: {cfg['rows']} rows x "
               f"{cfg['tokens']} tokens")  # fmt: skip
+        print(f"served jobs (parts 2 and 3): Service(max_step_tokens={args.max_step_tokens})")
         print(f"other processes kept {load_before:.2f} cores busy before the run\n", flush=True)
         if args.part in ("all", "overhead"):
             repeats = args.repeats or cfg["repeats"]
