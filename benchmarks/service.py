@@ -30,8 +30,8 @@ rows). Rounds of: client 0 alone runs ``steps`` steps; then all 4 start together
 ``steps`` steps. rows/s = rows trained / wall time from the start to the end of the last client's last step
 (a round's tail, where the last client may run alone, counts against the 4). 1 untimed warm-up step per
 client first. Also shown: rows per CPU second of the job's processes (every thread: the loop and the HTTP
-server), which other processes' load hardly moves, and the job's own system rows (tenants and time of each
-step). Goal: rows/s with 4 clients >= 0.95 x rows/s with 1 (nothing lost to multiplexing).
+server), the share of the wall time the loop spent in steps (the job's system rows' step times: the rest it
+waited for requests), and the job's own system rows (tenants and time of each step). Goal: rows/s with 4 clients >= 0.95 x rows/s with 1 (nothing lost to multiplexing).
 
 **3. Memory**: the peak RSS of that 4-client job (after its rounds) vs the sum of the peak RSS of 4 served
 jobs with one client each (``max_tenants=1``; started together, then each serves its client alone for 1 +
@@ -339,7 +339,9 @@ class Clients:
 def serve_spec(model_dir: str, cfg: dict, max_tenants: int):
     import mlora_lab as ml
 
-    service = ml.Service(lora_alpha=2.0 * cfg["rank"], max_step_tokens=cfg["max_step_tokens"])
+    # (max_step_tokens only when given: the script also runs on the commits before it, as a baseline)
+    cap = {} if cfg["max_step_tokens"] is None else {"max_step_tokens": cfg["max_step_tokens"]}
+    service = ml.Service(lora_alpha=2.0 * cfg["rank"], **cap)
     return ml.JobSpec(base_model=model_dir, tenants=[], seq_len=cfg["tokens"] + 1, max_tenants=max_tenants,
                       max_rank=cfg["rank"], slot_modules=common.LLAMA_TARGETS, service=service)  # fmt: skip
 
@@ -359,15 +361,19 @@ def served_jobs(cfg: dict, model_dir: str, work: Path) -> dict:
         steps_before = len(svc.system_metrics())
 
         def phase(which: list[int]) -> dict:
+            n0 = len(svc.system_metrics())
             b0, j0, c0 = common.machine_busy_seconds(), job_cpu(svc), time.process_time()
             wall = clients.run(which, steps)
             job, ours = job_cpu(svc) - j0, time.process_time() - c0
             done = len(which) * steps * rows
             others = max(common.machine_busy_seconds() - b0 - job - ours, 0.0) / wall
-            return dict(wall=wall, rows_s=done / wall, job_cpu=job, rows_cpu=done / job, others=others)
+            time.sleep(0.2)  # (the last step's system row is written just after its results are sent)
+            stepping = float(svc.system_metrics()["step_time"].iloc[n0:].sum())  # the loop's steps, in s
+            return dict(wall=wall, rows_s=done / wall, job_cpu=job, rows_cpu=done / job, others=others,
+                        busy=stepping / wall)  # fmt: skip
 
         for r in range(cfg["rounds"]):
-            print(f"  round {r + 1}/{cfg['rounds']}: 1 client, then {CLIENTS} ...", flush=True)
+            print(f"  round {r + 1}/{cfg['rounds']}: 1 client, then {CLIENTS} ... ({clock()})", flush=True)
             out["one"].append(phase([0]))
             out["four"].append(phase(list(range(CLIENTS))))
         out["peaks"] = job_memory(svc, "VmHWM")
@@ -380,7 +386,7 @@ def served_jobs(cfg: dict, model_dir: str, work: Path) -> dict:
     finally:
         svc.stop()
     # the one-client jobs start together (their start-ups overlap), then each serves its client alone
-    print(f"  {CLIENTS} one-client jobs ...", flush=True)
+    print(f"  {CLIENTS} one-client jobs ... ({clock()})", flush=True)
     singles = []
     try:
         singles = [ml.serve(serve_spec(model_dir, cfg, 1), workdir=work / "runs") for _ in range(CLIENTS)]
@@ -393,8 +399,13 @@ def served_jobs(cfg: dict, model_dir: str, work: Path) -> dict:
             out["singles"].append(dict(rows_s=steps * rows / wall, up=up, peaks=job_memory(single, "VmHWM")))
             clients.close()
     finally:
-        for single in singles:
-            single.stop()
+        print(f"  stopping them ... ({clock()})", flush=True)
+        stoppers = [threading.Thread(target=single.stop) for single in singles]  # (together: each waits)
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
+    print(f"  done ({clock()})\n", flush=True)
     return out
 
 
@@ -413,12 +424,13 @@ def print_served(res: dict, cfg: dict) -> tuple[float, float]:
         runs = res[name]
         rows.append([label, f"{k * cfg['steps'] * cfg['rows']}", each(runs, "wall"), each(runs, "rows_s"),
                      f"{med([r['rows_s'] for r in runs]):.2f}", each(runs, "rows_cpu"),
-                     f"{med([r['rows_cpu'] for r in runs]):.2f}", each(runs, "others")])  # fmt: skip
+                     f"{med([r['rows_cpu'] for r in runs]):.2f}", each(runs, "busy"), each(runs, "others")])  # fmt: skip
     single = med([s["rows_s"] for s in res["singles"]])
     rows.append([f"(1 client on its own 1-slot job, {CLIENTS} jobs)", f"{cfg['steps'] * cfg['rows']}", "",
-                 each(res["singles"], "rows_s"), f"{single:.2f}", "", "", ""])  # fmt: skip
+                 each(res["singles"], "rows_s"), f"{single:.2f}", "", "", "", ""])  # fmt: skip
     common.print_table(["", "rows per round", "wall s per round", "rows/s per round", "rows/s (median)",
-                        "rows per job CPU s, per round", "(median)", "others' cores"], rows)  # fmt: skip
+                        "rows per job CPU s, per round", "(median)", "loop stepping", "others' cores"],
+                       rows)  # fmt: skip
     per_round = [f["rows_s"] / o["rows_s"] for o, f in zip(res["one"], res["four"])]
     by_cpu = med([r["rows_cpu"] for r in res["four"]]) / med([r["rows_cpu"] for r in res["one"]])
     print(f"\n(rows/s ratio per round: {' '.join(f'{x:.3f}' for x in per_round)}; rows per CPU second of the job "
@@ -470,6 +482,14 @@ def print_served(res: dict, cfg: dict) -> tuple[float, float]:
           f"{common.verdict(mem_ratio, MEM_GOAL)}  [{mib(total_a)} vs {mib(total_s)}; workers only "
           f"{a['worker'] / worker_s:.3f}]")  # fmt: skip
     return ratio, mem_ratio
+
+
+_T0 = time.perf_counter()
+
+
+def clock() -> str:
+    """Seconds since the script started, for the progress lines."""
+    return f"{time.perf_counter() - _T0:.0f} s"
 
 
 def at_least(value: float, goal: float) -> str:
