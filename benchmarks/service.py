@@ -361,13 +361,14 @@ def served_jobs(cfg: dict, model_dir: str, work: Path) -> dict:
         steps_before = len(svc.system_metrics())
 
         def phase(which: list[int]) -> dict:
+            time.sleep(0.5)  # (the job writes a step's system row just after its results are sent)
             n0 = len(svc.system_metrics())
             b0, j0, c0 = common.machine_busy_seconds(), job_cpu(svc), time.process_time()
             wall = clients.run(which, steps)
             job, ours = job_cpu(svc) - j0, time.process_time() - c0
             done = len(which) * steps * rows
             others = max(common.machine_busy_seconds() - b0 - job - ours, 0.0) / wall
-            time.sleep(0.2)  # (the last step's system row is written just after its results are sent)
+            time.sleep(0.5)
             stepping = float(svc.system_metrics()["step_time"].iloc[n0:].sum())  # the loop's steps, in s
             return dict(wall=wall, rows_s=done / wall, job_cpu=job, rows_cpu=done / job, others=others,
                         busy=stepping / wall)  # fmt: skip
