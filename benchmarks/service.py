@@ -1,6 +1,6 @@
 """The Tinker service (issue 24): one client's SFT step through HTTP vs in-process, 4 clients vs 1, memory.
 
-    .venv/bin/python benchmarks/service.py            # full run (~4-5 min on 2 cores; --part overhead|clients)
+    .venv/bin/python benchmarks/service.py            # full run (~2.5 min quiet, 5-7 min loaded; --part overhead|clients)
     .venv/bin/python benchmarks/service.py --quick    # smoke test (~1.5 min: 5 jobs start; numbers mean nothing)
 
 A client's step is the SDK's ``forward_backward(datums, "cross_entropy")`` then ``optim_step(AdamParams)``,
