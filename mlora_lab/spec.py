@@ -97,6 +97,8 @@ MAX_WEIGHT_DECAY = 10.0
 MAX_PORT = 65_535
 MAX_QUEUE = 2**20
 """Most requests a served job's inbox holds (``Service.max_queue``)."""
+MAX_SESSION_TIMEOUT = 7 * 24 * 3600.0
+"""Longest ``Service.session_timeout``: a week."""
 MAX_PROBLEMS = 200
 """:func:`mlora_lab.validate.problems` lists at most this many, then ``... and N more problem(s)``."""
 _MAX_DEPTH = 16  # job.json nests 3 deep (tenants[i].betas); 16 leaves room and stops RecursionError
@@ -173,9 +175,11 @@ FIELD_KINDS = (
     "numbers",
     "texts",
     "service",
+    "client",
 )
-"""Kinds of :attr:`FieldInfo.kind`. ``tenants``, ``parallel``, ``service`` and ``rl`` are the spec's nested
-parts, checked on their own; ``rewards`` (reward functions), ``numbers`` and ``texts`` (lists) are RL's."""
+"""Kinds of :attr:`FieldInfo.kind`. ``tenants``, ``parallel``, ``service``, ``rl`` and ``client`` are the spec's
+nested parts, checked on their own; ``rewards`` (reward functions), ``numbers`` and ``texts`` (lists) are
+RL's."""
 
 
 @dataclass(frozen=True)
@@ -368,11 +372,18 @@ class Tenant:
     rl: RL | None = field(default=None, metadata=_meta(
         "rl", kind="rl", section="RL", optional=True, form=False, help="learn from rewards (GRPO)"))
     """``None``: supervised rows. An :class:`RL`: the rows are prompts, and the tenant learns from rewards."""
+    client: ClientModel | None = field(default=None, metadata=_meta(
+        "client", kind="client", section="Service", optional=True, form=False,
+        help="the Tinker training client that drives it"))
+    """``None``: the job feeds it (``data``). A :class:`ClientModel`: a served job's tenant that a Tinker training
+    client drives request by request (it has no ``data``); the job records it so a resume brings it back."""
     # fmt: on
 
     def __post_init__(self) -> None:
         if isinstance(self.rl, dict):
             self.rl = RL.from_dict(self.rl)
+        if isinstance(self.client, dict):
+            self.client = ClientModel.from_dict(self.client)
         self.data = _path_str(self.data)
         self.eval_data = _path_str(self.eval_data)
         self.init_adapter = _path_str(self.init_adapter)
@@ -403,9 +414,20 @@ class Tenant:
         kwargs, problems = _kwargs_for(cls, d, "tenant")
         if isinstance(kwargs.get("rl"), dict):
             problems += _kwargs_for(RL, kwargs["rl"], "tenant.rl")[1]
+        if isinstance(kwargs.get("client"), dict):
+            problems += _kwargs_for(ClientModel, kwargs["client"], "tenant.client")[1]
         if problems:
             raise SpecError(problems)
         return d if isinstance(d, Tenant) else cls(**kwargs)
+
+
+def _built(cls: type, d: Any, where: str) -> Any:
+    """``d`` if it is a ``cls`` already, else ``cls`` built from the dict ``d``; unknown or missing keys raise
+    :class:`SpecError` (the nested parts' ``from_dict``)."""
+    kwargs, problems = _kwargs_for(cls, d, where)
+    if problems:
+        raise SpecError(problems)
+    return d if isinstance(d, cls) else cls(**kwargs)
 
 
 @dataclass
@@ -496,10 +518,37 @@ class RL:
     def from_dict(cls, d: dict[str, Any] | RL) -> RL:
         """Build from a dict (``rl`` of a tenant in ``job.json``); unknown or missing keys raise
         ``SpecError``."""
-        kwargs, problems = _kwargs_for(cls, d, "rl")
-        if problems:
-            raise SpecError(problems)
-        return d if isinstance(d, RL) else cls(**kwargs)
+        return _built(cls, d, "rl")
+
+
+@dataclass
+class ClientModel:
+    """The Tinker model (a training client's LoRA) behind a served job's tenant: its id, the API key that made
+    it, and its ``LoraConfig``. The job writes it into ``job.json`` when the client creates the model; a resume
+    registers the model again under its id and owner (its saved states stay reachable), and its client has
+    ``Service.session_timeout`` to come back before the tenant is saved and paused."""
+
+    # fmt: off
+    model_id: str = field(metadata=_meta("model id", kind="text", section="Service", max=255,
+                                         help="the Tinker model id"))
+    owner: str = field(metadata=_meta("owner", kind="text", section="Service", max=255,
+                                      help="the name of the API key that made it"))
+    seed: int | None = field(default=None, metadata=_meta(
+        "seed", section="Service", min=0, max=MAX_SEED, optional=True, help="its LoRA init seed"))
+    train_attn: bool = field(default=True, metadata=_meta("train attn", kind="bool", section="Service"))
+    train_mlp: bool = field(default=True, metadata=_meta("train mlp", kind="bool", section="Service"))
+    train_unembed: bool = field(default=True, metadata=_meta("train unembed", kind="bool", section="Service"))
+    # fmt: on
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | ClientModel) -> ClientModel:
+        """Build from a dict (``client`` of a tenant in ``job.json``); unknown or missing keys raise
+        ``SpecError``."""
+        return _built(cls, d, "client")
 
 
 @dataclass
@@ -567,7 +616,13 @@ class Service:
     """LoRA alpha of every client's adapter: Tinker's ``LoraConfig`` has a rank and no alpha."""
     max_queue: int = field(default=4096, metadata=_meta(
         "max queue", section="Service", min=1, max=MAX_QUEUE, help="waiting requests; more are answered 429"))
-    """Requests that may wait at once; past it a request is answered 429 (the SDK retries it)."""
+    """Requests that may wait at once; past it a request is answered 429 (the SDK retries it). One source (a
+    model's numbered requests, or one key's samples) holds at most a quarter of them."""
+    session_timeout: float = field(default=60.0, metadata=_meta(
+        "session timeout", kind="float", section="Service", min=1, max=MAX_SESSION_TIMEOUT,
+        help="seconds without heartbeat before a client's tenants are saved and paused"))
+    """Seconds a client may be silent (no heartbeat nor request; the SDK heartbeats every 10 s) before its
+    tenants are saved and paused; a request of its brings them back."""
     max_step_tokens: int | None = field(default=None, metadata=_meta(
         "max step tokens", section="Service", min=1, max=MAX_COUNT, optional=True, null_means="no limit",
         help="datum tokens one step takes at most; more wait for the next"))
@@ -746,6 +801,8 @@ class JobSpec:
                 t_kwargs, t_problems = _kwargs_for(Tenant, t, label)
                 if isinstance(t_kwargs.get("rl"), dict):
                     t_problems += _kwargs_for(RL, t_kwargs["rl"], f"{label}.rl")[1]
+                if isinstance(t_kwargs.get("client"), dict):
+                    t_problems += _kwargs_for(ClientModel, t_kwargs["client"], f"{label}.client")[1]
                 problems += t_problems
                 if not t_problems:
                     built.append(t if isinstance(t, Tenant) else Tenant(**t_kwargs))

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from mlora_lab.tiny import build_tiny_model
 
@@ -58,6 +59,18 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def llama_path(tiny_models) -> str:
     return tiny_models("llama")
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread in this process for the test, as in the job processes the tests start (pytest
+    imports torch before conftest sets OMP_NUM_THREADS=1): beside the other xdist worker on 2 cores, two
+    threads make small steps several times slower (measured: the real-model RL test took 74 s with two
+    threads, 44 s with one; the cookbook's RL loop on a job in this process 54 s against 8 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> str:

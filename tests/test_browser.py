@@ -232,6 +232,9 @@ def test_quickstart_in_jupyterlab(tmp_path):
         with playwright.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            # (JupyterLab on a machine busy with the rest of the suite can take more than playwright's default
+            # 30 s to answer a click: a CI run lost the first "Run All" click that way)
+            page.set_default_timeout(120_000)
             try:
                 drive_quickstart(page, port, root, wait_cell, tmp_path)
             except Exception:

@@ -106,18 +106,6 @@ TOP_BLOCKS = [f"layers.{i}.{m}" for i in range(24, 30) for m in
                "mlp.down_proj")]  # fmt: skip
 
 
-@pytest.fixture
-def one_thread():
-    """Torch on one thread in this process for the test, as in the job processes the tests start (pytest
-    imports torch before conftest sets OMP_NUM_THREADS=1): beside the other xdist worker on 2 cores, two
-    threads make the sampler's small decode steps several times slower (measured: the test took 74 s with
-    two threads, 44 s with one)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_real_model_two_rl_tenants_raise_their_own_rewards(tmp_path, one_thread):
     """Two GRPO tenants on the same yes/no questions in one job, one rewarded for short answers and one
     for saying "yes": each one's mean reward rises within 6 steps.

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from mlora_lab.service.work import Futures, Inbox, InboxFull, Kind, Result, Work
+from mlora_lab.service.work import Futures, Inbox, InboxFull, Kind, Result, SeqIdPassed, Work
 
 
 def work(kind: Kind, seq: int | None, model: str = "s:train:0", rid: str | None = None) -> Work:
@@ -43,7 +43,7 @@ def test_a_resent_request_gets_the_first_ones_future_and_runs_once():
 
 
 def test_a_full_inbox_refuses_and_a_forgotten_model_gives_its_items_back():
-    inbox = Inbox(capacity=2)
+    inbox = Inbox(capacity=2, share=2)
     inbox.put(work(Kind.FORWARD_BACKWARD, 2, "m"))
     inbox.put(work(Kind.FORWARD_BACKWARD, 3, "m"))
     with pytest.raises(InboxFull):
@@ -80,9 +80,53 @@ def test_a_seq_id_refused_at_the_door_is_stepped_over():
     assert inbox.take() == []
 
 
+def test_one_source_holds_at_most_its_share_and_the_others_still_find_room():
+    """A model whose requests can never run (seq_ids far ahead) or a key flooding samples fills only its own
+    share (a quarter of the inbox by default): another model's requests still go in and run."""
+    inbox = Inbox(capacity=8)
+    inbox.start_model("flood")
+    inbox.start_model("honest")
+    for seq in (100, 101):  # (never runnable: seq 1 never comes)
+        inbox.put(work(Kind.FORWARD_BACKWARD, seq, "flood"))
+    with pytest.raises(InboxFull, match="model flood"):
+        inbox.put(work(Kind.FORWARD_BACKWARD, 102, "flood"))
+    samples = [Work(Kind.SAMPLE, f"s{i}", owner="mallory") for i in range(3)]
+    for w in samples[:2]:
+        inbox.put(w)
+    with pytest.raises(InboxFull, match="key mallory"):
+        inbox.put(samples[2])
+    inbox.put(work(Kind.FORWARD_BACKWARD, 1, "honest"))
+    assert [w.request_id for w in inbox.take()] == ["s0", "s1", "honest/1"] and len(inbox) == 2
+    inbox.put(samples[2])  # (its share has room again once its requests were taken)
+    assert len(inbox) == 3
+
+
+def test_resends_are_recognised_for_the_last_seq_ids_and_a_long_gone_one_is_refused():
+    inbox = Inbox(remember=4)
+    inbox.start_model("m")
+    for seq in range(1, 21):
+        inbox.put(work(Kind.FORWARD_BACKWARD, seq, "m"))
+        assert [w.seq_id for w in inbox.take()] == [seq]
+    assert inbox.put(work(Kind.FORWARD_BACKWARD, 20, "m", rid="again")) == "m/20"  # recent: a resend
+    with pytest.raises(SeqIdPassed):  # long forgotten: refused, never left waiting for a turn gone by
+        inbox.put(work(Kind.FORWARD_BACKWARD, 2, "m", rid="late"))
+    assert len(inbox) == 0 and inbox.take() == []
+
+
+def test_the_inbox_says_how_long_to_wait_for_what_was_sent_together():
+    inbox = Inbox()
+    assert inbox.gather_wait(quiet_s=10, most_s=20) == 0  # nothing waits
+    inbox.put(work(Kind.SAMPLE, None, rid="a"))
+    assert 9 < inbox.gather_wait(quiet_s=10, most_s=20) <= 10  # until none came for quiet_s
+    assert 4 < inbox.gather_wait(quiet_s=10, most_s=5) <= 5  # ... or the first waited most_s
+    assert inbox.gather_wait(quiet_s=0, most_s=20) == 0
+    inbox.take()
+    assert inbox.gather_wait(quiet_s=10, most_s=20) == 0  # taken: nothing waits
+
+
 def test_a_put_or_a_skipped_seq_id_wakes_the_idle_loop_a_resend_does_not():
     inbox, wake = Inbox(), threading.Event()
-    inbox.wake_with(wake)
+    inbox.arrived = wake  # (as the service driver sets it: the loop's JobParts.wake)
     inbox.start_model("m", 1)
     inbox.put(work(Kind.FORWARD_BACKWARD, 1, "m", rid="first"))
     assert wake.is_set()

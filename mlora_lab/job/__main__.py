@@ -8,9 +8,9 @@ saying why in status.json), watches the torchrun agent (a worker whose agent was
 of training on as an orphan), turns SIGTERM/SIGINT into a graceful stop (finish the step, checkpoint,
 save, exit: ``Run.stop()`` sends it when the disk is too full for the stop file), keeps some disk
 space in reserve for its last status (``.spare``), re-checks job.json, records the run's state in
-status.json, and trains. A served job (``JobSpec.service``) also serves the Tinker API while it trains
-(:class:`~mlora_lab.job.served.JobService`: its driver first, the server up once the job is assembled,
-down when the job ends).
+status.json, and trains. A served job (``JobSpec.service``) also serves the Tinker API while it trains, from
+rank 0 (:class:`~mlora_lab.job.served.JobService`: its driver first, the server up once the job is assembled,
+down when the job ends; the other ranks' service drivers follow rank 0's).
 """
 
 from __future__ import annotations
@@ -196,12 +196,14 @@ def main(argv: list[str] | None = None) -> int:
                 error=None,
                 ended=None,
             )
-        if spec.service is not None and dist.is_main:
+        drivers = DEFAULT_DRIVERS
+        if spec.service is not None:
             # (imported here: the HTTP server and the tinker SDK cost a job that serves nothing ~1.4 s of start)
-            from mlora_lab.job.served import JobService
+            from mlora_lab.job.served import JobService, follower_drivers
 
-            service = JobService(spec, run)
-        drivers = service.drivers() if service is not None else DEFAULT_DRIVERS
+            if dist.is_main:  # rank 0 serves; the others follow its service driver's orders
+                service = JobService(spec, run)
+            drivers = service.drivers() if service is not None else follower_drivers(spec, run)
         trainer = Trainer(spec, run.root, dist, resume=args.resume, drivers=drivers)
         if service is not None:
             service.start()

@@ -10,6 +10,7 @@ nothing about where the rows come from::
     for t in the plans' complete tenants:                     # agreed on every rank: clip by t's own
         AdamW step of t (or quarantine if NaN/inf or raised)  #   norm, quarantine the non-finite
         driver(t).stepped(t, result)                          # counters, rows, finishing
+    for d of the plans: d.after_step()                        # what waits on the whole step (answers)
 
 A **driver** owns the tenants it :meth:`~Driver.accepts` and, for each, a :class:`~.tenants.Feed` (its
 per-tenant state, saved in checkpoints). Per step it returns a :class:`Plan`: which of its running
@@ -73,8 +74,8 @@ class JobParts:
     pool: TenantPool
     recorder: Recorder
     wake: threading.Event = field(default_factory=threading.Event)
-    """Set (from any thread) when work arrives for a loop that may be idle: its idle wait ends at once
-    (the service's inbox sets it for every request, so a request never waits out ``idle_s``)."""
+    """Set by a driver whose work comes from another thread (a served request) when some arrives: the loop,
+    idle, wakes at once instead of at its next idle poll."""
 
 
 class Driver(ABC):
@@ -107,6 +108,11 @@ class Driver(ABC):
 
     def stepped(self, t: TenantRun, result: StepResult) -> None:  # noqa: B027 (a hook: may do nothing)
         """``t`` took an optimiser step (its counter ``t.step`` already moved)."""
+
+    def after_step(self) -> None:  # noqa: B027 (a hook: may do nothing)
+        """The step this driver planned is over (its backward and optimiser steps done). Called on every
+        process, driver by driver, whatever rows a process had (:meth:`loss` is called only for a tenant
+        with rows here), so it may be a collective."""
 
     def evaluate(self, only: Sequence[str] | None = None) -> dict[str, float]:
         """Eval losses of this driver's tenants (or of those ``only``). A collective."""

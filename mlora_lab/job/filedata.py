@@ -109,7 +109,9 @@ class FileData(Driver):
     """SFT tenants fed from their data files (see the module docstring)."""
 
     def accepts(self, tenant: Tenant) -> bool:
-        return tenant.rl is None  # an RL tenant's rows are prompts: the RL driver's (mlora_lab.job.rl)
+        # an RL tenant's rows are prompts: the RL driver's (mlora_lab.job.rl); a Tinker client's tenant is the
+        # service driver's (mlora_lab.job.service)
+        return tenant.rl is None and tenant.client is None
 
     def feed(self, tenant: Tenant) -> FileFeed:
         examples = self.engine.examples(tenant.data)

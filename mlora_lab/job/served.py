@@ -10,8 +10,11 @@ Where the job is assembled (:mod:`mlora_lab.job.__main__`)::
 
 The HTTP thread only queues work and answers futures (:mod:`mlora_lab.service.app`); the training loop takes
 the work at its step boundaries through :class:`~mlora_lab.job.service.ServiceDriver`, whose ``waiting()``
-keeps the job up while it has no tenant. The Tinker service runs on one process for now (validated before
-launch: :mod:`mlora_lab.validate.service`).
+keeps the job up while it has no tenant. Under torchrun only rank 0 builds a ``JobService``; every other
+process gets :func:`follower_drivers`, whose service driver runs what rank 0's broadcasts (keys, inbox and
+futures exist on rank 0 alone)::
+
+    drivers = service.drivers() if dist.is_main else follower_drivers(spec, run)
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class JobService:
             limits=wire.Limits(vocab_size=1, max_tokens=1),  # (set from the engine with the driver)
             max_rank=spec.max_rank,
             tokenizer_id=tokenizer,
+            checkpoints=run.service,
         )
         self.server: Server | None = None
 
@@ -54,8 +58,14 @@ class JobService:
         """The loop's service driver, the state's limits set from the job's model and ``seq_len`` (a datum
         is its input tokens and one more position: ``seq_len - 1`` input tokens at most)."""
         self.state.limits = wire.Limits(vocab_size=parts.engine.vocab_rows, max_tokens=parts.spec.seq_len - 1)
-        return ServiceDriver(parts, self.state, lora_alpha=self.settings.lora_alpha, checkpoints=self.run.service,
-                             max_step_tokens=self.settings.max_step_tokens)  # fmt: skip
+        return ServiceDriver(
+            parts,
+            self.state,
+            lora_alpha=self.settings.lora_alpha,
+            checkpoints=self.run.service,
+            session_timeout_s=self.settings.session_timeout,
+            max_step_tokens=self.settings.max_step_tokens,
+        )
 
     def drivers(self) -> tuple[DriverFactory, ...]:
         """The job's drivers: the service's first (a client's tenant is its own), then the default ones."""
@@ -80,3 +90,15 @@ class JobService:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def follower_drivers(spec: JobSpec, run: RunDir) -> tuple[DriverFactory, ...]:
+    """The drivers of a served job on a process other than rank 0: a service driver with no service state
+    (it follows rank 0's orders, :mod:`mlora_lab.job.service`), then the default ones."""
+    assert isinstance(spec.service, Service), "a served job's drivers need a spec with a service"
+    alpha = spec.service.lora_alpha
+
+    def driver(parts: JobParts) -> ServiceDriver:
+        return ServiceDriver(parts, None, lora_alpha=alpha, checkpoints=run.service)
+
+    return (driver, *DEFAULT_DRIVERS)

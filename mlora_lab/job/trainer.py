@@ -28,7 +28,9 @@ The story of one global step (:meth:`Trainer.step`):
 4. each tenant whose window is complete takes one AdamW step (own schedule, own clipping by its own
    global gradient norm); a tenant whose loss or gradient is NaN/inf, whose update would not be finite
    (lr=1e38) or whose weights diverge with it, or whose own part of the step raised, is quarantined
-   instead, on every process, and the others go on exactly as without it (:func:`~mlora_lab.optim.step_many`).
+   instead, on every process, and the others go on exactly as without it (:func:`~mlora_lab.optim.step_many`);
+5. each driver that planned hears that the step is over (:meth:`~.driver.Driver.after_step`, on every
+   process: the service driver gathers its requests' answers there).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class Trainer:
         self.engine = Engine.build(spec, self.dims, mesh, self.comm)
         self.recorder = Recorder(self.run, self.comm, self.dist.is_main, spec.log_every)
         self.pool = TenantPool(spec, self.engine, self.recorder, self.run, self.dist.is_main)
-        self.wake = threading.Event()  # set when a driver's work arrives from another thread (see train)
+        self.wake = threading.Event()
         parts = JobParts(spec, self.engine, self.pool, self.recorder, self.wake)
         self.drivers = Drivers([make(parts) for make in drivers])
         controls = Controls(self.pool, self.drivers.feed, self.run)
@@ -206,8 +208,8 @@ class Trainer:
     def train(self, idle_s: float = 0.5) -> None:
         """Run global steps until every tenant is done (or a stop is requested). In serve mode, while
         some tenant is paused, or while a driver or the search may still bring work, the job then idles,
-        polling for control messages every ``idle_s`` seconds, until there is work again or it is stopped;
-        work a driver receives from another thread (a service request) ends the wait at once (:attr:`wake`)."""
+        polling for control messages every ``idle_s`` seconds, until there is work again or it is stopped; a
+        driver's work that comes from another thread (a served request) wakes it at once (:attr:`wake`)."""
         self.model.train()
         self.poll()
         while not self.stop_requested:
@@ -217,8 +219,8 @@ class Trainer:
                 if self.spec.save_every and self.global_step % self.spec.save_every == 0:
                     self.save(final=False)
             elif self.spec.serve or self.pool.any_paused() or any(d.waiting() for d in self.drivers):
-                # nothing to train now: wait cheaply for new or resumed tenants. Cleared after the wait and
-                # before the next plan: work that arrives later is either taken by that plan or sets it again
+                # nothing to train now: wait cheaply for new or resumed tenants, or a driver's new work
+                # (cleared before the next plan takes the work: what comes after that sets it again)
                 self.wake.wait(idle_s)
                 self.wake.clear()
             elif not (self.search is not None and self.search.active):
@@ -247,6 +249,8 @@ class Trainer:
         for t in owner:
             self.pool[t].accumulating = True
         self._optimizer_steps(plans, owner)
+        for d, _ in plans:
+            d.after_step()
         self.recorder.system(time.perf_counter() - t0, tokens, tenants)
         return True
 

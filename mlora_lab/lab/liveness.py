@@ -116,7 +116,7 @@ class Liveness:
         status = read_status(self.dir.root) or status
         if status.state.final:
             return Verdict(status.state, status.error)
-        if self.process is not None:
+        if self._ours(status):
             state, error = RunState.FAILED, self._death_reason()
         else:
             where = f"pid {status.pid}" + (f" on {status.host}" if status.host else "")
@@ -148,8 +148,8 @@ class Liveness:
     def _alive(self, status: Status) -> bool | None:
         """Is the job's process alive? None when this machine cannot tell (another host) or nothing
         was started yet (a directory prepared for ``launchers/``)."""
-        if self.process is not None:
-            return self.process.poll() is None
+        if self._ours(status):
+            return self.process.poll() is None  # type: ignore[union-attr]
         identity = status.process
         if identity is not None:
             return identity.alive()
@@ -160,6 +160,12 @@ class Liveness:
             return p.status() != psutil.STATUS_ZOMBIE and JOB_MODULE in " ".join(p.cmdline())
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return False
+
+    def _ours(self, status: Status) -> bool:
+        """Whether the run's job is the process this handle started. Not once another job took the run over
+        (resumed from another handle or the command line: status.json names its process, or none yet while
+        it starts): then the status file is believed, as for a handle that started nothing."""
+        return self.process is not None and status.pid == self.process.pid
 
     def _death_reason(self) -> str:
         code = self.process.poll() if self.process is not None else None

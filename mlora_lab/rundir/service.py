@@ -71,6 +71,49 @@ def local_path(run: RunDir, tinker_path: str) -> Path:
     return adapter
 
 
+@dataclass(frozen=True)
+class Saved:
+    """One checkpoint a service saved: its ``tinker://`` path, its kind (``weights``: a state;
+    ``sampler_weights``: a snapshot), when it was written (its folder's mtime) and its size in bytes."""
+
+    tinker_path: str
+    kind: str
+    name: str
+    time: float
+    size_bytes: int
+
+
+def saved_of(service: str | os.PathLike, model_id: str) -> list[Saved]:
+    """The checkpoints saved for ``model_id`` under the service folder ``service``, oldest first (folders
+    being written, whose names start with a dot, are not listed)."""
+    out = []
+    for kind in SAVED_KINDS:
+        folder = Path(service) / kind / model_id.replace(":", "-")
+        with contextlib.suppress(OSError):
+            for d in folder.iterdir():
+                if d.name.startswith(".") or d.is_symlink() or not d.is_dir():
+                    continue
+                with contextlib.suppress(OSError):
+                    size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
+                    out.append(
+                        Saved(f"{TINKER}{model_id}/{kind}/{d.name}", kind, d.name, d.stat().st_mtime, size)
+                    )
+    return sorted(out, key=lambda c: (c.time, c.tinker_path))
+
+
+def saved_lora(service: str | os.PathLike, tinker_path: str) -> dict[str, object] | None:
+    """The LoRA settings a saved checkpoint was made with (``rank``, ``train_attn``, ``train_mlp``,
+    ``train_unembed`` for a state; ``rank`` for a snapshot, from its PEFT config), read from its JSON without
+    loading a tensor; None when there is no such checkpoint or it cannot be read."""
+    folder = saved_folder(service, tinker_path)
+    if tinker_path.removeprefix(TINKER).split("/")[1] == "weights":
+        d, why = read_json(str(folder / "state.json"), "a saved state")
+        lora = d.get("lora") if why is None and isinstance(d, dict) else None
+        return lora if isinstance(lora, dict) else None
+    d, why = read_json(str(folder / "adapter_config.json"), "an adapter config")
+    return {"rank": d.get("r")} if why is None and isinstance(d, dict) else None
+
+
 def is_served(run: RunDir) -> bool:
     """Whether the run's job.json asks for a service (read as plain JSON: no spec is built)."""
     d, why = read_json(str(run.job), "a job file")

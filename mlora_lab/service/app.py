@@ -25,8 +25,11 @@ import secrets
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -36,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mlora_lab.rundir import service as files
 from mlora_lab.service import wire
 from mlora_lab.service.bodies import (
     BodyError,
@@ -43,7 +47,6 @@ from mlora_lab.service.bodies import (
     Fields,
     Load,
     ModelInfo,
-    Save,
     parse_checkpoint_path,
     read_adam,
     read_create_model,
@@ -51,7 +54,7 @@ from mlora_lab.service.bodies import (
     read_save,
 )
 from mlora_lab.service.keys import Keys
-from mlora_lab.service.work import Futures, Inbox, InboxFull, Kind, Work
+from mlora_lab.service.work import Futures, Inbox, InboxFull, Kind, SeqIdPassed, Work
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +110,24 @@ class ServiceState:
     lock: threading.RLock = field(default_factory=threading.RLock)
     creating: dict[str, str] = field(default_factory=dict)
     """model_id -> the request id of its create (a resent create_model gets the same future)."""
-    future_owners: dict[str, tuple[str, float]] = field(default_factory=dict)
-    """request_id -> (the key name that asked, when): only its owner may retrieve a future."""
+    checkpoints: Path | None = None
+    """The service folder its saved checkpoints live in (``<run_dir>/service``; None: it saves none)."""
+    future_owners: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
+    """request_id -> (the key name that asked, when), oldest first: only its owner may retrieve a future."""
+
+    def restore_model(self, info: ModelInfo, next_seq_id: int, alive: bool) -> None:
+        """A model a resumed job brought back: registered under its id and owner, its requests taken from
+        ``next_seq_id`` on, its session watched again (``alive``: as if it had just been heard from, so its
+        client has the session timeout to come back; else as long silent)."""
+        session_id = info.model_id.split(":train:")[0]
+        with self.lock:
+            self.models[info.model_id] = info
+            session = self.sessions.setdefault(session_id, Session(owner=info.owner, last_seen=0.0))
+            if info.model_id not in session.model_ids:
+                session.model_ids.append(info.model_id)
+            if alive:
+                session.last_seen = time.time()
+        self.inbox.start_model(info.model_id, next_seq_id)
 
     def owns_run(self, owner: str, run_id: str) -> bool:
         """Whether ``run_id`` (a model id, the first part of a ``tinker://`` path) is ``owner``'s."""
@@ -154,6 +173,8 @@ def create_app(state: ServiceState) -> Starlette:
                 return error(422, e.problems)
             except wire.WireError as e:
                 return error(400, e.problems)
+            except SeqIdPassed as e:
+                return error(422, str(e))
             except InboxFull as e:
                 return JSONResponse({"detail": f"the service is busy ({e}); retry later"}, status_code=429,
                                     headers={"retry-after": "1"})  # fmt: skip
@@ -186,6 +207,12 @@ def create_app(state: ServiceState) -> Starlette:
         route("/load_weights", load_weights),
         route("/create_sampling_session", create_sampling_session),
         route("/samplers/{sampler_id}", get_sampler, ("GET",)),
+        route("/training_runs", list_training_runs, ("GET",)),
+        route("/training_runs/{run_id}", get_training_run, ("GET",)),
+        route("/training_runs/{run_id}/checkpoints", list_checkpoints, ("GET",)),
+        route("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", delete_checkpoint, ("DELETE",)),
+        route("/checkpoints", list_user_checkpoints, ("GET",)),
+        route("/weights_info", weights_info),
         route("/asample", asample),
         route("/retrieve_future", retrieve_future),
     ]
@@ -284,10 +311,11 @@ def queue(state: ServiceState, work: Work) -> str:
     with state.lock:
         now = time.time()
         state.future_owners.setdefault(request_id, (work.owner, now))
-        if len(state.future_owners) > 4 * state.inbox.capacity:  # forget futures the Futures forgot
-            for rid, (_, t) in list(state.future_owners.items()):
-                if now - t > state.futures.keep_s and not state.futures.known(rid):
-                    del state.future_owners[rid]
+        while state.future_owners:  # forget, oldest first, the futures the Futures forgot
+            rid, (_, t) = next(iter(state.future_owners.items()))
+            if now - t <= state.futures.keep_s or state.futures.known(rid):
+                break
+            del state.future_owners[rid]
     return request_id
 
 
@@ -427,7 +455,7 @@ async def save_weights_for_sampler(request: Request, state: ServiceState, owner:
     model = own_model(state, owner, model_id)
     if sampling_seq is not None:
         sampling_id = f"{model_id.split(':train:')[0]}:sample:{sampling_seq}"
-        save = Save(save.kind, None, sampling_id, save.overwrite, save.ttl_seconds)
+        save = replace(save, name=None, sampling_session_id=sampling_id)
         with state.lock:
             known = state.sampling_sessions.get(sampling_id)
             if known is not None and known.model_id != model_id:
@@ -514,6 +542,107 @@ async def get_sampler(request: Request, state: ServiceState, owner: str) -> Resp
     return JSONResponse(answer)
 
 
+# -- REST reads: training runs (the models) and their checkpoints, from the service folder --------------
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat()
+
+
+def _checkpoint(c: files.Saved) -> dict[str, Any]:
+    """A saved checkpoint as the SDK's ``Checkpoint``."""
+    kind = "training" if c.kind == "weights" else "sampler"
+    return {"checkpoint_id": f"{c.kind}/{c.name}", "checkpoint_type": kind, "time": _when(c.time),
+            "tinker_path": c.tinker_path, "size_bytes": c.size_bytes, "public": False}  # fmt: skip
+
+
+def _saved(state: ServiceState, model_id: str) -> list[files.Saved]:
+    return [] if state.checkpoints is None else files.saved_of(state.checkpoints, model_id)
+
+
+def _training_run(state: ServiceState, model: ModelInfo) -> dict[str, Any]:
+    """A model as the SDK's ``TrainingRun`` (its last request: its session's last sign of life)."""
+    saved = _saved(state, model.model_id)
+    with state.lock:
+        session = state.sessions.get(model.model_id.split(":train:")[0])
+        seen = session.last_seen if session is not None and session.last_seen else time.time()
+    last = {kind: next((c for c in reversed(saved) if c.kind == kind), None) for kind in files.SAVED_KINDS}
+    return {"training_run_id": model.model_id, "base_model": model.base_model, "model_owner": model.owner,
+            "is_lora": True, "corrupted": False, "lora_rank": model.rank, "last_request_time": _when(seen),
+            "last_checkpoint": _checkpoint(last["weights"]) if last["weights"] else None,
+            "last_sampler_checkpoint": _checkpoint(last["sampler_weights"]) if last["sampler_weights"] else None}  # fmt: skip
+
+
+def _page(request: Request) -> tuple[int, int]:
+    """``limit`` (1 to 1,000; default 20) and ``offset`` (default 0) of a listing's query string."""
+    problems, out = [], []
+    for key, lo, hi, default in (("limit", 1, 1000, 20), ("offset", 0, 2**31 - 1, 0)):
+        text = request.query_params.get(key)
+        value = (
+            int(text) if text is not None and text.isascii() and text.isdigit() and len(text) < 12 else None
+        )
+        if text is not None and (value is None or not lo <= value <= hi):
+            problems.append(f"{key} must be an integer in [{lo}, {hi}]")
+        out.append(default if value is None or problems else value)
+    if problems:
+        raise Refused(422, problems)
+    return out[0], out[1]
+
+
+def _owned_models(state: ServiceState, owner: str) -> list[ModelInfo]:
+    with state.lock:
+        return sorted((m for m in state.models.values() if m.owner == owner), key=lambda m: m.model_id)
+
+
+async def list_training_runs(request: Request, state: ServiceState, owner: str) -> Response:
+    limit, offset = _page(request)
+    models = _owned_models(state, owner)
+    runs = [_training_run(state, m) for m in models[offset : offset + limit]]
+    return JSONResponse({"training_runs": runs, "cursor": {"offset": offset, "limit": limit,
+                                                           "total_count": len(models)}})  # fmt: skip
+
+
+async def get_training_run(request: Request, state: ServiceState, owner: str) -> Response:
+    return JSONResponse(_training_run(state, own_model(state, owner, request.path_params["run_id"])))
+
+
+async def list_checkpoints(request: Request, state: ServiceState, owner: str) -> Response:
+    model = own_model(state, owner, request.path_params["run_id"])
+    return JSONResponse({"checkpoints": [_checkpoint(c) for c in _saved(state, model.model_id)]})
+
+
+async def list_user_checkpoints(request: Request, state: ServiceState, owner: str) -> Response:
+    limit, offset = _page(request)
+    saved = sorted((c for m in _owned_models(state, owner) for c in _saved(state, m.model_id)),
+                   key=lambda c: -c.time)  # fmt: skip
+    return JSONResponse({"checkpoints": [_checkpoint(c) for c in saved[offset : offset + limit]],
+                         "cursor": {"offset": offset, "limit": limit, "total_count": len(saved)}})  # fmt: skip
+
+
+async def delete_checkpoint(request: Request, state: ServiceState, owner: str) -> Response:
+    own_model(state, owner, request.path_params["run_id"])
+    raise Refused(422, "this server does not delete checkpoints; they are folders of the run directory "
+                       "(<run_dir>/service/), removed with the run")  # fmt: skip
+
+
+async def weights_info(request: Request, state: ServiceState, owner: str) -> Response:
+    problems: list[str] = []
+    path = parse_checkpoint_path(
+        (await read_json(request, state)).get("tinker_path"), "tinker_path", problems
+    )
+    if problems:
+        raise Refused(422, problems)
+    own_checkpoint(state, owner, path)
+    lora = None if state.checkpoints is None else files.saved_lora(state.checkpoints, str(path))
+    if lora is None:
+        raise Refused(404, f"no checkpoint {str(path)!r} on this server")
+    answer = {"base_model": state.base_model, "is_lora": True, "lora_rank": lora.get("rank")}
+    for k in ("train_attn", "train_mlp", "train_unembed"):
+        if k in lora:
+            answer[k] = lora[k]
+    return JSONResponse(answer)
+
+
 async def asample(request: Request, state: ServiceState, owner: str) -> Response:
     f, sample = read_sample(await read_json(request, state), vocab_size=state.limits.vocab_size,
                             max_context=state.limits.max_tokens)  # fmt: skip
@@ -563,6 +692,15 @@ async def retrieve_future(request: Request, state: ServiceState, owner: str) -> 
 # ---------------------------------------------------------------------------------------------- server
 
 
+def reachable(host: str) -> str:
+    """The address clients reach a server listening on ``host`` at: this machine's name for a wildcard
+    (``0.0.0.0``, ``::``: every interface; a job on a Slurm node is reached from the login node by name),
+    an IPv6 address in brackets."""
+    if host in ("", "0.0.0.0", "::"):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host else host
+
+
 class Server:
     """uvicorn serving ``state`` on a daemon thread with its own event loop (``futures`` bound to it).
 
@@ -579,8 +717,12 @@ class Server:
 
     def start(self, timeout: float = 30.0) -> Server:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on a socket that says it is TCP. Without it
+        # uvicorn's response (headers, then body: two writes) waited for the client's delayed ACK, 40 ms a
+        # request; the flag is also set here, inherited by every accepted connection
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(create_app(self.state), log_level="warning", access_log=False, lifespan="off",
@@ -609,8 +751,7 @@ class Server:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the service's HTTP server did not start in {timeout} s")
             time.sleep(0.01)
-        shown = f"[{self.host}]" if ":" in self.host else self.host
-        self.url = f"http://{shown}:{self.port}"
+        self.url = f"http://{reachable(self.host)}:{self.port}"
         return self
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -66,6 +66,9 @@ class Save:
     sampling_session_id: str | None = None
     overwrite: bool = False
     ttl_seconds: int | None = None
+    inflight: bool = False
+    """``kind="inflight"`` (a sampler save): the model's shared, mutable sampling target, which every later
+    inflight save updates for its existing clients too; else a frozen snapshot."""
 
 
 @dataclass(frozen=True)
@@ -272,14 +275,14 @@ def read_save(body: Any, kind: str) -> tuple[str, int, Save, int | None]:
         sampling_seq = f.int("sampling_session_seq_id", 0, 2**31 - 1)
     elif f.body.get("path") is None:
         f.problems.append("path is missing (the checkpoint's name)")
-    if kind == "sampler":
-        k = f.body.get("kind", "snapshot")
-        if k not in ("snapshot", "inflight"):
-            f.problems.append(f"kind {_show(k)} must be 'snapshot' or 'inflight'")
+    k = f.body.get("kind", "snapshot") if kind == "sampler" else None
+    if kind == "sampler" and k not in ("snapshot", "inflight"):
+        f.problems.append(f"kind {_show(k)} must be 'snapshot' or 'inflight'")
     ttl = f.int("ttl_seconds", 1, required=False)
     overwrite = f.bool("overwrite", False)
     f.raise_if_any()
-    return model_id, seq_id, Save(kind, name, None, bool(overwrite), ttl), sampling_seq  # type: ignore[return-value]
+    save = Save(kind, name, None, bool(overwrite), ttl, inflight=k == "inflight")  # type: ignore[arg-type]
+    return model_id, seq_id, save, sampling_seq  # type: ignore[return-value]
 
 
 def read_sample(body: Any, *, vocab_size: int, max_context: int) -> tuple[Fields, Sample]:

@@ -12,9 +12,6 @@ inbox hands out, per model, only the run of consecutive ``seq_id`` s that follow
 (:meth:`Inbox.take`); a later one waits for the gap to fill. A request sent again with a ``seq_id`` already
 received (the SDK resends after a timeout or a 5xx) is answered with the first one's future and never run
 twice (:meth:`Inbox.put`).
-
-Waking. An idle training loop waits on an event (:meth:`Inbox.wake_with`) that every item put (or seq_id
-stepped over) sets, so a request is taken at once rather than at the loop's next poll.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import itertools
 import secrets
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -90,61 +87,94 @@ class InboxFull(Exception):
     """The inbox holds as many waiting items as it may: the client should retry later (HTTP 429)."""
 
 
-class Inbox:
-    """Waiting work, at most ``capacity`` items (see the module docstring for the ordering)."""
+class SeqIdPassed(Exception):
+    """A numbered request whose ``seq_id`` was handed out long ago and is no longer remembered (HTTP 422):
+    not a resend the inbox can answer, and it could never run."""
 
-    def __init__(self, capacity: int = 4096) -> None:
+
+class Inbox:
+    """Waiting work, at most ``capacity`` items (see the module docstring for the ordering).
+
+    Fair shares: one **source** (a model's numbered requests, or one key's unnumbered ones such as samples)
+    holds at most ``share`` of the waiting items (a quarter of ``capacity`` by default), so a client that
+    floods the service, or sends ``seq_id`` s far ahead that never become runnable, is answered 429 alone
+    while everyone else's requests still find room. A resend is recognised by its ``(model_id, seq_id)``
+    for the last ``remember`` ``seq_id`` s of each model handed out (the SDK resends within seconds)."""
+
+    def __init__(self, capacity: int = 4096, share: int | None = None, remember: int = 4096) -> None:
         self.capacity = capacity
+        self.share = share
+        self.remember = remember
         self._lock = threading.Lock()
         self._unordered: list[Work] = []
         # model -> seq_id -> waiting item (None: a seq_id refused at the door, to step over)
         self._ordered: dict[str, dict[int, Work | None]] = defaultdict(dict)
         self._next: dict[str, int] = {}  # model -> the seq_id to hand out next
-        self._seen: dict[tuple[str, int], str] = {}  # (model, seq_id) -> its request id
-        self._wake: threading.Event | None = None
-
-    def wake_with(self, event: threading.Event) -> None:
-        """Set ``event`` whenever an item may have become ready to take (the training loop's idle wait)."""
-        self._wake = event
-
-    def _woken(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
+        self._seen: dict[str, dict[int, str]] = defaultdict(dict)  # model -> seq_id -> its request id
+        self._held: dict[str, int] = defaultdict(int)  # source -> its waiting items
+        self._waiting = 0
+        self.arrived: threading.Event | None = None
+        """Set whenever work is put or a gap stepped over (the training loop idles on it)."""
+        self._first: float | None = None  # when the first item since the last take came (monotonic)
+        self._last = 0.0  # when the latest came
 
     def __len__(self) -> int:
         with self._lock:
-            return self._count()
+            return self._waiting
 
-    def _count(self) -> int:
-        return len(self._unordered) + sum(w is not None for q in self._ordered.values() for w in q.values())
+    @property
+    def per_source(self) -> int:
+        """Most waiting items one source may hold."""
+        return self.share if self.share is not None else max(1, self.capacity // 4)
+
+    @staticmethod
+    def source(work: Work) -> str:
+        """Whose share ``work`` counts against: its model's (numbered requests), else its key's."""
+        return f"model {work.model_id}" if work.kind in ORDERED else f"key {work.owner}"
 
     def start_model(self, model_id: str, next_seq_id: int = 1) -> None:
         """A model exists from now on; its ordered requests count from ``next_seq_id``."""
         with self._lock:
             self._next.setdefault(model_id, next_seq_id)
 
+    def next_seq_id(self, model_id: str) -> int | None:
+        """The ``seq_id`` of ``model_id`` handed out next (None: the model was never started)."""
+        with self._lock:
+            return self._next.get(model_id)
+
     def put(self, work: Work) -> str:
         """Queue ``work``; returns the request id the client waits on: ``work``'s own, or that of the
-        request already received with the same ``(model_id, seq_id)``. :class:`InboxFull` when full."""
+        request already received with the same ``(model_id, seq_id)``. :class:`InboxFull` when the inbox,
+        or the share of ``work``'s source, is full."""
         with self._lock:
             if work.kind in ORDERED:
-                key = (work.model_id, work.seq_id)
-                if key in self._seen:
-                    return self._seen[key]
-            if self._count() >= self.capacity:
+                seen = self._seen[work.model_id].get(work.seq_id)
+                if seen is not None:
+                    return seen
+                if work.seq_id < self._next.get(work.model_id, 0):
+                    raise SeqIdPassed(f"seq_id {work.seq_id} of model {work.model_id!r} ran long ago")
+            if self._waiting >= self.capacity:
                 raise InboxFull(f"{self.capacity} requests are waiting")
+            source = self.source(work)
+            if self._held[source] >= self.per_source:
+                raise InboxFull(f"{self._held[source]} requests of {source} are waiting, its most at once")
             if work.kind in ORDERED:
-                self._seen[(work.model_id, work.seq_id)] = work.request_id
+                self._seen[work.model_id][work.seq_id] = work.request_id
                 self._ordered[work.model_id][work.seq_id] = work
             else:
                 self._unordered.append(work)
-        self._woken()
+            self._held[source] += 1
+            self._waiting += 1
+            self._last = time.monotonic()
+            self._first = self._first or self._last
+        self._arrived()
         return work.request_id
 
     def take(self) -> list[Work]:
         """Every item that may run now: unordered ones in arrival order, then per model the consecutive
         run of ``seq_id`` s from the next one expected (a model not started yet hands out nothing)."""
         with self._lock:
+            self._first = None
             out, self._unordered = self._unordered, []
             for model, waiting in self._ordered.items():
                 if model not in self._next:
@@ -156,22 +186,52 @@ class Inbox:
                         out.append(work)
                     seq += 1
                 self._next[model] = seq
+                seen = self._seen[model]
+                if len(seen) > 2 * self.remember:  # forget resends of seq_ids long handed out
+                    for old in [s for s in seen if s < seq - self.remember]:
+                        del seen[old]
+            for work in out:
+                self._release(work)
             return out
+
+    def gather_wait(self, quiet_s: float, most_s: float) -> float:
+        """How much longer to wait for what was sent together with the items that came since the last
+        :meth:`take` (0: take them now): until none has come for ``quiet_s`` seconds, or the first of them
+        has waited ``most_s``."""
+        with self._lock:
+            if self._first is None:
+                return 0.0
+            return max(0.0, min(self._last + quiet_s, self._first + most_s) - time.monotonic())
+
+    def _release(self, work: Work) -> None:
+        source = self.source(work)
+        self._held[source] -= 1
+        if not self._held[source]:
+            del self._held[source]
+        self._waiting -= 1
 
     def skip(self, model_id: str, seq_id: int) -> None:
         """``seq_id`` of ``model_id`` was refused before it was queued (a 4xx answer): the client counted it
         anyway, so the model's later requests must not wait for it."""
         with self._lock:
-            if (model_id, seq_id) not in self._seen:
-                self._seen[(model_id, seq_id)] = ""
+            if seq_id not in self._seen[model_id]:
+                self._seen[model_id][seq_id] = ""
                 self._ordered[model_id][seq_id] = None
-        self._woken()
+        self._arrived()
+
+    def _arrived(self) -> None:
+        if self.arrived is not None:
+            self.arrived.set()
 
     def forget_model(self, model_id: str) -> list[Work]:
         """Drop a model's waiting items (it is gone); returns them, so their futures can be failed."""
         with self._lock:
             self._next.pop(model_id, None)
-            return [w for w in self._ordered.pop(model_id, {}).values() if w is not None]
+            self._seen.pop(model_id, None)
+            dropped = [w for w in self._ordered.pop(model_id, {}).values() if w is not None]
+            for work in dropped:
+                self._release(work)
+            return dropped
 
 
 class Futures:
@@ -182,7 +242,7 @@ class Futures:
     def __init__(self, keep_s: float = 600.0) -> None:
         self.keep_s = keep_s
         self._lock = threading.Lock()
-        self._results: dict[str, tuple[float, Result]] = {}
+        self._results: OrderedDict[str, tuple[float, Result]] = OrderedDict()  # oldest settled first
         self._pending: set[str] = set()
         self._waiters: dict[str, list[asyncio.Future]] = defaultdict(list)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -213,8 +273,12 @@ class Futures:
         now = time.time()
         with self._lock:
             self._pending.discard(request_id)
+            self._results.pop(request_id, None)
             self._results[request_id] = (now, result)
-            for rid in [r for r, (t, _) in self._results.items() if now - t > self.keep_s]:
+            while self._results:  # (in settling order: the expired ones are at the front)
+                rid, (t, _) = next(iter(self._results.items()))
+                if now - t <= self.keep_s:
+                    break
                 del self._results[rid]
             waiters = self._waiters.pop(request_id, [])
         if waiters and self._loop is not None:

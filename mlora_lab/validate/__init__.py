@@ -28,7 +28,7 @@ the cache, what was loaded, the problems found), run in this order by
 
     fields.py     every field's type and range (no file read)
     parallel.py   the process layout; later, whether the model splits over tp and ep ranks
-    service.py    a served job's settings (host, port, lora_alpha, queue) and its one process
+    service.py    a served job's settings (host, port, lora_alpha, queue)
     tenants.py    names and the tenant set (duplicates, case clashes)
     model.py      the base model, tokenizer, targets, slot modules, vocabulary, memory estimate
     files.py      data files and init adapters

@@ -22,6 +22,7 @@ from mlora_lab.spec import (
     MAX_TARGETS,
     RL,
     SAFE_NAME,
+    ClientModel,
     FieldInfo,
     JobSpec,
     Tenant,
@@ -51,12 +52,20 @@ def check_job_fields(ctx: Context) -> None:
 def check_tenant_fields(ctx: Context, t: Tenant) -> None:
     """The tenant's fields, then what two of them say together: something to adapt, and a sane number
     of rows per optimizer step."""
-    ok = {
-        name: check_rl_fields(ctx, t)
-        if info.kind == "rl"
-        else check_field(ctx, t, name, getattr(t, name), info)
-        for name, info in fields_info(Tenant)
-    }
+    ok = {}
+    for name, info in fields_info(Tenant):
+        if info.kind == "rl":
+            ok[name] = check_rl_fields(ctx, t)
+        elif info.kind == "client":
+            ok[name] = check_client_fields(ctx, t)
+        elif name == "data" and isinstance(t.client, ClientModel):
+            ok[name] = t.data == ""  # (a client's tenant has no data: its client sends the rows)
+            if not ok[name]:
+                ctx.say(
+                    t, "data", "a tenant driven by a Tinker client has no data (its client sends the rows)"
+                )
+        else:
+            ok[name] = check_field(ctx, t, name, getattr(t, name), info)
     if ok["target_modules"] and ok["target_parameters"] and not t.target_modules and not t.target_parameters:
         ctx.say(t, "target_modules", "target_modules and target_parameters are both empty; nothing to adapt")
     if ok["batch_size"] and ok["grad_accum"] and t.batch_size * t.grad_accum > MAX_ROWS:
@@ -66,6 +75,30 @@ def check_tenant_fields(ctx: Context, t: Tenant) -> None:
             f"batch_size*grad_accum = {t.batch_size}*{t.grad_accum} = {t.batch_size * t.grad_accum:,} "
             f"rows per optimizer step is more than {MAX_ROWS:,} (2**20); lower batch_size or grad_accum",
         )
+
+
+def check_client_fields(ctx: Context, t: Tenant) -> bool:
+    """``t.client``'s fields; a client's tenant is supervised by its client (no ``rl``, no ``eval_data``), and
+    only a served job (``service``) has clients."""
+    c = t.client
+    if c is None:
+        return True
+    if not isinstance(c, ClientModel):
+        ctx.say(t, "client", f"client must be a Tinker model (an object with 'model_id' and 'owner') or null "
+                             f"({got(c)})")  # fmt: skip
+        return False
+    before = len(ctx.out)
+    for name, info in fields_info(ClientModel):
+        check_field(ctx, t, "client", getattr(c, name), info, label=f"client.{name}")
+    if t.rl is not None:
+        ctx.say(
+            t, "rl", "a tenant driven by a Tinker client has no rl settings (its client computes its losses)"
+        )
+    if t.eval_data is not None:
+        ctx.say(t, "eval_data", "a tenant driven by a Tinker client has no eval_data; remove it")
+    if ctx.spec.service is None:
+        ctx.say(t, "client", "a tenant driven by a Tinker client needs a served job (service settings)")
+    return len(ctx.out) == before
 
 
 def check_rl_fields(ctx: Context, t: Tenant) -> bool:

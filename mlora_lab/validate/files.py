@@ -30,6 +30,8 @@ def check_data(ctx: Context, t: Tenant) -> None:
     """Every problem of the tenant's ``data`` and ``eval_data`` sources (a file's problems keep its path
     in ``Problem.path``, so a view can group one file's problems across tenants). An RL tenant's rows
     are prompts, and its reward functions are checked against their columns (:mod:`.rl`)."""
+    if t.client is not None:  # a Tinker client's tenant: its client sends the rows
+        return
     if isinstance(t.rl, RL):
         columns = None
         if memory_kind(t.data) is not None or usable_path(t.data):

@@ -1,19 +1,18 @@
-"""A served job's ``service`` settings (no file read): its fields, and the layout the service runs on.
+"""A served job's ``service`` settings (no file read): its fields.
 
-The Tinker service runs on one process for now (:class:`mlora_lab.job.service.ServiceDriver`): a service job
-has ``parallel.nproc * parallel.nnodes == 1``.
+The Tinker service runs on any layout (``parallel``: several processes, fsdp, tp, ep; rank 0 serves, the
+other processes follow it: :mod:`mlora_lab.job.service`), so nothing here depends on ``parallel``.
 """
 
 from __future__ import annotations
 
-from mlora_lab.spec import Parallel, Service, fields_info
-from mlora_lab.text import is_int
+from mlora_lab.spec import Service, fields_info
 from mlora_lab.validate.context import Context, got
 from mlora_lab.validate.fields import check_field
 
 
 def check_service(ctx: Context) -> None:
-    """``service``'s fields against their :class:`~mlora_lab.spec.FieldInfo`, and one process."""
+    """``service``'s fields against their :class:`~mlora_lab.spec.FieldInfo`."""
     s = ctx.spec.service
     if s is None:
         return
@@ -22,11 +21,3 @@ def check_service(ctx: Context) -> None:
         return
     for name, info in fields_info(Service):
         check_field(ctx, None, f"service.{name}", getattr(s, name), info)
-    p = ctx.spec.parallel
-    if isinstance(p, Parallel) and is_int(p.nproc) and is_int(p.nnodes) and p.nproc * p.nnodes != 1:
-        ctx.say(
-            None,
-            "parallel.nproc",
-            f"the Tinker service runs on one process for now (got parallel.nproc*nnodes = "
-            f"{p.nproc}*{p.nnodes}); serve with nproc=1 and nnodes=1",
-        )

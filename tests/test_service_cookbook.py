@@ -1,0 +1,126 @@
+"""tinker-cookbook's own minimal loops (0.6.1, which scripts/setup.sh installs), unchanged, train through a job's
+service on loopback.
+
+``recipes/sl_loop.py`` (supervised, ``cross_entropy``) and ``recipes/rl_loop.py`` (GRPO-style groups,
+``loss_fn="importance_sampling"``) run their real ``main(Config(...))`` against a :class:`Served` job, with
+``base_url`` its server and ``model_name`` its served name (the tiny model's local directory). Only what must
+be local is patched: ``datasets.load_dataset`` (a few rows built here), the recommended renderer of a model
+the cookbook does not know (``role_colon``, the cookbook's plain ``User: … / Assistant: …`` format; the
+cookbook loads the tokenizer of a local directory itself) and, for RL, the reward (a toy task the tiny
+model learns in a few steps, in place of grading GSM8K); and, as this is a test process, the loops' set-up
+of the logging module is skipped. The SDK takes the key from ``TINKER_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+
+pytest.importorskip("tinker")
+pytest.importorskip("tinker_cookbook")
+from served_job import Served
+
+# The cookbook's logging module imports wandb and trackio when they are installed, and trackio fixes its store
+# folder when it is imported: a trackio mirror later in this pytest worker (tests/test_trackers.py) is then
+# refused, and test_rl_loss checks that nothing imported it. The loops log to no tracker here, so the cookbook
+# is imported with those two taken as absent (only for its import: None in sys.modules makes `import` fail).
+_ABSENT = [m for m in ("trackio", "wandb") if m not in sys.modules]
+sys.modules.update(dict.fromkeys(_ABSENT))
+try:
+    from tinker_cookbook import model_info
+    from tinker_cookbook.recipes import rl_loop, sl_loop
+    from tinker_cookbook.utils import ml_log
+finally:
+    for _m in _ABSENT:
+        del sys.modules[_m]
+
+from mlora_lab.rundir.service import saved_folder  # noqa: E402
+
+WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "river", "city", "road", "car", "plane"]
+
+
+@pytest.fixture
+def cookbook(llama_path, tmp_path, monkeypatch, one_thread):
+    """A served job of the tiny llama (checkpoints in ``tmp_path/service``; 256 positions: rl_loop's prompt
+    holds a worked example), whose name the cookbook's loops can use."""
+    served = Served(llama_path, checkpoints=tmp_path / "service", seq_len=256)
+    monkeypatch.setenv("TINKER_API_KEY", served.key)
+    # (the loops set up the logging module as a program's main would: every root handler, pytest's capture
+    # among them, replaced by a console and a file handler, for the rest of the session)
+    monkeypatch.setattr(
+        ml_log, "configure_logging_module", lambda path, level=logging.INFO: logging.getLogger()
+    )
+    recommended = model_info.get_recommended_renderer_name
+    monkeypatch.setattr(
+        model_info,
+        "get_recommended_renderer_name",
+        lambda name: "role_colon" if name == served.base else recommended(name),
+    )
+    yield served
+    served.close()
+
+
+def local_dataset(monkeypatch, rows: list[dict]) -> None:
+    """``datasets.load_dataset`` (of any name) answers a split ``train`` of ``rows``."""
+    dataset = datasets.DatasetDict(train=datasets.Dataset.from_list(rows))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kw: dataset)
+
+
+def logged(log_path: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (log_path / name).read_text().splitlines()]
+
+
+def test_sl_loop_trains_and_saves_its_final_checkpoint_as_a_peft_adapter(cookbook, tmp_path, monkeypatch):
+    """The train NLL the loop logs falls over its steps; its final checkpoint (``kind="both"``) is a saved
+    state whose ``adapter/`` is a PEFT adapter directory, and a sampler snapshot that is one too."""
+    local_dataset(monkeypatch, [
+        {"messages": [{"role": "user", "content": f"name a {w}"}, {"role": "assistant", "content": "blue bird"}]}
+        for w in WORDS * 2
+    ])  # fmt: skip
+    log_path = tmp_path / "sl"
+    sl_loop.main(sl_loop.Config(base_url=cookbook.server.url, log_path=str(log_path), model_name=cookbook.base,
+                                batch_size=4, learning_rate=1e-2, max_length=40, lora_rank=4, save_every=0,
+                                max_steps=6))  # fmt: skip
+
+    nll = [row["train_mean_nll"] for row in logged(log_path, "metrics.jsonl")]
+    assert len(nll) == 6 and nll[-1] < 0.5 * nll[0], f"the train NLL did not fall: {nll}"
+    final = logged(log_path, "checkpoints.jsonl")[-1]
+    assert final["name"] == "final"
+    for folder in (saved_folder(tmp_path / "service", final["state_path"]) / "adapter",
+                   saved_folder(tmp_path / "service", final["sampler_path"])):  # fmt: skip
+        assert json.loads((folder / "adapter_config.json").read_text())["r"] == 4
+        assert (folder / "adapter_model.safetensors").is_file()
+
+
+def test_rl_loop_importance_sampling_raises_the_reward_of_a_toy_task(cookbook, tmp_path, monkeypatch):
+    """Reward: a completion's lowercase ASCII letters, 32 of them or more scoring 1 (about 1/3 for the tiny
+    random model's near-uniform 8 tokens, byte tokens among them: it learns to say longer lowercase words).
+    Over 10 steps of 4 questions x 8 samples the mean reward of the last 3 steps is well above that of the
+    first 3 (seen over 21 runs with other sampling seeds: 0.30-0.37 before, 0.74-1.0 after; a reward that
+    saturates sooner, the share of lowercase letters, rose less surely, as Adam's steps on the few groups
+    left unsaturated sometimes knocked it back). Every step's new sampler snapshot is loaded into the slot
+    of the one before (max_tenants=2). The job trained the client's tenant one optimiser step per step the
+    loop trained."""
+    monkeypatch.setattr(rl_loop, "get_reward", lowercase_letters)
+    local_dataset(monkeypatch, [{"question": f"say a word after {w}", "answer": "#### 0"} for w in WORDS * 4])
+    log_path = tmp_path / "rl"
+    rl_loop.main(rl_loop.Config(base_url=cookbook.server.url, log_path=str(log_path), model_name=cookbook.base,
+                                batch_size=4, group_size=8, learning_rate=5e-2, lora_rank=4, save_every=0,
+                                max_tokens=8, loss_fn="importance_sampling", max_steps=10))  # fmt: skip
+
+    metrics = logged(log_path, "metrics.jsonl")
+    rewards = [row["reward/total"] for row in metrics]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert len(rewards) == 10 and last > first + 0.3, f"the reward did not rise: {rewards}"
+    trained = sum("grad_norm:max" in row for row in metrics)  # (a step whose groups all tie trains nothing)
+    rows = [r for r in cookbook.trainer.history if r["kind"] == "train"]
+    assert trained >= 3 and [r["tenant_step"] for r in rows] == list(range(1, trained + 1))
+
+
+def lowercase_letters(response: str, answer: str) -> float:
+    return min(1.0, sum("a" <= c <= "z" for c in response) / 32)
