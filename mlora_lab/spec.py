@@ -623,6 +623,14 @@ class Service:
         help="seconds without heartbeat before a client's tenants are saved and paused"))
     """Seconds a client may be silent (no heartbeat nor request; the SDK heartbeats every 10 s) before its
     tenants are saved and paused; a request of its brings them back."""
+    max_step_tokens: int | None = field(default=None, metadata=_meta(
+        "max step tokens", section="Service", min=1, max=MAX_COUNT, optional=True, null_means="no limit",
+        help="datum tokens one step takes at most; more wait for the next"))
+    """The input tokens of the clients' datums one step of the loop takes at most: the forward/backward
+    requests waiting beyond it run in the next steps (each model's in order, the models taking turns to go
+    first; one request larger than it runs alone). A step's activation memory grows with its tokens, so this
+    bounds it however many clients send at once; on a CPU a smaller step also costs less per token (its
+    working set stays in cache), while a GPU gains from big steps. ``None``: every waiting request."""
     # fmt: on
 
     def to_dict(self) -> dict[str, Any]:

@@ -40,6 +40,7 @@ class Served:
         seq_len: int = 48,
         session_timeout_s: float = 30.0,
         idle_s: float = 0.5,
+        max_step_tokens: int | None = None,
     ) -> None:
         self.base = base
         spec = JobSpec(base_model=base, tenants=[], seq_len=seq_len, max_tenants=max_tenants, max_rank=8,
@@ -52,7 +53,11 @@ class Served:
             spec,
             drivers=(
                 lambda parts: ServiceDriver(
-                    parts, self.state, checkpoints=checkpoints, session_timeout_s=session_timeout_s
+                    parts,
+                    self.state,
+                    checkpoints=checkpoints,
+                    session_timeout_s=session_timeout_s,
+                    max_step_tokens=max_step_tokens,
                 ),
                 RLDriver,
                 FileData,
@@ -70,11 +75,13 @@ class Served:
 
     def step_while(self, going, batch: int = 1, timeout: float = 120.0) -> None:
         """Without the background loop: step whenever ``batch`` requests wait (or any wait and none came
-        for a second), while ``going()``."""
+        for a second), or the driver holds requests a step left for the next, while ``going()``."""
         deadline, last = time.monotonic() + timeout, time.monotonic()
+        driver = self.trainer.drivers.all[0]
         while going() and time.monotonic() < deadline:
             waiting = len(self.state.inbox)
-            if waiting >= batch or (waiting and time.monotonic() - last > 1.0):
+            left = any(driver.queues.values())  # (max_step_tokens: taken, not run yet)
+            if waiting >= batch or left or (waiting and time.monotonic() - last > 1.0):
                 self.trainer.step()
                 last = time.monotonic()
             else:

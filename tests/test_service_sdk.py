@@ -5,7 +5,8 @@ AdamParams, for several steps, equals plain PEFT + ``torch.optim.AdamW`` (decoup
 clipping) from the same initial adapter: the losses, every datum's per-token logprobs and the adapter.
 A sampler snapshot of it then samples as PEFT's model generates (greedy tokens, their logprobs, the prompt's
 logprobs) and does not move while the client trains on; the base model samples as the plain base.
-Two clients at once share every step of the loop, and each equals PEFT alone.
+Two clients at once share every step of the loop, and each equals PEFT alone (with ``max_step_tokens`` one
+client's request fills, they take turns: a step each). An optim_step that comes alone runs no forward.
 """
 
 from __future__ import annotations
@@ -181,13 +182,43 @@ def peft_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float
     return tokens, [step.float().log_softmax(-1)[0, t].item() for step, t in zip(out.logits, tokens)]
 
 
-def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tmp_path):
-    """Two programs drive a tenant each, in threads, at the same time; the loop steps once both have sent
-    a round (so every step holds both: the system rows count 2 tenants), and each ends as PEFT alone."""
+def test_an_optim_step_that_comes_alone_runs_no_forward(llama_path):
+    """A client's optim_step that reaches the loop after its forward_backward's step (the SDK sends them one
+    after the other; an idle loop takes the first at once) steps the optimiser without a forward."""
     served = Served(llama_path, background=False)
     try:
-        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS)
-        halves = {7: data[:2], 8: data[2:]}
+        made: list = []
+        maker = threading.Thread(target=lambda: made.append(training_client(served, seed=3)), daemon=True)
+        maker.start()
+        served.step_while(lambda: not made)
+        tc, name = made[0]
+        forwards = []
+        forward = served.trainer.engine.forward
+        served.trainer.engine.forward = lambda *a, **kw: (forwards.append(1), forward(*a, **kw))[1]
+        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+        fb = tc.forward_backward([to_sdk(d) for d in data], "cross_entropy")
+        served.step_while(lambda: not fb.future().done())
+        before = served.trainer.model.tenant_tensors(name)
+        step = tc.optim_step(types.AdamParams(**ADAM))
+        served.step_while(lambda: not step.future().done())
+        assert step.result().metrics["grad_norm:max"] > 0 and len(forwards) == 1
+        after = served.trainer.model.tenant_tensors(name)
+        assert any(not torch.equal(before[k][1], after[k][1]) for k in before)
+        assert [r["tokens_per_s"] for r in served.trainer.history if r["kind"] == "system"][-1] == 0
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize("max_step_tokens", [None, "one request"])
+def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tmp_path, max_step_tokens):
+    """Two programs drive a tenant each, in threads, at the same time; the loop steps once both have sent
+    a round (so every step holds both: the system rows count 2 tenants), and each ends as PEFT alone.
+    With ``max_step_tokens`` that one client's request fills, each step holds one of them, in turns."""
+    data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS)
+    halves = {7: data[:2], 8: data[2:]}
+    cap = None if max_step_tokens is None else max(sum(len(x) for x, _, _ in h) for h in halves.values())
+    served = Served(llama_path, background=False, max_step_tokens=cap)
+    try:
         clients: dict[int, tuple] = {}
         results: dict[int, tuple] = {}
         go = threading.Event()
@@ -210,7 +241,10 @@ def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tm
         for t in threads:
             t.join(10)
         shared = [r["tenants"] for r in served.trainer.history if r["kind"] == "system"]
-        assert shared.count(2) == 3, f"tenants per step: {shared}"
+        if cap is None:
+            assert shared.count(2) == 3, f"tenants per step: {shared}"
+        else:  # (each round: one step per client's forward_backward)
+            assert shared.count(1) == 6 and 2 not in shared, f"tenants per step: {shared}"
         for seed, (_, name) in clients.items():
             losses, logprobs, _ = results[seed]
             want_losses, want_logprobs, model = peft_steps(llama_path, inits[seed], halves[seed], steps=3)

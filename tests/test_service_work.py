@@ -1,5 +1,5 @@
-"""The inbox hands a model's requests out in seq_id order, waiting for gaps, and never twice; futures wake
-their long-polls from another thread."""
+"""The inbox hands a model's requests out in seq_id order, waiting for gaps, and never twice, and wakes the
+idle training loop; futures wake their long-polls from another thread."""
 
 from __future__ import annotations
 
@@ -122,3 +122,19 @@ def test_the_inbox_says_how_long_to_wait_for_what_was_sent_together():
     assert inbox.gather_wait(quiet_s=0, most_s=20) == 0
     inbox.take()
     assert inbox.gather_wait(quiet_s=10, most_s=20) == 0  # taken: nothing waits
+
+
+def test_a_put_or_a_skipped_seq_id_wakes_the_idle_loop_a_resend_does_not():
+    inbox, wake = Inbox(), threading.Event()
+    inbox.arrived = wake  # (as the service driver sets it: the loop's JobParts.wake)
+    inbox.start_model("m", 1)
+    inbox.put(work(Kind.FORWARD_BACKWARD, 1, "m", rid="first"))
+    assert wake.is_set()
+    wake.clear()
+    inbox.put(work(Kind.FORWARD_BACKWARD, 1, "m", rid="again"))  # a resend: nothing new to take
+    assert not wake.is_set()
+    inbox.skip("m", 3)  # (a later seq_id may be waiting for it)
+    assert wake.is_set()
+    wake.clear()
+    inbox.put(work(Kind.SAMPLE, None, rid="sample-1"))
+    assert wake.is_set()

@@ -565,7 +565,8 @@ def test_a_service_round_trips_and_needs_no_tenants(tmp_path, llama_path):
         base_model=llama_path, tenants=[], service=Service(host="0.0.0.0", port=8123, lora_alpha=16.0)
     )
     assert json.loads(spec.to_json())["service"] == {"host": "0.0.0.0", "port": 8123, "lora_alpha": 16.0,
-                                                     "max_queue": 4096, "session_timeout": 60.0}  # fmt: skip
+                                                     "max_queue": 4096, "session_timeout": 60.0,
+                                                     "max_step_tokens": None}  # fmt: skip
     assert (
         JobSpec.from_json(spec.to_json()) == spec
         and JobSpec.from_json(JobSpec(base_model="m", tenants=[]).to_json()).service is None
@@ -577,7 +578,7 @@ def test_a_service_round_trips_and_needs_no_tenants(tmp_path, llama_path):
 
 
 def test_every_service_problem_is_named_at_once(tmp_path, llama_path):
-    bad = Service(host=3, port=70_000, lora_alpha=0.0, max_queue=0, session_timeout=0.5)
+    bad = Service(host=3, port=70_000, lora_alpha=0.0, max_queue=0, session_timeout=0.5, max_step_tokens=0)
     spec = good_spec(llama_path, tmp_path, service=bad, parallel=Parallel(nproc=2))
     by_field = {p.field: str(p) for p in spec_problems(spec, files=False)}
     assert by_field == {
@@ -586,6 +587,7 @@ def test_every_service_problem_is_named_at_once(tmp_path, llama_path):
         "service.lora_alpha": "service.lora_alpha must be > 0 (got 0.0)",
         "service.max_queue": "service.max_queue must be >= 1 (got 0)",
         "service.session_timeout": "service.session_timeout must be in [1, 604800] (got 0.5)",
+        "service.max_step_tokens": "service.max_step_tokens must be >= 1 (got 0)",
     }  # (nproc=2: a service runs on several processes too)
     spec.service = "yes"
     assert texts(spec, files=False) == [

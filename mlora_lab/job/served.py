@@ -64,6 +64,7 @@ class JobService:
             lora_alpha=self.settings.lora_alpha,
             checkpoints=self.run.service,
             session_timeout_s=self.settings.session_timeout,
+            max_step_tokens=self.settings.max_step_tokens,
         )
 
     def drivers(self) -> tuple[DriverFactory, ...]:

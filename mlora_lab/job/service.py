@@ -27,6 +27,8 @@ up to and including its first optim_step; what follows waits for the next step (
 weights). Results are settled at the end of their step: an optim_step's after the optimiser step (or its
 failure: a quarantined tenant fails its waiting requests), a forward/backward's once the step is over
 (:meth:`~mlora_lab.job.driver.Driver.after_step`: its datums' results are gathered from every process).
+With ``max_step_tokens``, a step takes forward/backward requests until their datums hold that many input
+tokens (at least one request); the rest wait for the next steps, and the models take turns to go first.
 
     save_weights_for_sampler   a **snapshot**: the tenant's adapter as it is now, copied into a slot of its
                       own (no optimiser; later steps of the tenant do not change it), at its place in
@@ -233,8 +235,11 @@ class ServiceDriver(Driver):
         lora_alpha: float = 32.0,
         checkpoints: str | Path | None = None,
         session_timeout_s: float = 60.0,
+        max_step_tokens: int | None = None,
     ) -> None:
         super().__init__(parts)
+        self.max_step_tokens = max_step_tokens
+        self._first = 0  # which model goes first in the next step (they take turns)
         self.main = parts.pool.is_main
         if self.main != (state is not None):
             raise ValueError("the service's state belongs to rank 0, and only to it")
@@ -325,7 +330,13 @@ class ServiceDriver(Driver):
             else:
                 self._fail(work, f"no model {work.model_id!r} on this server")
         self.step_work = {}
-        for model_id, queue in self.queues.items():
+        models = list(self.queues)
+        if self.max_step_tokens is not None and models:  # the models take turns to go first
+            self._first = (self._first + 1) % len(models)
+            models = models[self._first :] + models[: self._first]
+        tokens = 0  # input tokens of the step's datums so far
+        for model_id in models:
+            queue = self.queues[model_id]
             name = self.names[model_id]
             t = self.pool.tenants.get(name)
             if t is None or t.state is not TenantState.RUNNING:
@@ -334,9 +345,11 @@ class ServiceDriver(Driver):
             while queue:
                 work = queue[0]
                 if work.kind is Kind.FORWARD_BACKWARD:
-                    queue.popleft()
                     fb: wire.ForwardBackward = work.body
                     lengths = [len(d.tokens) for d in fb.data]
+                    if self._full(tokens, sum(lengths)):  # it and the model's later requests: next step
+                        break
+                    queue.popleft()
                     try:  # (a request that cannot be computed fails alone, before the step)
                         losses.validate(fb.loss_fn, fb.config, [d.inputs for d in fb.data], lengths,
                                         vocab_size=self.engine.vocab_rows)  # fmt: skip
@@ -344,6 +357,7 @@ class ServiceDriver(Driver):
                         self._fail(work, str(e))
                         continue
                     pending.forwards.append((work, lengths))
+                    tokens += sum(lengths)
                 elif work.kind in (Kind.SAVE_FOR_SAMPLER, Kind.SAVE_WEIGHTS, Kind.LOAD_WEIGHTS):
                     if pending.forwards:  # it must come after them (and their step): next step
                         break
@@ -392,6 +406,11 @@ class ServiceDriver(Driver):
                 work = dataclasses.replace(work, body=dataclasses.replace(s, seed=seed))
             works.append(work)
         return _Orders(pauses, resumes, works)
+
+    def _full(self, tokens: int, more: int) -> bool:
+        """Whether a step holding ``tokens`` input tokens has no room for ``more`` (``max_step_tokens``; a
+        step always takes its first request)."""
+        return self.max_step_tokens is not None and tokens > 0 and tokens + more > self.max_step_tokens
 
     def _create(self, work: Work, info: Any = None) -> TenantRun | None:
         """A tenant for the model ``info`` describes (``work.body`` by default); None (the request failed,

@@ -239,6 +239,29 @@ class Trainer:
         owner = {t.name: d for d, p in plans for t in p.tenants}
         groups = [(t.name, p.rows.get(t.name, [])) for _, p in plans for t in p.tenants]
         temperatures: dict[str | None, float] = {n: v for _, p in plans for n, v in p.temperatures.items()}
+        if self.dims.world_size == 1 and not any(rows for _, rows in groups):
+            # nothing to compute (a service client's optim_step alone: its rows ran in an earlier step); the
+            # padding row that keeps several processes' collectives in step is not needed on one
+            tokens, tenants = 0, 0
+        else:
+            tokens, tenants = self._forward_backward(groups, temperatures, owner)
+        self.recorder.step += 1
+        for t in owner:
+            self.pool[t].accumulating = True
+        self._optimizer_steps(plans, owner)
+        for d, _ in plans:
+            d.after_step()
+        self.recorder.system(time.perf_counter() - t0, tokens, tenants)
+        return True
+
+    def _forward_backward(
+        self,
+        groups: list[tuple[str, list]],
+        temperatures: dict[str | None, float],
+        owner: dict[str, Driver],
+    ) -> tuple[int, int]:
+        """One forward of every group's rows, each tenant's loss from its driver, one backward; the tokens
+        of the batch and how many tenants had rows in it."""
         batch, token_loss = self.engine.forward(groups, temperatures)
         total = token_loss.sum() * 0.0  # keeps every process's graph connected even without rows
         for name, start, end in batch.segments:
@@ -250,15 +273,8 @@ class Trainer:
             total = total + loss_t
         if total.requires_grad:  # (a single process whose rows all failed has nothing to train)
             total.backward()
-        self.recorder.step += 1
-        for t in owner:
-            self.pool[t].accumulating = True
-        self._optimizer_steps(plans, owner)
-        for d, _ in plans:
-            d.after_step()
         tenants = len({name for name, start, end in batch.segments if name is not None and end > start})
-        self.recorder.system(time.perf_counter() - t0, int(batch.attention_mask.sum()), tenants)
-        return True
+        return int(batch.attention_mask.sum()), tenants
 
     def _optimizer_steps(self, plans: list[tuple[Driver, Plan]], owner: dict[str, Driver]) -> None:
         """One optimiser step for each tenant whose window is complete.
