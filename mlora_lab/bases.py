@@ -540,6 +540,32 @@ def resolve_base(base_model: str | os.PathLike, cache_dir: str | os.PathLike | N
     return target
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Inside the block, ``gguf.GGUFReader`` gives one reader per file and ``gguf.get_tensor_name_map``
+    one map per (architecture, block count). transformers' GGUF loading reads the whole file three
+    times (tokenizer, config, weights: every metadata field, the 49k-entry vocabulary and merges
+    included) and builds the tensor-name map once per submodule (397 times for a 30-block llama):
+    SmolLM2-135M took ~33 s to convert, most of it there. Both are read-only once made, and
+    transformers imports them by name at each call, so the module attributes are what it finds."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[str, Any] = {}
+
+    def one_reader(path: str | os.PathLike, mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Dequantise the GGUF file at ``path`` to float32 and ``save_pretrained`` the model (safetensors)
     and its tokenizer into ``out_dir``. No cache, no atomicity: :func:`resolve_base` adds those."""
@@ -548,10 +574,11 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
 
     path, out = Path(path), Path(out_dir)
     folder, name = str(path.parent), path.name
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32, local_files_only=True
-    )
+    with _gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, local_files_only=True
+        )
     _drop_quantization_config(model.config)
     # The GGUF quantizer object also marks the model unsaveable; its weights are plain float32 now.
     model.hf_quantizer = None
