@@ -15,6 +15,15 @@ down when the job ends; the other ranks' service drivers follow rank 0's).
 
 from __future__ import annotations
 
+# ruff: noqa: E402 (the collector goes off before the imports below)
+import gc
+
+# A job's start makes millions of objects that live as long as it does (torch's and transformers'
+# modules, the model). The collector's passes over them while they are made cost ~15 % of a process's
+# start (importing this module: 9.3 s -> 7.9 s of CPU on the lab machine) and find nothing to free, so
+# it is off while they are made, and they are frozen out of its later passes (:func:`main`).
+gc.disable()
+
 import argparse
 import contextlib
 import io
@@ -46,6 +55,8 @@ from mlora_lab.rundir.status import this_host
 from mlora_lab.spec import JobSpec, SpecError
 from mlora_lab.text import error_line
 from mlora_lab.validate import job_of_sweep, problems
+
+gc.enable()  # (and off again in main() until the job is built)
 
 if TYPE_CHECKING:
     from mlora_lab.job.served import JobService
@@ -134,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint")
     args = parser.parse_args(argv)
+    gc.disable()  # until the job is built: see the top of this module
     run = RunDir(args.run_dir)
     rank = int(os.environ.get("RANK", 0))
     exit_with_agent()
@@ -205,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                 service = JobService(spec, run)
             drivers = service.drivers() if service is not None else follower_drivers(spec, run)
         trainer = Trainer(spec, run.root, dist, resume=args.resume, drivers=drivers)
+        gc.freeze()  # the start's objects: never scanned again (each pass over them would find nothing)
+        gc.enable()
         if service is not None:
             service.start()
         trainer.stop_requested |= signalled
@@ -222,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         record_failure(run, f"rank {rank}: {type(exc).__name__}: {exc}")
         return 1
     finally:
+        gc.enable()  # (a job that failed while it was built)
         if service is not None:
             service.stop()
         shutdown_distributed()
