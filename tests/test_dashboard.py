@@ -1184,8 +1184,8 @@ def test_extreme_but_well_typed_rows_break_no_view(tmp_path):
     for x in ("tenant step", "global step", "tokens", "wall time", "relative time"):
         dash.x_axis.value = x
         for logy in (False, True):
-            dash.logy.value = logy
-            dash.export(tmp_path / "exports")
+            dash.logy.value = logy  # (a control's change redraws the figures shown)
+        dash.export(tmp_path / "exports")  # every figure, as PNG and SVG (log y)
     assert not dash.problem.value
     (ya,) = [ln for k, ln in dash.loss.lines.lines.items() if k == ((run.root.name, "a"), "main")]
     assert np.nanmax(ya.get_ydata()) <= 1e300 and np.isfinite(dash.loss.ax.get_ylim()).all()
