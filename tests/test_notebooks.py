@@ -22,10 +22,10 @@ from nbclient import NotebookClient
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
-SHORTENED = {"01_quickstart", "05_rl"}
+SHORTENED = {"01_quickstart"}
 """Notebooks run here with a quarter of their training steps: the quickstart trains 300-400 steps so that a
 reader sees what the tenants learn, which the test does not judge (the whole test took 98 s with them, 42 s
-with a quarter); the RL notebook's rewards climb over 30 steps, which the test does not judge either."""
+with a quarter)."""
 NEEDS = {"06_service": "tinker"}
 """Notebooks that need an optional package (the ``serve`` extra's SDK, in the ``dev`` extra too)."""
 
