@@ -1019,10 +1019,11 @@ def assert_nothing_of_the_job_is_left(cluster, run: ml.Run, job_id: int, stepd_g
     """Slurm says the job ended and no process of it is left, at once; if not, say what lingered
     and for how long (watched for up to a minute).
 
-    ``stepd_grace``: a job whose step failed (``srun --kill-on-bad-exit`` terminates the step) ends
-    while the step's two slurmstepd still run their own last seconds (measured on Slurm 22.05: ~2.6 s,
-    after slurmctld has dropped the step, so no Slurm command shows them, and after the job's own
-    processes are gone). Those, and only those, may take up to ``stepd_grace`` seconds to go."""
+    ``stepd_grace``: a job ends while its step's two slurmstepd may still run their own last seconds,
+    after slurmctld has dropped the step (so no Slurm command shows them) and after the job's own
+    processes are gone. Measured on Slurm 22.05: ~2.6 s after a failed step (``srun --kill-on-bad-exit``
+    terminates it), 2.7 s after a killed one (``run.kill()``) and 3.4 s after a clean one, on a loaded
+    machine. Those daemons, and only those, may take up to ``stepd_grace`` seconds to go."""
     state, procs = slurm_state(cluster, job_id), job_processes(run, job_id)
     if ended(cluster, job_id) and not procs:
         return
@@ -1236,19 +1237,19 @@ def test_a_stopped_slurm_job_is_over_when_stop_and_wait_return(
     assert len(job_processes(run, job_id)) >= 7  # batch and 2 step stepds, srun, 2 agents, 2 workers
     if how == "stop()":
         assert run.stop(timeout=120) == "stopped", run.error
-        assert_nothing_of_the_job_is_left(on_cluster, run, job_id)
+        assert_nothing_of_the_job_is_left(on_cluster, run, job_id, stepd_grace=10)
         assert run.wait(0) == "stopped"
     elif how == "mlora-lab stop":
         assert cli.main(["stop", str(run.path), "--timeout", "120"]) == 0
         assert capsys.readouterr().out.strip() == f"{run.path}: stopped"
-        assert_nothing_of_the_job_is_left(on_cluster, run, job_id)
+        assert_nothing_of_the_job_is_left(on_cluster, run, job_id, stepd_grace=10)
     elif how == "the stop file, then wait()":  # (the dashboard's Stop button writes it)
         control.request_stop(run.path)
         assert run.wait(120) == "stopped", run.error
-        assert_nothing_of_the_job_is_left(on_cluster, run, job_id)
+        assert_nothing_of_the_job_is_left(on_cluster, run, job_id, stepd_grace=10)
     else:
         run.kill()
-        assert_nothing_of_the_job_is_left(on_cluster, run, job_id)
+        assert_nothing_of_the_job_is_left(on_cluster, run, job_id, stepd_grace=10)
         assert run.status == "stopped" and run.error == f"killed (scancel {job_id})"
         # SIGKILL, not Slurm's SIGTERM (on which the job would save and write its own end)
         assert "done after" not in run.logs(0, tail=None) and read_status(run.path).error == run.error
