@@ -3,6 +3,7 @@ are written here directly (no job is launched: fast, and every case is exact).""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import time
@@ -905,6 +906,72 @@ def test_a_failed_refresh_is_shown_and_logged_and_the_view_goes_on(tmp_path, mon
 
 MATHTEXT = r"cost $\frac{1}{$ vs $5"
 """A run name with an even number of dollars that matplotlib's mathtext cannot parse."""
+
+
+def test_every_figure_is_drawn_and_laid_out_under_the_one_drawing_lock(tmp_path, monkeypatch):
+    """matplotlib is not thread-safe, and a notebook draws from two threads: a live dashboard's refresh
+    thread and the main thread. Notebook 05 once printed "the dashboard's refresh failed: ValueError:
+    ... ParseException: exception raised in parse action (at char 0)": the dashboard's last refresh
+    drew while ``ml.compare`` drew in the next cell, and mathtext's one parser keeps its state on
+    itself. Every draw and layout pass of the lab, in whichever thread, holds ``plotting.DRAWING``:
+    the refresh thread's, a browser's frame request on an ipympl canvas, ``compare``'s picture,
+    ``plot_losses``' file and the dashboard's export."""
+    import threading
+
+    from IPython.core.formatters import DisplayFormatter
+    from matplotlib.figure import Figure
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+
+    from mlora_lab.lab.report import plot_losses
+
+    unlocked: list[str] = []
+    threads: set[str] = set()
+
+    def held_elsewhere() -> bool:
+        free = []
+
+        def probe() -> None:  # (an RLock is released by the thread that took it)
+            if plotting.DRAWING.acquire(blocking=False):
+                plotting.DRAWING.release()
+                free.append(True)
+
+        t = threading.Thread(target=probe)
+        t.start()
+        t.join()
+        return not free
+
+    def checked(method):
+        def wrapper(self, *args, **kwargs):
+            threads.add(threading.current_thread().name)
+            if not held_elsewhere():
+                unlocked.append(f"{method.__qualname__} in thread {threading.current_thread().name}")
+            return method(self, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(Figure, "draw", checked(Figure.draw))
+    monkeypatch.setattr(ConstrainedLayoutEngine, "execute", checked(ConstrainedLayoutEngine.execute))
+    run = make_run(tmp_path / "r", max_steps=40)
+    write(run, *steps(["a", "b"], 1, 10, t0=time.time() - 20), *system(1, 10, t0=time.time() - 20))
+    dash = Dashboard(Run(run.root), interactive=False, refresh_s=0.05, logy=True).start()
+    write(run, *steps(["a", "b"], 11, 20, t0=time.time() - 10))
+    deadline = time.monotonic() + 20
+    while dash.feeds["r"].tenants["a"].step < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    update_status(run.root, state="finished", ended=time.time())
+    while dash.live and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not dash.live and dash.feeds["r"].tenants["a"].step == 20
+    fig = ml.compare(run.root, logy=True)
+    data, _ = DisplayFormatter().format(fig)
+    assert "image/png" in data
+    plot_losses(run.root, tmp_path / "losses.png")
+    dash.exporter.figures_button.click()
+    assert "wrote 6 files" in dash.exporter.message.value
+    if importlib.util.find_spec("ipympl") is not None:
+        live = dash_of(run.root, interactive=None)
+        live.loss_plot.draw()  # what a browser's request for a frame runs, in the kernel's main thread
+    assert threads == {"mlora-dashboard", "MainThread"} and not unlocked, unlocked
 
 
 def test_no_label_is_parsed_as_mathtext(tmp_path):

@@ -79,4 +79,4 @@ def test_notebook_runs(path: Path, tmp_path: Path):
         for o in c.get("outputs", [])
         if o.output_type == "stream" and o.get("name") == "stderr"
     ]
-    assert not stderr, stderr
+    assert not stderr, "\n".join(stderr)  # (whole: pytest cuts a list's repr, and a traceback with it)

@@ -15,7 +15,8 @@ Drawing helpers, shared so that a plot looks the same wherever it is made:
 - :func:`style_axes`, :func:`set_log_y`, :func:`robust_ylim`, :func:`placeholder`, :func:`fit_layout`:
   grid on linear and log axes, readable log ticks on narrow ranges, y-limits that ignore outliers,
   a "waiting…" text instead of empty ticks, margins measured so that no label is clipped;
-- :func:`figure_png` (2x the display resolution: sharp on high-DPI screens) and :func:`figure_svg`.
+- :func:`figure_png` (2x the display resolution: sharp on high-DPI screens) and :func:`figure_svg`;
+- :data:`DRAWING`: the one lock under which every figure of the lab is laid out and drawn.
 
 Nothing here uses pyplot: figures are ``matplotlib.figure.Figure`` objects with an explicit canvas.
 """
@@ -27,6 +28,7 @@ import datetime
 import io
 import math
 import re
+import threading
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -52,6 +54,14 @@ DISPLAY_DPI = 80
 """Figures are laid out at this resolution (a 9-inch figure is 720 CSS pixels wide) ..."""
 EXPORT_DPI = 2 * DISPLAY_DPI
 """... and rendered to PNG at twice it, shown at the display size: sharp on high-DPI screens."""
+
+DRAWING = threading.RLock()
+"""Every figure the lab lays out or draws, in any thread, is drawn under this lock. matplotlib is not
+thread-safe, and a notebook draws from two threads at once: a live dashboard's refresh thread, and the
+main thread (``ml.compare`` or a second dashboard's ipympl canvas, while the first refreshes). Drawing
+shares state across figures: mathtext's one parser keeps its state stack on itself, and a tick label
+parsed in one thread while another parses failed as "ParseException: exception raised in parse action
+(at char 0)". Re-entrant: a dashboard holds it around a refresh that draws several figures."""
 
 X_LABELS = {
     "tenant step": "tenant step",
@@ -513,10 +523,11 @@ def fit_layout(fig: Figure) -> None:
     title is clipped, but only when something that decides the margins changed (a label, the scale,
     the width of the y tick labels): the layout pass costs as much as drawing the lines, and a live
     dashboard redraws every second."""
-    key = _layout_key(fig)
-    if getattr(fig, "_lab_layout_key", None) != key:
-        ConstrainedLayoutEngine(h_pad=0.04, w_pad=0.04, hspace=0.06, wspace=0.04).execute(fig)
-        fig._lab_layout_key = _layout_key(fig)  # the layout pass may itself change tick locations
+    with DRAWING:
+        key = _layout_key(fig)
+        if getattr(fig, "_lab_layout_key", None) != key:
+            ConstrainedLayoutEngine(h_pad=0.04, w_pad=0.04, hspace=0.06, wspace=0.04).execute(fig)
+            fig._lab_layout_key = _layout_key(fig)  # the layout pass may itself change tick locations
 
 
 @contextlib.contextmanager
@@ -537,7 +548,7 @@ def figure_png(fig: Figure, dpi: int = EXPORT_DPI) -> bytes:
     """The figure as PNG at ``dpi`` (default: twice the display resolution). Compression level 1: a
     live dashboard renders every second, and level 6 costs more time than it saves in bytes."""
     buf = io.BytesIO()
-    with _detached(fig):
+    with DRAWING, _detached(fig):
         fig.savefig(buf, format="png", dpi=dpi, pil_kwargs={"compress_level": 1})
     return buf.getvalue()
 
@@ -547,6 +558,6 @@ def figure_svg(fig: Figure) -> bytes:
     import matplotlib
 
     buf = io.BytesIO()
-    with matplotlib.rc_context({"svg.fonttype": "none"}), _detached(fig):
+    with DRAWING, matplotlib.rc_context({"svg.fonttype": "none"}), _detached(fig):
         fig.savefig(buf, format="svg")
     return buf.getvalue()

@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from mlora_lab.lab.handles import attach
 from mlora_lab.lab.plotting import (
     DISPLAY_DPI,
+    DRAWING,
     EXPORT_DPI,
     LINESTYLES,
     best_smoothed,
@@ -453,7 +454,8 @@ def plot_losses(run: RunLike, path: str | Path | None = None, smoothing: float =
     style_axes(ax, ylabel="loss (lines: train, dots: eval)", title=plain(shorten(_title(run), 80)), size=9)
     _finish(ax, False, False, "no steps logged yet")
     if path is not None:
-        fig.savefig(path, dpi=EXPORT_DPI)
+        with DRAWING:
+            fig.savefig(path, dpi=EXPORT_DPI)
     return fig
 
 
@@ -518,9 +520,8 @@ class HParamsFigure(LabFigure):
             display(data, raw=True, metadata={"image/png": size})
             return
         import html
-        import threading
 
-        canvas = interactive_canvas(self, threading.RLock())
+        canvas = interactive_canvas(self, DRAWING)
         readout = W.HTML(layout=W.Layout(min_height="1.4em"))
 
         def on_motion(event: Any) -> None:

@@ -62,7 +62,7 @@ from mlora_lab.lab.dashboard.progress import TenantProgress, header_html
 from mlora_lab.lab.dashboard.rl import RLViews
 from mlora_lab.lab.dashboard.system import SystemFigure
 from mlora_lab.lab.dashboard.table import RunsTable
-from mlora_lab.lab.plotting import DISPLAY_DPI, figure_png, fit_layout, series_label
+from mlora_lab.lab.plotting import DISPLAY_DPI, DRAWING, figure_png, fit_layout, series_label
 from mlora_lab.lab.series import X_AXES, RunSeries
 from mlora_lab.rundir import control
 from mlora_lab.text import error_line
@@ -126,7 +126,8 @@ class Dashboard:
         self.refresh_s = refresh_s
         self.max_points = max_points
         self.interactive = ipympl_available() if interactive is None else bool(interactive)
-        self._lock = threading.RLock()
+        # the lab's one drawing lock: this view's state and figures, and every other figure in the process
+        self._lock = DRAWING
         self._quiet = 0  # > 0 while the dashboard itself changes widgets: observers do not redraw
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
