@@ -4,6 +4,9 @@
 # Extra arguments go to pytest (e.g. -k peft, -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The suite starts hundreds of Python processes: each module's bytecode is written at its first import and
+# reused by every later process (with PYTHONDONTWRITEBYTECODE set, setup.sh would compile all 18,000 files).
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh
 # The browser test drives Debian's Chromium (Playwright never downloads a browser here).
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
