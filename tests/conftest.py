@@ -27,7 +27,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_configure(config: pytest.Config) -> None:
     """GGUF bases converted by the tests and their jobs go to one folder of this session, shared by the
-    xdist workers (they inherit this process's environment), never to the user's ``~/.cache``."""
+    xdist workers (they inherit this process's environment), never to the user's ``~/.cache``. A run whose
+    xdist groups would be split stops here (see :func:`pytest_collection_modifyitems`)."""
+    if config.getoption("dist", None) == "loadgroup":
+        from importlib.metadata import version
+
+        from packaging.version import Version
+
+        if Version(pytest.__version__) >= Version("9.2") and Version(version("pytest-xdist")) <= Version(
+            "3.8"
+        ):
+            raise pytest.UsageError(
+                f"pytest {pytest.__version__} with pytest-xdist {version('pytest-xdist')} splits every "
+                "xdist_group over the workers under --dist loadgroup; install the pytest of constraints.txt"
+            )
     if not hasattr(config, "workerinput") and "MLORA_LAB_CACHE" not in os.environ:
         config.stash[_OWN_CACHE] = os.environ["MLORA_LAB_CACHE"] = tempfile.mkdtemp(
             prefix="mlora-test-cache-"
@@ -40,6 +53,24 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _OWN_CACHE = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` each ``xdist_group`` must run on one worker: the Slurm tests share one local
+    cluster per worker (two clusters at once number their jobs alike, and a job's rendezvous port comes from its
+    id: one job's agents joined the other's store), the browser tests one display, and module fixtures that
+    launch jobs run once. pytest-xdist groups by a suffix it adds to each test's id; pytest 9.2 ignores it, and
+    the groups were silently split. A worker whose grouped tests lack the suffix stops the run, saying so."""
+    if not config.getvalue("loadgroup"):
+        return
+    lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"--dist loadgroup cannot keep xdist groups together here (pytest {pytest.__version__}: "
+            f"{len(lost)} grouped tests without the group in their id, e.g. {lost[0]}); install the pytest "
+            "of constraints.txt"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -125,7 +125,7 @@ def test_the_batch_script_runs_one_agent_per_node_and_quotes_every_path(tmp_path
         "--qos=high",
     ]
     assert "module load cuda" in script
-    assert "'/opt/py env/bin/python' -m torch.distributed.run" in script
+    assert "'/opt/py env/bin/python' -m mlora_lab.job.torchrun" in script  # (torch.distributed.run, gc off)
     assert '--nnodes "$SLURM_NNODES" --nproc-per-node 4' in script
     assert '--rdzv-backend c10d --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT"' in script
     assert script.rstrip().endswith(f"-m {JOB_MODULE} '{run_dir}' --resume")  # quoted: $(id) stays text

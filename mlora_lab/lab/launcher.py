@@ -66,7 +66,7 @@ from mlora_lab.rundir import (
 )
 from mlora_lab.rundir.files import link_message
 from mlora_lab.rundir.service import remove_endpoint
-from mlora_lab.rundir.status import JOB_MODULE, ProcessIdentity, this_host
+from mlora_lab.rundir.status import JOB_MODULE, TORCHRUN_MODULE, ProcessIdentity, this_host
 from mlora_lab.search import Sweep
 from mlora_lab.spec import JobSpec, Parallel, Service, SpecError
 from mlora_lab.text import error_line, show_path
@@ -241,7 +241,7 @@ def torchrun_command(spec: JobSpec, run_dir: Path, resume: bool = False) -> list
     torchrun = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        TORCHRUN_MODULE,  # torch.distributed.run, started with the collector off while it imports
         *single_node_torchrun_args(spec.parallel.nproc),
     ]
     return [*torchrun, "-m", JOB_MODULE, str(run_dir), *(["--resume"] if resume else [])]

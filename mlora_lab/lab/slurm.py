@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from mlora_lab.lab.sbatch_args import read_line, script_options, variable_option
-from mlora_lab.rundir.status import JOB_MODULE
+from mlora_lab.rundir.status import JOB_MODULE, TORCHRUN_MODULE
 from mlora_lab.text import brief
 
 __all__ = [
@@ -352,7 +352,7 @@ export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-$(( CPUS / {nproc} > 0 ? CPUS / {npr
 export TOKENIZERS_PARALLELISM=false MLORA_SLURM_JOB_ID="$SLURM_JOB_ID"
 echo "slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST: rendezvous at $HEAD_ADDR:$RDZV_PORT"
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\
-  {python} -m torch.distributed.run \\
+  {python} -m {torchrun_module} \\
   --nnodes "$SLURM_NNODES" --nproc-per-node {nproc} \\
   --rdzv-backend c10d --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT" --rdzv-id "mlora-$SLURM_JOB_ID" \\
   --max-restarts 0 \\
@@ -380,6 +380,7 @@ def render_script(
         nproc=int(nproc),
         python=shlex.quote(options.python or sys.executable),
         job_module=JOB_MODULE,
+        torchrun_module=TORCHRUN_MODULE,
         run_dir=shlex.quote(str(run_dir)),
         resume=" --resume" if resume else "",
     )

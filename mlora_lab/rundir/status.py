@@ -25,6 +25,10 @@ JOB_MODULE = "mlora_lab.job"
 """The module a job's processes run (``python -m mlora_lab.job RUN_DIR``): every process of a job (the
 torchrun agent and its workers) has it in its command line."""
 
+TORCHRUN_MODULE = "mlora_lab.job.torchrun"
+"""The module a job's torchrun agent runs: ``torch.distributed.run`` itself, started with the garbage
+collector off while it imports (:mod:`mlora_lab.job.torchrun`)."""
+
 JOB_MODULES = (JOB_MODULE, "mlora_lab.train")
 """Job modules of this and earlier versions (a job started before the job moved to ``mlora_lab.job`` ran
 ``mlora_lab.train``; a run directory it left must still be recognised as running)."""
