@@ -62,7 +62,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     id: one job's agents joined the other's store), the browser tests one display, and module fixtures that
     launch jobs run once. pytest-xdist groups by a suffix it adds to each test's id; pytest 9.2 ignores it, and
     the groups were silently split. A worker whose grouped tests lack the suffix stops the run, saying so."""
-    if not config.getvalue("loadgroup"):
+    if not getattr(config.option, "loadgroup", False):  # (set in xdist workers under --dist loadgroup)
         return
     lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
     if lost:
