@@ -34,12 +34,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
         from packaging.version import Version
 
-        if Version(pytest.__version__) >= Version("9.2") and Version(version("pytest-xdist")) <= Version(
-            "3.8"
-        ):
+        xdist = version("pytest-xdist")
+        if Version(pytest.__version__) >= Version("9.2") and Version(xdist) <= Version("3.8"):
             raise pytest.UsageError(
-                f"pytest {pytest.__version__} with pytest-xdist {version('pytest-xdist')} splits every "
-                "xdist_group over the workers under --dist loadgroup; install the pytest of constraints.txt"
+                f"pytest {pytest.__version__} with pytest-xdist {xdist} splits every xdist_group over the "
+                "workers under --dist loadgroup; install the pytest of constraints.txt"
             )
     if not hasattr(config, "workerinput") and "MLORA_LAB_CACHE" not in os.environ:
         config.stash[_OWN_CACHE] = os.environ["MLORA_LAB_CACHE"] = tempfile.mkdtemp(
