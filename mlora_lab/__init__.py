@@ -21,14 +21,14 @@ _EXPORTS = {  # public name -> the module that defines it
     "MultiLoRAModel": "mlora_lab.lora",
     "Objective": "mlora_lab.search",
     "PBT": "mlora_lab.search",
-    "Parallel": "mlora_lab.spec",
-    "RL": "mlora_lab.spec",
+    "Parallel": "mlora_lab.specparts",
+    "RL": "mlora_lab.specparts",
     "Random": "mlora_lab.search",
     "Request": "mlora_lab.lab.run",
     "Run": "mlora_lab.lab.run",
-    "Service": "mlora_lab.spec",
+    "Service": "mlora_lab.specparts",
     "SlurmOptions": "mlora_lab.lab.slurm",
-    "SpecError": "mlora_lab.spec",
+    "SpecError": "mlora_lab.specbase",
     "Sweep": "mlora_lab.search",
     "SweepRun": "mlora_lab.lab.sweep_run",
     "Tenant": "mlora_lab.spec",
@@ -74,7 +74,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         randint,
         uniform,
     )
-    from mlora_lab.spec import RL, JobSpec, Parallel, Service, SpecError, Tenant  # noqa: F401
+    from mlora_lab.spec import JobSpec, Tenant  # noqa: F401
+    from mlora_lab.specbase import SpecError  # noqa: F401
+    from mlora_lab.specparts import RL, Parallel, Service  # noqa: F401
     from mlora_lab.trackers import report  # noqa: F401
 
 

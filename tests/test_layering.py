@@ -10,8 +10,8 @@ the test fails on:
   (the notebook and CLI process) importing ``job/``: the two meet only in the run directory;
 * the engine (``lora/``, ``parallel/``, ``data``, ``optim``, ``memory``, ``sampling``, ``rl/``) importing
   ``validate/``, ``job/`` or ``lab/``;
-* torch in the light contract (``spec``, ``text``, ``sources``, ``search``, ``rundir`` but its tensor codec),
-  which the notebook side reads without loading torch;
+* torch in the light contract (``spec``, ``specbase``, ``specparts``, ``text``, ``sources``, ``search``,
+  ``rundir`` but its tensor codec), which the notebook side reads without loading torch;
 * a private name (``_x``) imported from another module.
 
 ``from a.b import c`` is an edge to the module ``a.b.c`` when there is one, else to ``a.b``. Importing a
@@ -40,7 +40,15 @@ ENGINE = (
     "mlora_lab.sampling",
     "mlora_lab.rl",
 )
-LIGHT = ("mlora_lab.spec", "mlora_lab.text", "mlora_lab.sources", "mlora_lab.search", "mlora_lab.rundir")
+LIGHT = (
+    "mlora_lab.spec",
+    "mlora_lab.specbase",
+    "mlora_lab.specparts",
+    "mlora_lab.text",
+    "mlora_lab.sources",
+    "mlora_lab.search",
+    "mlora_lab.rundir",
+)
 LIGHT_EXCEPT = ("mlora_lab.rundir.checkpoint",)  # the tensor codec of checkpoints: safetensors, torch
 JOB_SIDE = ("mlora_lab.job", "mlora_lab.service")  # processes started by torchrun
 NOTEBOOK_LIBRARIES = ("pandas", "matplotlib", "ipywidgets", "ipympl", "IPython")
@@ -231,7 +239,8 @@ def run_python(code: str) -> str:
 
 def test_importing_the_run_directory_protocol_loads_no_torch():
     loaded = run_python(
-        "import sys, mlora_lab.rundir, mlora_lab.spec, mlora_lab.text, mlora_lab.search; "
+        "import sys, mlora_lab.rundir, mlora_lab.spec, mlora_lab.specbase, mlora_lab.specparts, "
+        "mlora_lab.text, mlora_lab.search; "
         "print(sorted(m for m in ('torch', 'transformers', 'pandas') if m in sys.modules))"
     )
     assert loaded == "[]"

@@ -24,7 +24,8 @@ from mlora_lab.job.rl import Generation, RLDriver, RLFeed
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.reference import peft_lora_tensors
 from mlora_lab.rundir import CompletionRow, RowKind, TenantState
-from mlora_lab.spec import RL, JobSpec, Tenant
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.specparts import RL
 from mlora_lab.tiny import TYPICAL_TARGETS
 
 TOL = 1e-5

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 import mlora_lab as ml
-from mlora_lab.spec import RL, JobSpec, SpecError, Tenant
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.specbase import SpecError
+from mlora_lab.specparts import RL
 from mlora_lab.validate import problems as spec_problems
 
 REWARDS = """

@@ -18,16 +18,9 @@ import pytest
 import mlora_lab.text
 import mlora_lab.validate
 import mlora_lab.validate.model
-from mlora_lab.spec import (
-    JobSpec,
-    Parallel,
-    Problem,
-    Service,
-    SpecError,
-    Tenant,
-    default_run_name,
-    fields_info,
-)
+from mlora_lab.spec import JobSpec, Tenant, default_run_name
+from mlora_lab.specbase import Problem, SpecError, fields_info
+from mlora_lab.specparts import Parallel, Service
 from mlora_lab.tiny import build_tokenizer
 from mlora_lab.validate import check, model_target_names, tenant_problems
 from mlora_lab.validate import problems as spec_problems
@@ -1039,7 +1032,7 @@ def test_seed_rule_is_what_torch_and_random_accept():
 
     import torch
 
-    from mlora_lab.spec import MAX_SEED
+    from mlora_lab.specbase import MAX_SEED
 
     for seed in (0, MAX_SEED):
         torch.manual_seed(seed)

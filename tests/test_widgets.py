@@ -16,7 +16,9 @@ import mlora_lab.data
 from mlora_lab.lab.fields import LABEL_WIDTH
 from mlora_lab.lab.forms import JobBuilder, TenantForm
 from mlora_lab.rundir import RunState
-from mlora_lab.spec import MAX_LABEL, JobSpec, Parallel, SpecError, Tenant, field_info, fields_info
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.specbase import MAX_LABEL, SpecError, field_info, fields_info
+from mlora_lab.specparts import Parallel
 from mlora_lab.validate import problems as spec_problems
 
 LLAMA_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

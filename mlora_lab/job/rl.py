@@ -66,7 +66,8 @@ from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardWorker
 from mlora_lab.rundir import CompletionRow, TrainRow
 from mlora_lab.sampling import Completion, SampleRequest, sample
 from mlora_lab.sources import source_name
-from mlora_lab.spec import RL, Tenant
+from mlora_lab.spec import Tenant
+from mlora_lab.specparts import RL
 
 
 def generation_seed(seed: int, generation: int, position: int) -> int:

@@ -29,7 +29,8 @@ from mlora_lab.service import wire
 from mlora_lab.service.app import Server, ServiceState
 from mlora_lab.service.keys import Keys
 from mlora_lab.service.work import Futures, Inbox
-from mlora_lab.spec import JobSpec, Service
+from mlora_lab.spec import JobSpec
+from mlora_lab.specparts import Service
 
 
 class JobService:

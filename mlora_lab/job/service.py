@@ -110,7 +110,9 @@ from mlora_lab.sampling import SampleRequest, default_stop_ids, sample
 from mlora_lab.service import losses, wire
 from mlora_lab.service.bodies import ModelInfo
 from mlora_lab.service.work import ErrorCategory, Kind, Result, Work
-from mlora_lab.spec import MAX_COUNT, ClientModel, Tenant
+from mlora_lab.spec import Tenant
+from mlora_lab.specbase import MAX_COUNT
+from mlora_lab.specparts import ClientModel
 
 GONE = "its client sent no heartbeat nor request"
 """The start of the reason a tenant of a client that went away is paused with."""

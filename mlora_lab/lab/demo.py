@@ -13,7 +13,8 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from mlora_lab.spec import JobSpec, Parallel, Tenant
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.specparts import Parallel
 from mlora_lab.tiny import EXPERT_TARGETS, build_tiny_model, default_corpus
 
 # Words and their word-for-word translations (ASCII, so a small byte-level tokenizer keeps them whole).

@@ -2,7 +2,7 @@
 forms (:mod:`mlora_lab.lab.forms`) that know no particular form.
 
 Every ``Tenant`` (or ``JobSpec``) field shown in forms gets an input of its kind (:func:`make_input`
-from its :class:`~mlora_lab.spec.FieldInfo`), with its label and help line, in its section
+from its :class:`~mlora_lab.specbase.FieldInfo`), with its label and help line, in its section
 (:func:`layout_inputs`), and is read back into the dataclass (:meth:`FieldInput.read`). Inputs never
 clamp: a value out of range stays as typed and is reported (:func:`problems_html`).
 """
@@ -23,7 +23,7 @@ import ipywidgets as W
 from mlora_lab.lora.targets import ALL_LINEAR
 from mlora_lab.rundir import atomic_write_bytes
 from mlora_lab.sources import FILE_SUFFIXES
-from mlora_lab.spec import FieldInfo, Problem
+from mlora_lab.specbase import FieldInfo, Problem
 from mlora_lab.text import show_path
 
 LABEL_WIDTH = "150px"

@@ -10,7 +10,7 @@
     builder.spec()        # the JobSpec of the current fields
     builder.run           # the Run, once launched; the status line follows it by itself
 
-Both forms are generated from the fields' :class:`~mlora_lab.spec.FieldInfo`: every ``Tenant`` (or
+Both forms are generated from the fields' :class:`~mlora_lab.specbase.FieldInfo`: every ``Tenant`` (or
 ``JobSpec``) field shown in forms gets an input of its kind, with its label and help line, in its
 section, and is read back into the dataclass; a new field needs no change here. Inputs never clamp:
 a value out of range stays as typed and is reported.
@@ -46,16 +46,9 @@ from mlora_lab.lab.fields import (
 from mlora_lab.lora.targets import ALL_LINEAR
 from mlora_lab.rundir import RunState
 from mlora_lab.sources import describe
-from mlora_lab.spec import (
-    FieldInfo,
-    JobSpec,
-    Parallel,
-    Problem,
-    SpecError,
-    Tenant,
-    field_info,
-    fields_info,
-)
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.specbase import FieldInfo, Problem, SpecError, field_info, fields_info
+from mlora_lab.specparts import Parallel
 from mlora_lab.text import error_line
 from mlora_lab.validate import ValidationCache, Validator, linear_target_options
 
@@ -109,7 +102,7 @@ class TenantForm:
 
     Each input is an attribute named like the Tenant field it sets (``form.rank``, ``form.lr``,
     ``form.target_modules``, ...; ``form.no_clipping`` turns ``max_grad_norm`` into ``None``), made
-    from the field's :class:`~mlora_lab.spec.FieldInfo`. The tenant's problems are shown under the form
+    from the field's :class:`~mlora_lab.specbase.FieldInfo`. The tenant's problems are shown under the form
     as fields change, and "Add tenant" is enabled only while there are none; it appends the tenant to
     :attr:`tenants` and moves the name on (``alice`` -> ``alice-2``). Pressing it again before any field
     changes adds nothing. Display ``form`` (or ``form.widget``) in a cell.
@@ -498,7 +491,7 @@ class JobBuilder:
 
     It embeds a :class:`TenantForm` (``builder.form``) for the tenants and adds the job settings
     (``builder.seq_len``, ``builder.nproc``, ``builder.fsdp``, ...; made from the ``JobSpec`` and
-    ``Parallel`` fields' :class:`~mlora_lab.spec.FieldInfo`), the whole spec's problems and a live
+    ``Parallel`` fields' :class:`~mlora_lab.specbase.FieldInfo`), the whole spec's problems and a live
     ``job.json`` preview. "Launch" is enabled only while the spec has no problems; it calls
     :func:`mlora_lab.lab.launcher.launch` and keeps the :class:`~mlora_lab.lab.run.Run` in :attr:`run`, whose
     state the status line then follows by itself (a background thread, polling every

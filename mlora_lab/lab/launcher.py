@@ -68,7 +68,9 @@ from mlora_lab.rundir.files import link_message
 from mlora_lab.rundir.service import remove_endpoint
 from mlora_lab.rundir.status import JOB_MODULE, TORCHRUN_MODULE, ProcessIdentity, this_host
 from mlora_lab.search import Sweep
-from mlora_lab.spec import JobSpec, Parallel, Service, SpecError
+from mlora_lab.spec import JobSpec
+from mlora_lab.specbase import SpecError
+from mlora_lab.specparts import Parallel, Service
 from mlora_lab.text import error_line, show_path
 from mlora_lab.validate import job_of_sweep, sweep_problems, sweep_slot_modules
 from mlora_lab.validate import problems as spec_problems
@@ -142,7 +144,7 @@ def _launcher_problems(
 
 def _convert_base(spec: JobSpec) -> None:
     """A GGUF base converted now (once: :func:`~mlora_lab.bases.resolve_base`), before anything of the
-    run is created or changed; :class:`~mlora_lab.spec.SpecError` naming the file if it cannot be."""
+    run is created or changed; :class:`~mlora_lab.specbase.SpecError` naming the file if it cannot be."""
     if not is_gguf(spec.base_model):
         return
     try:
@@ -177,7 +179,7 @@ def prepare_run(
     sweep: Sweep | None = None,
 ) -> RunDir:
     """Validate ``spec``, the launcher (and its Slurm options) and the run directory (one
-    :class:`~mlora_lab.spec.SpecError` listing every problem; nothing is created then), and create the
+    :class:`~mlora_lab.specbase.SpecError` listing every problem; nothing is created then), and create the
     run directory with ``job.json`` (paths made absolute) and a ``starting`` status. Tenant rows held in
     memory (a DataFrame, a list of dicts, a datasets.Dataset) are read once, validated, and written into
     the run directory (``data/<tenant>/train.jsonl``, :mod:`~mlora_lab.lab.tenant_data`), which job.json
@@ -329,7 +331,7 @@ def launch(
     submitted with ``sbatch``; the run directory must then be on a filesystem every node sees at the
     same path (``workdir`` or ``output_dir`` on NFS/Lustre/GPFS, not /tmp), and so must this Python
     and its packages. Everything is checked first: a bad spec, launcher or option raises
-    :class:`~mlora_lab.spec.SpecError` naming every problem, and nothing is created or submitted. If the
+    :class:`~mlora_lab.specbase.SpecError` naming every problem, and nothing is created or submitted. If the
     job cannot be started or submitted after all, the run is ``failed`` with the cause and the error
     is raised."""
     spec = spec.resolved(Path.cwd())
@@ -355,8 +357,9 @@ def launch(
 
 
 def serve(spec: JobSpec, **launch_kwargs: Any) -> ServedRun:
-    """:func:`launch` ``spec`` with the Tinker service on (``spec.service``, or :class:`~mlora_lab.spec.Service`
-    defaults: loopback, a free port) and return its :class:`~mlora_lab.lab.served_run.ServedRun` at once::
+    """:func:`launch` ``spec`` with the Tinker service on (``spec.service``, or
+    :class:`~mlora_lab.specparts.Service` defaults: loopback, a free port) and return its
+    :class:`~mlora_lab.lab.served_run.ServedRun` at once::
 
         svc = ml.serve(spec)
         tc = svc.client().create_lora_training_client(base_model=svc.base_model, rank=8)

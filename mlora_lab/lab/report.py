@@ -56,7 +56,8 @@ from mlora_lab.rundir import (
     read_status,
     shown_tenant_state,
 )
-from mlora_lab.spec import SpecError, Tenant
+from mlora_lab.spec import Tenant
+from mlora_lab.specbase import SpecError
 
 SUMMARY_COLUMNS = [
     "tenant",

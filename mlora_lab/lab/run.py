@@ -49,7 +49,8 @@ from mlora_lab.rundir import (
 )
 from mlora_lab.rundir.files import TextEnum
 from mlora_lab.rundir.rows import collection_paused
-from mlora_lab.spec import JobSpec, SpecError, Tenant
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.specbase import SpecError
 
 TENANT_STATES = frozenset(s.value for s in TenantState)
 

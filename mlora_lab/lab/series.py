@@ -42,7 +42,8 @@ from mlora_lab.rundir import (
     TrainRow,
 )
 from mlora_lab.rundir.rows import FIELD_NAMES, ROW_TYPES, collection_paused
-from mlora_lab.spec import JobSpec, SpecError
+from mlora_lab.spec import JobSpec
+from mlora_lab.specbase import SpecError
 
 X_AXES = ("tenant step", "global step", "tokens", "wall time", "relative time")
 """What a metric can be drawn against: the tenant's own step, the job's global step, the tenant's

@@ -26,7 +26,8 @@ from mlora_lab.lab.run import DEFAULT_WORKDIR
 from mlora_lab.lab.slurm import SlurmOptions
 from mlora_lab.lab.sweep_run import SweepRun
 from mlora_lab.search import Objective, Strategy, Sweep, asha_warning, dist_from_dict
-from mlora_lab.spec import JobSpec, SpecError, Tenant
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.specbase import SpecError
 
 
 def objective_reference(objective: str | Callable) -> str:

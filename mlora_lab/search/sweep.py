@@ -63,7 +63,8 @@ class Sweep:
     @classmethod
     def from_dict(cls, d: Any) -> Sweep:
         """From ``sweep.json``'s object; ``ValueError`` naming the problem otherwise."""
-        from mlora_lab.spec import SpecError, Tenant
+        from mlora_lab.spec import Tenant
+        from mlora_lab.specbase import SpecError
 
         if not isinstance(d, dict):
             raise ValueError("sweep.json must hold a JSON object")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mlora_lab.spec import MAX_PROBLEMS, JobSpec, Problem, Tenant, tenant_label
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.specbase import MAX_PROBLEMS, Problem, tenant_label
 from mlora_lab.text import brief, is_int, path_problem
 from mlora_lab.validate.introspect import ModelInfo
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-from mlora_lab.spec import Parallel, fields_info
+from mlora_lab.specbase import fields_info
+from mlora_lab.specparts import Parallel
 from mlora_lab.validate.context import Context
 from mlora_lab.validate.fields import check_field
 from mlora_lab.validate.introspect import tp_problems

@@ -1,4 +1,4 @@
-"""An RL tenant's settings (:class:`~mlora_lab.spec.RL`) and its reward functions.
+"""An RL tenant's settings (:class:`~mlora_lab.specparts.RL`) and its reward functions.
 
 check_reward_refs / check_numbers / check_texts   RL's own field kinds (``validate.fields.check_rl_fields``
                            checks ``t.rl`` field by field with them; no file is read)
@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from mlora_lab.rl.rewards import inspect_rewards, parse_reward
-from mlora_lab.spec import MAX_REWARDS, RL, FieldInfo, Tenant
+from mlora_lab.spec import Tenant
+from mlora_lab.specbase import MAX_REWARDS, FieldInfo
+from mlora_lab.specparts import RL
 from mlora_lab.text import brief, is_finite
 from mlora_lab.validate.context import Context, got
 

@@ -6,13 +6,14 @@ other processes follow it: :mod:`mlora_lab.job.service`), so nothing here depend
 
 from __future__ import annotations
 
-from mlora_lab.spec import Service, fields_info
+from mlora_lab.specbase import fields_info
+from mlora_lab.specparts import Service
 from mlora_lab.validate.context import Context, got
 from mlora_lab.validate.fields import check_field
 
 
 def check_service(ctx: Context) -> None:
-    """``service``'s fields against their :class:`~mlora_lab.spec.FieldInfo`."""
+    """``service``'s fields against their :class:`~mlora_lab.specbase.FieldInfo`."""
     s = ctx.spec.service
     if s is None:
         return

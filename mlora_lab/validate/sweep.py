@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mlora_lab.spec import JobSpec, Problem, Tenant
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.specbase import Problem
 from mlora_lab.text import is_int
 from mlora_lab.validate.context import ValidationCache, capped
 from mlora_lab.validate.validator import Validator
