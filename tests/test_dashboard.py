@@ -733,7 +733,7 @@ def test_interactive_frames_are_pngs_before_the_browser_answers(tmp_path, monkey
 def test_every_tab_is_drawn_without_being_picked(tmp_path, monkeypatch):
     """Picking a tab reaches the kernel only once a blocking cell ends: the tabs' figures are drawn in
     the background whether their tab is shown or not (at most every TAB_EVERY_S while a run goes)."""
-    from mlora_lab.lab.dashboard import board
+    from mlora_lab.lab.dashboard import board, panels
 
     run = make_run(tmp_path / "r")
     write(run, *steps(["a", "b"], 1, 20))
@@ -742,12 +742,12 @@ def test_every_tab_is_drawn_without_being_picked(tmp_path, monkeypatch):
     lr_lines = [line for line in dash.optim.lr_ax.get_lines() if line.get_visible()]
     assert len(lr_lines) == 2 and all(len(line.get_xdata()) == 20 for line in lr_lines)
     # while the run goes, the hidden tab follows at its own pace, not at every refresh
-    monkeypatch.setattr(board, "TAB_EVERY_S", 3600.0)
+    monkeypatch.setattr(panels, "TAB_EVERY_S", 3600.0)
     write(run, *steps(["a", "b"], 21, 30))
     dash.refresh()
     assert len(dash.optim.lr_ax.get_lines()[0].get_xdata()) == 20
     assert len(dash.loss.ax.get_lines()[0].get_xdata()) == 30
-    monkeypatch.setattr(board, "TAB_EVERY_S", 0.0)
+    monkeypatch.setattr(panels, "TAB_EVERY_S", 0.0)
     dash.refresh()
     assert len(dash.optim.lr_ax.get_lines()[0].get_xdata()) == 30
 
