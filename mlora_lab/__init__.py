@@ -36,8 +36,8 @@ _EXPORTS = {  # public name -> the module that defines it
     "attach": "mlora_lab.lab.handles",
     "choice": "mlora_lab.search",
     "compare": "mlora_lab.lab.report",
-    "compare_generations": "mlora_lab.lab.report",
-    "hparams": "mlora_lab.lab.report",
+    "compare_generations": "mlora_lab.lab.generations",
+    "hparams": "mlora_lab.lab.hparams",
     "launch": "mlora_lab.lab.launcher",
     "loguniform": "mlora_lab.search",
     "randint": "mlora_lab.search",
@@ -54,9 +54,11 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from mlora_lab.lab.dashboard import Dashboard  # noqa: F401
     from mlora_lab.lab.forms import JobBuilder, TenantForm  # noqa: F401
+    from mlora_lab.lab.generations import compare_generations  # noqa: F401
     from mlora_lab.lab.handles import attach  # noqa: F401
+    from mlora_lab.lab.hparams import hparams  # noqa: F401
     from mlora_lab.lab.launcher import launch, resume, serve  # noqa: F401
-    from mlora_lab.lab.report import compare, compare_generations, hparams, runs, summary  # noqa: F401
+    from mlora_lab.lab.report import compare, runs, summary  # noqa: F401
     from mlora_lab.lab.run import Request, Run  # noqa: F401
     from mlora_lab.lab.slurm import SlurmOptions  # noqa: F401
     from mlora_lab.lab.sweep_run import SweepRun  # noqa: F401

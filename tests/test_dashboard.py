@@ -733,7 +733,7 @@ def test_interactive_frames_are_pngs_before_the_browser_answers(tmp_path, monkey
 def test_every_tab_is_drawn_without_being_picked(tmp_path, monkeypatch):
     """Picking a tab reaches the kernel only once a blocking cell ends: the tabs' figures are drawn in
     the background whether their tab is shown or not (at most every TAB_EVERY_S while a run goes)."""
-    from mlora_lab.lab.dashboard import board
+    from mlora_lab.lab.dashboard import board, panels
 
     run = make_run(tmp_path / "r")
     write(run, *steps(["a", "b"], 1, 20))
@@ -742,12 +742,12 @@ def test_every_tab_is_drawn_without_being_picked(tmp_path, monkeypatch):
     lr_lines = [line for line in dash.optim.lr_ax.get_lines() if line.get_visible()]
     assert len(lr_lines) == 2 and all(len(line.get_xdata()) == 20 for line in lr_lines)
     # while the run goes, the hidden tab follows at its own pace, not at every refresh
-    monkeypatch.setattr(board, "TAB_EVERY_S", 3600.0)
+    monkeypatch.setattr(panels, "TAB_EVERY_S", 3600.0)
     write(run, *steps(["a", "b"], 21, 30))
     dash.refresh()
     assert len(dash.optim.lr_ax.get_lines()[0].get_xdata()) == 20
     assert len(dash.loss.ax.get_lines()[0].get_xdata()) == 30
-    monkeypatch.setattr(board, "TAB_EVERY_S", 0.0)
+    monkeypatch.setattr(panels, "TAB_EVERY_S", 0.0)
     dash.refresh()
     assert len(dash.optim.lr_ax.get_lines()[0].get_xdata()) == 30
 
@@ -833,7 +833,8 @@ def test_hyperparameters_next_to_results(tmp_path):
     """summary() has the best eval loss; hparams() puts every tenant at (setting, best eval loss), on a log
     axis for lr, only for the settings that differ, marks the best, and warns about tenants without
     eval rows; the parallel-coordinates view has an axis per setting plus the metric."""
-    from mlora_lab.lab.report import hparams, summary
+    from mlora_lab.lab.hparams import hparams
+    from mlora_lab.lab.report import summary
 
     lrs = {"a": 1e-4, "b": 1e-3, "c": 1e-2, "d": 3e-3}
     ranks = {"a": 4, "b": 8, "c": 16, "d": 8}
@@ -977,7 +978,8 @@ def test_every_figure_is_drawn_and_laid_out_under_the_one_drawing_lock(tmp_path,
 def test_no_label_is_parsed_as_mathtext(tmp_path):
     """Run names (free text) and a sweep's categorical values reach legends, tick labels, titles and
     annotations: every one is shown literally, never parsed as mathtext (which raised)."""
-    from mlora_lab.lab.report import hparams, plot_losses
+    from mlora_lab.lab.hparams import hparams
+    from mlora_lab.lab.report import plot_losses
 
     roots = []
     for k, name in enumerate((MATHTEXT, "$x$ plain")):
@@ -1014,7 +1016,7 @@ def test_one_colour_per_run_and_tenant_in_every_view_and_after_a_rerun(tmp_path)
     """The same (run, tenant) has the same colour in the single-run dashboard, the multi-run dashboard
     (whatever else is shown, in any order), ml.compare, ml.hparams, and in a run of the same notebook made
     later (another directory, the same job name)."""
-    from mlora_lab.lab.report import hparams
+    from mlora_lab.lab.hparams import hparams
 
     first = make_run(tmp_path / "20260101-000000-aaaaaa", tenants=("a", "b", "c"), name="quickstart")
     again = make_run(tmp_path / "20260102-000000-bbbbbb", tenants=("a", "b", "c"), name="quickstart")
@@ -1092,7 +1094,7 @@ def test_tenant_states_agree_with_the_run_after_a_stop(tmp_path):
 def test_hparams_shows_categorical_settings_and_names_points_on_hover(tmp_path):
     """target_modules (a sweep's decisive setting) and schedule are drawn as categories, and the point
     under the cursor is named: run / tenant, its settings, its metric."""
-    from mlora_lab.lab.report import hparams
+    from mlora_lab.lab.hparams import hparams
 
     run = RunDir(tmp_path / "r").create()
     data = tmp_path / "d.jsonl"
@@ -1139,7 +1141,7 @@ def test_hparams_shows_categorical_settings_and_names_points_on_hover(tmp_path):
 def test_log_lr_ticks_stay_readable_inside_one_decade(tmp_path):
     """An lr searched over less than a decade (3e-4 .. 2e-3): a handful of plain, apart tick labels, not
     a pile of minor ones."""
-    from mlora_lab.lab.report import hparams
+    from mlora_lab.lab.hparams import hparams
 
     lrs = {"a": 3e-4, "b": 5e-4, "c": 1e-3, "d": 2e-3}
     run = sweep_run(tmp_path / "r", lrs, dict.fromkeys(lrs, 8), best={t: 1.0 + i for i, t in enumerate(lrs)})

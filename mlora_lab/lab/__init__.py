@@ -12,10 +12,11 @@ Layered from the bottom up (a module imports only modules above it in this list,
     dashboard/                        the live view: model, runs table, figures, logs and export
     run                               the Run handle (+ Request): reads files, writes control messages
     sweep_run, served_run             SweepRun, ServedRun: the handles of a run that searches, that serves
-    handles                           attach(): the handle a run directory calls for
+    handles                           attach(), as_runs(): the handle a run directory calls for
     launcher                          launch, resume: local torchrun or Slurm
     sweeps                            ml.sweep: a search launched in one job
-    report                            summary, compare, hparams, runs, compare_generations
+    report                            runs, summary, compare, plot_losses
+    hparams, generations              hparams (a sweep's settings -> results), compare_generations
     fields, forms                     the notebook forms (TenantForm, JobBuilder)
     cli, demo                         the ``mlora-lab`` command line
 

@@ -3,14 +3,15 @@
 A run directory is followed with a :class:`~mlora_lab.lab.run.Run`, or with a kind of handle made for
 what its job does. :data:`HANDLE_KINDS` lists those kinds, each with the file that marks a run directory
 as its kind; :func:`attach` (and a launch or resume, through it) picks the first that matches. Adding a
-kind is a line here: the ``Run`` handle itself knows none of them.
+kind is a line here: the ``Run`` handle itself knows none of them. :func:`as_runs` gives the handles of
+what the comparing functions take (:mod:`mlora_lab.lab.report`: a handle, a run directory, or a list).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,3 +56,14 @@ def attach(run_dir: str | os.PathLike) -> Run:
     if not run.is_run():
         raise RunDirError(f"{run_dir}: not a run directory (no job.json)")
     return handle_for(run.root)
+
+
+RunLike = Run | str | Path
+"""A run as the comparing functions take it: its handle, or its directory."""
+
+
+def as_runs(runs: RunLike | Sequence[RunLike]) -> list[Run]:
+    """The handles of one run or of a list of them (a run directory: its :func:`attach` handle)."""
+    if isinstance(runs, (Run, str, Path)):
+        runs = [runs]
+    return [r if isinstance(r, Run) else attach(r) for r in runs]

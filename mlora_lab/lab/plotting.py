@@ -16,6 +16,7 @@ Drawing helpers, shared so that a plot looks the same wherever it is made:
   grid on linear and log axes, readable log ticks on narrow ranges, y-limits that ignore outliers,
   a "waiting…" text instead of empty ticks, margins measured so that no label is clipped;
 - :func:`figure_png` (2x the display resolution: sharp on high-DPI screens) and :func:`figure_svg`;
+  :class:`LabFigure`: the figure ``ml.compare``, ``plot_losses`` and ``ml.hparams`` return, shown as a PNG;
 - :data:`DRAWING`: the one lock under which every figure of the lab is laid out and drawn.
 
 Nothing here uses pyplot: figures are ``matplotlib.figure.Figure`` objects with an explicit canvas.
@@ -33,6 +34,7 @@ import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -561,3 +563,20 @@ def figure_svg(fig: Figure) -> bytes:
     with DRAWING, matplotlib.rc_context({"svg.fonttype": "none"}), _detached(fig):
         fig.savefig(buf, format="svg")
     return buf.getvalue()
+
+
+class LabFigure(Figure):
+    """A matplotlib Figure that shows itself in notebooks as a PNG without pyplot state (so it is
+    displayed once, also in kernels where the inline backend was never activated). The PNG is rendered
+    at twice the display resolution and shown at the display size (sharp on high-DPI screens); the
+    figure uses constrained layout, so no label is clipped. ``savefig(path)`` writes any format
+    (``.svg`` for vector graphics)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("layout", "constrained")
+        kwargs.setdefault("dpi", DISPLAY_DPI)
+        super().__init__(*args, **kwargs)
+
+    def _repr_png_(self) -> tuple[bytes, dict[str, int]]:
+        w, h = self.get_size_inches() * DISPLAY_DPI
+        return figure_png(self), {"width": int(w), "height": int(h)}

@@ -81,8 +81,11 @@ def check_client_fields(ctx: Context, t: Tenant) -> bool:
     if c is None:
         return True
     if not isinstance(c, ClientModel):
-        ctx.say(t, "client", f"client must be a Tinker model (an object with 'model_id' and 'owner') or null "
-                             f"({got(c)})")  # fmt: skip
+        ctx.say(
+            t,
+            "client",
+            f"client must be a Tinker model (an object with 'model_id' and 'owner') or null ({got(c)})",
+        )
         return False
     before = len(ctx.out)
     for name, info in fields_info(ClientModel):

@@ -5,8 +5,10 @@
 - :mod:`.progress`: the header and the tenants' progress rows;
 - :mod:`.figures` and :mod:`.system`: the loss, lr + grad-norm and system figures, and the hover readout;
 - :mod:`.rl`: RL tenants' reward panel and recent samples (made only when a run has RL rows);
+- :mod:`.panels`: those figures as one view's, and which of them to redraw when;
 - :mod:`.outputs`: the logs tab and export;
 - :mod:`.sweep`: a search's view (trials table, config → objective);
+- :mod:`.refresher`: the background refresh, which a failing refresh does not end;
 - :mod:`.board`: :class:`Dashboard`, which assembles the widgets and refreshes them in a thread.
 
 It works on run directories (a ``Run`` is one) and never imports the run's handle. ``Dashboard`` is

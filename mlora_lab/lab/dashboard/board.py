@@ -5,11 +5,11 @@
     ml.Dashboard([run_a, run_b]).start()     # overlay two runs' tenants, labelled "run / tenant"
     ml.Dashboard("runs").start()             # a table of the workdir's runs; tick the ones to plot
 
-It refreshes from the run directories in a background thread (the kernel stays free) and only reads
-them (metrics.jsonl incrementally, status.json, labels.json, logs/), writing nothing but control
-messages (Stop), the end of a run it found dead (:mod:`mlora_lab.lab.liveness`) and exports. It works
-the same for a run launched a minute ago, one attached after a kernel restart, or one that finished
-yesterday.
+It refreshes from the run directories in a background thread (the kernel stays free: :mod:`.refresher`)
+and only reads them (metrics.jsonl incrementally, status.json, labels.json, logs/), writing nothing but
+control messages (Stop), the end of a run it found dead (:mod:`mlora_lab.lab.liveness`) and exports. It
+works the same for a run launched a minute ago, one attached after a kernel restart, or one that
+finished yesterday.
 
 What it shows: a header per run (state, step, tokens/s, elapsed, ETA); with several runs a sortable,
 filterable runs table to pick from (:mod:`.table`); per tenant a progress row (state, loss, elapsed,
@@ -20,7 +20,7 @@ their rewards (:mod:`.rl`: shown only when a run has RL rows); tabs with memory 
 utilisation, throughput and each tenant's adapter + optimiser memory (:mod:`.system`); learning rate
 and gradient norm (:mod:`.figures`); a live tail of each rank's log; export of the figures (PNG, SVG)
 and of the shown tenants' metrics (CSV) (:mod:`.outputs`). What it shows is computed without widgets
-(:mod:`.model`).
+(:mod:`.model`), and its figures are redrawn together (:mod:`.panels`).
 
 Figures are interactive (zoom, pan, and a readout of the point under the cursor) when ipympl is
 installed (``interactive=None``, the default), and PNG images otherwise or with ``interactive=False``
@@ -34,48 +34,30 @@ import contextlib
 import html
 import logging
 import os
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import ipywidgets as W
 import pandas as pd
-from matplotlib.figure import Figure
 
 from mlora_lab.lab.dashboard.controls import Controls
-from mlora_lab.lab.dashboard.figures import (
-    AMBER,
-    GREY,
-    RED,
-    Hover,
-    LossFigure,
-    OptimFigure,
-    Panel,
-    Scene,
-    Smoother,
-)
+from mlora_lab.lab.dashboard.figures import AMBER, Scene
 from mlora_lab.lab.dashboard.model import Key, RunView, Shown, TenantShown, ViewModel
 from mlora_lab.lab.dashboard.outputs import ExportTab, LogTab, default_export_dir, export_files
+from mlora_lab.lab.dashboard.panels import Panels
 from mlora_lab.lab.dashboard.progress import TenantProgress, header_html
-from mlora_lab.lab.dashboard.rl import RLViews
-from mlora_lab.lab.dashboard.system import SystemFigure
+from mlora_lab.lab.dashboard.refresher import Refresher
 from mlora_lab.lab.dashboard.table import RunsTable
 from mlora_lab.lab.plotting import DISPLAY_DPI, DRAWING, figure_png, fit_layout, series_label
 from mlora_lab.lab.series import X_AXES, RunSeries
 from mlora_lab.rundir import control
-from mlora_lab.text import error_line
 
 log = logging.getLogger(__name__)
 
 MAX_SERIES = 100
 """A view offers, draws and shows progress rows for at most this many (run, tenant) series (a metrics
 file may name a million tenants): the first ones, in the runs' order, and says so."""
-TAB_EVERY_S = 2.0
-"""The tabs' figures (system, lr & grad norm) are redrawn at most this often while a run goes, the tab
-shown or not: a tab picked while a later cell blocks (``run.wait()``) reaches the kernel only when that
-cell ends, so a figure drawn only once its tab is picked would stay empty meanwhile."""
 SYSTEM_TAB, OPTIM_TAB, LOGS_TAB, EXPORT_TAB = range(4)
 
 
@@ -123,24 +105,19 @@ class Dashboard:
             raise ValueError(f"unknown x axis {x!r}; choose from {', '.join(X_AXES)}")
         self.model = ViewModel.of(runs)
         self.workdir = self.model.workdir
-        self.refresh_s = refresh_s
         self.max_points = max_points
         self.interactive = ipympl_available() if interactive is None else bool(interactive)
         # the lab's one drawing lock: this view's state and figures, and every other figure in the process
         self._lock = DRAWING
         self._quiet = 0  # > 0 while the dashboard itself changes widgets: observers do not redraw
-        self._thread: threading.Thread | None = None
-        self._stop_event = threading.Event()
         self._handles: list[Any] = []
-        self._drawn: dict[str, tuple] = {}
-        self._tab_drawn: dict[str, float] = {}
         self._stopping: set[str] = set()
         self.progress_rows: dict[Key, TenantProgress] = {}
 
         self.status = W.HTML()
-        self.problem = W.HTML()
+        self.refresher = Refresher(self.refresh, refresh_s, self._going, self._final_pictures, log)
+        self.problem = self.refresher.problem
         """Why the last refresh failed (the view goes on refreshing), or that one failed earlier."""
-        self._failures: list[tuple[float, str]] = []  # (when, what) of refreshes that failed
         self.capped = W.HTML()
         """Says so when a view has more tenants than it shows (:data:`MAX_SERIES`)."""
         self.table = RunsTable(self._on_tick)
@@ -160,16 +137,12 @@ class Dashboard:
         self.tenants, self.x_axis, self.smoothing, self.logy = c.tenants, c.x_axis, c.smoothing, c.logy
         self.outliers, self.follow_button, self.stop_button = c.outliers, c.follow_button, c.stop_button
         self.progress = W.VBox(layout=W.Layout(max_height="300px", overflow="auto"))
-        self.hover, smoother = Hover(), Smoother()
-        self.loss = LossFigure(self.interactive, self._lock, self.hover, smoother)
+        self.panels = Panels(self.model, self.interactive, self._lock, x)
+        p = self.panels  # the figures a notebook reaches on the dashboard itself
+        self.loss, self.optim, self.system = p.loss, p.optim, p.system
+        self.rl_views, self.hover = p.rl_views, p.hover
         # a new scale re-fits y even where the user zoomed (before the redraw)
         self.logy.observe(lambda _: self.loss.ax.set_autoscaley_on(True), names="value")
-        self.optim = OptimFigure(self.interactive, self._lock, self.hover, smoother)
-        self.system = SystemFigure(self.interactive, self._lock, self.hover, smoother)
-        self.rl_views = RLViews(self.interactive, self._lock, self.hover, smoother)
-        """The reward panel and the recent samples of RL tenants (made when a run first has RL rows)."""
-        for panel in self._panels():
-            panel.set_x(x)
         self.logs = LogTab(self._quieted)
         self.exporter = ExportTab(export_dir, self.export)
         self.tabs = W.Tab(
@@ -206,9 +179,6 @@ class Dashboard:
             names = list(self.model.runs)
             self._set_chosen(names if self.workdir is None else (live or names[-1:]))
 
-    def _panels(self) -> tuple[Panel, ...]:
-        return self.loss, self.optim, self.system, *self.rl_views.panels()
-
     # -- what the model holds, by run name ------------------------------------------------------------
     @property
     def feeds(self) -> dict[str, RunSeries]:
@@ -220,11 +190,12 @@ class Dashboard:
         """Each offered run's state, by run name."""
         return {name: view.state for name, view in self.model.runs.items()}
 
-    @property
-    def readouts(self) -> dict[Figure, W.HTML]:
-        """The hover readout under each figure."""
-        return {panel.fig: panel.readout for panel in self._panels()}
-
+    readouts = property(lambda self: self.panels.readouts, doc="The hover readout under each figure.")
+    refresh_s = property(
+        lambda self: self.refresher.refresh_s,
+        lambda self, s: setattr(self.refresher, "refresh_s", s),
+        doc="Seconds between refreshes.",
+    )
     loss_fig = property(lambda self: self.loss.fig)
     loss_plot = property(lambda self: self.loss.widget)
     optim_fig = property(lambda self: self.optim.fig)
@@ -250,7 +221,7 @@ class Dashboard:
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
-        if self._thread is None and not self._stop_event.is_set():
+        if self.refresher.idle:
             self.start()  # a displayed dashboard is a live one (``ml.Dashboard(...)`` as a cell's value)
         data, metadata = self.bundle()
         self._handles.append(display(data, raw=True, metadata=metadata, display_id=True))
@@ -262,63 +233,32 @@ class Dashboard:
     def start(self) -> Dashboard:
         """Refresh in a background thread until every run has ended (a workdir view: until
         :meth:`stop`), and return the dashboard."""
-        if self._refresh_or_say() and self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="mlora-dashboard", daemon=True)
-            self._thread.start()
+        self.refresher.start()
         return self
 
     def stop(self) -> None:
         """Stop refreshing (the runs themselves are not touched)."""
-        self._stop_event.set()
+        self.refresher.stop()
 
     @property
     def live(self) -> bool:
         """True while the background refresh runs."""
-        return self._thread is not None and self._thread.is_alive()
+        return self.refresher.live
 
-    def _loop(self) -> None:
-        while not self._stop_event.wait(self.refresh_s):
-            if not self._refresh_or_say():
-                break
+    def _going(self) -> bool:
+        """Whether more can change: a workdir view's until it is stopped (new runs may come), else while
+        a run goes."""
+        if self.workdir is not None:
+            return not self.refresher.stopped
+        return self.model.going
+
+    def _final_pictures(self) -> None:
         # every run has ended: the displayed output gets a final picture (frontends that keep the
         # PNG, such as an exported notebook, then show the finished curves)
         for handle in self._handles:
             with contextlib.suppress(Exception):
                 data, metadata = self.bundle()
                 handle.update(data, raw=True, metadata=metadata)
-
-    def _refresh_or_say(self) -> bool:
-        """:meth:`refresh`, whatever it raises: a refresh that fails is logged (with its traceback, once
-        per distinct error) and shown above the figures, and the view goes on refreshing (a bad row,
-        a figure that cannot be drawn, a file that went away for a moment must not end a live view).
-        Returns whether to go on."""
-        try:
-            going = self.refresh()
-        except Exception as e:
-            self._say_failure("refresh", e)
-            if self.workdir is not None:  # keep going unless it is known that nothing more can change
-                return not self._stop_event.is_set()
-            return self.model.going
-        if self._failures and "failed" in self.problem.value and "recovered" not in self.problem.value:
-            when, what = self._failures[-1]
-            self.problem.value = (
-                f"<div style='color:{GREY};font-size:12px'>{len(self._failures)} refresh(es) failed, the last "
-                f"at {time.strftime('%H:%M:%S', time.localtime(when))} ({html.escape(what)}); "
-                "recovered since (details in the log)</div>"
-            )
-        return going
-
-    def _say_failure(self, doing: str, e: Exception) -> None:
-        what = f"{type(e).__name__}: {error_line(e)}"
-        if what not in {w for _, w in self._failures}:
-            log.warning("the dashboard's %s failed: %s", doing, what, exc_info=True)
-        self._failures.append((time.time(), what))
-        del self._failures[:-100]
-        self.problem.value = (
-            f"<pre style='color:{RED};white-space:pre-wrap;margin:2px 0'>dashboard {doing} failed at "
-            f"{time.strftime('%H:%M:%S')} ({len(self._failures)} so far): {html.escape(what)}\n"
-            "it keeps refreshing; the traceback is in the log (logger mlora_lab.lab.dashboard)</pre>"
-        )
 
     @contextlib.contextmanager
     def _quieted(self) -> Iterator[None]:
@@ -382,9 +322,7 @@ class Dashboard:
             self._redraw()
             if self.tabs.selected_index == LOGS_TAB:
                 self._update_log()
-        if self.workdir is not None:
-            return not self._stop_event.is_set()
-        return self.model.going
+        return self._going()
 
     def _changed(self) -> None:
         """A control changed: update and redraw at once (not at the next refresh)."""
@@ -396,7 +334,7 @@ class Dashboard:
                 self._update_header()
                 self._redraw(force=True)
         except Exception as e:  # (in the kernel's widget callback: say it where it is seen)
-            self._say_failure("redraw", e)
+            self.refresher.say_failure("redraw", e)
 
     # -- header, tenants, progress, stop -----------------------------------------------------------
     def picked(self) -> list[Key]:
@@ -502,39 +440,14 @@ class Dashboard:
         )
 
     def _redraw(self, force: bool = False) -> None:
-        """Redraw the figures whose data or settings changed: the loss figure at once, the tabs' figures
-        at most every :data:`TAB_EVERY_S` (the tab shown at once when ``force``d by a control)."""
-        scene = self._scene()
-        versions = tuple(view.series.version for view in self.model.runs.values())
-        settings = (scene.x, scene.smoothing, scene.logy, scene.outliers, scene.several)
-        version = (tuple(scene.picked), versions, *settings)
-        if force or self._drawn.get("loss") != version:
-            self.loss.draw(scene)
-            self.loss.show()
-            self._drawn["loss"] = version
-        self.rl_views.update(scene, self.model, force)  # (an SFT-only view: two flags read, nothing drawn)
-        now = time.monotonic()
-        for tab, name, panel in ((SYSTEM_TAB, "system", self.system), (OPTIM_TAB, "optim", self.optim)):
-            if not force and self._drawn.get(name) == version:
-                continue
-            shown = self.tabs.selected_index == tab
-            due = name not in self._tab_drawn or now - self._tab_drawn[name] >= TAB_EVERY_S
-            if (force and shown) or due or not self.model.going:
-                panel.draw(scene)
-                panel.show()
-                self._drawn[name] = version
-                self._tab_drawn[name] = now
+        """Redraw what changed (:meth:`~mlora_lab.lab.dashboard.panels.Panels.update`)."""
+        shown = {SYSTEM_TAB: "system", OPTIM_TAB: "optim"}.get(self.tabs.selected_index)
+        self.panels.update(self._scene(), shown, force)
 
     def redraw(self, figures: Sequence[str] = ("loss", "optim", "system")) -> None:
         """Redraw these figures now (``loss``, ``optim``, ``system``; ``reward`` once it is shown)."""
-        panels = {"loss": self.loss, "optim": self.optim, "system": self.system}
-        if self.rl_views.figure is not None:
-            panels["reward"] = self.rl_views.figure
         with self._lock:
-            scene = self._scene()
-            for name in figures:
-                panels[name].draw(scene)
-                panels[name].show()
+            self.panels.redraw(self._scene(), figures)
 
     def _on_tab(self) -> None:
         with self._lock:
@@ -543,15 +456,13 @@ class Dashboard:
                 self._update_log(force=True)
 
     def _on_x(self, x: str) -> None:
-        for panel in self._panels():
-            panel.set_x(x)
+        self.panels.set_x(x)
         self.follow(redraw=False)
         self._changed()
 
     def follow(self, redraw: bool = True) -> None:
         """Undo zooming and panning: every axes follows its data again."""
-        for panel in self._panels():
-            panel.follow()
+        self.panels.follow()
         if redraw:
             self._changed()
 
@@ -559,8 +470,7 @@ class Dashboard:
         """The drawn point nearest to display position ``(x_px, y_px)`` in ``ax``, as text
         ``series · x-label x · y`` (None when no point is within ``radius_px`` pixels), and the axes'
         highlight moved onto it."""
-        panel = next(p for p in self._panels() if ax.figure is p.fig)
-        return self.hover.readout_at(ax, x_px, y_px, panel.x, radius_px)
+        return self.panels.readout_at(ax, x_px, y_px, radius_px)
 
     # -- logs and export --------------------------------------------------------------------------
     def _update_log(self, force: bool = False) -> None:
@@ -580,14 +490,7 @@ class Dashboard:
         if folder is None:
             raise ValueError("no run chosen: nothing to export")
         with self._lock:
-            drawn: list[tuple[str, Figure]] = []
-            if figures:
-                scene = self._scene()
-                for panel in self._panels():
-                    panel.draw(scene)
-                drawn = [("loss", self.loss.fig), ("optim", self.optim.fig), ("system", self.system.fig)]
-                if self.rl_views.figure is not None and self.model.rewarded(self.chosen):
-                    drawn.append(("reward", self.rl_views.figure.fig))
+            drawn = self.panels.exported(self._scene()) if figures else []
             legend = self.loss.legend_in_figure() if figures else contextlib.nullcontext()
             with legend:
                 return export_files(Path(folder), drawn, self.metrics() if metrics else None)
