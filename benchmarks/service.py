@@ -124,9 +124,10 @@ def overhead(cfg: dict, model_dir: str, repeats: int) -> dict:
     from mlora_lab.job.service import ServiceDriver
     from mlora_lab.job.trainer import Trainer
     from mlora_lab.service import wire
-    from mlora_lab.service.app import Server, ServiceState
+    from mlora_lab.service.app import Server
     from mlora_lab.service.bodies import AdamStep, ModelInfo
     from mlora_lab.service.keys import Keys
+    from mlora_lab.service.state import ServiceState
     from mlora_lab.service.work import Futures, Inbox, Kind, Work
     from mlora_lab.spec import JobSpec
 

@@ -20,8 +20,9 @@ from mlora_lab.job.rl import RLDriver
 from mlora_lab.job.service import ServiceDriver
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.service import wire
-from mlora_lab.service.app import Server, ServiceState
+from mlora_lab.service.app import Server
 from mlora_lab.service.keys import Keys
+from mlora_lab.service.state import ServiceState
 from mlora_lab.service.work import Futures, Inbox
 from mlora_lab.spec import JobSpec
 

@@ -13,8 +13,9 @@ import torch
 tinker = pytest.importorskip("tinker")
 
 from mlora_lab.service import wire  # noqa: E402
-from mlora_lab.service.app import Server, ServiceState  # noqa: E402
+from mlora_lab.service.app import Server  # noqa: E402
 from mlora_lab.service.keys import Keys  # noqa: E402
+from mlora_lab.service.state import ServiceState  # noqa: E402
 from mlora_lab.service.work import ErrorCategory, Futures, Inbox, Kind, Result  # noqa: E402
 
 BASE = "tiny-base"

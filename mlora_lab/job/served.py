@@ -26,8 +26,9 @@ from mlora_lab.job.service import ServiceDriver
 from mlora_lab.rundir import RunDir
 from mlora_lab.rundir import service as files
 from mlora_lab.service import wire
-from mlora_lab.service.app import Server, ServiceState
+from mlora_lab.service.app import Server
 from mlora_lab.service.keys import Keys
+from mlora_lab.service.state import ServiceState
 from mlora_lab.service.work import Futures, Inbox
 from mlora_lab.spec import JobSpec
 from mlora_lab.specparts import Service

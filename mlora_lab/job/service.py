@@ -30,22 +30,12 @@ failure: a quarantined tenant fails its waiting requests), a forward/backward's 
 With ``max_step_tokens``, a step takes forward/backward requests until their datums hold that many input
 tokens (at least one request); the rest wait for the next steps, and the models take turns to go first.
 
-    save_weights_for_sampler   a **snapshot**: the tenant's adapter as it is now, copied into a slot of its
-                      own (no optimiser; later steps of the tenant do not change it), at its place in
-                      the model's ``seq_id`` order; named (``tinker://<model>/sampler_weights/<name>``) or
-                      not (a sampling session of the SDK's ``save_weights_and_get_sampling_client``)
-    asample           the samples of every client waiting at a step boundary, in ONE batched generation
-                      (:func:`mlora_lab.sampling.sample`: each row with its snapshot's adapter, or the
-                      base alone; a KV cache; seeds; stop strings and token ids; per-token logprobs always,
-                      the prompt's when asked)
-
-    save_weights      ``save_state``: ``<checkpoints>/weights/<model>/<name>/`` in the checkpoint format (JSON
-                      + safetensors, never a pickle; complete or absent), holding the adapter, the AdamW
-                      state and the client's LoRA settings, and ``adapter/`` beside them, a PEFT adapter
-                      directory; answered ``tinker://<model>/weights/<name>``
-    load_weights      into the model (``load_state``: the weights, a fresh AdamW; ``..._with_optimizer``:
-                      its state too), or a new model from it (``create_training_client_from_state``:
-                      the load is that model's first request)
+    save_weights_for_sampler   a **snapshot** of the tenant's adapter, at its place in the model's ``seq_id``
+                      order, and ``asample``: every waiting sample in ONE batched generation
+                      (:mod:`mlora_lab.job.snapshots`, which also shares the slots between snapshots and
+                      training clients)
+    save_weights      ``save_state``, and ``load_weights``: into the model, or a new model from the state
+                      (:mod:`mlora_lab.job.saved_states`)
 
 A client that goes away (its session finished, or no heartbeat nor request for ``session_timeout_s``; the
 SDK heartbeats every 10 s) has its tenants saved (``adapters/<tenant>``) and paused, not lost; a paused
@@ -67,27 +57,17 @@ that every process runs the same plan in the same order (every forward is a coll
     answers     each process keeps its datums' logprobs, loss and metrics; after the step one gather brings
                 them to rank 0, which puts the logprobs in datum order and sums ``loss:sum`` and the other
                 metrics over the datums, in datum order (what one process computes)
-    files       a saved state's or snapshot's tensors are gathered on every process (``TensorIO``) and
-                written by rank 0 alone; rank 0 reads a state and broadcasts it (or why it cannot be
-                read), and says whether a save may go ahead (its folder exists already or not), so a
-                request fails alike on every process
-    samples     every process runs every sample request (same seeds: the same tokens), its decode steps
-                kept in step with the others (``any_running``), as the RL driver generates
+    files       a saved state's or snapshot's tensors are gathered on every process and written by rank 0
+                alone; rank 0 reads a state and broadcasts it (:mod:`mlora_lab.job.saved_states`)
+    samples     every process runs every sample request, its decode steps kept in step with the others
+                (:mod:`mlora_lab.job.snapshots`)
 
 Only rank 0 settles futures.
-
-Snapshots and slots. A sampler snapshot keeps the adapter's tensors (in memory, on every process; a named
-one is also a PEFT folder) and is loaded into a free slot when it is sampled from. Snapshots and training
-clients share ``max_tenants``: a training client being created, or a batch sampling from snapshots that are
-not loaded, unloads the snapshots sampled least recently. A model keeps its :data:`SESSION_SNAPSHOTS` most
-recent unnamed snapshots (``save_weights_and_get_sampling_client``, once per step of an RL loop); its
-``kind="inflight"`` saves share one target, which each such save moves on for every inflight session.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -100,13 +80,12 @@ import torch
 from mlora_lab.data import IGNORE_INDEX, Example
 from mlora_lab.job.agree import agree
 from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
+from mlora_lab.job.saved_states import SavedStates, saved_model
+from mlora_lab.job.snapshots import Snapshots
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.lora.model import MultiLoRAModel
 from mlora_lab.lora.targets import output_layer_names
-from mlora_lab.rundir import TenantState, TrainRow, checkpoint
-from mlora_lab.rundir.checkpoint import CheckpointError, read_checkpoint, write_state_dir
-from mlora_lab.rundir.service import saved_folder
-from mlora_lab.sampling import SampleRequest, default_stop_ids, sample
+from mlora_lab.rundir import TenantState, TrainRow
 from mlora_lab.service import losses, wire
 from mlora_lab.service.bodies import ModelInfo
 from mlora_lab.service.work import ErrorCategory, Kind, Result, Work
@@ -116,9 +95,6 @@ from mlora_lab.specparts import ClientModel
 
 GONE = "its client sent no heartbeat nor request"
 """The start of the reason a tenant of a client that went away is paused with."""
-
-STATE_FORMAT = "mlora_lab.service.state/1"
-"""What a saved Tinker state says it is (a checkpoint-format directory of another kind is refused)."""
 
 ATTENTION = (".self_attn.", ".attention.", ".attn.", ".self_attention.")
 """A module path holding one of these is an attention projection (``train_attn``); other linear layers of
@@ -196,25 +172,6 @@ small model: two clients in lock-step shared none of their steps)."""
 GATHER_MAX_S = 0.1
 """... or once the first of them has waited this long (a steady stream of requests holds no step back)."""
 
-SESSION_SNAPSHOTS = 8
-"""Unnamed sampler snapshots kept per model (the most recent saves; named ones are all kept)."""
-
-
-@dataclass(eq=False)
-class _Snapshot:
-    """A sampler snapshot: the adapter's full tensors when it was saved (on every process) and its LoRA
-    shape, and the slot it is loaded in now (None: unloaded to make room; loaded again when sampled)."""
-
-    model_id: str
-    tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    rank: int
-    alpha: float
-    modules: tuple[str, ...]
-    use_rslora: bool
-    named: bool
-    slot: str | None = None
-    used: int = 0
-
 
 @dataclass
 class _Orders:
@@ -227,7 +184,7 @@ class _Orders:
 
 class ServiceDriver(Driver):
     """Tenants of Tinker training clients (see the module docstring). ``state`` is the service's shared
-    state (:class:`~mlora_lab.service.app.ServiceState`): its inbox, futures and model registry, on rank 0;
+    state (:class:`~mlora_lab.service.state.ServiceState`): its inbox, futures and model registry, on rank 0;
     ``None`` on every other process (it follows rank 0's orders)."""
 
     def __init__(
@@ -250,18 +207,14 @@ class ServiceDriver(Driver):
         self.session_timeout_s = float(session_timeout_s)
         self._watched = 0.0
         self.state, self.lora_alpha = state, float(lora_alpha)
-        self.checkpoints = None if checkpoints is None else Path(checkpoints)  # (rank 0 alone writes there)
+        folder = None if checkpoints is None else Path(checkpoints)  # (rank 0 alone writes there)
+        self.snapshots = Snapshots(parts.engine, parts.spec.max_tenants, folder, self.main)
+        self.states = SavedStates(parts.engine, folder, self.main, self.lora_alpha)
         self.comm = parts.engine.comm
         self.names: dict[str, str] = {}  # model id -> tenant name
         self.queues: dict[str, deque[Work]] = {}  # model id -> its requests taken, not run yet
         self.step_work: dict[str, _Pending] = {}  # tenant -> what it runs in the current step
         self.waiting_optim: dict[str, Work] = {}  # tenant -> its optim_step, until the step settles it
-        # tinker:// path or sampling session id -> its snapshot (a model's inflight sessions share one)
-        self.snapshots: dict[str, _Snapshot] = {}
-        self._uses = (
-            itertools.count()
-        )  # (when a snapshot was last sampled from: the least recent leaves first)
-        self._snapshot_ids = itertools.count()
         self._restored: list[str] = []  # clients' tenants a resume brought back, to register on rank 0
         # request id -> datum -> (logprobs, loss, metrics) of this process's datums of the current step
         self.scored: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]] = {}
@@ -303,8 +256,16 @@ class ServiceDriver(Driver):
             if t is None or t.spec.client is None:
                 continue
             c = t.spec.client
-            info = ModelInfo(c.model_id, c.owner, self.state.base_model, t.spec.rank, c.seed, c.train_attn,
-                             c.train_mlp, c.train_unembed)  # fmt: skip
+            info = ModelInfo(
+                c.model_id,
+                c.owner,
+                self.state.base_model,
+                t.spec.rank,
+                c.seed,
+                c.train_attn,
+                c.train_mlp,
+                c.train_unembed,
+            )
             waiting = t.state is TenantState.PAUSED and (t.reason or "").startswith(GONE)
             self.state.restore_model(info, t.feed.restored_seq_id or 1, alive=not waiting)
 
@@ -353,8 +314,13 @@ class ServiceDriver(Driver):
                         break
                     queue.popleft()
                     try:  # (a request that cannot be computed fails alone, before the step)
-                        losses.validate(fb.loss_fn, fb.config, [d.inputs for d in fb.data], lengths,
-                                        vocab_size=self.engine.vocab_rows)  # fmt: skip
+                        losses.validate(
+                            fb.loss_fn,
+                            fb.config,
+                            [d.inputs for d in fb.data],
+                            lengths,
+                            vocab_size=self.engine.vocab_rows,
+                        )
                     except losses.LossInputError as e:
                         self._fail(work, str(e))
                         continue
@@ -363,15 +329,14 @@ class ServiceDriver(Driver):
                 elif work.kind in (Kind.SAVE_FOR_SAMPLER, Kind.SAVE_WEIGHTS, Kind.LOAD_WEIGHTS):
                     if pending.forwards:  # it must come after them (and their step): next step
                         break
-                    {Kind.SAVE_FOR_SAMPLER: self._snapshot, Kind.SAVE_WEIGHTS: self._save_state,
-                     Kind.LOAD_WEIGHTS: self._load_state}[work.kind](queue.popleft(), t)  # fmt: skip
+                    self._save_or_load(queue.popleft(), t)
                 else:  # an optim_step (the only other kind queued): it ends the tenant's part of this step
                     pending.optim = queue.popleft()
                     break
             if pending.forwards or pending.optim is not None:
                 self.step_work[name] = pending
         if samples:
-            self._sample(samples)
+            self.snapshots.sample(samples, self._settle)
         if not self.step_work:
             return None
         tenants = [self.pool[n] for n in self.step_work]
@@ -389,7 +354,7 @@ class ServiceDriver(Driver):
                     t.feed.window_tokens += sum(lengths)
                     t.feed.window_requests += 1
             if pending.optim is not None:
-                self._set_adam(t, pending.optim.body)
+                _set_adam(t, pending.optim.body)
                 self.waiting_optim[t.name] = pending.optim
                 complete.append(t.name)
         return Plan(tenants=tenants, rows=rows, complete=complete)
@@ -431,13 +396,24 @@ class ServiceDriver(Driver):
         client = ClientModel(
             model_id, info.owner, info.seed, info.train_attn, info.train_mlp, info.train_unembed
         )
-        tenant = Tenant(name=name, data="", rank=info.rank, alpha=self.lora_alpha, target_modules=targets,
-                        lr=1e-4, weight_decay=0.0, max_grad_norm=None, batch_size=1, max_steps=MAX_COUNT,
-                        seed=0 if info.seed is None else int(info.seed), dropout=0.0, client=client)  # fmt: skip
+        tenant = Tenant(
+            name=name,
+            data="",
+            rank=info.rank,
+            alpha=self.lora_alpha,
+            target_modules=targets,
+            lr=1e-4,
+            weight_decay=0.0,
+            max_grad_norm=None,
+            batch_size=1,
+            max_steps=MAX_COUNT,
+            seed=0 if info.seed is None else int(info.seed),
+            dropout=0.0,
+            client=client,
+        )
         self.names[model_id] = name
-        self._free_slots(
-            1
-        )  # (a loaded snapshot gives its slot to a training client; it loads again when sampled)
+        # (a loaded snapshot gives its slot to a training client; it loads again when sampled)
+        self.snapshots.free_slots(1)
         refusal = agree(self.comm, lambda: self.pool.prepare_add(tenant, self.feed))
         if refusal is not None:
             del self.names[model_id]
@@ -484,263 +460,32 @@ class ServiceDriver(Driver):
         for name in orders.resumes:
             self.pool.set_state(self.pool[name], TenantState.RUNNING)
 
-    # -- training state ----------------------------------------------------------------------------
-    def _folder(self, path: str) -> Path | None:
-        """Where the checkpoint ``path`` (``tinker://…``) lives (None: this server saves nothing)."""
-        return None if self.checkpoints is None else saved_folder(self.checkpoints, path)
-
-    def _save_state(self, work: Work, t: TenantRun) -> None:
-        save = work.body
-        path = f"tinker://{work.model_id}/weights/{save.name}"
-        folder = self._folder(path)
-        refusal = None
-        if folder is None:
-            refusal = "this server keeps no saved states (it runs without a run directory)"
-        elif self.main and folder.exists() and not save.overwrite:
-            refusal = f"{path} exists already (save with overwrite=True to replace it)"
-        if folder is not None:  # (rank 0 sees the folder: every process refuses with it, or gathers with it)
-            refusal = self.comm.broadcast_object(refusal)
-        if refusal is not None:
-            self._fail(work, str(refusal))
-            return
-        io = self.engine.model.io
-        adapter = self.engine.model.tenant_tensors(t.name)  # (gathers: collectives)
-        optimizer = t.optimizer.state_dict(gather=io.gather)
-        if not self.main:
-            return
-        info = self.state.models[work.model_id]
-        lora = {k: getattr(info, k) for k in ("rank", "seed", "train_attn", "train_mlp", "train_unembed")}
-        tree = {
-            "format": STATE_FORMAT,
-            "model_id": work.model_id,
-            "lora": {**lora, "alpha": self.lora_alpha},
-            "adapter": adapter,
-            "optimizer": optimizer,
-            "step": t.step,
-        }
-
-        def peft_folder(tmp: Path) -> None:
-            self.engine.model.save_adapter(t.name, tmp / "adapter", self.engine.base_path, tensors=adapter)
-
-        try:
-            write_state_dir(folder, t.step, tree, beside=peft_folder)
-        except checkpoint.WRITE_ERRORS as e:
-            self._fail(work, f"could not save {path}: {e}", ErrorCategory.SERVER)
-            return
-        self._settle(work, Result(json={"path": path, "type": "save_weights"}))
-
-    def _read_state(self, work: Work) -> dict[str, Any] | None:
-        """The saved state ``work`` names, read by rank 0 and broadcast (or why it cannot be read: then the
-        request failed, and None)."""
-        state: dict[str, Any] | str | None = None
-        if self.main:
-            folder = self._folder(work.body.path)
-            try:
-                if folder is None or not folder.exists():
-                    raise CheckpointError(f"no saved state {work.body.path} on this server")
-                state = read_checkpoint(folder)
-                if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-                    raise CheckpointError(f"{work.body.path} is not a saved state of this service")
-            except (CheckpointError, ValueError, OSError) as e:  # (rank 0 must reach the broadcast)
-                state = str(e)
-        state = self.comm.broadcast_object(state)  # type: ignore[assignment]
-        if isinstance(state, str):
-            self._fail(work, state)
-            return None
-        return state
-
-    def _load_state(self, work: Work, t: TenantRun) -> None:
-        """``load_state``: the saved weights (and, asked, the AdamW state; else a fresh one) into ``t``."""
-        state = self._read_state(work)
-        if state is None:
-            return
-        mine = self.engine.model.tenant_tensors(t.name)
-        theirs = state["adapter"]
-        if set(mine) != set(theirs) or any(mine[k][0].shape != theirs[k][0].shape for k in mine):
-            self._fail(work, f"{work.body.path} has another LoRA shape (rank or layers) than this model")
-            return
-        self._restore(t, state, work.body.optimizer)
-        self._settle(work, Result(json={"path": work.body.path, "type": "load_weights"}))
+    # -- snapshots and saved states, at their place in the model's order ------------------------------
+    def _save_or_load(self, work: Work, t: TenantRun) -> None:
+        """A sampler snapshot of ``t`` (:class:`~mlora_lab.job.snapshots.Snapshots`), or its training state
+        saved or loaded (:class:`~mlora_lab.job.saved_states.SavedStates`)."""
+        if work.kind is Kind.SAVE_FOR_SAMPLER:
+            result = self.snapshots.save(work, t.name)
+        elif work.kind is Kind.SAVE_WEIGHTS:
+            info = self.state.models.get(work.model_id) if self.main else None
+            result = self.states.save(work, t, info)
+        else:
+            result = self.states.load(work, t)
+        if result is not None:
+            self._settle(work, result)
 
     def _create_from_state(self, work: Work) -> None:
         """``create_training_client_from_state``: a new model with the saved LoRA settings, then the load."""
-        state = self._read_state(work)
-        if state is None:
+        state = self.states.read(work.body.path)
+        if isinstance(state, str):
+            self._fail(work, state)
             return
-        lora = state["lora"]
-        info = ModelInfo(work.model_id, work.body.owner, self.spec.base_model, int(lora["rank"]), lora["seed"],
-                         bool(lora["train_attn"]), bool(lora["train_mlp"]), bool(lora["train_unembed"]))  # fmt: skip
-        t = self._create(work, info)
+        t = self._create(work, saved_model(work, state, self.spec.base_model))
         if t is None:
             return
-        self._restore(t, state, work.body.optimizer)
+        self.states.restore(t, state, work.body.optimizer)
         answer = {"path": work.body.path, "type": "load_weights", "model_id": work.model_id}
         self._settle(work, Result(json=answer))
-
-    def _restore(self, t: TenantRun, state: dict[str, Any], optimizer: bool) -> None:
-        self.engine.model.set_tenant_tensors(t.name, state["adapter"])
-        t.optimizer.zero_grad()
-        if optimizer:
-            t.optimizer.load_state_dict(state["optimizer"], scatter=self.engine.model.io.scatter)
-        else:
-            t.optimizer.optimizer.state.clear()  # AdamW starts again: no moments, step 0
-
-    # -- sampling ----------------------------------------------------------------------------------
-    def _snapshot(self, work: Work, t: TenantRun) -> None:
-        """Keep ``t``'s adapter, as it is now, under the request's name: a frozen snapshot (named, or the
-        sampling session of ``save_weights_and_get_sampling_client``), or the model's inflight target, which
-        this save updates for every inflight session of the model."""
-        save = work.body
-        key = save.sampling_session_id or f"tinker://{work.model_id}/sampler_weights/{save.name}"
-        if key in self.snapshots and not save.overwrite:
-            self._fail(work, f"{key} exists already (save with overwrite=True to replace it)")
-            return
-        model = self.engine.model
-        adapter = model.tenants[t.name]
-        tensors = model.tenant_tensors(t.name)  # (full tensors, on every process)
-        target = self.snapshots.get(f"inflight {work.model_id}") if save.inflight else self.snapshots.get(key)
-        if target is not None:  # overwritten, or the inflight target moves on: in place, in its slot too
-            target.tensors = tensors
-            if target.slot is not None:
-                model.set_tenant_tensors(target.slot, tensors)
-        else:
-            target = _Snapshot(work.model_id, tensors, adapter.rank, adapter.alpha, tuple(adapter.modules),
-                               adapter.use_rslora, named=save.name is not None)  # fmt: skip
-        if save.inflight:
-            self.snapshots[f"inflight {work.model_id}"] = target
-        self.snapshots[key] = target
-        self._forget_old_sessions(work.model_id)
-        folder = self._folder(key) if save.name else None
-        if folder is not None:  # a named snapshot is also a PEFT adapter directory (svc.local_path)
-            try:  # (the tenant's adapter, which the snapshot is a copy of now: gathered, written by rank 0)
-                self.engine.save_adapter(t.name, folder if self.main else None)
-            except checkpoint.WRITE_ERRORS as e:
-                self._fail(work, f"could not save {key}: {e}", ErrorCategory.SERVER)
-                return
-        if save.sampling_session_id:
-            answer = {"sampling_session_id": save.sampling_session_id, "type": "save_weights_for_sampler"}
-        else:
-            answer = {"path": key, "type": "save_weights_for_sampler"}
-        self._settle(work, Result(json=answer))
-
-    def _forget_old_sessions(self, model_id: str) -> None:
-        """A model keeps the snapshots of its :data:`SESSION_SNAPSHOTS` most recent unnamed sampler saves (an
-        RL loop saves one per step): older ones are dropped, and sampling from them fails saying so."""
-        keys = [k for k, snap in self.snapshots.items()
-                if snap.model_id == model_id and not snap.named and not k.startswith("inflight ")]  # fmt: skip
-        for k in keys[:-SESSION_SNAPSHOTS]:
-            snap = self.snapshots.pop(k)
-            if snap.slot is not None and all(other is not snap for other in self.snapshots.values()):
-                self.engine.model.remove_tenant(snap.slot)
-                snap.slot = None
-
-    def _free_slots(self, wanted: int, keep: set[int] = frozenset()) -> int:
-        """Unload least recently sampled snapshots (not those in ``keep``, by id) until ``wanted`` slots are
-        free or none is left to unload; the free slots."""
-        model = self.engine.model
-        loaded = sorted({id(s): s for s in self.snapshots.values() if s.slot is not None and id(s) not in keep}
-                        .values(), key=lambda s: s.used)  # fmt: skip
-        while self.spec.max_tenants - len(model.tenants) < wanted and loaded:
-            snap = loaded.pop(0)
-            model.remove_tenant(snap.slot)
-            snap.slot = None
-        return self.spec.max_tenants - len(model.tenants)
-
-    def _load_snapshots(self, snaps: list[_Snapshot]) -> set[int]:
-        """Put ``snaps`` in slots (evicting others, least recently sampled first); the ids of those that
-        could not get one (every slot holds a training client or a snapshot this batch samples)."""
-        need = {id(s): s for s in snaps}
-        missing = [s for s in need.values() if s.slot is None]
-        free = self._free_slots(len(missing), keep=set(need))
-        failed = set()
-        for snap in missing:
-            if free <= 0:
-                failed.add(id(snap))
-                continue
-            snap.slot = f"snapshot.{next(self._snapshot_ids)}"
-            self.engine.model.add_tenant(snap.slot, rank=snap.rank, alpha=snap.alpha, target_modules=list(snap.modules),
-                                         use_rslora=snap.use_rslora, init=snap.tensors)  # fmt: skip
-            free -= 1
-        for snap in need.values():
-            snap.used = next(self._uses)
-        return failed
-
-    def _sample(self, works: list[Work]) -> None:
-        """Every waiting sample request in one batched generation (on every process: its forwards are
-        collectives); each future gets its sequences. The snapshots sampled from are loaded into free slots
-        first (a snapshot not sampled from lately may have been unloaded to make room)."""
-        requests, taken = [], []
-        eos = default_stop_ids(self.engine.model, self.engine.tokenizer)
-        sources: list[_Snapshot | None] = []
-        for work in works:
-            s = work.body
-            # a snapshot's sampling session (its work names the model), a saved snapshot, or the base model
-            source = s.sampling_session_id if work.model_id is not None else s.model_path
-            if source is not None and source not in self.snapshots:
-                self._fail(work, f"no sampler snapshot {source!r} on this server (an unnamed one is kept for "
-                                 f"the {SESSION_SNAPSHOTS} most recent saves of its model)")  # fmt: skip
-                continue
-            sources.append(None if source is None else self.snapshots[source])
-            taken.append(work)
-        failed = self._load_snapshots([s for s in sources if s is not None])
-        kept = []
-        for work, snap in zip(taken, sources):
-            if snap is not None and id(snap) in failed:
-                self._fail(work, f"no free slot to sample from its snapshot: the job's max_tenants="
-                                 f"{self.spec.max_tenants} slots hold training clients and the snapshots sampled "
-                                 "with it; try again, or serve with a larger max_tenants")  # fmt: skip
-                continue
-            s = work.body
-            ids = list(s.stop_token_ids)
-            # ``stop`` absent: the model's end-of-sequence; ``stop: []``: nothing stops a sample but its
-            # length; stop strings or ids: those and the end-of-sequence
-            stops = ids + eos if (s.stop_at_eos or s.stop_strings or ids) else []
-            requests.append(
-                SampleRequest(
-                    prompt=s.prompt,
-                    tenant=None if snap is None else snap.slot,
-                    num_samples=s.num_samples,
-                    max_new_tokens=s.max_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    top_k=None if s.top_k < 1 else s.top_k,
-                    stop_token_ids=tuple(dict.fromkeys(stops)),
-                    stop_strings=tuple(s.stop_strings),
-                    seed=s.seed,
-                    prompt_logprobs=s.prompt_logprobs,
-                )
-            )
-            kept.append(work)
-        taken = kept
-        if not requests:
-            return
-        any_running = self._any_running if self.comm.mesh is not None else None
-        try:
-            done = sample(
-                self.engine.model, requests, tokenizer=self.engine.tokenizer, any_running=any_running
-            )
-        except ValueError as e:  # (checked by the HTTP side already; a request it let through fails alone)
-            for work in taken:
-                self._fail(work, f"sampling failed: {e}")
-            return
-        for i, work in enumerate(taken):
-            mine = [c for c in done if c.request == i]
-            sequences = [wire.Sampled(c.tokens, c.logprobs, stopped=c.stop_reason != "length") for c in mine]
-            prompt = mine[0].prompt_logprobs if requests[i].prompt_logprobs else None
-            self._settle(work, Result(proto=wire.sample_response(sequences, prompt)))
-
-    def _any_running(self, running: bool) -> bool:
-        """Whether a sampling row still runs on any process (an all-reduce after every decode step)."""
-        return bool(self.comm.sum_over_world(torch.tensor([float(running)]))[0] > 0)
-
-    def _set_adam(self, t: TenantRun, params: Any) -> None:
-        """The request's AdamParams on the tenant's AdamW for the coming step (the schedule is constant)."""
-        p = _params(params)
-        opt = t.optimizer
-        opt.set_hyperparameters(lr=p["learning_rate"], weight_decay=p["weight_decay"])
-        group = opt.optimizer.param_groups[0]
-        group["betas"], group["eps"] = (p["beta1"], p["beta2"]), p["eps"]
-        opt.max_grad_norm = p["grad_clip_norm"] if p["grad_clip_norm"] > 0 else None
 
     # -- the loss ----------------------------------------------------------------------------------
     def loss(self, t: TenantRun, token_loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -766,8 +511,17 @@ class ServiceDriver(Driver):
             metrics = {"grad_norm:max": result.grad_norm, "learning_rate:max": result.lr}
             self._settle(work, Result(json={"metrics": metrics}))
         f: ServiceFeed = t.feed
-        self.recorder.log(TrainRow(step=self.recorder.step, tenant=t.name, tenant_step=t.step, loss=result.loss,
-                                   tokens=f.window_tokens, lr=result.lr, grad_norm=result.grad_norm))  # fmt: skip
+        self.recorder.log(
+            TrainRow(
+                step=self.recorder.step,
+                tenant=t.name,
+                tenant_step=t.step,
+                loss=result.loss,
+                tokens=f.window_tokens,
+                lr=result.lr,
+                grad_norm=result.grad_norm,
+            )
+        )
         f.reset()
 
     def after_step(self) -> None:
@@ -779,9 +533,12 @@ class ServiceDriver(Driver):
         if not works:  # (the same on every process)
             return
         mine = {
-            rid: {i: (lp.float().cpu(), v.cpu(), {k: float(x) for k, x in m.items()}) for i, (lp, v, m) in got.items()}
+            rid: {
+                i: (lp.float().cpu(), v.cpu(), {k: float(x) for k, x in m.items()})
+                for i, (lp, v, m) in got.items()
+            }
             for rid, got in scored.items()
-        }  # fmt: skip
+        }
         everyone = self.comm.gather_objects(mine)
         if not self.main:
             return
@@ -828,6 +585,16 @@ def _row(d: wire.Datum) -> Example:
     extra input token is never predicted from; its logits are not used)."""
     targets = d.inputs["target_tokens"].reshape(-1).tolist()
     return Example([*d.tokens, targets[-1]], [IGNORE_INDEX, *targets])
+
+
+def _set_adam(t: TenantRun, params: Any) -> None:
+    """The request's AdamParams on the tenant's AdamW for the coming step (the schedule is constant)."""
+    p = _params(params)
+    opt = t.optimizer
+    opt.set_hyperparameters(lr=p["learning_rate"], weight_decay=p["weight_decay"])
+    group = opt.optimizer.param_groups[0]
+    group["betas"], group["eps"] = (p["beta1"], p["beta2"]), p["eps"]
+    opt.max_grad_norm = p["grad_clip_norm"] if p["grad_clip_norm"] > 0 else None
 
 
 def _params(params: Any) -> Mapping[str, float]:

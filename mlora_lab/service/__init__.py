@@ -4,7 +4,8 @@ drive their tenants through the ``tinker`` SDK (0.38.0), unchanged.
 - :mod:`.app`: the HTTP front (Starlette + uvicorn on a thread): checks each request, queues it, answers
   futures; it never computes. :mod:`.keys` (API keys), :mod:`.bodies` (JSON bodies, checked).
 - :mod:`.work`: the inbox (every model's requests in ``seq_id`` order, a resend run once) and the futures,
-  where the HTTP thread and the training loop meet.
+  where the HTTP thread and the training loop meet; :mod:`.state`: the state both share (sessions, models,
+  the inbox and futures).
 - :mod:`.wire`: the protobuf wire format, with the SDK's own message classes.
 - :mod:`.losses`: Tinker's built-in losses (``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``,
   ``dro``) as per-token sums over one forward of the shared base.

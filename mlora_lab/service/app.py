@@ -25,11 +25,9 @@ import secrets
 import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -53,90 +51,12 @@ from mlora_lab.service.bodies import (
     read_sample,
     read_save,
 )
-from mlora_lab.service.keys import Keys
-from mlora_lab.service.work import Futures, Inbox, InboxFull, Kind, SeqIdPassed, Work
+from mlora_lab.service.state import SamplingSession, ServiceState, Session
+from mlora_lab.service.work import InboxFull, Kind, SeqIdPassed, Work
 
 log = logging.getLogger(__name__)
 
 PREFIX = "/api/v1"
-
-
-@dataclass
-class Session:
-    """A client's session: it owns the models and sampling sessions it creates."""
-
-    owner: str
-    created: float = field(default_factory=time.time)
-    last_seen: float = field(default_factory=time.time)
-    """When the session last showed life (a heartbeat or any request naming it)."""
-    model_ids: list[str] = field(default_factory=list)
-    finished: bool = False
-
-
-@dataclass
-class SamplingSession:
-    """What a sampling session samples from: ``model_path`` (a sampler snapshot) or the base model."""
-
-    owner: str
-    base_model: str
-    model_path: str | None = None
-    model_id: str | None = None
-    """The training model it was saved from (``save_weights_and_get_sampling_client``), if any."""
-    created: float = field(default_factory=time.time)
-
-
-@dataclass
-class ServiceState:
-    """Everything the routes read and write; shared with the training loop (take :attr:`lock`)."""
-
-    inbox: Inbox
-    futures: Futures
-    keys: Keys
-    base_model: str
-    """The model name clients pass (``create_lora_training_client(base_model)``)."""
-    limits: wire.Limits
-    max_rank: int = 64
-    tokenizer_id: str | None = None
-    """What ``get_info`` names as the tokenizer (a local directory works); defaults to ``base_model``."""
-    models: dict[str, ModelInfo] = field(default_factory=dict)
-    """Filled by the training loop once a model exists."""
-    sessions: dict[str, Session] = field(default_factory=dict)
-    sampling_sessions: dict[str, SamplingSession] = field(default_factory=dict)
-    max_body_bytes: int = 8 << 20
-    poll_s: float = 25.0
-    """How long ``retrieve_future`` holds a request before answering ``try_again`` (the SDK waits 45 s)."""
-    client_config: dict[str, Any] = field(default_factory=lambda: {"use_pyqwest_transport": False})
-    """The answer to ``client/config`` (e.g. ``fwdbwd_max_chunk_len``, the datums per request)."""
-    lock: threading.RLock = field(default_factory=threading.RLock)
-    creating: dict[str, str] = field(default_factory=dict)
-    """model_id -> the request id of its create (a resent create_model gets the same future)."""
-    checkpoints: Path | None = None
-    """The service folder its saved checkpoints live in (``<run_dir>/service``; None: it saves none)."""
-    future_owners: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
-    """request_id -> (the key name that asked, when), oldest first: only its owner may retrieve a future."""
-
-    def restore_model(self, info: ModelInfo, next_seq_id: int, alive: bool) -> None:
-        """A model a resumed job brought back: registered under its id and owner, its requests taken from
-        ``next_seq_id`` on, its session watched again (``alive``: as if it had just been heard from, so its
-        client has the session timeout to come back; else as long silent)."""
-        session_id = info.model_id.split(":train:")[0]
-        with self.lock:
-            self.models[info.model_id] = info
-            session = self.sessions.setdefault(session_id, Session(owner=info.owner, last_seen=0.0))
-            if info.model_id not in session.model_ids:
-                session.model_ids.append(info.model_id)
-            if alive:
-                session.last_seen = time.time()
-        self.inbox.start_model(info.model_id, next_seq_id)
-
-    def owns_run(self, owner: str, run_id: str) -> bool:
-        """Whether ``run_id`` (a model id, the first part of a ``tinker://`` path) is ``owner``'s."""
-        with self.lock:
-            model = self.models.get(run_id)
-            if model is not None:
-                return model.owner == owner
-            session = self.sessions.get(run_id.split(":train:")[0])
-            return session is not None and session.owner == owner and run_id in session.model_ids
 
 
 class Refused(Exception):
@@ -176,8 +96,11 @@ def create_app(state: ServiceState) -> Starlette:
             except SeqIdPassed as e:
                 return error(422, str(e))
             except InboxFull as e:
-                return JSONResponse({"detail": f"the service is busy ({e}); retry later"}, status_code=429,
-                                    headers={"retry-after": "1"})  # fmt: skip
+                return JSONResponse(
+                    {"detail": f"the service is busy ({e}); retry later"},
+                    status_code=429,
+                    headers={"retry-after": "1"},
+                )
             except Exception:
                 log.exception("%s %s failed", request.method, request.url.path)
                 return error(500, "internal error in the service")
@@ -346,8 +269,12 @@ async def telemetry(request: Request, state: ServiceState, owner: str) -> Respon
 
 
 async def capabilities(request: Request, state: ServiceState, owner: str) -> Response:
-    model = {"model_name": state.base_model, "max_context_length": state.limits.max_tokens,
-             "trainable": True, "sampleable": True}  # fmt: skip
+    model = {
+        "model_name": state.base_model,
+        "max_context_length": state.limits.max_tokens,
+        "trainable": True,
+        "sampleable": True,
+    }
     return JSONResponse({"supported_models": [model]})
 
 
@@ -387,8 +314,9 @@ async def finish_session(request: Request, state: ServiceState, owner: str) -> R
 
 async def create_model(request: Request, state: ServiceState, owner: str) -> Response:
     body = await read_json(request, state)
-    session_id, _, info = read_create_model(body, owner=owner, base_model=state.base_model,
-                                            max_rank=state.max_rank)  # fmt: skip
+    session_id, _, info = read_create_model(
+        body, owner=owner, base_model=state.base_model, max_rank=state.max_rank
+    )
     session = own_session(state, owner, session_id)
     with state.lock:
         if info.model_id in state.creating:
@@ -410,9 +338,17 @@ async def get_info(request: Request, state: ServiceState, owner: str) -> Respons
         "model_name": model.base_model,
         "tokenizer_id": state.tokenizer_id or model.base_model,
     }
-    return JSONResponse({"type": "get_info", "model_data": data, "model_id": model.model_id,
-                         "optimizer_config": {"type": "adamw"}, "is_lora": True, "lora_rank": model.rank,
-                         "model_name": model.base_model})  # fmt: skip
+    return JSONResponse(
+        {
+            "type": "get_info",
+            "model_data": data,
+            "model_id": model.model_id,
+            "optimizer_config": {"type": "adamw"},
+            "is_lora": True,
+            "lora_rank": model.rank,
+            "model_name": model.base_model,
+        }
+    )
 
 
 async def forward_backward(request: Request, state: ServiceState, owner: str) -> Response:
@@ -496,8 +432,14 @@ async def load_weights(request: Request, state: ServiceState, owner: str) -> Res
         if model_id in state.models:
             raise Refused(422, [f"model {model_id!r} exists already (model_seq_id {model_seq_id} is taken)"])
         state.inbox.start_model(model_id, 0)
-        work = new_work(state, Kind.LOAD_WEIGHTS, owner, model_id=model_id, seq_id=0,
-                        body=Load(str(path), bool(optimizer), create=True, owner=owner))  # fmt: skip
+        work = new_work(
+            state,
+            Kind.LOAD_WEIGHTS,
+            owner,
+            model_id=model_id,
+            seq_id=0,
+            body=Load(str(path), bool(optimizer), create=True, owner=owner),
+        )
         request_id = queue(state, work)
         state.creating[model_id] = request_id
         session.model_ids.append(model_id)
@@ -552,8 +494,14 @@ def _when(t: float) -> str:
 def _checkpoint(c: files.Saved) -> dict[str, Any]:
     """A saved checkpoint as the SDK's ``Checkpoint``."""
     kind = "training" if c.kind == "weights" else "sampler"
-    return {"checkpoint_id": f"{c.kind}/{c.name}", "checkpoint_type": kind, "time": _when(c.time),
-            "tinker_path": c.tinker_path, "size_bytes": c.size_bytes, "public": False}  # fmt: skip
+    return {
+        "checkpoint_id": f"{c.kind}/{c.name}",
+        "checkpoint_type": kind,
+        "time": _when(c.time),
+        "tinker_path": c.tinker_path,
+        "size_bytes": c.size_bytes,
+        "public": False,
+    }
 
 
 def _saved(state: ServiceState, model_id: str) -> list[files.Saved]:
@@ -567,10 +515,17 @@ def _training_run(state: ServiceState, model: ModelInfo) -> dict[str, Any]:
         session = state.sessions.get(model.model_id.split(":train:")[0])
         seen = session.last_seen if session is not None and session.last_seen else time.time()
     last = {kind: next((c for c in reversed(saved) if c.kind == kind), None) for kind in files.SAVED_KINDS}
-    return {"training_run_id": model.model_id, "base_model": model.base_model, "model_owner": model.owner,
-            "is_lora": True, "corrupted": False, "lora_rank": model.rank, "last_request_time": _when(seen),
-            "last_checkpoint": _checkpoint(last["weights"]) if last["weights"] else None,
-            "last_sampler_checkpoint": _checkpoint(last["sampler_weights"]) if last["sampler_weights"] else None}  # fmt: skip
+    return {
+        "training_run_id": model.model_id,
+        "base_model": model.base_model,
+        "model_owner": model.owner,
+        "is_lora": True,
+        "corrupted": False,
+        "lora_rank": model.rank,
+        "last_request_time": _when(seen),
+        "last_checkpoint": _checkpoint(last["weights"]) if last["weights"] else None,
+        "last_sampler_checkpoint": _checkpoint(last["sampler_weights"]) if last["sampler_weights"] else None,
+    }
 
 
 def _page(request: Request) -> tuple[int, int]:
@@ -598,8 +553,9 @@ async def list_training_runs(request: Request, state: ServiceState, owner: str) 
     limit, offset = _page(request)
     models = _owned_models(state, owner)
     runs = [_training_run(state, m) for m in models[offset : offset + limit]]
-    return JSONResponse({"training_runs": runs, "cursor": {"offset": offset, "limit": limit,
-                                                           "total_count": len(models)}})  # fmt: skip
+    return JSONResponse(
+        {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": len(models)}}
+    )
 
 
 async def get_training_run(request: Request, state: ServiceState, owner: str) -> Response:
@@ -613,16 +569,24 @@ async def list_checkpoints(request: Request, state: ServiceState, owner: str) ->
 
 async def list_user_checkpoints(request: Request, state: ServiceState, owner: str) -> Response:
     limit, offset = _page(request)
-    saved = sorted((c for m in _owned_models(state, owner) for c in _saved(state, m.model_id)),
-                   key=lambda c: -c.time)  # fmt: skip
-    return JSONResponse({"checkpoints": [_checkpoint(c) for c in saved[offset : offset + limit]],
-                         "cursor": {"offset": offset, "limit": limit, "total_count": len(saved)}})  # fmt: skip
+    saved = sorted(
+        (c for m in _owned_models(state, owner) for c in _saved(state, m.model_id)), key=lambda c: -c.time
+    )
+    return JSONResponse(
+        {
+            "checkpoints": [_checkpoint(c) for c in saved[offset : offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(saved)},
+        }
+    )
 
 
 async def delete_checkpoint(request: Request, state: ServiceState, owner: str) -> Response:
     own_model(state, owner, request.path_params["run_id"])
-    raise Refused(422, "this server does not delete checkpoints; they are folders of the run directory "
-                       "(<run_dir>/service/), removed with the run")  # fmt: skip
+    raise Refused(
+        422,
+        "this server does not delete checkpoints; they are folders of the run directory "
+        "(<run_dir>/service/), removed with the run",
+    )
 
 
 async def weights_info(request: Request, state: ServiceState, owner: str) -> Response:
@@ -644,8 +608,11 @@ async def weights_info(request: Request, state: ServiceState, owner: str) -> Res
 
 
 async def asample(request: Request, state: ServiceState, owner: str) -> Response:
-    f, sample = read_sample(await read_json(request, state), vocab_size=state.limits.vocab_size,
-                            max_context=state.limits.max_tokens)  # fmt: skip
+    f, sample = read_sample(
+        await read_json(request, state),
+        vocab_size=state.limits.vocab_size,
+        max_context=state.limits.max_tokens,
+    )
     sampling_id = f.body.get("sampling_session_id")
     model_path = f.body.get("model_path")
     if sampling_id is not None:
@@ -725,8 +692,13 @@ class Server:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(create_app(self.state), log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=75)  # fmt: skip
+        config = uvicorn.Config(
+            create_app(self.state),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=75,
+        )
         self._server = uvicorn.Server(config)
 
         def run() -> None:

@@ -161,8 +161,14 @@ class Fields:
             return None
         return value
 
-    def int(self, key: str, lo: int | None = None, hi: int | None = None, required: bool = True,
-            default: int | None = None) -> int | None:  # fmt: skip
+    def int(
+        self,
+        key: str,
+        lo: int | None = None,
+        hi: int | None = None,
+        required: bool = True,
+        default: int | None = None,
+    ) -> int | None:
         value = self._get(key, required)
         if value is None:
             return default
@@ -174,9 +180,17 @@ class Fields:
             return default
         return value
 
-    def float(self, key: str, default: float | None = None, required: bool = False, *,
-              gt: float | None = None, ge: float | None = None, lt: float | None = None,
-              le: float | None = None) -> float | None:  # fmt: skip
+    def float(
+        self,
+        key: str,
+        default: float | None = None,
+        required: bool = False,
+        *,
+        gt: float | None = None,
+        ge: float | None = None,
+        lt: float | None = None,
+        le: float | None = None,
+    ) -> float | None:
         value = self._get(key, required)
         if value is None:
             return default
@@ -184,8 +198,12 @@ class Fields:
             self.problems.append(f"{self._name(key)} must be a finite number, got {_show(value)}")
             return default
         value = float(value)
-        bounds = [(gt, lambda b: value > b, ">"), (ge, lambda b: value >= b, ">="),
-                  (lt, lambda b: value < b, "<"), (le, lambda b: value <= b, "<=")]  # fmt: skip
+        bounds = [
+            (gt, lambda b: value > b, ">"),
+            (ge, lambda b: value >= b, ">="),
+            (lt, lambda b: value < b, "<"),
+            (le, lambda b: value <= b, "<="),
+        ]
         for bound, ok, sign in bounds:
             if bound is not None and not ok(bound):
                 self.problems.append(f"{self._name(key)} is {value}; it must be {sign} {bound}")

@@ -154,8 +154,10 @@ def read_tensor(t: pb.Tensor, where: str, problems: list[str]) -> torch.Tensor |
     """A ``Tensor`` message as a dense torch tensor (a sparse CSR one filled with 0 where unlisted), or
     ``None`` with its problems added to ``problems``."""
     if t.dtype not in _DTYPES:
-        problems.append(f"{where}: dtype {pb.DType.Name(t.dtype) if t.dtype in pb.DType.values() else t.dtype}; "
-                        "float32 or int64 only")  # fmt: skip
+        problems.append(
+            f"{where}: dtype {pb.DType.Name(t.dtype) if t.dtype in pb.DType.values() else t.dtype}; "
+            "float32 or int64 only"
+        )
         return None
     np_dtype, torch_dtype = _DTYPES[t.dtype]
     shape = list(t.shape)
@@ -166,8 +168,10 @@ def read_tensor(t: pb.Tensor, where: str, problems: list[str]) -> torch.Tensor |
     encoding = t.WhichOneof("encoding")
     if encoding == "dense":
         if len(t.dense) != count * np_dtype.itemsize:
-            problems.append(f"{where}: {len(t.dense)} bytes of data for shape {shape} "
-                            f"({count * np_dtype.itemsize} expected)")  # fmt: skip
+            problems.append(
+                f"{where}: {len(t.dense)} bytes of data for shape {shape} "
+                f"({count * np_dtype.itemsize} expected)"
+            )
             return None
         return torch.from_numpy(np.frombuffer(t.dense, dtype=np_dtype).reshape(shape).copy()).to(torch_dtype)
     if encoding == "sparse_csr":
@@ -176,8 +180,14 @@ def read_tensor(t: pb.Tensor, where: str, problems: list[str]) -> torch.Tensor |
     return None
 
 
-def _csr(csr: pb.SparseCsr, shape: list[int], np_dtype: np.dtype, torch_dtype: torch.dtype, where: str,
-         problems: list[str]) -> torch.Tensor | None:  # fmt: skip
+def _csr(
+    csr: pb.SparseCsr,
+    shape: list[int],
+    np_dtype: np.dtype,
+    torch_dtype: torch.dtype,
+    where: str,
+    problems: list[str],
+) -> torch.Tensor | None:
     if len(shape) != 2:
         problems.append(f"{where}: a sparse_csr tensor is 2-D, its shape is {shape}")
         return None

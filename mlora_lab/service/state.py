@@ -1,0 +1,96 @@
+"""The service's shared state: its clients' sessions, sampling sessions and models, and the inbox and
+futures between the HTTP thread (:mod:`mlora_lab.service.app`, whose routes read and write it) and the
+training loop (:class:`~mlora_lab.job.service.ServiceDriver`, which takes the work and settles the futures).
+Both take :attr:`ServiceState.lock` to touch it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlora_lab.service import wire
+from mlora_lab.service.bodies import ModelInfo
+from mlora_lab.service.keys import Keys
+from mlora_lab.service.work import Futures, Inbox
+
+
+@dataclass
+class Session:
+    """A client's session: it owns the models and sampling sessions it creates."""
+
+    owner: str
+    created: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.time)
+    """When the session last showed life (a heartbeat or any request naming it)."""
+    model_ids: list[str] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class SamplingSession:
+    """What a sampling session samples from: ``model_path`` (a sampler snapshot) or the base model."""
+
+    owner: str
+    base_model: str
+    model_path: str | None = None
+    model_id: str | None = None
+    """The training model it was saved from (``save_weights_and_get_sampling_client``), if any."""
+    created: float = field(default_factory=time.time)
+
+
+@dataclass
+class ServiceState:
+    """Everything the routes read and write; shared with the training loop (take :attr:`lock`)."""
+
+    inbox: Inbox
+    futures: Futures
+    keys: Keys
+    base_model: str
+    """The model name clients pass (``create_lora_training_client(base_model)``)."""
+    limits: wire.Limits
+    max_rank: int = 64
+    tokenizer_id: str | None = None
+    """What ``get_info`` names as the tokenizer (a local directory works); defaults to ``base_model``."""
+    models: dict[str, ModelInfo] = field(default_factory=dict)
+    """Filled by the training loop once a model exists."""
+    sessions: dict[str, Session] = field(default_factory=dict)
+    sampling_sessions: dict[str, SamplingSession] = field(default_factory=dict)
+    max_body_bytes: int = 8 << 20
+    poll_s: float = 25.0
+    """How long ``retrieve_future`` holds a request before answering ``try_again`` (the SDK waits 45 s)."""
+    client_config: dict[str, Any] = field(default_factory=lambda: {"use_pyqwest_transport": False})
+    """The answer to ``client/config`` (e.g. ``fwdbwd_max_chunk_len``, the datums per request)."""
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    creating: dict[str, str] = field(default_factory=dict)
+    """model_id -> the request id of its create (a resent create_model gets the same future)."""
+    checkpoints: Path | None = None
+    """The service folder its saved checkpoints live in (``<run_dir>/service``; None: it saves none)."""
+    future_owners: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
+    """request_id -> (the key name that asked, when), oldest first: only its owner may retrieve a future."""
+
+    def restore_model(self, info: ModelInfo, next_seq_id: int, alive: bool) -> None:
+        """A model a resumed job brought back: registered under its id and owner, its requests taken from
+        ``next_seq_id`` on, its session watched again (``alive``: as if it had just been heard from, so its
+        client has the session timeout to come back; else as long silent)."""
+        session_id = info.model_id.split(":train:")[0]
+        with self.lock:
+            self.models[info.model_id] = info
+            session = self.sessions.setdefault(session_id, Session(owner=info.owner, last_seen=0.0))
+            if info.model_id not in session.model_ids:
+                session.model_ids.append(info.model_id)
+            if alive:
+                session.last_seen = time.time()
+        self.inbox.start_model(info.model_id, next_seq_id)
+
+    def owns_run(self, owner: str, run_id: str) -> bool:
+        """Whether ``run_id`` (a model id, the first part of a ``tinker://`` path) is ``owner``'s."""
+        with self.lock:
+            model = self.models.get(run_id)
+            if model is not None:
+                return model.owner == owner
+            session = self.sessions.get(run_id.split(":train:")[0])
+            return session is not None and session.owner == owner and run_id in session.model_ids
