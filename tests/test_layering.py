@@ -12,7 +12,8 @@ the test fails on:
   ``validate/``, ``job/`` or ``lab/``;
 * torch in the light contract (``spec``, ``specbase``, ``specparts``, ``text``, ``sources``, ``search``,
   ``rundir`` but its tensor codec), which the notebook side reads without loading torch;
-* a private name (``_x``) imported from another module.
+* a private name (``_x``) imported from another module;
+* a module over 800 lines or a class over 450.
 
 ``from a.b import c`` is an edge to the module ``a.b.c`` when there is one, else to ``a.b``. Importing a
 submodule also runs its package's ``__init__``, but that is not counted as an edge: a package whose
@@ -253,3 +254,21 @@ def test_a_training_process_loads_no_notebook_library_and_no_service_library():
         f"print(sorted(m for m in {(*NOTEBOOK_LIBRARIES, 'tinker', 'starlette', 'uvicorn')!r} if m in sys.modules))"
     )
     assert loaded == "[]"
+
+
+MAX_MODULE_LINES = 800
+MAX_CLASS_LINES = 450
+
+
+def test_no_module_over_800_lines_and_no_class_over_450():
+    """Rooms stay small enough to read: a module that outgrows 800 lines, or a class 450, is cut along
+    a seam (a part built with what it needs, not holding its owner) before it grows further."""
+    big = []
+    for name, path in modules().items():
+        source = path.read_text(encoding="utf-8")
+        if (n := len(source.splitlines())) > MAX_MODULE_LINES:
+            big.append(f"{name}: {n} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and (n := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
+                big.append(f"{name}.{node.name}: a class of {n} lines")
+    assert big == []

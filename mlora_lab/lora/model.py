@@ -116,6 +116,23 @@ class TenantAdapter:
         return lora_scaling(self.rank, self.alpha, self.use_rslora)
 
 
+def _expert_param_for_key(key: str, experts: dict, target_parameters: Sequence[str]) -> str | None:
+    """The packed expert parameter (``<module>.<attr>``, a key of ``experts``' modules) that the PEFT
+    adapter key ``key`` holds, or ``None``. PEFT nests one wrapper per targeted parameter of a module, the
+    first-defined innermost: ``<module>(.base_layer)*d`` holds the parameter ``n - 1 - d`` of the ``n`` it
+    targets there."""
+    depth = 0
+    while key.endswith(".base_layer"):
+        key, depth = key[: -len(".base_layer")], depth + 1
+    module = experts.get(key)
+    if module is None:
+        return None
+    targeted = [a for a in module.param_names if matches(f"{key}.{a}", list(target_parameters))]
+    if depth >= len(targeted):
+        return None
+    return f"{key}.{targeted[len(targeted) - 1 - depth]}"
+
+
 class MultiLoRAModel(nn.Module):
     """Wrap a causal LM; ``forward`` takes ``tenants`` (one tenant name, or ``None``, per batch row)."""
 
@@ -367,7 +384,7 @@ class MultiLoRAModel(nn.Module):
             if key in self.layers:
                 init[key] = (A, B)
                 continue
-            full = self._expert_param_for_key(key, target_parameters)
+            full = _expert_param_for_key(key, self.experts, target_parameters)
             if full is None:
                 unknown.append(key)
             else:
@@ -375,20 +392,6 @@ class MultiLoRAModel(nn.Module):
         if unknown:
             raise AdapterError(f"{path}: adapter targets layers without slots: {sorted(unknown)[:5]}")
         return config, init
-
-    def _expert_param_for_key(self, key: str, target_parameters: Sequence[str]) -> str | None:
-        """PEFT nests one wrapper per targeted parameter of a module, the first-defined innermost:
-        ``<module>(.base_layer)*d`` holds the parameter ``n - 1 - d`` of the ``n`` it targets there."""
-        depth = 0
-        while key.endswith(".base_layer"):
-            key, depth = key[: -len(".base_layer")], depth + 1
-        experts = self.experts.get(key)
-        if experts is None:
-            return None
-        targeted = [a for a in experts.param_names if matches(f"{key}.{a}", list(target_parameters))]
-        if depth >= len(targeted):
-            return None
-        return f"{key}.{targeted[len(targeted) - 1 - depth]}"
 
     def _peft_tensors(self, t: TenantAdapter, tensors: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Our layout → PEFT's keys and shapes (expert parameters nested as PEFT does)."""
