@@ -349,8 +349,21 @@ def run_layout(script: str, spec_path: Path, parallel: dict, steps: int, workdir
     path, out = workdir / f"job_{tag}.json", workdir / f"result_{tag}.json"
     path.write_text(json.dumps(spec))
     nproc = parallel["nproc"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           script, "--worker", str(path), "--out", str(out), "--steps", str(steps)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        script,
+        "--worker",
+        str(path),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -384,9 +397,11 @@ def llama_layout_job(work: Path, quick: bool) -> tuple[Path, int, dict]:
     from mlora_lab.spec import JobSpec, Tenant
     from mlora_lab.tiny import build_tiny_model
 
-    size = dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=512) if quick else dict(
-        hidden=512, layers=8, heads=8, kv_heads=4, vocab_size=4096
-    )  # fmt: skip
+    size = (
+        dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=512)
+        if quick
+        else dict(hidden=512, layers=8, heads=8, kv_heads=4, vocab_size=4096)
+    )
     base = build_tiny_model("llama", work / "model", **size)
     tenants = [
         Tenant(name=f"t{i}", data=write_jsonl(work / f"t{i}.jsonl", task_rows(task, 64, seed=i)), rank=r,

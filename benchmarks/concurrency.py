@@ -242,10 +242,20 @@ def main() -> None:
         ["", f"mlora: 1 job, {n} tenants", f"PEFT: {n} jobs in a row", "ratio"],
         [
             row("job time s (tokenize + load + train)", "job_s"),
-            ["  per repeat", " ".join(f"{x:.2f}" for x in mlora("job_s")), " ".join(f"{x:.2f}" for x in peft_sum("job_s")), ""],
+            [
+                "  per repeat",
+                " ".join(f"{x:.2f}" for x in mlora("job_s")),
+                " ".join(f"{x:.2f}" for x in peft_sum("job_s")),
+                "",
+            ],
             row("  set-up s (tokenize + load model + wrap)", "setup_s"),
             row("  training s (all steps)", "train_s"),
-            ["process wall s (incl. start-up, imports)", f"{med(m_wall):.2f}", f"{med(p_wall):.2f}", f"{med(m_wall) / med(p_wall):.3f}"],
+            [
+                "process wall s (incl. start-up, imports)",
+                f"{med(m_wall):.2f}",
+                f"{med(p_wall):.2f}",
+                f"{med(m_wall) / med(p_wall):.3f}",
+            ],
             ["peak RSS (PEFT: one job)", common.mib(m_peak), common.mib(p_peak), f"{mem_ratio:.3f}"],
             ["RSS after imports", common.mib(m_base), common.mib(p_base), ""],
             [
@@ -255,7 +265,7 @@ def main() -> None:
                 f"{(m_peak - m_base) / (p_peak - p_base):.3f}",
             ],
         ],
-    )  # fmt: skip
+    )
     print(f"\nRATIO time mlora / sequential PEFT: {common.verdict(time_ratio, TIME_GOAL)}")
     print(
         f"      training steps only (what long jobs converge to): "

@@ -40,15 +40,19 @@ def main() -> None:
         n: common.run_layout(__file__, spec_path, {"nproc": n, "fsdp": n}, steps, work) for n in (1, 2)
     }
 
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, Llama-style {n_params / 1e6:.1f}M params {size}, "
-          "4 tenants (ranks 8-64) x batch 4, seq <= 64")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPU cores, Llama-style {n_params / 1e6:.1f}M params {size}, "
+        "4 tenants (ranks 8-64) x batch 4, seq <= 64"
+    )
     print(
         f"{'world':>5} {'rank':>4} {'base MiB/rank':>14} {'slots MiB/rank':>15} {'peak RSS MiB':>13} {'step s':>8}"
     )
     for n, rows in results.items():
         for r in rows:
-            print(f"{n:>5} {r['rank']:>4} {r['base_bytes'] / 2**20:>14.2f} {r['slot_bytes'] / 2**20:>15.2f} "
-                  f"{r['peak_rss'] / 2**20:>13.1f} {r['step_time']:>8.3f}")  # fmt: skip
+            print(
+                f"{n:>5} {r['rank']:>4} {r['base_bytes'] / 2**20:>14.2f} {r['slot_bytes'] / 2**20:>15.2f} "
+                f"{r['peak_rss'] / 2**20:>13.1f} {r['step_time']:>8.3f}"
+            )
     base_ratio = max(r["base_bytes"] for r in results[2]) / results[1][0]["base_bytes"]
     slot_ratio = max(r["slot_bytes"] for r in results[2]) / results[1][0]["slot_bytes"]
     time_ratio = max(r["step_time"] for r in results[2]) / results[1][0]["step_time"]

@@ -61,9 +61,11 @@ def latency(quick: bool) -> None:
             break
         time.sleep(0.1)
     d = np.array(delays)
-    print(f"1. row -> run.metrics() latency over {len(d)} rows (poll every 100 ms): "
-          f"median {np.median(d) * 1e3:.0f} ms, p95 {np.percentile(d, 95) * 1e3:.0f} ms, "
-          f"max {d.max() * 1e3:.0f} ms   (goal p95 <= 1000 ms)")  # fmt: skip
+    print(
+        f"1. row -> run.metrics() latency over {len(d)} rows (poll every 100 ms): "
+        f"median {np.median(d) * 1e3:.0f} ms, p95 {np.percentile(d, 95) * 1e3:.0f} ms, "
+        f"max {d.max() * 1e3:.0f} ms   (goal p95 <= 1000 ms)"
+    )
 
 
 def fake_rows(n: int, tenants: int, t0: float = 1.8e9) -> list[str]:
@@ -74,9 +76,18 @@ def fake_rows(n: int, tenants: int, t0: float = 1.8e9) -> list[str]:
     for i in range(n):
         tenant = i % tenants
         step = i // tenants + 1
-        row = TrainRow(step=step, tenant=f"tenant{tenant}", tenant_step=step,
-                       loss=5.0 / (1 + 0.001 * step) + 0.1 * float(np.sin(step)), tokens=512, lr=1e-4,
-                       grad_norm=1.0, time=t0 + step * 0.1, rows_seen=4 * step, tokens_seen=512 * step)  # fmt: skip
+        row = TrainRow(
+            step=step,
+            tenant=f"tenant{tenant}",
+            tenant_step=step,
+            loss=5.0 / (1 + 0.001 * step) + 0.1 * float(np.sin(step)),
+            tokens=512,
+            lr=1e-4,
+            grad_norm=1.0,
+            time=t0 + step * 0.1,
+            rows_seen=4 * step,
+            tokens_seen=512 * step,
+        )
         rows.append(json.dumps(row.to_dict()))
     return rows
 
@@ -88,8 +99,11 @@ def make_run_dir(root: Path, tenants: int, state: str = "finished") -> Path:
     (root / "logs").mkdir()
     data = root / "d.jsonl"
     data.write_text('{"text": "x"}\n')
-    spec = JobSpec(base_model=str(root), tenants=[Tenant(name=f"tenant{i}", data=str(data), max_steps=10_000)
-                                                  for i in range(tenants)], max_tenants=tenants)  # fmt: skip
+    spec = JobSpec(
+        base_model=str(root),
+        tenants=[Tenant(name=f"tenant{i}", data=str(data), max_steps=10_000) for i in range(tenants)],
+        max_tenants=tenants,
+    )
     spec.to_json(root / "job.json")
     (root / "status.json").write_text(json.dumps({"state": state}))  # no pid: taken as written
     return root
@@ -122,11 +136,13 @@ def incremental_read(quick: bool, repeats: int = 3) -> None:
         results["cold"].append(time.perf_counter() - t0)
         assert len(cold) == n
     med = {k: statistics.median(v) for k, v in results.items()}
-    print(f"2. reading {n:,} rows that arrive {chunk:,} at a time: incremental reader (a poll per chunk) + the "
-          f"final run.metrics() DataFrame {med['poll']:.3f} s (median of {repeats}; max {max(results['poll']):.3f})"
-          f"   (goal <= 0.5 s)\n"
-          f"   run.metrics() after every chunk: {med['frame']:.3f} s in all; one cold read of all rows "
-          f"{med['cold']:.3f} s")  # fmt: skip
+    print(
+        f"2. reading {n:,} rows that arrive {chunk:,} at a time: incremental reader (a poll per chunk) + the "
+        f"final run.metrics() DataFrame {med['poll']:.3f} s (median of {repeats}; max {max(results['poll']):.3f})"
+        f"   (goal <= 0.5 s)\n"
+        f"   run.metrics() after every chunk: {med['frame']:.3f} s in all; one cold read of all rows "
+        f"{med['cold']:.3f} s"
+    )
 
 
 def _live_runs(n_runs: int, tenants: int, points: int, held_back: int) -> tuple[list[Path], list[str]]:
@@ -188,8 +204,10 @@ def dashboard_refresh(quick: bool) -> None:
         what = f"{n_runs} run{'s' if n_runs > 1 else ''} x {tenants} tenants x {points:,} points"
         roots, rows = _live_runs(n_runs, tenants, points, held_back=10)
         png, _, system = _refresh_times(roots, rows, interactive=False)
-        print(f"{label} dashboard refresh, {what}, PNG figures: {_ms(png)}   (goal <= {goal} ms); "
-              f"the system tab, redrawn at most every 2 s: {_ms(system)} more")  # fmt: skip
+        print(
+            f"{label} dashboard refresh, {what}, PNG figures: {_ms(png)}   (goal <= {goal} ms); "
+            f"the system tab, redrawn at most every 2 s: {_ms(system)} more"
+        )
         roots, rows = _live_runs(n_runs, tenants, points, held_back=10)
         live, render, _ = _refresh_times(roots, rows, interactive=True)
         print(

@@ -37,10 +37,22 @@ from mlora_lab.tiny import EXPERT_TARGETS, build_tiny_model
 
 STEP_GOAL, MEMORY_GOAL = 1.15, 0.55
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-FULL = dict(size=dict(hidden=256, layers=4, heads=8, kv_heads=4, vocab_size=4096, experts=8), rows=16, seq=128,
-            warmup=1, repeats=8, steps=8)  # fmt: skip
-QUICK = dict(size=dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=512, experts=8), rows=8, seq=32,
-             warmup=1, repeats=3, steps=4)  # fmt: skip
+FULL = dict(
+    size=dict(hidden=256, layers=4, heads=8, kv_heads=4, vocab_size=4096, experts=8),
+    rows=16,
+    seq=128,
+    warmup=1,
+    repeats=8,
+    steps=8,
+)
+QUICK = dict(
+    size=dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab_size=512, experts=8),
+    rows=8,
+    seq=32,
+    warmup=1,
+    repeats=3,
+    steps=4,
+)
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (2, 1, 2), (2, 2, 1), (2, 2, 2)]  # (world, fsdp, ep)
 
 
@@ -70,8 +82,17 @@ def memory(model_dir: str, cfg: dict, work: Path) -> float:
     for (world, fsdp, ep), rows in results.items():
         for r in rows:
             other = r["base_bytes"] + r["slot_bytes"]
-            table.append([world, fsdp, ep, r["rank"], common.mib(r["expert_bytes"]), common.mib(other),
-                          f"{r['step_time']:.3f}"])  # fmt: skip
+            table.append(
+                [
+                    world,
+                    fsdp,
+                    ep,
+                    r["rank"],
+                    common.mib(r["expert_bytes"]),
+                    common.mib(other),
+                    f"{r['step_time']:.3f}",
+                ]
+            )
     common.print_table(["world", "fsdp", "ep", "rank", "expert params", "other params", "step s"], table)
 
     def worst(layout, key="expert_bytes") -> float:
@@ -81,8 +102,10 @@ def memory(model_dir: str, cfg: dict, work: Path) -> float:
     print(
         f"\nRATIO expert bytes per rank, ep=2 / ep=1 (world 2, fsdp 1): {common.verdict(ratio, MEMORY_GOAL)}"
     )
-    print(f"      ep=2 / one process: {worst((2, 1, 2)) / worst((1, 1, 1)):.3f}; "
-          f"fsdp=2 x ep=2 / fsdp=2: {worst((2, 2, 2)) / worst((2, 2, 1)):.3f}")  # fmt: skip
+    print(
+        f"      ep=2 / one process: {worst((2, 1, 2)) / worst((1, 1, 1)):.3f}; "
+        f"fsdp=2 x ep=2 / fsdp=2: {worst((2, 2, 2)) / worst((2, 2, 1)):.3f}"
+    )
     step = {k: worst(k, "step_time") for k in results}
     print(
         f"      step time ep=2 / ep=1 (world 2, fsdp 1, same 2 cores): {step[(2, 1, 2)] / step[(2, 1, 1)]:.2f}"
@@ -109,16 +132,19 @@ def step_time(model_dir: str, cfg: dict, r: int, repeats: int) -> float:
         total = sum(token_loss[s:e].sum() / n_tokens for _, s, e in segments)
         total.backward()
 
-    reference = peft.get_peft_model(load(), peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=ATTENTION,
-                                                               target_parameters=EXPERT_TARGETS))  # fmt: skip
+    reference = peft.get_peft_model(
+        load(),
+        peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=ATTENTION, target_parameters=EXPERT_TARGETS),
+    )
     reference.train()
     ref_params = [p for p in reference.parameters() if p.requires_grad]
     ours = MultiLoRAModel(
         load(), max_tenants=4, max_rank=r, slot_modules=ATTENTION, slot_parameters=EXPERT_TARGETS
     )
     for i in range(4):
-        ours.add_tenant(f"t{i}", rank=r, alpha=2 * r, target_modules=ATTENTION, target_parameters=EXPERT_TARGETS,
-                        seed=i)  # fmt: skip
+        ours.add_tenant(
+            f"t{i}", rank=r, alpha=2 * r, target_modules=ATTENTION, target_parameters=EXPERT_TARGETS, seed=i
+        )
     ours.train()
     slots = [p for p in ours.parameters() if p.requires_grad]
     per = rows // 4
@@ -156,11 +182,28 @@ def step_time(model_dir: str, cfg: dict, r: int, repeats: int) -> float:
         f"\n# step: forward+backward, {rows} rows x {seq} tokens, LoRA r={r} on {', '.join(ATTENTION)} + experts\n"
     )
     common.print_table(
-        ["case", "wall s (median)", "wall min–max", "CPU s (median)", "others' cores", "wall ÷ PEFT", "CPU ÷ PEFT"],
-        [[k, f"{wall[k]:.3f}", common.spread([t.wall for t in times[k]]), f"{cpu[k]:.3f}",
-          f"{common.median([t.contention for t in times[k]]):.2f}", f"{wall[k] / wall[base]:.3f}",
-          f"{cpu[k] / cpu[base]:.3f}"] for k in cases],
-    )  # fmt: skip
+        [
+            "case",
+            "wall s (median)",
+            "wall min–max",
+            "CPU s (median)",
+            "others' cores",
+            "wall ÷ PEFT",
+            "CPU ÷ PEFT",
+        ],
+        [
+            [
+                k,
+                f"{wall[k]:.3f}",
+                common.spread([t.wall for t in times[k]]),
+                f"{cpu[k]:.3f}",
+                f"{common.median([t.contention for t in times[k]]):.2f}",
+                f"{wall[k] / wall[base]:.3f}",
+                f"{cpu[k] / cpu[base]:.3f}",
+            ]
+            for k in cases
+        ],
+    )
     ratio = wall[f"mlora, 4 tenants r={r}"] / wall[base]
     print(f"\nRATIO 4 tenants / PEFT target_parameters (wall): {common.verdict(ratio, STEP_GOAL)}")
     return ratio
@@ -186,8 +229,10 @@ def main() -> None:
         model_dir = build_tiny_model("qwen3_moe", work / "model", **cfg["size"])
         n_params = transformers.AutoModelForCausalLM.from_pretrained(model_dir).num_parameters()
         print(common.machine_line())
-        print(f"model: Qwen3-MoE {n_params / 1e6:.1f}M params {cfg['size']}, top-2 routing; other processes "
-              f"kept {load_before:.2f} cores busy before the run")  # fmt: skip
+        print(
+            f"model: Qwen3-MoE {n_params / 1e6:.1f}M params {cfg['size']}, top-2 routing; other processes "
+            f"kept {load_before:.2f} cores busy before the run"
+        )
         step_time(model_dir, cfg, args.rank, args.repeats or cfg["repeats"])
         memory(model_dir, cfg, work)
 

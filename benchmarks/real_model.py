@@ -79,17 +79,45 @@ the OS when freed, so RSS follows the live tensors (by default glibc raises this
 after the first large free, and freed activation buffers below it stay in the heap, counted in RSS)."""
 
 FULL = dict(
-    mem_seq=256, mem_lengths=(200, 256), mem_tenants=3, mem_rows=4, mem_steps=2,
-    ac_seq=512, ac_tenants=2, ac_rows=1, ac_mem_steps=2, ac_warmup=1, ac_repeats=3,
-    pack_seq=512, pack_lengths=(20, 500), pack_rows=4, pack_warmup=1, pack_repeats=3, waste_batches=200, head_probe=1024,
-)  # fmt: skip
+    mem_seq=256,
+    mem_lengths=(200, 256),
+    mem_tenants=3,
+    mem_rows=4,
+    mem_steps=2,
+    ac_seq=512,
+    ac_tenants=2,
+    ac_rows=1,
+    ac_mem_steps=2,
+    ac_warmup=1,
+    ac_repeats=3,
+    pack_seq=512,
+    pack_lengths=(20, 500),
+    pack_rows=4,
+    pack_warmup=1,
+    pack_repeats=3,
+    waste_batches=200,
+    head_probe=1024,
+)
 QUICK = dict(
-    mem_seq=32, mem_lengths=(24, 32), mem_tenants=3, mem_rows=4, mem_steps=1,
-    ac_seq=64, ac_tenants=2, ac_rows=1, ac_mem_steps=1, ac_warmup=1, ac_repeats=1,
-    pack_seq=64, pack_lengths=(5, 60), pack_rows=4, pack_warmup=1, pack_repeats=1, waste_batches=50, head_probe=64,
-)  # fmt: skip
-
-
+    mem_seq=32,
+    mem_lengths=(24, 32),
+    mem_tenants=3,
+    mem_rows=4,
+    mem_steps=1,
+    ac_seq=64,
+    ac_tenants=2,
+    ac_rows=1,
+    ac_mem_steps=1,
+    ac_warmup=1,
+    ac_repeats=1,
+    pack_seq=64,
+    pack_lengths=(5, 60),
+    pack_rows=4,
+    pack_warmup=1,
+    pack_repeats=1,
+    waste_batches=50,
+    head_probe=64,
+)
 # -- data ---------------------------------------------------------------------------------------------
 
 
@@ -438,7 +466,10 @@ def main() -> None:
         work = Path(tmp)
         # 1. peak memory vs PEFT
         n_mem = cfg["mem_rows"] * (cfg["mem_steps"] + 1)
-        mem_data = [write_rows(work / f"mem{i}.jsonl", n_mem, cfg["mem_lengths"], seed=i) for i in range(cfg["mem_tenants"])]  # fmt: skip
+        mem_data = [
+            write_rows(work / f"mem{i}.jsonl", n_mem, cfg["mem_lengths"], seed=i)
+            for i in range(cfg["mem_tenants"])
+        ]
         mem = dict(base=base, seq=cfg["mem_seq"], rows=cfg["mem_rows"], steps=cfg["mem_steps"])
         cases1 = {
             f"mlora, {len(mem_data)} tenants x {cfg['mem_rows']} rows, checkpointing on": ("mlora_memory", dict(data=mem_data, ac=1)),
@@ -458,7 +489,9 @@ def main() -> None:
 
         # 2. activation checkpointing at seq 512: memory (own processes), then time (interleaved)
         seq2 = cfg["ac_seq"]
-        ac_data = [write_rows(work / f"ac{i}.jsonl", 16, (seq2, seq2), seed=10 + i) for i in range(cfg["ac_tenants"])]  # fmt: skip
+        ac_data = [
+            write_rows(work / f"ac{i}.jsonl", 16, (seq2, seq2), seed=10 + i) for i in range(cfg["ac_tenants"])
+        ]
         ac = dict(base=base, seq=seq2, rows=cfg["ac_rows"], data=ac_data)
         res2 = {}
         for flag in (1, 0):
@@ -482,9 +515,16 @@ def main() -> None:
         pack = dict(base=base, seq=seq3, rows=cfg["pack_rows"])
         progress("3. packing: packed/padded steps interleaved in one process ...")
         pack_variants = {"padded": dict(packing=False), "packed": dict(packing=True)}
-        time3 = child("interleaved", **pack, data=pack_data[:1], variants=pack_variants,
-                      warmup=cfg["pack_warmup"], repeats=cfg["pack_repeats"],
-                      waste=dict(data=pack_data, n_batches=cfg["waste_batches"]), head_probe=cfg["head_probe"])  # fmt: skip
+        time3 = child(
+            "interleaved",
+            **pack,
+            data=pack_data[:1],
+            variants=pack_variants,
+            warmup=cfg["pack_warmup"],
+            repeats=cfg["pack_repeats"],
+            waste=dict(data=pack_data, n_batches=cfg["waste_batches"]),
+            head_probe=cfg["head_probe"],
+        )
         waste, head = time3.pop("waste"), time3.pop("head")
     total_s = time.perf_counter() - t_start
 
@@ -509,20 +549,41 @@ def main() -> None:
     for k in keys1:
         r = res1[k]
         step_s = common.median([t["wall"] for t in r["times"]])
-        rows1.append([
-            k, shape(r["batches"]), mib(r["rss_imported"]), mib(r["rss_loaded"]), mib(r["peak_process"]),
-            mib(r["peak_process"] - r["rss_loaded"]), f"{r['peak_process'] / res1[peft4]['peak_process']:.3f}",
-            f"{(r['peak_process'] - r['rss_loaded']) / (res1[peft4]['peak_process'] - res1[peft4]['rss_loaded']):.3f}",
-            f"{step_s:.1f}", f"{common.median([t['cpu'] for t in r['times']]):.1f}",
-            f"{common.median([_timing(t).contention for t in r['times']]):.2f}",
-        ])  # fmt: skip
+        rows1.append(
+            [
+                k,
+                shape(r["batches"]),
+                mib(r["rss_imported"]),
+                mib(r["rss_loaded"]),
+                mib(r["peak_process"]),
+                mib(r["peak_process"] - r["rss_loaded"]),
+                f"{r['peak_process'] / res1[peft4]['peak_process']:.3f}",
+                f"{(r['peak_process'] - r['rss_loaded']) / (res1[peft4]['peak_process'] - res1[peft4]['rss_loaded']):.3f}",
+                f"{step_s:.1f}",
+                f"{common.median([t['cpu'] for t in r['times']]):.1f}",
+                f"{common.median([_timing(t).contention for t in r['times']]):.2f}",
+            ]
+        )
     common.print_table(
-        ["case", "rows x width", "RSS imports MiB", "RSS loaded MiB", "peak RSS MiB", "peak - loaded MiB",
-         "peak ÷ PEFT 4 rows", "(peak - loaded) ÷ PEFT 4 rows", "step wall s", "step CPU s", "others' cores"],
+        [
+            "case",
+            "rows x width",
+            "RSS imports MiB",
+            "RSS loaded MiB",
+            "peak RSS MiB",
+            "peak - loaded MiB",
+            "peak ÷ PEFT 4 rows",
+            "(peak - loaded) ÷ PEFT 4 rows",
+            "step wall s",
+            "step CPU s",
+            "others' cores",
+        ],
         rows1,
-    )  # fmt: skip
-    print("\nru_maxrss after each step (MiB): " + "; ".join(
-        f"{k}: {' / '.join(mib(x) for x in res1[k]['high_water'])}" for k in keys1))  # fmt: skip
+    )
+    print(
+        "\nru_maxrss after each step (MiB): "
+        + "; ".join(f"{k}: {' / '.join(mib(x) for x in res1[k]['high_water'])}" for k in keys1)
+    )
     r_mem = res1[ac_on]["peak_process"] / res1[peft4]["peak_process"]
     print(f"\nRATIO peak RSS, {ac_on} / {peft4}: {common.verdict(r_mem, GOAL_MEM)}")
     print(
@@ -536,13 +597,28 @@ def main() -> None:
     )
     print(f"\nThe goal's pair again with {MMAP_ENV} (RSS follows the live tensors), one step each:\n")
     common.print_table(
-        ["case", "RSS loaded MiB", "peak RSS MiB", "peak - loaded MiB", "peak ÷ PEFT 4 rows",
-         "(peak - loaded) ÷ PEFT 4 rows", "step CPU s"],
-        [[k, mib(r["rss_loaded"]), mib(r["peak_process"]), mib(r["peak_process"] - r["rss_loaded"]),
-          f"{r['peak_process'] / res1_live[peft4]['peak_process']:.3f}",
-          f"{(r['peak_process'] - r['rss_loaded']) / (res1_live[peft4]['peak_process'] - res1_live[peft4]['rss_loaded']):.3f}",
-          f"{r['times'][0]['cpu']:.1f}"] for k, r in res1_live.items()],
-    )  # fmt: skip
+        [
+            "case",
+            "RSS loaded MiB",
+            "peak RSS MiB",
+            "peak - loaded MiB",
+            "peak ÷ PEFT 4 rows",
+            "(peak - loaded) ÷ PEFT 4 rows",
+            "step CPU s",
+        ],
+        [
+            [
+                k,
+                mib(r["rss_loaded"]),
+                mib(r["peak_process"]),
+                mib(r["peak_process"] - r["rss_loaded"]),
+                f"{r['peak_process'] / res1_live[peft4]['peak_process']:.3f}",
+                f"{(r['peak_process'] - r['rss_loaded']) / (res1_live[peft4]['peak_process'] - res1_live[peft4]['rss_loaded']):.3f}",
+                f"{r['times'][0]['cpu']:.1f}",
+            ]
+            for k, r in res1_live.items()
+        ],
+    )
     r_mem_live = res1_live[ac_on]["peak_process"] / res1_live[peft4]["peak_process"]
 
     # 2
@@ -556,20 +632,42 @@ def main() -> None:
         t = time2["on" if flag else "off"]
         walls, cpus = [x["wall"] for x in t["times"]], [x["cpu"] for x in t["times"]]
         live = res2_live[flag]
-        rows2.append([
-            f"activation_checkpointing={flag}", shape(r["batches"]), mib(r["rss_before_steps"]), mib(r["peak_steps"]),
-            mib(r["peak_steps"] - r["rss_before_steps"]), mib(live["peak_steps"] - live["rss_before_steps"]),
-            f"{common.median(walls):.2f}", common.spread(walls),
-            f"{common.median(cpus):.2f}", f"{common.median([_timing(x).contention for x in t['times']]):.2f}",
-        ])  # fmt: skip
+        rows2.append(
+            [
+                f"activation_checkpointing={flag}",
+                shape(r["batches"]),
+                mib(r["rss_before_steps"]),
+                mib(r["peak_steps"]),
+                mib(r["peak_steps"] - r["rss_before_steps"]),
+                mib(live["peak_steps"] - live["rss_before_steps"]),
+                f"{common.median(walls):.2f}",
+                common.spread(walls),
+                f"{common.median(cpus):.2f}",
+                f"{common.median([_timing(x).contention for x in t['times']]):.2f}",
+            ]
+        )
     common.print_table(
-        ["case", "rows x width", "RSS before steps MiB", "peak RSS in steps MiB", "activation MiB",
-         "activation MiB, glibc mmap threshold 128 KiB", "step wall s (median)", "wall min–max",
-         "step CPU s (median)", "others' cores"],
+        [
+            "case",
+            "rows x width",
+            "RSS before steps MiB",
+            "peak RSS in steps MiB",
+            "activation MiB",
+            "activation MiB, glibc mmap threshold 128 KiB",
+            "step wall s (median)",
+            "wall min–max",
+            "step CPU s (median)",
+            "others' cores",
+        ],
         rows2,
-    )  # fmt: skip
-    print("\nru_maxrss after each step (MiB): " + "; ".join(
-        f"activation_checkpointing={f}: {' / '.join(mib(x) for x in res2[f]['high_water'])}" for f in (0, 1)))  # fmt: skip
+    )
+    print(
+        "\nru_maxrss after each step (MiB): "
+        + "; ".join(
+            f"activation_checkpointing={f}: {' / '.join(mib(x) for x in res2[f]['high_water'])}"
+            for f in (0, 1)
+        )
+    )
     print(f"(the {MMAP_ENV} column: one step in its own process per case)")
     act = {f: res2[f]["peak_steps"] - res2[f]["rss_before_steps"] for f in (0, 1)}
     act_live = {f: res2_live[f]["peak_steps"] - res2_live[f]["rss_before_steps"] for f in (0, 1)}
@@ -602,25 +700,47 @@ def main() -> None:
         tps[k], tps_cpu[k] = real / wall, real / cpu
         per_step[k] = (real / len(t["batches"]), computed / len(t["batches"]), cpu / len(t["times"]))
         w_many = waste[k][0]
-        rows3.append([
-            f"packing={k == 'packed'}", shape(t["batches"]), f"{real / len(t['batches']):.0f}",
-            f"{computed / len(t['batches']):.0f}", f"{1 - real / computed:.3f}", f"{w_many:.3f}",
-            f"{common.median([x['wall'] for x in t['times']]):.2f}", f"{cpu / len(t['times']):.2f}",
-            f"{tps[k]:.1f}", f"{tps_cpu[k]:.1f}", f"{computed / cpu:.1f}",
-            f"{common.median([_timing(x).contention for x in t['times']]):.2f}",
-        ])  # fmt: skip
+        rows3.append(
+            [
+                f"packing={k == 'packed'}",
+                shape(t["batches"]),
+                f"{real / len(t['batches']):.0f}",
+                f"{computed / len(t['batches']):.0f}",
+                f"{1 - real / computed:.3f}",
+                f"{w_many:.3f}",
+                f"{common.median([x['wall'] for x in t['times']]):.2f}",
+                f"{cpu / len(t['times']):.2f}",
+                f"{tps[k]:.1f}",
+                f"{tps_cpu[k]:.1f}",
+                f"{computed / cpu:.1f}",
+                f"{common.median([_timing(x).contention for x in t['times']]):.2f}",
+            ]
+        )
     common.print_table(
-        ["case", "rows x width", "real tokens / step", "computed tokens / step", "padding waste (timed)",
-         f"padding waste ({cfg['waste_batches']} batches)", "step wall s (median)", "step CPU s (mean)",
-         "real tokens / s", "real tokens / CPU s", "computed tokens / CPU s", "others' cores"],
+        [
+            "case",
+            "rows x width",
+            "real tokens / step",
+            "computed tokens / step",
+            "padding waste (timed)",
+            f"padding waste ({cfg['waste_batches']} batches)",
+            "step wall s (median)",
+            "step CPU s (mean)",
+            "real tokens / s",
+            "real tokens / CPU s",
+            "computed tokens / CPU s",
+            "others' cores",
+        ],
         rows3,
-    )  # fmt: skip
+    )
     print(
         f"\n(padded, {waste['n_tenants_mixed']} tenants x {cfg['pack_rows']} rows in one batch: padding waste "
         f"{waste['mixed'][0]:.3f} over {cfg['waste_batches']} batches)"
     )
-    print(f"\nRATIO real tokens/s, packed / padded (wall): {tps['packed'] / tps['padded']:.3f} "
-          f"(goal >= {GOAL_PACK:.2f}: {'MET' if tps['packed'] / tps['padded'] >= GOAL_PACK else 'MISSED'})")  # fmt: skip
+    print(
+        f"\nRATIO real tokens/s, packed / padded (wall): {tps['packed'] / tps['padded']:.3f} "
+        f"(goal >= {GOAL_PACK:.2f}: {'MET' if tps['packed'] / tps['padded'] >= GOAL_PACK else 'MISSED'})"
+    )
     print(f"      same per CPU second: {tps_cpu['packed'] / tps_cpu['padded']:.3f}")
     (r_pad, c_pad, s_pad), (r_pack, c_pack, s_pack) = per_step["padded"], per_step["packed"]
     print(

@@ -165,9 +165,17 @@ def worker_mlora(p: dict) -> dict:
     rss_imported = common.rss_bytes()
     with PeakRSS() as mem:
         t0 = time.perf_counter()
-        rl = RL(reward=f"{p['reward']}:length_reward", group_size=p["group"], max_new_tokens=p["new_tokens"],
-                temperature=1.0, loss_type="dapo", beta=0.0, num_iterations=1, epsilon=0.2,
-                scale_rewards="group")  # fmt: skip
+        rl = RL(
+            reward=f"{p['reward']}:length_reward",
+            group_size=p["group"],
+            max_new_tokens=p["new_tokens"],
+            temperature=1.0,
+            loss_type="dapo",
+            beta=0.0,
+            num_iterations=1,
+            epsilon=0.2,
+            scale_rewards="group",
+        )
         tenants = [
             Tenant(
                 name=f"t{i}",
@@ -186,8 +194,13 @@ def worker_mlora(p: dict) -> dict:
             )
             for i, path in enumerate(p["data"])
         ]
-        spec = JobSpec(base_model=p["model"], tenants=tenants, seq_len=PROMPT_ROOM + p["new_tokens"],
-                       max_tenants=len(tenants), max_rank=p["rank"])  # fmt: skip
+        spec = JobSpec(
+            base_model=p["model"],
+            tenants=tenants,
+            seq_len=PROMPT_ROOM + p["new_tokens"],
+            max_tenants=len(tenants),
+            max_rank=p["rank"],
+        )
         trainer = Trainer(spec, run_dir=None)
         t_loaded, c_loaded = time.perf_counter(), time.process_time()
         stamps: list[float] = []
@@ -269,19 +282,49 @@ def worker_trl(p: dict) -> dict:
         rows = [json.loads(line) for line in Path(p["data"]).read_text().splitlines()]
         dataset = datasets.Dataset.from_list(rows)
         config = GRPOConfig(
-            output_dir=out, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
-            use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, dataloader_pin_memory=False,
-            per_device_train_batch_size=p["prompts"] * p["group"], gradient_accumulation_steps=1,
-            num_generations=p["group"], max_completion_length=p["new_tokens"], temperature=1.0, top_p=1.0,
-            top_k=0, loss_type="dapo", beta=0.0, num_iterations=1, epsilon=0.2, scale_rewards="group",
-            learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
-            optim="adamw_torch", max_steps=p["steps"], seed=p["seed"], log_completions=False,
-        )  # fmt: skip
-        lora = peft.LoraConfig(r=p["rank"], lora_alpha=2 * p["rank"], target_modules=common.LLAMA_TARGETS,
-                               lora_dropout=0.0)  # fmt: skip
-        trainer = GRPOTrainer(model=model, reward_funcs=module.length_reward, args=config,
-                              train_dataset=dataset, processing_class=tok, peft_config=lora,
-                              callbacks=[stamps])  # fmt: skip
+            output_dir=out,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=False,
+            dataloader_pin_memory=False,
+            per_device_train_batch_size=p["prompts"] * p["group"],
+            gradient_accumulation_steps=1,
+            num_generations=p["group"],
+            max_completion_length=p["new_tokens"],
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            loss_type="dapo",
+            beta=0.0,
+            num_iterations=1,
+            epsilon=0.2,
+            scale_rewards="group",
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            optim="adamw_torch",
+            max_steps=p["steps"],
+            seed=p["seed"],
+            log_completions=False,
+        )
+        lora = peft.LoraConfig(
+            r=p["rank"], lora_alpha=2 * p["rank"], target_modules=common.LLAMA_TARGETS, lora_dropout=0.0
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=module.length_reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tok,
+            peft_config=lora,
+            callbacks=[stamps],
+        )
         t_loaded, c_loaded = time.perf_counter(), time.process_time()
         trainer.train()
         t1 = time.perf_counter()
@@ -324,8 +367,9 @@ def make_adapters(model_dir: str, root: Path, n: int, rank: int) -> list[str]:
     dirs = []
     for i in range(n):
         base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=common.LLAMA_TARGETS,
-                                 lora_dropout=0.0)  # fmt: skip
+        config = peft.LoraConfig(
+            r=rank, lora_alpha=2 * rank, target_modules=common.LLAMA_TARGETS, lora_dropout=0.0
+        )
         model = peft.get_peft_model(base, config)
         g = torch.Generator().manual_seed(100 + i)
         with torch.no_grad():
@@ -377,9 +421,18 @@ def rollouts(model_dir: str, tmp: Path, cfg: dict, rank: int, repeats: int, with
         for model, prompt in zip(peft_models, prompts):
             ids = torch.tensor([prompt])
             with torch.no_grad():
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                     temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=L, min_new_tokens=L,
-                                     num_return_sequences=S, pad_token_id=tok.pad_token_id)  # fmt: skip
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=L,
+                    min_new_tokens=L,
+                    num_return_sequences=S,
+                    pad_token_id=tok.pad_token_id,
+                )
             assert out.shape == (S, len(prompt) + L), out.shape
 
     fns = {"mlora": run_mlora, "peft": run_peft}
@@ -423,16 +476,20 @@ def main() -> None:
         print(
             f"threads: torch.set_num_threads({args.threads}) and OMP_NUM_THREADS={args.threads} in every process"
         )
-        print(f"model: {cfg['size'].describe(common.n_params(model_dir))}; LoRA rank {cfg['rank']}, alpha "
-              f"{2 * cfg['rank']}, all 7 projections; fp32")  # fmt: skip
+        print(
+            f"model: {cfg['size'].describe(common.n_params(model_dir))}; LoRA rank {cfg['rank']}, alpha "
+            f"{2 * cfg['rank']}, all 7 projections; fp32"
+        )
         print(f"other processes kept {load_before:.2f} cores busy before the run\n")
 
         if args.part in ("all", "rollouts"):
             r = cfg["rollout"]
             repeats = args.repeats or r["repeats"]
-            print(f"## 1. rollouts: {r['tenants']} tenants x {r['samples']} completions x {r['new_tokens']} "
-                  f"new tokens, temperature 1, KV cache; median of {repeats} interleaved repeat(s)\n",
-                  flush=True)  # fmt: skip
+            print(
+                f"## 1. rollouts: {r['tenants']} tenants x {r['samples']} completions x {r['new_tokens']} "
+                f"new tokens, temperature 1, KV cache; median of {repeats} interleaved repeat(s)\n",
+                flush=True,
+            )
             res = rollouts(model_dir, tmp, r, cfg["rank"], repeats, with_sequential=not args.quick)
             t = res["times"]
             rows = []
@@ -448,18 +505,32 @@ def main() -> None:
                 wall, cpu = med([x.wall for x in t[name]]), med([x.cpu for x in t[name]])
                 tps = res["tokens"] / wall
                 others = med([x.contention for x in t[name]])
-                rows.append([labels[name], f"{wall:.3f}", common.spread([x.wall for x in t[name]]), f"{cpu:.3f}",
-                             f"{tps:.0f}", f"{others:.2f}", f"{tps / peft_tps:.3f}"])  # fmt: skip
+                rows.append(
+                    [
+                        labels[name],
+                        f"{wall:.3f}",
+                        common.spread([x.wall for x in t[name]]),
+                        f"{cpu:.3f}",
+                        f"{tps:.0f}",
+                        f"{others:.2f}",
+                        f"{tps / peft_tps:.3f}",
+                    ]
+                )
             common.print_table(
                 ["", "wall s", "wall min–max", "CPU s", "tokens/s", "others' cores", "tokens/s ÷ PEFT"], rows
             )
             ratio = res["tokens"] / med([x.wall for x in t["mlora"]]) / peft_tps
             cpu_ratio = med([x.cpu for x in t["peft"]]) / med([x.cpu for x in t["mlora"]])
-            print(f"(prompt lengths {res['prompt_lens']} tokens; every completion {r['new_tokens']} tokens on both "
-                  f"sides; the adapters' last-position logits on one prompt differ pairwise by >= {res['gap']:.3f})")  # fmt: skip
-            print(f"\nRATIO rollout tokens/s mlora / PEFT: {at_least(ratio, ROLLOUT_GOAL)}  "
-                  f"[mlora {res['tokens'] / med([x.wall for x in t['mlora']]):.0f} vs PEFT {peft_tps:.0f} tokens/s; "
-                  f"by CPU time {cpu_ratio:.3f}]\n", flush=True)  # fmt: skip
+            print(
+                f"(prompt lengths {res['prompt_lens']} tokens; every completion {r['new_tokens']} tokens on both "
+                f"sides; the adapters' last-position logits on one prompt differ pairwise by >= {res['gap']:.3f})"
+            )
+            print(
+                f"\nRATIO rollout tokens/s mlora / PEFT: {at_least(ratio, ROLLOUT_GOAL)}  "
+                f"[mlora {res['tokens'] / med([x.wall for x in t['mlora']]):.0f} vs PEFT {peft_tps:.0f} tokens/s; "
+                f"by CPU time {cpu_ratio:.3f}]\n",
+                flush=True,
+            )
 
         if args.part in ("all", "grpo"):
             grpo(args, cfg, tmp, model_dir)
@@ -477,15 +548,25 @@ def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
     reward = tmp / "rewards.py"
     reward.write_text(REWARDS)
     data = [write_prompts(tmp / f"prompts{i}.jsonl", g["prompts"] * g["steps"], seed=i) for i in range(n)]
-    shared = dict(model=model_dir, reward=str(reward), rank=cfg["rank"], threads=args.threads,
-                  **{k: g[k] for k in ("prompts", "group", "new_tokens", "steps")})  # fmt: skip
-    print(f"## 2. GRPO: {g['prompts']} prompts x {g['group']} completions x <= {g['new_tokens']} new tokens per "
-          f"optimiser step, {g['steps']} steps; loss dapo, beta 0, 1 iteration; one process per run\n",
-          flush=True)  # fmt: skip
+    shared = dict(
+        model=model_dir,
+        reward=str(reward),
+        rank=cfg["rank"],
+        threads=args.threads,
+        **{k: g[k] for k in ("prompts", "group", "new_tokens", "steps")},
+    )
+    print(
+        f"## 2. GRPO: {g['prompts']} prompts x {g['group']} completions x <= {g['new_tokens']} new tokens per "
+        f"optimiser step, {g['steps']} steps; loss dapo, beta 0, 1 iteration; one process per run\n",
+        flush=True,
+    )
     runs: dict[str, common.ChildResult] = {}
     # interleaved, so drift of the machine hits both sides alike
-    order = [("mlora1", dict(kind="mlora", data=data[:1])), ("trl0", dict(kind="trl", data=data[0], seed=0)),
-             (f"mlora{n}", dict(kind="mlora", data=data))]  # fmt: skip
+    order = [
+        ("mlora1", dict(kind="mlora", data=data[:1])),
+        ("trl0", dict(kind="trl", data=data[0], seed=0)),
+        (f"mlora{n}", dict(kind="mlora", data=data)),
+    ]
     order += [(f"trl{i}", dict(kind="trl", data=data[i], seed=i)) for i in range(1, n)]
     # the same job in micro-batches (the same prompts, completions and update; less memory)
     order += [(f"mlora{n}acc", dict(kind="mlora", data=data, grad_accum=g["prompts"]))]
@@ -524,51 +605,117 @@ def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
     common.print_table(
         ["", "mlora", "TRL", "ratio"],
         [
-            ["1 tenant: step s (median, first excluded)", f"{steady(m1):.3f}", f"{trl_step:.3f}", f"{step_ratio:.3f}"],
+            [
+                "1 tenant: step s (median, first excluded)",
+                f"{steady(m1):.3f}",
+                f"{trl_step:.3f}",
+                f"{step_ratio:.3f}",
+            ],
             ["  steps s (mlora 1 tenant; TRL run 0)", fmt_steps(m1), fmt_steps(trls[0]), ""],
-            ["  step CPU s (median, first excluded)", f"{cpu_steady(m1):.3f}", f"{trl_cpu_step:.3f}",
-             f"{cpu_steady(m1) / trl_cpu_step:.3f}"],
+            [
+                "  step CPU s (median, first excluded)",
+                f"{cpu_steady(m1):.3f}",
+                f"{trl_cpu_step:.3f}",
+                f"{cpu_steady(m1) / trl_cpu_step:.3f}",
+            ],
             ["  mean completion length (tokens)", f"{m1['completion_len']:.1f}", f"{trl_len:.1f}", ""],
-            [f"{n} tenants: 1 job vs {n} runs in a row, job s", f"{mn['job_s']:.2f}", f"{trl_job:.2f}",
-             f"{mn['job_s'] / trl_job:.3f}"],
-            ["  set-up s (tokenizer, model, wrap, prompts)", f"{mn['setup_s']:.2f}", f"{trl_setup:.2f}",
-             f"{mn['setup_s'] / trl_setup:.3f}"],
-            ["  training s (all steps)", f"{mn['train_s']:.2f}", f"{trl_train:.2f}", f"{mn['train_s'] / trl_train:.3f}"],
-            [f"  step s ({n}-tenant job; TRL: {n} x one run's)", f"{steady(mn):.3f}", f"{n * trl_step:.3f}",
-             f"{steady(mn) / (n * trl_step):.3f}"],
-            [f"  step CPU s ({n}-tenant job; TRL: {n} x one run's)", f"{cpu_steady(mn):.3f}",
-             f"{n * trl_cpu_step:.3f}", f"{cpu_steady(mn) / (n * trl_cpu_step):.3f}"],
+            [
+                f"{n} tenants: 1 job vs {n} runs in a row, job s",
+                f"{mn['job_s']:.2f}",
+                f"{trl_job:.2f}",
+                f"{mn['job_s'] / trl_job:.3f}",
+            ],
+            [
+                "  set-up s (tokenizer, model, wrap, prompts)",
+                f"{mn['setup_s']:.2f}",
+                f"{trl_setup:.2f}",
+                f"{mn['setup_s'] / trl_setup:.3f}",
+            ],
+            [
+                "  training s (all steps)",
+                f"{mn['train_s']:.2f}",
+                f"{trl_train:.2f}",
+                f"{mn['train_s'] / trl_train:.3f}",
+            ],
+            [
+                f"  step s ({n}-tenant job; TRL: {n} x one run's)",
+                f"{steady(mn):.3f}",
+                f"{n * trl_step:.3f}",
+                f"{steady(mn) / (n * trl_step):.3f}",
+            ],
+            [
+                f"  step CPU s ({n}-tenant job; TRL: {n} x one run's)",
+                f"{cpu_steady(mn):.3f}",
+                f"{n * trl_cpu_step:.3f}",
+                f"{cpu_steady(mn) / (n * trl_cpu_step):.3f}",
+            ],
             [f"  steps s ({n}-tenant job)", fmt_steps(mn), "", ""],
             ["  mean completion length (tokens)", f"{mn['completion_len']:.1f}", f"{trl_len:.1f}", ""],
-            ["  process wall s (incl. start-up, imports)", f"{runs[f'mlora{n}'].process_wall_s:.2f}",
-             f"{trl_wall:.2f}", f"{runs[f'mlora{n}'].process_wall_s / trl_wall:.3f}"],
-            [f"peak RSS, process + children ({n}-tenant job; TRL: one run)", mib(mn["peak_tree"]), mib(trl_peak),
-             f"{mn['peak_tree'] / trl_peak:.3f}"],
-            [f"  peak RSS, {n}-tenant job in {g['prompts']} micro-batches (grad_accum={g['prompts']})",
-             mib(macc["peak_tree"]), mib(trl_peak), f"{macc['peak_tree'] / trl_peak:.3f}"],
-            [f"    its step s ({n}-tenant job; TRL: {n} x one run's)", f"{steady(macc):.3f}", f"{n * trl_step:.3f}",
-             f"{steady(macc) / (n * trl_step):.3f}"],
-            ["  peak RSS, 1-tenant job / one TRL run", mib(m1["peak_tree"]), mib(trl_peak),
-             f"{m1['peak_tree'] / trl_peak:.3f}"],
+            [
+                "  process wall s (incl. start-up, imports)",
+                f"{runs[f'mlora{n}'].process_wall_s:.2f}",
+                f"{trl_wall:.2f}",
+                f"{runs[f'mlora{n}'].process_wall_s / trl_wall:.3f}",
+            ],
+            [
+                f"peak RSS, process + children ({n}-tenant job; TRL: one run)",
+                mib(mn["peak_tree"]),
+                mib(trl_peak),
+                f"{mn['peak_tree'] / trl_peak:.3f}",
+            ],
+            [
+                f"  peak RSS, {n}-tenant job in {g['prompts']} micro-batches (grad_accum={g['prompts']})",
+                mib(macc["peak_tree"]),
+                mib(trl_peak),
+                f"{macc['peak_tree'] / trl_peak:.3f}",
+            ],
+            [
+                f"    its step s ({n}-tenant job; TRL: {n} x one run's)",
+                f"{steady(macc):.3f}",
+                f"{n * trl_step:.3f}",
+                f"{steady(macc) / (n * trl_step):.3f}",
+            ],
+            [
+                "  peak RSS, 1-tenant job / one TRL run",
+                mib(m1["peak_tree"]),
+                mib(trl_peak),
+                f"{m1['peak_tree'] / trl_peak:.3f}",
+            ],
             ["  RSS after imports (main process)", mib(mn["rss_imported"]), mib(trl_imported), ""],
-            ["  peak RSS above imports", mib(mn["peak_tree"] - mn["rss_imported"]), mib(trl_peak - trl_imported),
-             f"{(mn['peak_tree'] - mn['rss_imported']) / (trl_peak - trl_imported):.3f}"],
-            ["  peak RSS of the main process only (ru_maxrss)", mib(mn["peak_self"]),
-             mib(max(r["peak_self"] for r in trls)), f"{mn['peak_self'] / max(r['peak_self'] for r in trls):.3f}"],
+            [
+                "  peak RSS above imports",
+                mib(mn["peak_tree"] - mn["rss_imported"]),
+                mib(trl_peak - trl_imported),
+                f"{(mn['peak_tree'] - mn['rss_imported']) / (trl_peak - trl_imported):.3f}",
+            ],
+            [
+                "  peak RSS of the main process only (ru_maxrss)",
+                mib(mn["peak_self"]),
+                mib(max(r["peak_self"] for r in trls)),
+                f"{mn['peak_self'] / max(r['peak_self'] for r in trls):.3f}",
+            ],
         ],
-    )  # fmt: skip
+    )
     busy = {k: f"{v.result['busy']:.2f}" for k, v in runs.items()}
     print(f"\nall cores busy during each run (ours included; 1 = only the run itself on 1 thread): {busy}")
-    print(f"\nRATIO GRPO step time, 1 tenant, mlora / TRL: {common.verdict(step_ratio, STEP_GOAL)}  "
-          f"[mlora {steady(m1):.3f} s vs TRL {trl_step:.3f} s]")  # fmt: skip
-    print(f"RATIO {n} tenants in one job / {n} TRL runs in a row (set-up + steps): "
-          f"{common.verdict(mn['job_s'] / trl_job, JOB_GOAL)}  [mlora {mn['job_s']:.2f} s vs TRL {trl_job:.2f} s; "
-          f"training only {mn['train_s'] / trl_train:.3f}]")  # fmt: skip
-    print(f"RATIO peak RSS {n}-tenant job / one TRL run: {common.verdict(mn['peak_tree'] / trl_peak, MEM_GOAL)}  "
-          f"[mlora {mib(mn['peak_tree'])} vs TRL {mib(trl_peak)}]")  # fmt: skip
-    print(f"RATIO peak RSS {n}-tenant job in {g['prompts']} micro-batches / one TRL run: "
-          f"{common.verdict(macc['peak_tree'] / trl_peak, MEM_GOAL)}  [mlora {mib(macc['peak_tree'])}; its step "
-          f"{steady(macc) / (n * trl_step):.3f} of {n} TRL runs' (one batch: {steady(mn) / (n * trl_step):.3f})]")  # fmt: skip
+    print(
+        f"\nRATIO GRPO step time, 1 tenant, mlora / TRL: {common.verdict(step_ratio, STEP_GOAL)}  "
+        f"[mlora {steady(m1):.3f} s vs TRL {trl_step:.3f} s]"
+    )
+    print(
+        f"RATIO {n} tenants in one job / {n} TRL runs in a row (set-up + steps): "
+        f"{common.verdict(mn['job_s'] / trl_job, JOB_GOAL)}  [mlora {mn['job_s']:.2f} s vs TRL {trl_job:.2f} s; "
+        f"training only {mn['train_s'] / trl_train:.3f}]"
+    )
+    print(
+        f"RATIO peak RSS {n}-tenant job / one TRL run: {common.verdict(mn['peak_tree'] / trl_peak, MEM_GOAL)}  "
+        f"[mlora {mib(mn['peak_tree'])} vs TRL {mib(trl_peak)}]"
+    )
+    print(
+        f"RATIO peak RSS {n}-tenant job in {g['prompts']} micro-batches / one TRL run: "
+        f"{common.verdict(macc['peak_tree'] / trl_peak, MEM_GOAL)}  [mlora {mib(macc['peak_tree'])}; its step "
+        f"{steady(macc) / (n * trl_step):.3f} of {n} TRL runs' (one batch: {steady(mn) / (n * trl_step):.3f})]"
+    )
 
 
 if __name__ == "__main__":

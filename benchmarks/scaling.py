@@ -159,9 +159,14 @@ def tensor_counts(trainer) -> dict[str, int]:
     """Exact bytes of every tenant's tensors, their gradients, AdamW state and stand-in storage."""
     tensors = [p for _, p in trainer.model.named_tenant_tensors()]  # every tenant's own A and B
     storages = {p.untyped_storage().data_ptr() for p in tensors}
-    out = dict(slot_bytes=sum(tensor_bytes(p) for p in tensors),
-               grad_bytes=sum(tensor_bytes(p.grad) for p in tensors if p.grad is not None),
-               adamw_bytes=0, adamw_scalar_bytes=0, standin_bytes=0, n_standins=0)  # fmt: skip
+    out = dict(
+        slot_bytes=sum(tensor_bytes(p) for p in tensors),
+        grad_bytes=sum(tensor_bytes(p.grad) for p in tensors if p.grad is not None),
+        adamw_bytes=0,
+        adamw_scalar_bytes=0,
+        standin_bytes=0,
+        n_standins=0,
+    )
     for run in trainer.tenants.values():
         for state in run.optimizer.optimizer.state.values():
             for v in state.values():

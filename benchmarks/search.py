@@ -104,14 +104,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mlora_bench_") as tmp:
         model_dir = common.build_model(Path(tmp) / "model", cfg["size"])
         data = common.write_text_rows(Path(tmp) / "train.jsonl", 256, seed=0)
-        tenant = ml.Tenant(name="base", data=data, rank=8, target_modules=ATTENTION, batch_size=cfg["batch_size"],
-                           max_steps=cfg["budget"], seed=0)  # fmt: skip
-        spec = ml.JobSpec(base_model=model_dir, tenants=[tenant], seq_len=cfg["seq"], max_tenants=4, max_rank=16,
-                          log_every=1)  # fmt: skip
+        tenant = ml.Tenant(
+            name="base",
+            data=data,
+            rank=8,
+            target_modules=ATTENTION,
+            batch_size=cfg["batch_size"],
+            max_steps=cfg["budget"],
+            seed=0,
+        )
+        spec = ml.JobSpec(
+            base_model=model_dir,
+            tenants=[tenant],
+            seq_len=cfg["seq"],
+            max_tenants=4,
+            max_rank=16,
+            log_every=1,
+        )
         strategy = ml.ASHA(n=cfg["n"], min_steps=cfg["min_steps"], eta=cfg["eta"])
         t0 = time.perf_counter()
-        run = ml.sweep(spec, space(), strategy, budget=cfg["budget"], objective="train_loss", seed=0,
-                       workdir=Path(tmp) / "runs")  # fmt: skip
+        run = ml.sweep(
+            spec,
+            space(),
+            strategy,
+            budget=cfg["budget"],
+            objective="train_loss",
+            seed=0,
+            workdir=Path(tmp) / "runs",
+        )
         state = run.wait(3600)
         mlora_s = time.perf_counter() - t0
         if state != "finished":
@@ -140,8 +160,10 @@ def main() -> None:
         f"ASHA: {cfg['n']} trials, rungs {rungs} steps (eta {cfg['eta']}), 4 slots; machine load before: {load_before:.2f}"
     )
     trained = sum(steps.values())
-    print(f"trial steps trained (both sides): {trained}; trials reaching each rung: "
-          f"{[sum(1 for s in steps.values() if s >= r) for r in rungs]}")  # fmt: skip
+    print(
+        f"trial steps trained (both sides): {trained}; trials reaching each rung: "
+        f"{[sum(1 for s in steps.values() if s >= r) for r in rungs]}"
+    )
     common.print_table(
         ["", "mlora (one job)", "PEFT (16 processes)"],
         [

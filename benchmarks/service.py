@@ -132,12 +132,25 @@ def overhead(cfg: dict, model_dir: str, repeats: int) -> dict:
     from mlora_lab.spec import JobSpec
 
     rank, tokens = cfg["rank"], cfg["tokens"]
-    spec = JobSpec(base_model=model_dir, tenants=[], seq_len=tokens + 1, max_tenants=4, max_rank=rank,
-                   slot_modules=common.LLAMA_TARGETS)  # fmt: skip
+    spec = JobSpec(
+        base_model=model_dir,
+        tenants=[],
+        seq_len=tokens + 1,
+        max_tenants=4,
+        max_rank=rank,
+        slot_modules=common.LLAMA_TARGETS,
+    )
     keys = Keys()
     key = keys.add("owner")
-    state = ServiceState(inbox=Inbox(), futures=Futures(), keys=keys, base_model=model_dir,
-                         limits=wire.Limits(1, 1), max_rank=rank, tokenizer_id=model_dir)  # fmt: skip
+    state = ServiceState(
+        inbox=Inbox(),
+        futures=Futures(),
+        keys=keys,
+        base_model=model_dir,
+        limits=wire.Limits(1, 1),
+        max_rank=rank,
+        tokenizer_id=model_dir,
+    )
     trainer = Trainer(
         spec, run_dir=None, drivers=(lambda parts: ServiceDriver(parts, state, lora_alpha=2 * rank),)
     )
@@ -177,8 +190,11 @@ def overhead(cfg: dict, model_dir: str, repeats: int) -> dict:
         ids = []
         for kind in (Kind.FORWARD_BACKWARD, Kind.OPTIM_STEP):
             seq = seqs[model_id] = seqs.get(model_id, 0) + 1
-            body = (wire.ForwardBackward(model_id, seq, "cross_entropy", {}, False, datums)
-                    if kind is Kind.FORWARD_BACKWARD else AdamStep(learning_rate=LR))  # fmt: skip
+            body = (
+                wire.ForwardBackward(model_id, seq, "cross_entropy", {}, False, datums)
+                if kind is Kind.FORWARD_BACKWARD
+                else AdamStep(learning_rate=LR)
+            )
             work = Work(kind, state.futures.new(), "owner", model_id=model_id, seq_id=seq, body=body)
             ids.append(state.inbox.put(work))
         return ids
@@ -237,16 +253,41 @@ def print_overhead(res: dict, cfg: dict, repeats: int) -> float:
     for name, label in labels.items():
         wall, cpu = med([x.wall for x in t[name]]), med([x.cpu for x in t[name]])
         steps = res["loop_steps"][name][1:]  # (timed calls only)
-        rows.append([label, f"{wall:.3f}", common.spread([x.wall for x in t[name]]), f"{cpu:.3f}",
-                     f"{med([x.contention for x in t[name]]):.2f}", f"{sum(steps) / len(steps):.2f}",
-                     f"{wall / base:.3f}", f"{cpu / base_cpu:.3f}"])  # fmt: skip
-    print(f"## 1. one client's step ({cfg['rows']} rows x {cfg['tokens']} tokens: forward_backward + optim_step), "
-          f"median of {repeats} interleaved repeats after 1 warm-up round\n")  # fmt: skip
-    common.print_table(["", "wall s", "wall min–max", "CPU s", "others' cores", "loop steps per call",
-                        "wall ÷ in-process", "CPU ÷ in-process"], rows)  # fmt: skip
+        rows.append(
+            [
+                label,
+                f"{wall:.3f}",
+                common.spread([x.wall for x in t[name]]),
+                f"{cpu:.3f}",
+                f"{med([x.contention for x in t[name]]):.2f}",
+                f"{sum(steps) / len(steps):.2f}",
+                f"{wall / base:.3f}",
+                f"{cpu / base_cpu:.3f}",
+            ]
+        )
+    print(
+        f"## 1. one client's step ({cfg['rows']} rows x {cfg['tokens']} tokens: forward_backward + optim_step), "
+        f"median of {repeats} interleaved repeats after 1 warm-up round\n"
+    )
+    common.print_table(
+        [
+            "",
+            "wall s",
+            "wall min–max",
+            "CPU s",
+            "others' cores",
+            "loop steps per call",
+            "wall ÷ in-process",
+            "CPU ÷ in-process",
+        ],
+        rows,
+    )
     ratio = med([x.wall for x in t["http"]]) / base
-    print(f"\nRATIO step time, HTTP / in-process: {common.verdict(ratio, OVERHEAD_GOAL)}  "
-          f"[http {med([x.wall for x in t['http']]):.3f} s vs in-process {base:.3f} s]\n", flush=True)  # fmt: skip
+    print(
+        f"\nRATIO step time, HTTP / in-process: {common.verdict(ratio, OVERHEAD_GOAL)}  "
+        f"[http {med([x.wall for x in t['http']]):.3f} s vs in-process {base:.3f} s]\n",
+        flush=True,
+    )
     return ratio
 
 
@@ -281,14 +322,17 @@ class Clients:
     its own rows, run in threads."""
 
     def __init__(self, svc, n: int, cfg: dict) -> None:
-        self.datums = [sdk_datums(random_rows(cfg["rows"], cfg["tokens"], cfg["size"].vocab_size, seed=i))
-                       for i in range(n)]  # fmt: skip
+        self.datums = [
+            sdk_datums(random_rows(cfg["rows"], cfg["tokens"], cfg["size"].vocab_size, seed=i))
+            for i in range(n)
+        ]
         self.tcs = [None] * n
         self.services = [svc.client() for _ in range(n)]
 
         def make(i: int) -> None:
-            tc = self.services[i].create_lora_training_client(base_model=svc.base_model, rank=cfg["rank"], seed=i,
-                                                           train_unembed=False)  # fmt: skip
+            tc = self.services[i].create_lora_training_client(
+                base_model=svc.base_model, rank=cfg["rank"], seed=i, train_unembed=False
+            )
             self.tcs[i] = tc.result()
             sdk_step(self.tcs[i], self.datums[i])  # warm-up (untimed)
 
@@ -345,8 +389,15 @@ def serve_spec(model_dir: str, cfg: dict, max_tenants: int):
     # (max_step_tokens only when given: the script also runs on the commits before it, as a baseline)
     cap = {} if cfg["max_step_tokens"] is None else {"max_step_tokens": cfg["max_step_tokens"]}
     service = ml.Service(lora_alpha=2.0 * cfg["rank"], **cap)
-    return ml.JobSpec(base_model=model_dir, tenants=[], seq_len=cfg["tokens"] + 1, max_tenants=max_tenants,
-                      max_rank=cfg["rank"], slot_modules=common.LLAMA_TARGETS, service=service)  # fmt: skip
+    return ml.JobSpec(
+        base_model=model_dir,
+        tenants=[],
+        seq_len=cfg["tokens"] + 1,
+        max_tenants=max_tenants,
+        max_rank=cfg["rank"],
+        slot_modules=common.LLAMA_TARGETS,
+        service=service,
+    )
 
 
 def served_jobs(cfg: dict, model_dir: str, work: Path) -> dict:
@@ -373,8 +424,14 @@ def served_jobs(cfg: dict, model_dir: str, work: Path) -> dict:
             others = max(common.machine_busy_seconds() - b0 - job - ours, 0.0) / wall
             time.sleep(0.5)
             stepping = float(svc.system_metrics()["step_time"].iloc[n0:].sum())  # the loop's steps, in s
-            return dict(wall=wall, rows_s=done / wall, job_cpu=job, rows_cpu=done / job, others=others,
-                        busy=stepping / wall)  # fmt: skip
+            return dict(
+                wall=wall,
+                rows_s=done / wall,
+                job_cpu=job,
+                rows_cpu=done / job,
+                others=others,
+                busy=stepping / wall,
+            )
 
         for r in range(cfg["rounds"]):
             print(f"  round {r + 1}/{cfg['rounds']}: 1 client, then {CLIENTS} ... ({clock()})", flush=True)
@@ -416,9 +473,11 @@ def served_jobs(cfg: dict, model_dir: str, work: Path) -> dict:
 def print_served(res: dict, cfg: dict) -> tuple[float, float]:
     med, mib = common.median, common.mib
     one, four = med([r["rows_s"] for r in res["one"]]), med([r["rows_s"] for r in res["four"]])
-    print(f"## 2. four SDK clients at once vs one, on one served job (ml.serve; {cfg['steps']} steps per client "
-          f"per round, {cfg['rounds']} round(s), median over rounds; the job up {res['start_s']:.1f} s after "
-          f"ml.serve)\n")  # fmt: skip
+    print(
+        f"## 2. four SDK clients at once vs one, on one served job (ml.serve; {cfg['steps']} steps per client "
+        f"per round, {cfg['rounds']} round(s), median over rounds; the job up {res['start_s']:.1f} s after "
+        f"ml.serve)\n"
+    )
 
     def each(runs: list[dict], key: str, fmt: str = ".2f") -> str:
         return " ".join(f"{r[key]:{fmt}}" for r in runs)
@@ -426,19 +485,53 @@ def print_served(res: dict, cfg: dict) -> tuple[float, float]:
     rows = []
     for name, label, k in (("one", "1 client", 1), ("four", f"{CLIENTS} clients at once", CLIENTS)):
         runs = res[name]
-        rows.append([label, f"{k * cfg['steps'] * cfg['rows']}", each(runs, "wall"), each(runs, "rows_s"),
-                     f"{med([r['rows_s'] for r in runs]):.2f}", each(runs, "rows_cpu"),
-                     f"{med([r['rows_cpu'] for r in runs]):.2f}", each(runs, "busy"), each(runs, "others")])  # fmt: skip
+        rows.append(
+            [
+                label,
+                f"{k * cfg['steps'] * cfg['rows']}",
+                each(runs, "wall"),
+                each(runs, "rows_s"),
+                f"{med([r['rows_s'] for r in runs]):.2f}",
+                each(runs, "rows_cpu"),
+                f"{med([r['rows_cpu'] for r in runs]):.2f}",
+                each(runs, "busy"),
+                each(runs, "others"),
+            ]
+        )
     single = med([s["rows_s"] for s in res["singles"]])
-    rows.append([f"(1 client on its own 1-slot job, {CLIENTS} jobs)", f"{cfg['steps'] * cfg['rows']}", "",
-                 each(res["singles"], "rows_s"), f"{single:.2f}", "", "", "", ""])  # fmt: skip
-    common.print_table(["", "rows per round", "wall s per round", "rows/s per round", "rows/s (median)",
-                        "rows per job CPU s, per round", "(median)", "loop stepping", "others' cores"],
-                       rows)  # fmt: skip
+    rows.append(
+        [
+            f"(1 client on its own 1-slot job, {CLIENTS} jobs)",
+            f"{cfg['steps'] * cfg['rows']}",
+            "",
+            each(res["singles"], "rows_s"),
+            f"{single:.2f}",
+            "",
+            "",
+            "",
+            "",
+        ]
+    )
+    common.print_table(
+        [
+            "",
+            "rows per round",
+            "wall s per round",
+            "rows/s per round",
+            "rows/s (median)",
+            "rows per job CPU s, per round",
+            "(median)",
+            "loop stepping",
+            "others' cores",
+        ],
+        rows,
+    )
     per_round = [f["rows_s"] / o["rows_s"] for o, f in zip(res["one"], res["four"])]
     by_cpu = med([r["rows_cpu"] for r in res["four"]]) / med([r["rows_cpu"] for r in res["one"]])
-    print(f"\n(rows/s ratio per round: {' '.join(f'{x:.3f}' for x in per_round)}; rows per CPU second of the job "
-          f"(every thread of its processes), {CLIENTS} clients / 1: {by_cpu:.3f})")  # fmt: skip
+    print(
+        f"\n(rows/s ratio per round: {' '.join(f'{x:.3f}' for x in per_round)}; rows per CPU second of the job "
+        f"(every thread of its processes), {CLIENTS} clients / 1: {by_cpu:.3f})"
+    )
     tenants, times = res["tenants_per_step"], res["step_time"]
     by_tenants: dict[int, list[float]] = {}
     for n, s in zip(tenants, times):
@@ -448,8 +541,10 @@ def print_served(res: dict, cfg: dict) -> tuple[float, float]:
     )
     print(f"(the job's own system rows during the rounds: {detail})")
     ratio = four / one
-    print(f"\nRATIO rows/s, {CLIENTS} clients / 1: {at_least(ratio, CLIENTS_GOAL)}  [{four:.2f} vs {one:.2f} rows/s; "
-          f"by the job's CPU time {by_cpu:.3f}]\n")  # fmt: skip
+    print(
+        f"\nRATIO rows/s, {CLIENTS} clients / 1: {at_least(ratio, CLIENTS_GOAL)}  [{four:.2f} vs {one:.2f} rows/s; "
+        f"by the job's CPU time {by_cpu:.3f}]\n"
+    )
 
     print(
         f"## 3. peak RSS: one served job with {CLIENTS} clients vs {CLIENTS} served jobs with 1 client each\n"
@@ -466,25 +561,58 @@ def print_served(res: dict, cfg: dict) -> tuple[float, float]:
     above_a = a["worker"] - a_up["worker"]
     above_s = sum(p["worker"] - u["worker"] for p, u in zip(singles, singles_up))
     common.print_table(
-        ["", f"1 job, {CLIENTS} clients", f"{CLIENTS} jobs, 1 client each (sum)", "ratio", "each 1-client job"],
         [
-            ["**peak RSS, job processes (torchrun agent + worker)**", mib(total_a), mib(total_s),
-             f"**{total_a / total_s:.3f}**", " ".join(mib(both(p)) for p in singles)],
-            ["  worker", mib(a["worker"]), mib(worker_s), f"{a['worker'] / worker_s:.3f}",
-             " ".join(mib(p["worker"]) for p in singles)],
-            ["  torchrun agent", mib(a["agent"]), mib(sum(p["agent"] for p in singles)), "",
-             " ".join(mib(p["agent"]) for p in singles)],
-            ["RSS when up, before any client (agent + worker)", mib(up_a), mib(up_s), f"{up_a / up_s:.3f}",
-             " ".join(mib(both(u)) for u in singles_up)],
-            ["worker's peak above that (the clients' steps)", mib(above_a), mib(above_s), f"{above_a / above_s:.3f}",
-             " ".join(mib(p["worker"] - u["worker"]) for p, u in zip(singles, singles_up))],
+            "",
+            f"1 job, {CLIENTS} clients",
+            f"{CLIENTS} jobs, 1 client each (sum)",
+            "ratio",
+            "each 1-client job",
         ],
-    )  # fmt: skip
+        [
+            [
+                "**peak RSS, job processes (torchrun agent + worker)**",
+                mib(total_a),
+                mib(total_s),
+                f"**{total_a / total_s:.3f}**",
+                " ".join(mib(both(p)) for p in singles),
+            ],
+            [
+                "  worker",
+                mib(a["worker"]),
+                mib(worker_s),
+                f"{a['worker'] / worker_s:.3f}",
+                " ".join(mib(p["worker"]) for p in singles),
+            ],
+            [
+                "  torchrun agent",
+                mib(a["agent"]),
+                mib(sum(p["agent"] for p in singles)),
+                "",
+                " ".join(mib(p["agent"]) for p in singles),
+            ],
+            [
+                "RSS when up, before any client (agent + worker)",
+                mib(up_a),
+                mib(up_s),
+                f"{up_a / up_s:.3f}",
+                " ".join(mib(both(u)) for u in singles_up),
+            ],
+            [
+                "worker's peak above that (the clients' steps)",
+                mib(above_a),
+                mib(above_s),
+                f"{above_a / above_s:.3f}",
+                " ".join(mib(p["worker"] - u["worker"]) for p, u in zip(singles, singles_up)),
+            ],
+        ],
+    )
     print(f"\n(the 4-client job's own system rows: peak {mib(res['system_peak'])}, its worker's ru_maxrss)")
     mem_ratio = total_a / total_s
-    print(f"\nRATIO peak RSS, 1 job with {CLIENTS} clients / {CLIENTS} one-client jobs: "
-          f"{common.verdict(mem_ratio, MEM_GOAL)}  [{mib(total_a)} vs {mib(total_s)}; workers only "
-          f"{a['worker'] / worker_s:.3f}]")  # fmt: skip
+    print(
+        f"\nRATIO peak RSS, 1 job with {CLIENTS} clients / {CLIENTS} one-client jobs: "
+        f"{common.verdict(mem_ratio, MEM_GOAL)}  [{mib(total_a)} vs {mib(total_s)}; workers only "
+        f"{a['worker'] / worker_s:.3f}]"
+    )
     return ratio, mem_ratio
 
 
@@ -504,8 +632,12 @@ def main() -> None:
     parser = common.bench_parser(__doc__, "tiny model, few rows and steps (smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats of part 1")
     parser.add_argument("--part", choices=["all", "overhead", "clients"], default="all")
-    parser.add_argument("--max-step-tokens", type=int, default=None,
-                        help="the served jobs' Service.max_step_tokens (parts 2 and 3; default: none)")  # fmt: skip
+    parser.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=None,
+        help="the served jobs' Service.max_step_tokens (parts 2 and 3; default: none)",
+    )
     args = parser.parse_args()
     cfg = dict(QUICK if args.quick else FULL, max_step_tokens=args.max_step_tokens)
     common.setup(args.threads)
@@ -519,9 +651,11 @@ def main() -> None:
         print(
             f"threads: torch.set_num_threads({args.threads}) here, OMP_NUM_THREADS={args.threads} in the jobs"
         )
-        print(f"model: {cfg['size'].describe(common.n_params(model_dir))}; LoRA rank {cfg['rank']}, alpha "
-              f"{2 * cfg['rank']}, all 7 projections; fp32; a client's step: {cfg['rows']} rows x "
-              f"{cfg['tokens']} tokens")  # fmt: skip
+        print(
+            f"model: {cfg['size'].describe(common.n_params(model_dir))}; LoRA rank {cfg['rank']}, alpha "
+            f"{2 * cfg['rank']}, all 7 projections; fp32; a client's step: {cfg['rows']} rows x "
+            f"{cfg['tokens']} tokens"
+        )
         print(f"served jobs (parts 2 and 3): Service(max_step_tokens={args.max_step_tokens})")
         print(f"other processes kept {load_before:.2f} cores busy before the run\n", flush=True)
         if args.part in ("all", "overhead"):

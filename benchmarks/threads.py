@@ -76,8 +76,13 @@ def worker(job: str, out: str, steps: int, budget: float) -> None:
             torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
         if over.item():
             break
-    row = {"rank": dist.rank, "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
-           "step_time": statistics.median(times[WARMUP_STEPS:]), "steps": len(times)}  # fmt: skip
+    row = {
+        "rank": dist.rank,
+        "threads": torch.get_num_threads(),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "step_time": statistics.median(times[WARMUP_STEPS:]),
+        "steps": len(times),
+    }
     rows = trainer.comm.gather_objects(row)
     if dist.is_main:
         Path(out).write_text(json.dumps(rows))
@@ -159,8 +164,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="mlora_threads_bench_"))
     job = build_job(work, args.quick)
     print(common.machine_line().replace(f"torch threads {common.torch.get_num_threads()}, ", ""))
-    print(f"job: llama {cfg['size']}, 2 tenants x {cfg['rows']} rows x seq <= 64, rank 16 on all 7 projections; "
-          f"{cfg['steps']} steps per run ({WARMUP_STEPS} warm-up; fewer past {args.budget:.0f} s), {rounds} interleaved round(s)")  # fmt: skip
+    print(
+        f"job: llama {cfg['size']}, 2 tenants x {cfg['rows']} rows x seq <= 64, rank 16 on all 7 projections; "
+        f"{cfg['steps']} steps per run ({WARMUP_STEPS} warm-up; fewer past {args.budget:.0f} s), {rounds} interleaved round(s)"
+    )
     common.wait_for_quiet(args.max_wait)
     results: dict[tuple[str, int], list[dict]] = {}
     for r in range(rounds):
@@ -169,30 +176,54 @@ def main() -> None:
                 tag = f"{case.replace(' ', '')}_{threads}t_r{r}"
                 res = run_case(work, job, nproc, jobs, threads, cfg["steps"], args.budget, tag)
                 results.setdefault((case, threads), []).append(res)
-                print(f"  round {r + 1}: {case}, {threads} thread(s): step {res['step_time']:.3f} s "
-                      f"({res['steps']} steps), torch threads {res['threads']}, others' cores {res['others']:.2f}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"  round {r + 1}: {case}, {threads} thread(s): step {res['step_time']:.3f} s "
+                    f"({res['steps']} steps), torch threads {res['threads']}, others' cores {res['others']:.2f}",
+                    flush=True,
+                )
     rows = []
     for case, (nproc, jobs) in CASES.items():
         t1 = statistics.median(x["step_time"] for x in results[(case, 1)])
         for threads in (1, 2):
             xs = results[(case, threads)]
             t = statistics.median(x["step_time"] for x in xs)
-            rows.append([
-                case, threads, nproc * jobs * threads, f"{t:.3f}", common.spread([x["step_time"] for x in xs]),
-                f"{statistics.median(x['others'] for x in xs):.2f}", f"{t / t1:.2f}",
-            ])  # fmt: skip
+            rows.append(
+                [
+                    case,
+                    threads,
+                    nproc * jobs * threads,
+                    f"{t:.3f}",
+                    common.spread([x["step_time"] for x in xs]),
+                    f"{statistics.median(x['others'] for x in xs):.2f}",
+                    f"{t / t1:.2f}",
+                ]
+            )
     print()
     common.print_table(
-        ["case", "threads/process", "threads in all", "step s (median)", "range", "others' cores",
-         "÷ 1 thread"], rows
-    )  # fmt: skip
+        [
+            "case",
+            "threads/process",
+            "threads in all",
+            "step s (median)",
+            "range",
+            "others' cores",
+            "÷ 1 thread",
+        ],
+        rows,
+    )
     print("\nwhat the launcher picks (one process):")
     common.print_table(
-        ["machine", "load measured", "threads picked", "step s, 1 thread", "step s, 2 threads", "faster",
-         "picked the faster"],
+        [
+            "machine",
+            "load measured",
+            "threads picked",
+            "step s, 1 thread",
+            "step s, 2 threads",
+            "faster",
+            "picked the faster",
+        ],
         rule_rows(work, job, cfg["steps"], args.budget, rounds),
-    )  # fmt: skip
+    )
 
 
 def rule_rows(work: Path, job: Path, steps: int, budget: float, rounds: int) -> list[list]:
@@ -218,13 +249,25 @@ def rule_rows(work: Path, job: Path, steps: int, budget: float, rounds: int) -> 
                 if spinner is not None:
                     spinner.kill()
                     spinner.wait()
-            print(f"  {condition}, round {r + 1}: load {loads[-1]:.2f}, picks {picks[-1]}, step 1t "
-                  f"{times[1][-1]:.3f} s, 2t {times[2][-1]:.3f} s", flush=True)  # fmt: skip
+            print(
+                f"  {condition}, round {r + 1}: load {loads[-1]:.2f}, picks {picks[-1]}, step 1t "
+                f"{times[1][-1]:.3f} s, 2t {times[2][-1]:.3f} s",
+                flush=True,
+            )
         t1, t2 = statistics.median(times[1]), statistics.median(times[2])
         faster = 1 if t1 <= t2 else 2
         picked = statistics.median_low(picks)
-        out.append([condition, f"{statistics.median(loads):.2f}", picked, f"{t1:.3f}", f"{t2:.3f}", faster,
-                    "yes" if picked == faster else "no"])  # fmt: skip
+        out.append(
+            [
+                condition,
+                f"{statistics.median(loads):.2f}",
+                picked,
+                f"{t1:.3f}",
+                f"{t2:.3f}",
+                faster,
+                "yes" if picked == faster else "no",
+            ]
+        )
     return out
 
 

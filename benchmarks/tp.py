@@ -44,14 +44,25 @@ def main() -> None:
     results = [(layout, common.run_layout(__file__, spec_path, layout, steps, work)) for layout in LAYOUTS]
 
     print(common.machine_line())
-    print(f"model: Llama-style {n_params / 1e6:.1f}M params {size}; 4 tenants (ranks 8-64) on all seven "
-          "projections, batch 4 each, seq <= 64")  # fmt: skip
+    print(
+        f"model: Llama-style {n_params / 1e6:.1f}M params {size}; 4 tenants (ranks 8-64) on all seven "
+        "projections, batch 4 each, seq <= 64"
+    )
     table = []
     for layout, rows in results:
         for r in rows:
-            table.append([layout["nproc"], layout.get("fsdp", 1), layout.get("tp", 1), r["rank"],
-                          common.mib(r["base_bytes"]), common.mib(r["slot_bytes"]), common.mib(r["peak_rss"]),
-                          f"{r['step_time']:.3f}"])  # fmt: skip
+            table.append(
+                [
+                    layout["nproc"],
+                    layout.get("fsdp", 1),
+                    layout.get("tp", 1),
+                    r["rank"],
+                    common.mib(r["base_bytes"]),
+                    common.mib(r["slot_bytes"]),
+                    common.mib(r["peak_rss"]),
+                    f"{r['step_time']:.3f}",
+                ]
+            )
     common.print_table(
         ["world", "fsdp", "tp", "rank", "base / rank", "slots / rank", "peak RSS", "step s"], table
     )
@@ -64,11 +75,15 @@ def main() -> None:
     print(
         f"      adapter slot bytes per rank, tp=2 / tp=1: {worst(1, 'slot_bytes') / worst(0, 'slot_bytes'):.3f}"
     )
-    print(f"      base bytes per rank, fsdp=2 x tp=2 (4 processes) / one process: "
-          f"{worst(3, 'base_bytes') / worst(0, 'base_bytes'):.3f}")  # fmt: skip
-    print(f"      step time tp=2 / one process: {worst(1, 'step_time') / worst(0, 'step_time'):.2f}; "
-          f"fsdp=2 / one process: {worst(2, 'step_time') / worst(0, 'step_time'):.2f} "
-          f"(same {os.cpu_count()} cores, torch {torch.__version__})")  # fmt: skip
+    print(
+        f"      base bytes per rank, fsdp=2 x tp=2 (4 processes) / one process: "
+        f"{worst(3, 'base_bytes') / worst(0, 'base_bytes'):.3f}"
+    )
+    print(
+        f"      step time tp=2 / one process: {worst(1, 'step_time') / worst(0, 'step_time'):.2f}; "
+        f"fsdp=2 / one process: {worst(2, 'step_time') / worst(0, 'step_time'):.2f} "
+        f"(same {os.cpu_count()} cores, torch {torch.__version__})"
+    )
 
 
 if __name__ == "__main__":

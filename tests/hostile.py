@@ -75,8 +75,10 @@ def payload_files(work: Path, base: str) -> dict[str, str]:
     out["adapter_truncated"] = adapter_dir("truncated", lora_cfg, b"\x10\x00\x00\x00\x00\x00\x00\x00{")
     out["adapter_pickle"] = adapter_dir("pickled", lora_cfg, pickle.dumps({"w": Evil()}))
     other = build_tiny_model("llama", work / "other_base", hidden=32, layers=1)
-    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(other),
-                                peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"]))  # fmt: skip
+    model = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(other),
+        peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    )
     model.save_pretrained(work / "other_base_adapter")
     out["adapter_other_base"] = str(work / "other_base_adapter")
     d = Path(adapter_dir("wrong_keys", lora_cfg, None))
@@ -88,8 +90,10 @@ def payload_files(work: Path, base: str) -> dict[str, str]:
     out["adapter_wrong_keys"] = str(d)
     # valid for the job's base and the fuzz's template tenant (r=4, alpha=16, q_proj), with one inf weight:
     # accepted (only headers are checked before the add), it turns its loss non-finite when it trains
-    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base),
-                                peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"], init_lora_weights=False))  # fmt: skip
+    model = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(base),
+        peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"], init_lora_weights=False),
+    )
     model.save_pretrained(work / "inf_adapter")
     weights_path = work / "inf_adapter" / "adapter_model.safetensors"
     from safetensors.torch import load_file

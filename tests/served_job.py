@@ -44,12 +44,26 @@ class Served:
         max_step_tokens: int | None = None,
     ) -> None:
         self.base = base
-        spec = JobSpec(base_model=base, tenants=[], seq_len=seq_len, max_tenants=max_tenants, max_rank=8,
-                       slot_modules=[*SLOTS, "lm_head"])  # fmt: skip
+        spec = JobSpec(
+            base_model=base,
+            tenants=[],
+            seq_len=seq_len,
+            max_tenants=max_tenants,
+            max_rank=8,
+            slot_modules=[*SLOTS, "lm_head"],
+        )
         self.keys = Keys()
         self.key = self.keys.add("owner")
-        self.state = ServiceState(inbox=Inbox(), futures=Futures(), keys=self.keys, base_model=base,
-                                  limits=wire.Limits(vocab_size=1, max_tokens=1), max_rank=8, tokenizer_id=base, checkpoints=checkpoints)  # fmt: skip
+        self.state = ServiceState(
+            inbox=Inbox(),
+            futures=Futures(),
+            keys=self.keys,
+            base_model=base,
+            limits=wire.Limits(vocab_size=1, max_tokens=1),
+            max_rank=8,
+            tokenizer_id=base,
+            checkpoints=checkpoints,
+        )
         self.trainer = Trainer(
             spec,
             drivers=(

@@ -77,10 +77,17 @@ def write_llama_gguf(model_dir: str, out: Path, qtype: str = "Q8_0", lie: dict |
     def permute(x: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's LlamaModel.permute
         return x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     for name, p in model.state_dict().items():
         x = p.detach().numpy().astype(np.float32)
         if name == "model.embed_tokens.weight":
@@ -98,8 +105,11 @@ def write_llama_gguf(model_dir: str, out: Path, qtype: str = "Q8_0", lie: dict |
             elif module == "self_attn.k_proj":
                 x = permute(x, kv_heads)
         if x.ndim == 2 and qtype == "Q8_0":
-            w.add_tensor(gname, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+            w.add_tensor(
+                gname,
+                gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
         else:
             w.add_tensor(gname, x)
     w.write_header_to_file()
@@ -411,8 +421,15 @@ def test_real_model_converts_generates_and_takes_a_peft_adapter(tmp_path):
     assert bases.file_sha256(src) == bases.REAL_MODEL_SHA256
     base = resolve_base(src)  # the session's cache (conftest): converted once for every real-model test
     config = json.loads((base / "config.json").read_text())
-    shape = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
-             "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}  # fmt: skip
+    shape = {
+        "model_type": "llama",
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+    }
     assert {k: config.get(k) for k in shape} == shape and "quantization_config" not in config
 
     tok = transformers.AutoTokenizer.from_pretrained(base)

@@ -176,8 +176,17 @@ def test_demo_runs_with_moe_tenants_on_two_processes(tmp_path):
     """``mlora-lab demo --moe --nproc 2``: the MoE demo under torchrun on two processes (FSDP2), its
     tenants adapting the packed experts too."""
     proc = cli(
-        "demo", "--moe", "--nproc", "2", "--workdir", str(tmp_path / "demo"), "--steps", "6", cwd=tmp_path, timeout=600
-    )  # fmt: skip
+        "demo",
+        "--moe",
+        "--nproc",
+        "2",
+        "--workdir",
+        str(tmp_path / "demo"),
+        "--steps",
+        "6",
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = next((tmp_path / "demo" / "runs").iterdir())
     config = json.loads((run_dir / "adapters" / "reverse" / "adapter_config.json").read_text())

@@ -48,9 +48,15 @@ def tenants_for(arch: str, make_data) -> list[ml.Tenant]:
 
 def job(base: str, tenants: list[ml.Tenant], out: Path, nproc: int = 1, **kw) -> ml.JobSpec:
     return ml.JobSpec(
-        base_model=base, tenants=tenants, seq_len=64, max_rank=16, max_tenants=4,
-        parallel=ml.Parallel(nproc=nproc, fsdp=nproc), output_dir=str(out), **kw,
-    )  # fmt: skip
+        base_model=base,
+        tenants=tenants,
+        seq_len=64,
+        max_rank=16,
+        max_tenants=4,
+        parallel=ml.Parallel(nproc=nproc, fsdp=nproc),
+        output_dir=str(out),
+        **kw,
+    )
 
 
 def finished(run: ml.Run, timeout: float = 300) -> ml.Run:
@@ -147,8 +153,9 @@ def assert_same_peft_logits(base: str, runs: list[ml.Run | Reference], tenant: s
     ids = torch.randint(3, 300, (2, 9))
     logits = []
     for run in runs:
-        model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base),
-                                               str(run.adapter_path(tenant)))  # fmt: skip
+        model = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(base), str(run.adapter_path(tenant))
+        )
         with torch.no_grad():
             logits.append(model(input_ids=ids).logits)
     for other in logits[1:]:
@@ -159,8 +166,14 @@ def assert_same_peft_logits(base: str, runs: list[ml.Run | Reference], tenant: s
 def test_fsdp2_two_ranks_equal_one(arch, checkpointing, tiny_models, one_process, tmp_path):
     """fsdp=2 with activation checkpointing of every block equals one process without it (fsdp=2 of
     llama without checkpointing: :func:`test_resume_after_stop_with_two_ranks`)."""
-    _, two = same_as_one_process(one_process, arch, tiny_models(arch), tmp_path, ml.Parallel(2, fsdp=2),
-                                 activation_checkpointing=checkpointing)  # fmt: skip
+    _, two = same_as_one_process(
+        one_process,
+        arch,
+        tiny_models(arch),
+        tmp_path,
+        ml.Parallel(2, fsdp=2),
+        activation_checkpointing=checkpointing,
+    )
     # FSDP2 shards the frozen base; a tenant's tensors are its own, whole on each data-parallel rank
     # (they come and go with the tenant, at its rank), their gradients summed when it steps
     events = two.tenant_events().dropna(subset=["adapter_bytes"])
@@ -173,8 +186,9 @@ def test_expert_parallel_two_ranks_equal_one(arch, fsdp, tiny_models, one_proces
     split, tokens travel between the ranks (one rank has no rows of tenant b), and the saved adapters
     are gathered whole (ep=2 x fsdp=2 of qwen3_moe: :func:`test_resume_after_stop_with_two_ranks`)."""
     base = tiny_models(arch)
-    one, two = same_as_one_process(one_process, arch, base, tmp_path, ml.Parallel(2, fsdp=fsdp, ep=2),
-                                   activation_checkpointing=fsdp)  # checkpointed under fsdp=2 x ep=2  # fmt: skip
+    one, two = same_as_one_process(
+        one_process, arch, base, tmp_path, ml.Parallel(2, fsdp=fsdp, ep=2), activation_checkpointing=fsdp
+    )  # checkpointed under fsdp=2 x ep=2
     a = two.tenant_events().query("tenant == 'a'").iloc[0]
     assert a.local_adapter_bytes < a.adapter_bytes  # its experts' share
     # the gathered adapter is PEFT's: loaded by PEFT, it gives the logits of the one-process adapter
@@ -194,8 +208,9 @@ def test_tensor_parallel_equals_one_process(
     the one-process adapter (tp=2 of llama without checkpointing: :func:`test_resume_after_stop_with_two_ranks`)."""
     base = tiny_models(arch)
     layout = ml.Parallel(nproc, fsdp=fsdp, tp=2, ep=ep)
-    one, many = same_as_one_process(one_process, arch, base, tmp_path, layout,
-                                    activation_checkpointing=checkpointing)  # fmt: skip
+    one, many = same_as_one_process(
+        one_process, arch, base, tmp_path, layout, activation_checkpointing=checkpointing
+    )
     assert_same_peft_logits(base, [one, many], "b")
 
 
@@ -212,10 +227,20 @@ def test_split_models_match_the_unsplit_model_under_torchrun(nproc, checks, llam
     scripts it runs); one torchrun for all, so each process imports torch and transformers once."""
     checks = [c.format(llama=llama_path) for c in checks]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         str(ROOT / "tests" / "dist" / "all_checks.py"), *checks],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(ROOT / "tests" / "dist" / "all_checks.py"),
+            *checks,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     oks = {"tp": "tensor parallel ok", "ep": "expert parallel ok", "io": "sharded I/O ok"}
     for check in checks:
@@ -317,8 +342,10 @@ def test_packing_and_bf16_two_ranks_equal_one(layout, fields, tol, llama_path, m
     tenants = tenants_for("llama", make_data)
     spec = job(llama_path, tenants, tmp_path / "run2", nproc=2, **fields)
     spec.parallel = layout
-    runs = [train_here(job(llama_path, tenants, tmp_path / "run1", **fields), tmp_path / "run1"),
-            finished(ml.launch(spec))]  # fmt: skip
+    runs = [
+        train_here(job(llama_path, tenants, tmp_path / "run1", **fields), tmp_path / "run1"),
+        finished(ml.launch(spec)),
+    ]
     l1, l2 = losses(runs[0]), losses(runs[1])
     assert set(l1) == set(l2) and len(l1) == 5 + 4 + 6
     assert max(abs(l1[k] - l2[k]) for k in l1) <= tol

@@ -75,8 +75,18 @@ class Doubled(FixedBatch):
 
 
 def tenant(data: str) -> Tenant:
-    return Tenant(name="a", data=data, rank=4, alpha=8, target_modules=["q_proj", "v_proj"], lr=1e-2,
-                  batch_size=len(ROWS), max_steps=3, shuffle=False, max_grad_norm=None)  # fmt: skip
+    return Tenant(
+        name="a",
+        data=data,
+        rank=4,
+        alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        lr=1e-2,
+        batch_size=len(ROWS),
+        max_steps=3,
+        shuffle=False,
+        max_grad_norm=None,
+    )
 
 
 def test_a_toy_driver_trains_like_the_file_driver_on_the_same_rows(llama_path, tmp_path):

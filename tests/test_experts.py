@@ -18,8 +18,17 @@ E = 4
 
 
 def tiny_moe(arch: str):
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256, pad_token_id=0)  # fmt: skip
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+    )
     if arch == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(
             **common, num_experts=E, moe_intermediate_size=32, decoder_sparse_step=1
@@ -33,8 +42,13 @@ def tiny_moe(arch: str):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_expert_lora_equals_peft_target_parameters(arch, tmp_path):
     base = tiny_moe(arch)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
-                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=[],
+        init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     reference = peft.get_peft_model(copy.deepcopy(base), config)
     reference.save_pretrained(tmp_path)
     saved = load_file(tmp_path / "adapter_model.safetensors")
@@ -90,15 +104,34 @@ def test_moe_tenants_train_like_peft_and_round_trip(arch, tiny_models, make_data
     tenants = []
     for name, rank, data in (("r4", 4, make_data("reverse", 6)), ("r8", 8, make_data("upper", 5))):
         torch.manual_seed(rank)
-        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
-                                 target_parameters=EXPERT_TARGETS, init_lora_weights=False)  # fmt: skip
+        config = peft.LoraConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            target_modules=["q_proj", "v_proj"],
+            target_parameters=EXPERT_TARGETS,
+            init_lora_weights=False,
+        )
         peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base), config).save_pretrained(
             tmp_path / name
         )
         n_rows = len(Path(data).read_text().splitlines())
-        tenants.append(Tenant(name=name, data=data, init_adapter=str(tmp_path / name), rank=rank, alpha=2 * rank,
-                              target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_TARGETS, lr=3e-3,
-                              batch_size=n_rows, max_steps=4, shuffle=False, max_grad_norm=None, eps=1e-6))  # fmt: skip
+        tenants.append(
+            Tenant(
+                name=name,
+                data=data,
+                init_adapter=str(tmp_path / name),
+                rank=rank,
+                alpha=2 * rank,
+                target_modules=["q_proj", "v_proj"],
+                target_parameters=EXPERT_TARGETS,
+                lr=3e-3,
+                batch_size=n_rows,
+                max_steps=4,
+                shuffle=False,
+                max_grad_norm=None,
+                eps=1e-6,
+            )
+        )
     spec = JobSpec(base_model=base, tenants=tenants, seq_len=48, max_rank=16, max_tenants=2)
     assert spec_problems(spec) == []
     trainer = Trainer(spec, run_dir=tmp_path / "run")
@@ -118,8 +151,10 @@ def test_moe_tenants_train_like_peft_and_round_trip(arch, tiny_models, make_data
         for key, (A, B) in saved.items():
             torch.testing.assert_close(A, ref.tensors[key][0], atol=1e-5, rtol=0)
             torch.testing.assert_close(B, ref.tensors[key][1], atol=1e-5, rtol=0)
-        loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base),
-                                                str(tmp_path / "run" / "adapters" / t.name))  # fmt: skip
+        loaded = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(base),
+            str(tmp_path / "run" / "adapters" / t.name),
+        )
         with torch.no_grad():
             ours = trainer.model(ids, tenants=[t.name, t.name]).logits
             torch.testing.assert_close(ours, loaded(input_ids=ids).logits, atol=1e-5, rtol=0)

@@ -33,10 +33,26 @@ def long_text_rows(n: int = 16, seed: int = 0) -> list[dict]:
 
 
 def good_tenants(tmp_path: Path, **kw) -> list[ml.Tenant]:
-    a = ml.Tenant(name="a", data=write_jsonl(tmp_path / "a.jsonl", long_text_rows(seed=1)), rank=4, lr=5e-3,
-                  batch_size=2, target_modules=["q_proj", "v_proj"], seed=1, **kw)  # fmt: skip
-    b = ml.Tenant(name="b", data=write_jsonl(tmp_path / "b.jsonl", long_text_rows(seed=2)), rank=8, lr=2e-3,
-                  batch_size=3, target_modules=["q_proj", "down_proj"], seed=2, **kw)  # fmt: skip
+    a = ml.Tenant(
+        name="a",
+        data=write_jsonl(tmp_path / "a.jsonl", long_text_rows(seed=1)),
+        rank=4,
+        lr=5e-3,
+        batch_size=2,
+        target_modules=["q_proj", "v_proj"],
+        seed=1,
+        **kw,
+    )
+    b = ml.Tenant(
+        name="b",
+        data=write_jsonl(tmp_path / "b.jsonl", long_text_rows(seed=2)),
+        rank=8,
+        lr=2e-3,
+        batch_size=3,
+        target_modules=["q_proj", "down_proj"],
+        seed=2,
+        **kw,
+    )
     return [a, b]
 
 

@@ -116,8 +116,10 @@ def corrupted_adapter(base: str, path, targets: list[str]) -> str:
     import transformers
     from safetensors.torch import load_file, save_file
 
-    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base),
-                                peft.LoraConfig(r=4, lora_alpha=16, target_modules=targets, init_lora_weights=False))  # fmt: skip
+    model = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(base),
+        peft.LoraConfig(r=4, lora_alpha=16, target_modules=targets, init_lora_weights=False),
+    )
     model.save_pretrained(path)
     weights = load_file(path / "adapter_model.safetensors")
     key = next(k for k in sorted(weights) if "lora_B" in k)
@@ -160,8 +162,13 @@ def test_bad_control_input_changes_nothing(llama_path, make_data, tmp_path):
         trainer.run.root, "add", tenant=tenant("t", make_data, target_modules=["k_proj"]).to_dict()
     )
     trainer.train()
-    for msg, needle in ((bad_rank, "rank"), (missing, "nope.jsonl"), (unknown, "no tenant 'zz'"),
-                        (duplicate, "already exists"), (bad_target, "k_proj")):  # fmt: skip
+    for msg, needle in (
+        (bad_rank, "rank"),
+        (missing, "nope.jsonl"),
+        (unknown, "no tenant 'zz'"),
+        (duplicate, "already exists"),
+        (bad_target, "k_proj"),
+    ):
         with pytest.raises(ControlError, match=needle):
             control.wait_result(trainer.run.root, msg)
     rejected = trainer.run.control / "rejected"
@@ -240,8 +247,11 @@ def test_serve_mode_and_run_api_with_two_ranks(llama_path, make_data, tmp_path):
         time.sleep(0.3)
     time.sleep(1.5)
     assert run.status == "running", "serve mode stays up with nothing to train"
-    for bad, needle in ((tenant("a", make_data), "already exists"), (tenant("x", make_data, rank=99), "rank"),
-                        (tenant("y", make_data, target_modules=["nope"]), "nope")):  # fmt: skip
+    for bad, needle in (
+        (tenant("a", make_data), "already exists"),
+        (tenant("x", make_data, rank=99), "rank"),
+        (tenant("y", make_data, target_modules=["nope"]), "nope"),
+    ):
         with pytest.raises(ml.SpecError, match=needle):
             run.add_tenant(bad)
     with pytest.raises(KeyError):

@@ -113,8 +113,9 @@ def test_rows_match_single_tenant_forward(base):
 def test_dropout_matches_peft_exactly(base, tmp_path):
     """Same RNG seed, training mode: a tenant with dropout 0.3 gives PEFT's lora_dropout=0.3 logits."""
     torch.manual_seed(0)
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "v_proj"],
-                             init_lora_weights=False)  # fmt: skip
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
     pm = peft.get_peft_model(copy.deepcopy(base), config)
     pm.save_pretrained(tmp_path / "ad")
     mm = MultiLoRAModel(copy.deepcopy(base), max_tenants=2, max_rank=8)

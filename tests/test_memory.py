@@ -224,8 +224,15 @@ def test_trainer_with_checkpointing_equals_without(llama_path, make_data):
     ]  # fmt: skip
     runs = []
     for every in (0, 1):
-        spec = JobSpec(base_model=llama_path, tenants=tenants, seq_len=64, max_rank=8, max_tenants=2,
-                       slot_modules=["all-linear"], activation_checkpointing=every)  # fmt: skip
+        spec = JobSpec(
+            base_model=llama_path,
+            tenants=tenants,
+            seq_len=64,
+            max_rank=8,
+            max_tenants=2,
+            slot_modules=["all-linear"],
+            activation_checkpointing=every,
+        )
         trainer = Trainer(spec)
         trainer.train()
         runs.append(trainer)
@@ -257,8 +264,14 @@ def test_trainer_chunked_loss_equals_full_logits_with_an_output_layer_tenant(lla
     ]  # fmt: skip
     runs = []
     for chunked in (True, False):
-        spec = JobSpec(base_model=llama_path, tenants=tenants, seq_len=64, max_rank=8, max_tenants=2,
-                       slot_modules=["q_proj", "lm_head"])  # fmt: skip
+        spec = JobSpec(
+            base_model=llama_path,
+            tenants=tenants,
+            seq_len=64,
+            max_rank=8,
+            max_tenants=2,
+            slot_modules=["q_proj", "lm_head"],
+        )
         trainer = Trainer(spec)
         assert trainer.engine.head is not None
         if not chunked:

@@ -145,8 +145,14 @@ def test_packed_job_trains_and_resumes_exactly(llama_path, make_data, tmp_path):
         Tenant(name="b", data=make_data("text", 40), rank=8, target_modules=["all-linear"], lr=5e-3,
                batch_size=1, max_steps=8),
     ]  # fmt: skip
-    spec = dict(base_model=llama_path, tenants=tenants, seq_len=48, max_rank=8, packing=True,
-                slot_modules=["all-linear"])  # fmt: skip
+    spec = dict(
+        base_model=llama_path,
+        tenants=tenants,
+        seq_len=48,
+        max_rank=8,
+        packing=True,
+        slot_modules=["all-linear"],
+    )
     straight = Trainer(JobSpec(**spec))
     straight.train()
     for t in ("a", "b"):
@@ -157,8 +163,9 @@ def test_packed_job_trains_and_resumes_exactly(llama_path, make_data, tmp_path):
         first.step()
     assert first.tenants["a"].feed.micro == 1  # mid-window
     window = first.tenants["a"].feed.window
-    assert all(len(r) <= 48 for rows in window for r in rows) and any(r.position_ids.count(0) > 1
-                                                                       for rows in window for r in rows)  # fmt: skip
+    assert all(len(r) <= 48 for rows in window for r in rows) and any(
+        r.position_ids.count(0) > 1 for rows in window for r in rows
+    )
     first.save_checkpoint()
     first.close()
     again = Trainer(JobSpec(**spec), run_dir=tmp_path / "run", resume=True)

@@ -44,10 +44,16 @@ def tenants(make_data) -> list[ml.Tenant]:
 
 def job(ts: list[ml.Tenant], out, nproc: int = 1) -> ml.JobSpec:
     return ml.JobSpec(
-        base_model=str(real_model_path()), tenants=ts, seq_len=48, max_tenants=3, max_rank=16,
-        slot_modules=["all-linear"], activation_checkpointing=1, output_dir=str(out),
+        base_model=str(real_model_path()),
+        tenants=ts,
+        seq_len=48,
+        max_tenants=3,
+        max_rank=16,
+        slot_modules=["all-linear"],
+        activation_checkpointing=1,
+        output_dir=str(out),
         parallel=ml.Parallel(nproc=nproc, fsdp=nproc),
-    )  # fmt: skip
+    )
 
 
 def test_real_model_three_tenants_train_export_and_scale(make_data, tmp_path):
@@ -101,14 +107,31 @@ def says_yes(prompts, completions, **kwargs):
     """1 when the answer holds the word "yes" (any case), else 0."""
     return [float("yes" in c[0]["content"].lower()) for c in completions]
 '''
-QUESTIONS = ["Is the sky blue?", "Is water wet?", "Do cats like milk?", "Is fire hot?", "Can birds fly?",
-             "Is ice cold?", "Do fish swim?", "Is the sun bright?"]  # fmt: skip
+QUESTIONS = [
+    "Is the sky blue?",
+    "Is water wet?",
+    "Do cats like milk?",
+    "Is fire hot?",
+    "Can birds fly?",
+    "Is ice cold?",
+    "Do fish swim?",
+    "Is the sun bright?",
+]
 # LoRA on every linear layer of the top 6 of the 30 blocks: the backward stops at block 24 (nothing below
 # needs a gradient; measured a quarter of the backward's time with adapters in every block), and the
 # policy still moves within a few steps
-TOP_BLOCKS = [f"layers.{i}.{m}" for i in range(24, 30) for m in
-              ("self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-               "mlp.down_proj")]  # fmt: skip
+TOP_BLOCKS = [
+    f"layers.{i}.{m}"
+    for i in range(24, 30)
+    for m in (
+        "self_attn.q_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+]
 
 
 def test_real_model_two_rl_tenants_raise_their_own_rewards(tmp_path, one_thread):
@@ -125,17 +148,35 @@ def test_real_model_two_rl_tenants_raise_their_own_rewards(tmp_path, one_thread)
     0.13 / 0.0 -> 1.0."""
     (tmp_path / "rewards.py").write_text(REWARDS)
     prompts = tmp_path / "prompts.jsonl"
-    rows = [{"messages": [{"role": "system", "content": ""}, {"role": "user", "content": f"Yes or no: {q}"}]}
-            for q in QUESTIONS]  # fmt: skip
+    rows = [
+        {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": f"Yes or no: {q}"}]}
+        for q in QUESTIONS
+    ]
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
     def tenant(name: str, reward: str, seed: int) -> ml.Tenant:
         rl = ml.RL(reward=f"{tmp_path / 'rewards.py'}:{reward}", group_size=4, max_new_tokens=8)
-        return ml.Tenant(name=name, data=str(prompts), rank=8, alpha=16, target_modules=TOP_BLOCKS, lr=5e-3,
-                         batch_size=2, max_steps=6, seed=seed, rl=rl)  # fmt: skip
+        return ml.Tenant(
+            name=name,
+            data=str(prompts),
+            rank=8,
+            alpha=16,
+            target_modules=TOP_BLOCKS,
+            lr=5e-3,
+            batch_size=2,
+            max_steps=6,
+            seed=seed,
+            rl=rl,
+        )
 
-    spec = ml.JobSpec(base_model=str(real_model_path()), tenants=[tenant("short", "short", 1), tenant("yes", "says_yes", 2)],
-                      seq_len=48, max_rank=8, max_tenants=2, output_dir=str(tmp_path / "out"))  # fmt: skip
+    spec = ml.JobSpec(
+        base_model=str(real_model_path()),
+        tenants=[tenant("short", "short", 1), tenant("yes", "says_yes", 2)],
+        seq_len=48,
+        max_rank=8,
+        max_tenants=2,
+        output_dir=str(tmp_path / "out"),
+    )
     assert spec_problems(spec) == []
     trainer = Trainer(spec, run_dir=tmp_path / "run")
     trainer.train()

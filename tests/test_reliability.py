@@ -260,8 +260,12 @@ def test_cli_resume_follows_a_metrics_file_the_resume_rewrites(llama_path, tmp_p
     run.kill()
     assert run.wait(30).final
     assert max(r["step"] for r in run.rows()) > 4, "there are rows after the checkpoint"
-    proc = subprocess.run([sys.executable, "-m", "mlora_lab.lab.cli", "resume", str(run.path)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlora_lab.lab.cli", "resume", str(run.path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "final_loss" in proc.stdout
     rows = [r for r in ml.attach(run.path).rows() if r["kind"] == "train"]
@@ -303,8 +307,12 @@ def test_a_launched_job_listens_on_loopback_only(llama_path, tmp_path):
     socket any of its processes listens on is bound to 127.0.0.1."""
     import ipaddress
 
-    spec = job(llama_path, good_tenants(tmp_path, max_steps=100_000), parallel=ml.Parallel(nproc=2, fsdp=2),
-               output_dir=str(tmp_path / "r"))  # fmt: skip
+    spec = job(
+        llama_path,
+        good_tenants(tmp_path, max_steps=100_000),
+        parallel=ml.Parallel(nproc=2, fsdp=2),
+        output_dir=str(tmp_path / "r"),
+    )
     run = ml.launch(spec)
     deadline = time.monotonic() + 120
     while not any(r["kind"] == "train" for r in run.rows()):
@@ -419,8 +427,9 @@ def test_a_refused_rank_log_link_is_the_runs_error(llama_path, tmp_path):
     injected = "INJECTED: a whole line of the attacker's choosing"
     victim = tmp_path / f"victim\n{injected}"
     (run.logs / "rank0.log").symlink_to(victim)
-    proc = subprocess.run([sys.executable, "-m", "mlora_lab.job", str(run.root)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlora_lab.job", str(run.root)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 1
     output = proc.stdout + proc.stderr
     assert injected not in output.splitlines() and not victim.exists()

@@ -74,8 +74,17 @@ def prompt_file(tmp: Path, chat: bool = False, n: int = 6) -> str:
 
 
 def rl_tenant(name: str, data: str, rl: RL, **kw) -> Tenant:
-    settings = dict(rank=4, alpha=8, target_modules=["q_proj", "v_proj"], lr=2e-2, batch_size=2, max_steps=4,
-                    max_grad_norm=None, eps=1e-6, seed=3)  # fmt: skip
+    settings = dict(
+        rank=4,
+        alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        lr=2e-2,
+        batch_size=2,
+        max_steps=4,
+        max_grad_norm=None,
+        eps=1e-6,
+        seed=3,
+    )
     return Tenant(name=name, data=data, rl=rl, **(settings | kw))
 
 
@@ -108,8 +117,9 @@ def peft_adapter(base: str, path: Path, t: Tenant) -> str:
     """A PEFT adapter with B ≠ 0 (so the first step already has a gradient through A and B)."""
     torch.manual_seed(11)
     model = transformers.AutoModelForCausalLM.from_pretrained(base)
-    config = peft.LoraConfig(r=t.rank, lora_alpha=t.alpha, target_modules=t.target_modules,
-                             init_lora_weights=False)  # fmt: skip
+    config = peft.LoraConfig(
+        r=t.rank, lora_alpha=t.alpha, target_modules=t.target_modules, init_lora_weights=False
+    )
     peft.get_peft_model(model, config).save_pretrained(path)
     return str(path)
 
@@ -142,8 +152,16 @@ loss scores at it."""
 def test_one_rl_tenant_equals_peft_with_a_hand_written_grpo_loop(arch, temperature, tiny_models, tmp_path):
     base_path = tiny_models(arch)
     rewards = reward_file(tmp_path)
-    rl = RL(reward=[f"{rewards}:short", f"{rewards}:vowels"], reward_weights=[1.0, 0.5], group_size=4,
-            max_new_tokens=8, beta=0.04, num_iterations=2, epsilon=0.2, temperature=temperature)  # fmt: skip
+    rl = RL(
+        reward=[f"{rewards}:short", f"{rewards}:vowels"],
+        reward_weights=[1.0, 0.5],
+        group_size=4,
+        max_new_tokens=8,
+        beta=0.04,
+        num_iterations=2,
+        epsilon=0.2,
+        temperature=temperature,
+    )
     t = rl_tenant("a", prompt_file(tmp_path), rl, target_modules=TYPICAL_TARGETS[arch][::2], eps=1e-4)
     # (Adam's eps 1e-4, not 1e-6: advantages sum to zero in each group, so some gradient entries cancel
     # to rounding noise, ~1e-9, which Adam divides by eps; at 1e-6 and lr 2e-2 that noise alone moved
@@ -194,8 +212,11 @@ def test_one_rl_tenant_equals_peft_with_a_hand_written_grpo_loop(arch, temperatu
     assert trainer.losses("a") == pytest.approx(losses, abs=TOL)
     diff = max_diff(trainer.model.tenant_tensors("a"), peft_lora_tensors(model))
     assert diff <= TOL, f"adapter differs from PEFT + hand-written GRPO by {diff}"
-    start = peft_lora_tensors(peft.PeftModel.from_pretrained(
-        transformers.AutoModelForCausalLM.from_pretrained(base_path), t.init_adapter))  # fmt: skip
+    start = peft_lora_tensors(
+        peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(base_path), t.init_adapter
+        )
+    )
     assert max_diff(start, peft_lora_tensors(model)) > 1e-3, "training moved the adapter"
 
     rows = [r for r in trainer.history if r["kind"] == RowKind.TRAIN]
@@ -211,15 +232,43 @@ def test_one_rl_tenant_equals_peft_with_a_hand_written_grpo_loop(arch, temperatu
 
 def test_rl_and_sft_tenants_together_each_equal_alone(llama_path, tmp_path, make_data):
     rewards = reward_file(tmp_path)
-    a = rl_tenant("a", prompt_file(tmp_path), RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6,
-                                                  temperature=0.8, beta=0.05))  # fmt: skip
-    b = rl_tenant("b", prompt_file(tmp_path, chat=True),
-                  RL(reward=f"{rewards}:has_word", group_size=4, max_new_tokens=5, loss_type="grpo",
-                     scale_rewards="batch", mask_truncated_completions=True, top_k=20, stop=["e"]),
-                  rank=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lr=1e-2,
-                  batch_size=3, max_steps=3, seed=5)  # fmt: skip
-    sft = Tenant(name="s", data=make_data("reverse"), rank=4, alpha=8, target_modules=["q_proj", "v_proj"],
-                 lr=5e-3, batch_size=2, max_steps=5, seed=1)  # fmt: skip
+    a = rl_tenant(
+        "a",
+        prompt_file(tmp_path),
+        RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6, temperature=0.8, beta=0.05),
+    )
+    b = rl_tenant(
+        "b",
+        prompt_file(tmp_path, chat=True),
+        RL(
+            reward=f"{rewards}:has_word",
+            group_size=4,
+            max_new_tokens=5,
+            loss_type="grpo",
+            scale_rewards="batch",
+            mask_truncated_completions=True,
+            top_k=20,
+            stop=["e"],
+        ),
+        rank=8,
+        alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        lr=1e-2,
+        batch_size=3,
+        max_steps=3,
+        seed=5,
+    )
+    sft = Tenant(
+        name="s",
+        data=make_data("reverse"),
+        rank=4,
+        alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        lr=5e-3,
+        batch_size=2,
+        max_steps=5,
+        seed=1,
+    )
     slots = dict(slot_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     together = Trainer(job(llama_path, [a, b, sft], **slots))
     together.train()
@@ -248,8 +297,14 @@ def test_accumulating_micro_batches_equals_one_batch(loss_type, llama_path, tmp_
     seeds) and trains them in three micro-batches: the same losses, rewards, KL and adapters, with TRL's
     normalisers over the whole generation (two updates per generation: the kept old log-probs too)."""
     rewards = reward_file(tmp_path)
-    rl = RL(reward=f"{rewards}:vowels", group_size=2, max_new_tokens=6, loss_type=loss_type, beta=0.05,
-            num_iterations=2)  # fmt: skip
+    rl = RL(
+        reward=f"{rewards}:vowels",
+        group_size=2,
+        max_new_tokens=6,
+        loss_type=loss_type,
+        beta=0.05,
+        num_iterations=2,
+    )
     data = prompt_file(tmp_path)
     one = Trainer(job(llama_path, [rl_tenant("a", data, rl, batch_size=3)]))
     one.train()
@@ -272,10 +327,22 @@ def test_a_reward_that_raises_or_hangs_quarantines_only_its_tenant(llama_path, t
     data = prompt_file(tmp_path)
     good = rl_tenant("good", data, RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6), max_steps=3)
     boom = rl_tenant("boom", data, RL(reward=f"{rewards}:boom", group_size=3, max_new_tokens=6), seed=4)
-    hang = rl_tenant("hang", data, RL(reward=f"{rewards}:hang", group_size=3, max_new_tokens=6,
-                                      reward_timeout_s=2.0), seed=5)  # fmt: skip
-    sft = Tenant(name="s", data=make_data("text"), rank=4, alpha=8, target_modules=["q_proj"], lr=5e-3,
-                 batch_size=2, max_steps=3)  # fmt: skip
+    hang = rl_tenant(
+        "hang",
+        data,
+        RL(reward=f"{rewards}:hang", group_size=3, max_new_tokens=6, reward_timeout_s=2.0),
+        seed=5,
+    )
+    sft = Tenant(
+        name="s",
+        data=make_data("text"),
+        rank=4,
+        alpha=8,
+        target_modules=["q_proj"],
+        lr=5e-3,
+        batch_size=2,
+        max_steps=3,
+    )
     trainer = Trainer(job(llama_path, [good, boom, hang, sft]))
     trainer.train()
     states = {n: (t.state, t.reason or "") for n, t in trainer.tenants.items()}
@@ -294,8 +361,10 @@ def test_stopped_mid_generation_and_resumed_equals_straight_through(llama_path, 
     rl = RL(reward=f"{rewards}:short", group_size=3, max_new_tokens=6, beta=0.1, num_iterations=2)
     # "b" accumulates 4 micro-batches: after 3 loop steps it is inside its first window, with the old
     # log-probs and KL sums of 3 micro-batches kept
-    tenants = [rl_tenant("a", prompt_file(tmp_path), rl, max_steps=5),
-               rl_tenant("b", prompt_file(tmp_path), rl, max_steps=2, batch_size=1, grad_accum=4, seed=8)]  # fmt: skip
+    tenants = [
+        rl_tenant("a", prompt_file(tmp_path), rl, max_steps=5),
+        rl_tenant("b", prompt_file(tmp_path), rl, max_steps=2, batch_size=1, grad_accum=4, seed=8),
+    ]
     straight = Trainer(job(llama_path, tenants))
     straight.train()
     first = Trainer(job(llama_path, tenants), run_dir=tmp_path / "run")

@@ -46,8 +46,15 @@ def texts(spec: JobSpec) -> list[str]:
 
 
 def test_rl_settings_round_trip_through_job_json_and_file_rewards_become_absolute(tmp_path):
-    rl = RL(reward=["rewards.py:short", "trl.rewards:think_format_reward"], reward_weights=[1.0, 0.5], group_size=4,
-            max_new_tokens=16, stop=["\n\n"], loss_type="grpo", beta=0.04)  # fmt: skip
+    rl = RL(
+        reward=["rewards.py:short", "trl.rewards:think_format_reward"],
+        reward_weights=[1.0, 0.5],
+        group_size=4,
+        max_new_tokens=16,
+        stop=["\n\n"],
+        loss_type="grpo",
+        beta=0.04,
+    )
     spec = JobSpec(
         base_model="m", tenants=[Tenant(name="a", data="p.jsonl", rl=rl), Tenant(name="b", data="s.jsonl")]
     )
@@ -83,20 +90,40 @@ def test_unknown_rl_keys_are_named_with_every_other_problem():
 
 def test_a_good_rl_tenant_validates_beside_an_sft_tenant(tmp_path, llama_path, make_data):
     rewards = write(tmp_path / "rewards.py", REWARDS)
-    spec = JobSpec(base_model=llama_path, seq_len=64, tenants=[
-        Tenant(name="rl", data=prompts(tmp_path), rl=RL(reward=[f"{rewards}:short", f"{rewards}:with_answer"],
-                                                         group_size=4, max_new_tokens=16)),
-        Tenant(name="sft", data=make_data("text")),
-    ])  # fmt: skip
+    spec = JobSpec(
+        base_model=llama_path,
+        seq_len=64,
+        tenants=[
+            Tenant(
+                name="rl",
+                data=prompts(tmp_path),
+                rl=RL(reward=[f"{rewards}:short", f"{rewards}:with_answer"], group_size=4, max_new_tokens=16),
+            ),
+            Tenant(name="sft", data=make_data("text")),
+        ],
+    )
     assert texts(spec) == []
 
 
 def test_bad_rl_settings_are_all_reported_at_once(tmp_path, llama_path):
     rewards = write(tmp_path / "rewards.py", REWARDS)
     data = prompts(tmp_path)
-    bad = RL(reward=[f"{rewards}:short", "no module"], reward_weights=[1.0], group_size=1, max_new_tokens=0,
-             temperature=0.0, top_p=1.5, top_k=-1, stop=[""], loss_type="ppo", epsilon=0.0, beta=-1.0,
-             num_iterations=0, scale_rewards="std", reward_timeout_s=0)  # fmt: skip
+    bad = RL(
+        reward=[f"{rewards}:short", "no module"],
+        reward_weights=[1.0],
+        group_size=1,
+        max_new_tokens=0,
+        temperature=0.0,
+        top_p=1.5,
+        top_k=-1,
+        stop=[""],
+        loss_type="ppo",
+        epsilon=0.0,
+        beta=-1.0,
+        num_iterations=0,
+        scale_rewards="std",
+        reward_timeout_s=0,
+    )
     spec = JobSpec(base_model=llama_path, seq_len=64, tenants=[Tenant(name="a", data=data, rl=bad)])
     found = "\n".join(texts(spec))
     for expected in [
@@ -129,8 +156,13 @@ def test_reward_functions_are_checked_against_the_rows_before_launch(tmp_path, l
     rewards = write(tmp_path / "rewards.py", REWARDS)
     write(tmp_path / "hangs_on_import.py", "import time\ntime.sleep(0)\nraise RuntimeError('bad config')\n")
     no_answer = write(tmp_path / "plain.jsonl", '{"prompt": "hi"}\n')
-    refs = [f"{rewards}:with_answer", f"{rewards}:wrong", f"{rewards}:nope", f"{tmp_path / 'none.py'}:f",
-            f"{tmp_path / 'hangs_on_import.py'}:f"]  # fmt: skip
+    refs = [
+        f"{rewards}:with_answer",
+        f"{rewards}:wrong",
+        f"{rewards}:nope",
+        f"{tmp_path / 'none.py'}:f",
+        f"{tmp_path / 'hangs_on_import.py'}:f",
+    ]
     spec = JobSpec(
         base_model=llama_path, seq_len=128, tenants=[Tenant(name="a", data=no_answer, rl=RL(reward=refs))]
     )
@@ -146,8 +178,13 @@ def test_reward_functions_are_checked_against_the_rows_before_launch(tmp_path, l
 
 def test_rl_rows_are_prompts(tmp_path, llama_path):
     rewards = write(tmp_path / "rewards.py", REWARDS)
-    rows = ['{"prompt": "ok"}', '{"text": "not a prompt"}', '{"prompt": "a", "messages": []}', '{"prompt": ""}',
-            '{"messages": [{"role": "user"}]}']  # fmt: skip
+    rows = [
+        '{"prompt": "ok"}',
+        '{"text": "not a prompt"}',
+        '{"prompt": "a", "messages": []}',
+        '{"prompt": ""}',
+        '{"messages": [{"role": "user"}]}',
+    ]
     data = write(tmp_path / "rows.jsonl", "\n".join(rows) + "\n")
     spec = JobSpec(
         base_model=llama_path,
@@ -177,8 +214,11 @@ def test_rl_rows_are_prompts(tmp_path, llama_path):
 def test_a_tenant_with_rl_added_to_a_running_job_is_checked_the_same(tmp_path, llama_path):
     from mlora_lab.validate import tenant_problems
 
-    job = JobSpec(base_model=llama_path, seq_len=64, tenants=[Tenant(name="a", data=prompts(tmp_path),
-                                                                     rl=RL(reward="m:f"))])  # fmt: skip
+    job = JobSpec(
+        base_model=llama_path,
+        seq_len=64,
+        tenants=[Tenant(name="a", data=prompts(tmp_path), rl=RL(reward="m:f"))],
+    )
     write(tmp_path / "r.py", textwrap.dedent(REWARDS))
     found = [
         str(p)

@@ -224,8 +224,14 @@ def test_a_pickled_checkpoint_is_refused_without_running_it(tmp_path, monkeypatc
 
 def test_checkpoint_round_trip_and_refusal_of_non_json_state(tmp_path):
     rng = torch.get_rng_state()
-    tree = {"step": 3, "opt": {0: {"step": torch.tensor(2.0), "exp_avg": torch.randn(3, 4)[:, :2]}},
-            "window": [[[1, 2, 3], [-100, 2, 3]]], "loss": float("nan"), "rng": rng, "name": None}  # fmt: skip
+    tree = {
+        "step": 3,
+        "opt": {0: {"step": torch.tensor(2.0), "exp_avg": torch.randn(3, 4)[:, :2]}},
+        "window": [[[1, 2, 3], [-100, 2, 3]]],
+        "loss": float("nan"),
+        "rng": rng,
+        "name": None,
+    }
     back = checkpoint.read_checkpoint(checkpoint.write_checkpoint(tmp_path, 3, tree))
     assert back["opt"][0]["exp_avg"].equal(tree["opt"][0]["exp_avg"]) and back["rng"].equal(rng)
     assert back["window"] == tree["window"] and back["loss"] != back["loss"]
@@ -467,10 +473,16 @@ def test_atomic_directory_leaves_the_old_one_on_failure(tmp_path):
 def test_the_lock_has_one_holder_and_dies_with_it(tmp_path):
     run = RunDir(tmp_path / "run")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from mlora_lab.rundir import RunDir, RunLock; "
-         "RunLock(RunDir(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)", str(run.root)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from mlora_lab.rundir import RunDir, RunLock; "
+            "RunLock(RunDir(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)",
+            str(run.root),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunDirError, match="in use"):
@@ -530,8 +542,12 @@ def test_corrupt_labels_give_a_clear_error_and_are_not_overwritten(tmp_path):
 
     run = RunDir(tmp_path / "run").create()
     run.job.write_text("{}")
-    for content, needle in (("{not json", "corrupt"), ('{"tags": "a"}', "not a list"),
-                            ('{"tags": ["a b"]}', "whitespace"), ('{"note": 3}', "not a string")):  # fmt: skip
+    for content, needle in (
+        ("{not json", "corrupt"),
+        ('{"tags": "a"}', "not a list"),
+        ('{"tags": ["a b"]}', "whitespace"),
+        ('{"note": 3}', "not a string"),
+    ):
         run.labels.write_text(content)
         with pytest.raises(RunDirError, match=needle):
             read_labels(run.root)
@@ -829,10 +845,25 @@ def test_rows_frame_keeps_row_order_kinds_and_types(tmp_path):
     df = rows_frame(rows)
     assert list(df["kind"]) == ["eval", "train", "tenant", "train", "eval"]
     assert list(df.columns[:5]) == ["kind", "step", "tenant", "loss", "time"]
-    assert list(df.columns[5:]) == ["tenant_step", "tokens", "lr", "grad_norm", "rows_seen", "tokens_seen",
-                                    "reward", "reward_std", "completion_len", "kl", "clip_ratio",
-                                    "state", "adapter_bytes", "optimizer_bytes", "local_adapter_bytes",
-                                    "local_optimizer_bytes", "reason"]  # fmt: skip
+    assert list(df.columns[5:]) == [
+        "tenant_step",
+        "tokens",
+        "lr",
+        "grad_norm",
+        "rows_seen",
+        "tokens_seen",
+        "reward",
+        "reward_std",
+        "completion_len",
+        "kl",
+        "clip_ratio",
+        "state",
+        "adapter_bytes",
+        "optimizer_bytes",
+        "local_adapter_bytes",
+        "local_optimizer_bytes",
+        "reason",
+    ]
     assert list(df["step"]) == [1, 1, 1, 2, 2] and df["step"].dtype == "int64"
     assert df["loss"].isna().tolist() == [
         False,
@@ -864,8 +895,20 @@ def test_completion_rows_round_trip_and_sit_beside_the_others_in_a_frame(tmp_pat
     sample = CompletionRow(
         step=3, tenant="a", tenant_step=3, prompt="say \u00e9\n", completion=" ok", reward=None
     )
-    train = TrainRow(step=3, tenant="a", tenant_step=3, loss=0.1, tokens=8, lr=0.1, grad_norm=1.0, reward=0.5,
-                     reward_std=0.25, completion_len=4.0, kl=None, clip_ratio=0.0)  # fmt: skip
+    train = TrainRow(
+        step=3,
+        tenant="a",
+        tenant_step=3,
+        loss=0.1,
+        tokens=8,
+        lr=0.1,
+        grad_norm=1.0,
+        reward=0.5,
+        reward_std=0.25,
+        completion_len=4.0,
+        kl=None,
+        clip_ratio=0.0,
+    )
     writer = MetricsWriter(path)
     writer.write(train)
     writer.write(sample)

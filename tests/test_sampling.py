@@ -94,9 +94,15 @@ def greedy_generate(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[
     at each chosen token."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
     tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = [step.float().log_softmax(-1)[0, t].item() for step, t in zip(out.logits, tokens)]
     return tokens, logprobs
@@ -142,8 +148,10 @@ def test_greedy_equals_peft_generate_with_each_adapter_alone(setup):
         assert c.stop_reason == ("eos" if tokens[-1] == eos else "length") and len(tokens) <= n
     assert worst <= TOL, f"{setup.arch}: logprobs differ from PEFT's by {worst}"
     # the adapters matter: the same prompt gives other tokens or logprobs through each of them
-    alone = {t: sample(setup.mm, [SampleRequest(setup.prompts[0], t, max_new_tokens=n, temperature=0.0)])[0]
-             for t in ("a", "b", None)}  # fmt: skip
+    alone = {
+        t: sample(setup.mm, [SampleRequest(setup.prompts[0], t, max_new_tokens=n, temperature=0.0)])[0]
+        for t in ("a", "b", None)
+    }
     for t in ("a", "b"):
         gap = max(abs(x - y) for x, y in zip(alone[t].logprobs, alone[None].logprobs))
         assert alone[t].tokens != alone[None].tokens or gap > 1e-3, (
@@ -193,8 +201,17 @@ def test_top_k_and_top_p_draw_only_inside_their_set(llama, top_k, top_p):
     """Every drawn token is among the ``top_k`` most likely, and within the smallest set reaching
     ``top_p`` after top-k; its sampling logprob is that of the renormalised set."""
     mm, prompt = llama.mm, list(llama.prompts[1])
-    request = SampleRequest(prompt, "a", num_samples=6, max_new_tokens=8, temperature=1.5, top_k=top_k,
-                            top_p=top_p, stop_token_ids=(), seed=11)  # fmt: skip
+    request = SampleRequest(
+        prompt,
+        "a",
+        num_samples=6,
+        max_new_tokens=8,
+        temperature=1.5,
+        top_k=top_k,
+        top_p=top_p,
+        stop_token_ids=(),
+        seed=11,
+    )
     for c in sample(mm, [request]):
         z = forward_logits(mm, "a", prompt, c.tokens) / 1.5
         for step, token in enumerate(c.tokens):
@@ -276,8 +293,10 @@ def test_a_process_whose_rows_stopped_keeps_stepping_with_the_others(setup):
     results are unchanged, every call after the local rows stopped says so, and a process with no
     requests at all steps along too."""
     mm, p = setup.mm, setup.prompts
-    requests = [SampleRequest(p[0], "a", max_new_tokens=4, temperature=0.0),
-                SampleRequest(p[1], "b", max_new_tokens=6, temperature=1.0, seed=2, stop_token_ids=())]  # fmt: skip
+    requests = [
+        SampleRequest(p[0], "a", max_new_tokens=4, temperature=0.0),
+        SampleRequest(p[1], "b", max_new_tokens=6, temperature=1.0, seed=2, stop_token_ids=()),
+    ]
     plain = sample(mm, requests)
     for reqs in (requests, []):
         flags: list[bool] = []
@@ -299,9 +318,21 @@ def test_split_models_sample_like_one_process_under_torchrun():
     give the reference's tokens and logprobs, every process running the same number of forwards."""
     script = Path(__file__).parent / "dist" / "sampling.py"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script), "fsdp:llama", "tp:llama", "ep:qwen3_moe"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            "fsdp:llama",
+            "tp:llama",
+            "ep:qwen3_moe",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.count("sampling ok") == 2

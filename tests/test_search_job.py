@@ -25,8 +25,15 @@ def base_tenant(tmp_path) -> ml.Tenant:
 
 
 def sweep_trainer(llama_path: str, out: Path, sweep: Sweep, resume: bool = False, **job) -> Trainer:
-    spec = ml.JobSpec(base_model=llama_path, tenants=[], seq_len=64, max_rank=16, output_dir=str(out),
-                      slot_modules=["q_proj", "v_proj"], **{"max_tenants": 3, **job})  # fmt: skip
+    spec = ml.JobSpec(
+        base_model=llama_path,
+        tenants=[],
+        seq_len=64,
+        max_rank=16,
+        output_dir=str(out),
+        slot_modules=["q_proj", "v_proj"],
+        **{"max_tenants": 3, **job},
+    )
     if not resume:
         run = RunDir(out).create()
         spec.to_json(run.job)
@@ -88,8 +95,14 @@ def test_a_refilled_slot_starts_clean(llama_path, base_tenant, tmp_path):
     in_sweep = {r.tenant_step: r.loss for r in _train_rows(tr, name)}
 
     alone = sweep.trial_tenant(late["id"], late["config"])
-    spec = ml.JobSpec(base_model=llama_path, tenants=[ml.Tenant(**{**alone.to_dict(), "max_steps": 2})],
-                      seq_len=64, max_rank=16, max_tenants=2, slot_modules=["q_proj", "v_proj"])  # fmt: skip
+    spec = ml.JobSpec(
+        base_model=llama_path,
+        tenants=[ml.Tenant(**{**alone.to_dict(), "max_steps": 2})],
+        seq_len=64,
+        max_rank=16,
+        max_tenants=2,
+        slot_modules=["q_proj", "v_proj"],
+    )
     fresh = Trainer(spec)
     fresh.train(idle_s=0.01)
     for step, loss in enumerate(fresh.losses(name), start=1):
@@ -216,8 +229,14 @@ def test_asha_with_too_few_trials_trains_its_best_to_the_budget_in_a_job(llama_p
     """ASHA(n=6, eta=3) over rungs at 1, 3, 9, 27 steps can promote nobody to the budget: the job ended
     with every trial pruned. Its best trial of the highest rung reached is restored and trains on to the
     budget, and is the search's best."""
-    sweep = Sweep(base_tenant, {"lr": loguniform(1e-4, 3e-2)}, ASHA(n=6, min_steps=1, eta=3), budget=27,
-                  seed=2, objective=Objective("train_loss", window=1))  # fmt: skip
+    sweep = Sweep(
+        base_tenant,
+        {"lr": loguniform(1e-4, 3e-2)},
+        ASHA(n=6, min_steps=1, eta=3),
+        budget=27,
+        seed=2,
+        objective=Objective("train_loss", window=1),
+    )
     tr = sweep_trainer(llama_path, tmp_path / "run", sweep)
     tr.train(idle_s=0.01)
     tr.close()
@@ -246,8 +265,13 @@ def exiting_objective(rows: list[dict]) -> float:
 def test_an_objective_that_exits_fails_only_its_trial(llama_path, base_tenant, tmp_path):
     """An objective raising SystemExit ended the whole sweep and left every trial "running". It is the
     failure of the trial it was called for (so is a NaN), with why; the sweep goes on to its end."""
-    sweep = Sweep(base_tenant, {"seed": choice(0, 1, 2, 3)}, ml.Grid(), budget=2,
-                  objective=Objective("test_search_job:exiting_objective"))  # fmt: skip
+    sweep = Sweep(
+        base_tenant,
+        {"seed": choice(0, 1, 2, 3)},
+        ml.Grid(),
+        budget=2,
+        objective=Objective("test_search_job:exiting_objective"),
+    )
     tr = sweep_trainer(llama_path, tmp_path / "run", sweep)
     tr.train(idle_s=0.01)
     tr.close()
@@ -262,8 +286,15 @@ def test_an_objective_that_exits_fails_only_its_trial(llama_path, base_tenant, t
 
 
 def sweep_job(llama_path: str, base: ml.Tenant, out: Path, nproc: int = 1) -> ml.JobSpec:
-    return ml.JobSpec(base_model=llama_path, tenants=[base], seq_len=64, max_rank=16, max_tenants=3,
-                      parallel=ml.Parallel(nproc=nproc, fsdp=nproc), output_dir=str(out))  # fmt: skip
+    return ml.JobSpec(
+        base_model=llama_path,
+        tenants=[base],
+        seq_len=64,
+        max_rank=16,
+        max_tenants=3,
+        parallel=ml.Parallel(nproc=nproc, fsdp=nproc),
+        output_dir=str(out),
+    )
 
 
 SPACE = {
@@ -307,8 +338,12 @@ def test_a_bad_sweep_is_refused_naming_every_problem_before_anything_starts(
         pytest.warns(UserWarning, match="no trial can be promoted to the budget of 60 steps"),
         pytest.raises(ml.SpecError),
     ):
-        ml.sweep(sweep_job(llama_path, base_tenant, tmp_path / "r"), {"rank": ml.choice(4, 99)},
-                 ml.ASHA(6, min_steps=5, eta=3), budget=60)  # fmt: skip
+        ml.sweep(
+            sweep_job(llama_path, base_tenant, tmp_path / "r"),
+            {"rank": ml.choice(4, 99)},
+            ml.ASHA(6, min_steps=5, eta=3),
+            budget=60,
+        )
     with pytest.raises(ml.SpecError, match="defined in the notebook"):
         ml.sweep(
             sweep_job(llama_path, base_tenant, tmp_path / "r"),
@@ -353,10 +388,18 @@ def test_the_command_line_runs_a_sweep(llama_path, base_tenant, tmp_path, capsys
     from mlora_lab.lab import cli
 
     job = sweep_job(llama_path, base_tenant, tmp_path / "run")
-    (tmp_path / "sweep.json").write_text(json.dumps({
-        "job": job.to_dict(), "space": {"lr": {"kind": "loguniform", "low": 1e-4, "high": 3e-2}, "rank": [4, 8]},
-        "strategy": {"kind": "random", "n": 4}, "budget": 3, "seed": 2, "objective": "train_loss",
-    }))  # fmt: skip
+    (tmp_path / "sweep.json").write_text(
+        json.dumps(
+            {
+                "job": job.to_dict(),
+                "space": {"lr": {"kind": "loguniform", "low": 1e-4, "high": 3e-2}, "rank": [4, 8]},
+                "strategy": {"kind": "random", "n": 4},
+                "budget": 3,
+                "seed": 2,
+                "objective": "train_loss",
+            }
+        )
+    )
     assert cli.main(["sweep", str(tmp_path / "sweep.json")]) == 0
     out = capsys.readouterr().out
     assert "trials, best first:" in out and "best: trial-" in out

@@ -63,8 +63,14 @@ class Executor(threading.Thread):
 def service():
     keys = Keys()
     alice, bob = keys.add("alice"), keys.add("bob")
-    state = ServiceState(inbox=Inbox(capacity=64), futures=Futures(), keys=keys, base_model=BASE,
-                         limits=wire.Limits(vocab_size=100, max_tokens=32), max_rank=16)  # fmt: skip
+    state = ServiceState(
+        inbox=Inbox(capacity=64),
+        futures=Futures(),
+        keys=keys,
+        base_model=BASE,
+        limits=wire.Limits(vocab_size=100, max_tokens=32),
+        max_rank=16,
+    )
     state.client_config["fwdbwd_max_chunk_len"] = 2  # several chunks per forward_backward call
     executor = Executor(state)
     executor.start()
@@ -85,8 +91,10 @@ def post(server: Server, path: str, key: str | None, headers: dict | None = None
 
 def datum(n: int):
     tokens = list(range(1, n + 1))
-    return tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens),
-                        loss_fn_inputs={"target_tokens": tokens, "weights": [1.0] * n})  # fmt: skip
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens),
+        loss_fn_inputs={"target_tokens": tokens, "weights": [1.0] * n},
+    )
 
 
 def test_training_requests_run_in_seq_order_and_results_come_back(service):
@@ -103,12 +111,17 @@ def test_training_requests_run_in_seq_order_and_results_come_back(service):
     opt = tc.optim_step(tinker.AdamParams(learning_rate=1e-3))
     out = fb.result()
     assert opt.result().metrics == {}
-    assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-float(i) for i in range(n)]
-                                                                     for n in lengths]  # fmt: skip
+    assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [
+        [-float(i) for i in range(n)] for n in lengths
+    ]
     assert out.metrics["loss:sum"] == 1 + 2 + 3  # summed over the chunks (seq ids 1, 2, 3)
     ordered = [(k, s) for k, m, s in executor.seen if m == model_id and s is not None]
-    assert ordered == [(Kind.FORWARD_BACKWARD, 1), (Kind.FORWARD_BACKWARD, 2), (Kind.FORWARD_BACKWARD, 3),
-                       (Kind.OPTIM_STEP, 4)]  # fmt: skip
+    assert ordered == [
+        (Kind.FORWARD_BACKWARD, 1),
+        (Kind.FORWARD_BACKWARD, 2),
+        (Kind.FORWARD_BACKWARD, 3),
+        (Kind.OPTIM_STEP, 4),
+    ]
 
     with pytest.raises(tinker.RequestFailedError) as failed:  # a failed future reaches the client...
         tc.optim_step(tinker.AdamParams(learning_rate=BAD_LR)).result()
@@ -147,8 +160,12 @@ def test_a_key_reaches_only_its_own_models_and_futures(service):
     assert r.status_code == 404 and "no model" in r.json()["detail"]
     mine = post(server, "get_info", keys["alice"], json={"model_id": tc.model_id, "type": "get_info"})
     assert mine.status_code == 200 and mine.json()["model_id"] == tc.model_id
-    fut = post(server, "optim_step", keys["alice"],
-               json={"model_id": tc.model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}})  # fmt: skip
+    fut = post(
+        server,
+        "optim_step",
+        keys["alice"],
+        json={"model_id": tc.model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}},
+    )
     request_id = fut.json()["request_id"]
     assert post(server, "retrieve_future", keys["bob"], json={"request_id": request_id}).status_code == 404
     assert post(server, "retrieve_future", keys["alice"], json={"request_id": request_id}).json() == {
@@ -162,8 +179,13 @@ def test_an_oversized_body_gets_413_whether_declared_or_not(service):
     limit = state.max_body_bytes
     state.max_body_bytes = 1000
     try:
-        r = post(server, "forward_backward", keys["alice"], content=b"x" * 2000,
-                 headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+        r = post(
+            server,
+            "forward_backward",
+            keys["alice"],
+            content=b"x" * 2000,
+            headers={"Content-Type": "application/x-protobuf"},
+        )
         assert r.status_code == 413 and "1000" in r.json()["detail"]
         chunked = post(
             server, "telemetry", keys["alice"], content=iter([b"{" + b" " * 600, b" " * 600 + b"}"])
@@ -176,8 +198,12 @@ def test_an_oversized_body_gets_413_whether_declared_or_not(service):
 
 def test_a_full_inbox_answers_429_never_402(service):
     state, server, _, keys = service
-    body = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}, "num_samples": 1,
-            "sampling_params": {"max_tokens": 2}, "base_model": BASE}  # fmt: skip
+    body = {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+        "num_samples": 1,
+        "sampling_params": {"max_tokens": 2},
+        "base_model": BASE,
+    }
     capacity = state.inbox.capacity
     state.inbox.capacity = 0
     try:
@@ -190,15 +216,23 @@ def test_a_full_inbox_answers_429_never_402(service):
 
 def test_a_hostile_body_gets_one_answer_naming_every_problem(service):
     _, server, _, keys = service
-    hostile = {"session_id": 5, "model_seq_id": -1, "base_model": "other",
-               "lora_config": {"rank": 10**9, "train_attn": "yes"}, "optimizer_config": {"type": "sgd"}}  # fmt: skip
+    hostile = {
+        "session_id": 5,
+        "model_seq_id": -1,
+        "base_model": "other",
+        "lora_config": {"rank": 10**9, "train_attn": "yes"},
+        "optimizer_config": {"type": "sgd"},
+    }
     r = post(server, "create_model", keys["alice"], json=hostile)
     assert r.status_code == 422
     problems = " | ".join(r.json()["detail"])
     for word in ("session_id", "model_seq_id", "'other'", "rank", "train_attn", "'sgd'"):
         assert word in problems, (word, problems)
-    sample = {"prompt": {"chunks": [{"type": "image", "data": "x"}, {"tokens": [1, 10**6]}]}, "num_samples": 10**6,
-              "sampling_params": {"max_tokens": 10**9, "temperature": -1, "top_p": 0, "top_k": 0}}  # fmt: skip
+    sample = {
+        "prompt": {"chunks": [{"type": "image", "data": "x"}, {"tokens": [1, 10**6]}]},
+        "num_samples": 10**6,
+        "sampling_params": {"max_tokens": 10**9, "temperature": -1, "top_p": 0, "top_k": 0},
+    }
     r = post(server, "asample", keys["alice"], json=sample)
     problems = " | ".join(r.json()["detail"])
     assert r.status_code == 422

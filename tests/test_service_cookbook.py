@@ -78,21 +78,41 @@ def logged(log_path: Path, name: str) -> list[dict]:
 def test_sl_loop_trains_and_saves_its_final_checkpoint_as_a_peft_adapter(cookbook, tmp_path, monkeypatch):
     """The train NLL the loop logs falls over its steps; its final checkpoint (``kind="both"``) is a saved
     state whose ``adapter/`` is a PEFT adapter directory, and a sampler snapshot that is one too."""
-    local_dataset(monkeypatch, [
-        {"messages": [{"role": "user", "content": f"name a {w}"}, {"role": "assistant", "content": "blue bird"}]}
-        for w in WORDS * 2
-    ])  # fmt: skip
+    local_dataset(
+        monkeypatch,
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": f"name a {w}"},
+                    {"role": "assistant", "content": "blue bird"},
+                ]
+            }
+            for w in WORDS * 2
+        ],
+    )
     log_path = tmp_path / "sl"
-    sl_loop.main(sl_loop.Config(base_url=cookbook.server.url, log_path=str(log_path), model_name=cookbook.base,
-                                batch_size=4, learning_rate=1e-2, max_length=40, lora_rank=4, save_every=0,
-                                max_steps=6))  # fmt: skip
+    sl_loop.main(
+        sl_loop.Config(
+            base_url=cookbook.server.url,
+            log_path=str(log_path),
+            model_name=cookbook.base,
+            batch_size=4,
+            learning_rate=1e-2,
+            max_length=40,
+            lora_rank=4,
+            save_every=0,
+            max_steps=6,
+        )
+    )
 
     nll = [row["train_mean_nll"] for row in logged(log_path, "metrics.jsonl")]
     assert len(nll) == 6 and nll[-1] < 0.5 * nll[0], f"the train NLL did not fall: {nll}"
     final = logged(log_path, "checkpoints.jsonl")[-1]
     assert final["name"] == "final"
-    for folder in (saved_folder(tmp_path / "service", final["state_path"]) / "adapter",
-                   saved_folder(tmp_path / "service", final["sampler_path"])):  # fmt: skip
+    for folder in (
+        saved_folder(tmp_path / "service", final["state_path"]) / "adapter",
+        saved_folder(tmp_path / "service", final["sampler_path"]),
+    ):
         assert json.loads((folder / "adapter_config.json").read_text())["r"] == 4
         assert (folder / "adapter_model.safetensors").is_file()
 
@@ -109,9 +129,21 @@ def test_rl_loop_importance_sampling_raises_the_reward_of_a_toy_task(cookbook, t
     monkeypatch.setattr(rl_loop, "get_reward", lowercase_letters)
     local_dataset(monkeypatch, [{"question": f"say a word after {w}", "answer": "#### 0"} for w in WORDS * 4])
     log_path = tmp_path / "rl"
-    rl_loop.main(rl_loop.Config(base_url=cookbook.server.url, log_path=str(log_path), model_name=cookbook.base,
-                                batch_size=4, group_size=8, learning_rate=5e-2, lora_rank=4, save_every=0,
-                                max_tokens=8, loss_fn="importance_sampling", max_steps=10))  # fmt: skip
+    rl_loop.main(
+        rl_loop.Config(
+            base_url=cookbook.server.url,
+            log_path=str(log_path),
+            model_name=cookbook.base,
+            batch_size=4,
+            group_size=8,
+            learning_rate=5e-2,
+            lora_rank=4,
+            save_every=0,
+            max_tokens=8,
+            loss_fn="importance_sampling",
+            max_steps=10,
+        )
+    )
 
     metrics = logged(log_path, "metrics.jsonl")
     rewards = [row["reward/total"] for row in metrics]

@@ -41,8 +41,15 @@ def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_p
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # (3 slots: this client's tenant, the one a key made before it was revoked, and the resumed twin)
-    spec = ml.JobSpec(base_model=llama_path, tenants=[], seq_len=48, max_tenants=3, max_rank=8,
-                      slot_modules=SLOTS, service=ml.Service(port=port, session_timeout=5))  # fmt: skip
+    spec = ml.JobSpec(
+        base_model=llama_path,
+        tenants=[],
+        seq_len=48,
+        max_tenants=3,
+        max_rank=8,
+        slot_modules=SLOTS,
+        service=ml.Service(port=port, session_timeout=5),
+    )
     t0 = time.monotonic()
     svc = ml.serve(spec, workdir=tmp_path / "runs")
     try:
@@ -56,8 +63,12 @@ def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_p
         data = []
         for text in ("the red cat sat on the road", "a blue bird and a green tree"):
             ids = tok(text).input_ids
-            data.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                                    loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)}))  # fmt: skip
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(ids[:-1]),
+                    loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+                )
+            )
         fb = tc.forward_backward(data, "cross_entropy")
         step = tc.optim_step(types.AdamParams(learning_rate=1e-3))
         loss = fb.result().metrics["loss:sum"]
@@ -126,15 +137,25 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
     from mlora_lab.lora import read_adapter
     from mlora_lab.reference import peft_lora_tensors
 
-    spec = ml.JobSpec(base_model=llama_path, tenants=[], seq_len=48, max_tenants=3, max_rank=8,
-                      slot_modules=SLOTS, parallel=ml.Parallel(nproc=2, fsdp=2))  # fmt: skip
+    spec = ml.JobSpec(
+        base_model=llama_path,
+        tenants=[],
+        seq_len=48,
+        max_tenants=3,
+        max_rank=8,
+        slot_modules=SLOTS,
+        parallel=ml.Parallel(nproc=2, fsdp=2),
+    )
     t0 = time.monotonic()
     svc = ml.serve(spec, workdir=tmp_path / "runs")
     try:
         tok = transformers.AutoTokenizer.from_pretrained(llama_path)
         data = datums(tok, [*TEXTS, "the green plane and the city road"])  # 5 datums
-        tc = svc.client().create_lora_training_client(base_model=svc.base_model, rank=4, seed=7,
-                                                      train_unembed=False).result()  # fmt: skip
+        tc = (
+            svc.client()
+            .create_lora_training_client(base_model=svc.base_model, rank=4, seed=7, train_unembed=False)
+            .result()
+        )
         init = svc.local_path(tc.save_state("init").result().path)
         losses, logprobs, _ = sdk_steps(tc, [data[:3], data[3:]], steps=2)
         alone = tc.forward([to_sdk(data[4])], "cross_entropy").result()
@@ -142,14 +163,17 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
         sampler = tc.save_weights_and_get_sampling_client().result()
         greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
         prompts = [d[0][:4] for d in data[:2]]
-        samples = [sampler.sample(types.ModelInput.from_ints(p), num_samples=2, sampling_params=greedy)
-                   for p in prompts]  # fmt: skip
+        samples = [
+            sampler.sample(types.ModelInput.from_ints(p), num_samples=2, sampling_params=greedy)
+            for p in prompts
+        ]
         samples = [f.result() for f in samples]
         served_s = time.monotonic() - t0
 
         want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=2)
-        assert_same((losses, logprobs), (want_losses, want_logprobs), read_adapter(final)[1],
-                    peft_lora_tensors(model))  # fmt: skip
+        assert_same(
+            (losses, logprobs), (want_losses, want_logprobs), read_adapter(final)[1], peft_lora_tensors(model)
+        )
         model.eval()
         with torch.no_grad():
             x, y, _ = data[4]

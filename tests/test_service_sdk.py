@@ -89,12 +89,19 @@ def sdk_steps(tc, chunks: list[list], steps: int):
 def peft_steps(base: str, init: Path, data: list, steps: int):
     """The same with plain PEFT + torch AdamW from the adapter saved at ``init``: the losses and logprobs
     of each round, and the PeftModel at the end."""
-    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), str(init),
-                                           is_trainable=True)  # fmt: skip
+    model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base), str(init), is_trainable=True
+    )
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]),
-                            eps=ADAM["eps"], weight_decay=ADAM["weight_decay"], foreach=False)  # fmt: skip
+    opt = torch.optim.AdamW(
+        params,
+        lr=ADAM["learning_rate"],
+        betas=(ADAM["beta1"], ADAM["beta2"]),
+        eps=ADAM["eps"],
+        weight_decay=ADAM["weight_decay"],
+        foreach=False,
+    )
     losses, logprobs = [], []
     for _ in range(steps):
         total, lps = 0.0, []
@@ -120,8 +127,10 @@ def assert_same(got, want, ours: dict, theirs: dict, rel: float = 0.0) -> None:
     for g_round, w_round in zip(got_logprobs, want_logprobs, strict=True):
         assert all(torch.allclose(g, w, atol=TOL) for g, w in zip(g_round, w_round, strict=True))
     assert set(ours) == set(theirs)
-    diff = max(max((ours[k][0] - theirs[k][0]).abs().max().item(), (ours[k][1] - theirs[k][1]).abs().max().item())
-               for k in ours)  # fmt: skip
+    diff = max(
+        max((ours[k][0] - theirs[k][0]).abs().max().item(), (ours[k][1] - theirs[k][1]).abs().max().item())
+        for k in ours
+    )
     assert diff <= TOL, f"the adapter differs from PEFT + AdamW by {diff}"
 
 
@@ -134,8 +143,12 @@ def test_sdk_forward_backward_in_chunks_and_optim_steps_equal_peft_and_adamw(ser
     losses, logprobs, norms = sdk_steps(tc, [data[:2], data[2:]], steps=3)
     assert max(norms) > ADAM["grad_clip_norm"], f"clipping was not exercised: gradient norms {norms}"
     want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=3)
-    assert_same((losses, logprobs), (want_losses, want_logprobs), served.trainer.model.tenant_tensors(name),
-                peft_lora_tensors(model))  # fmt: skip
+    assert_same(
+        (losses, logprobs),
+        (want_losses, want_logprobs),
+        served.trainer.model.tenant_tensors(name),
+        peft_lora_tensors(model),
+    )
 
     # Sampling: a snapshot of the trained adapter samples as PEFT's model generates; it stays as it was
     # while the client trains on; the base model samples as the plain base does.
@@ -176,8 +189,15 @@ def peft_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float
     log-softmax logprobs."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
     tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, [step.float().log_softmax(-1)[0, t].item() for step, t in zip(out.logits, tokens)]
 
@@ -232,8 +252,10 @@ def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tm
         for t in threads:
             t.start()
         served.step_while(lambda: len(clients) < 2)  # the two create_model requests
-        inits = {seed: Path(served.trainer.engine.save_adapter(name, tmp_path / f"init{seed}"))
-                 for seed, (_, name) in clients.items()}  # fmt: skip
+        inits = {
+            seed: Path(served.trainer.engine.save_adapter(name, tmp_path / f"init{seed}"))
+            for seed, (_, name) in clients.items()
+        }
         go.set()
         served.step_while(
             lambda: any(t.is_alive() for t in threads), batch=4
@@ -248,8 +270,12 @@ def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tm
         for seed, (_, name) in clients.items():
             losses, logprobs, _ = results[seed]
             want_losses, want_logprobs, model = peft_steps(llama_path, inits[seed], halves[seed], steps=3)
-            assert_same((losses, logprobs), (want_losses, want_logprobs),
-                        served.trainer.model.tenant_tensors(name), peft_lora_tensors(model))  # fmt: skip
+            assert_same(
+                (losses, logprobs),
+                (want_losses, want_logprobs),
+                served.trainer.model.tenant_tensors(name),
+                peft_lora_tensors(model),
+            )
     finally:
         served.close()
 
@@ -267,14 +293,24 @@ def test_save_state_load_it_and_a_client_from_it_continue_exactly(served, llama_
     after, _, _ = sdk_steps(tc, [data], steps=1)
     moved = served.trainer.model.tenant_tensors(name)
     tc.load_state(path).result()
-    assert all(torch.equal(saved[k][0], v[0]) and torch.equal(saved[k][1], v[1])
-               for k, v in served.trainer.model.tenant_tensors(name).items())  # fmt: skip
+    assert all(
+        torch.equal(saved[k][0], v[0]) and torch.equal(saved[k][1], v[1])
+        for k, v in served.trainer.model.tenant_tensors(name).items()
+    )
     other = served.client().create_training_client_from_state_with_optimizer(path).result()
     again, _, _ = sdk_steps(other, [data], steps=1)
     assert again == pytest.approx(after, abs=1e-6)
     theirs = served.trainer.model.tenant_tensors(other.model_id.replace(":", "-"))
-    assert max(max((moved[k][0] - theirs[k][0]).abs().max().item(), (moved[k][1] - theirs[k][1]).abs().max().item())
-               for k in moved) <= 1e-6  # fmt: skip
+    assert (
+        max(
+            max(
+                (moved[k][0] - theirs[k][0]).abs().max().item(),
+                (moved[k][1] - theirs[k][1]).abs().max().item(),
+            )
+            for k in moved
+        )
+        <= 1e-6
+    )
     # the state's PEFT folder loads in PEFT with the saved weights
     folder = tmp_path / "service" / "weights" / name / "s1" / "adapter"
     loaded = peft.PeftModel.from_pretrained(
@@ -288,7 +324,9 @@ def test_save_state_load_it_and_a_client_from_it_continue_exactly(served, llama_
     rest = served.client().create_rest_client()
     listed = rest.list_checkpoints(tc.model_id).result().checkpoints
     assert [(c.tinker_path, c.checkpoint_type, c.checkpoint_id) for c in listed] == [
-        (path, "training", "weights/s1"), (snapshot, "sampler", "sampler_weights/w1")]  # fmt: skip
+        (path, "training", "weights/s1"),
+        (snapshot, "sampler", "sampler_weights/w1"),
+    ]
     assert all(c.size_bytes > 0 for c in listed)
     run = rest.get_training_run(tc.model_id).result()
     assert (run.lora_rank, run.model_owner, run.base_model) == (4, "owner", llama_path)
@@ -345,8 +383,13 @@ def test_each_loss_is_its_formula_over_the_returned_logprobs_and_its_gradient_cr
     advs = [torch.randn(len(x), generator=gen) for x in xs]
     a, name_a = training_client(served, seed=3)
     b, name_b = training_client(served, seed=3)
-    data = [types.Datum(model_input=types.ModelInput.from_ints(x), loss_fn_inputs={"target_tokens": y, "logprobs": q,
-                        "advantages": adv}) for x, y, q, adv in zip(xs, ys, qs, advs)]  # fmt: skip
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(x),
+            loss_fn_inputs={"target_tokens": y, "logprobs": q, "advantages": adv},
+        )
+        for x, y, q, adv in zip(xs, ys, qs, advs)
+    ]
     out = a.forward_backward(data, loss_fn, RL_LOSSES[loss_fn]).result()
     lps = [o["logprobs"].to_torch() for o in out.loss_fn_outputs]
     want = sum(
@@ -358,8 +401,12 @@ def test_each_loss_is_its_formula_over_the_returned_logprobs_and_its_gradient_cr
         lp = lp.clone().requires_grad_(True)
         per_token(loss_fn, lp, q, adv, RL_LOSSES[loss_fn]).sum().backward()
         weights.append(-lp.grad)
-    ce = [types.Datum(model_input=types.ModelInput.from_ints(x), loss_fn_inputs={"target_tokens": y, "weights": w})
-          for x, y, w in zip(xs, ys, weights)]  # fmt: skip
+    ce = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(x), loss_fn_inputs={"target_tokens": y, "weights": w}
+        )
+        for x, y, w in zip(xs, ys, weights)
+    ]
     b.forward_backward(ce, "cross_entropy").result()
     # Adam's first step is lr · g / (|g| + eps): with eps 1 it grows with |g|, so equal steps mean equal
     # gradients (at a small eps it would be ~sign(g) and compare little)
@@ -432,23 +479,39 @@ def test_hostile_requests_fail_alone_and_an_honest_client_beside_them_equals_pef
             future.result()
             pytest.fail(f"{what} was not refused")
     with pytest.raises(tinker.BadRequestError, match="outside the model's vocabulary"):
-        bad.forward_backward([datum(tokens=[vocab + 1, 2], target_tokens=[1, 2], weights=[1.0, 1.0])],
-                             "cross_entropy").result()  # fmt: skip
+        bad.forward_backward(
+            [datum(tokens=[vocab + 1, 2], target_tokens=[1, 2], weights=[1.0, 1.0])], "cross_entropy"
+        ).result()
     url, key = served.server.url, served.key
     sampler = served.client().create_sampling_client(base_model=llama_path).result()
-    huge = httpx.post(f"{url}/api/v1/asample", headers={"X-API-Key": key}, json={
-        "sampling_session_id": sampler._sampling_session_id, "seq_id": 0, "num_samples": 10**6,
-        "prompt": {"chunks": [{"type": "encoded_text", "tokens": x}]}, "sampling_params": {"max_tokens": 4},
-        "type": "sample"})  # fmt: skip
+    huge = httpx.post(
+        f"{url}/api/v1/asample",
+        headers={"X-API-Key": key},
+        json={
+            "sampling_session_id": sampler._sampling_session_id,
+            "seq_id": 0,
+            "num_samples": 10**6,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": x}]},
+            "sampling_params": {"max_tokens": 4},
+            "type": "sample",
+        },
+    )
     assert huge.status_code == 422 and "num_samples" in huge.text
     bob = served.keys.add("bob")
-    theirs = httpx.post(f"{url}/api/v1/get_info", headers={"X-API-Key": bob},
-                        json={"model_id": honest.model_id, "type": "get_info"})  # fmt: skip
+    theirs = httpx.post(
+        f"{url}/api/v1/get_info",
+        headers={"X-API-Key": bob},
+        json={"model_id": honest.model_id, "type": "get_info"},
+    )
     assert theirs.status_code == 404
     more, more_lps, _ = sdk_steps(honest, [data], steps=1)
     want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=2)
-    assert_same((losses + more, logprobs + more_lps), (want_losses, want_logprobs),
-                served.trainer.model.tenant_tensors(name), peft_lora_tensors(model))  # fmt: skip
+    assert_same(
+        (losses + more, logprobs + more_lps),
+        (want_losses, want_logprobs),
+        served.trainer.model.tenant_tensors(name),
+        peft_lora_tensors(model),
+    )
 
 
 def test_a_flood_of_10000_requests_is_answered_request_by_request_and_an_honest_client_equals_peft(
@@ -480,11 +543,29 @@ def test_a_flood_of_10000_requests_is_answered_request_by_request_and_an_honest_
     def request(i: int) -> tuple[str, str, dict]:
         kind = i % 5
         if kind in (0, 1):  # ordered, never runnable: seq_id 1 of this model never comes
-            return "optim_step", mallory, {"model_id": model_id, "seq_id": 1000 + i, "type": "optim_step",
-                                           "adam_params": {"learning_rate": 1e-3}}  # fmt: skip
+            return (
+                "optim_step",
+                mallory,
+                {
+                    "model_id": model_id,
+                    "seq_id": 1000 + i,
+                    "type": "optim_step",
+                    "adam_params": {"learning_rate": 1e-3},
+                },
+            )
         if kind == 2:
-            return "asample", mallory, {"sampling_session_id": session, "seq_id": i, "num_samples": 1,
-                                        "prompt": prompt, "sampling_params": {"max_tokens": 1}, "type": "sample"}  # fmt: skip
+            return (
+                "asample",
+                mallory,
+                {
+                    "sampling_session_id": session,
+                    "seq_id": i,
+                    "num_samples": 1,
+                    "prompt": prompt,
+                    "sampling_params": {"max_tokens": 1},
+                    "type": "sample",
+                },
+            )
         if kind == 3:
             return "optim_step", mallory, {"model_id": model_id, "seq_id": -i, "adam_params": "lots"}
         return "get_info", "tml-wrong", {"model_id": model_id, "type": "get_info"}
@@ -514,8 +595,13 @@ def test_a_flood_of_10000_requests_is_answered_request_by_request_and_an_honest_
     want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=3)
     # (its losses are sums of ~50 over the tokens: float32 rounding alone is ~5e-6 of them; measured 1.5e-5 once,
     # 3e-7 of the loss, when its steps shared the loop with the flood's samples)
-    assert_same((losses + more, logprobs + more_lps), (want_losses, want_logprobs),
-                served.trainer.model.tenant_tensors(name), peft_lora_tensors(model), rel=1e-6)  # fmt: skip
+    assert_same(
+        (losses + more, logprobs + more_lps),
+        (want_losses, want_logprobs),
+        served.trainer.model.tenant_tensors(name),
+        peft_lora_tensors(model),
+        rel=1e-6,
+    )
     print(f"10,000 requests in {took:.1f} s: {dict(answers)}")
 
 
@@ -557,8 +643,12 @@ def test_kill_9_of_a_client_mid_step_loses_nothing_and_the_others_go_on(llama_pa
         data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
         honest, name = training_client(served, seed=4)
         init = Path(served.trainer.engine.save_adapter(name, tmp_path / "init"))
-        child = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, served.server.url, served.key, llama_path],
-                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "TINKER_TELEMETRY": "0"})  # fmt: skip
+        child = subprocess.Popen(
+            [sys.executable, "-c", KILLED_CLIENT, served.server.url, served.key, llama_path],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "TINKER_TELEMETRY": "0"},
+        )
         try:
             said = json.loads(child.stdout.readline())
         finally:
@@ -575,8 +665,12 @@ def test_kill_9_of_a_client_mid_step_loses_nothing_and_the_others_go_on(llama_pa
         now = served.trainer.model.tenant_tensors(dead.name)
         assert all(torch.equal(now[k][0], saved[k][0]) and torch.equal(now[k][1], saved[k][1]) for k in saved)
         want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=2)
-        assert_same((losses, logprobs), (want_losses, want_logprobs), served.trainer.model.tenant_tensors(name),
-                    peft_lora_tensors(model))  # fmt: skip
+        assert_same(
+            (losses, logprobs),
+            (want_losses, want_logprobs),
+            served.trainer.model.tenant_tensors(name),
+            peft_lora_tensors(model),
+        )
     finally:
         served.close()
 

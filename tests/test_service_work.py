@@ -28,8 +28,11 @@ def test_ordered_requests_come_out_in_seq_order_once_the_gaps_fill():
     assert inbox.take() == []  # 4 is missing: 5 waits
     inbox.put(work(Kind.SAVE_WEIGHTS, 4))
     inbox.put(work(Kind.SAMPLE, None, rid="sample-1"))
-    assert [(w.kind, w.seq_id) for w in inbox.take()] == [(Kind.SAMPLE, None), (Kind.SAVE_WEIGHTS, 4),
-                                                         (Kind.OPTIM_STEP, 5)]  # fmt: skip
+    assert [(w.kind, w.seq_id) for w in inbox.take()] == [
+        (Kind.SAMPLE, None),
+        (Kind.SAVE_WEIGHTS, 4),
+        (Kind.OPTIM_STEP, 5),
+    ]
 
 
 def test_a_resent_request_gets_the_first_ones_future_and_runs_once():

@@ -557,9 +557,14 @@ def test_a_service_round_trips_and_needs_no_tenants(tmp_path, llama_path):
     spec = JobSpec(
         base_model=llama_path, tenants=[], service=Service(host="0.0.0.0", port=8123, lora_alpha=16.0)
     )
-    assert json.loads(spec.to_json())["service"] == {"host": "0.0.0.0", "port": 8123, "lora_alpha": 16.0,
-                                                     "max_queue": 4096, "session_timeout": 60.0,
-                                                     "max_step_tokens": None}  # fmt: skip
+    assert json.loads(spec.to_json())["service"] == {
+        "host": "0.0.0.0",
+        "port": 8123,
+        "lora_alpha": 16.0,
+        "max_queue": 4096,
+        "session_timeout": 60.0,
+        "max_step_tokens": None,
+    }
     assert (
         JobSpec.from_json(spec.to_json()) == spec
         and JobSpec.from_json(JobSpec(base_model="m", tenants=[]).to_json()).service is None

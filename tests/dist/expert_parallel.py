@@ -30,13 +30,13 @@ from mlora_lab.parallel.expert import ExpertParallelLoRAExperts
 from mlora_lab.tiny import EXPERT_TARGETS
 
 TENANTS = [("a", 2, ["q_proj"], EXPERT_TARGETS), ("b", 8, ["v_proj"], EXPERT_TARGETS[:1]),
-           ("c", 5, ["q_proj", "o_proj"], EXPERT_TARGETS[1:])]  # fmt: skip
+           ("c", 5, ["q_proj", "o_proj"], EXPERT_TARGETS[1:])]
 ROWS = ["a", "a", "b", None, "c", "c", "c", "a"]  # mixed, one base-only row; 2 or 1 rows per process
 
 
 def tiny_moe(arch: str) -> transformers.PreTrainedModel:
     common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)
     if arch == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=16)
     else:
@@ -47,7 +47,7 @@ def tiny_moe(arch: str) -> transformers.PreTrainedModel:
 
 def wrap(base: torch.nn.Module) -> MultiLoRAModel:
     return MultiLoRAModel(base, max_tenants=4, max_rank=8, slot_modules=["q_proj", "v_proj", "o_proj"],
-                          slot_parameters=EXPERT_TARGETS, wrap_experts=True)  # fmt: skip
+                          slot_parameters=EXPERT_TARGETS, wrap_experts=True)
 
 
 def inits(mm: MultiLoRAModel) -> dict[str, dict]:

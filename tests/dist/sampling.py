@@ -43,7 +43,7 @@ def build(arch: str, ep: bool) -> MultiLoRAModel:
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
     moe = arch in MOE_ARCHITECTURES
     return MultiLoRAModel(base, max_tenants=3, max_rank=8, slot_modules="all-linear",
-                          slot_parameters=EXPERT_TARGETS if moe else (), wrap_experts=ep)  # fmt: skip
+                          slot_parameters=EXPERT_TARGETS if moe else (), wrap_experts=ep)
 
 
 def add_tenants(mm: MultiLoRAModel, arch: str) -> None:
@@ -54,7 +54,7 @@ def add_tenants(mm: MultiLoRAModel, arch: str) -> None:
     for name in ("a", "b"):  # B != 0, the same values on every process and layout
         g = torch.Generator().manual_seed(len(name) + 10)
         mm.set_tenant_tensors(name, {k: (A, torch.randn(B.shape, generator=g) * 0.3)
-                                     for k, (A, B) in mm.tenant_tensors(name).items()})  # fmt: skip
+                                     for k, (A, B) in mm.tenant_tensors(name).items()})
 
 
 def requests() -> list[SampleRequest]:
@@ -112,7 +112,7 @@ def check(layout: str, arch: str, rank: int, world: int) -> None:
         # one forward per token of the longest completion anywhere (the prefill gives the first token)
         assert counts[0] == max(len(c.tokens) for c in expected), (counts, case)
         print(f"rank {rank}: {layout} {arch} {case}: {len(got)} completions, {counts[0]} forwards, "
-              f"logprobs within {worst:.1e}", flush=True)  # fmt: skip
+              f"logprobs within {worst:.1e}", flush=True)
     print(f"rank {rank}: {layout} {arch} ok", flush=True)
 
 

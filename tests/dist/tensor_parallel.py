@@ -56,7 +56,7 @@ def add_tenants(mm: MultiLoRAModel, targets: list[str]) -> None:
     for name in ("a", "b", "c"):  # B != 0, the same values on every rank and layout
         g = torch.Generator().manual_seed(len(name))
         mm.set_tenant_tensors(name, {k: (A, torch.randn(B.shape, generator=g) * 0.1)
-                                     for k, (A, B) in mm.tenant_tensors(name).items()})  # fmt: skip
+                                     for k, (A, B) in mm.tenant_tensors(name).items()})
 
 
 def count_collectives(fn) -> Counter:
