@@ -33,13 +33,17 @@ its exec it shows its parent's pages); imports are done before the clock starts.
 - step time: the median time between the ends of consecutive optimiser steps, the first step excluded
   (it pays the reward worker's start and first-call costs); TRL's from a ``TrainerCallback`` (``on_step_end``;
   generation, rewards, forward, backward, optimiser step and logging all fall between two of them).
+  The 1-tenant job runs ``one_tenant_runs`` times (3), interleaved with the TRL runs (one per tenant), and
+  each side's step is the median over all its runs' steps: one run's steps vary by ~±20 %.
   Goal: mlora / TRL <= 1.0.
 - 4 tenants: one mlora job with 4 RL tenants (all 4 generate in one ``sample()`` call and train in one
   forward + backward per step) vs 4 TRL runs one after another (4 processes). Time = set-up (tokenizer,
   model load + wrap, prompts) + all steps, imports excluded. Goal: mlora / sum of the 4 TRL runs <= 0.7.
 - memory: peak RSS of the 4-tenant job vs one TRL run (the largest of the 4). Goal <= 1.3. Also the same job
   with ``grad_accum = prompts`` (``batch_size`` 1: each step's generation trained in one micro-batch per
-  prompt, the same update): the knob a user turns for memory, and its step time.
+  prompt, the same update), and the same job with ``max_pass_tokens = 1024`` (each step's forward + backward
+  in passes of whole tenants, one tenant's 16 rows a pass here: the same update, the generation still one
+  ``sample()`` call for all four): the knobs a user turns for memory, and their step times.
 
 Threads: ``--threads`` (default 1, as every benchmark here: see README) in every process
 (``torch.set_num_threads`` and ``OMP_NUM_THREADS``, which the reward worker inherits).
@@ -75,15 +79,16 @@ FULL = dict(
     size=common.ModelSize(384, 6, 8, 4, 4096),
     rank=16,
     rollout=dict(tenants=4, samples=8, new_tokens=64, repeats=3),
-    grpo=dict(tenants=4, prompts=2, group=8, new_tokens=32, steps=6),
+    grpo=dict(tenants=4, prompts=2, group=8, new_tokens=32, steps=10, one_tenant_runs=3),
 )
 QUICK = dict(
     size=common.ModelSize(128, 2, 4, 2, 1024),
     rank=8,
     rollout=dict(tenants=4, samples=8, new_tokens=16, repeats=1),
-    grpo=dict(tenants=2, prompts=2, group=4, new_tokens=8, steps=3),
+    grpo=dict(tenants=2, prompts=2, group=4, new_tokens=8, steps=3, one_tenant_runs=1),
 )
 PROMPT_ROOM = 32  # tokens a prompt may have (seq_len = this + max_new_tokens)
+PASS_TOKENS = 1024  # max_pass_tokens of the 4-tenant job's variant in passes
 
 REWARDS = '''
 def length_reward(prompts, completions, **kwargs):
@@ -200,6 +205,7 @@ def worker_mlora(p: dict) -> dict:
             seq_len=PROMPT_ROOM + p["new_tokens"],
             max_tenants=len(tenants),
             max_rank=p["rank"],
+            max_pass_tokens=p.get("max_pass_tokens"),
         )
         trainer = Trainer(spec, run_dir=None)
         t_loaded, c_loaded = time.perf_counter(), time.process_time()
@@ -561,15 +567,21 @@ def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
         flush=True,
     )
     runs: dict[str, common.ChildResult] = {}
-    # interleaved, so drift of the machine hits both sides alike
-    order = [
-        ("mlora1", dict(kind="mlora", data=data[:1])),
-        ("trl0", dict(kind="trl", data=data[0], seed=0)),
-        (f"mlora{n}", dict(kind="mlora", data=data)),
-    ]
-    order += [(f"trl{i}", dict(kind="trl", data=data[i], seed=i)) for i in range(1, n)]
+    # interleaved, so drift of the machine hits both sides alike: the 1-tenant job runs several times (on
+    # the prompts of TRL runs 0, 1, ...), as TRL does once per tenant, and each side's step is the median over
+    # all its runs' steps (one run's median moved by +-0.2 of the ratio)
+    ones = [f"mlora1_{i}" for i in range(g["one_tenant_runs"])]
+    order = [(ones[0], dict(kind="mlora", data=data[:1])), ("trl0", dict(kind="trl", data=data[0], seed=0))]
+    order += [(f"mlora{n}", dict(kind="mlora", data=data))]
+    for i in range(1, n):
+        if i < len(ones):
+            order += [(ones[i], dict(kind="mlora", data=data[i : i + 1]))]
+        order += [(f"trl{i}", dict(kind="trl", data=data[i], seed=i))]
     # the same job in micro-batches (the same prompts, completions and update; less memory)
     order += [(f"mlora{n}acc", dict(kind="mlora", data=data, grad_accum=g["prompts"]))]
+    # the same job with each step's forward + backward in passes of at most PASS_TOKENS padded tokens (one
+    # tenant's 16 rows a pass): the same update, one tenant's activations at a time
+    order += [(f"mlora{n}pass", dict(kind="mlora", data=data, max_pass_tokens=PASS_TOKENS))]
     for name, extra in order:
         print(f"  {name} ...", flush=True)
         b0, t0 = common.machine_busy_seconds(), time.perf_counter()
@@ -578,7 +590,9 @@ def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
         runs[name].result["busy"] = (common.machine_busy_seconds() - b0) / (time.perf_counter() - t0)
     med = common.median
     trls = [runs[f"trl{i}"].result for i in range(n)]
-    m1, mn, macc = runs["mlora1"].result, runs[f"mlora{n}"].result, runs[f"mlora{n}acc"].result
+    m1s = [runs[k].result for k in ones]
+    m1, mn, macc = m1s[0], runs[f"mlora{n}"].result, runs[f"mlora{n}acc"].result
+    mpass = runs[f"mlora{n}pass"].result
 
     def steady(res: dict) -> float:
         return med(res["steps"][1:])
@@ -589,7 +603,9 @@ def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
     def cpu_steady(res: dict) -> float:  # (the main process's CPU: mlora_lab's reward worker not counted)
         return med(res["cpu_steps"][1:])
 
-    step_ratio = steady(m1) / trl_step
+    one_step = med([s for r in m1s for s in r["steps"][1:]])
+    one_cpu_step = med([s for r in m1s for s in r["cpu_steps"][1:]])
+    step_ratio = one_step / trl_step
     trl_job = sum(r["job_s"] for r in trls)
     trl_train = sum(r["train_s"] for r in trls)
     trl_setup = sum(r["setup_s"] for r in trls)
@@ -606,17 +622,23 @@ def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
         ["", "mlora", "TRL", "ratio"],
         [
             [
-                "1 tenant: step s (median, first excluded)",
-                f"{steady(m1):.3f}",
+                f"1 tenant: step s (median, first excluded; {len(m1s)} / {n} runs)",
+                f"{one_step:.3f}",
                 f"{trl_step:.3f}",
                 f"{step_ratio:.3f}",
             ],
-            ["  steps s (mlora 1 tenant; TRL run 0)", fmt_steps(m1), fmt_steps(trls[0]), ""],
+            ["  steps s (mlora 1-tenant run 0; TRL run 0)", fmt_steps(m1), fmt_steps(trls[0]), ""],
+            [
+                "  each run's median step s",
+                " ".join(f"{steady(r):.2f}" for r in m1s),
+                " ".join(f"{steady(r):.2f}" for r in trls),
+                "",
+            ],
             [
                 "  step CPU s (median, first excluded)",
-                f"{cpu_steady(m1):.3f}",
+                f"{one_cpu_step:.3f}",
                 f"{trl_cpu_step:.3f}",
-                f"{cpu_steady(m1) / trl_cpu_step:.3f}",
+                f"{one_cpu_step / trl_cpu_step:.3f}",
             ],
             ["  mean completion length (tokens)", f"{m1['completion_len']:.1f}", f"{trl_len:.1f}", ""],
             [
@@ -676,6 +698,18 @@ def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
                 f"{steady(macc) / (n * trl_step):.3f}",
             ],
             [
+                f"  peak RSS, {n}-tenant job in passes of <= {PASS_TOKENS} tokens (max_pass_tokens)",
+                mib(mpass["peak_tree"]),
+                mib(trl_peak),
+                f"{mpass['peak_tree'] / trl_peak:.3f}",
+            ],
+            [
+                f"    its step s ({n}-tenant job; TRL: {n} x one run's)",
+                f"{steady(mpass):.3f}",
+                f"{n * trl_step:.3f}",
+                f"{steady(mpass) / (n * trl_step):.3f}",
+            ],
+            [
                 "  peak RSS, 1-tenant job / one TRL run",
                 mib(m1["peak_tree"]),
                 mib(trl_peak),
@@ -700,7 +734,7 @@ def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
     print(f"\nall cores busy during each run (ours included; 1 = only the run itself on 1 thread): {busy}")
     print(
         f"\nRATIO GRPO step time, 1 tenant, mlora / TRL: {common.verdict(step_ratio, STEP_GOAL)}  "
-        f"[mlora {steady(m1):.3f} s vs TRL {trl_step:.3f} s]"
+        f"[mlora {one_step:.3f} s vs TRL {trl_step:.3f} s]"
     )
     print(
         f"RATIO {n} tenants in one job / {n} TRL runs in a row (set-up + steps): "
@@ -715,6 +749,11 @@ def grpo(args, cfg: dict, tmp: Path, model_dir: str) -> None:
         f"RATIO peak RSS {n}-tenant job in {g['prompts']} micro-batches / one TRL run: "
         f"{common.verdict(macc['peak_tree'] / trl_peak, MEM_GOAL)}  [mlora {mib(macc['peak_tree'])}; its step "
         f"{steady(macc) / (n * trl_step):.3f} of {n} TRL runs' (one batch: {steady(mn) / (n * trl_step):.3f})]"
+    )
+    print(
+        f"RATIO peak RSS {n}-tenant job in passes of <= {PASS_TOKENS} tokens / one TRL run: "
+        f"{common.verdict(mpass['peak_tree'] / trl_peak, MEM_GOAL)}  [mlora {mib(mpass['peak_tree'])}; its step "
+        f"{steady(mpass) / (n * trl_step):.3f} of {n} TRL runs']"
     )
 
 

@@ -310,6 +310,14 @@ class JobSpec:
         help="recompute activations: 0 = off, k = every k-th block"))
     """Recompute decoder blocks' activations in the backward instead of keeping them: 0 (or false) =
     off, 1 (or true) = every block, k = every k-th block (blocks 0, k, 2k, ...)."""
+    max_pass_tokens: int | None = field(default=None, metadata=meta(
+        "max pass tokens", section="Advanced", min=1, max=MAX_COUNT, optional=True, null_means="one pass",
+        help="padded tokens of one forward + backward; a larger step runs in several"))
+    """At most this many tokens (rows × their padded length) in one forward + backward: a step whose
+    tenants' rows hold more runs in several passes, each of whole tenants (at least one), their gradients
+    summed before the optimiser steps: the same update, with the activations of one pass at a time instead
+    of the whole step's. ``None``: every step in one pass. On a CPU, passes of ~1,000 tokens also cost less
+    per token than big ones (their working set stays in cache); a GPU gains from big passes."""
     packing: bool = field(default=False, metadata=meta(
         "packing", kind="bool", section="Advanced", help="pack each tenant's rows into seq_len sequences"))
     """Pack each tenant's rows into ``seq_len``-token sequences (documents kept whole and apart: position

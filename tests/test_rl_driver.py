@@ -272,6 +272,13 @@ def test_rl_and_sft_tenants_together_each_equal_alone(llama_path, tmp_path, make
     slots = dict(slot_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     together = Trainer(job(llama_path, [a, b, sft], **slots))
     together.train()
+    # the same job with one forward + backward per tenant in each step: the same run
+    passes = Trainer(job(llama_path, [a, b, sft], max_pass_tokens=1, **slots))
+    passes.train()
+    assert passes.global_step == together.global_step
+    for t in (a, b, sft):
+        assert passes.losses(t.name) == pytest.approx(together.losses(t.name), abs=TOL), t.name
+        assert max_diff(passes.model.tenant_tensors(t.name), together.model.tenant_tensors(t.name)) <= TOL
     for t in (a, b, sft):
         alone = Trainer(job(llama_path, [t], **slots))
         alone.train()
@@ -450,17 +457,23 @@ def one_process(llama_path, tmp_path_factory) -> tuple[list[Tenant], Trainer, Pa
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("rl_one_process")  # (a module fixture is made once per xdist worker)
-@pytest.mark.parametrize("layout", [{"fsdp": 2}, {"fsdp": 1, "tp": 2}], ids=["fsdp2", "tp2"])
-def test_two_ranks_equal_one(layout, one_process, llama_path, tmp_path):
+@pytest.mark.parametrize(
+    ("layout", "passes"),
+    [({"fsdp": 2}, None), ({"fsdp": 1, "tp": 2}, None), ({"fsdp": 2}, 1)],
+    ids=["fsdp2", "tp2", "fsdp2-a-pass-per-tenant"],
+)
+def test_two_ranks_equal_one(layout, passes, one_process, llama_path, tmp_path):
     """Under torchrun with fsdp=2 (tp=2) both ranks sample the same completions (same requests, same
     seeds, the decode steps kept in step by ``any_running``; under tp=2 every forward is split), rank 0's
     rewards reach both, each trains its share of the rows (fsdp=2: 9 completions, 5 and 4; tp=2: all of
-    them, its half of each projection), and the run ends as on one process."""
+    them, its half of each projection), and the run ends as on one process. With ``max_pass_tokens=1``
+    each step runs one forward + backward per tenant, the ranks agreeing on the passes although their rows
+    differ: the same run again."""
     import mlora_lab as ml
     from mlora_lab.lora import read_adapter
 
     tenants, trainer, reference = one_process
-    spec = job(llama_path, tenants, parallel=ml.Parallel(nproc=2, **layout))
+    spec = job(llama_path, tenants, parallel=ml.Parallel(nproc=2, **layout), max_pass_tokens=passes)
     spec.output_dir = str(tmp_path / "out")
     run = ml.launch(spec)
     state = run.wait(600)

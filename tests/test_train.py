@@ -192,3 +192,28 @@ def test_packed_rows_seen_counts_documents(llama_path, make_data, monkeypatch):
     train = [r for r in trainer.history if r["kind"] == "train"]
     assert [r["rows_seen"] for r in train] == [sum(documents[: i + 1]) for i in range(3)]
     assert documents[0] > 2, "several documents share a packed row"
+
+
+def test_passes_are_cut_between_whole_tenants_within_the_token_budget():
+    """``pass_plan`` over ``(rows, longest row)`` per tenant: consecutive passes whose padded tokens
+    (rows × longest) fit; a tenant too big for any pass alone; a tenant without rows rides along."""
+    from mlora_lab.job.engine import pass_plan
+
+    sizes = [(2, 10), (3, 10), (0, 0), (1, 40), (4, 5), (1, 5)]
+    assert pass_plan(sizes, 10**6) == [[0, 1, 2, 3, 4, 5]]
+    assert pass_plan(sizes, 50) == [[0, 1, 2], [3], [4, 5]]  # 5 x 10; 1 x 40; 5 x 5
+    assert pass_plan(sizes, 1) == [[0], [1, 2], [3], [4], [5]]
+    assert pass_plan(sizes, 60) == [[0, 1, 2], [3], [4, 5]]  # (5 + 1) x 40 > 60
+    assert pass_plan([(0, 0), (0, 0)], 1) == [[0, 1]]
+
+
+def test_max_pass_tokens_is_checked_with_the_other_settings(llama_path, make_data):
+    from mlora_lab.spec import JobSpec
+    from mlora_lab.validate import problems
+
+    t = Tenant(name="t", data=make_data("reverse"))
+    assert problems(JobSpec(base_model=llama_path, tenants=[t], max_pass_tokens=512)) == []
+    found = problems(JobSpec(base_model=llama_path, tenants=[t], max_pass_tokens=0, seq_len=-1))
+    assert {p.field for p in found} >= {"max_pass_tokens", "seq_len"}, found
+    spec = JobSpec(base_model=llama_path, tenants=[t], max_pass_tokens=512)
+    assert JobSpec.from_dict(spec.to_dict()).max_pass_tokens == 512

@@ -107,6 +107,20 @@ class Engine:
         return list(rows[self.comm.dp_rank :: self.comm.dp_size])
 
     # -- the forward -----------------------------------------------------------------------------
+    def passes(
+        self, groups: Sequence[tuple[str | None, list[Example]]], max_tokens: int | None
+    ) -> list[list[tuple[str | None, list[Example]]]]:
+        """``groups`` cut into consecutive passes of whole groups, each of at most ``max_tokens`` padded
+        tokens (rows × the longest row) unless a group alone holds more (it is then a pass of its own);
+        ``None``: one pass. Every process runs the same passes, so the sizes are agreed first (each group's
+        rows and longest row, the largest over the processes: one small all-reduce)."""
+        if max_tokens is None or len(groups) < 2:
+            return [list(groups)]
+        local = torch.tensor([[len(rows), max((len(ex) for ex in rows), default=0)] for _, rows in groups])
+        sizes = [(int(n), int(t)) for n, t in self.comm.max_over_world(local).tolist()]
+        return [[groups[i] for i in part] for part in pass_plan(sizes, max_tokens)]
+
+    # -- the forward -----------------------------------------------------------------------------
     def forward(
         self,
         groups: Sequence[tuple[str | None, list[Example]]],
@@ -170,3 +184,18 @@ class Engine:
         if path is None:
             return None
         return self.model.save_adapter(name, path, self.base_path, tensors=tensors)
+
+
+def pass_plan(sizes: Sequence[tuple[int, int]], max_tokens: int) -> list[list[int]]:
+    """Greedy cut of groups of ``(rows, longest row)`` into consecutive passes whose padded tokens
+    ``Σ rows × max longest`` stay within ``max_tokens``: the indices of each pass's groups. A group too big
+    for any pass is a pass of its own; groups without rows ride in the pass at hand."""
+    passes: list[list[int]] = [[]]
+    rows = longest = 0
+    for i, (n, t) in enumerate(sizes):
+        if n and rows and (rows + n) * max(longest, t) > max_tokens:
+            passes.append([])
+            rows = longest = 0
+        passes[-1].append(i)
+        rows, longest = rows + n, max(longest, t) if n else longest
+    return passes

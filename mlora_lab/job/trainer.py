@@ -261,20 +261,27 @@ class Trainer:
         owner: dict[str, Driver],
     ) -> tuple[int, int]:
         """One forward of every group's rows, each tenant's loss from its driver, one backward; the tokens
-        of the batch and how many tenants had rows in it."""
-        batch, token_loss = self.engine.forward(groups, temperatures)
-        total = token_loss.sum() * 0.0  # keeps every process's graph connected even without rows
-        for name, start, end in batch.segments:
-            if name is None:
-                continue
-            t = self.pool[name]
-            loss_t = owner[name].loss(t, token_loss[start:end], batch.labels[start:end])
-            t.window_loss += loss_t.detach()
-            total = total + loss_t
-        if total.requires_grad:  # (a single process whose rows all failed has nothing to train)
-            total.backward()
-        tenants = len({name for name, start, end in batch.segments if name is not None and end > start})
-        return int(batch.attention_mask.sum()), tenants
+        of the batch and how many tenants had rows in it. With ``spec.max_pass_tokens`` the groups run in
+        several such passes of whole tenants (:meth:`~.engine.Engine.passes`): a tenant's loss is made from
+        the same rows either way and its gradient comes from its one pass, so the update is the same, with
+        one pass's activations alive at a time."""
+        tokens, tenants = 0, set()
+        for part in self.engine.passes(groups, self.spec.max_pass_tokens):
+            batch, token_loss = self.engine.forward(part, temperatures)
+            total = token_loss.sum() * 0.0  # keeps every process's graph connected even without rows
+            for name, start, end in batch.segments:
+                if name is None:
+                    continue
+                t = self.pool[name]
+                loss_t = owner[name].loss(t, token_loss[start:end], batch.labels[start:end])
+                t.window_loss += loss_t.detach()
+                total = total + loss_t
+            if total.requires_grad:  # (a single process whose rows all failed has nothing to train)
+                total.backward()
+            tokens += int(batch.attention_mask.sum())
+            tenants |= {name for name, start, end in batch.segments if name is not None and end > start}
+            del batch, token_loss, total  # (this pass's activations go before the next pass's forward)
+        return tokens, len(tenants)
 
     def _optimizer_steps(self, plans: list[tuple[Driver, Plan]], owner: dict[str, Driver]) -> None:
         """One optimiser step for each tenant whose window is complete.

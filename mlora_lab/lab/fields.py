@@ -95,7 +95,8 @@ class FieldInput:
             w.value = bool(value)
         elif value is None and self.null_toggle is not None:
             self.null_toggle.value = True
-            w.value = self.default
+            # (a field whose default is None shows its lowest value until switched on)
+            w.value = self.default if self.default is not None else type(w.value)(info.min or 0)
         else:
             if self.null_toggle is not None:
                 self.null_toggle.value = False

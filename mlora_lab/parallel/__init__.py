@@ -215,6 +215,13 @@ class Collectives:
             dist.all_reduce(out)
         return out.cpu()
 
+    def max_over_world(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum of ``values`` over every process (a float64 copy)."""
+        out = values.detach().to(self.device, torch.float64).clone()
+        if self.mesh is not None:
+            dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return out.cpu()
+
     def broadcast_object(self, obj: object) -> object:
         """Rank 0's ``obj`` on every rank."""
         if self.mesh is None:
