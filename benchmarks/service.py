@@ -46,6 +46,10 @@ before it trains anything, which one job shares among its clients. Goal: 4-clien
 
 ``--max-step-tokens N`` serves parts 2 and 3 with ``Service(max_step_tokens=N)``: a step of the loop then takes
 clients' requests up to N datum tokens (N = ``rows x tokens``: one client's request per step).
+``--max-pass-tokens N`` serves them with ``JobSpec(max_pass_tokens=N)``: the requests of clients that wait together
+still share a step, and its forward + backward runs in passes of whole clients of at most N padded tokens. Without
+it a served job on a CPU takes 1,024 (``rows x tokens``: one client's rows a pass); ``2**53 - 1`` runs a step in
+one pass (the default before the pass budget).
 
 Threads: ``--threads`` (default 1, as every benchmark here: see README) in this process
 (``torch.set_num_threads``) and ``OMP_NUM_THREADS`` in the served jobs. Linux only (``/proc``).
@@ -389,6 +393,7 @@ def serve_spec(model_dir: str, cfg: dict, max_tenants: int):
     # (max_step_tokens only when given: the script also runs on the commits before it, as a baseline)
     cap = {} if cfg["max_step_tokens"] is None else {"max_step_tokens": cfg["max_step_tokens"]}
     service = ml.Service(lora_alpha=2.0 * cfg["rank"], **cap)
+    passes = {} if cfg["max_pass_tokens"] is None else {"max_pass_tokens": cfg["max_pass_tokens"]}
     return ml.JobSpec(
         base_model=model_dir,
         tenants=[],
@@ -397,6 +402,7 @@ def serve_spec(model_dir: str, cfg: dict, max_tenants: int):
         max_rank=cfg["rank"],
         slot_modules=common.LLAMA_TARGETS,
         service=service,
+        **passes,
     )
 
 
@@ -638,8 +644,18 @@ def main() -> None:
         default=None,
         help="the served jobs' Service.max_step_tokens (parts 2 and 3; default: none)",
     )
+    parser.add_argument(
+        "--max-pass-tokens",
+        type=int,
+        default=None,
+        help="the served jobs' JobSpec.max_pass_tokens (parts 2 and 3; default: a served job's, 1,024 on a CPU)",
+    )
     args = parser.parse_args()
-    cfg = dict(QUICK if args.quick else FULL, max_step_tokens=args.max_step_tokens)
+    cfg = dict(
+        QUICK if args.quick else FULL,
+        max_step_tokens=args.max_step_tokens,
+        max_pass_tokens=args.max_pass_tokens,
+    )
     common.setup(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the served jobs' processes inherit it
     load_before = common.wait_for_quiet(0 if args.quick else args.max_wait)
@@ -656,7 +672,10 @@ def main() -> None:
             f"{2 * cfg['rank']}, all 7 projections; fp32; a client's step: {cfg['rows']} rows x "
             f"{cfg['tokens']} tokens"
         )
-        print(f"served jobs (parts 2 and 3): Service(max_step_tokens={args.max_step_tokens})")
+        print(
+            f"served jobs (parts 2 and 3): Service(max_step_tokens={args.max_step_tokens}), "
+            f"JobSpec(max_pass_tokens={args.max_pass_tokens})"
+        )
         print(f"other processes kept {load_before:.2f} cores busy before the run\n", flush=True)
         if args.part in ("all", "overhead"):
             repeats = args.repeats or cfg["repeats"]

@@ -20,6 +20,7 @@ from mlora_lab.job.trainer import Trainer
 from mlora_lab.lora import read_adapter
 from mlora_lab.reference import train_peft
 from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.specbase import MAX_COUNT
 from mlora_lab.tiny import TYPICAL_TARGETS
 
 ARCHS = ["llama", "qwen2", "phi3", "gpt_neox"]
@@ -107,7 +108,7 @@ def test_a_step_in_passes_equals_one_pass(arch, tiny_models, make_data):
     tenants = [dataclasses.replace(t, max_steps=6) for t in three_tenants(arch, make_data)]
     slots = sorted({m for t in tenants for m in t.target_modules})
     spec = dict(base_model=base, tenants=tenants, seq_len=64, max_rank=32, max_tenants=4, slot_modules=slots)
-    one = Trainer(JobSpec(**spec))
+    one = Trainer(JobSpec(max_pass_tokens=MAX_COUNT, **spec))  # every step in one pass
     one.train()
     for max_pass_tokens in (1, 100):
         passes = Trainer(JobSpec(max_pass_tokens=max_pass_tokens, **spec))

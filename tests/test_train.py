@@ -217,3 +217,21 @@ def test_max_pass_tokens_is_checked_with_the_other_settings(llama_path, make_dat
     assert {p.field for p in found} >= {"max_pass_tokens", "seq_len"}, found
     spec = JobSpec(base_model=llama_path, tenants=[t], max_pass_tokens=512)
     assert JobSpec.from_dict(spec.to_dict()).max_pass_tokens == 512
+
+
+def test_an_unset_pass_budget_is_one_pass_but_in_a_served_job_on_a_cpu(llama_path, make_data):
+    """``max_pass_tokens=None``: one pass, except for a job that serves on a CPU (1,024 padded tokens a pass:
+    a served step holds however many clients wait at once); a number is kept."""
+    from mlora_lab.job.engine import SERVED_CPU_PASS_TOKENS, Engine
+    from mlora_lab.parallel import Collectives, ParallelDims
+    from mlora_lab.specparts import Service
+
+    t = Tenant(name="t", data=make_data("reverse"))
+    assert Trainer(spec_for(llama_path, [t])).engine.max_pass_tokens is None
+    assert Trainer(spec_for(llama_path, [t], max_pass_tokens=7)).engine.max_pass_tokens == 7
+    dims = ParallelDims(world_size=1)
+    comm = Collectives(dims, None, torch.device("cpu"))
+    served = spec_for(llama_path, [], service=Service(), slot_modules=["q_proj"])
+    assert Engine.build(served, dims, None, comm).max_pass_tokens == SERVED_CPU_PASS_TOKENS == 1024
+    served.max_pass_tokens = 4096
+    assert Engine.build(served, dims, None, comm).max_pass_tokens == 4096

@@ -44,6 +44,17 @@ from mlora_lab.spec import JobSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+SERVED_CPU_PASS_TOKENS = 1024
+"""``max_pass_tokens`` of a job that serves (``JobSpec.service``) on a CPU when the spec leaves it ``None``.
+A served step holds the requests of however many clients wait at once, so without a budget its memory grows
+with them; a file-driven job's step is what its spec says (its tenants' batch sizes), so it keeps one pass.
+Measured on an 11M llama, one thread (benchmarks/service.py): 4 clients' steps of 8 × 128 tokens each ran at
+0.634 s per client in passes of 1,024 tokens, against 0.704 s for one client alone (in one 4,096-token pass,
+~10 % more per row than alone: its working set leaves the cache), and the job peaked at 0.30 of four
+one-client jobs instead of 0.40-0.46. For a file-driven job passes trade time for memory (the 4-tenant
+SFT step of benchmarks/concurrency.py, 2,048 tokens: training 1.04× four PEFT runs in two passes against
+0.97× in one, peak RSS 880 against 1,033 MiB), so there it is the user's choice."""
+
 
 class Engine:
     """The model with its slots, its tokenizer, and the forward of one mixed-tenant batch."""
@@ -56,6 +67,7 @@ class Engine:
         base_path: str,
         seq_len: int,
         vocab_rows: int,
+        max_pass_tokens: int | None = None,
     ) -> None:
         self.model, self.tokenizer, self.comm = model, tokenizer, comm
         self.device = comm.device
@@ -69,6 +81,8 @@ class Engine:
         # whose forward post-processes the logits keep the full-logits loss.
         self.head = output_layer(model.model)
         self.chunk_tokens = chunk_tokens_for(self.vocab_rows)
+        # padded tokens of one forward + backward (None: one pass): the spec's, else chosen for the device
+        self.max_pass_tokens = max_pass_tokens
 
     @classmethod
     def build(cls, spec: JobSpec, dims: ParallelDims, mesh, comm: Collectives) -> Engine:
@@ -91,7 +105,10 @@ class Engine:
         # Checkpoint blocks before FSDP wraps them: its hooks stay outside the recomputed region.
         checkpoint_blocks(model.model, int(spec.activation_checkpointing))
         parallelize(model, dims, mesh, comm.device.type, comm.dp_group)
-        return cls(model, tokenizer, comm, base_path, spec.seq_len, vocab_rows)
+        max_pass_tokens = spec.max_pass_tokens
+        if max_pass_tokens is None and spec.service is not None and comm.device.type == "cpu":
+            max_pass_tokens = SERVED_CPU_PASS_TOKENS
+        return cls(model, tokenizer, comm, base_path, spec.seq_len, vocab_rows, max_pass_tokens)
 
     # -- data ------------------------------------------------------------------------------------
     def examples(self, source: Any) -> list[Example]:
@@ -108,12 +125,13 @@ class Engine:
 
     # -- the forward -----------------------------------------------------------------------------
     def passes(
-        self, groups: Sequence[tuple[str | None, list[Example]]], max_tokens: int | None
+        self, groups: Sequence[tuple[str | None, list[Example]]]
     ) -> list[list[tuple[str | None, list[Example]]]]:
-        """``groups`` cut into consecutive passes of whole groups, each of at most ``max_tokens`` padded
+        """``groups`` cut into consecutive passes of whole groups, each of at most ``max_pass_tokens`` padded
         tokens (rows × the longest row) unless a group alone holds more (it is then a pass of its own);
         ``None``: one pass. Every process runs the same passes, so the sizes are agreed first (each group's
         rows and longest row, the largest over the processes: one small all-reduce)."""
+        max_tokens = self.max_pass_tokens
         if max_tokens is None or len(groups) < 2:
             return [list(groups)]
         local = torch.tensor([[len(rows), max((len(ex) for ex in rows), default=0)] for _, rows in groups])

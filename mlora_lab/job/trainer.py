@@ -261,12 +261,13 @@ class Trainer:
         owner: dict[str, Driver],
     ) -> tuple[int, int]:
         """One forward of every group's rows, each tenant's loss from its driver, one backward; the tokens
-        of the batch and how many tenants had rows in it. With ``spec.max_pass_tokens`` the groups run in
+        of the batch and how many tenants had rows in it. With a pass budget (``spec.max_pass_tokens``; a
+        served job's on a CPU when unset) the groups run in
         several such passes of whole tenants (:meth:`~.engine.Engine.passes`): a tenant's loss is made from
         the same rows either way and its gradient comes from its one pass, so the update is the same, with
         one pass's activations alive at a time."""
         tokens, tenants = 0, set()
-        for part in self.engine.passes(groups, self.spec.max_pass_tokens):
+        for part in self.engine.passes(groups):
             batch, token_loss = self.engine.forward(part, temperatures)
             total = token_loss.sum() * 0.0  # keeps every process's graph connected even without rows
             for name, start, end in batch.segments:
