@@ -72,7 +72,12 @@ def worker_mlora(p: dict) -> dict:
         for i, path in enumerate(p["data"])
     ]
     spec = JobSpec(
-        base_model=p["model"], tenants=tenants, seq_len=p["seq"], max_tenants=len(tenants), max_rank=p["rank"]
+        base_model=p["model"],
+        tenants=tenants,
+        seq_len=p["seq"],
+        max_tenants=len(tenants),
+        max_rank=p["rank"],
+        **({} if p.get("max_pass_tokens") is None else {"max_pass_tokens": p["max_pass_tokens"]}),
     )
     trainer = Trainer(spec, run_dir=None)
     t_loaded = time.perf_counter()
@@ -152,6 +157,12 @@ def worker(payload: str) -> None:
 def main() -> None:
     parser = common.bench_parser(__doc__, "tiny model, few steps (smoke test)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--max-pass-tokens",
+        type=int,
+        default=None,
+        help="the mlora job's JobSpec.max_pass_tokens (default: one pass)",
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
@@ -175,6 +186,7 @@ def main() -> None:
             steps=cfg["steps"],
             rank=cfg["rank"],
             threads=args.threads,
+            max_pass_tokens=args.max_pass_tokens,
         )
         mlora_runs, peft_runs = [], []  # per repeat: ChildResult / one ChildResult per tenant
         for rep in range(repeats):

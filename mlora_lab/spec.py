@@ -318,8 +318,8 @@ class JobSpec:
     summed before the optimiser steps: the same update, with the activations of one pass at a time instead
     of the whole step's. The tenants still share the step (one generation for the RL tenants; the requests
     of a service's clients that wait together). ``None``: every step in one pass, except in a job that serves
-    on a CPU: 1,024 (a served step holds however many clients wait at once; on a CPU passes that size also
-    cost less per token than one big pass). Passes trade time for memory elsewhere (measured on a CPU: a
+    on a CPU: 1,024 (a served step holds however many clients wait at once, and measured on a CPU its
+    throughput was the same in passes). Passes trade time for memory elsewhere (measured on a CPU: a
     4-tenant step of 2,048 tokens ~7 % slower in two passes, its peak RSS 15 % lower); a GPU gains from big
     passes."""
     packing: bool = field(default=False, metadata=meta(

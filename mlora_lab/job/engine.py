@@ -46,14 +46,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 SERVED_CPU_PASS_TOKENS = 1024
 """``max_pass_tokens`` of a job that serves (``JobSpec.service``) on a CPU when the spec leaves it ``None``.
-A served step holds the requests of however many clients wait at once, so without a budget its memory grows
-with them; a file-driven job's step is what its spec says (its tenants' batch sizes), so it keeps one pass.
-Measured on an 11M llama, one thread (benchmarks/service.py): 4 clients' steps of 8 × 128 tokens each ran at
-0.634 s per client in passes of 1,024 tokens, against 0.704 s for one client alone (in one 4,096-token pass,
-~10 % more per row than alone: its working set leaves the cache), and the job peaked at 0.30 of four
-one-client jobs instead of 0.40-0.46. For a file-driven job passes trade time for memory (the 4-tenant
-SFT step of benchmarks/concurrency.py, 2,048 tokens: training 1.04× four PEFT runs in two passes against
-0.97× in one, peak RSS 880 against 1,033 MiB), so there it is the user's choice."""
+A served step holds the requests of however many clients wait at once, so in one pass its memory grows with
+them; a file-driven job's step is what its spec says (its tenants' batch sizes), so it keeps one pass.
+Measured on an 11M llama, one thread (benchmarks/service.py, 4 clients' steps of 8 × 128 tokens): the job's
+peak RSS 0.30-0.31 of four one-client jobs in passes of 1,024 tokens, against 0.46 in one pass, at the same
+throughput within the runs' noise (4 clients ÷ 1: 1.02-1.17 in passes, 1.12 in one pass). For a file-driven
+job passes trade time for memory (the 4-tenant SFT step of benchmarks/concurrency.py, 2,048 tokens:
+training 1.04× four PEFT runs in two passes against 0.97× in one, peak RSS 880 against 1,033 MiB), so
+there it is the user's choice."""
 
 
 class Engine:
