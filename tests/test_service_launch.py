@@ -36,7 +36,7 @@ def refused(client: tinker.ServiceClient, base_model: str) -> bool:
 def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_path, tmp_path):
     """Served, a client trains, keys are checked, the job stops; resumed on the same port, the very same SDK
     client goes on (its seq_ids continue) with its tenant's weights and AdamW state, and equals a client made
-    from the state it saved before the stop."""
+    from the state it saved before the stop; a named sampler snapshot from before samples as it did."""
     with socket.socket() as s:  # (a free port, for the resume to serve on the same one)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -74,6 +74,16 @@ def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_p
         loss = fb.result().metrics["loss:sum"]
         step.result()
         assert math.isfinite(loss) and loss > 0
+        # a named sampler snapshot: after the resume below, read back from its PEFT folder
+        snapshot = tc.save_weights_for_sampler("kept").result().path
+        greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+        prompt = types.ModelInput.from_ints(tok("the red cat").input_ids)
+
+        def snapshot_tokens(client) -> list[int]:
+            sampler = client.create_sampling_client(model_path=snapshot)
+            return sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0].tokens
+
+        before = snapshot_tokens(svc.client())
         tenant = tc.model_id.replace(":", "-")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and tenant not in set(svc.metrics().get("tenant", [])):
@@ -105,6 +115,7 @@ def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_p
         again = ml.resume(svc.path)
         assert type(again).__name__ == "ServedRun" and again.base_url == svc.base_url
         assert svc.status == "running"  # (the old handle follows the job that took its run over)
+        assert snapshot_tokens(again.client()) == before
         twin = again.client().create_training_client_from_state_with_optimizer(saved).result()
         forwards = [c.forward(data, "cross_entropy") for c in (tc, twin)]  # tc: the client from before
         got, want = (f.result().metrics["loss:sum"] for f in forwards)

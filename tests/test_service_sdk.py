@@ -729,6 +729,41 @@ def test_snapshots_share_the_slots_an_rl_loop_saves_one_per_step_and_inflight_mo
     del other
 
 
+def test_a_named_snapshot_is_read_back_from_its_folder_when_the_job_no_longer_holds_it(served, llama_path):
+    """What a resume leaves (no snapshot in memory, none in a slot): sampling from a named snapshot's path reads
+    it back from its PEFT folder and gives what it gave before (greedy tokens and logprobs), although its
+    training client has moved on since; a sampling session of an unnamed save fails, saying why."""
+    data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
+    tc, _ = training_client(served, seed=2)
+    greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
+    prompt = types.ModelInput.from_ints(data[0][0][:3])
+
+    def draw(sampler) -> tuple[list[int], list[float]]:
+        seq = sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+        return seq.tokens, seq.logprobs
+
+    sdk_steps(tc, [data], steps=2)
+    path = tc.save_weights_for_sampler("kept").result().path
+    sampler = served.client().create_sampling_client(model_path=path)
+    session = tc.save_weights_and_get_sampling_client().result()
+    before = draw(sampler)
+    assert draw(session) == before
+    sdk_steps(tc, [data], steps=3)  # the tenant moves on; its snapshots do not
+    moved = draw(tc.save_weights_and_get_sampling_client().result())
+    assert moved != before
+    snapshots = served.trainer.drivers.all[0].snapshots
+    for snap in {id(s): s for s in snapshots.by_key.values()}.values():  # (the loop idles: no request waits)
+        if snap.slot is not None:
+            served.trainer.model.remove_tenant(snap.slot)
+    snapshots.by_key.clear()
+    tokens, logprobs = draw(sampler)
+    assert tokens == before[0] and logprobs == pytest.approx(before[1], abs=1e-6)
+    again = served.client().create_sampling_client(model_path=path)
+    assert draw(again)[0] == before[0]
+    with pytest.raises(tinker.RequestFailedError, match="not across a resume"):
+        draw(session)
+
+
 def test_requests_two_clients_send_at_the_same_moment_share_a_step(llama_path):
     """Requests sent together reach the job some milliseconds apart (another client's, a client's optim_step
     behind its forward_backward); the loop, woken by the first, waits for the rest (``GATHER_QUIET_S``), so

@@ -19,6 +19,10 @@ not loaded, unloads the snapshots sampled least recently. A model keeps its :dat
 recent unnamed snapshots (``save_weights_and_get_sampling_client``, once per step of an RL loop); its
 ``kind="inflight"`` saves share one target, which each such save moves on for every inflight session.
 
+A named snapshot outlives the process: after a resume (or once the job has dropped it) the first request
+that samples from its path reads it back from its PEFT folder, a snapshot as before. Unnamed ones live in
+memory only: sampling sessions from before a resume fail, saying so.
+
 On several processes every process keeps every snapshot (their tensors gathered everywhere) and runs every
 sample request (same seeds: the same tokens), its decode steps kept in step with the others
 (``any_running``), as the RL driver generates; a named snapshot's PEFT folder is written by rank 0 alone.
@@ -34,8 +38,9 @@ from pathlib import Path
 import torch
 
 from mlora_lab.job.engine import Engine
+from mlora_lab.lora import AdapterError, read_adapter
 from mlora_lab.rundir import checkpoint
-from mlora_lab.rundir.service import saved_folder
+from mlora_lab.rundir.service import TINKER, saved_folder
 from mlora_lab.sampling import SampleRequest, default_stop_ids, sample
 from mlora_lab.service import wire
 from mlora_lab.service.work import ErrorCategory, Result, Work
@@ -184,10 +189,12 @@ class Snapshots:
             s = work.body
             # a snapshot's sampling session (its work names the model), a saved snapshot, or the base model
             source = s.sampling_session_id if work.model_id is not None else s.model_path
+            if source is not None and source not in self.by_key and work.model_id is None:
+                self.restore(source)
             if source is not None and source not in self.by_key:
                 why = (
                     f"no sampler snapshot {source!r} on this server (an unnamed one is kept for "
-                    f"the {SESSION_SNAPSHOTS} most recent saves of its model)"
+                    f"the {SESSION_SNAPSHOTS} most recent saves of its model, and not across a resume)"
                 )
                 settle(work, Result(error=why))
                 continue
@@ -242,6 +249,34 @@ class Snapshots:
             sequences = [wire.Sampled(c.tokens, c.logprobs, stopped=c.stop_reason != "length") for c in mine]
             prompt = mine[0].prompt_logprobs if requests[i].prompt_logprobs else None
             settle(work, Result(proto=wire.sample_response(sequences, prompt)))
+
+    def restore(self, path: str) -> None:
+        """Read the named snapshot ``path`` (``tinker://<model>/sampler_weights/<name>``) back from its PEFT
+        folder into :attr:`by_key`, unloaded, if it is there and every process could read it (one all-reduce:
+        the processes take part in every sample together, so they must agree on which can run)."""
+        snap = None
+        parts = path.removeprefix(TINKER).split("/")
+        if self.checkpoints is not None and path.startswith(TINKER) and len(parts) == 3:
+            try:
+                config, tensors = read_adapter(saved_folder(self.checkpoints, path))
+                if parts[1] != "sampler_weights" or not set(tensors) <= set(self.engine.model.layers):
+                    raise ValueError(f"{path} is not a sampler snapshot of this model's layers")
+                snap = Snapshot(
+                    parts[0],
+                    tensors,
+                    int(config.r),
+                    float(config.lora_alpha),
+                    tuple(tensors),
+                    bool(config.use_rslora),
+                    named=True,
+                )
+            except (OSError, ValueError, AdapterError):
+                snap = None
+        readable = torch.tensor([float(snap is not None)])
+        if self.engine.comm.mesh is not None:
+            readable = self.engine.comm.sum_over_world(readable) / self.engine.comm.dims.world_size
+        if snap is not None and float(readable[0]) == 1.0:
+            self.by_key[path] = snap
 
     def _any_running(self, running: bool) -> bool:
         """Whether a sampling row still runs on any process (an all-reduce after every decode step)."""
