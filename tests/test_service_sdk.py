@@ -11,6 +11,7 @@ client's request fills, they take turns: a step each). An optim_step that comes 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
@@ -70,6 +71,12 @@ def training_client(served: Served, seed: int):
     )
     tc = tc.result()  # (the SDK hands back a future of the client)
     return tc, tc.model_id.replace(":", "-")
+
+
+def greedy_sample(sampler, prompt: types.ModelInput, params: types.SamplingParams) -> tuple[list, list]:
+    """One sample of ``prompt`` from ``sampler``: its tokens and their logprobs."""
+    seq = sampler.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0]
+    return seq.tokens, seq.logprobs
 
 
 def sdk_steps(tc, chunks: list[list], steps: int):
@@ -703,9 +710,7 @@ def test_snapshots_share_the_slots_an_rl_loop_saves_one_per_step_and_inflight_mo
     greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
     prompt = types.ModelInput.from_ints(data[0][0][:3])
 
-    def draw(sampler) -> tuple[list[int], list[float]]:
-        seq = sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
-        return seq.tokens, seq.logprobs
+    draw = functools.partial(greedy_sample, prompt=prompt, params=greedy)
 
     samplers, first = [], []
     for _ in range(12):
@@ -738,9 +743,7 @@ def test_a_named_snapshot_is_read_back_from_its_folder_when_the_job_no_longer_ho
     greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
     prompt = types.ModelInput.from_ints(data[0][0][:3])
 
-    def draw(sampler) -> tuple[list[int], list[float]]:
-        seq = sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
-        return seq.tokens, seq.logprobs
+    draw = functools.partial(greedy_sample, prompt=prompt, params=greedy)
 
     sdk_steps(tc, [data], steps=2)
     path = tc.save_weights_for_sampler("kept").result().path

@@ -272,10 +272,10 @@ class Snapshots:
                 )
             except (OSError, ValueError, AdapterError):
                 snap = None
-        readable = torch.tensor([float(snap is not None)])
+        unreadable = torch.tensor([float(snap is None)])
         if self.engine.comm.mesh is not None:
-            readable = self.engine.comm.sum_over_world(readable) / self.engine.comm.dims.world_size
-        if snap is not None and float(readable[0]) == 1.0:
+            unreadable = self.engine.comm.sum_over_world(unreadable)
+        if float(unreadable[0]) == 0:
             self.by_key[path] = snap
 
     def _any_running(self, running: bool) -> bool:
