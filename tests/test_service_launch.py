@@ -32,14 +32,19 @@ def refused(client: tinker.ServiceClient, base_model: str) -> bool:
     return False
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.slow  # (starts a job)
 def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_path, tmp_path):
     """Served, a client trains, keys are checked, the job stops; resumed on the same port, the very same SDK
     client goes on (its seq_ids continue) with its tenant's weights and AdamW state, and equals a client made
-    from the state it saved before the stop; a named sampler snapshot from before samples as it did."""
-    with socket.socket() as s:  # (a free port, for the resume to serve on the same one)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from the state it saved before the stop; a named sampler snapshot from before samples as it did, and so do
+    the sampling clients made before the stop (of that snapshot, and of an unnamed save)."""
+    port = free_port()  # (for the resume to serve on the same one)
     # (3 slots: this client's tenant, the one a key made before it was revoked, and the resumed twin)
     spec = ml.JobSpec(
         base_model=llama_path,
@@ -79,11 +84,20 @@ def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_p
         greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
         prompt = types.ModelInput.from_ints(tok("the red cat").input_ids)
 
-        def snapshot_tokens(client) -> list[int]:
-            sampler = client.create_sampling_client(model_path=snapshot)
+        def draw(sampler) -> list[int]:
             return sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0].tokens
 
+        def snapshot_tokens(client) -> list[int]:
+            return draw(client.create_sampling_client(model_path=snapshot))
+
         before = snapshot_tokens(svc.client())
+        # sampling clients made before the stop: of the named snapshot, and of an unnamed save (the checkpoint
+        # keeps its snapshot and both sessions)
+        samplers = [
+            svc.client().create_sampling_client(model_path=snapshot),
+            tc.save_weights_and_get_sampling_client().result(),
+        ]
+        assert [draw(s) for s in samplers] == [before, before]
         tenant = tc.model_id.replace(":", "-")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and tenant not in set(svc.metrics().get("tenant", [])):
@@ -116,6 +130,7 @@ def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_p
         assert type(again).__name__ == "ServedRun" and again.base_url == svc.base_url
         assert svc.status == "running"  # (the old handle follows the job that took its run over)
         assert snapshot_tokens(again.client()) == before
+        assert [draw(s) for s in samplers] == [before, before]  # the very sampling clients from before
         twin = again.client().create_training_client_from_state_with_optimizer(saved).result()
         forwards = [c.forward(data, "cross_entropy") for c in (tc, twin)]  # tc: the client from before
         got, want = (f.result().metrics["loss:sum"] for f in forwards)
@@ -140,7 +155,9 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
     forward_backward in chunks of 3 and 2 datums (each rank gets some of the step's datums, unevenly) +
     optim_step, a forward of one datum (rank 1 has no row at all), save_state, a sampler snapshot's greedy
     samples: the losses, logprobs, saved adapter and samples equal PEFT + AdamW on one process to 1e-5; a
-    client made from the saved state (with its AdamW state) then steps as the first one does.
+    client made from the saved state (with its AdamW state) then steps as the first one does. Stopped and
+    resumed on two processes, its sampler snapshots (unnamed, through the sampling client from before; named,
+    read back from its folder by each process) sample as they did.
     (Measured: losses 2.4e-6, logprobs 4.8e-7, adapter 8.4e-7. The same test under tp=2 passes too, at
     6.2e-6, 1.4e-6 and 2.7e-6; it is left out for CI's time, another ~35 s.)"""
     from test_service_sdk import TEXTS, assert_same, datums, peft_greedy, peft_steps, sdk_steps, to_sdk
@@ -156,6 +173,7 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
         max_rank=8,
         slot_modules=SLOTS,
         parallel=ml.Parallel(nproc=2, fsdp=2),
+        service=ml.Service(port=free_port()),  # (the resume serves on the same one)
     )
     t0 = time.monotonic()
     svc = ml.serve(spec, workdir=tmp_path / "runs")
@@ -172,6 +190,7 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
         alone = tc.forward([to_sdk(data[4])], "cross_entropy").result()
         final = svc.local_path(tc.save_state("final").result().path)
         sampler = tc.save_weights_and_get_sampling_client().result()
+        named = tc.save_weights_for_sampler("kept").result().path  # (the same weights)
         greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
         prompts = [d[0][:4] for d in data[:2]]
         samples = [
@@ -204,6 +223,17 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
             next_loss, abs=1e-6
         )
         assert svc.stop() == "stopped", svc.logs(0)
+        # resumed on two processes: the unnamed snapshot comes back from the checkpoint with its sampling
+        # session, the named one is read back from its folder (rank 0 and rank 1 each read it): both sample
+        # the greedy tokens of before, although the client stepped on since
+        again = ml.resume(svc.path)
+        sampled = [sampler.sample(types.ModelInput.from_ints(prompts[0]), 1, greedy).result()]
+        kept = again.client().create_sampling_client(model_path=named)
+        sampled.append(kept.sample(types.ModelInput.from_ints(prompts[0]), 1, greedy).result())
+        for answer in sampled:
+            assert answer.sequences[0].tokens == samples[0].sequences[0].tokens
+            assert answer.sequences[0].logprobs == pytest.approx(samples[0].sequences[0].logprobs, abs=1e-5)
+        assert again.stop() == "stopped", again.logs(0)
         print(f"served on two processes for {served_s:.1f} s; whole test {time.monotonic() - t0:.1f} s")
     finally:
         stop_runs_under(tmp_path)

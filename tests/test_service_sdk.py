@@ -240,11 +240,17 @@ def test_an_optim_step_that_comes_alone_runs_no_forward(llama_path):
 def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tmp_path, max_step_tokens):
     """Two programs drive a tenant each, in threads, at the same time; the loop steps once both have sent
     a round (so every step holds both: the system rows count 2 tenants), and each ends as PEFT alone.
-    With ``max_step_tokens`` that one client's request fills, each step holds one of them, in turns."""
+    With ``max_step_tokens`` that one client's request fills, each step holds one of them, in turns, and a
+    step that runs what the one before left starts at once (no gather wait)."""
     data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS)
     halves = {7: data[:2], 8: data[2:]}
     cap = None if max_step_tokens is None else max(sum(len(x) for x, _, _ in h) for h in halves.values())
     served = Served(llama_path, background=False, max_step_tokens=cap)
+    driver = served.trainer.drivers.all[0]
+    plans, gathers = [], []  # whether requests a full step left were waiting: at each plan, at each gather
+    plan, gather_wait = driver.plan, served.state.inbox.gather_wait
+    driver.plan = lambda: plans.append(any(driver.queues.values())) or plan()
+    served.state.inbox.gather_wait = lambda *a: gathers.append(any(driver.queues.values())) or gather_wait(*a)
     try:
         clients: dict[int, tuple] = {}
         results: dict[int, tuple] = {}
@@ -274,6 +280,8 @@ def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tm
             assert shared.count(2) == 3, f"tenants per step: {shared}"
         else:  # (each round: one step per client's forward_backward)
             assert shared.count(1) == 6 and 2 not in shared, f"tenants per step: {shared}"
+            # a step that runs what a full one left starts at once: it waits out no gather
+            assert plans.count(True) >= 3 and True not in gathers, (plans, gathers)
         for seed, (_, name) in clients.items():
             losses, logprobs, _ = results[seed]
             want_losses, want_logprobs, model = peft_steps(llama_path, inits[seed], halves[seed], steps=3)
@@ -734,10 +742,15 @@ def test_snapshots_share_the_slots_an_rl_loop_saves_one_per_step_and_inflight_mo
     del other
 
 
-def test_a_named_snapshot_is_read_back_from_its_folder_when_the_job_no_longer_holds_it(served, llama_path):
-    """What a resume leaves (no snapshot in memory, none in a slot): sampling from a named snapshot's path reads
-    it back from its PEFT folder and gives what it gave before (greedy tokens and logprobs), although its
-    training client has moved on since; a sampling session of an unnamed save fails, saying why."""
+def test_snapshots_and_sampling_sessions_from_before_a_resume_sample_as_before(served, llama_path, tmp_path):
+    """What a resume leaves (no snapshot in memory, none in a slot, no sampling session known), and what it
+    brings back from the checkpoint (the driver's state, written and read in the checkpoint format): a named
+    snapshot is read back from its PEFT folder when sampled, and the unnamed one of a sampling session comes
+    back with that session; each gives what it gave before (greedy tokens and logprobs), although its training
+    client has moved on since. Without the checkpoint's state the sessions from before are unknown, saying
+    so (a new sampling client of the named path reads it back)."""
+    from mlora_lab.rundir import checkpoint
+
     data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
     tc, _ = training_client(served, seed=2)
     greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
@@ -754,17 +767,26 @@ def test_a_named_snapshot_is_read_back_from_its_folder_when_the_job_no_longer_ho
     sdk_steps(tc, [data], steps=3)  # the tenant moves on; its snapshots do not
     moved = draw(tc.save_weights_and_get_sampling_client().result())
     assert moved != before
-    snapshots = served.trainer.drivers.all[0].snapshots
-    for snap in {id(s): s for s in snapshots.by_key.values()}.values():  # (the loop idles: no request waits)
+    driver = served.trainer.drivers.all[0]
+    # the checkpoint's part of the driver, through the files a checkpoint is (the loop idles: no request waits)
+    saved = checkpoint.read_checkpoint(checkpoint.write_checkpoint(tmp_path / "ckpt", 1, driver.state_dict()))
+    assert len(saved["service"]["snapshots"]["snapshots"]) == 2  # (the unnamed ones; the named one is a folder)
+    for snap in {id(s): s for s in driver.snapshots.by_key.values()}.values():
         if snap.slot is not None:
             served.trainer.model.remove_tenant(snap.slot)
-    snapshots.by_key.clear()
-    tokens, logprobs = draw(sampler)
+    driver.snapshots.by_key.clear()
+    with served.state.lock:
+        served.state.sampling_sessions.clear()
+    again = served.client().create_sampling_client(model_path=path)  # (a new session: read back)
+    tokens, logprobs = draw(again)
     assert tokens == before[0] and logprobs == pytest.approx(before[1], abs=1e-6)
-    again = served.client().create_sampling_client(model_path=path)
-    assert draw(again)[0] == before[0]
-    with pytest.raises(tinker.RequestFailedError, match="not across a resume"):
-        draw(session)
+    for old in (sampler, session):
+        with pytest.raises(tinker.NotFoundError, match="no sampling session"):
+            draw(old)
+    driver.load_state_dict(saved)
+    for old in (sampler, session):  # the sessions from before, with the unnamed snapshot
+        tokens, logprobs = draw(old)
+        assert tokens == before[0] and logprobs == pytest.approx(before[1], abs=1e-6)
 
 
 def test_requests_two_clients_send_at_the_same_moment_share_a_step(llama_path):

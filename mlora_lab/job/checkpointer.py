@@ -12,6 +12,9 @@ and saves the union of their state dicts, each part owning its own top-level key
   held back keeps its saved state here) and ``unrecorded`` (tenants job.json could not be updated with);
   the digest and ``unrecorded`` are optional: checkpoints written before them resume as they did;
 * a search (:class:`~mlora_lab.job.search.SearchController`), if the job runs one: ``search``.
+* the drivers (:class:`~mlora_lab.job.driver.Driver`), for what they keep beyond their tenants' feeds: a
+  served job's ``service`` (its sessions, sampling sessions and unnamed sampler snapshots); none for the
+  others.
 
 The files and their format (JSON + safetensors, checksums, atomic commit) are
 :mod:`mlora_lab.rundir.checkpoint`'s. Rank 0 writes; rank 0 also picks the checkpoint to resume from (the

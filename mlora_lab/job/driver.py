@@ -33,6 +33,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -121,6 +122,14 @@ class Driver(ABC):
     def waiting(self) -> bool:
         """Whether work may still come with none of its tenants running (a service waiting for requests)."""
         return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this driver keeps beyond its tenants' feeds, for the job's checkpoint: a dict of its own
+        top-level keys (none by default). Called on every process; rank 0's is written."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 (a hook: may do nothing)
+        """Take this driver's keys of a checkpoint's state (the whole state; older ones may lack them)."""
 
 
 DriverFactory = Callable[[JobParts], Driver]

@@ -29,6 +29,7 @@ failure: a quarantined tenant fails its waiting requests), a forward/backward's 
 (:meth:`~mlora_lab.job.driver.Driver.after_step`: its datums' results are gathered from every process).
 With ``max_step_tokens``, a step takes forward/backward requests until their datums hold that many input
 tokens (at least one request); the rest wait for the next steps, and the models take turns to go first.
+Such a next step starts at once, with what has come meanwhile (it waits for no gather).
 
     save_weights_for_sampler   a **snapshot** of the tenant's adapter, at its place in the model's ``seq_id``
                       order, and ``asample``: every waiting sample in ONE batched generation
@@ -272,6 +273,24 @@ class ServiceDriver(Driver):
     def waiting(self) -> bool:
         return True  # clients may send requests at any time
 
+    # -- in the job's checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``service``: the unnamed sampler snapshots (every process holds them) and rank 0's sessions and
+        sampling sessions, so that a resumed job's clients sample from what they saved before the stop."""
+        registry = self.state.registry(self.snapshots.by_key) if self.main else {}
+        return {"service": {"snapshots": self.snapshots.state_dict(), **registry}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("service")
+        if not isinstance(saved, dict):  # (a checkpoint of a job that was not served, or older)
+            return
+        left_out = self.snapshots.load_state_dict(saved.get("snapshots") or {})
+        if self.main:
+            n = self.state.restore_registry(saved)
+            left_out += [f"{n} session(s) of the wrong shape are left out"] if n else []
+            for why in left_out:
+                print(f"resume: {why}", flush=True)
+
     # -- a step's plan ---------------------------------------------------------------------------
     def plan(self) -> Plan | None:
         if self._restored:
@@ -364,7 +383,8 @@ class ServiceDriver(Driver):
         torch's generator, so that every process draws the same tokens."""
         pauses, resumes = self._watch_sessions()
         works = []
-        while (wait := self.state.inbox.gather_wait(GATHER_QUIET_S, GATHER_MAX_S)) > 0:
+        # (requests a full step left behind run now, with whatever has come: none waits out a gather)
+        while not self._left_over() and (wait := self.state.inbox.gather_wait(GATHER_QUIET_S, GATHER_MAX_S)):
             time.sleep(wait)
         for work in self.state.inbox.take():
             s = work.body
@@ -373,6 +393,15 @@ class ServiceDriver(Driver):
                 work = dataclasses.replace(work, body=dataclasses.replace(s, seed=seed))
             works.append(work)
         return _Orders(pauses, resumes, works)
+
+    def _left_over(self) -> bool:
+        """Whether a running tenant has requests taken in an earlier step and not run yet (``max_step_tokens``
+        left them for the next steps)."""
+        for model_id, queue in self.queues.items():
+            t = self.pool.tenants.get(self.names[model_id])
+            if queue and t is not None and t.state is TenantState.RUNNING:
+                return True
+        return False
 
     def _full(self, tokens: int, more: int) -> bool:
         """Whether a step holding ``tokens`` input tokens has no room for ``more`` (``max_step_tokens``; a

@@ -20,8 +20,12 @@ recent unnamed snapshots (``save_weights_and_get_sampling_client``, once per ste
 ``kind="inflight"`` saves share one target, which each such save moves on for every inflight session.
 
 A named snapshot outlives the process: after a resume (or once the job has dropped it) the first request
-that samples from its path reads it back from its PEFT folder, a snapshot as before. Unnamed ones live in
-memory only: sampling sessions from before a resume fail, saying so.
+that samples from its path reads it back from its PEFT folder, a snapshot as before. Unnamed ones (and the
+inflight targets) go into the job's checkpoints (:meth:`Snapshots.state_dict`: each snapshot's tensors once,
+with every key it is kept under, in the order they were saved), so a resumed job samples a sampling session
+from before the stop as it did; the sessions themselves are the service state's
+(:meth:`~mlora_lab.service.state.ServiceState.registry`). A checkpoint so holds at most
+:data:`SESSION_SNAPSHOTS` + 1 adapters' tensors per model.
 
 On several processes every process keeps every snapshot (their tensors gathered everywhere) and runs every
 sample request (same seeds: the same tokens), its decode steps kept in step with the others
@@ -34,6 +38,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -194,7 +199,7 @@ class Snapshots:
             if source is not None and source not in self.by_key:
                 why = (
                     f"no sampler snapshot {source!r} on this server (an unnamed one is kept for "
-                    f"the {SESSION_SNAPSHOTS} most recent saves of its model, and not across a resume)"
+                    f"the {SESSION_SNAPSHOTS} most recent saves of its model)"
                 )
                 settle(work, Result(error=why))
                 continue
@@ -277,6 +282,64 @@ class Snapshots:
             unreadable = self.engine.comm.sum_over_world(unreadable)
         if float(unreadable[0]) == 0:
             self.by_key[path] = snap
+
+    # -- in the job's checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The unnamed snapshots, for a checkpoint: ``snapshots`` (each once: its model, LoRA shape and
+        tensors ``{layer: [A, B]}``) and ``keys`` (``[key, index into snapshots]`` in :attr:`by_key`'s order,
+        which :meth:`forget_old_sessions` goes by). Named ones are PEFT folders already."""
+        snapshots: list[dict[str, Any]] = []
+        index: dict[int, int] = {}
+        keys = []
+        for key, snap in self.by_key.items():
+            if snap.named:
+                continue
+            if id(snap) not in index:
+                index[id(snap)] = len(snapshots)
+                snapshots.append(
+                    {
+                        "model_id": snap.model_id,
+                        "rank": snap.rank,
+                        "alpha": snap.alpha,
+                        "modules": list(snap.modules),
+                        "use_rslora": snap.use_rslora,
+                        "tensors": {layer: list(ab) for layer, ab in snap.tensors.items()},
+                    }
+                )
+            keys.append([key, index[id(snap)]])
+        return {"snapshots": snapshots, "keys": keys}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> list[str]:
+        """Take back the unnamed snapshots of a checkpoint (:meth:`state_dict`), unloaded; one that does not
+        fit this job's model (a layer it has no slot on) is left out. The reasons of those left out."""
+        snaps: list[Snapshot | None] = []
+        dropped = []
+        layers = set(self.engine.model.layers)
+        for i, entry in enumerate(saved.get("snapshots", [])):
+            try:
+                tensors = {str(k): (a, b) for k, (a, b) in entry["tensors"].items()}
+                if not set(tensors) <= layers or not all(
+                    isinstance(t, torch.Tensor) for ab in tensors.values() for t in ab
+                ):
+                    raise ValueError("it has tensors of layers this job has no slot on")
+                snaps.append(
+                    Snapshot(
+                        str(entry["model_id"]),
+                        tensors,
+                        int(entry["rank"]),
+                        float(entry["alpha"]),
+                        tuple(str(m) for m in entry["modules"]),
+                        bool(entry["use_rslora"]),
+                        named=False,
+                    )
+                )
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                snaps.append(None)
+                dropped.append(f"sampler snapshot {i} of the checkpoint is left out: {e}")
+        for key, i in saved.get("keys", []):
+            if isinstance(i, int) and 0 <= i < len(snaps) and snaps[i] is not None:
+                self.by_key[str(key)] = snaps[i]
+        return dropped
 
     def _any_running(self, running: bool) -> bool:
         """Whether a sampling row still runs on any process (an all-reduce after every decode step)."""

@@ -165,6 +165,8 @@ class Trainer:
         parts: dict[str, Any] = {"job": self, "tenants": self.pool}
         if self.search is not None:
             parts["search"] = self.search
+        for i, driver in enumerate(self.drivers):  # (what a driver keeps beyond its tenants' feeds)
+            parts[f"driver {i}"] = driver
         return parts
 
     def state_dict(self) -> dict[str, Any]:

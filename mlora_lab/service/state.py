@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,55 @@ class ServiceState:
             if alive:
                 session.last_seen = time.time()
         self.inbox.start_model(info.model_id, next_seq_id)
+
+    def registry(self, snapshots: Collection[str]) -> dict[str, Any]:
+        """The clients' sessions and sampling sessions, for the job's checkpoints (with the snapshots, see
+        :mod:`mlora_lab.job.snapshots`): ``sessions`` (id -> owner, model ids, finished) and
+        ``sampling_sessions`` (id -> owner, and the snapshot path or training model it samples). A sampling
+        session of an unnamed save is kept only while its snapshot is (its id in ``snapshots``): a model
+        keeps the few most recent, and an RL loop makes one a step."""
+        with self.lock:
+            sessions = {
+                sid: {"owner": s.owner, "model_ids": list(s.model_ids), "finished": s.finished}
+                for sid, s in self.sessions.items()
+            }
+            sampling = {
+                sid: {"owner": s.owner, "model_path": s.model_path, "model_id": s.model_id}
+                for sid, s in self.sampling_sessions.items()
+                if s.model_id is None or sid in snapshots
+            }
+        return {"sessions": sessions, "sampling_sessions": sampling}
+
+    def restore_registry(self, saved: Mapping[str, Any]) -> int:
+        """Take back what :meth:`registry` kept (a resumed job: its clients' sessions and sampling sessions go
+        on). A session with models counts as long silent until :meth:`restore_model` says otherwise; one
+        with none as just heard from. An entry of the wrong shape is left out; how many were."""
+        left_out = 0
+        now = time.time()
+        with self.lock:
+            for sid, s in dict(saved.get("sessions") or {}).items():
+                try:
+                    models = [str(m) for m in s["model_ids"]]
+                    session = Session(str(s["owner"]), last_seen=0.0 if models else now, model_ids=models)
+                    session.finished = bool(s["finished"])
+                except (KeyError, TypeError):
+                    left_out += 1
+                    continue
+                self.sessions.setdefault(str(sid), session)
+            for sid, s in dict(saved.get("sampling_sessions") or {}).items():
+                try:
+                    path, model = s["model_path"], s["model_id"]
+                    entry = SamplingSession(
+                        str(s["owner"]),
+                        self.base_model,
+                        model_path=None if path is None else str(path),
+                        model_id=None if model is None else str(model),
+                    )
+                except (KeyError, TypeError):
+                    left_out += 1
+                    continue
+                self.sampling_sessions.setdefault(str(sid), entry)
+        return left_out
 
     def owns_run(self, owner: str, run_id: str) -> bool:
         """Whether ``run_id`` (a model id, the first part of a ``tinker://`` path) is ``owner``'s."""
