@@ -770,7 +770,8 @@ def test_snapshots_and_sampling_sessions_from_before_a_resume_sample_as_before(s
     driver = served.trainer.drivers.all[0]
     # the checkpoint's part of the driver, through the files a checkpoint is (the loop idles: no request waits)
     saved = checkpoint.read_checkpoint(checkpoint.write_checkpoint(tmp_path / "ckpt", 1, driver.state_dict()))
-    assert len(saved["service"]["snapshots"]["snapshots"]) == 2  # (the unnamed ones; the named one is a folder)
+    # (the two unnamed ones: the named one is a folder already)
+    assert len(saved["service"]["snapshots"]["snapshots"]) == 2
     for snap in {id(s): s for s in driver.snapshots.by_key.values()}.values():
         if snap.slot is not None:
             served.trainer.model.remove_tenant(snap.slot)
