@@ -110,6 +110,19 @@ def test_loss_and_its_gradient_equal_the_per_token_formula(loss_fn, dtype):
         assert name and reduction in SDK_REDUCTIONS
 
 
+@pytest.mark.parametrize("loss_fn", LOSS_FNS)
+def test_the_loss_is_computed_on_the_device_of_the_logprobs(loss_fn):
+    """The request's inputs arrive as CPU tensors; the learner's logprobs are on the job's device (a GPU). A
+    ``meta`` device stands in for it here: like CUDA, it refuses arithmetic with CPU tensors. (The first run
+    of a served job on a GPU failed every forward_backward this way.)"""
+    lp, inputs = datum(torch.float32)
+    lp = lp.detach().to("meta").requires_grad_()
+    mask = torch.ones(lp.shape, dtype=torch.bool)
+    loss, metrics = datum_loss(loss_fn, lp, for_loss(loss_fn, inputs), CONFIGS[loss_fn], mask=mask)
+    assert loss.device.type == "meta" and all(m.device.type == "meta" for m in metrics.values())
+    assert gradient(loss, lp).shape == lp.shape
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("loss_fn", LOSS_FNS)
 def test_cross_entropy_weighted_by_minus_the_gradient_has_the_same_gradient(loss_fn, dtype):

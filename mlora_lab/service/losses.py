@@ -236,13 +236,18 @@ def datum_loss(
     must hold finite values (zeros will do): a masked position adds nothing, but an infinite one would
     still poison the gradient.
 
-    Returns ``L`` (0-d, with grad, in the promoted dtype of ``logprobs`` and ``inputs``) and the metrics
-    as detached 0-d tensors (``float(v)`` each when answering; nothing here syncs the device).
+    Returns ``L`` (0-d, with grad, in the promoted dtype of ``logprobs`` and ``inputs``, on the device of
+    ``logprobs``: the inputs are moved there) and the metrics as detached 0-d tensors (``float(v)`` each
+    when answering; nothing here syncs the device).
     """
     problems, cfg = config_problems(loss_fn, config)
     if problems:
         raise LossInputError(f"{loss_fn!r} loss: " + "; ".join(problems))
     lp = logprobs
+    # (the request's inputs arrive on the CPU; the learner's logprobs are on the job's device)
+    inputs = {k: v.to(lp.device, non_blocking=True) for k, v in inputs.items()}
+    if mask is not None:
+        mask = mask.to(lp.device)
     clipped = None
     if loss_fn == "cross_entropy":
         weights = inputs.get("weights")
