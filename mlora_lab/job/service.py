@@ -84,6 +84,7 @@ from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
 from mlora_lab.job.saved_states import SavedStates, saved_model
 from mlora_lab.job.snapshots import Snapshots
 from mlora_lab.job.tenants import TenantRun
+from mlora_lab.lora.experts import packed_experts_problem
 from mlora_lab.lora.model import MultiLoRAModel
 from mlora_lab.lora.targets import output_layer_names
 from mlora_lab.rundir import TenantState, TrainRow
@@ -114,6 +115,11 @@ def tinker_targets(
         if wanted and not names:
             missing.append(part)
         chosen += names if wanted else []
+    if "MLP" in missing and any(packed_experts_problem(m) is None for m in model.model.modules()):
+        raise ValueError(
+            "the MLP of this model is its packed experts, which a Tinker client cannot train on this "
+            "server yet (the service adapts linear layers only); create the client with train_mlp=False"
+        )
     if missing:
         raise ValueError(
             f"this job has no adapter slots on the {' or '.join(missing)} (its slot_modules); "
