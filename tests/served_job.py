@@ -25,6 +25,7 @@ from mlora_lab.service.keys import Keys
 from mlora_lab.service.state import ServiceState
 from mlora_lab.service.work import Futures, Inbox
 from mlora_lab.spec import JobSpec
+from mlora_lab.specparts import Service
 
 SLOTS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -42,6 +43,7 @@ class Served:
         session_timeout_s: float = 30.0,
         idle_s: float = 0.5,
         max_step_tokens: int | None = None,
+        slot_modules: list[str] | None = None,
     ) -> None:
         self.base = base
         spec = JobSpec(
@@ -50,7 +52,8 @@ class Served:
             seq_len=seq_len,
             max_tenants=max_tenants,
             max_rank=8,
-            slot_modules=[*SLOTS, "lm_head"],
+            slot_modules=slot_modules or [*SLOTS, "lm_head"],
+            service=Service(),  # (what makes a served job: e.g. the packed experts of an MoE get slots)
         )
         self.keys = Keys()
         self.key = self.keys.add("owner")

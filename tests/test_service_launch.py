@@ -256,8 +256,8 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
 def test_a_served_job_in_every_layout_equals_peft_and_adamw(arch, layout, tiny_models, tmp_path):
     """The SDK drives a served job under tensor parallelism (rank 0 serves; both processes hold every datum,
     each half of every projection), under expert parallelism of an MoE model (its experts split over the
-    processes, tokens travelling between them; the client trains attention: a client asking for the MLP,
-    which is the packed experts, is refused, saying so), and on two nodes (each a torchrun agent of one process, started by launchers/multinode.sh as
+    processes, tokens travelling between them; the client's MLP is the packed experts, PEFT's
+    ``target_parameters``), and on two nodes (each a torchrun agent of one process, started by launchers/multinode.sh as
     on a cluster; rank 0's node serves): two rounds of forward_backward in chunks of 3 and 2 datums +
     optim_step, the saved state, and a sampler snapshot's greedy samples equal PEFT + AdamW on one process
     (losses, logprobs and adapters to 1e-5; sampled logprobs to 1e-4)."""
@@ -275,7 +275,7 @@ def test_a_served_job_in_every_layout_equals_peft_and_adamw(arch, layout, tiny_m
         seq_len=48,
         max_tenants=2,
         max_rank=8,
-        slot_modules=SLOTS[:4] if moe else SLOTS,  # (an MoE block's MLP is its packed experts)
+        slot_modules=SLOTS[:4] if moe else SLOTS,  # (an MoE block's MLP: its packed experts, slotted)
         parallel=layout,
         service=ml.Service(port=free_port()),
     )
@@ -300,14 +300,9 @@ def test_a_served_job_in_every_layout_equals_peft_and_adamw(arch, layout, tiny_m
     try:
         tok = transformers.AutoTokenizer.from_pretrained(base)
         data = datums(tok, [*TEXTS, "the green plane and the city road"])  # 5 datums
-        if moe:  # (the SDK's default train_mlp=True: refused, saying why, and nothing is made)
-            with pytest.raises(tinker.RequestFailedError, match="its packed experts"):
-                svc.client().create_lora_training_client(base_model=svc.base_model, rank=4).result()
         tc = (
             svc.client()
-            .create_lora_training_client(
-                base_model=svc.base_model, rank=4, seed=7, train_mlp=not moe, train_unembed=False
-            )
+            .create_lora_training_client(base_model=svc.base_model, rank=4, seed=7, train_unembed=False)
             .result()
         )
         init = svc.local_path(tc.save_state("init").result().path)
@@ -328,10 +323,10 @@ def test_a_served_job_in_every_layout_equals_peft_and_adamw(arch, layout, tiny_m
             if a.poll() is None:
                 a.kill()
         stop_runs_under(tmp_path)
+    config, adapter = read_adapter(final)
+    assert config.target_parameters == (["gate_up_proj", "down_proj"] if moe else None)
     want_losses, want_logprobs, model = peft_steps(base, init, data, steps=2)
-    assert_same(
-        (losses, logprobs), (want_losses, want_logprobs), read_adapter(final)[1], peft_lora_tensors(model)
-    )
+    assert_same((losses, logprobs), (want_losses, want_logprobs), adapter, peft_lora_tensors(model))
     model.eval()
     for p, answer in zip(prompts, samples):
         tokens, lps = peft_greedy(model, p, 5)

@@ -22,7 +22,7 @@ import torch
 import transformers
 
 tinker = pytest.importorskip("tinker")
-from served_job import Served  # noqa: E402
+from served_job import SLOTS, Served  # noqa: E402
 from tinker import types  # noqa: E402
 
 from mlora_lab.reference import peft_lora_tensors  # noqa: E402
@@ -291,6 +291,68 @@ def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tm
                 served.trainer.model.tenant_tensors(name),
                 peft_lora_tensors(model),
             )
+    finally:
+        served.close()
+
+
+def test_an_moe_client_trains_its_experts_like_peft_and_its_snapshots_and_states_keep_them(
+    tiny_models, tmp_path
+):
+    """On an MoE model (qwen3_moe: its MLP is packed experts), the SDK's default ``train_mlp=True`` adapts the
+    experts as PEFT's ``target_parameters`` do, beside attention: forward_backward in two chunks + optim_step
+    equal PEFT + AdamW (losses, logprobs, adapter to 1e-5); a sampler snapshot (unnamed, kept through the
+    checkpoint's state; named, read back from its PEFT folder) samples the greedy tokens of PEFT's model, and
+    a client from the saved state holds the same experts' adapter."""
+    from mlora_lab.lora import read_adapter
+    from mlora_lab.rundir import checkpoint
+
+    base = tiny_models("qwen3_moe")
+    served = Served(base, max_tenants=3, checkpoints=tmp_path / "service", slot_modules=SLOTS[:4])
+    try:
+        data = datums(transformers.AutoTokenizer.from_pretrained(base), TEXTS)
+        tc, name = training_client(served, seed=3)
+        init = served.trainer.engine.save_adapter(name, tmp_path / "init")  # (the loop idles: none waits)
+        config, _ = read_adapter(init)
+        assert config.target_parameters == ["gate_up_proj", "down_proj"]
+        losses, logprobs, _ = sdk_steps(tc, [data[:2], data[2:]], steps=2)
+        want_losses, want_logprobs, model = peft_steps(base, Path(init), data, steps=2)
+        state = tc.save_state("s").result().path
+        assert_same(
+            (losses, logprobs),
+            (want_losses, want_logprobs),
+            read_adapter(tmp_path / "service" / "weights" / name / "s" / "adapter")[1],
+            peft_lora_tensors(model),
+        )
+        greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
+        prompt = types.ModelInput.from_ints(data[0][0][:4])
+        model.eval()
+        want = peft_greedy(model, data[0][0][:4], 5)
+        session = tc.save_weights_and_get_sampling_client().result()
+        named = served.client().create_sampling_client(
+            model_path=tc.save_weights_for_sampler("kept").result().path
+        )
+        for sampler in (session, named):
+            tokens, lps = greedy_sample(sampler, prompt, greedy)
+            assert tokens == want[0] and lps == pytest.approx(want[1], abs=1e-4)
+        # what a resume leaves and brings back: no snapshot in memory, then the checkpoint's state
+        driver = served.trainer.drivers.all[0]
+        saved = checkpoint.read_checkpoint(
+            checkpoint.write_checkpoint(tmp_path / "c", 1, driver.state_dict())
+        )
+        for snap in {id(s): s for s in driver.snapshots.by_key.values()}.values():
+            if snap.slot is not None:
+                served.trainer.model.remove_tenant(snap.slot)
+        driver.snapshots.by_key.clear()
+        driver.load_state_dict(saved)
+        for sampler in (session, named):
+            assert greedy_sample(sampler, prompt, greedy)[0] == want[0]
+        other = served.client().create_training_client_from_state(state).result()
+        theirs = served.trainer.model.tenant_tensors(other.model_id.replace(":", "-"))
+        ours = served.trainer.model.tenant_tensors(name)
+        assert set(theirs) == set(ours) and any(k.endswith("experts.gate_up_proj") for k in ours)
+        assert all(
+            torch.equal(ours[k][0], theirs[k][0]) and torch.equal(ours[k][1], theirs[k][1]) for k in ours
+        )
     finally:
         served.close()
 

@@ -30,6 +30,7 @@ import transformers
 from mlora_lab.bases import resolve_base
 from mlora_lab.data import IGNORE_INDEX, Batch, Example, check_vocab, collate, load_examples
 from mlora_lab.lora import MultiLoRAModel
+from mlora_lab.lora.experts import packed_expert_parameters
 from mlora_lab.memory import (
     causal_lm_token_loss,
     checkpoint_blocks,
@@ -87,19 +88,23 @@ class Engine:
     @classmethod
     def build(cls, spec: JobSpec, dims: ParallelDims, mesh, comm: Collectives) -> Engine:
         """Load the base (a GGUF base from its converted cache), give it ``spec.max_tenants`` slots on
-        ``spec.slot_modules`` (and the tenants' target parameters), checkpoint its blocks if asked, and
-        apply the parallel layout. Slots are fixed for the life of the job."""
+        ``spec.slot_modules`` (and the tenants' target parameters; in a served job, every packed expert
+        parameter), checkpoint its blocks if asked, and apply the parallel layout. Slots are fixed for the
+        life of the job."""
         base_path = str(resolve_base(spec.base_model))
         tokenizer = transformers.AutoTokenizer.from_pretrained(spec.tokenizer or base_path)
         base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPES[spec.dtype])
         base.to(comm.device)
         vocab_rows = base.get_input_embeddings().weight.shape[0]  # before any sharding
+        slot_parameters = {p for t in spec.tenants for p in t.target_parameters}
+        if spec.service is not None:  # (a Tinker client's train_mlp adapts an MoE block's packed experts)
+            slot_parameters |= set(packed_expert_parameters(base))
         model = MultiLoRAModel(
             base,
             max_tenants=spec.max_tenants,
             max_rank=spec.max_rank,
             slot_modules=spec.slot_modules,
-            slot_parameters=sorted({p for t in spec.tenants for p in t.target_parameters}),
+            slot_parameters=sorted(slot_parameters),
             wrap_experts=dims.ep > 1,
         )
         # Checkpoint blocks before FSDP wraps them: its hooks stay outside the recomputed region.

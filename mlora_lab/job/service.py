@@ -84,9 +84,8 @@ from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
 from mlora_lab.job.saved_states import SavedStates, saved_model
 from mlora_lab.job.snapshots import Snapshots
 from mlora_lab.job.tenants import TenantRun
-from mlora_lab.lora.experts import packed_experts_problem
 from mlora_lab.lora.model import MultiLoRAModel
-from mlora_lab.lora.targets import output_layer_names
+from mlora_lab.lora.targets import output_layer_names, storable_targets
 from mlora_lab.rundir import TenantState, TrainRow
 from mlora_lab.service import losses, wire
 from mlora_lab.service.bodies import ModelInfo
@@ -105,28 +104,28 @@ the blocks are the MLP's (``train_mlp``, experts included)."""
 
 def tinker_targets(
     model: MultiLoRAModel, train_attn: bool, train_mlp: bool, train_unembed: bool
-) -> list[str]:
-    """The full names of the slotted layers of ``model`` a Tinker ``LoraConfig`` selects; ``ValueError``
-    when it asks for a part that has no adapter slot in this job (the job's ``slot_modules``)."""
+) -> tuple[list[str], list[str]]:
+    """What a Tinker ``LoraConfig`` selects in ``model``: the full names of the slotted linear layers, and
+    the packed expert parameters (an MoE block's MLP, with ``train_mlp``) as PEFT ``target_parameters``
+    suffixes; ``ValueError`` when it asks for a part that has no adapter slot in this job (its
+    ``slot_modules``)."""
     heads = set(output_layer_names(model.model))
     chosen, missing = [], []
+    slotted = model.expert_parameters
+    experts = slotted if train_mlp else []
     for part, wanted in (("attention", train_attn), ("MLP", train_mlp), ("output layer", train_unembed)):
         names = [n for n in model.layers if _part(n, heads) == part]
-        if wanted and not names:
+        if wanted and not names and not (part == "MLP" and experts):
             missing.append(part)
         chosen += names if wanted else []
-    if "MLP" in missing and any(packed_experts_problem(m) is None for m in model.model.modules()):
-        raise ValueError(
-            "the MLP of this model is its packed experts, which a Tinker client cannot train on this "
-            "server yet (the service adapts linear layers only); create the client with train_mlp=False"
-        )
     if missing:
         raise ValueError(
             f"this job has no adapter slots on the {' or '.join(missing)} (its slot_modules); "
             f"create the client with train_{'unembed' if missing == ['output layer'] else 'attn/mlp'}=False, "
             "or serve a job whose slot_modules cover it"
         )
-    return chosen
+    # (the shortest suffixes that name them all: what the tenant's adapter_config.json says, as PEFT writes)
+    return chosen, storable_targets(experts, slotted) if experts else []
 
 
 def _part(name: str, heads: set[str]) -> str:
@@ -424,7 +423,9 @@ class ServiceDriver(Driver):
             return None
         name = model_id.replace(":", "-")
         try:
-            targets = tinker_targets(self.engine.model, info.train_attn, info.train_mlp, info.train_unembed)
+            targets, experts = tinker_targets(
+                self.engine.model, info.train_attn, info.train_mlp, info.train_unembed
+            )
         except ValueError as e:
             self._fail(work, str(e))
             return None
@@ -437,6 +438,7 @@ class ServiceDriver(Driver):
             rank=info.rank,
             alpha=self.lora_alpha,
             target_modules=targets,
+            target_parameters=experts,
             lr=1e-4,
             weight_decay=0.0,
             max_grad_norm=None,

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from mlora_lab.job.engine import Engine
-from mlora_lab.lora import AdapterError, read_adapter
+from mlora_lab.lora import AdapterError
 from mlora_lab.rundir import checkpoint
 from mlora_lab.rundir.service import TINKER, saved_folder
 from mlora_lab.sampling import SampleRequest, default_stop_ids, sample
@@ -57,7 +57,8 @@ SESSION_SNAPSHOTS = 8
 @dataclass(eq=False)
 class Snapshot:
     """A sampler snapshot: the adapter's full tensors when it was saved (on every process) and its LoRA
-    shape, and the slot it is loaded in now (None: unloaded to make room; loaded again when sampled)."""
+    shape (``modules``: the linear layers; ``parameters``: PEFT ``target_parameters`` of packed experts), and
+    the slot it is loaded in now (None: unloaded to make room; loaded again when sampled)."""
 
     model_id: str
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -68,6 +69,7 @@ class Snapshot:
     named: bool
     slot: str | None = None
     used: int = 0
+    parameters: tuple[str, ...] = ()
 
 
 class Snapshots:
@@ -112,6 +114,7 @@ class Snapshots:
                 tuple(adapter.modules),
                 adapter.use_rslora,
                 named=save.name is not None,
+                parameters=tuple(adapter.target_parameters),
             )
         if save.inflight:
             self.by_key[f"inflight {work.model_id}"] = target
@@ -176,6 +179,7 @@ class Snapshots:
                 target_modules=list(snap.modules),
                 use_rslora=snap.use_rslora,
                 init=snap.tensors,
+                target_parameters=list(snap.parameters),
             )
             free -= 1
         for snap in need.values():
@@ -263,17 +267,20 @@ class Snapshots:
         parts = path.removeprefix(TINKER).split("/")
         if self.checkpoints is not None and path.startswith(TINKER) and len(parts) == 3:
             try:
-                config, tensors = read_adapter(saved_folder(self.checkpoints, path))
-                if parts[1] != "sampler_weights" or not set(tensors) <= set(self.engine.model.layers):
-                    raise ValueError(f"{path} is not a sampler snapshot of this model's layers")
+                if parts[1] != "sampler_weights":
+                    raise ValueError(f"{path} is not a sampler snapshot")
+                # (linear layers as they are; packed experts' PEFT tensors in the slots' layout)
+                model = self.engine.model
+                config, tensors = model.read_peft_adapter(saved_folder(self.checkpoints, path))
                 snap = Snapshot(
                     parts[0],
                     tensors,
                     int(config.r),
                     float(config.lora_alpha),
-                    tuple(tensors),
+                    tuple(k for k in tensors if k in model.layers),
                     bool(config.use_rslora),
                     named=True,
+                    parameters=tuple(sorted(config.target_parameters or [])),
                 )
             except (OSError, ValueError, AdapterError):
                 snap = None
@@ -302,6 +309,7 @@ class Snapshots:
                         "rank": snap.rank,
                         "alpha": snap.alpha,
                         "modules": list(snap.modules),
+                        "parameters": list(snap.parameters),
                         "use_rslora": snap.use_rslora,
                         "tensors": {layer: list(ab) for layer, ab in snap.tensors.items()},
                     }
@@ -314,7 +322,7 @@ class Snapshots:
         fit this job's model (a layer it has no slot on) is left out. The reasons of those left out."""
         snaps: list[Snapshot | None] = []
         dropped = []
-        layers = set(self.engine.model.layers)
+        layers = set(self.engine.model.layers) | set(self.engine.model.expert_parameters)
         for i, entry in enumerate(saved.get("snapshots", [])):
             try:
                 tensors = {str(k): (a, b) for k, (a, b) in entry["tensors"].items()}
@@ -331,6 +339,7 @@ class Snapshots:
                         tuple(str(m) for m in entry["modules"]),
                         bool(entry["use_rslora"]),
                         named=False,
+                        parameters=tuple(str(p) for p in entry.get("parameters", [])),
                     )
                 )
             except (KeyError, TypeError, ValueError, AttributeError) as e:

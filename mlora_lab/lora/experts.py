@@ -46,6 +46,17 @@ def from_peft(A: torch.Tensor, B: torch.Tensor, num_experts: int) -> tuple[torch
     return A.reshape(num_experts, r, -1), B.reshape(B.shape[0], r, num_experts).permute(2, 0, 1)
 
 
+def packed_expert_parameters(model: nn.Module) -> list[str]:
+    """Full names of the packed expert parameters (``<block>.gate_up_proj``, ``<block>.down_proj``) of every
+    packed-experts block of ``model`` that :class:`MultiLoRAExperts` can adapt (:func:`packed_experts_problem`)."""
+    return [
+        f"{name}.{attr}" if name else attr
+        for name, module in model.named_modules()
+        if packed_experts_problem(module) is None
+        for attr in PACKED
+    ]
+
+
 def packed_experts_problem(module: nn.Module) -> str | None:
     """Why ``module`` is not a packed-experts block whose maths :class:`MultiLoRAExperts` reproduces
     (``act_fn(x G_e^T) * (x U_e^T)`` then ``· D_e^T`` with ``gate_up_proj = [G; U]`` [E, 2I, H] and

@@ -222,6 +222,11 @@ class MultiLoRAModel(nn.Module):
         return self.io.new(layer.layouts[kind], full.to(device=layer.device, dtype=self.adapter_dtype))
 
     # -- tenants -------------------------------------------------------------------------------
+    @property
+    def expert_parameters(self) -> list[str]:
+        """Full names of the packed expert parameters that have slots."""
+        return list(self._expert_params)
+
     def resolve_parameters(self, target_parameters: Sequence[str]) -> list[str]:
         """Full names of the slotted expert parameters ``target_parameters`` selects (PEFT's rule)."""
         names = list(self._expert_params)
