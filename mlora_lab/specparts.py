@@ -225,7 +225,9 @@ class Service:
     """The job also serves the Tinker API (:mod:`mlora_lab.service`): programs drive their own tenants with
     the official ``tinker`` SDK, request by request, and the requests of every client that wait at the same
     moment share one mixed-tenant step. Rank 0 serves HTTP on a thread; every request needs an API key
-    (``<run_dir>/service/keys.json``, owner-only). The job stays up until it is stopped (as ``serve``)."""
+    (``<run_dir>/service/keys.json``, owner-only). The job stays up until it is stopped (as ``serve``).
+    A client's ``train_attn``/``train_mlp``/``train_unembed`` pick among the job's ``slot_modules``; on an
+    MoE model every packed expert parameter also gets slots, which ``train_mlp`` adapts."""
 
     # fmt: off
     host: str = field(default="127.0.0.1", metadata=meta(

@@ -5,6 +5,7 @@ clips whatever loss the driver makes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -74,6 +75,15 @@ class Doubled(FixedBatch):
     scale = 2.0
 
 
+class FailsForB(FixedBatch):
+    """Its loss raises for tenant b (a driver's bug, or what one tenant's request made of it)."""
+
+    def loss(self, t: TenantRun, token_loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if t.name == "b":
+            raise RuntimeError("Expected all tensors to be on the same device")
+        return super().loss(t, token_loss, labels)
+
+
 def tenant(data: str) -> Tenant:
     return Tenant(
         name="a",
@@ -118,3 +128,22 @@ def test_the_loop_optimises_logs_and_clips_the_loss_the_driver_makes(llama_path,
     (r1,), (r2,) = [[r for *_, r in next(iter(t.drivers)).results] for t in (once, twice)]
     assert r2.loss == pytest.approx(2 * r1.loss, rel=1e-6)
     assert r2.grad_norm == pytest.approx(2 * r1.grad_norm, rel=1e-5)
+
+
+def test_a_loss_that_raises_quarantines_its_tenant_and_the_others_train_as_alone(llama_path, tmp_path):
+    """The job goes on: the tenant whose loss raised is quarantined with the error, and the other one's
+    losses and adapter are those of a job without it."""
+    none = str(tmp_path / "none.jsonl")
+    alone = Trainer(JobSpec(base_model=llama_path, tenants=[tenant(none)], seq_len=32), drivers=(FixedBatch,))
+    alone.train()
+    b = dataclasses.replace(tenant(none), name="b", seed=1)
+    both = Trainer(
+        JobSpec(base_model=llama_path, tenants=[tenant(none), b], seq_len=32), drivers=(FailsForB,)
+    )
+    both.train()
+    assert both.tenants["b"].state is TenantState.FAILED
+    assert "in its loss: RuntimeError: Expected all tensors" in both.tenants["b"].reason
+    assert both.tenants["a"].state is TenantState.FINISHED
+    assert both.losses("a") == pytest.approx(alone.losses("a"), abs=1e-6)
+    got, want = both.model.tenant_tensors("a"), alone.model.tenant_tensors("a")
+    assert all(torch.allclose(got[m][i], want[m][i], atol=1e-6) for m in want for i in (0, 1))

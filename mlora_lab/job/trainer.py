@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -246,7 +247,10 @@ class Trainer:
             # padding row that keeps several processes' collectives in step is not needed on one
             tokens, tenants = 0, 0
         else:
-            tokens, tenants = self._forward_backward(groups, temperatures, owner)
+            raised: dict[str, str] = {}
+            tokens, tenants = self._forward_backward(groups, temperatures, owner, raised)
+            for _, p in plans:  # (quarantined with the step's other failures, agreed over the processes)
+                p.failed |= {t.name: raised[t.name] for t in p.tenants if t.name in raised}
         self.recorder.step += 1
         for t in owner:
             self.pool[t].accumulating = True
@@ -261,9 +265,12 @@ class Trainer:
         groups: list[tuple[str, list]],
         temperatures: dict[str | None, float],
         owner: dict[str, Driver],
+        raised: dict[str, str],
     ) -> tuple[int, int]:
         """One forward of every group's rows, each tenant's loss from its driver, one backward; the tokens
-        of the batch and how many tenants had rows in it. With a pass budget (``spec.max_pass_tokens``; a
+        of the batch and how many tenants had rows in it. A driver's loss that raises for a tenant leaves
+        that tenant out of the backward and says why in ``raised`` (the step then quarantines it: the job
+        and the other tenants go on). With a pass budget (``spec.max_pass_tokens``; a
         served job's on a CPU when unset) the groups run in
         several such passes of whole tenants (:meth:`~.engine.Engine.passes`): a tenant's loss is made from
         the same rows either way and its gradient comes from its one pass, so the update is the same, with
@@ -276,7 +283,12 @@ class Trainer:
                 if name is None:
                     continue
                 t = self.pool[name]
-                loss_t = owner[name].loss(t, token_loss[start:end], batch.labels[start:end])
+                try:
+                    loss_t = owner[name].loss(t, token_loss[start:end], batch.labels[start:end])
+                except Exception as e:  # (its own failure; the traceback goes to the job's log)
+                    traceback.print_exc()
+                    raised[name] = f"in its loss: {type(e).__name__}: {str(e)[:500]}"
+                    continue
                 t.window_loss += loss_t.detach()
                 total = total + loss_t
             if total.requires_grad:  # (a single process whose rows all failed has nothing to train)
