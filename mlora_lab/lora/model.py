@@ -200,6 +200,7 @@ class MultiLoRAModel(nn.Module):
             self.experts[module] = wrapped
             for attr in wrapped.param_names:
                 self._expert_params[f"{module}.{attr}"] = (module, attr)
+        self.expert_parameters = list(self._expert_params)  # full names of the slotted expert parameters
         self.tenants: dict[str, TenantAdapter] = {}
         self.io = TensorIO()
 
@@ -222,14 +223,9 @@ class MultiLoRAModel(nn.Module):
         return self.io.new(layer.layouts[kind], full.to(device=layer.device, dtype=self.adapter_dtype))
 
     # -- tenants -------------------------------------------------------------------------------
-    @property
-    def expert_parameters(self) -> list[str]:
-        """Full names of the packed expert parameters that have slots."""
-        return list(self._expert_params)
-
     def resolve_parameters(self, target_parameters: Sequence[str]) -> list[str]:
         """Full names of the slotted expert parameters ``target_parameters`` selects (PEFT's rule)."""
-        names = list(self._expert_params)
+        names = self.expert_parameters
         missing = [t for t in target_parameters if not any(name_matches(n, t) for n in names)]
         if missing:
             raise ValueError(
