@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/moe.py            # full run (~5 min on 2 cores)
     .venv/bin/python benchmarks/moe.py --quick    # smoke test (~1 min)
+    .venv/bin/python benchmarks/moe.py --part served   # what a served job's expert slots cost (~1 min)
 
 **Step.** Forward+backward of one batch through a Qwen3-MoE model (8 experts, top-2), LoRA r=16 on
 the attention projections and on both packed expert parameters (``target_parameters``):
@@ -15,6 +16,10 @@ with and without expert parallelism. Per rank it reports the bytes of the expert
 holds (the frozen packed base experts and the tenants' expert LoRA slots, local part: exact, not an
 RSS estimate), the bytes of everything else, and the median step time. Goal: expert bytes per rank
 with ep=2 ÷ ep=1 (same world, same fsdp) <= 0.55.
+
+**Served.** A served job slots every packed expert parameter, so that a Tinker client's ``train_mlp`` adapts
+them; clients that adapt attention only then pay for the experts' LoRA wrapper. The step above, with 4
+tenants on attention alone, the experts not slotted vs slotted and unused (PEFT on attention as the baseline).
 """
 
 from __future__ import annotations
@@ -209,6 +214,92 @@ def step_time(model_dir: str, cfg: dict, r: int, repeats: int) -> float:
     return ratio
 
 
+def served_step(model_dir: str, cfg: dict, r: int, repeats: int) -> float:
+    """A served job slots every packed expert parameter (a Tinker client's ``train_mlp``): what that costs the
+    clients that adapt attention only. 4 tenants on attention, the experts not slotted (as a file-driven job
+    whose tenants do not target them) vs slotted and unused (the experts' forward goes through the LoRA
+    wrapper's grouped path with no tenant on it), with PEFT on attention as the baseline."""
+    rows, seq = cfg["rows"], cfg["seq"]
+    vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+    input_ids = torch.randint(3, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones_like(input_ids)
+    per = rows // 4
+    four = [(f"t{i}", i * per, (i + 1) * per) for i in range(4)]
+
+    def load() -> torch.nn.Module:
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def step(model: torch.nn.Module, segments: list[tuple[str, int, int]]) -> None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        token_loss = causal_lm_token_loss(logits, input_ids)
+        sum(token_loss[s:e].sum() / token_loss.numel() for _, s, e in segments).backward()
+
+    reference = peft.get_peft_model(load(), peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=ATTENTION))
+    reference.train()
+    models = {}
+    for slotted in (False, True):
+        model = MultiLoRAModel(
+            load(),
+            max_tenants=4,
+            max_rank=r,
+            slot_modules=ATTENTION,
+            slot_parameters=EXPERT_TARGETS if slotted else (),
+        )
+        for i in range(4):
+            model.add_tenant(f"t{i}", rank=r, alpha=2 * r, target_modules=ATTENTION, seed=i)
+        model.train()
+        models[slotted] = model
+
+    def prepare(params: list[torch.Tensor], model: MultiLoRAModel | None):
+        def fn() -> None:
+            for p in params:
+                p.grad = None
+            if model is not None:
+                model.set_segments(four, rows)
+
+        return fn
+
+    names = {
+        "PEFT, attention": (reference, None),
+        "mlora, 4 tenants, experts not slotted": (models[False].model, models[False]),
+        "mlora, 4 tenants, experts slotted, unused": (models[True].model, models[True]),
+    }
+    times = common.time_interleaved(
+        {
+            k: (lambda m=m, seg=(four if w else [("all", 0, rows)]): step(m, seg))
+            for k, (m, w) in names.items()
+        },
+        warmup=cfg["warmup"],
+        repeats=repeats,
+        prepare={
+            k: prepare([p for p in m.parameters() if p.requires_grad], w) for k, (m, w) in names.items()
+        },
+    )
+    wall = {k: common.median([t.wall for t in v]) for k, v in times.items()}
+    cpu = {k: common.median([t.cpu for t in v]) for k, v in times.items()}
+    print(f"\n# served: experts slotted for train_mlp, used by no tenant ({rows} rows x {seq}, r={r})\n")
+    common.print_table(
+        ["case", "wall s (median)", "CPU s (median)", "others' cores", "wall ÷ PEFT", "CPU ÷ PEFT"],
+        [
+            [
+                k,
+                f"{wall[k]:.3f}",
+                f"{cpu[k]:.3f}",
+                f"{common.median([t.contention for t in times[k]]):.2f}",
+                f"{wall[k] / wall['PEFT, attention']:.3f}",
+                f"{cpu[k] / cpu['PEFT, attention']:.3f}",
+            ]
+            for k in names
+        ],
+    )
+    slotted, plain = "mlora, 4 tenants, experts slotted, unused", "mlora, 4 tenants, experts not slotted"
+    ratio = cpu[slotted] / cpu[plain]
+    print(
+        f"\nRATIO experts slotted and unused / not slotted (CPU): {ratio:.3f} (wall {wall[slotted] / wall[plain]:.3f})"
+    )
+    return ratio
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few repeats (smoke test)")
@@ -216,6 +307,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=common.THREADS)
     parser.add_argument("--max-wait", type=float, default=120, help="s to wait for a quiet machine")
+    parser.add_argument("--part", choices=["all", "step", "memory", "served"], default="all")
     common.add_worker_args(parser)
     args = parser.parse_args()
     if args.worker:
@@ -233,8 +325,12 @@ def main() -> None:
             f"model: Qwen3-MoE {n_params / 1e6:.1f}M params {cfg['size']}, top-2 routing; other processes "
             f"kept {load_before:.2f} cores busy before the run"
         )
-        step_time(model_dir, cfg, args.rank, args.repeats or cfg["repeats"])
-        memory(model_dir, cfg, work)
+        if args.part in ("all", "step"):
+            step_time(model_dir, cfg, args.rank, args.repeats or cfg["repeats"])
+        if args.part in ("all", "served"):
+            served_step(model_dir, cfg, args.rank, args.repeats or cfg["repeats"])
+        if args.part in ("all", "memory"):
+            memory(model_dir, cfg, work)
 
 
 if __name__ == "__main__":

@@ -188,3 +188,34 @@ def test_only_packed_experts_of_the_known_layout_are_wrapped():
         MultiLoRAExperts(
             Experts((4, 32, 16), (4, 16, 16), is_transposed=True), LoRARouting(), ["down_proj"], 2, 4
         )
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_batch_with_no_tenant_on_the_experts_takes_the_models_own_experts_forward(arch, monkeypatch):
+    """Experts slotted for some tenants (a served job slots them all): a batch none of whose rows has a tenant
+    on them runs the model's own experts forward, not the grouped LoRA path computing the base alone, and
+    gives what that path gives the same rows beside a tenant that does adapt the experts."""
+    from mlora_lab.lora import MultiLoRAModel
+
+    model = MultiLoRAModel(
+        tiny_moe(arch),
+        max_tenants=2,
+        max_rank=8,
+        slot_modules=["q_proj", "v_proj"],
+        slot_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    model.add_tenant("attention", rank=4, target_modules=["q_proj", "v_proj"], seed=1)
+    model.add_tenant("experts", rank=4, target_modules=["q_proj"], target_parameters=["gate_up_proj"], seed=2)
+    tensors = model.tenant_tensors("experts")
+    model.set_tenant_tensors("experts", {k: (A, torch.randn_like(B) * 0.1) for k, (A, B) in tensors.items()})
+    grouped = []
+    mlp = MultiLoRAExperts._mlp
+    monkeypatch.setattr(MultiLoRAExperts, "_mlp", lambda self, *a: grouped.append(1) or mlp(self, *a))
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        alone = model(ids, tenants=["attention", "attention"]).logits
+        assert not grouped
+        mixed = model(ids, tenants=["attention", "experts"]).logits
+        assert grouped
+    torch.testing.assert_close(alone[0], mixed[0], atol=1e-5, rtol=0)
+    assert (alone[1] - mixed[1]).abs().max() > 1e-3  # (the other row's experts are adapted)

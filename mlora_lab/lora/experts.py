@@ -149,6 +149,13 @@ class MultiLoRAExperts(nn.Module):
             self.ranks[name][slot], self.scalings[name][slot] = 0, 0.0
 
     # -- forward -------------------------------------------------------------------------------
+    def adapted(self) -> bool:
+        """Whether a row of the current batch has a tenant with an adapter on these experts (else the
+        grouped path would compute the base alone, slower than the model's own forward: a served job slots
+        every expert for the clients that train the MLP, and the others' batches skip it)."""
+        segments = self.routing.segments or []
+        return any(self.ranks[n][slot] for slot, s, e in segments if e > s for n in self.param_names)
+
     def route(
         self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -238,6 +245,8 @@ class MultiLoRAExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if not self.adapted():  # no row of the batch has a tenant here: the model's own experts forward
+            return self.base_layer(hidden_states, top_k_index, top_k_weights)
         token, expert, weight, slot = self.route(top_k_index, top_k_weights)
         order, blocks, runs = self._group(expert, slot)
         token, weight = token[order], weight[order]  # work in grouped order: no un-permuting
