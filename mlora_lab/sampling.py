@@ -47,7 +47,8 @@ generators differ).
 **Stopping.** A row stops at the first of: a token in ``stop_token_ids`` (reason ``"eos"``; the token
 is kept, with its logprob), a stop string (``"stop"``), or ``max_new_tokens`` tokens (``"length"``).
 Stop strings are looked for in ``tokenizer.decode(completion, skip_special_tokens=True)`` after
-each token (the completion's text only, not the prompt's); the completion ends with the token that
+each token (the completion's text only, not the prompt's; only its last characters, where a new one can
+end: :func:`_has_stop_string`); the completion ends with the token that
 completes the first stop string, so the stop string is **kept** (as in HF ``generate``; that token
 may carry a few characters after it).
 
@@ -430,9 +431,25 @@ def _last_possible(logp: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(logp), ids, -1).amax(-1)
 
 
+STOP_MARGIN = 8
+"""Characters of text decoded before the window a stop string can end in (see :func:`_has_stop_string`)."""
+
+
 def _has_stop_string(tokenizer: Any, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    return any(s in text for s in stop_strings)
+    """Whether the completion ``tokens`` holds a stop string now that its last token came, checked on the
+    text of its last tokens only: called after every token, a stop string not there before must end in the
+    new token's characters, so only the last ``longest`` characters and the new ones can hold it. Decoding the
+    whole completion each time cost O(n²) over an n-token sample. The tail's first characters may decode
+    differently from the same place in the whole text (a multi-byte character or a word-start marker cut in
+    two), so ``STOP_MARGIN`` more characters are decoded before it; the tail grows (doubling its tokens)
+    until it holds that many characters or the whole completion."""
+    want = max(len(s) for s in stop_strings) + STOP_MARGIN
+    n = min(len(tokens), want)  # (a token decodes to one character or more, except special ones)
+    while True:
+        text = tokenizer.decode(tokens[-n:], skip_special_tokens=True)
+        if len(text) >= want or n == len(tokens):
+            return any(s in text for s in stop_strings)
+        n = min(len(tokens), 2 * n)
 
 
 @functools.cache

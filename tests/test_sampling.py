@@ -253,6 +253,39 @@ def test_stop_ids_stop_strings_and_lengths_stop_rows_independently(setup):
         assert c.logprobs == pytest.approx(out[0].logprobs[: len(c.tokens)], abs=TOL)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_a_stop_string_is_found_on_the_completions_tail_where_the_whole_text_has_it(arch, tiny_models):
+    """The stop check decodes only the completion's last tokens (decoding all of it after every token made a
+    long sample quadratic): on random completions (special tokens and word pieces included), it fires at the
+    very token where the decoded whole first holds a stop string, for stop strings of 1 to 30 characters."""
+    from mlora_lab.sampling import _has_stop_string
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_models(arch))
+    g = torch.Generator().manual_seed(0)
+
+    def whole(t: list[int], stops: tuple[str, ...]) -> bool:
+        return any(s in tok.decode(t, skip_special_tokens=True) for s in stops)
+
+    def tail(t: list[int], stops: tuple[str, ...]) -> bool:
+        return _has_stop_string(tok, t, stops)
+
+    def first(found, tokens: list[int], stops: tuple[str, ...]) -> int | None:
+        """The length of the shortest prefix of ``tokens`` that ``found`` says holds a stop string."""
+        return next((i for i in range(1, len(tokens) + 1) if found(tokens[:i], stops)), None)
+
+    fired = 0
+    for _ in range(30):
+        tokens = torch.randint(0, len(tok), (50,), generator=g).tolist()
+        text = tok.decode(tokens, skip_special_tokens=True)
+        for length in (1, 3, 8, 30):
+            start = int(torch.randint(0, max(1, len(text) - length), (1,), generator=g))
+            stops = (text[start : start + length], "a stop string that is never there")
+            want = first(whole, tokens, stops)
+            assert first(tail, tokens, stops) == want and first(tail, tokens, stops[:1]) == want
+            fired += want is not None
+    assert fired >= 100
+
+
 def test_bad_requests_get_one_error_naming_every_problem(setup):
     mm, p = setup.mm, setup.prompts[0]
     positions = mm.model.config.max_position_embeddings
