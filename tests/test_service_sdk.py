@@ -809,8 +809,9 @@ def test_snapshots_and_sampling_sessions_from_before_a_resume_sample_as_before(s
     brings back from the checkpoint (the driver's state, written and read in the checkpoint format): a named
     snapshot is read back from its PEFT folder when sampled, and the unnamed one of a sampling session comes
     back with that session; each gives what it gave before (greedy tokens and logprobs), although its training
-    client has moved on since. Without the checkpoint's state the sessions from before are unknown, saying
-    so (a new sampling client of the named path reads it back)."""
+    client has moved on since; an inflight sampling client comes back following its model's inflight saves.
+    Without the checkpoint's state the sessions from before are unknown, saying so (a new sampling client of
+    the named path reads it back)."""
     from mlora_lab.rundir import checkpoint
 
     data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
@@ -827,12 +828,13 @@ def test_snapshots_and_sampling_sessions_from_before_a_resume_sample_as_before(s
     before = draw(sampler)
     assert draw(session) == before
     sdk_steps(tc, [data], steps=3)  # the tenant moves on; its snapshots do not
-    moved = draw(tc.save_weights_and_get_sampling_client().result())
+    inflight = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    moved = draw(inflight)
     assert moved != before
     driver = served.trainer.drivers.all[0]
     # the checkpoint's part of the driver, through the files a checkpoint is (the loop idles: no request waits)
     saved = checkpoint.read_checkpoint(checkpoint.write_checkpoint(tmp_path / "ckpt", 1, driver.state_dict()))
-    # (the two unnamed ones: the named one is a folder already)
+    # (the unnamed one and the inflight target: the named one is a folder already)
     assert len(saved["service"]["snapshots"]["snapshots"]) == 2
     for snap in {id(s): s for s in driver.snapshots.by_key.values()}.values():
         if snap.slot is not None:
@@ -850,6 +852,11 @@ def test_snapshots_and_sampling_sessions_from_before_a_resume_sample_as_before(s
     for old in (sampler, session):  # the sessions from before, with the unnamed snapshot
         tokens, logprobs = draw(old)
         assert tokens == before[0] and logprobs == pytest.approx(before[1], abs=1e-6)
+    assert draw(inflight) == moved
+    # the inflight target came back as one snapshot for the model: a later inflight save moves the old client on
+    sdk_steps(tc, [data], steps=2)
+    fresh = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    assert draw(inflight) == draw(fresh) != moved
 
 
 def test_requests_two_clients_send_at_the_same_moment_share_a_step(llama_path):
