@@ -418,9 +418,7 @@ class JobSpec:
         if path is not None:
             here = os.path.dirname(os.path.abspath(os.fspath(path)))
             for t in d["tenants"] if isinstance(d["tenants"], list) else []:
-                for key in ("data", "eval_data"):
-                    if isinstance(t, dict) and isinstance(t.get(key), str):
-                        t[key] = _relative_below(t[key], here)
+                relative_tenant_paths(t, here)
         text = json.dumps(d, indent=2)
         if path is not None:
             from mlora_lab.rundir.files import atomic_write_text  # the one atomic write (rundir owns files)
@@ -479,17 +477,7 @@ class JobSpec:
         out.logging_dir = _resolve(out.logging_dir, base)
         for t in out.tenants:
             if isinstance(t, Tenant):
-                t.data = _resolve(t.data, base)
-                t.eval_data = _resolve(t.eval_data, base)
-                t.init_adapter = _resolve(t.init_adapter, base)
-                if isinstance(t.rl, RL):
-                    t.rl.reward = (
-                        resolve_reward(t.rl.reward, base)
-                        if isinstance(t.rl.reward, str)
-                        else [resolve_reward(r, base) for r in t.rl.reward]
-                        if isinstance(t.rl.reward, list)
-                        else t.rl.reward
-                    )
+                resolve_tenant_paths(t, base)
         return out
 
     # -- lookup --------------------------------------------------------------------------------
@@ -593,6 +581,30 @@ def resolve_reward(ref: Any, base: str) -> Any:
     if not sep or not target or not is_file:
         return ref
     return f"{_resolve(target, base)}:{function}"
+
+
+def resolve_tenant_paths(t: Tenant, base: str) -> None:
+    """Make ``t``'s relative paths (data, eval_data, init_adapter, reward files) absolute against ``base``,
+    in place (what :meth:`JobSpec.resolved` does to each tenant; ``sweep.json``'s base tenant too)."""
+    t.data = _resolve(t.data, base)
+    t.eval_data = _resolve(t.eval_data, base)
+    t.init_adapter = _resolve(t.init_adapter, base)
+    if isinstance(t.rl, RL):
+        t.rl.reward = (
+            resolve_reward(t.rl.reward, base)
+            if isinstance(t.rl.reward, str)
+            else [resolve_reward(r, base) for r in t.rl.reward]
+            if isinstance(t.rl.reward, list)
+            else t.rl.reward
+        )
+
+
+def relative_tenant_paths(t: Any, here: str) -> None:
+    """A tenant's dict with its ``data`` / ``eval_data`` below ``here`` (a file's directory) made relative to
+    it, in place: a run directory that is copied or moved reads its own copy of the rows written into it."""
+    for key in ("data", "eval_data"):
+        if isinstance(t, dict) and isinstance(t.get(key), str):
+            t[key] = _relative_below(t[key], here)
 
 
 def _relative_below(path: str, base: str) -> str:

@@ -6,6 +6,7 @@ sources refused with one clear message each; in-memory rows written into the run
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -333,9 +334,13 @@ def test_a_sweeps_base_tenant_on_a_dataframe_is_written_into_the_run(llama_path,
         base_model=llama_path, tenants=[], seq_len=32, max_rank=8, output_dir=str(tmp_path / "r")
     )
     run = prepare_run(spec, sweep=sweep)
-    saved = Sweep.from_dict(json.loads(run.sweep.read_text()))
+    saved = Sweep.read(run.sweep)
     assert saved.base.data == str(run.tenant_data("base", "train"))
     assert given(read_rows(saved.base.data)) == PLAIN * 3
+    # named relative to the run, as job.json names its tenants' rows: a copied run reads its own copy
+    assert json.loads(run.sweep.read_text())["base"]["data"] == "data/base/train.jsonl"
+    copy = Path(shutil.copytree(run.root, tmp_path / "copy"))
+    assert Sweep.read(copy / "sweep.json").base.data == str(copy / "data" / "base" / "train.jsonl")
 
 
 @pytest.mark.slow

@@ -21,7 +21,6 @@ decisions as one that ran through; ``search.json`` in the run directory holds th
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -241,4 +240,4 @@ def read_sweep(run: RunDir) -> Sweep | None:
     """The run's ``sweep.json`` (None when the run is not a sweep)."""
     if not run.sweep.is_file():
         return None
-    return Sweep.from_dict(json.loads(run.sweep.read_text(encoding="utf-8")))
+    return Sweep.read(run.sweep)

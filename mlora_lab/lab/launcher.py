@@ -221,7 +221,7 @@ def prepare_run(
         spec.to_json(run.job)
         if sweep is not None:
             sweep = dataclasses.replace(sweep, base=tenant_data.write_data(run, sweep.base))
-            atomic_write_json(run.sweep, sweep.to_dict())
+            sweep.write(run.sweep)
         if launcher == "slurm":
             atomic_write_json(run.slurm_options, (slurm_options or SlurmOptions()).to_dict())
         update_status(run.root, state=RunState.STARTING, started=time.time(), launcher=launcher)

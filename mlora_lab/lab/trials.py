@@ -16,7 +16,7 @@ from mlora_lab.search import Search, Sweep
 def read_sweep(run: RunDir) -> Sweep:
     """The search as launched (``sweep.json``); :class:`~mlora_lab.rundir.RunDirError` if unreadable."""
     try:
-        return Sweep.from_dict(json.loads(run.sweep.read_text(encoding="utf-8")))
+        return Sweep.read(run.sweep)
     except (OSError, ValueError) as e:
         raise RunDirError(f"{run.sweep}: cannot be read ({e})") from None
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mlora_lab.search.engine import Search
@@ -59,6 +62,26 @@ class Sweep:
             "objective": dataclasses.asdict(self.objective),
             "prefix": self.prefix,
         }
+
+    def write(self, path: str | os.PathLike) -> None:
+        """Write ``sweep.json`` at ``path`` (atomically); the base tenant's rows below the file's directory
+        (a launch wrote them into the run) are named relative to it, as ``job.json`` names its tenants'."""
+        from mlora_lab.rundir.files import atomic_write_json  # (rundir owns the files)
+        from mlora_lab.spec import relative_tenant_paths
+
+        d = self.to_dict()
+        relative_tenant_paths(d["base"], os.path.dirname(os.path.abspath(os.fspath(path))))
+        atomic_write_json(path, d)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> Sweep:
+        """Read ``sweep.json``; the base tenant's relative paths are relative to the file's directory.
+        ``OSError`` or ``ValueError`` naming the problem otherwise."""
+        from mlora_lab.spec import resolve_tenant_paths
+
+        sweep = cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        resolve_tenant_paths(sweep.base, os.path.dirname(os.path.abspath(os.fspath(path))))
+        return sweep
 
     @classmethod
     def from_dict(cls, d: Any) -> Sweep:
