@@ -154,6 +154,27 @@ def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_p
         stop_runs_under(tmp_path)
 
 
+def two_rounds(svc, base: str) -> tuple:
+    """The SDK drives the served job ``svc``: a client (rank 4, seed 7, attention and MLP), its state saved
+    as created, two rounds of forward_backward in chunks of 3 and 2 datums + optim_step, its state saved
+    again, and an unnamed sampler snapshot. ``(datums, client, init folder, losses, logprobs, final folder,
+    sampling client)``."""
+    from test_service_sdk import TEXTS, datums, sdk_steps
+
+    data = datums(
+        transformers.AutoTokenizer.from_pretrained(base), [*TEXTS, "the green plane and the city road"]
+    )
+    tc = (
+        svc.client()
+        .create_lora_training_client(base_model=svc.base_model, rank=4, seed=7, train_unembed=False)
+        .result()
+    )
+    init = svc.local_path(tc.save_state("init").result().path)
+    losses, logprobs, _ = sdk_steps(tc, [data[:3], data[3:]], steps=2)
+    final = svc.local_path(tc.save_state("final").result().path)
+    return data, tc, init, losses, logprobs, final, tc.save_weights_and_get_sampling_client().result()
+
+
 @pytest.mark.slow  # (starts a job on two processes: ~37 s, ~25 s of it the start)
 def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_path):
     """The SDK drives a served job on two processes under fsdp=2 (rank 0 serves, both run every step):
@@ -164,7 +185,7 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
     resumed on two processes, its sampler snapshots (unnamed, through the sampling client from before; named,
     read back from its folder by each process) sample as they did.
     (Measured: losses 2.4e-6, logprobs 4.8e-7, adapter 8.4e-7. tp=2, ep=2 and two nodes: the next test.)"""
-    from test_service_sdk import TEXTS, assert_same, datums, peft_greedy, peft_steps, sdk_steps, to_sdk
+    from test_service_sdk import assert_same, peft_greedy, peft_steps, sdk_steps, to_sdk
 
     from mlora_lab.lora import read_adapter
     from mlora_lab.reference import peft_lora_tensors
@@ -182,18 +203,8 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
     t0 = time.monotonic()
     svc = ml.serve(spec, workdir=tmp_path / "runs")
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(llama_path)
-        data = datums(tok, [*TEXTS, "the green plane and the city road"])  # 5 datums
-        tc = (
-            svc.client()
-            .create_lora_training_client(base_model=svc.base_model, rank=4, seed=7, train_unembed=False)
-            .result()
-        )
-        init = svc.local_path(tc.save_state("init").result().path)
-        losses, logprobs, _ = sdk_steps(tc, [data[:3], data[3:]], steps=2)
+        data, tc, init, losses, logprobs, final, sampler = two_rounds(svc, llama_path)
         alone = tc.forward([to_sdk(data[4])], "cross_entropy").result()
-        final = svc.local_path(tc.save_state("final").result().path)
-        sampler = tc.save_weights_and_get_sampling_client().result()
         named = tc.save_weights_for_sampler("kept").result().path  # (the same weights)
         greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
         prompts = [d[0][:4] for d in data[:2]]
@@ -261,7 +272,7 @@ def test_a_served_job_in_every_layout_equals_peft_and_adamw(arch, layout, tiny_m
     on a cluster; rank 0's node serves): two rounds of forward_backward in chunks of 3 and 2 datums +
     optim_step, the saved state, and a sampler snapshot's greedy samples equal PEFT + AdamW on one process
     (losses, logprobs and adapters to 1e-5; sampled logprobs to 1e-4)."""
-    from test_service_sdk import TEXTS, assert_same, datums, peft_greedy, peft_steps, sdk_steps
+    from test_service_sdk import assert_same, peft_greedy, peft_steps
 
     from mlora_lab.lab.launcher import prepare_run
     from mlora_lab.lora import read_adapter
@@ -298,17 +309,7 @@ def test_a_served_job_in_every_layout_equals_peft_and_adamw(arch, layout, tiny_m
             )
         svc = ml.attach(run_dir.root)
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(base)
-        data = datums(tok, [*TEXTS, "the green plane and the city road"])  # 5 datums
-        tc = (
-            svc.client()
-            .create_lora_training_client(base_model=svc.base_model, rank=4, seed=7, train_unembed=False)
-            .result()
-        )
-        init = svc.local_path(tc.save_state("init").result().path)
-        losses, logprobs, _ = sdk_steps(tc, [data[:3], data[3:]], steps=2)
-        final = svc.local_path(tc.save_state("final").result().path)
-        sampler = tc.save_weights_and_get_sampling_client().result()
+        data, _, init, losses, logprobs, final, sampler = two_rounds(svc, base)
         greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
         prompts = [d[0][:4] for d in data[:2]]
         samples = [
