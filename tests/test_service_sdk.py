@@ -859,6 +859,40 @@ def test_snapshots_and_sampling_sessions_from_before_a_resume_sample_as_before(s
     assert draw(inflight) == draw(fresh) != moved
 
 
+def test_a_checkpoints_service_part_of_the_wrong_shape_loses_only_its_bad_entries(served, llama_path, capsys):
+    """A checkpoint's ``service`` part with foreign entries beside good ones (a snapshot of a layer the job has
+    no slot on, entries missing keys or of the wrong type, keys pointing nowhere, sessions that are not
+    objects): the resume keeps the good ones, names each one left out in the job's log, and samples on."""
+    import torch as t
+
+    tc, _ = training_client(served, seed=4)
+    session = tc.save_weights_and_get_sampling_client().result()
+    greedy = types.SamplingParams(max_tokens=3, temperature=0.0)
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    want = greedy_sample(session, prompt, greedy)
+    driver = served.trainer.drivers.all[0]
+    good = driver.state_dict()["service"]
+    bad_layer = {**good["snapshots"]["snapshots"][0], "tensors": {"../../x": [t.zeros(1), t.zeros(1)]}}
+    hostile = {
+        "snapshots": {
+            "snapshots": [*good["snapshots"]["snapshots"], bad_layer, {"model_id": "m"}, "x"],
+            "keys": [*good["snapshots"]["keys"], ["k", 1], ["k", 99], ["k", "x"], "junk"],
+        },
+        "sessions": {**good["sessions"], "s2": "garbage", "s3": {"owner": 1}},
+        "sampling_sessions": {**good["sampling_sessions"], "y": None},
+    }
+    for snap in {id(s): s for s in driver.snapshots.by_key.values()}.values():  # (what a resume leaves)
+        if snap.slot is not None:
+            served.trainer.model.remove_tenant(snap.slot)
+    driver.snapshots.by_key.clear()
+    with served.state.lock:
+        served.state.sampling_sessions.clear()
+    driver.load_state_dict({"service": hostile})
+    log = capsys.readouterr().out
+    assert log.count("of the checkpoint is left out") == 7 and "3 session(s) of the wrong shape" in log
+    assert greedy_sample(session, prompt, greedy) == want
+
+
 def test_requests_two_clients_send_at_the_same_moment_share_a_step(llama_path):
     """Requests sent together reach the job some milliseconds apart (another client's, a client's optim_step
     behind its forward_backward); the loop, woken by the first, waits for the rest (``GATHER_QUIET_S``), so

@@ -289,7 +289,8 @@ class ServiceDriver(Driver):
         saved = state.get("service")
         if not isinstance(saved, dict):  # (a checkpoint of a job that was not served, or older)
             return
-        left_out = self.snapshots.load_state_dict(saved.get("snapshots") or {})
+        snapshots = saved.get("snapshots")
+        left_out = self.snapshots.load_state_dict(snapshots if isinstance(snapshots, dict) else {})
         if self.main:
             n = self.state.restore_registry(saved)
             left_out += [f"{n} session(s) of the wrong shape are left out"] if n else []

@@ -323,7 +323,10 @@ class Snapshots:
         snaps: list[Snapshot | None] = []
         dropped = []
         layers = set(self.engine.model.layers) | set(self.engine.model.expert_parameters)
-        for i, entry in enumerate(saved.get("snapshots", [])):
+        entries, keys = (
+            saved.get(k) if isinstance(saved.get(k), list) else [] for k in ("snapshots", "keys")
+        )
+        for i, entry in enumerate(entries):
             try:
                 tensors = {str(k): (a, b) for k, (a, b) in entry["tensors"].items()}
                 if not set(tensors) <= layers or not all(
@@ -345,9 +348,12 @@ class Snapshots:
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 snaps.append(None)
                 dropped.append(f"sampler snapshot {i} of the checkpoint is left out: {e}")
-        for key, i in saved.get("keys", []):
-            if isinstance(i, int) and 0 <= i < len(snaps) and snaps[i] is not None:
-                self.by_key[str(key)] = snaps[i]
+        for pair in keys:
+            key, i = pair if isinstance(pair, list | tuple) and len(pair) == 2 else (None, None)
+            if isinstance(key, str) and isinstance(i, int) and 0 <= i < len(snaps) and snaps[i] is not None:
+                self.by_key[key] = snaps[i]
+            else:
+                dropped.append(f"sampler snapshot key {str(pair)[:80]} of the checkpoint is left out")
         return dropped
 
     def _any_running(self, running: bool) -> bool:

@@ -112,7 +112,7 @@ class ServiceState:
         left_out = 0
         now = time.time()
         with self.lock:
-            for sid, s in dict(saved.get("sessions") or {}).items():
+            for sid, s in _entries(saved, "sessions"):
                 try:
                     models = [str(m) for m in s["model_ids"]]
                     session = Session(str(s["owner"]), last_seen=0.0 if models else now, model_ids=models)
@@ -121,7 +121,7 @@ class ServiceState:
                     left_out += 1
                     continue
                 self.sessions.setdefault(str(sid), session)
-            for sid, s in dict(saved.get("sampling_sessions") or {}).items():
+            for sid, s in _entries(saved, "sampling_sessions"):
                 try:
                     path, model = s["model_path"], s["model_id"]
                     entry = SamplingSession(
@@ -144,3 +144,9 @@ class ServiceState:
                 return model.owner == owner
             session = self.sessions.get(run_id.split(":train:")[0])
             return session is not None and session.owner == owner and run_id in session.model_ids
+
+
+def _entries(saved: Mapping[str, Any], key: str) -> list[tuple[Any, Any]]:
+    """The (id, entry) pairs of ``saved[key]`` (none when it is not an object)."""
+    value = saved.get(key)
+    return list(value.items()) if isinstance(value, dict) else []
