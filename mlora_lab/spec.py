@@ -37,6 +37,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -502,11 +503,17 @@ def default_run_name(job: JobSpec) -> str:
     return text if len(text) <= 60 else text[:59] + "…"
 
 
-def effective_slot_modules(job: JobSpec) -> list[str]:
+def effective_slot_modules(job: JobSpec, output_layer: Sequence[str] = ()) -> list[str]:
     """The linear-layer names that get adapter slots: ``slot_modules``, else the union of the
     tenants' targets (``"all-linear"`` first if any tenant asks for it, then the names other tenants
-    give: one may name a layer all-linear leaves out, the output layer). Targets that are not valid
-    lists of names (a spec that does not validate) are left out rather than raised on."""
+    give: one may name a layer all-linear leaves out, the output layer). A served job (``service``)
+    without ``slot_modules`` slots what a Tinker client's default ``LoraConfig`` trains: ``"all-linear"``
+    and ``output_layer`` (the model's output layer, by its full name: the caller that has the model says
+    which, :func:`~mlora_lab.lora.targets.output_layer_names`), besides its tenants' targets; a job with no
+    tenant to go by (``serve``: waiting for them) slots ``"all-linear"``. A free slot holds no tensor, and a
+    layer no tenant of a batch targets computes nothing more than the base.
+    Targets that are not valid lists of names (a spec that does not validate) are left out rather than
+    raised on."""
     slots = job.slot_modules
     if slots and isinstance(slots, list | tuple):
         names = [m for m in slots if isinstance(m, str)]
@@ -514,6 +521,10 @@ def effective_slot_modules(job: JobSpec) -> list[str]:
         tenants = job.tenants if isinstance(job.tenants, list | tuple) else []
         targets = [t.target_modules for t in tenants if isinstance(t, Tenant)]
         names = sorted({m for ts in targets if valid_targets(ts) for m in ts})
+        if job.service is not None:
+            names = [ALL_LINEAR, *(n for n in output_layer if n not in names), *names]
+        elif not names:  # (a job that waits for tenants: they may target any linear layer)
+            names = [ALL_LINEAR]
     if ALL_LINEAR not in names:
         return list(names)
     return [ALL_LINEAR, *(n for n in names if n != ALL_LINEAR)]

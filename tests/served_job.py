@@ -52,7 +52,7 @@ class Served:
             seq_len=seq_len,
             max_tenants=max_tenants,
             max_rank=8,
-            slot_modules=slot_modules or [*SLOTS, "lm_head"],
+            slot_modules=slot_modules,  # (None: a served job's default, what a default client trains)
             service=Service(),  # (what makes a served job: e.g. the packed experts of an MoE get slots)
         )
         self.keys = Keys()
@@ -105,8 +105,12 @@ class Served:
             else:
                 time.sleep(0.002)
 
-    def client(self, key: str | None = None) -> tinker.ServiceClient:
-        return tinker.ServiceClient(base_url=self.server.url, api_key=key or self.key)
+    def client(self, key: str | None = None, **kwargs) -> tinker.ServiceClient:
+        return tinker.ServiceClient(base_url=self.server.url, api_key=key or self.key, **kwargs)
+
+    def tenant(self, model_id: str) -> str:
+        """The name of the tenant a client's model is."""
+        return self.trainer.drivers.all[0].tenant_of(model_id)
 
     def close(self) -> None:
         self.trainer.stop_requested = True

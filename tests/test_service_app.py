@@ -310,3 +310,30 @@ def test_a_server_on_every_interface_is_reached_by_the_machines_name():
 
     assert reachable("0.0.0.0") == reachable("::") == socket.gethostname()
     assert reachable("127.0.0.1") == "127.0.0.1" and reachable("::1") == "[::1]"
+
+
+def test_a_long_wait_is_polled_quietly_by_the_sdk(caplog):
+    """A result that takes longer than one long-poll is answered ``try_again`` as a 408 (what the hosted
+    service does), which the SDK polls again without a warning; a 200 ``try_again`` printed "Retrying
+    request ... because of try_again" on every poll, a dozen times an RL loop."""
+    keys = Keys()
+    key = keys.add("alice")
+    state = ServiceState(
+        inbox=Inbox(), futures=Futures(), keys=keys, base_model=BASE, limits=wire.Limits(100, 32), poll_s=0.2
+    )
+    with Server(state) as server:
+        sampler = client(server, key).create_sampling_client(base_model=BASE).result()
+
+        def settle_late() -> None:  # (plays a slow generation: 6 polls' worth)
+            while not (items := state.inbox.take()):
+                time.sleep(0.01)
+            time.sleep(1.2)
+            seqs = [wire.Sampled([5, 6], [-0.5, -0.25], stopped=False)]
+            state.futures.settle(items[0].request_id, Result(proto=wire.sample_response(seqs)))
+
+        threading.Thread(target=settle_late, daemon=True).start()
+        with caplog.at_level("WARNING"):
+            got = sampler.sample(tinker.ModelInput.from_ints([1, 2]), 1, tinker.SamplingParams(max_tokens=2))
+            assert got.result(timeout=30).sequences[0].tokens == [5, 6]
+    assert not [r for r in caplog.records if "try_again" in r.getMessage()], caplog.text
+    assert state.poll_s < ServiceState.__dataclass_fields__["poll_s"].default < 45  # (the SDK reads for 45 s)

@@ -103,7 +103,7 @@ def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_p
             tc.save_weights_and_get_sampling_client().result(),
         ]
         assert [draw(s) for s in samplers] == [before, before]
-        tenant = tc.model_id.replace(":", "-")
+        tenant = svc.tenant_of(tc.model_id)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and tenant not in set(svc.metrics().get("tenant", [])):
             time.sleep(0.2)
@@ -333,3 +333,42 @@ def test_a_served_job_in_every_layout_equals_peft_and_adamw(arch, layout, tiny_m
         tokens, lps = peft_greedy(model, p, 5)
         assert answer.sequences[0].tokens == tokens
         assert answer.sequences[0].logprobs == pytest.approx(lps, abs=1e-4)
+
+
+def readme_block(heading: str) -> str:
+    """The first ```python block of the README after ``heading``."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    after = text[text.index(heading) :]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start : after.index("```", start)]
+
+
+@pytest.mark.slow  # (starts a job)
+def test_the_readmes_service_example_runs_as_written(llama_path, tmp_path, monkeypatch):
+    """The README's example of a served job, verbatim, with the defaults: a spec with one file-driven tenant on
+    q_proj/v_proj (what a new user has), then the SDK's default training client (attention, MLP and the
+    output layer), which that job used to refuse ("no adapter slots on the MLP or output layer")."""
+    monkeypatch.chdir(tmp_path)  # (ml.serve's runs land here)
+    data = tmp_path / "alice.jsonl"
+    data.write_text("".join(f'{{"text": "the red cat sat on the road {i}"}}\n' for i in range(8)))
+    alice = ml.Tenant(name="alice", data=str(data), rank=8, target_modules=["q_proj", "v_proj"], max_steps=3)
+    tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+    ids = tok("the red cat sat on the road").input_ids
+    datums = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+        )
+    ]
+    spec = ml.JobSpec(base_model=llama_path, tenants=[alice], seq_len=48)
+    namespace = {"ml": ml, "tinker": tinker, "spec": spec, "datums": datums}
+    try:
+        exec(readme_block("### Programs that drive their tenants (Tinker API)"), namespace)
+    finally:
+        left = stop_runs_under(tmp_path)
+    svc, tc = namespace["svc"], namespace["tc"]
+    assert not left and svc.status.value == "stopped", svc.logs(0)
+    assert math.isfinite(namespace["fb"].result().metrics["loss:sum"])
+    tenant = svc.tenant_of(tc.model_id)
+    assert tenant == "owner-1" and tenant in set(svc.metrics()["tenant"])
+    assert ml.JobSpec.load(svc.dir.job).slot_modules == ["all-linear", "lm_head", "q_proj", "v_proj"]

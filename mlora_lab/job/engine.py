@@ -31,6 +31,7 @@ from mlora_lab.bases import resolve_base
 from mlora_lab.data import IGNORE_INDEX, Batch, Example, check_vocab, collate, load_examples
 from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.lora.experts import packed_expert_parameters
+from mlora_lab.lora.targets import output_layer_names
 from mlora_lab.memory import (
     causal_lm_token_loss,
     checkpoint_blocks,
@@ -41,7 +42,7 @@ from mlora_lab.memory import (
 )
 from mlora_lab.parallel import Collectives, ParallelDims, parallelize
 from mlora_lab.sources import source_name
-from mlora_lab.spec import JobSpec
+from mlora_lab.spec import JobSpec, effective_slot_modules
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,8 +70,11 @@ class Engine:
         seq_len: int,
         vocab_rows: int,
         max_pass_tokens: int | None = None,
+        slot_modules: Sequence[str] = (),
     ) -> None:
         self.model, self.tokenizer, self.comm = model, tokenizer, comm
+        self.slot_modules = list(slot_modules)
+        """What the model's slots were given on (``JobSpec.slot_modules`` as the job recorded it)."""
         self.device = comm.device
         self.base_path, self.seq_len = base_path, seq_len
         pad = tokenizer.pad_token_id
@@ -96,6 +100,8 @@ class Engine:
         base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPES[spec.dtype])
         base.to(comm.device)
         vocab_rows = base.get_input_embeddings().weight.shape[0]  # before any sharding
+        # (a served job's default slots include the output layer: named here, where the model is)
+        slot_modules = effective_slot_modules(spec, output_layer_names(base))
         slot_parameters = {p for t in spec.tenants for p in t.target_parameters}
         if spec.service is not None:  # (a Tinker client's train_mlp adapts an MoE block's packed experts)
             slot_parameters |= set(packed_expert_parameters(base))
@@ -103,7 +109,7 @@ class Engine:
             base,
             max_tenants=spec.max_tenants,
             max_rank=spec.max_rank,
-            slot_modules=spec.slot_modules,
+            slot_modules=slot_modules,
             slot_parameters=sorted(slot_parameters),
             wrap_experts=dims.ep > 1,
         )
@@ -113,7 +119,7 @@ class Engine:
         max_pass_tokens = spec.max_pass_tokens
         if max_pass_tokens is None and spec.service is not None and comm.device.type == "cpu":
             max_pass_tokens = SERVED_CPU_PASS_TOKENS
-        return cls(model, tokenizer, comm, base_path, spec.seq_len, vocab_rows, max_pass_tokens)
+        return cls(model, tokenizer, comm, base_path, spec.seq_len, vocab_rows, max_pass_tokens, slot_modules)
 
     # -- data ------------------------------------------------------------------------------------
     def examples(self, source: Any) -> list[Example]:
@@ -200,13 +206,14 @@ class Engine:
         return logits if temperature == 1.0 else logits / temperature
 
     # -- adapters --------------------------------------------------------------------------------
-    def save_adapter(self, name: str, path: Path | None) -> Path | None:
+    def save_adapter(self, name: str, path: Path | None, root: Path | None = None) -> Path | None:
         """Write tenant ``name``'s adapter as a PEFT directory at ``path``: full tensors gathered on every
-        process (a collective), written by the caller that passes a ``path`` (rank 0), atomically."""
+        process (a collective), written by the caller that passes a ``path`` (rank 0), atomically (through
+        no link below ``root``, when given)."""
         tensors = self.model.tenant_tensors(name)
         if path is None:
             return None
-        return self.model.save_adapter(name, path, self.base_path, tensors=tensors)
+        return self.model.save_adapter(name, path, self.base_path, tensors=tensors, root=root)
 
 
 def pass_plan(sizes: Sequence[tuple[int, int]], max_tokens: int) -> list[list[int]]:

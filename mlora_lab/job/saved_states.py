@@ -86,7 +86,7 @@ class SavedStates:
             self.engine.model.save_adapter(t.name, tmp / "adapter", self.engine.base_path, tensors=adapter)
 
         try:
-            write_state_dir(folder, t.step, tree, beside=peft_folder)
+            write_state_dir(folder, t.step, tree, beside=peft_folder, root=self.checkpoints.parent)
         except checkpoint.WRITE_ERRORS as e:
             return Result(error=f"could not save {path}: {e}", category=ErrorCategory.SERVER)
         return Result(json={"path": path, "type": "save_weights"})
@@ -100,7 +100,7 @@ class SavedStates:
             try:
                 if folder is None or not folder.exists():
                     raise CheckpointError(f"no saved state {path} on this server")
-                state = read_checkpoint(folder)
+                state = read_checkpoint(folder, root=self.checkpoints.parent)  # (through no link in the run)
                 if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
                     raise CheckpointError(f"{path} is not a saved state of this service")
             except (CheckpointError, ValueError, OSError) as e:  # (rank 0 must reach the broadcast)
@@ -142,4 +142,5 @@ def saved_model(work: Work, state: dict[str, Any], base_model: str) -> ModelInfo
         bool(lora["train_attn"]),
         bool(lora["train_mlp"]),
         bool(lora["train_unembed"]),
+        name=work.body.name,
     )

@@ -59,7 +59,11 @@ class JobService:
     def driver(self, parts: JobParts) -> ServiceDriver:
         """The loop's service driver, the state's limits set from the job's model and ``seq_len`` (a datum
         is its input tokens and one more position: ``seq_len - 1`` input tokens at most)."""
-        self.state.limits = wire.Limits(vocab_size=parts.engine.vocab_rows, max_tokens=parts.spec.seq_len - 1)
+        self.state.limits = wire.Limits(
+            vocab_size=parts.engine.vocab_rows,
+            max_tokens=parts.spec.seq_len - 1,
+            max_tensor_bytes=self.state.max_body_bytes,
+        )
         return ServiceDriver(
             parts,
             self.state,

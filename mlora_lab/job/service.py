@@ -69,6 +69,8 @@ Only rank 0 settles futures.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -81,6 +83,7 @@ import torch
 from mlora_lab.data import IGNORE_INDEX, Example
 from mlora_lab.job.agree import agree
 from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
+from mlora_lab.job.metering import Meter
 from mlora_lab.job.saved_states import SavedStates, saved_model
 from mlora_lab.job.snapshots import Snapshots
 from mlora_lab.job.tenants import TenantRun
@@ -93,6 +96,7 @@ from mlora_lab.service.work import ErrorCategory, Kind, Result, Work
 from mlora_lab.spec import Tenant
 from mlora_lab.specbase import MAX_COUNT
 from mlora_lab.specparts import ClientModel
+from mlora_lab.text import brief
 
 GONE = "its client sent no heartbeat nor request"
 """The start of the reason a tenant of a client that went away is paused with."""
@@ -103,7 +107,11 @@ the blocks are the MLP's (``train_mlp``, experts included)."""
 
 
 def tinker_targets(
-    model: MultiLoRAModel, train_attn: bool, train_mlp: bool, train_unembed: bool
+    model: MultiLoRAModel,
+    train_attn: bool,
+    train_mlp: bool,
+    train_unembed: bool,
+    slot_modules: list[str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """What a Tinker ``LoraConfig`` selects in ``model``: the full names of the slotted linear layers, and
     the packed expert parameters (an MoE block's MLP, with ``train_mlp``) as PEFT ``target_parameters``
@@ -113,19 +121,37 @@ def tinker_targets(
     chosen, missing = [], []
     slotted = model.expert_parameters
     experts = slotted if train_mlp else []
-    for part, wanted in (("attention", train_attn), ("MLP", train_mlp), ("output layer", train_unembed)):
+    parts = (("attention", "train_attn", train_attn), ("MLP", "train_mlp", train_mlp))
+    for part, flag, wanted in (*parts, ("output layer", "train_unembed", train_unembed)):
         names = [n for n in model.layers if _part(n, heads) == part]
         if wanted and not names and not (part == "MLP" and experts):
-            missing.append(part)
+            missing.append((part, flag))
         chosen += names if wanted else []
     if missing:
+        flags = " and ".join(f"{flag}=False" for _, flag in missing)
         raise ValueError(
-            f"this job has no adapter slots on the {' or '.join(missing)} (its slot_modules); "
-            f"create the client with train_{'unembed' if missing == ['output layer'] else 'attn/mlp'}=False, "
-            "or serve a job whose slot_modules cover it"
+            f"this job has no adapter slots on the {' or '.join(p for p, _ in missing)} (its slot_modules "
+            f"{brief(slot_modules)}); create the client with {flags}, or serve a job whose "
+            "slot_modules cover them (leave slot_modules unset: a served job then slots every linear "
+            "layer and the output layer)"
         )
     # (the shortest suffixes that name them all: what the tenant's adapter_config.json says, as PEFT writes)
     return chosen, storable_targets(experts, slotted) if experts else []
+
+
+def client_tenant_name(info: ModelInfo, free: Callable[[str], bool]) -> str:
+    """The name of the tenant a client's model becomes, the first ``free`` one (the same on every process: it
+    depends on ``info`` and the names taken alone): its ``user_metadata["name"]`` made safe (each run of
+    other characters becomes ``-``; at most 64 characters), then ``-2``, ``-3``...; without one, its key's
+    name and the first count free (``alice-1``, ``alice-2``...): a dashboard says whose it is, never an
+    opaque id alone."""
+    wanted = re.sub(r"[^A-Za-z0-9._-]+", "-", info.name or "").strip(".-")[:64]
+    if wanted:
+        if free(wanted):
+            return wanted
+        return next(f"{wanted}-{k}" for k in itertools.count(2) if free(f"{wanted}-{k}"))
+    owner = re.sub(r"[^A-Za-z0-9._-]+", "-", info.owner).strip(".-")[:80] or "client"
+    return next(f"{owner}-{k}" for k in itertools.count(1) if free(f"{owner}-{k}"))
 
 
 def _part(name: str, heads: set[str]) -> str:
@@ -216,6 +242,7 @@ class ServiceDriver(Driver):
         folder = None if checkpoints is None else Path(checkpoints)  # (rank 0 alone writes there)
         self.snapshots = Snapshots(parts.engine, parts.spec.max_tenants, folder, self.main)
         self.states = SavedStates(parts.engine, folder, self.main, self.lora_alpha)
+        self.meter = Meter()  # (what each key's requests cost: rank 0 writes it, metering.py)
         self.comm = parts.engine.comm
         self.names: dict[str, str] = {}  # model id -> tenant name
         self.queues: dict[str, deque[Work]] = {}  # model id -> its requests taken, not run yet
@@ -282,7 +309,9 @@ class ServiceDriver(Driver):
     def state_dict(self) -> dict[str, Any]:
         """``service``: the unnamed sampler snapshots (every process holds them) and rank 0's sessions and
         sampling sessions, so that a resumed job's clients sample from what they saved before the stop."""
-        registry = self.state.registry(self.snapshots.by_key) if self.main else {}
+        registry = (
+            {**self.state.registry(self.snapshots.by_key), **self.meter.state_dict()} if self.main else {}
+        )
         return {"service": {"snapshots": self.snapshots.state_dict(), **registry}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -292,8 +321,9 @@ class ServiceDriver(Driver):
         snapshots = saved.get("snapshots")
         left_out = self.snapshots.load_state_dict(snapshots if isinstance(snapshots, dict) else {})
         if self.main:
-            n = self.state.restore_registry(saved)
+            n, m = self.state.restore_registry(saved), self.meter.load_state_dict(saved)
             left_out += [f"{n} session(s) of the wrong shape are left out"] if n else []
+            left_out += [f"{m} usage total(s) of the wrong shape are left out"] if m else []
             for why in left_out:
                 print(f"resume: {why}", flush=True)
 
@@ -327,7 +357,11 @@ class ServiceDriver(Driver):
             queue = self.queues[model_id]
             name = self.names[model_id]
             t = self.pool.tenants.get(name)
-            if t is None or t.state is not TenantState.RUNNING:
+            if t is None or t.state is TenantState.FAILED:  # no later request of its can run: say why
+                why = f"quarantined: {t.reason}" if t is not None else "removed from the job"
+                while queue:
+                    self._fail(queue.popleft(), f"model {model_id!r} (tenant {name!r}) was {why}")
+            if t is None or t.state is not TenantState.RUNNING:  # (paused: they wait until it runs again)
                 continue
             pending = _Pending()
             while queue:
@@ -361,7 +395,9 @@ class ServiceDriver(Driver):
             if pending.forwards or pending.optim is not None:
                 self.step_work[name] = pending
         if samples:
-            self.snapshots.sample(samples, self._settle)
+            metered_sample(self.snapshots, self.meter, self.names, samples, self._settle)
+        for row in self.meter.rows(self.recorder.step, idle=not self.step_work) if self.main else ():
+            self.recorder.log(row)
         if not self.step_work:
             return None
         tenants = [self.pool[n] for n in self.step_work]
@@ -375,13 +411,19 @@ class ServiceDriver(Driver):
             pending.local = self.engine.local_rows(datums)  # (this data-parallel rank's share, as FileData's)
             rows[t.name] = [_row(pending.forwards[k][0].body.data[i]) for k, i in pending.local]
             for work, lengths in pending.forwards:
-                if not work.body.forward_only:
+                only, n = work.body.forward_only, sum(lengths)
+                self.meter.add(
+                    work.owner, t.name, trained=0 if only else n, forward=n if only else 0, requests=1
+                )
+                if not only:
                     t.feed.window_tokens += sum(lengths)
                     t.feed.window_requests += 1
             if pending.optim is not None:
+                self.meter.add(pending.optim.owner, t.name, requests=1)
                 _set_adam(t, pending.optim.body)
                 self.waiting_optim[t.name] = pending.optim
                 complete.append(t.name)
+        self.meter.began()  # (the step's time, shared out by after_step)
         return Plan(tenants=tenants, rows=rows, complete=complete)
 
     def _orders(self) -> _Orders:
@@ -422,10 +464,15 @@ class ServiceDriver(Driver):
         if model_id in self.names:
             self._fail(work, f"model {model_id!r} exists already")
             return None
-        name = model_id.replace(":", "-")
+        model = self.engine.model
+        name = client_tenant_name(info, lambda n: not self.pool.name_taken(n) and n not in model.tenants)
         try:
             targets, experts = tinker_targets(
-                self.engine.model, info.train_attn, info.train_mlp, info.train_unembed
+                self.engine.model,
+                info.train_attn,
+                info.train_mlp,
+                info.train_unembed,
+                self.engine.slot_modules,
             )
         except ValueError as e:
             self._fail(work, str(e))
@@ -466,15 +513,21 @@ class ServiceDriver(Driver):
             self._settle(work, Result(json={"model_id": model_id, "type": "create_model"}))
         return self.pool[name]
 
+    def tenant_of(self, model_id: str) -> str:
+        """The tenant a client's model is (``KeyError`` for a model this job has not made)."""
+        return self.names[model_id]
+
     def _watch_sessions(self) -> tuple[dict[str, str], list[str]]:
         """Rank 0: the tenants of clients that went away (to pause, with why) and those whose client is back
-        (to resume). Looked at once a second."""
+        (to resume). Looked at once a second; sessions that made no model and are over are forgotten then
+        (:meth:`~mlora_lab.service.state.ServiceState.expire_sessions`)."""
         now = time.time()
         pauses: dict[str, str] = {}
         resumes: list[str] = []
         if now - self._watched < 1.0:
             return pauses, resumes
         self._watched = now
+        self.state.expire_sessions(now, self.session_timeout_s)
         with self.state.lock:
             sessions = [(s.finished, s.last_seen, list(s.model_ids)) for s in self.state.sessions.values()]
         for finished, seen, models in sessions:
@@ -501,20 +554,27 @@ class ServiceDriver(Driver):
     # -- snapshots and saved states, at their place in the model's order ------------------------------
     def _save_or_load(self, work: Work, t: TenantRun) -> None:
         """A sampler snapshot of ``t`` (:class:`~mlora_lab.job.snapshots.Snapshots`), or its training state
-        saved or loaded (:class:`~mlora_lab.job.saved_states.SavedStates`)."""
-        if work.kind is Kind.SAVE_FOR_SAMPLER:
-            result = self.snapshots.save(work, t.name)
-        elif work.kind is Kind.SAVE_WEIGHTS:
-            info = self.state.models.get(work.model_id) if self.main else None
-            result = self.states.save(work, t, info)
-        else:
-            result = self.states.load(work, t)
+        saved or loaded (:class:`~mlora_lab.job.saved_states.SavedStates`). A path that is not one fails its
+        request alone, alike on every process (checked before any collective; the HTTP side refuses it first)."""
+        try:
+            if work.kind is Kind.SAVE_FOR_SAMPLER:
+                result = self.snapshots.save(work, t.name)
+            elif work.kind is Kind.SAVE_WEIGHTS:
+                info = self.state.models.get(work.model_id) if self.main else None
+                result = self.states.save(work, t, info)
+            else:
+                result = self.states.load(work, t)
+        except ValueError as e:
+            result = Result(error=str(e))
         if result is not None:
             self._settle(work, result)
 
     def _create_from_state(self, work: Work) -> None:
         """``create_training_client_from_state``: a new model with the saved LoRA settings, then the load."""
-        state = self.states.read(work.body.path)
+        try:
+            state = self.states.read(work.body.path)
+        except ValueError as e:  # (not a checkpoint path: see _save_or_load)
+            state = str(e)
         if isinstance(state, str):
             self._fail(work, state)
             return
@@ -567,6 +627,7 @@ class ServiceDriver(Driver):
         (one collective), in datum order; ``loss:sum`` and the other metrics summed over the datums in that
         order, as one process sums them. (TP ranks hold the same datums: either copy will do.)"""
         works = [work for p in self.step_work.values() for work, _ in p.forwards]
+        self.meter.ended(step_tokens(self.step_work))
         scored, self.scored = self.scored, {}
         if not works:  # (the same on every process)
             return
@@ -578,27 +639,9 @@ class ServiceDriver(Driver):
             for rid, got in scored.items()
         }
         everyone = self.comm.gather_objects(mine)
-        if not self.main:
-            return
-        for work in works:
-            got: dict[int, tuple] = {}
-            for part in everyone:
-                got |= part.get(work.request_id, {})  # type: ignore[union-attr]
-            fb: wire.ForwardBackward = work.body
-            if len(got) != len(fb.data):  # (cannot happen: every datum is some process's row)
-                self._fail(
-                    work, f"{len(fb.data) - len(got)} datum(s) were not computed", ErrorCategory.SERVER
-                )
-                continue
-            per_datum, loss_sum, metrics = [], torch.zeros(()), {}
-            for i in range(len(fb.data)):
-                lp, value, m = got[i]
-                per_datum.append(lp)
-                loss_sum = loss_sum + value
-                for k, v in m.items():
-                    metrics[k] = metrics.get(k, 0.0) + v
-            metrics["loss:sum"] = float(loss_sum)
-            self._settle(work, Result(proto=wire.forward_backward_output(per_datum, metrics)))
+        if self.main:
+            for work in works:
+                self._settle(work, forward_answer(work, everyone))
 
     def _settle_failed(self) -> None:
         """Requests of tenants the last step quarantined fail with the tenant's reason."""
@@ -616,6 +659,59 @@ class ServiceDriver(Driver):
 
     def _fail(self, work: Work, why: str, category: ErrorCategory = ErrorCategory.USER) -> None:
         self._settle(work, Result(error=why, category=category))
+
+
+def metered_sample(
+    snapshots: Snapshots,
+    meter: Meter,
+    tenants: Mapping[str, str],
+    samples: list[Work],
+    settle: Callable[[Work, Result], None],
+) -> None:
+    """Every waiting sample in one generation (:meth:`~mlora_lab.job.snapshots.Snapshots.sample`), metered:
+    its requests' generated tokens and its time, by (key, tenant of the snapshot: ``tenants`` maps model ids
+    to tenants; None for the base model)."""
+    meter.began()
+    tokens: dict[tuple[str, str | None], int] = {}
+    for work, n in snapshots.sample(samples, settle):
+        source = work.model_id or (work.body.model_path or "").removeprefix("tinker://").split("/")[0]
+        key = (work.owner, tenants.get(source))
+        tokens[key] = tokens.get(key, 0) + n
+        meter.add(*key, sampled=n, requests=1)
+    meter.ended(tokens)
+
+
+def step_tokens(step_work: Mapping[str, _Pending]) -> dict[tuple[str, str | None], int]:
+    """(key, tenant) -> the input tokens of a step's datums: how its time is shared out (metering)."""
+    out: dict[tuple[str, str | None], int] = {}
+    for name, pending in step_work.items():
+        for work, lengths in pending.forwards:
+            out[(work.owner, name)] = out.get((work.owner, name), 0) + sum(lengths)
+        if pending.optim is not None:
+            out.setdefault((pending.optim.owner, name), 0)
+    return out
+
+
+def forward_answer(work: Work, everyone: list[Any]) -> Result:
+    """A forward/backward request's answer from every process's results of its datums (``everyone``: each
+    process's ``{request id: {datum: (logprobs, loss, metrics)}}``): the logprobs in datum order, and
+    ``loss:sum`` and the other metrics summed over the datums in that order, as one process sums them."""
+    got: dict[int, tuple] = {}
+    for part in everyone:
+        got |= part.get(work.request_id, {})
+    fb: wire.ForwardBackward = work.body
+    if len(got) != len(fb.data):  # (cannot happen: every datum is some process's row)
+        missing = len(fb.data) - len(got)
+        return Result(error=f"{missing} datum(s) were not computed", category=ErrorCategory.SERVER)
+    per_datum, loss_sum, metrics = [], torch.zeros(()), {}
+    for i in range(len(fb.data)):
+        lp, value, m = got[i]
+        per_datum.append(lp)
+        loss_sum = loss_sum + value
+        for k, v in m.items():
+            metrics[k] = metrics.get(k, 0.0) + v
+    metrics["loss:sum"] = float(loss_sum)
+    return Result(proto=wire.forward_backward_output(per_datum, metrics))
 
 
 def _row(d: wire.Datum) -> Example:

@@ -45,6 +45,7 @@ import torch
 from mlora_lab.job.engine import Engine
 from mlora_lab.lora import AdapterError
 from mlora_lab.rundir import checkpoint
+from mlora_lab.rundir.files import check_no_links
 from mlora_lab.rundir.service import TINKER, saved_folder
 from mlora_lab.sampling import SampleRequest, default_stop_ids, sample
 from mlora_lab.service import wire
@@ -123,7 +124,8 @@ class Snapshots:
         folder = None if self.checkpoints is None or not save.name else saved_folder(self.checkpoints, key)
         if folder is not None:  # a named snapshot is also a PEFT adapter directory (svc.local_path)
             try:  # (the tenant's adapter, which the snapshot is a copy of now: gathered, written by rank 0)
-                self.engine.save_adapter(tenant, folder if self.main else None)
+                root = self.checkpoints.parent  # (the run: no link planted in it is followed)
+                self.engine.save_adapter(tenant, folder if self.main else None, root=root)
             except checkpoint.WRITE_ERRORS as e:
                 return Result(error=f"could not save {key}: {e}", category=ErrorCategory.SERVER)
         if save.sampling_session_id:
@@ -186,11 +188,12 @@ class Snapshots:
             snap.used = next(self._uses)
         return unloaded
 
-    def sample(self, works: list[Work], settle: Callable[[Work, Result], None]) -> None:
+    def sample(self, works: list[Work], settle: Callable[[Work, Result], None]) -> list[tuple[Work, int]]:
         """Every waiting sample request in one batched generation (on every process: its forwards are
         collectives); ``settle`` gets each request's answer, its sequences or why it failed (at once, for a
         request that cannot run). The snapshots sampled from are loaded into free slots first (a snapshot
-        not sampled from lately may have been unloaded to make room)."""
+        not sampled from lately may have been unloaded to make room). Returns the requests that ran, each
+        with the tokens generated for it (all its samples')."""
         requests, taken = [], []
         eos = default_stop_ids(self.engine.model, self.engine.tokenizer)
         sources: list[Snapshot | None] = []
@@ -243,7 +246,7 @@ class Snapshots:
             kept.append(work)
         taken = kept
         if not requests:
-            return
+            return []
         any_running = self._any_running if self.engine.comm.mesh is not None else None
         try:
             done = sample(
@@ -252,12 +255,15 @@ class Snapshots:
         except ValueError as e:  # (checked by the HTTP side already; a request it let through fails alone)
             for work in taken:
                 settle(work, Result(error=f"sampling failed: {e}"))
-            return
+            return []
+        ran = []
         for i, work in enumerate(taken):
             mine = [c for c in done if c.request == i]
             sequences = [wire.Sampled(c.tokens, c.logprobs, stopped=c.stop_reason != "length") for c in mine]
             prompt = mine[0].prompt_logprobs if requests[i].prompt_logprobs else None
             settle(work, Result(proto=wire.sample_response(sequences, prompt)))
+            ran.append((work, sum(len(c.tokens) for c in mine)))
+        return ran
 
     def restore(self, path: str) -> None:
         """Read the named snapshot ``path`` (``tinker://<model>/sampler_weights/<name>``) back from its PEFT
@@ -271,7 +277,9 @@ class Snapshots:
                     raise ValueError(f"{path} is not a sampler snapshot")
                 # (linear layers as they are; packed experts' PEFT tensors in the slots' layout)
                 model = self.engine.model
-                config, tensors = model.read_peft_adapter(saved_folder(self.checkpoints, path))
+                folder = saved_folder(self.checkpoints, path)
+                check_no_links(self.checkpoints.parent, folder)  # (no link planted in the run is followed)
+                config, tensors = model.read_peft_adapter(folder)
                 snap = Snapshot(
                     parts[0],
                     tensors,

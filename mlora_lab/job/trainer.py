@@ -57,7 +57,7 @@ from mlora_lab.job.tenants import TenantPool, TenantRun
 from mlora_lab.optim import step_many
 from mlora_lab.parallel import Collectives, DistInfo, ParallelDims
 from mlora_lab.rundir import ControlMessage, EventKind, RunDir, TenantState, checkpoint, control, rows
-from mlora_lab.spec import JobSpec, effective_slot_modules
+from mlora_lab.spec import JobSpec
 
 
 class SaveError(RuntimeError):
@@ -83,8 +83,8 @@ class Trainer:
         self.stop_requested = False
         torch.manual_seed(spec.seed)
         self.comm, mesh = self._layout()
-        self._record_slots()
         self.engine = Engine.build(spec, self.dims, mesh, self.comm)
+        self._record_slots()
         self.recorder = Recorder(self.run, self.comm, self.dist.is_main, spec.log_every)
         self.pool = TenantPool(spec, self.engine, self.recorder, self.run, self.dist.is_main)
         self.wake = threading.Event()
@@ -109,7 +109,7 @@ class Trainer:
     def _record_slots(self) -> None:
         """Slots are fixed for the life of the job: record them in job.json, so tenants added later are
         checked against the layers that really have slots."""
-        self.spec.slot_modules = effective_slot_modules(self.spec)
+        self.spec.slot_modules = list(self.engine.slot_modules)
         if self.run is not None and self.dist.is_main:
             self.spec.to_json(self.run.job)
 

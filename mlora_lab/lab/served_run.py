@@ -114,6 +114,15 @@ class ServedRun(Run):
             ) from e
         return tinker.ServiceClient(base_url=self.base_url, api_key=api_key or self.api_key, **kwargs)
 
+    def tenant_of(self, model_id: str) -> str:
+        """The name of the tenant a client's model is in the job (``job.json`` records each client's model
+        with its tenant): its ``user_metadata["name"]``, or its key's name and a count (``owner-1``).
+        ``KeyError`` for a model the job has not made (yet)."""
+        for t in self.spec.tenants:
+            if t.client is not None and t.client.model_id == model_id:
+                return t.name
+        raise KeyError(f"no tenant of model {model_id!r} in {self.path}")
+
     def local_path(self, tinker_path: str) -> Path:
         """The PEFT adapter directory of a checkpoint a client saved: ``tinker://…/weights/<name>``
         (``save_state``) or ``tinker://…/sampler_weights/<name>`` (a named ``save_weights_for_sampler``);

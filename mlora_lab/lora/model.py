@@ -495,13 +495,15 @@ class MultiLoRAModel(nn.Module):
         path: str | Path,
         base_model_name_or_path: str | None = None,
         tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        root: str | Path | None = None,
     ) -> Path:
         """Write tenant ``name`` as a PEFT adapter directory (atomically). ``tensors`` overrides the
-        slot contents (the distributed job passes gathered full tensors)."""
+        slot contents (the distributed job passes gathered full tensors); ``root``: see
+        :func:`~mlora_lab.lora.peft_io.write_adapter`."""
         base = base_model_name_or_path or getattr(getattr(self.model, "config", None), "_name_or_path", None)
         config = self.peft_config(name, base)
         tensors = tensors if tensors is not None else self.tenant_tensors(name)
-        return write_adapter(path, config, self._peft_tensors(self._tenant(name), tensors))
+        return write_adapter(path, config, self._peft_tensors(self._tenant(name), tensors), root=root)
 
     def adapter_bytes(self, name: str) -> int:
         """Bytes of the tenant's own adapter tensors (its rank, not the slot's max_rank)."""

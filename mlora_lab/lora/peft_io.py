@@ -110,18 +110,22 @@ def read_adapter(path: str | Path) -> tuple[LoraConfig, dict[str, tuple[torch.Te
 
 
 def write_adapter(
-    path: str | Path, config: LoraConfig, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    path: str | Path,
+    config: LoraConfig,
+    tensors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    root: str | Path | None = None,
 ) -> Path:
     """Write a PEFT adapter directory atomically: build it under a temporary name, then rename.
 
-    A reader never sees a half-written directory: either the old adapter or the new one.
+    A reader never sees a half-written directory: either the old adapter or the new one. The folders on
+    the way from ``root`` (default: the directory's parent) are walked without following a link.
     """
     path = Path(path)
     state = {}
     for module, (A, B) in tensors.items():
         state[f"{PREFIX}{module}.lora_A.weight"] = A.detach().to("cpu").contiguous()
         state[f"{PREFIX}{module}.lora_B.weight"] = B.detach().to("cpu").contiguous()
-    with atomic_directory(path) as tmp:
+    with atomic_directory(path, root=root) as tmp:
         config.save_pretrained(str(tmp))
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     return path

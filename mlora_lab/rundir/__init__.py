@@ -69,6 +69,7 @@ from mlora_lab.rundir.rows import (
     TenantRow,
     TenantState,
     TrainRow,
+    UsageRow,
 )
 from mlora_lab.rundir.status import (
     FINAL_STATES,
@@ -108,6 +109,7 @@ __all__ = [
     "TenantRow",
     "TenantState",
     "TrainRow",
+    "UsageRow",
     "atomic_directory",
     "atomic_write_bytes",
     "atomic_write_json",

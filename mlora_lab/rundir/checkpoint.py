@@ -31,9 +31,15 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
-from mlora_lab.rundir.files import RunDirError, atomic_directory, atomic_write_json, name_problem
+from mlora_lab.rundir.files import (
+    RunDirError,
+    atomic_directory,
+    atomic_write_json,
+    name_problem,
+    read_guarded,
+)
 
 FORMAT = 1
 MAX_STEP = 2**53 - 1
@@ -119,14 +125,19 @@ def write_checkpoint(checkpoints: str | os.PathLike, step: int, tree: Any) -> Pa
 
 
 def write_state_dir(
-    final: str | os.PathLike, step: int, tree: Any, beside: Callable[[Path], None] | None = None
+    final: str | os.PathLike,
+    step: int,
+    tree: Any,
+    beside: Callable[[Path], None] | None = None,
+    root: str | os.PathLike | None = None,
 ) -> Path:
     """Write ``tree`` in the checkpoint format at ``final`` (complete, or not at all; an old directory
     there is replaced). ``beside(tmp)`` may add more to the directory before it is complete (a PEFT
-    adapter folder, say): it is checked by nobody but its own reader."""
+    adapter folder, say): it is checked by nobody but its own reader. The folders from ``root`` (default:
+    ``final``'s parent) on are walked without following a link."""
     obj, tensors = encode(tree)
     final = Path(final)
-    with atomic_directory(final) as tmp:
+    with atomic_directory(final, root=root) as tmp:
         if beside is not None:
             beside(tmp)
         (tmp / STATE).write_text(json.dumps(obj), encoding="utf-8")
@@ -172,9 +183,15 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def read_checkpoint(path: str | os.PathLike) -> Any:
-    """The state tree of an intact checkpoint (verified first); :class:`CheckpointError` otherwise."""
+def read_checkpoint(path: str | os.PathLike, root: str | os.PathLike | None = None) -> Any:
+    """The state tree of an intact checkpoint (verified first); :class:`CheckpointError` otherwise.
+
+    With ``root`` (a folder above ``path``: the run's, say), every file is read through no link below it
+    (:func:`~mlora_lab.rundir.files.read_guarded`, the writers' rule), once: the bytes checked against
+    ``meta.json`` are the bytes decoded. A checkpoint that a request names is read so."""
     path = Path(path)
+    if root is not None:
+        return _read_guarded(path, Path(root))
     verify(path)
     try:
         tensors = load_file(str(path / TENSORS))
@@ -182,6 +199,37 @@ def read_checkpoint(path: str | os.PathLike) -> Any:
     except (OSError, ValueError, SafetensorError) as e:
         raise CheckpointError(f"{path.name}: cannot be decoded ({e})") from None
     return decode(obj, tensors)
+
+
+def _read_guarded(path: Path, root: Path) -> Any:
+    """:func:`read_checkpoint` through no link below ``root``."""
+
+    def read(name: str) -> bytes:
+        try:
+            return read_guarded(root, path / name)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path.name}: incomplete (no {name})") from None
+        except OSError as e:  # (a link in the way: LinkRefused says where)
+            raise CheckpointError(f"{path.name}: {name} cannot be read ({e})") from None
+
+    try:
+        meta = json.loads(read(META))
+        files = meta["files"]
+        if meta.get("format") != FORMAT or set(files) != {STATE, TENSORS}:
+            raise ValueError(f"unknown format {meta.get('format')!r}")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path.name}: {META} is unreadable ({e})") from None
+    data = {}
+    for name, info in files.items():
+        data[name] = read(name)
+        if not isinstance(info, dict) or len(data[name]) != info.get("bytes"):
+            raise CheckpointError(f"{path.name}: {name} has {len(data[name])} bytes, not what was written")
+        if hashlib.sha256(data[name]).hexdigest() != info.get("sha256"):
+            raise CheckpointError(f"{path.name}: {name} does not match its checksum (damaged)")
+    try:
+        return decode(json.loads(data[STATE].decode("utf-8")), load(data[TENSORS]))
+    except (ValueError, SafetensorError) as e:
+        raise CheckpointError(f"{path.name}: cannot be decoded ({e})") from None
 
 
 def check_job_state(state: Any, name: str = "checkpoint") -> None:

@@ -314,6 +314,45 @@ def guarded_open(
         os.close(folder)
 
 
+def read_guarded(root: str | os.PathLike, path: str | os.PathLike) -> bytes:
+    """The bytes of the regular file ``path`` below ``root``, opened as the writers open theirs (each folder
+    on the way and the file itself without following a link, :func:`guarded_open`): what a reader of files
+    that requests name uses, so that a link planted in the run never leads it outside."""
+    fd = guarded_open(root, path, os.O_RDONLY, create=False)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def check_no_links(root: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """``path`` (below ``root``) checked for a reader that goes by names (PEFT loading a folder, say): no
+    part of it below ``root`` is a link, and when it is a folder, nothing in it is a link or anything but
+    folders and regular files (a FIFO would block its reader). :class:`LinkRefused` naming the first one
+    found; ``FileNotFoundError`` when ``path`` is not there. Returns ``path`` under ``root``.
+
+    (A check, then the caller's read: the files a run's own writers put there, not the links someone may
+    plant between the two; where this process reads the files itself it uses :func:`read_guarded`.)"""
+    base = Path(root)
+    parts = relative_parts(base, path)
+    here = base
+    for part in parts:
+        here = here / part
+        st = os.lstat(here)  # (FileNotFoundError: not there)
+        if stat.S_ISLNK(st.st_mode):
+            raise LinkRefused(link_message(here, base))
+    if stat.S_ISDIR(os.lstat(here).st_mode):
+        for folder, dirs, names in os.walk(here, followlinks=False):
+            for name in [*dirs, *names]:
+                entry = Path(folder) / name
+                kind = stat.S_IFMT(os.lstat(entry).st_mode)
+                if kind == stat.S_IFLNK:
+                    raise LinkRefused(link_message(entry, base))
+                if kind not in (stat.S_IFREG, stat.S_IFDIR):
+                    raise LinkRefused(
+                        f"{show_path(entry)} is not a regular file (a FIFO, a socket or a device)"
+                    )
+    return here
+
+
 def fsync_dir(path: str | os.PathLike | int) -> None:
     """Make a rename or a new entry in directory ``path`` (or an open descriptor of it) durable."""
     with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory

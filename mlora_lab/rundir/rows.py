@@ -53,6 +53,7 @@ class RowKind(TextEnum):
     TENANT = "tenant"
     EVENT = "event"
     COMPLETION = "completion"
+    USAGE = "usage"
 
 
 class TenantState(TextEnum):
@@ -217,10 +218,35 @@ class CompletionRow(Row, tag="completion"):
     time: float = msgspec.field(default_factory=time.time)
 
 
+class UsageRow(Row, tag="usage"):
+    """What one API key's requests to a served job have cost so far, for one tenant (``None``: sampling the
+    base model): the metering a hosted service bills by. Counts are totals since the job began (a resume
+    goes on from its checkpoint's), so the latest row of a ``(key, tenant)`` is its usage; the job writes
+    one when they changed, at most every few seconds and whenever it goes idle."""
+
+    kind: ClassVar[RowKind] = RowKind.USAGE
+    step: int
+    key: str
+    """The name of the API key (``service/keys.json``) whose requests these are."""
+    tenant: str | None
+    tokens_trained: int
+    """Input tokens of its ``forward_backward`` datums."""
+    tokens_forward: int
+    """Input tokens of its forward-only datums (``forward``, ``compute_logprobs`` of a training client)."""
+    tokens_sampled: int
+    """Tokens generated for its samples (every sample of ``num_samples``)."""
+    busy_s: float
+    """Seconds of the job's time its requests took: each step's (forward, backward and optimiser) shared
+    out over the step's tenants by their tokens, each generation's over its requests by their tokens."""
+    requests: int
+    """Requests that ran (forward/backward, optimiser steps, samples)."""
+    time: float = msgspec.field(default_factory=time.time)
+
+
 ROW_TYPES: dict[RowKind, type[Row]] = {
-    t.kind: t for t in (TrainRow, EvalRow, SystemRow, TenantRow, EventRow, CompletionRow)
+    t.kind: t for t in (TrainRow, EvalRow, SystemRow, TenantRow, EventRow, CompletionRow, UsageRow)
 }
-AnyRow = TrainRow | EvalRow | SystemRow | TenantRow | EventRow | CompletionRow
+AnyRow = TrainRow | EvalRow | SystemRow | TenantRow | EventRow | CompletionRow | UsageRow
 """Any metrics row: the type a line is decoded into (its ``kind`` picks which)."""
 FIELD_NAMES: dict[str, tuple[str, ...]] = {kind.value: t.__struct_fields__ for kind, t in ROW_TYPES.items()}
 """Per kind, its fields in order (the keys of its line after ``kind``)."""

@@ -26,11 +26,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlora_lab.rundir.files import RunDir, RunDirError, atomic_write_bytes, atomic_write_json
+from mlora_lab.rundir.files import (
+    RunDir,
+    RunDirError,
+    atomic_write_bytes,
+    atomic_write_json,
+    check_no_links,
+    read_guarded,
+)
 from mlora_lab.text import read_json
 
 KEY_PREFIX = "tml-"
@@ -49,24 +57,67 @@ def endpoint_path(run: RunDir) -> Path:
 
 TINKER = "tinker://"
 SAVED_KINDS = ("weights", "sampler_weights")
+CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+"""A checkpoint's name (``save_state(name)``, ``save_weights_for_sampler(name)``: the last part of its
+``tinker://`` path, and a folder's name): 1 to 128 of ``A-Z a-z 0-9 . _ -``, not starting with a dot.
+A name is never a path: no separator, and neither ``.`` nor ``..`` (the folders themselves) nor a
+dot-first name (how a folder being written is named, :func:`~mlora_lab.rundir.files.atomic_directory`)."""
+MODEL_ID = re.compile(r"[A-Za-z0-9_-]{1,64}:train:[0-9]{1,10}")
+"""A training client's model id (``<session>:train:<n>``), the first part of its checkpoints' paths."""
+
+
+def checkpoint_name_problem(name: object) -> str | None:
+    """Why ``name`` is not a checkpoint name (:data:`CHECKPOINT_NAME`), or None if it is."""
+    if not isinstance(name, str):
+        return f"a checkpoint name is a string, got {type(name).__name__}"
+    if CHECKPOINT_NAME.fullmatch(name):
+        return None
+    if not name:
+        return "it is empty"
+    if len(name) > 128:
+        return f"it is {len(name)} characters long (at most 128)"
+    if name.startswith("."):
+        return f"{name[:20]!r} starts with a dot (a name is never a path: not '.', '..' nor a hidden folder)"
+    bad = "".join(sorted({c for c in name if not re.fullmatch(r"[A-Za-z0-9._-]", c)}))
+    return f"it holds {bad[:20]!r} (a name is 1-128 of A-Z a-z 0-9 . _ -, never a path)"
+
+
+def split_tinker_path(tinker_path: object) -> tuple[str, str, str]:
+    """``(model id, kind, name)`` of ``tinker://<model_id>/<weights|sampler_weights>/<name>``;
+    ``ValueError`` saying what is wrong for anything else (a name that is a path above all)."""
+    text = tinker_path if isinstance(tinker_path, str) else ""
+    parts = text.removeprefix(TINKER).split("/") if text.startswith(TINKER) else []
+    if len(parts) != 3 or parts[1] not in SAVED_KINDS:
+        shown = repr(tinker_path)[:80]
+        raise ValueError(f"{shown} is not tinker://<model>/weights|sampler_weights/<name>")
+    run_id, kind, name = parts
+    if not MODEL_ID.fullmatch(run_id):
+        raise ValueError(f"{text[:80]!r}: {run_id[:40]!r} is not a model id (<session>:train:<n>)")
+    if (why := checkpoint_name_problem(name)) is not None:
+        raise ValueError(f"{text[:80]!r}: its name is not a checkpoint name: {why}")
+    return run_id, kind, name
 
 
 def saved_folder(service: str | os.PathLike, tinker_path: str) -> Path:
     """Where the ``tinker://<model_id>/<weights|sampler_weights>/<name>`` a service saved lives, under its
-    folder ``service`` (``<run_dir>/service``); ``ValueError`` for a path of another form."""
-    parts = tinker_path.removeprefix(TINKER).split("/") if tinker_path.startswith(TINKER) else []
-    if len(parts) != 3 or parts[1] not in SAVED_KINDS or not all(parts) or ".." in parts or "" in parts:
-        raise ValueError(f"{tinker_path!r} is not tinker://<model>/weights|sampler_weights/<name>")
-    run_id, kind, name = parts
+    folder ``service`` (``<run_dir>/service``); ``ValueError`` for a path of another form
+    (:func:`split_tinker_path`: the folder is always ``service/<kind>/<model>/<name>``, never above)."""
+    run_id, kind, name = split_tinker_path(tinker_path)
     return Path(service) / kind / run_id.replace(":", "-") / name
 
 
 def local_path(run: RunDir, tinker_path: str) -> Path:
     """The PEFT adapter directory of a checkpoint the run's service saved (``FileNotFoundError`` when there
-    is none)."""
+    is none; ``ValueError`` for a path of another form). No link is followed: a symlink anywhere on the way
+    from the run directory, or inside the adapter folder, is refused (:class:`LinkRefused`), since the
+    caller hands the folder to a reader (PEFT) that would follow it out of the run."""
     folder = saved_folder(run.service, tinker_path)
-    adapter = folder / "adapter" if tinker_path.removeprefix(TINKER).split("/")[1] == "weights" else folder
-    if not (adapter / "adapter_config.json").is_file():
+    adapter = folder / "adapter" if split_tinker_path(tinker_path)[1] == "weights" else folder
+    try:
+        check_no_links(run.root, adapter)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{tinker_path}: no saved adapter at {adapter}") from None
+    if not (adapter / "adapter_config.json").is_file():  # (no link in it: is_file follows none)
         raise FileNotFoundError(f"{tinker_path}: no saved adapter at {adapter}")
     return adapter
 
@@ -85,11 +136,14 @@ class Saved:
 
 def saved_of(service: str | os.PathLike, model_id: str) -> list[Saved]:
     """The checkpoints saved for ``model_id`` under the service folder ``service``, oldest first (folders
-    being written, whose names start with a dot, are not listed)."""
+    being written, whose names start with a dot, are not listed; nor is anything reached through a link)."""
     out = []
     for kind in SAVED_KINDS:
         folder = Path(service) / kind / model_id.replace(":", "-")
         with contextlib.suppress(OSError):
+            check_no_links(service, folder.parent)  # (the kind's folder: not a link)
+            if os.path.islink(folder):
+                continue
             for d in folder.iterdir():
                 if d.name.startswith(".") or d.is_symlink() or not d.is_dir():
                     continue
@@ -104,14 +158,18 @@ def saved_of(service: str | os.PathLike, model_id: str) -> list[Saved]:
 def saved_lora(service: str | os.PathLike, tinker_path: str) -> dict[str, object] | None:
     """The LoRA settings a saved checkpoint was made with (``rank``, ``train_attn``, ``train_mlp``,
     ``train_unembed`` for a state; ``rank`` for a snapshot, from its PEFT config), read from its JSON without
-    loading a tensor; None when there is no such checkpoint or it cannot be read."""
-    folder = saved_folder(service, tinker_path)
-    if tinker_path.removeprefix(TINKER).split("/")[1] == "weights":
-        d, why = read_json(str(folder / "state.json"), "a saved state")
-        lora = d.get("lora") if why is None and isinstance(d, dict) else None
+    loading a tensor, through no link; None when there is no such checkpoint, it cannot be read, or the path
+    is not one of a checkpoint (:func:`split_tinker_path`)."""
+    try:
+        folder = saved_folder(service, tinker_path)
+        state = split_tinker_path(tinker_path)[1] == "weights"
+        d = json.loads(read_guarded(service, folder / ("state.json" if state else "adapter_config.json")))
+    except (OSError, ValueError):
+        return None
+    if state:
+        lora = d.get("lora") if isinstance(d, dict) else None
         return lora if isinstance(lora, dict) else None
-    d, why = read_json(str(folder / "adapter_config.json"), "an adapter config")
-    return {"rank": d.get("r")} if why is None and isinstance(d, dict) else None
+    return {"rank": d.get("r")} if isinstance(d, dict) else None
 
 
 def is_served(run: RunDir) -> bool:

@@ -50,9 +50,10 @@ from mlora_lab.service.bodies import (
     read_create_model,
     read_sample,
     read_save,
+    read_user_metadata,
 )
-from mlora_lab.service.state import SamplingSession, ServiceState, Session
-from mlora_lab.service.work import InboxFull, Kind, SeqIdPassed, Work
+from mlora_lab.service.state import MAX_SAMPLING_SESSIONS, SamplingSession, ServiceState, Session
+from mlora_lab.service.work import InboxFull, Kind, Refusal, SeqIdPassed, Work
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +91,13 @@ def create_app(state: ServiceState) -> Starlette:
             except Refused as e:
                 return error(e.status, e.detail)
             except BodyError as e:
-                return error(422, e.problems)
+                return error(e.status, e.problems)
             except wire.WireError as e:
-                return error(400, e.problems)
+                return error(e.status, e.problems)
             except SeqIdPassed as e:
                 return error(422, str(e))
+            except Refusal as e:  # (an ordered request refused before, sent again)
+                return error(e.status, e.detail)
             except InboxFull as e:
                 return JSONResponse(
                     {"detail": f"the service is busy ({e}); retry later"},
@@ -206,23 +209,35 @@ def own_checkpoint(state: ServiceState, owner: str, path: CheckpointPath | None)
     return path
 
 
-def skip_refused(state: ServiceState, owner: str, model_id: Any, seq_id: Any) -> None:
-    """An ordered request of one of ``owner``'s models refused at the door still spent its ``seq_id`` on the
-    client: the model's next requests must not wait for it."""
+def refusal_of(e: Exception) -> tuple[int, Any]:
+    """The HTTP status and detail a request refused with ``e`` is answered."""
+    if isinstance(e, BodyError | wire.WireError):
+        return e.status, e.problems
+    assert isinstance(e, Refused | Refusal)
+    return e.status, e.detail
+
+
+def skip_refused(
+    state: ServiceState, owner: str, model_id: Any, seq_id: Any, refusal: tuple[int, Any]
+) -> None:
+    """An ordered request of one of ``owner``'s models refused at the door (``refusal``: its answer) still
+    spent its ``seq_id`` on the client: the model's next requests must not wait for it, and the request
+    sent again gets the same answer."""
     if isinstance(model_id, str) and type(seq_id) is int and seq_id >= 1:
         with state.lock:
             model = state.models.get(model_id)
         if model is not None and model.owner == owner:
-            state.inbox.skip(model_id, seq_id)
+            state.inbox.skip(model_id, seq_id, refusal)
 
 
 @contextlib.contextmanager
-def skipped_when_refused(state: ServiceState, owner: str, body: dict[str, Any]) -> Iterator[None]:
-    """Around reading an ordered JSON request: a refusal steps its ``seq_id`` over (:func:`skip_refused`)."""
+def ordered(state: ServiceState, owner: str, model_id: Any, seq_id: Any) -> Iterator[None]:
+    """Around everything an ordered request goes through before it is queued: a refusal steps its
+    ``seq_id`` over (:func:`skip_refused`)."""
     try:
         yield
-    except (BodyError, Refused):
-        skip_refused(state, owner, body.get("model_id"), body.get("seq_id"))
+    except (BodyError, Refused, wire.WireError) as e:
+        skip_refused(state, owner, model_id, seq_id, refusal_of(e))
         raise
 
 
@@ -283,12 +298,11 @@ async def create_session(request: Request, state: ServiceState, owner: str) -> R
     tags = f.body.get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         f.problems.append("tags must be a list of strings")
-    if not isinstance(f.body.get("user_metadata", {}), dict):
-        f.problems.append("user_metadata must be an object")
+    meta = read_user_metadata(f)
     f.raise_if_any()
     session_id = secrets.token_hex(8)
     with state.lock:
-        state.sessions[session_id] = Session(owner)
+        state.sessions[session_id] = Session(owner, user_metadata=meta)
     return JSONResponse({"session_id": session_id})
 
 
@@ -318,6 +332,8 @@ async def create_model(request: Request, state: ServiceState, owner: str) -> Res
         body, owner=owner, base_model=state.base_model, max_rank=state.max_rank
     )
     session = own_session(state, owner, session_id)
+    if info.name is None and session.user_metadata.get("name"):  # (the session's name, else the model's)
+        info = replace(info, name=session.user_metadata["name"])
     with state.lock:
         if info.model_id in state.creating:
             return JSONResponse({"request_id": state.creating[info.model_id], "model_id": info.model_id})
@@ -359,59 +375,63 @@ async def forward_backward(request: Request, state: ServiceState, owner: str) ->
     try:
         fb = wire.read_forward_backward(await read_body(request, state), state.limits)
     except wire.WireError as e:
-        skip_refused(state, owner, e.model_id, e.seq_id)
+        skip_refused(state, owner, e.model_id, e.seq_id, refusal_of(e))
         raise
-    own_model(state, owner, fb.model_id)
+    with ordered(state, owner, fb.model_id, fb.seq_id):
+        own_model(state, owner, fb.model_id)
     work = new_work(state, Kind.FORWARD_BACKWARD, owner, model_id=fb.model_id, seq_id=fb.seq_id, body=fb)
     return JSONResponse({"request_id": queue(state, work), "model_id": fb.model_id})
 
 
 async def optim_step(request: Request, state: ServiceState, owner: str) -> Response:
     body = await read_json(request, state)
-    with skipped_when_refused(state, owner, body):
+    with ordered(state, owner, body.get("model_id"), body.get("seq_id")):
         model_id, seq_id, step = read_adam(body)
-    own_model(state, owner, model_id)
+        own_model(state, owner, model_id)
     work = new_work(state, Kind.OPTIM_STEP, owner, model_id=model_id, seq_id=seq_id, body=step)
     return JSONResponse({"request_id": queue(state, work), "model_id": model_id})
 
 
 async def save_weights(request: Request, state: ServiceState, owner: str) -> Response:
     body = await read_json(request, state)
-    with skipped_when_refused(state, owner, body):
+    with ordered(state, owner, body.get("model_id"), body.get("seq_id")):
         model_id, seq_id, save, _ = read_save(body, "state")
-    own_model(state, owner, model_id)
+        own_model(state, owner, model_id)
     work = new_work(state, Kind.SAVE_WEIGHTS, owner, model_id=model_id, seq_id=seq_id, body=save)
     return JSONResponse({"request_id": queue(state, work), "model_id": model_id})
 
 
 async def save_weights_for_sampler(request: Request, state: ServiceState, owner: str) -> Response:
     body = await read_json(request, state)
-    with skipped_when_refused(state, owner, body):
+    with ordered(state, owner, body.get("model_id"), body.get("seq_id")):
         model_id, seq_id, save, sampling_seq = read_save(body, "sampler")
-    model = own_model(state, owner, model_id)
-    if sampling_seq is not None:
-        sampling_id = f"{model_id.split(':train:')[0]}:sample:{sampling_seq}"
-        save = replace(save, name=None, sampling_session_id=sampling_id)
-        with state.lock:
-            known = state.sampling_sessions.get(sampling_id)
-            if known is not None and known.model_id != model_id:
-                raise Refused(422, [f"sampling_session_seq_id {sampling_seq} is taken in this session"])
-            state.sampling_sessions[sampling_id] = SamplingSession(owner, model.base_model, model_id=model_id)
+        model = own_model(state, owner, model_id)
+        if sampling_seq is not None:
+            sampling_id = f"{model_id.split(':train:')[0]}:sample:{sampling_seq}"
+            save = replace(save, name=None, sampling_session_id=sampling_id)
+            with state.lock:
+                known = state.sampling_sessions.get(sampling_id)
+                if known is not None and known.model_id != model_id:
+                    raise Refused(422, [f"sampling_session_seq_id {sampling_seq} is taken in this session"])
+                state.add_sampling_session(
+                    sampling_id, SamplingSession(owner, model.base_model, model_id=model_id)
+                )
     work = new_work(state, Kind.SAVE_FOR_SAMPLER, owner, model_id=model_id, seq_id=seq_id, body=save)
     return JSONResponse({"request_id": queue(state, work), "model_id": model_id})
 
 
 async def load_weights(request: Request, state: ServiceState, owner: str) -> Response:
     f = Fields(await read_json(request, state))
-    path = parse_checkpoint_path(f.body.get("path"), "path", f.problems)
+    path = parse_checkpoint_path(f.body.get("path"), "path", f)
     if path is not None and path.kind != "weights":
         f.problems.append(f"path {str(path)!r} is a sampler snapshot; load a state (tinker://…/weights/…)")
     optimizer = f.bool("optimizer", False)
     if "model_id" in f.body:  # load_state into an existing model, in its seq_id order
-        model_id, seq_id = f.str("model_id"), f.int("seq_id", 1, 2**31 - 1)
-        f.raise_if_any()
-        own_model(state, owner, model_id)
-        own_checkpoint(state, owner, path)
+        with ordered(state, owner, f.body.get("model_id"), f.body.get("seq_id")):
+            model_id, seq_id = f.str("model_id"), f.int("seq_id", 1, 2**31 - 1)
+            f.raise_if_any()
+            own_model(state, owner, model_id)
+            own_checkpoint(state, owner, path)
         load = Load(str(path), bool(optimizer), create=False, owner=owner)
         work = new_work(state, Kind.LOAD_WEIGHTS, owner, model_id=model_id, seq_id=seq_id, body=load)
         return JSONResponse({"request_id": queue(state, work), "model_id": model_id})
@@ -422,9 +442,11 @@ async def load_weights(request: Request, state: ServiceState, owner: str) -> Res
         f.problems.append(
             f"base_model {asked!r} is not served here; this service trains {state.base_model!r}"
         )
+    meta = read_user_metadata(f)
     f.raise_if_any()
     session = own_session(state, owner, session_id)
     own_checkpoint(state, owner, path)
+    name = meta.get("name") or session.user_metadata.get("name")
     model_id = f"{session_id}:train:{model_seq_id}"
     with state.lock:
         if model_id in state.creating:  # a resend: the same future
@@ -438,7 +460,7 @@ async def load_weights(request: Request, state: ServiceState, owner: str) -> Res
             owner,
             model_id=model_id,
             seq_id=0,
-            body=Load(str(path), bool(optimizer), create=True, owner=owner),
+            body=Load(str(path), bool(optimizer), create=True, owner=owner, name=name),
         )
         request_id = queue(state, work)
         state.creating[model_id] = request_id
@@ -452,7 +474,7 @@ async def create_sampling_session(request: Request, state: ServiceState, owner: 
     seq = f.int("sampling_session_seq_id", 0, 2**31 - 1)
     model_path = None
     if f.body.get("model_path") is not None:
-        model_path = parse_checkpoint_path(f.body["model_path"], "model_path", f.problems)
+        model_path = parse_checkpoint_path(f.body["model_path"], "model_path", f)
     asked = f.body.get("base_model")
     if asked is not None and asked != state.base_model:
         f.problems.append(
@@ -468,7 +490,7 @@ async def create_sampling_session(request: Request, state: ServiceState, owner: 
         path = str(model_path) if model_path else None
         if known is not None and known.model_path != path:
             raise Refused(422, [f"sampling_session_seq_id {seq} is taken in this session"])
-        state.sampling_sessions[sampling_id] = SamplingSession(owner, state.base_model, model_path=path)
+        state.add_sampling_session(sampling_id, SamplingSession(owner, state.base_model, model_path=path))
     return JSONResponse({"sampling_session_id": sampling_id})
 
 
@@ -590,12 +612,9 @@ async def delete_checkpoint(request: Request, state: ServiceState, owner: str) -
 
 
 async def weights_info(request: Request, state: ServiceState, owner: str) -> Response:
-    problems: list[str] = []
-    path = parse_checkpoint_path(
-        (await read_json(request, state)).get("tinker_path"), "tinker_path", problems
-    )
-    if problems:
-        raise Refused(422, problems)
+    f = Fields(await read_json(request, state))
+    path = parse_checkpoint_path(f.body.get("tinker_path"), "tinker_path", f)
+    f.raise_if_any()
     own_checkpoint(state, owner, path)
     lora = None if state.checkpoints is None else files.saved_lora(state.checkpoints, str(path))
     if lora is None:
@@ -619,17 +638,23 @@ async def asample(request: Request, state: ServiceState, owner: str) -> Response
         with state.lock:
             s = state.sampling_sessions.get(sampling_id) if isinstance(sampling_id, str) else None
             if s is None or s.owner != owner:
-                raise Refused(404, f"no sampling session {sampling_id!r}")
+                raise Refused(
+                    404,
+                    f"no sampling session {sampling_id!r} (a session keeps its {MAX_SAMPLING_SESSIONS} most "
+                    "recently used; one that made no model is forgotten once it has ended or timed out)",
+                )
             model_path = s.model_path
             sampling_model = s.model_id
+        state.used_sampling_session(sampling_id)
         session = state.sessions.get(sampling_id.split(":sample:")[0])
         if session is not None:
             session.last_seen = time.time()
     else:
         sampling_model = None
         if model_path is not None:
-            problems: list[str] = []
-            own_checkpoint(state, owner, parse_checkpoint_path(model_path, "model_path", problems))
+            path = parse_checkpoint_path(model_path, "model_path", f)
+            f.raise_if_any()
+            own_checkpoint(state, owner, path)
         elif f.body.get("base_model") != state.base_model:
             raise Refused(422, [f"name sampling_session_id, model_path or base_model {state.base_model!r}"])
     work = new_work(state, Kind.SAMPLE, owner, model_id=sampling_model)
@@ -647,8 +672,10 @@ async def retrieve_future(request: Request, state: ServiceState, owner: str) -> 
     if known is None or known[0] != owner or not state.futures.known(request_id):  # type: ignore[arg-type]
         raise Refused(404, f"no future {request_id!r}")
     result = await state.futures.wait(request_id, state.poll_s)  # type: ignore[arg-type]
-    if result is None:
-        return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+    if result is None:  # (408: the SDK polls again quietly; a 200 "try_again" prints a warning each time)
+        return JSONResponse(
+            {"type": "try_again", "request_id": request_id, "queue_state": "active"}, status_code=408
+        )
     if result.error is not None:
         return JSONResponse({"error": result.error, "category": str(result.category)})
     if result.proto is not None:

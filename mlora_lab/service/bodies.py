@@ -14,18 +14,30 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-"""A checkpoint name (the last part of a ``tinker://`` path)."""
+from mlora_lab.rundir.service import checkpoint_name_problem, split_tinker_path
+
 CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
 MAX_NUM_SAMPLES = 16
 MAX_STOP = 32
+MAX_PROMPT_CHUNKS = 1024
+"""Chunks of one prompt at most (more are refused, never dropped)."""
+MIN_TEMPERATURE = 1e-5
+"""A temperature in ``(0, MIN_TEMPERATURE)`` samples greedily, as ``0`` does (vLLM's ``_SAMPLING_EPS``):
+dividing the logits by less overflows them (``1e-320`` makes every logit infinite)."""
+MIN_TOP_P = 1e-6
+"""A ``top_p`` in ``(0, MIN_TOP_P)`` is taken as ``MIN_TOP_P``: the most likely token alone (its
+probability is at least ``1 / vocabulary``, so this holds for a vocabulary of up to 10**6). Below it the
+float32 the sampler filters in rounds it to 0, which would keep no token at all."""
 
 
 class BodyError(ValueError):
-    """A request body that cannot be used: every problem found (a user error, HTTP 400/422)."""
+    """A request body that cannot be used: every problem found (a user error). ``status``: 422 for fields
+    of the wrong type or range, 400 when a checkpoint name or path is not one (a name that is a path, say:
+    a request that is malformed, not merely out of range)."""
 
-    def __init__(self, problems: list[str]) -> None:
+    def __init__(self, problems: list[str], status: int = 422) -> None:
         self.problems = list(problems)
+        self.status = status
         super().__init__("; ".join(self.problems))
 
 
@@ -41,6 +53,9 @@ class ModelInfo:
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
+    name: str | None = None
+    """What the client would call it (``user_metadata["name"]`` of the model or its session): the tenant's
+    name, made safe and unique by the job; None: the key's name and a count (``alice-1``)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,8 @@ class Load:
     optimizer: bool
     create: bool = False
     owner: str = ""
+    name: str | None = None
+    """A new model's ``user_metadata["name"]`` (see :attr:`ModelInfo.name`)."""
 
 
 @dataclass(frozen=True)
@@ -115,15 +132,17 @@ class CheckpointPath:
         return f"tinker://{self.run_id}/{self.kind}/{self.name}"
 
 
-def parse_checkpoint_path(path: Any, where: str, problems: list[str]) -> CheckpointPath | None:
+def parse_checkpoint_path(path: Any, where: str, f: Fields) -> CheckpointPath | None:
+    """The checkpoint ``path`` (field ``where`` of ``f``'s body), or None with the problem added to ``f``
+    (a 400: :func:`~mlora_lab.rundir.service.split_tinker_path` says what is wrong)."""
     if not isinstance(path, str) or not path.startswith("tinker://"):
-        problems.append(f"{where} must be a tinker:// path, got {_show(path)}")
+        f.bad(f"{where} must be a tinker:// path, got {_show(path)}")
         return None
-    parts = path[len("tinker://") :].split("/")
-    if len(parts) != 3 or not parts[0] or parts[1] not in CHECKPOINT_KINDS or not NAME.fullmatch(parts[2]):
-        problems.append(f"{where} {path!r} is not tinker://<run>/weights|sampler_weights/<name>")
+    try:
+        return CheckpointPath(*split_tinker_path(path))
+    except ValueError as e:
+        f.bad(f"{where}: {e}")
         return None
-    return CheckpointPath(*parts)
 
 
 class Fields:
@@ -136,6 +155,24 @@ class Fields:
             self.problems.append(f"{where or 'the body'} must be a JSON object, got {_show(body)}")
             body = {}
         self.body: dict[str, Any] = body
+        self.status = 422
+
+    def bad(self, problem: str) -> None:
+        """A problem that makes the request malformed (HTTP 400), not merely out of range (422)."""
+        self.problems.append(problem)
+        self.status = 400
+
+    def checkpoint_name(self, key: str, required: bool = True) -> str | None:
+        """The checkpoint name in ``key`` (:data:`~mlora_lab.rundir.service.CHECKPOINT_NAME`): a name,
+        never a path; a 400 naming the field otherwise."""
+        value = self._get(key, required)
+        if value is None:
+            return None
+        why = checkpoint_name_problem(value)
+        if why is not None:
+            self.bad(f"{self._name(key)} {_show(value)} is not a checkpoint name: {why}")
+            return None
+        return value
 
     def _name(self, key: str) -> str:
         return f"{self.where}.{key}" if self.where else key
@@ -219,10 +256,40 @@ class Fields:
             return default
         return value
 
-    def raise_if_any(self, more: list[str] = ()) -> None:  # type: ignore[assignment]
-        problems = self.problems + list(more)
+    def raise_if_any(self, *more: Fields) -> None:
+        """One :class:`BodyError` naming the problems of this body and of ``more`` (its nested objects'),
+        400 if any of them makes the request malformed."""
+        problems = self.problems + [p for f in more for p in f.problems]
         if problems:
-            raise BodyError(problems)
+            raise BodyError(problems, 400 if any(f.status == 400 for f in (self, *more)) else 422)
+
+
+MAX_METADATA_ITEMS = 64
+
+
+def read_user_metadata(f: Fields, key: str = "user_metadata") -> dict[str, str]:
+    """``f.body[key]``: an object of at most :data:`MAX_METADATA_ITEMS` text items (each at most 1,000
+    characters; the SDK types it ``dict[str, str]``, and numbers are taken as their text), or ``{}``."""
+    value = f.body.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_ITEMS:
+        f.problems.append(
+            f"{key} must be an object of at most {MAX_METADATA_ITEMS} items, got {_show(value)}"
+        )
+        return {}
+    out = {}
+    for k, v in value.items():
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, str | int | float)
+            or len(str(k)) > 1000
+            or len(str(v)) > 1000
+        ):
+            f.problems.append(f"{key}[{_show(k)}] must be a text of at most 1,000 characters, got {_show(v)}")
+            continue
+        out[str(k)] = str(v)
+    return out
 
 
 def _show(value: Any) -> str:
@@ -244,14 +311,15 @@ def read_create_model(body: Any, *, owner: str, base_model: str, max_rank: int) 
     train = {k: lora.bool(k, True) for k in ("train_attn", "train_mlp", "train_unembed")}
     if not any(v for v in train.values() if v is not None) and not lora.problems:
         lora.problems.append("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+    meta = read_user_metadata(f)
     optimizer = f.body.get("optimizer_config")
     if optimizer is not None:
         kind = optimizer.get("type") if isinstance(optimizer, dict) else optimizer
         if kind != "adamw":
             f.problems.append(f"optimizer_config type {_show(kind)} is not supported; only 'adamw'")
-    f.raise_if_any(lora.problems)
+    f.raise_if_any(lora)
     model_id = f"{session_id}:train:{model_seq_id}"
-    info = ModelInfo(model_id, owner, base_model, rank, seed, **train)  # type: ignore[arg-type]
+    info = ModelInfo(model_id, owner, base_model, rank, seed, **train, name=meta.get("name"))  # type: ignore[arg-type]
     return session_id, model_seq_id, info  # type: ignore[return-value]
 
 
@@ -277,7 +345,7 @@ def read_adam(body: Any) -> tuple[str, int, AdamStep]:
         weight_decay=a.float("weight_decay", 0.0, ge=0.0),  # type: ignore[arg-type]
         grad_clip_norm=a.float("grad_clip_norm", 0.0, ge=0.0),  # type: ignore[arg-type]
     )
-    f.raise_if_any(a.problems if params is not None else [])
+    f.raise_if_any(*([a] if params is not None else []))
     return model_id, seq_id, step  # type: ignore[return-value]
 
 
@@ -287,7 +355,7 @@ def read_save(body: Any, kind: str) -> tuple[str, int, Save, int | None]:
     f = Fields(body)
     model_id = f.str("model_id")
     seq_id = f.int("seq_id", 1, 2**31 - 1)
-    name = f.str("path", required=False, pattern=NAME)
+    name = f.checkpoint_name("path", required=False)
     sampling_seq = None
     if kind == "sampler" and f.body.get("path") is None:
         sampling_seq = f.int("sampling_session_seq_id", 0, 2**31 - 1)
@@ -313,7 +381,10 @@ def read_sample(body: Any, *, vocab_size: int, max_context: int) -> tuple[Fields
     if not isinstance(chunks, list) or not chunks:
         f.problems.append("prompt.chunks must be a non-empty list of encoded_text chunks")
         chunks = []
-    for i, chunk in enumerate(chunks[:1024]):
+    if len(chunks) > MAX_PROMPT_CHUNKS:
+        f.problems.append(f"prompt.chunks holds {len(chunks)} chunks; at most {MAX_PROMPT_CHUNKS}")
+        chunks = []
+    for i, chunk in enumerate(chunks):
         if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
             kind = chunk.get("type") if isinstance(chunk, dict) else chunk
             f.problems.append(f"prompt chunk {i} is {_show(kind)}; this server takes encoded_text only")
@@ -338,10 +409,14 @@ def read_sample(body: Any, *, vocab_size: int, max_context: int) -> tuple[Fields
             f"the prompt has {len(prompt)} tokens; at most {max_context - 1} leave room to sample"
         )
     temperature = p.float("temperature", 1.0, ge=0.0)
+    if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
+        temperature = 0.0  # (greedy: see MIN_TEMPERATURE)
     top_k = p.int("top_k", required=False, default=-1)
     if top_k is not None and top_k != -1 and top_k < 1:
         p.problems.append(f"sampling_params.top_k is {top_k}; it must be -1 (no limit) or >= 1")
     top_p = p.float("top_p", 1.0, gt=0.0, le=1.0)
+    if top_p is not None:
+        top_p = max(top_p, MIN_TOP_P)
     seed = p.int("seed", -(2**63), 2**64 - 1, required=False)
     stop = p.body.get("stop")
     stop_strings: list[str] = []
@@ -359,6 +434,8 @@ def read_sample(body: Any, *, vocab_size: int, max_context: int) -> tuple[Fields
             p.problems.append(
                 "sampling_params.stop must hold non-empty strings or token ids in the vocabulary"
             )
+    if f.body.get("model_path") is not None:  # (its target: a name that is a path is a 400 with the rest)
+        parse_checkpoint_path(f.body["model_path"], "model_path", f)
     prompt_logprobs = f.bool("prompt_logprobs", False)
     for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         if f.body.get(key) not in (None, 0):
@@ -367,7 +444,7 @@ def read_sample(body: Any, *, vocab_size: int, max_context: int) -> tuple[Fields
         f.problems.append("target_prompt_logprobs is not supported by this server")
     if f.body.get("prompt_logprobs_last_n") is not None:
         f.problems.append("prompt_logprobs_last_n is not supported by this server")
-    f.raise_if_any(p.problems)
+    f.raise_if_any(p)
     sample = Sample(
         prompt=prompt,
         num_samples=num_samples,  # type: ignore[arg-type]

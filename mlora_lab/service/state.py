@@ -18,6 +18,11 @@ from mlora_lab.service.bodies import ModelInfo
 from mlora_lab.service.keys import Keys
 from mlora_lab.service.work import Futures, Inbox
 
+MAX_SAMPLING_SESSIONS = 1024
+"""Sampling sessions one session keeps: past it, the least recently used one is forgotten (sampling from it
+then fails saying so). An RL loop that names a snapshot a step and samples it through a new sampling client
+makes one a step; it only ever uses the latest few."""
+
 
 @dataclass
 class Session:
@@ -29,6 +34,11 @@ class Session:
     """When the session last showed life (a heartbeat or any request naming it)."""
     model_ids: list[str] = field(default_factory=list)
     finished: bool = False
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    """What the client said of itself (the SDK's ``ServiceClient(user_metadata=...)``): ``name`` names its
+    models' tenants."""
+    sampling_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    """Its sampling sessions, least recently used first (at most :data:`MAX_SAMPLING_SESSIONS`)."""
 
 
 @dataclass
@@ -61,8 +71,11 @@ class ServiceState:
     sessions: dict[str, Session] = field(default_factory=dict)
     sampling_sessions: dict[str, SamplingSession] = field(default_factory=dict)
     max_body_bytes: int = 8 << 20
-    poll_s: float = 25.0
-    """How long ``retrieve_future`` holds a request before answering ``try_again`` (the SDK waits 45 s)."""
+    poll_s: float = 40.0
+    """How long ``retrieve_future`` holds a request before answering ``try_again`` (the SDK's read timeout is
+    45 s): a long step or generation is one quiet poll, not a dozen. ``try_again`` comes as a 408 with the
+    body the SDK reads (its "try_again pretending to be an HTTP error", as the hosted service answers),
+    which the SDK retries without printing "Retrying request ... because of try_again"."""
     client_config: dict[str, Any] = field(default_factory=lambda: {"use_pyqwest_transport": False})
     """The answer to ``client/config`` (e.g. ``fwdbwd_max_chunk_len``, the datums per request)."""
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -95,7 +108,12 @@ class ServiceState:
         keeps the few most recent, and an RL loop makes one a step."""
         with self.lock:
             sessions = {
-                sid: {"owner": s.owner, "model_ids": list(s.model_ids), "finished": s.finished}
+                sid: {
+                    "owner": s.owner,
+                    "model_ids": list(s.model_ids),
+                    "finished": s.finished,
+                    "user_metadata": dict(s.user_metadata),
+                }
                 for sid, s in self.sessions.items()
             }
             sampling = {
@@ -117,6 +135,8 @@ class ServiceState:
                     models = [str(m) for m in s["model_ids"]]
                     session = Session(str(s["owner"]), last_seen=0.0 if models else now, model_ids=models)
                     session.finished = bool(s["finished"])
+                    meta = s.get("user_metadata") or {}
+                    session.user_metadata = {str(k): str(v) for k, v in meta.items()}
                 except (KeyError, TypeError):
                     left_out += 1
                     continue
@@ -133,8 +153,48 @@ class ServiceState:
                 except (KeyError, TypeError):
                     left_out += 1
                     continue
-                self.sampling_sessions.setdefault(str(sid), entry)
+                if str(sid) not in self.sampling_sessions:
+                    self.add_sampling_session(str(sid), entry)
         return left_out
+
+    def add_sampling_session(self, sampling_id: str, entry: SamplingSession) -> None:
+        """Register (or renew) ``sampling_id`` (``<session>:sample:<n>``) as its session's most recent;
+        past :data:`MAX_SAMPLING_SESSIONS` the session's least recently used one is forgotten."""
+        session_id = sampling_id.split(":sample:")[0]
+        with self.lock:
+            session = self.sessions.get(session_id)
+            if session is None:  # (a model's session that had expired: it shows life again)
+                session = self.sessions[session_id] = Session(entry.owner)
+            self.sampling_sessions[sampling_id] = entry
+            session.sampling_ids[sampling_id] = None
+            session.sampling_ids.move_to_end(sampling_id)
+            while len(session.sampling_ids) > MAX_SAMPLING_SESSIONS:
+                old, _ = session.sampling_ids.popitem(last=False)
+                self.sampling_sessions.pop(old, None)
+
+    def used_sampling_session(self, sampling_id: str) -> None:
+        """``sampling_id`` was sampled from: the most recently used of its session."""
+        with self.lock:
+            session = self.sessions.get(sampling_id.split(":sample:")[0])
+            if session is not None and sampling_id in session.sampling_ids:
+                session.sampling_ids.move_to_end(sampling_id)
+
+    def expire_sessions(self, now: float, timeout_s: float) -> list[str]:
+        """Forget the sessions that made no model and are over: finished, or silent for ``timeout_s``
+        (their sampling sessions go with them, and so they leave the job's checkpoints). A session that
+        made models stays while they do (its models' tenants are the job's: paused when it goes silent,
+        running again when it shows life, and a finished one answers 410). The ids forgotten."""
+        with self.lock:
+            gone = [
+                sid
+                for sid, s in self.sessions.items()
+                if not s.model_ids and (s.finished or now - s.last_seen > timeout_s)
+            ]
+            for sid in gone:
+                session = self.sessions.pop(sid)
+                for sampling_id in session.sampling_ids:
+                    self.sampling_sessions.pop(sampling_id, None)
+        return gone
 
     def owns_run(self, owner: str, run_id: str) -> bool:
         """Whether ``run_id`` (a model id, the first part of a ``tinker://`` path) is ``owner``'s."""

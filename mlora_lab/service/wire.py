@@ -43,11 +43,15 @@ _INT64 = np.dtype("<i8")
 
 class WireError(ValueError):
     """A request that cannot be read or used: every problem found, one per line (a user error); the
-    request's ``model_id`` and ``seq_id`` when they could be read (the seq_id is spent all the same)."""
+    request's ``model_id`` and ``seq_id`` when they could be read (the seq_id is spent all the same).
+    ``status``: 400, or 413 when its tensors would take more memory than the job gives one request."""
 
-    def __init__(self, problems: Sequence[str], model_id: str = "", seq_id: int = 0) -> None:
+    def __init__(
+        self, problems: Sequence[str], model_id: str = "", seq_id: int = 0, status: int = 400
+    ) -> None:
         self.problems = list(problems)
         self.model_id, self.seq_id = model_id, seq_id
+        self.status = status
         super().__init__("; ".join(self.problems))
 
 
@@ -60,6 +64,12 @@ class Limits:
     """Input tokens of one datum at most (the job's ``seq_len``)."""
     max_datums: int = 1024
     """Datums in one request (the SDK sends at most 1024 per chunk)."""
+    max_tensor_bytes: int = 8 << 20
+    """Bytes the loss inputs of one request may take once decoded (dense): the server's body limit
+    (``ServiceState.max_body_bytes``), which no dense request can pass, since its bytes are in the body.
+    A sparse tensor's shape, not its body, says how big it is (``[1, 2**31]`` in 100 bytes): every shape
+    is checked against this, and each dimension against :attr:`max_tokens` and :attr:`vocab_size`, before
+    anything is allocated."""
 
 
 @dataclass(frozen=True)
@@ -109,14 +119,25 @@ def read_forward_backward(body: bytes, limits: Limits) -> ForwardBackward:
         else:
             config[k] = float(v.number) if which == "number" else str(v.text)
     data = []
+    budget = [limits.max_tensor_bytes]  # (what the request's decoded tensors may still take)
     for i, d in enumerate(msg.data[: limits.max_datums]):
-        data.append(_datum(d, f"datum {i}", limits, problems))
+        data.append(_datum(d, f"datum {i}", limits, problems, budget))
+        if budget[0] < 0:
+            raise WireError(
+                [
+                    f"datum {i}: the request's loss inputs would take more than {limits.max_tensor_bytes} "
+                    "bytes decoded; send fewer datums a request"
+                ],
+                msg.model_id,
+                msg.seq_id,
+                status=413,
+            )
     if problems:
         raise WireError(problems, msg.model_id, msg.seq_id)
     return ForwardBackward(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, data)
 
 
-def _datum(d: pb.Datum, where: str, limits: Limits, problems: list[str]) -> Datum:
+def _datum(d: pb.Datum, where: str, limits: Limits, problems: list[str], budget: list[int]) -> Datum:
     tokens: list[int] = []
     for j, chunk in enumerate(d.model_input):
         kind = chunk.WhichOneof("chunk")
@@ -144,15 +165,28 @@ def _datum(d: pb.Datum, where: str, limits: Limits, problems: list[str]) -> Datu
         )
     inputs = {}
     for name, t in d.loss_fn_inputs.items():
-        tensor = read_tensor(t, f"{where}: loss_fn_inputs[{name!r}]", problems)
+        tensor = read_tensor(t, f"{where}: loss_fn_inputs[{name!r}]", problems, limits, budget)
         if tensor is not None:
             inputs[name] = tensor
+        if budget[0] < 0:
+            break
     return Datum(tokens, inputs)
 
 
-def read_tensor(t: pb.Tensor, where: str, problems: list[str]) -> torch.Tensor | None:
+def read_tensor(
+    t: pb.Tensor,
+    where: str,
+    problems: list[str],
+    limits: Limits | None = None,
+    budget: list[int] | None = None,
+) -> torch.Tensor | None:
     """A ``Tensor`` message as a dense torch tensor (a sparse CSR one filled with 0 where unlisted), or
-    ``None`` with its problems added to ``problems``."""
+    ``None`` with its problems added to ``problems``.
+
+    With ``limits``, its declared shape is checked before anything is allocated: at most 2 dimensions, the
+    first (positions) at most ``max_tokens`` and the second at most ``vocab_size``; ``budget`` (a one-item
+    list: the bytes the request may still decode) goes down by its dense size, and below 0 the tensor is
+    not decoded (the caller answers 413)."""
     if t.dtype not in _DTYPES:
         problems.append(
             f"{where}: dtype {pb.DType.Name(t.dtype) if t.dtype in pb.DType.values() else t.dtype}; "
@@ -164,7 +198,20 @@ def read_tensor(t: pb.Tensor, where: str, problems: list[str]) -> torch.Tensor |
     if any(n < 0 for n in shape):
         problems.append(f"{where}: shape {shape} has a negative dimension")
         return None
+    if limits is not None:
+        bounds = (("positions", limits.max_tokens), ("vocabulary", limits.vocab_size))
+        if len(shape) > 2:
+            problems.append(f"{where}: shape {shape} has {len(shape)} dimensions; loss inputs have 1 or 2")
+            return None
+        over = [f"{n} > {most} ({what})" for n, (what, most) in zip(shape, bounds) if n > most]
+        if over:
+            problems.append(f"{where}: shape {shape} is larger than the job holds: {', '.join(over)}")
+            return None
     count = math.prod(shape)
+    if budget is not None:
+        budget[0] -= count * np_dtype.itemsize
+        if budget[0] < 0:
+            return None
     encoding = t.WhichOneof("encoding")
     if encoding == "dense":
         if len(t.dense) != count * np_dtype.itemsize:

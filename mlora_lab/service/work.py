@@ -87,6 +87,15 @@ class InboxFull(Exception):
     """The inbox holds as many waiting items as it may: the client should retry later (HTTP 429)."""
 
 
+class Refusal(Exception):
+    """A numbered request sent again after it was refused at the door: the first answer, again (``status``
+    and ``detail``), since its ``seq_id`` was stepped over and can never run."""
+
+    def __init__(self, status: int, detail: Any) -> None:
+        self.status, self.detail = status, detail
+        super().__init__(str(detail))
+
+
 class SeqIdPassed(Exception):
     """A numbered request whose ``seq_id`` was handed out long ago and is no longer remembered (HTTP 422):
     not a resend the inbox can answer, and it could never run."""
@@ -111,6 +120,8 @@ class Inbox:
         self._ordered: dict[str, dict[int, Work | None]] = defaultdict(dict)
         self._next: dict[str, int] = {}  # model -> the seq_id to hand out next
         self._seen: dict[str, dict[int, str]] = defaultdict(dict)  # model -> seq_id -> its request id
+        # model -> seq_id -> (status, detail) of a seq_id refused at the door ("" in _seen), for its resends
+        self._refused: dict[str, dict[int, tuple[int, Any]]] = defaultdict(dict)
         self._held: dict[str, int] = defaultdict(int)  # source -> its waiting items
         self._waiting = 0
         self.arrived: threading.Event | None = None
@@ -149,6 +160,9 @@ class Inbox:
         with self._lock:
             if work.kind in ORDERED:
                 seen = self._seen[work.model_id].get(work.seq_id)
+                if seen == "":  # refused at the door: a resend gets the same answer
+                    status, detail = self._refused[work.model_id].get(work.seq_id, (422, "refused"))
+                    raise Refusal(status, detail)
                 if seen is not None:
                     return seen
                 if work.seq_id < self._next.get(work.model_id, 0):
@@ -190,6 +204,7 @@ class Inbox:
                 if len(seen) > 2 * self.remember:  # forget resends of seq_ids long handed out
                     for old in [s for s in seen if s < seq - self.remember]:
                         del seen[old]
+                        self._refused[model].pop(old, None)
             for work in out:
                 self._release(work)
             return out
@@ -210,12 +225,18 @@ class Inbox:
             del self._held[source]
         self._waiting -= 1
 
-    def skip(self, model_id: str, seq_id: int) -> None:
-        """``seq_id`` of ``model_id`` was refused before it was queued (a 4xx answer): the client counted it
-        anyway, so the model's later requests must not wait for it."""
+    def skip(self, model_id: str, seq_id: int, refusal: tuple[int, Any] = (422, "refused")) -> None:
+        """``seq_id`` of ``model_id`` was refused before it was queued (a 4xx answer, ``refusal``: its status
+        and detail): the client counted it anyway, so the model's later requests must not wait for it, and
+        a resend of it gets the same answer (:class:`Refusal`). Only a ``seq_id`` the model may still run is
+        recorded (from its next one, within ``remember`` of it): one far ahead, or long handed out, would
+        never be taken, and a flood of them would grow without bound."""
         with self._lock:
-            if seq_id not in self._seen[model_id]:
+            nxt = self._next.get(model_id)
+            ahead = nxt is not None and nxt <= seq_id < nxt + self.remember
+            if ahead and seq_id not in self._seen[model_id]:
                 self._seen[model_id][seq_id] = ""
+                self._refused[model_id][seq_id] = refusal
                 self._ordered[model_id][seq_id] = None
         self._arrived()
 
@@ -228,6 +249,7 @@ class Inbox:
         with self._lock:
             self._next.pop(model_id, None)
             self._seen.pop(model_id, None)
+            self._refused.pop(model_id, None)
             dropped = [w for w in self._ordered.pop(model_id, {}).values() if w is not None]
             for work in dropped:
                 self._release(work)

@@ -44,6 +44,13 @@ def check_job_fields(ctx: Context) -> None:
     out = s.output_dir
     if usable_path(out) and os.path.exists(out) and not os.path.isdir(out):
         ctx.say(None, "output_dir", f"output_dir {brief(out)} exists and is not a directory")
+    if isinstance(s.slot_modules, list | tuple) and not s.slot_modules:  # (the job would fail at start)
+        ctx.say(
+            None,
+            "slot_modules",
+            "slot_modules is empty: no layer could take an adapter; leave it unset (the tenants' targets; "
+            "in a served job or one without tenants, every linear layer) or name the layers",
+        )
 
 
 def check_tenant_fields(ctx: Context, t: Tenant) -> None:

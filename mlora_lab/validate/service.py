@@ -21,4 +21,12 @@ def check_service(ctx: Context) -> None:
         ctx.say(None, "service", f"service must be Service settings (an object) or null ({got(s)})")
         return
     for name, info in fields_info(Service):
+        if name == "host" and s.host == "":  # (to a socket, "" is every interface: never by accident)
+            ctx.say(
+                None,
+                "service.host",
+                "service.host is empty: give the address to listen on, '127.0.0.1' for this machine only "
+                "(the default) or '0.0.0.0' for every interface",
+            )
+            continue
         check_field(ctx, None, f"service.{name}", getattr(s, name), info)
