@@ -503,6 +503,17 @@ def default_run_name(job: JobSpec) -> str:
     return text if len(text) <= 60 else text[:59] + "…"
 
 
+def step_goal(t: Tenant) -> int | None:
+    """The steps a tenant trains to (its ``max_steps``), or None when it has no goal: a Tinker client's
+    tenant (its client steps it for as long as it likes; its ``max_steps`` is the largest count) or any
+    tenant whose ``max_steps`` is that count. Views show such a tenant's steps done, never ``52/2**53-1``
+    nor an ETA."""
+    goal = t.max_steps
+    if t.client is not None or not isinstance(goal, int) or goal >= MAX_COUNT:
+        return None
+    return goal
+
+
 def effective_slot_modules(job: JobSpec, output_layer: Sequence[str] = ()) -> list[str]:
     """The linear-layer names that get adapter slots: ``slot_modules``, else the union of the
     tenants' targets (``"all-linear"`` first if any tenant asks for it, then the names other tenants

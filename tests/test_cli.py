@@ -311,7 +311,7 @@ def test_follow_of_a_finished_run_prints_its_changes_once_and_one_progress_line(
         "save_failed at step 50: disk full",
         "tenant a finished",
         "run finished",  # after the rows: the job writes them before its final state
-        "steps 124/124 (100%)  a 100/100 1.000 | b 24/50 3.000",  # b failed: its 24 steps are its share
+        "tenant steps 124/124 (100%)  a 100/100 1.000 | b 24/50 3.000",  # b failed: its 24 steps are its share
     ]
 
 
@@ -368,3 +368,35 @@ def test_resume_names_a_planted_log_link_in_one_line(tmp_path, llama_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "launcher.log is a symbolic link" in proc.stderr and "Traceback" not in proc.stderr
     assert victim.read_text() == "original\n" and read_status(root).state == "stopped"
+
+
+def test_follow_of_a_served_run_shows_its_clients_steps_done_with_no_total(tmp_path):
+    """A Tinker client's tenant has no goal: the progress line shows the tenant steps done (``owner-1 52``),
+    never ``52/9007199254740991`` nor a share of a total."""
+    from mlora_lab.specbase import MAX_COUNT
+    from mlora_lab.specparts import ClientModel
+
+    run = RunDir(tmp_path / "run").create()
+    client = ClientModel(model_id="ab12:train:0", owner="owner")
+    tenants = [
+        ml.Tenant(name="a", data="a.jsonl", max_steps=10),
+        ml.Tenant(name="owner-1", data="", client=client, max_steps=MAX_COUNT),
+    ]
+    ml.JobSpec(base_model="model", tenants=tenants, service=ml.Service()).to_json(run.job)
+    update_status(
+        run.root, state="running", pid=1, pid_start_time=1.0, host="another-host", started=time.time()
+    )
+    writer = MetricsWriter(run.metrics)
+    for step in range(1, 53):
+        for name in ("a", "owner-1") if step <= 10 else ("owner-1",):
+            writer.write(
+                TrainRow(step=step, tenant=name, tenant_step=step, loss=1.0, tokens=9, lr=0.1, grad_norm=1.0)
+            )
+    writer.write(TenantRow(step=10, tenant="a", state=TenantState.FINISHED))
+    writer.close()
+    update_status(run.root, state="stopped", ended=time.time())
+    out = io.StringIO()
+    assert follow(ml.attach(run.root), out=out, poll=0.01) == "stopped"
+    last = out.getvalue().splitlines()[-1]
+    assert last.endswith("tenant steps 62  a 10/10 1.000 | owner-1 52 1.000"), last
+    assert str(MAX_COUNT) not in out.getvalue() and "%" not in last

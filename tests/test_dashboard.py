@@ -1311,3 +1311,44 @@ def test_a_huge_note_is_not_shown_whole(tmp_path):
     assert len(cells) < 20_000 and "52,428,800 characters" in dash.model.runs["r"].labels[1]
     table = ml.runs(tmp_path / "runs")
     assert len(table["note"][0]) < 5_000 and table["tags"][0] == "t"
+
+
+def test_a_served_runs_open_ended_tenants_show_steps_done_and_its_usage(tmp_path):
+    """A Tinker client's tenant has no goal (its ``max_steps`` is the largest count): its row shows the steps
+    it took, never ``52/9007199254740991``, no bar that would read as done, and no ETA (nor does the run's
+    header); the runs table shows the run's usage (tokens trained and sampled, per key in the tooltip)."""
+    from mlora_lab.rundir import UsageRow
+    from mlora_lab.specbase import MAX_COUNT
+
+    work = tmp_path / "runs"
+    run = make_run(work / "served", tenants=("owner-1",), max_steps=MAX_COUNT)
+    other = make_run(work / "plain", tenants=("a",), state="finished")
+    write(
+        run,
+        TenantRow(step=0, tenant="owner-1", state="running"),
+        *steps(["owner-1"], 1, 52, t0=time.time() - 60),
+    )
+    write(
+        run,
+        UsageRow(step=52, key="alice", tenant="owner-1", tokens_trained=1200, tokens_forward=0,
+                 tokens_sampled=0, busy_s=3.5, requests=104),
+        UsageRow(step=52, key="bob", tenant=None, tokens_trained=0, tokens_forward=0, tokens_sampled=34_000,
+                 busy_s=1.25, requests=7),
+    )  # fmt: skip
+    write(other, *steps(["a"], 1, 3))
+    dash = Dashboard(work, interactive=False)
+    dash.refresh()
+    info = dash.progress_rows[("served", "owner-1")]
+    assert "52 steps" in info.info.value and str(MAX_COUNT) not in info.info.value
+    assert "ETA" not in info.info.value and info.bar.layout.visibility == "hidden"
+    assert "ETA" not in dash.status.value
+    cells = dash.table.rows["served"].cells.value
+    assert "1.2k trained · 34.0k sampled" in cells and "bob: 0 trained, 34,000 sampled" in cells
+    assert "–" in dash.table.rows["plain"].cells.value
+    table = ml.runs(work).set_index("run")
+    assert table.loc["served", ["tokens_trained", "tokens_sampled", "busy_s"]].tolist() == [
+        1200,
+        34_000,
+        4.75,
+    ]
+    assert table.loc["plain", ["tokens_trained"]].isna().all()

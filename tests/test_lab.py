@@ -255,6 +255,9 @@ def test_runs_table_shows_tags_note_and_best_loss(tmp_path):
         "tenants",
         "global_step",
         "best_loss",
+        "tokens_trained",  # (a served run's usage: None here)
+        "tokens_sampled",
+        "busy_s",
         "tags",
         "note",
         "started",

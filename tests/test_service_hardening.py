@@ -353,6 +353,12 @@ def test_a_served_job_without_slot_modules_serves_the_sdks_default_client(llama_
         assert np.isfinite(train_step(tc))
     finally:
         narrow.close()
+    linear = Served(llama_path, slot_modules=["all-linear"])  # (PEFT's all-linear leaves the output layer out)
+    try:
+        with pytest.raises(tinker.RequestFailedError, match=r"output layer .* train_unembed=False,"):
+            linear.client().create_lora_training_client(base_model=linear.base, rank=4).result()
+    finally:
+        linear.close()
 
 
 def test_slots_that_would_be_empty_fail_validation_and_host_empty_is_named(llama_path):
@@ -391,3 +397,55 @@ def test_clients_tenants_are_named_after_their_metadata_or_their_key(llama_path)
         names.append(served.tenant(tc.model_id))
     served.close()
     assert names == ["alice-rl", "alice-rl-2", "my-run-..-x", "owner-1", "bob-1"]
+
+
+def test_each_keys_tokens_and_busy_seconds_are_metered_per_tenant(llama_path):
+    """Usage rows count, per API key and tenant, the tokens trained (forward_backward), the tokens scored
+    (forward), the tokens sampled and the requests, and share each step's and generation's time out over
+    them; the totals go into the job's checkpoints and come back."""
+    from mlora_lab.job.metering import Meter
+    from mlora_lab.lab.usage import latest_usage, usage_cell, usage_table
+    from mlora_lab.rundir import Row
+
+    served = Served(llama_path, max_tenants=3)
+    try:
+        bob_key = served.keys.add("bob")
+        alice = served.client(user_metadata={"name": "alice-sft"})
+        tc = alice.create_lora_training_client(base_model=served.base, rank=2).result()
+        t0 = time.monotonic()
+        for _ in range(2):
+            train_step(tc, (5, 6, 7, 8, 9))  # 4 input tokens a step
+        tc.forward([datum([5, 6, 7])], "cross_entropy").result()  # 2 tokens scored
+        bob = served.client(bob_key).create_lora_training_client(base_model=served.base, rank=2).result()
+        train_step(bob, (5, 6, 7))
+        base = served.client(bob_key).create_sampling_client(base_model=served.base).result()
+        got = base.sample(
+            types.ModelInput.from_ints([5, 6]), 3, types.SamplingParams(max_tokens=4, temperature=1.0)
+        )
+        sampled = sum(len(s.tokens) for s in got.result().sequences)
+        wall = time.monotonic() - t0
+        driver = served.trainer.drivers.all[0]
+        deadline = time.monotonic() + 30
+        rows: list = []
+        while time.monotonic() < deadline:  # (written when the job goes idle)
+            rows = [Row.from_dict(r) for r in served.trainer.recorder.history if r["kind"] == "usage"]
+            latest = latest_usage(rows)
+            if ("bob", None) in latest and latest[("bob", "bob-1")].requests == 2:
+                break
+            time.sleep(0.05)
+        latest = latest_usage(rows)
+        a, b, s = latest[("owner", "alice-sft")], latest[("bob", "bob-1")], latest[("bob", None)]
+        assert (a.tokens_trained, a.tokens_forward, a.tokens_sampled, a.requests) == (8, 2, 0, 5)
+        assert (b.tokens_trained, b.tokens_forward, b.requests) == (2, 0, 2)
+        assert (s.tokens_sampled, s.requests, s.tokens_trained) == (sampled, 1, 0)
+        assert all(u.busy_s > 0 for u in (a, b, s)) and a.busy_s + b.busy_s + s.busy_s < wall
+        per_key = usage_table(latest, by="key").set_index("key")
+        assert per_key.loc["bob", "tokens_sampled"] == sampled and per_key.loc["owner", "requests"] == 5
+        text, title = usage_cell(latest)
+        assert text == f"10 trained · {sampled} sampled" and "bob:" in title and "owner:" in title
+        again = Meter()
+        assert again.load_state_dict(driver.state_dict()["service"]) == 0
+        assert again.usage[("bob", None)].tokens_sampled == sampled
+        assert again.load_state_dict({"usage": [["k", 5, {}], "junk", ["k", None, {"requests": True}]]}) == 3
+    finally:
+        served.close()

@@ -372,3 +372,6 @@ def test_the_readmes_service_example_runs_as_written(llama_path, tmp_path, monke
     tenant = svc.tenant_of(tc.model_id)
     assert tenant == "owner-1" and tenant in set(svc.metrics()["tenant"])
     assert ml.JobSpec.load(svc.dir.job).slot_modules == ["all-linear", "lm_head", "q_proj", "v_proj"]
+    usage = svc.usage().set_index(["key", "tenant"])  # (what the owner's key cost: one step of one datum)
+    assert usage.loc[("owner", "owner-1"), ["tokens_trained", "requests"]].tolist() == [len(ids) - 1, 2]
+    assert ml.runs(tmp_path / "runs").loc[0, "tokens_trained"] == len(ids) - 1

@@ -36,7 +36,7 @@ from mlora_lab.rundir import (
     TrainRow,
 )
 from mlora_lab.search import dist_from_dict, strategy_from_dict
-from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.spec import JobSpec, Tenant, step_goal
 from mlora_lab.specbase import SpecError
 
 # What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
@@ -59,7 +59,9 @@ class Follower:
 
     Progress counts optimiser steps over all tenants: ``total`` is the sum of their ``max_steps`` (a
     tenant that was removed, failed or refused counts the steps it took), so it reaches 100 % when
-    the last tenant is done, and grows when a tenant is added while the job runs."""
+    the last tenant is done, and grows when a tenant is added while the job runs. A tenant with no goal
+    (a Tinker client's, :func:`~mlora_lab.spec.step_goal`) counts the steps it took, and while one runs
+    the line shows steps done only (no total, no share)."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
@@ -68,7 +70,7 @@ class Follower:
         self.states: dict[str, TenantState] = {}
         self.steps: dict[str, int] = {}
         self.losses: dict[str, float | None] = {}
-        self.max_steps = {t.name: t.max_steps for t in run.spec.tenants}
+        self.max_steps: dict[str, int | None] = {t.name: step_goal(t) for t in run.spec.tenants}
         self._looked_up = set(self.max_steps)  # names whose max_steps we tried to find
         self._events: set[tuple] = set()
 
@@ -103,37 +105,47 @@ class Follower:
         if not self._looked_up.issuperset(self.states):  # a tenant added while the job runs
             for name, spec in self.run.tenant_specs().items():
                 if spec is not None:
-                    self.max_steps.setdefault(name, spec.max_steps)
+                    self.max_steps.setdefault(name, step_goal(spec))
             self._looked_up |= set(self.states)
         return lines
 
     @property
     def done(self) -> int:
-        return sum(min(step, self.max_steps.get(n, step)) for n, step in self.steps.items())
+        return sum(min(step, self.max_steps.get(n) or step) for n, step in self.steps.items())
+
+    @property
+    def open_ended(self) -> bool:
+        """Whether a tenant with no goal (a Tinker client's) is in the job: then there is no total."""
+        return any(self.max_steps.get(n, 0) is None for n in {*self.max_steps, *self.steps})
 
     @property
     def total(self) -> int:
         total = 0
         for name in {*self.max_steps, *self.steps}:
-            if self.states.get(name) in ENDED_EARLY or name not in self.max_steps:
+            goal = self.max_steps.get(name)
+            if self.states.get(name) in ENDED_EARLY or goal is None:
                 total += self.steps.get(name, 0)
             else:
-                total += self.max_steps[name]
+                total += goal
         return total
 
     def tenants_text(self) -> str:
-        """Each tenant's step (of its max_steps) and latest loss, compact."""
+        """Each tenant's step (of its max_steps, when it has one) and latest loss, compact."""
         parts = []
         for name in dict.fromkeys([*self.max_steps, *self.steps]):  # job.json's order, then added ones
             loss = self.losses.get(name)
-            of = f"/{self.max_steps[name]}" if name in self.max_steps else ""
+            goal = self.max_steps.get(name)
+            of = f"/{goal}" if goal is not None else ""
             parts.append(f"{name} {self.steps.get(name, 0)}{of}" + ("" if loss is None else f" {loss:.3f}"))
         return " | ".join(parts)
 
     def progress_line(self) -> str:
+        """``tenant steps`` (the sum of the tenants' optimiser steps) done of their total, and each one's."""
+        if self.open_ended:
+            return self._stamp(f"tenant steps {self.done}  {self.tenants_text()}")
         total = self.total
         share = f" ({100 * self.done // total}%)" if total else ""
-        return self._stamp(f"steps {self.done}/{total}{share}  {self.tenants_text()}")
+        return self._stamp(f"tenant steps {self.done}/{total}{share}  {self.tenants_text()}")
 
 
 def follow(run: Run, out: TextIO | None = None, poll: float = 0.5, tty: bool | None = None) -> RunState:

@@ -41,6 +41,7 @@ from mlora_lab.lab.plotting import (
 )
 from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
 from mlora_lab.lab.series import METRICS, RL_METRICS, X_AXES, RunSeries, to_datetimes
+from mlora_lab.lab.usage import latest_usage, usage_totals
 from mlora_lab.rundir import (
     RowKind,
     RunDirError,
@@ -95,6 +96,8 @@ SETTINGS = (
 BROKEN = "broken"
 """The state :func:`runs` lists a run in whose files cannot be read (no run is ever in it)."""
 
+USAGE_SHOWN = ("tokens_trained", "tokens_sampled", "busy_s")
+"""A served run's usage totals in the runs table (:mod:`mlora_lab.lab.usage`; ``svc.usage()`` has them all)."""
 RUNS_COLUMNS = [
     "run",
     "name",
@@ -102,6 +105,7 @@ RUNS_COLUMNS = [
     "tenants",
     "global_step",
     "best_loss",
+    *USAGE_SHOWN,
     "tags",
     "note",
     "started",
@@ -117,7 +121,9 @@ def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
     the EMA the dashboard draws, factor :data:`~mlora_lab.lab.plotting.SMOOTHING`, so one lucky batch
     cannot set it; None before the first step), ``tags`` (comma-joined, in the order they were added:
     ``table[table.tags.str.contains("baseline")]``), ``note`` (cut past
-    :data:`~mlora_lab.lab.plotting.NOTE_CHARS` characters) and start time. A run whose files cannot be
+    :data:`~mlora_lab.lab.plotting.NOTE_CHARS` characters) and start time; a served run's usage so far,
+    ``tokens_trained``, ``tokens_sampled`` and ``busy_s`` (its clients' requests, every key's: None for a
+    run that served none). A run whose files cannot be
     read is listed as ``broken`` (its ``state``), with the reason in ``problem``; unreadable labels leave
     its tags and note empty and say why in ``problem``."""
     rows = []
@@ -132,12 +138,14 @@ def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
                 if isinstance(r, TrainRow) and r.loss is not None:
                     losses.setdefault(r.tenant, []).append(r.loss)
             best = [b for v in losses.values() if (b := best_smoothed(np.array(v))) is not None]
+            used = usage_totals(latest_usage(metrics)) or {}
             row |= {
                 "name": run.spec.name,
                 "state": run.status.value,
                 "tenants": ", ".join(t.name for t in run.spec.tenants),
                 "global_step": max((r.step for r in metrics), default=0),
                 "best_loss": min(best, default=None),
+                **{c: used.get(c) for c in USAGE_SHOWN},
                 "started": to_datetimes(status.started if status else None),
             }
         except (RunDirError, SpecError, OSError) as e:

@@ -40,9 +40,10 @@ from mlora_lab.rundir import (
     TenantRow,
     TenantState,
     TrainRow,
+    UsageRow,
 )
 from mlora_lab.rundir.rows import FIELD_NAMES, ROW_TYPES, collection_paused
-from mlora_lab.spec import JobSpec
+from mlora_lab.spec import JobSpec, step_goal
 from mlora_lab.specbase import SpecError
 
 X_AXES = ("tenant step", "global step", "tokens", "wall time", "relative time")
@@ -368,7 +369,7 @@ class RunSeries:
         self.title = self.dir.root.name
         """The job's name (``JobSpec.name``; the directory's name when job.json cannot be read)."""
         self._reader = MetricsReader(self.dir.metrics)  # its own offset: it needs every row
-        self._max_steps: dict[str, int] = {}
+        self._max_steps: dict[str, int | None] = {}  # (None: no goal, step_goal)
         self._index: dict[str, int] = {}  # each tenant's place in the run, kept across a restart
         self._spec_fresh = False
         self._best: tuple[tuple[int, int] | None, float | None] = (None, None)
@@ -382,7 +383,7 @@ class RunSeries:
     def _read_spec(self) -> None:
         with contextlib.suppress(SpecError, OSError, ValueError):  # a broken job.json: keep what we knew
             spec = JobSpec.load(self.dir.job)
-            self._max_steps = {t.name: t.max_steps for t in spec.tenants}
+            self._max_steps = {t.name: step_goal(t) for t in spec.tenants}
             self.title = spec.name or self.title
 
     def best_loss(self) -> float | None:
@@ -414,6 +415,9 @@ class RunSeries:
         self.rl_version = 0  # counts RL train rows and completion rows (the reward panel, the samples)
         self.rewarded = False  # some tenant has a reward value (the dashboard then shows its panel)
         self.sampled = False  # some tenant has completion rows
+        self.usage: dict[
+            tuple[str, str | None], UsageRow
+        ] = {}  # a served job's: the latest per (key, tenant)
 
     def tenant(self, name: str) -> TenantSeries:
         s = self.tenants.get(name)
@@ -467,6 +471,8 @@ class RunSeries:
                 self.tenant(r.tenant).add_state(r)
             elif isinstance(r, EventRow) and r.event is EventKind.RESUMED:
                 self.resumes.append(r.time)
+            elif isinstance(r, UsageRow):
+                self.usage[(r.key, r.tenant)] = r
             elif isinstance(r, CompletionRow):
                 self.tenant(r.tenant).add_completion(r)
                 self.rl_version += 1

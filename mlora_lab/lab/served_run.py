@@ -16,7 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from mlora_lab.lab.run import Run
+from mlora_lab.lab.usage import latest_usage, usage_table
 from mlora_lab.rundir import RunState
 from mlora_lab.rundir import service as files
 from mlora_lab.rundir.files import name_problem
@@ -113,6 +116,13 @@ class ServedRun(Run):
                 "svc.client() needs the tinker SDK: pip install 'mlora_lab[serve]' (or tinker==0.38.0)"
             ) from e
         return tinker.ServiceClient(base_url=self.base_url, api_key=api_key or self.api_key, **kwargs)
+
+    def usage(self, by: str = "tenant") -> pd.DataFrame:
+        """What the clients' requests have cost the job so far: per API key and tenant (``by="tenant"``;
+        tenant ``None``: samples of the base model) or per key (``by="key"``): ``tokens_trained``,
+        ``tokens_forward``, ``tokens_sampled``, ``busy_s`` (the job's seconds, each step's shared out over
+        its tenants by their tokens) and ``requests``, most busy first (:mod:`mlora_lab.lab.usage`)."""
+        return usage_table(latest_usage(self.typed_rows()), by=by)
 
     def tenant_of(self, model_id: str) -> str:
         """The name of the tenant a client's model is in the job (``job.json`` records each client's model

@@ -8,9 +8,14 @@ The routes and their bodies are those of the ``tinker`` SDK 0.38.0 (``/work/note
 
 Errors always carry a JSON body (the SDK retries a bare 400 as a connection error):
 401 no or a wrong ``X-API-Key``; 404 an id that is unknown *or another key's* (so ids do not leak);
-400 unreadable JSON or protobuf; 422 fields that are wrong (``{"detail": ...}`` names every problem);
-410 a finished session; 413 a body over ``max_body_bytes``; 429 the inbox is full (never 402: the SDK
-pauses for an hour on it); 500 a bug in a handler (the server goes on).
+400 unreadable JSON or protobuf, a checkpoint name that is not a name (``.``, ``..``, a separator: never a
+path) or a path that is not a checkpoint's, a tensor shape past what the job holds; 422 fields that are
+wrong (``{"detail": ...}`` names every problem); 410 a finished session; 413 a body over ``max_body_bytes``,
+or tensors that would decode past it; 429 the inbox is full (never 402: the SDK pauses for an hour on it);
+500 a bug in a handler (the server goes on). An ordered request refused at the door spends its ``seq_id``
+(the model's next requests do not wait for it), and sent again it gets the same answer.
+``retrieve_future`` holds a request up to ``poll_s`` (40 s) and then answers ``try_again`` as a 408, which
+the SDK polls again without a word.
 
 :class:`Server` runs the app under uvicorn on a daemon thread with its own event loop.
 """

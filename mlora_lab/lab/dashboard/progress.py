@@ -123,10 +123,15 @@ class TenantProgress:
         if tenant.max_steps and self.bar.max != tenant.max_steps:
             self.bar.max = tenant.max_steps
         self.bar.value = min(tenant.step, self.bar.max)
+        # (a tenant with no goal, a Tinker client's: its steps done, and no bar that would read as done)
+        visibility = "visible" if tenant.max_steps else "hidden"
+        if self.bar.layout.visibility != visibility:
+            self.bar.layout.visibility = visibility
         shown = str(state) if state is not None else "?"
         colour = STATE_COLOURS.get(state) if state is not None else None
         shown = f"<span style='color:{colour}'>{shown}</span>" if colour else shown
-        text = f"{tenant.step}/{tenant.max_steps if tenant.max_steps else '?'} · {shown}"
+        steps = f"{tenant.step}/{tenant.max_steps}" if tenant.max_steps else f"{tenant.step} steps"
+        text = f"{steps} · {shown}"
         if tenant.last_loss is not None:
             text += f" · loss {tenant.last_loss:.4f}"
         if tenant.last_reward is not None:  # an RL tenant: what it is trained to raise

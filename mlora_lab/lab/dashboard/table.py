@@ -14,6 +14,7 @@ import ipywidgets as W
 from mlora_lab.lab.dashboard.model import RunView
 from mlora_lab.lab.dashboard.progress import run_state_html
 from mlora_lab.lab.plotting import shorten
+from mlora_lab.lab.usage import usage_cell
 
 SORT_KEYS = ("started", "run", "state", "global step", "best loss", "tenants")
 STATE_CHOICES = ["any state", "running", "finished", "failed", "stopped", "lost", "starting"]
@@ -23,6 +24,7 @@ COLUMNS = (
     ("tenants", 190),
     ("global step", 80),
     ("best loss", 75),
+    ("usage", 170),
     ("started", 110),
     ("tags", 170),
 )
@@ -70,6 +72,7 @@ def row_values(view: RunView) -> dict[str, Any]:
     more = len(feed.tenants) - len(names)
     listed = ", ".join(names) + (f", … ({more:,} more)" if more else "")
     best = feed.best_loss()
+    used, used_title = usage_cell(feed.usage)
     started = status.started if status is not None and status.started else None
     state = str(view.state) if view.state is not None else "?"
     title = feed.title
@@ -85,6 +88,8 @@ def row_values(view: RunView) -> dict[str, Any]:
         "global step_title": "the job's step (one per batch, whichever tenants took part)",
         "best loss": f"{best:.4f}" if best is not None else "–",
         "best loss_title": "the lowest smoothed train loss of any tenant (EMA 0.6, as the figure draws it)",
+        "usage": html.escape(used),
+        "usage_title": used_title or "a served job's clients' tokens (none here)",
         "started": time.strftime("%m-%d %H:%M", time.localtime(started)) if started else "–",
         "tags": html.escape(tags),
         "tags_title": f"{tags}\n{note[:500]}".strip(),
