@@ -353,7 +353,9 @@ def test_a_served_job_without_slot_modules_serves_the_sdks_default_client(llama_
         assert np.isfinite(train_step(tc))
     finally:
         narrow.close()
-    linear = Served(llama_path, slot_modules=["all-linear"])  # (PEFT's all-linear leaves the output layer out)
+    linear = Served(
+        llama_path, slot_modules=["all-linear"]
+    )  # (PEFT's all-linear leaves the output layer out)
     try:
         with pytest.raises(tinker.RequestFailedError, match=r"output layer .* train_unembed=False,"):
             linear.client().create_lora_training_client(base_model=linear.base, rank=4).result()
