@@ -180,8 +180,10 @@ def test_a_refused_request_sent_again_gets_the_same_refusal_and_the_next_one_run
     body = {"model_id": tc.model_id, "seq_id": 1, "path": "..", "type": "save_weights"}
     first = api(served, "save_weights", body)
     assert first.status_code == 400
+    pending = len(served.state.futures._pending)
     again = api(served, "save_weights", {**body, "path": "fine"})
     assert (again.status_code, again.json()) == (first.status_code, first.json())
+    assert len(served.state.futures._pending) == pending  # (the refused resend left no future behind)
     ok = api(served, "save_weights", {**body, "seq_id": 2, "path": "fine"})
     assert ok.status_code == 200 and ok.json()["request_id"]
     got = api(served, "retrieve_future", {"request_id": ok.json()["request_id"]}).json()

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from mlora_lab.service.work import Futures, Inbox, InboxFull, Kind, Result, SeqIdPassed, Work
+from mlora_lab.service.work import Futures, Inbox, InboxFull, Kind, Refusal, Result, SeqIdPassed, Work
 
 
 def work(kind: Kind, seq: int | None, model: str = "s:train:0", rid: str | None = None) -> Work:
@@ -141,3 +141,16 @@ def test_a_put_or_a_skipped_seq_id_wakes_the_idle_loop_a_resend_does_not():
     wake.clear()
     inbox.put(work(Kind.SAMPLE, None, rid="sample-1"))
     assert wake.is_set()
+
+
+def test_a_seq_id_refused_at_the_door_answers_its_resends_with_the_same_refusal():
+    inbox = Inbox()
+    inbox.start_model("m")
+    inbox.skip("m", 1, (400, ["path '..' is not a checkpoint name"]))
+    with pytest.raises(Refusal) as e:
+        inbox.put(Work(Kind.SAVE_WEIGHTS, "r1", "alice", model_id="m", seq_id=1))
+    assert (e.value.status, e.value.detail) == (400, ["path '..' is not a checkpoint name"])
+    inbox.skip("m", 10**9, (400, "far ahead"))  # (never runnable: not recorded, nothing grows)
+    assert 10**9 not in inbox._ordered["m"]
+    assert inbox.put(Work(Kind.SAVE_WEIGHTS, "r2", "alice", model_id="m", seq_id=2)) == "r2"
+    assert [w.request_id for w in inbox.take()] == ["r2"]

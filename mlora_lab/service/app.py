@@ -247,8 +247,13 @@ def ordered(state: ServiceState, owner: str, model_id: Any, seq_id: Any) -> Iter
 
 
 def queue(state: ServiceState, work: Work) -> str:
-    """Put ``work`` in the inbox; the request id the client waits on (the first one's for a resend)."""
-    request_id = state.inbox.put(work)
+    """Put ``work`` in the inbox; the request id the client waits on (the first one's for a resend). A
+    request the inbox refuses (full, a seq_id long passed or refused before) leaves no pending future."""
+    try:
+        request_id = state.inbox.put(work)
+    except BaseException:
+        state.futures.forget(work.request_id)
+        raise
     if request_id != work.request_id:  # a resend: the client waits on the first one's future
         state.futures.forget(work.request_id)
     with state.lock:
