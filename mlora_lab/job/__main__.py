@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from mlora_lab.job.drivers import DEFAULT_DRIVERS
 from mlora_lab.job.search import read_sweep
 from mlora_lab.job.trainer import Trainer
-from mlora_lab.parallel import init_distributed, shutdown_distributed
+from mlora_lab.parallel import init_distributed, leave_together, shutdown_distributed
 from mlora_lab.rundir import (
     ProcessIdentity,
     RunDir,
@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.stop_requested |= signalled
         trainer.train()
         trainer.close()
+        leave_together()
         if service is not None:  # (before the final state: a reader that sees it finds no endpoint)
             service.stop()
         if dist.is_main:

@@ -67,6 +67,15 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def leave_together() -> None:
+    """Wait until every process of the job is here (a barrier; nothing when there is one process). Called
+    once a job's work is done, before its processes tear their connections down: a process that left right
+    after its side of the last collective could close its sockets while another still read that
+    collective's last message, and the other then failed ("Connection closed by peer", seen under load)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """How the world is split: ``dp_replicate × fsdp × tp`` processes, and EP groups among them.
