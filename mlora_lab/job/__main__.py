@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from mlora_lab.job.drivers import DEFAULT_DRIVERS
 from mlora_lab.job.search import read_sweep
 from mlora_lab.job.trainer import Trainer
-from mlora_lab.parallel import init_distributed, leave_together, shutdown_distributed
+from mlora_lab.parallel import exit_process, init_distributed, leave_together, shutdown_distributed
 from mlora_lab.rundir import (
     ProcessIdentity,
     RunDir,
@@ -246,4 +246,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # (not sys.exit: see exit_process)

@@ -11,10 +11,14 @@ single process and initialises nothing, so the same training code runs in-proces
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -65,6 +69,21 @@ def init_distributed(timeout_s: float = 600) -> DistInfo:
 def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with ``code`` without the interpreter's finalization, once its work is done and its
+    process group destroyed: the ``atexit`` handlers run (trackers close their runs), the standard streams are
+    flushed, then ``os._exit``. Why: a ``DeviceMesh`` keeps its sub-groups' ProcessGroup objects alive until
+    finalization, and gloo's threads destroyed there abort the process ("terminate called without an active
+    exception", SIGABRT) after everything went well: 4 of 12 two-process runs of a mesh, all-reduces and
+    ``destroy_process_group`` on torch 2.13 (CPU); 0 of 12 without the mesh, 0 of 12 ending this way. A job
+    whose rank aborted so read as failed, and a test that ran it failed."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def leave_together() -> None:

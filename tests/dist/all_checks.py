@@ -19,7 +19,7 @@ import expert_parallel
 import sharded_io
 import tensor_parallel
 
-from mlora_lab.parallel import init_distributed, shutdown_distributed
+from mlora_lab.parallel import exit_process, init_distributed, shutdown_distributed
 
 
 def main(checks: list[str]) -> None:
@@ -45,3 +45,4 @@ def main(checks: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    exit_process(0)  # (see exit_process: a mesh's groups abort the interpreter's finalization)

@@ -25,7 +25,7 @@ import transformers
 from checks import assert_reload_into_freed_slot, assert_same_gradients
 
 from mlora_lab.lora import MultiLoRAModel
-from mlora_lab.parallel import ParallelDims, init_distributed, parallelize, shutdown_distributed
+from mlora_lab.parallel import exit_process, init_distributed, ParallelDims, parallelize, shutdown_distributed
 from mlora_lab.parallel.expert import ExpertParallelLoRAExperts
 from mlora_lab.tiny import EXPERT_TARGETS
 
@@ -108,3 +108,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # (see exit_process: a mesh's groups abort the interpreter's finalization)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import transformers
 
 from mlora_lab.lora import MultiLoRAModel
-from mlora_lab.parallel import ParallelDims, init_distributed, parallelize, shutdown_distributed
+from mlora_lab.parallel import exit_process, init_distributed, ParallelDims, parallelize, shutdown_distributed
 from mlora_lab.sampling import SampleRequest, sample
 from mlora_lab.tiny import EXPERT_TARGETS, MOE_ARCHITECTURES, TYPICAL_TARGETS, tiny_config
 
@@ -127,3 +127,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # (see exit_process: a mesh's groups abort the interpreter's finalization)

@@ -13,7 +13,7 @@ import transformers
 
 from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.optim import TenantOptimizer
-from mlora_lab.parallel import ParallelDims, init_distributed, parallelize, shutdown_distributed
+from mlora_lab.parallel import exit_process, init_distributed, ParallelDims, parallelize, shutdown_distributed
 
 
 def main(model_dir: str) -> None:
@@ -86,3 +86,4 @@ def check(model_dir: str, rank: int, world_size: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_process(0)  # (see exit_process: a mesh's groups abort the interpreter's finalization)

@@ -28,7 +28,7 @@ from checks import assert_reload_into_freed_slot, assert_same_gradients
 
 import mlora_lab.parallel.tensor as tensor_parallel
 from mlora_lab.lora import MultiLoRAModel
-from mlora_lab.parallel import ParallelDims, init_distributed, parallelize, shutdown_distributed
+from mlora_lab.parallel import exit_process, init_distributed, ParallelDims, parallelize, shutdown_distributed
 from mlora_lab.tiny import TYPICAL_TARGETS, tiny_config
 
 ROWS = ["a", "a", "b", None, "c", "c", "c", "a"]
@@ -130,3 +130,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # (see exit_process: a mesh's groups abort the interpreter's finalization)
