@@ -294,3 +294,125 @@ def test_trl_reward_functions_work_unchanged():
     )
     assert out.rewards == [[1.0], [0.0]]
     worker.close()
+
+
+HOSTILE = """
+import os, subprocess, sys, time
+
+def scribbles(completions, **kwargs):          # writes a stray line into every descriptor it has
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        if fd > 2:
+            try:
+                os.write(fd, b'{"rewards": [[1.0]]}\\n')
+            except OSError:
+                pass
+    return [1.0] * len(completions)
+
+def closes_and_hangs(completions, **kwargs):   # closes what it inherited, then never returns
+    os.closerange(0, 4096)
+    time.sleep(600)
+
+def detaches(completions, **kwargs):            # a daemon: setsid() and a double fork, then returns
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)  # mlora-detached"])
+        os._exit(0)
+    time.sleep(0.5)
+    return [1.0] * len(completions)
+
+def huge_int(completions, **kwargs):
+    return [10**400] * len(completions)
+
+def extra_set(completions, log_extra, **kwargs):
+    log_extra("tags", {"a", "b"})
+    return [1.0] * len(completions)
+
+def metric_text(completions, log_metric, **kwargs):
+    log_metric("m", "high")
+    return [1.0] * len(completions)
+
+def logs(completions, log_metric, log_extra, **kwargs):
+    log_metric("length", sum(map(len, completions)) / len(completions))
+    log_extra("first", [c[:1] for c in completions])
+    return [1.0] * len(completions)
+"""
+
+
+@pytest.fixture()
+def hostile_file(tmp_path):
+    path = tmp_path / "hostile.py"
+    path.write_text(textwrap.dedent(HOSTILE))
+    return path
+
+
+def detached() -> list[psutil.Process]:
+    return [
+        p for p in psutil.process_iter(["cmdline"]) if "mlora-detached" in " ".join(p.info["cmdline"] or [])
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("scribbles", r"malformed answer .* \(in reward 'scribbles' \(.*/hostile.py\)\)"),
+        ("closes_and_hangs", r"closed its answer channel and did not exit .*\(in reward 'closes_and_hangs' \(.*/hostile.py\)\)"),
+        ("huge_int", r"reward 'huge_int' \(.*/hostile.py\) returned a 401-digit integer .* past what a float holds"),
+        ("extra_set", r"reward 'extra_set' \(.*/hostile.py\) raised TypeError: log_extra\('tags', ...\) takes a list"),
+        ("metric_text", r"reward 'metric_text' \(.*/hostile.py\) raised TypeError: log_metric\('m', ...\) takes a finite"),
+    ],
+)  # fmt: skip
+def test_a_hostile_reward_fails_its_call_naming_itself_within_the_timeout(
+    hostile_file, tmp_path, name, message
+):
+    """R26 (a stray line into the answer channel), R27 (it closes its descriptors and hangs: the parent keeps
+    the time limit), R11 (10**400), R12 (log_extra with a set): each fails its own call, naming the function
+    and its file, never the job; a new worker serves the next call."""
+    worker = RewardWorker([f"{hostile_file}:{name}"], timeout_s=20)
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match=message):
+        worker(batch())
+    assert time.monotonic() - t0 < 15
+    worker.close()
+    good = tmp_path / "good.py"
+    good.write_text("def ok(completions, **kw):\n    return [1.0] * len(completions)\n")
+    assert RewardWorker([f"{good}:ok"], timeout_s=30)(batch()).rewards == [[1.0]] * 4
+
+
+def test_processes_a_reward_detaches_do_not_outlive_its_worker(hostile_file):
+    """R15: a daemon a reward starts (setsid() and a double fork) is killed with its worker: when the worker
+    is closed (a stop, a quarantine), and when the worker ends on its own."""
+    worker = RewardWorker([f"{hostile_file}:detaches"], timeout_s=30)
+    assert worker(batch()).rewards == [[1.0]] * 4
+    assert detached(), "the daemon runs while its worker does"
+    worker.close()
+    deadline = time.monotonic() + 5
+    while detached() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not detached()
+    worker = RewardWorker([f"{hostile_file}:detaches"], timeout_s=30)
+    worker(batch())
+    worker._proc.stdin.close()  # (its input closes: it ends on its own, and takes the daemon with it)
+    worker._proc.wait(10)
+    deadline = time.monotonic() + 5
+    while detached() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not detached()
+
+
+def test_an_import_that_exits_names_its_reward(tmp_path):
+    """RV3: a reward module that calls os._exit while it is imported is named, at inspection and in a worker."""
+    path = tmp_path / "leaves.py"
+    path.write_text(
+        "import os\nos._exit(7)\ndef fn(completions, **kw):\n    return [0.0] * len(completions)\n"
+    )
+    [got] = inspect_rewards([f"{path}:fn"])
+    assert isinstance(got, str) and "in reward 'fn' (" in got and "leaves.py)" in got, got
+    with pytest.raises(RewardError, match=r"exited with code 7 .*\(in reward 'fn' \(.*/leaves.py\)\)"):
+        RewardWorker([f"{path}:fn"], timeout_s=30)(batch())
+
+
+def test_logged_metrics_and_extra_columns_come_back(hostile_file):
+    got = RewardWorker([f"{hostile_file}:logs"], timeout_s=30)(batch())
+    assert got.metrics == {"length": (2 + 4 + 1 + 15) / 4}
+    assert got.extra == {"first": ["a", "a", "x", "t"]}

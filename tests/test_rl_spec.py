@@ -169,8 +169,12 @@ def test_reward_functions_are_checked_against_the_rows_before_launch(tmp_path, l
     found = texts(spec)
     assert len(found) == 6, found
     joined = "\n".join(found)
-    assert "with_answer' needs 'answer', which no data row has (the rows' columns: prompt)" in joined
-    assert ":wrong' does not take prompts or completions" in joined and ":wrong' needs 'text'" in joined
+    assert (
+        "'with_answer' (" in joined
+        and "needs 'answer', which no data row has (the rows' columns: prompt)" in joined
+    )
+    assert "reward 'wrong' (" in joined and "does not take prompts or completions" in joined
+    assert "needs 'text'" in joined
     assert "has no 'nope'" in joined
     assert "no file" in joined
     assert "raised RuntimeError: bad config" in joined

@@ -131,6 +131,9 @@ class Driver(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 (a hook: may do nothing)
         """Take this driver's keys of a checkpoint's state (the whole state; older ones may lack them)."""
 
+    def close(self) -> None:  # noqa: B027 (a hook: may do nothing)
+        """The job is over (finished or stopped): end whatever this driver started (processes, threads)."""
+
 
 DriverFactory = Callable[[JobParts], Driver]
 

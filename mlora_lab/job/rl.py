@@ -333,6 +333,11 @@ class RLDriver(Driver):
         complete = [t.name for t in active if t.feed.micro == t.spec.grad_accum]  # the same on every process
         return Plan(tenants=active, rows=rows, complete=complete, failed=failed, temperatures=temperatures)
 
+    def close(self) -> None:
+        """The job is over: every reward worker is killed, with what its functions started."""
+        for name in list(self.workers):
+            self.workers.pop(name).close()
+
     def _local(self, t: TenantRun, m: int) -> list[int]:
         """This process's completions of micro-batch ``m`` of ``t``'s generation (indices into it)."""
         part = t.feed.current.micro(m, t.spec.grad_accum)

@@ -419,4 +419,8 @@ class Trainer:
         self.recorder.event(EventKind.SAVE_FAILED, message)
 
     def close(self) -> None:
+        """The job is over: its drivers end what they started (an RL tenant's reward worker and what its
+        functions started), then its rows are closed."""
+        for driver in self.drivers:
+            driver.close()
         self.recorder.close()

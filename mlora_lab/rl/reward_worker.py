@@ -6,14 +6,24 @@
                                                           {"error": ...}), then answer one JSON line per
                                                           request line on stdin until stdin closes
 
-Requests and answers are JSON lines on the process's original stdin/stdout. What the reward functions
-print goes to stderr instead (stdout is the answer channel), and a watchdog thread ends the process
-when its parent dies, even while a function hangs.
+Requests are JSON lines on stdin. Answers are frames on the process's original stdout, each line
+``<nonce> <JSON>``: the nonce is the parent's (``MLORA_REWARD_NONCE``, taken out of the environment before any
+reward is imported), so a line a reward function writes there by accident is never taken for an answer.
+What the functions print goes to stderr (stdout itself is redirected there). Before it imports or calls a
+function the worker says which (``{"importing": ref}``, ``{"calling": ref}``), so whatever happens next (a
+hang, a crash, ``os._exit``) is reported with the function's name and file.
+
+The worker is a child subreaper (Linux): what a function starts, even a process that detaches with
+``setsid()`` and double-forks, stays its descendant, and is killed with it: when it ends, and by the parent
+(:meth:`~mlora_lab.rl.rewards.RewardWorker.close`). A watchdog thread ends it (and them) when its parent
+dies, even while a function hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import importlib
 import importlib.util
 import inspect
@@ -28,8 +38,9 @@ from collections import defaultdict
 from typing import Any
 
 import orjson
+import psutil
 
-from mlora_lab.rl.rewards import RewardRef, parse_reward
+from mlora_lab.rl.rewards import NONCE_ENV, RewardRef, kill_tree, parse_reward, shown_reward
 from mlora_lab.text import brief, error_line
 
 
@@ -44,13 +55,15 @@ def load(text: str) -> Any:
         raise
     except BaseException as e:  # the user's module ran and raised (or called exit) while importing
         raise LookupError(
-            f"reward {brief(text)}: importing {brief(ref.target)} raised {type(e).__name__}: {error_line(e)}"
+            f"reward {shown_reward(text)}: importing {brief(ref.target)} raised {type(e).__name__}: {error_line(e)}"
         ) from None
     fn = getattr(module, ref.function, None)
     if fn is None:
-        raise LookupError(f"reward {brief(text)}: {brief(ref.target)} has no {ref.function!r}")
+        raise LookupError(f"reward {shown_reward(text)}: {brief(ref.target)} has no {ref.function!r}")
     if not callable(fn):
-        raise LookupError(f"reward {brief(text)}: {ref.function!r} is not a function ({type(fn).__name__})")
+        raise LookupError(
+            f"reward {shown_reward(text)}: {ref.function!r} is not a function ({type(fn).__name__})"
+        )
     return fn
 
 
@@ -62,15 +75,19 @@ def _module(ref: RewardRef) -> types.ModuleType:
             return importlib.import_module(ref.target)
         except ModuleNotFoundError as e:
             if e.name is not None and ref.target.startswith(e.name):
-                raise LookupError(f"reward {brief(str(ref))}: no module named {brief(e.name)}") from None
+                raise LookupError(
+                    f"reward {shown_reward(str(ref))}: no module named {brief(e.name)}"
+                ) from None
             raise
     path = os.path.abspath(ref.target)
     if not os.path.isfile(path):
-        raise LookupError(f"reward {brief(str(ref))}: no file {brief(path)}")
+        raise LookupError(f"reward {shown_reward(str(ref))}: no file {brief(path)}")
     name = f"mlora_lab_reward_{abs(hash(path)):x}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise LookupError(f"reward {brief(str(ref))}: {brief(path)} cannot be imported as a Python file")
+        raise LookupError(
+            f"reward {shown_reward(str(ref))}: {brief(path)} cannot be imported as a Python file"
+        )
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # (dataclasses and pickling in the user's file look themselves up here)
     sys.path.insert(0, os.path.dirname(path))  # its own imports of files beside it
@@ -94,9 +111,10 @@ def signature(text: str, fn: Any) -> dict[str, Any]:
     }
 
 
-def inspect_all(refs: list[str]) -> list[Any]:
+def inspect_all(refs: list[str], say: Any = lambda message: None) -> list[Any]:
     out: list[Any] = []
     for text in refs:
+        say({"importing": text})
         try:
             out.append(signature(text, load(text)))
         except LookupError as e:
@@ -104,12 +122,19 @@ def inspect_all(refs: list[str]) -> list[Any]:
     return out
 
 
-class Functions:
-    """A tenant's reward functions, called as TRL calls them."""
+JSON_SCALARS = (str, int, float, bool, type(None))
 
-    def __init__(self, refs: list[str]) -> None:
-        self.refs = refs
-        self.fns = [load(r) for r in refs]
+
+class Functions:
+    """A tenant's reward functions, called as TRL calls them. ``say`` tells the parent which one is about to
+    be imported or called."""
+
+    def __init__(self, refs: list[str], say: Any = lambda message: None) -> None:
+        self.refs, self.say = refs, say
+        self.fns = []
+        for r in refs:
+            say({"importing": r})
+            self.fns.append(load(r))
         self.sigs = [signature(r, f) for r, f in zip(refs, self.fns, strict=True)]
 
     def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -117,14 +142,32 @@ class Functions:
         metrics: dict[str, list[float]] = defaultdict(list)
         extra: dict[str, list[Any]] = defaultdict(list)
         state = types.SimpleNamespace(**request.get("state", {}))
+
+        def log_metric(name: Any, value: Any) -> None:
+            """A number logged with the tenant's row (the mean over the functions' calls of a step)."""
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise TypeError(f"log_metric({brief(name)}, ...) takes a finite number, got {brief(value)}")
+            metrics[str(name)].append(float(value))
+
+        def log_extra(column: Any, values: Any) -> None:
+            """A column shown beside the tenant's sampled completions: one text or number per completion."""
+            if not isinstance(values, list | tuple) or not all(isinstance(v, JSON_SCALARS) for v in values):
+                raise TypeError(
+                    f"log_extra({brief(column)}, ...) takes a list of texts or numbers (one per completion), "
+                    f"got {brief(values)}"
+                )
+            extra[str(column)].extend(
+                v if not isinstance(v, float) or math.isfinite(v) else None for v in values
+            )
+
         everything = {
             "prompts": request["prompts"],
             "completions": request["completions"],
             "completion_ids": request["completion_ids"],
             **request.get("columns", {}),
             "trainer_state": state,
-            "log_metric": lambda name, value: metrics[str(name)].append(float(value)),
-            "log_extra": lambda column, values: extra[str(column)].extend(values),
+            "log_metric": log_metric,
+            "log_extra": log_extra,
         }
         table = [[math.nan] * len(self.fns) for _ in range(n)]
         for f, (text, fn, sig) in enumerate(zip(self.refs, self.fns, self.sigs, strict=True)):
@@ -133,13 +176,14 @@ class Functions:
                 if sig["var_keyword"]
                 else {k: v for k, v in everything.items() if k in sig["accepts"]}
             )
+            self.say({"calling": text})
             try:
                 out = fn(**kwargs)
                 if inspect.isawaitable(out):
                     out = asyncio.run(_awaited(out))
             except BaseException as e:  # SystemExit too: it is the function's failure, not the worker's
                 raise RuntimeError(
-                    f"reward {brief(text)} raised {type(e).__name__}: {error_line(e)}"
+                    f"reward {shown_reward(text)} raised {type(e).__name__}: {error_line(e)}"
                 ) from None
             values = _rewards(text, out, n)
             for i, v in enumerate(values):
@@ -147,7 +191,7 @@ class Functions:
         for f, text in enumerate(self.refs):
             if all(math.isnan(row[f]) for row in table):
                 raise RuntimeError(
-                    f"reward {brief(text)} gave no reward (None or NaN) for any of the {n} completions"
+                    f"reward {shown_reward(text)} gave no reward (None or NaN) for any of the {n} completions"
                 )
         clean = [[None if math.isnan(v) else v for v in row] for row in table]
         return {
@@ -166,45 +210,71 @@ def _rewards(text: str, out: Any, n: int) -> list[float]:
     if hasattr(out, "tolist") and not isinstance(out, list | tuple):  # a numpy array or a tensor
         out = out.tolist()
     if not isinstance(out, list | tuple):
-        raise RuntimeError(f"reward {brief(text)} returned {type(out).__name__}, not a list of numbers")
+        raise RuntimeError(
+            f"reward {shown_reward(text)} returned {type(out).__name__}, not a list of numbers"
+        )
     if len(out) != n:
         raise RuntimeError(
-            f"reward {brief(text)} returned {len(out)} rewards for {n} completions (one per completion)"
+            f"reward {shown_reward(text)} returned {len(out)} rewards for {n} completions (one per completion)"
         )
     values = []
     for i, v in enumerate(out):
         if v is None:
             values.append(math.nan)
-        elif isinstance(v, numbers.Real):
-            x = float(v)
+        elif isinstance(v, numbers.Real) and not isinstance(v, bool):
+            try:
+                x = float(v)
+            except (OverflowError, ValueError):  # 10**400: no float holds it
+                raise RuntimeError(
+                    f"reward {shown_reward(text)} returned {brief(v)} for completion {i}, past what a float holds"
+                ) from None
             if math.isinf(x):
-                raise RuntimeError(f"reward {brief(text)} returned {x} for completion {i}")
+                raise RuntimeError(f"reward {shown_reward(text)} returned {x} for completion {i}")
             values.append(x)
         else:
             raise RuntimeError(
-                f"reward {brief(text)} returned {brief(v)} for completion {i}, not a number or None"
+                f"reward {shown_reward(text)} returned {brief(v)} for completion {i}, not a number or None"
             )
     return values
 
 
 def _watch_parent() -> None:
-    """End this process when the job that started it is gone (even while a reward function hangs)."""
+    """End this process, and everything its functions started, when the job that started it is gone (even
+    while a reward function hangs)."""
     parent = os.getppid()
     while True:
         time.sleep(1.0)
         if os.getppid() != parent:
-            os._exit(1)
+            _leave(1)
+
+
+def _leave(code: int) -> None:
+    """Kill this process's descendants, then end it."""
+    with contextlib.suppress(psutil.Error):
+        kill_tree(os.getpid(), include_root=False)
+    os._exit(code)
+
+
+def become_subreaper() -> None:
+    """Linux: descendants orphaned below this process (a ``setsid()`` daemon's double fork) become its
+    children rather than init's, so :func:`~mlora_lab.rl.rewards.kill_tree` finds them."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
 def answer_channel() -> Any:
-    """This process's stdout as the answer channel, and everything else printed (by the reward
-    functions, or their modules when imported) sent to stderr."""
-    answers = os.fdopen(os.dup(1), "wb", buffering=0)
+    """This process's stdout as the answer channel (frames ``<nonce> <JSON>``, see the module docstring),
+    and everything else printed (by the reward functions, or their modules when imported) sent to stderr."""
+    nonce = os.environ.pop(NONCE_ENV, "").encode()
+    answers = os.dup(1)  # (not inheritable: a process a function starts does not get it)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
 
     def say(message: Any) -> None:
-        answers.write(orjson.dumps(message, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+        data = nonce + b" " + orjson.dumps(message, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        while data:
+            data = data[os.write(answers, data) :]
 
     return say
 
@@ -213,21 +283,28 @@ def serve(refs: list[str]) -> None:
     say = answer_channel()
     threading.Thread(target=_watch_parent, daemon=True).start()
     try:
-        functions = Functions(refs)
+        functions = Functions(refs, say)
     except LookupError as e:
         say({"error": str(e)})
         return
     say({"ok": True})
     for line in sys.stdin.buffer:
         try:
-            say(functions(orjson.loads(line)))
+            answer = functions(orjson.loads(line))
         except Exception as e:
             say({"error": str(e)})
+            continue
+        try:
+            say(answer)
+        except (TypeError, ValueError) as e:  # (checked above: a bug if it happens)
+            say({"error": f"the rewards' answer cannot be sent: {error_line(e)}"})
 
 
 def main(argv: list[str]) -> int:
+    become_subreaper()
     if len(argv) >= 1 and argv[0] == "--inspect":
-        answer_channel()(inspect_all(argv[1:]))
+        say = answer_channel()
+        say(inspect_all(argv[1:], say))
         return 0
     if len(argv) >= 1 and argv[0] == "--serve":
         serve(argv[1:])
@@ -237,4 +314,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    _leave(code)  # (what the functions started does not outlive them)

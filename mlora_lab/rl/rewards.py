@@ -28,10 +28,15 @@ as TRL's ``nansum``). An ``async def`` function is awaited.
 
 **Isolation.** The functions of a tenant run in their own worker process
 (``python -m mlora_lab.rl.reward_worker``), which imports them once and then answers one request per
-step. So a reward that raises, hangs (past ``timeout_s`` the worker and its children are killed, and a
-new one is started for the next call), crashes the interpreter, prints to stdout, or returns the wrong
-count, a non-number or no reward at all, fails **only that tenant's call**, with the reason
-(:class:`RewardError`); the job goes on. The worker ends when its pipe closes or its parent dies.
+step. So a reward that raises, hangs (past ``timeout_s`` the worker and everything it started are killed,
+and a new one is started for the next call), crashes the interpreter, prints to stdout, writes into the
+answer channel, closes its descriptors, detaches processes (``setsid()``), or returns the wrong count, a
+non-number or no reward at all, fails **only that tenant's call**, with the reason and the function's name
+and file (:class:`RewardError`); the job goes on. The parent keeps ``timeout_s`` by its own clock, whatever
+the worker does to its pipes; an answer is a frame only the worker can make (a nonce the worker takes out of
+its environment before it imports a function), so anything else on the channel is a malformed answer, a
+fault of that tenant. The worker ends, and kills what its functions started, when its pipe closes or its
+parent dies.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import secrets
 import selectors
 import signal
 import subprocess
@@ -49,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import psutil
 
 from mlora_lab.text import brief, error_line
 
@@ -59,6 +66,30 @@ REQUIRED_ARGS = ("prompts", "completions")
 WORKER_MODULE = "mlora_lab.rl.reward_worker"
 START_TIMEOUT_S = 60.0
 """How long importing a tenant's reward functions in a new worker may take."""
+NONCE_ENV = "MLORA_REWARD_NONCE"
+"""The environment variable a worker reads its answer frames' nonce from (and removes at once)."""
+EXIT_GRACE_S = 2.0
+"""How long a worker that closed its answer channel may take to exit before it is killed."""
+
+
+def kill_tree(pid: int, include_root: bool = True) -> None:
+    """SIGKILL every descendant of ``pid`` (and ``pid`` itself with ``include_root``): listed again until none
+    is left, so that one forking meanwhile is caught too (a reward worker is a child subreaper: a detached
+    grandchild stays its descendant while it lives)."""
+    for _ in range(20):
+        try:
+            found = [p for p in psutil.Process(pid).children(recursive=True) if _alive(p)]
+        except psutil.Error:
+            found = []
+        if not found:
+            break
+        for p in found:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        time.sleep(0.02)  # (a killed one is a zombie until its parent reaps it: not alive, not listed again)
+    if include_root:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class RewardError(RuntimeError):
@@ -95,6 +126,16 @@ def parse_reward(text: Any) -> RewardRef | str:
     return ref
 
 
+def shown_reward(text: Any) -> str:
+    """A reward as messages name it: its function, then its module or file (a long path's end, so the file's
+    name always shows): ``'short' (…/tasks/rewards.py)``."""
+    ref = parse_reward(text)
+    if isinstance(ref, str):
+        return brief(text)
+    target = ref.target if len(ref.target) <= 60 else "…" + ref.target[-59:]
+    return f"{ref.function!r} ({target})"
+
+
 @dataclass(frozen=True)
 class RewardSignature:
     """What the worker found when it imported a reward function: the names it accepts, the names it
@@ -112,14 +153,14 @@ class RewardSignature:
         missing = [a for a in REQUIRED_ARGS if a not in self.accepts and not self.var_keyword]
         if missing:
             out.append(
-                f"reward {brief(self.ref)} does not take {' or '.join(missing)} (a reward function is called "
+                f"reward {shown_reward(self.ref)} does not take {' or '.join(missing)} (a reward function is called "
                 f"as fn(prompts=..., completions=..., completion_ids=..., **columns); add **kwargs)"
             )
         if columns is not None:
             unknown = [a for a in self.required if a not in STANDARD_ARGS and a not in columns]
             if unknown:
                 out.append(
-                    f"reward {brief(self.ref)} needs {', '.join(map(repr, unknown))}, which no data row has "
+                    f"reward {shown_reward(self.ref)} needs {', '.join(map(repr, unknown))}, which no data row has "
                     f"(the rows' columns: {', '.join(sorted(columns)) or 'none'})"
                 )
         return out
@@ -151,23 +192,59 @@ def inspect_rewards(
     return problems  # type: ignore[return-value]
 
 
-def _run_worker(args: list[str], cwd: str | os.PathLike | None, timeout_s: float) -> Any:
+def _alive(p: psutil.Process) -> bool:
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", WORKER_MODULE, *args],
-            cwd=cwd,
-            capture_output=True,
-            timeout=timeout_s,
-            start_new_session=True,
-        )
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _run_worker(args: list[str], cwd: str | os.PathLike | None, timeout_s: float) -> Any:
+    """Run a worker once (``--inspect``); its last answer frame. A failure names the function it was
+    importing."""
+    nonce = secrets.token_hex(16)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", WORKER_MODULE, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, NONCE_ENV: nonce},
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise RewardError(f"importing the reward functions took more than {timeout_s:g} s") from None
-    if proc.returncode != 0:
-        tail = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [
-            f"exit code {proc.returncode}"
-        ]
-        raise RewardError(f"the reward worker failed: {error_line(RuntimeError(tail[0]))}")
-    return orjson.loads(proc.stdout)
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        doing = _doing(_frames(out, nonce.encode())[1])
+        raise RewardError(f"importing the reward functions took more than {timeout_s:g} s{doing}") from None
+    answers, current = _frames(out, nonce.encode())
+    if proc.returncode != 0 or not answers:
+        tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        raise RewardError(f"the reward worker failed{_doing(current)}: {error_line(RuntimeError(tail[0]))}")
+    return answers[-1]
+
+
+def _frames(data: bytes, nonce: bytes) -> tuple[list[Any], str | None]:
+    """The answers among ``data``'s frames, and the last function a progress frame named."""
+    answers, current = [], None
+    for line in data.splitlines():
+        head, _, body = line.partition(b" ")
+        if head != nonce:
+            continue
+        try:
+            message = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(message, dict) and ("importing" in message or "calling" in message):
+            current = str(message.get("importing") or message.get("calling"))
+        else:
+            answers.append(message)
+    return answers, current
+
+
+def _doing(current: str | None) -> str:
+    return f" (in reward {shown_reward(current)})" if current else ""
 
 
 @dataclass
@@ -201,8 +278,9 @@ class RewardWorker:
     """The worker process of one tenant's reward functions (see the module docstring).
 
     :meth:`submit` sends a batch and returns at once; :meth:`result` waits for its answer (at most
-    ``timeout_s`` from the submit), so the workers of several tenants compute at the same time. A
-    failed call raises :class:`RewardError`; the next submit starts a new worker if this one was lost.
+    ``timeout_s`` from the submit, by this process's clock), so the workers of several tenants compute at the
+    same time. A failed call raises :class:`RewardError` naming the function; the next submit starts a new
+    worker if this one was lost.
     """
 
     def __init__(self, rewards: Sequence[str], timeout_s: float = 60.0, cwd: str | os.PathLike | None = None):
@@ -210,9 +288,11 @@ class RewardWorker:
         self.timeout_s = timeout_s
         self.cwd = cwd
         self._proc: subprocess.Popen | None = None
+        self._nonce = b""
         self._buffer = b""
         self._sent_at: float | None = None
         self._sent_n = 0
+        self._current: str | None = None  # the function the worker said it is importing or calling
 
     @property
     def pid(self) -> int | None:
@@ -221,63 +301,117 @@ class RewardWorker:
 
     # -- the process ---------------------------------------------------------------------------
     def _start(self) -> subprocess.Popen:
+        nonce = secrets.token_hex(16)
         proc = subprocess.Popen(
             [sys.executable, "-m", WORKER_MODULE, "--serve", *self.rewards],
             cwd=self.cwd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            env={**os.environ, NONCE_ENV: nonce},
             start_new_session=True,  # its own process group: a timeout kills what the function started too
         )
-        self._proc, self._buffer = proc, b""
-        hello = self._read_line(time.monotonic() + START_TIMEOUT_S, "importing the reward functions")
+        os.set_blocking(proc.stdin.fileno(), False)  # type: ignore[union-attr]  (writes keep the deadline)
+        self._proc, self._nonce, self._buffer, self._current = proc, nonce.encode(), b"", None
+        hello = self._read(time.monotonic() + START_TIMEOUT_S, "importing the reward functions")
         if "error" in hello:
             self.close()
             raise RewardError(str(hello["error"]))
         return proc
 
     def close(self) -> None:
-        """Kill the worker (and everything it started)."""
+        """Kill the worker and everything it started (its process group, and any descendant that left it)."""
         proc, self._proc, self._sent_at = self._proc, None, None
         if proc is None:
             return
+        kill_tree(proc.pid, include_root=False)  # (first, while it lives: detached ones are its descendants)
         with contextlib.suppress(ProcessLookupError, PermissionError):  # (already gone)
             os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            proc.kill()
         for pipe in (proc.stdin, proc.stdout):
             if pipe is not None:
-                pipe.close()
+                with contextlib.suppress(OSError):
+                    pipe.close()
         proc.wait()
 
     def __del__(self) -> None:
         self.close()
 
-    def _read_line(self, deadline: float, doing: str) -> dict[str, Any]:
-        """The worker's next answer line, read without blocking past ``deadline``."""
+    def _fail(self, why: str) -> RewardError:
+        """The worker is stopped; the error to raise, naming the function it was in."""
+        current = self._current
+        self.close()
+        return RewardError(why + _doing(current))
+
+    def _read(self, deadline: float, doing: str) -> dict[str, Any]:
+        """The worker's next answer, read without blocking past ``deadline`` (progress frames say which
+        function it is in; anything that is not a frame of this worker is a malformed answer)."""
         proc = self._proc
         assert proc is not None and proc.stdout is not None
         fd = proc.stdout.fileno()
         with selectors.DefaultSelector() as sel:
             sel.register(fd, selectors.EVENT_READ)
-            while b"\n" not in self._buffer:
+            while True:
+                while b"\n" in self._buffer:
+                    line, _, self._buffer = self._buffer.partition(b"\n")
+                    head, _, body = line.partition(b" ")
+                    try:
+                        if head != self._nonce:
+                            raise ValueError("no frame")
+                        message = orjson.loads(body)
+                        if not isinstance(message, dict):
+                            raise ValueError("not an object")
+                    except ValueError:  # (orjson's JSONDecodeError is one)
+                        raise self._fail(
+                            f"the reward worker sent a malformed answer while {doing} (a reward function "
+                            f"writing to its answer channel?): {brief(line.decode('utf-8', 'replace'))}"
+                        ) from None
+                    if "importing" in message or "calling" in message:
+                        self._current = str(message.get("importing") or message.get("calling"))
+                        continue
+                    return message
                 left = deadline - time.monotonic()
                 if left <= 0 or not sel.select(left):
-                    self.close()
-                    raise RewardError(f"{doing} took more than {self.timeout_s:g} s (timeout_s): stopped")
+                    raise self._fail(f"{doing} took more than {self.timeout_s:g} s (timeout_s): stopped")
                 chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    code = proc.wait()
-                    self.close()
-                    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                    raise RewardError(f"the reward worker {how} while {doing}")
+                if not chunk:  # its answer channel closed: it exits, or it is stopped (it may hang on)
+                    try:
+                        code = proc.wait(min(EXIT_GRACE_S, max(deadline - time.monotonic(), 0.1)))
+                        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                    except subprocess.TimeoutExpired:
+                        how = "closed its answer channel and did not exit"
+                    raise self._fail(f"the reward worker {how} while {doing}")
                 self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return orjson.loads(line)
+
+    def _write(self, data: bytes, deadline: float) -> None:
+        """Send ``data`` to the worker without blocking past ``deadline`` (a worker that stops reading its
+        requests cannot hold the job)."""
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None
+        fd = proc.stdin.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_WRITE)
+            while data:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    raise self._fail(
+                        f"sending the rewards' inputs took more than {self.timeout_s:g} s: stopped"
+                    )
+                try:
+                    data = data[os.write(fd, data) :]
+                except BlockingIOError:
+                    continue
+                except OSError:  # it died or closed its input: the read says how
+                    return
 
     # -- calls ---------------------------------------------------------------------------------
     def submit(self, batch: RewardBatch) -> None:
         """Send ``batch`` to the worker (starting one if needed); the answer is read by :meth:`result`."""
         if self._sent_at is not None:
             raise RuntimeError("submit() twice without result()")
-        proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
+        if self._proc is None or self._proc.poll() is not None:
+            self.close()
+            self._start()
         message = {
             "prompts": batch.prompts,
             "completions": batch.completions,
@@ -289,29 +423,27 @@ class RewardWorker:
             data = orjson.dumps(message, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         except orjson.JSONEncodeError as e:
             raise RewardError(f"the reward inputs cannot be sent to the worker: {error_line(e)}") from None
-        self._sent_at, self._sent_n = time.monotonic(), len(batch)
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(data)
-            proc.stdin.flush()
-        except (BrokenPipeError, OSError):  # it died since: the read below says how
-            pass
+        self._sent_at, self._sent_n, self._current = time.monotonic(), len(batch), None
+        self._write(data, self._sent_at + self.timeout_s)
 
     def result(self) -> RewardResult:
         """The answer to the last :meth:`submit`: :class:`RewardResult`, or :class:`RewardError`."""
         if self._sent_at is None:
             raise RuntimeError("result() without submit()")
         started, n = self._sent_at, self._sent_n
-        answer = self._read_line(started + self.timeout_s, "computing the rewards")
+        answer = self._read(started + self.timeout_s, "computing the rewards")
         self._sent_at = None
         if "error" in answer:
             raise RewardError(str(answer["error"]))
-        rewards = [[math.nan if v is None else float(v) for v in row] for row in answer["rewards"]]
+        try:
+            rewards = [[math.nan if v is None else float(v) for v in row] for row in answer["rewards"]]
+            metrics = {str(k): float(v) for k, v in answer.get("metrics", {}).items()}
+            extra = {str(k): list(v) for k, v in answer.get("extra", {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise self._fail(f"the reward worker's answer is malformed ({error_line(e)})") from None
         if len(rewards) != n:
             raise RewardError(f"the reward worker answered {len(rewards)} rewards for {n} completions")
-        return RewardResult(
-            rewards, answer.get("metrics", {}), answer.get("extra", {}), time.monotonic() - started
-        )
+        return RewardResult(rewards, metrics, extra, time.monotonic() - started)
 
     def __call__(self, batch: RewardBatch) -> RewardResult:
         self.submit(batch)
