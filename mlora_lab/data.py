@@ -26,7 +26,6 @@ one 50-MB line costs a few kB of tokenizing. Rows that keep no target token are 
 from __future__ import annotations
 
 import random
-import re
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,8 +33,9 @@ from typing import Any
 
 import torch
 
+from mlora_lab.rl.prompts import prompt_row_problems
 from mlora_lab.sources import SourceError, memory_kind, source_name, source_rows
-from mlora_lab.text import error_line
+from mlora_lab.text import error_line, surrogate_problem
 
 IGNORE_INDEX = -100
 ROW_KINDS = ("text", "prompt", "messages")  # "prompt" = a prompt/completion row
@@ -75,28 +75,15 @@ class SourceReport:
 
 # In a Python str from JSON every surrogate code point is a lone one ("\ud800"): a valid pair
 # ("\ud83d\ude00") is decoded to one character. It has no UTF-8 form, so tokenizers raise on it.
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _surrogate_problem(label: str, text: str) -> list[str]:
-    """``["'text' contains a lone surrogate (\\ud800), which is not valid text"]`` or ``[]``."""
-    if text.isascii():  # O(1) in CPython: the common case costs nothing, even for a 50-MB row
-        return []
-    found = _SURROGATE.search(text)
-    if found is None:
-        return []
-    return [f"{label} contains a lone surrogate (\\u{ord(found.group()):04x}), which is not valid text"]
-
-
 def _row_kind_and_problems(row: Any, prompts: bool = False) -> tuple[str | None, list[str]]:
     """Classify one parsed row; problems are phrased without the file/line prefix. A key whose value is
     null counts as missing: a table (a DataFrame, a parquet file) holds every column in every row, so
     its ``text`` rows have a null ``prompt`` and ``completion``. With ``prompts`` the row is an RL
-    tenant's: a prompt to complete (:func:`_prompt_row_problems`)."""
+    tenant's: a prompt to complete (:func:`~mlora_lab.rl.prompts.prompt_row_problems`)."""
     if not isinstance(row, dict):
         return None, [f"expected a JSON object, got {type(row).__name__}"]
     if prompts:
-        return _prompt_row_problems(row)
+        return prompt_row_problems(row)
     present = [kind for kind, keys in _KIND_KEYS.items() if any(row.get(key) is not None for key in keys)]
     if not present:
         return None, ["row has none of 'text', 'prompt'+'completion', 'messages'"]
@@ -111,7 +98,7 @@ def _row_kind_and_problems(row: Any, prompts: bool = False) -> tuple[str | None,
         elif not row["text"]:
             problems.append("'text' is empty (nothing to learn)")
         else:
-            problems += _surrogate_problem("'text'", row["text"])
+            problems += surrogate_problem("'text'", row["text"])
     elif kind == "prompt":
         for key in ("prompt", "completion"):
             if row.get(key) is None:
@@ -120,7 +107,7 @@ def _row_kind_and_problems(row: Any, prompts: bool = False) -> tuple[str | None,
             elif not isinstance(row[key], str):
                 problems.append(f"'{key}' must be a string")
             else:
-                problems += _surrogate_problem(f"'{key}'", row[key])
+                problems += surrogate_problem(f"'{key}'", row[key])
         if isinstance(row.get("completion"), str) and not row["completion"]:
             problems.append("'completion' is empty (nothing to learn)")
     else:
@@ -133,33 +120,10 @@ def _row_kind_and_problems(row: Any, prompts: bool = False) -> tuple[str | None,
                     problems.append(f"messages[{i}] needs 'role' and 'content' strings")
                     continue
                 for key in ("role", "content"):
-                    problems += _surrogate_problem(f"'messages[{i}].{key}'", m[key])
+                    problems += surrogate_problem(f"'messages[{i}].{key}'", m[key])
             if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in msgs):
                 problems.append("messages has no assistant turn (nothing to learn)")
     return kind, problems
-
-
-def _prompt_row_problems(row: dict) -> tuple[str | None, list[str]]:
-    """An RL row: ``prompt`` (text to complete) or ``messages`` (a chat, completed as the assistant's
-    next turn), never both; any other key is a column the reward functions may take."""
-    has_prompt, has_messages = row.get("prompt") is not None, row.get("messages") is not None
-    if has_prompt == has_messages:
-        why = "has both" if has_prompt else "has neither"
-        return None, [f"an RL row needs 'prompt' (text) or 'messages' (a chat) to complete; this one {why}"]
-    if has_prompt:
-        if not isinstance(row["prompt"], str) or not row["prompt"]:
-            return "prompt", ["'prompt' must be a non-empty string"]
-        return "prompt", _surrogate_problem("'prompt'", row["prompt"])
-    msgs, problems = row["messages"], []
-    if not isinstance(msgs, list) or not msgs:
-        return "messages", ["'messages' must be a non-empty list of {'role', 'content'} objects"]
-    for i, m in enumerate(msgs):
-        if not (isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))):
-            problems.append(f"messages[{i}] needs 'role' and 'content' strings")
-            continue
-        for key in ("role", "content"):
-            problems += _surrogate_problem(f"'messages[{i}].{key}'", m[key])
-    return "messages", problems
 
 
 def _cap(problems: list[str], where: str, total: int | None = None) -> list[str]:

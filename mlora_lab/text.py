@@ -221,3 +221,16 @@ def read_json(path: str, what: str) -> tuple[Any, str | None]:
     if why is not None:
         return None, f"not valid JSON ({why})"
     return value, None
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def surrogate_problem(label: str, text: str) -> list[str]:
+    """``["'text' contains a lone surrogate (\\ud800), which is not valid text"]`` or ``[]``."""
+    if text.isascii():  # O(1) in CPython: the common case costs nothing, even for a 50-MB row
+        return []
+    found = SURROGATE.search(text)
+    if found is None:
+        return []
+    return [f"{label} contains a lone surrogate (\\u{ord(found.group()):04x}), which is not valid text"]

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,6 +52,15 @@ def boom(prompts, completions, **kwargs):
 def hang(prompts, completions, **kwargs):
     import time
     time.sleep(600)
+
+def huge(prompts, completions, **kwargs):          # R9: 1e308 is inf in float32
+    return [1e308 * (i % 2) for i in range(len(completions))]
+
+def big(prompts, completions, **kwargs):           # R10: their squares overflow the group's std
+    return [1e200 * (i % 2) for i in range(len(completions))]
+
+def unit(prompts, completions, **kwargs):
+    return [float(i % 2) for i in range(len(completions))]
 """
 
 WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "river", "city", "road"]
@@ -489,3 +499,60 @@ def test_two_ranks_equal_one(layout, passes, one_process, llama_path, tmp_path):
     for name in ("a", "b"):
         x, y = read_adapter(run.adapter_path(name))[1], read_adapter(reference / "adapters" / name)[1]
         assert max_diff(x, y) <= TOL
+
+
+def test_a_conversational_prompt_is_a_chat_to_complete_as_trl_takes_it(tmp_path, llama_path):
+    """``{"prompt": [{"role": "user", ...}]}`` (TRL's conversational rows) is completed as the assistant's next
+    turn, exactly as the same chat given as ``messages``: the same token ids, and the reward functions get
+    the messages as the prompt and a chat completion."""
+    from mlora_lab.job.rl import read_prompts
+
+    chat = [{"role": "user", "content": "what is 2 + 2?"}]
+    rows = {
+        "prompt": tmp_path / "prompt.jsonl",
+        "messages": tmp_path / "messages.jsonl",
+    }
+    for key, path in rows.items():
+        path.write_text(json.dumps({key: chat, "answer": "4"}) + "\n")
+    tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+    got = {
+        key: read_prompts(
+            Tenant(name="a", data=str(path), rl=RL(reward="x.py:f", max_new_tokens=8)),
+            tok,
+            64,
+            tok.vocab_size,
+        )[0]
+        for key, path in rows.items()
+    }
+    assert got["prompt"].ids == got["messages"].ids and got["prompt"].prompt == chat and got["prompt"].chat
+    assert got["prompt"].columns == {"answer": "4"} == got["messages"].columns
+
+
+@pytest.mark.parametrize(
+    ("name", "reward", "weights", "message"),
+    [
+        ("huge", "huge", [2.0], r"the weighted reward of completion 1 is inf: reward 'huge' \(.*rewards.py\) gave 1e\+308"),
+        ("big", "big", None, r"standard deviation of the rewards of prompt 0's group overflows .*'big' \(.*rewards.py\)"),
+        ("weighted", "unit", [1e300], r"standard deviation .* overflows"),
+    ],
+)  # fmt: skip
+def test_rewards_that_overflow_are_a_named_fault_never_zero_advantages(
+    llama_path, tmp_path, name, reward, weights, message
+):
+    """R9 (a reward of 1e308: inf in float32, every advantage 0), R10 (rewards near 1e200, or a huge weight:
+    the group's std overflows): the tenant is quarantined with the reward named, never trained on nothing in
+    silence; the rewards are combined in float64, so 1e20 rewards weighted by 1e20 still train."""
+    rewards = reward_file(tmp_path)
+    data = prompt_file(tmp_path)
+    rl = RL(reward=f"{rewards}:{reward}", reward_weights=weights, group_size=2, max_new_tokens=4)
+    fine = RL(reward=f"{rewards}:unit", reward_weights=[1e20], group_size=2, max_new_tokens=4)
+    trainer = Trainer(
+        job(llama_path, [rl_tenant(name, data, rl, max_steps=2), rl_tenant("fine", data, fine, max_steps=2)])
+    )
+    trainer.train()
+    bad, good = trainer.tenants[name], trainer.tenants["fine"]
+    assert bad.state is TenantState.FAILED and bad.step == 0
+    assert re.search(message, bad.reason), bad.reason
+    assert good.state is TenantState.FINISHED and all(
+        r["grad_norm"] > 0 for r in trainer.recorder.history if r["kind"] == "train" and r["tenant"] == "fine"
+    )

@@ -188,6 +188,9 @@ def test_rl_rows_are_prompts(tmp_path, llama_path):
         '{"prompt": "a", "messages": []}',
         '{"prompt": ""}',
         '{"messages": [{"role": "user"}]}',
+        '{"prompt": [{"role": "user", "content": "2 + 2?"}], "answer": "4"}',  # TRL's conversational rows
+        '{"prompt": [{"role": "user"}]}',
+        '{"prompt": "x", "completions": "mine", "trainer_state": 1}',  # names the job gives the rewards
     ]
     data = write(tmp_path / "rows.jsonl", "\n".join(rows) + "\n")
     spec = JobSpec(
@@ -196,16 +199,15 @@ def test_rl_rows_are_prompts(tmp_path, llama_path):
         tenants=[Tenant(name="a", data=data, rl=RL(reward=f"{rewards}:short"))],
     )
     joined = "\n".join(texts(spec))
-    assert (
-        "line 2: an RL row needs 'prompt' (text) or 'messages' (a chat) to complete; this one has neither"
-        in joined
-    )
-    assert (
-        "line 3: an RL row needs 'prompt' (text) or 'messages' (a chat) to complete; this one has both"
-        in joined
-    )
+    needs = "an RL row needs 'prompt' (a text, or a chat as a list of messages) or 'messages' to complete"
+    assert f"line 2: {needs}; this one has neither" in joined
+    assert f"line 3: {needs}; this one has both" in joined
     assert "line 4: 'prompt' must be a non-empty string" in joined
     assert "line 5: messages[0] needs 'role' and 'content' strings" in joined
+    assert "line 6" not in joined, joined  # (a conversational prompt is a prompt)
+    assert "line 7: prompt[0] needs 'role' and 'content' strings" in joined
+    for column in ("completions", "trainer_state"):
+        assert f"line 8: column {column!r} has a name the job itself passes every reward function" in joined
     # the same rows are not SFT rows: a prompt without completion is refused there
     sft = JobSpec(
         base_model=llama_path,

@@ -57,12 +57,21 @@ from typing import Any
 
 import torch
 
-from mlora_lab.data import IGNORE_INDEX, DataError, Example, TenantStream, encode, read_rows, render_chat
+from mlora_lab.data import (
+    IGNORE_INDEX,
+    DataError,
+    Example,
+    TenantStream,
+    encode,
+    read_rows,
+    render_chat,
+)
 from mlora_lab.job.agree import describe
 from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
-from mlora_lab.rl.grpo import CLIPPED, advantages, combine_rewards, nanstd, policy_loss
-from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardWorker
+from mlora_lab.rl.grpo import CLIPPED, advantages, combine_rewards, nanstd, policy_loss, reward_problem
+from mlora_lab.rl.prompts import chat_prompt
+from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardWorker, shown_reward
 from mlora_lab.rundir import CompletionRow, TrainRow
 from mlora_lab.sampling import Completion, SampleRequest, sample
 from mlora_lab.sources import source_name
@@ -247,11 +256,9 @@ def read_prompts(tenant: Tenant, tokenizer: Any, seq_len: int, vocab: int) -> li
     room = seq_len - rl.max_new_tokens
     out, cut, problems = [], 0, []
     for n, row in enumerate(read_rows(tenant.data, prompts=True), start=1):
-        if row.get("messages") is not None:
-            prompt, text = (
-                row["messages"],
-                render_chat(tokenizer, row["messages"], add_generation_prompt=True),
-            )
+        chat = chat_prompt(row)  # (``messages``, or TRL's conversational ``prompt``)
+        if chat is not None:
+            prompt, text = chat, render_chat(tokenizer, chat, add_generation_prompt=True)
             ids = encode(tokenizer, text, add_special_tokens=False)
         else:
             prompt = text = row["prompt"]
@@ -389,8 +396,16 @@ class RLDriver(Driver):
                 failed[t.name] = f"RewardError: {got}"  # (the loop says "its step raised ...")
                 continue
             weights = rl.reward_weights if rl.reward_weights is not None else [1.0] * len(rl.rewards)
-            R = combine_rewards(torch.tensor(got, dtype=torch.float32), weights)
+            # (in float64: a reward of 1e308, or 1e20 weighted by 1e20, is a number there, not inf)
+            per_function = torch.tensor(got, dtype=torch.float64)
+            names = [shown_reward(r) for r in rl.rewards]
+            why = reward_problem(per_function, weights, rl.group_size, rl.scale_rewards, names)
+            if why is not None:  # never advantages of 0 in silence: the tenant's fault, named
+                failed[t.name] = f"RewardError: {why}"
+                continue
+            R = combine_rewards(per_function, weights)
             A, _ = advantages(R, rl.group_size, rl.scale_rewards)
+            R, A = R.float(), A.float()  # (A is finite in float32: reward_problem checked)
             cs = by_tenant[t.name]
             g = Generation(
                 index=f.generations - 1,

@@ -102,7 +102,9 @@ def combine_rewards(per_function: torch.Tensor, weights: torch.Tensor | Sequence
     Returns ``R [N]``: ``R_i = Σ_f w_f·r_{i,f}`` over the functions that scored ``i`` (``nansum``), and NaN
     where none did — such a completion stays out of its group's mean and std and gets advantage 0.
     """
-    weights = torch.as_tensor(weights, dtype=torch.float32)
+    # (the weights in the rewards' own dtype: the job combines in float64, where 1e20 x 1e20 still holds)
+    dtype = per_function.dtype if per_function.is_floating_point() else torch.float32
+    weights = torch.as_tensor(weights, dtype=dtype)
     problems = []
     if per_function.ndim != 2:
         problems.append(
@@ -186,6 +188,51 @@ def advantages(
         frac_reward_zero_std=is_std_zero.float().mean(),
     )
     return adv, stats
+
+
+def reward_problem(
+    per_function: torch.Tensor,
+    weights: Sequence[float],
+    group_size: int,
+    scale_rewards: str,
+    names: Sequence[str],
+) -> str | None:
+    """Why a generation's rewards cannot train (None: they can), naming the reward function at fault.
+
+    ``per_function [N, F]`` (float64, NaN = none) and ``weights`` as :func:`combine_rewards` takes them,
+    ``names[f]`` function ``f`` as messages show it. A weighted reward that is not finite (``1e308 × 2``), a
+    standard deviation that is not (rewards near ``1e200``: their squares overflow), or advantages past
+    float32 (the loss's dtype) would all end as advantages of 0, a tenant that trains on nothing in silence:
+    each is a fault of the tenant instead."""
+    rewards = combine_rewards(per_function, weights)
+    w = torch.as_tensor(weights, dtype=per_function.dtype)
+    inf = torch.isinf(rewards).nonzero().flatten()
+    if len(inf):
+        i = int(inf[0])
+        terms = (per_function[i] * w).abs().nan_to_num(nan=0.0)
+        f = int(terms.argmax())
+        return (
+            f"the weighted reward of completion {i} is {float(rewards[i])}: reward {names[f]} gave "
+            f"{float(per_function[i, f]):.4g} × weight {float(w[f]):.4g}, past what a float holds; scale the "
+            "rewards or reward_weights down"
+        )
+    g = int(group_size)
+    std = nanstd(rewards) if scale_rewards == "batch" else nanstd(rewards.view(-1, g), dim=1)
+    overflow = torch.isinf(std.reshape(-1)).nonzero().flatten()
+    if len(overflow):
+        where = "of the batch" if scale_rewards == "batch" else f"of prompt {int(overflow[0])}'s group"
+        largest = float(rewards.abs().nan_to_num(nan=0.0).max())
+        return (
+            f"the standard deviation of the rewards {where} overflows (rewards up to {largest:.4g} from "
+            f"{', '.join(names)}): their squares pass what a float holds; scale the rewards down"
+        )
+    adv, _ = advantages(rewards, g, scale_rewards)
+    if not torch.isfinite(adv.float()).all():
+        return (
+            f"the advantages pass what float32 (the loss's) holds (scale_rewards={scale_rewards!r}, rewards up "
+            f"to {float(rewards.abs().nan_to_num(nan=0.0).max()):.4g}); scale the rewards down"
+        )
+    return None
 
 
 def gamma_weights(
