@@ -237,9 +237,9 @@ def test_a_quarantined_tenant_keeps_a_finished_run_from_looking_green(tmp_path):
     assert "finished · 1 tenant failed" in dash.status.value
     assert plotting_green() not in dash.status.value
     row = dash.progress_rows[("r", "b")]
-    # the reason has its own line, cut to one line with the whole text in its tooltip; the bar keeps its width
+    # the reason has its own lines, wrapped, whole (and in its tooltip); the bar keeps its width
     assert row.reason.layout.display != "none" and long_reason in row.reason.value
-    assert "text-overflow:ellipsis" in row.reason.value and f"title='{long_reason}'" in row.reason.value
+    assert "white-space:pre-wrap" in row.reason.value and f"title='{long_reason}'" in row.reason.value
     assert row.bar.layout.width == row.bar.layout.min_width == "200px"
     assert long_reason not in row.info.value
     assert dash.progress_rows[("r", "a")].reason.layout.display == "none"

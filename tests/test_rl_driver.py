@@ -61,6 +61,14 @@ def big(prompts, completions, **kwargs):           # R10: their squares overflow
 
 def unit(prompts, completions, **kwargs):
     return [float(i % 2) for i in range(len(completions))]
+
+def const(prompts, completions, **kwargs):         # every completion alike: nothing to learn
+    return [1.0] * len(completions)
+
+def logs(prompts, completions, log_metric, log_extra, **kwargs):
+    log_metric("length", sum(len(_text(c)) for c in completions) / len(completions))
+    log_extra("first", [_text(c)[:1] for c in completions])
+    return [len(_text(c)) / 10 for c in completions]
 """
 
 WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "river", "city", "road"]
@@ -556,3 +564,48 @@ def test_rewards_that_overflow_are_a_named_fault_never_zero_advantages(
     assert good.state is TenantState.FINISHED and all(
         r["grad_norm"] > 0 for r in trainer.recorder.history if r["kind"] == "train" and r["tenant"] == "fine"
     )
+
+
+def test_a_tenant_that_trains_on_nothing_is_warned_and_what_its_rewards_logged_is_kept(llama_path, tmp_path):
+    """Flat rewards for 5 generations in a row, or every completion masked: a ``warning`` row names the
+    tenant (once a streak), never silence. Each reward function's mean and std (TRL's ``rewards/<fn>/mean``),
+    what the functions logged with ``log_metric`` and ``log_extra`` are in the rows (R19)."""
+    from mlora_lab.job.rl import FLAT_GENERATIONS
+    from mlora_lab.lab.series import rows_frame
+    from mlora_lab.rundir import Row
+
+    rewards = reward_file(tmp_path)
+    data = prompt_file(tmp_path)
+    flat = rl_tenant("flat", data, RL(reward=f"{rewards}:const", group_size=2, max_new_tokens=3), max_steps=6)
+    cut = RL(
+        reward=f"{rewards}:unit", group_size=2, max_new_tokens=1, mask_truncated_completions=True, stop=[]
+    )
+    masked = rl_tenant("masked", data, cut, max_steps=2)
+    both = RL(
+        reward=[f"{rewards}:unit", f"{rewards}:logs"], group_size=2, max_new_tokens=3, log_completions=2
+    )
+    logged = rl_tenant("logged", data, both, max_steps=2)
+    trainer = Trainer(job(llama_path, [flat, masked, logged]))
+    trainer.train()
+    rows = [Row.from_dict(r) for r in trainer.recorder.history]
+    warnings = [(r.tenant, r.message) for r in rows if r.kind == "event" and r.event == "warning"]
+    assert [t for t, _ in warnings].count("flat") == 1 and [t for t, _ in warnings].count("masked") == 1, (
+        warnings
+    )
+    said = dict(warnings)
+    assert f"last {FLAT_GENERATIONS} generations scored one reward" in said["flat"]
+    assert "max_new_tokens=1 and mask_truncated_completions masks them all" in said["masked"]
+    train = [r for r in rows if r.kind == "train" and r.tenant == "logged"]
+    extra = train[-1].extra
+    assert set(extra) == {
+        "rewards/unit/mean",
+        "rewards/unit/std",
+        "rewards/logs/mean",
+        "rewards/logs/std",
+        "length",
+    }
+    assert extra["rewards/unit/mean"] == pytest.approx(0.5)  # (unit: 0, 1, 0, 1, ...)
+    frame = rows_frame(train)
+    assert frame["rewards/logs/mean"].notna().all() and frame["length"].dtype == "float64"
+    samples = [r for r in rows if r.kind == "completion" and r.tenant == "logged"]
+    assert samples and all(set(r.extra) == {"first"} and len(r.extra["first"]) <= 1 for r in samples)

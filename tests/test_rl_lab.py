@@ -341,3 +341,45 @@ def test_sft_only_dashboard_has_no_reward_panel_and_builds_nothing_for_it(tmp_pa
     assert not both.rl_views.figure.ax._lab_placeholder.get_visible()
     # rl / grpo's newest three: both of step 2, then step 1's second
     assert both.rl_views.samples.widget.value.count("<tr>") == 3
+
+
+def test_dashboard_shows_each_reward_functions_mean_logged_columns_warnings_and_a_whole_reason(tmp_path):
+    """A tenant with two reward functions has each one's mean drawn (dotted, its colour) under its combined
+    reward; what its functions logged with log_extra shows under each sample; a warning row (it trains on
+    nothing) shows in amber with the tenant; a quarantine's reason is wrapped in full, never cut."""
+    from mlora_lab.rundir import EventRow, TenantRow
+
+    run = make_run(tmp_path / "r", tenants=("grpo", "flat", "bad"))
+    rows = []
+    for s in range(1, 5):
+        [row] = rl_steps("grpo", s, s)
+        row.extra = {"rewards/fmt/mean": 0.1 * s, "rewards/fmt/std": 0.0, "rewards/len/mean": 1 - 0.1 * s}
+        rows += [row, *rl_steps("flat", s, s)]
+    [sample] = sampled("grpo", 4, "an answer")
+    sample.extra = {"parsed": "42", "ok": True}
+    reason = "RewardError: reward 'fmt' (…/tasks/rewards.py) raised KeyError: " + "x" * 300
+    write(
+        run,
+        *rows,
+        sample,
+        TenantRow(step=0, tenant="flat", state="running"),
+        EventRow(step=4, event="warning", message="every group of its last 5 generations scored one reward", tenant="flat"),
+        TenantRow(step=2, tenant="bad", state="failed", reason=reason),
+    )  # fmt: skip
+    dash = dash_of(run.root, smoothing=0.0)
+    lines = dash.rl_views.figure.sets[dash.rl_views.figure.ax]
+    grpo = ("r", "grpo")
+    fmt = lines[(grpo, "rewards/fmt/mean")]
+    assert fmt.get_linestyle() == ":" and fmt.get_color() == lines[(grpo, "main")].get_color()
+    assert np.allclose(fmt.get_ydata(), [0.1, 0.2, 0.3, 0.4]) and (grpo, "rewards/len/mean") in lines.lines
+    assert ("r", "flat", "rewards/fmt/mean") not in lines.lines  # (one function: its reward is the mean)
+    assert (
+        "parsed: 42" in dash.rl_views.samples.widget.value
+        and "ok: True" in dash.rl_views.samples.widget.value
+    )
+    warned = dash.progress_rows[("r", "flat")].reason
+    assert (
+        warned.layout.display != "none" and "warning: every group of its last 5 generations" in warned.value
+    )
+    failed = dash.progress_rows[("r", "bad")].reason.value
+    assert html.escape("x" * 300) in failed and "white-space:pre-wrap" in failed and "ellipsis" not in failed

@@ -593,7 +593,7 @@ def test_old_rows_without_the_newer_fields_are_read(tmp_path):
     ]
     assert rows[0].rows_seen is None and rows[1].cpu_percent is None  # not recorded then
     rl = dict.fromkeys(("reward", "reward_std", "completion_len", "kl", "clip_ratio"))  # (RL tenants' fields)
-    assert rows[0].to_dict() == {**old[0], "rows_seen": None, "tokens_seen": None, **rl}
+    assert rows[0].to_dict() == {**old[0], "rows_seen": None, "tokens_seen": None, **rl, "extra": None}
     writer = MetricsWriter(path)
     writer.write(
         SystemRow(

@@ -69,10 +69,18 @@ from mlora_lab.data import (
 from mlora_lab.job.agree import describe
 from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
-from mlora_lab.rl.grpo import CLIPPED, advantages, combine_rewards, nanstd, policy_loss, reward_problem
+from mlora_lab.rl.grpo import (
+    CLIPPED,
+    RewardStats,
+    advantages,
+    combine_rewards,
+    nanstd,
+    policy_loss,
+    reward_problem,
+)
 from mlora_lab.rl.prompts import chat_prompt
-from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardWorker, shown_reward
-from mlora_lab.rundir import CompletionRow, TrainRow
+from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardResult, RewardWorker, shown_reward
+from mlora_lab.rundir import CompletionRow, EventKind, EventRow, TrainRow
 from mlora_lab.sampling import Completion, SampleRequest, sample
 from mlora_lab.sources import source_name
 from mlora_lab.spec import Tenant
@@ -128,6 +136,9 @@ class Generation:
     stats: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
     rows: list[Example] = field(default_factory=list, repr=False)
     n_tokens: int = 0  # completion tokens that carry loss, over all N
+    per_function: torch.Tensor | None = None  # [N, F] each reward function's reward (float64, NaN: none)
+    logged: dict[str, float] = field(default_factory=dict)  # what the functions logged with log_metric
+    extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns, one value per completion
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -171,6 +182,9 @@ class Generation:
             "ref_logps": self.ref_logps,
             "old_local": self.old_local,
             "stats": self.stats,
+            "per_function": self.per_function,
+            "logged": self.logged,
+            "extra": self.extra,
         }
 
     @classmethod
@@ -188,6 +202,9 @@ class Generation:
             ref_logps=None if s["ref_logps"] is None else s["ref_logps"].float(),
             old_local=None if s.get("old_local") is None else s["old_local"].float(),
             stats=s["stats"].double() if "stats" in s else torch.zeros(4, dtype=torch.float64),
+            per_function=None if s.get("per_function") is None else s["per_function"].double(),
+            logged={str(k): float(v) for k, v in (s.get("logged") or {}).items()},
+            extra={str(k): list(v) for k, v in (s.get("extra") or {}).items()},
         )
 
 
@@ -212,6 +229,8 @@ class RLFeed:
     current: Generation | None = None
     digest: str = ""
     micro: int = 0  # micro-batches done in the current optimiser window (of grad_accum)
+    flat: int = 0  # generations in a row whose every group had one reward for all its completions
+    masked: int = 0  # generations in a row whose every completion was masked (cut, mask_truncated)
 
     def reset(self) -> None:
         """A quarantine drops the generation in progress."""
@@ -345,6 +364,33 @@ class RLDriver(Driver):
         for name in list(self.workers):
             self.workers.pop(name).close()
 
+    def _watch(self, t: TenantRun, g: Generation, stats: RewardStats) -> None:
+        """A tenant that trains on nothing is said so, in a ``warning`` row (the dashboard shows it with the
+        tenant; once a streak): every group scored alike for :data:`FLAT_GENERATIONS` generations in a row
+        (GRPO learns from the differences within a group: its advantages are all 0), or every completion
+        masked (cut at ``max_new_tokens`` with ``mask_truncated_completions``: no token carries loss)."""
+        f, rl = t.feed, t.spec.rl
+        f.flat = f.flat + 1 if float(stats.frac_reward_zero_std) >= 1.0 else 0
+        f.masked = f.masked + 1 if g.n_tokens == 0 else 0
+        said = []
+        if f.flat == FLAT_GENERATIONS:
+            said.append(
+                f"every group of its last {FLAT_GENERATIONS} generations scored one reward for all its "
+                f"{rl.group_size} completions (mean {float(stats.reward):.4g}): its advantages are 0 and it "
+                "learns nothing; a reward that tells its completions apart (or a higher temperature) would"
+            )
+        if f.masked == 1:
+            said.append(
+                f"every completion of generation {g.index} was cut at max_new_tokens={rl.max_new_tokens} and "
+                "mask_truncated_completions masks them all: this step trains on no token; raise "
+                "max_new_tokens or turn mask_truncated_completions off"
+            )
+        for message in said:
+            print(f"[warning] tenant {t.name}: {message}", flush=True)
+            self.recorder.log(
+                EventRow(step=self.recorder.step, event=EventKind.WARNING, message=message, tenant=t.name)
+            )
+
     def _local(self, t: TenantRun, m: int) -> list[int]:
         """This process's completions of micro-batch ``m`` of ``t``'s generation (indices into it)."""
         part = t.feed.current.micro(m, t.spec.grad_accum)
@@ -397,14 +443,14 @@ class RLDriver(Driver):
                 continue
             weights = rl.reward_weights if rl.reward_weights is not None else [1.0] * len(rl.rewards)
             # (in float64: a reward of 1e308, or 1e20 weighted by 1e20, is a number there, not inf)
-            per_function = torch.tensor(got, dtype=torch.float64)
+            per_function = torch.tensor(got.rewards, dtype=torch.float64)
             names = [shown_reward(r) for r in rl.rewards]
             why = reward_problem(per_function, weights, rl.group_size, rl.scale_rewards, names)
             if why is not None:  # never advantages of 0 in silence: the tenant's fault, named
                 failed[t.name] = f"RewardError: {why}"
                 continue
             R = combine_rewards(per_function, weights)
-            A, _ = advantages(R, rl.group_size, rl.scale_rewards)
+            A, stats = advantages(R, rl.group_size, rl.scale_rewards)
             R, A = R.float(), A.float()  # (A is finite in float32: reward_problem checked)
             cs = by_tenant[t.name]
             g = Generation(
@@ -415,9 +461,13 @@ class RLDriver(Driver):
                 truncated=[c.stop_reason == "length" for c in cs],
                 rewards=R,
                 advantages=A,
+                per_function=per_function,
+                logged=got.metrics,
+                extra={k: v for k, v in got.extra.items() if len(v) == len(cs)},
             )
             g.build(f.prompts, rl.mask_truncated_completions)
             f.current = g
+            self._watch(t, g, stats)
             made.append(t)
         with_ref = [t for t in made if t.spec.rl.beta > 0]
         if with_ref:
@@ -431,13 +481,14 @@ class RLDriver(Driver):
 
     def _rewards(
         self, tenants: list[TenantRun], drawn: dict[str, list[int]], by_tenant: dict[str, list[Completion]]
-    ) -> dict[str, list[list[float]] | str]:
-        """Each tenant's rewards ``[N][F]`` (NaN: none), or why its call failed: computed on rank 0 (every
-        tenant's batch submitted before any answer is awaited), broadcast to every process."""
+    ) -> dict[str, RewardResult | str]:
+        """Each tenant's rewards (``rewards [N][F]``, NaN: none; and what its functions logged), or why its
+        call failed: computed on rank 0 (every tenant's batch submitted before any answer is awaited),
+        broadcast to every process."""
         if not self.pool.is_main:
             return self.comm.broadcast_object(None)  # type: ignore[return-value]
         tok = self.engine.tokenizer
-        out: dict[str, list[list[float]] | str] = {}
+        out: dict[str, RewardResult | str] = {}
         sent = []
         for t in tenants:
             f, rl = t.feed, t.spec.rl
@@ -463,7 +514,7 @@ class RLDriver(Driver):
                 out[t.name] = str(e)
         for t in sent:
             try:
-                out[t.name] = self.workers[t.name].result().rewards
+                out[t.name] = self.workers[t.name].result()
             except RewardError as e:
                 out[t.name] = str(e)
         return self.comm.broadcast_object(out)  # type: ignore[return-value]
@@ -572,6 +623,7 @@ class RLDriver(Driver):
             clip_ratio=float(totals[2] / max(float(totals[3]), 1.0))
             if rl.loss_type in (*CLIPPED, "cispo")
             else None,
+            extra=reward_metrics(g, rl.rewards) or None,
         )
         self.recorder.log(row)
         tok = self.engine.tokenizer
@@ -588,5 +640,28 @@ class RLDriver(Driver):
                     prompt=t.feed.prompts[g.prompts[i // G]].text,
                     completion=tok.decode(g.tokens[i], skip_special_tokens=True),
                     reward=reward if math.isfinite(reward) else None,
+                    extra={k: v[i] for k, v in g.extra.items()} or None,
                 )
             )
+
+
+FLAT_GENERATIONS = 5
+"""Generations in a row whose every group scored alike before an RL tenant is warned it learns nothing."""
+
+
+def reward_metrics(g: Generation, rewards: Sequence[str]) -> dict[str, float | None]:
+    """A generation's ``rewards/<fn>/mean`` and ``rewards/<fn>/std`` of each reward function (over the
+    completions it scored; ``fn`` the function's name, ``fn#2`` for a second of that name), as TRL logs them,
+    then what the functions logged with ``log_metric``."""
+    out: dict[str, float | None] = {}
+    if g.per_function is not None:
+        seen: dict[str, int] = {}
+        for f, ref in enumerate(rewards):
+            name = ref.rpartition(":")[2]
+            seen[name] = seen.get(name, 0) + 1
+            key = name if seen[name] == 1 else f"{name}#{seen[name]}"
+            col = g.per_function[:, f]
+            scored = col[~torch.isnan(col)]
+            out[f"rewards/{key}/mean"] = float(scored.mean()) if len(scored) else None
+            out[f"rewards/{key}/std"] = float(nanstd(col)) if len(scored) > 1 else None
+    return out | dict(g.logged)

@@ -130,6 +130,18 @@ def _column(values: np.ndarray, how: str) -> Any:
     return values
 
 
+def _extra_columns(values: np.ndarray) -> dict[str, Any]:
+    """The ``extra`` dicts of a kind's rows (None where a row has none) as a column per key, in the order
+    the keys first appear: float64 where every value is a number (or missing: NaN), else objects."""
+    keys = dict.fromkeys(k for d in values if d for k in d)
+    out = {}
+    for key in keys:
+        column = np.array([d.get(key) if d else None for d in values], dtype=object)
+        numeric = all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in column)
+        out[key] = _column(column, "float" if numeric else "object")
+    return out
+
+
 def _rows_frame(rows: Sequence[Row]) -> pd.DataFrame:
     row_types = set(map(type, rows))
     parts = []
@@ -145,7 +157,10 @@ def _rows_frame(rows: Sequence[Row]) -> pd.DataFrame:
         table = np.fromiter(values, dtype=object, count=len(mine) * len(names)).reshape(len(mine), len(names))
         data = {"kind": pd.array([kind] * len(mine), dtype=_TEXT)}
         for j, (name, how) in enumerate(zip(names, _COLUMN_TYPES[kind], strict=True)):
-            data[name] = _column(table[:, j], how)
+            if name == "extra":  # (named metrics or columns: a column each, none when no row has any)
+                data |= _extra_columns(table[:, j])
+            else:
+                data[name] = _column(table[:, j], how)
         parts.append(pd.DataFrame(data, index=at))
     if not parts:
         return pd.DataFrame()
@@ -264,6 +279,11 @@ class TenantSeries:
         self.last_reward: float | None = None
         self.samples: deque[CompletionRow] | None = None
         """Its latest :data:`RECENT_SAMPLES` completion rows, oldest first (None: it has none)."""
+        self.named: dict[str, Columns] = {}
+        """Its train rows' named metrics (``TrainRow.extra``: ``rewards/<fn>/mean``, ``log_metric``'s), each
+        as columns ``step, tenant_step, tokens, time, value`` from the first row that has it on."""
+        self.warning: str | None = None
+        """Its latest ``warning`` (it trains on nothing: flat rewards, every completion masked)."""
 
     def add_train(self, r: TrainRow) -> None:
         # tokens_seen is cumulative and exact; older jobs only log each step's tokens, so their sum
@@ -283,6 +303,12 @@ class TenantSeries:
             smoothed = num / den
             self.best_loss = smoothed if self.best_loss is None else min(self.best_loss, smoothed)
         # (an SFT row: five checks, and nothing more is kept or computed for it)
+        if r.extra:
+            for name, value in r.extra.items():
+                cols = self.named.get(name)
+                if cols is None:
+                    cols = self.named[name] = Columns("step", "tenant_step", "tokens", "time", "value")
+                cols.append(r.step, self.step, self.tokens, r.time, value)
         if self.rl is not None or not (
             r.reward is None
             and r.completion_len is None
@@ -471,6 +497,8 @@ class RunSeries:
                 self.tenant(r.tenant).add_state(r)
             elif isinstance(r, EventRow) and r.event is EventKind.RESUMED:
                 self.resumes.append(r.time)
+            elif isinstance(r, EventRow) and r.event is EventKind.WARNING and r.tenant is not None:
+                self.tenant(r.tenant).warning = r.message
             elif isinstance(r, UsageRow):
                 self.usage[(r.key, r.tenant)] = r
             elif isinstance(r, CompletionRow):
@@ -499,12 +527,22 @@ class RunSeries:
         """``(x, y, breaks)`` of one tenant's ``metric`` (see :data:`METRICS`); ``breaks`` marks the points
         not to join to the previous one (on time axes only; None otherwise)."""
         s = self.tenants.get(tenant)
-        source = METRICS[metric]
-        columns = None if s is None else s.evals if source == "eval" else s.rl if source == "rl" else s.train
+        source = METRICS.get(metric, "named")  # (else a train row's named metric: rewards/<fn>/mean, ...)
+        columns = (
+            None
+            if s is None
+            else s.evals
+            if source == "eval"
+            else s.rl
+            if source == "rl"
+            else s.named.get(metric)
+            if source == "named"
+            else s.train
+        )
         if columns is None:  # (not a tenant of the run, or an SFT tenant asked for an RL metric)
             return np.empty(0), np.empty(0), None
         cols = columns.arrays()
-        y = cols["loss" if metric == "eval_loss" else metric]
+        y = cols["value" if source == "named" else "loss" if metric == "eval_loss" else metric]
         xs = self.x_values(cols, x)
         breaks = gap_breaks(cols["time"], self.resumes) if x in TIME_AXES else None
         return xs, y, breaks

@@ -156,6 +156,10 @@ class Functions:
                     f"log_extra({brief(column)}, ...) takes a list of texts or numbers (one per completion), "
                     f"got {brief(values)}"
                 )
+            if len(values) != n:
+                raise TypeError(
+                    f"log_extra({brief(column)}, ...) takes one value per completion ({n}), got {len(values)}"
+                )
             extra[str(column)].extend(
                 v if not isinstance(v, float) or math.isfinite(v) else None for v in values
             )

@@ -77,6 +77,9 @@ class EventKind(TextEnum):
     METRICS_RECREATED = "metrics_recreated"  # metrics.jsonl was deleted or replaced under the job
     SEARCH = "search"  # a decision of the job's hyperparameter search (mlora_lab.job.search)
     TRACKER_FAILED = "tracker_failed"  # a tracker of report_to failed and gets no more rows
+    WARNING = (
+        "warning"  # a tenant trains, but on nothing (an RL tenant's flat rewards, all completions masked)
+    )
 
 
 class Row(msgspec.Struct, tag_field="kind", gc=False):
@@ -137,6 +140,10 @@ class TrainRow(Row, tag="train"):
     clip_ratio: float | None = None
     """RL tenants: the share of completion tokens whose importance ratio was clipped (TRL's
     ``clip_ratio/region_mean``; ``cispo_clip_ratio`` for cispo; ``None`` for the losses without a clip)."""
+    extra: dict[str, float | None] | None = None
+    """Named metrics of the step: an RL tenant's ``rewards/<fn>/mean`` and ``rewards/<fn>/std`` of each reward
+    function (as TRL logs them, ``fn`` the function's name) and what its functions logged with
+    ``log_metric(name, value)`` (their mean over the step's calls)."""
 
 
 class EvalRow(Row, tag="eval"):
@@ -196,6 +203,8 @@ class EventRow(Row, tag="event"):
     event: EventKind
     message: str = ""
     time: float = msgspec.field(default_factory=time.time)
+    tenant: str | None = None
+    """The tenant it is about (a ``warning``), if any."""
 
     def __post_init__(self) -> None:
         self.event = EventKind(self.event)
@@ -216,6 +225,9 @@ class CompletionRow(Row, tag="completion"):
     reward: float | None
     """Its reward (the weighted sum of the reward functions); ``None`` when none scored it."""
     time: float = msgspec.field(default_factory=time.time)
+    extra: dict[str, str | float | int | bool | None] | None = None
+    """What the reward functions logged for it with ``log_extra(column, values)`` (one value per
+    completion), by column."""
 
 
 class UsageRow(Row, tag="usage"):

@@ -101,6 +101,14 @@ def numbers(row: Row, names: tuple[str, ...] | None = None) -> dict[str, float]:
         v = getattr(row, name)
         if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
             out[name] = v
+        elif (
+            isinstance(v, dict) and names is None
+        ):  # (``extra``: rewards/<fn>/mean, log_metric's, as TRL names them)
+            out |= {
+                str(k): x
+                for k, x in v.items()
+                if isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+            }
     return out
 
 

@@ -80,6 +80,8 @@ class Sample:
     reward: float | None
     prompt: str
     completion: str
+    extra: str = ""
+    """What the reward functions logged for it with ``log_extra``: ``column: value`` lines."""
 
 
 @dataclass
@@ -335,6 +337,9 @@ class ViewModel:
                             r.reward,
                             shown_text(r.prompt, PROMPT_CHARS),
                             shown_text(r.completion, COMPLETION_CHARS),
+                            shown_text(
+                                "\n".join(f"{k}: {v}" for k, v in (r.extra or {}).items()), PROMPT_CHARS
+                            ),
                         )
                         for r in latest
                     ],

@@ -143,12 +143,18 @@ class TenantProgress:
             text += f" · ETA {duration(eta)}"
         if self.info.value != text:
             self.info.value = text
+        # why it failed (red) or what it is warned of (amber: it trains on nothing), in full: wrapped, never
+        # cut (a quarantine's reason names the reward function, its file and what it did)
         reason = tenant.reason or ""
-        if reason:
-            value = (
-                f"<div title='{html.escape(reason, quote=True)}' style='color:{RED};white-space:nowrap;"
-                f"overflow:hidden;text-overflow:ellipsis;padding-left:226px'>{html.escape(reason)}</div>"
+        warning = tenant.warning if state is TenantState.RUNNING else None
+        lines = [(RED, reason)] if reason else []
+        lines += [(AMBER, f"warning: {warning}")] if warning else []
+        if lines:
+            value = "".join(
+                f"<div title='{html.escape(text, quote=True)}' style='color:{colour};white-space:pre-wrap;"
+                f"overflow-wrap:anywhere;padding-left:226px'>{html.escape(text)}</div>"
+                for colour, text in lines
             )
             if self.reason.value != value:
                 self.reason.value = value
-        self.reason.layout.display = "" if reason else "none"
+        self.reason.layout.display = "" if lines else "none"

@@ -19,7 +19,7 @@ import ipywidgets as W
 
 from mlora_lab.lab.dashboard.figures import GREY, WAITING, Hover, Panel, Scene, Smoother
 from mlora_lab.lab.dashboard.model import Key, Sample, ViewModel
-from mlora_lab.lab.plotting import placeholder, style_axes
+from mlora_lab.lab.plotting import drawable, placeholder, plain, style_axes, thin_with_breaks
 
 NO_RL_PICKED = "no RL tenant picked"
 """What the reward panel says when the tenants picked are SFT tenants only (the runs have RL tenants)."""
@@ -46,10 +46,31 @@ class RewardFigure(Panel):
             )
             shown |= got
             points += n
+            shown |= self.function_lines(scene, key, per_line)
         self.sets[self.ax].show_only(shown)
         placeholder(self.ax, None if points else NO_RL_PICKED if not keys else WAITING)
         # (never a log axis: rewards may be negative)
         self.autoscale(self.ax, scene.outliers)
+
+    def function_lines(self, scene: Scene, key: Key, points: int) -> set[tuple]:
+        """A tenant with several reward functions: each one's mean (``rewards/<fn>/mean``, as TRL logs it)
+        as a thin dotted line in the tenant's colour, unsmoothed, under its combined reward."""
+        feed = scene.feeds[key[0]]
+        means = [m for m in feed.tenants[key[1]].named if m.startswith("rewards/") and m.endswith("/mean")]
+        shown: set[tuple] = set()
+        if len(means) < 2:
+            return shown
+        colour, label = scene.colour(key), scene.label(key)
+        for metric in means:
+            xs, ys, breaks = feed.xy(key[1], metric, scene.x)
+            fn = metric.removeprefix("rewards/").removesuffix("/mean")
+            line = self.sets[self.ax].get((key, metric), color=colour, linewidth=0.9, markersize=2)
+            line.set_linestyle(":")
+            line.set_data(*thin_with_breaks(xs, drawable(ys), breaks, points))
+            line.set_label(plain(f"{label} · {fn}"))
+            self.hover.name(line, f"{label} · {fn} (its mean reward)")
+            shown.add((key, metric))
+        return shown
 
 
 def samples_html(
@@ -80,7 +101,13 @@ def samples_html(
             parts.append(
                 f"<tr><td style='{cell}'>{s.tenant_step}</td><td style='{cell}'>{reward}</td>"
                 f"<td style='{text}'>{html.escape(s.prompt)}</td>"
-                f"<td style='{text}'>{html.escape(s.completion)}</td></tr>"
+                f"<td style='{text}'>{html.escape(s.completion)}"
+                + (
+                    f"<div style='color:{GREY};margin-top:2px'>{html.escape(s.extra)}</div>"
+                    if s.extra
+                    else ""
+                )
+                + "</td></tr>"
             )
         parts.append("</table>")
     parts.append("</div>")
