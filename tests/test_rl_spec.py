@@ -243,3 +243,22 @@ def test_rl_tenants_accumulate_and_sample_at_any_temperature(tmp_path, llama_pat
     rl = RL(reward=f"{rewards}:short", temperature=0.7, group_size=2, max_new_tokens=8)
     tenant = Tenant(name="a", data=prompts(tmp_path), rl=rl, grad_accum=2)
     assert texts(JobSpec(base_model=llama_path, seq_len=64, tenants=[tenant])) == []
+
+
+def test_a_generation_that_cannot_fit_the_machine_is_refused_before_launch(tmp_path, llama_path):
+    """group_size=4096 × batch_size=64 passed validation and then could not be generated: every completion of
+    a step is generated at once, so the KV cache and logits of them all are estimated against the machine."""
+    from mlora_lab.validate.introspect import device_memory, model_info
+
+    rewards = write(tmp_path / "rewards.py", REWARDS)
+    data = write(tmp_path / "rows.jsonl", '{"prompt": "ok"}\n')
+    huge = Tenant(name="a", data=data, batch_size=64, rl=RL(reward=f"{rewards}:short", group_size=4096))
+    said = texts(JobSpec(base_model=llama_path, seq_len=2048, tenants=[huge]))
+    total, device = device_memory()
+    info = model_info(str(llama_path))
+    need = 64 * 4096 * (2048 * info.kv_per_token * 4 + info.logits * 12)
+    assert need > total  # (the estimate this machine is checked against)
+    assert len(said) == 1 and "the RL tenants' generation needs about" in said[0], said
+    assert "262,144 sequences" in said[0] and f"but {device} has" in said[0]
+    small = Tenant(name="a", data=data, batch_size=2, rl=RL(reward=f"{rewards}:short", group_size=4))
+    assert texts(JobSpec(base_model=llama_path, seq_len=128, tenants=[small])) == []

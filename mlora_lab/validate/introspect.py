@@ -42,6 +42,9 @@ class ModelInfo:
     """Columns of the logits (the output layer's outputs)."""
     output: frozenset[str] = frozenset()
     """Full names of the output layer (:func:`mlora_lab.lora.targets.output_layer_names`)."""
+    kv_per_token: int | None = None
+    """Elements of the KV cache one token of one sequence takes (``2 × layers × kv heads × head dim``; None
+    when the config does not say): what a generation holds per token."""
 
     @property
     def all_linear(self) -> list[str]:
@@ -110,8 +113,34 @@ def model_info(path: str) -> ModelInfo:
     logits = logits if is_int(logits) else vocab
     output = frozenset(output_layer_names(model))
     return ModelInfo(
-        modules, linear, experts, expert_modules, linear_shapes, expert_shapes, vocab, logits, output
+        modules,
+        linear,
+        experts,
+        expert_modules,
+        linear_shapes,
+        expert_shapes,
+        vocab,
+        logits,
+        output,
+        kv_size(cfg),
     )
+
+
+def kv_size(cfg: Any) -> int | None:
+    """``2 × layers × kv heads × head dim`` of a transformers config (a text config inside a multimodal
+    one), or None when it lacks one of them."""
+    cfg = getattr(cfg, "text_config", None) or cfg
+    layers = getattr(cfg, "num_hidden_layers", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    dim = getattr(cfg, "head_dim", None) or (
+        cfg.hidden_size // heads
+        if is_int(getattr(cfg, "hidden_size", None)) and is_int(heads) and heads
+        else None
+    )
+    if not all(is_int(v) and v > 0 for v in (layers, kv, dim)):
+        return None
+    return 2 * layers * kv * dim
 
 
 @functools.lru_cache(maxsize=32)

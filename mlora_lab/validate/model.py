@@ -325,6 +325,47 @@ def check_vocab(ctx: Context) -> None:
         )
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def check_generation_memory(ctx: Context, tenants: list[Tenant]) -> None:
+    """RL tenants generate all their completions at once, every RL tenant's in one batch: a generation
+    that cannot fit is refused now rather than killed by the kernel (or CUDA) mid-run. An estimate:
+
+        rows   = Σ over RL tenants of batch_size × grad_accum × group_size
+        need   = rows × seq_len × kv_per_token × bytes(dtype)        the KV cache (prompt + completion)
+               + rows × logits × 4 bytes × 3                          a decode step's logits, probabilities, CDF
+
+    against the device's memory (the base's weights and the adapters come on top: a generation that needs
+    more than all of it cannot run)."""
+    m = ctx.model
+    mem = device_memory() if m is not None else None
+    rl = [t for t in tenants if t.rl is not None]
+    if m is None or mem is None or not rl:
+        return
+    total, device = mem
+    per_token = (m.kv_per_token or 0) * DTYPE_BYTES.get(ctx.spec.dtype, 4)
+    sizes = []
+    for t in rl:
+        counts = (t.batch_size, t.grad_accum, t.rl.group_size)
+        if not all(is_int(c) and c > 0 for c in counts) or not is_int(ctx.spec.seq_len):
+            continue
+        rows = counts[0] * counts[1] * counts[2]
+        sizes.append((rows * (ctx.spec.seq_len * per_token + (m.logits or 0) * 12), t.name, rows))
+    need = sum(size for size, *_ in sizes)
+    if sizes and need > total:
+        gib = 2**30
+        _, name, rows = max(sizes)
+        ctx.say(
+            None,
+            None,
+            f"the RL tenants' generation needs about {need / gib:,.1f} GiB (every completion of a step at once: "
+            f"{sum(r for *_, r in sizes):,} sequences of up to seq_len={ctx.spec.seq_len} tokens, their KV cache "
+            f"and logits; the largest is {tenant_label(name)}: batch_size × grad_accum × group_size = {rows:,}) "
+            f"but {device} has {total / gib:,.1f} GiB; lower group_size, batch_size or seq_len",
+        )
+
+
 def check_memory(ctx: Context, tenants: list[Tenant]) -> None:
     """Sizes that cannot fit one device: the tenants' own tensors. Each tenant's exist only for it,
     at its rank (nothing is allocated for free slots or for ``max_rank``), and are held whole on

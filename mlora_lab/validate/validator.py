@@ -19,6 +19,7 @@ from mlora_lab.validate.context import Context, ValidationCache, capped
 from mlora_lab.validate.fields import check_job_fields, check_tenant_fields
 from mlora_lab.validate.files import check_data, check_init_adapter
 from mlora_lab.validate.model import (
+    check_generation_memory,
     check_memory,
     check_slot_modules,
     check_targets,
@@ -62,6 +63,7 @@ def run_checks(ctx: Context, files: bool = True) -> list[Problem]:
     check_tensor_parallel(ctx)
     check_vocab(ctx)
     check_memory(ctx, good)
+    check_generation_memory(ctx, good)
     return ctx.out
 
 
