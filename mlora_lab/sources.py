@@ -484,3 +484,58 @@ def snapshot(value: Any) -> Any:
         return Snapshot(kind, tuple(source_rows(value)))
     except SourceError as e:
         return Snapshot(kind, error=str(e))
+
+
+PICKLED_REWARD = ".pkl"
+"""The suffix of a reward function pickled by value into a run directory: ``"<run>/rewards/<tenant>/<i>-fn.pkl:fn"``
+is the reference job.json holds for it (:class:`RewardSnapshot`)."""
+
+
+@dataclass(frozen=True, eq=False)
+class RewardSnapshot:
+    """A reward function given as a callable (a notebook's ``def``, a lambda, a closure, as ``reward_funcs=[fn]``
+    takes them in TRL), pickled by value with ``cloudpickle`` once, when the spec is launched: the function the
+    job's reward worker calls is the one validated, whatever the notebook does with it afterwards. Written into
+    the run directory and named there (:func:`mlora_lab.lab.tenant_data.write_data`); the worker unpickles it
+    (a run's own file: as trusted as a ``file.py:function`` in it)."""
+
+    name: str
+    """An identifier for messages and the reference (the function's ``__name__``; ``reward`` for a lambda)."""
+    data: bytes
+
+    @classmethod
+    def of(cls, fn: Any) -> RewardSnapshot:
+        """``fn`` pickled; ``TypeError`` (or cloudpickle's error) when it cannot be. A function of the user's
+        own module (not an installed package's) goes by value with that module's globals it uses, as a
+        notebook's does: the job's worker need not be able to import the module."""
+        import cloudpickle
+
+        name = getattr(fn, "__name__", "")
+        name = name if isinstance(name, str) and name.isidentifier() else "reward"
+        module = sys.modules.get(getattr(fn, "__module__", None) or "")
+        own = module is not None and module.__name__ != "__main__" and _user_module(module)
+        if own:
+            cloudpickle.register_pickle_by_value(module)
+        try:
+            return cls(name, cloudpickle.dumps(fn))
+        finally:
+            if own:
+                cloudpickle.unregister_pickle_by_value(module)
+
+
+def _user_module(module: Any) -> bool:
+    """Whether ``module`` is the user's code (a file outside the interpreter's and its packages' folders)."""
+    import sysconfig
+
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str):
+        return False
+    installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    real = os.path.realpath(path)
+    return not any(real.startswith(os.path.realpath(p) + os.sep) for p in installed)
+
+
+def reward_in_memory(value: Any) -> bool:
+    """Whether a reward is a function held in memory (a callable, or its :class:`RewardSnapshot`), not a
+    ``"module:function"`` / ``"file.py:function"`` reference."""
+    return isinstance(value, RewardSnapshot) or (callable(value) and not isinstance(value, str | type))

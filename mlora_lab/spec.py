@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlora_lab.lora.targets import ALL_LINEAR
-from mlora_lab.sources import describe, memory_kind
+from mlora_lab.sources import describe, memory_kind, reward_in_memory
 from mlora_lab.specbase import (
     MAX_COUNT,
     MAX_LR,
@@ -569,6 +569,15 @@ def in_memory_problems(t: Tenant) -> list[Problem]:
                 f"{name} is {describe(value)} held in memory, which job.json cannot hold: launch the spec "
                 "(ml.launch writes the rows into the run directory and names that file) or write the rows "
                 "to a file and give its path (df.to_json('rows.jsonl', orient='records', lines=True))",
+            )
+        )
+    if isinstance(t.rl, RL) and any(reward_in_memory(r) for r in t.rl.rewards):
+        out.append(
+            Problem(
+                t.name if isinstance(t.name, str) else None,
+                "rl",
+                "rl.reward holds a function in memory, which job.json cannot hold: launch the spec (ml.launch "
+                "pickles it into the run directory and names that file) or give 'file.py:function'",
             )
         )
     return out

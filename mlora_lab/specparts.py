@@ -74,7 +74,9 @@ class RL:
     reward: str | list[str] = field(metadata=meta(
         "reward", kind="rewards", section="RL", max=MAX_REWARDS, help="module:function or file.py:function"))
     """The reward function, ``"module:function"`` or ``"path/to/file.py:function"`` (a relative file is
-    taken from where the job is launched), or a list of them whose rewards are summed (``reward_weights``)."""
+    taken from where the job is launched), or a function itself (a notebook's ``def``, a lambda, a closure:
+    pickled by value into the run directory at launch, as TRL's ``reward_funcs=[fn]``), or a list of them
+    whose rewards are summed (``reward_weights``)."""
     reward_weights: list[float] | None = field(default=None, metadata=meta(
         "reward weights", kind="numbers", section="RL", optional=True, help="one per reward function"))
     """A weight per reward function (default 1 each); the tenant's reward is their weighted sum."""
@@ -130,9 +132,9 @@ class RL:
     # fmt: on
 
     @property
-    def rewards(self) -> list[str]:
-        """``reward`` as a list."""
-        return [self.reward] if isinstance(self.reward, str) else list(self.reward)
+    def rewards(self) -> list[Any]:
+        """``reward`` as a list (references, or functions held in memory until the spec is launched)."""
+        return list(self.reward) if isinstance(self.reward, list | tuple) else [self.reward]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""

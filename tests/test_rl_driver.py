@@ -609,3 +609,53 @@ def test_a_tenant_that_trains_on_nothing_is_warned_and_what_its_rewards_logged_i
     assert frame["rewards/logs/mean"].notna().all() and frame["length"].dtype == "float64"
     samples = [r for r in rows if r.kind == "completion" and r.tenant == "logged"]
     assert samples and all(set(r.extra) == {"first"} and len(r.extra["first"]) <= 1 for r in samples)
+
+
+@pytest.mark.slow  # (starts a job)
+def test_reward_functions_from_a_notebook_a_lambda_and_a_closure_train_as_their_file_would(
+    llama_path, tmp_path
+):
+    """``RL(reward=[fn, lambda ..., closure])`` as TRL's ``reward_funcs=[fn]``: validated (a function that
+    cannot travel to the worker is named), pickled by value into the run at launch, and called by the job's
+    reward worker; job.json names the pickles. The tenant trains exactly as with the same functions in a file."""
+    import mlora_lab as ml
+    from mlora_lab.validate import problems
+
+    data = prompt_file(tmp_path)
+    target = "e"
+
+    def letters(prompts, completions, **kwargs):  # (a closure: `target` comes by value)
+        return [_count(c, target) for c in completions]
+
+    callables = [letters, lambda completions, **kw: [len(str(c)) / 20 for c in completions]]
+    rl = RL(reward=callables, group_size=2, max_new_tokens=4)
+    spec = job(llama_path, [rl_tenant("nb", data, rl, max_steps=2)])
+    spec.output_dir = str(tmp_path / "runs")
+    assert problems(spec) == []
+    import threading
+
+    lock = threading.Lock()  # (no pickle holds a lock)
+    bad = RL(
+        reward=lambda completions, **kw: [lock is None] * len(completions), group_size=2, max_new_tokens=4
+    )
+    said = [str(p) for p in problems(job(llama_path, [rl_tenant("bad", data, bad)]))]
+    assert len(said) == 1 and "cannot be pickled for the reward worker" in said[0], said
+    run = ml.launch(spec)
+    assert run.wait(300) == "finished", run.logs(0)
+    refs = ml.JobSpec.load(run.dir.job).tenants[0].rl.reward
+    assert [Path(r.rpartition(":")[0]).name for r in refs] == ["0-letters.pkl", "1-reward.pkl"]
+    rewards = [r for r in run.metrics()["reward"].dropna()]
+    file = tmp_path / "same.py"
+    file.write_text(
+        "def _count(c, t):\n    return (c if isinstance(c, str) else c[0]['content']).count(t) / 4\n"
+        "def letters(prompts, completions, **kwargs):\n    return [_count(c, 'e') for c in completions]\n"
+        "def length(completions, **kw):\n    return [len(str(c)) / 20 for c in completions]\n"
+    )
+    same = RL(reward=[f"{file}:letters", f"{file}:length"], group_size=2, max_new_tokens=4)
+    alone = Trainer(job(llama_path, [rl_tenant("nb", data, same, max_steps=2)]))
+    alone.train()
+    assert rewards == pytest.approx([r["reward"] for r in alone.recorder.history if r["kind"] == "train"])
+
+
+def _count(c, t):
+    return (c if isinstance(c, str) else c[0]["content"]).count(t) / 4

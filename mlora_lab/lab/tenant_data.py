@@ -16,20 +16,40 @@ import dataclasses
 from typing import Any
 
 from mlora_lab.rundir import RunDir, atomic_write_bytes
-from mlora_lab.sources import memory_kind, snapshot
+from mlora_lab.sources import RewardSnapshot, memory_kind, reward_in_memory, snapshot
 from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.specparts import RL
 
 SPLITS = {"data": "train", "eval_data": "eval"}
 """The tenant fields that hold rows, and the name of the file each is written to."""
 
 
 def freeze(tenant: Any) -> Any:
-    """``tenant`` with each in-memory source replaced by its :class:`~mlora_lab.sources.Snapshot` (the
-    same tenant when it holds none; anything that is not a Tenant as it is)."""
+    """``tenant`` with each in-memory source replaced by its :class:`~mlora_lab.sources.Snapshot`, and each
+    reward function held in memory by its :class:`~mlora_lab.sources.RewardSnapshot` (pickled now: one that
+    cannot be is left for the validator to name); the same tenant when it holds none; anything that is not a
+    Tenant as it is."""
     if not isinstance(tenant, Tenant):
         return tenant
-    changes = {name: snapshot(getattr(tenant, name)) for name in SPLITS if memory_kind(getattr(tenant, name))}
+    changes: dict[str, Any] = {
+        name: snapshot(getattr(tenant, name)) for name in SPLITS if memory_kind(getattr(tenant, name))
+    }
+    rl = tenant.rl
+    if isinstance(rl, RL) and any(reward_in_memory(r) for r in rl.rewards):
+        rewards = [_pickled(r) for r in rl.rewards]
+        changes["rl"] = dataclasses.replace(
+            rl, reward=rewards if isinstance(rl.reward, list | tuple) else rewards[0]
+        )
     return dataclasses.replace(tenant, **changes) if changes else tenant
+
+
+def _pickled(reward: Any) -> Any:
+    if not reward_in_memory(reward) or isinstance(reward, RewardSnapshot):
+        return reward
+    try:
+        return RewardSnapshot.of(reward)
+    except Exception:  # (the validator says why: it tries again)
+        return reward
 
 
 def freeze_all(spec: JobSpec) -> JobSpec:
@@ -55,6 +75,18 @@ def write_data(run: RunDir, tenant: Any) -> Any:
         path = run.tenant_data(tenant.name, split)
         atomic_write_bytes(path, snapshot(value).jsonl(), root=run.root)
         changes[name] = str(path)
+    rl = tenant.rl
+    if isinstance(rl, RL) and any(isinstance(r, RewardSnapshot) for r in rl.rewards):
+        refs = []
+        for i, r in enumerate(rl.rewards):
+            if isinstance(r, RewardSnapshot):
+                path = run.reward(tenant.name, i, r.name)
+                atomic_write_bytes(path, r.data, root=run.root)
+                r = f"{path}:{r.name}"
+            refs.append(r)
+        changes["rl"] = dataclasses.replace(
+            rl, reward=refs if isinstance(rl.reward, list | tuple) else refs[0]
+        )
     return dataclasses.replace(tenant, **changes) if changes else tenant
 
 

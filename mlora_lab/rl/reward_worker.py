@@ -41,14 +41,29 @@ import orjson
 import psutil
 
 from mlora_lab.rl.rewards import NONCE_ENV, RewardRef, kill_tree, parse_reward, shown_reward
+from mlora_lab.sources import PICKLED_REWARD
 from mlora_lab.text import brief, error_line
 
 
 def load(text: str) -> Any:
-    """The function a reward names; ``LookupError`` with the reason when it cannot be had."""
+    """The function a reward names (a pickled one, ``"file.pkl:name"``, unpickled); ``LookupError`` with the
+    reason when it cannot be had."""
     ref = parse_reward(text)
     if isinstance(ref, str):
         raise LookupError(ref)
+    if ref.target.endswith(PICKLED_REWARD):  # a notebook's function, pickled by value at launch
+        try:
+            import cloudpickle
+
+            with open(ref.target, "rb") as f:
+                fn = cloudpickle.load(f)
+        except BaseException as e:  # (a function that needs a module the job's Python lacks, say)
+            raise LookupError(
+                f"reward {shown_reward(text)}: unpickling it raised {type(e).__name__}: {error_line(e)}"
+            ) from None
+        if not callable(fn):
+            raise LookupError(f"reward {shown_reward(text)}: it is not a function ({type(fn).__name__})")
+        return fn
     try:
         module = _module(ref)
     except LookupError:

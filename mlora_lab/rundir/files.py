@@ -184,6 +184,14 @@ class RunDir:
             raise RunDirError(f"a tenant's data split is 'train' or 'eval' (got {str(split)[:80]!r})")
         return self.inside(self.data / tenant / f"{split}.jsonl")
 
+    def reward(self, tenant: str, index: int, name: str) -> Path:
+        """``rewards/<tenant>/<index>-<name>.pkl``: a reward function the tenant was given as a callable,
+        pickled by value at launch or ``run.add_tenant`` (job.json names it ``"<that path>:<name>"``)."""
+        problem = name_problem(tenant) or (None if name.isidentifier() else f"{name[:40]!r} is no identifier")
+        if problem:
+            raise RunDirError(f"a reward file of tenant {str(tenant)[:80]!r} cannot be named: {problem}")
+        return self.inside(self.root / "rewards" / tenant / f"{int(index)}-{name}.pkl")
+
     def is_run(self) -> bool:
         """True when the directory holds a run (a job.json)."""
         return self.job.is_file()

@@ -26,6 +26,7 @@ from mlora_lab.bases import (
 from mlora_lab.lora.targets import ALL_LINEAR, name_matches, suffixes
 from mlora_lab.spec import Tenant, valid_targets
 from mlora_lab.specbase import MAX_SLOTS, tenant_label
+from mlora_lab.specparts import RL
 from mlora_lab.text import (
     MAX_JSON_BYTES,
     brief,
@@ -340,11 +341,12 @@ def check_generation_memory(ctx: Context, tenants: list[Tenant]) -> None:
     more than all of it cannot run)."""
     m = ctx.model
     mem = device_memory() if m is not None else None
-    rl = [t for t in tenants if t.rl is not None]
+    rl = [t for t in tenants if isinstance(t.rl, RL)]  # (a hostile value is another check's to report)
     if m is None or mem is None or not rl:
         return
     total, device = mem
-    per_token = (m.kv_per_token or 0) * DTYPE_BYTES.get(ctx.spec.dtype, 4)
+    dtype = ctx.spec.dtype
+    per_token = (m.kv_per_token or 0) * (DTYPE_BYTES.get(dtype, 4) if isinstance(dtype, str) else 4)
     sizes = []
     for t in rl:
         counts = (t.batch_size, t.grad_accum, t.rl.group_size)

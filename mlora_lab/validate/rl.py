@@ -10,38 +10,63 @@ check_rewards(ctx, t, columns)   the reward functions imported in a short-lived 
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from mlora_lab.rl.rewards import inspect_rewards, parse_reward
+from mlora_lab.sources import RewardSnapshot, reward_in_memory
 from mlora_lab.spec import Tenant
 from mlora_lab.specbase import MAX_REWARDS, FieldInfo
 from mlora_lab.specparts import RL
-from mlora_lab.text import brief, is_finite
+from mlora_lab.text import brief, error_line, is_finite
 from mlora_lab.validate.context import Context, got
 
 
 def check_rewards(ctx: Context, t: Tenant, columns: set[str] | None) -> None:
     """Import ``t``'s reward functions in a worker process and check them against the data's columns
-    (``None``: unknown, because the data has problems of its own)."""
+    (``None``: unknown, because the data has problems of its own). A function held in memory is pickled
+    (as a launch will) and unpickled there: one that cannot travel to the worker is said so now."""
     rl = t.rl
     if not isinstance(rl, RL) or not check_reward_refs(None, t, rl.reward, "rl.reward"):
         return
-    for found in inspect_rewards(rl.rewards):
-        for problem in [found] if isinstance(found, str) else found.problems(columns):
-            ctx.say(t, "rl", problem)
+    with tempfile.TemporaryDirectory(prefix="mlora_rewards_") as tmp:
+        refs = []
+        for i, r in enumerate(rl.rewards):
+            if reward_in_memory(r):
+                try:
+                    snap = r if isinstance(r, RewardSnapshot) else RewardSnapshot.of(r)
+                except Exception as e:
+                    ctx.say(
+                        t,
+                        "rl",
+                        f"reward function {brief(r)} cannot be pickled for the reward worker: {error_line(e)}",
+                    )
+                    continue
+                path = Path(tmp) / f"{i}-{snap.name}.pkl"
+                path.write_bytes(snap.data)
+                r = f"{path}:{snap.name}"
+            refs.append(r)
+        for found in inspect_rewards(refs):
+            for problem in [found] if isinstance(found, str) else found.problems(columns):
+                ctx.say(t, "rl", problem)
 
 
 def check_reward_refs(ctx: Context | None, t: Tenant, v: Any, label: str) -> bool:
-    """One reward reference or a non-empty list of at most :data:`MAX_REWARDS` (``ctx=None``: only
-    whether it is good)."""
-    items = [v] if isinstance(v, str) else v
+    """One reward (a reference, or a function held in memory) or a non-empty list of at most
+    :data:`MAX_REWARDS` (``ctx=None``: only whether it is good)."""
+    items = [v] if isinstance(v, str) or reward_in_memory(v) else v
     problems = []
     if not isinstance(items, list | tuple) or not items:
-        problems.append(f"{label} must be 'module:function', 'file.py:function' or a list of them ({got(v)})")
+        problems.append(
+            f"{label} must be 'module:function', 'file.py:function', a function, or a list of them ({got(v)})"
+        )
     elif len(items) > MAX_REWARDS:
         problems.append(f"{label} has {len(items)} reward functions (at most {MAX_REWARDS})")
     else:
-        problems += [why for why in map(parse_reward, items) if isinstance(why, str)]
+        problems += [
+            why for why in (parse_reward(x) for x in items if not reward_in_memory(x)) if isinstance(why, str)
+        ]
     if ctx is not None:
         for problem in problems:
             ctx.say(t, "rl", problem)
