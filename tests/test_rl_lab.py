@@ -353,7 +353,12 @@ def test_dashboard_shows_each_reward_functions_mean_logged_columns_warnings_and_
     rows = []
     for s in range(1, 5):
         [row] = rl_steps("grpo", s, s)
-        row.extra = {"rewards/fmt/mean": 0.1 * s, "rewards/fmt/std": 0.0, "rewards/len/mean": 1 - 0.1 * s}
+        row.extra = {
+            "rewards/fmt/mean": 0.1 * s,
+            "rewards/fmt/std": 0.0,
+            "rewards/len/mean": 1 - 0.1 * s,
+            "hits": s,
+        }
         rows += [row, *rl_steps("flat", s, s)]
     [sample] = sampled("grpo", 4, "an answer")
     sample.extra = {"parsed": "42", "ok": True}

@@ -347,6 +347,16 @@ class ViewModel:
             )
         return out
 
+    def logged(self, key: Key) -> dict[str, float | None]:
+        """What a tenant's reward functions logged with ``log_metric``, at its latest logged step (its named
+        metrics but the per-function rewards, which the reward panel draws)."""
+        named = self.tenant(key).named
+        return {
+            name: cols.last("value")
+            for name, cols in named.items()
+            if not name.startswith("rewards/") and len(cols)
+        }
+
     def metrics(self, picked: Sequence[Key]) -> pd.DataFrame:
         """The train and eval rows of the ``picked`` tenants, with a ``run`` column first."""
         tenants: dict[str, set[str]] = {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import html
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import ipywidgets as W
 
@@ -74,11 +74,16 @@ class RewardFigure(Panel):
 
 
 def samples_html(
-    groups: Sequence[tuple[Key, Sequence[Sample]]], label: Callable[[Key], str], colour: Callable[[Key], str]
+    groups: Sequence[tuple[Key, Sequence[Sample]]],
+    label: Callable[[Key], str],
+    colour: Callable[[Key], str],
+    logged: Mapping[Key, Mapping[str, float | None]] | None = None,
 ) -> str:
-    """The samples view's HTML: per tenant its label in its colour, then a table of its samples (tenant
-    step, reward, prompt, completion), newest first. Every text is HTML-escaped here (the model already
-    cut it and escaped its hidden characters), so a completion cannot inject markup into the page."""
+    """The samples view's HTML: per tenant its label in its colour (and what its reward functions logged with
+    ``log_metric`` at its latest logged step, ``logged``), then a table of its samples (tenant step, reward,
+    prompt, completion, and their ``log_extra`` columns), newest first. Every text is HTML-escaped here (the
+    model already cut it and escaped its hidden characters), so a completion cannot inject markup into the
+    page."""
     if not groups:
         return ""
     cell = "padding:2px 6px;vertical-align:top;border-top:1px solid #eee"
@@ -89,9 +94,13 @@ def samples_html(
     ]
     for key, samples in groups:
         c, name = colour(key), html.escape(label(key))
+        metrics = (logged or {}).get(key) or {}
+        said = " · ".join(f"{k} {'–' if v is None else f'{v:.4g}'}" for k, v in metrics.items())
         parts.append(
             f"<div style='margin-top:6px'><span style='display:inline-block;width:10px;height:10px;"
-            f"background:{c};margin-right:4px'></span><b style='color:{c}'>{name}</b></div>"
+            f"background:{c};margin-right:4px'></span><b style='color:{c}'>{name}</b>"
+            + (f" <span style='color:{GREY}'>logged: {html.escape(said)}</span>" if said else "")
+            + "</div>"
             f"<table style='border-collapse:collapse;width:100%;table-layout:fixed'>"
             f"<tr style='color:{GREY};text-align:left'><th style='width:60px'>step</th>"
             "<th style='width:70px'>reward</th><th>prompt</th><th>completion</th></tr>"
@@ -125,8 +134,9 @@ class SamplesView:
         groups: Sequence[tuple[Key, Sequence[Sample]]],
         label: Callable[[Key], str],
         colour: Callable[[Key], str],
+        logged: Mapping[Key, Mapping[str, float | None]] | None = None,
     ) -> None:
-        value = samples_html(groups, label, colour)
+        value = samples_html(groups, label, colour, logged)
         if self.widget.value != value:
             self.widget.value = value
 
@@ -171,7 +181,8 @@ class RLViews:
         if rewarded:
             self.figure.draw(scene)
             self.figure.show()
-        self.samples.update(model.samples(scene.picked), scene.label, scene.colour)
+        groups = model.samples(scene.picked)
+        self.samples.update(groups, scene.label, scene.colour, {k: model.logged(k) for k, _ in groups})
         self.box.layout.display = ""
         self._drawn = version
         return True
