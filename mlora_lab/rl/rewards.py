@@ -8,7 +8,10 @@ A reward function is written as for TRL's ``GRPOTrainer`` (matched: TRL 1.16.0,
 
 It is named ``"module:function"`` (an importable module, e.g. ``"trl.rewards:think_format_reward"``) or
 ``"path/to/file.py:function"`` (a file; a relative path is taken from where the job is launched and
-made absolute in the spec). It is called, as TRL calls it, with keyword arguments only:
+made absolute in the spec), or given as the function itself (a notebook's ``def``, a lambda, a closure),
+which a launch pickles by value into the run (:class:`~mlora_lab.sources.RewardSnapshot`) and names
+``"<run>/rewards/<tenant>/<i>-<name>.pkl:<name>"``. It is called, as TRL calls it, with keyword arguments
+only:
 
 =================  ===============================================================================
 ``prompts``        one per completion (a prompt repeated ``group_size`` times): the row's ``prompt``
