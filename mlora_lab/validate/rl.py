@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mlora_lab.rl.rewards import inspect_rewards, parse_reward
+from mlora_lab.rundir.files import atomic_write_bytes
 from mlora_lab.sources import RewardSnapshot, reward_in_memory
 from mlora_lab.spec import Tenant
 from mlora_lab.specbase import MAX_REWARDS, FieldInfo
@@ -44,7 +45,7 @@ def check_rewards(ctx: Context, t: Tenant, columns: set[str] | None) -> None:
                     )
                     continue
                 path = Path(tmp) / f"{i}-{snap.name}.pkl"
-                path.write_bytes(snap.data)
+                atomic_write_bytes(path, snap.data, root=tmp)
                 r = f"{path}:{snap.name}"
             refs.append(r)
         for found in inspect_rewards(refs):
