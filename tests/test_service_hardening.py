@@ -236,7 +236,6 @@ def test_a_symlink_planted_in_the_run_is_never_followed(served, tmp_path):
     with pytest.raises(LinkRefused):
         local_path(run, snap)
     driver = served.trainer.drivers.all[0]
-    served.step_while(lambda: False)  # (nothing: the loop runs on its thread)
     driver.snapshots.by_key.pop(snap, None)
     sampler = served.client().create_sampling_client(model_path=snap).result()
     with pytest.raises(tinker.RequestFailedError, match="no sampler snapshot"):
@@ -279,7 +278,6 @@ def test_sessions_that_made_no_model_expire_and_leave_the_checkpoints(llama_path
         trainer = served.client().create_lora_training_client(base_model=served.base, rank=2).result()
         assert session in served.state.sessions
         served.state.sessions[session].last_seen = 0.0  # (as if silent since long ago: the SDK heartbeats)
-        served.state.sessions[session].user_metadata = {}
         deadline = time.monotonic() + 30
         while session in served.state.sessions and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -50,6 +50,7 @@ class Meter:
         self.usage: dict[Key, Usage] = {}
         self._changed: set[Key] = set()
         self._written = 0.0
+        self._began: float | None = None  # when the step or generation being metered began
 
     def add(
         self,
@@ -76,7 +77,7 @@ class Meter:
 
     def ended(self, weights: Mapping[Key, int]) -> None:
         """The step :meth:`began` is over: its time shared out over ``weights`` (:meth:`share`)."""
-        began, self._began = getattr(self, "_began", None), None
+        began, self._began = self._began, None
         if began is not None and weights:
             self.share(time.perf_counter() - began, weights)
 
