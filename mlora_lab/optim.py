@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 import transformers
 from torch import nn
@@ -86,6 +87,22 @@ class TenantOptimizer:
             group["weight_decay"] = weight_decay
         if max_grad_norm is not None:
             self.max_grad_norm = max_grad_norm
+
+    def parts(self) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
+        """``(stand-in, weight, gradient)`` of each tensor with a gradient, this process's part of the
+        current slot storage, without rebinding the stand-ins (which only key AdamW's state here). A
+        whole tensor (the usual case) is used as it is: no per-tensor op, which is what lets
+        :func:`step_many` and :func:`sq_norms` run a fixed number of ops for any number of tenants."""
+        out = []
+        with torch.no_grad():
+            for handle, (param, index) in zip(self.params, self.slices):
+                if param.grad is None:
+                    continue
+                weight, grad = self.local(param), self.local(param.grad)
+                if index != ():
+                    weight, grad = weight[index], grad[index]
+                out.append((handle, weight, grad))
+        return out
 
     def bind(self) -> None:
         """Point the stand-in parameters and their gradients at the current slot storage."""
@@ -186,14 +203,39 @@ tenant's delta ``s·B·A`` is then far beyond anything its base layer computes, 
 overflows (fp16 ends at 65504)."""
 
 
-def step_many(steps: Sequence[tuple[TenantOptimizer, torch.Tensor]]) -> dict[int, str]:
-    """One optimiser step for several tenants at once: ``steps[i] = (optimizer, grad_norm)``, each
-    already bound (:meth:`TenantOptimizer.bind`) with its whole gradient's norm.
+def sq_norms(optimizers: Sequence[TenantOptimizer]) -> torch.Tensor:
+    """Each optimiser's :meth:`TenantOptimizer.local_sq_norm` (float64 [n], on the CPU), for all of them
+    in one multi-tensor norm and one segment sum: ``Σ_i ||g_i||² / copies_i`` over the tenant's tensors."""
+    grads: list[torch.Tensor] = []
+    owner: list[int] = []
+    weight: list[float] = []
+    for k, opt in enumerate(optimizers):
+        for param, index in opt.slices:
+            if param.grad is None:
+                continue
+            grad = opt.local(param.grad)
+            grads.append(grad if index == () else grad[index])
+            owner.append(k)
+            weight.append(1.0 / opt.copies(param))
+    out = torch.zeros(len(optimizers), dtype=torch.float64)
+    if not grads:
+        return out
+    device = grads[0].device
+    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
+    parts = norms.square_().mul_(torch.tensor(weight, dtype=torch.float64).to(device))
+    return out.to(device).index_add_(0, torch.tensor(owner).to(device), parts).cpu()
+
+
+def step_many(steps: Sequence[tuple[TenantOptimizer, float]]) -> dict[int, str]:
+    """One optimiser step for several tenants at once: ``steps[i] = (optimizer, grad_norm)``, with the
+    norm of the tenant's whole gradient.
 
     The same per-element maths as calling each :meth:`TenantOptimizer.step` (clipping, then
     ``torch.optim.AdamW``'s single-tensor update, then the schedule) — each tenant keeps its own lr,
     betas, eps, weight decay and step count — but done by a handful of multi-tensor (``foreach``)
-    calls over every tensor of every tenant, instead of a Python loop per tenant and tensor:
+    calls over every tensor of every tenant, with per-tensor scalars, instead of a loop per tenant and
+    tensor. The step counts are read in one op and the divergence check is one host read: the number of
+    ops does not depend on the number of tenants.
 
         p  ← p (1 - lr wd);  m ← lerp(m, g, 1 - β1);  v ← β2 v + (1 - β2) g²;  k ← k + 1
         p  ← p - lr / (1 - β1^k) · m / (sqrt(v) / sqrt(1 - β2^k) + eps)
@@ -209,60 +251,69 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, torch.Tensor]]) -> dict[int
     :data:`MAX_WEIGHT` (this process's part of them: with sharded slots the caller agrees over the
     processes) was taken, and is reported as diverged.
     """
-    params: list[torch.Tensor] = []
-    grads: list[torch.Tensor] = []
-    exp_avgs: list[torch.Tensor] = []
-    exp_avg_sqs: list[torch.Tensor] = []
-    counts: list[torch.Tensor] = []
-    owners: list[int] = []  # per tensor: its tenant's index in ``steps``
-    clip: list[tuple[list[torch.Tensor], float]] = []
-    scalars: list[tuple[float, float, float, float, float]] = []  # per tensor: lr, wd, β1, β2, eps
     errors: dict[int, str] = {}
-    done = []
+    prepared = []  # (i, opt, parts, states, lr, wd, β1, β2, eps, clipping factor or None)
     for i, (opt, grad_norm) in enumerate(steps):
         try:
             group = opt.optimizer.param_groups[0]
             lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
             beta1, beta2 = (float(b) for b in group["betas"])
-            mine = [h for h in opt.params if h.grad is not None]
-            states = [opt._adamw_state(h) for h in mine]
-            coef = 1.0
-            if opt.max_grad_norm is not None and mine:  # clip_grad_norm_'s rule, as in step()
-                norm = torch.as_tensor(grad_norm).float()
-                coef = float(torch.clamp(opt.max_grad_norm / (norm + 1e-6), max=1.0))
-            why = _overflow(mine, states, lr, wd, eps, beta1, beta2, coef)
+            mine = opt.parts()
+            states = [opt._adamw_state(h) for h, _, _ in mine]
+            coef = None
+            if opt.max_grad_norm is not None and mine:
+                coef = clip_factor(opt.max_grad_norm, float(grad_norm))
         except Exception as e:
             errors[i] = f"raised {type(e).__name__}: {e}"
             continue
+        prepared.append((i, opt, mine, states, lr, wd, beta1, beta2, eps, coef))
+    counts = [st["step"] for p in prepared for st in p[3]]
+    before = torch.stack(counts).tolist() if counts else []  # (CPU tensors: one read for all of them)
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    exp_avgs: list[torch.Tensor] = []
+    exp_avg_sqs: list[torch.Tensor] = []
+    stepped: list[torch.Tensor] = []
+    owners: list[int] = []  # per tensor: its tenant's index in ``steps``
+    scalars: list[tuple[float, float, float, float, float, float]] = []  # per tensor: lr, wd, β1, β2, eps, k
+    clip_grads: list[torch.Tensor] = []
+    clip_coefs: list[float] = []
+    done = []
+    n = 0
+    for i, opt, mine, states, lr, wd, beta1, beta2, eps, coef in prepared:
+        ks = [k + 1 for k in before[n : n + len(states)]]  # the step each update counts as
+        n += len(states)
+        why = _overflow(mine, ks, lr, wd, eps, beta1, beta2, 1.0 if coef is None else coef)
         if why is not None:
             errors[i] = why
             continue
-        if opt.max_grad_norm is not None and mine:
-            clip.append(([h.grad for h in mine], coef))
-        for h, st in zip(mine, states):
-            params.append(h)
-            grads.append(h.grad)
+        for (_, weight, grad), st, k in zip(mine, states, ks):
+            params.append(weight)
+            grads.append(grad)
             exp_avgs.append(st["exp_avg"])
             exp_avg_sqs.append(st["exp_avg_sq"])
-            counts.append(st["step"])
+            stepped.append(st["step"])
             owners.append(i)
-            scalars.append((lr, wd, beta1, beta2, eps))
+            scalars.append((lr, wd, beta1, beta2, eps, k))
+            if coef is not None:
+                clip_grads.append(grad)
+                clip_coefs.append(coef)
         done.append(opt)
     with torch.no_grad():
-        for gs, coef in clip:
-            torch._foreach_mul_(gs, coef)
+        if clip_grads:
+            torch._foreach_mul_(clip_grads, clip_coefs)
         if params:
-            torch._foreach_add_(counts, 1)
-            k = [float(c) for c in counts]
+            torch._foreach_add_(stepped, 1)
             torch._foreach_mul_(params, [1 - lr * wd for lr, wd, *_ in scalars])
-            torch._foreach_lerp_(exp_avgs, grads, [1 - b1 for _, _, b1, _, _ in scalars])
-            torch._foreach_mul_(exp_avg_sqs, [b2 for *_, b2, _ in scalars])
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, [1 - b2 for *_, b2, _ in scalars])
+            torch._foreach_lerp_(exp_avgs, grads, [1 - b1 for _, _, b1, *_ in scalars])
+            torch._foreach_mul_(exp_avg_sqs, [b2 for _, _, _, b2, _, _ in scalars])
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, [1 - b2 for _, _, _, b2, _, _ in scalars])
             denom = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_div_(denom, [(1 - b2**n) ** 0.5 for (*_, b2, _), n in zip(scalars, k)])
-            torch._foreach_add_(denom, [eps for *_, eps in scalars])
-            steps_ = [-(lr / (1 - b1**n)) for (lr, _, b1, _, _), n in zip(scalars, k)]
-            torch._foreach_addcdiv_(params, exp_avgs, denom, steps_)
+            torch._foreach_div_(denom, [(1 - b2**k) ** 0.5 for _, _, _, b2, _, k in scalars])
+            torch._foreach_add_(denom, [eps for *_, eps, _ in scalars])
+            torch._foreach_addcdiv_(
+                params, exp_avgs, denom, [-(lr / (1 - b1**k)) for lr, _, b1, *_, k in scalars]
+            )
             # Divergence: the largest |weight| of every tensor in one multi-tensor call (NaN stays NaN).
             largest = torch.stack(torch._foreach_norm(params, float("inf"))).tolist()
             over: dict[int, list[float]] = {}
@@ -280,9 +331,17 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, torch.Tensor]]) -> dict[int
     return errors
 
 
+def clip_factor(max_grad_norm: float, grad_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s factor ``min(1, max / (norm + 1e-6))``, in its float32
+    arithmetic: the norm rounded to float32, as that function's total norm is, and ``max / t`` computed
+    as torch computes a number divided by a tensor, ``t.reciprocal() * max``."""
+    inverse = np.float32(1.0) / (np.float32(grad_norm) + np.float32(1e-6))
+    return float(min(np.float32(1.0), inverse * np.float32(max_grad_norm)))
+
+
 def _overflow(
-    mine: list[torch.Tensor],
-    states: list[dict],
+    mine: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]],
+    ks: list[float],
     lr: float,
     wd: float,
     eps: float,
@@ -294,9 +353,9 @@ def _overflow(
     scalar :func:`step_many` hands the multi-tensor calls must be a finite value of that dtype."""
     if not mine:
         return None
-    top = min(torch.finfo(h.dtype).max for h in mine)
-    dtype = str(mine[0].dtype).removeprefix("torch.")
-    k = min(float(st["step"]) for st in states) + 1  # the step this update counts as (the largest factors)
+    top = min(torch.finfo(w.dtype).max for _, w, _ in mine)
+    dtype = str(mine[0][1].dtype).removeprefix("torch.")
+    k = min(ks)  # the step this update counts as (the largest factors)
     bias1 = 1 - beta1**k
     bias2 = (1 - beta2**k) ** 0.5
     named = {

@@ -64,7 +64,7 @@ from mlora_lab.text import brief, json_type, parse_json, read_json, show_path
 SCHEDULES = ("constant", "linear", "cosine")
 """Learning-rate schedules a tenant may use; every one starts with ``warmup_steps`` of linear warmup."""
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 """Base-model dtypes a job may run in."""
 
 TRACKERS = ("tensorboard", "trackio", "wandb")
@@ -259,10 +259,12 @@ class JobSpec:
     parallel: Parallel = field(default_factory=Parallel, metadata=meta(
         "parallel", kind="parallel", form=False))
     """Process layout (ranks, FSDP / TP / EP degrees)."""
-    dtype: str = field(default="float32", metadata=meta(
+    dtype: str = field(default="auto", metadata=meta(
         "dtype", kind="choice", choices=DTYPES, section="Job",
-        help="of the frozen base (adapters stay float32)"))
-    """dtype of the frozen base: ``"float32"``, ``"bfloat16"`` or ``"float16"``."""
+        help="of the frozen base (adapters stay float32); auto: bfloat16 on a GPU that has it, else float32"))
+    """dtype of the frozen base: ``"auto"`` (bfloat16 on a GPU that supports it, float32 on the CPU and
+    on older GPUs), ``"float32"``, ``"bfloat16"`` or ``"float16"``. Adapters, their gradients and AdamW
+    state are float32 whatever it is, as PEFT keeps them."""
     log_every: int = field(default=1, metadata=meta(
         "log every", section="Logging", min=1, max=MAX_COUNT, help="write train metrics every N steps"))
     """Write train metrics every this many steps."""

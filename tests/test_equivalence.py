@@ -262,6 +262,8 @@ def test_bf16_base_fp32_adapters_equal_peft(arch, tiny_models, make_data, tmp_pa
     trainer.train()
     assert all(p.dtype == torch.bfloat16 for p in trainer.model.model.parameters() if not p.requires_grad)
     assert all(p.dtype == torch.float32 for p, _ in trainer.model.tenant_slices("a"))
+    state = trainer.tenants["a"].optimizer.optimizer.state.values()  # AdamW's moments: fp32 too
+    assert state and all(s[k].dtype == torch.float32 for s in state for k in ("exp_avg", "exp_avg_sq"))
     tok = transformers.AutoTokenizer.from_pretrained(base)
     examples = load_examples(data, tok, spec.seq_len)
     ref = train_peft(
@@ -280,3 +282,18 @@ def test_bf16_base_fp32_adapters_equal_peft(arch, tiny_models, make_data, tmp_pa
         theirs = loaded(input_ids=ids).logits
     assert ours.dtype == theirs.dtype == torch.bfloat16
     assert (ours.float() - theirs.float()).abs().max().item() == 0.0
+
+
+def test_dtype_auto_is_bfloat16_on_a_gpu_that_has_it_and_float32_elsewhere(monkeypatch):
+    """``JobSpec.dtype`` defaults to "auto": the base in bf16 where a GPU supports it, fp32 on the CPU
+    and on GPUs without bf16; the named dtypes are taken as they are."""
+    from mlora_lab.job.engine import base_dtype
+
+    assert JobSpec(base_model="m", tenants=[]).dtype == "auto"
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert base_dtype("auto", cpu) == torch.float32
+    assert base_dtype("bfloat16", cpu) == torch.bfloat16 and base_dtype("float16", gpu) == torch.float16
+    for supported, expected in [(True, torch.bfloat16), (False, torch.float32)]:
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, s=supported: s)
+        assert base_dtype("auto", gpu) == expected
+        assert base_dtype("float32", gpu) == torch.float32

@@ -367,7 +367,11 @@ BAD_CASES: list[tuple[str, Callable[[JobSpec, Path], None], str]] = [
     ("log_every0", at("log_every", 0), "log_every must be >= 1"),
     ("eval_every_neg", at("eval_every", -1), "eval_every must be >= 0"),
     ("save_every_neg", at("save_every", -1), "save_every must be >= 0"),
-    ("dtype", at("dtype", "float64"), "dtype must be one of float32, bfloat16, float16 (got 'float64')"),
+    (
+        "dtype",
+        at("dtype", "float64"),
+        "dtype must be one of auto, float32, bfloat16, float16 (got 'float64')",
+    ),
     ("serve_str", at("serve", "no"), "serve must be true or false"),
     ("no_tenants", at("tenants", []), "no tenants"),
     ("too_many", at("max_tenants", 1), "2 tenants but max_tenants=1"),  # with two_tenants below

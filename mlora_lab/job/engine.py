@@ -46,6 +46,19 @@ from mlora_lab.spec import JobSpec, effective_slot_modules
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+def base_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The frozen base's dtype for ``JobSpec.dtype`` on ``device``: ``"auto"`` is bfloat16 on a GPU that
+    supports it (Ampere and later) and float32 elsewhere (the CPU, whose bfloat16 matmuls are slower
+    than its float32 ones on most machines, and older GPUs, where float16 training would need loss
+    scaling). Adapters stay float32 in every case."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16
+    return torch.float32
+
+
 SERVED_CPU_PASS_TOKENS = 1024
 """``max_pass_tokens`` of a job that serves (``JobSpec.service``) on a CPU when the spec leaves it ``None``.
 A served step holds the requests of however many clients wait at once, so in one pass its memory grows with
@@ -97,7 +110,8 @@ class Engine:
         life of the job."""
         base_path = str(resolve_base(spec.base_model))
         tokenizer = transformers.AutoTokenizer.from_pretrained(spec.tokenizer or base_path)
-        base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=DTYPES[spec.dtype])
+        dtype = base_dtype(spec.dtype, comm.device)
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
         base.to(comm.device)
         vocab_rows = base.get_input_embeddings().weight.shape[0]  # before any sharding
         # (a served job's default slots include the output layer: named here, where the model is)

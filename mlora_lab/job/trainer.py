@@ -36,6 +36,7 @@ The story of one global step (:meth:`Trainer.step`):
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import time
 import traceback
@@ -43,8 +44,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from mlora_lab import optim
 from mlora_lab.job.agree import Change
 from mlora_lab.job.checkpointer import Checkpointer
 from mlora_lab.job.control import ControlHandler, Controls
@@ -54,7 +57,6 @@ from mlora_lab.job.engine import Engine
 from mlora_lab.job.recorder import Recorder
 from mlora_lab.job.search import SearchController, read_sweep
 from mlora_lab.job.tenants import TenantPool, TenantRun
-from mlora_lab.optim import step_many
 from mlora_lab.parallel import Collectives, DistInfo, ParallelDims
 from mlora_lab.rundir import ControlMessage, EventKind, RunDir, TenantState, checkpoint, control, rows
 from mlora_lab.spec import JobSpec
@@ -312,13 +314,11 @@ class Trainer:
         # Gradients are summed over the data-parallel ranks here, once per window and only for the
         # tenants that step: one flat all-reduce per group (mlora_lab.parallel).
         self.model.reduce_gradients(complete)
-        local = torch.zeros(len(active), 2, dtype=torch.float64)
-        for i, t in enumerate(active):
-            if t.name in ready:
-                t.optimizer.bind()
-                local[i, 0] = t.optimizer.local_sq_norm()
-            local[i, 1] = float(t.name in failed)
-        agreed = self.comm.sum_over_world(local)
+        # every number below is read in one go (a host sync a step, not one per tenant)
+        norms = optim.sq_norms([t.optimizer for t in active if t.name in ready])
+        sq_local = iter(norms.tolist())
+        local = [[next(sq_local) if t.name in ready else 0.0, float(t.name in failed)] for t in active]
+        agreed = self.comm.sum_over_world(torch.tensor(local, dtype=torch.float64)).tolist() if active else []
         stepping, sq = [], {}
         for t, (sq_t, flag) in zip(active, agreed):
             if flag > 0:
@@ -328,17 +328,19 @@ class Trainer:
             elif t.name in ready:
                 stepping.append(t)
                 sq[t.name] = sq_t
-        losses = self.comm.sum_over_dp(torch.stack([t.window_loss for t in stepping])) if stepping else []
+        losses = (
+            self.comm.sum_over_dp(torch.stack([t.window_loss for t in stepping])).tolist() if stepping else []
+        )
         finite = []
         for t, loss in zip(stepping, losses):
-            if not (torch.isfinite(sq[t.name]) and torch.isfinite(loss)):
-                what = "loss" if not torch.isfinite(loss) else "gradient norm"
-                norm = float(sq[t.name]) ** 0.5
-                self.pool.quarantine(t, f"non-finite {what}: loss={float(loss)}, grad_norm={norm}")
+            if not (math.isfinite(sq[t.name]) and math.isfinite(loss)):
+                what = "loss" if not math.isfinite(loss) else "gradient norm"
+                norm = sq[t.name] ** 0.5
+                self.pool.quarantine(t, f"non-finite {what}: loss={loss}, grad_norm={norm}")
                 continue
-            finite.append((t, StepResult(float(loss), t.optimizer.lr, float(sq[t.name].sqrt().float()))))
+            finite.append((t, StepResult(loss, t.optimizer.lr, float(np.float32(math.sqrt(sq[t.name]))))))
         # every tenant's AdamW step in a few multi-tensor calls (mlora_lab.optim.step_many)
-        errors = step_many([(t.optimizer, sq[t.name].sqrt()) for t, _ in finite])
+        errors = optim.step_many([(t.optimizer, math.sqrt(sq[t.name])) for t, _ in finite])
         # (a step refused or diverged on one process: with sharded slots each process checks its part)
         raised = {finite[i][0].name: why for i, why in errors.items()}
         if self.dims.world_size > 1 and stepping:

@@ -31,12 +31,15 @@ opaque here).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mlora_lab.lora import grouped
 
 
 @dataclass
@@ -49,6 +52,21 @@ class LoRARouting:
 
     segments: list[tuple[int, int, int]] | None = None
     num_rows: int = 0
+
+
+_GROUPED = [True]
+
+
+@contextlib.contextmanager
+def per_segment() -> Iterator[None]:
+    """Within the block, deltas are computed one plan entry at a time (two matmuls an entry forward, four
+    backward), not grouped (:mod:`mlora_lab.lora.grouped`): the reference the grouped path is tested
+    against."""
+    _GROUPED.append(False)
+    try:
+        yield
+    finally:
+        _GROUPED.pop()
 
 
 class _SegmentedLoRA(torch.autograd.Function):
@@ -64,7 +82,14 @@ class _SegmentedLoRA(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, base: torch.Tensor | None, plan: tuple, *factors: torch.Tensor):
         if base is not None:
             ctx.mark_dirty(base)
-        out, xas = _add_deltas(x, base, plan, factors)
+        ctx.grouping = None
+        if _GROUPED[-1]:
+            out, ctx.grouping, xas = grouped.forward(x, base, plan, factors)
+            # the leaves themselves: a saved tensor may come back as another object (a checkpointed
+            # block's recomputation), and the grouped backward writes a leaf's gradient into its .grad
+            ctx.leaves = [f if f.is_leaf and f.requires_grad else None for f in factors]
+        else:
+            out, xas = _add_deltas(x, base, plan, factors)
         ctx.plan, ctx.n_factors = plan, len(factors)
         ctx.save_for_backward(x, *factors, *xas)
         return out
@@ -75,6 +100,11 @@ class _SegmentedLoRA(torch.autograd.Function):
         factors, xas = rest[: ctx.n_factors], rest[ctx.n_factors :]
         need_x, need_base = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need = ctx.needs_input_grad[3:]
+        if ctx.grouping is not None:  # (``xas``: each bucket's stacked factors and x A^T)
+            grad_x, grads = grouped.backward(
+                grad_out, x, factors, ctx.leaves, ctx.grouping, xas, need_x, need
+            )
+            return grad_x, grad_out if need_base else None, None, *grads
         in_features = x.shape[-1]
         grad_x = None
         if need_x:
@@ -146,9 +176,10 @@ def segmented_lora(
     x = x.to(factors[0].dtype)
     in_place = y.dtype == factors[0].dtype and not y._is_view()
     if not torch.is_grad_enabled():  # sampling, evaluation: the same arithmetic, without autograd's node
+        add = grouped.forward if _GROUPED[-1] else _add_deltas
         if in_place:
-            return _add_deltas(x, y, plan, factors)[0]
-        return (y + _add_deltas(x, None, plan, factors)[0]).to(y.dtype)
+            return add(x, y, plan, factors)[0]
+        return (y + add(x, None, plan, factors)[0]).to(y.dtype)
     if in_place:
         return _SegmentedLoRA.apply(x, y, plan, *factors)
     return (y + _SegmentedLoRA.apply(x, None, plan, *factors)).to(y.dtype)

@@ -346,6 +346,8 @@ def check_generation_memory(ctx: Context, tenants: list[Tenant]) -> None:
         return
     total, device = mem
     dtype = ctx.spec.dtype
+    if dtype == "auto":  # (bfloat16 on a GPU: the engine's rule, mlora_lab.job.engine.base_dtype)
+        dtype = "bfloat16" if device.startswith("GPU") else "float32"
     per_token = (m.kv_per_token or 0) * (DTYPE_BYTES.get(dtype, 4) if isinstance(dtype, str) else 4)
     sizes = []
     for t in rl:

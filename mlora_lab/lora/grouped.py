@@ -1,0 +1,383 @@
+"""Grouped LoRA: every tenant's delta of one layer in a fixed number of batched matmuls.
+
+A layer's plan (see :mod:`mlora_lab.lora.layer`) lists entries ``e = (A_e, B_e, rows_e, s_e)``: rows
+``rows_e`` of the batch get ``s_e (x A_e^T) B_e^T`` with ``A_e`` [r_e, in] and ``B_e`` [out, r_e]. Done
+one entry at a time that is two matmuls an entry forward and four backward, so a step's kernel count
+grows with the tenants. Here the entries of a rank bucket (rank ``R``) are computed by batched matmuls
+(``bmm``) over the bucket's ``G`` entries at once:
+
+    X  = rows of the entries, padded to L tokens      [G, L, in]
+    Â  = A_e zero-padded to rank R, stacked           [G, R, in]
+    B̂  = B_e zero-padded to rank R, stacked           [G, out, R]
+    XA = X Â^T                                        [G, L, R]
+    Y  = s · XA B̂^T                                   [G, L, out]   (s: [G, 1, 1])
+
+and backward, with ``Ĝ = s · dL/dY`` (zero on padded tokens):
+
+    dB̂ = Ĝ^T XA     [G, out, R]      dÂ = (Ĝ B̂)^T X     [G, R, in]      dX = (Ĝ B̂) Â     [G, L, in]
+
+Padding is exact in real arithmetic: a padded rank ``j >= r_e`` has ``Â[e, j] = 0`` and ``B̂[e, :, j] = 0``,
+so it adds zeros to ``Y`` and ``dX``, and its gradients ``dÂ[e, j] = (Ĝ B̂[e, :, j])^T X = 0`` and
+``dB̂[e, :, j] = Ĝ^T XA[:, j] = 0`` are dropped. A padded token has ``Ĝ = 0`` and its ``Y`` is never
+written back.
+
+Buckets (:func:`rank_padding`). On a GPU, ranks up to :data:`PAD_UP_TO` share one bucket at the largest of
+them, and larger ranks get a bucket per power of two: with the usual ranks a layer launches the same
+kernels for 1 tenant as for 64. Padding a rank-4 adapter to 32 costs arithmetic that the memory traffic
+hides (these products read ``in`` numbers a token to compute ``R`` of them). On the CPU, which is bound by
+arithmetic rather than launches, a bucket is one exact rank: there padding would only add work, and it
+would make a tenant's rounding depend on the batch. The longer sums round differently, and a tenant's
+adapter after 20 AdamW steps mixed with others then differs from the same tenant trained alone by 2.7e-5,
+where exact buckets keep it within 1e-5 (the llama case of ``tests/test_equivalence.py``).
+
+Rows. Entries of equal length at evenly spaced rows (the usual batch: every tenant's rows together, as
+many per tenant, whatever the bucket) are a strided view of the input: nothing is copied. Otherwise (MoE
+runs, uneven batch sizes) one ``index_select`` gathers them and one ``index_add_`` scatters the result
+back. A plan's index tensors are made once and cached: every layer of a step, and every step with the
+same batch layout, reuses them.
+
+Gradients. A factor that is a leaf tensor (a tenant's own ``A`` or ``B``) gets its gradient written into
+``.grad`` here, as Megatron-LM's fused weight-gradient accumulation does, instead of through autograd's
+per-tensor ``AccumulateGrad`` node: each tenant's gradient is a view of the bucket's one result, so the
+backward does no per-tenant work at all. Hooks on such a leaf's gradient are therefore not called; the
+LoRA code registers none. A factor that is not a leaf (a tensor-parallel identity, a DTensor's local part)
+gets its gradient through autograd as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+PAD_UP_TO = 64
+"""With rank padding on, ranks up to this share one bucket, padded to the largest among them."""
+
+_PADDING: list[bool | None] = [None]  # None: on for every device but the CPU
+_CACHE: OrderedDict[tuple, Grouping] = OrderedDict()
+_CACHE_SIZE = 256
+
+
+@contextlib.contextmanager
+def rank_padding(on: bool | None) -> Iterator[None]:
+    """Within the block, pad ranks into shared buckets (``True``), keep exact-rank buckets (``False``), or
+    follow the device (``None``, the default: padding everywhere but on the CPU). See the module
+    docstring."""
+    _PADDING.append(on)
+    try:
+        yield
+    finally:
+        _PADDING.pop()
+
+
+def pads(device: torch.device) -> bool:
+    """Whether ranks are padded into shared buckets on ``device`` now (:func:`rank_padding`)."""
+    on = _PADDING[-1]
+    return device.type != "cpu" if on is None else on
+
+
+@dataclass
+class Bucket:
+    """One rank bucket of a plan: ``G`` entries computed together at rank ``rank``."""
+
+    entries: tuple[int, ...]  # plan positions, in the order of the batched dimension
+    rank: int  # R
+    a_ids: tuple[int, ...]  # distinct factor positions of the entries' A, stacked in this order
+    b_ids: tuple[int, ...]
+    a_pick: torch.Tensor | None  # [G] row of the stacked (and flattened over experts) A of each entry
+    b_pick: torch.Tensor | None  # (None: entry g uses row g, and every row is used)
+    a_keep: torch.Tensor | None  # rank positions of the stacked A (f * R + j, j < r_f) that are real
+    b_keep: torch.Tensor | None  # (None: no factor is padded)
+    start: int | None  # evenly spaced entries: the first token, and ``stride`` tokens from one to the next
+    stride: int
+    length: int  # L, tokens per entry (padded)
+    index: torch.Tensor | None  # [G * L] token of each (entry, position) (gathered layout; pads: 0)
+    keep: torch.Tensor | None  # [n] positions in [G * L] that are real tokens (None: all are)
+    dest: torch.Tensor | None  # [n] their tokens
+    scale: torch.Tensor  # [G, 1, 1], or [G, L, 1] with zeros on padded tokens
+
+
+@dataclass
+class Grouping:
+    """How a plan's entries map to batched matmuls (see :func:`grouping`)."""
+
+    buckets: list[Bucket]
+    ranks: tuple[int, ...]  # per factor: its rank (A: dim -2, B: dim -1)
+
+
+def grouping(
+    plan: tuple, factors: Sequence[torch.Tensor], tokens_per_row: int, device: torch.device
+) -> Grouping:
+    """The (cached) :class:`Grouping` of ``plan`` (entries ``(ia, a_index, ib, b_index, start, end,
+    scale)`` over rows of ``tokens_per_row`` tokens) for ``factors``' shapes, its index tensors on
+    ``device``."""
+    shapes = tuple(tuple(f.shape) for f in factors)
+    padded = pads(device)
+    key = (plan, shapes, tokens_per_row, str(device), padded)
+    found = _CACHE.get(key)
+    if found is not None:
+        _CACHE.move_to_end(key)
+        return found
+    with torch.inference_mode(False), torch.no_grad():  # usable by autograd later, whoever made it
+        made = _make_grouping(plan, shapes, tokens_per_row, device, padded)
+    _CACHE[key] = made
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return made
+
+
+def _make_grouping(
+    plan: tuple, shapes: tuple[tuple[int, ...], ...], tpr: int, device: torch.device, padded: bool
+) -> Grouping:
+    # a factor's rank: A [*lead, r, in] is named by an entry's ``ia``, B [*lead, out, r] by its ``ib``
+    ranks = [0] * len(shapes)
+    for ia, _, ib, *_ in plan:
+        ranks[ia], ranks[ib] = shapes[ia][-2], shapes[ib][-1]
+    small = max((ranks[ia] for ia, *_ in plan if ranks[ia] <= PAD_UP_TO), default=0)
+
+    def bucket_rank(r: int) -> int:
+        if not padded:
+            return r
+        return small if r <= PAD_UP_TO else 1 << math.ceil(math.log2(r))
+
+    leads = tuple(math.prod(s[:-2]) for s in shapes)
+    by_rank: dict[int, list[int]] = {}
+    for i, (ia, *_rest) in enumerate(plan):
+        by_rank.setdefault(bucket_rank(ranks[ia]), []).append(i)
+    buckets = []
+    for rank, entries in sorted(by_rank.items()):
+        entries.sort(key=lambda i: plan[i][4])  # by first row: evenly spaced layouts become views
+        buckets.append(_make_bucket(plan, entries, rank, ranks, leads, tpr, device))
+    return Grouping(buckets, tuple(ranks))
+
+
+def _picks(
+    plan: tuple, entries: list[int], which: int, leads: tuple[int, ...]
+) -> tuple[tuple[int, ...], list[int] | None]:
+    """The distinct factor positions (``which`` = 0 for A, 2 for B) of ``entries`` in first-use order,
+    and each entry's row in their stack flattened over the leading (expert) index; ``None`` when entry
+    ``g`` uses row ``g`` and every row is used (no ``index_select`` needed)."""
+    ids: dict[int, int] = {}
+    for i in entries:
+        ids.setdefault(plan[i][which], len(ids))
+    rows = [
+        ids[plan[i][which]] * leads[plan[i][which]] + (plan[i][which + 1][0] if plan[i][which + 1] else 0)
+        for i in entries
+    ]
+    used = sum(leads[f] for f in ids)
+    return tuple(ids), None if rows == list(range(used)) else rows
+
+
+def _make_bucket(
+    plan: tuple,
+    entries: list[int],
+    R: int,
+    ranks: list[int],
+    leads: tuple[int, ...],
+    tpr: int,
+    device: torch.device,
+) -> Bucket:
+    G = len(entries)
+    spans = [(plan[i][4] * tpr, plan[i][5] * tpr) for i in entries]
+    L = max(e - s for s, e in spans)
+    a_ids, a_rows = _picks(plan, entries, 0, leads)
+    b_ids, b_rows = _picks(plan, entries, 2, leads)
+
+    def on_device(values: list[int] | None) -> torch.Tensor | None:
+        return None if values is None else torch.tensor(values, dtype=torch.long).to(device)
+
+    def real_ranks(ids: tuple[int, ...]) -> list[int] | None:
+        if all(ranks[f] == R for f in ids):
+            return None
+        return [k * R + j for k, f in enumerate(ids) for j in range(ranks[f])]
+
+    common = dict(
+        entries=tuple(entries), rank=R, a_ids=a_ids, b_ids=b_ids,
+        a_pick=on_device(a_rows), b_pick=on_device(b_rows),
+        a_keep=on_device(real_ranks(a_ids)), b_keep=on_device(real_ranks(b_ids)),
+    )  # fmt: skip
+    scale = torch.tensor([float(plan[i][6]) for i in entries], dtype=torch.float32).view(G, 1, 1)
+    stride = spans[1][0] - spans[0][0] if G > 1 else L
+    if (
+        all(e - s == L for s, e in spans)
+        and stride >= L
+        and all(spans[g][0] == spans[0][0] + g * stride for g in range(G))
+    ):
+        return Bucket(
+            **common, start=spans[0][0], stride=stride, length=L, index=None, keep=None, dest=None,
+            scale=scale.to(device),
+        )  # fmt: skip
+    starts = torch.tensor([s for s, _ in spans], dtype=torch.long)
+    lengths = torch.tensor([e - s for s, e in spans], dtype=torch.long)
+    pos = torch.arange(L, dtype=torch.long)
+    real = pos[None, :] < lengths[:, None]  # [G, L]
+    index = torch.where(real, starts[:, None] + pos[None, :], 0).reshape(-1)
+    keep = real.reshape(-1).nonzero().squeeze(1)
+    return Bucket(
+        **common, start=None, stride=0, length=L, index=index.to(device),
+        keep=None if len(keep) == G * L else keep.to(device), dest=index[keep].to(device),
+        scale=(scale * real[:, :, None]).to(device),
+    )  # fmt: skip
+
+
+# -- stacking the factors ----------------------------------------------------------------------------
+
+
+def _stack(tensors: list[torch.Tensor], keep: torch.Tensor | None, R: int, dim: int) -> torch.Tensor:
+    """``tensors`` (A [*lead, r, in] with ``dim=-2``, B [*lead, out, r] with ``dim=-1``) zero-padded to
+    rank ``R`` and stacked, flattened over the leading (expert) index: [F * prod(lead), R, in] or
+    [F * prod(lead), out, R]. Padding is one ``cat`` and one ``index_copy_`` for all of them."""
+    if keep is None:
+        stacked = torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
+        return stacked.reshape(-1, *stacked.shape[-2:])
+    F = len(tensors)
+    cat = torch.cat(tensors, dim=dim)  # [*lead, sum r, in] or [*lead, out, sum r]
+    shape = list(cat.shape)
+    shape[dim] = F * R
+    wide = cat.new_zeros(shape).index_copy_(dim, keep, cat)  # [*lead, F*R, in] or [*lead, out, F*R]
+    if dim == -2:  # -> [F, *lead, R, in]
+        split = wide.unflatten(-2, (F, R)).movedim(-3, 0)
+    else:  # -> [F, *lead, out, R]
+        split = wide.unflatten(-1, (F, R)).movedim(-2, 0)
+    return split.reshape(-1, *split.shape[-2:])
+
+
+def _unstack(
+    d: torch.Tensor, like: list[torch.Tensor], keep: torch.Tensor | None, R: int, dim: int
+) -> Sequence[torch.Tensor]:
+    """Inverse of :func:`_stack` for gradients: each factor's part ([*lead, r_f, in] or [*lead, out,
+    r_f]), its padding dropped; views of one tensor."""
+    F, lead = len(like), like[0].shape[:-2]
+    if keep is None:
+        return d.view(F, *like[0].shape).unbind(0) if F > 1 else (d.view(like[0].shape),)
+    d = d.view(F, *lead, *d.shape[-2:])
+    wide = d.movedim(0, -3).flatten(-3, -2) if dim == -2 else d.movedim(0, -2).flatten(-2, -1)
+    real = wide.index_select(dim, keep)  # [*lead, sum r, in] or [*lead, out, sum r]
+    return real.split([t.shape[dim] for t in like], dim=dim)
+
+
+def factor_stacks(g: Grouping, bucket: Bucket, factors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The bucket's entries' ``Â`` [G, R, in] and ``B̂`` [G, out, R]."""
+    A = _stack([factors[i] for i in bucket.a_ids], bucket.a_keep, bucket.rank, -2)
+    B = _stack([factors[i] for i in bucket.b_ids], bucket.b_keep, bucket.rank, -1)
+    if bucket.a_pick is not None:
+        A = A.index_select(0, bucket.a_pick)
+    if bucket.b_pick is not None:
+        B = B.index_select(0, bucket.b_pick)
+    return A, B
+
+
+def _rows(t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    """The bucket's tokens of ``t`` ([tokens, d], contiguous) as [G, L, d] (a view when evenly spaced)."""
+    G, L, d = len(bucket.entries), bucket.length, t.shape[-1]
+    if bucket.index is None:
+        return t.as_strided((G, L, d), (bucket.stride * d, d, 1), t.storage_offset() + bucket.start * d)
+    return t.index_select(0, bucket.index).view(G, L, d)
+
+
+def _write(out: torch.Tensor, bucket: Bucket, values: torch.Tensor) -> None:
+    """``out`` ([tokens, d], contiguous) at the bucket's real tokens += ``values`` [G, L, d]."""
+    if bucket.index is None:
+        _rows(out, bucket).add_(values)
+        return
+    flat = values.reshape(-1, out.shape[-1])
+    if bucket.keep is not None:
+        flat = flat.index_select(0, bucket.keep)
+    out.index_add_(0, bucket.dest, flat)
+
+
+# -- forward and backward ------------------------------------------------------------------------------
+
+
+def forward(
+    x: torch.Tensor, base: torch.Tensor | None, plan: tuple, factors: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, Grouping, list[torch.Tensor]]:
+    """``base`` (or zeros) plus every entry's delta, in place; the grouping, and each bucket's ``Â``,
+    ``B̂`` and ``XA`` [G, L, R] in turn (what the backward needs). ``x``: [rows, ..., in]."""
+    in_features = x.shape[-1]
+    tpr = x[0].numel() // in_features if x.shape[0] else 1
+    g = grouping(plan, factors, tpr, x.device)
+    out_features = factors[plan[0][2]].shape[-2]
+    out = base if base is not None else x.new_zeros(*x.shape[:-1], out_features)
+    x2, out2 = x.reshape(-1, in_features).contiguous(), out.view(-1, out_features)
+    saved = []
+    for bucket in g.buckets:
+        A, B = factor_stacks(g, bucket, factors)
+        xa = torch.bmm(_rows(x2, bucket), A.transpose(1, 2))  # [G, L, R]
+        _write(out2, bucket, torch.bmm(xa, B.transpose(1, 2)).mul_(bucket.scale))
+        saved += [A, B, xa]
+    return out, g, saved
+
+
+def backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    factors: Sequence[torch.Tensor],
+    leaves: Sequence[torch.Tensor | None],
+    g: Grouping,
+    saved: Sequence[torch.Tensor],
+    need_x: bool,
+    need: Sequence[bool],
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """The gradients of :func:`forward` (module docstring): ``dL/dx`` (when ``need_x``), and each
+    factor's (when ``need[i]``) either returned or, for a leaf (``leaves[i]``: the tensor itself, not
+    ``None``), accumulated into its ``.grad`` (``None`` returned)."""
+    in_features, out_features = x.shape[-1], grad_out.shape[-1]
+    x2 = x.reshape(-1, in_features).contiguous()
+    g2 = grad_out.reshape(-1, out_features).contiguous()
+    grad_x = torch.zeros_like(x2) if need_x else None
+    grads: list[torch.Tensor | None] = [None] * len(factors)
+    for k, bucket in enumerate(g.buckets):
+        A, B, xa = saved[3 * k : 3 * k + 3]
+        gs = _rows(g2, bucket) * bucket.scale  # [G, L, out]; zero on padded tokens
+        g_xa = torch.bmm(gs, B)  # [G, L, R]
+        if any(need[i] for i in bucket.b_ids):
+            dB = torch.bmm(gs.transpose(1, 2), xa)  # [G, out, R]
+            _give(
+                grads, factors, leaves, bucket.b_ids, bucket.b_pick, bucket.b_keep, bucket.rank, dB, -1, need
+            )
+        if any(need[i] for i in bucket.a_ids):
+            dA = torch.bmm(g_xa.transpose(1, 2), _rows(x2, bucket))  # [G, R, in]
+            _give(
+                grads, factors, leaves, bucket.a_ids, bucket.a_pick, bucket.a_keep, bucket.rank, dA, -2, need
+            )
+        if need_x:
+            _write(grad_x, bucket, torch.bmm(g_xa, A))
+    return None if grad_x is None else grad_x.view(x.shape), grads
+
+
+def _give(
+    grads: list,
+    factors: Sequence[torch.Tensor],
+    leaves: Sequence[torch.Tensor | None],
+    ids: tuple[int, ...],
+    pick: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    R: int,
+    d: torch.Tensor,
+    dim: int,
+    need: Sequence[bool],
+) -> None:
+    """Per-entry gradients ``d`` [G, ...] summed into the distinct factors ``ids`` (rows ``pick``), without
+    their padding: a leaf's into its ``.grad``, any other's into ``grads``."""
+    like = [factors[i] for i in ids]
+    if pick is not None:
+        d = d.new_zeros(len(ids) * math.prod(like[0].shape[:-2]), *d.shape[1:]).index_add_(0, pick, d)
+    held, more = [], []  # leaves that have a gradient already (accumulation), and what to add to them
+    for i, part in zip(ids, _unstack(d, like, keep, R, dim)):
+        f = leaves[i]
+        if not need[i]:
+            continue
+        if f is None:
+            grads[i] = part
+        elif f.grad is None:
+            f.grad = part
+        else:
+            held.append(f.grad)
+            more.append(part)
+    if held:
+        torch._foreach_add_(held, more)
