@@ -64,9 +64,7 @@ then. Without ``any_running`` a process stops when its own rows have.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -76,6 +74,7 @@ from typing import Any, Literal
 import torch
 from transformers import DynamicCache
 
+from mlora_lab.batching import cache_keyword, left_pad
 from mlora_lab.lora.model import MultiLoRAModel
 
 StopReason = Literal["eos", "stop", "length"]
@@ -202,22 +201,6 @@ def request_problems(
     return problems
 
 
-def left_pad(
-    prompts: Sequence[Sequence[int]], pad: int, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``prompts`` as one left-padded batch: ``input_ids``, ``attention_mask`` (1 on tokens) and
-    ``position_ids`` (``cumsum(mask) - 1``: a row's first token is at 0 however much padding precedes
-    it), each [R, T] with T the longest prompt."""
-    T = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), T), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), T), dtype=torch.long)
-    for j, p in enumerate(prompts):
-        input_ids[j, T - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-        mask[j, T - len(p) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-    return input_ids.to(device), mask.to(device), positions.to(device)
-
-
 @dataclass
 class _Row:
     """One sample row's settings and what it has produced so far."""
@@ -231,6 +214,7 @@ class _Row:
     stops: frozenset[int]
     stop_strings: tuple[str, ...]
     generator: torch.Generator | None
+    seed: int = 0  # :func:`row_seed` of the request's seed and the sample's index (the static path's draws)
     done: bool = False
 
 
@@ -241,9 +225,15 @@ def sample(
     *,
     tokenizer: Any = None,
     any_running: Callable[[bool], bool] | None = None,
+    static: bool | None = None,
 ) -> list[Completion]:
     """Sample every request's completions in one batch (see the module docstring for the loop, the
     logprobs, the stop rules and the distributed contract).
+
+    ``static``: decode over a static KV cache with each step one CUDA graph
+    (:mod:`mlora_lab.static_decode`); ``None`` (the default) does so on a single CUDA process (no
+    ``any_running``) for a dense model when no request asks for its prompt's logprobs, and keeps the
+    dynamic loop everywhere else (the CPU among them).
 
     Returns one :class:`Completion` per sample, request by request (``request`` 0's samples
     ``0 .. num_samples - 1`` first). Bad requests raise one ``ValueError`` naming every problem, before
@@ -277,8 +267,32 @@ def sample(
                 generator = torch.Generator(device=device).manual_seed(row_seed(seed, k))
             stops = eos if r.stop_token_ids is None else frozenset(int(t) for t in r.stop_token_ids)
             settings = (r.max_new_tokens, float(r.temperature), float(r.top_p), r.top_k, stops)
-            rows.append(_Row(Completion(i, k), r.tenant, *settings, tuple(r.stop_strings), generator))
+            row_s = row_seed(seed, k) if r.temperature > 0 else 0
+            rows.append(_Row(Completion(i, k), r.tenant, *settings, tuple(r.stop_strings), generator, row_s))
             expand.append(p)
+
+    if static is None:
+        static = (
+            device.type == "cuda"
+            and any_running is None
+            and not _has_experts(model)  # (an MoE router's token groups have data-dependent shapes)
+            and not any(r.prompt_logprobs for r in requests)
+        )
+    if static and rows:
+        from mlora_lab import static_decode
+
+        if any_running is not None or any(r.prompt_logprobs for r in requests):
+            raise ValueError("static decoding runs on a single process without prompt logprobs")
+        saved_routing = model.routing.segments, model.routing.num_rows
+        was_training = model.training
+        model.eval()
+        try:
+            prompts = [list(requests[i].prompt) for i in order]
+            static_decode.run(model, rows, [prompts[p] for p in expand], pad, tokenizer, _recorder(tokenizer))
+        finally:
+            model.train(was_training)
+            model.routing.segments, model.routing.num_rows = saved_routing
+        return sorted((row.out for row in rows), key=lambda c: (c.request, c.index))
 
     prompts = [list(requests[i].prompt) for i in order] or [[pad]]  # no requests: one idle row
     tenants = [requests[i].tenant for i in order] or [None]
@@ -350,7 +364,7 @@ def _forward(
         position_ids=positions,
         use_cache=True,
         logits_to_keep=0 if every_position else 1,  # 1: the output layer runs on the last position only
-        **{_cache_keyword(type(model.model)): cache},
+        **{cache_keyword(type(model.model)): cache},
     )
     return out.logits
 
@@ -379,17 +393,32 @@ def _choose(logits: torch.Tensor, batch: list[_Row | None], tokenizer: Any) -> N
     raw_lp = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
     # one device sync per step: the stop rules need the tokens on the host
     tokens_h, raw_h, sampling_h = tokens.tolist(), raw_lp.tolist(), sampling_lp.tolist()
+    record = _recorder(tokenizer)
     for j in live:
-        row, token = batch[j], tokens_h[j]
+        record(batch[j], tokens_h[j], raw_h[j], sampling_h[j])
+
+
+def _has_experts(model: MultiLoRAModel) -> bool:
+    config = model.model.config
+    return any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def _recorder(tokenizer: Any) -> Callable[[_Row, int, float, float], None]:
+    """``record(row, token, raw logprob, sampling logprob)``: append a row's new token and decide whether
+    the row stops there (the stop rules of the module docstring)."""
+
+    def record(row: _Row, token: int, raw: float, sampling: float) -> None:
         row.out.tokens.append(token)
-        row.out.logprobs.append(raw_h[j])
-        row.out.sampling_logprobs.append(sampling_h[j])
+        row.out.logprobs.append(raw)
+        row.out.sampling_logprobs.append(sampling)
         if token in row.stops:
             row.done, row.out.stop_reason = True, "eos"
         elif row.stop_strings and _has_stop_string(tokenizer, row.out.tokens, row.stop_strings):
             row.done, row.out.stop_reason = True, "stop"
         elif len(row.out.tokens) >= row.max_new_tokens:
             row.done, row.out.stop_reason = True, "length"
+
+    return record
 
 
 def _draw(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -450,14 +479,6 @@ def _has_stop_string(tokenizer: Any, tokens: list[int], stop_strings: tuple[str,
         if len(text) >= want or n == len(tokens):
             return any(s in text for s in stop_strings)
         n = min(len(tokens), 2 * n)
-
-
-@functools.cache
-def _cache_keyword(model_class: type) -> str:
-    """The forward's name for the KV cache: ``cache`` since transformers 5.x deprecated
-    ``past_key_values`` (still the name in the 4.x releases the project supports)."""
-    params = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _is_int(x: object) -> bool:

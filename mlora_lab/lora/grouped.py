@@ -36,6 +36,11 @@ runs, uneven batch sizes) one ``index_select`` gathers them and one ``index_add_
 back. A plan's index tensors are made once and cached: every layer of a step, and every step with the
 same batch layout, reuses them.
 
+Per row (:func:`per_row`). A decode step replayed as a CUDA graph cannot change its plan between replays,
+so there each row picks its adapter from a device tensor of slots: all the layer's adapters padded to one
+rank and stacked, ``Â[slot(b)]`` gathered per row, then the same two batched matmuls with ``G`` = rows
+(vLLM's and Punica's BGMV layout). It is for sampling only (no backward).
+
 Gradients. A factor that is a leaf tensor (a tenant's own ``A`` or ``B``) gets its gradient written into
 ``.grad`` here, as Megatron-LM's fused weight-gradient accumulation does, instead of through autograd's
 per-tensor ``AccumulateGrad`` node: each tenant's gradient is a view of the bucket's one result, so the
@@ -381,3 +386,68 @@ def _give(
             more.append(part)
     if held:
         torch._foreach_add_(held, more)
+
+
+# -- per row (decode steps) ---------------------------------------------------------------------------------
+
+_LOOKUP: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+
+def per_row(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    row_slots: torch.Tensor,
+    slots: Sequence[int],
+    factors: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    max_tenants: int,
+) -> torch.Tensor:
+    """``y`` [B, ..., out] plus row ``b``'s delta ``s (x_b Â^T) B̂^T`` with the adapter of slot
+    ``row_slots[b]`` (a device tensor; ``max_tenants``: none), for slots among ``slots`` (whose A, B are
+    ``factors[2k]``, ``factors[2k + 1]``): every op's shape is fixed by ``slots`` and ``y``, so a CUDA graph
+    of it holds for any ``row_slots``. No autograd (sampling)."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(f.requires_grad for f in factors)):
+        raise RuntimeError("per-row LoRA routing is for sampling: run it under torch.no_grad()")
+    A_list, B_list = list(factors[0::2]), list(factors[1::2])
+    ranks = [a.shape[-2] for a in A_list]
+    R = max(ranks)
+    keep = _lookup(("keep", tuple(ranks), str(x.device)), lambda: _real_ranks(ranks, R), x.device)
+    keep = None if all(r == R for r in ranks) else keep
+    zero_A = A_list[0].new_zeros(1, R, A_list[0].shape[-1])
+    zero_B = B_list[0].new_zeros(1, B_list[0].shape[-2], R)
+    A = torch.cat([_stack(A_list, keep, R, -2), zero_A])  # [F + 1, R, in]: the last, for rows without one
+    B = torch.cat([_stack(B_list, keep, R, -1), zero_B])  # [F + 1, out, R]
+    index = _lookup(
+        ("slots", tuple(slots), max_tenants, str(x.device)), lambda: _slot_index(slots, max_tenants), x.device
+    )
+    scale = _lookup(("scales", tuple(scales), str(x.device)), lambda: torch.tensor([*scales, 0.0]), x.device)
+    which = index[row_slots]  # [B]: each row's position in the stacks
+    rows = x.to(A.dtype).reshape(x.shape[0], -1, x.shape[-1])  # [B, T, in]
+    xa = torch.bmm(rows, A[which].transpose(1, 2))  # [B, T, R]
+    delta = torch.bmm(xa, B[which].transpose(1, 2)).mul_(scale[which].view(-1, 1, 1))  # [B, T, out]
+    if y.dtype == delta.dtype:
+        return y.add_(delta.view(y.shape))
+    return (y + delta.view(y.shape)).to(y.dtype)
+
+
+def _real_ranks(ranks: list[int], R: int) -> torch.Tensor:
+    return torch.tensor([k * R + j for k, r in enumerate(ranks) for j in range(r)], dtype=torch.long)
+
+
+def _slot_index(slots: Sequence[int], max_tenants: int) -> torch.Tensor:
+    """``[max_tenants + 1]``: slot -> its position among ``slots``, ``len(slots)`` (the zero adapter) else."""
+    index = torch.full((max_tenants + 1,), len(slots), dtype=torch.long)
+    index[list(slots)] = torch.arange(len(slots))
+    return index
+
+
+def _lookup(key: tuple, make, device: torch.device) -> torch.Tensor:
+    """A small constant tensor on ``device``, made once (a graph's replays read the same one)."""
+    found = _LOOKUP.get(key)
+    if found is None:
+        with torch.inference_mode(False), torch.no_grad():
+            found = make().to(device)
+        _LOOKUP[key] = found
+        if len(_LOOKUP) > _CACHE_SIZE:
+            _LOOKUP.popitem(last=False)
+    return found

@@ -48,10 +48,17 @@ class LoRARouting:
 
     ``segments`` holds ``(slot, start_row, end_row)`` runs covering the rows that get an adapter;
     rows outside every segment get the base output only. ``None`` means "no adapters" (plain base).
+
+    ``row_slots`` (a device tensor [rows], ``max_tenants`` for a row without an adapter), when set, routes
+    by row instead (:func:`~mlora_lab.lora.grouped.per_row`: a decode step captured as a CUDA graph, whose
+    rows' tenants live in that tensor and may change between replays without a new capture); ``slots``
+    then names the slots it may hold (fixed for the graph).
     """
 
     segments: list[tuple[int, int, int]] | None = None
     num_rows: int = 0
+    row_slots: torch.Tensor | None = None
+    slots: tuple[int, ...] = ()
 
 
 _GROUPED = [True]
@@ -256,6 +263,14 @@ class MultiLoRALinear(nn.Module):
         """``y`` (the base output for ``x``, [rows, ..., out]) plus every row's tenant delta
         ``s_t · dropout(x) A_t^T B_t^T`` (nothing for rows without a tenant); ``y`` itself when no row
         has one. ``y`` may be updated in place."""
+        if self.routing.row_slots is not None:
+            slots = [slot for slot in self.routing.slots if self.ranks[slot] > 0]
+            if not slots:
+                return y
+            scales = [self.scalings[slot] for slot in slots]
+            return grouped.per_row(
+                x, y, self.routing.row_slots, slots, self.factors(slots), scales, self.max_tenants
+            )
         segments = [(t, s, e) for t, s, e in self.routing.segments or [] if self.ranks[t] > 0]
         if not segments:
             return y
