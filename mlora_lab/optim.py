@@ -221,7 +221,8 @@ def sq_norms(optimizers: Sequence[TenantOptimizer]) -> torch.Tensor:
     if not grads:
         return out
     device = grads[0].device
-    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
+    # (each tensor's norm in its own dtype, as clip_grad_norm_ takes them; their squares summed in float64)
+    norms = torch.stack(torch._foreach_norm(grads, 2)).double()
     parts = norms.square_().mul_(torch.tensor(weight, dtype=torch.float64).to(device))
     return out.to(device).index_add_(0, torch.tensor(owner).to(device), parts).cpu()
 
@@ -295,7 +296,7 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, float]]) -> dict[int, str]:
             stepped.append(st["step"])
             owners.append(i)
             scalars.append((lr, wd, beta1, beta2, eps, k))
-            if coef is not None:
+            if coef is not None and coef != 1.0:  # (a factor of exactly 1 changes nothing: skipped)
                 clip_grads.append(grad)
                 clip_coefs.append(coef)
         done.append(opt)
@@ -304,7 +305,9 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, float]]) -> dict[int, str]:
             torch._foreach_mul_(clip_grads, clip_coefs)
         if params:
             torch._foreach_add_(stepped, 1)
-            torch._foreach_mul_(params, [1 - lr * wd for lr, wd, *_ in scalars])
+            decayed = [(p, 1 - lr * wd) for p, (lr, wd, *_) in zip(params, scalars) if 1 - lr * wd != 1.0]
+            if decayed:  # (no weight decay, the default: nothing to multiply)
+                torch._foreach_mul_([p for p, _ in decayed], [f for _, f in decayed])
             torch._foreach_lerp_(exp_avgs, grads, [1 - b1 for _, _, b1, *_ in scalars])
             torch._foreach_mul_(exp_avg_sqs, [b2 for _, _, _, b2, _, _ in scalars])
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, [1 - b2 for _, _, _, b2, _, _ in scalars])
