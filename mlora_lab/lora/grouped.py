@@ -104,6 +104,7 @@ class Bucket:
     keep: torch.Tensor | None  # [n] positions in [G * L] that are real tokens (None: all are)
     dest: torch.Tensor | None  # [n] their tokens
     scale: torch.Tensor  # [G, 1, 1], or [G, L, 1] with zeros on padded tokens
+    uniform: float | None  # the entries' one scale, when they share it (the usual case: one alpha/r)
 
 
 @dataclass
@@ -205,7 +206,9 @@ def _make_bucket(
         a_pick=on_device(a_rows), b_pick=on_device(b_rows),
         a_keep=on_device(real_ranks(a_ids)), b_keep=on_device(real_ranks(b_ids)),
     )  # fmt: skip
-    scale = torch.tensor([float(plan[i][6]) for i in entries], dtype=torch.float32).view(G, 1, 1)
+    scales = [float(plan[i][6]) for i in entries]
+    scale = torch.tensor(scales, dtype=torch.float32).view(G, 1, 1)
+    common["uniform"] = scales[0] if len(set(scales)) == 1 else None
     stride = spans[1][0] - spans[0][0] if G > 1 else L
     if (
         all(e - s == L for s, e in spans)
@@ -284,15 +287,21 @@ def _rows(t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
     return t.index_select(0, bucket.index).view(G, L, d)
 
 
-def _write(out: torch.Tensor, bucket: Bucket, values: torch.Tensor) -> None:
-    """``out`` ([tokens, d], contiguous) at the bucket's real tokens += ``values`` [G, L, d]."""
+def _write(out: torch.Tensor, bucket: Bucket, values: torch.Tensor, alpha: float = 1.0) -> None:
+    """``out`` ([tokens, d], contiguous) at the bucket's real tokens += ``alpha · values`` [G, L, d]."""
     if bucket.index is None:
-        _rows(out, bucket).add_(values)
+        _rows(out, bucket).add_(values, alpha=alpha)
         return
     flat = values.reshape(-1, out.shape[-1])
     if bucket.keep is not None:
         flat = flat.index_select(0, bucket.keep)
-    out.index_add_(0, bucket.dest, flat)
+    out.index_add_(0, bucket.dest, flat, alpha=alpha)
+
+
+def _whole(bucket: Bucket, tokens: int) -> bool:
+    """Whether the bucket's rows are all ``tokens`` rows, in order (a plain reshape of them)."""
+    G, L = len(bucket.entries), bucket.length
+    return bucket.index is None and bucket.start == 0 and bucket.stride == L and tokens == G * L
 
 
 # -- forward and backward ------------------------------------------------------------------------------
@@ -313,7 +322,16 @@ def forward(
     for bucket in g.buckets:
         A, B = factor_stacks(g, bucket, factors)
         xa = torch.bmm(_rows(x2, bucket), A.transpose(1, 2))  # [G, L, R]
-        _write(out2, bucket, torch.bmm(xa, B.transpose(1, 2)).mul_(bucket.scale))
+        if bucket.index is None:  # accumulated into the output by the product itself: out += s · XA B̂^T
+            rows = _rows(out2, bucket)
+            if bucket.uniform is not None:  # (the scale inside the product, as addmm's alpha: PEFT's rounding)
+                rows.baddbmm_(xa, B.transpose(1, 2), alpha=bucket.uniform)
+            else:
+                rows.baddbmm_(xa * bucket.scale, B.transpose(1, 2))
+        elif bucket.uniform is not None:
+            _write(out2, bucket, torch.bmm(xa, B.transpose(1, 2)), alpha=bucket.uniform)
+        else:
+            _write(out2, bucket, torch.bmm(xa, B.transpose(1, 2)).mul_(bucket.scale))
         saved += [A, B, xa]
     return out, g, saved
 
@@ -334,11 +352,15 @@ def backward(
     in_features, out_features = x.shape[-1], grad_out.shape[-1]
     x2 = x.reshape(-1, in_features).contiguous()
     g2 = grad_out.reshape(-1, out_features).contiguous()
-    grad_x = torch.zeros_like(x2) if need_x else None
+    # one bucket over every row in order (the usual batch): its dX is dL/dx as it is, nothing to zero or copy
+    direct = need_x and len(g.buckets) == 1 and _whole(g.buckets[0], x2.shape[0])
+    grad_x = torch.zeros_like(x2) if need_x and not direct else None
     grads: list[torch.Tensor | None] = [None] * len(factors)
     for k, bucket in enumerate(g.buckets):
         A, B, xa = saved[3 * k : 3 * k + 3]
-        gs = _rows(g2, bucket) * bucket.scale  # [G, L, out]; zero on padded tokens
+        # [G, L, out]; zero on padded tokens (a gathered bucket's scale tensor has zeros there)
+        plain = bucket.index is None and bucket.uniform is not None
+        gs = _rows(g2, bucket) * (bucket.uniform if plain else bucket.scale)
         g_xa = torch.bmm(gs, B)  # [G, L, R]
         if any(need[i] for i in bucket.b_ids):
             dB = torch.bmm(gs.transpose(1, 2), xa)  # [G, out, R]
@@ -350,7 +372,9 @@ def backward(
             _give(
                 grads, factors, leaves, bucket.a_ids, bucket.a_pick, bucket.a_keep, bucket.rank, dA, -2, need
             )
-        if need_x:
+        if direct:
+            grad_x = torch.bmm(g_xa, A)
+        elif need_x:
             _write(grad_x, bucket, torch.bmm(g_xa, A))
     return None if grad_x is None else grad_x.view(x.shape), grads
 
