@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,10 @@ from mlora_lab.lora.model import MultiLoRAModel
 
 LENGTH_STEP = 64
 """The cache length is rounded up to a multiple of this: calls of similar lengths share a graph."""
+
+KEEP_DECODERS = 4
+"""Decoders (a static cache and its graph each) kept on a model for later calls, the least recently used
+dropped first."""
 
 _MASK64 = (1 << 64) - 1
 
@@ -216,13 +221,16 @@ def decoder(model: MultiLoRAModel, rows: int, length: int) -> Decoder:
     """A :class:`Decoder` for ``rows`` × ``length`` over the model's current tenants: a kept one when the
     shape and the tenants match (its cache reset), else a new one (captured on CUDA)."""
     key = (rows, length, tenants_key(model))
-    kept: dict = model.__dict__.setdefault("_decoders", {})
+    kept: OrderedDict = model.__dict__.setdefault("_decoders", OrderedDict())
     found = kept.get(key)
     if found is not None:
+        kept.move_to_end(key)
         found.reset()
         return found
     for old in [k for k in kept if k[2] != key[2]]:  # other tenants: those graphs read freed tensors
         del kept[old]
+    while len(kept) >= KEEP_DECODERS:  # (each holds a KV cache of its rows × length)
+        kept.popitem(last=False)
     made = Decoder(model, rows, length, tuple(sorted(t.slot for t in model.tenants.values())))
     if made.device.type == "cuda":
         try:

@@ -324,7 +324,9 @@ def forward(
         xa = torch.bmm(_rows(x2, bucket), A.transpose(1, 2))  # [G, L, R]
         if bucket.index is None:  # accumulated into the output by the product itself: out += s · XA B̂^T
             rows = _rows(out2, bucket)
-            if bucket.uniform is not None:  # (the scale inside the product, as addmm's alpha: PEFT's rounding)
+            if (
+                bucket.uniform is not None
+            ):  # (the scale inside the product, as addmm's alpha: PEFT's rounding)
                 rows.baddbmm_(xa, B.transpose(1, 2), alpha=bucket.uniform)
             else:
                 rows.baddbmm_(xa * bucket.scale, B.transpose(1, 2))
