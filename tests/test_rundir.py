@@ -740,6 +740,14 @@ ALLOWED_WRITERS = {
         "mkdir",
     ): "a tracker folder the user names (logging_dir, its variable)",
     ("mlora_lab/lab/slurm.py", "NamedTemporaryFile"): "a private temporary file for sbatch --test-only",
+    (
+        "mlora_lab/lab/exports.py",
+        "save_pretrained",
+    ): "run.merge: inside the fresh directory of atomic_directory",
+    (
+        "mlora_lab/lab/exports.py",
+        "mkdtemp",
+    ): "run.export: a private directory for the GGUF writer, moved atomically",
 }
 WRITER_CALLS = {
     "write_text",

@@ -42,7 +42,7 @@ from mlora_lab.specbase import SpecError
 # What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
 # resumed): one clear message and exit code 2, never a traceback. (A damaged checkpoint's
 # CheckpointError is a RuntimeError: the codec, and torch, are not imported to name it.)
-USER_ERRORS = (SpecError, RunDirError, ControlError, FileNotFoundError, RuntimeError)
+USER_ERRORS = (SpecError, RunDirError, ControlError, FileNotFoundError, RuntimeError, ValueError)
 
 
 PROGRESS_EVERY_S = 10.0
@@ -437,6 +437,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    out = Run(args.run_dir).merge(args.tenant, args.out_dir, dtype=args.dtype)
+    print(f"{args.tenant}: merged into the base model at {out}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    out = Run(args.run_dir).export(args.tenant, args.format, args.out)
+    print(f"{args.tenant}: {args.format} adapter at {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlora-lab", description="Multi-tenant LoRA lab")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -510,6 +522,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logging-dir", default=None, help="where the trackers write; default: RUN_DIR/trackers")
     p.add_argument("--project", default=None, help="W&B / trackio project; default: mlora_lab")
     p.set_defaults(func=cmd_report)
+    p = sub.add_parser(
+        "merge", help="save a tenant's adapter merged into the base model (a transformers model)"
+    )
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("tenant")
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="of the merged weights; default: the base's own")  # fmt: skip
+    p.set_defaults(func=cmd_merge)
+    p = sub.add_parser(
+        "export", help="write a tenant's adapter in another format (gguf: for llama.cpp, Ollama)"
+    )
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("tenant")
+    p.add_argument("--format", choices=["gguf"], default="gguf")
+    p.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/exports/TENANT.gguf")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

@@ -374,6 +374,28 @@ class Run:
             raise FileNotFoundError(f"no adapter saved yet for tenant {tenant!r} in {self.dir.root}")
         return path
 
+    def merge(self, tenant: str, out_dir: str | os.PathLike, dtype: Any = None) -> Path:
+        """``tenant``'s latest adapter merged into the base model, saved with the tokenizer as a plain
+        transformers model in ``out_dir`` (:func:`~mlora_lab.lab.exports.merge`; ``dtype``: of the merged
+        weights, default the base's own)."""
+        from mlora_lab.lab.exports import merge
+
+        spec = self.spec
+        return merge(
+            self.adapter_path(tenant), spec.base_model, out_dir, tokenizer=spec.tokenizer, dtype=dtype
+        )
+
+    def export(self, tenant: str, format: str = "gguf", path: str | os.PathLike | None = None) -> Path:
+        """``tenant``'s latest adapter in another format: ``"gguf"``, a LoRA adapter llama.cpp (and Ollama)
+        loads (:func:`~mlora_lab.lab.exports.export_gguf`), written to ``path`` (default:
+        ``<run>/exports/<tenant>.gguf``)."""
+        from mlora_lab.lab.exports import export_gguf
+
+        if format != "gguf":
+            raise ValueError(f"unknown export format {format!r}; known: 'gguf' (merged models: run.merge)")
+        out = Path(path) if path is not None else self.dir.root / "exports" / f"{tenant}.gguf"
+        return export_gguf(self.adapter_path(tenant), self.spec.base_model, out)
+
     def typed_rows(self) -> list[Row]:
         """All metrics rows so far, typed (:class:`~mlora_lab.rundir.TrainRow`, ...), read
         incrementally; after the file was rewritten (a resume), the rows of the new file."""

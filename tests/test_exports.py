@@ -1,0 +1,151 @@
+"""Adapters out (mlora_lab.lab.exports): merged into the base, and as a GGUF LoRA adapter.
+
+- merged: over the architecture table, the merged transformers model's logits equal the base with the PEFT
+  adapter (fp32, 1e-5), and ``dtype`` chooses the merged weights' dtype;
+- GGUF: read back with the ``gguf`` package, the file says what llama.cpp's loader reads (architecture,
+  ``general.type = adapter``, ``adapter.type = lora``, its alpha, rsLoRA's alpha scaled to llama.cpp's
+  ``alpha / r``), names each pair after the base's GGUF tensor, and holds PEFT's A and B, with B's rows in
+  llama.cpp's per-head order for a Llama's query and key projections (llama.cpp's own ``permute``, copied here);
+- a base the format's conversion rearranges is refused, naming the ones written;
+- ``Run.merge`` and ``Run.export`` on a trained run, and the CLI.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+
+from mlora_lab.job.trainer import Trainer
+from mlora_lab.lab.exports import export_gguf, merge
+from mlora_lab.lab.run import Run
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.tiny import TYPICAL_TARGETS
+
+
+def peft_adapter(base: str, path, targets, rank: int = 4, alpha: float = 8.0, rslora: bool = False) -> str:
+    torch.manual_seed(rank)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, use_rslora=rslora
+    )
+    peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base), config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gpt_neox"])
+def test_merged_model_gives_the_base_with_adapter_logits(arch, tiny_models, tmp_path):
+    base = tiny_models(arch)
+    adapter = peft_adapter(base, tmp_path / "ad", TYPICAL_TARGETS[arch])
+    out = merge(adapter, base, tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    reference = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base), adapter
+    )
+    ids = torch.randint(3, 200, (2, 11))
+    with torch.no_grad():
+        ours, theirs = merged(input_ids=ids).logits, reference.eval()(input_ids=ids).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base).eval()(input_ids=ids).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert (ours - plain).abs().max().item() > 1e-3, "the adapter is in the merged weights"
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    assert transformers.AutoTokenizer.from_pretrained(out)("hello").input_ids
+    half = merge(adapter, base, tmp_path / "bf16", dtype="bfloat16")
+    assert transformers.AutoModelForCausalLM.from_pretrained(half).dtype == torch.bfloat16
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """convert_hf_to_gguf.py's ``LlamaModel.permute``, as llama.cpp writes it."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+@pytest.mark.parametrize("arch, rslora", [("llama", False), ("llama", True), ("qwen2", False)])
+def test_gguf_adapter_reads_back_as_llama_cpp_expects(arch, rslora, tiny_models, tmp_path):
+    import gguf
+    from safetensors.torch import load_file
+
+    base = tiny_models(arch)
+    rank, alpha = 4, 8.0
+    adapter = peft_adapter(base, tmp_path / "ad", TYPICAL_TARGETS[arch], rank, alpha, rslora)
+    path = export_gguf(adapter, base, tmp_path / "out" / "a.gguf")
+    reader = gguf.GGUFReader(path)
+    fields = {name: field for name, field in reader.fields.items()}
+
+    def value(key):
+        f = fields[key]
+        return f.contents() if hasattr(f, "contents") else f.parts[f.data[0]].tobytes().decode()
+
+    assert value("general.architecture") == arch
+    assert value("general.type") == "adapter" and value("adapter.type") == "lora"
+    assert value("adapter.lora.alpha") == pytest.approx(alpha * math.sqrt(rank) if rslora else alpha)
+    config = transformers.AutoConfig.from_pretrained(base)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    written = {t.name: t for t in reader.tensors}
+    peft_tensors = load_file(f"{adapter}/adapter_model.safetensors")
+    assert len(written) == len(peft_tensors) > 0
+    for key, value_ in peft_tensors.items():
+        module, _, part = key.removeprefix("base_model.model.").rpartition(".lora_")
+        which = part[0]
+        gguf_name = names.get_name(module + ".weight", try_suffixes=(".weight",)) + f".lora_{which.lower()}"
+        t = written[gguf_name]
+        expected = value_.float().numpy()
+        if which == "B" and arch == "llama" and module.endswith(("q_proj", "k_proj")):
+            kv = config.num_key_value_heads if module.endswith("k_proj") else config.num_attention_heads
+            expected = llama_cpp_permute(expected, config.num_attention_heads, kv)
+        # GGUF lists dims fastest first: [in, r] for A ([r, in] in numpy), [r, out] for B
+        assert list(t.shape) == list(reversed(expected.shape)), gguf_name
+        assert np.array_equal(np.asarray(t.data).reshape(expected.shape), expected), gguf_name
+    if arch == "llama":  # the permutation really moved rows: q's B differs from PEFT's as stored
+        q = next(k for k in peft_tensors if "q_proj.lora_B" in k)
+        name = (
+            names.get_name(
+                q.removeprefix("base_model.model.").rpartition(".lora_")[0] + ".weight",
+                try_suffixes=(".weight",),
+            )
+            + ".lora_b"
+        )
+        assert not np.array_equal(np.asarray(written[name].data), peft_tensors[q].numpy())
+
+
+def test_a_base_whose_conversion_rearranges_weights_is_refused(tiny_models, tmp_path):
+    base = tiny_models("phi3")
+    adapter = peft_adapter(base, tmp_path / "ad", TYPICAL_TARGETS["phi3"])
+    with pytest.raises(ValueError, match=r"llama, mistral, qwen2, qwen3 bases; this base is 'phi3'"):
+        export_gguf(adapter, base, tmp_path / "a.gguf")
+    assert not (tmp_path / "a.gguf").exists()
+
+
+def test_run_merge_and_export_of_a_trained_tenant_and_the_cli(tiny_models, make_data, tmp_path):
+    base = tiny_models("llama")
+    tenant = Tenant(name="a", data=make_data("reverse"), rank=4, alpha=8, target_modules=["q_proj", "v_proj"],
+                    lr=5e-3, batch_size=2, max_steps=3)  # fmt: skip
+    Trainer(JobSpec(base_model=base, tenants=[tenant], seq_len=32), run_dir=tmp_path / "run").train()
+    run = Run(tmp_path / "run")
+    merged = run.merge("a", tmp_path / "merged")
+    assert (merged / "config.json").is_file() and (merged / "tokenizer.json").is_file()
+    path = run.export("a")
+    assert path == tmp_path / "run" / "exports" / "a.gguf" and path.stat().st_size > 0
+    with pytest.raises(ValueError, match="unknown export format 'onnx'"):
+        run.export("a", "onnx")
+    with pytest.raises(FileNotFoundError, match="no adapter saved yet for tenant 'b'"):
+        run.merge("b", tmp_path / "nope")
+    cli = [sys.executable, "-m", "mlora_lab.lab.cli"]
+    done = subprocess.run([*cli, "export", str(tmp_path / "run"), "a", "--out", str(tmp_path / "cli.gguf")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "cli.gguf").read_bytes() == path.read_bytes()
+    done = subprocess.run([*cli, "merge", str(tmp_path / "run"), "a", str(tmp_path / "cli_merged")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "cli_merged" / "model.safetensors").is_file()
