@@ -149,3 +149,27 @@ def test_run_merge_and_export_of_a_trained_tenant_and_the_cli(tiny_models, make_
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "cli_merged" / "model.safetensors").is_file()
+
+
+def test_the_dashboards_export_tab_writes_a_shown_tenants_adapter(tiny_models, make_data, tmp_path):
+    """The export tab offers the shown tenants that have a saved adapter; its button writes the GGUF
+    adapter, or the merged model, into the export folder."""
+    from mlora_lab.lab.dashboard import Dashboard
+
+    base = tiny_models("qwen2")
+    tenants = [
+        Tenant(name=n, data=make_data("reverse"), rank=4, alpha=8, target_modules=["q_proj"], batch_size=2,
+               max_steps=2, seed=i)
+        for i, n in enumerate(("a", "b"))
+    ]  # fmt: skip
+    Trainer(JobSpec(base_model=base, tenants=tenants, seq_len=32), run_dir=tmp_path / "run").train()
+    dash = Dashboard(Run(tmp_path / "run"), interactive=False, export_dir=tmp_path / "out")
+    tab = dash.exporter
+    assert [label for label, _ in tab.adapter.options] == ["a", "b"]
+    tab.adapter.value = tab.adapter.options[1][1]
+    tab.adapter_button.click()
+    assert (tmp_path / "out" / "b.gguf").is_file(), tab.message.value
+    tab.adapter_format.value = "merged"
+    tab.adapter_button.click()
+    assert (tmp_path / "out" / "b-merged" / "config.json").is_file(), tab.message.value
+    assert "b-merged" in tab.message.value

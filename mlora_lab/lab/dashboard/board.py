@@ -51,7 +51,7 @@ from mlora_lab.lab.dashboard.refresher import Refresher
 from mlora_lab.lab.dashboard.table import RunsTable
 from mlora_lab.lab.plotting import DISPLAY_DPI, DRAWING, figure_png, fit_layout, series_label
 from mlora_lab.lab.series import X_AXES, RunSeries
-from mlora_lab.rundir import control
+from mlora_lab.rundir import RunDir, control
 
 log = logging.getLogger(__name__)
 
@@ -287,15 +287,24 @@ class Dashboard:
             for n, row in self.table.rows.items():
                 row.check.value = n in names
         self._update_picker()
-        self.exporter.follow([self.model.runs[n].path for n in self.chosen])
+        self.exporter.follow([self.model.runs[n].path for n in self.chosen], self._adapters())
         self._update_stop()
+
+    def _adapters(self) -> list[tuple[str, tuple[RunDir, str]]]:
+        """The shown tenants that have a saved adapter, for the export tab."""
+        out = []
+        for key in self.picked():
+            run = self.model.runs[key[0]]
+            if (run.liveness.dir.adapter(key[1]) / "adapter_config.json").is_file():
+                out.append((self.label(key), (run.liveness.dir, key[1])))
+        return out
 
     def _on_tick(self, name: str) -> None:
         if self._quiet:
             return
         with self._lock:
             self._update_picker()
-            self.exporter.follow([self.model.runs[n].path for n in self.chosen])
+            self.exporter.follow([self.model.runs[n].path for n in self.chosen], self._adapters())
             self._update_stop()
         self._changed()
 

@@ -107,9 +107,28 @@ def export_files(
     return written
 
 
+ADAPTER_FORMATS = [("GGUF adapter (llama.cpp, Ollama)", "gguf"), ("merged model (transformers)", "merged")]
+
+
+def export_adapter(run: RunDir, tenant: str, fmt: str, folder: str | os.PathLike) -> Path:
+    """``tenant``'s latest adapter in ``run`` as ``fmt`` (:data:`ADAPTER_FORMATS`) in ``folder``:
+    ``<tenant>.gguf``, or a ``<tenant>-merged`` model directory (what ``Run.export`` and ``Run.merge`` write)."""
+    from mlora_lab.lab.exports import export_gguf, merge
+    from mlora_lab.spec import JobSpec
+
+    adapter = run.adapter(tenant)
+    if not (adapter / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"no adapter saved yet for tenant {tenant!r} in {run.root}")
+    spec = JobSpec.load(run.job)
+    if fmt == "gguf":
+        return export_gguf(adapter, spec.base_model, Path(folder) / f"{tenant}.gguf")
+    return merge(adapter, spec.base_model, Path(folder) / f"{tenant}-merged", tokenizer=spec.tokenizer)
+
+
 class ExportTab:
     """The export tab: the folder (default: see :func:`default_export_dir`), a button for the figures
-    and one for the metrics, and what was written (or why not)."""
+    and one for the metrics, a tenant's adapter as GGUF or merged into its base (:func:`export_adapter`),
+    and what was written (or why not)."""
 
     def __init__(self, export_dir: str | os.PathLike | None, export: Callable[..., list[Path]]) -> None:
         self.folder = W.Text(
@@ -124,6 +143,15 @@ class ExportTab:
         )
         self.figures_button.on_click(lambda _: self._clicked(figures=True))
         self.csv_button.on_click(lambda _: self._clicked(figures=False))
+        # (value: (RunDir, tenant) of a tenant shown with a saved adapter)
+        self.adapter = W.Dropdown(options=[], description="adapter", layout=W.Layout(width="320px"))
+        self.adapter_format = W.Dropdown(
+            options=ADAPTER_FORMATS, description="as", layout=W.Layout(width="320px")
+        )
+        self.adapter_button = W.Button(
+            description="Export adapter", icon="download", layout=W.Layout(width="160px")
+        )
+        self.adapter_button.on_click(lambda _: self._adapter_clicked())
         self.message = W.HTML()
         self._export = export
         intro = W.HTML(
@@ -131,13 +159,42 @@ class ExportTab:
             "<code>run</code> column first) into the folder, atomically; the default folder is the run's "
             "<code>exports/</code>, or <code>exports/</code> next to the runs when several are shown."
         )
-        self.box = W.VBox([intro, self.folder, W.HBox([self.figures_button, self.csv_button]), self.message])
+        self.box = W.VBox(
+            [
+                intro,
+                self.folder,
+                W.HBox([self.figures_button, self.csv_button]),
+                W.HBox([self.adapter, self.adapter_format, self.adapter_button]),
+                self.message,
+            ]
+        )
 
-    def follow(self, paths: Sequence[Path]) -> None:
-        """The default folder for the runs shown (unless a folder was given)."""
+    def follow(self, paths: Sequence[Path], adapters: Sequence[tuple[str, tuple[RunDir, str]]] = ()) -> None:
+        """The default folder for the runs shown (unless a folder was given), and the adapters offered:
+        ``(label, (run directory, tenant))`` of the shown tenants that have one saved."""
         if not self.given:
             default = default_export_dir(paths)
             self.folder.value = str(default) if default else ""
+        options = list(adapters)
+        if options != list(self.adapter.options):
+            keep = self.adapter.value
+            self.adapter.options = options
+            if keep in [v for _, v in options]:
+                self.adapter.value = keep
+        self.adapter_button.disabled = not options
+
+    def _adapter_clicked(self) -> None:
+        if self.adapter.value is None or not self.folder.value:
+            self.message.value = f"<span style='color:{RED}'>choose an adapter and a folder first</span>"
+            return
+        run_dir, tenant = self.adapter.value
+        self.message.value = f"exporting {html.escape(tenant)}'s adapter ..."
+        try:
+            path = export_adapter(run_dir, tenant, self.adapter_format.value, self.folder.value)
+        except (OSError, ValueError) as e:
+            self.message.value = f"<span style='color:{RED}'>export failed: {html.escape(str(e))}</span>"
+            return
+        self.message.value = f"wrote <code>{html.escape(str(path))}</code>"
 
     def _clicked(self, figures: bool) -> None:
         try:
