@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlora_lab import hub
 from mlora_lab.rundir.files import atomic_write_text, guarded_open
 from mlora_lab.text import error_line, is_int
 
@@ -494,13 +495,18 @@ def cached_base(base_model: str | os.PathLike, cache_dir: str | os.PathLike | No
     return target if _complete(target, digest) else None
 
 
-def resolve_base(base_model: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+def resolve_base(
+    base_model: str | os.PathLike, cache_dir: str | os.PathLike | None = None, revision: str | None = None
+) -> Path:
     """A directory that ``from_pretrained`` loads for ``base_model``: ``base_model`` itself unless it
-    is a GGUF base, else its converted copy in ``cache_dir`` (default :func:`default_cache_dir`),
-    converted on the first call and reused afterwards.
+    is a Hub id (its snapshot in the Hub cache at ``revision``, :func:`mlora_lab.hub.local`: never the
+    network) or a GGUF base (its converted copy in ``cache_dir``, default :func:`default_cache_dir`,
+    converted on the first call and reused afterwards).
 
     Safe to call from several processes at once (the ranks of one job): one converts, the others wait
     for it and reuse its result. Raises :class:`GGUFBaseError` for an unusable GGUF base."""
+    if hub.is_hub_id(base_model):
+        return hub.local(str(base_model), revision)
     path = gguf_file(base_model)
     if path is None:
         return Path(os.fspath(base_model))

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlora_lab.hub import HUB_ID
 from mlora_lab.lora.targets import ALL_LINEAR
 from mlora_lab.sources import describe, memory_kind, reward_in_memory
 from mlora_lab.specbase import (
@@ -229,9 +230,10 @@ class JobSpec:
 
     # fmt: off
     base_model: str = field(metadata=meta("base model", kind="dir", form=False))
-    """Local directory of a transformers causal LM (``save_pretrained`` layout), or a ``.gguf`` file (or a
-    directory holding one ``.gguf`` and no ``config.json``), converted once into a cache by
-    ``mlora_lab.bases.resolve_base``; nothing is downloaded."""
+    """A Hub id (``"HuggingFaceTB/SmolLM2-135M-Instruct"``: downloaded once, by validation, into the Hub cache,
+    see :mod:`mlora_lab.hub`; a local directory of the same name wins), a local directory of a transformers
+    causal LM (``save_pretrained`` layout), or a ``.gguf`` file (or a directory holding one ``.gguf`` and no
+    ``config.json``), converted once into a cache by ``mlora_lab.bases.resolve_base``."""
     tenants: list[Tenant] = field(metadata=meta("tenants", kind="tenants", form=False))
     """The tenants to train (may be empty with ``serve=True`` or a ``service``)."""
     name: str | None = field(default=None, metadata=meta(
@@ -244,7 +246,12 @@ class JobSpec:
     which a launch does before it writes ``job.json``. The run directory keeps its timestamped id."""
     tokenizer: str | None = field(default=None, metadata=meta(
         "tokenizer", kind="dir", optional=True, form=False))
-    """Tokenizer directory; ``None`` = ``base_model``."""
+    """Tokenizer directory or Hub id; ``None`` = ``base_model``."""
+    revision: str | None = field(default=None, metadata=meta(
+        "revision", kind="text", section="Job", optional=True, max=256, form=False,
+        help="Hub revision (branch, tag or commit) of a base_model / tokenizer given by its Hub id"))
+    """The Hub revision of ``base_model`` and ``tokenizer`` when they are Hub ids (``None``: ``main``); a launch
+    records the commit it downloaded, so every process of the run reads the same snapshot."""
     seq_len: int = field(default=512, metadata=meta(
         "seq len", section="Job", min=2, max=MAX_SEQ_LEN, help="tokens per row; longer rows are cut"))
     """Rows are truncated to this many tokens (with a warning) and right-padded."""
@@ -475,8 +482,8 @@ class JobSpec:
         out = copy.deepcopy(self, memo)
         if out.name is None:
             out.name = default_run_name(out)
-        out.base_model = _resolve(out.base_model, base)
-        out.tokenizer = _resolve(out.tokenizer, base)
+        out.base_model = _resolve_model(out.base_model, base)
+        out.tokenizer = _resolve_model(out.tokenizer, base)
         out.logging_dir = _resolve(out.logging_dir, base)
         for t in out.tenants:
             if isinstance(t, Tenant):
@@ -621,7 +628,7 @@ def resolve_tenant_paths(t: Tenant, base: str) -> None:
     in place (what :meth:`JobSpec.resolved` does to each tenant; ``sweep.json``'s base tenant too)."""
     t.data = _resolve(t.data, base)
     t.eval_data = _resolve(t.eval_data, base)
-    t.init_adapter = _resolve(t.init_adapter, base)
+    t.init_adapter = _resolve_model(t.init_adapter, base)
     if isinstance(t.rl, RL):
         t.rl.reward = (
             resolve_reward(t.rl.reward, base)
@@ -650,6 +657,15 @@ def _relative_below(path: str, base: str) -> str:
     except ValueError:  # (different drives)
         return path
     return os.path.relpath(os.path.normpath(path), base)
+
+
+def _resolve_model(value: Any, base: str) -> Any:
+    """:func:`_resolve`, except that a Hub id (``org/name``) stays one unless a local path of that name exists
+    (relative to ``base``): as in transformers, a local directory wins."""
+    resolved = _resolve(value, base)
+    if isinstance(value, str) and HUB_ID.fullmatch(value) and not os.path.exists(resolved):
+        return value
+    return resolved
 
 
 def _resolve(path: Any, base: str) -> Any:

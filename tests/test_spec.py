@@ -97,7 +97,7 @@ def test_pathlike_arguments_are_stored_as_strings(tmp_path):
 
 def test_to_json_writes_atomically_and_load_resolves_relative_paths(tmp_path):
     spec = JobSpec(
-        base_model="models/tiny",
+        base_model="./models/tiny",  # (./: a local path; "models/tiny" that does not exist reads as a Hub id)
         tokenizer="/abs/tok",
         tenants=[Tenant(name="a", data="data/a.jsonl", eval_data="../e.jsonl", init_adapter="~/ad")],
     )
@@ -117,6 +117,11 @@ def test_to_json_writes_atomically_and_load_resolves_relative_paths(tmp_path):
     assert t.init_adapter == os.path.expanduser("~/ad")
     assert spec.tenants[0].data == "data/a.jsonl"  # resolved() returns a copy
     assert loaded.resolved(tmp_path) == loaded  # absolute paths are kept
+    hub_id = JobSpec(base_model="models/tiny", tenants=[]).resolved(tmp_path / "run")
+    assert hub_id.base_model == "models/tiny"  # org/name with no such directory there: a Hub id
+    (tmp_path / "run" / "models" / "tiny").mkdir(parents=True)
+    local = JobSpec(base_model="models/tiny", tenants=[]).resolved(tmp_path / "run")
+    assert local.base_model == os.path.join(run, "models", "tiny")  # a local directory of that name wins
 
 
 def test_load_then_validate(tmp_path, llama_path):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import transformers
 
+from mlora_lab import hub
 from mlora_lab.bases import resolve_base
 from mlora_lab.data import IGNORE_INDEX, Batch, Example, check_vocab, collate, load_examples
 from mlora_lab.lora import MultiLoRAModel
@@ -90,6 +91,8 @@ class Engine:
         """What the model's slots were given on (``JobSpec.slot_modules`` as the job recorded it)."""
         self.device = comm.device
         self.base_path, self.seq_len = base_path, seq_len
+        self.base_name = base_path
+        """What saved adapters record as their ``base_model_name_or_path``: the base's Hub id, or its path."""
         pad = tokenizer.pad_token_id
         if pad is None:
             pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
@@ -108,8 +111,12 @@ class Engine:
         ``spec.slot_modules`` (and the tenants' target parameters; in a served job, every packed expert
         parameter), checkpoint its blocks if asked, and apply the parallel layout. Slots are fixed for the
         life of the job."""
-        base_path = str(resolve_base(spec.base_model))
-        tokenizer = transformers.AutoTokenizer.from_pretrained(spec.tokenizer or base_path)
+        base_path = str(resolve_base(spec.base_model, revision=spec.revision))
+        same = spec.tokenizer == spec.base_model  # (the revision is the base's)
+        tokenizer_dir = (
+            hub.resolve(spec.tokenizer, spec.revision if same else None) if spec.tokenizer else base_path
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
         dtype = base_dtype(spec.dtype, comm.device)
         base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
         base.to(comm.device)
@@ -133,7 +140,14 @@ class Engine:
         max_pass_tokens = spec.max_pass_tokens
         if max_pass_tokens is None and spec.service is not None and comm.device.type == "cpu":
             max_pass_tokens = SERVED_CPU_PASS_TOKENS
-        return cls(model, tokenizer, comm, base_path, spec.seq_len, vocab_rows, max_pass_tokens, slot_modules)
+        engine = cls(
+            model, tokenizer, comm, base_path, spec.seq_len, vocab_rows, max_pass_tokens, slot_modules
+        )
+        if hub.is_hub_id(
+            spec.base_model
+        ):  # adapters name their base by its id: PEFT and vLLM load it by name
+            engine.base_name = spec.base_model
+        return engine
 
     # -- data ------------------------------------------------------------------------------------
     def examples(self, source: Any) -> list[Example]:
@@ -227,7 +241,7 @@ class Engine:
         tensors = self.model.tenant_tensors(name)
         if path is None:
             return None
-        return self.model.save_adapter(name, path, self.base_path, tensors=tensors, root=root)
+        return self.model.save_adapter(name, path, self.base_name, tensors=tensors, root=root)
 
 
 def pass_plan(sizes: Sequence[tuple[int, int]], max_tokens: int) -> list[list[int]]:

@@ -19,6 +19,7 @@ futures exist on rank 0 alone)::
 
 from __future__ import annotations
 
+from mlora_lab import hub
 from mlora_lab.bases import resolve_base
 from mlora_lab.job.driver import DriverFactory, JobParts
 from mlora_lab.job.drivers import DEFAULT_DRIVERS
@@ -43,7 +44,11 @@ class JobService:
         keys = Keys(path=files.keys_path(run))
         if files.OWNER not in keys.names():
             keys.add(files.OWNER)
-        tokenizer = spec.tokenizer or str(resolve_base(spec.base_model))
+        tokenizer = (
+            str(hub.resolve(spec.tokenizer))
+            if spec.tokenizer
+            else str(resolve_base(spec.base_model, revision=spec.revision))
+        )
         self.state = ServiceState(
             inbox=Inbox(capacity=self.settings.max_queue),
             futures=Futures(),

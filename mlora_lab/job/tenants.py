@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mlora_lab import hub
 from mlora_lab.job.agree import Change, agree, describe
 from mlora_lab.job.engine import Engine
 from mlora_lab.job.recorder import Recorder
@@ -157,7 +158,9 @@ class TenantPool:
         """Fill a free slot with ``tenant`` (from its ``init_adapter`` or PEFT's default init), running.
         Everything that can fail (reading the adapter and the data) happens before the slot is touched;
         if anything fails, the slot is freed again and the exception propagates. Writes no row."""
-        init = self.model.read_peft_adapter(tenant.init_adapter)[1] if tenant.init_adapter else None
+        init = (
+            self.model.read_peft_adapter(hub.resolve(tenant.init_adapter))[1] if tenant.init_adapter else None
+        )
         feed = feed_for(tenant)
         self.model.add_tenant(
             tenant.name,

@@ -38,6 +38,7 @@ def merge(
     *,
     tokenizer: str | os.PathLike | None = None,
     dtype: Any = None,
+    revision: str | None = None,
 ) -> Path:
     """Write ``base_model`` with the PEFT adapter at ``adapter_dir`` merged into it, and the tokenizer, as a
     transformers model directory ``out_dir`` (atomically). ``dtype``: of the merged weights (a torch dtype or
@@ -49,16 +50,14 @@ def merge(
     from mlora_lab.bases import resolve_base
     from mlora_lab.rundir.files import atomic_directory
 
-    base = resolve_base(base_model)
+    base = resolve_base(base_model, revision=revision)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         base, dtype=dtype if dtype is not None else "auto"
     )
     merged = peft.PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-    tok = transformers.AutoTokenizer.from_pretrained(
-        resolve_base(tokenizer) if tokenizer is not None else base
-    )
+    tok = transformers.AutoTokenizer.from_pretrained(resolve_base(tokenizer) if tokenizer else base)
     out = Path(out_dir)
     with atomic_directory(out) as tmp:
         merged.save_pretrained(tmp)
@@ -67,7 +66,10 @@ def merge(
 
 
 def export_gguf(
-    adapter_dir: str | os.PathLike, base_model: str | os.PathLike, out_path: str | os.PathLike
+    adapter_dir: str | os.PathLike,
+    base_model: str | os.PathLike,
+    out_path: str | os.PathLike,
+    revision: str | None = None,
 ) -> Path:
     """Write the PEFT adapter at ``adapter_dir`` (trained on ``base_model``) as a GGUF LoRA adapter file
     ``out_path`` (atomically): see the module docstring. Raises ``ValueError`` for a base or an adapter the
@@ -80,7 +82,7 @@ def export_gguf(
     from mlora_lab.bases import resolve_base
     from mlora_lab.rundir.files import atomic_write_bytes
 
-    config = transformers.AutoConfig.from_pretrained(resolve_base(base_model))
+    config = transformers.AutoConfig.from_pretrained(resolve_base(base_model, revision=revision))
     arch = GGUF_ARCHITECTURES.get(config.model_type)
     if arch is None:
         raise ValueError(

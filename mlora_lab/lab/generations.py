@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
+from mlora_lab import hub
 from mlora_lab.lab.handles import RunLike, as_runs
 
 Prompt = str | Sequence[Mapping[str, str]]
@@ -66,8 +67,8 @@ def compare_generations(
     spec = run.spec
     picked = [t for t in spec.tenants if tenants is None or t.name in tenants]
     names = [t.name for t in picked]
-    base_path = str(resolve_base(spec.base_model))  # a GGUF base: its converted copy
-    tok_path = spec.tokenizer or base_path
+    base_path = str(resolve_base(spec.base_model, revision=spec.revision))  # a GGUF base: its converted copy
+    tok_path = str(hub.resolve(spec.tokenizer)) if spec.tokenizer else base_path
     tok = transformers.AutoTokenizer.from_pretrained(tok_path)
     tok.padding_side = "left"  # generation appends on the right
     if tok.pad_token_id is None:

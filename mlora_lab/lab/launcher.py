@@ -42,6 +42,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from mlora_lab import hub
 from mlora_lab.bases import GGUFBaseError, is_gguf, resolve_base
 from mlora_lab.lab import slurm as slurm_cmd  # (`slurm` is launch()'s options argument)
 from mlora_lab.lab import tenant_data
@@ -156,6 +157,17 @@ def _convert_base(spec: JobSpec) -> None:
         raise SpecError([f"base_model {show_path(spec.base_model)}: cannot be converted ({why})"]) from None
 
 
+def _pin_revision(spec: JobSpec) -> JobSpec:
+    """A Hub base's revision made the commit validation downloaded (job.json records it): every process of
+    the run, and a resume on another day, reads that snapshot, whatever the branch points at by then."""
+    if not hub.is_hub_id(spec.base_model):
+        return spec
+    commit = hub.commit_of(hub.local(spec.base_model, spec.revision))
+    if commit is None or commit == spec.revision:
+        return spec
+    return dataclasses.replace(spec, revision=commit)
+
+
 def _fail_start(run: RunDir, exc: BaseException) -> None:
     """The run could not be started: ``failed`` with the cause (unless it already says how it ended).
     On a disk too full even for that, the run stays as it was."""
@@ -205,6 +217,7 @@ def prepare_run(
     problems += _launcher_problems(launcher, spec.parallel, slurm_options, root)
     if problems:
         raise SpecError(problems)
+    spec = _pin_revision(spec)
     if launcher is not None:
         _convert_base(spec)
     run = RunDir(root)

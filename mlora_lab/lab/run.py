@@ -382,8 +382,9 @@ class Run:
 
         spec = self.spec
         return merge(
-            self.adapter_path(tenant), spec.base_model, out_dir, tokenizer=spec.tokenizer, dtype=dtype
-        )
+            self.adapter_path(tenant), spec.base_model, out_dir, tokenizer=spec.tokenizer, dtype=dtype,
+            revision=spec.revision,
+        )  # fmt: skip
 
     def export(self, tenant: str, format: str = "gguf", path: str | os.PathLike | None = None) -> Path:
         """``tenant``'s latest adapter in another format: ``"gguf"``, a LoRA adapter llama.cpp (and Ollama)
@@ -394,7 +395,7 @@ class Run:
         if format != "gguf":
             raise ValueError(f"unknown export format {format!r}; known: 'gguf' (merged models: run.merge)")
         out = Path(path) if path is not None else self.dir.root / "exports" / f"{tenant}.gguf"
-        return export_gguf(self.adapter_path(tenant), self.spec.base_model, out)
+        return export_gguf(self.adapter_path(tenant), self.spec.base_model, out, revision=self.spec.revision)
 
     def typed_rows(self) -> list[Row]:
         """All metrics rows so far, typed (:class:`~mlora_lab.rundir.TrainRow`, ...), read

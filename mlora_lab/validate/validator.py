@@ -18,6 +18,7 @@ from mlora_lab.text import error_line
 from mlora_lab.validate.context import Context, ValidationCache, capped
 from mlora_lab.validate.fields import check_job_fields, check_tenant_fields
 from mlora_lab.validate.files import check_data, check_init_adapter
+from mlora_lab.validate.hub import fetch_hub_ids
 from mlora_lab.validate.model import (
     check_generation_memory,
     check_memory,
@@ -53,6 +54,7 @@ def run_checks(ctx: Context, files: bool = True) -> list[Problem]:
     # Past the tenant cap the job is refused anyway; reading every tenant's files would only cost time.
     if not files or len(tenants) > MAX_SLOTS:
         return ctx.out
+    good = fetch_hub_ids(ctx, good)  # (downloads a Hub id's snapshot: the checks below read it)
     load_model_and_tokenizer(ctx)
     for t in good:
         check_targets(ctx, t)

@@ -121,8 +121,9 @@ def export_adapter(run: RunDir, tenant: str, fmt: str, folder: str | os.PathLike
         raise FileNotFoundError(f"no adapter saved yet for tenant {tenant!r} in {run.root}")
     spec = JobSpec.load(run.job)
     if fmt == "gguf":
-        return export_gguf(adapter, spec.base_model, Path(folder) / f"{tenant}.gguf")
-    return merge(adapter, spec.base_model, Path(folder) / f"{tenant}-merged", tokenizer=spec.tokenizer)
+        return export_gguf(adapter, spec.base_model, Path(folder) / f"{tenant}.gguf", revision=spec.revision)
+    out = Path(folder) / f"{tenant}-merged"
+    return merge(adapter, spec.base_model, out, tokenizer=spec.tokenizer, revision=spec.revision)
 
 
 class ExportTab:

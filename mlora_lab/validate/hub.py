@@ -1,0 +1,42 @@
+"""Hub ids in a spec (``base_model``, ``tokenizer``, ``init_adapter``): fetched before the checks that read them.
+
+Validation runs in the notebook's process before anything starts, so this is where a Hub id is downloaded,
+once, into the Hub cache (:func:`mlora_lab.hub.fetch`, with ``huggingface_hub``'s progress bars); the checks
+after it read the cached snapshot like any local directory. An id that cannot be had is one problem naming it
+(not on the Hub, gated, or offline and not cached), and the checks that would read it are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mlora_lab import hub
+from mlora_lab.spec import Tenant
+from mlora_lab.validate.context import Context
+
+
+def fetch_hub_ids(ctx: Context, tenants: list[Tenant]) -> list[Tenant]:
+    """Download the spec's Hub ids and point ``ctx.spec`` (a copy) at their snapshots; the tenants, with
+    theirs. A failed one is said, and left empty so that no later check reports it again."""
+    s = ctx.spec
+    changes: dict[str, str] = {}
+    for field in ("base_model", "tokenizer"):
+        value = getattr(s, field)
+        if hub.is_hub_id(value):
+            # (the revision is the base's; a tokenizer of another repository is read at its main)
+            revision = s.revision if field == "base_model" or s.tokenizer == s.base_model else None
+            path, why = hub.fetch(value, revision)
+            if why is not None:
+                ctx.say(None, field, f"{field} {why}")
+            changes[field] = "" if path is None else str(path)  # ("": skipped by the checks that read it)
+    out = []
+    for t in tenants:
+        if hub.is_hub_id(t.init_adapter):
+            path, why = hub.fetch(t.init_adapter, adapter=True)
+            if why is not None:
+                ctx.say(t, "init_adapter", f"init_adapter {why}")
+            t = dataclasses.replace(t, init_adapter="" if path is None else str(path))
+        out.append(t)
+    if changes or out != tenants:
+        ctx.spec = dataclasses.replace(s, **changes, tenants=out)
+    return out

@@ -1,0 +1,161 @@
+"""A loopback server answering the Hub's file and model endpoints, for tests that cannot reach the Hub.
+
+``huggingface_hub`` (``HF_ENDPOINT`` pointed here) downloads from it exactly as from the Hub: model info
+(``/api/models/<id>[/revision/<rev>]``), the file tree (``/api/models/<id>/tree/<rev>``) and files
+(``HEAD`` / ``GET /<id>/resolve/<rev>/<path>``, with the commit and ETag headers its cache is keyed by), and
+its errors as the Hub sends them (``X-Error-Code``: ``RepoNotFound``, ``GatedRepo``, ``RevisionNotFound``,
+``EntryNotFound``). A repository is a folder of files; a gated one answers files only to a request that
+carries the token ``HF_TOKEN`` holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+
+@dataclass
+class Repo:
+    files: dict[str, bytes]
+    gated: bool = False
+    sha: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.sha:
+            digest = hashlib.sha1(b"".join(k.encode() + v for k, v in sorted(self.files.items())))
+            self.sha = digest.hexdigest()
+
+
+def repo_from_folder(folder: str | Path, gated: bool = False) -> Repo:
+    root = Path(folder)
+    return Repo(
+        {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}, gated
+    )
+
+
+class HubServer:
+    """``with HubServer({"org/name": Repo(...)}, token="...") as hub:`` ... ``hub.url`` is the endpoint;
+    ``hub.requests`` counts the file downloads (``GET`` of a file) per ``(repo, path)``."""
+
+    def __init__(self, repos: dict[str, Repo], token: str = "hf_test_token") -> None:
+        self.repos, self.token = repos, token
+        self.requests: dict[tuple[str, str], int] = {}
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # (quiet)
+                pass
+
+            def do_HEAD(self) -> None:
+                server.answer(self, body=False)
+
+            def do_GET(self) -> None:
+                server.answer(self, body=True)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self) -> HubServer:
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    # -- answers ------------------------------------------------------------------------------------------
+
+    def answer(self, h: BaseHTTPRequestHandler, body: bool) -> None:
+        parts = [unquote(p) for p in urlparse(h.path).path.strip("/").split("/")]
+        if parts[:2] == ["api", "models"] and len(parts) >= 4:
+            repo_id, rest = "/".join(parts[2:4]), parts[4:]
+            repo = self._repo(h, repo_id, files=False)
+            if repo is None:
+                return
+            if rest[:1] == ["tree"]:
+                if self._revision(h, repo, rest[1] if len(rest) > 1 else "main"):
+                    tree = [
+                        {
+                            "type": "file",
+                            "oid": hashlib.sha1(data).hexdigest(),
+                            "size": len(data),
+                            "path": path,
+                        }
+                        for path, data in sorted(repo.files.items())
+                    ]
+                    self._json(h, tree, body)
+                return
+            revision = rest[1] if rest[:1] == ["revision"] and len(rest) > 1 else "main"
+            if self._revision(h, repo, revision):
+                info = {
+                    "id": repo_id, "modelId": repo_id, "sha": repo.sha, "private": False,
+                    "gated": "manual" if repo.gated else False,
+                    "siblings": [{"rfilename": p} for p in sorted(repo.files)],
+                }  # fmt: skip
+                self._json(h, info, body)
+            return
+        if len(parts) >= 5 and parts[2] == "resolve":
+            repo_id, revision, path = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
+            repo = self._repo(h, repo_id, files=True)
+            if repo is None or not self._revision(h, repo, revision):
+                return
+            if path not in repo.files:
+                self._error(h, 404, "EntryNotFound", f"{path} does not exist")
+                return
+            data = repo.files[path]
+            h.send_response(200)
+            h.send_header("X-Repo-Commit", repo.sha)
+            h.send_header("ETag", f'"{hashlib.sha1(data).hexdigest()}"')
+            h.send_header("Content-Length", str(len(data)))
+            h.send_header("Content-Type", "application/octet-stream")
+            h.end_headers()
+            if body:
+                self.requests[(repo_id, path)] = self.requests.get((repo_id, path), 0) + 1
+                h.wfile.write(data)
+            return
+        self._error(h, 404, "", "not found")
+
+    def _repo(self, h: BaseHTTPRequestHandler, repo_id: str, files: bool) -> Repo | None:
+        repo = self.repos.get(repo_id)
+        if repo is None:
+            self._error(h, 401, "RepoNotFound", "Repository not found")
+            return None
+        if files and repo.gated and h.headers.get("Authorization") != f"Bearer {self.token}":
+            self._error(h, 403, "GatedRepo", "Access to model is restricted")
+            return None
+        return repo
+
+    def _revision(self, h: BaseHTTPRequestHandler, repo: Repo, revision: str) -> bool:
+        if revision in ("main", repo.sha):
+            return True
+        self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {revision}")
+        return False
+
+    @staticmethod
+    def _json(h: BaseHTTPRequestHandler, obj: object, body: bool) -> None:
+        data = json.dumps(obj).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        if body:
+            h.wfile.write(data)
+
+    @staticmethod
+    def _error(h: BaseHTTPRequestHandler, status: int, code: str, message: str) -> None:
+        data = json.dumps({"error": message}).encode()
+        h.send_response(status)
+        if code:
+            h.send_header("X-Error-Code", code)
+        h.send_header("X-Error-Message", message)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(data)

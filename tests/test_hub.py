@@ -1,0 +1,144 @@
+"""Hub ids for base_model, tokenizer and init_adapter (mlora_lab.hub), against a loopback Hub (tests/hub_server.py).
+
+``huggingface_hub`` talks to the loopback server through ``HF_ENDPOINT`` and writes its cache as it writes the
+Hub's (``HF_HOME``): the download path and the cache layout are both the library's own.
+
+- validation gives three distinct answers, each naming the id: not on the Hub, gated, offline and not cached
+  (and a revision that does not exist); a gated model downloads with ``HF_TOKEN``;
+- a local directory of the same name wins (relative to the job file, as the spec's paths are);
+- validation downloads once: the job's processes read the cache (every file fetched once however many
+  checks and trainers), the adapters record the id as their base, and ``init_adapter`` may be an id too;
+- offline (``HF_HUB_OFFLINE``) a cached id still validates and trains;
+- a launched job (torchrun) records the commit it read and trains with the Hub unreachable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import transformers
+from hub_server import HubServer, repo_from_folder
+
+import mlora_lab as ml
+from mlora_lab.job.trainer import Trainer
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.validate import problems
+
+TOKEN = "hf_loopback_token"
+
+
+@pytest.fixture
+def hub(tiny_models, tmp_path, monkeypatch):
+    """A loopback Hub with ``org/tiny`` (a tiny llama), ``org/gated`` (the same, gated) and ``org/adapter``
+    (a PEFT adapter of it), and an empty Hub cache in ``tmp_path/hf``."""
+    import huggingface_hub.constants
+
+    base = tiny_models("llama")
+    torch.manual_seed(3)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base), config).save_pretrained(
+        tmp_path / "adapter"
+    )
+    repos = {
+        "org/tiny": repo_from_folder(base),
+        "org/gated": repo_from_folder(base, gated=True),
+        "org/adapter": repo_from_folder(tmp_path / "adapter"),
+    }
+    with HubServer(repos, token=TOKEN) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        importlib.reload(huggingface_hub.constants)  # (it reads the variables at import)
+        server.base = base
+        try:
+            yield server
+        finally:
+            monkeypatch.undo()
+            importlib.reload(huggingface_hub.constants)
+
+
+def tenant(make_data, **kw) -> Tenant:
+    return Tenant(name="a", data=make_data("reverse"), rank=4, alpha=8, target_modules=["q_proj", "v_proj"],
+                  lr=5e-3, batch_size=2, max_steps=2, **kw)  # fmt: skip
+
+
+def messages(spec: JobSpec) -> list[str]:
+    return [p.message for p in problems(spec)]
+
+
+def test_three_distinct_answers_each_naming_the_id(hub, make_data, monkeypatch):
+    t = tenant(make_data)
+    (missing,) = messages(JobSpec(base_model="org/missing", tenants=[t]))
+    assert "base_model org/missing is not on the Hub" in missing and "HF_TOKEN" in missing
+    (gated,) = messages(JobSpec(base_model="org/gated", tenants=[t]))
+    assert "base_model org/gated is a gated model on the Hub" in gated and "HF_TOKEN" in gated
+    (revision,) = messages(JobSpec(base_model="org/tiny", revision="v9", tenants=[t]))
+    assert "org/tiny has no revision 'v9'" in revision
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (offline,) = messages(JobSpec(base_model="org/tiny", tenants=[t]))
+    assert "base_model org/tiny is not in the Hub cache" in offline and "HF_HUB_OFFLINE is set" in offline
+    assert hub.requests == {}, "nothing was downloaded"
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert messages(JobSpec(base_model="org/gated", tenants=[t])) == []  # (with a token: downloaded)
+
+
+def test_a_local_directory_of_the_same_name_wins(hub, make_data, tmp_path):
+    local = tmp_path / "job" / "org" / "tiny"
+    local.mkdir(parents=True)
+    spec = JobSpec(base_model="org/tiny", tenants=[tenant(make_data)]).resolved(tmp_path / "job")
+    assert spec.base_model == str(local)
+    elsewhere = JobSpec(base_model="org/tiny", tenants=[tenant(make_data)]).resolved(tmp_path)
+    assert elsewhere.base_model == "org/tiny"  # (no such directory there: the Hub id)
+
+
+def test_validation_downloads_once_and_the_job_reads_the_cache(hub, make_data, tmp_path, monkeypatch):
+    spec = JobSpec(
+        base_model="org/tiny",
+        tenants=[tenant(make_data, init_adapter="org/adapter")],
+        seq_len=32,
+    )
+    assert messages(spec) == [] and messages(spec) == []
+    downloaded = dict(hub.requests)
+    assert downloaded[("org/tiny", "model.safetensors")] == 1
+    assert downloaded[("org/adapter", "adapter_model.safetensors")] == 1
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the job never asks the Hub
+    trainer = Trainer(spec, run_dir=tmp_path / "run")
+    start = trainer.model.tenant_tensors("a")
+    reference = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(hub.base), str(tmp_path / "adapter")
+    )
+    q = dict(reference.named_parameters())[
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    ]
+    assert torch.equal(start["model.layers.0.self_attn.q_proj"][0], q.detach()), "init_adapter from the Hub"
+    trainer.train()
+    assert hub.requests == downloaded
+    saved = json.loads((tmp_path / "run" / "adapters" / "a" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == "org/tiny"
+    assert messages(spec) == [], "offline, the cached id validates"
+
+
+def test_a_launched_job_records_the_commit_and_trains_from_the_cache(hub, make_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = JobSpec(base_model="org/tiny", tenants=[tenant(make_data)], seq_len=32)
+    run = ml.launch(spec, workdir=tmp_path / "runs")
+    try:
+        assert run.wait(timeout=300).value == "finished", run.logs()
+    finally:
+        run.stop()
+    recorded = json.loads(Path(run.path, "job.json").read_text())
+    assert recorded["base_model"] == "org/tiny" and recorded["revision"] == hub.repos["org/tiny"].sha
+    assert hub.requests[("org/tiny", "model.safetensors")] == 1
+    assert (
+        json.loads((run.adapter_path("a") / "adapter_config.json").read_text())["base_model_name_or_path"]
+        == "org/tiny"
+    )
