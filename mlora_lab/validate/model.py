@@ -70,7 +70,7 @@ def _load_now(ctx: Context) -> None:
                 None,
                 "base_model",
                 f"base_model {brief(s.base_model)} is not a local directory (give the directory of a "
-                "model saved with save_pretrained, or a .gguf file; nothing is downloaded)",
+                "model saved with save_pretrained, a .gguf file, or a Hub id: org/name)",
             )
         else:
             base_ok = _load_model(ctx, s.base_model)
