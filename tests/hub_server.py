@@ -5,11 +5,13 @@
 (``HEAD`` / ``GET /<id>/resolve/<rev>/<path>``, with the commit and ETag headers its cache is keyed by), and
 its errors as the Hub sends them (``X-Error-Code``: ``RepoNotFound``, ``GatedRepo``, ``RevisionNotFound``,
 ``EntryNotFound``). A repository is a folder of files; a gated one answers files only to a request that
-carries the token ``HF_TOKEN`` holds.
+carries the token ``HF_TOKEN`` holds. Writes (``create_repo``, then ``upload_folder``'s pre-upload and commit,
+every file a "regular" upload, its bytes in the commit) need that token too.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import threading
@@ -45,6 +47,8 @@ class HubServer:
     def __init__(self, repos: dict[str, Repo], token: str = "hf_test_token") -> None:
         self.repos, self.token = repos, token
         self.requests: dict[tuple[str, str], int] = {}
+        self.private: dict[str, bool] = {}  # repositories created here, and whether private
+        self.commits: list[str] = []  # the repository of each commit
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,6 +61,9 @@ class HubServer:
             def do_GET(self) -> None:
                 server.answer(self, body=True)
 
+            def do_POST(self) -> None:
+                server.write(self)
+
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
@@ -68,6 +75,53 @@ class HubServer:
     def __exit__(self, *exc) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    # -- writes: a repository created, a commit of small files ("regular" uploads, base64 in the commit) ------
+
+    def write(self, h: BaseHTTPRequestHandler) -> None:
+        parts = [unquote(p) for p in urlparse(h.path).path.strip("/").split("/")]
+        body = h.rfile.read(int(h.headers.get("Content-Length") or 0))
+        if h.headers.get("Authorization") != f"Bearer {self.token}":
+            self._error(h, 401, "", "Invalid credentials in Authorization header")
+            return
+        if parts == ["api", "repos", "create"]:
+            ask = json.loads(body)
+            repo_id = f"{ask['organization']}/{ask['name']}" if ask.get("organization") else ask["name"]
+            if repo_id in self.repos:
+                self._error(h, 409, "", "You already created this model repo")
+                return
+            self.repos[repo_id] = Repo({}, sha=hashlib.sha1(repo_id.encode()).hexdigest())
+            # (huggingface_hub 2.x sends "visibility"; 1.x sent "private")
+            self.private[repo_id] = ask.get("visibility") == "private" or bool(ask.get("private"))
+            self._json(h, {"url": f"{self.url}/{repo_id}", "name": repo_id}, True)
+            return
+        if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] in ("preupload", "commit"):
+            repo = self.repos.get("/".join(parts[2:4]))
+            if repo is None:
+                self._error(h, 404, "RepoNotFound", "Repository not found")
+                return
+            if parts[4] == "preupload":
+                files = json.loads(body)["files"]
+                modes = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]
+                self._json(h, {"files": modes}, True)
+                return
+            for line in body.decode().splitlines():
+                entry = json.loads(line)
+                if entry["key"] == "file":
+                    repo.files[entry["value"]["path"]] = base64.b64decode(entry["value"]["content"])
+                elif entry["key"] == "deletedFile":
+                    repo.files.pop(entry["value"]["path"], None)
+            repo.sha = hashlib.sha1(
+                b"".join(k.encode() + v for k, v in sorted(repo.files.items()))
+            ).hexdigest()
+            self.commits.append("/".join(parts[2:4]))
+            self._json(
+                h,
+                {"commitUrl": f"{self.url}/{parts[2]}/{parts[3]}/commit/{repo.sha}", "commitOid": repo.sha},
+                True,
+            )
+            return
+        self._error(h, 404, "", "not found")
 
     # -- answers ------------------------------------------------------------------------------------------
 

@@ -57,6 +57,10 @@ def hub(tiny_models, tmp_path, monkeypatch):
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         importlib.reload(huggingface_hub.constants)  # (it reads the variables at import)
+        import huggingface_hub.hf_api
+
+        # (and the module-level HfApi behind huggingface_hub.file_exists, which PEFT calls, is made at import)
+        monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", server.url)
         server.base = base
         try:
             yield server
@@ -142,3 +146,39 @@ def test_a_launched_job_records_the_commit_and_trains_from_the_cache(hub, make_d
         json.loads((run.adapter_path("a") / "adapter_config.json").read_text())["base_model_name_or_path"]
         == "org/tiny"
     )
+
+
+def test_push_to_hub_uploads_an_adapter_peft_loads_by_name(hub, make_data, tmp_path, monkeypatch):
+    """``run.push_to_hub`` makes a private repository and commits the adapter; PEFT loads it from the Hub by
+    its id and gives the saved weights; the CLI's ``push --public`` makes a public one; without a token
+    the Hub refuses (and nothing is made)."""
+    import subprocess
+    import sys
+
+    from mlora_lab.lab.run import Run
+
+    Trainer(
+        JobSpec(base_model=hub.base, tenants=[tenant(make_data)], seq_len=32), run_dir=tmp_path / "run"
+    ).train()
+    run = Run(tmp_path / "run")
+    with pytest.raises(Exception, match=r"401|credentials|token"):
+        run.push_to_hub("a", "me/adapter-a")
+    assert "me/adapter-a" not in hub.repos
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    url = run.push_to_hub("a", "me/adapter-a")
+    assert "me/adapter-a" in url and hub.private["me/adapter-a"] is True
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(hub.repos["me/adapter-a"].files)
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(hub.base), "me/adapter-a"
+    )
+    ours = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(hub.base), str(run.adapter_path("a"))
+    )
+    theirs = dict(loaded.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in ours.named_parameters() if "lora_" in n)
+    done = subprocess.run(
+        [sys.executable, "-m", "mlora_lab.lab.cli", "push", str(tmp_path / "run"), "a", "me/public-a", "--public"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert hub.private["me/public-a"] is False and "me/public-a" in done.stdout

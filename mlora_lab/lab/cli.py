@@ -449,6 +449,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_push(args: argparse.Namespace) -> int:
+    url = Run(args.run_dir).push_to_hub(args.tenant, args.repo_id, private=not args.public)
+    print(f"{args.tenant}: pushed to {args.repo_id} ({url})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlora-lab", description="Multi-tenant LoRA lab")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -539,6 +545,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["gguf"], default="gguf")
     p.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/exports/TENANT.gguf")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("push", help="upload a tenant's adapter to a Hub repository (private unless --public)")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("tenant")
+    p.add_argument("repo_id", help="org/name")
+    p.add_argument("--public", action="store_true", help="make a new repository public")
+    p.set_defaults(func=cmd_push)
     return parser
 
 

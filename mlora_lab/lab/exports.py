@@ -141,3 +141,27 @@ def export_gguf(
         return path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def push_to_hub(
+    adapter_dir: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = True,
+    token: str | None = None,
+    commit_message: str | None = None,
+) -> str:
+    """Upload the PEFT adapter at ``adapter_dir`` to the Hub repository ``repo_id`` (made, private unless
+    ``private=False``, if it does not exist) through ``huggingface_hub`` (its token: ``token``, else
+    ``HF_TOKEN`` or a login; ``HF_ENDPOINT`` for another server). Returns the commit's URL. PEFT then loads
+    it by name: ``PeftModel.from_pretrained(base, repo_id)``."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    info = api.upload_folder(
+        folder_path=str(adapter_dir),
+        repo_id=repo_id,
+        commit_message=commit_message or f"Upload the adapter {Path(adapter_dir).name} (mlora_lab)",
+    )
+    return str(getattr(info, "commit_url", info))

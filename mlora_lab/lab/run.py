@@ -397,6 +397,13 @@ class Run:
         out = Path(path) if path is not None else self.dir.root / "exports" / f"{tenant}.gguf"
         return export_gguf(self.adapter_path(tenant), self.spec.base_model, out, revision=self.spec.revision)
 
+    def push_to_hub(self, tenant: str, repo_id: str, private: bool = True, token: str | None = None) -> str:
+        """Upload ``tenant``'s latest adapter to the Hub repository ``repo_id`` (private unless
+        ``private=False``; :func:`~mlora_lab.lab.exports.push_to_hub`); the commit's URL."""
+        from mlora_lab.lab.exports import push_to_hub
+
+        return push_to_hub(self.adapter_path(tenant), repo_id, private=private, token=token)
+
     def typed_rows(self) -> list[Row]:
         """All metrics rows so far, typed (:class:`~mlora_lab.rundir.TrainRow`, ...), read
         incrementally; after the file was rewritten (a resume), the rows of the new file."""
