@@ -259,6 +259,13 @@ class Service:
     first; one request larger than it runs alone). A step's activation memory grows with its tokens, so this
     bounds it however many clients send at once; on a CPU a smaller step also costs less per token (its
     working set stays in cache), while a GPU gains from big steps. ``None``: every waiting request."""
+    model_name: str | None = field(default=None, metadata=meta(
+        "model name", kind="text", section="Service", optional=True, max=256,
+        help="the base's name to clients; empty: its Hub id, or its path"))
+    """The name clients give the base (``create_lora_training_client(base_model=...)``, what
+    ``get_server_capabilities`` lists and ``get_info`` answers): ``None`` = ``base_model`` (its Hub id, by
+    which the SDK's and the cookbook's tokenizer and renderer lookups find the model). The tokenizer clients are
+    told to load is the spec's ``tokenizer`` or the base's Hub id, else the base's local directory."""
     # fmt: on
 
     def to_dict(self) -> dict[str, Any]:

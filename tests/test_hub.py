@@ -182,3 +182,36 @@ def test_push_to_hub_uploads_an_adapter_peft_loads_by_name(hub, make_data, tmp_p
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert hub.private["me/public-a"] is False and "me/public-a" in done.stdout
+
+
+def test_a_served_job_answers_to_the_hub_id_or_the_name_the_spec_gives(hub, make_data, tmp_path):
+    """Its base goes by ``Service.model_name`` when given, else by the base's Hub id (not a local path), and
+    the tokenizer clients are told to load is the Hub id, which the SDK and the cookbook load by name."""
+    from mlora_lab.job.served import JobService
+    from mlora_lab.lab.served_run import ServedRun
+    from mlora_lab.rundir import RunDir
+    from mlora_lab.specparts import Service
+
+    def served(spec: JobSpec, name: str) -> JobService:
+        run = RunDir(tmp_path / name)
+        run.create()
+        spec.to_json(run.job)
+        return JobService(spec, run), ServedRun(run.root)
+
+    by_id = JobSpec(base_model="org/tiny", tenants=[], service=Service())
+    assert messages(by_id) == []  # (downloads it)
+    job, handle = served(by_id, "by_id")
+    assert (job.state.base_model, job.state.tokenizer_id, handle.base_model) == ("org/tiny",) * 3
+    named = JobSpec(base_model="org/tiny", tenants=[], service=Service(model_name="acme/base-v1"))
+    job, handle = served(named, "named")
+    assert (job.state.base_model, job.state.tokenizer_id, handle.base_model) == (
+        "acme/base-v1",
+        "org/tiny",
+        "acme/base-v1",
+    )
+    local = JobSpec(base_model=hub.base, tenants=[], service=Service(model_name="tiny"))
+    job, handle = served(local, "local")
+    assert (job.state.base_model, job.state.tokenizer_id) == ("tiny", hub.base)
+    assert transformers.AutoTokenizer.from_pretrained("org/tiny")(
+        "hello"
+    ).input_ids  # (by name, from the cache)

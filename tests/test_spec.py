@@ -573,6 +573,7 @@ def test_a_service_round_trips_and_needs_no_tenants(tmp_path, llama_path):
         "max_queue": 4096,
         "session_timeout": 60.0,
         "max_step_tokens": None,
+        "model_name": None,
     }
     assert (
         JobSpec.from_json(spec.to_json()) == spec

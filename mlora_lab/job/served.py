@@ -44,16 +44,20 @@ class JobService:
         keys = Keys(path=files.keys_path(run))
         if files.OWNER not in keys.names():
             keys.add(files.OWNER)
-        tokenizer = (
-            str(hub.resolve(spec.tokenizer))
-            if spec.tokenizer
-            else str(resolve_base(spec.base_model, revision=spec.revision))
-        )
+        # The name clients use for the base, and the tokenizer they are told to load: a Hub id where there is
+        # one (the SDK and the cookbook load it by name, from the Hub cache), else the local directory.
+        name = self.settings.model_name or spec.base_model
+        if spec.tokenizer:
+            tokenizer = spec.tokenizer if hub.is_hub_id(spec.tokenizer) else str(hub.resolve(spec.tokenizer))
+        elif hub.is_hub_id(spec.base_model):
+            tokenizer = spec.base_model
+        else:
+            tokenizer = str(resolve_base(spec.base_model, revision=spec.revision))
         self.state = ServiceState(
             inbox=Inbox(capacity=self.settings.max_queue),
             futures=Futures(),
             keys=keys,
-            base_model=spec.base_model,
+            base_model=name,
             limits=wire.Limits(vocab_size=1, max_tokens=1),  # (set from the engine with the driver)
             max_rank=spec.max_rank,
             tokenizer_id=tokenizer,

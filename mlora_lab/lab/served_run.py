@@ -64,8 +64,10 @@ class ServedRun(Run):
 
     @property
     def base_model(self) -> str:
-        """The model name clients pass (``create_lora_training_client(base_model=...)``): the job's base."""
-        return self.spec.base_model
+        """The model name clients pass (``create_lora_training_client(base_model=...)``): the job's base, as
+        ``Service.model_name`` names it (default: ``base_model``)."""
+        service = self.spec.service
+        return (service.model_name if service is not None else None) or self.spec.base_model
 
     @property
     def keys_path(self) -> Path:
