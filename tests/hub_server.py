@@ -49,6 +49,7 @@ class HubServer:
         self.requests: dict[tuple[str, str], int] = {}
         self.private: dict[str, bool] = {}  # repositories created here, and whether private
         self.commits: list[str] = []  # the repository of each commit
+        self.calls = 0  # every request answered
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -126,6 +127,7 @@ class HubServer:
     # -- answers ------------------------------------------------------------------------------------------
 
     def answer(self, h: BaseHTTPRequestHandler, body: bool) -> None:
+        self.calls += 1
         parts = [unquote(p) for p in urlparse(h.path).path.strip("/").split("/")]
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             repo_id, rest = "/".join(parts[2:4]), parts[4:]

@@ -215,3 +215,18 @@ def test_a_served_job_answers_to_the_hub_id_or_the_name_the_spec_gives(hub, make
     assert transformers.AutoTokenizer.from_pretrained("org/tiny")(
         "hello"
     ).input_ids  # (by name, from the cache)
+
+
+def test_a_forms_validation_cache_asks_the_hub_once_per_id(hub, make_data):
+    from mlora_lab.validate import ValidationCache, Validator
+
+    validator = Validator(ValidationCache())
+    spec = JobSpec(base_model="org/tiny", tenants=[tenant(make_data)], seq_len=32)
+    assert validator.problems(spec) == []
+    calls = hub.calls
+    for seq_len in (16, 24, 40):  # (a form re-checks on every change)
+        assert (
+            validator.problems(JobSpec(base_model="org/tiny", tenants=[tenant(make_data)], seq_len=seq_len))
+            == []
+        )
+    assert hub.calls == calls, "the Hub was asked again"

@@ -38,11 +38,15 @@ class ValidationCache:
         self.data_files: dict[tuple[Any, ...], list[str]] = {}
         """(file version or snapshot key, model key, tokenizer loaded, ``seq_len``) -> its problems, each the
         rest of a sentence that starts with the field's name."""
+        self.hub: dict[tuple[str, str | None, bool], str] = {}
+        """``(Hub id, revision, adapter)`` -> its snapshot directory, once downloaded: a form checking on every
+        change asks the Hub once per id."""
 
     def clear(self) -> None:
         """Forget everything (e.g. after a model directory was rewritten in place)."""
         self.models.clear()
         self.data_files.clear()
+        self.hub.clear()
 
 
 class Context:

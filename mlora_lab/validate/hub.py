@@ -25,14 +25,14 @@ def fetch_hub_ids(ctx: Context, tenants: list[Tenant]) -> list[Tenant]:
         if hub.is_hub_id(value):
             # (the revision is the base's; a tokenizer of another repository is read at its main)
             revision = s.revision if field == "base_model" or s.tokenizer == s.base_model else None
-            path, why = hub.fetch(value, revision)
+            path, why = _fetch(ctx, value, revision)
             if why is not None:
                 ctx.say(None, field, f"{field} {why}")
             changes[field] = "" if path is None else str(path)  # ("": skipped by the checks that read it)
     out = []
     for t in tenants:
         if hub.is_hub_id(t.init_adapter):
-            path, why = hub.fetch(t.init_adapter, adapter=True)
+            path, why = _fetch(ctx, t.init_adapter, None, adapter=True)
             if why is not None:
                 ctx.say(t, "init_adapter", f"init_adapter {why}")
             t = dataclasses.replace(t, init_adapter="" if path is None else str(path))
@@ -40,3 +40,16 @@ def fetch_hub_ids(ctx: Context, tenants: list[Tenant]) -> list[Tenant]:
     if changes or out != tenants:
         ctx.spec = dataclasses.replace(s, **changes, tenants=out)
     return out
+
+
+def _fetch(
+    ctx: Context, repo_id: str, revision: str | None, adapter: bool = False
+) -> tuple[str | None, str | None]:
+    """:func:`mlora_lab.hub.fetch`, remembered by the validation cache once it succeeded."""
+    key = (repo_id, revision, adapter)
+    if ctx.cache is not None and key in ctx.cache.hub:
+        return ctx.cache.hub[key], None
+    path, why = hub.fetch(repo_id, revision, adapter=adapter)
+    if path is not None and ctx.cache is not None:
+        ctx.cache.hub[key] = str(path)
+    return (None if path is None else str(path)), why
