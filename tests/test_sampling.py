@@ -118,6 +118,18 @@ def forward_logits(
     return logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
 
 
+def check_logprobs(mm: MultiLoRAModel, tenant: str | None, prompt: list[int], c, temperature: float) -> float:
+    """Completion ``c``'s logprobs are a forward pass's over its tokens (raw logits) and its sampling
+    logprobs those of ``z / temperature`` (to TOL); returns how far the two kinds lie apart."""
+    logits = forward_logits(mm, tenant, prompt, c.tokens)
+    steps = torch.arange(len(c.tokens))
+    raw = logits.log_softmax(-1)[steps, c.tokens]
+    scaled = (logits / temperature).log_softmax(-1)[steps, c.tokens]
+    assert (raw - torch.tensor(c.logprobs)).abs().max().item() <= TOL
+    assert (scaled - torch.tensor(c.sampling_logprobs)).abs().max().item() <= TOL
+    return (raw - scaled).abs().max().item()
+
+
 def test_greedy_equals_peft_generate_with_each_adapter_alone(setup):
     n = 10
     tenants = ["a", None, "b", "a"]  # interleaved: the sampler groups them; the output keeps this order
@@ -187,13 +199,7 @@ def test_samples_are_reproducible_and_independent_of_the_batch(setup):
     assert [c.tokens for c in sample(mm, [unseeded])] == [c.tokens for c in first]
     # logprobs: the model's own (a forward over the same tokens); sampling logprobs: of z / temperature
     for c in alone:
-        logits = forward_logits(mm, "b", list(p[1]), c.tokens)
-        steps = torch.arange(len(c.tokens))
-        raw = logits.log_softmax(-1)[steps, c.tokens]
-        scaled = (logits / 0.8).log_softmax(-1)[steps, c.tokens]
-        assert (raw - torch.tensor(c.logprobs)).abs().max().item() <= TOL
-        assert (scaled - torch.tensor(c.sampling_logprobs)).abs().max().item() <= TOL
-        assert (raw - scaled).abs().max().item() > 1e-3
+        assert check_logprobs(mm, "b", list(p[1]), c, 0.8) > 1e-3
 
 
 @pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (None, 0.3), (4, 0.5)])

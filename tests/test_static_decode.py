@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sampling import TOL, build_setup, forward_logits, greedy_generate, peft_model
+from test_sampling import TOL, build_setup, check_logprobs, forward_logits, greedy_generate, peft_model
 
 from mlora_lab import static_decode
 from mlora_lab.sampling import SampleRequest, sample
@@ -87,12 +87,7 @@ def test_static_samples_are_reproducible_independent_of_the_batch_and_scored(set
         assert max(abs(x - y) for x, y in zip(a.logprobs, m.logprobs)) <= TOL
     assert len({tuple(c.tokens) for c in alone}) == 3, "each sample index draws its own tokens"
     for c in alone:
-        logits = forward_logits(mm, "b", list(p[1]), c.tokens)
-        steps = torch.arange(len(c.tokens))
-        raw = logits.log_softmax(-1)[steps, c.tokens]
-        scaled = (logits / 0.8).log_softmax(-1)[steps, c.tokens]
-        assert (raw - torch.tensor(c.logprobs)).abs().max().item() <= TOL
-        assert (scaled - torch.tensor(c.sampling_logprobs)).abs().max().item() <= TOL
+        check_logprobs(mm, "b", list(p[1]), c, 0.8)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (None, 0.3)])
