@@ -13,6 +13,7 @@ import peft
 import torch
 import transformers
 
+from mlora_lab import quant
 from mlora_lab.bases import resolve_base
 from mlora_lab.data import Example, collate
 
@@ -53,19 +54,25 @@ def train_peft(
     pad_id: int = 0,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    quantize: str | None = None,
 ) -> ReferenceResult:
     """Train one PEFT LoRA adapter on ``batches`` (one optimiser step per batch) and return the
     per-step losses and the final adapter tensors. ``dtype`` is the base's (PEFT keeps the adapter in
-    fp32 over a bf16/fp16 base: ``autocast_adapter_dtype``)."""
+    fp32 over a bf16/fp16 base: ``autocast_adapter_dtype``); ``quantize`` loads it quantized as a job
+    does (:mod:`mlora_lab.quant`: QLoRA's ``BitsAndBytesConfig``), on the CPU."""
     torch.manual_seed(seed)
-    base = transformers.AutoModelForCausalLM.from_pretrained(resolve_base(base_model), dtype=dtype)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        resolve_base(base_model), dtype=dtype, **quant.load_kwargs(quantize, dtype, torch.device("cpu"))
+    )
+    quant.keep_one_kernel(base)
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
     else:
         model = peft.get_peft_model(base, lora_config)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    # fused: transformers' Trainer's default optimiser ("adamw_torch_fused"), and the one mlora_lab uses
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
     losses = []
     for rows in batches:
         batch = collate([("t", rows)], pad_id)

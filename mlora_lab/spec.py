@@ -68,6 +68,10 @@ SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 """Base-model dtypes a job may run in."""
 
+QUANTIZE = ("nf4", "int8")
+"""How a job may quantize its frozen base (``JobSpec.quantize``): bitsandbytes' 4-bit NormalFloat (QLoRA's)
+or LLM.int8."""
+
 TRACKERS = ("tensorboard", "trackio", "wandb")
 """Experiment trackers a job can mirror its metrics rows to (``JobSpec.report_to``), each an optional extra
 of the package (``pip install 'mlora_lab[wandb]'``; ``mlora_lab[trackers]`` for all three). ``"all"`` and
@@ -272,6 +276,16 @@ class JobSpec:
     """dtype of the frozen base: ``"auto"`` (bfloat16 on a GPU that supports it, float32 on the CPU and
     on older GPUs), ``"float32"``, ``"bfloat16"`` or ``"float16"``. Adapters, their gradients and AdamW
     state are float32 whatever it is, as PEFT keeps them."""
+    quantize: str | None = field(default=None, metadata=meta(
+        "quantize", kind="choice", choices=QUANTIZE, section="Job", optional=True, form=False,
+        help="the frozen base in 4-bit nf4 or int8 (bitsandbytes); adapters stay float32"))
+    """Quantize the frozen base's linear layers as it loads (bitsandbytes through transformers'
+    ``BitsAndBytesConfig``, :mod:`mlora_lab.quant`): ``"nf4"`` (QLoRA's 4-bit NormalFloat, blocks of 64
+    with an absmax scale each, the scales quantized again) or ``"int8"`` (LLM.int8: row-wise absmax int8,
+    outlier features above 6.0 in 16-bit). ``None``: the base in ``dtype``. The embeddings, the norms and
+    the output layer stay in ``dtype``; every LoRA delta is added to the dequantized layer's output, and
+    adapters, their gradients and AdamW state stay float32, as PEFT keeps them over a quantized base
+    (QLoRA). Needs the ``quant`` extra; one process, or data parallel only (no FSDP, TP or EP)."""
     log_every: int = field(default=1, metadata=meta(
         "log every", section="Logging", min=1, max=MAX_COUNT, help="write train metrics every N steps"))
     """Write train metrics every this many steps."""

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import transformers
 
-from mlora_lab import hub
+from mlora_lab import hub, quant
 from mlora_lab.bases import resolve_base
 from mlora_lab.data import IGNORE_INDEX, Batch, Example, check_vocab, collate, load_examples
 from mlora_lab.lora import MultiLoRAModel
@@ -118,8 +118,14 @@ class Engine:
         )
         tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
         dtype = base_dtype(spec.dtype, comm.device)
-        base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
-        base.to(comm.device)
+        # (a quantized base is quantized as each weight is placed on the device: mlora_lab.quant)
+        base = transformers.AutoModelForCausalLM.from_pretrained(
+            base_path, dtype=dtype, **quant.load_kwargs(spec.quantize, dtype, comm.device)
+        )
+        if spec.quantize is None:
+            base.to(comm.device)
+        else:
+            quant.keep_one_kernel(base)
         vocab_rows = base.get_input_embeddings().weight.shape[0]  # before any sharding
         # (a served job's default slots include the output layer: named here, where the model is)
         slot_modules = effective_slot_modules(spec, output_layer_names(base))

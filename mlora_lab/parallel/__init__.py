@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from mlora_lab.quant import is_quantized
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -181,7 +183,11 @@ def parallelize(
         replicate = ep_mesh["ep_replicate"].get_group() if dims.dp > dims.ep else None
         ignored = apply_expert_parallel(mm, ep_mesh["ep"], replicate)
     fsdp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
-    apply_fsdp(mm, fsdp_mesh, ignored_params=ignored)
+    if not is_quantized(mm.model):
+        apply_fsdp(mm, fsdp_mesh, ignored_params=ignored)
+    # (else data parallel only, which validation allows for a quantized base: every process holds the
+    # whole quantized base, as DDP over a QLoRA base does, and FSDP2 has nothing to shard; the tenants'
+    # gradients are summed over the data-parallel ranks by their layouts below)
 
     if dims.dp == 1:
         dp_group = None

@@ -6,8 +6,10 @@ the model is loaded, whether the model splits over ``tp`` and ``ep`` ranks.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
+from mlora_lab.spec import QUANTIZE
 from mlora_lab.specbase import fields_info
 from mlora_lab.specparts import Parallel
 from mlora_lab.validate.context import Context
@@ -69,3 +71,35 @@ def check_expert_parallel(ctx: Context) -> None:
         ctx.say(
             None, "parallel.ep", f"parallel.ep = {p.ep} does not divide the {n} experts of each MoE layer"
         )
+
+
+def check_quantize(ctx: Context) -> None:
+    """``quantize`` needs bitsandbytes, and a layout that keeps the whole quantized base on each process:
+    one process or data parallel. FSDP2 shards parameters as DTensors, which bitsandbytes' packed 4-bit
+    and int8 weights (and their quantization state beside them) are not; tensor and expert parallel
+    split the base's weights, which would have to be quantized per slice."""
+    q = ctx.spec.quantize
+    if q is None or q not in QUANTIZE:  # (a bad value is check_field's to report)
+        return
+    if importlib.util.find_spec("bitsandbytes") is None:
+        ctx.say(
+            None,
+            "quantize",
+            f"quantize={q!r} needs bitsandbytes: pip install 'mlora_lab[quant]' (or bitsandbytes itself)",
+        )
+    p = ctx.spec.parallel
+    if not isinstance(p, Parallel) or not ctx.layout_ok:
+        return
+    why = {
+        "fsdp": "FSDP2 shards parameters as DTensors, which bitsandbytes' quantized weights cannot be",
+        "tp": "tensor parallel splits the base's weights, which bitsandbytes quantizes whole",
+        "ep": "expert parallel splits the experts, which a quantized base does not support here",
+    }
+    for name, reason in why.items():
+        if getattr(p, name) > 1:
+            ctx.say(
+                None,
+                f"parallel.{name}",
+                f"quantize={q!r} with parallel.{name} = {getattr(p, name)}: {reason}; use fsdp=tp=ep=1 "
+                "(data parallel: every process holds the whole quantized base) or quantize=None",
+            )

@@ -27,7 +27,12 @@ from mlora_lab.validate.model import (
     check_vocab,
     load_model_and_tokenizer,
 )
-from mlora_lab.validate.parallel import check_expert_parallel, check_parallel, check_tensor_parallel
+from mlora_lab.validate.parallel import (
+    check_expert_parallel,
+    check_parallel,
+    check_quantize,
+    check_tensor_parallel,
+)
 from mlora_lab.validate.service import check_service
 from mlora_lab.validate.tenants import check_tenant_set, existing_name_problems
 
@@ -38,6 +43,7 @@ def run_checks(ctx: Context, files: bool = True) -> list[Problem]:
     s = ctx.spec
     check_job_fields(ctx)
     check_parallel(ctx)
+    check_quantize(ctx)
     check_service(ctx)
     tenants = s.tenants if isinstance(s.tenants, list) else []
     if not isinstance(s.tenants, list):

