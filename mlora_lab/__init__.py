@@ -16,6 +16,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "ASHA": "mlora_lab.search",
     "Dashboard": "mlora_lab.lab.dashboard",
     "Grid": "mlora_lab.search",
+    "HubDataset": "mlora_lab.sources",
     "JobBuilder": "mlora_lab.lab.forms",
     "JobSpec": "mlora_lab.spec",
     "MultiLoRAModel": "mlora_lab.lora",

@@ -10,6 +10,7 @@ A tenant's ``data`` (and ``eval_data``) is one of::
     df                      a pandas DataFrame, a column per key
     [{"text": ...}, ...]    a list of dicts
     ds                      a datasets.Dataset
+    HubDataset("org/name")  a dataset on the Hub (config, split, revision), read with datasets.load_dataset
 
 The file's suffix says how it is read (any case: ``.JSONL`` too). Values JSON cannot hold are converted
 where that is unambiguous (numpy numbers to Python numbers, NaN and pandas' NA to null, numpy arrays to
@@ -48,18 +49,55 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlora_lab.hub import HUB_ID
+from mlora_lab.hub import offline as hub_offline
 from mlora_lab.text import brief, error_line, parse_json, path_problem, show_path
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 """The data files a tenant can name, by suffix."""
-MEMORY_KINDS = ("DataFrame", "list", "Dataset")
-"""The in-memory sources, as messages name them: a pandas DataFrame, a list of dicts, a datasets.Dataset."""
+MEMORY_KINDS = ("DataFrame", "list", "Dataset", "Hub dataset")
+"""The in-memory sources, as messages name them: a pandas DataFrame, a list of dicts, a datasets.Dataset, and a
+:class:`HubDataset` (read into memory by validation, then written into the run directory as the others)."""
 ACCEPTED = (
-    "a .jsonl, .json, .parquet or .csv file path, a pandas DataFrame, a list of dicts or a datasets.Dataset"
+    "a .jsonl, .json, .parquet or .csv file path, a pandas DataFrame, a list of dicts, a datasets.Dataset "
+    "or an ml.HubDataset"
 )
 """What a tenant's ``data`` may be, as messages say it."""
 _CHUNK = 1024  # rows converted at a time from a DataFrame, a Dataset or a parquet file
 _MAX_DEPTH = 64  # a cell nested deeper than this is refused (no RecursionError converting it)
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """A split of a dataset on the Hub, as a tenant's ``data`` or ``eval_data``:
+    ``datasets.load_dataset(repo_id, config, split=split, revision=revision)``.
+
+    It is read once, in the notebook's process, by validation (a download into ``datasets``' cache, with its
+    progress bars; ``HF_TOKEN`` for a gated one, ``HF_ENDPOINT`` for another server, ``HF_HUB_OFFLINE`` to read
+    only the cache), and a launch writes its rows into the run directory as JSON Lines, as it does a
+    DataFrame's: every rank and every resume reads exactly the rows that were validated. A spec's job.json
+    holds it as ``{"repo_id": ..., "config": ..., "split": ..., "revision": ...}`` until it is launched. A
+    dataset that cannot be had is one of three answers naming it: not on the Hub (or private), gated (accept
+    its terms, then log in or set ``HF_TOKEN``), or offline and not cached."""
+
+    repo_id: str
+    """``org/name``, as the Hub spells the dataset's repository."""
+    config: str | None = None
+    """The dataset's configuration (its subset), ``None`` for the default one."""
+    split: str = "train"
+    """The split whose rows are the tenant's (``"train"``, ``"test"``, ``"train[:100]"``, ...)."""
+    revision: str | None = None
+    """A branch, tag or commit; ``None``: ``main``."""
+
+    def __str__(self) -> str:
+        config = f", {self.config}" if self.config else ""
+        at = f"@{self.revision}" if self.revision else ""
+        return f"{self.repo_id}{at} ({self.split}{config})"
+
+    def load(self) -> Any:
+        """The split as a ``datasets.Dataset`` (downloaded, or read from the cache); :class:`SourceError`
+        saying which of the three it is when it cannot be had, or why it cannot be read."""
+        return _load_hub_dataset(self)
 
 
 class SourceError(ValueError):
@@ -95,6 +133,8 @@ def memory_kind(value: Any) -> str | None:
     one of the kind it was taken of), else ``None`` (a path, or something that is no source)."""
     if isinstance(value, Snapshot):
         return value.kind
+    if isinstance(value, HubDataset):
+        return "Hub dataset"
     if isinstance(value, list | tuple):
         return "list"
     if _class_is(value, "pandas", "DataFrame"):
@@ -128,6 +168,8 @@ def source_type_problem(value: Any) -> str | None:
 def source_name(value: Any) -> str:
     """How messages name a source: the path as :func:`~mlora_lab.text.show_path` shows it, or its
     in-memory kind (``"DataFrame"``)."""
+    if isinstance(value, HubDataset):
+        return f"Hub dataset {value}"
     kind = memory_kind(value)
     if kind is not None:
         return kind
@@ -140,7 +182,7 @@ def source_name(value: Any) -> str:
 def describe(value: Any) -> str:
     """A source in a few words: ``"a DataFrame of 120 rows"``, ``"a list of 3 rows"``, or the path."""
     kind = memory_kind(value)
-    if kind is None:
+    if kind is None or isinstance(value, HubDataset):
         return source_name(value)
     try:
         n = len(value)
@@ -170,6 +212,8 @@ def source_rows(value: Any) -> Iterator[SourceRow]:
         yield from _frame_rows(value)
     elif kind == "Dataset":
         yield from _dataset_rows(value)
+    elif kind == "Hub dataset":
+        yield from _dataset_rows(value.load())
     else:
         why = source_type_problem(value)
         if why is not None:
@@ -358,6 +402,65 @@ def _frame_rows(df: Any) -> Iterator[SourceRow]:
             yield SourceRow(f"row {i}", row, problems)
 
 
+def _load_hub_dataset(source: HubDataset) -> Any:
+    """:meth:`HubDataset.load`. ``huggingface_hub`` asks first (what it raises tells the three cases apart, as
+    :func:`mlora_lab.hub.fetch` does for models), then ``datasets`` loads the split at the commit that answered,
+    so that a branch moving in between cannot mix two versions."""
+    if not isinstance(source.repo_id, str) or HUB_ID.fullmatch(source.repo_id) is None:
+        raise SourceError(f"a Hub dataset is named org/name (got {brief(source.repo_id)})")
+    try:
+        import datasets
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    except ImportError as e:
+        raise SourceError(
+            f"a Hub dataset is read with the datasets package, which is not installed ({e})"
+        ) from None
+
+    where = f"{source.repo_id}" + (f" (revision {source.revision})" if source.revision else "")
+    revision = source.revision
+    if not hub_offline():
+        try:
+            api = HfApi()
+            revision = api.dataset_info(source.repo_id, revision=source.revision).sha or revision
+            api.auth_check(source.repo_id, repo_type="dataset")
+        except GatedRepoError:
+            raise SourceError(
+                f"{where} is a gated dataset on the Hub: accept its terms on its page, then log in "
+                "(`hf auth login`) or set HF_TOKEN"
+            ) from None
+        except RevisionNotFoundError:
+            raise SourceError(
+                f"the Hub dataset {source.repo_id} has no revision {source.revision!r}"
+            ) from None
+        except RepositoryNotFoundError:
+            raise SourceError(
+                f"{where} is not a dataset on the Hub (if it is private: log in with `hf auth login` or set "
+                "HF_TOKEN)"
+            ) from None
+        except Exception as e:  # (the Hub cannot be reached: what the cache holds may still do)
+            if not _unreachable(e):
+                raise SourceError(f"the Hub dataset {where} could not be read: {error_line(e)}") from None
+    try:
+        return datasets.load_dataset(source.repo_id, source.config, split=source.split, revision=revision)
+    except Exception as e:
+        if hub_offline() or _unreachable(e):
+            reason = "HF_HUB_OFFLINE is set" if hub_offline() else "the Hub cannot be reached"
+            raise SourceError(
+                f"the Hub dataset {where} is not in the cache and {reason}: nothing can be downloaded"
+            ) from None
+        raise SourceError(f"the Hub dataset {where} could not be loaded: {error_line(e)}") from None
+
+
+def _unreachable(e: BaseException) -> bool:
+    """Whether ``e`` says the Hub could not be reached (rather than what it answered)."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(
+        names
+        & {"ConnectionError", "OfflineModeIsEnabled", "LocalEntryNotFoundError", "Timeout", "ConnectError"}
+    )
+
+
 def _dataset_rows(ds: Any) -> Iterator[SourceRow]:
     columns = list(ds.column_names)
     for start in range(0, len(ds), _CHUNK):
@@ -480,6 +583,8 @@ def snapshot(value: Any) -> Any:
     kind = memory_kind(value)
     if kind is None or isinstance(value, Snapshot):
         return value
+    if isinstance(value, HubDataset):  # (messages about its rows name the dataset)
+        kind = source_name(value)
     try:
         return Snapshot(kind, tuple(source_rows(value)))
     except SourceError as e:

@@ -43,7 +43,7 @@ from typing import Any
 
 from mlora_lab.hub import HUB_ID
 from mlora_lab.lora.targets import ALL_LINEAR
-from mlora_lab.sources import describe, memory_kind, reward_in_memory
+from mlora_lab.sources import HubDataset, describe, memory_kind, reward_in_memory
 from mlora_lab.specbase import (
     MAX_COUNT,
     MAX_LR,
@@ -582,7 +582,7 @@ def in_memory_problems(t: Tenant) -> list[Problem]:
     out = []
     for name in ("data", "eval_data"):
         value = getattr(t, name)
-        if memory_kind(value) is None:
+        if memory_kind(value) is None or isinstance(value, HubDataset):  # (a Hub dataset is its name)
             continue
         label = t.name if isinstance(t.name, str) else None
         out.append(
@@ -620,8 +620,14 @@ def _tenant_kwargs(d: Any, where: str) -> tuple[dict[str, Any], list[str]]:
             f"{where}: {k} must be a file path (got {json_type(d[k])}); rows held in memory are for the "
             "notebook's Tenant, which a launch writes to a file"
             for k in ("data", "eval_data")
-            if isinstance(d.get(k), list | dict)
+            if isinstance(d.get(k), list)
         ]
+        for k in ("data", "eval_data"):  # an object is a Hub dataset, as to_dict writes one
+            if isinstance(d.get(k), dict):
+                hub_kwargs, hub_problems = kwargs_for(HubDataset, d[k], f"{where}.{k} (a Hub dataset)")
+                problems += hub_problems
+                if not hub_problems:
+                    kwargs[k] = HubDataset(**hub_kwargs)
     return kwargs, problems
 
 

@@ -5,7 +5,9 @@
 (``HEAD`` / ``GET /<id>/resolve/<rev>/<path>``, with the commit and ETag headers its cache is keyed by), and
 its errors as the Hub sends them (``X-Error-Code``: ``RepoNotFound``, ``GatedRepo``, ``RevisionNotFound``,
 ``EntryNotFound``). A repository is a folder of files; a gated one answers files only to a request that
-carries the token ``HF_TOKEN`` holds. Writes (``create_repo``, then ``upload_folder``'s pre-upload and commit,
+carries the token ``HF_TOKEN`` holds. A dataset's repository is keyed ``"datasets/<org>/<name>"`` and answers
+the same endpoints under ``/api/datasets/`` and ``/datasets/<id>/resolve/``, with the folder listing and
+``paths-info`` that ``datasets.load_dataset`` asks for. Writes (``create_repo``, then ``upload_folder``'s pre-upload and commit,
 every file a "regular" upload, its bytes in the commit) need that token too.
 """
 
@@ -50,6 +52,7 @@ class HubServer:
         self.private: dict[str, bool] = {}  # repositories created here, and whether private
         self.commits: list[str] = []  # the repository of each commit
         self.calls = 0  # every request answered
+        self.paths: list[str] = []  # every request's path, in order (what a client asked for)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -82,6 +85,17 @@ class HubServer:
     def write(self, h: BaseHTTPRequestHandler) -> None:
         parts = [unquote(p) for p in urlparse(h.path).path.strip("/").split("/")]
         body = h.rfile.read(int(h.headers.get("Content-Length") or 0))
+        self.paths.append("POST " + "/".join(parts))
+        if (
+            parts[:2] in (["api", "models"], ["api", "datasets"])
+            and len(parts) >= 6
+            and parts[4] == "paths-info"
+        ):
+            repo_id = ("datasets/" if parts[1] == "datasets" else "") + "/".join(parts[2:4])
+            repo = self._repo(h, repo_id, files=False)
+            if repo is not None and self._revision(h, repo, parts[5]):
+                self.paths_info(h, repo, body)
+            return
         if h.headers.get("Authorization") != f"Bearer {self.token}":
             self._error(h, 401, "", "Invalid credentials in Authorization header")
             return
@@ -129,23 +143,24 @@ class HubServer:
     def answer(self, h: BaseHTTPRequestHandler, body: bool) -> None:
         self.calls += 1
         parts = [unquote(p) for p in urlparse(h.path).path.strip("/").split("/")]
+        self.paths.append("/".join(parts))
+        prefix = ""  # a dataset's repository is keyed "datasets/<id>" in ``repos``
+        if parts[:1] == ["datasets"] or parts[:2] == ["api", "datasets"]:
+            prefix = "datasets/"
+            parts = parts[1:] if parts[0] == "datasets" else ["api", "models", *parts[2:]]
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
-            repo_id, rest = "/".join(parts[2:4]), parts[4:]
+            repo_id, rest = prefix + "/".join(parts[2:4]), parts[4:]
             repo = self._repo(h, repo_id, files=False)
             if repo is None:
                 return
+            if rest[:1] == ["auth-check"]:
+                if self._repo(h, repo_id, files=True) is not None:
+                    self._json(h, {}, body)
+                return
             if rest[:1] == ["tree"]:
                 if self._revision(h, repo, rest[1] if len(rest) > 1 else "main"):
-                    tree = [
-                        {
-                            "type": "file",
-                            "oid": hashlib.sha1(data).hexdigest(),
-                            "size": len(data),
-                            "path": path,
-                        }
-                        for path, data in sorted(repo.files.items())
-                    ]
-                    self._json(h, tree, body)
+                    under = "/".join(rest[2:])
+                    self._json(h, self._tree(repo, under), body)
                 return
             revision = rest[1] if rest[:1] == ["revision"] and len(rest) > 1 else "main"
             if self._revision(h, repo, revision):
@@ -157,7 +172,7 @@ class HubServer:
                 self._json(h, info, body)
             return
         if len(parts) >= 5 and parts[2] == "resolve":
-            repo_id, revision, path = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
+            repo_id, revision, path = prefix + "/".join(parts[:2]), parts[3], "/".join(parts[4:])
             repo = self._repo(h, repo_id, files=True)
             if repo is None or not self._revision(h, repo, revision):
                 return
@@ -176,6 +191,44 @@ class HubServer:
                 h.wfile.write(data)
             return
         self._error(h, 404, "", "not found")
+
+    @staticmethod
+    def _tree(repo: Repo, under: str) -> list[dict]:
+        """The files and folders at ``under`` and below it (as the Hub lists a tree ``recursive=True``)."""
+        out, folders = [], set()
+        for path, data in sorted(repo.files.items()):
+            if under and not path.startswith(under + "/"):
+                continue
+            parent = path.rsplit("/", 1)[0] if "/" in path else ""
+            while parent and parent != under and parent not in folders:
+                folders.add(parent)
+                parent = parent.rsplit("/", 1)[0] if "/" in parent else ""
+            out.append(
+                {"type": "file", "oid": hashlib.sha1(data).hexdigest(), "size": len(data), "path": path}
+            )
+        out += [{"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
+                for d in sorted(folders)]  # fmt: skip
+        return out
+
+    def paths_info(self, h: BaseHTTPRequestHandler, repo: Repo, body: bytes) -> None:
+        """``POST /api/<kind>/<id>/paths-info/<rev>``: each asked path, a file or a folder."""
+        from urllib.parse import parse_qs
+
+        asked = parse_qs(body.decode()).get("paths", []) if body else []
+        if body.startswith(b"{"):
+            asked = json.loads(body).get("paths", [])
+        out = []
+        for p in asked:
+            if p in repo.files:
+                data = repo.files[p]
+                out.append(
+                    {"type": "file", "oid": hashlib.sha1(data).hexdigest(), "size": len(data), "path": p}
+                )
+            elif any(f.startswith(p.rstrip("/") + "/") for f in repo.files) or p in ("", "."):
+                out.append(
+                    {"type": "directory", "oid": hashlib.sha1(p.encode()).hexdigest(), "size": 0, "path": p}
+                )
+        self._json(h, out, True)
 
     def _repo(self, h: BaseHTTPRequestHandler, repo_id: str, files: bool) -> Repo | None:
         repo = self.repos.get(repo_id)

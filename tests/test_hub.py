@@ -9,7 +9,9 @@ Hub's (``HF_HOME``): the download path and the cache layout are both the library
 - validation downloads once: the job's processes read the cache (every file fetched once however many
   checks and trainers), the adapters record the id as their base, and ``init_adapter`` may be an id too;
 - offline (``HF_HUB_OFFLINE``) a cached id still validates and trains;
-- a launched job (torchrun) records the commit it read and trains with the Hub unreachable.
+- a launched job (torchrun) records the commit it read and trains with the Hub unreachable;
+- a tenant's data may be a Hub dataset (``ml.HubDataset``, through ``datasets.load_dataset``): it trains as the
+  same rows from a file, the three answers name it, job.json holds it until a launch writes its rows.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import peft
 import pytest
 import torch
 import transformers
-from hub_server import HubServer, repo_from_folder
+from conftest import task_rows, write_jsonl
+from hub_server import HubServer, Repo, repo_from_folder
 
 import mlora_lab as ml
 from mlora_lab.job.trainer import Trainer
@@ -44,10 +47,13 @@ def hub(tiny_models, tmp_path, monkeypatch):
     peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base), config).save_pretrained(
         tmp_path / "adapter"
     )
+    rows = parquet_splits(train=task_rows("reverse", 8), test=task_rows("reverse", 3))
     repos = {
         "org/tiny": repo_from_folder(base),
         "org/gated": repo_from_folder(base, gated=True),
         "org/adapter": repo_from_folder(tmp_path / "adapter"),
+        "datasets/org/rows": Repo(rows),
+        "datasets/org/gated-rows": Repo(rows, gated=True),
     }
     with HubServer(repos, token=TOKEN) as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
@@ -61,12 +67,35 @@ def hub(tiny_models, tmp_path, monkeypatch):
 
         # (and the module-level HfApi behind huggingface_hub.file_exists, which PEFT calls, is made at import)
         monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", server.url)
+        import datasets.config  # (read at import too: its endpoint, cache and offline switch)
+
+        monkeypatch.setattr(datasets.config, "HF_ENDPOINT", server.url)
+        monkeypatch.setattr(
+            datasets.config, "HUB_DATASETS_URL", server.url + "/datasets/{repo_id}/resolve/{revision}/{path}"
+        )
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")
+        monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
         server.base = base
         try:
             yield server
         finally:
             monkeypatch.undo()
             importlib.reload(huggingface_hub.constants)
+
+
+def parquet_splits(**splits: list[dict]) -> dict[str, bytes]:
+    """A dataset repository's files as the Hub's parquet layout names them: ``data/<split>-00000-of-00001.parquet``."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = {}
+    for split, rows in splits.items():
+        buffer = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows), buffer)
+        files[f"data/{split}-00000-of-00001.parquet"] = buffer.getvalue()
+    return files
 
 
 def tenant(make_data, **kw) -> Tenant:
@@ -230,3 +259,79 @@ def test_a_forms_validation_cache_asks_the_hub_once_per_id(hub, make_data):
             == []
         )
     assert hub.calls == calls, "the Hub was asked again"
+
+
+def test_a_hub_dataset_trains_as_the_same_rows_from_a_file(hub, tmp_path):
+    """``ml.HubDataset`` through ``datasets.load_dataset`` from the loopback Hub: the same losses and adapters
+    as the same rows in a JSONL file, and its test split as eval data."""
+    data = ml.HubDataset("org/rows")
+    assert str(data) == "org/rows (train)"
+    same = write_jsonl(tmp_path / "rows.jsonl", task_rows("reverse", 8))
+    settings = dict(rank=4, alpha=8, target_modules=["q_proj", "v_proj"], lr=5e-3, batch_size=2, max_steps=3)
+
+    def trained(train, eval_data):
+        spec = JobSpec(
+            base_model=hub.base,
+            seq_len=32,
+            tenants=[Tenant(name="a", data=train, eval_data=eval_data, **settings)],
+        )
+        assert messages(spec) == []
+        trainer = Trainer(spec)
+        trainer.train()
+        return trainer
+
+    ours = trained(data, ml.HubDataset("org/rows", split="test"))
+    theirs = trained(same, write_jsonl(tmp_path / "test.jsonl", task_rows("reverse", 3)))
+    assert ours.losses("a") == theirs.losses("a")
+    for m, (A, B) in theirs.model.tenant_tensors("a").items():
+        assert torch.equal(ours.model.tenant_tensors("a")[m][0], A) and torch.equal(
+            ours.model.tenant_tensors("a")[m][1], B
+        )
+    assert hub.requests[("datasets/org/rows", "data/train-00000-of-00001.parquet")] == 1, "downloaded once"
+
+
+def test_a_hub_dataset_that_cannot_be_had_is_one_answer_naming_it(hub, monkeypatch):
+    def said(data) -> str:
+        spec = JobSpec(base_model=hub.base, tenants=[Tenant(name="a", data=data, target_modules=["q_proj"])])
+        (message,) = messages(spec)
+        return message
+
+    missing = said(ml.HubDataset("org/nothing"))
+    assert "org/nothing is not a dataset on the Hub" in missing and "HF_TOKEN" in missing
+    gated = said(ml.HubDataset("org/gated-rows"))
+    assert "org/gated-rows is a gated dataset on the Hub" in gated and "HF_TOKEN" in gated
+    assert "no revision 'v9'" in said(ml.HubDataset("org/rows", revision="v9"))
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert messages(JobSpec(base_model=hub.base, tenants=[
+        Tenant(name="a", data=ml.HubDataset("org/gated-rows"), target_modules=["q_proj"])])) == [], "with the token"  # fmt: skip
+    monkeypatch.delenv("HF_TOKEN")
+    import datasets.config
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    offline = said(ml.HubDataset("org/rows", split="test"))
+    assert "org/rows is not in the cache and HF_HUB_OFFLINE is set" in offline
+
+
+def test_job_json_holds_a_hub_dataset_until_a_launch_writes_its_rows(hub, tmp_path):
+    from mlora_lab.lab import tenant_data
+    from mlora_lab.rundir import RunDir
+
+    t = Tenant(name="a", data=ml.HubDataset("org/rows", revision="main"), target_modules=["q_proj"])
+    d = JobSpec(base_model=hub.base, tenants=[t]).to_dict()
+    assert d["tenants"][0]["data"] == {
+        "repo_id": "org/rows",
+        "config": None,
+        "split": "train",
+        "revision": "main",
+    }
+    again = JobSpec.from_dict(json.loads(json.dumps(d)))
+    assert again.tenants[0].data == t.data
+    with pytest.raises(ml.SpecError, match=r"data \(a Hub dataset\): unknown field 'splt'"):
+        JobSpec.from_dict(
+            {**d, "tenants": [{**d["tenants"][0], "data": {"repo_id": "org/rows", "splt": "x"}}]}
+        )
+    run = RunDir(tmp_path / "run")
+    written = tenant_data.write_data(run, tenant_data.freeze(t))
+    rows = [json.loads(line) for line in Path(written.data).read_text().splitlines()]
+    assert rows == task_rows("reverse", 8)
