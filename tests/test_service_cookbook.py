@@ -9,6 +9,9 @@ the cookbook does not know (``role_colon``, the cookbook's plain ``User: … / A
 cookbook loads the tokenizer of a local directory itself) and, for RL, the reward (a toy task the tiny
 model learns in a few steps, in place of grading GSM8K); and, as this is a test process, the loops' set-up
 of the logging module is skipped. The SDK takes the key from ``TINKER_API_KEY``.
+
+And ``sl_loop`` once more, from the command line with nothing patched, against a job launched with ``ml.serve``
+under a name the cookbook knows (``Service.model_name``), its tokenizer and data set from a loopback Hub.
 """
 
 from __future__ import annotations
@@ -156,3 +159,100 @@ def test_rl_loop_importance_sampling_raises_the_reward_of_a_toy_task(cookbook, t
 
 def lowercase_letters(response: str, answer: str) -> float:
     return min(1.0, sum("a" <= c <= "z" for c in response) / 32)
+
+
+@pytest.mark.slow
+def test_sl_loop_runs_unchanged_from_the_command_line_against_a_job_served_by_the_models_name(
+    llama_path, tmp_path
+):
+    """``python -m tinker_cookbook.recipes.sl_loop base_url=… model_name=…``, nothing patched, against a job
+    launched with ``ml.serve`` that serves the tiny llama as ``Service(model_name="meta-llama/Llama-3.2-1B")``.
+    The recipe finds everything by that name, as it would on the real Hub, here a loopback one (``HF_ENDPOINT``):
+    its renderer (``role_colon``, the cookbook's choice for that model), its tokenizer (the cookbook loads
+    Llama 3's from ``thinkingmachineslabinc/meta-llama-3-instruct-tokenizer``, here the tiny llama's) and its
+    data set (``HuggingFaceH4/no_robots``, here a few chats). The train NLL it logs falls, and its final
+    checkpoint is a PEFT adapter."""
+    import io
+    import os
+    import subprocess
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import stop_runs_under
+    from hub_server import HubServer, Repo, repo_from_folder
+
+    import mlora_lab as ml
+
+    def parquet(rows: list[dict]) -> bytes:
+        buffer = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows), buffer)
+        return buffer.getvalue()
+
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": f"name a {w}"},
+                {"role": "assistant", "content": "blue bird"},
+            ]
+        }
+        for w in WORDS * 2
+    ]
+    repos = {
+        "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer": repo_from_folder(llama_path),
+        "datasets/HuggingFaceH4/no_robots": Repo(
+            {
+                "data/train-00000-of-00001.parquet": parquet(chats),
+                "data/test-00000-of-00001.parquet": parquet(chats[:4]),
+            }
+        ),
+    }
+    spec = ml.JobSpec(
+        base_model=llama_path,
+        tenants=[],
+        seq_len=64,
+        max_tenants=2,
+        max_rank=8,
+        service=ml.Service(model_name="meta-llama/Llama-3.2-1B"),
+    )
+    with HubServer(repos) as hub:
+        svc = ml.serve(spec, workdir=tmp_path / "runs")
+        try:
+            assert svc.base_model == "meta-llama/Llama-3.2-1B"
+            env = {
+                **os.environ,
+                "HF_ENDPOINT": hub.url,
+                "HF_HOME": str(tmp_path / "hf"),
+                "TINKER_API_KEY": svc.api_key,
+                "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            }
+            for name in ("HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_TOKEN", "HF_HUB_OFFLINE"):
+                env.pop(name, None)
+            log_path = tmp_path / "sl"
+            args = dict(base_url=svc.base_url, model_name="meta-llama/Llama-3.2-1B", log_path=log_path, batch_size=4,
+                        learning_rate=1e-2, max_length=40, lora_rank=4, save_every=0, max_steps=6)  # fmt: skip
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "tinker_cookbook.recipes.sl_loop",
+                    *(f"{k}={v}" for k, v in args.items()),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                cwd=tmp_path,
+            )
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            nll = [row["train_mean_nll"] for row in logged(log_path, "metrics.jsonl")]
+            assert len(nll) == 6 and nll[-1] < 0.5 * nll[0], f"the train NLL did not fall: {nll}"
+            final = logged(log_path, "checkpoints.jsonl")[-1]
+            adapter = saved_folder(svc.path / "service", final["sampler_path"])
+            assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
+            asked = set(hub.paths)
+            assert any("no_robots" in p for p in asked) and any(
+                "meta-llama-3-instruct-tokenizer" in p for p in asked
+            )
+            assert svc.stop() == "stopped", svc.logs(0)
+        finally:
+            stop_runs_under(tmp_path)
