@@ -8,9 +8,20 @@ matplotlib, ipywidgets). ``ml.launch`` imports the launcher on first use, ``ml.T
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+
+def _no_kernel_offer(record: logging.LogRecord) -> bool:
+    # bitsandbytes, imported by PEFT and transformers whenever it is installed (the quant extra), says on a CPU
+    # with AVX512-BF16 that it could not download a faster nf4 inference kernel: one a job never uses (it holds
+    # every layer to the training kernel, mlora_lab.quant.keep_one_kernel), so the line only alarms.
+    return "gemm_4bit_forward from kernels-community" not in str(record.msg)
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_kernel_offer)
 
 _EXPORTS = {  # public name -> the module that defines it
     "ASHA": "mlora_lab.search",

