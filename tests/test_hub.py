@@ -335,3 +335,20 @@ def test_job_json_holds_a_hub_dataset_until_a_launch_writes_its_rows(hub, tmp_pa
     written = tenant_data.write_data(run, tenant_data.freeze(t))
     rows = [json.loads(line) for line in Path(written.data).read_text().splitlines()]
     assert rows == task_rows("reverse", 8)
+
+
+def test_the_demos_real_model_is_the_hub_id_when_the_hub_answers_else_the_gguf(hub, monkeypatch):
+    from mlora_lab.bases import real_model_path
+    from mlora_lab.lab.demo import REAL_MODEL_ID, real_base_model
+
+    hub.repos[REAL_MODEL_ID] = repo_from_folder(hub.base)  # (the tiny llama, under the real model's id)
+    base, which = real_base_model()
+    assert base == REAL_MODEL_ID and "by its Hub id" in which
+    assert hub.requests[(REAL_MODEL_ID, "model.safetensors")] == 1
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    base, which = real_base_model()
+    assert base == str(real_model_path()) and "HF_HUB_OFFLINE is set" in which
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    del hub.repos[REAL_MODEL_ID]
+    base, which = real_base_model()
+    assert base == str(real_model_path()) and "the Hub did not give it (RepositoryNotFoundError)" in which

