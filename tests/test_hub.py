@@ -352,3 +352,15 @@ def test_the_demos_real_model_is_the_hub_id_when_the_hub_answers_else_the_gguf(h
     del hub.repos[REAL_MODEL_ID]
     base, which = real_base_model()
     assert base == str(real_model_path()) and "the Hub did not give it (RepositoryNotFoundError)" in which
+
+
+def test_forms_take_a_hub_id_and_a_revision(hub, make_data):
+    """A TenantForm over ``org/tiny`` lists its linear layers (downloaded once, at the revision), and the
+    JobBuilder's spec carries the revision; a revision the Hub does not have is the form's model problem."""
+    commit = hub.repos["org/tiny"].sha
+    form = ml.TenantForm("org/tiny", revision=commit)
+    assert {"q_proj", "v_proj", "down_proj"} <= set(form.linear_names)
+    builder = ml.JobBuilder("org/tiny", form=form, revision=commit)
+    assert builder.spec().revision == commit and builder.form.revision == commit
+    bad = ml.TenantForm("org/tiny", revision="v9")
+    assert bad.linear_names == [] and "has no revision 'v9'" in bad._model_error.message

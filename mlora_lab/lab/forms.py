@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 
+from mlora_lab import hub
 from mlora_lab.lab.fields import (
     LABEL_STYLE,
     FieldInput,
@@ -61,10 +62,17 @@ if TYPE_CHECKING:  # the launcher imports pandas: only at launch time
 # ---------------------------------------------------------------------------------------------
 
 
-def linear_target_names(base_model: str | os.PathLike) -> list[str]:
+def linear_target_names(base_model: str | os.PathLike, revision: str | None = None) -> list[str]:
     """The target names the form offers besides ``all-linear``: the layers ``all-linear`` selects, as
     short PEFT names in model order (``q_proj, k_proj, ...``; never the output layer, whatever it is
-    called). The model is built on the meta device (cached). See :func:`mlora_lab.validate.linear_target_options`."""
+    called). The model is built on the meta device (cached). A Hub id is downloaded first, once, at
+    ``revision`` (:func:`mlora_lab.hub.fetch`; what validation reads afterwards). See
+    :func:`mlora_lab.validate.linear_target_options`."""
+    if hub.is_hub_id(base_model):
+        path, why = hub.fetch(str(base_model), revision)
+        if path is None:
+            raise ValueError(why)
+        return linear_target_options(str(path))
     return linear_target_options(os.fspath(base_model))
 
 
@@ -114,8 +122,11 @@ class TenantForm:
         data_dir: str | os.PathLike | None = None,
         defaults: Tenant | None = None,
         max_rank: int = 64,
+        revision: str | None = None,
     ) -> None:
         self.base_model = os.fspath(base_model)
+        self.revision = revision
+        """The Hub revision of a ``base_model`` given by its Hub id (``JobSpec.revision``)."""
         self.data_dir = os.fspath(data_dir) if data_dir is not None else None
         self.tenants: list[Tenant] = []
         """Tenants added with "Add tenant" (or :meth:`add`), in order."""
@@ -125,7 +136,7 @@ class TenantForm:
         self._hold = 0  # > 0 while fields are set in bulk: validate once at the end
         self._added: tuple[Tenant, str] | None = None  # (the fields right after an add, that tenant's name)
         try:
-            self.linear_names = linear_target_names(self.base_model)
+            self.linear_names = linear_target_names(self.base_model, revision)
             """The model's linear-layer names offered as targets (those ``all-linear`` selects; a tenant
             that names the output layer shows it as an extra option)."""
             self._model_error = None
@@ -295,7 +306,9 @@ class TenantForm:
         return Tenant.from_dict(d)
 
     def _tenant_problems(self, t: Tenant) -> list[Problem]:
-        spec = JobSpec(base_model=self.base_model, tenants=[t], max_rank=self._max_rank)
+        spec = JobSpec(
+            base_model=self.base_model, tenants=[t], max_rank=self._max_rank, revision=self.revision
+        )
         # The probe job has this one tenant and default settings, so its job-wide problems are the
         # model's, the tokenizer's, or this tenant's (its size): none is about fields the form lacks.
         problems = [
@@ -506,15 +519,18 @@ class JobBuilder:
         workdir: str | os.PathLike = "runs",
         defaults: JobSpec | None = None,
         max_nproc: int | None = None,
+        revision: str | None = None,
     ) -> None:
         self.base_model = os.fspath(base_model)
         d = (
             copy.deepcopy(defaults)
             if defaults is not None
-            else JobSpec(base_model=self.base_model, tenants=[])
+            else JobSpec(base_model=self.base_model, tenants=[], revision=revision)
         )
+        if revision is not None:
+            d.revision = revision
         if form is None:
-            form = TenantForm(self.base_model, max_rank=d.max_rank)
+            form = TenantForm(self.base_model, max_rank=d.max_rank, revision=d.revision)
         elif os.path.abspath(form.base_model) != os.path.abspath(self.base_model):
             raise ValueError(f"form is for base_model {form.base_model!r}, not {self.base_model!r}")
         self.form = form
