@@ -44,9 +44,11 @@ class Served:
         idle_s: float = 0.5,
         max_step_tokens: int | None = None,
         slot_modules: list[str] | None = None,
+        quantize: str | None = None,
     ) -> None:
         self.base = base
         spec = JobSpec(
+            quantize=quantize,
             base_model=base,
             tenants=[],
             seq_len=seq_len,

@@ -12,6 +12,7 @@ client's request fills, they take turns: a step each). An optim_step that comes 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import threading
 import time
 from pathlib import Path
@@ -94,12 +95,15 @@ def sdk_steps(tc, chunks: list[list], steps: int):
     return losses, logprobs, norms
 
 
-def peft_steps(base: str, init: Path, data: list, steps: int):
+def peft_steps(base: str, init: Path, data: list, steps: int, quantize: str | None = None):
     """The same with plain PEFT + torch AdamW from the adapter saved at ``init``: the losses and logprobs
-    of each round, and the PeftModel at the end."""
-    model = peft.PeftModel.from_pretrained(
-        transformers.AutoModelForCausalLM.from_pretrained(base), str(init), is_trainable=True
+    of each round, and the PeftModel at the end (over the base quantized as a job does, if asked)."""
+    from mlora_lab import quant
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        base, **quant.load_kwargs(quantize, torch.float32, torch.device("cpu"))
     )
+    model = peft.PeftModel.from_pretrained(quant.keep_one_kernel(loaded), str(init), is_trainable=True)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
@@ -920,5 +924,27 @@ def test_requests_two_clients_send_at_the_same_moment_share_a_step(llama_path):
             t.join(60)
         shared = [r["tenants"] for r in served.trainer.history if r["kind"] == "system"]
         assert shared.count(2) >= 3, f"tenants per step: {shared}"  # (measured: [2, 2, 2, 2]; without: 1s)
+    finally:
+        served.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs the quant extra")
+def test_a_client_over_an_nf4_base_trains_as_peft_over_the_same_base(llama_path, tmp_path):
+    """A served job with ``quantize="nf4"``: the SDK's steps equal PEFT + AdamW over the same nf4 base."""
+    served = Served(llama_path, max_tenants=2, checkpoints=tmp_path / "service", quantize="nf4")
+    try:
+        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS)
+        tc, name = training_client(served, seed=7)
+        assert (
+            type(served.trainer.model.layers[next(iter(served.trainer.model.layers))].base_layer).__name__
+            == "Linear4bit"
+        )
+        init = Path(served.trainer.engine.save_adapter(name, tmp_path / "init"))
+        losses, logprobs, _ = sdk_steps(tc, [data[:2], data[2:]], steps=2)
+        want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=2, quantize="nf4")
+        assert_same(
+            (losses, logprobs), (want_losses, want_logprobs), served.trainer.model.tenant_tensors(name),
+            peft_lora_tensors(model),
+        )  # fmt: skip
     finally:
         served.close()
