@@ -272,3 +272,40 @@ def test_no_module_over_800_lines_and_no_class_over_450():
             if isinstance(node, ast.ClassDef) and (n := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
                 big.append(f"{name}.{node.name}: a class of {n} lines")
     assert big == []
+
+
+def test_no_tracked_file_names_a_path_of_a_development_machine():
+    """Docs and code cite the SDK, public docs or the repository itself, never a notes file or checkout on
+    someone's machine (a home folder, the lab's work folders): such a path means nothing to a reader."""
+    import re
+    import subprocess
+
+    home = "/" + "home/[A-Za-z0-9_.-]+/"  # (split, so that this file does not match itself)
+    pattern = re.compile(
+        "|".join(
+            [
+                "/" + r"work/(?:main|notes|shared|\.library|\.mirror)\b",
+                home,
+                "/" + "Users/[A-Za-z]",
+                "/" + "root/",
+                r"[A-Z]:\\" + r"Users\\",
+            ]
+        )
+    )
+    root = Path(__file__).resolve().parents[1]
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.split()
+    found = []
+    for name in files:
+        try:
+            text = (root / name).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue
+        found += [
+            f"{name}:{i}: {m.group(0)}"
+            for i, line in enumerate(text.splitlines(), 1)
+            for m in [pattern.search(line)]
+            if m
+        ]
+    assert not found, "paths of a development machine:\n" + "\n".join(found)

@@ -4,7 +4,9 @@ Nothing here computes. Each route checks its request (the caller's API key, the 
 that the session, model, sampling session or checkpoint is the caller's), turns it into a
 :class:`~.work.Work` item in the :class:`~.work.Inbox` and answers ``{"request_id"}`` at once; the training
 loop settles the future in :class:`~.work.Futures` and the client long-polls ``retrieve_future`` for it.
-The routes and their bodies are those of the ``tinker`` SDK 0.38.0 (``/work/notes/tinker_protocol.md``).
+The routes and their bodies are those of the ``tinker`` SDK 0.38.0: the paths its
+``tinker/resources/`` modules call (``service.py``, ``training.py``, ``sampling.py``, ``weights.py``,
+``futures.py``, ``models.py``) and the request and response types of ``tinker/types/``.
 
 Errors always carry a JSON body (the SDK retries a bare 400 as a connection error):
 401 no or a wrong ``X-API-Key``; 404 an id that is unknown *or another key's* (so ids do not leak);
