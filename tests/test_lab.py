@@ -283,6 +283,25 @@ def test_runs_table_shows_tags_note_and_best_loss(tmp_path):
     assert table.loc["r2", "state"] == "finished" and "corrupt" in table.loc["r2", "problem"]
 
 
+def test_a_relative_runs_folder_keeps_tags_and_notes(tmp_path, monkeypatch):
+    """``ml.runs("runs")`` and a run attached by a relative path read and write the same labels as by an
+    absolute one (a relative run directory put them at runs/x/runs/x/labels.json, and the table lost them)."""
+    from mlora_lab.rundir import RunDir
+
+    monkeypatch.chdir(tmp_path)
+    run = RunDir("runs/r1").create()
+    ml.JobSpec(base_model="m", tenants=[ml.Tenant(name="a", data="a.jsonl")]).to_json(run.job)
+    update_status(run.root, state="finished", started=1.0)
+    ml.attach("runs/r1").tag("quickstart")
+    ml.attach(tmp_path / "runs" / "r1").note("three tenants")
+    assert (tmp_path / "runs" / "r1" / "labels.json").is_file() and not (
+        tmp_path / "runs" / "r1" / "runs"
+    ).exists()
+    for folder in ("runs", tmp_path / "runs"):
+        row = ml.runs(folder).set_index("run").loc["r1"]
+        assert (row["tags"], row["note"]) == ("quickstart", "three tenants")
+
+
 NO_TORCH = """
 import runpy, sys
 from pathlib import Path
@@ -466,3 +485,14 @@ def _tokenizer(run_dir):
     import transformers
 
     return transformers.AutoTokenizer.from_pretrained(ml.attach(run_dir).spec.base_model)
+
+
+def test_summary_of_a_run_without_train_rows_lists_its_tenants(tmp_path):
+    """A run that logged nothing yet (or never will): one row per tenant, no KeyError on the missing columns."""
+    from mlora_lab.rundir import RunDir
+
+    run = RunDir(tmp_path / "r1").create()
+    ml.JobSpec(base_model="m", tenants=[ml.Tenant(name="a", data="a.jsonl")]).to_json(run.job)
+    update_status(run.root, state="failed", started=1.0)
+    row = ml.summary(ml.attach(run.root)).set_index("tenant").loc["a"]
+    assert (row["steps"], row["tokens"], row["time_s"]) == (0, 0, 0.0) and row["final_loss"] is None

@@ -218,7 +218,7 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
                     "reward": _last_value(train, "reward"),
                     "rows": _last_count(train, "rows_seen"),
                     "tokens": tokens,
-                    "time_s": _seconds(train["time"]),
+                    "time_s": _seconds(train["time"]) if "time" in train else 0.0,  # (no rows: no column)
                     "reason": row.reason if row else None,
                 }
             )

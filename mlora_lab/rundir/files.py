@@ -110,7 +110,10 @@ class RunDir:
     root: Path
 
     def __init__(self, root: str | os.PathLike) -> None:
-        object.__setattr__(self, "root", Path(root))
+        # Absolute: the guarded writers and readers take a path below the root as relative to the root, so
+        # a relative root ("lab/runs/x") would put its files at lab/runs/x/lab/runs/x/... (ml.runs("lab/runs")
+        # lost every tag and note so).
+        object.__setattr__(self, "root", Path(os.path.abspath(root)))
 
     job = property(lambda self: self.root / "job.json")
     status = property(lambda self: self.root / "status.json")
