@@ -357,7 +357,19 @@ def _csv_rows(path: str) -> Iterator[SourceRow]:
         except csv.Error as e:
             raise SourceError(f"not valid CSV at line {reader.line_num} ({error_line(e)})") from None
         except UnicodeDecodeError as e:
-            raise SourceError(f"not valid UTF-8 ({e.reason} near line {reader.line_num + 1})") from None
+            # (the decoder reads ahead by chunks: the line the reader is at says nothing; find the line)
+            raise SourceError(f"not valid UTF-8 ({e.reason} at line {_bad_utf8_line(path)})") from None
+
+
+def _bad_utf8_line(path: str) -> int | str:
+    """The number (from 1) of the first line of ``path`` that is not valid UTF-8, as an editor counts."""
+    with open(path, "rb") as fh:
+        for i, line in enumerate(fh, 1):
+            try:
+                line.decode("utf-8-sig" if i == 1 else "utf-8")
+            except UnicodeDecodeError:
+                return i
+    return "?"
 
 
 def _names(names: list[Any]) -> str:

@@ -169,6 +169,11 @@ def test_values_json_cannot_hold_are_converted_or_refused_by_row_and_key():
             lambda tmp: pd.DataFrame({"text": ["a", "b"]}).to_json(tmp / "d.json") or tmp / "d.json",
             "one JSON object of objects (pandas' default to_json orient",
         ),
+        (
+            # (the decoder reads ahead by 8 KiB: the bad byte on line 3 of a longer file is still line 3)
+            lambda tmp: touch_bytes(tmp / "u.csv", b"text\nfine\nab\xff cd\n" + b"more\n" * 3000),
+            "u.csv: not valid UTF-8 (invalid start byte at line 3)",
+        ),
         (lambda tmp: touch(tmp / "a.json", '[{"text": "a"},'), "a.json: not valid JSON ("),
         (lambda tmp: touch(tmp / "b.parquet", "not parquet"), "b.parquet: not a readable parquet file"),
     ],
@@ -182,6 +187,11 @@ def test_a_bad_source_gets_one_clear_message(make, message, tmp_path):
 
 def touch(path: Path, text: str) -> Path:
     path.write_text(text, encoding="utf-8")
+    return path
+
+
+def touch_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
     return path
 
 
