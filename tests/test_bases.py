@@ -480,3 +480,30 @@ def test_damaged_headers_give_a_problem_never_an_exception(tmp_path, tiny_gguf):
     huge[8:16] = (2**62).to_bytes(8, "little")  # tensor count
     bad.write_bytes(bytes(huge))
     assert "damaged header" in bases.gguf_problem(bad)
+
+
+@pytest.mark.parametrize(
+    ("lie", "words"),
+    [
+        (
+            {"add_embedding_length": 2**20, "add_block_count": 4096},
+            "counts 4096 blocks (block_count), but block 4",
+        ),
+        ({"add_embedding_length": 2**20}, "where the model has"),
+    ],
+)
+def test_a_gguf_that_declares_a_huge_model_is_refused_at_once(tmp_path, lie, words):
+    """Metadata declaring hidden 2^20 and 4,096 blocks over a tiny file's tensors: refused in well under a
+    second (the shape check builds two blocks and holds the later ones to block 1's shapes; it built all
+    4,096, and transformers' name mapping took minutes), and a sound file of 4 blocks passes."""
+    import time
+
+    from mlora_lab.tiny import build_tiny_model
+
+    base = build_tiny_model("llama", tmp_path / "four", layers=4)
+    sound = write_llama_gguf(base, tmp_path / "four.gguf")
+    assert bases.gguf_tensor_problem(sound) is None
+    bad = write_llama_gguf(base, tmp_path / "huge.gguf", lie=lie)
+    start = time.monotonic()
+    found = "\n".join(map(str, spec_problems(_spec(bad, tmp_path))))
+    assert time.monotonic() - start < 10 and "does not match its tensors" in found and words in found, found
