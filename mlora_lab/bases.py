@@ -543,7 +543,8 @@ def resolve_base(
         tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.tmp-", dir=root))
         try:
             try:
-                with _convert_lock:
+                # (no progress bars: a conversion in `mlora-lab serve` or a job's log was walls of them)
+                with _convert_lock, no_progress_bars():
                     convert_gguf(path, tmp)
             except Exception as e:  # what the checks above could not foresee: said with the file's name
                 raise GGUFBaseError(

@@ -62,6 +62,7 @@ def test_run_handle_and_runs_table(finished_run):
     assert len(m[(m["kind"] == "train") & (m["tenant"] == "rev")]) == 8
     assert set(run.system_metrics()["rank"]) == {0}
     assert "done after" in run.logs(rank=0, tail=3)
+    assert "Loading weights" not in run.logs(rank=0), "no progress bars in a job's log"
     assert run.adapter_path("up").is_dir()
     with pytest.raises(FileNotFoundError):
         run.adapter_path("nobody")

@@ -140,6 +140,16 @@ def exit_with_agent(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="mlora-agent-watch", daemon=True).start()
 
 
+def quiet_progress_bars() -> None:
+    """No progress bars in a training process: its output is a log file, where transformers' "Loading
+    weights" and "Writing model shards" and huggingface_hub's downloads are walls of carriage returns."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point for torchrun: ``python -m mlora_lab.job RUN_DIR [--resume]``."""
     parser = argparse.ArgumentParser(description="mlora_lab training job (started by torchrun)")
@@ -189,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)  # Ctrl-C in a terminal reaches every rank: as graceful
     dist = None
+    quiet_progress_bars()
     try:
         dist = init_distributed()
         spec = JobSpec.load(run.job)
