@@ -497,3 +497,26 @@ def test_summary_of_a_run_without_train_rows_lists_its_tenants(tmp_path):
     update_status(run.root, state="failed", started=1.0)
     row = ml.summary(ml.attach(run.root)).set_index("tenant").loc["a"]
     assert (row["steps"], row["tokens"], row["time_s"]) == (0, 0, 0.0) and row["final_loss"] is None
+
+
+@slow
+def test_an_attached_handles_wait_returns_once_the_job_has_exited(tiny_models, tmp_path):
+    """``ml.attach(path).wait()`` (a handle that did not start the job) returns when the job's process is
+    gone, not as soon as it has written its end."""
+    import psutil
+
+    from mlora_lab.rundir import read_status
+
+    rows = write_jsonl(tmp_path / "rev.jsonl", task_rows("reverse", 8, 0))
+    spec = ml.JobSpec(
+        base_model=tiny_models("llama"),
+        tenants=[ml.Tenant(name="a", data=rows, rank=4, max_steps=2)],
+        seq_len=32,
+    )
+    run = ml.launch(spec, workdir=tmp_path / "runs")
+    other = ml.attach(run.path)
+    assert other.wait(300) == "finished", run.logs(0)
+    status = read_status(run.path)
+    assert status.process is not None and status.process.alive() is False, "the job's agent has exited"
+    run.wait(60)
+    assert not psutil.pid_exists(status.pid) or psutil.Process(status.pid).status() == psutil.STATUS_ZOMBIE

@@ -267,6 +267,7 @@ class Liveness:
         while True:
             verdict = self.reconcile()
             if verdict.state.final and verdict.confirmed:
+                self._wait_gone(deadline)
                 return verdict
             now = time.monotonic()
             unsure_since = None if verdict.confirmed else (now if unsure_since is None else unsure_since)
@@ -279,6 +280,23 @@ class Liveness:
                     )
                 return verdict
             time.sleep(poll)
+
+    def _wait_gone(self, deadline: float | None, most: float = 30.0) -> None:
+        """A job writes its end, then its processes exit (the last writes, the agent reaping its workers): on
+        this machine, wait until the process status.json names (the torchrun agent) is gone, so that a
+        handle's ``wait`` returns when nothing of the job is left, as a Slurm run's does. At most ``most``
+        seconds, or until ``deadline``; nothing for a process this machine cannot see."""
+        end = time.monotonic() + most
+        if deadline is not None:
+            end = min(end, deadline)
+        while time.monotonic() < end:
+            try:
+                status = read_status(self.dir.root)
+            except (RunDirError, OSError):
+                return
+            if status is None or status.launcher == "slurm" or self._alive(status) is not True:
+                return
+            time.sleep(0.05)
 
     # -- ending the job -----------------------------------------------------------------------------
     def signal_stop(self) -> None:
