@@ -432,10 +432,65 @@ def test_a_failing_tracker_is_said_once_and_the_job_goes_on(llama_path, tmp_path
         (r.tenant_step, r.loss) for r in train_rows(rows, "bob")
     ]
     assert store[f"{job}/bob"]["config"]["rank"] == 8
+    # (both: a failure is said on the training loop's thread at its next row, by when trackio's job run is open)
     assert [x["events"] for x in store[job]["logs"] if "events" in x] == [
-        f"tracker_failed: {m}"
-        for _, m in events[1:]  # the tensorboard one came before trackio's job run
+        f"tracker_failed: {m}" for _, m in events
     ]
+
+
+def test_a_tracker_that_hangs_is_taken_out_and_never_holds_a_step_up(llama_path, tmp_path, monkeypatch):
+    """A tracker whose fourth call never returns: the training loop only queues rows (the trackers run on
+    a thread of their own), the hung call is given up after ``CALL_TIMEOUT_S`` (1 s here) with one
+    ``tracker_failed`` event, and the other tracker gets every row."""
+    import threading
+    import time
+
+    from mlora_lab.trackers import mirror
+
+    monkeypatch.setattr(mirror, "CALL_TIMEOUT_S", 1.0)
+    forever = threading.Event()
+
+    class Hangs:  # a tracker (standing in for W&B) whose server stops answering at its fourth row
+        calls = 0
+
+        def __init__(self, where) -> None:
+            pass
+
+        def destination(self) -> str:
+            return "nowhere"
+
+        def start(self, run) -> None:
+            pass
+
+        def log(self, key, step, values) -> None:
+            type(self).calls += 1
+            if type(self).calls == 4:
+                forever.wait()  # (never set)
+
+        def note(self, key, step, tag, text) -> None:
+            pass
+
+        def add_config(self, key, step, config) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setitem(backends.BACKENDS, "wandb", Hangs)
+    run_dir = tmp_path / "run-hangs"
+    spec = job_spec(llama_path, tmp_path, report_to=["wandb", "tensorboard"])
+    start = time.monotonic()
+    rows = train(spec, run_dir)
+    assert time.monotonic() - start < 120
+    events = [(r.event, r.message) for r in rows if isinstance(r, EventRow)]
+    assert events == [
+        (
+            EventKind.TRACKER_FAILED,
+            "wandb failed (TimeoutError: no answer in 1 s); no more rows go to it, and training goes on",
+        )
+    ], events
+    assert len(train_rows(rows, "alice")) == 4 and len(train_rows(rows, "bob")) == 6
+    assert list((run_dir / "trackers" / "tensorboard").rglob("events.out.tfevents.*")), "tensorboard wrote"
 
 
 def test_a_tracker_missing_where_the_job_runs_is_said_and_the_job_trains(llama_path, tmp_path, monkeypatch):

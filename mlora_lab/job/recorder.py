@@ -31,7 +31,7 @@ from mlora_lab.rundir import (
 from mlora_lab.trackers import open_sink
 
 if TYPE_CHECKING:
-    from mlora_lab.trackers.mirror import Mirror
+    from mlora_lab.trackers.mirror import Background
 
 
 class Recorder:
@@ -42,7 +42,7 @@ class Recorder:
         self.step = 0
         self.history: list[dict] = []  # every row, also kept in memory
         self.metrics: MetricsWriter | None = None
-        self.sink: Mirror | None = None  # the trackers of report_to (rank 0)
+        self.sink: Background | None = None  # the trackers of report_to (rank 0), off the loop
         self._write_errors: set[str] = set()
         self._cpu: CpuMeter | None = None
         self._gpu: GpuMeter | None = None

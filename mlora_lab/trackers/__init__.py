@@ -37,7 +37,7 @@ from mlora_lab.specbase import MAX_NAME_LEN, SAFE_NAME, SpecError
 from mlora_lab.text import brief, error_line
 
 if TYPE_CHECKING:
-    from mlora_lab.trackers.mirror import Mirror
+    from mlora_lab.trackers.mirror import Background
 
 EXTRAS = {name: name for name in TRACKERS}
 """The pip extra of mlora_lab that installs each tracker (``pip install 'mlora_lab[wandb]'``)."""
@@ -118,7 +118,7 @@ def requested(value: Any) -> list[str]:
     return list(dict.fromkeys([value] if isinstance(value, str) else value))
 
 
-def open_sink(run: RunDir, say: Callable[[str], None]) -> Mirror | None:
+def open_sink(run: RunDir, say: Callable[[str], None]) -> Background | None:
     """The job's mirror (rank 0), or ``None`` when its job.json asks for no tracker.
 
     Reads ``report_to`` and the rest from ``run``'s job.json, and the rows already in metrics.jsonl (a
@@ -137,9 +137,10 @@ def open_sink(run: RunDir, say: Callable[[str], None]) -> Mirror | None:
         return None
     if not trackers:
         return None
-    from mlora_lab.trackers.mirror import Mirror
+    from mlora_lab.trackers.mirror import Background, Mirror
 
-    mirror = Mirror(run, spec, trackers, say)
+    # off the training loop: a tracker that is slow, or hangs, never holds a step up
+    mirror = Background(lambda tell: Mirror(run, spec, trackers, tell), say)
     mirror.seed(MetricsReader(run.metrics).poll())
     atexit.register(mirror.close)  # a job that fails still finishes its tracker runs
     return mirror
