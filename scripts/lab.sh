@@ -12,7 +12,8 @@ mkdir -p "$WORKSPACE"
 for nb in notebooks/*.ipynb; do
   [ -e "$WORKSPACE/$(basename "$nb")" ] || cp "$nb" "$WORKSPACE/"
 done
-export TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1
+# (the Hub is not switched off: notebook 01 trains on SmolLM2 by its Hub id when the Hub answers, else on a GGUF)
+export TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error
 root=()
 [ "$(id -u)" = 0 ] && root=(--allow-root) # JupyterLab refuses root without it (containers run as root)
 exec .venv/bin/jupyter lab --notebook-dir="$WORKSPACE" "${root[@]}" "$@"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -63,13 +64,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     the groups were silently split. A worker whose grouped tests lack the suffix stops the run, saying so."""
     if not getattr(config.option, "loadgroup", False):  # (set in xdist workers under --dist loadgroup)
         return
-    lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    lost = [i for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
     if lost:
-        raise pytest.UsageError(
+        why = (
             f"--dist loadgroup cannot keep xdist groups together here (pytest {pytest.__version__}: "
-            f"{len(lost)} grouped tests without the group in their id, e.g. {lost[0]}); install the pytest "
-            "of constraints.txt"
+            f"{len(lost)} grouped tests without the group in their id, e.g. {lost[0].nodeid}); install the "
+            "pytest of constraints.txt"
         )
+        # Each such test fails with why, unrun: raised here, in a worker, the error reached the terminal as
+        # an xdist INTERNALERROR traceback that hid it.
+        for item in lost:
+            item.runtest = functools.partial(pytest.fail, why, pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -142,6 +147,36 @@ def make_data(tmp_path: Path):
         return write_jsonl(tmp_path / f"{name or kind}.jsonl", task_rows(kind, n))
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def sdk_clients_closed():
+    """Every ``tinker.ServiceClient`` a test made is closed when it ends (after its server is gone): an open
+    one heartbeats its session every 10 s and, with no server to answer, warns every 10 s from 2 minutes on,
+    in whatever test runs then. Nothing happens in a process that has not imported the SDK."""
+    import sys
+
+    tinker = sys.modules.get("tinker")
+    if tinker is None:
+        yield
+        return
+    made: list = []
+    init = tinker.ServiceClient.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    tinker.ServiceClient.__init__ = recording
+    try:
+        yield
+    finally:
+        tinker.ServiceClient.__init__ = init
+        for client in made:
+            with contextlib.suppress(
+                Exception
+            ):  # (its server is gone: the finish request fails, heartbeats stop)
+                client.close("success")
 
 
 @pytest.fixture(autouse=True)
