@@ -205,6 +205,14 @@ def test_dashboard_reward_panel_in_the_loss_figures_colours(tmp_path):
     assert main.get_xdata().tolist() == [1, 2, 3, 4, 5, 6]
     assert np.allclose(main.get_ydata(), [0.1 * s for s in range(1, 7)])
     assert (sft, "main") not in lines.lines  # an SFT tenant has no reward: not drawn
+    # beside the reward: the KL to the reference and the clip ratio, in the same colour
+    fig = views.figure
+    kl, clip = fig.sets[fig.kl_ax][(grpo, "main")], fig.sets[fig.clip_ax][(grpo, "main")]
+    assert (
+        np.allclose(kl.get_ydata(), [0.001 * s for s in range(1, 7)]) and kl.get_color() == main.get_color()
+    )
+    assert np.allclose(clip.get_ydata(), 0.0)
+    assert (fig.kl_ax.get_ylabel(), fig.clip_ax.get_ylabel()) == ("KL to the reference", "clip ratio")
     assert views.figure.fig in dash.readouts  # the hover readout names its points too
     assert "· reward 0.6 ·" in dash.progress_rows[grpo].info.value  # its latest, in its progress row
     assert "reward" not in dash.progress_rows[sft].info.value

@@ -270,9 +270,9 @@ class Panel:
         for ax in self.fig.axes:
             set_x_axis(ax, x)
 
-    def axes(self, *args: Any) -> Any:
-        """``fig.subplots(*args)``, each axes with a line set."""
-        axes = self.fig.subplots(*args)
+    def axes(self, *args: Any, **kwargs: Any) -> Any:
+        """``fig.subplots(*args, **kwargs)``, each axes with a line set."""
+        axes = self.fig.subplots(*args, **kwargs)
         for ax in np.ravel(axes):
             self.sets[ax] = LineSet(ax)
         return axes

@@ -1,7 +1,8 @@
 """The dashboard's views of RL tenants: the reward panel and the recent samples.
 
 - :class:`RewardFigure`: each RL tenant's mean reward per generation (``TrainRow.reward``) against the
-  view's x axis, smoothed over its faded raw values like the loss, in the tenant's colour;
+  view's x axis, smoothed over its faded raw values like the loss, in the tenant's colour, and beside it
+  its KL to the reference (``beta > 0``) and its clip ratio;
 - :class:`SamplesView`: per tenant its latest sampled completions (step, reward, prompt, completion),
   newest first, as :meth:`~mlora_lab.lab.dashboard.model.ViewModel.samples` gives them;
 - :class:`RLViews`: both, made when a chosen run first has an RL row, shown only while one has, and
@@ -16,6 +17,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 import ipywidgets as W
+import numpy as np
 
 from mlora_lab.lab.dashboard.figures import GREY, WAITING, Hover, Panel, Scene, Smoother
 from mlora_lab.lab.dashboard.model import Key, Sample, ViewModel
@@ -25,32 +27,45 @@ NO_RL_PICKED = "no RL tenant picked"
 """What the reward panel says when the tenants picked are SFT tenants only (the runs have RL tenants)."""
 
 
+NO_KL = "no KL: beta = 0"
+"""What the KL axes say when the picked RL tenants log none (TRL's default ``beta=0`` computes none)."""
+
+
 class RewardFigure(Panel):
-    """The mean reward of every picked RL tenant's generations (SFT tenants have none: not drawn)."""
+    """The mean reward of every picked RL tenant's generations (SFT tenants have none: not drawn), and beside
+    it the two numbers that say how far a GRPO step moved the policy: ``kl`` (to the reference model, when
+    ``beta > 0``) and ``clip_ratio`` (the share of tokens whose importance ratio the loss clipped)."""
 
     def __init__(self, interactive: bool, lock: threading.RLock, hover: Hover, smoother: Smoother) -> None:
-        super().__init__((9, 2.7), interactive, lock, hover)
-        self.ax = self.axes(1, 1)
+        super().__init__((12, 2.7), interactive, lock, hover)
+        self.ax, self.kl_ax, self.clip_ax = self.axes(1, 3, gridspec_kw={"width_ratios": [2, 1, 1]})
         self.smoother = smoother
         style_axes(self.ax, ylabel="reward (mean per generation)")
+        style_axes(self.kl_ax, ylabel="KL to the reference")
+        style_axes(self.clip_ax, ylabel="clip ratio")
 
     def draw(self, scene: Scene) -> None:
         self.x = scene.x
         keys = [k for k in scene.picked if scene.feeds[k[0]].tenants[k[1]].rl is not None]
         per_line = scene.points(len(keys) * (2 if scene.smoothing > 0 else 1))
-        shown: set[tuple] = set()
-        points = 0
-        for key in keys:
-            got, n = self.train_lines(
-                self.ax, scene, self.smoother, key, "reward", smooth=True, points=per_line
-            )
-            shown |= got
-            points += n
-            shown |= self.function_lines(scene, key, per_line)
-        self.sets[self.ax].show_only(shown)
-        placeholder(self.ax, None if points else NO_RL_PICKED if not keys else WAITING)
-        # (never a log axis: rewards may be negative)
-        self.autoscale(self.ax, scene.outliers)
+        for ax, metric, empty in (
+            (self.ax, "reward", WAITING),
+            (self.kl_ax, "kl", NO_KL),
+            (self.clip_ax, "clip_ratio", WAITING),
+        ):
+            shown: set[tuple] = set()
+            points = 0
+            for key in keys:
+                got, _ = self.train_lines(ax, scene, self.smoother, key, metric, smooth=True, points=per_line)
+                shown |= got
+                # (a value the job did not compute, a KL at beta 0, is NaN: the axes say so rather than stay blank)
+                points += int(np.isfinite(scene.feeds[key[0]].xy(key[1], metric, scene.x)[1]).sum())
+                if ax is self.ax:
+                    shown |= self.function_lines(scene, key, per_line)
+            self.sets[ax].show_only(shown)
+            placeholder(ax, None if points else NO_RL_PICKED if not keys else empty)
+            # (never a log axis: rewards may be negative; the KL and clip ratio start at 0)
+            self.autoscale(ax, scene.outliers, from_zero=ax is not self.ax)
 
     def function_lines(self, scene: Scene, key: Key, points: int) -> set[tuple]:
         """A tenant with several reward functions: each one's mean (``rewards/<fn>/mean``, as TRL logs it)
