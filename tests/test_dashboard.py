@@ -21,6 +21,7 @@ from matplotlib.backend_bases import MouseEvent
 import mlora_lab as ml
 from mlora_lab.lab import plotting
 from mlora_lab.lab.dashboard import Dashboard
+from mlora_lab.lab.dashboard.table import COLUMNS
 from mlora_lab.lab.plotting import PALETTE, Ema, ema, series_colour, thin, thin_with_breaks
 from mlora_lab.lab.run import Run
 from mlora_lab.lab.series import gap_breaks
@@ -450,6 +451,10 @@ def test_a_workdir_view_lists_sorts_filters_and_overlays_runs(tmp_path):
     cells = dash.table.rows[r1.root.name].cells.value
     best = min(plotting.best_smoothed(np.array([r.loss for r in steps([t], 1, 30)])) for t in "ab")
     assert "baseline" in cells and ">30<" in cells and f">{best:.4f}<" in cells  # tags, step, best loss
+    # the run directory's whole name in a cell of its own, wide enough for it; a gap before every next cell
+    assert f"font-family:monospace'>{r1.root.name}</span>" in cells
+    assert cells.count("padding-right:10px") == len(COLUMNS)
+    assert dict(COLUMNS)["id"] >= 7.5 * len("20261129-003243-2679c1") + 10
     dash.table.filter.value = "baseline"
     assert dash.table.body.children == (dash.table.rows[r1.root.name].box,)
     dash.table.filter.value = "z"  # a tenant name

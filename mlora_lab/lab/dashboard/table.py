@@ -19,7 +19,8 @@ from mlora_lab.lab.usage import usage_cell
 SORT_KEYS = ("started", "run", "state", "global step", "best loss", "tenants")
 STATE_CHOICES = ["any state", "running", "finished", "failed", "stopped", "lost", "starting"]
 COLUMNS = (
-    ("run", 220),
+    ("run", 200),
+    ("id", 190),
     ("state", 170),
     ("tenants", 190),
     ("global step", 80),
@@ -28,7 +29,11 @@ COLUMNS = (
     ("started", 110),
     ("tags", 170),
 )
-"""The table's columns and their widths in pixels."""
+"""The table's columns and their widths in pixels (each includes :data:`GAP`). ``id`` fits a run directory's
+whole name (``20261129-003243-2679c1``, in a monospace font): it used to share the run's cell and be cut to
+``2026…`` behind a long name."""
+GAP = 10
+"""Pixels between two cells: a cell's text is cut before it, never run into the next one's."""
 MAX_NAMES = 50
 """A run's tenants are listed up to this many (a metrics file may name a million)."""
 
@@ -57,7 +62,8 @@ def row_html(values: dict[str, Any] | None) -> str:
             text, title = values[col], values.get(f"{col}_title", "")
         cells.append(
             f"<span title='{html.escape(str(title), quote=True)}' style='display:inline-block;width:{width}px;"
-            f"white-space:nowrap;overflow:hidden;text-overflow:ellipsis;vertical-align:middle'>{text}</span>"
+            f"padding-right:{GAP}px;box-sizing:border-box;white-space:nowrap;overflow:hidden;"
+            f"text-overflow:ellipsis;vertical-align:middle'>{text}</span>"
         )
     pad = "" if values is not None else "<span style='display:inline-block;width:30px'></span>"
     return pad + "".join(cells)
@@ -77,9 +83,10 @@ def row_values(view: RunView) -> dict[str, Any]:
     state = str(view.state) if view.state is not None else "?"
     title = feed.title
     return {
-        "run": f"<b>{html.escape(shorten(title, 40))}</b>"
-        + (f" <span style='color:#888'>{html.escape(view.name)}</span>" if title != view.name else ""),
+        "run": f"<b>{html.escape(shorten(title, 40))}</b>",
         "run_title": f"{title}\n{view.name}\n{note[:500]}".strip(),
+        "id": f"<span style='color:#666;font-family:monospace'>{html.escape(view.name)}</span>",
+        "id_title": f"the run directory: {view.name}",
         "state": run_state_html(view),
         "state_title": state,
         "tenants": html.escape(f"{len(feed.tenants):,}: {listed}"),
