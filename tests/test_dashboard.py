@@ -856,7 +856,8 @@ def test_hyperparameters_next_to_results(tmp_path):
     assert sorted(map(tuple, points.tolist())) == [(1e-4, 2.0), (1e-3, 1.0), (1e-2, 3.0)]
     best_ring = axes[0].collections[1].get_offsets().tolist()
     assert best_ring == [[1e-3, 1.0]], "the best tenant is ringed"
-    assert "best: b" in axes[0].texts[0].get_text()
+    # the best named above the panel, never over its points
+    assert axes[0].get_title(loc="left") == "best (ringed): b" and not axes[0].texts
     with pytest.warns(UserWarning):
         par = hparams(str(run.root), kind="parallel", params=["lr", "rank", "alpha"])
     ax = par.axes[0]

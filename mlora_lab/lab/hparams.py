@@ -243,14 +243,8 @@ def hparams(
             if not numeric[p]:
                 set_categories(ax, categories[p])
             style_axes(ax, xlabel=plain(p), ylabel=f"best {metric}" if ax is axes[0] else None)
-        axes[0].annotate(
-            f"best: {plain(names[best])}",
-            xy=(0.02, 0.98),
-            xycoords="axes fraction",
-            va="top",
-            fontsize=8,
-            color="#222",
-        )
+        # (above the panel, not inside it, where it sat on the points of the top-left corner)
+        axes[0].set_title(f"best (ringed): {plain(names[best])}", loc="left", fontsize=8, color="#222")
     else:
         import matplotlib as mpl
 

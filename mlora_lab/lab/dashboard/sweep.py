@@ -112,7 +112,7 @@ class SweepBoard:
             else:
                 categories = sorted({str(v) for v in values})
                 x = np.array([categories.index(str(v)) for v in values], dtype=float)
-            ax.scatter(x, y, c=table["steps"], cmap="viridis", s=28)
+            dots = ax.scatter(x, y, c=table["steps"], cmap="viridis", s=28)
             ax.scatter(x[:1], y[:1], s=120, facecolors="none", edgecolors="red")
             if name in LOG_SETTINGS and numeric and (x[np.isfinite(x)] > 0).all():
                 set_log_x(ax)
@@ -120,7 +120,11 @@ class SweepBoard:
             ax.tick_params(axis="x", labelrotation=20, labelsize=7)
             if not numeric:
                 set_categories(ax, categories)
-        axes[0].set_ylabel(plain(f"{sweep.objective.metric} (colour: steps)"))
+        # (the metric alone on the y axis, whose label "<metric> (colour: steps)" ran past the figure's
+        # height; the colours are a colour bar's)
+        axes[0].set_ylabel(plain(sweep.objective.metric))
+        if names:
+            fig.colorbar(dots, ax=list(axes), label="steps", pad=0.01)
         return figure_png(fig)
 
     def stop(self) -> None:
