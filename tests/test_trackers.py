@@ -616,6 +616,43 @@ def test_a_tenant_name_that_cannot_name_a_folder_is_left_out(tmp_path):
     ]
 
 
+def test_completion_rows_are_mirrored_as_one_table_per_step(tmp_path):
+    """An RL tenant's sampled completions (completion rows): one Markdown table per tenant step under
+    ``completions`` (its cells on one line, ``|`` escaped), at the step they were sampled for; the last
+    step's table too, which no later row flushes."""
+    from mlora_lab.rundir import CompletionRow, MetricsWriter
+
+    def done(step: int, text: str, reward: float | None) -> CompletionRow:
+        return CompletionRow(
+            step=step, tenant="a", tenant_step=step, prompt=f"say {step}", completion=text, reward=reward
+        )
+
+    rows = [
+        done(1, "red | blue", 0.5),
+        done(1, "two\nlines", None),
+        TrainRow(step=1, tenant="a", tenant_step=1, loss=2.0, tokens=3, lr=0.1, grad_norm=1.0),
+        done(2, "green", 1.0),
+    ]
+    mapper = RowMapper("job")
+    notes = [i for r in rows for i in mapper.items(r) if isinstance(i, Note)] + mapper.flush()
+    assert [(n.key, n.step, n.tag) for n in notes] == [(JOB, 1, "completions/a"), (JOB, 2, "completions/a")]
+    assert notes[0].text.splitlines() == [
+        "| reward | prompt | completion |",
+        "|---|---|---|",
+        "| 0.5 | say 1 | red \\| blue |",
+        "| – | say 1 | two ⏎ lines |",
+    ]
+    run_dir = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent / "data" / "run_v1" / "run", run_dir)
+    writer = MetricsWriter(run_dir / "metrics.jsonl")
+    for r in rows:
+        writer.write(r)
+    writer.close()
+    mirror_run(run_dir, "tensorboard", group="tenant")
+    texts = tb_texts(run_dir / "trackers" / "tensorboard" / "tenants" / "a", "completions")
+    assert [step for step, _ in texts] == [1, 2] and "| 1 | say 2 | green |" in texts[1][1]
+
+
 def test_report_refuses_bad_arguments_with_every_problem(finished):
     run_dir, _ = finished
     with pytest.raises(ValueError) as e:

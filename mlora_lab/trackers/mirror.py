@@ -11,6 +11,7 @@ is said once through ``say`` and the other trackers, and the job, go on.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterable
@@ -115,16 +116,21 @@ class Mirror:
                 for name in list(self.backends):
                     self._drop(name, e)
                 return
-            for item, run, more in items:
-                for name in list(self.backends):
-                    self._call(
-                        name,
-                        lambda name=name, item=item, run=run, more=more: self._send(name, run, more, item),
-                    )
+            self._send_all(items)
+
+    def _send_all(self, items: list[tuple[Log | Note, TrackerRun | None, dict[str, Any]]]) -> None:
+        for item, run, more in items:
+            for name in list(self.backends):
+                self._call(
+                    name,
+                    lambda name=name, item=item, run=run, more=more: self._send(name, run, more, item),
+                )
 
     def close(self) -> None:
         """Finish every tracker run (idempotent: the job's exit calls it again)."""
         with self._lock:
+            with contextlib.suppress(Exception):  # (the last step's completions, waiting for a next row)
+                self._send_all([(item, self._new_run(item.key), {}) for item in self.mapper.flush()])
             for name in list(self.backends):
                 self._call(name, self.backends[name].close)
             self.backends = {}

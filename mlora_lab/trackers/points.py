@@ -26,6 +26,11 @@ tenant                ``tenant/adapter_bytes``,       ``tenant/adapter_bytes/<te
 system                job run, step = global step: ``system/<meter>/rank<R>`` (mem_bytes,
                       peak_mem_bytes, step_time, tokens_per_s, cpu_percent, gpu_util)
 event                 job run: text ``events`` (``"resumed: from step_40 on 2 process(es)"``)
+completion            text ``completions`` (tenant        text ``completions/<tenant>``
+                      run, at its tenant step): a
+                      table of the step's sampled
+                      completions (reward, prompt,
+                      completion), as TRL logs them
 ====================  ==============================  ==========================================
 
 A value that is missing or not finite (JSON ``null``) is left out. Hyperparameters: a tenant run's
@@ -40,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlora_lab.rundir import EvalRow, EventRow, Row, SystemRow, TenantRow, TrainRow
+from mlora_lab.rundir import CompletionRow, EvalRow, EventRow, Row, SystemRow, TenantRow, TrainRow
 from mlora_lab.spec import JobSpec, Tenant
 
 JOB: str | None = None
@@ -119,6 +124,7 @@ class RowMapper:
     def __init__(self, group: str) -> None:
         self.group = group
         self.tenant_steps: dict[str, int] = {}
+        self.pending: list[CompletionRow] = []  # the completions of one tenant's step, sent as one table
         self.seeded: dict[str | None, int] = {}  # each key's last step in the rows before this mirror
 
     def seed(self, row: Row) -> None:
@@ -135,8 +141,32 @@ class RowMapper:
         return self.seeded[key] + 1 if key in self.seeded else 0
 
     def items(self, row: Row) -> list[Log | Note]:
-        """What ``row`` becomes (nothing for a row with nothing to show)."""
+        """What ``row`` becomes (nothing for a row with nothing to show). A completion row waits for the
+        others of its tenant's step: they become one table when a row of anything else comes (or
+        :meth:`flush`)."""
         self._learn(row)
+        if isinstance(row, CompletionRow):
+            first = self.pending[0] if self.pending else None
+            out = (
+                self.flush()
+                if first and (first.tenant, first.tenant_step) != (row.tenant, row.tenant_step)
+                else []
+            )
+            self.pending.append(row)
+            return out
+        return self.flush() + self._row_items(row)
+
+    def flush(self) -> list[Log | Note]:
+        """The waiting completions, as one table (none: nothing)."""
+        rows, self.pending = self.pending, []
+        if not rows:
+            return []
+        tenant = rows[0].tenant
+        tag = "completions" if self.group == "tenant" else f"completions/{tenant}"
+        step = rows[0].tenant_step if self.group == "tenant" else rows[0].step  # (its own, not the latest)
+        return [Note(self._key(tenant), step, tag, completions_table(rows))]
+
+    def _row_items(self, row: Row) -> list[Log | Note]:
         if isinstance(row, TrainRow):
             values = {TRAIN_NAMES.get(k, k): v for k, v in numbers(row).items()}
             if self.group == "job":
@@ -178,6 +208,21 @@ class RowMapper:
         else:
             values = {f"{section}/{k}": v for k, v in values.items()}
         return [Log(self._key(tenant), self._step(tenant, row), values)]
+
+
+def completions_table(rows: list[CompletionRow], most: int = 2000) -> str:
+    """Completions as a Markdown table (TensorBoard's text tab renders it): reward, prompt, completion, each
+    cell on one line, cut past ``most`` characters."""
+
+    def cell(text: object) -> str:
+        text = str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ⏎ ")
+        return text if len(text) <= most else text[:most] + " …"
+
+    lines = ["| reward | prompt | completion |", "|---|---|---|"]
+    for r in rows:
+        reward = "–" if r.reward is None else f"{r.reward:.4g}"
+        lines.append(f"| {reward} | {cell(r.prompt)} | {cell(r.completion)} |")
+    return "\n".join(lines)
 
 
 # -- names and hyperparameters -----------------------------------------------------------------------
