@@ -9,12 +9,12 @@ the next id, weight 1). Every client trains a rank-r adapter (alpha 2r) on all 7
 (``train_unembed=False``) of the same tiny llama.
 
 **1. Overhead** (in this process, one :class:`~mlora_lab.job.trainer.Trainer` with a
-:class:`~mlora_lab.job.service.ServiceDriver`, one tenant per contender, all with the same rows; contenders
+:class:`~mlora_lab.job.drivers.tinker.driver.ServiceDriver`, one tenant per contender, all with the same rows; contenders
 interleaved, 1 warm-up round, median of the repeats):
 
 - ``step`` (the baseline): the step's two requests put into the inbox and :meth:`Trainer.step` called right
   here; its futures are settled when it returns. The engine step and the driver, nothing else (the driver's
-  gather, :data:`~mlora_lab.job.service.GATHER_QUIET_S` after the last request, included: every contender
+  gather, :data:`~mlora_lab.job.drivers.tinker.driver.GATHER_QUIET_S` after the last request, included: every contender
   waits it out).
 - ``inbox``: the same two requests put into the inbox while the training loop runs on a thread as a served
   job runs it (``trainer.train()``, its default idle wait), waiting on the futures as the HTTP server's
@@ -125,7 +125,7 @@ def sdk_step(tc, datums: list) -> None:
 def overhead(cfg: dict, model_dir: str, repeats: int) -> dict:
     import tinker
 
-    from mlora_lab.job.service import ServiceDriver
+    from mlora_lab.job.drivers.tinker.driver import ServiceDriver
     from mlora_lab.job.trainer import Trainer
     from mlora_lab.service import wire
     from mlora_lab.service.app import Server

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import tinker
 
-from mlora_lab.job.filedata import FileData
-from mlora_lab.job.rl import RLDriver
-from mlora_lab.job.service import ServiceDriver
+from mlora_lab.job.drivers.files import FileData
+from mlora_lab.job.drivers.rl import RLDriver
+from mlora_lab.job.drivers.tinker.driver import ServiceDriver
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.service import wire
 from mlora_lab.service.app import Server

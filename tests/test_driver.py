@@ -1,4 +1,4 @@
-"""The driver seam (mlora_lab.job.driver): a toy driver feeds the training loop a fixed batch and a loss,
+"""The driver seam (mlora_lab.job.drivers.base): a toy driver feeds the training loop a fixed batch and a loss,
 and the loop needs nothing else: no data file (the tenant's ``data`` does not exist), no knowledge of
 windows or rows. It trains exactly like the file-data driver on the same rows, and it optimises, logs and
 clips whatever loss the driver makes."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mlora_lab.data import Example, tokenize_rows
-from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
+from mlora_lab.job.drivers.base import Driver, JobParts, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.rundir import TenantState

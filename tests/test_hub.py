@@ -216,7 +216,7 @@ def test_push_to_hub_uploads_an_adapter_peft_loads_by_name(hub, make_data, tmp_p
 def test_a_served_job_answers_to_the_hub_id_or_the_name_the_spec_gives(hub, make_data, tmp_path):
     """Its base goes by ``Service.model_name`` when given, else by the base's Hub id (not a local path), and
     the tokenizer clients are told to load is the Hub id, which the SDK and the cookbook load by name."""
-    from mlora_lab.job.served import JobService
+    from mlora_lab.job.drivers.tinker.job_service import JobService
     from mlora_lab.lab.served_run import ServedRun
     from mlora_lab.rundir import RunDir
     from mlora_lab.specparts import Service

@@ -168,6 +168,32 @@ def test_the_rooms_are_where_the_guide_says():
         "mlora_lab.search_job",
     ):
         assert gone not in names, f"{gone} should have moved into mlora_lab.job"
+    # the generic loop in job/, its drivers (and their seam) in job/drivers/
+    for driver in ("base", "files", "rl", "tinker", "tinker.driver", "tinker.job_service", "tinker.snapshots",
+                   "tinker.saved_states", "default"):  # fmt: skip
+        assert f"mlora_lab.job.drivers.{driver}" in names, driver
+    for gone in ("driver", "filedata", "rl", "service", "served", "snapshots", "saved_states"):
+        assert f"mlora_lab.job.{gone}" not in names, (
+            f"mlora_lab.job.{gone} should be in mlora_lab.job.drivers"
+        )
+
+
+DRIVERS = ("mlora_lab.job.drivers.files", "mlora_lab.job.drivers.rl", "mlora_lab.job.drivers.tinker")
+"""The drivers, each a module or a package: none imports another (the job's list composes them,
+``mlora_lab.job.drivers.default``); they share only the seam, ``mlora_lab.job.drivers.base``."""
+
+
+def test_drivers_never_import_each_other():
+    def rule(name: str, target: str, names: tuple[str, ...]) -> str | None:
+        mine = next((d for d in DRIVERS if within(name, d)), None)
+        theirs = next((d for d in DRIVERS if within(target, d)), None)
+        if mine and theirs and mine != theirs:
+            return f"driver {mine} imports driver {theirs} ({target})"
+        if mine and target == "mlora_lab.job.drivers.default":
+            return f"driver {mine} imports the job's list of drivers"
+        return None
+
+    assert violations(rule) == []
 
 
 def test_no_import_circles():

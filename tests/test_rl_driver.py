@@ -1,4 +1,4 @@
-"""The RL driver (mlora_lab.job.rl): GRPO tenants in the training loop, beside SFT tenants.
+"""The RL driver (mlora_lab.job.drivers.rl): GRPO tenants in the training loop, beside SFT tenants.
 
 - one RL tenant trains exactly as plain PEFT with a hand-written GRPO loop (TRL's dapo loss, KL to the
   base with the adapter off, two updates per generation) replaying the completions the job sampled;
@@ -19,9 +19,9 @@ import pytest
 import torch
 import transformers
 
-from mlora_lab.job.driver import JobParts, Plan
-from mlora_lab.job.filedata import FileData
-from mlora_lab.job.rl import Generation, RLDriver, RLFeed
+from mlora_lab.job.drivers.base import JobParts, Plan
+from mlora_lab.job.drivers.files import FileData
+from mlora_lab.job.drivers.rl import Generation, RLDriver, RLFeed
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.reference import peft_lora_tensors
 from mlora_lab.rundir import CompletionRow, RowKind, TenantState
@@ -513,7 +513,7 @@ def test_a_conversational_prompt_is_a_chat_to_complete_as_trl_takes_it(tmp_path,
     """``{"prompt": [{"role": "user", ...}]}`` (TRL's conversational rows) is completed as the assistant's next
     turn, exactly as the same chat given as ``messages``: the same token ids, and the reward functions get
     the messages as the prompt and a chat completion."""
-    from mlora_lab.job.rl import read_prompts
+    from mlora_lab.job.drivers.rl import read_prompts
 
     chat = [{"role": "user", "content": "what is 2 + 2?"}]
     rows = {
@@ -570,7 +570,7 @@ def test_a_tenant_that_trains_on_nothing_is_warned_and_what_its_rewards_logged_i
     """Flat rewards for 5 generations in a row, or every completion masked: a ``warning`` row names the
     tenant (once a streak), never silence. Each reward function's mean and std (TRL's ``rewards/<fn>/mean``),
     what the functions logged with ``log_metric`` and ``log_extra`` are in the rows (R19)."""
-    from mlora_lab.job.rl import FLAT_GENERATIONS
+    from mlora_lab.job.drivers.rl import FLAT_GENERATIONS
     from mlora_lab.lab.series import rows_frame
     from mlora_lab.rundir import Row
 

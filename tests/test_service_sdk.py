@@ -782,7 +782,7 @@ def test_snapshots_share_the_slots_an_rl_loop_saves_one_per_step_and_inflight_mo
     unloaded, and one loaded again samples exactly as before (greedy tokens and logprobs). A model keeps its
     8 most recent unnamed snapshots; sampling an older one fails saying so. A new training client takes a
     snapshot's slot. An inflight sampling client follows the model's later inflight saves."""
-    from mlora_lab.job.snapshots import SESSION_SNAPSHOTS
+    from mlora_lab.job.drivers.tinker.snapshots import SESSION_SNAPSHOTS
 
     data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS[:2])
     tc, _ = training_client(served, seed=2)

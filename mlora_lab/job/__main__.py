@@ -9,7 +9,7 @@ of training on as an orphan), turns SIGTERM/SIGINT into a graceful stop (finish 
 save, exit: ``Run.stop()`` sends it when the disk is too full for the stop file), keeps some disk
 space in reserve for its last status (``.spare``), re-checks job.json, records the run's state in
 status.json, and trains. A served job (``JobSpec.service``) also serves the Tinker API while it trains, from
-rank 0 (:class:`~mlora_lab.job.served.JobService`: its driver first, the server up once the job is assembled,
+rank 0 (:class:`~mlora_lab.job.drivers.tinker.job_service.JobService`: its driver first, the server up once the job is assembled,
 down when the job ends; the other ranks' service drivers follow rank 0's).
 """
 
@@ -36,7 +36,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mlora_lab.job.drivers import DEFAULT_DRIVERS
+from mlora_lab.job.drivers.default import DEFAULT_DRIVERS
 from mlora_lab.job.search import read_sweep
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.parallel import exit_process, init_distributed, leave_together, shutdown_distributed
@@ -60,7 +60,7 @@ from mlora_lab.validate import job_of_sweep, problems
 gc.enable()  # (and off again in main() until the job is built)
 
 if TYPE_CHECKING:
-    from mlora_lab.job.served import JobService
+    from mlora_lab.job.drivers.tinker.job_service import JobService
 
 
 class LogStream(io.TextIOBase):
@@ -223,11 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         drivers = DEFAULT_DRIVERS
         if spec.service is not None:
             # (imported here: the HTTP server and the tinker SDK cost a job that serves nothing ~1.4 s of start)
-            from mlora_lab.job.served import JobService, follower_drivers
+            from mlora_lab.job.drivers.tinker.job_service import JobService, follower_drivers
 
             if dist.is_main:  # rank 0 serves; the others follow its service driver's orders
                 service = JobService(spec, run)
-            drivers = service.drivers() if service is not None else follower_drivers(spec, run)
+            drivers = (
+                service.drivers(drivers) if service is not None else follower_drivers(spec, run, drivers)
+            )
         trainer = Trainer(spec, run.root, dist, resume=args.resume, drivers=drivers)
         gc.freeze()  # the start's objects: never scanned again (each pass over them would find nothing)
         gc.enable()

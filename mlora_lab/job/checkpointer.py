@@ -12,7 +12,7 @@ and saves the union of their state dicts, each part owning its own top-level key
   held back keeps its saved state here) and ``unrecorded`` (tenants job.json could not be updated with);
   the digest and ``unrecorded`` are optional: checkpoints written before them resume as they did;
 * a search (:class:`~mlora_lab.job.search.SearchController`), if the job runs one: ``search``.
-* the drivers (:class:`~mlora_lab.job.driver.Driver`), for what they keep beyond their tenants' feeds: a
+* the drivers (:class:`~mlora_lab.job.drivers.base.Driver`), for what they keep beyond their tenants' feeds: a
   served job's ``service`` (its sessions, sampling sessions and unnamed sampler snapshots); none for the
   others.
 

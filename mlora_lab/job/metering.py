@@ -1,6 +1,6 @@
 """Metering a served job: what each API key's requests cost, per tenant (``UsageRow``s in metrics.jsonl).
 
-The service driver (:class:`~mlora_lab.job.service.ServiceDriver`) counts as its requests run: the input
+The service driver (:class:`~mlora_lab.job.drivers.tinker.driver.ServiceDriver`) counts as its requests run: the input
 tokens of each ``forward_backward`` (and forward-only) datum, the tokens each sample generates, the requests,
 and the job's busy seconds, shared out as one bills a batch that many clients share:
 

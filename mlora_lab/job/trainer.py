@@ -51,8 +51,8 @@ from mlora_lab import optim
 from mlora_lab.job.agree import Change
 from mlora_lab.job.checkpointer import Checkpointer
 from mlora_lab.job.control import ControlHandler, Controls
-from mlora_lab.job.driver import Driver, DriverFactory, Drivers, JobParts, Plan, StepResult
-from mlora_lab.job.drivers import DEFAULT_DRIVERS
+from mlora_lab.job.drivers.base import Driver, DriverFactory, Drivers, JobParts, Plan, StepResult
+from mlora_lab.job.drivers.default import DEFAULT_DRIVERS
 from mlora_lab.job.engine import Engine
 from mlora_lab.job.recorder import Recorder
 from mlora_lab.job.search import SearchController, read_sweep

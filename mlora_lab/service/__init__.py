@@ -10,6 +10,6 @@ drive their tenants through the ``tinker`` SDK (0.38.0), unchanged.
 - :mod:`.losses`: Tinker's built-in losses (``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``,
   ``dro``) as per-token sums over one forward of the shared base.
 
-The training loop's side is :class:`mlora_lab.job.service.ServiceDriver`, the loop's third driver.
+The training loop's side is :class:`mlora_lab.job.drivers.tinker.driver.ServiceDriver`, the loop's third driver.
 Import the submodules themselves: this package imports nothing.
 """

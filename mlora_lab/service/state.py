@@ -1,6 +1,6 @@
 """The service's shared state: its clients' sessions, sampling sessions and models, and the inbox and
 futures between the HTTP thread (:mod:`mlora_lab.service.app`, whose routes read and write it) and the
-training loop (:class:`~mlora_lab.job.service.ServiceDriver`, which takes the work and settles the futures).
+training loop (:class:`~mlora_lab.job.drivers.tinker.driver.ServiceDriver`, which takes the work and settles the futures).
 Both take :attr:`ServiceState.lock` to touch it."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class ServiceState:
 
     def registry(self, snapshots: Collection[str]) -> dict[str, Any]:
         """The clients' sessions and sampling sessions, for the job's checkpoints (with the snapshots, see
-        :mod:`mlora_lab.job.snapshots`): ``sessions`` (id -> owner, model ids, finished) and
+        :mod:`mlora_lab.job.drivers.tinker.snapshots`): ``sessions`` (id -> owner, model ids, finished) and
         ``sampling_sessions`` (id -> owner, and the snapshot path or training model it samples). A sampling
         session of an unnamed save is kept only while its snapshot is (its id in ``snapshots``): a model
         keeps the few most recent, and an RL loop makes one a step."""

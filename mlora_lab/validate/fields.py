@@ -112,7 +112,7 @@ def check_rl_fields(ctx: Context, t: Tenant) -> bool:
     """``t.rl``'s fields against their :class:`~mlora_lab.specbase.FieldInfo`, then: a weight per reward,
     a completion that fits ``seq_len`` after at least one prompt token, no ``eval_data`` (an RL
     tenant is measured by its rewards), and, for now, ``grad_accum`` 1 (one generation per optimizer
-    step: what the RL driver, :mod:`mlora_lab.job.rl`, trains)."""
+    step: what the RL driver, :mod:`mlora_lab.job.drivers.rl`, trains)."""
     rl = t.rl
     if rl is None:
         return True

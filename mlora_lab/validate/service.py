@@ -1,7 +1,7 @@
 """A served job's ``service`` settings (no file read): its fields.
 
 The Tinker service runs on any layout (``parallel``: several processes, fsdp, tp, ep; rank 0 serves, the
-other processes follow it: :mod:`mlora_lab.job.service`), so nothing here depends on ``parallel``.
+other processes follow it: :mod:`mlora_lab.job.drivers.tinker.driver`), so nothing here depends on ``parallel``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch
 
 from mlora_lab.data import IGNORE_INDEX, Example, TenantStream
 from mlora_lab.job.agree import describe
-from mlora_lab.job.driver import Driver, Plan, StepResult
+from mlora_lab.job.drivers.base import Driver, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rundir import EvalRow, TenantState, TrainRow
 from mlora_lab.spec import Tenant
@@ -109,8 +109,8 @@ class FileData(Driver):
     """SFT tenants fed from their data files (see the module docstring)."""
 
     def accepts(self, tenant: Tenant) -> bool:
-        # an RL tenant's rows are prompts: the RL driver's (mlora_lab.job.rl); a Tinker client's tenant is the
-        # service driver's (mlora_lab.job.service)
+        # an RL tenant's rows are prompts: the RL driver's (mlora_lab.job.drivers.rl); a Tinker client's tenant is the
+        # service driver's (mlora_lab.job.drivers.tinker.driver)
         return tenant.rl is None and tenant.client is None
 
     def feed(self, tenant: Tenant) -> FileFeed:

@@ -1,6 +1,6 @@
 """The service driver: training clients of the Tinker API drive their tenants request by request.
 
-Third driver of the training loop (after file data and RL, :mod:`mlora_lab.job.driver`). The HTTP thread
+Third driver of the training loop (after file data and RL, :mod:`mlora_lab.job.drivers.base`). The HTTP thread
 (:mod:`mlora_lab.service.app`) only queues :class:`~mlora_lab.service.work.Work`; at each step boundary this
 driver takes what may run (:meth:`~mlora_lab.service.work.Inbox.take`: every model's requests in ``seq_id``
 order) and turns it into one mixed-tenant step, so the requests of every client that wait at the same moment
@@ -26,17 +26,17 @@ forward/backward requests
 up to and including its first optim_step; what follows waits for the next step (it must see the new
 weights). Results are settled at the end of their step: an optim_step's after the optimiser step (or its
 failure: a quarantined tenant fails its waiting requests), a forward/backward's once the step is over
-(:meth:`~mlora_lab.job.driver.Driver.after_step`: its datums' results are gathered from every process).
+(:meth:`~mlora_lab.job.drivers.base.Driver.after_step`: its datums' results are gathered from every process).
 With ``max_step_tokens``, a step takes forward/backward requests until their datums hold that many input
 tokens (at least one request); the rest wait for the next steps, and the models take turns to go first.
 Such a next step starts at once, with what has come meanwhile (it waits for no gather).
 
     save_weights_for_sampler   a **snapshot** of the tenant's adapter, at its place in the model's ``seq_id``
                       order, and ``asample``: every waiting sample in ONE batched generation
-                      (:mod:`mlora_lab.job.snapshots`, which also shares the slots between snapshots and
+                      (:mod:`mlora_lab.job.drivers.tinker.snapshots`, which also shares the slots between snapshots and
                       training clients)
     save_weights      ``save_state``, and ``load_weights``: into the model, or a new model from the state
-                      (:mod:`mlora_lab.job.saved_states`)
+                      (:mod:`mlora_lab.job.drivers.tinker.saved_states`)
 
 A client that goes away (its session finished, or no heartbeat nor request for ``session_timeout_s``; the
 SDK heartbeats every 10 s) has its tenants saved (``adapters/<tenant>``) and paused, not lost; a paused
@@ -59,9 +59,9 @@ that every process runs the same plan in the same order (every forward is a coll
                 them to rank 0, which puts the logprobs in datum order and sums ``loss:sum`` and the other
                 metrics over the datums, in datum order (what one process computes)
     files       a saved state's or snapshot's tensors are gathered on every process and written by rank 0
-                alone; rank 0 reads a state and broadcasts it (:mod:`mlora_lab.job.saved_states`)
+                alone; rank 0 reads a state and broadcasts it (:mod:`mlora_lab.job.drivers.tinker.saved_states`)
     samples     every process runs every sample request, its decode steps kept in step with the others
-                (:mod:`mlora_lab.job.snapshots`)
+                (:mod:`mlora_lab.job.drivers.tinker.snapshots`)
 
 Only rank 0 settles futures.
 """
@@ -82,10 +82,10 @@ import torch
 
 from mlora_lab.data import IGNORE_INDEX, Example
 from mlora_lab.job.agree import agree
-from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
+from mlora_lab.job.drivers.base import Driver, JobParts, Plan, StepResult
+from mlora_lab.job.drivers.tinker.saved_states import SavedStates, saved_model
+from mlora_lab.job.drivers.tinker.snapshots import Snapshots
 from mlora_lab.job.metering import Meter
-from mlora_lab.job.saved_states import SavedStates, saved_model
-from mlora_lab.job.snapshots import Snapshots
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.lora.model import MultiLoRAModel
 from mlora_lab.lora.targets import output_layer_names, storable_targets
@@ -553,8 +553,8 @@ class ServiceDriver(Driver):
 
     # -- snapshots and saved states, at their place in the model's order ------------------------------
     def _save_or_load(self, work: Work, t: TenantRun) -> None:
-        """A sampler snapshot of ``t`` (:class:`~mlora_lab.job.snapshots.Snapshots`), or its training state
-        saved or loaded (:class:`~mlora_lab.job.saved_states.SavedStates`). A path that is not one fails its
+        """A sampler snapshot of ``t`` (:class:`~mlora_lab.job.drivers.tinker.snapshots.Snapshots`), or its training state
+        saved or loaded (:class:`~mlora_lab.job.drivers.tinker.saved_states.SavedStates`). A path that is not one fails its
         request alone, alike on every process (checked before any collective; the HTTP side refuses it first)."""
         try:
             if work.kind is Kind.SAVE_FOR_SAMPLER:
@@ -668,7 +668,7 @@ def metered_sample(
     samples: list[Work],
     settle: Callable[[Work, Result], None],
 ) -> None:
-    """Every waiting sample in one generation (:meth:`~mlora_lab.job.snapshots.Snapshots.sample`), metered:
+    """Every waiting sample in one generation (:meth:`~mlora_lab.job.drivers.tinker.snapshots.Snapshots.sample`), metered:
     its requests' generated tokens and its time, by (key, tenant of the snapshot: ``tenants`` maps model ids
     to tenants; None for the base model)."""
     meter.began()

@@ -67,7 +67,7 @@ from mlora_lab.data import (
     render_chat,
 )
 from mlora_lab.job.agree import describe
-from mlora_lab.job.driver import Driver, JobParts, Plan, StepResult
+from mlora_lab.job.drivers.base import Driver, JobParts, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rl.grpo import (
     CLIPPED,

@@ -1,6 +1,6 @@
 """Saved training states of the service's tenants: ``save_state``, ``load_state``, a client from a state.
 
-Part of the service driver (:class:`~mlora_lab.job.service.ServiceDriver`), which hands this module the
+Part of the service driver (:class:`~mlora_lab.job.drivers.tinker.driver.ServiceDriver`), which hands this module the
 ``save_weights`` and ``load_weights`` requests of its models at their place in each model's ``seq_id``
 order, and settles the answers it gets back:
 

@@ -1,6 +1,6 @@
 """Sampler snapshots, the slots they share with training clients, and the batched sampling from them.
 
-Part of the service driver (:class:`~mlora_lab.job.service.ServiceDriver`), which hands this module the
+Part of the service driver (:class:`~mlora_lab.job.drivers.tinker.driver.ServiceDriver`), which hands this module the
 ``save_weights_for_sampler`` and ``asample`` requests it takes and settles the answers it gets back:
 
     save_weights_for_sampler   a **snapshot**: the tenant's adapter as it is now, copied into a slot of its

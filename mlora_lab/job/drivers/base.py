@@ -24,7 +24,7 @@ the processes is the tenant's gradient.
 The first driver is :class:`~.filedata.FileData` (SFT rows from a tenant's data file); the second is
 :class:`~.rl.RLDriver` (GRPO tenants: generations, rewards, and a plan that names the temperature their
 logits are scored at). Another driver (requests of a training service) is added beside them in
-:mod:`mlora_lab.job.drivers`, not by editing the loop.
+:mod:`mlora_lab.job.drivers.default`, not by editing the loop.
 """
 
 from __future__ import annotations

@@ -3,27 +3,28 @@
 Where the job is assembled (:mod:`mlora_lab.job.__main__`)::
 
     with JobService(spec, run) as service:           # keys.json made (one "owner" key) if it has none
-        trainer = Trainer(spec, run.root, dist, drivers=service.drivers())   # ServiceDriver first
+        trainer = Trainer(spec, run.root, dist, drivers=service.drivers(DEFAULT_DRIVERS))  # ServiceDriver first
         service.start()                              # uvicorn on a thread; service/endpoint.json says where
         trainer.train()
     # the server has stopped and endpoint.json is gone
 
 The HTTP thread only queues work and answers futures (:mod:`mlora_lab.service.app`); the training loop takes
-the work at its step boundaries through :class:`~mlora_lab.job.service.ServiceDriver`, whose ``waiting()``
+the work at its step boundaries through :class:`~mlora_lab.job.drivers.tinker.driver.ServiceDriver`, whose ``waiting()``
 keeps the job up while it has no tenant. Under torchrun only rank 0 builds a ``JobService``; every other
 process gets :func:`follower_drivers`, whose service driver runs what rank 0's broadcasts (keys, inbox and
 futures exist on rank 0 alone)::
 
-    drivers = service.drivers() if dist.is_main else follower_drivers(spec, run)
+    drivers = service.drivers(DEFAULT_DRIVERS) if dist.is_main else follower_drivers(spec, run, DEFAULT_DRIVERS)
+
+(``DEFAULT_DRIVERS``: :mod:`mlora_lab.job.drivers.default`; the job composes the drivers, none imports another.)
 """
 
 from __future__ import annotations
 
 from mlora_lab import hub
 from mlora_lab.bases import resolve_base
-from mlora_lab.job.driver import DriverFactory, JobParts
-from mlora_lab.job.drivers import DEFAULT_DRIVERS
-from mlora_lab.job.service import ServiceDriver
+from mlora_lab.job.drivers.base import DriverFactory, JobParts
+from mlora_lab.job.drivers.tinker.driver import ServiceDriver
 from mlora_lab.rundir import RunDir
 from mlora_lab.rundir import service as files
 from mlora_lab.service import wire
@@ -82,9 +83,10 @@ class JobService:
             max_step_tokens=self.settings.max_step_tokens,
         )
 
-    def drivers(self) -> tuple[DriverFactory, ...]:
-        """The job's drivers: the service's first (a client's tenant is its own), then the default ones."""
-        return (self.driver, *DEFAULT_DRIVERS)
+    def drivers(self, others: tuple[DriverFactory, ...] = ()) -> tuple[DriverFactory, ...]:
+        """The job's drivers: the service's first (a client's tenant is its own), then ``others`` (the job's
+        default ones: the job composes them, a driver never imports another)."""
+        return (self.driver, *others)
 
     def start(self) -> str:
         """Listen, and say where in ``service/endpoint.json``; the URL."""
@@ -107,13 +109,15 @@ class JobService:
         self.stop()
 
 
-def follower_drivers(spec: JobSpec, run: RunDir) -> tuple[DriverFactory, ...]:
+def follower_drivers(
+    spec: JobSpec, run: RunDir, others: tuple[DriverFactory, ...] = ()
+) -> tuple[DriverFactory, ...]:
     """The drivers of a served job on a process other than rank 0: a service driver with no service state
-    (it follows rank 0's orders, :mod:`mlora_lab.job.service`), then the default ones."""
+    (it follows rank 0's orders, :mod:`mlora_lab.job.drivers.tinker.driver`), then ``others``."""
     assert isinstance(spec.service, Service), "a served job's drivers need a spec with a service"
     alpha = spec.service.lora_alpha
 
     def driver(parts: JobParts) -> ServiceDriver:
         return ServiceDriver(parts, None, lora_alpha=alpha, checkpoints=run.service)
 
-    return (driver, *DEFAULT_DRIVERS)
+    return (driver, *others)
