@@ -45,10 +45,12 @@ class Served:
         max_step_tokens: int | None = None,
         slot_modules: list[str] | None = None,
         quantize: str | None = None,
+        log_every: int = 1,
     ) -> None:
         self.base = base
         spec = JobSpec(
             quantize=quantize,
+            log_every=log_every,
             base_model=base,
             tenants=[],
             seq_len=seq_len,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import threading
 import time
 from pathlib import Path
@@ -946,5 +947,21 @@ def test_a_client_over_an_nf4_base_trains_as_peft_over_the_same_base(llama_path,
             (losses, logprobs), (want_losses, want_logprobs), served.trainer.model.tenant_tensors(name),
             peft_lora_tensors(model),
         )  # fmt: skip
+    finally:
+        served.close()
+
+
+def test_a_clients_train_rows_respect_log_every(llama_path, tmp_path):
+    """``JobSpec.log_every`` holds for a Tinker client's tenant as for the others (the service logged every
+    step): with ``log_every=2``, four optimiser steps log tenant steps 2 and 4, each with that step's loss."""
+    served = Served(llama_path, max_tenants=2, checkpoints=tmp_path / "service", log_every=2)
+    try:
+        data = datums(transformers.AutoTokenizer.from_pretrained(llama_path), TEXTS)
+        tc, name = training_client(served, seed=7)
+        losses, _, _ = sdk_steps(tc, [data[:2]], steps=4)
+        assert len(losses) == 4
+        rows = [r for r in served.trainer.history if r["kind"] == "train" and r["tenant"] == name]
+        assert [r["tenant_step"] for r in rows] == [2, 4]
+        assert all(math.isfinite(r["loss"]) for r in rows)
     finally:
         served.close()

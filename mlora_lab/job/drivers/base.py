@@ -41,6 +41,7 @@ from mlora_lab.data import Example
 from mlora_lab.job.engine import Engine
 from mlora_lab.job.recorder import Recorder
 from mlora_lab.job.tenants import Feed, TenantPool, TenantRun
+from mlora_lab.rundir import TrainRow
 from mlora_lab.spec import JobSpec, Tenant
 
 
@@ -109,6 +110,26 @@ class Driver(ABC):
 
     def stepped(self, t: TenantRun, result: StepResult) -> None:  # noqa: B027 (a hook: may do nothing)
         """``t`` took an optimiser step (its counter ``t.step`` already moved)."""
+
+    def log_train(self, t: TenantRun, result: StepResult, tokens: int, **more: Any) -> TrainRow | None:
+        """The one place a driver writes ``t``'s train row for the step it just took: every
+        ``JobSpec.log_every``-th tenant step and its last (``max_steps``), with the step's loss, lr, gradient
+        norm and ``tokens``, and what the driver adds (``more``: counts, an RL tenant's reward, ...). The row
+        written, or ``None`` on a step that is not logged."""
+        if t.step % self.spec.log_every and t.step != t.spec.max_steps:
+            return None
+        row = TrainRow(
+            step=self.recorder.step,
+            tenant=t.name,
+            tenant_step=t.step,
+            loss=result.loss,
+            tokens=tokens,
+            lr=result.lr,
+            grad_norm=result.grad_norm,
+            **more,
+        )
+        self.recorder.log(row)
+        return row
 
     def after_step(self) -> None:  # noqa: B027 (a hook: may do nothing)
         """The step this driver planned is over (its backward and optimiser steps done). Called on every

@@ -27,7 +27,7 @@ from mlora_lab.data import IGNORE_INDEX, Example, TenantStream
 from mlora_lab.job.agree import describe
 from mlora_lab.job.drivers.base import Driver, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
-from mlora_lab.rundir import EvalRow, TenantState, TrainRow
+from mlora_lab.rundir import EvalRow, TenantState
 from mlora_lab.spec import Tenant
 
 
@@ -151,19 +151,7 @@ class FileData(Driver):
         f: FileFeed = t.feed
         f.micro = 0
         t.tokens_seen += f.window_tokens
-        if t.step % self.spec.log_every == 0 or t.step == t.spec.max_steps:
-            row = TrainRow(
-                step=self.recorder.step,
-                tenant=t.name,
-                tenant_step=t.step,
-                loss=result.loss,
-                tokens=f.window_tokens,
-                lr=result.lr,
-                grad_norm=result.grad_norm,
-                rows_seen=f.rows_taken(),
-                tokens_seen=t.tokens_seen,
-            )
-            self.recorder.log(row)
+        self.log_train(t, result, f.window_tokens, rows_seen=f.rows_taken(), tokens_seen=t.tokens_seen)
         if t.step >= t.spec.max_steps:
             self.pool.finish(t)
 

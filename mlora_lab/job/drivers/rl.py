@@ -80,7 +80,7 @@ from mlora_lab.rl.grpo import (
 )
 from mlora_lab.rl.prompts import chat_prompt
 from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardResult, RewardWorker, shown_reward
-from mlora_lab.rundir import CompletionRow, EventKind, EventRow, TrainRow
+from mlora_lab.rundir import CompletionRow, EventKind, EventRow
 from mlora_lab.sampling import Completion, SampleRequest, sample
 from mlora_lab.sources import source_name
 from mlora_lab.spec import Tenant
@@ -596,8 +596,7 @@ class RLDriver(Driver):
             g.old_logps, g.old_local = self.comm.sum_over_dp(old).float(), None
         g.iteration += 1
         t.tokens_seen += g.n_tokens
-        if t.step % self.spec.log_every == 0 or t.step == t.spec.max_steps:
-            self._log(t, g, result, totals)
+        self._log(t, g, result, totals)
         if g.iteration >= rl.num_iterations:
             f.current = None
         if t.step >= t.spec.max_steps:
@@ -606,14 +605,10 @@ class RLDriver(Driver):
     def _log(self, t: TenantRun, g: Generation, result: StepResult, totals: torch.Tensor) -> None:
         rl: RL = t.spec.rl
         scored = g.rewards[~torch.isnan(g.rewards)]
-        row = TrainRow(
-            step=self.recorder.step,
-            tenant=t.name,
-            tenant_step=t.step,
-            loss=result.loss,
-            tokens=g.n_tokens,
-            lr=result.lr,
-            grad_norm=result.grad_norm,
+        row = self.log_train(
+            t,
+            result,
+            g.n_tokens,
             rows_seen=t.feed.prompts_taken(),
             tokens_seen=t.tokens_seen,
             reward=float(scored.mean()) if len(scored) else None,
@@ -625,7 +620,8 @@ class RLDriver(Driver):
             else None,
             extra=reward_metrics(g, rl.rewards) or None,
         )
-        self.recorder.log(row)
+        if row is None:  # (not a step log_every logs: its completions are not logged either)
+            return
         tok = self.engine.tokenizer
         G = g.group_size
         # one completion per prompt first, then the prompts' second ones, ...

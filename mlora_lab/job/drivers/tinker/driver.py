@@ -89,7 +89,7 @@ from mlora_lab.job.metering import Meter
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.lora.model import MultiLoRAModel
 from mlora_lab.lora.targets import output_layer_names, storable_targets
-from mlora_lab.rundir import TenantState, TrainRow
+from mlora_lab.rundir import TenantState
 from mlora_lab.service import losses, wire
 from mlora_lab.service.bodies import ModelInfo
 from mlora_lab.service.work import ErrorCategory, Kind, Result, Work
@@ -609,17 +609,7 @@ class ServiceDriver(Driver):
             metrics = {"grad_norm:max": result.grad_norm, "learning_rate:max": result.lr}
             self._settle(work, Result(json={"metrics": metrics}))
         f: ServiceFeed = t.feed
-        self.recorder.log(
-            TrainRow(
-                step=self.recorder.step,
-                tenant=t.name,
-                tenant_step=t.step,
-                loss=result.loss,
-                tokens=f.window_tokens,
-                lr=result.lr,
-                grad_norm=result.grad_norm,
-            )
-        )
+        self.log_train(t, result, f.window_tokens)  # (every log_every-th step, as the other drivers)
         f.reset()
 
     def after_step(self) -> None:
