@@ -659,3 +659,15 @@ def test_reward_functions_from_a_notebook_a_lambda_and_a_closure_train_as_their_
 
 def _count(c, t):
     return (c if isinstance(c, str) else c[0]["content"]).count(t) / 4
+
+
+def test_log_every_logs_an_rl_tenants_rows_and_completions_on_the_same_steps(llama_path, tmp_path):
+    """``log_every=2`` over 3 steps: train rows (with the reward) at tenant steps 2 and 3 (the last), and the
+    sampled completions of those steps only."""
+    rl = RL(reward=f"{reward_file(tmp_path)}:short", group_size=3, max_new_tokens=4, log_completions=2)
+    trainer = Trainer(job(llama_path, [rl_tenant("a", prompt_file(tmp_path), rl, max_steps=3)], log_every=2))
+    trainer.train()
+    train = [r for r in trainer.history if r["kind"] == RowKind.TRAIN]
+    assert [r["tenant_step"] for r in train] == [2, 3] and all(r["reward"] is not None for r in train)
+    done = [r["tenant_step"] for r in trainer.history if r["kind"] == RowKind.COMPLETION]
+    assert done == [2, 2, 3, 3]
