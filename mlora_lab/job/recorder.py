@@ -40,7 +40,7 @@ class Recorder:
     def __init__(self, run: RunDir | None, comm: Collectives, is_main: bool, log_every: int = 1) -> None:
         self.run, self.comm, self.is_main, self.log_every = run, comm, is_main, log_every
         self.step = 0
-        self.history: list[dict] = []  # every row, also kept in memory
+        self.history: list[Row] = []  # every row (typed), also kept in memory
         self.metrics: MetricsWriter | None = None
         self.sink: Background | None = None  # the trackers of report_to (rank 0), off the loop
         self._write_errors: set[str] = set()
@@ -58,7 +58,7 @@ class Recorder:
         self._cpu, self._gpu = CpuMeter(), GpuMeter(self.comm.device)
 
     def log(self, row: Row) -> None:
-        self.history.append(row.to_dict())
+        self.history.append(row)
         if self.metrics is None:
             return
         try:

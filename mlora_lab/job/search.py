@@ -32,6 +32,7 @@ from mlora_lab.parallel import Collectives
 from mlora_lab.rundir import (
     EventKind,
     MetricsReader,
+    Row,
     RowKind,
     RunDir,
     TenantRow,
@@ -78,11 +79,11 @@ class SearchController:
         self.objective_fn = load_objective(sweep.objective.metric) if is_main else None
         self._said_pruned = {t.id for t in self.engine.trials if t.state is TrialState.PRUNED}
         # rows written before a resume: a trial's train-loss objective looks back over them too
-        self.past_rows: list[dict] = []
+        self.past_rows: list[Row] = []
         if saved and is_main and run is not None:
             reader = MetricsReader(run.metrics)
             reader.poll()
-            self.past_rows = [r.to_dict() for r in reader.rows]  # (the reader's rows are typed)
+            self.past_rows = list(reader.rows)
 
     # -- what the trainer asks ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

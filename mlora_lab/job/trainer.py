@@ -202,7 +202,7 @@ class Trainer:
         return self.pool.unstarted
 
     @property
-    def history(self) -> list[dict]:
+    def history(self) -> list[rows.Row]:
         return self.recorder.history
 
     def losses(self, tenant: str) -> list[float]:

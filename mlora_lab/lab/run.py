@@ -22,7 +22,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pandas as pd
 
 from mlora_lab.lab import tenant_data
@@ -48,7 +47,6 @@ from mlora_lab.rundir import (
     update_labels,
 )
 from mlora_lab.rundir.files import TextEnum
-from mlora_lab.rundir.rows import collection_paused
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.specbase import SpecError
 
@@ -146,7 +144,6 @@ class Run:
         self.dir = RunDir(Path(run_dir).absolute())
         self.liveness = Liveness(self.dir.root, process)
         self._reader = MetricsReader(self.dir.metrics)
-        self._dicts: tuple[int, list[dict[str, Any]]] = (0, [])
         self._tables: dict[tuple[RowKind, ...], tuple[int, int, pd.DataFrame | None]] = {}
 
     def __repr__(self) -> str:
@@ -410,17 +407,11 @@ class Run:
         self._reader.poll()
         return self._reader.rows
 
-    def rows(self) -> list[dict[str, Any]]:
-        """All metrics rows so far as JSON objects, as metrics.jsonl holds them (see
-        :meth:`typed_rows`); converted once each, as they arrive."""
-        rows = self.typed_rows()
-        generation, dicts = self._dicts
-        if generation != self._reader.generation:
-            dicts = []
-        with collection_paused():
-            dicts.extend(msgspec.to_builtins(rows[len(dicts) :]))  # (one call for them all: as Row.to_dict)
-        self._dicts = (self._reader.generation, dicts)
-        return dicts
+    def rows(self) -> list[Row]:
+        """All metrics rows so far, typed (:meth:`typed_rows`): a :class:`~mlora_lab.rundir.TrainRow` per train
+        row, ... Each also reads as the JSON object it was (``row["loss"]``, ``row.get("tenant")``);
+        ``row.to_dict()`` is that object."""
+        return self.typed_rows()
 
     def rows_since(self, cursor: tuple[int, int] = (0, 0)) -> tuple[list[Row], tuple[int, int]]:
         """Typed rows that arrived since ``cursor`` (returned by the previous call; ``(0, 0)`` = from

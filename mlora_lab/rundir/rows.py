@@ -95,6 +95,25 @@ class Row(msgspec.Struct, tag_field="kind", gc=False):
 
     kind: ClassVar[RowKind]
 
+    # Mapping-style reads, so that code written when rows were dicts reads typed rows alike
+    # (``row["loss"]``, ``row.get("tenant")``, ``"reward" in row``): the fields, and ``kind``.
+    def __getitem__(self, key: str) -> Any:
+        if key == "kind":
+            return self.kind
+        if key in self.__struct_fields__:
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``row[key]``, or ``default`` for a field this kind of row does not have."""
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: object) -> bool:
+        return key == "kind" or key in self.__struct_fields__
+
     def to_dict(self) -> dict[str, Any]:
         """The row as a JSON object: ``kind`` first, then the fields in order, enums as their text."""
         return msgspec.to_builtins(self)

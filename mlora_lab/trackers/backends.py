@@ -93,6 +93,12 @@ def scalar(value: Any) -> bool | int | float | str:
     return json.dumps(value, default=str)
 
 
+def _file_second(name: str) -> int:
+    """The second an event file was started in, from its name (``events.out.tfevents.<second>...``)."""
+    parts = name.split(".")
+    return int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else -1
+
+
 class TensorBoard:
     """TensorBoard event files: one folder per tracker run under ``<logging_dir>/tensorboard``
     (``tenants/<name>``, ``job``), scalars as scalar summaries, the config as hyperparameters (the
@@ -134,7 +140,15 @@ class TensorBoard:
 
     def start(self, run: TrackerRun) -> None:
         event_pb2 = self._pb[0]
-        self.writers[run.key] = self._writer_class(str(self.root / run.folder))
+        folder = self.root / run.folder
+        # Readers take a folder's event files in the order of their names, ``events.out.tfevents.<second>.
+        # <host>.<pid>.<n><suffix>``: within one second (a resume, a mirror again) the counter ``n`` decides,
+        # and 10 sorts before 9, so the restart marker below was read before the events it drops (seen in a
+        # test). A new file starts in a later second than the folder's last one.
+        newest = max((_file_second(p.name) for p in folder.glob("events.out.tfevents.*")), default=-1)
+        while int(time.time()) <= newest:
+            time.sleep(0.05)
+        self.writers[run.key] = self._writer_class(str(folder))
         # TensorBoard's restart marker: what the folder holds from this step on (an earlier mirror of
         # the run, or the rows a resumed job logs again) is dropped by every reader
         start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
