@@ -119,7 +119,9 @@ def test_a_refilled_slot_starts_clean(llama_path, base_tenant, tmp_path):
 def _train_rows(tr: Trainer, name: str):
     from types import SimpleNamespace
 
-    return [SimpleNamespace(**r.to_dict()) for r in tr.history if r["kind"] == "train" and r["tenant"] == name]
+    return [
+        SimpleNamespace(**r.to_dict()) for r in tr.history if r["kind"] == "train" and r["tenant"] == name
+    ]
 
 
 def test_pbt_exploit_copies_adapter_and_optimiser_state_exactly(llama_path, base_tenant, tmp_path):
