@@ -47,7 +47,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "TenantForm": "mlora_lab.lab.forms",
     "attach": "mlora_lab.lab.handles",
     "choice": "mlora_lab.search",
-    "compare": "mlora_lab.lab.report",
+    "compare": "mlora_lab.lab.results",
     "compare_generations": "mlora_lab.lab.generations",
     "hparams": "mlora_lab.lab.hparams",
     "launch": "mlora_lab.lab.launcher",
@@ -55,9 +55,9 @@ _EXPORTS = {  # public name -> the module that defines it
     "randint": "mlora_lab.search",
     "report": "mlora_lab.trackers",
     "resume": "mlora_lab.lab.launcher",
-    "runs": "mlora_lab.lab.report",
+    "runs": "mlora_lab.lab.results",
     "serve": "mlora_lab.lab.launcher",
-    "summary": "mlora_lab.lab.report",
+    "summary": "mlora_lab.lab.results",
     "sweep": "mlora_lab.lab.sweeps",
     "uniform": "mlora_lab.search",
 }
@@ -70,7 +70,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from mlora_lab.lab.handles import attach  # noqa: F401
     from mlora_lab.lab.hparams import hparams  # noqa: F401
     from mlora_lab.lab.launcher import launch, resume, serve  # noqa: F401
-    from mlora_lab.lab.report import compare, runs, summary  # noqa: F401
+    from mlora_lab.lab.results import compare, runs, summary  # noqa: F401
     from mlora_lab.lab.run import Request, Run  # noqa: F401
     from mlora_lab.lab.slurm import SlurmOptions  # noqa: F401
     from mlora_lab.lab.sweep_run import SweepRun  # noqa: F401

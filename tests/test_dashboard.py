@@ -545,7 +545,7 @@ def test_compare_log_axis_smoothing_and_png(tmp_path):
     assert "image/png" in data and metadata["image/png"] == {"width": 640, "height": 360}  # shown at 1x ...
     assert png_size(data["image/png"]) == (1280, 720)  # ... rendered at 2x
     path = tmp_path / "losses.svg"
-    from mlora_lab.lab.report import plot_losses
+    from mlora_lab.lab.results import plot_losses
 
     plot_losses(run.root, path)
     assert path.read_text().lstrip().startswith("<?xml")
@@ -839,7 +839,7 @@ def test_hyperparameters_next_to_results(tmp_path):
     axis for lr, only for the settings that differ, marks the best, and warns about tenants without
     eval rows; the parallel-coordinates view has an axis per setting plus the metric."""
     from mlora_lab.lab.hparams import hparams
-    from mlora_lab.lab.report import summary
+    from mlora_lab.lab.results import summary
 
     lrs = {"a": 1e-4, "b": 1e-3, "c": 1e-2, "d": 3e-3}
     ranks = {"a": 4, "b": 8, "c": 16, "d": 8}
@@ -929,7 +929,7 @@ def test_every_figure_is_drawn_and_laid_out_under_the_one_drawing_lock(tmp_path,
     from matplotlib.figure import Figure
     from matplotlib.layout_engine import ConstrainedLayoutEngine
 
-    from mlora_lab.lab.report import plot_losses
+    from mlora_lab.lab.results import plot_losses
 
     unlocked: list[str] = []
     threads: set[str] = set()
@@ -985,7 +985,7 @@ def test_no_label_is_parsed_as_mathtext(tmp_path):
     """Run names (free text) and a sweep's categorical values reach legends, tick labels, titles and
     annotations: every one is shown literally, never parsed as mathtext (which raised)."""
     from mlora_lab.lab.hparams import hparams
-    from mlora_lab.lab.report import plot_losses
+    from mlora_lab.lab.results import plot_losses
 
     roots = []
     for k, name in enumerate((MATHTEXT, "$x$ plain")):
@@ -1168,7 +1168,7 @@ def test_log_lr_ticks_stay_readable_inside_one_decade(tmp_path):
 def test_summary_puts_what_people_run_it_for_first(tmp_path):
     """A notebook shows the first and last columns of a wide table and hides the middle behind "…": the
     state, steps and losses come before the settings; best_loss is the smoothed curve's lowest point."""
-    from mlora_lab.lab.report import summary
+    from mlora_lab.lab.results import summary
 
     run = make_run(tmp_path / "r", tenants=("a",))
     losses = [3.0, 2.0, 0.1, 2.0, 1.8, 1.7]  # one lucky batch at step 3
@@ -1227,7 +1227,7 @@ def test_the_views_say_which_step_and_what_the_cpu_percent_means(tmp_path):
 def test_extreme_but_well_typed_rows_break_no_view(tmp_path):
     """time 1e12 (year 33658) and losses of ±1e308 are valid JSON numbers: the tables, the summary and
     every figure on every x axis go on (the time is NaT in tables; a loss is drawn clipped)."""
-    from mlora_lab.lab.report import summary
+    from mlora_lab.lab.results import summary
 
     run = make_run(tmp_path / "r")
     rows = steps(["a", "b"], 1, 6)

@@ -15,7 +15,7 @@ import mlora_lab as ml
 from mlora_lab.lab.dashboard import Dashboard
 from mlora_lab.lab.demo import task_rows, write_jsonl
 from mlora_lab.lab.plotting import best_smoothed, ema, thin
-from mlora_lab.lab.report import SUMMARY_COLUMNS
+from mlora_lab.lab.results import SUMMARY_COLUMNS
 from mlora_lab.rundir import RunLabels, update_status
 
 slow = pytest.mark.slow  # every test that launches a job (the generations' prompt rendering needs none)

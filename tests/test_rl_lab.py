@@ -13,7 +13,7 @@ from test_dashboard import T0, dash_of, make_run, steps, write
 
 import mlora_lab as ml
 from mlora_lab.lab.plotting import ema
-from mlora_lab.lab.report import summary
+from mlora_lab.lab.results import summary
 from mlora_lab.lab.run import Run
 from mlora_lab.rundir import CompletionRow, EvalRow, TrainRow
 

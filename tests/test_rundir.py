@@ -733,7 +733,7 @@ ALLOWED_WRITERS = {
     ("mlora_lab/tiny.py", "save_pretrained"): "tiny test models, in a folder the caller names",
     ("mlora_lab/lab/demo.py", "mkdir"): "the demo's data, in the folder the caller names",
     ("mlora_lab/lab/demo.py", "write_text"): "the demo's data, in the folder the caller names",
-    ("mlora_lab/lab/report.py", "savefig"): "plot_losses(path=...): a file the caller names",
+    ("mlora_lab/lab/results.py", "savefig"): "plot_losses(path=...): a file the caller names",
     ("mlora_lab/lab/plotting.py", "savefig"): "into an in-memory buffer",
     (
         "mlora_lab/trackers/backends.py",

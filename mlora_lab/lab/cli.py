@@ -197,8 +197,8 @@ def follow(run: Run, out: TextIO | None = None, poll: float = 0.5, tty: bool | N
 
 
 def summary_text(run: Run) -> str:
-    """:func:`~mlora_lab.lab.report.summary` of ``run`` as a table for a terminal (long reasons cut)."""
-    from mlora_lab.lab.report import summary
+    """:func:`~mlora_lab.lab.results.summary` of ``run`` as a table for a terminal (long reasons cut)."""
+    from mlora_lab.lab.results import summary
 
     table = summary(run)
     table["reason"] = table["reason"].fillna("")
@@ -371,7 +371,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from mlora_lab.lab.demo import build_demo
-    from mlora_lab.lab.report import plot_losses
+    from mlora_lab.lab.results import plot_losses
 
     work = Path(args.workdir)
     base = None

@@ -4,7 +4,7 @@ A run directory is followed with a :class:`~mlora_lab.lab.run.Run`, or with a ki
 what its job does. :data:`HANDLE_KINDS` lists those kinds, each with the file that marks a run directory
 as its kind; :func:`attach` (and a launch or resume, through it) picks the first that matches. Adding a
 kind is a line here: the ``Run`` handle itself knows none of them. :func:`as_runs` gives the handles of
-what the comparing functions take (:mod:`mlora_lab.lab.report`: a handle, a run directory, or a list).
+what the comparing functions take (:mod:`mlora_lab.lab.results`: a handle, a run directory, or a list).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Hyperparameters next to results, for sweeps: :func:`hparams` draws every tenant of some runs as a
 point per setting (a scatter panel each) or as a line across the settings (parallel coordinates), its
-y the best value of a metric it reached, read from :func:`~mlora_lab.lab.report.summary` and a sweep's
+y the best value of a metric it reached, read from :func:`~mlora_lab.lab.results.summary` and a sweep's
 record of the settings each trial was given (:mod:`mlora_lab.lab.trials`).
 """
 
@@ -28,7 +28,7 @@ from mlora_lab.lab.plotting import (
     set_log_x,
     style_axes,
 )
-from mlora_lab.lab.report import summary
+from mlora_lab.lab.results import summary
 from mlora_lab.lab.run import Run
 from mlora_lab.lab.series import RunSeries
 from mlora_lab.lab.trials import results
@@ -51,7 +51,7 @@ searched settings can be named too."""
 LOG_HPARAMS = frozenset({"lr"})
 """Settings searched on a log scale: their axes are logarithmic."""
 SUMMARY_OF_FIELD = {"target_modules": "targets", "warmup_steps": "warmup"}
-"""A Tenant field's column in :func:`~mlora_lab.lab.report.summary` where the names differ."""
+"""A Tenant field's column in :func:`~mlora_lab.lab.results.summary` where the names differ."""
 
 
 class HParamsFigure(LabFigure):
@@ -111,7 +111,7 @@ class HParamsFigure(LabFigure):
 
 
 def _hparams_table(runs: Sequence[Run]) -> tuple[pd.DataFrame, list[str]]:
-    """:func:`~mlora_lab.lab.report.summary` of ``runs`` (with a ``run`` column), each trial of a sweep
+    """:func:`~mlora_lab.lab.results.summary` of ``runs`` (with a ``run`` column), each trial of a sweep
     with the settings it was given (from the sweep's record: its tenant may not be in job.json), and
     the names of the settings the sweeps searched."""
     table = summary(runs)

@@ -297,7 +297,7 @@ class Run:
         """Every tenant's state now, in the order the tenants first appear in the rows: pending,
         running, paused, finished, removed, failed or refused as its latest row says, except that once
         the run has ended (stopped, failed, lost) a tenant its job was still training shows the run's
-        state, as :func:`~mlora_lab.lab.report.summary`, ``mlora-lab status`` and the dashboard do
+        state, as :func:`~mlora_lab.lab.results.summary`, ``mlora-lab status`` and the dashboard do
         (:func:`~mlora_lab.rundir.shown_tenant_state`: the job writes no row for those tenants when it
         stops)."""
         own = {r.tenant: r.state for r in self.typed_rows() if isinstance(r, TenantRow)}
@@ -348,7 +348,7 @@ class Run:
 
     def tag(self, *tags: str) -> tuple[str, ...]:
         """Add tags (1-40 characters, no whitespace or comma; at most 32 per run); returns them all.
-        They are shown, comma-joined, in :func:`~mlora_lab.lab.report.runs`."""
+        They are shown, comma-joined, in :func:`~mlora_lab.lab.results.runs`."""
         return update_labels(self.dir.root, add=tags).tags
 
     def untag(self, *tags: str) -> tuple[str, ...]:
