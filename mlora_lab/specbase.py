@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -278,6 +279,18 @@ def _too_deep(value: Any, limit: int = _MAX_DEPTH) -> bool:
     return False
 
 
+@functools.cache
+def _fields_of(cls: type) -> tuple[dict[str, dataclasses.Field], tuple[str, ...]]:
+    """``cls``'s fields by name, and the names of those without a default (asked per tenant: cached)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    required = tuple(
+        name
+        for name, f in fields.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
+    return fields, required
+
+
 def kwargs_for(
     cls: type, d: Any, where: str, nested: tuple[str, ...] = ()
 ) -> tuple[dict[str, Any], list[str]]:
@@ -290,7 +303,7 @@ def kwargs_for(
         return {f.name: getattr(d, f.name) for f in dataclasses.fields(cls)}, []
     if not isinstance(d, dict):
         return {}, [f"{where} must be an object/dict (got {type(d).__name__})"]
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields, required = _fields_of(cls)
     problems = []
     unknown = [k for k in d if k not in fields]
     if unknown:
@@ -305,15 +318,15 @@ def kwargs_for(
             hints.append(brief(k) + (f" (did you mean {close[0]!r}?)" if close else ""))
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
         problems.append(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}{more}")
-    missing = [
-        name
-        for name, f in fields.items()
-        if name not in d and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
+    missing = [name for name in required if name not in d]
     if missing:
         problems.append(
             f"{where}: missing required field{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
         )
-    deep = [k for k, v in d.items() if k in fields and k not in nested and _too_deep(v)]
+    deep = [
+        k
+        for k, v in d.items()
+        if isinstance(v, dict | list | tuple) and k in fields and k not in nested and _too_deep(v)
+    ]
     problems += [f"{where}: {k} is nested more than {_MAX_DEPTH} levels deep" for k in deep]
     return {k: v for k, v in d.items() if k in fields and k not in deep}, problems

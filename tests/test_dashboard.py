@@ -1167,7 +1167,7 @@ def test_log_lr_ticks_stay_readable_inside_one_decade(tmp_path):
 
 def test_summary_puts_what_people_run_it_for_first(tmp_path):
     """A notebook shows the first and last columns of a wide table and hides the middle behind "…": the
-    state, steps and losses come before the settings; best_loss is the smoothed curve's lowest point."""
+    state, steps and losses come before the settings; best_smoothed_loss is the smoothed curve's lowest point."""
     from mlora_lab.lab.results import summary
 
     run = make_run(tmp_path / "r", tenants=("a",))
@@ -1191,14 +1191,14 @@ def test_summary_puts_what_people_run_it_for_first(tmp_path):
     table = summary(Run(run.root))
     with pd.option_context("display.max_columns", 20, "display.width", 200):
         shown = repr(table).splitlines()[0]
-    for column in ("state", "steps", "final_loss", "best_loss", "eval_loss", "best_eval_loss"):
+    for column in ("state", "steps", "final_loss", "best_smoothed_loss", "eval_loss", "best_eval_loss"):
         assert column in shown, (column, shown)
     assert (
         " ".join(table.columns[:8])
-        == "tenant state steps max_steps final_loss best_loss eval_loss best_eval_loss"
+        == "tenant state steps max_steps final_loss best_smoothed_loss eval_loss best_eval_loss"
     )
-    assert table.loc[0, "best_loss"] == pytest.approx(plotting.ema(np.array(losses), 0.6).min())
-    assert table.loc[0, "best_loss"] > 1.0, "one lucky batch does not set it"
+    assert table.loc[0, "best_smoothed_loss"] == pytest.approx(plotting.ema(np.array(losses), 0.6).min())
+    assert table.loc[0, "best_smoothed_loss"] > 1.0, "one lucky batch does not set it"
 
 
 def test_the_views_say_which_step_and_what_the_cpu_percent_means(tmp_path):

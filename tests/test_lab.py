@@ -71,7 +71,7 @@ def test_run_handle_and_runs_table(finished_run):
     assert table["global_step"][0] == 8
     train = m[m["kind"] == "train"]
     best = min(best_smoothed(train[train["tenant"] == t]["loss"].to_numpy()) for t in ("rev", "up"))
-    assert table["best_loss"][0] == pytest.approx(best) and best > train["loss"].min()
+    assert table["best_smoothed_loss"][0] == pytest.approx(best) and best > train["loss"].min()
 
 
 @slow
@@ -228,7 +228,7 @@ def test_summary_has_each_tenants_state_settings_and_the_tenants_added_live(tiny
     }
 
 
-def test_runs_table_shows_tags_note_and_best_loss(tmp_path):
+def test_runs_table_shows_tags_note_and_best_smoothed_loss(tmp_path):
     from mlora_lab.rundir import MetricsWriter, RunDir, TrainRow
 
     runs_dir = tmp_path / "runs"
@@ -255,7 +255,7 @@ def test_runs_table_shows_tags_note_and_best_loss(tmp_path):
         "state",
         "tenants",
         "global_step",
-        "best_loss",
+        "best_smoothed_loss",
         "tokens_trained",  # (a served run's usage: None here)
         "tokens_sampled",
         "busy_s",
@@ -265,9 +265,9 @@ def test_runs_table_shows_tags_note_and_best_loss(tmp_path):
         "path",
         "problem",
     ]
-    # best_loss: the lowest point of the smoothed loss (EMA 0.6: 2.0, then (0.6*2 + 1.5) / 1.6), not a
+    # best_smoothed_loss: the lowest point of the smoothed loss (EMA 0.6: 2.0, then (0.6*2 + 1.5) / 1.6), not a
     # lucky step's raw value; a job without a name gets one from its tenants
-    assert table.loc["r1", ["name", "best_loss", "tags", "note", "global_step"]].tolist() == [
+    assert table.loc["r1", ["name", "best_smoothed_loss", "tags", "note", "global_step"]].tolist() == [
         "a",
         pytest.approx((0.6 * 2.0 + 1.5) / 1.6),
         "baseline",
@@ -275,7 +275,7 @@ def test_runs_table_shows_tags_note_and_best_loss(tmp_path):
         3,
     ]
     assert (
-        pd.isna(table.loc["r2", "best_loss"])
+        pd.isna(table.loc["r2", "best_smoothed_loss"])
         and table.loc["r2", "tags"] == ""
         and table.loc["r2", "note"] == ""
     )

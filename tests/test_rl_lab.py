@@ -144,7 +144,7 @@ def test_summary_has_each_rl_tenants_last_reward(tmp_path):
     table = summary(Run(run.root))
     assert (
         " ".join(table.columns[:10])
-        == "tenant state steps max_steps final_loss best_loss eval_loss best_eval_loss reward first_loss"
+        == "tenant state steps max_steps final_loss best_smoothed_loss eval_loss best_eval_loss reward first_loss"
     )
     rewards = table.set_index("tenant")["reward"]
     assert rewards["grpo"] == 0.75 and np.isnan(rewards["sft"])

@@ -18,7 +18,7 @@ import pytest
 import mlora_lab.text
 import mlora_lab.validate
 import mlora_lab.validate.model
-from mlora_lab.spec import JobSpec, Tenant, default_run_name
+from mlora_lab.spec import MAX_COUNT, JobSpec, Outline, Tenant, default_run_name, step_goal
 from mlora_lab.specbase import Problem, SpecError, fields_info
 from mlora_lab.specparts import Parallel, Service
 from mlora_lab.tiny import build_tokenizer
@@ -1410,3 +1410,34 @@ def test_data_that_cannot_be_tokenized_is_reported(tmp_path, llama_path):
     spec.tenants[0].data = path = write(tmp_path / "chat.jsonl", chat)
     (problem,) = texts(spec)
     assert problem.startswith(f"tenant 'a': data: {path} line 1: the chat template is not prefix-stable")
+
+
+def test_outline_reads_names_and_goals_as_the_spec_does(tmp_path):
+    """Views read a job file's outline (names, step goals, the run's name) without building its tenants;
+    it agrees with the spec's own step_goal and default name, and it is read again once the file changes."""
+    tenants = [
+        {"name": "a", "data": "d.jsonl"},  # max_steps left out: Tenant's default
+        {"name": "b", "data": "d.jsonl", "max_steps": 7},
+        {"name": "c", "data": "d.jsonl", "max_steps": MAX_COUNT},  # the largest count: no goal
+        {"name": "d", "data": None, "client": {"model_id": "m", "owner": "k"}},  # a Tinker client's: no goal
+    ]
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"base_model": str(tmp_path), "tenants": tenants}))
+    outline = Outline.read(path)
+    spec = JobSpec.from_dict(json.loads(path.read_text()))
+    assert (
+        outline.goals
+        == {t.name: step_goal(t) for t in spec.tenants}
+        == {"a": 100, "b": 7, "c": None, "d": None}
+    )
+    assert outline.name == default_run_name(spec) == "a+b+c+1 more"
+    assert Outline.read(path) is outline  # unchanged: remembered
+
+    broken = [{"name": "x", "max_steps": 3}, "not a tenant", {"max_steps": 5}, {"name": 4}]
+    path.write_text(json.dumps({"base_model": ".", "tenants": broken, "name": "mine", "more": 1}))
+    assert Outline.read(path) == Outline("mine", {"x": 3})  # what can be read of a broken file
+    path.write_text(json.dumps({"base_model": ".", "tenants": [], "serve": True}))
+    assert Outline.read(path).name == "serve"
+    path.write_text("[1, 2]")
+    with pytest.raises(SpecError, match="top level must be a JSON object"):
+        Outline.read(path)

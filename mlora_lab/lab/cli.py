@@ -36,7 +36,7 @@ from mlora_lab.rundir import (
     TrainRow,
 )
 from mlora_lab.search import dist_from_dict, strategy_from_dict
-from mlora_lab.spec import JobSpec, Tenant, step_goal
+from mlora_lab.spec import JobSpec, Outline, Tenant, step_goal
 from mlora_lab.specbase import SpecError
 
 # What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
@@ -70,7 +70,7 @@ class Follower:
         self.states: dict[str, TenantState] = {}
         self.steps: dict[str, int] = {}
         self.losses: dict[str, float | None] = {}
-        self.max_steps: dict[str, int | None] = {t.name: step_goal(t) for t in run.spec.tenants}
+        self.max_steps: dict[str, int | None] = dict(Outline.read(run.dir.job).goals)
         self._looked_up = set(self.max_steps)  # names whose max_steps we tried to find
         self._events: set[tuple] = set()
 

@@ -176,7 +176,7 @@ def hparams(
     """
     if kind not in ("scatter", "parallel"):
         raise ValueError(f"kind must be 'scatter' or 'parallel', got {kind!r}")
-    column = {"eval_loss": "best_eval_loss", "loss": "best_loss"}.get(metric)
+    column = {"eval_loss": "best_eval_loss", "loss": "best_smoothed_loss"}.get(metric)
     if column is None:
         raise ValueError(f"metric must be 'eval_loss' or 'loss', got {metric!r}")
     runs = as_runs(runs)

@@ -235,7 +235,7 @@ def drawable(values: np.ndarray) -> np.ndarray:
 
 
 SMOOTHING = 0.6
-"""The smoothing the dashboard draws with by default, and that ``best_loss`` columns use."""
+"""The smoothing the dashboard draws with by default, and that ``best_smoothed_loss`` columns use."""
 
 
 def best_smoothed(values: np.ndarray, smoothing: float = SMOOTHING) -> float | None:

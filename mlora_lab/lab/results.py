@@ -60,7 +60,7 @@ SUMMARY_COLUMNS = [
     "steps",
     "max_steps",
     "final_loss",
-    "best_loss",
+    "best_smoothed_loss",
     "eval_loss",
     "best_eval_loss",
     "reward",
@@ -104,7 +104,7 @@ RUNS_COLUMNS = [
     "state",
     "tenants",
     "global_step",
-    "best_loss",
+    "best_smoothed_loss",
     *USAGE_SHOWN,
     "tags",
     "note",
@@ -117,7 +117,7 @@ RUNS_COLUMNS = [
 def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
     """One row per run directory under ``workdir``: ``run`` (its directory's name), ``name`` (the job's
     ``JobSpec.name``), state, tenants (comma-joined names), ``global_step`` (the job's step: one per
-    batch, whichever tenants took part), ``best_loss`` (the lowest smoothed train loss of any tenant:
+    batch, whichever tenants took part), ``best_smoothed_loss`` (the lowest smoothed train loss of any tenant:
     the EMA the dashboard draws, factor :data:`~mlora_lab.lab.plotting.SMOOTHING`, so one lucky batch
     cannot set it; None before the first step), ``tags`` (comma-joined, in the order they were added:
     ``table[table.tags.str.contains("baseline")]``), ``note`` (cut past
@@ -144,7 +144,7 @@ def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
                 "state": run.status.value,
                 "tenants": ", ".join(t.name for t in run.spec.tenants),
                 "global_step": max((r.step for r in metrics), default=0),
-                "best_loss": min(best, default=None),
+                "best_smoothed_loss": min(best, default=None),
                 **{c: used.get(c) for c in USAGE_SHOWN},
                 "started": to_datetimes(status.started if status else None),
             }
@@ -173,7 +173,7 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
       ``removed``, ``failed``, ``refused``; a tenant the job was still training when the run stopped,
       failed or was lost shows the run's state) and ``reason`` (why it failed or was refused);
     - its results first (a notebook hides the middle columns of a wide table): ``steps`` (the tenant's
-      own optimiser steps) of ``max_steps``, ``final_loss`` (its last logged train loss), ``best_loss``
+      own optimiser steps) of ``max_steps``, ``final_loss`` (its last logged train loss), ``best_smoothed_loss``
       (the lowest point of its smoothed train loss: the EMA the dashboard draws, factor
       :data:`~mlora_lab.lab.plotting.SMOOTHING`; one lucky batch cannot set it), ``eval_loss`` (the last)
       and ``best_eval_loss``, ``reward`` (an RL tenant's latest logged mean reward; NaN for an SFT
@@ -212,7 +212,9 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
                     "steps": int(train["tenant_step"].max()) if len(train) else 0,
                     "first_loss": train["loss"].iloc[0] if len(train) else None,
                     "final_loss": train["loss"].iloc[-1] if len(train) else None,
-                    "best_loss": best_smoothed(train["loss"].to_numpy(dtype=float)) if len(train) else None,
+                    "best_smoothed_loss": best_smoothed(train["loss"].to_numpy(dtype=float))
+                    if len(train)
+                    else None,
                     "eval_loss": evals["loss"].iloc[-1] if len(evals) else None,
                     "best_eval_loss": evals["loss"].min() if len(evals) else None,
                     "reward": _last_value(train, "reward"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import types
 import typing
@@ -27,7 +28,7 @@ import msgspec
 import numpy as np
 import pandas as pd
 
-from mlora_lab.lab.plotting import SMOOTHING, drawable, series_colour
+from mlora_lab.lab.plotting import MAX_DRAWN, SMOOTHING, series_colour
 from mlora_lab.rundir import (
     CompletionRow,
     EvalRow,
@@ -42,9 +43,10 @@ from mlora_lab.rundir import (
     TrainRow,
     UsageRow,
 )
-from mlora_lab.rundir.rows import FIELD_NAMES, ROW_TYPES, collection_paused
-from mlora_lab.spec import JobSpec, step_goal
+from mlora_lab.rundir.rows import FIELD_NAMES, ROW_TYPES
+from mlora_lab.spec import Outline
 from mlora_lab.specbase import SpecError
+from mlora_lab.text import collection_paused
 
 X_AXES = ("tenant step", "global step", "tokens", "wall time", "relative time")
 """What a metric can be drawn against: the tenant's own step, the job's global step, the tenant's
@@ -220,7 +222,7 @@ class Columns:
     def __init__(self, *names: str) -> None:
         self.names = names
         self._new: list[tuple] = []
-        self._arrays = {n: np.empty(0) for n in names}
+        self._arrays: dict[str, np.ndarray] | None = None  # (made when first asked: a million tenants)
         self._n = 0
 
     def append(self, *values: Any) -> None:
@@ -237,10 +239,12 @@ class Columns:
         """The latest value of a column (None when empty)."""
         if self._new:
             return self._new[-1][self.names.index(name)]
-        a = self._arrays[name]
+        a = self.arrays()[name]
         return float(a[-1]) if len(a) else None
 
     def arrays(self) -> dict[str, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = {n: np.empty(0) for n in self.names}
         if self._new:  # fold the new rows into the arrays once
             block = np.array(self._new, dtype=float).reshape(len(self._new), len(self.names))
             self._arrays = {
@@ -248,6 +252,14 @@ class Columns:
             }
             self._new = []
         return self._arrays
+
+
+def _drawable(value: float | None) -> float:
+    """:func:`~mlora_lab.lab.plotting.drawable` of one number (NaN for None), without numpy: it runs
+    for every train row."""
+    if value is None or not math.isfinite(value):
+        return math.nan
+    return min(max(float(value), -MAX_DRAWN), MAX_DRAWN)
 
 
 class TenantSeries:
@@ -296,7 +308,7 @@ class TenantSeries:
             self.last_loss = loss
         # the EMA of plotting.best_smoothed over what is drawn (clipped; NaN only decays the weights)
         w, (num, den) = SMOOTHING, self._ema
-        v = float(drawable(np.array([np.nan if loss is None else loss]))[0])
+        v = _drawable(loss)
         num, den = (w * num + v, w * den + 1.0) if v == v else (w * num, w * den)
         self._ema = (num, den)
         if den > 0 and v == v:
@@ -408,9 +420,9 @@ class RunSeries:
 
     def _read_spec(self) -> None:
         with contextlib.suppress(SpecError, OSError, ValueError):  # a broken job.json: keep what we knew
-            spec = JobSpec.load(self.dir.job)
-            self._max_steps = {t.name: step_goal(t) for t in spec.tenants}
-            self.title = spec.name or self.title
+            outline = Outline.read(self.dir.job)  # (names and goals: a million tenants in a second)
+            self._max_steps = dict(outline.goals)
+            self.title = outline.name or self.title
 
     def best_loss(self) -> float | None:
         """The lowest smoothed train loss of any of its tenants (:attr:`TenantSeries.best_loss`)."""
@@ -430,8 +442,9 @@ class RunSeries:
     def _reset(self) -> None:
         self.epoch = getattr(self, "epoch", -1) + 1  # counts restarts (a rewritten metrics.jsonl)
         self.tenants: dict[str, TenantSeries] = {}
-        for n in self._max_steps:
-            self.tenant(n)
+        with collection_paused():  # (a series per tenant of job.json, a million of them maybe)
+            for n in self._max_steps:
+                self.tenant(n)
         self.system: dict[int, Columns] = {}
         self.resumes: list[float] = []
         self.t0: float | None = None
@@ -471,6 +484,10 @@ class RunSeries:
         return self._reader.rows
 
     def add(self, rows: Sequence[Row]) -> None:
+        with collection_paused():  # (a series per new tenant: none of them is garbage)
+            self._add(rows)
+
+    def _add(self, rows: Sequence[Row]) -> None:
         self._spec_fresh = False
         for r in rows:
             if self.t0 is None:

@@ -29,12 +29,9 @@ that was rewritten (resume drops the rows after its checkpoint) or replaced is n
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import time
 import warnings
-from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
@@ -368,22 +365,6 @@ class MetricsWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-@contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
-    """No garbage collection while rows become tables in bulk. Turning 100k rows into a DataFrame (or
-    into dicts) makes a tuple or dict per row, which the cyclic collector tracks: it would run dozens
-    of times over the whole heap (a notebook's heap holds torch and pandas), and none of them can find
-    garbage, since rows hold no cycles. It runs again as usual afterwards (if it was on: a caller's
-    own setting is kept)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 class MetricsReader:

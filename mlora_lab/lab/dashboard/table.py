@@ -16,7 +16,7 @@ from mlora_lab.lab.dashboard.progress import run_state_html
 from mlora_lab.lab.plotting import shorten
 from mlora_lab.lab.usage import usage_cell
 
-SORT_KEYS = ("started", "run", "state", "global step", "best loss", "tenants")
+SORT_KEYS = ("started", "run", "state", "global step", "best loss (smoothed)", "tenants")
 STATE_CHOICES = ["any state", "running", "finished", "failed", "stopped", "lost", "starting"]
 COLUMNS = (
     ("run", 200),
@@ -24,7 +24,7 @@ COLUMNS = (
     ("state", 170),
     ("tenants", 190),
     ("global step", 80),
-    ("best loss", 75),
+    ("best loss (smoothed)", 140),
     ("usage", 170),
     ("started", 110),
     ("tags", 170),
@@ -93,8 +93,8 @@ def row_values(view: RunView) -> dict[str, Any]:
         "tenants_title": listed,
         "global step": str(feed.global_step),
         "global step_title": "the job's step (one per batch, whichever tenants took part)",
-        "best loss": f"{best:.4f}" if best is not None else "–",
-        "best loss_title": "the lowest smoothed train loss of any tenant (EMA 0.6, as the figure draws it)",
+        "best loss (smoothed)": f"{best:.4f}" if best is not None else "–",
+        "best loss (smoothed)_title": "the lowest smoothed train loss of any tenant (EMA 0.6, as the figure draws it)",
         "usage": html.escape(used),
         "usage_title": used_title or "a served job's clients' tokens (none here)",
         "started": time.strftime("%m-%d %H:%M", time.localtime(started)) if started else "–",
@@ -104,7 +104,7 @@ def row_values(view: RunView) -> dict[str, Any]:
             "run": title,
             "state": state if view.state is not None else "",
             "global step": feed.global_step,
-            "best loss": best if best is not None else float("inf"),
+            "best loss (smoothed)": best if best is not None else float("inf"),
             "started": started or 0.0,
             "tenants": len(feed.tenants),
         },
