@@ -320,9 +320,11 @@ class JobSpec:
         "project", kind="id", optional=True, form=False))
     """The W&B / trackio project the tracker runs go to; ``None`` = ``WANDB_PROJECT`` for W&B, else
     ``"mlora_lab"``."""
-    serve: bool = field(default=False, metadata=meta(
-        "serve", kind="bool", section="Job", help="stay up for tenants added later"))
-    """Stay up after all tenants finish, waiting for tenants added from the notebook."""
+    stay_up: bool = field(default=False, metadata=meta(
+        "stay up", kind="bool", section="Job", help="stay up for tenants added later"))
+    """Stay up after all tenants finish, waiting for tenants added from the notebook. (Called ``serve``
+    before: ``JobSpec(serve=True)``, ``spec.serve`` and a job file's ``"serve"`` still mean it. The new name
+    keeps it apart from ``service`` and ``ml.serve``, which serve the Tinker API.)"""
     seed: int = field(default=0, metadata=meta(
         "job seed", section="Advanced", min=0, max=MAX_SEED, help="order in which tenants' rows are mixed"))
     """Job-wide seed (batch mixing order)."""
@@ -361,9 +363,13 @@ class JobSpec:
         "service", kind="service", optional=True, form=False, help="serve the Tinker API"))
     """``None``: no service. A :class:`Service`: the job also serves the Tinker API (``ml.serve(spec)``), on
     one process for now, and stays up until it is stopped."""
+    serve: dataclasses.InitVar[bool | None] = None
+    """The old name of :attr:`stay_up`, still taken by the constructor (and read and set as an attribute)."""
     # fmt: on
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, serve: bool | None) -> None:
+        if serve is not None and self.stay_up is False:
+            self.stay_up = serve
         if isinstance(self.service, dict):
             self.service = Service.from_dict(self.service)
         self.base_model = _path_str(self.base_model)
@@ -405,6 +411,13 @@ class JobSpec:
 
     @classmethod
     def _from_dict(cls, d: dict[str, Any]) -> JobSpec:
+        old = isinstance(d, dict) and "serve" in d
+        if old:  # the old name of stay_up (job files written before it was renamed)
+            d = dict(d)
+            value = d.pop("serve")
+            if "stay_up" in d and d["stay_up"] != value:
+                raise SpecError(["serve (the old name of stay_up) and stay_up disagree: give stay_up only"])
+            d["stay_up"] = value
         kwargs, problems = kwargs_for(cls, d, "job", nested=("tenants", "parallel", "service"))
         tenants = kwargs.get("tenants")
         if "tenants" in kwargs and not isinstance(tenants, list):
@@ -525,6 +538,18 @@ class JobSpec:
         raise KeyError(f"no tenant {name!r}; tenants: {[t.name for t in self.tenants]}")
 
 
+def _get_serve(self: JobSpec) -> Any:
+    return self.stay_up
+
+
+def _set_serve(self: JobSpec, value: Any) -> None:
+    self.stay_up = value
+
+
+# ``spec.serve`` reads and sets ``stay_up`` (the constructor's ``serve=`` is the InitVar above; its class
+# default, which the generated __init__ no longer needs, gives way to the alias)
+JobSpec.serve = property(_get_serve, _set_serve, doc="The old name of :attr:`JobSpec.stay_up`.")  # type: ignore[assignment,method-assign]
+
 _TENANT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Tenant)}
 _OUTLINES: dict[str, tuple[tuple[int, int, int], Outline]] = {}  # Outline.read's, oldest first
 
@@ -535,7 +560,7 @@ def default_run_name(job: JobSpec) -> str:
     with a ``service``) without tenants, ``"run"`` for none at all."""
     tenants = job.tenants if isinstance(job.tenants, list | tuple) else []
     names = [t.name for t in tenants if isinstance(t, Tenant) and isinstance(t.name, str)]
-    return _default_name(names, job.serve is True or job.service is not None)
+    return _default_name(names, job.stay_up is True or job.service is not None)
 
 
 def _default_name(names: list[str], serving: bool) -> str:

@@ -354,7 +354,7 @@ def test_fuzz_a_serving_two_rank_job(llama_path, tmp_path):
         name="t", data=good[0].data, rank=4, max_steps=3, target_modules=["q_proj"]
     ).to_dict()
     run = ml.launch(
-        job(llama_path, good, parallel=two, serve=True, max_tenants=12, output_dir=str(tmp_path / "served"))
+        job(llama_path, good, parallel=two, stay_up=True, max_tenants=12, output_dir=str(tmp_path / "served"))
     )
     rng = random.Random(1)
     ids, raw = [], []

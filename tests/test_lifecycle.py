@@ -240,7 +240,11 @@ def test_serve_mode_and_run_api_with_two_ranks(llama_path, make_data, tmp_path):
     # reduced over 2 ranks into 2e-5 at eps 1e-8, on an element whose gradient is ~0)
     b = tenant("b", make_data, kind="upper", rank=8, max_steps=5, eps=1e-6)
     spec = job(
-        llama_path, [a], serve=True, parallel=ml.Parallel(nproc=2, fsdp=2), output_dir=str(tmp_path / "serve")
+        llama_path,
+        [a],
+        stay_up=True,
+        parallel=ml.Parallel(nproc=2, fsdp=2),
+        output_dir=str(tmp_path / "serve"),
     )
     run = ml.launch(spec)
     deadline = time.monotonic() + 180

@@ -368,10 +368,10 @@ def test_slots_that_would_be_empty_fail_validation_and_host_empty_is_named(llama
     from mlora_lab.validate import problems
 
     said = [
-        str(p) for p in problems(ml.JobSpec(base_model=llama_path, tenants=[], slot_modules=[], serve=True))
+        str(p) for p in problems(ml.JobSpec(base_model=llama_path, tenants=[], slot_modules=[], stay_up=True))
     ]
     assert any("slot_modules is empty" in p for p in said), said
-    waiting = ml.JobSpec(base_model=llama_path, tenants=[], serve=True)
+    waiting = ml.JobSpec(base_model=llama_path, tenants=[], stay_up=True)
     assert problems(waiting) == []
     assert ml.spec.effective_slot_modules(waiting) == ["all-linear"]
     said = [

@@ -151,7 +151,7 @@ def test_several_nodes_on_the_local_launcher_are_refused_naming_the_launchers(ll
     spec = ml.JobSpec(
         base_model=llama_path,
         tenants=[],
-        serve=True,
+        stay_up=True,
         parallel=ml.Parallel(nproc=1, nnodes=2, fsdp=2),
         output_dir=str(tmp_path / "r"),
     )
@@ -165,7 +165,7 @@ def test_several_nodes_on_the_local_launcher_are_refused_naming_the_launchers(ll
 
 def test_slurm_launch_without_slurm_commands_creates_nothing(llama_path, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    spec = ml.JobSpec(base_model=llama_path, tenants=[], serve=True, output_dir=str(tmp_path / "r"))
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], stay_up=True, output_dir=str(tmp_path / "r"))
     with pytest.raises(ml.SpecError) as err:
         ml.launch(spec, launcher="slurm", slurm=SlurmOptions(time="forever", extra=["--nodes=4"]))
     text = str(err.value)
@@ -387,7 +387,7 @@ def test_every_abbreviation_and_short_form_of_a_launcher_owned_option_is_refused
 
 def test_every_problem_of_every_entry_is_named_in_one_error(llama_path, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    spec = ml.JobSpec(base_model=llama_path, tenants=[], serve=True, output_dir=str(tmp_path / "r"))
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], stay_up=True, output_dir=str(tmp_path / "r"))
     extra = ["--qos=high", "--outp=/elsewhere", "--chd=/", "--requ", "-Ho/x", "", "\u2014output=/x", "--c=1"]
     with pytest.raises(ml.SpecError) as err:
         ml.launch(spec, launcher="slurm", slurm=SlurmOptions(extra=extra))
@@ -673,7 +673,7 @@ def slurm_run(llama_path, tmp_path, monkeypatch):
 
     def make(answer: SlurmJob | None, **status):
         out = tmp_path / f"r{next(made)}"
-        spec = ml.JobSpec(base_model=llama_path, tenants=[], serve=True, output_dir=str(out))
+        spec = ml.JobSpec(base_model=llama_path, tenants=[], stay_up=True, output_dir=str(out))
         run_dir = prepare_run(spec)
         update_status(run_dir.root, **{"state": "queued", "launcher": "slurm", "slurm_job_id": 42, **status})
         monkeypatch.setattr(slurm_module, "query", lambda job_id: answer)
@@ -845,7 +845,7 @@ def test_the_dashboard_and_the_cli_say_why_a_run_is_queued(slurm_run, capsys):
 
 def test_cli_slurm_options_reach_the_launcher(llama_path, tmp_path, monkeypatch, capsys):
     """Options given with the local launcher are refused; with Slurm they are validated like the API's."""
-    spec = ml.JobSpec(base_model=llama_path, tenants=[], serve=True, output_dir=str(tmp_path / "r"))
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], stay_up=True, output_dir=str(tmp_path / "r"))
     spec.to_json(tmp_path / "job.json")
     assert cli.main(["run", str(tmp_path / "job.json"), "--partition", "gpu"]) == 2
     assert "Slurm options were given, but the launcher is 'local'" in capsys.readouterr().err

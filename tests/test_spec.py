@@ -63,7 +63,7 @@ def test_json_round_trip_keeps_types():
         ],
         parallel=Parallel(nproc=2),
         slot_modules=["q_proj", "k_proj", "v_proj"],
-        serve=True,
+        stay_up=True,
     )
     text = spec.to_json()
     back = JobSpec.from_json(text)
@@ -377,7 +377,7 @@ BAD_CASES: list[tuple[str, Callable[[JobSpec, Path], None], str]] = [
         at("dtype", "float64"),
         "dtype must be one of auto, float32, bfloat16, float16 (got 'float64')",
     ),
-    ("serve_str", at("serve", "no"), "serve must be true or false"),
+    ("stay_up_str", at("stay_up", "no"), "stay_up must be true or false"),
     ("no_tenants", at("tenants", []), "no tenants"),
     ("too_many", at("max_tenants", 1), "2 tenants but max_tenants=1"),  # with two_tenants below
     ("output_file", at("output_dir", lambda tmp: write(tmp / "out", "x")), "output_dir '"),
@@ -558,7 +558,7 @@ def test_unloadable_model_skips_model_checks_but_reports_the_rest(tmp_path):
 
 
 def test_serve_mode_allows_no_tenants(tmp_path, llama_path):
-    spec = JobSpec(base_model=llama_path, tenants=[], serve=True)
+    spec = JobSpec(base_model=llama_path, tenants=[], stay_up=True)
     assert spec_problems(spec) == []
 
 
@@ -1441,3 +1441,22 @@ def test_outline_reads_names_and_goals_as_the_spec_does(tmp_path):
     path.write_text("[1, 2]")
     with pytest.raises(SpecError, match="top level must be a JSON object"):
         Outline.read(path)
+
+
+def test_stay_up_is_still_read_under_its_old_name_serve(tmp_path):
+    """``serve`` was renamed ``stay_up`` (it competed with ``service`` and ``ml.serve``): the constructor's
+    ``serve=``, the attribute and a job file's ``"serve"`` still mean it; files are written with the new name."""
+    spec = JobSpec(base_model=str(tmp_path), tenants=[], serve=True)
+    assert spec.stay_up is True and spec.serve is True
+    spec.serve = False
+    assert spec.stay_up is False
+    assert "serve" not in spec.to_dict() and spec.to_dict()["stay_up"] is False
+    old = {"base_model": str(tmp_path), "tenants": [], "serve": True}
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(old))
+    loaded = JobSpec.load(path)
+    assert loaded.stay_up is True and json.loads(loaded.to_json())["stay_up"] is True
+    assert not any("no tenants" in str(p) for p in spec_problems(loaded))  # no tenants: it stays up for them
+    with pytest.raises(SpecError, match="serve .the old name of stay_up. and stay_up disagree"):
+        JobSpec.from_dict({**old, "stay_up": False})
+    assert JobSpec.from_dict({**old, "stay_up": True}).stay_up is True

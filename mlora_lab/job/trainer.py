@@ -223,7 +223,7 @@ class Trainer:
                     self.evaluate()
                 if self.spec.save_every and self.global_step % self.spec.save_every == 0:
                     self.save(final=False)
-            elif self.spec.serve or self.pool.any_paused() or any(d.waiting() for d in self.drivers):
+            elif self.spec.stay_up or self.pool.any_paused() or any(d.waiting() for d in self.drivers):
                 # nothing to train now: wait cheaply for new or resumed tenants, or a driver's new work
                 # (cleared before the next plan takes the work: what comes after that sets it again)
                 self.wake.wait(idle_s)

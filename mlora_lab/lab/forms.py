@@ -692,7 +692,7 @@ class JobBuilder:
         spec = self.spec()
         self._problems = self.problems()
         shown = list(self._problems)
-        if not spec.tenants and not spec.serve and spec.service is None:
+        if not spec.tenants and not spec.stay_up and spec.service is None:
             shown.append(Problem(None, "tenants", 'fill in the tenant form above and press "Add tenant"'))
         self.problems_box.value = problems_html(shown, ok="ready to launch")
         self.preview.value = (

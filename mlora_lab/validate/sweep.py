@@ -100,4 +100,4 @@ def job_of_sweep(spec: JobSpec, sweep: Any) -> JobSpec:
             for t in tenants
             if not (isinstance(t, Tenant) and isinstance(t.name, str) and sweep.trial_id(t.name) is not None)
         ]
-    return dataclasses.replace(spec, tenants=tenants, serve=True)
+    return dataclasses.replace(spec, tenants=tenants, stay_up=True)

@@ -46,11 +46,11 @@ def check_tenant_set(ctx: Context, tenants: list[Any]) -> None:
     """The tenants as a set: at least one (or ``serve``, or a ``service``), at most ``max_tenants``, unique names, and no
     two names equal up to case."""
     s = ctx.spec
-    if not tenants and s.serve is not True and s.service is None:
+    if not tenants and s.stay_up is not True and s.service is None:
         ctx.say(
             None,
             "tenants",
-            "no tenants: add at least one, set serve=true to wait for tenants, or serve the Tinker API (service)",
+            "no tenants: add at least one, set stay_up=true to wait for tenants, or serve the Tinker API (service)",
         )
     if is_int(s.max_tenants) and len(tenants) > s.max_tenants:
         ctx.say(

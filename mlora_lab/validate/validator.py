@@ -106,7 +106,7 @@ class Validator:
                 job,
                 tenants=[tenant],
                 slot_modules=effective_slot_modules(job),
-                serve=False,
+                stay_up=False,
                 parallel=Parallel(),
                 output_dir=None,
             )
