@@ -59,14 +59,14 @@ GOALS = {
     "g4_four_clients_vs_one": (">=", 0.95),
 }
 TESTS = [
-    "tests/test_grouped.py",
-    "tests/test_equivalence.py::test_isolation_mixed_equals_alone",
-    "tests/test_equivalence.py::test_peft_equivalence",
-    "tests/test_equivalence.py::test_bf16_base_fp32_adapters_equal_peft",
+    "tests/lora/test_grouped.py",
+    "tests/lora/test_equivalence.py::test_isolation_mixed_equals_alone",
+    "tests/lora/test_equivalence.py::test_peft_equivalence",
+    "tests/lora/test_equivalence.py::test_bf16_base_fp32_adapters_equal_peft",
     "tests/test_static_decode.py",
-    "tests/test_rl_loss.py",
-    "tests/test_service_sdk.py::test_save_state_load_it_and_a_client_from_it_continue_exactly",
-    "tests/test_service_sdk.py::test_snapshots_and_sampling_sessions_from_before_a_resume_sample_as_before",
+    "tests/rl/test_rl_loss.py",
+    "tests/service/test_service_sdk.py::test_save_state_load_it_and_a_client_from_it_continue_exactly",
+    "tests/service/test_service_sdk.py::test_snapshots_and_sampling_sessions_from_before_a_resume_sample_as_before",
 ]
 # (hidden, layers, heads, kv heads, intermediate, vocab): Qwen2-0.5B's shape, and a tiny one for --dry
 QWEN_05B = (896, 24, 14, 2, 4864, 151936)
@@ -429,7 +429,7 @@ def config(dry: bool) -> dict:
         return dict(
             dry=True, shape=TINY, dtype=torch.float32, dtype_name="float32", rows=16, seq=64, steps=2,
             tenant_counts=(1, 4, 16), adapters=4, samples=2, new_tokens=8, repeats=1, peft_adapters=2,
-            tests=["tests/test_grouped.py::test_grouped_equals_the_per_segment_reference",
+            tests=["tests/lora/test_grouped.py::test_grouped_equals_the_per_segment_reference",
                    "tests/test_static_decode.py::test_uniforms_are_uniform_and_depend_on_seed_and_step_alone"],
             test_workers=1, tests_timeout=300, bench_timeout=300,
         )  # fmt: skip

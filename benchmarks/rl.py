@@ -244,7 +244,7 @@ def worker_mlora(p: dict) -> dict:
 
 
 def import_trl():
-    """TRL, imported with trackio taken as absent (as tests/test_rl_loss.py does): trackio would fix its
+    """TRL, imported with trackio taken as absent (as tests/rl/test_rl_loss.py does): trackio would fix its
     store folder on import; nothing here reports to it (``report_to="none"``)."""
     from unittest import mock
 

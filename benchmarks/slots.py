@@ -63,7 +63,7 @@ def main() -> None:
             batch_size=cfg["rows"],
             max_steps=10**6,
         )
-        # (the served default resolves to exactly these on this model: tests/test_service_hardening.py)
+        # (the served default resolves to exactly these on this model: tests/service/test_service_hardening.py)
         jobs = {
             "slots on q_proj, v_proj (baseline)": ["q_proj", "v_proj"],
             "slots on all-linear + lm_head (served default)": ["all-linear", "lm_head"],

@@ -11,7 +11,7 @@ the environment and nothing else (the worker does not call ``torch.set_num_threa
 
 - ``1 proc``: one process (``nproc=1``);
 - ``2 procs``: one job of two processes (``nproc=2, fsdp=2``: each rank computes half the rows);
-- ``2 jobs``: two one-process jobs at once (two ``ml.launch`` calls, as in ``tests/test_lab.py``): each
+- ``2 jobs``: two one-process jobs at once (two ``ml.launch`` calls, as in ``tests/lab/test_lab.py``): each
   computes its whole batch, both on the same cores;
 
 each with 1 and with 2 threads per process. Reported per case: the median step time (rank 0; for

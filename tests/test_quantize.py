@@ -49,7 +49,7 @@ def peft_adapter(base: str, path: str, targets: list[str]) -> str:
 
 
 def one_tenant(base: str, data: str, adapter: str, targets: list[str], **kw) -> Tenant:
-    # eps 1e-6 as the equivalence suite (tests/test_equivalence.py says why)
+    # eps 1e-6 as the equivalence suite (tests/lora/test_equivalence.py says why)
     kw = (
         dict(rank=4, alpha=8, lr=3e-3, batch_size=7, max_steps=4, shuffle=False, max_grad_norm=None, eps=1e-6)
         | kw

@@ -1457,6 +1457,6 @@ def test_stay_up_is_still_read_under_its_old_name_serve(tmp_path):
     loaded = JobSpec.load(path)
     assert loaded.stay_up is True and json.loads(loaded.to_json())["stay_up"] is True
     assert not any("no tenants" in str(p) for p in spec_problems(loaded))  # no tenants: it stays up for them
-    with pytest.raises(SpecError, match="serve .the old name of stay_up. and stay_up disagree"):
+    with pytest.raises(SpecError, match=r"serve .the old name of stay_up. and stay_up disagree"):
         JobSpec.from_dict({**old, "stay_up": False})
     assert JobSpec.from_dict({**old, "stay_up": True}).stay_up is True

@@ -28,7 +28,7 @@ hides (these products read ``in`` numbers a token to compute ``R`` of them). On 
 arithmetic rather than launches, a bucket is one exact rank: there padding would only add work, and it
 would make a tenant's rounding depend on the batch. The longer sums round differently, and a tenant's
 adapter after 20 AdamW steps mixed with others then differs from the same tenant trained alone by 2.7e-5,
-where exact buckets keep it within 1e-5 (the llama case of ``tests/test_equivalence.py``).
+where exact buckets keep it within 1e-5 (the llama case of ``tests/lora/test_equivalence.py``).
 
 Rows. Entries of equal length at evenly spaced rows (the usual batch: every tenant's rows together, as
 many per tenant, whatever the bucket) are a strided view of the input: nothing is copied. Otherwise (MoE

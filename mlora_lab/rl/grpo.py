@@ -2,7 +2,7 @@
 
 Every formula here is a line of ``trl/trainer/grpo_trainer.py`` (TRL 1.16.0, cited as ``:NNNN``) or of
 ``trl/trainer/utils.py`` (``utils:NNNN``), done with the same torch operations in the same order, so that
-``tests/test_rl_loss.py`` can call TRL's own ``_compute_loss`` on the same tensors and find the same loss
+``tests/rl/test_rl_loss.py`` can call TRL's own ``_compute_loss`` on the same tensors and find the same loss
 and gradient. What TRL does around them (generation, vLLM, reward models, entropy masks, the off-policy
 mask, multi-objective "normalize_then_sum", the entropy bonus, MoE aux loss) is not here.
 

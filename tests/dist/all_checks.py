@@ -8,7 +8,7 @@
     io:MODEL_DIR              tenant-tensor I/O under FSDP2 over every process
 
 Each check prints its own line ("tensor parallel ok", "expert parallel ok", "sharded I/O ok") on every
-process; the first failed check exits non-zero. tests/test_distributed.py runs it.
+process; the first failed check exits non-zero. tests/parallel/test_distributed.py runs it.
 """
 
 from __future__ import annotations

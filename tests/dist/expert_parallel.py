@@ -12,7 +12,7 @@ rows to the split model. Checked, for each case of routing:
 - slot reset and add under EP use local shapes: remove a tenant, load a PEFT adapter into the freed
   slot, and the gathered adapter equals the file's.
 
-Exits non-zero on the first failed check; tests/test_distributed.py runs it.
+Exits non-zero on the first failed check; tests/parallel/test_distributed.py runs it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Run under torchrun (2 processes): checks of tenant-tensor I/O that need a real process group.
 
-Exits non-zero on the first failed check; tests/test_distributed.py runs it.
+Exits non-zero on the first failed check; tests/parallel/test_distributed.py runs it.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ other dimension, 2-D). Per architecture, checked:
   adds at most one all-reduce per colwise input (base and LoRA together) and one per replicated LoRA
   factor.
 
-Exits non-zero on the first failed check; tests/test_distributed.py runs it.
+Exits non-zero on the first failed check; tests/parallel/test_distributed.py runs it.
 """
 
 from __future__ import annotations

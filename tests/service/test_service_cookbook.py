@@ -29,7 +29,7 @@ pytest.importorskip("tinker_cookbook")
 from served_job import Served
 
 # The cookbook's logging module imports wandb and trackio when they are installed, and trackio fixes its store
-# folder when it is imported: a trackio mirror later in this pytest worker (tests/test_trackers.py) is then
+# folder when it is imported: a trackio mirror later in this pytest worker (tests/trackers/test_trackers.py) is then
 # refused, and test_rl_loss checks that nothing imported it. The loops log to no tracker here, so the cookbook
 # is imported with those two taken as absent (only for its import: None in sys.modules makes `import` fail).
 _ABSENT = [m for m in ("trackio", "wandb") if m not in sys.modules]

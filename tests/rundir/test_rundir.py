@@ -817,7 +817,7 @@ def _writers(path: Path) -> set[str]:
 def test_every_file_the_package_writes_goes_through_the_guard():
     """Only mlora_lab/rundir/files.py opens, creates or renames files (no-follow, inside the run
     directory); every other writer is listed here with the reason it may write on its own."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     found = set()
     for path in sorted((root / "mlora_lab").rglob("*.py")):
         rel = path.relative_to(root).as_posix()

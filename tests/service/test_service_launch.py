@@ -296,7 +296,7 @@ def test_a_served_job_in_every_layout_equals_peft_and_adamw(arch, layout, tiny_m
     else:  # (the local launcher is one node's: a cluster's nodes each start their share)
         run_dir = prepare_run(spec, workdir=tmp_path / "runs")
         env = {**os.environ, "PYTHON": sys.executable, "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}"}
-        multinode = Path(__file__).resolve().parents[1] / "launchers" / "multinode.sh"
+        multinode = Path(__file__).resolve().parents[2] / "launchers" / "multinode.sh"
         for _ in range(2):
             agents.append(
                 subprocess.Popen(
@@ -337,7 +337,7 @@ def test_a_served_job_in_every_layout_equals_peft_and_adamw(arch, layout, tiny_m
 
 def readme_block(heading: str) -> str:
     """The first ```python block of the README after ``heading``."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     after = text[text.index(heading) :]
     start = after.index("```python\n") + len("```python\n")
     return after[start : after.index("```", start)]

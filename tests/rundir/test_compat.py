@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.spec import JobSpec
 
-V1 = Path(__file__).parent / "data" / "run_v1"
+V1 = Path(__file__).parents[1] / "data" / "run_v1"
 
 
 def test_a_checkpoint_of_the_previous_layout_resumes_exactly(tmp_path):

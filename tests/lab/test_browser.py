@@ -146,7 +146,7 @@ def test_live_dashboard_in_chromium(llama_path, tmp_path):
             run.kill()
 
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "notebooks" / "01_quickstart.ipynb"
+QUICKSTART = Path(__file__).resolve().parents[2] / "notebooks" / "01_quickstart.ipynb"
 
 
 def start_server(args: list[str], log_path: Path) -> tuple[subprocess.Popen, int, object]:

@@ -237,7 +237,7 @@ def test_killed_rank_marks_run_failed(tmp_path, llama_path, make_data):
 @slow
 def test_local_launcher_script(tmp_path, llama_path, make_data):
     job_json(tmp_path, llama_path, make_data, output_dir="out")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         ["bash", str(root / "launchers" / "local.sh"), "job.json"],
         cwd=tmp_path,

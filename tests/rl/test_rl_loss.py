@@ -18,7 +18,7 @@ import torch
 from mlora_lab.rl.grpo import LOSS_TYPES, advantages, combine_rewards, masked_means, nanstd, policy_loss
 
 # TRL imports trackio when it is installed, and trackio fixes its store folder when it is imported: an
-# in-process trackio mirror later in this worker (tests/test_trackers.py) is then, rightly, refused. TRL's
+# in-process trackio mirror later in this worker (tests/trackers/test_trackers.py) is then, rightly, refused. TRL's
 # loss code needs no tracker, so TRL is imported with trackio taken as absent.
 _TRACKIO_BEFORE = "trackio" in sys.modules
 with (

@@ -1,5 +1,5 @@
 """Real torchrun, 2 processes on gloo: N ranks equal 1 rank, resume, two nodes on loopback (the demo on two
-processes: tests/test_cli.py)."""
+processes: tests/lab/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from mlora_lab.rundir import read_status
 from mlora_lab.tiny import EXPERT_TARGETS, TYPICAL_TARGETS
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
 
 

@@ -585,7 +585,7 @@ def test_report_mirrors_a_finished_run_as_one_job_run(finished):
 def test_a_run_of_an_earlier_release_can_be_mirrored(tmp_path):
     """``tests/data/run_v1``: a run directory written before ``report_to`` existed (its job.json has no
     such field); mirrored elsewhere (nothing is written into it)."""
-    run_dir = Path(__file__).parent / "data" / "run_v1" / "run"
+    run_dir = Path(__file__).parents[1] / "data" / "run_v1" / "run"
     rows = MetricsReader(run_dir / "metrics.jsonl").poll()
     assert "report_to" not in json.loads((run_dir / "job.json").read_text())
     where = mirror_run(run_dir, "tensorboard", logging_dir=tmp_path / "out")
@@ -601,7 +601,7 @@ def test_a_tenant_name_that_cannot_name_a_folder_is_left_out(tmp_path):
     """A hand-written metrics.jsonl naming tenant ``../../escape``: its rows are left out (TensorBoard's
     runs are folders), said, and nothing is written outside the trackers' folder."""
     run_dir = tmp_path / "deep" / "run"
-    shutil.copytree(Path(__file__).parent / "data" / "run_v1" / "run", run_dir)
+    shutil.copytree(Path(__file__).parents[1] / "data" / "run_v1" / "run", run_dir)
     hostile = {"kind": "train", "step": 9, "tenant": "../../escape", "tenant_step": 1, "loss": 1.0}
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({**hostile, "tokens": 1, "lr": 0.1, "grad_norm": 0.1, "time": 0.0}) + "\n")
@@ -643,7 +643,7 @@ def test_completion_rows_are_mirrored_as_one_table_per_step(tmp_path):
         "| – | say 1 | two ⏎ lines |",
     ]
     run_dir = tmp_path / "run"
-    shutil.copytree(Path(__file__).parent / "data" / "run_v1" / "run", run_dir)
+    shutil.copytree(Path(__file__).parents[1] / "data" / "run_v1" / "run", run_dir)
     writer = MetricsWriter(run_dir / "metrics.jsonl")
     for r in rows:
         writer.write(r)
