@@ -6,7 +6,7 @@
 # Extra arguments go to `jupyter lab` (e.g. --no-browser --port 8899).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+[ -n "${SKIP_SETUP:-}" ] || bash scripts/setup.sh  # (SKIP_SETUP=1: the .venv is ready)
 WORKSPACE="${WORKSPACE:-workspace}"
 mkdir -p "$WORKSPACE"
 for nb in notebooks/*.ipynb; do
@@ -16,4 +16,15 @@ done
 export TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error
 root=()
 [ "$(id -u)" = 0 ] && root=(--allow-root) # JupyterLab refuses root without it (containers run as root)
-exec .venv/bin/jupyter lab --notebook-dir="$WORKSPACE" "${root[@]}" "$@"
+# notebook_shim 0.2.4 reads every trait of the server while it links (inspect.getmembers), which makes
+# jupyter_server 2.21 warn "ServerApp.token config is deprecated" though nothing sets it; it shows because
+# voila's import turns traitlets' DeprecationWarnings on for everyone. After that import they are off again,
+# Python's default (a user can do nothing about them). Everything else is `jupyter lab` as it is.
+exec .venv/bin/python -c '
+import sys, warnings
+import voila  # noqa: F401  (its filter first: ours, added later, is checked before it)
+warnings.filterwarnings("ignore", category=DeprecationWarning, module="traitlets")
+from jupyterlab.labapp import main
+sys.argv[0] = "jupyter-lab"
+sys.exit(main())
+' --notebook-dir="$WORKSPACE" "${root[@]}" "$@"

@@ -86,6 +86,7 @@ def test_lab_sh_starts_jupyterlab_on_copies_of_the_notebooks(tmp_path):
         text = (tmp_path / "lab.log").read_text()
         assert lab.poll() is None, f"lab.sh ended ({'as root' if os.getuid() == 0 else 'as a user'}):\n{text}"
         assert "--allow-root" not in text and "Running as root is not recommended" not in text
+        assert "Warning" not in text, text  # (notebook_shim made jupyter_server warn of ServerApp.token)
         shipped = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
         assert sorted(p.name for p in workspace.glob("*.ipynb")) == shipped
     finally:
