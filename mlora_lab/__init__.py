@@ -26,6 +26,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_kernel_offer)
 _EXPORTS = {  # public name -> the module that defines it
     "ASHA": "mlora_lab.search",
     "Dashboard": "mlora_lab.lab.dashboard",
+    "Evaluation": "mlora_lab.lab.evaluation",
     "Grid": "mlora_lab.search",
     "HubDataset": "mlora_lab.sources",
     "JobBuilder": "mlora_lab.lab.forms",
@@ -49,9 +50,13 @@ _EXPORTS = {  # public name -> the module that defines it
     "choice": "mlora_lab.search",
     "compare": "mlora_lab.lab.results",
     "compare_generations": "mlora_lab.lab.generations",
+    "evaluate": "mlora_lab.lab.evaluate",
+    "evaluations": "mlora_lab.lab.evaluation",
     "hparams": "mlora_lab.lab.hparams",
     "launch": "mlora_lab.lab.launcher",
+    "load_evaluation": "mlora_lab.lab.evaluation",
     "loguniform": "mlora_lab.search",
+    "metrics": "mlora_lab.evals",
     "randint": "mlora_lab.search",
     "report": "mlora_lab.trackers",
     "resume": "mlora_lab.lab.launcher",
@@ -64,7 +69,10 @@ _EXPORTS = {  # public name -> the module that defines it
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from mlora_lab.evals import metrics  # noqa: F401
     from mlora_lab.lab.dashboard import Dashboard  # noqa: F401
+    from mlora_lab.lab.evaluate import evaluate  # noqa: F401
+    from mlora_lab.lab.evaluation import Evaluation, evaluations, load_evaluation  # noqa: F401
     from mlora_lab.lab.forms import JobBuilder, TenantForm  # noqa: F401
     from mlora_lab.lab.generations import compare_generations  # noqa: F401
     from mlora_lab.lab.handles import attach  # noqa: F401

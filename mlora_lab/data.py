@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mlora_lab.rl.prompts import prompt_row_problems
+from mlora_lab.rl.prompts import chat_prompt, prompt_row_problems
 from mlora_lab.sources import SourceError, memory_kind, source_name, source_rows
 from mlora_lab.text import error_line, surrogate_problem
 
@@ -236,6 +236,18 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     """``tokenizer(text)``'s input ids as a list: how every row is tokenized (and prompts are, to
     compare generations as the tenants were trained)."""
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def encode_prompt(row: dict, tokenizer: Any) -> tuple[Any, str, list[int]]:
+    """A prompt row (an RL tenant's, an evaluation's) as ``(prompt as given, text fed, token ids)``:
+    ``prompt`` text with the tokenizer's special tokens, a chat (``messages``, or TRL's conversational
+    ``prompt``) through the chat template with the generation prompt (its special tokens are the
+    template's)."""
+    chat = chat_prompt(row)
+    if chat is not None:
+        text = render_chat(tokenizer, chat, add_generation_prompt=True)
+        return chat, text, encode(tokenizer, text, add_special_tokens=False)
+    return row["prompt"], row["prompt"], encode(tokenizer, row["prompt"], add_special_tokens=True)
 
 
 # The first prefix _encode_head tokenizes: this many characters per token needed, and at least this many.

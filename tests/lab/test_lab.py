@@ -520,3 +520,21 @@ def test_an_attached_handles_wait_returns_once_the_job_has_exited(tiny_models, t
     assert status.process is not None and status.process.alive() is False, "the job's agent has exited"
     run.wait(60)
     assert not psutil.pid_exists(status.pid) or psutil.Process(status.pid).status() == psutil.STATUS_ZOMBIE
+
+
+@slow
+@on_one_worker
+def test_a_runs_evaluation_is_saved_and_read_back(finished_run):
+    """ml.evaluate on a run: its tenants and the base, saved in evals/<name>/ and read back the same."""
+    from test_evaluate import ROWS, long_words
+
+    from mlora_lab.rundir.evals import list_evals
+
+    ev = ml.evaluate(finished_run, ROWS[:2], ["exact_match", long_words], max_new_tokens=4, name="smoke")
+    assert ev.models == ["base", "rev", "up"] and ev.folder == finished_run.path / "evals" / "smoke"
+    assert "smoke" in ml.evaluations(finished_run) and list_evals(finished_run.path)[-1] == "smoke"
+    back = ml.load_evaluation(finished_run.path, "smoke")
+    assert back.meta == ev.meta and back.examples().equals(ev.examples())
+    assert (ev.folder / "metrics").is_dir(), "the notebook's metric is kept with the evaluation"
+    with pytest.raises(FileNotFoundError, match=r"has no evaluation 'other'.*'smoke'"):
+        ml.load_evaluation(finished_run, "other")

@@ -62,9 +62,8 @@ from mlora_lab.data import (
     DataError,
     Example,
     TenantStream,
-    encode,
+    encode_prompt,
     read_rows,
-    render_chat,
 )
 from mlora_lab.job.agree import describe
 from mlora_lab.job.drivers.base import Driver, JobParts, Plan, StepResult
@@ -78,7 +77,6 @@ from mlora_lab.rl.grpo import (
     policy_loss,
     reward_problem,
 )
-from mlora_lab.rl.prompts import chat_prompt
 from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardResult, RewardWorker, shown_reward
 from mlora_lab.rundir import CompletionRow, EventKind, EventRow
 from mlora_lab.sampling import Completion, SampleRequest, sample
@@ -275,13 +273,7 @@ def read_prompts(tenant: Tenant, tokenizer: Any, seq_len: int, vocab: int) -> li
     room = seq_len - rl.max_new_tokens
     out, cut, problems = [], 0, []
     for n, row in enumerate(read_rows(tenant.data, prompts=True), start=1):
-        chat = chat_prompt(row)  # (``messages``, or TRL's conversational ``prompt``)
-        if chat is not None:
-            prompt, text = chat, render_chat(tokenizer, chat, add_generation_prompt=True)
-            ids = encode(tokenizer, text, add_special_tokens=False)
-        else:
-            prompt = text = row["prompt"]
-            ids = encode(tokenizer, text, add_special_tokens=True)
+        prompt, text, ids = encode_prompt(row, tokenizer)  # (a chat through the template)
         if not ids:
             problems.append(f"{where} row {n}: the prompt encodes to no token")
         elif max(ids) >= vocab:

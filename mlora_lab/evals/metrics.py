@@ -1,0 +1,143 @@
+"""Built-in evaluation metrics, with the signature of TRL's reward functions.
+
+A metric is called as a reward is (:mod:`mlora_lab.rl.rewards`): keyword arguments ``prompts``,
+``completions`` (text, or ``[{"role": "assistant", "content": text}]`` for a chat prompt), ``completion_ids``
+and every other column of the evaluation rows, one value per completion; it returns one number per
+completion, ``None`` for "not scored". So any reward function is a metric, and these are rewards too.
+
+The built-ins compare a completion with the row's reference, the first of the columns :data:`REFERENCE_COLUMNS`
+it has (``answer``, as GSM8K's rows name it, then ``reference``, ``solution``, ``target``, ``completion``):
+
+==================  ================================================================================
+``exact_match``     1.0 when the completion equals the reference, both stripped of surrounding whitespace
+``contains``        1.0 when the completion contains the reference (stripped)
+``regex``           1.0 when the completion matches the row's ``pattern`` column (``re.search``); or
+                    :class:`Regex` for one pattern for every row
+``numeric_match``   1.0 when the completion's final number equals the reference's (GSM8K's ``#### 42``
+                    answers: the number after ``####``, else the last number; ``1,234`` and ``$5`` read as
+                    numbers), to a relative 1e-6
+``rouge``           ROUGE-L F1 through the ``rouge_score`` package (the one ``evaluate``'s ROUGE wraps),
+                    when it is installed
+==================  ================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+REFERENCE_COLUMNS = ("answer", "reference", "solution", "target", "completion")
+"""The columns a built-in metric takes the reference from, the first a row has."""
+
+BUILTINS = ("exact_match", "contains", "regex", "numeric_match", "rouge")
+"""The built-in metrics by name: ``metrics=["exact_match", ...]`` means ``"mlora_lab.evals.metrics:<name>"``."""
+
+
+def builtin_ref(name: str) -> str:
+    """The reference (``"module:function"``) of a built-in metric."""
+    return f"{__name__}:{name}"
+
+
+def text_of(completion: Any) -> str:
+    """A completion's text: the text itself, or a chat completion's last message's ``content``."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+def references(kwargs: dict[str, Any], metric: str) -> list[str]:
+    """Each completion's reference text, from the first of :data:`REFERENCE_COLUMNS` the rows have;
+    ``ValueError`` naming them when none is there."""
+    for column in REFERENCE_COLUMNS:
+        if column in kwargs:
+            return [text_of(v) if v is not None else "" for v in kwargs[column]]
+    raise ValueError(
+        f"{metric} compares each completion with the row's reference: give the rows a column "
+        f"{' or '.join(map(repr, REFERENCE_COLUMNS))}"
+    )
+
+
+def exact_match(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """1.0 when the completion equals the reference, both stripped; else 0.0."""
+    refs = references(kwargs, "exact_match")
+    return [float(text_of(c).strip() == r.strip()) for c, r in zip(completions, refs, strict=True)]
+
+
+def contains(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """1.0 when the completion contains the reference (stripped; an empty reference counts as absent)."""
+    refs = references(kwargs, "contains")
+    return [
+        float(bool(r.strip()) and r.strip() in text_of(c)) for c, r in zip(completions, refs, strict=True)
+    ]
+
+
+def regex(
+    prompts: Sequence[Any], completions: Sequence[Any], pattern: Sequence[str], **kwargs: Any
+) -> list[float]:
+    """1.0 when ``re.search(row's pattern, completion)`` finds a match; else 0.0."""
+    return [float(re.search(p, text_of(c)) is not None) for c, p in zip(completions, pattern, strict=True)]
+
+
+class Regex:
+    """A metric scoring 1.0 when the completion matches ``pattern`` (``re.search`` with ``flags``)."""
+
+    def __init__(self, pattern: str, flags: int = 0, name: str = "regex") -> None:
+        self.pattern, self.flags = pattern, flags
+        self.__name__ = name
+        re.compile(pattern, flags)  # (a bad pattern fails here, in the notebook, not in the worker)
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+        compiled = re.compile(self.pattern, self.flags)
+        return [float(compiled.search(text_of(c)) is not None) for c in completions]
+
+    def __repr__(self) -> str:
+        return f"Regex({self.pattern!r})"
+
+
+_NUMBER = re.compile(r"-?\$?\s?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def final_number(text: str) -> float | None:
+    """The number a text answers with: the one after GSM8K's ``####`` when there is one, else its last
+    number (``1,234`` is 1234, ``$5`` is 5, a trailing ``.`` is punctuation); None when it has none."""
+    marked = "####" in text
+    found = _NUMBER.findall(text.rsplit("####", 1)[1] if marked else text)
+    if not found:
+        return None
+    raw = (found[0] if marked else found[-1]).replace(",", "").replace("$", "").replace(" ", "")
+    try:
+        return float(raw)
+    except ValueError:
+        return None
+
+
+def numeric_match(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """1.0 when the completion's final number equals the reference's (:func:`final_number`), to a relative
+    1e-6; 0.0 otherwise, and when the completion has no number. A reference without a number is not
+    scored (None)."""
+    out: list[float | None] = []
+    for c, r in zip(completions, references(kwargs, "numeric_match"), strict=True):
+        want, got = final_number(r), final_number(text_of(c))
+        if want is None:
+            out.append(None)
+        else:
+            out.append(float(got is not None and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9)))
+    return out  # type: ignore[return-value]
+
+
+def rouge(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """ROUGE-L F1 of the completion against the reference, by ``rouge_score`` (with its stemmer off, as
+    ``evaluate``'s ROUGE has it by default); ``ImportError`` saying what to install without it."""
+    try:
+        from rouge_score import rouge_scorer
+    except ImportError:
+        raise ImportError(
+            "the rouge metric needs the rouge_score package (pip install rouge-score), which is not installed"
+        ) from None
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    refs = references(kwargs, "rouge")
+    return [scorer.score(r, text_of(c))["rougeL"].fmeasure for c, r in zip(completions, refs, strict=True)]

@@ -1,0 +1,234 @@
+"""An evaluation's results as tables and a figure: :class:`Evaluation`, what :func:`mlora_lab.evaluate` returns
+and :func:`load_evaluation` reads back from a run.
+
+Scores. Example ``e``'s score by model ``m`` for a metric is the mean of its samples' scores (``None``, not
+scored, left out); a model's score is the mean over the examples it has one for. Its 95 % interval is the
+percentile bootstrap over examples: ``B`` resamples of the examples with replacement, the same resamples for
+every model (so two models' intervals come from the same draws), the 2.5th and 97.5th percentiles of the
+resampled means. With ``k = num_samples > 1`` and a metric whose scores are all 0 or 1, ``pass@k`` is the
+unbiased estimator of Chen et al. (2021), ``1 - C(n - c, k) / C(n, k)`` averaged over examples, with ``n``
+samples of which ``c`` passed (here ``k = n``: whether any passed).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mlora_lab.lab.handles import RunLike, as_runs
+from mlora_lab.rundir.evals import EvalExample, EvalMeta, list_evals, read_eval
+
+
+class Evaluation:
+    """One evaluation: models × examples × samples, each completion with every metric's score."""
+
+    def __init__(self, meta: EvalMeta, rows: list[EvalExample], folder: Path | None = None) -> None:
+        self.meta, self.rows, self.folder = meta, rows, folder
+
+    @property
+    def name(self) -> str:
+        return self.meta.name
+
+    @property
+    def models(self) -> list[str]:
+        return list(self.meta.models)
+
+    @property
+    def metrics(self) -> list[str]:
+        return list(self.meta.metrics)
+
+    def __repr__(self) -> str:
+        where = f", saved in {self.folder}" if self.folder else ""
+        return (
+            f"<Evaluation {self.name!r}: {len(self.models)} models × {self.meta.examples} examples"
+            f" × {self.meta.num_samples} samples, metrics {', '.join(self.metrics)}{where}>"
+        )
+
+    # -- tables ----------------------------------------------------------------------------------
+    def examples(self) -> pd.DataFrame:
+        """One row per example, model and sample: ``example, model, sample, prompt, completion``, a column
+        per metric (NaN: not scored), the example's other columns (its reference, ...), ``tokens`` and
+        ``stop_reason``."""
+        extra = list(dict.fromkeys(k for r in self.rows for k in r.columns))
+        records = [
+            (
+                r.example,
+                r.model,
+                r.sample,
+                r.prompt,
+                r.completion,
+                *(_num(r.scores.get(m)) for m in self.metrics),
+                *(r.columns.get(k) for k in extra),
+                r.tokens,
+                r.stop_reason,
+            )
+            for r in self.rows
+        ]
+        columns = [
+            "example",
+            "model",
+            "sample",
+            "prompt",
+            "completion",
+            *self.metrics,
+            *extra,
+            "tokens",
+            "stop_reason",
+        ]
+        return pd.DataFrame.from_records(records, columns=columns)
+
+    def per_example(self) -> dict[str, np.ndarray]:
+        """``{metric: [models, examples]}``: each example's mean score over its samples (NaN: none)."""
+        index = {m: i for i, m in enumerate(self.models)}
+        n = self.meta.examples
+        out = {}
+        for metric in self.metrics:
+            total = np.zeros((len(self.models), n))
+            count = np.zeros((len(self.models), n))
+            for r in self.rows:
+                v = r.scores.get(metric)
+                if v is not None and np.isfinite(v):
+                    total[index[r.model], r.example] += v
+                    count[index[r.model], r.example] += 1
+            with np.errstate(invalid="ignore", divide="ignore"):
+                out[metric] = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+        return out
+
+    def scores(self, resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
+        """Models × metrics: each metric's mean, with its bootstrap interval as ``<metric>_low`` and
+        ``<metric>_high`` (see the module docstring), ``pass@k`` columns for 0/1 metrics when
+        ``num_samples > 1``, and ``n`` (examples). A row per model, in the evaluation's order."""
+        rng = np.random.default_rng(seed)
+        n = self.meta.examples
+        draws = rng.integers(0, n, size=(resamples, n)) if n else np.zeros((resamples, 0), dtype=int)
+        tail = (1 - confidence) / 2 * 100
+        table: dict[str, Any] = {"n": [n] * len(self.models)}
+        per = self.per_example()
+        for metric, values in per.items():
+            with np.errstate(invalid="ignore"), _quiet():
+                mean = np.nanmean(values, axis=1) if n else np.full(len(self.models), np.nan)
+                boot = np.nanmean(values[:, draws], axis=2) if n else np.full((len(self.models), 1), np.nan)
+                low = np.nanpercentile(boot, tail, axis=1)
+                high = np.nanpercentile(boot, 100 - tail, axis=1)
+            table[metric], table[f"{metric}_low"], table[f"{metric}_high"] = mean, low, high
+            k = self.meta.num_samples
+            if k > 1 and self._binary(metric):
+                table[f"{metric}_pass@{k}"] = self._pass_at_k(metric, k)
+        return pd.DataFrame(table, index=pd.Index(self.models, name="model"))
+
+    def _binary(self, metric: str) -> bool:
+        values = {r.scores.get(metric) for r in self.rows} - {None}
+        return bool(values) and values <= {0.0, 1.0}
+
+    def _pass_at_k(self, metric: str, k: int) -> list[float]:
+        from math import comb
+
+        out = []
+        for model in self.models:
+            rows = [r for r in self.rows if r.model == model and r.scores.get(metric) is not None]
+            by_example: dict[int, list[float]] = {}
+            for r in rows:
+                by_example.setdefault(r.example, []).append(float(r.scores[metric]))
+            values = []
+            for scores in by_example.values():
+                n_, c = len(scores), int(sum(scores))
+                values.append(1.0 - comb(n_ - c, k) / comb(n_, k) if n_ >= k else float(c > 0))
+            out.append(float(np.mean(values)) if values else float("nan"))
+        return out
+
+    def compare(self, a: str, b: str, metric: str | None = None) -> pd.DataFrame:
+        """Example by example, model ``a`` against ``b``: the prompt, both completions (the first sample),
+        each metric's two scores (means over samples) and ``<metric>_delta = b - a``; disagreements first
+        (the largest ``|delta|`` of ``metric``, default the first metric), then by example."""
+        for m in (a, b):
+            if m not in self.models:
+                raise KeyError(f"no model {m!r} in evaluation {self.name!r}; models: {self.models}")
+        metric = metric or (self.metrics[0] if self.metrics else None)
+        if metric is not None and metric not in self.metrics:
+            raise KeyError(f"no metric {metric!r} in evaluation {self.name!r}; metrics: {self.metrics}")
+        first = {(r.model, r.example): r for r in self.rows if r.sample == 0}
+        prompts = {r.example: r.prompt for r in self.rows}
+        per = self.per_example()
+        ia, ib = self.models.index(a), self.models.index(b)
+        table: dict[str, Any] = {
+            "example": list(range(self.meta.examples)),
+            "prompt": [prompts.get(e) for e in range(self.meta.examples)],
+            a: [getattr(first.get((a, e)), "completion", None) for e in range(self.meta.examples)],
+            b: [getattr(first.get((b, e)), "completion", None) for e in range(self.meta.examples)],
+        }
+        if a == b:
+            table[f"{b} (again)"] = table.pop(b)
+        for m, values in per.items():
+            table[f"{m}_{a}"], table[f"{m}_{b}"] = values[ia], values[ib]
+            table[f"{m}_delta"] = values[ib] - values[ia]
+        frame = pd.DataFrame(table)
+        if metric is not None:
+            order = frame[f"{metric}_delta"].abs().fillna(-1.0)
+            frame = frame.assign(_order=order).sort_values(["_order", "example"], ascending=[False, True])
+            frame = frame.drop(columns="_order").reset_index(drop=True)
+        return frame
+
+    def plot(self, metric: str | None = None, ax: Any = None) -> Any:
+        """A leaderboard: a bar per model for ``metric`` (default every metric, grouped), with its bootstrap
+        interval as error bars. Returns the matplotlib ``Figure``."""
+        import matplotlib.pyplot as plt
+
+        from mlora_lab.lab.plotting import PALETTE
+
+        metrics = [metric] if metric is not None else self.metrics
+        scores = self.scores()
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(self.models) * max(1, len(metrics))), 3.2))
+        else:
+            fig = ax.figure
+        width = 0.8 / max(1, len(metrics))
+        x = np.arange(len(self.models))
+        for j, m in enumerate(metrics):
+            mean = scores[m].to_numpy(dtype=float)
+            err = np.vstack(
+                [mean - scores[f"{m}_low"].to_numpy(float), scores[f"{m}_high"].to_numpy(float) - mean]
+            )
+            ax.bar(x + (j - (len(metrics) - 1) / 2) * width, mean, width, yerr=np.nan_to_num(err), capsize=3,
+                   label=m, color=PALETTE[j % len(PALETTE)])  # fmt: skip
+        ax.set_xticks(x, self.models, rotation=20, ha="right")
+        ax.set_ylabel("score (95% bootstrap interval)")
+        ax.set_title(f"evaluation {self.name!r}: {self.meta.examples} examples")
+        if len(metrics) > 1:
+            ax.legend(frameon=False, fontsize="small")
+        fig.tight_layout()
+        return fig
+
+
+def _num(v: float | None) -> float:
+    return float("nan") if v is None else float(v)
+
+
+class _quiet:
+    """No "Mean of empty slice" warnings: a model without a score for a metric is NaN, as documented."""
+
+    def __enter__(self) -> None:
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("ignore", RuntimeWarning)
+
+    def __exit__(self, *exc: object) -> None:
+        self._catch.__exit__(*exc)
+
+
+def load_evaluation(run: RunLike, name: str) -> Evaluation:
+    """Evaluation ``name`` saved in ``run`` (``<run>/evals/<name>/``): the same tables after a restart."""
+    (r,) = as_runs(run)
+    meta, rows = read_eval(r.path, name)
+    return Evaluation(meta, rows, folder=Path(r.path) / "evals" / name)
+
+
+def evaluations(run: RunLike | str | os.PathLike) -> list[str]:
+    """The names of ``run``'s saved evaluations, oldest first."""
+    (r,) = as_runs(run)
+    return list_evals(r.path)
