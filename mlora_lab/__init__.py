@@ -26,6 +26,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_kernel_offer)
 _EXPORTS = {  # public name -> the module that defines it
     "ASHA": "mlora_lab.search",
     "Dashboard": "mlora_lab.lab.dashboard",
+    "Eval": "mlora_lab.specparts",
     "Evaluation": "mlora_lab.lab.evaluation",
     "Grid": "mlora_lab.search",
     "HubDataset": "mlora_lab.sources",
@@ -98,7 +99,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     )
     from mlora_lab.spec import JobSpec, Tenant  # noqa: F401
     from mlora_lab.specbase import SpecError  # noqa: F401
-    from mlora_lab.specparts import RL, Parallel, Service  # noqa: F401
+    from mlora_lab.specparts import RL, Eval, Parallel, Service  # noqa: F401
     from mlora_lab.trackers import report  # noqa: F401
 
 

@@ -59,7 +59,7 @@ from mlora_lab.specbase import (
     kwargs_for,
     meta,
 )
-from mlora_lab.specparts import RL, ClientModel, Parallel, Service
+from mlora_lab.specparts import RL, ClientModel, Eval, Parallel, Service
 from mlora_lab.text import brief, collection_paused, json_type, parse_json, read_json, show_path
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -363,11 +363,17 @@ class JobSpec:
         "service", kind="service", optional=True, form=False, help="serve the Tinker API"))
     """``None``: no service. A :class:`Service`: the job also serves the Tinker API (``ml.serve(spec)``), on
     one process for now, and stays up until it is stopped."""
+    evals: list[Eval] = field(default_factory=list, metadata=meta(
+        "evals", kind="evals", section="Eval", form=False, help="evaluations while training"))
+    """Evaluations run while the job trains (:class:`~mlora_lab.specparts.Eval`): generations of every
+    tenant and the base, scored by metrics, logged as ``eval/<name>/<metric>`` rows."""
     serve: dataclasses.InitVar[bool | None] = None
     """The old name of :attr:`stay_up`, still taken by the constructor (and read and set as an attribute)."""
     # fmt: on
 
     def __post_init__(self, serve: bool | None) -> None:
+        if isinstance(self.evals, list | tuple):
+            self.evals = [Eval.from_dict(e) if isinstance(e, dict) else e for e in self.evals]
         if serve is not None and self.stay_up is False:
             self.stay_up = serve
         if isinstance(self.service, dict):
@@ -385,6 +391,18 @@ class JobSpec:
         (the launch writes the rows into the run directory) or write the data to a file."""
         tenants = self.tenants if isinstance(self.tenants, list | tuple) else []
         held = [p for t in tenants if isinstance(t, Tenant) for p in in_memory_problems(t)]
+        evals = self.evals if isinstance(self.evals, list | tuple) else []
+        held += [
+            f"evaluation {e.name!r}: its {what} is held in memory; job.json names files (launch the spec, "
+            "which writes it into the run directory)"
+            for e in evals
+            if isinstance(e, Eval)
+            for what, held_ in (
+                ("data", memory_kind(e.data) is not None),
+                ("metric", any(reward_in_memory(m) for m in e.metrics)),
+            )
+            if held_
+        ]
         if held:
             raise SpecError(held)
         d: dict[str, Any] = {}
@@ -394,6 +412,8 @@ class JobSpec:
                 value = [t.to_dict() if isinstance(t, Tenant) else copy.deepcopy(t) for t in value]
             elif f.name in ("parallel", "service"):
                 value = value.to_dict() if isinstance(value, Parallel | Service) else copy.deepcopy(value)
+            elif f.name == "evals" and isinstance(value, list | tuple):
+                value = [e.to_dict() if isinstance(e, Eval) else copy.deepcopy(e) for e in value]
             else:
                 value = copy.deepcopy(value)
             d[f.name] = value
@@ -418,7 +438,18 @@ class JobSpec:
             if "stay_up" in d and d["stay_up"] != value:
                 raise SpecError(["serve (the old name of stay_up) and stay_up disagree: give stay_up only"])
             d["stay_up"] = value
-        kwargs, problems = kwargs_for(cls, d, "job", nested=("tenants", "parallel", "service"))
+        kwargs, problems = kwargs_for(cls, d, "job", nested=("tenants", "parallel", "service", "evals"))
+        evals = kwargs.get("evals")
+        if "evals" in kwargs and not isinstance(evals, list):
+            problems.append(f"evals must be a list (got {type(evals).__name__})")
+        elif isinstance(evals, list):
+            built_evals = []
+            for i, e in enumerate(evals):
+                try:
+                    built_evals.append(Eval.from_dict(e))
+                except SpecError as err:
+                    problems += [f"evals[{i}]: {p}" for p in err.problems]
+            kwargs["evals"] = built_evals
         tenants = kwargs.get("tenants")
         if "tenants" in kwargs and not isinstance(tenants, list):
             problems.append(f"tenants must be a list (got {type(tenants).__name__})")
@@ -461,6 +492,8 @@ class JobSpec:
             here = os.path.dirname(os.path.abspath(os.fspath(path)))
             for t in d["tenants"] if isinstance(d["tenants"], list) else []:
                 relative_tenant_paths(t, here)
+            for e in d["evals"] if isinstance(d["evals"], list) else []:
+                relative_tenant_paths(e, here)  # (an evaluation's data, as a tenant's)
         text = json.dumps(d, indent=2)
         if path is not None:
             from mlora_lab.rundir.files import atomic_write_text  # the one atomic write (rundir owns files)
@@ -526,6 +559,11 @@ class JobSpec:
         for t in out.tenants:
             if isinstance(t, Tenant):
                 resolve_tenant_paths(t, base)
+        for e in out.evals if isinstance(out.evals, list) else []:
+            if isinstance(e, Eval):
+                e.data = _resolve(_path_str(e.data), base)
+                if isinstance(e.metrics, list):
+                    e.metrics = [resolve_reward(m, base) for m in e.metrics]
         return out
 
     # -- lookup --------------------------------------------------------------------------------
@@ -550,9 +588,6 @@ def _set_serve(self: JobSpec, value: Any) -> None:
 # default, which the generated __init__ no longer needs, gives way to the alias)
 JobSpec.serve = property(_get_serve, _set_serve, doc="The old name of :attr:`JobSpec.stay_up`.")  # type: ignore[assignment,method-assign]
 
-_TENANT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Tenant)}
-_OUTLINES: dict[str, tuple[tuple[int, int, int], Outline]] = {}  # Outline.read's, oldest first
-
 
 def default_run_name(job: JobSpec) -> str:
     """A readable name for a run that was given none: its tenants' names joined by ``+`` (at most three,
@@ -560,66 +595,17 @@ def default_run_name(job: JobSpec) -> str:
     with a ``service``) without tenants, ``"run"`` for none at all."""
     tenants = job.tenants if isinstance(job.tenants, list | tuple) else []
     names = [t.name for t in tenants if isinstance(t, Tenant) and isinstance(t.name, str)]
-    return _default_name(names, job.stay_up is True or job.service is not None)
+    return default_name(names, job.stay_up is True or job.service is not None)
 
 
-def _default_name(names: list[str], serving: bool) -> str:
+def default_name(names: list[str], serving: bool) -> str:
+    """:func:`default_run_name` of a job whose tenants have ``names`` (``serving``: one that stays up or
+    serves the Tinker API)."""
     names = [n for n in names if n]
     if not names:
         return "serve" if serving else "run"
     text = "+".join(names[:3]) + (f"+{len(names) - 3} more" if len(names) > 3 else "")
     return text if len(text) <= 60 else text[:59] + "…"
-
-
-@dataclass(frozen=True)
-class Outline:
-    """What views need of a job file, read without building (or validating) its tenants: the run's
-    name and each tenant's step goal (:func:`step_goal`), in the file's order."""
-
-    name: str
-    goals: dict[str, int | None]
-
-    @classmethod
-    def read(cls, path: str | os.PathLike) -> Outline:
-        """The outline of a ``job.json``; ``SpecError`` when it is not a JSON object. A tenant entry that
-        is not an object with a string ``name`` is left out (:meth:`JobSpec.load` names such problems);
-        a field left out has its default, as in :class:`Tenant`. Reading a million tenants' file takes
-        about a second, where building them takes ten. It is remembered while the file is unchanged (its
-        size, modification time and inode), for views that read it on every refresh: callers share it."""
-        path = os.path.abspath(os.fsdecode(os.fspath(path)))
-        try:
-            st = os.stat(path)
-            stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
-        except OSError:
-            stamp = None
-        hit = _OUTLINES.get(path)
-        if hit is not None and stamp is not None and hit[0] == stamp:
-            return hit[1]
-        out = cls._read(path)
-        if stamp is not None:
-            _OUTLINES[path] = (stamp, out)
-            while len(_OUTLINES) > 64:
-                _OUTLINES.pop(next(iter(_OUTLINES)))
-        return out
-
-    @classmethod
-    def _read(cls, path: str) -> Outline:
-        d, why = read_json(path, "a job file")
-        if why or not isinstance(d, dict):
-            raise SpecError(f"{show_path(path)}: {why or 'the top level must be a JSON object'}")
-        default = _TENANT_DEFAULTS["max_steps"]
-        goals: dict[str, int | None] = {}
-        tenants = d.get("tenants")
-        for t in tenants if isinstance(tenants, list) else ():
-            if isinstance(t, dict) and isinstance(name := t.get("name"), str):
-                goal = t.get("max_steps", default)
-                ok = t.get("client") is None and type(goal) is int and goal < MAX_COUNT
-                goals[name] = goal if ok else None
-        name = d.get("name")
-        if not isinstance(name, str) or not name:
-            serving = d.get("serve") is True or d.get("stay_up") is True or d.get("service") is not None
-            name = _default_name(list(goals), serving)
-        return cls(name, goals)
 
 
 def step_goal(t: Tenant) -> int | None:

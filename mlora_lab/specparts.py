@@ -279,3 +279,67 @@ class Service:
         if problems:
             raise SpecError(problems)
         return d if isinstance(d, Service) else cls(**kwargs)
+
+
+@dataclass
+class Eval:
+    """An evaluation the job runs while it trains (``JobSpec.evals``): every ``every`` global steps, and once
+    when training ends, the base and the tenants complete ``data``'s prompts in ONE batched generation
+    between two steps (each row with its own adapter, as :func:`mlora_lab.evaluate` does after training);
+    ``metrics`` score them, and each model's mean per metric (with its bootstrap 95 % interval) is logged as
+    a row ``eval/<name>/<metric>``, which the dashboard, ``ml.compare`` and ``ml.summary`` read. The latest
+    completions and scores are kept in ``<run>/evals/<name>/`` (the evaluation's table)."""
+
+    # fmt: off
+    name: str = field(metadata=meta(
+        "name", kind="name", section="Eval", help="letters, digits, . _ - (it names a folder)"))
+    """Its name: the rows' ``eval/<name>/<metric>`` and its folder ``evals/<name>/``."""
+    data: Any = field(metadata=meta(
+        "data", kind="path", section="Eval", help="prompt rows: prompt or messages, and other columns"))
+    """Its examples: any tenant data source (a file, a DataFrame, rows, ``ml.HubDataset``; one held in memory
+    is written into the run at launch) whose rows hold ``prompt`` or ``messages`` and any other columns."""
+    metrics: list[Any] = field(metadata=meta(
+        "metrics", kind="rewards", section="Eval", max=MAX_REWARDS, help="built-in names, module:function"))
+    """Built-in metric names (``exact_match``, ``contains``, ``regex``, ``numeric_match``, ``rouge``),
+    ``"module:function"``, ``"file.py:function"`` or functions (pickled into the run at launch): TRL's reward
+    signature, as :mod:`mlora_lab.evals.metrics` describes."""
+    every: int = field(default=0, metadata=meta(
+        "every", section="Eval", min=0, max=MAX_COUNT, help="global steps between runs; 0: at the end only"))
+    """Run it every ``every`` global steps (0: only once training ends); it always runs at the end."""
+    models: list[str] | None = field(default=None, metadata=meta(
+        "models", kind="texts", section="Eval", optional=True, max=MAX_REWARDS * 64,
+        help="base and tenants' names; null: all"))
+    """Which models: ``"base"`` and tenants' names (``None``: the base and every tenant training then). A
+    tenant's own evaluation is ``models=["base", "alice"]``."""
+    max_new_tokens: int = field(default=64, metadata=meta(
+        "max new tokens", section="Eval", min=1, max=MAX_NEW_TOKENS, help="longest completion"))
+    num_samples: int = field(default=1, metadata=meta(
+        "samples", section="Eval", min=1, max=MAX_GROUP, help="completions per prompt and model (pass@k)"))
+    temperature: float = field(default=0.0, metadata=meta(
+        "temperature", kind="float", section="Eval", min=0, max=100, help="0: greedy"))
+    top_p: float = field(default=1.0, metadata=meta(
+        "top p", kind="float", section="Eval", min=0, min_open=True, max=1, help="nucleus sampling"))
+    limit: int | None = field(default=None, metadata=meta(
+        "limit", section="Eval", min=1, max=MAX_COUNT, optional=True, null_means="every row",
+        help="the first rows only"))
+    timeout_s: float = field(default=60.0, metadata=meta(
+        "timeout", kind="float", section="Eval", min=0, min_open=True, max=86_400,
+        help="seconds the metrics may take"))
+    # fmt: on
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (its ``data`` a path or a Hub dataset's dict, as a tenant's)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if hasattr(d["data"], "to_dict"):
+            d["data"] = d["data"].to_dict()
+        d["metrics"] = list(self.metrics)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | Eval) -> Eval:
+        """Build from a dict (one of ``evals`` in ``job.json``); unknown or missing keys raise ``SpecError``."""
+        if isinstance(d, dict) and isinstance(d.get("data"), dict):
+            from mlora_lab.sources import HubDataset
+
+            d = {**d, "data": _built(HubDataset, d["data"], "eval data (a Hub dataset)")}
+        return _built(cls, d, "evals")

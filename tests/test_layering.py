@@ -45,6 +45,7 @@ LIGHT = (
     "mlora_lab.spec",
     "mlora_lab.specbase",
     "mlora_lab.specparts",
+    "mlora_lab.specoutline",
     "mlora_lab.text",
     "mlora_lab.sources",
     "mlora_lab.search",

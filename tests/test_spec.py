@@ -18,8 +18,9 @@ import pytest
 import mlora_lab.text
 import mlora_lab.validate
 import mlora_lab.validate.model
-from mlora_lab.spec import MAX_COUNT, JobSpec, Outline, Tenant, default_run_name, step_goal
+from mlora_lab.spec import MAX_COUNT, JobSpec, Tenant, default_run_name, step_goal
 from mlora_lab.specbase import Problem, SpecError, fields_info
+from mlora_lab.specoutline import Outline
 from mlora_lab.specparts import Parallel, Service
 from mlora_lab.tiny import build_tokenizer
 from mlora_lab.validate import check, model_target_names, tenant_problems

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,13 +95,15 @@ def run_eval(
     step: int | None = None,
     timeout_s: float = 60.0,
     cwd: str | os.PathLike | None = None,
+    any_running: Callable[[bool], bool] | None = None,
 ) -> list[EvalExample]:
     """Generate and score: ``models`` are ``(column, tenant of model or None for the base)``; ``metrics``
     are reward references (``"module:function"``, ``"file.py:function"``, a pickled function's file),
     scored under ``names`` (default :func:`metric_names`). Returns an :class:`EvalExample` per example,
     model and sample, model by model. ``temperature=0`` is greedy (then every sample is the same; ask
     ``num_samples > 1`` with a temperature for pass@k). A seeded request draws the same tokens whatever
-    else is in the batch (:func:`mlora_lab.sampling.row_seed`), so an evaluation is reproducible."""
+    else is in the batch (:func:`mlora_lab.sampling.row_seed`), so an evaluation is reproducible.
+    ``any_running``: :func:`mlora_lab.sampling.sample`'s, when several processes generate together."""
     names = list(names) if names is not None else metric_names(metrics)
     requests = [
         SampleRequest(
@@ -117,7 +119,7 @@ def run_eval(
         for _, tenant in models
         for e, ex in enumerate(examples)
     ]
-    completions = sample(model, requests, tokenizer=tokenizer)
+    completions = sample(model, requests, tokenizer=tokenizer, any_running=any_running)
     out: list[EvalExample] = []
     texts, ids, prompts = [], [], []
     columns: dict[str, list[Any]] = {k: [] for ex in examples for k in ex.columns}

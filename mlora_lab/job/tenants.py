@@ -128,6 +128,10 @@ class TenantPool:
     def any_paused(self) -> bool:
         return any(t.state is TenantState.PAUSED for t in self.tenants.values())
 
+    def states(self) -> dict[str, TenantState]:
+        """Each tenant's state, in the order they started."""
+        return {name: t.state for name, t in self.tenants.items()}
+
     @property
     def free_slots(self) -> int:
         return self.spec.max_tenants - len(self.model.tenants)

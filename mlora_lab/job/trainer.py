@@ -54,6 +54,7 @@ from mlora_lab.job.control import ControlHandler, Controls
 from mlora_lab.job.drivers.base import Driver, DriverFactory, Drivers, JobParts, Plan, StepResult
 from mlora_lab.job.drivers.default import DEFAULT_DRIVERS
 from mlora_lab.job.engine import Engine
+from mlora_lab.job.evals import JobEvals
 from mlora_lab.job.recorder import Recorder
 from mlora_lab.job.search import SearchController, read_sweep
 from mlora_lab.job.tenants import TenantPool, TenantRun
@@ -95,6 +96,7 @@ class Trainer:
         controls = Controls(self.pool, self.drivers.feed, self.run)
         self.control = ControlHandler(self.run, self.comm, self.dist.is_main, controls)
         self.checkpointer = Checkpointer(self.run, self.comm, self.dist.is_main)
+        self.evals = JobEvals(spec.evals, self.engine, self.comm, self.recorder, self.run, self.dist.is_main)
         self.search: SearchController | None = None
         self._start_tenants(resume)
         self.control.start(self.global_step)
@@ -221,6 +223,7 @@ class Trainer:
             if self.step():
                 if self.spec.eval_every and self.global_step % self.spec.eval_every == 0:
                     self.evaluate()
+                self.evals.after_step(self.global_step, self.pool.states())
                 if self.spec.save_every and self.global_step % self.spec.save_every == 0:
                     self.save(final=False)
             elif self.spec.stay_up or self.pool.any_paused() or any(d.waiting() for d in self.drivers):
@@ -233,6 +236,7 @@ class Trainer:
             self.poll()
         if not self.stop_requested:
             self.evaluate()  # (of the tenants that have eval data)
+            self.evals.finish(self.global_step, self.pool.states())
         self.save(final=True)
 
     def step(self) -> bool:

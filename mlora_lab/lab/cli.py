@@ -36,8 +36,9 @@ from mlora_lab.rundir import (
     TrainRow,
 )
 from mlora_lab.search import dist_from_dict, strategy_from_dict
-from mlora_lab.spec import JobSpec, Outline, Tenant, step_goal
+from mlora_lab.spec import JobSpec, Tenant, step_goal
 from mlora_lab.specbase import SpecError
+from mlora_lab.specoutline import Outline
 
 # What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
 # resumed): one clear message and exit code 2, never a traceback. (A damaged checkpoint's

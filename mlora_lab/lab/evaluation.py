@@ -1,11 +1,8 @@
 """An evaluation's results as tables and a figure: :class:`Evaluation`, what :func:`mlora_lab.evaluate` returns
 and :func:`load_evaluation` reads back from a run.
 
-Scores. Example ``e``'s score by model ``m`` for a metric is the mean of its samples' scores (``None``, not
-scored, left out); a model's score is the mean over the examples it has one for. Its 95 % interval is the
-percentile bootstrap over examples: ``B`` resamples of the examples with replacement, the same resamples for
-every model (so two models' intervals come from the same draws), the 2.5th and 97.5th percentiles of the
-resampled means. With ``k = num_samples > 1`` and a metric whose scores are all 0 or 1, ``pass@k`` is the
+Scores are :mod:`mlora_lab.evals.scores`' (each example's mean over its samples, the mean over examples, a
+paired percentile bootstrap over examples: the same numbers the job logs for its evaluations). With ``k = num_samples > 1`` and a metric whose scores are all 0 or 1, ``pass@k`` is the
 unbiased estimator of Chen et al. (2021), ``1 - C(n - c, k) / C(n, k)`` averaged over examples, with ``n``
 samples of which ``c`` passed (here ``k = n``: whether any passed).
 """
@@ -19,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mlora_lab.evals.scores import bootstrap, per_example
 from mlora_lab.lab.handles import RunLike, as_runs
 from mlora_lab.rundir.evals import EvalExample, EvalMeta, list_evals, read_eval
 
@@ -83,37 +81,15 @@ class Evaluation:
 
     def per_example(self) -> dict[str, np.ndarray]:
         """``{metric: [models, examples]}``: each example's mean score over its samples (NaN: none)."""
-        index = {m: i for i, m in enumerate(self.models)}
-        n = self.meta.examples
-        out = {}
-        for metric in self.metrics:
-            total = np.zeros((len(self.models), n))
-            count = np.zeros((len(self.models), n))
-            for r in self.rows:
-                v = r.scores.get(metric)
-                if v is not None and np.isfinite(v):
-                    total[index[r.model], r.example] += v
-                    count[index[r.model], r.example] += 1
-            with np.errstate(invalid="ignore", divide="ignore"):
-                out[metric] = np.where(count > 0, total / np.maximum(count, 1), np.nan)
-        return out
+        return {m: per_example(self.rows, self.models, m, self.meta.examples) for m in self.metrics}
 
     def scores(self, resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
         """Models × metrics: each metric's mean, with its bootstrap interval as ``<metric>_low`` and
-        ``<metric>_high`` (see the module docstring), ``pass@k`` columns for 0/1 metrics when
-        ``num_samples > 1``, and ``n`` (examples). A row per model, in the evaluation's order."""
-        rng = np.random.default_rng(seed)
-        n = self.meta.examples
-        draws = rng.integers(0, n, size=(resamples, n)) if n else np.zeros((resamples, 0), dtype=int)
-        tail = (1 - confidence) / 2 * 100
-        table: dict[str, Any] = {"n": [n] * len(self.models)}
-        per = self.per_example()
-        for metric, values in per.items():
-            with np.errstate(invalid="ignore"), _quiet():
-                mean = np.nanmean(values, axis=1) if n else np.full(len(self.models), np.nan)
-                boot = np.nanmean(values[:, draws], axis=2) if n else np.full((len(self.models), 1), np.nan)
-                low = np.nanpercentile(boot, tail, axis=1)
-                high = np.nanpercentile(boot, 100 - tail, axis=1)
+        ``<metric>_high`` (:func:`mlora_lab.evals.scores.bootstrap`), ``pass@k`` columns for 0/1 metrics
+        when ``num_samples > 1``, and ``n`` (examples). A row per model, in the evaluation's order."""
+        table: dict[str, Any] = {"n": [self.meta.examples] * len(self.models)}
+        for metric, values in self.per_example().items():
+            mean, low, high, _ = bootstrap(values, resamples, confidence, seed)
             table[metric], table[f"{metric}_low"], table[f"{metric}_high"] = mean, low, high
             k = self.meta.num_samples
             if k > 1 and self._binary(metric):
@@ -205,20 +181,6 @@ class Evaluation:
 
 def _num(v: float | None) -> float:
     return float("nan") if v is None else float(v)
-
-
-class _quiet:
-    """No "Mean of empty slice" warnings: a model without a score for a metric is NaN, as documented."""
-
-    def __enter__(self) -> None:
-        import warnings
-
-        self._catch = warnings.catch_warnings()
-        self._catch.__enter__()
-        warnings.simplefilter("ignore", RuntimeWarning)
-
-    def __exit__(self, *exc: object) -> None:
-        self._catch.__exit__(*exc)
 
 
 def load_evaluation(run: RunLike, name: str) -> Evaluation:

@@ -230,7 +230,7 @@ def prepare_run(
         if (problem := _directory_problem(root)) is not None:  # another launch got here first
             raise SpecError([problem])
         run.create()
-        spec = tenant_data.write_all(run, spec)
+        spec = tenant_data.write_evals(run, tenant_data.write_all(run, spec))
         spec.to_json(run.job)
         if sweep is not None:
             sweep = dataclasses.replace(sweep, base=tenant_data.write_data(run, sweep.base))

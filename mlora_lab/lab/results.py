@@ -43,6 +43,7 @@ from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
 from mlora_lab.lab.series import METRICS, RL_METRICS, X_AXES, RunSeries, to_datetimes
 from mlora_lab.lab.usage import latest_usage, usage_totals
 from mlora_lab.rundir import (
+    EvalMetricRow,
     RowKind,
     RunDirError,
     TenantRow,
@@ -195,6 +196,7 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
             if isinstance(r, TenantRow):
                 last[r.tenant] = r
         df = run.metrics()
+        scores = _last_eval_scores(run)
         for name, t in run.tenant_specs().items():
             train = df[(df["kind"] == RowKind.TRAIN) & (df["tenant"] == name)] if len(df) else df
             evals = df[(df["kind"] == RowKind.EVAL) & (df["tenant"] == name)] if len(df) else df
@@ -222,10 +224,21 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
                     "tokens": tokens,
                     "time_s": _seconds(train["time"]) if "time" in train else 0.0,  # (no rows: no column)
                     "reason": row.reason if row else None,
+                    **scores.get(name, {}),
                 }
             )
     columns = (["run"] if len(runs) > 1 else []) + SUMMARY_COLUMNS
-    return pd.DataFrame(out)[columns] if out else pd.DataFrame(columns=columns)
+    extra = sorted({k for r in out for k in r if k.startswith("eval/")})
+    return pd.DataFrame(out)[columns + extra] if out else pd.DataFrame(columns=columns)
+
+
+def _last_eval_scores(run: Run) -> dict[str, dict[str, float | None]]:
+    """``{tenant: {"eval/<name>/<metric>": its latest score}}`` from the run's evaluations (``JobSpec.evals``)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for r in run.typed_rows():
+        if isinstance(r, EvalMetricRow):
+            out.setdefault(r.model, {})[r.series] = r.value
+    return out
 
 
 def _seconds(times: pd.Series) -> float:
@@ -293,7 +306,8 @@ def compare(
 ) -> Figure:
     """Overlay ``metric`` of tenants across runs.
 
-    ``metric`` is one of ``loss``, ``eval_loss``, ``lr``, ``grad_norm``, ``tokens``, or what RL tenants
+    ``metric`` is one of ``loss``, ``eval_loss``, ``lr``, ``grad_norm``, ``tokens``, an evaluation's score
+    ``eval/<name>/<metric>`` (``JobSpec.evals``; the base model is drawn too, as ``base``), or what RL tenants
     log (:data:`~mlora_lab.lab.series.RL_METRICS`: ``reward``, ``reward_std``, ``completion_len``, ``kl``,
     ``clip_ratio``; SFT tenants have none and are not drawn for them); ``x`` one of
     ``tenant step`` (default), ``global step``, ``tokens`` (the tenant's target tokens seen so far),
@@ -309,8 +323,10 @@ def compare(
     left out with a warning naming it; an RL metric that no run has at all (no RL tenant) is a
     ``ValueError`` naming the metrics they have.
     """
-    if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r}; choose from {sorted(METRICS)}")
+    if metric not in METRICS and not metric.startswith("eval/"):
+        raise ValueError(
+            f"unknown metric {metric!r}; choose from {sorted(METRICS)} or an evaluation's 'eval/<name>/<metric>'"
+        )
     if x not in X_AXES:
         raise ValueError(f"unknown x axis {x!r}; choose from {', '.join(X_AXES)}")
     runs = as_runs(runs)
@@ -361,7 +377,11 @@ def _overlay(
     for i, (feed, title) in enumerate(zip(feeds, titles)):
         style = LINESTYLES[i % len(LINESTYLES)]
         drew = False
-        for name in feed.tenants:
+        names = [
+            *feed.tenants,
+            *(["base"] if metric in feed.base_evals else []),
+        ]  # (evaluations score the base)
+        for name in names:
             if tenants is not None and name not in tenants:
                 continue
             xs, ys, breaks = feed.xy(name, metric, x)

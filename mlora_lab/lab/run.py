@@ -443,6 +443,11 @@ class Run:
         ``reward, reward_std, completion_len, kl, clip_ratio``; NaN for an SFT tenant)."""
         return self._table((RowKind.TRAIN, RowKind.EVAL))
 
+    def eval_metrics(self) -> pd.DataFrame:
+        """The scores of the job's evaluations (``JobSpec.evals``): ``step, model, eval, metric, value, low,
+        high, n, time``, a row per model and metric each time one ran (``model`` is ``base`` for the base)."""
+        return self._table((RowKind.EVAL_METRIC,))
+
     def system_metrics(self) -> pd.DataFrame:
         """Per-rank memory, step time and throughput rows."""
         return self._table((RowKind.SYSTEM,))

@@ -31,6 +31,7 @@ import pandas as pd
 from mlora_lab.lab.plotting import MAX_DRAWN, SMOOTHING, series_colour
 from mlora_lab.rundir import (
     CompletionRow,
+    EvalMetricRow,
     EvalRow,
     EventKind,
     EventRow,
@@ -44,8 +45,8 @@ from mlora_lab.rundir import (
     UsageRow,
 )
 from mlora_lab.rundir.rows import FIELD_NAMES, ROW_TYPES
-from mlora_lab.spec import Outline
 from mlora_lab.specbase import SpecError
+from mlora_lab.specoutline import Outline
 from mlora_lab.text import collection_paused
 
 X_AXES = ("tenant step", "global step", "tokens", "wall time", "relative time")
@@ -457,6 +458,7 @@ class RunSeries:
         self.usage: dict[
             tuple[str, str | None], UsageRow
         ] = {}  # a served job's: the latest per (key, tenant)
+        self.base_evals: dict[str, Columns] = {}  # the base model's eval/<name>/<metric> (JobSpec.evals)
 
     def tenant(self, name: str) -> TenantSeries:
         s = self.tenants.get(name)
@@ -518,6 +520,16 @@ class RunSeries:
                 self.tenant(r.tenant).warning = r.message
             elif isinstance(r, UsageRow):
                 self.usage[(r.key, r.tenant)] = r
+            elif isinstance(r, EvalMetricRow):  # (an evaluation's score: a named series of its model)
+                base = r.model == "base" and "base" not in self.tenants
+                named = self.base_evals if base else self.tenant(r.model).named
+                cols = named.get(r.series)
+                if cols is None:
+                    cols = named[r.series] = Columns("step", "tenant_step", "tokens", "time", "value")
+                s = None if base else self.tenants[r.model]
+                cols.append(
+                    r.step, r.step if s is None else s.step, 0 if s is None else s.tokens, r.time, r.value
+                )
             elif isinstance(r, CompletionRow):
                 self.tenant(r.tenant).add_completion(r)
                 self.rl_version += 1
@@ -545,6 +557,10 @@ class RunSeries:
         not to join to the previous one (on time axes only; None otherwise)."""
         s = self.tenants.get(tenant)
         source = METRICS.get(metric, "named")  # (else a train row's named metric: rewards/<fn>/mean, ...)
+        if s is None and tenant == "base" and metric in self.base_evals:  # (the base's evaluation scores)
+            cols = self.base_evals[metric].arrays()
+            breaks = gap_breaks(cols["time"], self.resumes) if x in TIME_AXES else None
+            return self.x_values(cols, x), cols["value"], breaks
         columns = (
             None
             if s is None

@@ -16,9 +16,10 @@ import dataclasses
 from typing import Any
 
 from mlora_lab.rundir import RunDir, atomic_write_bytes
+from mlora_lab.rundir.evals import eval_dir
 from mlora_lab.sources import RewardSnapshot, memory_kind, reward_in_memory, snapshot
 from mlora_lab.spec import JobSpec, Tenant
-from mlora_lab.specparts import RL
+from mlora_lab.specparts import RL, Eval
 
 SPLITS = {"data": "train", "eval_data": "eval"}
 """The tenant fields that hold rows, and the name of the file each is written to."""
@@ -53,12 +54,49 @@ def _pickled(reward: Any) -> Any:
 
 
 def freeze_all(spec: JobSpec) -> JobSpec:
-    """``spec`` with every tenant :func:`frozen <freeze>`."""
+    """``spec`` with every tenant :func:`frozen <freeze>`, and every evaluation's rows and metrics held in
+    memory frozen the same way."""
+    if isinstance(spec.evals, list) and spec.evals:
+        spec = dataclasses.replace(spec, evals=[_freeze_eval(e) for e in spec.evals])
     if not isinstance(spec.tenants, list):
         return spec
     frozen = [freeze(t) for t in spec.tenants]
     same = all(a is b for a, b in zip(frozen, spec.tenants))
     return spec if same else dataclasses.replace(spec, tenants=frozen)
+
+
+def _freeze_eval(e: Any) -> Any:
+    if not isinstance(e, Eval):
+        return e
+    data = snapshot(e.data) if memory_kind(e.data) else e.data
+    metrics = [_pickled(m) for m in e.metrics] if isinstance(e.metrics, list | tuple) else e.metrics
+    return dataclasses.replace(e, data=data, metrics=metrics)
+
+
+def write_evals(run: RunDir, spec: JobSpec) -> JobSpec:
+    """``spec`` with each evaluation's in-memory rows written into ``<run>/evals/<name>/data.jsonl`` and its
+    pickled metrics into ``<run>/evals/<name>/metrics/`` (the evaluation keeps what it was scored with)."""
+    if not isinstance(spec.evals, list) or not spec.evals:
+        return spec
+    out = []
+    for e in spec.evals:
+        if not isinstance(e, Eval):
+            out.append(e)
+            continue
+        folder = eval_dir(run.root, e.name)
+        data = e.data
+        if memory_kind(data):
+            atomic_write_bytes(folder / "data.jsonl", snapshot(data).jsonl(), root=run.root)
+            data = str(folder / "data.jsonl")
+        metrics = []
+        for i, m in enumerate(e.metrics):
+            if isinstance(m, RewardSnapshot):
+                path = folder / "metrics" / f"{i}-{m.name}.pkl"
+                atomic_write_bytes(path, m.data, root=run.root)
+                m = f"{path}:{m.name}"
+            metrics.append(m)
+        out.append(dataclasses.replace(e, data=data, metrics=metrics))
+    return dataclasses.replace(spec, evals=out)
 
 
 def write_data(run: RunDir, tenant: Any) -> Any:

@@ -58,6 +58,7 @@ from mlora_lab.rundir.files import (
 from mlora_lab.rundir.labels import RunLabels, read_labels, update_labels
 from mlora_lab.rundir.rows import (
     CompletionRow,
+    EvalMetricRow,
     EvalRow,
     EventKind,
     EventRow,
@@ -89,6 +90,7 @@ __all__ = [
     "ControlError",
     "ControlMessage",
     "ControlResult",
+    "EvalMetricRow",
     "EvalRow",
     "EventKind",
     "EventRow",

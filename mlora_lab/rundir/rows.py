@@ -51,6 +51,7 @@ class RowKind(TextEnum):
     EVENT = "event"
     COMPLETION = "completion"
     USAGE = "usage"
+    EVAL_METRIC = "eval_metric"
 
 
 class TenantState(TextEnum):
@@ -73,6 +74,7 @@ class EventKind(TextEnum):
     SAVE_FAILED = "save_failed"  # a periodic checkpoint or adapter save failed (e.g. disk full)
     METRICS_RECREATED = "metrics_recreated"  # metrics.jsonl was deleted or replaced under the job
     SEARCH = "search"  # a decision of the job's hyperparameter search (mlora_lab.job.search)
+    EVAL_FAILED = "eval_failed"  # one of the job's evaluations (JobSpec.evals) failed: training goes on
     TRACKER_FAILED = "tracker_failed"  # a tracker of report_to failed and gets no more rows
     WARNING = (
         "warning"  # a tenant trains, but on nothing (an RL tenant's flat rewards, all completions masked)
@@ -246,6 +248,31 @@ class CompletionRow(Row, tag="completion"):
     completion), by column."""
 
 
+class EvalMetricRow(Row, tag="eval_metric"):
+    """One model's score for one metric of one of the job's evaluations (``JobSpec.evals``) at a step: the
+    mean over the examples of each example's mean over its samples, with the 95 % percentile-bootstrap
+    interval over examples (:func:`mlora_lab.evals.scores.bootstrap`). Read as the series
+    ``eval/<eval>/<metric>`` of tenant ``model`` (``base`` for the base model)."""
+
+    kind: ClassVar[RowKind] = RowKind.EVAL_METRIC
+    step: int
+    model: str
+    eval: str
+    metric: str
+    value: float | None
+    """``None`` when no example got a score (or it was not finite)."""
+    low: float | None = None
+    high: float | None = None
+    n: int = 0
+    """The examples scored."""
+    time: float = msgspec.field(default_factory=time.time)
+
+    @property
+    def series(self) -> str:
+        """Its name as a metric: ``eval/<eval>/<metric>``."""
+        return f"eval/{self.eval}/{self.metric}"
+
+
 class UsageRow(Row, tag="usage"):
     """What one API key's requests to a served job have cost so far, for one tenant (``None``: sampling the
     base model): the metering a hosted service bills by. Counts are totals since the job began (a resume
@@ -272,9 +299,10 @@ class UsageRow(Row, tag="usage"):
 
 
 ROW_TYPES: dict[RowKind, type[Row]] = {
-    t.kind: t for t in (TrainRow, EvalRow, SystemRow, TenantRow, EventRow, CompletionRow, UsageRow)
+    t.kind: t
+    for t in (TrainRow, EvalRow, SystemRow, TenantRow, EventRow, CompletionRow, UsageRow, EvalMetricRow)
 }
-AnyRow = TrainRow | EvalRow | SystemRow | TenantRow | EventRow | CompletionRow | UsageRow
+AnyRow = TrainRow | EvalRow | SystemRow | TenantRow | EventRow | CompletionRow | UsageRow | EvalMetricRow
 """Any metrics row: the type a line is decoded into (its ``kind`` picks which)."""
 FIELD_NAMES: dict[str, tuple[str, ...]] = {kind.value: t.__struct_fields__ for kind, t in ROW_TYPES.items()}
 """Per kind, its fields in order (the keys of its line after ``kind``)."""

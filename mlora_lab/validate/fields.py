@@ -39,7 +39,7 @@ def check_job_fields(ctx: Context) -> None:
     and an ``output_dir`` that exists as something other than a directory."""
     s = ctx.spec
     for name, info in fields_info(JobSpec):
-        if info.kind not in ("tenants", "parallel", "service"):
+        if info.kind not in ("tenants", "parallel", "service", "evals"):
             check_field(ctx, None, name, getattr(s, name), info)
     out = s.output_dir
     if usable_path(out) and os.path.exists(out) and not os.path.isdir(out):

@@ -16,6 +16,7 @@ from mlora_lab.specbase import MAX_SLOTS, Problem, SpecError
 from mlora_lab.specparts import Parallel
 from mlora_lab.text import error_line
 from mlora_lab.validate.context import Context, ValidationCache, capped
+from mlora_lab.validate.evals import check_eval_fields, check_eval_files
 from mlora_lab.validate.fields import check_job_fields, check_tenant_fields
 from mlora_lab.validate.files import check_data, check_init_adapter
 from mlora_lab.validate.hub import fetch_hub_ids
@@ -57,6 +58,7 @@ def run_checks(ctx: Context, files: bool = True) -> list[Problem]:
     check_tenant_set(ctx, tenants)
     for t in good:
         check_tenant_fields(ctx, t)
+    evals = check_eval_fields(ctx)
     # Past the tenant cap the job is refused anyway; reading every tenant's files would only cost time.
     if not files or len(tenants) > MAX_SLOTS:
         return ctx.out
@@ -66,6 +68,7 @@ def run_checks(ctx: Context, files: bool = True) -> list[Problem]:
         check_targets(ctx, t)
         check_data(ctx, t)
         check_init_adapter(ctx, t)
+    check_eval_files(ctx, evals)
     check_slot_modules(ctx, good)
     check_expert_parallel(ctx)
     check_tensor_parallel(ctx)

@@ -1,0 +1,111 @@
+"""Evaluations during training (``JobSpec.evals``): they run between steps in one batched generation of the
+base and every tenant, log ``eval_metric`` rows, keep their latest table in the run, and give what
+``ml.evaluate`` gives on the same adapters afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import task_rows, write_jsonl
+
+import mlora_lab as ml
+from mlora_lab.job.trainer import Trainer
+from mlora_lab.lab.launcher import prepare_run
+from mlora_lab.rundir import EvalMetricRow, EventKind, EventRow
+from mlora_lab.spec import JobSpec
+from mlora_lab.validate import problems
+
+PROMPTS = [
+    {"prompt": "reverse: red cat\n", "answer": "tac der"},
+    {"prompt": "upper: sun\n", "answer": "SUN"},
+    {"prompt": "reverse: dog\n", "answer": "god"},
+]
+
+
+def word_count(prompts, completions, **kwargs):
+    """A notebook's metric (pickled into the run at launch)."""
+    return [float(len(c.split())) for c in completions]
+
+
+def two_tenants(tmp_path, steps: int = 4) -> list[ml.Tenant]:
+    return [
+        ml.Tenant(name="rev", data=write_jsonl(tmp_path / "rev.jsonl", task_rows("reverse", 16)), rank=4,
+                  lr=1e-2, batch_size=2, max_steps=steps, target_modules=["q_proj", "v_proj"]),
+        ml.Tenant(name="up", data=write_jsonl(tmp_path / "up.jsonl", task_rows("upper", 16)), rank=8,
+                  lr=5e-3, batch_size=2, max_steps=steps - 1, target_modules=["q_proj", "v_proj"]),
+    ]  # fmt: skip
+
+
+def test_evaluations_while_training_log_rows_and_equal_ml_evaluate_after(llama_path, tmp_path):
+    quick = ml.Eval(name="quick", data=PROMPTS, metrics=["exact_match", "contains", word_count], every=2,
+                    max_new_tokens=5)  # fmt: skip
+    base_only = ml.Eval(name="base-only", data=write_jsonl(tmp_path / "p.jsonl", PROMPTS), metrics=["contains"],
+                        models=["base", "up"], max_new_tokens=3)  # fmt: skip
+    spec = JobSpec(base_model=llama_path, tenants=two_tenants(tmp_path), seq_len=32, max_rank=8,
+                   evals=[quick, base_only], output_dir=str(tmp_path / "run"))  # fmt: skip
+    run = prepare_run(spec)
+    written = json.loads(run.job.read_text())["evals"]
+    assert written[0]["data"] == "evals/quick/data.jsonl"  # rows held in memory: written into the run
+    assert written[0]["metrics"][2].endswith("word_count.pkl:word_count")
+    trainer = Trainer(JobSpec.load(run.job), run_dir=run.root)
+    trainer.train()
+    trainer.close()
+
+    rows = [r for r in trainer.history if isinstance(r, EvalMetricRow)]
+    assert not [r for r in trainer.history if isinstance(r, EventRow) and r.event is EventKind.EVAL_FAILED]
+    quick_rows = [r for r in rows if r.eval == "quick"]
+    assert sorted({r.step for r in quick_rows}) == [2, 4]  # every 2 steps; the last step (4) once
+    assert {(r.model, r.metric) for r in quick_rows if r.step == 2} == {
+        (m, k) for m in ("base", "rev", "up") for k in ("exact_match", "contains", "word_count")
+    }
+    assert all(r.n == len(PROMPTS) and r.low <= r.value <= r.high for r in quick_rows)
+    assert {(r.step, r.model) for r in rows if r.eval == "base-only"} == {(4, "base"), (4, "up")}
+    logged = [r for r in ml.attach(run.root).rows() if isinstance(r, EvalMetricRow)]
+    assert logged == rows  # (in metrics.jsonl as in the job's memory)
+
+    # the table the job kept at its last step = ml.evaluate on the adapters it saved, with the same seed
+    kept = ml.load_evaluation(run.root, "quick")
+    assert kept.meta.step == 4 and kept.models == ["base", "rev", "up"]
+    after = ml.evaluate(run.root, PROMPTS, ["exact_match", "contains", word_count], max_new_tokens=5, seed=4,
+                        save=False)  # fmt: skip
+    assert after.examples().completion.tolist() == kept.examples().completion.tolist()
+    assert after.scores().round(12).equals(kept.scores().round(12))
+    last = {(r.model, r.metric): r.value for r in quick_rows if r.step == 4}
+    for model in kept.models:
+        for metric in kept.metrics:
+            assert last[model, metric] == pytest.approx(kept.scores().loc[model, metric], nan_ok=True)
+
+    # the lab reads them: a table, ml.compare's curves (the base's too), ml.summary's latest scores
+    handle = ml.attach(run.root)
+    table = handle.eval_metrics()
+    assert len(table) == len(rows) and set(table["eval"]) == {"quick", "base-only"}
+    fig = ml.compare(handle, metric="eval/quick/word_count", x="global step")
+    drawn = {
+        line.get_label(): list(line.get_xdata()) for line in fig.axes[0].lines if line.lab_role == "main"
+    }
+    assert drawn == {"base": [2, 4], "rev": [2, 4], "up": [2, 4]}
+    summary = ml.summary(handle).set_index("tenant")
+    assert summary.loc["rev", "eval/quick/word_count"] == last["rev", "word_count"]
+    assert summary.loc["up", "eval/base-only/contains"] == next(
+        r.value for r in rows if r.eval == "base-only" and r.model == "up"
+    )
+
+
+def test_every_problem_of_an_evaluation_is_named_at_once(llama_path, tmp_path):
+    bad = [
+        ml.Eval(name="a/b", data=PROMPTS, metrics=[], every=-1),
+        ml.Eval(name="x", data=write_jsonl(tmp_path / "bad.jsonl", [{"text": "no prompt"}]), metrics=["regex"],
+                models=["nobody"]),
+        ml.Eval(name="x", data=PROMPTS, metrics=["no_such_module:fn"]),
+    ]  # fmt: skip
+    spec = JobSpec(base_model=llama_path, tenants=two_tenants(tmp_path), seq_len=32, max_rank=8, evals=bad)
+    found = "\n".join(str(p) for p in problems(spec))
+    for part in (
+        "evaluation 'a/b': name must be",
+        "evaluation 'a/b': metrics must be a non-empty list",
+        "evaluation 'a/b': every must be >= 0",
+        "models 'nobody' are neither 'base' nor a tenant",
+        "two evaluations are called 'x'",
+    ):
+        assert part in found, found
