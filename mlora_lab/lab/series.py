@@ -459,6 +459,7 @@ class RunSeries:
             tuple[str, str | None], UsageRow
         ] = {}  # a served job's: the latest per (key, tenant)
         self.base_evals: dict[str, Columns] = {}  # the base model's eval/<name>/<metric> (JobSpec.evals)
+        self.eval_version = 0  # counts evaluation rows (the dashboard's evaluation figure redraws on it)
 
     def tenant(self, name: str) -> TenantSeries:
         s = self.tenants.get(name)
@@ -530,6 +531,7 @@ class RunSeries:
                 cols.append(
                     r.step, r.step if s is None else s.step, 0 if s is None else s.tokens, r.time, r.value
                 )
+                self.eval_version += 1
             elif isinstance(r, CompletionRow):
                 self.tenant(r.tenant).add_completion(r)
                 self.rl_version += 1

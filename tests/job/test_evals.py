@@ -85,6 +85,17 @@ def test_evaluations_while_training_log_rows_and_equal_ml_evaluate_after(llama_p
         line.get_label(): list(line.get_xdata()) for line in fig.axes[0].lines if line.lab_role == "main"
     }
     assert drawn == {"base": [2, 4], "rev": [2, 4], "up": [2, 4]}
+    dash = ml.Dashboard([handle], interactive=False)
+    try:
+        dash.refresh()
+        assert dash.eval_views.shown and dash.eval_views.figure.widget.value[:4] == b"\x89PNG"
+        axes = dash.eval_views.figure.by_series
+        assert list(axes) == ["eval/base-only/contains", "eval/quick/contains", "eval/quick/exact_match"]
+        quick = axes["eval/quick/contains"]
+        assert sorted(line.get_label() for line in quick.lines if line.get_visible()) == ["base", "rev", "up"]
+        assert "(+1 more)" in axes["eval/quick/exact_match"].get_ylabel()  # (word_count: a fourth score)
+    finally:
+        dash.stop()
     summary = ml.summary(handle).set_index("tenant")
     assert summary.loc["rev", "eval/quick/word_count"] == last["rev", "word_count"]
     assert summary.loc["up", "eval/base-only/contains"] == next(

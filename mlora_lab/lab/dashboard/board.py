@@ -140,7 +140,7 @@ class Dashboard:
         self.panels = Panels(self.model, self.interactive, self._lock, x)
         p = self.panels  # the figures a notebook reaches on the dashboard itself
         self.loss, self.optim, self.system = p.loss, p.optim, p.system
-        self.rl_views, self.hover = p.rl_views, p.hover
+        self.rl_views, self.eval_views, self.hover = p.rl_views, p.eval_views, p.hover
         # a new scale re-fits y even where the user zoomed (before the redraw)
         self.logy.observe(lambda _: self.loss.ax.set_autoscaley_on(True), names="value")
         self.logs = LogTab(self._quieted)
@@ -167,6 +167,7 @@ class Dashboard:
                 self.capped,
                 self.progress,
                 *figure,
+                self.eval_views.box,
                 self.rl_views.box,
                 self.tabs,
             ]

@@ -1,5 +1,5 @@
-"""The dashboard's figures as one: the loss figure, the tabs' lr + grad-norm and system figures, and RL
-tenants' views (:mod:`.rl`), sharing one hover readout and one smoother; which of them to redraw when
+"""The dashboard's figures as one: the loss figure, the tabs' lr + grad-norm and system figures, RL
+tenants' views (:mod:`.rl`) and the evaluations' scores (:mod:`.evals`), sharing one hover readout and one smoother; which of them to redraw when
 (only what changed: the loss figure at once, the tabs' figures at a slower pace), their x axis, the
 readout of a point, and following the data again after a zoom.
 
@@ -17,6 +17,7 @@ from typing import Any
 import ipywidgets as W
 from matplotlib.figure import Figure
 
+from mlora_lab.lab.dashboard.evals import EvalViews
 from mlora_lab.lab.dashboard.figures import Hover, LossFigure, OptimFigure, Panel, Scene, Smoother
 from mlora_lab.lab.dashboard.model import ViewModel
 from mlora_lab.lab.dashboard.rl import RLViews
@@ -40,13 +41,15 @@ class Panels:
         self.system = SystemFigure(interactive, lock, self.hover, smoother)
         self.rl_views = RLViews(interactive, lock, self.hover, smoother)
         """The reward panel and the recent samples of RL tenants (made when a run first has RL rows)."""
+        self.eval_views = EvalViews(interactive, lock, self.hover, smoother)
+        """The evaluations' scores (made when a run first has an evaluation row, ``JobSpec.evals``)."""
         self._drawn: dict[str, tuple] = {}
         self._tab_drawn: dict[str, float] = {}
         self.set_x(x)
 
     def all(self) -> tuple[Panel, ...]:
         """Every figure made so far."""
-        return self.loss, self.optim, self.system, *self.rl_views.panels()
+        return self.loss, self.optim, self.system, *self.rl_views.panels(), *self.eval_views.panels()
 
     @property
     def readouts(self) -> dict[Figure, W.HTML]:
@@ -74,6 +77,7 @@ class Panels:
             self.loss.show()
             self._drawn["loss"] = version
         self.rl_views.update(scene, self.model, force)  # (an SFT-only view: two flags read, nothing drawn)
+        self.eval_views.update(scene, force)  # (without evaluations: a counter per run read)
         now = time.monotonic()
         for name, panel in (("system", self.system), ("optim", self.optim)):
             if not force and self._drawn.get(name) == version:
@@ -86,10 +90,12 @@ class Panels:
                 self._tab_drawn[name] = now
 
     def redraw(self, scene: Scene, figures: Sequence[str]) -> None:
-        """Redraw these figures now (``loss``, ``optim``, ``system``; ``reward`` once it is shown)."""
+        """Redraw these figures now (``loss``, ``optim``, ``system``; ``reward`` and ``evals`` once shown)."""
         panels = {"loss": self.loss, "optim": self.optim, "system": self.system}
         if self.rl_views.figure is not None:
             panels["reward"] = self.rl_views.figure
+        if self.eval_views.figure is not None:
+            panels["evals"] = self.eval_views.figure
         for name in figures:
             panels[name].draw(scene)
             panels[name].show()
@@ -101,6 +107,8 @@ class Panels:
         drawn = [("loss", self.loss.fig), ("optim", self.optim.fig), ("system", self.system.fig)]
         if self.rl_views.figure is not None and self.model.rewarded(scene.chosen):
             drawn.append(("reward", self.rl_views.figure.fig))
+        if self.eval_views.figure is not None and self.eval_views.shown:
+            drawn.append(("evals", self.eval_views.figure.fig))
         return drawn
 
     def readout_at(self, ax: Any, x_px: float, y_px: float, radius_px: float = 25.0) -> str | None:
