@@ -39,7 +39,7 @@ from mlora_lab.rundir import (
     TenantState,
     atomic_write_json,
 )
-from mlora_lab.search import Action, ActionOp, Objective, Search, Sweep, TrialState
+from mlora_lab.search import Action, ActionOp, Objective, Search, Sweep, TrialState, is_eval_score
 from mlora_lab.spec import Tenant
 
 OPTIMIZER_FIELDS = ("lr", "weight_decay", "max_grad_norm")
@@ -184,6 +184,17 @@ class SearchController:
                 return math.nan, why
         if objective.metric == "eval_loss" and name in evals:
             return evals[name], ""
+        if is_eval_score(objective.metric):  # its latest score in one of the job's evaluations
+            scores = [
+                r["value"]
+                for r in (*self.past_rows, *self.recorder.history)
+                if r["kind"] == RowKind.EVAL_METRIC
+                and r["model"] == name
+                and f"eval/{r['eval']}/{r['metric']}" == objective.metric
+            ]
+            if not scores or scores[-1] is None:
+                return math.nan, f"no {objective.metric} score yet (the evaluation runs every `every` steps)"
+            return float(scores[-1]), ""
         losses = [r["loss"] for r in rows if r["kind"] == RowKind.TRAIN and r["loss"] is not None]
         if not losses:
             return math.nan, "no train loss was logged (log_every is larger than its report step?)"

@@ -8,6 +8,7 @@ import importlib
 import inspect
 import math
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -268,8 +269,9 @@ def strategy_from_dict(d: Any) -> Strategy:
 @dataclass(frozen=True)
 class Objective:
     """What a trial is judged by: ``eval_loss``, ``train_loss`` (mean of the last ``window`` logged
-    train losses) or ``"module:function"`` (``function(rows) -> float`` of the trial's metrics rows);
-    ``mode`` ``min`` or ``max``."""
+    train losses), an evaluation's score ``eval/<name>/<metric>`` (its latest, ``JobSpec.evals``) or
+    ``"module:function"`` (``function(rows) -> float`` of the trial's metrics rows); ``mode`` ``min`` or
+    ``max``."""
 
     metric: str = "eval_loss"
     mode: str = "min"
@@ -289,7 +291,7 @@ class Objective:
         imported; ``ValueError`` saying why it cannot be used: the module does not import, has no such
         name, or the name is not a Python function (``sys:exit``, a class or a builtin would be called with
         the trial's rows)."""
-        if self.metric in ("eval_loss", "train_loss"):
+        if self.metric in ("eval_loss", "train_loss") or is_eval_score(self.metric):
             return None
         if not isinstance(self.metric, str) or not _is_reference(self.metric):
             raise ValueError(f"objective {str(self.metric)[:80]!r} is not 'module:function'")
@@ -318,10 +320,13 @@ class Objective:
         if self.mode not in ("min", "max"):
             out.append(f"objective mode must be 'min' or 'max', got {self.mode!r}")
         if not isinstance(self.metric, str) or not (
-            self.metric in ("eval_loss", "train_loss") or _is_reference(self.metric)
+            self.metric in ("eval_loss", "train_loss")
+            or _is_reference(self.metric)
+            or is_eval_score(self.metric)
         ):
             out.append(
-                f"objective metric must be 'eval_loss', 'train_loss' or 'module:function', got {str(self.metric)[:80]!r}"
+                "objective metric must be 'eval_loss', 'train_loss', an evaluation's 'eval/<name>/<metric>' or "
+                f"'module:function', got {str(self.metric)[:80]!r}"
             )
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
             out.append(f"objective window must be a whole number >= 1, got {self.window!r}")
@@ -334,6 +339,12 @@ _MISSING = object()
 def _what(obj: Any) -> str:
     kind = "a class" if inspect.isclass(obj) else f"a {type(obj).__name__}"
     return kind + (" (a builtin)" if inspect.isbuiltin(obj) else "")
+
+
+def is_eval_score(text: Any) -> bool:
+    """Whether ``text`` names an evaluation's score, ``eval/<name>/<metric>`` (``JobSpec.evals``): a trial's
+    latest score is its objective (give ``mode="max"`` for a score where more is better)."""
+    return isinstance(text, str) and re.fullmatch(r"eval/[^/]+/[^/]+", text) is not None
 
 
 def _is_reference(text: str) -> bool:

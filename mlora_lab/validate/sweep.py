@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mlora_lab.search import is_eval_score
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.specbase import Problem
+from mlora_lab.specparts import Eval
 from mlora_lab.text import is_int
 from mlora_lab.validate.context import ValidationCache, capped
 from mlora_lab.validate.validator import Validator
@@ -70,6 +72,14 @@ def sweep_problems(spec: JobSpec, sweep: Any, cache: ValidationCache | None = No
             sweep.objective.function()
         except ValueError as e:
             out.append(Problem(None, "objective", str(e)))
+    metric = sweep.objective.metric
+    if is_eval_score(metric):
+        named = [e.name for e in spec.evals if isinstance(e, Eval)] if isinstance(spec.evals, list) else []
+        if metric.split("/")[1] not in named:
+            out.append(
+                Problem(None, "objective", f"objective {metric!r}: the job has no evaluation "
+                        f"{metric.split('/')[1]!r} (JobSpec.evals: {', '.join(named) or 'none'})")
+            )  # fmt: skip
     if any(p.field == "search" for p in out):
         return out
     validator = Validator(cache or ValidationCache())

@@ -457,3 +457,35 @@ def test_a_stopped_asha_sweep_with_more_trials_than_slots_resumes(llama_path, ba
     assert resumed.wait(300) == "finished", (resumed.status, resumed.logs(0))
     states = {t.state for t in resumed.search.trials}
     assert states <= {"finished", "pruned"} and "finished" in states, states
+
+
+def test_an_evaluation_score_is_a_sweeps_objective(llama_path, base_tenant, tmp_path):
+    """objective="eval/<name>/<metric>": each trial is judged by its latest score in that evaluation (here
+    a longest-completion metric, mode max), and a sweep naming an evaluation the job lacks is refused."""
+    from mlora_lab.rundir import EvalMetricRow
+    from mlora_lab.validate.sweep import sweep_problems
+
+    metric = tmp_path / "metric.py"
+    metric.write_text(
+        "def length(prompts, completions, **kw):\n    return [float(len(c)) for c in completions]\n"
+    )
+    prompts = write_jsonl(
+        tmp_path / "prompts.jsonl", [{"prompt": "reverse: red cat\n"}, {"prompt": "upper: a\n"}]
+    )
+    quick = ml.Eval(name="quick", data=prompts, metrics=[f"{metric}:length"], every=1, max_new_tokens=6,
+                    models=["base"] + [f"trial-{i:03d}" for i in range(4)])  # fmt: skip
+    sweep = Sweep(base_tenant, {"lr": choice(1e-3, 3e-2)}, ml.Grid(), budget=2,
+                  objective=Objective("eval/quick/length", mode="max"))  # fmt: skip
+    tr = sweep_trainer(llama_path, tmp_path / "run", sweep, evals=[quick], stay_up=False)
+    tr.train(idle_s=0.01)
+    tr.close()
+    trials = search_state(tmp_path / "run")["trials"]
+    assert [t["state"] for t in trials] == ["finished", "finished"]
+    for t in trials:
+        name = f"trial-{t['id']:03d}"
+        scores = [r for r in tr.history if isinstance(r, EvalMetricRow) and r.model == name]
+        assert scores and t["results"]["2"] == pytest.approx(scores[-1].value)  # (reported at its step 2)
+
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], max_tenants=3, seq_len=64, max_rank=16)
+    found = [str(p) for p in sweep_problems(spec, sweep)]
+    assert any("the job has no evaluation 'quick'" in p for p in found), found
