@@ -148,17 +148,24 @@ class Evaluation:
             frame = frame.drop(columns="_order").reset_index(drop=True)
         return frame
 
+    def table(self, **kwargs: Any) -> Any:
+        """The eval table widget (:class:`~mlora_lab.lab.evaltable.EvalTable`): the chosen models' outputs
+        side by side with their scores and their change from a reference column, filters, sorting, the
+        leaderboard and exports to CSV and HTML."""
+        from mlora_lab.lab.evaltable import EvalTable
+
+        return EvalTable(self, **kwargs)
+
     def plot(self, metric: str | None = None, ax: Any = None) -> Any:
         """A leaderboard: a bar per model for ``metric`` (default every metric, grouped), with its bootstrap
         interval as error bars. Returns the matplotlib ``Figure``."""
-        import matplotlib.pyplot as plt
-
-        from mlora_lab.lab.plotting import PALETTE
+        from mlora_lab.lab.plotting import PALETTE, LabFigure
 
         metrics = [metric] if metric is not None else self.metrics
         scores = self.scores()
         if ax is None:
-            fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(self.models) * max(1, len(metrics))), 3.2))
+            fig = LabFigure(figsize=(max(4.0, 1.2 * len(self.models) * max(1, len(metrics))), 3.2))
+            ax = fig.add_subplot(1, 1, 1)
         else:
             fig = ax.figure
         width = 0.8 / max(1, len(metrics))
@@ -175,7 +182,6 @@ class Evaluation:
         ax.set_title(f"evaluation {self.name!r}: {self.meta.examples} examples")
         if len(metrics) > 1:
             ax.legend(frameon=False, fontsize="small")
-        fig.tight_layout()
         return fig
 
 

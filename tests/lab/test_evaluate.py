@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import peft
 import pytest
 import torch
@@ -192,3 +193,61 @@ def test_every_problem_is_named_before_a_model_loads(adapters, monkeypatch):
         assert part in text, text
     with pytest.raises(ValueError, match="needs 'pattern', which no data row has"):
         ml.evaluate(adapters, ROWS, ["regex"])
+
+
+# -- the eval table --------------------------------------------------------------------------------------
+
+
+def test_eval_table_filters_sorts_searches_and_exports(adapters, tmp_path):
+    ev = ml.evaluate(adapters, ROWS, ["contains", long_words], max_new_tokens=6)
+    table = ev.table(metric="long_words", export_dir=tmp_path)
+    assert table.reference.value == "base" and table.models.value == ("base", "alpha", "beta")
+    full = table.frame()
+    scores = ev.per_example()["long_words"]
+    assert list(full.columns[:4]) == ["example", "prompt", "answer", "reference"]
+    assert np.allclose(full["alpha Δ"], scores[1] - scores[0], equal_nan=True)
+    assert full.loc[3, "prompt"] == "user: say hi" and full.loc[3, "reference"] == "hi"
+
+    # every filter keeps exactly the examples its rule says
+    delta = np.vstack([scores[1] - scores[0], scores[2] - scores[0]])
+    for name, want in (
+        ("disagreements", np.nanmax(scores, axis=0) != np.nanmin(scores, axis=0)),
+        ("regressions", (delta < 0).any(axis=0)),
+        ("improvements", (delta > 0).any(axis=0)),
+    ):
+        table.filter.value = name
+        assert table.frame()["example"].tolist() == np.flatnonzero(want).tolist(), name
+    table.filter.value = "all"
+    table.sort.value = "largest change"
+    change = np.nanmax(np.abs(delta), axis=0)
+    got = table.frame()["example"].tolist()
+    assert [np.nan_to_num(change[e], nan=-1) for e in got] == sorted(
+        np.nan_to_num(change, nan=-1), reverse=True
+    )
+
+    table.search.value = "UPPER"  # (case-insensitive, in prompts, references and completions)
+    assert table.frame()["example"].tolist() == [1]
+    assert "1 of 1 examples (4 in all)" in table.count.value and "upper: sun" in table.rows.value
+    table.models.value = ("alpha",)  # a model shown alone: its Δ still taken from the reference
+    assert "alpha Δ" in table.frame().columns and "base" not in table.frame().columns
+
+    csv, page = table.to_csv(), table.to_html()
+    assert csv == tmp_path / f"{ev.name}-long_words.csv"
+    assert pd.read_csv(csv)["example"].tolist() == [1]
+    text = page.read_text()
+    assert text.startswith("<!doctype html>") and "upper: sun" in text and "alpha:" in text
+    table.csv.click()
+    assert str(csv) in table.saved.value
+    assert table.leaderboard.value[:4] == b"\x89PNG"
+    with pytest.raises(KeyError, match="no metric 'bleu'"):
+        ev.table(metric="bleu")
+
+
+def test_eval_table_pages_long_evaluations(adapters):
+    rows = [{"prompt": f"reverse: {w}\n", "answer": w[::-1]} for w in ("a", "bb", "ccc") * 40]
+    table = ml.evaluate(adapters[:1], rows, ["contains"], max_new_tokens=2).table()
+    assert table.rows.value.count("<tr>") == 1 + 50 and table.more.layout.display == ""
+    table.more.click()
+    assert table.rows.value.count("<tr>") == 1 + 100
+    table.more.click()
+    assert table.rows.value.count("<tr>") == 1 + 120 and table.more.layout.display == "none"
