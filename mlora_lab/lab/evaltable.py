@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from mlora_lab.lab.evaluation import Evaluation
-from mlora_lab.lab.plotting import figure_png
+from mlora_lab.lab.plotting import DISPLAY_DPI, figure_png
 from mlora_lab.rundir.files import atomic_write_text
 
 FILTERS = ("all", "disagreements", "regressions", "improvements")
@@ -213,7 +213,10 @@ class EvalTable:
         self.update()
 
     def draw_leaderboard(self) -> None:
-        self.leaderboard.value = figure_png(self.ev.plot(self.metric.value))
+        """The leaderboard of the chosen metric, shown at its display size (rendered at twice it)."""
+        fig = self.ev.plot(self.metric.value)
+        self.leaderboard.value = figure_png(fig)
+        self.leaderboard.width = str(int(fig.get_figwidth() * DISPLAY_DPI))
 
     # -- exports ---------------------------------------------------------------------------------
     def to_csv(self, path: str | os.PathLike | None = None) -> Path:

@@ -177,6 +177,10 @@ class Evaluation:
             )
             ax.bar(x + (j - (len(metrics) - 1) / 2) * width, mean, width, yerr=np.nan_to_num(err), capsize=3,
                    label=m, color=PALETTE[j % len(PALETTE)])  # fmt: skip
+        values = scores[[m for m in metrics] + [f"{m}_high" for m in metrics]].to_numpy(dtype=float)
+        finite = values[np.isfinite(values)]
+        if finite.size and finite.min() >= 0 and finite.max() <= 1:  # (a share: its whole range)
+            ax.set_ylim(0, 1.05)
         ax.set_xticks(x, self.models, rotation=20, ha="right")
         ax.set_ylabel("score (95% bootstrap interval)")
         ax.set_title(f"evaluation {self.name!r}: {self.meta.examples} examples")

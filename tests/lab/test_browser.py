@@ -335,3 +335,73 @@ def drive_quickstart(page, port: int, root: Path, wait_cell: int, tmp_path: Path
     playwright.expect(row).not_to_contain_text("running", timeout=10_000)
     assert "stopped" in row.inner_text(), row.inner_text()
     page.screenshot(path=str(tmp_path / "jupyterlab-3.png"), full_page=True)
+
+
+def test_eval_table_in_chromium(llama_path, tmp_path):
+    """The eval table served by Voila: the rows, the leaderboard, a filter and a search clicked and typed in the
+    browser change what is shown, as the same table computes it here."""
+    import peft
+    import torch
+    import transformers
+
+    paths = []
+    for name, r, seed in (("alpha", 4, 1), ("beta", 8, 2)):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_pretrained(llama_path)
+        config = peft.LoraConfig(
+            r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+        )
+        peft.get_peft_model(model, config).save_pretrained(tmp_path / name)
+        paths.append(str(tmp_path / name))
+    rows = [
+        {"prompt": f"{kind}: {w}\n", "answer": w}
+        for kind in ("reverse", "upper")
+        for w in ("red cat", "sun", "dog")
+    ]
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    args = f"{paths!r}, {data!r}, ['contains', 'exact_match'], max_new_tokens=5, name='browser'"
+    here = ml.evaluate(paths, data, ["contains", "exact_match"], max_new_tokens=5).table()
+    code = f"import mlora_lab as ml\nev = ml.evaluate({args})\ntable = ev.table()\ntable.widget"
+    nb = new_notebook(
+        cells=[new_code_cell(code)],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+    )
+    nbformat.write(nb, tmp_path / "table.ipynb")
+    voila, port, log = start_server(
+        [
+            sys.executable,
+            "-m",
+            "voila",
+            str(tmp_path / "table.ipynb"),
+            "--no-browser",
+            "--Voila.ip=127.0.0.1",
+        ],
+        tmp_path / "voila.log",
+    )
+    try:
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1300, "height": 900})
+            page.goto(f"http://127.0.0.1:{port}/", timeout=180_000)
+            page.wait_for_selector("text=examples (6 in all)", timeout=180_000)
+            assert page.locator("table.mlora-eval tr").count() == 1 + 6
+            assert page.eval_on_selector_all("img", "e => e.filter(i => i.naturalWidth > 0).length") >= 1
+            for name in ("regressions", "improvements", "disagreements"):
+                here.filter.value = name
+                want = len(here.frame())
+                page.get_by_role("button", name=name, exact=True).click()
+                page.wait_for_selector(f"text={min(want, 50)} of {want} examples", timeout=30_000)
+                assert page.locator("table.mlora-eval tr").count() == 1 + want, name
+            here.filter.value = "all"
+            page.get_by_role("button", name="all", exact=True).click()
+            search = page.get_by_placeholder("search prompts, references and completions")
+            search.fill("upper: s")
+            search.press("Enter")
+            page.wait_for_selector("text=1 of 1 examples", timeout=30_000)
+            assert "upper: sun" in page.locator("table.mlora-eval").inner_text()
+            page.screenshot(path=str(tmp_path / "eval_table.png"), full_page=True)
+            browser.close()
+    finally:
+        voila.terminate()
+        voila.wait(timeout=30)
+        log.close()
