@@ -158,14 +158,17 @@ def hparams(
     params: Sequence[str] | None = None,
     kind: str = "scatter",
     figsize: tuple[float, float] | None = None,
+    mode: str | None = None,
 ) -> Figure:
     """Hyperparameters next to results, for sweeps: every tenant of ``runs`` as one point (``kind=
     "scatter"``: one panel per setting, the setting on x and the tenant's best ``metric`` on y) or one
     line (``kind="parallel"``: parallel coordinates, an axis per setting and a last one for the metric,
     lines coloured by the metric, best darkest).
 
-    ``metric`` is ``eval_loss`` (the lowest eval loss the tenant reached) or ``loss`` (the lowest point
-    of its smoothed train loss); tenants without it are left out, with a warning naming them.
+    ``metric`` is ``eval_loss`` (the lowest eval loss the tenant reached), ``loss`` (the lowest point
+    of its smoothed train loss) or an evaluation's score ``eval/<name>/<metric>`` (its latest,
+    ``JobSpec.evals``; ``mode="max"`` by default: more is better, give ``mode="min"`` for an error rate);
+    tenants without it are left out, with a warning naming them.
     ``params`` are ``summary()`` columns from :data:`HPARAMS` or settings a sweep searched; by default
     every one that differs between the tenants shown (a setting all tenants share explains nothing).
     Numbers are drawn on their value (``lr`` on a log axis), other settings (``targets``, ``schedule``)
@@ -177,8 +180,17 @@ def hparams(
     if kind not in ("scatter", "parallel"):
         raise ValueError(f"kind must be 'scatter' or 'parallel', got {kind!r}")
     column = {"eval_loss": "best_eval_loss", "loss": "best_smoothed_loss"}.get(metric)
+    score = isinstance(metric, str) and metric.startswith("eval/")
+    if score:
+        column = metric  # (summary's column: each tenant's latest score)
     if column is None:
-        raise ValueError(f"metric must be 'eval_loss' or 'loss', got {metric!r}")
+        raise ValueError(
+            f"metric must be 'eval_loss', 'loss' or an evaluation's 'eval/<name>/<metric>', got {metric!r}"
+        )
+    mode = mode or ("max" if score else "min")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    word = "latest" if score else "best"
     runs = as_runs(runs)
     table, searched = _hparams_table(runs)
     known = list(dict.fromkeys([*HPARAMS, *searched]))
@@ -187,6 +199,8 @@ def hparams(
         raise ValueError(
             f"unknown hyperparameter(s) {', '.join(map(repr, unknown))}; choose from {', '.join(known)}"
         )
+    if column not in table:
+        table[column] = np.nan
     missing = table[table[column].isna()]
     if len(missing):
         warnings.warn(
@@ -216,7 +230,7 @@ def hparams(
     texts = [
         f"{name} · "
         + " · ".join(f"{p} {_shown(v)}" for p in params if not pd.isna(v := table.at[i, p]))
-        + f" · best {metric} {y[i]:.4g}"
+        + f" · {word} {metric} {y[i]:.4g}"
         for i, name in enumerate(names)
     ]
     numeric = {p: _is_number(table[p]) for p in params}
@@ -228,7 +242,7 @@ def hparams(
         index = {c: i for i, c in enumerate(categories[p])}
         return np.array([index.get(str(v), np.nan) if not pd.isna(v) else np.nan for v in table[p]], float)
 
-    best = int(np.nanargmin(y))
+    best = int(np.nanargmin(y) if mode == "min" else np.nanargmax(y))
     if kind == "scatter":
         axes = fig.subplots(1, len(params), sharey=True, squeeze=False)[0]
         for ax, p in zip(axes, params):
@@ -242,14 +256,14 @@ def hparams(
                 set_log_x(ax)
             if not numeric[p]:
                 set_categories(ax, categories[p])
-            style_axes(ax, xlabel=plain(p), ylabel=f"best {metric}" if ax is axes[0] else None)
+            style_axes(ax, xlabel=plain(p), ylabel=f"{word} {metric}" if ax is axes[0] else None)
         # (above the panel, not inside it, where it sat on the points of the top-left corner)
         axes[0].set_title(f"best (ringed): {plain(names[best])}", loc="left", fontsize=8, color="#222")
     else:
         import matplotlib as mpl
 
         ax = fig.add_subplot(1, 1, 1)
-        axis_names = [*params, f"best {metric}"]
+        axis_names = [*params, f"{word} {metric}"]
         raw = [position(p) for p in params] + [y]
         scaled = []
         for name, v in zip(axis_names, raw):
@@ -260,11 +274,11 @@ def hparams(
             v = np.log10(v) if name in LOG_HPARAMS else v
             lo, hi = np.nanmin(v), np.nanmax(v)
             scaled.append((v - lo) / (hi - lo) if hi > lo else np.full_like(v, 0.5))
-        cmap = mpl.colormaps["viridis_r"]
+        cmap = mpl.colormaps["viridis_r" if mode == "min" else "viridis"]
         lo, hi = np.nanmin(y), np.nanmax(y)
         norm = mpl.colors.Normalize(lo, hi if hi > lo else lo + 1)
         xs = np.arange(len(axis_names))
-        order = np.argsort(-y)  # the best last, drawn on top
+        order = np.argsort(-y if mode == "min" else y)  # the best last, drawn on top
         for i in order:
             ax.plot(xs, [s[i] for s in scaled], color=cmap(norm(y[i])), linewidth=1.6, alpha=0.9)
         fig.points.append((ax, np.column_stack([np.full(len(y), xs[-1]), scaled[-1]]), texts))
@@ -285,8 +299,8 @@ def hparams(
         ax.set_xlim(-0.3, len(axis_names) - 0.7)
         for side in ("left", "right", "top"):
             ax.spines[side].set_visible(False)
-        fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=f"best {metric}", pad=0.02)
-    fig.suptitle(f"hyperparameters → best {metric} ({len(table)} tenants)", fontsize=10)
+        fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=f"{word} {metric}", pad=0.02)
+    fig.suptitle(f"hyperparameters → {word} {metric} ({len(table)} tenants)", fontsize=10)
     return fig  # LabFigure's constrained layout places the panels, the colorbar and the title
 
 

@@ -98,6 +98,10 @@ def test_evaluations_while_training_log_rows_and_equal_ml_evaluate_after(llama_p
         dash.stop()
     summary = ml.summary(handle).set_index("tenant")
     assert summary.loc["rev", "eval/quick/word_count"] == last["rev", "word_count"]
+    fig = ml.hparams(handle, metric="eval/quick/word_count")  # (more is better: the highest is ringed)
+    top = summary["eval/quick/word_count"].idxmax()
+    assert fig.axes[0].get_title(loc="left") == f"best (ringed): {top}"
+    assert fig.axes[0].get_ylabel() == "latest eval/quick/word_count"
     assert summary.loc["up", "eval/base-only/contains"] == next(
         r.value for r in rows if r.eval == "base-only" and r.model == "up"
     )
