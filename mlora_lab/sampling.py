@@ -78,6 +78,8 @@ from mlora_lab.batching import cache_keyword, left_pad
 from mlora_lab.lora.model import MultiLoRAModel
 
 StopReason = Literal["eos", "stop", "length"]
+MAX_TOP_LOGPROBS = 20
+"""The most likely tokens a request may ask for at each step (OpenAI's bound for ``top_logprobs``)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,9 @@ class SampleRequest:
     torch's global generator (reproducible under ``torch.manual_seed``)."""
     prompt_logprobs: bool = False
     """Also give the prompt's own logprobs (then the prefill keeps every position's logits, [R, T, V])."""
+    top_logprobs: int = 0
+    """Also give, at every completion token, the ``top_logprobs`` most likely tokens and their raw logprobs
+    (what OpenAI's ``top_logprobs`` asks; 0: none)."""
 
 
 @dataclass
@@ -122,6 +127,9 @@ class Completion:
     prompt_logprobs: list[float | None] | None = None
     """When asked: ``[None, log p(prompt[1] | prompt[:1]), ..., log p(prompt[n-1] | prompt[:n-1])]``
     (raw logits, like ``logprobs``; the first token has no logprob)."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """When asked (``SampleRequest.top_logprobs``): per completion token, ``(token, raw logprob)`` of the most
+    likely tokens there, most likely first."""
 
 
 def row_seed(seed: int, index: int) -> int:
@@ -198,6 +206,10 @@ def request_problems(
                 problems.append(f"{where}: stop strings need a tokenizer (pass tokenizer=...)")
         if r.seed is not None and not _is_int(r.seed):
             problems.append(f"{where}: seed must be an integer or None, got {r.seed!r}")
+        if not _is_int(r.top_logprobs) or not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(
+                f"{where}: top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {r.top_logprobs!r}"
+            )
     return problems
 
 
@@ -215,6 +227,7 @@ class _Row:
     stop_strings: tuple[str, ...]
     generator: torch.Generator | None
     seed: int = 0  # :func:`row_seed` of the request's seed and the sample's index (the static path's draws)
+    top: int = 0  # the most likely tokens recorded at each step (SampleRequest.top_logprobs)
     done: bool = False
 
 
@@ -268,7 +281,10 @@ def sample(
             stops = eos if r.stop_token_ids is None else frozenset(int(t) for t in r.stop_token_ids)
             settings = (r.max_new_tokens, float(r.temperature), float(r.top_p), r.top_k, stops)
             row_s = row_seed(seed, k) if r.temperature > 0 else 0
-            rows.append(_Row(Completion(i, k), r.tenant, *settings, tuple(r.stop_strings), generator, row_s))
+            row = _Row(Completion(i, k), r.tenant, *settings, tuple(r.stop_strings), generator, row_s)
+            if r.top_logprobs:
+                row.top, row.out.top_logprobs = r.top_logprobs, []
+            rows.append(row)
             expand.append(p)
 
     if static is None:
@@ -276,7 +292,7 @@ def sample(
             device.type == "cuda"
             and any_running is None
             and not _has_experts(model)  # (an MoE router's token groups have data-dependent shapes)
-            and not any(r.prompt_logprobs for r in requests)
+            and not any(r.prompt_logprobs or r.top_logprobs for r in requests)
         )
     if static and rows:
         from mlora_lab import static_decode
@@ -390,12 +406,19 @@ def _choose(logits: torch.Tensor, batch: list[_Row | None], tokenizer: Any) -> N
         picked, lp = _draw(logits[drawn], [batch[j] for j in drawn])
         index = torch.tensor(drawn, device=logits.device)
         tokens[index], sampling_lp[index] = picked, lp
-    raw_lp = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    logp = logits.log_softmax(-1)
+    raw_lp = logp.gather(1, tokens[:, None])[:, 0]
     # one device sync per step: the stop rules need the tokens on the host
     tokens_h, raw_h, sampling_h = tokens.tolist(), raw_lp.tolist(), sampling_lp.tolist()
+    k = max((batch[j].top for j in live), default=0)
+    if k:  # (only when a row asks: one topk over the batch)
+        top_v, top_i = (t.tolist() for t in logp.topk(min(k, logp.shape[-1]), dim=-1))
     record = _recorder(tokenizer)
     for j in live:
-        record(batch[j], tokens_h[j], raw_h[j], sampling_h[j])
+        row = batch[j]
+        if row.top and row.out.top_logprobs is not None:
+            row.out.top_logprobs.append(list(zip(top_i[j][: row.top], top_v[j][: row.top])))
+        record(row, tokens_h[j], raw_h[j], sampling_h[j])
 
 
 def _has_experts(model: MultiLoRAModel) -> bool:

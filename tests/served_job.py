@@ -46,13 +46,14 @@ class Served:
         slot_modules: list[str] | None = None,
         quantize: str | None = None,
         log_every: int = 1,
+        tenants: list | None = None,
     ) -> None:
         self.base = base
         spec = JobSpec(
             quantize=quantize,
             log_every=log_every,
             base_model=base,
-            tenants=[],
+            tenants=list(tenants or []),
             seq_len=seq_len,
             max_tenants=max_tenants,
             max_rank=8,

@@ -28,7 +28,6 @@ import ipywidgets as W
 import numpy as np
 import pandas as pd
 
-from mlora_lab.lab.evaluation import Evaluation
 from mlora_lab.lab.plotting import DISPLAY_DPI, figure_png
 from mlora_lab.rundir.files import atomic_write_text
 
@@ -54,7 +53,7 @@ class EvalTable:
 
     def __init__(
         self,
-        evaluation: Evaluation,
+        evaluation: Any,  # (an Evaluation: it makes its own table, so this module does not import it)
         models: list[str] | None = None,
         reference: str | None = None,
         metric: str | None = None,

@@ -119,6 +119,21 @@ class ServedRun(Run):
             ) from e
         return tinker.ServiceClient(base_url=self.base_url, api_key=api_key or self.api_key, **kwargs)
 
+    @property
+    def openai_base_url(self) -> str:
+        """The OpenAI-compatible API of the job (``<base_url>/v1``): models ``base``, each tenant by its name
+        and the named sampler snapshots (:mod:`mlora_lab.service.openai_api`), with the same API keys."""
+        return f"{self.base_url}/v1"
+
+    def openai_client(self, api_key: str | None = None, **kwargs: Any) -> Any:
+        """An ``openai.OpenAI`` client of :attr:`openai_base_url` (with the owner's key unless ``api_key`` is
+        given); ``kwargs`` go to it. Needs the ``openai`` package: ``pip install 'mlora_lab[openai]'``."""
+        try:
+            import openai
+        except ImportError as e:
+            raise ImportError("svc.openai_client() needs the openai package: pip install openai") from e
+        return openai.OpenAI(base_url=self.openai_base_url, api_key=api_key or self.api_key, **kwargs)
+
     def usage(self, by: str = "tenant") -> pd.DataFrame:
         """What the clients' requests have cost the job so far: per API key and tenant (``by="tenant"``;
         tenant ``None``: samples of the base model) or per key (``by="key"``): ``tokens_trained``,

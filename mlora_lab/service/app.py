@@ -59,6 +59,7 @@ from mlora_lab.service.bodies import (
     read_save,
     read_user_metadata,
 )
+from mlora_lab.service.openai_api import openai_routes
 from mlora_lab.service.state import MAX_SAMPLING_SESSIONS, SamplingSession, ServiceState, Session
 from mlora_lab.service.work import InboxFull, Kind, Refusal, SeqIdPassed, Work
 
@@ -148,6 +149,9 @@ def create_app(state: ServiceState) -> Starlette:
         route("/weights_info", weights_info),
         route("/asample", asample),
         route("/retrieve_future", retrieve_future),
+        *openai_routes(
+            state
+        ),  # (the OpenAI-compatible side: /v1/models, /v1/completions, /v1/chat/completions)
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: http_error})
 

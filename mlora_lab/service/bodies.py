@@ -118,6 +118,14 @@ class Sample:
     model_path: str | None = None
     """The ``tinker://…/sampler_weights/…`` snapshot to sample from; None: the base model."""
     sequence_ids: list[str] = field(default_factory=list)
+    tenant: str | None = None
+    """A tenant of the job sampled with its current adapter (the OpenAI endpoint's ``model``); None: the
+    snapshot or the base."""
+    top_logprobs: int = 0
+    """The most likely tokens to give at each step (the OpenAI endpoint's ``top_logprobs``)."""
+    json_reply: bool = False
+    """Answer with JSON (tokens, logprobs, top logprobs, stop reasons: the OpenAI endpoint) rather than the
+    SDK's protobuf."""
 
 
 @dataclass(frozen=True)

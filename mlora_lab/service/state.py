@@ -82,6 +82,12 @@ class ServiceState:
     creating: dict[str, str] = field(default_factory=dict)
     """model_id -> the request id of its create (a resent create_model gets the same future)."""
     checkpoints: Path | None = None
+    tokenizer: Any = None
+    """The job's tokenizer (the OpenAI endpoint encodes prompts and decodes completions with it)."""
+    tenant_names: list[str] = field(default_factory=list)
+    """The tenants holding a slot (the OpenAI endpoint's models), as the training loop last saw them."""
+    snapshot_paths: list[str] = field(default_factory=list)
+    """The named sampler snapshots (``tinker://…``) the loop holds: models the OpenAI endpoint lists."""
     """The service folder its saved checkpoints live in (``<run_dir>/service``; None: it saves none)."""
     future_owners: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
     """request_id -> (the key name that asked, when), oldest first: only its owner may retrieve a future."""

@@ -232,6 +232,8 @@ class ServiceDriver(Driver):
         self.max_step_tokens = max_step_tokens
         self._first = 0  # which model goes first in the next step (they take turns)
         self.main = parts.pool.is_main
+        if state is not None and state.tokenizer is None:
+            state.tokenizer = parts.engine.tokenizer  # (the OpenAI endpoint's text in and out)
         if self.main != (state is not None):
             raise ValueError("the service's state belongs to rank 0, and only to it")
         if state is not None:
@@ -332,6 +334,13 @@ class ServiceDriver(Driver):
         if self._restored:
             self._restore_models()
         self._settle_failed()
+        if self.main:  # what the OpenAI endpoint lists and samples: the tenants in slots, the named snapshots
+            tenants = [n for n, t in self.pool.tenants.items() if n in self.engine.model.tenants]
+            snaps = [
+                k for k, v in self.snapshots.by_key.items() if k.startswith("tinker://") and v is not None
+            ]
+            with self.state.lock:
+                self.state.tenant_names, self.state.snapshot_paths = tenants, snaps
         # (every process runs what rank 0 took, in its order: every forward is a collective)
         orders: _Orders = self.comm.broadcast_object(self._orders() if self.main else None)  # type: ignore[assignment]
         self._apply_sessions(orders)

@@ -73,6 +73,13 @@ class Snapshot:
     parameters: tuple[str, ...] = ()
 
 
+def json_sequence(c: Any) -> dict[str, Any]:
+    """One completion as the OpenAI endpoint reads it: tokens, their raw logprobs, the most likely tokens at
+    each step (when asked) and why it stopped (``eos``, ``stop``, ``length``)."""
+    return {"tokens": list(c.tokens), "logprobs": list(c.logprobs), "top_logprobs": c.top_logprobs,
+            "prompt_logprobs": c.prompt_logprobs, "stop_reason": c.stop_reason}  # fmt: skip
+
+
 class Snapshots:
     """The job's sampler snapshots, the slots of ``engine``'s model they are loaded in (of ``max_tenants``,
     shared with the training clients), and sampling from them. ``checkpoints``: the service folder named
@@ -201,6 +208,13 @@ class Snapshots:
             s = work.body
             # a snapshot's sampling session (its work names the model), a saved snapshot, or the base model
             source = s.sampling_session_id if work.model_id is not None else s.model_path
+            if s.tenant is not None:  # (a tenant's current adapter: the OpenAI endpoint's model)
+                if s.tenant not in self.engine.model.tenants:
+                    settle(work, Result(error=f"no tenant {s.tenant!r} holds a slot now"))
+                    continue
+                sources.append(None)
+                taken.append(work)
+                continue
             if source is not None and source not in self.by_key and work.model_id is None:
                 self.restore(source)
             if source is not None and source not in self.by_key:
@@ -231,7 +245,7 @@ class Snapshots:
             requests.append(
                 SampleRequest(
                     prompt=s.prompt,
-                    tenant=None if snap is None else snap.slot,
+                    tenant=s.tenant if s.tenant is not None else None if snap is None else snap.slot,
                     num_samples=s.num_samples,
                     max_new_tokens=s.max_tokens,
                     temperature=s.temperature,
@@ -241,6 +255,7 @@ class Snapshots:
                     stop_strings=tuple(s.stop_strings),
                     seed=s.seed,
                     prompt_logprobs=s.prompt_logprobs,
+                    top_logprobs=s.top_logprobs,
                 )
             )
             kept.append(work)
@@ -259,6 +274,10 @@ class Snapshots:
         ran = []
         for i, work in enumerate(taken):
             mine = [c for c in done if c.request == i]
+            if work.body.json_reply:  # (the OpenAI endpoint: it decodes and shapes the answer itself)
+                settle(work, Result(json={"sequences": [json_sequence(c) for c in mine]}))
+                ran.append((work, sum(len(c.tokens) for c in mine)))
+                continue
             sequences = [wire.Sampled(c.tokens, c.logprobs, stopped=c.stop_reason != "length") for c in mine]
             prompt = mine[0].prompt_logprobs if requests[i].prompt_logprobs else None
             settle(work, Result(proto=wire.sample_response(sequences, prompt)))

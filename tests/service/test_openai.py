@@ -1,0 +1,139 @@
+"""The OpenAI-compatible endpoint of a served job, driven by the official ``openai`` client: its models are the
+base, the tenants and the named snapshots; its completions equal PEFT's own generation of the same adapter;
+sampling is seeded, logprobs are the model's, streaming gives the same text, and errors have OpenAI's shapes."""
+
+from __future__ import annotations
+
+import time
+
+import peft
+import pytest
+import torch
+import transformers
+from conftest import task_rows, write_jsonl
+from served_job import Served
+from test_service_sdk import peft_greedy
+
+import mlora_lab as ml
+from mlora_lab.rundir import TenantState
+
+openai = pytest.importorskip("openai")
+
+PROMPT = "reverse: red cat\n"
+
+
+@pytest.fixture(scope="module")
+def served(llama_path, tmp_path_factory):
+    """A served job with one file-data tenant that trains 3 steps and then keeps its adapter in its slot."""
+    tmp = tmp_path_factory.mktemp("openai")
+    alice = ml.Tenant(name="alice", data=write_jsonl(tmp / "a.jsonl", task_rows("reverse", 12)), rank=4, lr=5e-2,
+                      max_steps=3, batch_size=2, target_modules=["q_proj", "v_proj"], max_grad_norm=None)  # fmt: skip
+    job = Served(llama_path, tenants=[alice], slot_modules=["q_proj", "v_proj"], idle_s=0.05)
+    deadline = time.monotonic() + 120
+    while job.trainer.pool.states().get("alice") is not TenantState.FINISHED and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job.trainer.pool.states()["alice"] is TenantState.FINISHED
+    adapter = job.trainer.model.save_adapter("alice", tmp / "alice", base_model_name_or_path=llama_path)
+    yield job, adapter
+    job.close()
+
+
+def client(job: Served, key: str | None = None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{job.server.url}/v1", api_key=key or job.key, max_retries=0)
+
+
+def test_models_are_the_base_and_the_tenants(served):
+    job, _ = served
+    assert [m.id for m in client(job).models.list()] == ["base", "alice"]
+
+
+def test_greedy_completions_equal_peft_generate(served, llama_path):
+    job, adapter = served
+    tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+    ids = tok(PROMPT)["input_ids"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama_path).eval()
+    tuned = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(llama_path), str(adapter)
+    ).eval()
+    for model, reference in (("base", base), ("alice", tuned)):
+        want, want_lps = peft_greedy(reference, ids, 8)
+        got = client(job).completions.create(
+            model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2
+        )
+        choice = got.choices[0]
+        assert choice.text == tok.decode(want, skip_special_tokens=True), model
+        assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == len(want)
+        assert choice.logprobs.token_logprobs == pytest.approx(want_lps, abs=1e-4)
+        # the chosen token is the most likely one (greedy), and two are listed at each step (keyed by their
+        # text, as OpenAI's legacy format has it: two byte tokens that both print as "\ufffd" share a key)
+        assert all(1 <= len(top) <= 2 and max(top.values()) == pytest.approx(lp, abs=1e-6)
+                   for top, lp in zip(choice.logprobs.top_logprobs, choice.logprobs.token_logprobs))  # fmt: skip
+    texts = {m: client(job).completions.create(model=m, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+             for m in ("base", "alice")}  # fmt: skip
+    assert texts["base"] != texts["alice"], "the tenant's adapter changes the base's text"
+
+
+def test_echo_gives_the_prompts_logprobs_as_lm_eval_asks_them(served, llama_path):
+    """lm-eval's log-likelihood requests: echo=True, logprobs=1, max_tokens=1: the prompt's tokens with the
+    model's logprob of each given those before it (the first has none)."""
+    job, _ = served
+    tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+    ids = tok(PROMPT)["input_ids"]
+    got = client(job).completions.create(model="base", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1,
+                                         echo=True).choices[0]  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_path).eval()
+    with torch.no_grad():
+        logp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    want = [None, *(logp[i - 1, ids[i]].item() for i in range(1, len(ids)))]
+    assert got.text.startswith(tok.decode(ids, skip_special_tokens=True))
+    assert got.logprobs.token_logprobs[0] is None
+    assert got.logprobs.token_logprobs[1 : len(ids)] == pytest.approx(want[1:], abs=1e-4)
+    assert len(got.logprobs.tokens) == len(ids) + 1
+
+
+def test_seeded_sampling_n_stop_and_chat(served):
+    job, _ = served
+    c = client(job)
+    kw = dict(model="alice", prompt=PROMPT, max_tokens=6, temperature=1.0, n=3, seed=11)
+    a, b = c.completions.create(**kw), c.completions.create(**kw)
+    assert [x.text for x in a.choices] == [x.text for x in b.choices] and len(a.choices) == 3
+    assert len({x.text for x in a.choices}) > 1, "three samples differ"
+    full = a.choices[0].text
+    cut = c.completions.create(**kw, stop=[full[2:4]]).choices[0]
+    assert cut.text == full[: full.index(full[2:4])] and cut.finish_reason == "stop"
+    chat = c.chat.completions.create(model="base", messages=[{"role": "user", "content": "count red"}],
+                                     max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    msg = chat.choices[0]
+    assert msg.message.role == "assistant" and isinstance(msg.message.content, str)
+    assert len(msg.logprobs.content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 for t in msg.logprobs.content)
+
+
+def test_streaming_gives_the_same_text(served):
+    job, _ = served
+    c = client(job)
+    plain = c.completions.create(model="alice", prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+    streamed = "".join(e.choices[0].text for e in c.completions.create(
+        model="alice", prompt=PROMPT, max_tokens=6, temperature=0, stream=True))  # fmt: skip
+    assert streamed == plain
+    chat = c.chat.completions.create(model="alice", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                     temperature=0, stream=True)  # fmt: skip
+    parts = [e.choices[0].delta.content or "" for e in chat]
+    again = c.chat.completions.create(model="alice", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                      temperature=0)  # fmt: skip
+    assert "".join(parts) == again.choices[0].message.content
+
+
+def test_errors_have_openais_shapes(served):
+    job, _ = served
+    with pytest.raises(openai.NotFoundError, match="'nobody' does not exist"):
+        client(job).completions.create(model="nobody", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        client(job, key="wrong").models.list()
+    with pytest.raises(openai.BadRequestError) as e:
+        client(job).completions.create(model="base", prompt=PROMPT, max_tokens=2, temperature=5)
+    assert e.value.body["param"] == "temperature" and "temperature must be" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be"):
+        client(job).completions.create(model="base", prompt=PROMPT, max_tokens=10_000)
+    other = job.keys.add("mallory")  # another key sees the base and the job's own tenants
+    assert [m.id for m in client(job, key=other).models.list()] == ["base", "alice"]
