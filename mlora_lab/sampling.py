@@ -130,6 +130,9 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """When asked (``SampleRequest.top_logprobs``): per completion token, ``(token, raw logprob)`` of the most
     likely tokens there, most likely first."""
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """When both the prompt's logprobs and ``top_logprobs`` are asked: the most likely tokens at each prompt
+    position but the first (``[]`` there), as ``top_logprobs``: whether the prompt is the greedy text."""
 
 
 def row_seed(seed: int, index: int) -> int:
@@ -323,9 +326,13 @@ def sample(
         want = [j for j, i in enumerate(order) if requests[i].prompt_logprobs]
         logits = _forward(model, input_ids, tenants, mask, positions, cache, every_position=bool(want))
         prompt_lps = {j: _prompt_logprobs(logits[j], input_ids[j], len(prompts[j])) for j in want}
+        tops = {j: _prompt_top(logits[j], len(prompts[j]), requests[order[j]].top_logprobs)
+                for j in want if requests[order[j]].top_logprobs}  # fmt: skip
         for row, p in zip(rows, expand):
             if p in prompt_lps:
                 row.out.prompt_logprobs = list(prompt_lps[p])
+            if p in tops:
+                row.out.prompt_top_logprobs = [list(step) for step in tops[p]]
         logits = logits[:, -1].float()  # [R, V]
         batch: list[_Row | None] = list(rows) or [None]  # the rows in the batch; None: the idle row
         if rows:
@@ -391,6 +398,14 @@ def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, n: int) -> list[fl
     T = ids.shape[0]
     logp = logits[T - n : T - 1].float().log_softmax(-1)  # [n - 1, V]
     return [None, *logp.gather(1, ids[T - n + 1 :, None])[:, 0].tolist()]
+
+
+def _prompt_top(logits: torch.Tensor, n: int, k: int) -> list[list[tuple[int, float]]]:
+    """The ``k`` most likely tokens (and their raw logprobs) at each of the last ``n`` positions of one
+    left-padded row but the first (``logits`` [T, V]): what each prompt token could have been."""
+    T = logits.shape[0]
+    values, ids = logits[T - n : T - 1].float().log_softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
+    return [[], *(list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist()))]
 
 
 def _choose(logits: torch.Tensor, batch: list[_Row | None], tokenizer: Any) -> None:

@@ -328,7 +328,9 @@ def _completion_logprobs(state: ServiceState, seq: dict, prompt: list[int]) -> d
     tokens = [*prompt, *seq["tokens"]]
     echoed = (seq.get("prompt_logprobs") or [None] * len(prompt)) if prompt else []
     values = [*echoed, *seq["logprobs"]]
-    tops = [None] * len(prompt) + [
+    asked = seq.get("prompt_top_logprobs") if prompt else None
+    prompt_tops = [None, *(_by_text(state, step) for step in asked[1:])] if asked else [None] * len(prompt)
+    tops = prompt_tops + [
         _by_text(state, step) for step in (seq.get("top_logprobs") or [[]] * len(seq["tokens"]))
     ]
     pieces = [_piece(state, t) for t in tokens]

@@ -137,3 +137,83 @@ def test_errors_have_openais_shapes(served):
         client(job).completions.create(model="base", prompt=PROMPT, max_tokens=10_000)
     other = job.keys.add("mallory")  # another key sees the base and the job's own tenants
     assert [m.id for m in client(job, key=other).models.list()] == ["base", "alice"]
+
+
+# -- lm-eval-harness: local-completions and local-chat-completions on a small local task ---------------------
+
+
+def _lm_eval_tasks(folder, rows: list[dict]) -> str:
+    """Two local tasks over the same rows: ``mlora_gen`` (generate_until, exact_match) and ``mlora_choice``
+    (multiple_choice, acc: the log-likelihood of each choice, lm-eval's echo requests)."""
+    data = write_jsonl(folder / "rows.jsonl", rows)
+    (folder / "mlora_gen.yaml").write_text(
+        f"task: mlora_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "output_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n  temperature: 0\n"
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    (folder / "mlora_choice.yaml").write_text(
+        f"task: mlora_choice\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{prompt}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n"
+    )
+    return str(folder)
+
+
+def test_lm_eval_harness_runs_against_the_endpoint(served, llama_path, tmp_path, monkeypatch):
+    """lm-eval's own API models evaluate a tenant through the endpoint; its multiple-choice accuracy equals the
+    one computed here from PEFT's log-likelihoods of each choice, and its generations are the endpoint's."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    job, adapter = served
+    monkeypatch.setenv("OPENAI_API_KEY", job.key)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rows = [
+        {"prompt": f"reverse: {p}\n", "answer": " ".join(reversed(p.split())), "choices": [a, b], "label": 0}
+        for p, a, b in (("red cat", " cat red", " red cat"), ("dog sun", " sun dog", " dog dog"),
+                        ("tree", " tree", " star"), ("blue bird red", " red bird blue", " blue"))
+    ]  # fmt: skip
+    manager = TaskManager(include_path=_lm_eval_tasks(tmp_path, rows))
+    # (add_bos_token: the prompts as the tenant was trained on them, with the tokenizer's BOS)
+    common = {"model": "alice", "tokenizer_backend": "huggingface", "tokenizer": llama_path, "max_length": 40,
+              "add_bos_token": True}  # fmt: skip
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={**common, "base_url": f"{job.server.url}/v1/completions", "num_concurrent": 2},
+        tasks=["mlora_gen", "mlora_choice"],
+        task_manager=manager,
+        log_samples=True,
+    )
+    acc = out["results"]["mlora_choice"]["acc,none"]
+    tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+    model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(llama_path), str(adapter)
+    )
+    picks = []
+    for r in rows:
+        ctx = tok(r["prompt"])["input_ids"]
+        scores = []
+        for choice in r["choices"]:
+            whole = tok(r["prompt"] + choice)["input_ids"]
+            with torch.no_grad():
+                logp = model(torch.tensor([whole])).logits[0].float().log_softmax(-1)
+            scores.append(sum(logp[i - 1, whole[i]].item() for i in range(len(ctx), len(whole))))
+        picks.append(int(max(range(2), key=lambda i: scores[i]) == r["label"]))
+    assert acc == pytest.approx(sum(picks) / len(picks))
+    generated = [s["filtered_resps"][0] for s in out["samples"]["mlora_gen"]]
+    c = client(job)
+    for r, text in zip(rows, generated):
+        again = c.completions.create(
+            model="alice", prompt=r["prompt"], max_tokens=6, temperature=0, stop=["\n"]
+        )
+        assert text == again.choices[0].text
+
+    chat = lm_eval.simple_evaluate(
+        model="local-chat-completions",
+        model_args={**common, "base_url": f"{job.server.url}/v1/chat/completions"},
+        tasks=["mlora_gen"],
+        task_manager=manager,
+        apply_chat_template=True,
+    )
+    assert 0.0 <= chat["results"]["mlora_gen"]["exact_match,none"] <= 1.0

@@ -77,7 +77,8 @@ def json_sequence(c: Any) -> dict[str, Any]:
     """One completion as the OpenAI endpoint reads it: tokens, their raw logprobs, the most likely tokens at
     each step (when asked) and why it stopped (``eos``, ``stop``, ``length``)."""
     return {"tokens": list(c.tokens), "logprobs": list(c.logprobs), "top_logprobs": c.top_logprobs,
-            "prompt_logprobs": c.prompt_logprobs, "stop_reason": c.stop_reason}  # fmt: skip
+            "prompt_logprobs": c.prompt_logprobs, "prompt_top_logprobs": c.prompt_top_logprobs,
+            "stop_reason": c.stop_reason}  # fmt: skip
 
 
 class Snapshots:
