@@ -31,6 +31,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "Grid": "mlora_lab.search",
     "HubDataset": "mlora_lab.sources",
     "JobBuilder": "mlora_lab.lab.forms",
+    "Judge": "mlora_lab.evals.metrics",
     "JobSpec": "mlora_lab.spec",
     "MultiLoRAModel": "mlora_lab.lora",
     "Objective": "mlora_lab.search",
@@ -71,6 +72,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from mlora_lab.evals import metrics  # noqa: F401
+    from mlora_lab.evals.metrics import Judge  # noqa: F401
     from mlora_lab.lab.dashboard import Dashboard  # noqa: F401
     from mlora_lab.lab.evaluate import evaluate  # noqa: F401
     from mlora_lab.lab.evaluation import Evaluation, evaluations, load_evaluation  # noqa: F401

@@ -154,7 +154,14 @@ def run_eval(
         worker = RewardWorker(list(metrics), timeout_s=timeout_s, cwd=cwd)
         try:
             result = worker(
-                RewardBatch(prompts, fed, ids, columns, {"global_step": step or 0, "max_steps": step or 0})
+                RewardBatch(
+                    prompts,
+                    fed,
+                    ids,
+                    columns,
+                    {"global_step": step or 0, "max_steps": step or 0},
+                    scores_may_be_missing=True,
+                )
             )
         finally:
             worker.close()

@@ -141,3 +141,72 @@ def rouge(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> 
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
     refs = references(kwargs, "rouge")
     return [scorer.score(r, text_of(c))["rougeL"].fmeasure for c, r in zip(completions, refs, strict=True)]
+
+
+DEFAULT_RUBRIC = (
+    "Rate the answer to the question from 0 (wrong or useless) to 10 (correct and complete). "
+    "Reply with the number only.\n\nQuestion: {prompt}\nReference answer: {reference}\nAnswer: {completion}\n"
+)
+""":class:`Judge`'s default instruction; ``{prompt}``, ``{completion}`` and ``{reference}`` are filled in."""
+
+
+class Judge:
+    """An LLM as judge: a metric that asks a model, through an OpenAI-compatible chat endpoint (a served job's,
+    ``svc.openai_base_url``, or any other), to rate each completion, and scores the number it answers, divided
+    by ``scale`` (``None`` when it answers none). ``rubric`` is a ``str.format`` template of ``{prompt}``,
+    ``{completion}`` and ``{reference}`` (the row's reference column, empty without one). Greedy (temperature
+    0), so the same completion gets the same score. :meth:`of` aims it at a served run's own endpoint.
+
+    It is a plain object (picklable: it reaches the metrics' worker process as a notebook's function does),
+    and it uses only the standard library's HTTP client."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        model: str = "base",
+        rubric: str = DEFAULT_RUBRIC,
+        scale: float = 10.0,
+        max_tokens: int = 8,
+        timeout_s: float = 120.0,
+        name: str = "judge",
+    ) -> None:
+        self.base_url, self.api_key, self.model, self.rubric = base_url.rstrip("/"), api_key, model, rubric
+        self.scale, self.max_tokens, self.timeout_s = scale, max_tokens, timeout_s
+        self.__name__ = name
+        rubric.format(prompt="", completion="", reference="")  # (a bad template fails here, in the notebook)
+
+    @classmethod
+    def of(cls, served: Any, **kwargs: Any) -> Judge:
+        """A judge asking a served run (``ml.serve``'s handle) through its OpenAI endpoint, with its owner's key."""
+        return cls(served.openai_base_url, served.api_key, **kwargs)
+
+    def ask(self, text: str) -> str:
+        """The judge model's greedy answer to ``text`` (one user message)."""
+        import json
+        import urllib.request
+
+        body = {"model": self.model, "messages": [{"role": "user", "content": text}], "temperature": 0,
+                "max_tokens": self.max_tokens}  # fmt: skip
+        request = urllib.request.Request(
+            f"{self.base_url}/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"},
+        )
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+            return json.loads(answer.read())["choices"][0]["message"]["content"] or ""
+
+    def __call__(
+        self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any
+    ) -> list[float | None]:
+        refs = next(([text_of(v) if v is not None else "" for v in kwargs[c]] for c in REFERENCE_COLUMNS if c in kwargs),
+                    [""] * len(completions))  # fmt: skip
+        out: list[float | None] = []
+        for prompt, completion, ref in zip(prompts, completions, refs, strict=True):
+            asked = self.rubric.format(prompt=text_of(prompt), completion=text_of(completion), reference=ref)
+            number = final_number(self.ask(asked))
+            out.append(None if number is None else min(max(number, 0.0), self.scale) / self.scale)
+        return out
+
+    def __repr__(self) -> str:
+        return f"Judge(model={self.model!r}, base_url={self.base_url!r})"

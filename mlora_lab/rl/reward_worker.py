@@ -208,7 +208,9 @@ class Functions:
             for i, v in enumerate(values):
                 table[i][f] = v
         for f, text in enumerate(self.refs):
-            if all(math.isnan(row[f]) for row in table):
+            # (a reward that scores nothing would train on nothing in silence; an evaluation's metric may, its
+            # scores then read as missing)
+            if not request.get("scores_may_be_missing") and all(math.isnan(row[f]) for row in table):
                 raise RuntimeError(
                     f"reward {shown_reward(text)} gave no reward (None or NaN) for any of the {n} completions"
                 )

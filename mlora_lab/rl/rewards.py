@@ -261,6 +261,9 @@ class RewardBatch:
     """Every other data column, one value per completion."""
     state: dict[str, Any] = field(default_factory=dict)
     """``trainer_state``'s attributes (``global_step``, ``max_steps``)."""
+    scores_may_be_missing: bool = False
+    """An evaluation's metrics: a function that scores no completion at all is not a failure (a reward that
+    does is: its tenant would train on nothing)."""
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -421,6 +424,7 @@ class RewardWorker:
             "completion_ids": batch.completion_ids,
             "columns": batch.columns,
             "state": batch.state,
+            "scores_may_be_missing": batch.scores_may_be_missing,
         }
         try:
             data = orjson.dumps(message, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"

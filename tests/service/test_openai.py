@@ -217,3 +217,32 @@ def test_lm_eval_harness_runs_against_the_endpoint(served, llama_path, tmp_path,
         apply_chat_template=True,
     )
     assert 0.0 <= chat["results"]["mlora_gen"]["exact_match,none"] <= 1.0
+
+
+def test_an_llm_judge_metric_asks_a_model_through_the_endpoint(served, tmp_path):
+    """ml.Judge: a metric that asks a model of the served job (here its tenant) to rate each completion; its
+    scores are the numbers that model answers (its replies, asked here directly, give the same), also from
+    ml.evaluate's isolated metrics worker."""
+    job, adapter = served
+    judge = ml.Judge(
+        f"{job.server.url}/v1", job.key, model="alice", rubric="rate {completion} for {prompt}: "
+    )
+    rows = [
+        {"prompt": "reverse: red cat\n", "answer": "cat red"},
+        {"prompt": "upper: sun\n", "answer": "SUN"},
+    ]
+    completions = ["cat red", "SUN 3"]
+    scores = judge([r["prompt"] for r in rows], completions, answer=[r["answer"] for r in rows])
+    c = client(job)
+    for r, comp, score in zip(rows, completions, scores):
+        reply = c.chat.completions.create(model="alice", temperature=0, max_tokens=8, messages=[
+            {"role": "user", "content": f"rate {comp} for {r['prompt']}: "}]).choices[0].message.content  # fmt: skip
+        number = ml.metrics.final_number(reply)
+        assert score == (None if number is None else min(max(number, 0), 10) / 10)
+    ev = ml.evaluate(
+        [str(adapter)], rows, [judge, "contains"], max_new_tokens=4
+    )  # (the judge, pickled, in the worker)
+    direct = judge([r["prompt"] for r in rows for _ in (0,)] * 2, ev.examples().completion.tolist(),
+                   answer=[r["answer"] for r in rows] * 2)  # fmt: skip
+    got = ev.examples()["judge"].tolist()
+    assert all((a is None and b != b) or a == b for a, b in zip(direct, got))
