@@ -28,7 +28,8 @@ def served(llama_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openai")
     alice = ml.Tenant(name="alice", data=write_jsonl(tmp / "a.jsonl", task_rows("reverse", 12)), rank=4, lr=5e-2,
                       max_steps=3, batch_size=2, target_modules=["q_proj", "v_proj"], max_grad_norm=None)  # fmt: skip
-    job = Served(llama_path, tenants=[alice], slot_modules=["q_proj", "v_proj"], idle_s=0.05)
+    job = Served(llama_path, tenants=[alice], slot_modules=["q_proj", "v_proj"], idle_s=0.05, max_tenants=4,
+                 checkpoints=tmp / "service")  # fmt: skip
     deadline = time.monotonic() + 120
     while job.trainer.pool.states().get("alice") is not TenantState.FINISHED and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -246,3 +247,36 @@ def test_an_llm_judge_metric_asks_a_model_through_the_endpoint(served, tmp_path)
                    answer=[r["answer"] for r in rows] * 2)  # fmt: skip
     got = ev.examples()["judge"].tolist()
     assert all((a is None and b != b) or a == b for a, b in zip(direct, got))
+
+
+def test_a_named_sampler_snapshot_is_a_model_of_its_key(served):
+    """A Tinker client's named sampler snapshot is a model of the endpoint (its ``tinker://`` path), for its own
+    key only, and samples as the SDK's sampling client of the same path does."""
+    from tinker import types
+
+    job, _ = served
+    tc = job.client().create_lora_training_client(
+        base_model=job.base, rank=4, train_mlp=False, train_unembed=False
+    )
+    tc = tc.result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 5, 9, 13]),
+        loss_fn_inputs={"target_tokens": [5, 9, 13, 17], "weights": [1.0, 1.0, 1.0, 1.0]},
+    )
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = tc.save_weights_for_sampler("kept").result().path
+    mine = [m.id for m in client(job).models.list()]
+    assert path in mine and job.tenant(tc.model_id) in mine
+    other = job.keys.add("eve")
+    assert path not in [m.id for m in client(job, key=other).models.list()]
+    with pytest.raises(openai.NotFoundError):
+        client(job, key=other).completions.create(model=path, prompt=[1, 5, 9], max_tokens=3)
+    got = client(job).completions.create(
+        model=path, prompt=[1, 5, 9], max_tokens=5, temperature=0, logprobs=1
+    )
+    sampler = job.client().create_sampling_client(model_path=path)
+    seq = sampler.sample(types.ModelInput.from_ints([1, 5, 9]), num_samples=1,
+                         sampling_params=types.SamplingParams(max_tokens=5, temperature=0.0)).result().sequences[0]  # fmt: skip
+    assert got.choices[0].logprobs.token_logprobs == pytest.approx(seq.logprobs, abs=1e-6)
+    assert got.usage.completion_tokens == len(seq.tokens)

@@ -334,13 +334,7 @@ class ServiceDriver(Driver):
         if self._restored:
             self._restore_models()
         self._settle_failed()
-        if self.main:  # what the OpenAI endpoint lists and samples: the tenants in slots, the named snapshots
-            tenants = [n for n, t in self.pool.tenants.items() if n in self.engine.model.tenants]
-            snaps = [
-                k for k, v in self.snapshots.by_key.items() if k.startswith("tinker://") and v is not None
-            ]
-            with self.state.lock:
-                self.state.tenant_names, self.state.snapshot_paths = tenants, snaps
+        self._publish_models()
         # (every process runs what rank 0 took, in its order: every forward is a collective)
         orders: _Orders = self.comm.broadcast_object(self._orders() if self.main else None)  # type: ignore[assignment]
         self._apply_sessions(orders)
@@ -560,6 +554,16 @@ class ServiceDriver(Driver):
         for name in orders.resumes:
             self.pool.set_state(self.pool[name], TenantState.RUNNING)
 
+    def _publish_models(self) -> None:
+        """Rank 0: tell the HTTP side what the OpenAI endpoint lists and samples: the tenants holding a slot,
+        and the named sampler snapshots (before a snapshot's save is answered: its client may list it next)."""
+        if not self.main:
+            return
+        tenants = [n for n in self.pool.tenants if n in self.engine.model.tenants]
+        snaps = [k for k, v in self.snapshots.by_key.items() if k.startswith("tinker://") and v is not None]
+        with self.state.lock:
+            self.state.tenant_names, self.state.snapshot_paths = tenants, snaps
+
     # -- snapshots and saved states, at their place in the model's order ------------------------------
     def _save_or_load(self, work: Work, t: TenantRun) -> None:
         """A sampler snapshot of ``t`` (:class:`~mlora_lab.job.drivers.tinker.snapshots.Snapshots`), or its training state
@@ -575,6 +579,8 @@ class ServiceDriver(Driver):
                 result = self.states.load(work, t)
         except ValueError as e:
             result = Result(error=str(e))
+        if work.kind is Kind.SAVE_FOR_SAMPLER:
+            self._publish_models()
         if result is not None:
             self._settle(work, result)
 
