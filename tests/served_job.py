@@ -47,6 +47,7 @@ class Served:
         quantize: str | None = None,
         log_every: int = 1,
         tenants: list | None = None,
+        max_queue: int = 4096,
     ) -> None:
         self.base = base
         spec = JobSpec(
@@ -63,7 +64,7 @@ class Served:
         self.keys = Keys()
         self.key = self.keys.add("owner")
         self.state = ServiceState(
-            inbox=Inbox(),
+            inbox=Inbox(capacity=max_queue),
             futures=Futures(),
             keys=self.keys,
             base_model=base,

@@ -4,6 +4,7 @@ sampling is seeded, logprobs are the model's, streaming gives the same text, and
 
 from __future__ import annotations
 
+import threading
 import time
 
 import peft
@@ -280,3 +281,37 @@ def test_a_named_sampler_snapshot_is_a_model_of_its_key(served):
                          sampling_params=types.SamplingParams(max_tokens=5, temperature=0.0)).result().sequences[0]  # fmt: skip
     assert got.choices[0].logprobs.token_logprobs == pytest.approx(seq.logprobs, abs=1e-6)
     assert got.usage.completion_tokens == len(seq.tokens)
+
+
+def test_many_callers_share_one_generation_and_a_full_queue_answers_429(llama_path):
+    """Requests of several callers (three API keys) that wait together run in one batched generation of the
+    job; past a caller's share of the queue (a quarter of it) a request is answered 429, openai's
+    RateLimitError."""
+    job = Served(llama_path, background=False, max_queue=4)
+    driver = job.trainer.drivers.all[0]
+    sizes, real = [], driver.snapshots.sample
+    driver.snapshots.sample = lambda works, settle: sizes.append(len(works)) or real(works, settle)
+    keys = [job.key, job.keys.add("bob"), job.keys.add("carol")]
+    answers: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        got = client(job, key=keys[i]).completions.create(
+            model="base", prompt=f"say {i}", max_tokens=3, temperature=0
+        )
+        answers[i] = got.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while len(job.state.inbox) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError, match="busy"):
+            client(job).completions.create(model="base", prompt="one more", max_tokens=3)
+        job.trainer.step()
+        for t in threads:
+            t.join(60)
+        assert sizes == [3] and sorted(answers) == [0, 1, 2]
+    finally:
+        job.close()
