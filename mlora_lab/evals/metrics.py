@@ -24,6 +24,7 @@ it has (``answer``, as GSM8K's rows name it, then ``reference``, ``solution``, `
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -143,6 +144,10 @@ def rouge(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> 
     return [scorer.score(r, text_of(c))["rougeL"].fmeasure for c, r in zip(completions, refs, strict=True)]
 
 
+ENDPOINT_ENV = ("MLORA_OPENAI_BASE_URL", "MLORA_OPENAI_API_KEY")
+"""What a served job sets in its environment (its OpenAI endpoint and its owner's key) for the processes it
+starts: a :class:`Judge` inside it (a reward, an evaluation's metric) finds the job's own models there."""
+
 DEFAULT_RUBRIC = (
     "Rate the answer to the question from 0 (wrong or useless) to 10 (correct and complete). "
     "Reply with the number only.\n\nQuestion: {prompt}\nReference answer: {reference}\nAnswer: {completion}\n"
@@ -151,8 +156,8 @@ DEFAULT_RUBRIC = (
 
 
 class Judge:
-    """An LLM as judge: a metric that asks a model, through an OpenAI-compatible chat endpoint (a served job's,
-    ``svc.openai_base_url``, or any other), to rate each completion, and scores the number it answers, divided
+    """An LLM as judge: a metric (or a reward) that asks a model, through an OpenAI-compatible chat endpoint (a
+    served job's own by default, ``svc.openai_base_url``, or any other), to rate each completion, and scores the number it answers, divided
     by ``scale`` (``None`` when it answers none). ``rubric`` is a ``str.format`` template of ``{prompt}``,
     ``{completion}`` and ``{reference}`` (the row's reference column, empty without one). Greedy (temperature
     0), so the same completion gets the same score. :meth:`of` aims it at a served run's own endpoint.
@@ -162,16 +167,17 @@ class Judge:
 
     def __init__(
         self,
-        base_url: str,
-        api_key: str,
         model: str = "base",
         rubric: str = DEFAULT_RUBRIC,
+        base_url: str | None = None,
+        api_key: str | None = None,
         scale: float = 10.0,
         max_tokens: int = 8,
         timeout_s: float = 120.0,
         name: str = "judge",
     ) -> None:
-        self.base_url, self.api_key, self.model, self.rubric = base_url.rstrip("/"), api_key, model, rubric
+        self.model, self.rubric, self.api_key = model, rubric, api_key
+        self.base_url = base_url.rstrip("/") if base_url else None
         self.scale, self.max_tokens, self.timeout_s = scale, max_tokens, timeout_s
         self.__name__ = name
         rubric.format(prompt="", completion="", reference="")  # (a bad template fails here, in the notebook)
@@ -179,7 +185,20 @@ class Judge:
     @classmethod
     def of(cls, served: Any, **kwargs: Any) -> Judge:
         """A judge asking a served run (``ml.serve``'s handle) through its OpenAI endpoint, with its owner's key."""
-        return cls(served.openai_base_url, served.api_key, **kwargs)
+        return cls(base_url=served.openai_base_url, api_key=served.api_key, **kwargs)
+
+    def endpoint(self) -> tuple[str, str]:
+        """``(base_url, api_key)``: the ones given, else the served job's own (:data:`ENDPOINT_ENV`, which a
+        served job sets for the processes it starts: a judge used as a reward or metric inside it needs
+        neither); ``RuntimeError`` saying what to give without them."""
+        url = self.base_url or os.environ.get(ENDPOINT_ENV[0])
+        key = self.api_key or os.environ.get(ENDPOINT_ENV[1])
+        if not url or not key:
+            raise RuntimeError(
+                "Judge needs an OpenAI-compatible endpoint: give base_url and api_key, use Judge.of(svc) with a "
+                "served run, or use it inside a served job (which sets them)"
+            )
+        return url.rstrip("/"), key
 
     def ask(self, text: str) -> str:
         """The judge model's greedy answer to ``text`` (one user message)."""
@@ -188,10 +207,11 @@ class Judge:
 
         body = {"model": self.model, "messages": [{"role": "user", "content": text}], "temperature": 0,
                 "max_tokens": self.max_tokens}  # fmt: skip
+        url, key = self.endpoint()
         request = urllib.request.Request(
-            f"{self.base_url}/chat/completions",
+            f"{url}/chat/completions",
             data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"},
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
         )
         with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
             return json.loads(answer.read())["choices"][0]["message"]["content"] or ""

@@ -221,14 +221,17 @@ def test_lm_eval_harness_runs_against_the_endpoint(served, llama_path, tmp_path,
     assert 0.0 <= chat["results"]["mlora_gen"]["exact_match,none"] <= 1.0
 
 
-def test_an_llm_judge_metric_asks_a_model_through_the_endpoint(served, tmp_path):
+def test_an_llm_judge_metric_asks_a_model_through_the_endpoint(served, tmp_path, monkeypatch):
     """ml.Judge: a metric that asks a model of the served job (here its tenant) to rate each completion; its
     scores are the numbers that model answers (its replies, asked here directly, give the same), also from
     ml.evaluate's isolated metrics worker."""
     job, adapter = served
-    judge = ml.Judge(
-        f"{job.server.url}/v1", job.key, model="alice", rubric="rate {completion} for {prompt}: "
-    )
+    judge = ml.Judge(model="alice", rubric="rate {completion} for {prompt}: ", base_url=f"{job.server.url}/v1",
+                     api_key=job.key)  # fmt: skip
+    for name in ml.metrics.ENDPOINT_ENV:  # (a served job in this process would have set them)
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="Judge needs an OpenAI-compatible endpoint"):
+        ml.Judge(model="base")([""], ["x"])  # (outside a served job, and none given)
     rows = [
         {"prompt": "reverse: red cat\n", "answer": "cat red"},
         {"prompt": "upper: sun\n", "answer": "SUN"},

@@ -680,7 +680,10 @@ def metered_sample(
     tokens: dict[tuple[str, str | None], int] = {}
     for work, n in snapshots.sample(samples, settle):
         source = work.model_id or (work.body.model_path or "").removeprefix("tinker://").split("/")[0]
-        key = (work.owner, getattr(work.body, "tenant", None) or tenants.get(source))  # (OpenAI: a tenant itself)
+        key = (
+            work.owner,
+            getattr(work.body, "tenant", None) or tenants.get(source),
+        )  # (OpenAI: a tenant itself)
         tokens[key] = tokens.get(key, 0) + n
         meter.add(*key, sampled=n, requests=1)
     meter.ended(tokens)

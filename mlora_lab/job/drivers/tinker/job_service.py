@@ -21,8 +21,11 @@ futures exist on rank 0 alone)::
 
 from __future__ import annotations
 
+import os
+
 from mlora_lab import hub
 from mlora_lab.bases import resolve_base
+from mlora_lab.evals.metrics import ENDPOINT_ENV
 from mlora_lab.job.drivers.base import DriverFactory, JobParts
 from mlora_lab.job.drivers.tinker.driver import ServiceDriver
 from mlora_lab.rundir import RunDir
@@ -92,6 +95,9 @@ class JobService:
         """Listen, and say where in ``service/endpoint.json``; the URL."""
         self.server = Server(self.state, self.settings.host, self.settings.port).start()
         files.write_endpoint(self.run, self.server.url, self.state.base_model)
+        # (the processes the job starts, reward and metric workers, find its OpenAI endpoint: an ml.Judge there)
+        os.environ[ENDPOINT_ENV[0]] = f"{self.server.url}/v1"
+        os.environ[ENDPOINT_ENV[1]] = files.read_keys(files.keys_path(self.run)).get(files.OWNER, "")
         print(f"Tinker service at {self.server.url} (keys: {files.keys_path(self.run)})", flush=True)
         return self.server.url
 
