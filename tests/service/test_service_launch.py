@@ -96,6 +96,15 @@ def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_p
             return draw(client.create_sampling_client(model_path=snapshot))
 
         before = snapshot_tokens(svc.client())
+        # the same job through its OpenAI endpoint (a launched job: the service its rank 0 runs)
+        oa = svc.openai_client(max_retries=0)
+        assert svc.openai_base_url == f"{svc.base_url}/v1"
+        assert {"base", svc.tenant_of(tc.model_id), snapshot} <= {m.id for m in oa.models.list()}
+        got = oa.completions.create(
+            model=snapshot, prompt=tok("the red cat").input_ids, max_tokens=4, temperature=0
+        )
+        assert got.usage.completion_tokens == len(before)
+        assert got.choices[0].text == tok.decode(before, skip_special_tokens=True)
         # sampling clients made before the stop: of the named snapshot, and of an unnamed save (the checkpoint
         # keeps its snapshot and both sessions)
         samplers = [
