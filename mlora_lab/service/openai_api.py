@@ -36,6 +36,9 @@ from mlora_lab.service.work import InboxFull, Kind, Result, Work
 
 OPENAI_PREFIX = "/v1"
 MAX_N = 128
+"""Completions one request may ask for (its prompts times ``n``)."""
+MAX_PROMPTS = 64
+"""Prompts one ``/v1/completions`` request may hold (each is one request of the job's queue)."""
 MAX_STOP = 4
 WAIT_S = 3600.0
 """The longest a request waits for its generation (a job busy with long steps answers later, not never)."""
@@ -119,9 +122,18 @@ async def list_models(request: Request, state: ServiceState, owner: str) -> Resp
 
 
 async def _body(request: Request, state: ServiceState) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > state.max_body_bytes:
-        raise OpenAIError(413, f"the body has {len(raw)} bytes; at most {state.max_body_bytes}")
+    """The JSON body, refused past ``max_body_bytes`` by its Content-Length and as it is read (never held whole
+    first)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > state.max_body_bytes:
+        raise OpenAIError(413, f"the body has {declared} bytes; at most {state.max_body_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > state.max_body_bytes:
+            raise OpenAIError(413, f"the body has more than {state.max_body_bytes} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw) if raw else None
     except (ValueError, UnicodeDecodeError) as e:
@@ -279,6 +291,12 @@ async def completions(request: Request, state: ServiceState, owner: str) -> Resp
         raise OpenAIError(
             400, "prompt must be a string, a list of strings, token ids or lists of them", "prompt"
         )
+    n = _number(body, "n", 1, 1, MAX_N, integer=True)
+    if len(prompts) > MAX_PROMPTS or len(prompts) * n > MAX_N:
+        raise OpenAIError(
+            400, f"{len(prompts)} prompts x n={n}: at most {MAX_PROMPTS} prompts and {MAX_N} completions a request",
+            "prompt",
+        )  # fmt: skip
     logprobs = _number(body, "logprobs", None, 0, 5, integer=True)
     echo = body.get("echo", False)
     if not isinstance(echo, bool):

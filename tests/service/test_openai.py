@@ -137,6 +137,15 @@ def test_errors_have_openais_shapes(served):
     assert e.value.body["param"] == "temperature" and "temperature must be" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError, match="max_tokens must be"):
         client(job).completions.create(model="base", prompt=PROMPT, max_tokens=10_000)
+    with pytest.raises(openai.BadRequestError, match="at most 64 prompts and 128 completions"):
+        client(job).completions.create(model="base", prompt=["a"] * 65, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="at most 64 prompts and 128 completions"):
+        client(job).completions.create(model="base", prompt=["a"] * 2, n=100, max_tokens=2)
+    with pytest.raises(openai.APIStatusError) as big:  # (refused as it is read: never held whole)
+        client(job).completions.create(
+            model="base", prompt="a" * (job.state.max_body_bytes + 10), max_tokens=2
+        )
+    assert big.value.status_code == 413
     other = job.keys.add("mallory")  # another key sees the base and the job's own tenants
     assert [m.id for m in client(job, key=other).models.list()] == ["base", "alice"]
 
