@@ -41,6 +41,11 @@ def builtin_ref(name: str) -> str:
     return f"{__name__}:{name}"
 
 
+def metric_ref(metric: Any) -> Any:
+    """A metric as its worker imports it: a built-in's name as its reference; anything else as it is."""
+    return builtin_ref(metric) if isinstance(metric, str) and metric in BUILTINS else metric
+
+
 def text_of(completion: Any) -> str:
     """A completion's text: the text itself, or a chat completion's last message's ``content``."""
     if isinstance(completion, str):
@@ -219,8 +224,10 @@ class Judge:
     def __call__(
         self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any
     ) -> list[float | None]:
-        refs = next(([text_of(v) if v is not None else "" for v in kwargs[c]] for c in REFERENCE_COLUMNS if c in kwargs),
-                    [""] * len(completions))  # fmt: skip
+        try:
+            refs = references(kwargs, self.__name__)
+        except ValueError:  # (no reference column: the rubric's {reference} is left empty)
+            refs = [""] * len(completions)
         out: list[float | None] = []
         for prompt, completion, ref in zip(prompts, completions, refs, strict=True):
             asked = self.rubric.format(prompt=text_of(prompt), completion=text_of(completion), reference=ref)

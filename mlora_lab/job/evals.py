@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from mlora_lab.evals.generate import EvalPrompt, metric_names, read_examples, run_eval
-from mlora_lab.evals.metrics import BUILTINS, builtin_ref
+from mlora_lab.evals.metrics import metric_ref
 from mlora_lab.evals.scores import bootstrap, per_example
 from mlora_lab.job.agree import describe
 from mlora_lab.job.recorder import Recorder
@@ -82,7 +82,7 @@ class JobEvals:
                 self._examples[e.name] = examples
             examples = self._examples[e.name]
             models = self.models(e, states)
-            refs = [builtin_ref(m) if m in BUILTINS else m for m in e.metrics]
+            refs = [metric_ref(m) for m in e.metrics]
             any_running = self._any_running if self.comm.mesh is not None else None
             with torch.no_grad():
                 rows = run_eval(

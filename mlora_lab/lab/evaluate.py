@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mlora_lab import hub
-from mlora_lab.evals.metrics import BUILTINS, builtin_ref
+from mlora_lab.evals.metrics import BUILTINS, metric_ref
 from mlora_lab.lab.evaluation import Evaluation
 from mlora_lab.lab.handles import attach
 from mlora_lab.lab.run import Run
@@ -83,7 +83,7 @@ def _source(source: Any) -> _Source:
                 )
             config = json.loads(config_file.read_text(encoding="utf-8"))
             bases.add(config.get("base_model_name_or_path"))
-            ranks.append(_rank(p))
+            ranks.append(_rank(config))
             adapters[p.name] = p
         if len(adapters) != len(source):
             raise ValueError(
@@ -99,9 +99,8 @@ def _source(source: Any) -> _Source:
     )
 
 
-def _rank(folder: Path) -> int:
-    """A PEFT adapter folder's rank (its config's ``r``, with ``rank_pattern``'s larger ones)."""
-    config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+def _rank(config: dict) -> int:
+    """A PEFT adapter's rank (its config's ``r``, with ``rank_pattern``'s larger ones)."""
     return max([int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())])
 
 
@@ -110,10 +109,9 @@ def _metric_refs(metrics: Sequence[Metric], folder: Path, root: Path | None) -> 
     ``folder`` (in the run when there is one: the evaluation keeps the metric it was scored with)."""
     refs, problems = [], []
     for i, m in enumerate(metrics):
-        if isinstance(m, str) and m in BUILTINS:
-            refs.append(builtin_ref(m))
-        elif isinstance(m, str):
-            refs.append(resolve_reward(m, os.getcwd()))
+        if isinstance(m, str):
+            ref = metric_ref(m)
+            refs.append(ref if ref != m else resolve_reward(m, os.getcwd()))
         elif reward_in_memory(m):
             try:
                 snap = RewardSnapshot.of(m)
@@ -189,7 +187,9 @@ def evaluate(
         folder = Path(m) if isinstance(m, str | os.PathLike) else None
         if folder is not None and (folder / "adapter_config.json").is_file():  # a snapshot's folder, say
             src.adapters.setdefault(folder.name, folder)
-            src.max_rank = max(src.max_rank, _rank(folder))
+            src.max_rank = max(
+                src.max_rank, _rank(json.loads((folder / "adapter_config.json").read_text("utf-8")))
+            )
             m = folder.name
         chosen.append(m)
     choices = ["base", *src.adapters]

@@ -26,6 +26,7 @@ class Evaluation:
 
     def __init__(self, meta: EvalMeta, rows: list[EvalExample], folder: Path | None = None) -> None:
         self.meta, self.rows, self.folder = meta, rows, folder
+        self._per_example: dict[str, np.ndarray] | None = None  # (the rows never change: made once)
 
     @property
     def name(self) -> str:
@@ -80,8 +81,13 @@ class Evaluation:
         return pd.DataFrame.from_records(records, columns=columns)
 
     def per_example(self) -> dict[str, np.ndarray]:
-        """``{metric: [models, examples]}``: each example's mean score over its samples (NaN: none)."""
-        return {m: per_example(self.rows, self.models, m, self.meta.examples) for m in self.metrics}
+        """``{metric: [models, examples]}``: each example's mean score over its samples (NaN: none). Made once:
+        the tables, the figure and every change of the eval table's controls read it."""
+        if self._per_example is None:
+            self._per_example = {
+                m: per_example(self.rows, self.models, m, self.meta.examples) for m in self.metrics
+            }
+        return self._per_example
 
     def scores(self, resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
         """Models × metrics: each metric's mean, with its bootstrap interval as ``<metric>_low`` and

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mlora_lab.evals.metrics import BUILTINS, builtin_ref
+from mlora_lab.evals.metrics import BUILTINS, metric_ref
 from mlora_lab.rl.rewards import inspect_rewards, parse_reward
 from mlora_lab.rundir.evals import NAME
 from mlora_lab.rundir.files import atomic_write_bytes
@@ -113,10 +113,8 @@ def metric_refs(e: Eval, folder: Path) -> list[str]:
     ``folder`` (what a launch does into the run, and validation into a temporary folder)."""
     refs = []
     for i, m in enumerate(e.metrics):
-        if isinstance(m, str) and m in BUILTINS:
-            refs.append(builtin_ref(m))
-        elif isinstance(m, str):
-            refs.append(m)
+        if isinstance(m, str):
+            refs.append(metric_ref(m))
         else:
             snap = m if isinstance(m, RewardSnapshot) else RewardSnapshot.of(m)
             path = folder / f"{i}-{snap.name}.pkl"

@@ -124,3 +124,27 @@ def test_every_problem_of_an_evaluation_is_named_at_once(llama_path, tmp_path):
         "two evaluations are called 'x'",
     ):
         assert part in found, found
+
+
+def test_a_failing_metric_never_stops_training(llama_path, tmp_path):
+    """A metric that raises fails its evaluation, each time, as an ``eval_failed`` event naming it; the tenants
+    train to their end, and another evaluation of the same job still logs its rows."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def broken(prompts, completions, **kw):\n    raise ValueError('no such thing')\n")
+    evals = [
+        ml.Eval(name="bad", data=PROMPTS, metrics=[f"{bad}:broken"], every=1, max_new_tokens=2),
+        ml.Eval(name="good", data=PROMPTS, metrics=["contains"], every=2, max_new_tokens=2),
+    ]
+    spec = JobSpec(base_model=llama_path, tenants=two_tenants(tmp_path, steps=2), seq_len=32, max_rank=8,
+                   evals=evals, output_dir=str(tmp_path / "run"))  # fmt: skip
+    run = prepare_run(spec)
+    trainer = Trainer(JobSpec.load(run.job), run_dir=run.root)
+    trainer.train()
+    trainer.close()
+    failed = [r for r in trainer.history if isinstance(r, EventRow) and r.event is EventKind.EVAL_FAILED]
+    assert [r.step for r in failed] == [1, 2]
+    assert all("'bad'" in r.message and "no such thing" in r.message for r in failed)
+    assert trainer.tenants["rev"].step == 2 and trainer.tenants["up"].step == 1
+    good = [r for r in trainer.history if isinstance(r, EvalMetricRow) and r.eval == "good"]
+    assert {r.step for r in good} == {2} and {r.model for r in good} == {"base", "rev", "up"}
+    assert not (run.root / "evals" / "bad" / "meta.json").exists()
