@@ -127,11 +127,12 @@ class CpuMeter:
         self._at = time.monotonic()
 
     def _tree_times(self) -> dict[int, float]:
-        """CPU seconds (user + system) of this process and each live descendant, by pid."""
-        times = {}
+        """CPU seconds (user + system) of this process and each live descendant, by pid. This process's own by
+        ``time.process_time`` (nanoseconds): ``/proc``'s clock ticks are 10 ms, and two steps of a small model
+        can use less, which read as 0 % CPU."""
+        times = {self._me.pid: time.process_time()}
         with contextlib.suppress(psutil.Error):
-            procs = [self._me, *self._me.children(recursive=True)]
-            for p in procs:
+            for p in self._me.children(recursive=True):
                 with contextlib.suppress(psutil.Error):  # a child may exit while we look
                     t = p.cpu_times()
                     times[p.pid] = t.user + t.system
