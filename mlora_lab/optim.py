@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,6 +32,59 @@ def _per_element(v: object) -> bool:
 
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param
+
+
+@dataclass
+class _FlatMoments:
+    """AdamW's state of a tenant stepped as one flat tensor: its moments over the tenant's flat buffer
+    and one step count. Every tensor's own state entry views them (its ``exp_avg`` a slice of
+    ``exp_avg``, its ``step`` this ``step``), so ``state_dict()`` is per tensor as always."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+
+
+def tiling(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view ``[n]`` of ``tensors`` when they tile one buffer: contiguous, of one floating dtype
+    and device, each starting where the one before it ends; ``None`` otherwise."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    try:
+        storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+        for t in tensors:
+            if (
+                t.dtype != first.dtype
+                or t.device != first.device
+                or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != storage
+                or t.storage_offset() != offset
+            ):
+                return None
+            offset += t.numel()
+    except (RuntimeError, NotImplementedError):  # (a tensor without storage: meta, a DTensor, a fake)
+        return None
+    if not first.is_floating_point() or storage == 0:
+        return None
+    return first.detach().as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
+
+
+def _views(state: dict | None, moments: _FlatMoments) -> bool:
+    """Whether a tensor's AdamW ``state`` is its part of ``moments``."""
+    if not state or state.get("step") is not moments.step:
+        return False
+    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+    return (
+        m is not None
+        and v is not None
+        and m.untyped_storage().data_ptr() == moments.exp_avg.untyped_storage().data_ptr()
+        and v.untyped_storage().data_ptr() == moments.exp_avg_sq.untyped_storage().data_ptr()
+    )
+
+
+Item = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""What :func:`step_many` updates: ``(weight, gradient, exp_avg, exp_avg_sq, step)``."""
 
 
 class TenantOptimizer:
@@ -71,6 +125,19 @@ class TenantOptimizer:
             SCHEDULES[schedule], self.optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps
         )
         self.max_grad_norm = max_grad_norm
+        # A tenant whose tensors tile one buffer (the model makes them so: TensorIO.new_many) is stepped as
+        # one tensor: see step_many. ``_flat`` is that buffer, ``_moments`` AdamW's state over it (made at
+        # its first such step), ``_grad`` its gradient gathered for this step (sq_norms, then step_many).
+        self._flat = self._tiling()
+        self._moments: _FlatMoments | None = None
+        self._grad: torch.Tensor | None = None
+
+    def _tiling(self) -> torch.Tensor | None:
+        """One flat view of the tenant's weights when they tile one buffer, in order, whole, each held by
+        this process alone; ``None`` otherwise (a parallel layout, packed experts, strided views)."""
+        if not self.slices or any(index != () or self.copies(p) != 1 for p, index in self.slices):
+            return None
+        return tiling([self.local(p.data) for p, _ in self.slices])
 
     def _view(self, param: torch.Tensor, index: tuple) -> torch.Tensor:
         return self.local(param.data)[index]
@@ -118,6 +185,89 @@ class TenantOptimizer:
             handle.data = self._view(param, index)
             handle.grad = None if param.grad is None else self.local(param.grad)[index]
 
+    @property
+    def flat(self) -> bool:
+        """Whether the tenant's last step took it as one tensor (see :func:`step_many`)."""
+        return self._moments is not None
+
+    def flat_grad(self) -> torch.Tensor | None:
+        """The tenant's gradient as one flat tensor laid out as its flat weights (gathered once a step:
+        :func:`sq_norms` reads it, :func:`step_many` steps with it); ``None`` unless its weights tile one
+        buffer and every one of its tensors has a gradient."""
+        if self._flat is None:
+            return None
+        if self._grad is None:
+            grads = [p.grad for p, _ in self.slices]
+            if any(g is None for g in grads):
+                return None
+            with torch.no_grad():
+                self._grad = torch.cat([g.reshape(-1) for g in grads])
+        return self._grad
+
+    def _flat_moments(self) -> _FlatMoments | None:
+        """AdamW's state over the flat buffer: made at the first step, or remade from the per-tensor state
+        (after a load, or a step taken tensor by tensor) when that state no longer views it. ``None`` when
+        the tensors' step counts differ (a tensor that once had no gradient: they step one by one)."""
+        state, moments = self.optimizer.state, self._moments
+        first, last = state.get(self.params[0]), state.get(self.params[-1])
+        if moments is not None and _views(first, moments) and _views(last, moments):
+            return moments
+        flat = self._flat
+        states = [state.get(h) for h in self.params]
+        with torch.no_grad():
+            if not any(states):
+                m, v = torch.zeros_like(flat), torch.zeros_like(flat)
+                step = torch.tensor(0.0, dtype=torch.float32, device=flat.device)
+            elif all(states):
+                counts = torch.stack([s["step"].detach().float().cpu() for s in states])
+                if not bool((counts == counts[0]).all()):
+                    return None
+                m = torch.cat([s["exp_avg"].reshape(-1) for s in states]).to(flat)
+                v = torch.cat([s["exp_avg_sq"].reshape(-1) for s in states]).to(flat)
+                step = counts[0].clone().to(flat.device)
+            else:
+                return None
+        offset = 0
+        for handle in self.params:
+            n = handle.numel()
+            state[handle] = {
+                "step": step,
+                "exp_avg": m[offset : offset + n].view(handle.shape),
+                "exp_avg_sq": v[offset : offset + n].view(handle.shape),
+            }
+            offset += n
+        self._moments = _FlatMoments(m, v, step)
+        return self._moments
+
+    def _unflatten(self) -> None:
+        """Give every tensor its own step count again (a step taken tensor by tensor advances each
+        tensor's own); the moments stay where they are."""
+        if self._moments is None:
+            return
+        step = self._moments.step
+        for handle in self.params:
+            state = self.optimizer.state.get(handle)
+            if state and state.get("step") is step:
+                state["step"] = step.clone()
+        self._moments = None
+
+    def _items(self) -> list[Item]:
+        """What :func:`step_many` updates for this tenant: its flat buffer as one tensor when it can
+        (:meth:`flat_grad`, :meth:`_flat_moments`), else each of its tensors with a gradient."""
+        grad = self.flat_grad()
+        if grad is not None:
+            moments = self._flat_moments()
+            if moments is not None:
+                return [(self._flat, grad, moments.exp_avg, moments.exp_avg_sq, moments.step)]
+        self._unflatten()
+        out = []
+        for handle, weight, grad in self.parts():
+            state = self._adamw_state(handle)
+            if state["step"].device != weight.device and fusable(weight):  # (a state saved by a CPU step)
+                state["step"] = state["step"].to(weight.device)
+            out.append((weight, grad, state["exp_avg"], state["exp_avg_sq"], state["step"]))
+        return out
+
     def local_sq_norm(self) -> torch.Tensor:
         """Sum of squares of this process's part of the tenant's gradient, each part divided by how
         many processes hold it (call after ``bind``). The clipping norm is ``sqrt`` of its sum over
@@ -136,6 +286,8 @@ class TenantOptimizer:
         this process's gradients (right for unsharded slots). ``rebind=False`` when the caller has
         just called :meth:`bind` (to compute the norm) and nothing changed the storage since.
         """
+        self._unflatten()  # (torch's AdamW steps each tensor's own count)
+        self._grad = None
         if rebind:
             self.bind()
         norm = torch.as_tensor(grad_norm if grad_norm is not None else self.local_sq_norm().sqrt()).float()
@@ -169,6 +321,7 @@ class TenantOptimizer:
                 self.local(param.grad)[index].zero_()
         for handle in self.params:
             handle.grad = None
+        self._grad = None
 
     def state_dict(self, gather: Gather | None = None) -> dict:
         """Optimiser and schedule state. With ``gather(param, index, local_part) -> full`` every
@@ -192,6 +345,7 @@ class TenantOptimizer:
             }
         self.optimizer.load_state_dict(opt)
         self.scheduler.load_state_dict(state["scheduler"])
+        self._moments = None  # (the next step copies the loaded moments into a flat buffer again)
 
     def state_bytes(self) -> int:
         """Bytes of the optimiser state (AdamW's two moments) held for this tenant."""
@@ -213,11 +367,19 @@ overflows (fp16 ends at 65504)."""
 
 def sq_norms(optimizers: Sequence[TenantOptimizer]) -> torch.Tensor:
     """Each optimiser's :meth:`TenantOptimizer.local_sq_norm` (float64 [n], on the CPU), for all of them
-    in one multi-tensor norm and one segment sum: ``Σ_i ||g_i||² / copies_i`` over the tenant's tensors."""
+    in one multi-tensor norm and one segment sum: ``Σ_i ||g_i||² / copies_i`` over the tenant's tensors.
+    A tenant whose tensors tile one buffer counts as one tensor, its :meth:`~TenantOptimizer.flat_grad`
+    (the same sum, rounded once over the whole gradient rather than tensor by tensor)."""
     grads: list[torch.Tensor] = []
     owner: list[int] = []
     weight: list[float] = []
     for k, opt in enumerate(optimizers):
+        flat = opt.flat_grad()
+        if flat is not None:
+            grads.append(flat)
+            owner.append(k)
+            weight.append(1.0)
+            continue
         for param, index in opt.slices:
             if param.grad is None:
                 continue
@@ -241,13 +403,21 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, float]]) -> dict[int, str]:
 
     The same per-element maths as calling each :meth:`TenantOptimizer.step` (clipping, then
     ``torch.optim.AdamW``'s update, then the schedule) — each tenant keeps its own lr, betas, eps,
-    weight decay and step count — but done by a few calls over every tensor of every tenant instead of
-    a loop per tenant and tensor:
+    weight decay and step count — but done by a few calls over every tenant instead of a loop per
+    tenant and tensor:
 
-    - contiguous tensors (the usual case) go through ``torch._fused_adamw_``, one call per distinct
-      ``(lr, wd, β1, β2, eps)``, one pass over each tensor: bit for bit ``torch.optim.AdamW(fused=True)``,
-      which transformers' Trainer uses by default (``adamw_torch_fused``), and within 1 ulp of its
-      ``foreach`` path (its second moment differs in the last bit);
+    - a tenant whose tensors tile one buffer (the model makes every dense tenant's so) is **one** tensor
+      here: its weights' flat view, its gradient gathered into one (:meth:`~TenantOptimizer.flat_grad`),
+      AdamW's moments over the same layout and one step count (which every tensor's own state entry
+      views, so state dicts and checkpoints are per tensor as always). 64 tenants of 84 matrices are 64
+      tensors, not 5,376: on a CPU every multi-tensor call is a loop over its tensors. The update is
+      element for element the one below; the fused kernel's vectorised and scalar parts round the second
+      moment differently in the last bit, so against stepping the same tensors one by one it agrees to
+      about 1e-7 relative, not bit for bit;
+    - other contiguous tensors go through ``torch._fused_adamw_`` tensor by tensor, one call per
+      distinct ``(lr, wd, β1, β2, eps)``, one pass over each tensor: bit for bit
+      ``torch.optim.AdamW(fused=True)``, which transformers' Trainer uses by default
+      (``adamw_torch_fused``);
     - strided views go through multi-tensor (``foreach``) calls with per-tensor scalars, bit for bit
       the single-tensor AdamW.
 
@@ -255,9 +425,6 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, float]]) -> dict[int, str]:
 
         p  ← p (1 - lr wd);  m ← lerp(m, g, 1 - β1);  v ← β2 v + (1 - β2) g²;  k ← k + 1
         p  ← p - lr / (1 - β1^k) · m / (sqrt(v) / sqrt(1 - β2^k) + eps)
-
-    AdamW's own state (``exp_avg``, ``exp_avg_sq``, ``step`` per tensor) holds the moments, so state
-    dicts and checkpoints are unchanged.
 
     Returns ``{i: why}`` for the tenants that must be quarantined, ``why`` completing "its optimiser step
     ...". A step that cannot be set up, or whose scalars (``1 - lr·wd``, the step size ``lr / (1 - β1^k)``,
@@ -268,23 +435,31 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, float]]) -> dict[int, str]:
     processes) was taken, and is reported as diverged.
     """
     errors: dict[int, str] = {}
-    prepared = []  # (i, opt, parts, states, lr, wd, β1, β2, eps, clipping factor or None)
-    for i, (opt, grad_norm) in enumerate(steps):
-        try:
-            group = opt.optimizer.param_groups[0]
-            lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-            beta1, beta2 = (float(b) for b in group["betas"])
-            mine = opt.parts()
-            states = [opt._adamw_state(h) for h, _, _ in mine]
-            coef = None
-            if opt.max_grad_norm is not None and mine:
-                coef = clip_factor(opt.max_grad_norm, float(grad_norm))
-        except Exception as e:
-            errors[i] = f"raised {type(e).__name__}: {e}"
-            continue
-        prepared.append((i, opt, mine, states, lr, wd, beta1, beta2, eps, coef))
-    counts = [st["step"] for p in prepared for st in p[3]]
-    before = _read_counts(counts)
+    prepared = []  # (i, opt, items, lr, wd, β1, β2, eps, clipping factor or None)
+    try:
+        for i, (opt, grad_norm) in enumerate(steps):
+            try:
+                group = opt.optimizer.param_groups[0]
+                lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+                beta1, beta2 = (float(b) for b in group["betas"])
+                items = opt._items()
+                coef = None
+                if opt.max_grad_norm is not None and items:
+                    coef = clip_factor(opt.max_grad_norm, float(grad_norm))
+            except Exception as e:
+                errors[i] = f"raised {type(e).__name__}: {e}"
+                continue
+            prepared.append((i, opt, items, lr, wd, beta1, beta2, eps, coef))
+        _step_prepared(prepared, errors)
+    finally:
+        for opt, _ in steps:
+            opt._grad = None  # (this step's gathered gradient)
+    return errors
+
+
+def _step_prepared(prepared: list, errors: dict[int, str]) -> None:
+    """The updates of :func:`step_many` for its prepared tenants (refused ones go into ``errors``)."""
+    before = _read_counts([item[4] for p in prepared for item in p[2]])
     params: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
     exp_avgs: list[torch.Tensor] = []
@@ -298,16 +473,15 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, float]]) -> dict[int, str]:
     rest: list[int] = []  # indices of the others (strided views)
     done = []
     n = 0
-    for i, opt, mine, states, lr, wd, beta1, beta2, eps, coef in prepared:
-        ks = [k + 1 for k in before[n : n + len(states)]]  # the step each update counts as
-        n += len(states)
-        why = _overflow(mine, ks, lr, wd, eps, beta1, beta2, 1.0 if coef is None else coef)
+    for i, opt, items, lr, wd, beta1, beta2, eps, coef in prepared:
+        ks = [k + 1 for k in before[n : n + len(items)]]  # the step each update counts as
+        n += len(items)
+        why = _overflow([w for w, *_ in items], ks, lr, wd, eps, beta1, beta2, 1.0 if coef is None else coef)
         if why is not None:
             errors[i] = why
             continue
-        for (_, weight, grad), st, k in zip(mine, states, ks):
-            m, v = st["exp_avg"], st["exp_avg_sq"]
-            # (inline rather than fusable(): this loop runs for every tensor of every tenant)
+        for (weight, grad, m, v, count), k in zip(items, ks):
+            # (inline rather than fusable(): this loop runs for every tensor of a tenant stepped tensor by tensor)
             if (
                 weight.device.type in _FUSED_DEVICES
                 and weight.dtype.is_floating_point
@@ -315,9 +489,8 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, float]]) -> dict[int, str]:
                 and grad.is_contiguous()
                 and m.is_contiguous()
                 and v.is_contiguous()
+                and count.device == weight.device
             ):
-                if st["step"].device != weight.device:  # (a state saved by a CPU step)
-                    st["step"] = st["step"].to(weight.device)
                 fused.setdefault((weight.device, weight.dtype, lr, wd, beta1, beta2, eps), []).append(
                     len(params)
                 )
@@ -327,7 +500,7 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, float]]) -> dict[int, str]:
             grads.append(grad)
             exp_avgs.append(m)
             exp_avg_sqs.append(v)
-            stepped.append(st["step"])
+            stepped.append(count)
             owners.append(i)
             scalars.append((lr, wd, beta1, beta2, eps, k))
             if coef is not None and coef != 1.0:  # (a factor of exactly 1 changes nothing: skipped)
@@ -367,7 +540,6 @@ def step_many(steps: Sequence[tuple[TenantOptimizer, float]]) -> dict[int, str]:
         # the scheduler checks that its optimiser stepped (torch's wrapper would set this flag)
         opt.optimizer._opt_called = True
         opt.scheduler.step()
-    return errors
 
 
 _FUSED_DEVICES = ("cpu", "cuda")
@@ -440,7 +612,7 @@ def clip_factor(max_grad_norm: float, grad_norm: float) -> float:
 
 
 def _overflow(
-    mine: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]],
+    weights: list[torch.Tensor],
     ks: list[float],
     lr: float,
     wd: float,
@@ -451,10 +623,10 @@ def _overflow(
 ) -> str | None:
     """Why this tenant's update would not be finite in its weights' dtype (None when it is): every
     scalar :func:`step_many` hands the multi-tensor calls must be a finite value of that dtype."""
-    if not mine:
+    if not weights:
         return None
-    top = min(torch.finfo(w.dtype).max for _, w, _ in mine)
-    dtype = str(mine[0][1].dtype).removeprefix("torch.")
+    top = min(torch.finfo(w.dtype).max for w in weights)
+    dtype = str(weights[0].dtype).removeprefix("torch.")
     k = min(ks)  # the step this update counts as (the largest factors)
     bias1 = 1 - beta1**k
     bias2 = (1 - beta2**k) ** 0.5

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mlora_lab.optim import TenantOptimizer, step_many
+from mlora_lab.lora.model import TensorIO
+from mlora_lab.optim import TenantOptimizer, sq_norms, step_many, tiling
 
 
 def tenant_tensors(seed: int, shapes) -> list[torch.Tensor]:
@@ -12,12 +13,41 @@ def tenant_tensors(seed: int, shapes) -> list[torch.Tensor]:
     return [torch.randn(*s, generator=g).requires_grad_() for s in shapes]
 
 
+def shapes(i: int) -> list[tuple[int, int]]:
+    return [(3, 5), (7, 3)] if i % 2 else [(2, 4), (4, 2), (6, 2)]
+
+
 def optimizers(settings) -> list[TenantOptimizer]:
     out = []
     for i, kw in enumerate(settings):
-        tensors = tenant_tensors(i, [(3, 5), (7, 3)] if i % 2 else [(2, 4), (4, 2), (6, 2)])
-        out.append(TenantOptimizer([(t, ()) for t in tensors], **kw))
+        out.append(TenantOptimizer([(t, ()) for t in tenant_tensors(i, shapes(i))], **kw))
     return out
+
+
+def flat_optimizers(settings) -> list[TenantOptimizer]:
+    """The tenants of :func:`optimizers`, each one's tensors tiling one buffer, as the model makes them."""
+    out = []
+    for i, kw in enumerate(settings):
+        tiled = TensorIO().new_many([(None, t.detach()) for t in tenant_tensors(i, shapes(i))])
+        out.append(TenantOptimizer([(t, ()) for t in tiled], **kw))
+    return out
+
+
+def give_grads(opts: list[TenantOptimizer], step: int, skip: tuple[int, int] | None = None) -> None:
+    """The same random gradients for the same tenant and step, whoever holds it (``skip``: tenant k's
+    tensor j gets none)."""
+    for k, o in enumerate(opts):
+        g = torch.Generator().manual_seed(100 * step + k)
+        for j, (p, _) in enumerate(o.slices):
+            grad = torch.randn(p.shape, generator=g) * (k + 1)
+            p.grad = None if skip == (k, j) else grad
+
+
+def step_all(opts: list[TenantOptimizer]) -> None:
+    norms = sq_norms(opts).sqrt().tolist()
+    assert step_many(list(zip(opts, norms))) == {}
+    for o in opts:
+        o.zero_grad()
 
 
 SETTINGS = [
@@ -188,3 +218,98 @@ def test_the_fused_step_is_within_one_ulp_of_the_multi_tensor_step():
     for a, b in zip(fused, plain):
         for (p, _), (q, _) in zip(a.slices, b.slices):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_a_tenant_tiling_one_buffer_steps_as_one_tensor_like_tensor_by_tensor():
+    """The model makes a dense tenant's tensors views tiling one buffer; step_many then steps the tenant as
+    one tensor (weights, gathered gradient, moments over the same layout, one step count): 20 steps with
+    clipping, weight decay and schedules agree with stepping tensor by tensor to 1e-6 (the fused kernel's
+    vectorised and scalar parts round the second moment differently in the last bit), and the state dict is
+    per tensor as always, each entry a view of the flat moments."""
+    flat, plain = flat_optimizers(SETTINGS), optimizers(SETTINGS)
+    assert all(o._flat is not None for o in flat) and all(o._flat is None for o in plain)
+    for step in range(20):
+        give_grads(flat, step)
+        give_grads(plain, step)
+        step_all(flat)
+        step_all(plain)
+    for a, b in zip(flat, plain):
+        assert a.lr == b.lr
+        for (p, _), (q, _) in zip(a.slices, b.slices):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+        assert sorted(sa) == sorted(sb)
+        for i in sa:
+            assert float(sa[i]["step"]) == float(sb[i]["step"]) == 20
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert sa[i][key].shape == sb[i][key].shape
+                torch.testing.assert_close(sa[i][key], sb[i][key], rtol=1e-4, atol=1e-8)
+        moments = a._moments
+        assert a.flat and moments is not None, "stepped as one tensor"
+        for handle in a.params:
+            state = a.optimizer.state[handle]
+            assert state["step"] is moments.step
+            assert (
+                state["exp_avg"].untyped_storage().data_ptr() == moments.exp_avg.untyped_storage().data_ptr()
+            )
+
+
+def test_a_flat_tenants_state_round_trips_and_a_cleared_state_starts_again():
+    """A state dict saved from a tenant stepped as one tensor and loaded into a fresh one (the loaded
+    moments are copied into its own flat buffer at its next step) goes on bit for bit as the original; a
+    cleared state (the Tinker driver's reset) starts at step 1 with zero moments."""
+    import copy
+
+    original, other = flat_optimizers(SETTINGS[:1]), flat_optimizers(SETTINGS[:1])
+    for step in range(3):
+        give_grads(original, step)
+        step_all(original)
+    with torch.no_grad():
+        for (p, _), (q, _) in zip(original[0].slices, other[0].slices):
+            q.copy_(p)
+    other[0].load_state_dict(copy.deepcopy(original[0].state_dict()))
+    for step in range(3, 6):
+        give_grads(original, step)
+        give_grads(other, step)
+        step_all(original)
+        step_all(other)
+        assert all(torch.equal(p, q) for (p, _), (q, _) in zip(original[0].slices, other[0].slices))
+    assert other[0].flat and other[0]._moments.step is not original[0]._moments.step
+    original[0].optimizer.state.clear()
+    give_grads(original, 6)
+    step_all(original)
+    assert {float(s["step"]) for s in original[0].optimizer.state.values()} == {1.0}
+
+
+def test_a_tensor_without_gradient_is_left_alone_as_torch_adamw_leaves_it():
+    """A tenant stepped as one tensor whose tensor gets no gradient in a step (an expert no token reached)
+    is stepped tensor by tensor from then on: that tensor keeps its weights, moments and step count, as
+    ``torch.optim.AdamW`` keeps them, and the adapters agree with torch's AdamW to 1e-6."""
+    ours = flat_optimizers([dict(lr=1e-2, weight_decay=0.1)])
+    theirs = [p.detach().clone().requires_grad_() for p, _ in ours[0].slices]
+    torch_adamw = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(5):
+        skip = (0, 1) if step == 2 else None
+        give_grads(ours, step, skip)
+        for t, (p, _) in zip(theirs, ours[0].slices):
+            t.grad = None if p.grad is None else p.grad.clone()
+        norms = sq_norms(ours).sqrt().tolist()
+        assert step_many(list(zip(ours, norms))) == {}
+        ours[0].zero_grad()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+    for t, (p, _) in zip(theirs, ours[0].slices):
+        torch.testing.assert_close(p, t, rtol=0, atol=1e-6)
+    counts = [float(ours[0].optimizer.state[h]["step"]) for h in ours[0].params]
+    assert counts == [float(torch_adamw.state[t]["step"]) for t in theirs] == [5.0, 4.0, 5.0]
+
+
+def test_tiling_is_only_whole_contiguous_tensors_one_after_another():
+    buffer = torch.zeros(20)
+    a, b = buffer[:6].view(2, 3), buffer[6:14].view(4, 2)
+    assert torch.equal(tiling([a, b]), buffer[:14]) and tiling([a, b]).data_ptr() == buffer.data_ptr()
+    assert tiling([b, a]) is None, "out of order"
+    assert tiling([a, buffer[7:9]]) is None, "a gap"
+    assert tiling([buffer[:12].view(3, 4).T]) is None, "strided"
+    assert tiling([torch.zeros(3), torch.zeros(3)]) is None, "two buffers"
+    assert tiling([torch.zeros(3, device="meta")]) is None

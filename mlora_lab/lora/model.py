@@ -56,6 +56,9 @@ class TensorIO:
     the LoRA code itself never needs to know how a tensor is laid out:
 
     - ``new(layout, full)``: a leaf tensor (``requires_grad``) holding this process's part of ``full``;
+    - ``new_many(parts)``: ``new`` for each ``(layout, full)`` of one tenant; this default makes them views
+      that tile one flat buffer, which the tenant's optimiser then steps as one tensor
+      (:func:`mlora_lab.optim.step_many`);
     - ``local(t)``: the storage this process holds for ``t`` (optimisers update it in place);
     - ``gather(param, index, local_part)``: the full value of ``param[index]`` from this process's
       part of it (a collective when split: every process must call it, in the same order);
@@ -69,6 +72,19 @@ class TensorIO:
 
     def new(self, layout: object, full: torch.Tensor) -> torch.Tensor:
         return full.detach().clone().requires_grad_(True)
+
+    def new_many(self, parts: Sequence[tuple[object, torch.Tensor]]) -> list[torch.Tensor]:
+        fulls = [full for _, full in parts]
+        if not fulls or len({(f.dtype, f.device) for f in fulls}) != 1:
+            return [self.new(layout, full) for layout, full in parts]
+        with torch.no_grad():
+            flat = torch.cat([f.detach().reshape(-1) for f in fulls])
+        out, offset = [], 0
+        for f in fulls:
+            # a leaf (its base needs no gradient) viewing its part of the buffer
+            out.append(flat[offset : offset + f.numel()].view(f.shape).requires_grad_(True))
+            offset += f.numel()
+        return out
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -220,7 +236,11 @@ class MultiLoRAModel(nn.Module):
 
     def _make(self, layer: nn.Module, kind: str, full: torch.Tensor) -> torch.Tensor:
         """A new tenant tensor for ``layer`` (``kind`` "A" or "B"): this process's part of ``full``."""
-        return self.io.new(layer.layouts[kind], full.to(device=layer.device, dtype=self.adapter_dtype))
+        return self.io.new(layer.layouts[kind], self._full(layer, full))
+
+    def _full(self, layer: nn.Module, full: torch.Tensor) -> torch.Tensor:
+        """``full`` on ``layer``'s device in the adapters' dtype."""
+        return full.to(device=layer.device, dtype=self.adapter_dtype)
 
     # -- tenants -------------------------------------------------------------------------------
     def resolve_parameters(self, target_parameters: Sequence[str]) -> list[str]:
@@ -302,25 +322,18 @@ class MultiLoRAModel(nn.Module):
         # so the logical adapter does not depend on how the slots are sharded.
         generator = torch.Generator().manual_seed(seed)
         try:
-            for module in modules:  # wrap order: deterministic, so a seed gives one adapter
+            dense = _dense_init(name, [(m, self.layers[m]) for m in modules], rank, init, generator)
+            # the dense layers' tensors together (one buffer per tenant by default: TensorIO.new_many)
+            made = self.io.new_many(
+                [
+                    (self.layers[module].layouts[kind], self._full(self.layers[module], t))
+                    for module, A, B in dense
+                    for kind, t in (("A", A), ("B", B))
+                ]
+            )
+            for k, (module, _, _) in enumerate(dense):
                 layer = self.layers[module]
-                if init is not None:
-                    A, B = init[module]
-                    if tuple(A.shape) != (rank, layer.in_features) or tuple(B.shape) != (
-                        layer.out_features,
-                        rank,
-                    ):
-                        raise AdapterError(
-                            f"tenant {name!r}: {module} needs A [{rank}, {layer.in_features}] and "
-                            f"B [{layer.out_features}, {rank}], got A{tuple(A.shape)} B{tuple(B.shape)}"
-                        )
-                else:  # PEFT's default: A ~ kaiming-uniform(a=sqrt(5)) with fan_in = in, B = 0
-                    A = torch.empty(rank, layer.in_features)
-                    nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
-                    B = torch.zeros(layer.out_features, rank)
-                layer.set_slot(
-                    slot, self._make(layer, "A", A), self._make(layer, "B", B), rank, tenant.scaling, dropout
-                )
+                layer.set_slot(slot, made[2 * k], made[2 * k + 1], rank, tenant.scaling, dropout)
             for param in params:  # packed experts: per-expert A [E, r, in], B [E, out, r]
                 module, attr = self._expert_params[param]
                 experts = self.experts[module]
@@ -583,6 +596,33 @@ class MultiLoRAModel(nn.Module):
             f"no free slot for tenant {name!r}: all max_tenants={self.max_tenants} slots are taken by "
             f"{sorted(self.tenants)}"
         )
+
+
+def _dense_init(
+    name: str,
+    layers: Sequence[tuple[str, MultiLoRALinear]],
+    rank: int,
+    init: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
+    generator: torch.Generator,
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(module, A [rank, in], B [out, rank])`` of a new tenant for each of ``layers`` in their order
+    (deterministic, so a seed gives one adapter): from ``init``, or PEFT's default, A kaiming-uniform
+    (a=sqrt(5), fan_in = in) drawn from ``generator`` and B = 0."""
+    out = []
+    for module, layer in layers:
+        if init is not None:
+            A, B = init[module]
+            if tuple(A.shape) != (rank, layer.in_features) or tuple(B.shape) != (layer.out_features, rank):
+                raise AdapterError(
+                    f"tenant {name!r}: {module} needs A [{rank}, {layer.in_features}] and "
+                    f"B [{layer.out_features}, {rank}], got A{tuple(A.shape)} B{tuple(B.shape)}"
+                )
+        else:
+            A = torch.empty(rank, layer.in_features)
+            nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
+            B = torch.zeros(layer.out_features, rank)
+        out.append((module, A, B))
+    return out
 
 
 def _as_list(targets: str | Sequence[str]) -> list[str] | str:

@@ -94,6 +94,9 @@ class ShardedTensorIO(TensorIO):
         t.slot_layout = layout
         return t
 
+    def new_many(self, parts: Sequence[tuple[object, torch.Tensor]]) -> list[torch.Tensor]:
+        return [self.new(layout, full) for layout, full in parts]  # (each its own layout)
+
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 

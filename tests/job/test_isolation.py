@@ -160,7 +160,7 @@ def test_an_optimiser_step_that_raises_quarantines_only_its_tenant(llama_path, t
         raise RuntimeError("CUDA error: an illegal memory access")
 
     # tenants step together (mlora_lab.optim.step_many); what fails in one tenant's part stays its own
-    opt._adamw_state = explode
+    opt._items = explode  # (what step_many asks each tenant for: its tensors, gradients and AdamW state)
     trainer.train()
     assert (
         trainer.tenants["b"].state is TenantState.FAILED and "illegal memory" in trainer.tenants["b"].reason

@@ -188,6 +188,7 @@ def test_peft_equivalence(arch, tiny_models, make_data, tmp_path):
         assert trainer.losses(t.name) == pytest.approx(ref.losses, abs=TOL), arch
         diff = max_diff(trainer.model.tenant_tensors(t.name), ref.tensors)
         assert diff <= TOL, f"{arch}/{t.name}: adapter differs from plain PEFT by {diff}"
+        assert trainer.tenants[t.name].optimizer.flat, "a dense tenant steps as one flat tensor"
         assert max_diff(read_adapter(t.init_adapter)[1], ref.tensors) > 1e-3, "training moved the adapter"
 
 
