@@ -128,6 +128,8 @@ class TenantOptimizer:
         # A tenant whose tensors tile one buffer (the model makes them so: TensorIO.new_many) is stepped as
         # one tensor: see step_many. ``_flat`` is that buffer, ``_moments`` AdamW's state over it (made at
         # its first such step), ``_grad`` its gradient gathered for this step (sq_norms, then step_many).
+        self._whole = all(index == () for _, index in self.slices)
+        self._bound = False  # (whether bind() gave the stand-ins gradients)
         self._flat = self._tiling()
         self._moments: _FlatMoments | None = None
         self._grad: torch.Tensor | None = None
@@ -184,6 +186,7 @@ class TenantOptimizer:
         for handle, (param, index) in zip(self.params, self.slices):
             handle.data = self._view(param, index)
             handle.grad = None if param.grad is None else self.local(param.grad)[index]
+        self._bound = True
 
     @property
     def flat(self) -> bool:
@@ -200,8 +203,8 @@ class TenantOptimizer:
             grads = [p.grad for p, _ in self.slices]
             if any(g is None for g in grads):
                 return None
-            with torch.no_grad():
-                self._grad = torch.cat([g.reshape(-1) for g in grads])
+            with torch.no_grad():  # (one C++ call: a Python reshape per tensor cost as much as the copy)
+                self._grad = torch._utils._flatten_dense_tensors(grads)
         return self._grad
 
     def _flat_moments(self) -> _FlatMoments | None:
@@ -312,15 +315,21 @@ class TenantOptimizer:
 
     def zero_grad(self) -> None:
         """Release this tenant's gradients (its tensors are its own: nothing else is touched)."""
-        for param, index in self.slices:
-            if param.grad is None:
-                continue
-            if index == ():
+        if self._whole:  # (the usual case, and a loop over every tensor of every tenant each step)
+            for param, _ in self.slices:
                 param.grad = None
-            else:  # a view into a tensor shared with others: zero just this part
-                self.local(param.grad)[index].zero_()
-        for handle in self.params:
-            handle.grad = None
+        else:
+            for param, index in self.slices:
+                if param.grad is None:
+                    continue
+                if index == ():
+                    param.grad = None
+                else:  # a view into a tensor shared with others: zero just this part
+                    self.local(param.grad)[index].zero_()
+        if self._bound:  # (only bind() gives the stand-ins gradients)
+            for handle in self.params:
+                handle.grad = None
+            self._bound = False
         self._grad = None
 
     def state_dict(self, gather: Gather | None = None) -> dict:

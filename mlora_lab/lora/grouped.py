@@ -121,7 +121,7 @@ def grouping(
     """The (cached) :class:`Grouping` of ``plan`` (entries ``(ia, a_index, ib, b_index, start, end,
     scale)`` over rows of ``tokens_per_row`` tokens) for ``factors``' shapes, its index tensors on
     ``device``."""
-    shapes = tuple(tuple(f.shape) for f in factors)
+    shapes = tuple(f.shape for f in factors)  # (torch.Size: a tuple already)
     padded = pads(device)
     key = (plan, shapes, tokens_per_row, str(device), padded)
     found = _CACHE.get(key)

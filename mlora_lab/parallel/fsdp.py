@@ -94,6 +94,8 @@ class ShardedTensorIO(TensorIO):
         t.slot_layout = layout
         return t
 
+    reduces = True
+
     def new_many(self, parts: Sequence[tuple[object, torch.Tensor]]) -> list[torch.Tensor]:
         return [self.new(layout, full) for layout, full in parts]  # (each its own layout)
 
