@@ -133,6 +133,8 @@ class TenantOptimizer:
         self._flat = self._tiling()
         self._moments: _FlatMoments | None = None
         self._grad: torch.Tensor | None = None
+        self._grad_buffer: torch.Tensor | None = None  # (where flat_grad gathers it, and a view per tensor)
+        self._grad_views: list[torch.Tensor] | None = None
 
     def _tiling(self) -> torch.Tensor | None:
         """One flat view of the tenant's weights when they tile one buffer, in order, whole, each held by
@@ -203,8 +205,13 @@ class TenantOptimizer:
             grads = [p.grad for p, _ in self.slices]
             if any(g is None for g in grads):
                 return None
-            with torch.no_grad():  # (one C++ call: a Python reshape per tensor cost as much as the copy)
-                self._grad = torch._utils._flatten_dense_tensors(grads)
+            if self._grad_views is None:  # (made once: views made each step are aten ops of every step)
+                self._grad_buffer = torch.empty_like(self._flat)
+                self._grad_views = list(torch.split(self._grad_buffer, [g.numel() for g in grads]))
+                self._grad_views = [v.view(g.shape) for v, g in zip(self._grad_views, grads)]
+            with torch.no_grad():  # one multi-tensor copy, whatever the tensors' count
+                torch._foreach_copy_(self._grad_views, grads)
+            self._grad = self._grad_buffer
         return self._grad
 
     def _flat_moments(self) -> _FlatMoments | None:
