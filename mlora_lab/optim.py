@@ -339,6 +339,12 @@ class TenantOptimizer:
             self._bound = False
         self._grad = None
 
+    def release(self) -> None:
+        """:meth:`zero_grad`, and the buffer its flat gradient is gathered in: the tenant stops training
+        (finished, failed, removed)."""
+        self.zero_grad()
+        self._grad_buffer = self._grad_views = None
+
     def state_dict(self, gather: Gather | None = None) -> dict:
         """Optimiser and schedule state. With ``gather(param, index, local_part) -> full`` every
         per-element state tensor is stored full (the same whatever the sharding)."""

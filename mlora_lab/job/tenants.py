@@ -194,7 +194,7 @@ class TenantPool:
         """Forget a tenant that was added but is not kept (its slot is cleared)."""
         run = self.tenants.pop(name, None)
         if run is not None:
-            run.optimizer.zero_grad()
+            run.optimizer.release()
         if name in self.model.tenants:
             self.model.remove_tenant(name)
 
@@ -276,7 +276,7 @@ class TenantPool:
         return Change(commit=lambda: self._remove(t))
 
     def _remove(self, t: TenantRun) -> None:
-        t.optimizer.zero_grad()
+        t.optimizer.release()
         self.model.remove_tenant(t.name)
         del self.tenants[t.name]
         self.removed.add(t.name)
@@ -286,7 +286,7 @@ class TenantPool:
         """A tenant whose loss or gradients are NaN/inf, or whose step raised, stops training; nothing
         of it reached any other tenant (separate slots, separate rows), so the others go on exactly as
         without it."""
-        t.optimizer.zero_grad()
+        t.optimizer.release()
         t.new_window()
         t.feed.reset()
         reason = f"{why} (tenant step {t.step + 1}, global step {self.recorder.step})"
@@ -295,13 +295,14 @@ class TenantPool:
     def finish(self, t: TenantRun) -> None:
         """``t`` trained its last step: save its adapter (a collective) and mark it finished."""
         self.save_adapter_logged(t.name)
+        t.optimizer.release()
         self.set_state(t, TenantState.FINISHED)
 
     def release(self, name: str, state: TenantState | None, reason: str | None) -> None:
         """Free a search trial's slot (it finished, or waits for a promotion with its state kept by the
         search); with ``state``, a tenant row says so."""
         t = self.tenants.pop(name)
-        t.optimizer.zero_grad()
+        t.optimizer.release()
         self.model.remove_tenant(name)
         self.removed.add(name)
         if state is not None:
