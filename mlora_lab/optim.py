@@ -7,6 +7,11 @@ current views. ``torch.optim.AdamW`` then updates the slots in place with its ex
 state (``exp_avg``, ``exp_avg_sq``, ``step``) has the tenant's own shapes, so ``state_dict()`` is the
 same whatever ``max_rank`` or sharding the job uses. Rebinding every step (rather than once) keeps
 it valid when a wrapper such as FSDP replaces the slot storage.
+
+The trainer steps every tenant at once (:func:`step_many`). A tenant whose tensors tile one buffer (a dense
+tenant's, as the model makes them) is one tensor there: its flat weights, its gradient gathered into one
+buffer, AdamW's moments over the same layout (each tensor's state entry views its part) and one step count,
+so the multi-tensor calls of a step run over as many tensors as there are tenants.
 """
 
 from __future__ import annotations
