@@ -5,6 +5,7 @@ AdamW on one."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import socket
@@ -384,3 +385,60 @@ def test_the_readmes_service_example_runs_as_written(llama_path, tmp_path, monke
     usage = svc.usage().set_index(["key", "tenant"])  # (what the owner's key cost: one step of one datum)
     assert usage.loc[("owner", "owner-1"), ["tokens_trained", "requests"]].tolist() == [len(ids) - 1, 2]
     assert ml.runs(tmp_path / "runs").loc[0, "tokens_trained"] == len(ids) - 1
+
+
+@pytest.mark.slow  # (starts a job, and resumes it)
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs the quant extra")
+def test_a_served_job_over_an_nf4_base_equals_peft_and_survives_a_resume(llama_path, tmp_path):
+    """``ml.serve`` of a job with ``quantize="nf4"`` (launched as users launch it): the SDK's two rounds of
+    forward_backward + optim_step, the saved adapter and a sampler snapshot's greedy samples equal PEFT + AdamW
+    over the same nf4 base; stopped and resumed, the base is quantized again as it loads, the snapshot samples
+    as it did, and a client made from the saved state takes the step the first client takes. (Over the
+    float32 base PEFT's losses differ by more than 1e-3, 100 times the tolerance: the nf4 base is what ran.)"""
+    from test_service_sdk import assert_same, peft_greedy, peft_steps, sdk_steps
+
+    from mlora_lab.lora import read_adapter
+    from mlora_lab.reference import peft_lora_tensors
+
+    spec = ml.JobSpec(
+        base_model=llama_path,
+        tenants=[],
+        seq_len=48,
+        max_tenants=3,
+        max_rank=8,
+        slot_modules=SLOTS,
+        quantize="nf4",
+        service=ml.Service(port=free_port()),  # (the resume serves on the same one)
+    )
+    svc = ml.serve(spec, workdir=tmp_path / "runs")
+    try:
+        assert svc.spec.quantize == "nf4"
+        data, tc, init, losses, logprobs, final, sampler = two_rounds(svc, llama_path)
+        greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
+        prompt = data[0][0][:4]
+        before = sampler.sample(types.ModelInput.from_ints(prompt), 1, greedy).result().sequences[0]
+
+        want_losses, want_logprobs, model = peft_steps(llama_path, init, data, steps=2, quantize="nf4")
+        assert_same(
+            (losses, logprobs), (want_losses, want_logprobs), read_adapter(final)[1], peft_lora_tensors(model)
+        )
+        unquantized = peft_steps(llama_path, init, data, steps=2)[0]  # (the same over the float32 base)
+        assert max(abs(a - b) for a, b in zip(losses, unquantized)) > 1e-3, (losses, unquantized)
+        model.eval()
+        tokens, lps = peft_greedy(model, prompt, 5)
+        assert before.tokens == tokens and before.logprobs == pytest.approx(lps, abs=1e-4)
+        assert svc.stop() == "stopped", svc.logs(0)
+
+        again = ml.resume(svc.path)
+        after = sampler.sample(types.ModelInput.from_ints(prompt), 1, greedy).result().sequences[0]
+        assert after.tokens == before.tokens and after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
+        other = again.client().create_training_client_from_state_with_optimizer(
+            f"tinker://{tc.model_id}/weights/final"
+        )
+        next_loss = sdk_steps(tc, [data[:3], data[3:]], steps=1)[0]
+        assert sdk_steps(other.result(), [data[:3], data[3:]], steps=1)[0] == pytest.approx(
+            next_loss, abs=1e-6
+        )
+        assert again.stop() == "stopped", again.logs(0)
+    finally:
+        stop_runs_under(tmp_path)
