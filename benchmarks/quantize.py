@@ -13,6 +13,15 @@ the QLoRA recipe for nf4), one forward + backward + AdamW step, timed in the sam
 Memory: the bytes of the base's parameters and buffers (``model.get_memory_footprint()``), and of its
 linear layers alone, which are what bitsandbytes quantizes (the embeddings, tied to the output layer here,
 and the norms stay in the compute dtype). Goal (issue 36): base bytes nf4 ÷ bf16 <= 0.30.
+
+    .venv/bin/python benchmarks/quantize.py --shapes   # base bytes of bigger real models (~10 min)
+
+``--shapes``: the same footprints for the published shapes of bigger models (:data:`SHAPES`, from their
+``config.json``), whose weights cannot be downloaded here. A model's bytes depend on its shapes only, and its
+decoder layers are all alike, so each model is built with one and with two decoder layers (weights zero),
+saved, and loaded in bf16 and in nf4 as a job loads it; ``bytes(L) = fixed + L · per_layer`` then gives the
+whole model's bytes exactly (``per_layer = bytes(2) - bytes(1)``). SmolLM2-135M is in the table too, to
+check the method against the real model measured above.
 """
 
 from __future__ import annotations
@@ -27,6 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 GOAL = 0.30
+SHAPES = {  # (model_type, hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
+    "SmolLM2-135M": ("llama", 576, 1536, 30, 9, 3, 49152, True),
+    "Qwen2.5-0.5B": ("qwen2", 896, 4864, 24, 14, 2, 151936, True),
+    "SmolLM2-1.7B": ("llama", 2048, 8192, 24, 32, 32, 49152, True),
+    "Llama-2-7B": ("llama", 4096, 11008, 32, 32, 32, 32000, False),
+    "Mistral-7B-v0.1": ("mistral", 4096, 14336, 32, 32, 8, 32000, False),
+    "Qwen2.5-7B": ("qwen2", 3584, 18944, 28, 28, 4, 152064, False),
+    "Llama-3.1-8B": ("llama", 4096, 14336, 32, 32, 8, 128256, False),
+}
+"""Published shapes of real models (their ``config.json``), for ``--shapes``."""
 BASES = [("bfloat16", None), ("bfloat16", "nf4"), ("bfloat16", "int8"), ("float32", None), ("float32", "nf4")]
 """(dtype, quantize): the dtype of what stays unquantized and of the nf4 layers' compute (float32 is the
 CPU's ``dtype="auto"``)."""
@@ -57,9 +76,95 @@ def linear_bytes(model) -> int:
     return total
 
 
+def shape_footprints(name: str, work: Path) -> dict:
+    """Base bytes of model ``name`` (:data:`SHAPES`) in bf16 and nf4, and of its decoder linear layers, from
+    the same model built with one and two decoder layers (see the module docstring)."""
+    import torch
+    import transformers
+
+    from mlora_lab import quant
+
+    model_type, hidden, inter, layers, heads, kv, vocab, tied = SHAPES[name]
+    measured: dict[tuple[str, int], tuple[int, int]] = {}
+    for n in (1, 2):
+        config = transformers.AutoConfig.for_model(
+            model_type, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=n,
+            num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied,
+            dtype="bfloat16",
+        )  # fmt: skip
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = model.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        if tied:
+            model.tie_weights()
+        folder = work / f"{name}-{n}"
+        model.save_pretrained(folder)
+        del model
+        for mode in ("bf16", "nf4"):
+            kw = quant.load_kwargs("nf4" if mode == "nf4" else None, torch.bfloat16, torch.device("cpu"))
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **kw)
+            measured[mode, n] = (loaded.get_memory_footprint(), linear_bytes(loaded))
+            del loaded
+            gc.collect()
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
+    out = dict(name=name, layers=layers, params=0)
+    for mode in ("bf16", "nf4"):
+        (f1, l1), (f2, l2) = measured[mode, 1], measured[mode, 2]
+        out[mode] = f1 + (layers - 1) * (f2 - f1)
+        out[f"{mode}_linear"] = l1 + (layers - 1) * (l2 - l1)
+    return out
+
+
+def shapes_table(names: list[str]) -> None:
+    """``--shapes``: base bytes nf4 ÷ bf16 over :data:`SHAPES`."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mlora_bench_") as tmp:
+        for name in names:
+            print(f"{name}: built with 1 and 2 decoder layers, loaded in bf16 and nf4 ...", flush=True)
+            r = shape_footprints(name, Path(tmp))
+            _, hidden, _, layers, _, _, vocab, tied = SHAPES[name]
+            embeddings = vocab * hidden * (1 if tied else 2)
+            rows.append(
+                [
+                    name,
+                    str(layers),
+                    f"{vocab:,}" + (" (tied)" if tied else ""),
+                    f"{r['bf16'] / 2**30:.2f} GiB",
+                    f"{2 * embeddings / r['bf16']:.3f}",
+                    f"{r['nf4'] / 2**30:.2f} GiB",
+                    f"{r['nf4_linear'] / r['bf16_linear']:.3f}",
+                    f"{r['nf4'] / r['bf16']:.3f}",
+                ]
+            )
+    print(common.machine_line())
+    common.print_table(
+        [
+            "model (shapes)",
+            "layers",
+            "vocab",
+            "bf16 base",
+            "embeddings' share",
+            "nf4 base",
+            "decoder linear nf4 ÷ bf16",
+            "base nf4 ÷ bf16",
+        ],
+        rows,
+    )
+
+
 def main() -> None:
-    args = common.bench_parser(__doc__, "a tiny random model instead of SmolLM2").parse_args()
+    parser = common.bench_parser(__doc__, "a tiny random model instead of SmolLM2")
+    parser.add_argument("--shapes", action="store_true", help="base bytes of bigger real models' shapes")
+    args = parser.parse_args()
     common.setup(args.threads)
+    if args.shapes:
+        shapes_table(list(SHAPES))
+        return
     import peft
     import torch
     import transformers

@@ -12,7 +12,9 @@ adapted weight ``<gguf name>.lora_a`` (PEFT's ``A`` [r, in], GGUF dims [in, r]) 
 ``alpha / r``, so an rsLoRA adapter is written with ``alpha · sqrt(r)``. Llama-family models store the query and
 key projections with their rotary halves interleaved per head (``convert_hf_to_gguf.py``'s ``permute``), so the
 same row permutation is applied to those projections' ``B``. Architectures whose conversion rearranges other
-weights are refused, naming those that are written.
+weights are refused, naming those that are written. Checked against llama.cpp itself (``llama-cpp-python``
+0.3.36, ``scripts/check-llama-cpp.sh``): over SmolLM2-135M in float32 its logits with the adapter are PEFT's to
+3e-6 (relative), what the adapter adds to them to 3e-4.
 """
 
 from __future__ import annotations

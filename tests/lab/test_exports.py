@@ -28,6 +28,8 @@ from mlora_lab.lab.run import Run
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS
 
+TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
 
 def peft_adapter(base: str, path, targets, rank: int = 4, alpha: float = 8.0, rslora: bool = False) -> str:
     torch.manual_seed(rank)
@@ -173,3 +175,91 @@ def test_the_dashboards_export_tab_writes_a_shown_tenants_adapter(tiny_models, m
     tab.adapter_button.click()
     assert (tmp_path / "out" / "b-merged" / "config.json").is_file(), tab.message.value
     assert "b-merged" in tab.message.value
+
+
+def float32_gguf(src, dst) -> None:
+    """A copy of the GGUF model ``src`` with every tensor dequantized to float32 (names, layout and metadata
+    kept): llama.cpp then multiplies in float32, as PEFT does, instead of quantizing activations to 8 bits."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    for field in reader.fields.values():  # (as gguf's own gguf_new_metadata script copies them)
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        value = 0 if field.name == gguf.Keys.General.FILE_TYPE else field.contents()  # (0: all float32)
+        writer.add_key_value(
+            field.name, value, kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        )
+    for t in reader.tensors:
+        writer.add_tensor(
+            t.name, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow  # (SmolLM2-135M through llama.cpp and through PEFT)
+@pytest.mark.parametrize(
+    "targets, rslora",
+    [(["v_proj"], False), (["q_proj", "k_proj"], False), (TARGETS_ALL, False), (TARGETS_ALL, True)],
+    ids=["v", "q and k (permuted)", "all linear", "all linear, rsLoRA"],
+)
+def test_llama_cpp_loads_the_gguf_adapter_and_gives_pefts_logits(targets, rslora, tmp_path):
+    """llama.cpp itself (``llama-cpp-python``, built from source: ``scripts/check-llama-cpp.sh``; the test skips
+    without it) loads the exported adapter over the real SmolLM2-135M GGUF, its weights dequantized to float32
+    (the shipped Q4_1 file makes llama.cpp quantize activations to 8 bits: its logits then move ~5 % with any
+    change, a tiny adapter's too), with a float32 KV cache. PEFT runs the same weights (the GGUF dequantized
+    by transformers). The base's logits agree to 1e-5, the adapter's to 1e-5, and what the adapter adds to them
+    to 1e-3 (a difference of two logits of ~1,500: measured 1.7e-6, 2.2e-6 and 2.2e-4): the q/k rows are
+    in llama.cpp's order and the scale is PEFT's, rsLoRA's too."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from mlora_lab.bases import real_model_path, resolve_base
+
+    base = str(resolve_base(real_model_path(), cache_dir=tmp_path / "gguf"))  # (dequantized to float32)
+    gguf_base = tmp_path / "base-f32.gguf"
+    float32_gguf(real_model_path(), gguf_base)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False, use_rslora=rslora
+    )
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base), config)
+    # B of a trained adapter's size: a visible change of the logits, not a swamping one
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.02)
+    model.save_pretrained(tmp_path / "adapter")
+    path = export_gguf(tmp_path / "adapter", base, tmp_path / "adapter.gguf")
+    prompt = transformers.AutoTokenizer.from_pretrained(base)("The quick brown fox jumps over").input_ids
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        ours = model(input_ids=ids).logits[0].double()
+        with model.disable_adapter():
+            plain = model(input_ids=ids).logits[0].double()
+
+    def llama_logits(**kw) -> torch.Tensor:
+        f32 = 0  # (GGML_TYPE_F32: the KV cache in float32, not llama.cpp's default float16)
+        llm = llama_cpp.Llama(
+            model_path=str(gguf_base), n_ctx=64, logits_all=True, n_threads=1, verbose=False, type_k=f32,
+            type_v=f32, **kw,
+        )  # fmt: skip
+        llm.eval(prompt)
+        out = torch.tensor(np.asarray(llm.scores[: len(prompt)]), dtype=torch.float64)
+        llm.close()
+        return out
+
+    theirs_plain, theirs = llama_logits(), llama_logits(lora_path=str(path))
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    print(f"llama.cpp vs PEFT: base {rel(theirs_plain, plain):.2e}, adapter {rel(theirs, ours):.2e}, "
+          f"its delta {rel(theirs - theirs_plain, ours - plain):.2e}")  # fmt: skip
+    assert rel(ours, plain) > 5e-3, "the adapter moves the logits by far more than the agreement asked"
+    assert rel(theirs_plain, plain) < 1e-5 and rel(theirs, ours) < 1e-5
+    assert rel(theirs - theirs_plain, ours - plain) < 1e-3
