@@ -185,6 +185,18 @@ def two_rounds(svc, base: str) -> tuple:
     return data, tc, init, losses, logprobs, final, tc.save_weights_and_get_sampling_client().result()
 
 
+def assert_a_client_from_its_saved_state_steps_as_it_does(svc, tc, data: list) -> None:
+    """A client made from the state ``tc`` saved as ``final`` (:func:`two_rounds`: its weights and AdamW
+    state) takes the step ``tc`` takes next: the same loss, to 1e-6."""
+    from test_service_sdk import sdk_steps
+
+    other = svc.client().create_training_client_from_state_with_optimizer(
+        f"tinker://{tc.model_id}/weights/final"
+    )
+    next_loss = sdk_steps(tc, [data[:3], data[3:]], steps=1)[0]
+    assert sdk_steps(other.result(), [data[:3], data[3:]], steps=1)[0] == pytest.approx(next_loss, abs=1e-6)
+
+
 @pytest.mark.slow  # (starts a job on two processes: ~37 s, ~25 s of it the start)
 def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_path):
     """The SDK drives a served job on two processes under fsdp=2 (rank 0 serves, both run every step):
@@ -195,7 +207,7 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
     resumed on two processes, its sampler snapshots (unnamed, through the sampling client from before; named,
     read back from its folder by each process) sample as they did.
     (Measured: losses 2.4e-6, logprobs 4.8e-7, adapter 8.4e-7. tp=2, ep=2 and two nodes: the next test.)"""
-    from test_service_sdk import assert_same, peft_greedy, peft_steps, sdk_steps, to_sdk
+    from test_service_sdk import assert_same, peft_greedy, peft_steps, to_sdk
 
     from mlora_lab.lora import read_adapter
     from mlora_lab.reference import peft_lora_tensors
@@ -240,13 +252,7 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
             assert [s.tokens for s in answer.sequences] == [tokens, tokens]
             assert answer.sequences[0].logprobs == pytest.approx(lps, abs=1e-4)
         # a client from the saved state (read by rank 0, broadcast) takes the step the first one takes next
-        other = svc.client().create_training_client_from_state_with_optimizer(
-            f"tinker://{tc.model_id}/weights/final"
-        )
-        next_loss = sdk_steps(tc, [data[:3], data[3:]], steps=1)[0]
-        assert sdk_steps(other.result(), [data[:3], data[3:]], steps=1)[0] == pytest.approx(
-            next_loss, abs=1e-6
-        )
+        assert_a_client_from_its_saved_state_steps_as_it_does(svc, tc, data)
         assert svc.stop() == "stopped", svc.logs(0)
         # resumed on two processes: the unnamed snapshot comes back from the checkpoint with its sampling
         # session, the named one is read back from its folder (rank 0 and rank 1 each read it): both sample
@@ -395,7 +401,7 @@ def test_a_served_job_over_an_nf4_base_equals_peft_and_survives_a_resume(llama_p
     over the same nf4 base; stopped and resumed, the base is quantized again as it loads, the snapshot samples
     as it did, and a client made from the saved state takes the step the first client takes. (Over the
     float32 base PEFT's losses differ by more than 1e-3, 100 times the tolerance: the nf4 base is what ran.)"""
-    from test_service_sdk import assert_same, peft_greedy, peft_steps, sdk_steps
+    from test_service_sdk import assert_same, peft_greedy, peft_steps
 
     from mlora_lab.lora import read_adapter
     from mlora_lab.reference import peft_lora_tensors
@@ -432,13 +438,7 @@ def test_a_served_job_over_an_nf4_base_equals_peft_and_survives_a_resume(llama_p
         again = ml.resume(svc.path)
         after = sampler.sample(types.ModelInput.from_ints(prompt), 1, greedy).result().sequences[0]
         assert after.tokens == before.tokens and after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
-        other = again.client().create_training_client_from_state_with_optimizer(
-            f"tinker://{tc.model_id}/weights/final"
-        )
-        next_loss = sdk_steps(tc, [data[:3], data[3:]], steps=1)[0]
-        assert sdk_steps(other.result(), [data[:3], data[3:]], steps=1)[0] == pytest.approx(
-            next_loss, abs=1e-6
-        )
+        assert_a_client_from_its_saved_state_steps_as_it_does(again, tc, data)
         assert again.stop() == "stopped", again.logs(0)
     finally:
         stop_runs_under(tmp_path)
