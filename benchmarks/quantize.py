@@ -46,9 +46,42 @@ SHAPES = {  # (model_type, hidden, intermediate, layers, heads, kv heads, vocab,
     "Llama-3.1-8B": ("llama", 4096, 14336, 32, 32, 8, 128256, False),
 }
 """Published shapes of real models (their ``config.json``), for ``--shapes``."""
-BASES = [("bfloat16", None), ("bfloat16", "nf4"), ("bfloat16", "int8"), ("float32", None), ("float32", "nf4")]
+MODES = ("bf16", "nf4", "nf4e")
+"""``--shapes``' bases: bf16, nf4 (QLoRA: the decoder's linear layers), nf4 with ``quantize_embeddings``."""
+BASES = [
+    ("bfloat16", None),
+    ("bfloat16", "nf4"),
+    ("bfloat16", "nf4+embeddings"),
+    ("bfloat16", "int8"),
+    ("float32", None),
+    ("float32", "nf4"),
+]
 """(dtype, quantize): the dtype of what stays unquantized and of the nf4 layers' compute (float32 is the
-CPU's ``dtype="auto"``)."""
+CPU's ``dtype="auto"``); ``"nf4+embeddings"`` is ``quantize="nf4", quantize_embeddings=True``."""
+
+
+def scale_bytes(weight) -> int:
+    """Bytes of bitsandbytes' scales of a quantized ``weight``, which are not parameters (and so not in
+    ``get_memory_footprint()``): nf4's absmax per block of 64 (quantized again, with their own scales, when
+    double-quantized) and code book; int8's scale per row."""
+    total = 0
+    state = getattr(weight, "quant_state", None)
+    if state is not None:
+        scales = [state.absmax, state.code]
+        if state.nested:
+            scales += [state.state2.absmax, state.state2.code, state.offset]
+        total += sum(t.numel() * t.element_size() for t in scales if t is not None)
+    scb = getattr(weight, "SCB", None)
+    if scb is not None:
+        total += scb.numel() * scb.element_size()
+    return total
+
+
+def base_bytes(model) -> int:
+    """Every byte of the base: ``model.get_memory_footprint()`` (parameters and buffers, each stored once:
+    a tied pair counts once, a packed 4-bit weight at its packed size) plus the scales bitsandbytes keeps
+    beside its quantized weights."""
+    return model.get_memory_footprint() + sum(scale_bytes(p) for p in model.parameters())
 
 
 def linear_bytes(model) -> int:
@@ -64,15 +97,7 @@ def linear_bytes(model) -> int:
         if isinstance(module, torch.nn.Linear) and name not in output:
             for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
                 total += t.numel() * t.element_size()
-            state = getattr(module.weight, "quant_state", None)
-            if state is not None:  # nf4: the absmax scales (double-quantized) and the code book
-                scales = [state.absmax, state.code]
-                if state.nested:
-                    scales += [state.state2.absmax, state.state2.code, state.offset]
-                total += sum(t.numel() * t.element_size() for t in scales)
-            scb = getattr(module.weight, "SCB", None)
-            if scb is not None:  # int8: one float scale per row
-                total += scb.numel() * scb.element_size()
+            total += scale_bytes(module.weight)
     return total
 
 
@@ -103,17 +128,19 @@ def shape_footprints(name: str, work: Path) -> dict:
         folder = work / f"{name}-{n}"
         model.save_pretrained(folder)
         del model
-        for mode in ("bf16", "nf4"):
-            kw = quant.load_kwargs("nf4" if mode == "nf4" else None, torch.bfloat16, torch.device("cpu"))
+        for mode in MODES:
+            kw = quant.load_kwargs(None if mode == "bf16" else "nf4", torch.bfloat16, torch.device("cpu"))
             loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **kw)
-            measured[mode, n] = (loaded.get_memory_footprint(), linear_bytes(loaded))
+            if mode == "nf4e":
+                quant.quantize_embeddings(loaded, torch.bfloat16)
+            measured[mode, n] = (base_bytes(loaded), linear_bytes(loaded))
             del loaded
             gc.collect()
         for f in folder.iterdir():
             f.unlink()
         folder.rmdir()
     out = dict(name=name, layers=layers, params=0)
-    for mode in ("bf16", "nf4"):
+    for mode in MODES:
         (f1, l1), (f2, l2) = measured[mode, 1], measured[mode, 2]
         out[mode] = f1 + (layers - 1) * (f2 - f1)
         out[f"{mode}_linear"] = l1 + (layers - 1) * (l2 - l1)
@@ -139,6 +166,8 @@ def shapes_table(names: list[str]) -> None:
                     f"{r['nf4'] / 2**30:.2f} GiB",
                     f"{r['nf4_linear'] / r['bf16_linear']:.3f}",
                     f"{r['nf4'] / r['bf16']:.3f}",
+                    f"{r['nf4e'] / 2**30:.2f} GiB",
+                    f"{r['nf4e'] / r['bf16']:.3f}",
                 ]
             )
     print(common.machine_line())
@@ -152,6 +181,8 @@ def shapes_table(names: list[str]) -> None:
             "nf4 base",
             "decoder linear nf4 ÷ bf16",
             "base nf4 ÷ bf16",
+            "nf4, embeddings too",
+            "÷ bf16",
         ],
         rows,
     )
@@ -212,10 +243,11 @@ def main() -> None:
                 max_tenants=1,
                 max_rank=16,
                 dtype=dtype,
-                quantize=mode,
+                quantize=mode and mode.removesuffix("+embeddings"),
+                quantize_embeddings=bool(mode and mode.endswith("+embeddings")),
             )
             trainer = Trainer(spec, run_dir=None)
-            footprint = trainer.model.model.get_memory_footprint()
+            footprint = base_bytes(trainer.model.model)
             lin = linear_bytes(trainer.model.model)
             trainer.step()
             ours = [common.time_once(trainer.step).wall for _ in range(steps)]
@@ -224,9 +256,12 @@ def main() -> None:
 
             # plain PEFT over the same base: one forward + backward + AdamW step on the same rows
             torch.manual_seed(0)
-            kw = quant.load_kwargs(mode, getattr(torch, dtype), torch.device("cpu"))
+            kind = mode and mode.removesuffix("+embeddings")
+            kw = quant.load_kwargs(kind, getattr(torch, dtype), torch.device("cpu"))
             model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype), **kw)
-            if mode is not None:
+            if mode == "nf4+embeddings":
+                quant.quantize_embeddings(model, getattr(torch, dtype))
+            elif mode is not None:
                 quant.keep_one_kernel(model)
             model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets))
             params = [p for p in model.parameters() if p.requires_grad]
@@ -281,9 +316,12 @@ def main() -> None:
             ],
         )
         nf4 = next(r for r in results if r["base"] == "nf4 (bfloat16)")
+        nf4e = next(r for r in results if r["base"] == "nf4+embeddings (bfloat16)")
         ratio = nf4["footprint"] / ref["footprint"]
         print(f"RATIO base bytes nf4 / bf16: {common.verdict(ratio, GOAL)}; "
               f"decoder linear layers alone: {nf4['linear'] / ref['linear']:.3f}")  # fmt: skip
+        ratio = nf4e["footprint"] / ref["footprint"]
+        print(f"RATIO base bytes nf4 with quantize_embeddings / bf16: {common.verdict(ratio, GOAL)}")
 
 
 if __name__ == "__main__":

@@ -55,16 +55,18 @@ def train_peft(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     quantize: str | None = None,
+    quantize_embeddings: bool = False,
 ) -> ReferenceResult:
     """Train one PEFT LoRA adapter on ``batches`` (one optimiser step per batch) and return the
     per-step losses and the final adapter tensors. ``dtype`` is the base's (PEFT keeps the adapter in
     fp32 over a bf16/fp16 base: ``autocast_adapter_dtype``); ``quantize`` loads it quantized as a job
-    does (:mod:`mlora_lab.quant`: QLoRA's ``BitsAndBytesConfig``), on the CPU."""
+    does (:mod:`mlora_lab.quant`: QLoRA's ``BitsAndBytesConfig``; with ``quantize_embeddings``, the embedding
+    and output layers too), on the CPU."""
     torch.manual_seed(seed)
     base = transformers.AutoModelForCausalLM.from_pretrained(
         resolve_base(base_model), dtype=dtype, **quant.load_kwargs(quantize, dtype, torch.device("cpu"))
     )
-    quant.keep_one_kernel(base)
+    quant.quantize_embeddings(base, dtype) if quantize_embeddings else quant.keep_one_kernel(base)
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
     else:

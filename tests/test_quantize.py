@@ -44,7 +44,9 @@ def peft_adapter(base: str, path: str, targets: list[str]) -> str:
     torch.manual_seed(4)
     model = transformers.AutoModelForCausalLM.from_pretrained(base)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-    peft.get_peft_model(model, config).save_pretrained(path)
+    # (without the output layer's own weight, which PEFT saves beside an lm_head LoRA by default and could not
+    # load back into a quantized output layer)
+    peft.get_peft_model(model, config).save_pretrained(path, save_embedding_layers=False)
     return path
 
 
@@ -57,12 +59,49 @@ def one_tenant(base: str, data: str, adapter: str, targets: list[str], **kw) -> 
     return Tenant(name="a", data=data, init_adapter=adapter, target_modules=targets, **kw)
 
 
-@pytest.mark.parametrize(("arch", "mode"), [("llama", "nf4"), ("qwen2", "nf4"), ("llama", "int8")])
+def tied(base: str, out) -> str:
+    """A copy of the model at ``base`` whose output layer is tied to its input embedding."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return str(out)
+
+
+def quantized_base(base: str, mode: str) -> transformers.PreTrainedModel:
+    """The base as a job with ``quantize=mode`` (``"nf4+embeddings"``: and ``quantize_embeddings``) loads it."""
+    kind = mode.removesuffix("+embeddings")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        base, **quant.load_kwargs(kind, torch.float32, torch.device("cpu"))
+    )
+    if mode.endswith("+embeddings"):
+        return quant.quantize_embeddings(model, torch.float32)
+    return quant.keep_one_kernel(model)
+
+
+@pytest.mark.parametrize(
+    ("arch", "mode"),
+    [
+        ("llama", "nf4"),
+        ("qwen2", "nf4"),
+        ("llama", "int8"),
+        ("llama", "nf4+embeddings"),
+        ("llama, tied", "nf4+embeddings"),
+    ],
+)
 def test_a_quantized_base_trains_as_peft_over_the_same_quantized_base(
     arch, mode, tiny_models, make_data, tmp_path
 ):
-    base = tiny_models(arch)
-    targets = TYPICAL_TARGETS[arch]
+    """Per step and at the end, as PEFT over the same quantized base; ``quantize_embeddings`` (the output
+    layer then also carries the tenant's LoRA, over its 4-bit weight) over an untied and a tied base."""
+    base = tiny_models(arch.removesuffix(", tied"))
+    targets = TYPICAL_TARGETS[arch.removesuffix(", tied")]
+    embeddings = mode.endswith("+embeddings")
+    if arch.endswith("tied"):
+        base = tied(base, tmp_path / "tied")
+    if embeddings:
+        targets = [*targets, "lm_head"]
     data = make_data("reverse", 7)
     adapter = peft_adapter(base, str(tmp_path / "init"), targets)
     spec = JobSpec(
@@ -71,13 +110,25 @@ def test_a_quantized_base_trains_as_peft_over_the_same_quantized_base(
         seq_len=64,
         max_rank=8,
         max_tenants=2,
-        quantize=mode,
+        quantize=mode.removesuffix("+embeddings"),
+        quantize_embeddings=embeddings,
     )
     trainer = Trainer(spec, run_dir=tmp_path / "run")
     trainer.train()
     layer = trainer.model.layers[next(iter(trainer.model.layers))].base_layer
-    assert type(layer).__name__ == {"nf4": "Linear4bit", "int8": "Linear8bitLt"}[mode]
-    assert layer.weight.dtype == {"nf4": torch.uint8, "int8": torch.int8}[mode]
+    kind = mode.removesuffix("+embeddings")
+    assert type(layer).__name__ == {"nf4": "Linear4bit", "int8": "Linear8bitLt"}[kind]
+    assert layer.weight.dtype == {"nf4": torch.uint8, "int8": torch.int8}[kind]
+    if embeddings:
+        import bitsandbytes as bnb
+
+        model = trainer.model.model
+        embedding, output = model.get_input_embeddings(), trainer.model.layers["lm_head"].base_layer
+        assert isinstance(embedding, bnb.nn.Embedding4bit) and isinstance(output, bnb.nn.Linear4bit)
+        assert embedding.weight.dtype == output.weight.dtype == torch.uint8
+        assert (output.weight is embedding.weight) == arch.endswith("tied")
+        plain = quantized_base(base, kind)
+        assert model.get_memory_footprint() < plain.get_memory_footprint()
     assert all(p.dtype == torch.float32 for p, _ in trainer.model.tenant_slices("a"))
     state = trainer.tenants["a"].optimizer.optimizer.state.values()
     assert state and all(s[k].dtype == torch.float32 for s in state for k in ("exp_avg", "exp_avg_sq"))
@@ -85,19 +136,15 @@ def test_a_quantized_base_trains_as_peft_over_the_same_quantized_base(
     tok = transformers.AutoTokenizer.from_pretrained(base)
     examples = load_examples(data, tok, spec.seq_len)
     ref = train_peft(
-        base, [examples] * 4, adapter_dir=adapter, lr=3e-3, eps=1e-6, pad_id=tok.pad_token_id, quantize=mode
-    )
+        base, [examples] * 4, adapter_dir=adapter, lr=3e-3, eps=1e-6, pad_id=tok.pad_token_id, quantize=kind,
+        quantize_embeddings=embeddings,
+    )  # fmt: skip
     assert trainer.losses("a") == pytest.approx(ref.losses, abs=TOL)
     assert max_diff(trainer.model.tenant_tensors("a"), ref.tensors) <= TOL
 
     # the saved adapter, loaded by PEFT over the same quantized base, gives the job's logits
     loaded = peft.PeftModel.from_pretrained(
-        quant.keep_one_kernel(
-            transformers.AutoModelForCausalLM.from_pretrained(
-                base, **quant.load_kwargs(mode, torch.float32, torch.device("cpu"))
-            )
-        ),
-        str(tmp_path / "run" / "adapters" / "a"),
+        quantized_base(base, mode), str(tmp_path / "run" / "adapters" / "a")
     ).eval()
     ids = torch.randint(3, 200, (2, 9))
     trainer.model.eval()
@@ -132,13 +179,22 @@ def test_two_tenants_over_a_quantized_base_equal_each_alone(tiny_models, make_da
         assert max_diff(together.model.tenant_tensors(t.name), alone.model.tenant_tensors(t.name)) <= TOL
 
 
-def test_resume_over_a_quantized_base_equals_an_uninterrupted_run(tiny_models, make_data, tmp_path):
+@pytest.mark.parametrize("embeddings", [False, True], ids=["nf4", "nf4 with its embeddings"])
+def test_resume_over_a_quantized_base_equals_an_uninterrupted_run(
+    embeddings, tiny_models, make_data, tmp_path
+):
+    """The base is quantized again as the resumed job loads it, to the same weights (with quantized
+    embeddings too): the run goes on as if never cut."""
     base = tiny_models("llama")
+    targets = ["q_proj", "v_proj", *(["lm_head"] if embeddings else [])]
     tenant = Tenant(
-        name="a", data=make_data("reverse"), rank=4, target_modules=["q_proj", "v_proj"], lr=5e-3, batch_size=2,
+        name="a", data=make_data("reverse"), rank=4, target_modules=targets, lr=5e-3, batch_size=2,
         max_steps=6, seed=1, eps=1e-6,
     )  # fmt: skip
-    spec = JobSpec(base_model=base, tenants=[tenant], seq_len=48, max_rank=8, max_tenants=2, quantize="nf4")
+    spec = JobSpec(
+        base_model=base, tenants=[tenant], seq_len=48, max_rank=8, max_tenants=2, quantize="nf4",
+        quantize_embeddings=embeddings,
+    )  # fmt: skip
     straight = Trainer(spec)
     straight.train()
     first = Trainer(spec, run_dir=tmp_path / "cut")
@@ -153,18 +209,19 @@ def test_resume_over_a_quantized_base_equals_an_uninterrupted_run(tiny_models, m
     assert max_diff(again.model.tenant_tensors("a"), straight.model.tenant_tensors("a")) <= 1e-6
 
 
-def test_greedy_sampling_over_a_quantized_base_equals_peft_generate(tiny_models, tmp_path):
+@pytest.mark.parametrize("mode", ["nf4", "nf4+embeddings"])
+def test_greedy_sampling_over_a_quantized_base_equals_peft_generate(mode, tiny_models, tmp_path):
     from mlora_lab.lora import MultiLoRAModel
     from mlora_lab.sampling import SampleRequest, sample
 
     base = tiny_models("llama")
-    adapter = peft_adapter(base, str(tmp_path / "init"), ["q_proj", "v_proj"])
+    targets = ["q_proj", "v_proj", *(["lm_head"] if mode.endswith("embeddings") else [])]
+    adapter = peft_adapter(base, str(tmp_path / "init"), targets)
 
     def quantized():
-        kw = quant.load_kwargs("nf4", torch.float32, torch.device("cpu"))
-        return quant.keep_one_kernel(transformers.AutoModelForCausalLM.from_pretrained(base, **kw))
+        return quantized_base(base, mode)
 
-    mm = MultiLoRAModel(quantized(), max_tenants=2, max_rank=8, slot_modules=["q_proj", "v_proj"])
+    mm = MultiLoRAModel(quantized(), max_tenants=2, max_rank=8, slot_modules=targets)
     mm.load_adapter("a", adapter)
     prompt = [5, 17, 33, 9, 41]
     ours = sample(mm, [SampleRequest(prompt, "a", max_new_tokens=8, temperature=0.0, stop_token_ids=[])])
@@ -194,6 +251,11 @@ def test_layouts_that_cannot_hold_a_quantized_base_are_refused_at_once(tiny_mode
     assert "tensor parallel" in said["parallel.tp"]
     replicated = JobSpec(base_model=base, tenants=[tenant], quantize="nf4", parallel=Parallel(nproc=2))
     assert not problems(replicated), "data parallel holds the whole quantized base on every process"
+    for q in (None, "int8"):  # the embeddings in nf4 go with the linear layers in nf4
+        said = {p.field: p.message for p in problems(JobSpec(base_model=base, tenants=[tenant], quantize=q,
+                                                            quantize_embeddings=True))}  # fmt: skip
+        assert f"quantize is {q!r}" in said["quantize_embeddings"], said
+    assert not problems(JobSpec(base_model=base, tenants=[tenant], quantize="nf4", quantize_embeddings=True))
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a)

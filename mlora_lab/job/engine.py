@@ -124,6 +124,8 @@ class Engine:
         )
         if spec.quantize is None:
             base.to(comm.device)
+        elif spec.quantize_embeddings:
+            quant.quantize_embeddings(base, dtype)
         else:
             quant.keep_one_kernel(base)
         vocab_rows = base.get_input_embeddings().weight.shape[0]  # before any sharding

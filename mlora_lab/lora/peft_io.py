@@ -41,7 +41,11 @@ class AdapterError(ValueError):
 
 
 def read_adapter(path: str | Path) -> tuple[LoraConfig, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """Read a PEFT LoRA adapter directory into its config and ``{module_name: (A [r, in], B [out, r])}``."""
+    """Read a PEFT LoRA adapter directory into its config and ``{module_name: (A [r, in], B [out, r])}``.
+
+    PEFT saves an adapted output layer's or embedding's own weights beside its LoRA
+    (``save_embedding_layers="auto"``, for a vocabulary that may have been resized): the base's weights, which a
+    tenant of a shared frozen base cannot change, so they are not read."""
     path = Path(path)
     if not (path / CONFIG_NAME).is_file():
         raise AdapterError(f"{path}: not a PEFT adapter directory (no {CONFIG_NAME})")
@@ -79,6 +83,8 @@ def read_adapter(path: str | Path) -> tuple[LoraConfig, dict[str, tuple[torch.Te
     unexpected = []
     for key, tensor in state.items():
         name = key[len(PREFIX) :] if key.startswith(PREFIX) else key
+        if name.endswith((".base_layer.weight", ".base_layer.bias")):  # (the base's own: see above)
+            continue
         for part in ("lora_A", "lora_B"):
             # Saved adapters drop the adapter name; raw state dicts keep it (".lora_A.default.weight").
             marker = f".{part}."

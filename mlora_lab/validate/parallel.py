@@ -79,6 +79,13 @@ def check_quantize(ctx: Context) -> None:
     and int8 weights (and their quantization state beside them) are not; tensor and expert parallel
     split the base's weights, which would have to be quantized per slice."""
     q = ctx.spec.quantize
+    if ctx.spec.quantize_embeddings is True and q != "nf4":
+        ctx.say(
+            None,
+            "quantize_embeddings",
+            f"quantize_embeddings=True quantizes the embedding and output layers to nf4, with quantize='nf4' "
+            f"(the linear layers' nf4); quantize is {q!r}",
+        )
     if q is None or q not in QUANTIZE:  # (a bad value is check_field's to report)
         return
     if importlib.util.find_spec("bitsandbytes") is None:

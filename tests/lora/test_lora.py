@@ -197,3 +197,29 @@ def test_adapter_bytes_counts_the_tenants_own_rank(base):
     t = mm.add_tenant("a", rank=4, target_modules=["q_proj"])
     layer = mm.layers[t.modules[0]]
     assert mm.adapter_bytes("a") == len(t.modules) * 4 * (layer.in_features + layer.out_features) * 4
+
+
+def test_a_peft_adapter_of_the_output_layer_saved_with_its_base_weight_loads(base, tmp_path):
+    """PEFT saves an adapted ``lm_head``'s own weight beside its LoRA (``save_embedding_layers="auto"``,
+    its default when the output layer is a target): the base's weight, not read; the adapter's own LoRA is,
+    and the tenant's logits are PEFT's."""
+    torch.manual_seed(0)
+    targets = ["q_proj", "lm_head"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    model.save_pretrained(tmp_path / "a")
+    from safetensors.torch import load_file
+
+    assert any(
+        k.endswith("lm_head.base_layer.weight")
+        for k in load_file(tmp_path / "a" / "adapter_model.safetensors")
+    )
+    _, tensors = read_adapter(tmp_path / "a")
+    assert {m.rsplit(".", 1)[-1] for m in tensors} == {"q_proj", "lm_head"}
+    mm = MultiLoRAModel(copy.deepcopy(base), max_tenants=2, max_rank=8, slot_modules=targets)
+    mm.load_adapter("a", tmp_path / "a")
+    ids = torch.randint(3, 200, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            mm(ids, tenants=["a", "a"]).logits, model.eval()(input_ids=ids).logits, atol=1e-5, rtol=0
+        )
