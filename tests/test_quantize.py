@@ -127,6 +127,7 @@ def test_a_quantized_base_trains_as_peft_over_the_same_quantized_base(
         assert isinstance(embedding, bnb.nn.Embedding4bit) and isinstance(output, bnb.nn.Linear4bit)
         assert embedding.weight.dtype == output.weight.dtype == torch.uint8
         assert (output.weight is embedding.weight) == arch.endswith("tied")
+        assert trainer.engine.vocab_rows == model.config.vocab_size  # (not the packed weight's rows)
         plain = quantized_base(base, kind)
         assert model.get_memory_footprint() < plain.get_memory_footprint()
     assert all(p.dtype == torch.float32 for p, _ in trainer.model.tenant_slices("a"))

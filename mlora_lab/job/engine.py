@@ -128,7 +128,9 @@ class Engine:
             quant.quantize_embeddings(base, dtype)
         else:
             quant.keep_one_kernel(base)
-        vocab_rows = base.get_input_embeddings().weight.shape[0]  # before any sharding
+        # before any sharding, and not the weight's shape: a quantized embedding's weight is packed
+        embedding = base.get_input_embeddings()
+        vocab_rows = getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0]
         # (a served job's default slots include the output layer: named here, where the model is)
         slot_modules = effective_slot_modules(spec, output_layer_names(base))
         slot_parameters = {p for t in spec.tenants for p in t.target_parameters}
