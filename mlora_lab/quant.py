@@ -94,6 +94,12 @@ def quantize_embeddings(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     import bitsandbytes as bnb
 
     embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(embedding) is not nn.Embedding or (output is not None and type(output) is not nn.Linear):
+        # (validation refuses these first: a subclass may compute more than its weight, as Gemma's scales)
+        raise ValueError(
+            f"quantize_embeddings replaces a plain nn.Embedding and nn.Linear; this model's are "
+            f"{type(embedding).__name__} and {type(output).__name__}"
+        )
     tied = output is not None and output.weight is embedding.weight
 
     def quantized(weight: torch.Tensor, nested: bool) -> nn.Parameter:

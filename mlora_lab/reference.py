@@ -66,7 +66,10 @@ def train_peft(
     base = transformers.AutoModelForCausalLM.from_pretrained(
         resolve_base(base_model), dtype=dtype, **quant.load_kwargs(quantize, dtype, torch.device("cpu"))
     )
-    quant.quantize_embeddings(base, dtype) if quantize_embeddings else quant.keep_one_kernel(base)
+    if quantize_embeddings:
+        quant.quantize_embeddings(base, dtype)
+    else:
+        quant.keep_one_kernel(base)
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
     else:

@@ -325,3 +325,23 @@ def test_an_rl_tenant_over_a_quantized_base_trains_and_resumes_exactly(tiny_mode
     again.train()
     assert again.losses("a")[-1:] == pytest.approx(straight.losses("a")[-1:], abs=1e-6)
     assert max_diff(again.model.tenant_tensors("a"), straight.model.tenant_tensors("a")) <= 1e-6
+
+
+def test_quantized_embeddings_are_refused_for_an_embedding_that_computes_more_than_a_lookup(
+    tiny_models, tmp_path
+):
+    """Gemma's input embedding scales its rows by sqrt(hidden): replacing it by bitsandbytes' plain nf4
+    embedding would drop the scale, so validation refuses ``quantize_embeddings`` there, naming the class."""
+    config = transformers.AutoConfig.for_model(
+        "gemma3_text", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma")
+    transformers.AutoTokenizer.from_pretrained(tiny_models("llama")).save_pretrained(tmp_path / "gemma")
+    tenant = Tenant(name="a", data=[{"text": "a b c"}] * 4, target_modules=["q_proj"])
+    spec = JobSpec(
+        base_model=str(tmp_path / "gemma"), tenants=[tenant], quantize="nf4", quantize_embeddings=True
+    )
+    said = {p.field: p.message for p in problems(spec)}
+    assert "Gemma3TextScaledWordEmbedding" in said["quantize_embeddings"], said
+    assert not problems(JobSpec(base_model=str(tmp_path / "gemma"), tenants=[tenant], quantize="nf4"))

@@ -45,6 +45,9 @@ class ModelInfo:
     kv_per_token: int | None = None
     """Elements of the KV cache one token of one sequence takes (``2 × layers × kv heads × head dim``; None
     when the config does not say): what a generation holds per token."""
+    embeddings: tuple[str, str] = ("Embedding", "Linear")
+    """Class names of the input embedding and the output layer (``""`` without one): what
+    ``JobSpec.quantize_embeddings`` would replace."""
 
     @property
     def all_linear(self) -> list[str]:
@@ -112,6 +115,7 @@ def model_info(path: str) -> ModelInfo:
     vocab = vocab if is_int(vocab) else getattr(cfg, "vocab_size", None)
     logits = logits if is_int(logits) else vocab
     output = frozenset(output_layer_names(model))
+    embeddings = tuple(type(m).__name__ if m is not None else "" for m in (emb, head))
     return ModelInfo(
         modules,
         linear,
@@ -123,6 +127,7 @@ def model_info(path: str) -> ModelInfo:
         logits,
         output,
         kv_size(cfg),
+        embeddings,  # type: ignore[arg-type]
     )
 
 

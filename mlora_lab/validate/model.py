@@ -326,6 +326,31 @@ def check_vocab(ctx: Context) -> None:
         )
 
 
+def check_quantized_embeddings(ctx: Context) -> None:
+    """``quantize_embeddings`` replaces the input embedding by an nf4 ``Embedding4bit`` and the output layer by
+    a ``Linear4bit`` (:func:`mlora_lab.quant.quantize_embeddings`): only a plain ``nn.Embedding`` and
+    ``nn.Linear`` compute just what those do (a subclass may scale its output, as Gemma's embedding does)."""
+    m = ctx.model
+    if m is None or ctx.spec.quantize_embeddings is not True:
+        return
+    embedding, output = m.embeddings
+    odd = [
+        f"its {what} is a {kind}"
+        for what, kind, plain in (
+            ("input embedding", embedding, "Embedding"),
+            ("output layer", output, "Linear"),
+        )
+        if kind not in (plain, "")
+    ]
+    if odd:
+        ctx.say(
+            None,
+            "quantize_embeddings",
+            f"quantize_embeddings=True replaces a plain nn.Embedding and nn.Linear by their nf4 versions, but "
+            f"{' and '.join(odd)}, which may compute more than its weight does; use quantize_embeddings=False",
+        )
+
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 

@@ -23,6 +23,7 @@ from mlora_lab.validate.hub import fetch_hub_ids
 from mlora_lab.validate.model import (
     check_generation_memory,
     check_memory,
+    check_quantized_embeddings,
     check_slot_modules,
     check_targets,
     check_vocab,
@@ -73,6 +74,7 @@ def run_checks(ctx: Context, files: bool = True) -> list[Problem]:
     check_expert_parallel(ctx)
     check_tensor_parallel(ctx)
     check_vocab(ctx)
+    check_quantized_embeddings(ctx)
     check_memory(ctx, good)
     check_generation_memory(ctx, good)
     return ctx.out
