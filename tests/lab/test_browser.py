@@ -235,6 +235,13 @@ def test_quickstart_in_jupyterlab(tmp_path):
             # (JupyterLab on a machine busy with the rest of the suite can take more than playwright's default
             # 30 s to answer a click: a CI run lost the first "Run All" click that way)
             page.set_default_timeout(120_000)
+            # (on a busy machine JupyterLab may ask which kernel to start although the notebook names one and it
+            # has started it: a fresh-clone CI run lost the test to that dialog. Answered as a user does, with
+            # the kernel it proposes, whenever it comes up before an action)
+            asks = page.locator(".jp-Dialog", has_text="Select Kernel")
+            page.add_locator_handler(
+                asks, lambda d: d.get_by_role("button", name="Select", exact=True).click()
+            )
             try:
                 drive_quickstart(page, port, root, wait_cell, tmp_path)
             except Exception:
