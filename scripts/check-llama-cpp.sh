@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # llama.cpp itself loads what `run.export(tenant, "gguf")` writes: builds llama-cpp-python from source (no
-# wheel of it is published for this platform; ~20-40 min on 2 cores the first time, then pip's cache), installs
+# wheel of it is published for this platform; ~10 min on 2 cores the first time, then pip's cache), installs
 # it into .venv, and runs the test that loads an exported adapter over the real SmolLM2-135M GGUF and compares
 # llama.cpp's logits with PEFT's. Not part of scripts/test.sh (CI would build it every run): there the test skips.
 set -euo pipefail
