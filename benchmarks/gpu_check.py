@@ -1,4 +1,5 @@
-"""Issue 35's GPU check: the CUDA equivalences and the figures G1-G4, in one run that writes one JSON.
+"""Issue 35's GPU check: the CUDA equivalences and the figures G1-G4 (and issue 36's quantized base), in one run
+that writes one JSON.
 
     bash scripts/gpu-check.sh            # on a GPU machine (≤ 8 min on one H200); what scripts/gpu-wheels.sh
                                          # gathered in .whl/ is installed first
@@ -22,6 +23,8 @@ Parts (each in its own time budget; one that fails is recorded with its error an
   at a time (measured on ``peft_adapters`` of them, the rate extrapolated to 16).
 - ``g3_grpo``: ``benchmarks/rl.py --part grpo``: a 4-tenant GRPO job against 4 TRL ``GRPOTrainer`` runs.
 - ``g4_clients``: ``benchmarks/service.py --part clients``: 4 SDK clients through ``ml.serve`` against 1.
+- ``q_quantized`` (issue 36): the same base in bf16, nf4 and nf4 with ``quantize_embeddings``: its bytes, a
+  4-tenant step's time and peak memory, against one PEFT adapter over the same base.
 
 Every part records its peak GPU memory: this process's ``max_memory_allocated`` and the device's used
 memory sampled every 0.2 s (which sees the jobs that parts (a), (d) and (e) start).
@@ -57,6 +60,9 @@ GOALS = {
     "g2_vs_peft_loop": (">=", 5.0),
     "g3_vs_four_trl_runs": ("<=", 0.5),
     "g4_four_clients_vs_one": (">=", 0.95),
+    # issue 36's base memory (bytes, the same on any device; the part states the step times beside them)
+    "q_nf4_base_bytes_vs_16bit": ("<=", 0.30),
+    "q_nf4_embeddings_base_bytes_vs_16bit": ("<=", 0.30),
 }
 TESTS = [
     "tests/lora/test_grouped.py",
@@ -394,6 +400,94 @@ def part_g4(cfg: dict, work: Path) -> dict:
     return result
 
 
+# -- issue 36: a quantized base -----------------------------------------------------------------------------------
+
+
+def part_quantized(cfg: dict, work: Path) -> dict:
+    """Issue 36 on the device: the base in bf16 (the CPU's dry run: float32), nf4 (QLoRA: the decoder's linear
+    layers) and nf4 with ``quantize_embeddings``: its bytes (with bitsandbytes' scales), the peak memory of
+    a step, and the step time of 4 tenants (ranks 8/16/32/8, all linear layers) sharing the G1 rows, against
+    one PEFT adapter (rank 16) on the same rows over the same base."""
+    import peft
+    import transformers
+    from quantize import base_bytes
+
+    from mlora_lab import quant
+    from mlora_lab.data import collate, load_examples
+    from mlora_lab.job.trainer import Trainer
+    from mlora_lab.spec import JobSpec, Tenant
+
+    if not quant.available():
+        raise RuntimeError("bitsandbytes is not installed (scripts/gpu_wheels.py gathers it)")
+    base = build_base(cfg, work)
+    rows, seq = cfg["rows"], cfg["seq"]
+    data = text_rows(work / "q.jsonl", 4 * rows, words=2 * seq)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = cfg["dtype"]
+    tok = transformers.AutoTokenizer.from_pretrained(base)
+    examples = load_examples(data, tok, seq)[:rows]
+    result: dict = {"rows": rows, "seq": seq, "bases": {}}
+    for name, mode in (("base", None), ("nf4", "nf4"), ("nf4+embeddings", "nf4")):
+        embeddings = name.endswith("embeddings")
+        spec = JobSpec(
+            base_model=base,
+            tenants=[
+                Tenant(name=f"t{i}", data=data, rank=(8, 16, 32, 8)[i], alpha=16, target_modules=["all-linear"],
+                       batch_size=rows // 4, max_steps=10**6, lr=1e-4, seed=i)
+                for i in range(4)
+            ],
+            seq_len=seq, max_tenants=4, max_rank=32, dtype=str(dtype).removeprefix("torch."), quantize=mode,
+            quantize_embeddings=embeddings,
+        )  # fmt: skip
+        _free()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        trainer = Trainer(spec)
+        trainer.model.train()
+        ours = statistics.median(timed(trainer.step, cfg["steps"], warmup=2))
+        entry = {
+            "base_bytes": base_bytes(trainer.model.model),
+            "step_s": ours,
+            "tokens_per_s": rows * seq / ours,
+        }
+        if torch.cuda.is_available():
+            entry["peak_gpu_bytes_allocated"] = torch.cuda.max_memory_allocated()
+        del trainer
+        _free()
+        kw = quant.load_kwargs(mode, dtype, device)
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **kw)
+        if mode is None:
+            model.to(device)
+        elif embeddings:
+            quant.quantize_embeddings(model, dtype)
+        else:
+            quant.keep_one_kernel(model)
+        pm = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+        pm.train()
+        opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
+
+        def peft_step(pm=pm, opt=opt) -> None:
+            batch = collate([("t", examples)], tok.pad_token_id or 0).to(device)
+            out = pm(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        entry["peft_step_s"] = statistics.median(timed(peft_step, cfg["steps"], warmup=2))
+        entry["vs_peft"] = entry["peft_step_s"] / ours  # (tokens/s ÷ PEFT's)
+        result["bases"][name] = entry
+        del pm, opt, model
+        _free()
+    bases = result["bases"]
+    result["ratios"] = {
+        "q_nf4_base_bytes_vs_16bit": bases["nf4"]["base_bytes"] / bases["base"]["base_bytes"],
+        "q_nf4_embeddings_base_bytes_vs_16bit": bases["nf4+embeddings"]["base_bytes"]
+        / bases["base"]["base_bytes"],
+    }
+    result["step_vs_16bit"] = {k: v["step_s"] / bases["base"]["step_s"] for k, v in bases.items()}
+    return result
+
+
 def _ratio(lines: list[str], near: str) -> float | None:
     """The first number after ``=`` or ``:`` on the goal line that mentions ``near``."""
     for line in lines:
@@ -421,6 +515,7 @@ PARTS = {
     "g2_sampling": part_g2,
     "g3_grpo": part_g3,
     "g4_clients": part_g4,
+    "q_quantized": part_quantized,
 }
 
 

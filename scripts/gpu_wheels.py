@@ -36,6 +36,7 @@ PLATFORM = [
 ROOTS = [
     "msgspec>=0.19", "orjson>=3.9", "gguf>=0.10",
     "tinker==0.38.0", "starlette>=0.40", "uvicorn>=0.30", "trl==1.16.0", "datasets>=3", "pytest-timeout",
+    "bitsandbytes==0.50.0",  # (issue 36's quantized base; ~40 MB, its CUDA kernels included)
 ]  # fmt: skip
 THERE = set(
     canonicalize_name(n)
@@ -128,8 +129,12 @@ def main() -> None:
     size = sum(w.stat().st_size for w in OUT.glob("*.whl"))
     print(f"{len(list(OUT.glob('*.whl')))} wheels in {OUT.relative_to(ROOT)}/, {size / 2**20:.1f} MiB "
           "(carry it: run(carry=['.whl']))")  # fmt: skip
-    if size > 48 * 2**20:
-        sys.exit("more than 48 MiB: the device's working tree travels in 64 MiB with the repository")
+    # the device's working tree travels in 64 MiB: the repository's files and what is carried, with 2 MiB spare
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    tree = sum((ROOT / f).stat().st_size for f in listed.decode().split("\0") if f and (ROOT / f).is_file())
+    if size + tree > 62 * 2**20:
+        sys.exit(f"{(size + tree) / 2**20:.1f} MiB with the repository's {tree / 2**20:.1f}: over the 62 MiB "
+                 "that leave 2 of the 64 the device's working tree may take")  # fmt: skip
 
 
 if __name__ == "__main__":
