@@ -229,11 +229,31 @@ def text_rows(path: Path, n: int, words: int) -> str:
 # -- (b) G1 ------------------------------------------------------------------------------------------------------
 
 
-def part_g1(cfg: dict, work: Path) -> dict:
+def peft_stepper(model, tok, device) -> Callable[[list], None]:
+    """One rank-16 PEFT adapter on every linear layer of ``model``, and its training step on a list of rows:
+    forward with the model's own loss, backward, AdamW (what G1 and the quantized part compare with)."""
     import peft
+
+    from mlora_lab.data import collate
+
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    pm.train()
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
+
+    def step(rows: list) -> None:
+        batch = collate([("t", rows)], tok.pad_token_id or 0).to(device)
+        out = pm(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def part_g1(cfg: dict, work: Path) -> dict:
     import transformers
 
-    from mlora_lab.data import collate, load_examples
+    from mlora_lab.data import load_examples
     from mlora_lab.job.trainer import Trainer
     from mlora_lab.spec import JobSpec, Tenant
 
@@ -265,17 +285,7 @@ def part_g1(cfg: dict, work: Path) -> dict:
     examples = load_examples(data, tok, seq)[:rows]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=cfg["dtype"]).to(device)
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-    pm.train()
-    params = [p for p in pm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
-
-    def peft_step(batch_rows) -> None:
-        batch = collate([("t", batch_rows)], tok.pad_token_id or 0).to(device)
-        out = pm(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    peft_step = peft_stepper(model, tok, device)
 
     one = statistics.median(timed(lambda: peft_step(examples), cfg["steps"], warmup=2))
     sequential = statistics.median(
@@ -408,12 +418,11 @@ def part_quantized(cfg: dict, work: Path) -> dict:
     layers) and nf4 with ``quantize_embeddings``: its bytes (with bitsandbytes' scales), the peak memory of
     a step, and the step time of 4 tenants (ranks 8/16/32/8, all linear layers) sharing the G1 rows, against
     one PEFT adapter (rank 16) on the same rows over the same base."""
-    import peft
     import transformers
     from quantize import base_bytes
 
     from mlora_lab import quant
-    from mlora_lab.data import collate, load_examples
+    from mlora_lab.data import load_examples
     from mlora_lab.job.trainer import Trainer
     from mlora_lab.spec import JobSpec, Tenant
 
@@ -458,25 +467,12 @@ def part_quantized(cfg: dict, work: Path) -> dict:
         model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **kw)
         if mode is None:
             model.to(device)
-        elif embeddings:
-            quant.quantize_embeddings(model, dtype)
-        else:
-            quant.keep_one_kernel(model)
-        pm = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-        pm.train()
-        opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
-
-        def peft_step(pm=pm, opt=opt) -> None:
-            batch = collate([("t", examples)], tok.pad_token_id or 0).to(device)
-            out = pm(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        entry["peft_step_s"] = statistics.median(timed(peft_step, cfg["steps"], warmup=2))
+        peft_step = peft_stepper(quant.prepare(model, mode, dtype, embeddings), tok, device)
+        times = timed(lambda step=peft_step: step(examples), cfg["steps"], warmup=2)
+        entry["peft_step_s"] = statistics.median(times)
         entry["vs_peft"] = entry["peft_step_s"] / ours  # (tokens/s ÷ PEFT's)
         result["bases"][name] = entry
-        del pm, opt, model
+        del peft_step, model
         _free()
     bases = result["bases"]
     result["ratios"] = {

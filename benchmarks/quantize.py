@@ -129,10 +129,10 @@ def shape_footprints(name: str, work: Path) -> dict:
         model.save_pretrained(folder)
         del model
         for mode in MODES:
-            kw = quant.load_kwargs(None if mode == "bf16" else "nf4", torch.bfloat16, torch.device("cpu"))
+            kind = None if mode == "bf16" else "nf4"
+            kw = quant.load_kwargs(kind, torch.bfloat16, torch.device("cpu"))
             loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **kw)
-            if mode == "nf4e":
-                quant.quantize_embeddings(loaded, torch.bfloat16)
+            quant.prepare(loaded, kind, torch.bfloat16, embeddings=mode == "nf4e")
             measured[mode, n] = (base_bytes(loaded), linear_bytes(loaded))
             del loaded
             gc.collect()
@@ -259,10 +259,7 @@ def main() -> None:
             kind = mode and mode.removesuffix("+embeddings")
             kw = quant.load_kwargs(kind, getattr(torch, dtype), torch.device("cpu"))
             model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype), **kw)
-            if mode == "nf4+embeddings":
-                quant.quantize_embeddings(model, getattr(torch, dtype))
-            elif mode is not None:
-                quant.keep_one_kernel(model)
+            quant.prepare(model, kind, getattr(torch, dtype), embeddings=mode == "nf4+embeddings")
             model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets))
             params = [p for p in model.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=1e-4, fused=True)

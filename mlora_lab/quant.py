@@ -68,6 +68,20 @@ def load_kwargs(quantize: str | None, dtype: torch.dtype, device: torch.device) 
     return {"quantization_config": config(quantize, dtype), "device_map": {"": device}}
 
 
+def prepare(
+    model: nn.Module, quantize: str | None, dtype: torch.dtype, embeddings: bool = False
+) -> nn.Module:
+    """``model``, loaded with :func:`load_kwargs`'s ``quantize``, made what a job trains over: its embedding and
+    output layers quantized too with ``embeddings`` (:func:`quantize_embeddings`), every 4-bit layer held to one
+    kernel (:func:`keep_one_kernel`); unchanged for ``quantize=None``. The job, the PEFT reference and the
+    benchmarks all call it, so they run over the same base."""
+    if quantize is None:
+        return model
+    if embeddings:
+        return quantize_embeddings(model, dtype)
+    return keep_one_kernel(model)
+
+
 def keep_one_kernel(model: nn.Module) -> nn.Module:
     """``model`` with every 4-bit layer held to one kernel. On a CPU with AVX512-BF16, bitsandbytes repacks a
     ``Linear4bit``'s weight for a faster inference kernel the first time the layer runs in eval mode

@@ -66,10 +66,7 @@ def train_peft(
     base = transformers.AutoModelForCausalLM.from_pretrained(
         resolve_base(base_model), dtype=dtype, **quant.load_kwargs(quantize, dtype, torch.device("cpu"))
     )
-    if quantize_embeddings:
-        quant.quantize_embeddings(base, dtype)
-    else:
-        quant.keep_one_kernel(base)
+    quant.prepare(base, quantize, dtype, quantize_embeddings)
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
     else:

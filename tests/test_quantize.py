@@ -75,9 +75,7 @@ def quantized_base(base: str, mode: str) -> transformers.PreTrainedModel:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         base, **quant.load_kwargs(kind, torch.float32, torch.device("cpu"))
     )
-    if mode.endswith("+embeddings"):
-        return quant.quantize_embeddings(model, torch.float32)
-    return quant.keep_one_kernel(model)
+    return quant.prepare(model, kind, torch.float32, embeddings=mode.endswith("+embeddings"))
 
 
 @pytest.mark.parametrize(

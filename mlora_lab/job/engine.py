@@ -124,10 +124,7 @@ class Engine:
         )
         if spec.quantize is None:
             base.to(comm.device)
-        elif spec.quantize_embeddings:
-            quant.quantize_embeddings(base, dtype)
-        else:
-            quant.keep_one_kernel(base)
+        quant.prepare(base, spec.quantize, dtype, spec.quantize_embeddings)
         # before any sharding, and not the weight's shape: a quantized embedding's weight is packed
         embedding = base.get_input_embeddings()
         vocab_rows = getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0]

@@ -28,6 +28,15 @@ from tinker import types  # noqa: E402
 SLOTS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # (no lm_head)
 
 
+def served_spec(base: str, service: ml.Service, **kw) -> ml.JobSpec:
+    """The served job these tests launch: no tenants of its own, 3 slots of rank up to 8 on the 7 projections,
+    rows of up to 48 tokens (3 slots: a client's tenant, another's, and a twin made from a saved state)."""
+    return ml.JobSpec(
+        base_model=base, tenants=[], seq_len=48, max_tenants=3, max_rank=8, slot_modules=SLOTS, service=service,
+        **kw,
+    )  # fmt: skip
+
+
 def refused(client: tinker.ServiceClient, base_model: str) -> bool:
     """Whether the service refuses the client's key: creating a training client fails with
     AuthenticationError."""
@@ -52,15 +61,7 @@ def test_served_job_trains_a_tinker_client_checks_keys_stops_and_resumes(llama_p
     the sampling clients made before the stop (of that snapshot, and of an unnamed save)."""
     port = free_port()  # (for the resume to serve on the same one)
     # (3 slots: this client's tenant, the one a key made before it was revoked, and the resumed twin)
-    spec = ml.JobSpec(
-        base_model=llama_path,
-        tenants=[],
-        seq_len=48,
-        max_tenants=3,
-        max_rank=8,
-        slot_modules=SLOTS,
-        service=ml.Service(port=port, session_timeout=5),
-    )
+    spec = served_spec(llama_path, ml.Service(port=port, session_timeout=5))
     t0 = time.monotonic()
     svc = ml.serve(spec, workdir=tmp_path / "runs")
     try:
@@ -212,16 +213,8 @@ def test_a_served_job_on_two_processes_equals_peft_and_adamw(llama_path, tmp_pat
     from mlora_lab.lora import read_adapter
     from mlora_lab.reference import peft_lora_tensors
 
-    spec = ml.JobSpec(
-        base_model=llama_path,
-        tenants=[],
-        seq_len=48,
-        max_tenants=3,
-        max_rank=8,
-        slot_modules=SLOTS,
-        parallel=ml.Parallel(nproc=2, fsdp=2),
-        service=ml.Service(port=free_port()),  # (the resume serves on the same one)
-    )
+    # (on a port of its own: the resume serves on the same one)
+    spec = served_spec(llama_path, ml.Service(port=free_port()), parallel=ml.Parallel(nproc=2, fsdp=2))
     t0 = time.monotonic()
     svc = ml.serve(spec, workdir=tmp_path / "runs")
     try:
@@ -406,16 +399,7 @@ def test_a_served_job_over_an_nf4_base_equals_peft_and_survives_a_resume(llama_p
     from mlora_lab.lora import read_adapter
     from mlora_lab.reference import peft_lora_tensors
 
-    spec = ml.JobSpec(
-        base_model=llama_path,
-        tenants=[],
-        seq_len=48,
-        max_tenants=3,
-        max_rank=8,
-        slot_modules=SLOTS,
-        quantize="nf4",
-        service=ml.Service(port=free_port()),  # (the resume serves on the same one)
-    )
+    spec = served_spec(llama_path, ml.Service(port=free_port()), quantize="nf4")  # (resumed on the same port)
     svc = ml.serve(spec, workdir=tmp_path / "runs")
     try:
         assert svc.spec.quantize == "nf4"
