@@ -11,12 +11,15 @@ it valid when a wrapper such as FSDP replaces the slot storage.
 The trainer steps every tenant at once (:func:`step_many`). A tenant whose tensors tile one buffer (a dense
 tenant's, as the model makes them) is one tensor there: its flat weights, its gradient gathered into one
 buffer, AdamW's moments over the same layout (each tensor's state entry views its part) and one step count,
-so the multi-tensor calls of a step run over as many tensors as there are tenants.
+so the multi-tensor calls of a step run over as many tensors as there are tenants. That gradient buffer is the
+tenant's row of an arena shared by the tenants of its layout (:mod:`mlora_lab.lora.homes`), which the grouped
+backward writes a layer's tenants' gradients into by one copy.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +27,8 @@ import numpy as np
 import torch
 import transformers
 from torch import nn
+
+from mlora_lab.lora import homes
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
@@ -138,8 +143,7 @@ class TenantOptimizer:
         self._flat = self._tiling()
         self._moments: _FlatMoments | None = None
         self._grad: torch.Tensor | None = None
-        self._grad_buffer: torch.Tensor | None = None  # (where flat_grad gathers it, and a view per tensor)
-        self._grad_views: list[torch.Tensor] | None = None
+        self._homes: list[homes.Home] | None = None  # (its gradient's row: flat_grad)
 
     def _tiling(self) -> torch.Tensor | None:
         """One flat view of the tenant's weights when they tile one buffer, in order, whole, each held by
@@ -201,22 +205,26 @@ class TenantOptimizer:
         return self._moments is not None
 
     def flat_grad(self) -> torch.Tensor | None:
-        """The tenant's gradient as one flat tensor laid out as its flat weights (gathered once a step:
-        :func:`sq_norms` reads it, :func:`step_many` steps with it); ``None`` unless its weights tile one
-        buffer and every one of its tensors has a gradient."""
+        """The tenant's gradient as one flat tensor laid out as its flat weights (:func:`sq_norms` reads it,
+        :func:`step_many` steps with it): its row of the gradient arena of its layout
+        (:mod:`mlora_lab.lora.homes`), where the grouped backward has usually written it already, else
+        gathered there by one multi-tensor copy; ``None`` unless its weights tile one buffer and every one
+        of its tensors has a gradient. The row is taken at the first call and given back by
+        :meth:`release` (or when the optimiser is gone)."""
         if self._flat is None:
             return None
         if self._grad is None:
             grads = [p.grad for p, _ in self.slices]
             if any(g is None for g in grads):
                 return None
-            if self._grad_views is None:  # (made once: views made each step are aten ops of every step)
-                self._grad_buffer = torch.empty_like(self._flat)
-                self._grad_views = list(torch.split(self._grad_buffer, [g.numel() for g in grads]))
-                self._grad_views = [v.view(g.shape) for v, g in zip(self._grad_views, grads)]
-            with torch.no_grad():  # one multi-tensor copy, whatever the tensors' count
-                torch._foreach_copy_(self._grad_views, grads)
-            self._grad = self._grad_buffer
+            if self._homes is None:  # its row of the arena of its layout (mlora_lab.lora.homes)
+                self._homes = homes.join([p for p, _ in self.slices])
+                weakref.finalize(self, self._homes[0].arena.leave, self._homes)
+            views = [h.view for h in self._homes]
+            if not all(g is v for g, v in zip(grads, views)):  # (else the backward wrote them there)
+                with torch.no_grad():  # one multi-tensor copy, whatever the tensors' count
+                    torch._foreach_copy_(views, grads)
+            self._grad = self._homes[0].arena.row(self._homes[0].row)
         return self._grad
 
     def _flat_moments(self) -> _FlatMoments | None:
@@ -348,7 +356,9 @@ class TenantOptimizer:
         """:meth:`zero_grad`, and the buffer its flat gradient is gathered in: the tenant stops training
         (finished, failed, removed)."""
         self.zero_grad()
-        self._grad_buffer = self._grad_views = None
+        if self._homes is not None:
+            self._homes[0].arena.leave(self._homes)
+            self._homes = None
 
     def state_dict(self, gather: Gather | None = None) -> dict:
         """Optimiser and schedule state. With ``gather(param, index, local_part) -> full`` every

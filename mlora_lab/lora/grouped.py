@@ -46,7 +46,9 @@ Gradients. A factor that is a leaf tensor (a tenant's own ``A`` or ``B``) gets i
 per-tensor ``AccumulateGrad`` node: each tenant's gradient is a view of the bucket's one result, so the
 backward does no per-tenant work at all. Hooks on such a leaf's gradient are therefore not called; the
 LoRA code registers none. A factor that is not a leaf (a tensor-parallel identity, a DTensor's local part)
-gets its gradient through autograd as usual.
+gets its gradient through autograd as usual. When the bucket's leaves have gradient homes in consecutive rows
+of one arena (:mod:`mlora_lab.lora.homes`: the rows the optimiser steps each tenant's flat gradient from),
+the bucket's result goes there by one strided copy instead, and each ``.grad`` is its home.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from mlora_lab.lora import homes
 
 PAD_UP_TO = 64
 """With rank padding on, ranks up to this share one bucket, padded to the largest among them."""
@@ -396,6 +400,13 @@ def _give(
     """Per-entry gradients ``d`` [G, ...] summed into the distinct factors ``ids`` (rows ``pick``), without
     their padding: a leaf's into its ``.grad``, any other's into ``grads``."""
     like = [factors[i] for i in ids]
+    if (
+        pick is None
+        and keep is None
+        and all(need[i] for i in ids)
+        and homes.take(d, [leaves[i] for i in ids])
+    ):
+        return  # (one copy into the tenants' rows of their gradient arena: mlora_lab.lora.homes)
     if pick is not None:
         d = d.new_zeros(len(ids) * math.prod(like[0].shape[:-2]), *d.shape[1:]).index_add_(0, pick, d)
     held, more = [], []  # leaves that have a gradient already (accumulation), and what to add to them
