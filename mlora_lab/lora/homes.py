@@ -41,6 +41,14 @@ class Home:
     view: torch.Tensor
     leaf: weakref.ref
 
+    def __reduce__(self) -> tuple:
+        # a home belongs to this process's live arena: a copy or a pickle of its leaf carries none
+        return (_no_home, ())
+
+
+def _no_home() -> None:
+    return None
+
 
 class Arena:
     """The rows of tenants with one layout (``shapes``, ``dtype``, ``device``): see the module
@@ -128,8 +136,9 @@ def take(d: torch.Tensor, leaves: Sequence[torch.Tensor | None]) -> bool:
         found = [leaf._grad_home for leaf in leaves]
     except AttributeError:  # (a leaf without a home, or None)
         return False
-    first = found[0]
-    arena, j, row = first.arena, first.j, first.row
+    if any(h is None for h in found):  # (a copy of a leaf: see Home.__reduce__)
+        return False
+    arena, j, row = found[0].arena, found[0].j, found[0].row
     if [(h.arena, h.j, h.row) for h in found] != [(arena, j, row + k) for k in range(len(found))]:
         return False
     if any(leaf.grad is not None for leaf in leaves):

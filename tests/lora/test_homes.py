@@ -3,6 +3,9 @@ copy, changing nothing of what a job computes."""
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 
@@ -56,6 +59,19 @@ def test_a_bucket_goes_home_by_one_copy_only_when_its_leaves_are_consecutive_row
         torch.testing.assert_close(ls[0].grad, d[k], rtol=0, atol=0)
         torch.testing.assert_close(arena.row(k)[:10], d[k].reshape(-1), rtol=0, atol=0)
     assert not homes.take(d, [ls[0] for ls in leaves]), "gradients already there: accumulated, not copied"
+
+
+def test_a_copy_or_a_pickle_of_a_leaf_has_no_home():
+    arena = homes.Arena(tuple(SHAPES), torch.float32, torch.device("cpu"))
+    leaves = tenant(0)
+    arena.join(leaves)
+    buffer = io.BytesIO()
+    torch.save(leaves[0], buffer)
+    buffer.seek(0)
+    for other in (copy.deepcopy(leaves[0]), torch.load(buffer, weights_only=False)):
+        torch.testing.assert_close(other, leaves[0], rtol=0, atol=0)
+        assert other._grad_home is None
+        assert not homes.take(torch.zeros(1, 2, 5), [other])
 
 
 @pytest.mark.parametrize("accum", [1, 2])
