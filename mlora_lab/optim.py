@@ -213,6 +213,8 @@ class TenantOptimizer:
         :meth:`release` (or when the optimiser is gone)."""
         if self._flat is None:
             return None
+        if self._flat.data_ptr() != self.slices[0][0].data_ptr():
+            self._follow()
         if self._grad is None:
             grads = [p.grad for p, _ in self.slices]
             if any(g is None for g in grads):
@@ -226,6 +228,14 @@ class TenantOptimizer:
                     torch._foreach_copy_(views, grads)
             self._grad = self._homes[0].arena.row(self._homes[0].row)
         return self._grad
+
+    def _follow(self) -> None:
+        """View the tenant's weights where they are now: they moved, the same tensors in a new buffer
+        (their arena grew: :class:`mlora_lab.lora.homes.Weights`). The stand-ins follow too, so that
+        nothing keeps the old buffer."""
+        self._flat = self._tiling()
+        for handle, (param, index) in zip(self.params, self.slices):
+            handle.data = self._view(param, index)
 
     def _flat_moments(self) -> _FlatMoments | None:
         """AdamW's state over the flat buffer: made at the first step, or remade from the per-tensor state

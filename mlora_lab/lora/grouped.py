@@ -30,6 +30,10 @@ would make a tenant's rounding depend on the batch. The longer sums round differ
 adapter after 20 AdamW steps mixed with others then differs from the same tenant trained alone by 2.7e-5,
 where exact buckets keep it within 1e-5 (the llama case of ``tests/lora/test_equivalence.py``).
 
+Factors. A layer's tenants' factors are stacked once a step; the tenants' tensors are rows of one buffer
+(:class:`mlora_lab.lora.homes.Weights`), so for tenants in consecutive rows, the usual batch, the stack is a
+strided view of it and nothing is copied.
+
 Rows. Entries of equal length at evenly spaced rows (the usual batch: every tenant's rows together, as
 many per tenant, whatever the bucket) are a strided view of the input: nothing is copied. Otherwise (MoE
 runs, uneven batch sizes) one ``index_select`` gathers them and one ``index_add_`` scatters the result
@@ -242,9 +246,13 @@ def _make_bucket(
 def _stack(tensors: list[torch.Tensor], keep: torch.Tensor | None, R: int, dim: int) -> torch.Tensor:
     """``tensors`` (A [*lead, r, in] with ``dim=-2``, B [*lead, out, r] with ``dim=-1``) zero-padded to
     rank ``R`` and stacked, flattened over the leading (expert) index: [F * prod(lead), R, in] or
-    [F * prod(lead), out, R]. Padding is one ``cat`` and one ``index_copy_`` for all of them."""
+    [F * prod(lead), out, R]. Padding is one ``cat`` and one ``index_copy_`` for all of them; without
+    padding, factors in consecutive rows of one weights arena are a view of it (:func:`homes.stacked`)."""
     if keep is None:
-        stacked = torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
+        # rows of one arena (mlora_lab.lora.homes.Weights, the usual batch) are a view of it: no copy
+        stacked = homes.stacked(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
+        if stacked is None:
+            stacked = torch.stack(tensors)
         return stacked.reshape(-1, *stacked.shape[-2:])
     F = len(tensors)
     cat = torch.cat(tensors, dim=dim)  # [*lead, sum r, in] or [*lead, out, sum r]

@@ -1,6 +1,15 @@
-"""Gradient homes: a layer's tenants' gradients written into rows of one buffer by one copy.
+"""Rows: the tenants of one layout in rows of one buffer, their weights (no stacking) and their gradients
+(gradient homes: a layer's tenants' gradients written by one copy).
 
-A dense tenant's tensors tile one flat buffer (:meth:`~mlora_lab.lora.model.TensorIO.new_many`), and the
+Weights. :class:`Weights` keeps the flat weights of tenants whose tensors have the same shapes in the same
+order as rows of one buffer ``W`` [capacity, n], tensor ``j`` of row ``k`` at ``W[k, o_j : o_j + n_j]``. The
+grouped forward stacks a layer's tenants' ``A`` (and ``B``) into [G, r, in] for its batched products; for
+tenants in consecutive rows that stack *is* a strided view of ``W`` (``G`` rows ``n`` elements apart), so
+nothing is copied (:func:`stacked`; ``bmm`` runs as fast on it). A row is free again once every tensor of its tenant is gone. A full buffer doubles: its rows are copied and
+every tenant's tensors are pointed at the new one (``set_``: the same tensor objects, so optimisers, slots and
+references stay valid; a captured CUDA graph keys on the addresses and is captured again).
+
+Gradients. A dense tenant's tensors tile one flat buffer (its row), and the
 optimiser steps it as one tensor of ``n`` elements with its gradient flat too
 (:meth:`~mlora_lab.optim.TenantOptimizer.flat_grad`). The grouped backward (:mod:`mlora_lab.lora.grouped`)
 makes a layer's gradients as one tensor per rank bucket, ``dÂ`` [G, r, in] for the bucket's ``G`` tenants;
@@ -147,3 +156,99 @@ def take(d: torch.Tensor, leaves: Sequence[torch.Tensor | None]) -> bool:
     for leaf, home in zip(leaves, found):
         leaf.grad = home.view
     return True
+
+
+# -- weights ------------------------------------------------------------------------------------------------
+
+
+class Weights:
+    """The flat weights of tenants with one layout (``shapes``, ``dtype``, ``device``) as rows of one
+    buffer: see the module docstring. A row is given back when its tenant's tensors are gone."""
+
+    def __init__(self, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, device: torch.device):
+        self.shapes = shapes
+        self.sizes = [math.prod(s) for s in shapes]
+        self.offsets = [sum(self.sizes[:j]) for j in range(len(shapes))]
+        self.numel = sum(self.sizes)
+        self.strides = [tuple(math.prod(s[i + 1 :]) for i in range(len(s))) for s in shapes]
+        self.buffer = torch.empty(0, self.numel, dtype=dtype, device=device)
+        self.rows: list[list[weakref.ref] | None] = []  # per row: its tenant's tensors (None: free)
+
+    def join(self, fulls: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Leaf tensors (``requires_grad``) holding ``fulls``' values in a free row."""
+        row = next((k for k, r in enumerate(self.rows) if r is None), len(self.rows))
+        if row == len(self.rows):
+            self.rows.append(None)
+        if row >= self.buffer.shape[0]:
+            self._grow(max(1, 2 * self.buffer.shape[0]))
+        with torch.no_grad():
+            self.buffer[row].copy_(torch.cat([f.detach().reshape(-1).to(self.buffer) for f in fulls]))
+        leaves = [self._point(torch.empty(0, dtype=self.buffer.dtype, device=self.buffer.device), row, j)
+                  for j in range(len(self.shapes))]  # fmt: skip
+        for leaf in leaves:
+            leaf.requires_grad_(True)
+        refs = [weakref.ref(leaf) for leaf in leaves]
+        self.rows[row] = refs
+        alive = [len(leaves)]  # (the row is free once every one of them is gone)
+        for leaf in leaves:
+            weakref.finalize(leaf, self._gone, row, refs, alive)
+        return leaves
+
+    def _point(self, t: torch.Tensor, row: int, j: int) -> torch.Tensor:
+        offset = self.buffer.storage_offset() + row * self.numel + self.offsets[j]
+        with torch.no_grad():
+            return t.set_(self.buffer.untyped_storage(), offset, self.shapes[j], self.strides[j])
+
+    def _gone(self, row: int, refs: list[weakref.ref], alive: list[int]) -> None:
+        alive[0] -= 1
+        if alive[0] == 0 and row < len(self.rows) and self.rows[row] is refs:
+            self.rows[row] = None
+            if all(r is None for r in self.rows):  # (no tenant left: nothing kept)
+                self.rows = []
+                self.buffer = self.buffer.new_empty(0, self.numel)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.buffer
+        self.buffer = old.new_empty(capacity, self.numel)
+        with torch.no_grad():
+            self.buffer[: old.shape[0]].copy_(old)
+        for row, refs in enumerate(self.rows):
+            for j, ref in enumerate(refs or ()):
+                leaf = ref()
+                if leaf is not None:
+                    self._point(leaf, row, j)
+
+
+_WEIGHTS: dict[tuple, Weights] = {}
+
+
+def weights(fulls: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaf tensors with ``fulls``' values (one floating dtype and device), a row of the :class:`Weights`
+    of their layout."""
+    first = fulls[0]
+    key = (tuple(tuple(f.shape) for f in fulls), first.dtype, first.device)
+    found = _WEIGHTS.get(key)
+    if found is None:
+        found = _WEIGHTS[key] = Weights(key[0], first.dtype, first.device)
+    return found.join(fulls)
+
+
+def stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.stack(tensors)`` as a view, without copying, when the tensors (of one shape, contiguous)
+    lie at equal distances in one storage, in order (rows of one :class:`Weights`); ``None`` otherwise.
+    The view is detached: for the grouped forward, which gives the factors their gradients itself."""
+    first = tensors[0]
+    if len(tensors) < 2 or not first.is_contiguous():
+        return None
+    try:
+        start, size, shape = first.data_ptr(), first.element_size(), first.shape
+        step = tensors[1].data_ptr() - start
+        if start == 0 or step <= 0 or step % size or step // size < first.numel():
+            return None
+        for k, t in enumerate(tensors):
+            if t.data_ptr() != start + k * step or t.shape != shape or not t.is_contiguous():
+                return None
+        # the same addresses as the tensors', inside the first one's storage (as_strided checks the bounds)
+        return first.detach().as_strided((len(tensors), *shape), (step // size, *first.stride()))
+    except (RuntimeError, NotImplementedError):  # (no storage: meta, a DTensor, a fake; out of bounds)
+        return None

@@ -28,6 +28,7 @@ import torch
 from peft import LoraConfig
 from torch import nn
 
+from mlora_lab.lora import homes
 from mlora_lab.lora.experts import MultiLoRAExperts, from_peft, packed_experts_problem, to_peft
 from mlora_lab.lora.layer import LoRARouting, MultiLoRALinear
 from mlora_lab.lora.peft_io import AdapterError, read_adapter, write_adapter
@@ -56,9 +57,10 @@ class TensorIO:
     the LoRA code itself never needs to know how a tensor is laid out:
 
     - ``new(layout, full)``: a leaf tensor (``requires_grad``) holding this process's part of ``full``;
-    - ``new_many(parts)``: ``new`` for each ``(layout, full)`` of one tenant; this default makes them views
-      that tile one flat buffer, which the tenant's optimiser then steps as one tensor
-      (:func:`mlora_lab.optim.step_many`);
+    - ``new_many(parts)``: ``new`` for each ``(layout, full)`` of one tenant; this default makes them tile
+      one flat buffer, which the tenant's optimiser then steps as one tensor
+      (:func:`mlora_lab.optim.step_many`): a row of the buffer of the tenants of the same layout
+      (:class:`mlora_lab.lora.homes.Weights`), so a layer's tenants' factors are one view, not a stack;
     - ``local(t)``: the storage this process holds for ``t`` (optimisers update it in place);
     - ``gather(param, index, local_part)``: the full value of ``param[index]`` from this process's
       part of it (a collective when split: every process must call it, in the same order);
@@ -77,14 +79,9 @@ class TensorIO:
         fulls = [full for _, full in parts]
         if not fulls or len({(f.dtype, f.device) for f in fulls}) != 1:
             return [self.new(layout, full) for layout, full in parts]
-        with torch.no_grad():
-            flat = torch.cat([f.detach().reshape(-1) for f in fulls])
-        out, offset = [], 0
-        for f in fulls:
-            # a leaf (its base needs no gradient) viewing its part of the buffer
-            out.append(flat[offset : offset + f.numel()].view(f.shape).requires_grad_(True))
-            offset += f.numel()
-        return out
+        if not fulls[0].is_floating_point():
+            return [self.new(layout, full) for layout, full in parts]
+        return homes.weights(fulls)  # (a row of the buffer of the tenants of this layout)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return t

@@ -4,6 +4,7 @@ copy, changing nothing of what a job computes."""
 from __future__ import annotations
 
 import copy
+import gc
 import io
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.lora import homes
+from mlora_lab.lora.model import TensorIO
+from mlora_lab.optim import TenantOptimizer, sq_norms, step_many
 from mlora_lab.spec import JobSpec, Tenant
 
 SHAPES = [(2, 5), (3, 2)]
@@ -76,9 +79,10 @@ def test_a_copy_or_a_pickle_of_a_leaf_has_no_home():
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_a_job_computes_the_same_with_and_without_homes(llama_path, make_data, monkeypatch, accum):
-    """Three rank-4 tenants (one arena; buckets of consecutive rows: homes taken) and a rank-8 one (its own
-    arena and bucket), with gradient accumulation or without: four steps give bit for bit the losses and
-    adapters of the same job with every gradient gathered tensor by tensor."""
+    """Three rank-4 tenants (one arena; buckets of consecutive rows: factors stacked as views, homes taken)
+    and a rank-8 one (its own arena and bucket), with gradient accumulation or without: four steps give bit
+    for bit the losses and adapters of the same job with every layer's factors stacked by copying and every
+    gradient gathered tensor by tensor."""
 
     def job() -> Trainer:
         tenants = [
@@ -95,12 +99,22 @@ def test_a_job_computes_the_same_with_and_without_homes(llama_path, make_data, m
         taken.append(take(d, leaves))
         return taken[-1]
 
+    views = []
+    stacked = homes.stacked
+
+    def counted_views(tensors):
+        views.append(stacked(tensors))
+        return views[-1]
+
     monkeypatch.setattr(homes, "take", counted)
+    monkeypatch.setattr(homes, "stacked", counted_views)
     with_homes = job()
     with_homes.train()
     assert any(taken), "the homes were used"
+    assert any(v is not None for v in views), "the factors of tenants in consecutive rows were not stacked"
     opt = with_homes.tenants["t0"].optimizer
     monkeypatch.setattr(homes, "take", lambda d, leaves: False)
+    monkeypatch.setattr(homes, "stacked", lambda tensors: None)
     gathered = job()
     gathered.train()
     for name in ("t0", "t1", "t2", "t3"):
@@ -109,3 +123,67 @@ def test_a_job_computes_the_same_with_and_without_homes(llama_path, make_data, m
             A2, B2 = gathered.model.tenant_tensors(name)[m]
             assert torch.equal(A, A2) and torch.equal(B, B2)
     assert opt._homes is None, "a finished tenant gives its row back"
+
+
+def test_weights_rows_grow_keeping_the_same_tensors_and_a_gone_tenant_gives_its_row_back():
+    arena = homes.Weights(tuple(SHAPES), torch.float32, torch.device("cpu"))
+    values = [tenant(k) for k in range(3)]
+    tensors = [arena.join(v) for v in values]
+    assert arena.buffer.shape == (4, 16)  # 1 -> 2 -> 4 rows
+    for made, value in zip(tensors, values):
+        for t, v in zip(made, value):
+            assert t.is_leaf and t.requires_grad and t.grad_fn is None
+            assert t.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr()
+            torch.testing.assert_close(t, v, rtol=0, atol=0)
+    first = tensors[0][0]
+    (first * 2).sum().backward()
+    torch.testing.assert_close(first.grad, torch.full_like(first, 2.0))
+    kept = tensors[1][1]
+    del tensors[1], made, t
+    gc.collect()
+    assert arena.rows[1] is not None, "one of its tensors is still held: its row stays"
+    del kept
+    gc.collect()
+    assert arena.rows[1] is None, "its tensors are gone: its row is free"
+    again = arena.join(tenant(7))
+    assert again[0].data_ptr() == arena.buffer[1].data_ptr(), "the free row is taken again"
+
+
+def test_the_factors_of_consecutive_rows_stack_as_a_view_and_anything_else_by_copying():
+    arena = homes.Weights(tuple(SHAPES), torch.float32, torch.device("cpu"))
+    tensors = [arena.join(tenant(k)) for k in range(4)]
+    A = [t[0] for t in tensors]
+    view = homes.stacked(A)
+    assert view is not None and not view.requires_grad
+    assert view.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr(), "no copy"
+    torch.testing.assert_close(view, torch.stack(A), rtol=0, atol=0)
+    assert homes.stacked(A[1:3]) is not None, "any run of consecutive rows"
+    assert homes.stacked([A[1], A[0], A[2]]) is None, "out of order"
+    assert homes.stacked([A[0], A[2]]) is not None, "equally spaced rows are a view too"
+    assert homes.stacked([A[0], tensors[1][1], A[2]]) is None, "another tensor of the layout"
+    assert homes.stacked([A[0].detach().t(), A[1].detach().t()]) is None, "not contiguous"
+    loose = [torch.randn(2, 5) for _ in range(3)]
+    assert homes.stacked(loose) is None or torch.equal(homes.stacked(loose), torch.stack(loose))
+
+
+def test_an_optimiser_follows_its_tenants_weights_when_their_rows_move():
+    """A tenant's optimiser made before its arena grows steps the tensors where they are after it, as an
+    optimiser over plain copies of them does, and keeps nothing of the old buffer."""
+    first = TensorIO().new_many([(None, t.detach()) for t in tenant(0)])
+    plain = [t.detach().clone().requires_grad_() for t in first]
+    opt, ref = (TenantOptimizer([(t, ()) for t in ts], lr=1e-2) for ts in (first, plain))
+    more = []  # tenants of the same layout, until its arena grows
+    while first[0].data_ptr() == opt._flat.data_ptr() and len(more) < 64:
+        more.append(TensorIO().new_many([(None, t.detach()) for t in tenant(len(more) + 1)]))
+    assert first[0].data_ptr() != opt._flat.data_ptr(), "the rows moved"
+    for step in range(3):
+        for ts in (first, plain):
+            for j, t in enumerate(ts):
+                t.grad = torch.full_like(t, float(step + j + 1))
+        for o in (opt, ref):
+            assert step_many([(o, float(sq_norms([o]).sqrt()))]) == {}
+            o.zero_grad()
+    assert opt.flat and opt._flat.data_ptr() == first[0].data_ptr()
+    assert all(h.data_ptr() == t.data_ptr() for h, t in zip(opt.params, first)), "stand-ins follow"
+    for a, b in zip(first, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
