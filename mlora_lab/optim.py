@@ -216,17 +216,18 @@ class TenantOptimizer:
         if self._flat.data_ptr() != self.slices[0][0].data_ptr():
             self._follow()
         if self._grad is None:
-            grads = [p.grad for p, _ in self.slices]
-            if any(g is None for g in grads):
-                return None
-            if self._homes is None:  # its row of the arena of its layout (mlora_lab.lora.homes)
-                self._homes = homes.join([p for p, _ in self.slices])
-                weakref.finalize(self, self._homes[0].arena.leave, self._homes)
-            views = [h.view for h in self._homes]
-            if not all(g is v for g, v in zip(grads, views)):  # (else the backward wrote them there)
+            found = self._homes
+            # (the usual case, checked first: the backward wrote every gradient into its home)
+            if found is None or not all(p.grad is h.view for (p, _), h in zip(self.slices, found)):
+                grads = [p.grad for p, _ in self.slices]
+                if any(g is None for g in grads):
+                    return None
+                if found is None:  # its row of the arena of its layout (mlora_lab.lora.homes)
+                    found = self._homes = homes.join([p for p, _ in self.slices])
+                    weakref.finalize(self, found[0].arena.leave, found)
                 with torch.no_grad():  # one multi-tensor copy, whatever the tensors' count
-                    torch._foreach_copy_(views, grads)
-            self._grad = self._homes[0].arena.row(self._homes[0].row)
+                    torch._foreach_copy_([h.view for h in found], grads)
+            self._grad = found[0].arena.row(found[0].row)
         return self._grad
 
     def _follow(self) -> None:

@@ -141,17 +141,22 @@ def take(d: torch.Tensor, leaves: Sequence[torch.Tensor | None]) -> bool:
     """Write ``d`` [G, *shape] (entry ``g``'s gradient of ``leaves[g]``) into the leaves' homes by one
     copy, and make each leaf's ``.grad`` its home; ``False`` (nothing done) unless every leaf has a home,
     no gradient yet, and the homes are one tensor of consecutive rows of one arena."""
-    try:
-        found = [leaf._grad_home for leaf in leaves]
-    except AttributeError:  # (a leaf without a home, or None)
+    first = getattr(leaves[0], "_grad_home", None)
+    if first is None:  # (no home, or a copy of a leaf: see Home.__reduce__)
         return False
-    if any(h is None for h in found):  # (a copy of a leaf: see Home.__reduce__)
-        return False
-    arena, j, row = found[0].arena, found[0].j, found[0].row
-    if [(h.arena, h.j, h.row) for h in found] != [(arena, j, row + k) for k in range(len(found))]:
-        return False
-    if any(leaf.grad is not None for leaf in leaves):
-        return False
+    arena, j, row = first.arena, first.j, first.row
+    found = []
+    for k, leaf in enumerate(leaves):  # (one pass: this runs for every layer, bucket and tenant of a step)
+        home = getattr(leaf, "_grad_home", None)
+        if (
+            home is None
+            or home.arena is not arena
+            or home.j != j
+            or home.row != row + k
+            or leaf.grad is not None
+        ):
+            return False
+        found.append(home)
     arena.homes_of(j, row, len(found)).copy_(d.view(len(found), *arena.shapes[j]))
     for leaf, home in zip(leaves, found):
         leaf.grad = home.view
