@@ -24,16 +24,17 @@ def tenant(seed: int) -> list[torch.Tensor]:
     return [torch.randn(*s, generator=g).requires_grad_() for s in SHAPES]
 
 
-def test_rows_are_taken_given_back_and_the_arena_doubles_keeping_a_gradient_being_accumulated():
+def test_rows_are_taken_given_back_and_the_arena_grows_keeping_a_gradient_being_accumulated():
     arena = homes.Arena(tuple(SHAPES), torch.float32, torch.device("cpu"))
     leaves = [tenant(k) for k in range(3)]
     first = arena.join(leaves[0])
     assert arena.buffer.shape == (1, 16) and first[0].row == 0
+    assert [homes.grown(n) for n in (1, 2, 4, 8, 64)] == [2, 3, 5, 10, 80]
     leaves[0][1].grad = first[1].view
     first[1].view.copy_(torch.arange(6.0).view(3, 2))  # a gradient being accumulated, in its home
     arena.join(leaves[1])
     third = arena.join(leaves[2])
-    assert arena.buffer.shape == (4, 16) and third[0].row == 2  # 1 -> 2 -> 4 rows
+    assert arena.buffer.shape == (3, 16) and third[0].row == 2  # 1 -> 2 -> 3 rows
     assert leaves[0][1].grad is first[1].view, "the .grad follows its home into the new buffer"
     assert leaves[0][1].grad.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr()
     torch.testing.assert_close(leaves[0][1].grad, torch.arange(6.0).view(3, 2), rtol=0, atol=0)
@@ -129,7 +130,7 @@ def test_weights_rows_grow_keeping_the_same_tensors_and_a_gone_tenant_gives_its_
     arena = homes.Weights(tuple(SHAPES), torch.float32, torch.device("cpu"))
     values = [tenant(k) for k in range(3)]
     tensors = [arena.join(v) for v in values]
-    assert arena.buffer.shape == (4, 16)  # 1 -> 2 -> 4 rows
+    assert arena.buffer.shape == (3, 16)  # 1 -> 2 -> 3 rows
     for made, value in zip(tensors, values):
         for t, v in zip(made, value):
             assert t.is_leaf and t.requires_grad and t.grad_fn is None
