@@ -69,9 +69,10 @@ def _no_home() -> None:
     return None
 
 
-class Arena:
-    """The rows of tenants with one layout (``shapes``, ``dtype``, ``device``): see the module
-    docstring."""
+class Rows:
+    """Rows of one buffer [capacity, n] for the tenants of one layout (``shapes``, ``dtype``, ``device``):
+    tensor ``j`` of row ``k`` at ``buffer[k, offsets[j] : offsets[j] + sizes[j]]``, shaped ``shapes[j]``;
+    ``rows[k]`` says who holds row ``k`` (``None``: free)."""
 
     def __init__(self, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, device: torch.device):
         self.shapes = shapes
@@ -80,16 +81,54 @@ class Arena:
         self.numel = sum(self.sizes)
         self.strides = [tuple(math.prod(s[i + 1 :]) for i in range(len(s))) for s in shapes]  # (contiguous)
         self.buffer = torch.empty(0, self.numel, dtype=dtype, device=device)
-        self.rows: list[list[Home] | None] = []  # per row: its tenant's homes (None: free)
+        self.rows: list = []
 
-    def join(self, leaves: Sequence[torch.Tensor]) -> list[Home]:
-        """A row for the tenant whose tensors are ``leaves`` (in the layout's order): their homes, which
-        each leaf now carries (``leaf._grad_home``)."""
+    @classmethod
+    def of(cls, registry: dict, tensors: Sequence[torch.Tensor]):
+        """The rows of ``tensors``' layout in ``registry`` (made at the first use)."""
+        first = tensors[0]
+        key = (tuple(tuple(t.shape) for t in tensors), first.dtype, first.device)
+        found = registry.get(key)
+        if found is None:
+            found = registry[key] = cls(key[0], first.dtype, first.device)
+        return found
+
+    def _free_row(self) -> int:
+        """A free row (the first), the buffer grown by a quarter (:func:`grown`) when there is none: its rows
+        copied, then :meth:`_moved` re-points what views them."""
         row = next((k for k, r in enumerate(self.rows) if r is None), len(self.rows))
         if row == len(self.rows):
             self.rows.append(None)
         if row >= self.buffer.shape[0]:
-            self._grow(grown(self.buffer.shape[0]))
+            old = self.buffer
+            self.buffer = old.new_empty(grown(old.shape[0]), self.numel)
+            with torch.no_grad():
+                self.buffer[: old.shape[0]].copy_(old)
+            self._moved()
+        return row
+
+    def _release(self, row: int) -> None:
+        self.rows[row] = None
+        if all(r is None for r in self.rows):  # (no tenant left: nothing kept)
+            self.rows = []
+            self.buffer = self.buffer.new_empty(0, self.numel)
+
+    def _moved(self) -> None:
+        """The buffer was replaced by a larger one: point whatever viewed the old one at the new one."""
+
+    def _view(self, row: int, j: int) -> torch.Tensor:
+        o = self.offsets[j]
+        return self.buffer[row, o : o + self.sizes[j]].view(self.shapes[j])
+
+
+class Arena(Rows):
+    """The flat gradients of tenants with one layout, as rows: see the module docstring. ``rows[k]``: the
+    homes of its tenant's tensors."""
+
+    def join(self, leaves: Sequence[torch.Tensor]) -> list[Home]:
+        """A row for the tenant whose tensors are ``leaves`` (in the layout's order): their homes, which
+        each leaf now carries (``leaf._grad_home``)."""
+        row = self._free_row()
         homes = [Home(self, row, j, self._view(row, j), weakref.ref(leaf)) for j, leaf in enumerate(leaves)]
         self.rows[row] = homes
         for leaf, home in zip(leaves, homes):
@@ -104,10 +143,7 @@ class Arena:
             leaf = home.leaf()
             if leaf is not None and getattr(leaf, "_grad_home", None) is home:
                 del leaf._grad_home
-        self.rows[homes[0].row] = None
-        if all(r is None for r in self.rows):  # (no tenant left: nothing kept)
-            self.rows = []
-            self.buffer = self.buffer.new_empty(0, self.numel)
+        self._release(homes[0].row)
 
     def row(self, k: int) -> torch.Tensor:
         """Row ``k``: the flat gradient of its tenant [n]."""
@@ -118,14 +154,7 @@ class Arena:
         offset = self.buffer.storage_offset() + first * self.numel + self.offsets[j]
         return self.buffer.as_strided((count, *self.shapes[j]), (self.numel, *self.strides[j]), offset)
 
-    def _view(self, row: int, j: int) -> torch.Tensor:
-        o = self.offsets[j]
-        return self.buffer[row, o : o + self.sizes[j]].view(self.shapes[j])
-
-    def _grow(self, capacity: int) -> None:
-        old = self.buffer
-        self.buffer = old.new_empty(capacity, self.numel)
-        self.buffer[: old.shape[0]].copy_(old)
+    def _moved(self) -> None:
         for homes in self.rows:
             for home in homes or ():
                 before, home.view = home.view, self._view(home.row, home.j)
@@ -139,12 +168,7 @@ _ARENAS: dict[tuple, Arena] = {}
 
 def join(leaves: Sequence[torch.Tensor]) -> list[Home]:
     """Homes in the arena of ``leaves``' layout for a tenant whose tensors are ``leaves``."""
-    first = leaves[0]
-    key = (tuple(tuple(t.shape) for t in leaves), first.dtype, first.device)
-    arena = _ARENAS.get(key)
-    if arena is None:
-        arena = _ARENAS[key] = Arena(key[0], first.dtype, first.device)
-    return arena.join(leaves)
+    return Arena.of(_ARENAS, leaves).join(leaves)
 
 
 def take(d: torch.Tensor, leaves: Sequence[torch.Tensor | None]) -> bool:
@@ -176,26 +200,13 @@ def take(d: torch.Tensor, leaves: Sequence[torch.Tensor | None]) -> bool:
 # -- weights ------------------------------------------------------------------------------------------------
 
 
-class Weights:
-    """The flat weights of tenants with one layout (``shapes``, ``dtype``, ``device``) as rows of one
-    buffer: see the module docstring. A row is given back when its tenant's tensors are gone."""
-
-    def __init__(self, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, device: torch.device):
-        self.shapes = shapes
-        self.sizes = [math.prod(s) for s in shapes]
-        self.offsets = [sum(self.sizes[:j]) for j in range(len(shapes))]
-        self.numel = sum(self.sizes)
-        self.strides = [tuple(math.prod(s[i + 1 :]) for i in range(len(s))) for s in shapes]
-        self.buffer = torch.empty(0, self.numel, dtype=dtype, device=device)
-        self.rows: list[list[weakref.ref] | None] = []  # per row: its tenant's tensors (None: free)
+class Weights(Rows):
+    """The flat weights of tenants with one layout as rows: see the module docstring. ``rows[k]``: weak
+    references to its tenant's tensors; a row is given back when they are all gone."""
 
     def join(self, fulls: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Leaf tensors (``requires_grad``) holding ``fulls``' values in a free row."""
-        row = next((k for k, r in enumerate(self.rows) if r is None), len(self.rows))
-        if row == len(self.rows):
-            self.rows.append(None)
-        if row >= self.buffer.shape[0]:
-            self._grow(grown(self.buffer.shape[0]))
+        row = self._free_row()
         with torch.no_grad():
             self.buffer[row].copy_(torch.cat([f.detach().reshape(-1).to(self.buffer) for f in fulls]))
         leaves = [self._point(torch.empty(0, dtype=self.buffer.dtype, device=self.buffer.device), row, j)
@@ -217,16 +228,9 @@ class Weights:
     def _gone(self, row: int, refs: list[weakref.ref], alive: list[int]) -> None:
         alive[0] -= 1
         if alive[0] == 0 and row < len(self.rows) and self.rows[row] is refs:
-            self.rows[row] = None
-            if all(r is None for r in self.rows):  # (no tenant left: nothing kept)
-                self.rows = []
-                self.buffer = self.buffer.new_empty(0, self.numel)
+            self._release(row)
 
-    def _grow(self, capacity: int) -> None:
-        old = self.buffer
-        self.buffer = old.new_empty(capacity, self.numel)
-        with torch.no_grad():
-            self.buffer[: old.shape[0]].copy_(old)
+    def _moved(self) -> None:
         for row, refs in enumerate(self.rows):
             for j, ref in enumerate(refs or ()):
                 leaf = ref()
@@ -240,12 +244,7 @@ _WEIGHTS: dict[tuple, Weights] = {}
 def weights(fulls: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Leaf tensors with ``fulls``' values (one floating dtype and device), a row of the :class:`Weights`
     of their layout."""
-    first = fulls[0]
-    key = (tuple(tuple(f.shape) for f in fulls), first.dtype, first.device)
-    found = _WEIGHTS.get(key)
-    if found is None:
-        found = _WEIGHTS[key] = Weights(key[0], first.dtype, first.device)
-    return found.join(fulls)
+    return Weights.of(_WEIGHTS, fulls).join(fulls)
 
 
 def stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
