@@ -407,7 +407,6 @@ def _give(
 ) -> None:
     """Per-entry gradients ``d`` [G, ...] summed into the distinct factors ``ids`` (rows ``pick``), without
     their padding: a leaf's into its ``.grad``, any other's into ``grads``."""
-    like = [factors[i] for i in ids]
     if (
         pick is None
         and keep is None
@@ -415,6 +414,7 @@ def _give(
         and homes.take(d, [leaves[i] for i in ids])
     ):
         return  # (one copy into the tenants' rows of their gradient arena: mlora_lab.lora.homes)
+    like = [factors[i] for i in ids]
     if pick is not None:
         d = d.new_zeros(len(ids) * math.prod(like[0].shape[:-2]), *d.shape[1:]).index_add_(0, pick, d)
     held, more = [], []  # leaves that have a gradient already (accumulation), and what to add to them
