@@ -19,6 +19,7 @@ backward writes a layer's tenants' gradients into by one copy.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "
 
 Gather = Callable[[torch.Tensor, tuple, torch.Tensor], torch.Tensor]
 Scatter = Callable[[torch.Tensor, tuple, torch.Tensor], torch.Tensor]
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 def _per_element(v: object) -> bool:
@@ -144,6 +148,8 @@ class TenantOptimizer:
         self._moments: _FlatMoments | None = None
         self._grad: torch.Tensor | None = None
         self._homes: list[homes.Home] | None = None  # (its gradient's row: flat_grad)
+        self._home_views: tuple[int, list[torch.Tensor]] = (-1, [])  # (homes.epoch(), each home's view)
+        self._tensors = [p for p, _ in self.slices]
 
     def _tiling(self) -> torch.Tensor | None:
         """One flat view of the tenant's weights when they tile one buffer, in order, whole, each held by
@@ -217,9 +223,11 @@ class TenantOptimizer:
             self._follow()
         if self._grad is None:
             found = self._homes
+            if found is not None and self._home_views[0] != homes.epoch():  # (the homes moved)
+                self._home_views = (homes.epoch(), [h.view for h in found])
             # (the usual case, checked first: the backward wrote every gradient into its home)
-            if found is None or not all(p.grad is h.view for (p, _), h in zip(self.slices, found)):
-                grads = [p.grad for p, _ in self.slices]
+            if found is None or not all(map(operator.is_, map(_GRAD, self._tensors), self._home_views[1])):
+                grads = [p.grad for p in self._tensors]
                 if any(g is None for g in grads):
                     return None
                 if found is None:  # its row of the arena of its layout (mlora_lab.lora.homes)
@@ -347,7 +355,7 @@ class TenantOptimizer:
     def zero_grad(self) -> None:
         """Release this tenant's gradients (its tensors are its own: nothing else is touched)."""
         if self._whole:  # (the usual case, and a loop over every tensor of every tenant each step)
-            for param, _ in self.slices:
+            for param in self._tensors:
                 param.grad = None
         else:
             for param, index in self.slices:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ PAD_UP_TO = 64
 
 _PADDING: list[bool | None] = [None]  # None: on for every device but the CPU
 _CACHE: OrderedDict[tuple, Grouping] = OrderedDict()
+_SHAPE = operator.attrgetter("shape")
 _CACHE_SIZE = 256
 
 
@@ -129,7 +131,7 @@ def grouping(
     """The (cached) :class:`Grouping` of ``plan`` (entries ``(ia, a_index, ib, b_index, start, end,
     scale)`` over rows of ``tokens_per_row`` tokens) for ``factors``' shapes, its index tensors on
     ``device``."""
-    shapes = tuple(f.shape for f in factors)  # (torch.Size: a tuple already)
+    shapes = tuple(map(_SHAPE, factors))  # (torch.Size: a tuple already)
     padded = pads(device)
     key = (plan, shapes, tokens_per_row, str(device), padded)
     found = _CACHE.get(key)
@@ -359,10 +361,13 @@ def backward(
     saved: Sequence[torch.Tensor],
     need_x: bool,
     need: Sequence[bool],
+    memo: dict | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """The gradients of :func:`forward` (module docstring): ``dL/dx`` (when ``need_x``), and each
     factor's (when ``need[i]``) either returned or, for a leaf (``leaves[i]``: the tensor itself, not
-    ``None``), accumulated into its ``.grad`` (``None`` returned)."""
+    ``None``), accumulated into its ``.grad`` (``None`` returned). ``memo``: a dict the caller keeps for
+    these factors and this plan, where the gradient homes found for a bucket are kept for the next step
+    (:func:`_give`)."""
     in_features, out_features = x.shape[-1], grad_out.shape[-1]
     x2 = x.reshape(-1, in_features).contiguous()
     g2 = grad_out.reshape(-1, out_features).contiguous()
@@ -379,13 +384,15 @@ def backward(
         if any(need[i] for i in bucket.b_ids):
             dB = torch.bmm(gs.transpose(1, 2), xa)  # [G, out, R]
             _give(
-                grads, factors, leaves, bucket.b_ids, bucket.b_pick, bucket.b_keep, bucket.rank, dB, -1, need
-            )
+                grads, factors, leaves, bucket.b_ids, bucket.b_pick, bucket.b_keep, bucket.rank, dB, -1, need,
+                memo, (k, "B"),
+            )  # fmt: skip
         if any(need[i] for i in bucket.a_ids):
             dA = torch.bmm(g_xa.transpose(1, 2), _rows(x2, bucket))  # [G, R, in]
             _give(
-                grads, factors, leaves, bucket.a_ids, bucket.a_pick, bucket.a_keep, bucket.rank, dA, -2, need
-            )
+                grads, factors, leaves, bucket.a_ids, bucket.a_pick, bucket.a_keep, bucket.rank, dA, -2, need,
+                memo, (k, "A"),
+            )  # fmt: skip
         if direct:
             grad_x = torch.bmm(g_xa, A)
         elif need_x:
@@ -404,16 +411,29 @@ def _give(
     d: torch.Tensor,
     dim: int,
     need: Sequence[bool],
+    memo: dict | None = None,
+    key: tuple = (),
 ) -> None:
     """Per-entry gradients ``d`` [G, ...] summed into the distinct factors ``ids`` (rows ``pick``), without
-    their padding: a leaf's into its ``.grad``, any other's into ``grads``."""
-    if (
-        pick is None
-        and keep is None
-        and all(need[i] for i in ids)
-        and homes.take(d, [leaves[i] for i in ids])
-    ):
-        return  # (one copy into the tenants' rows of their gradient arena: mlora_lab.lora.homes)
+    their padding: a leaf's into its ``.grad``, any other's into ``grads``. When every entry's factor is a
+    leaf with a gradient home (:mod:`mlora_lab.lora.homes`), ``d`` goes there by one copy instead; the homes
+    found are kept in ``memo[key]`` until the arenas change (:func:`mlora_lab.lora.homes.epoch`), so that a
+    step with the same factors finds them without a look at each."""
+    if pick is None and keep is None:
+        kept = memo.get(key) if memo is not None else None
+        if kept is not None and kept[0] == homes.epoch():
+            _, bucket_leaves, found = kept
+            if homes.empty(bucket_leaves):  # (else: accumulation, below)
+                homes.put(d, bucket_leaves, found)
+                return
+        elif all(need[i] for i in ids):
+            bucket_leaves = [leaves[i] for i in ids]
+            found = homes.spot(bucket_leaves)
+            if found is not None:  # (one copy into the tenants' rows of their gradient arena)
+                if memo is not None:
+                    memo[key] = (homes.epoch(), bucket_leaves, found)
+                homes.put(d, bucket_leaves, found)
+                return
     like = [factors[i] for i in ids]
     if pick is not None:
         d = d.new_zeros(len(ids) * math.prod(like[0].shape[:-2]), *d.shape[1:]).index_add_(0, pick, d)

@@ -33,7 +33,9 @@ one).
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,6 +131,7 @@ class Arena(Rows):
         """A row for the tenant whose tensors are ``leaves`` (in the layout's order): their homes, which
         each leaf now carries (``leaf._grad_home``)."""
         row = self._free_row()
+        _EPOCH[0] += 1
         homes = [Home(self, row, j, self._view(row, j), weakref.ref(leaf)) for j, leaf in enumerate(leaves)]
         self.rows[row] = homes
         for leaf, home in zip(leaves, homes):
@@ -139,6 +142,7 @@ class Arena(Rows):
         """The tenant of ``homes`` gives its row back (it stopped training, or its optimiser is gone)."""
         if not homes or homes[0].row >= len(self.rows) or self.rows[homes[0].row] is not homes:
             return
+        _EPOCH[0] += 1
         for home in homes:
             leaf = home.leaf()
             if leaf is not None and getattr(leaf, "_grad_home", None) is home:
@@ -155,6 +159,7 @@ class Arena(Rows):
         return self.buffer.as_strided((count, *self.shapes[j]), (self.numel, *self.strides[j]), offset)
 
     def _moved(self) -> None:
+        _EPOCH[0] += 1
         for homes in self.rows:
             for home in homes or ():
                 before, home.view = home.view, self._view(home.row, home.j)
@@ -171,13 +176,22 @@ def join(leaves: Sequence[torch.Tensor]) -> list[Home]:
     return Arena.of(_ARENAS, leaves).join(leaves)
 
 
-def take(d: torch.Tensor, leaves: Sequence[torch.Tensor | None]) -> bool:
-    """Write ``d`` [G, *shape] (entry ``g``'s gradient of ``leaves[g]``) into the leaves' homes by one
-    copy, and make each leaf's ``.grad`` its home; ``False`` (nothing done) unless every leaf has a home,
-    no gradient yet, and the homes are one tensor of consecutive rows of one arena."""
+_EPOCH = [0]
+
+
+def epoch() -> int:
+    """A number that changes whenever any arena's homes do (a tenant joins or leaves, an arena grows): homes
+    found (:func:`spot`) at the same epoch are still each leaf's home, at the same place."""
+    return _EPOCH[0]
+
+
+def spot(leaves: Sequence[torch.Tensor | None]) -> list[Home] | None:
+    """The homes of ``leaves`` (a bucket's factors, in its order) when its gradient can go there by one
+    copy (:func:`put`): every leaf has a home and no gradient yet, and the homes are tensor ``j`` of
+    consecutive rows of one arena; ``None`` otherwise."""
     first = getattr(leaves[0], "_grad_home", None)
     if first is None:  # (no home, or a copy of a leaf: see Home.__reduce__)
-        return False
+        return None
     arena, j, row = first.arena, first.j, first.row
     found = []
     for k, leaf in enumerate(leaves):  # (one pass: this runs for every layer, bucket and tenant of a step)
@@ -189,11 +203,37 @@ def take(d: torch.Tensor, leaves: Sequence[torch.Tensor | None]) -> bool:
             or home.row != row + k
             or leaf.grad is not None
         ):
-            return False
+            return None
         found.append(home)
-    arena.homes_of(j, row, len(found)).copy_(d.view(len(found), *arena.shapes[j]))
+    return found
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def empty(leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether none of ``leaves`` has a gradient (map over a C getter: a bucket's worth of tenants each
+    layer)."""
+    return all(map(operator.is_, map(_GRAD, leaves), itertools.repeat(None)))
+
+
+def put(d: torch.Tensor, leaves: Sequence[torch.Tensor], found: list[Home]) -> None:
+    """Write ``d`` [G, *shape] (entry ``g``'s gradient of ``leaves[g]``) into their homes ``found``
+    (:func:`spot`) by one copy, and make each leaf's ``.grad`` its home."""
+    first = found[0]
+    arena = first.arena
+    arena.homes_of(first.j, first.row, len(found)).copy_(d.view(len(found), *arena.shapes[first.j]))
     for leaf, home in zip(leaves, found):
         leaf.grad = home.view
+
+
+def take(d: torch.Tensor, leaves: Sequence[torch.Tensor | None]) -> bool:
+    """:func:`put` ``d`` into the leaves' homes when :func:`spot` finds them; ``False`` (nothing done)
+    otherwise."""
+    found = spot(leaves)
+    if found is None:
+        return False
+    put(d, leaves, found)
     return True
 
 

@@ -32,6 +32,7 @@ opaque here).
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -78,12 +79,13 @@ def per_segment() -> Iterator[None]:
 
 class _Leaves:
     """A layer's factors handed to :class:`_GroupedLeaves` as one opaque argument (autograd sees no
-    tensor in it)."""
+    tensor in it), and the layer's memo for this routing (:meth:`MultiLoRALinear._plan`), where the
+    grouped backward keeps what it found for the same factors at the last step (their gradient homes)."""
 
-    __slots__ = ("factors",)
+    __slots__ = ("factors", "memo")
 
-    def __init__(self, factors: Sequence[torch.Tensor]) -> None:
-        self.factors = factors
+    def __init__(self, factors: Sequence[torch.Tensor], memo: dict | None) -> None:
+        self.factors, self.memo = factors, memo
 
 
 _ANCHORS: dict[torch.device, torch.Tensor] = {}
@@ -112,7 +114,7 @@ class _GroupedLeaves(torch.autograd.Function):
         if base is not None:
             ctx.mark_dirty(base)
         out, ctx.grouping, xas = grouped.forward(x, base, plan, held.factors)
-        ctx.factors = held.factors
+        ctx.factors, ctx.memo = held.factors, held.memo
         ctx.save_for_backward(x, *xas)
         return out
 
@@ -122,7 +124,7 @@ class _GroupedLeaves(torch.autograd.Function):
         need_x, need_base = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         factors = ctx.factors
         grad_x, _ = grouped.backward(
-            grad_out, x, factors, factors, ctx.grouping, xas, need_x, [True] * len(factors)
+            grad_out, x, factors, factors, ctx.grouping, xas, need_x, [True] * len(factors), ctx.memo
         )
         return grad_x, grad_out if need_base else None, None, None, None
 
@@ -226,11 +228,12 @@ def _zero_gaps(t: torch.Tensor, plan: tuple) -> None:
 
 
 def segmented_lora(
-    x: torch.Tensor, y: torch.Tensor, plan: tuple, factors: list[torch.Tensor]
+    x: torch.Tensor, y: torch.Tensor, plan: tuple, factors: list[torch.Tensor], memo: dict | None = None
 ) -> torch.Tensor:
     """``y`` plus the plan's deltas (:class:`_SegmentedLoRA`), in place when it can be: the same dtype
     and not a view (autograd cannot rebase a view). A low-precision base (bf16) with fp32 adapters
-    adds in fp32 and rounds once, in PEFT's order."""
+    adds in fp32 and rounds once, in PEFT's order. ``memo``: a dict kept by the caller for as long as these
+    factors and this plan go together (:meth:`MultiLoRALinear._plan`), for the grouped backward."""
     x = x.to(factors[0].dtype)
     in_place = y.dtype == factors[0].dtype and not y._is_view()
     if not torch.is_grad_enabled():  # sampling, evaluation: the same arithmetic, without autograd's node
@@ -238,14 +241,18 @@ def segmented_lora(
         if in_place:
             return add(x, y, plan, factors)[0]
         return (y + add(x, None, plan, factors)[0]).to(y.dtype)
-    if _GROUPED[-1] and all(f.requires_grad and f.is_leaf for f in factors):
-        held, anchor = _Leaves(factors), _anchor(x.device)
+    # (map over C getters: this runs for every layer and step, over 2 factors a tenant)
+    if _GROUPED[-1] and all(map(_REQUIRES_GRAD, factors)) and all(map(_IS_LEAF, factors)):
+        held, anchor = _Leaves(factors, memo), _anchor(x.device)
         if in_place:
             return _GroupedLeaves.apply(x, y, plan, held, anchor)
         return (y + _GroupedLeaves.apply(x, None, plan, held, anchor)).to(y.dtype)
     if in_place:
         return _SegmentedLoRA.apply(x, y, plan, *factors)
     return (y + _SegmentedLoRA.apply(x, None, plan, *factors)).to(y.dtype)
+
+
+_REQUIRES_GRAD, _IS_LEAF = operator.attrgetter("requires_grad"), operator.attrgetter("is_leaf")
 
 
 class MultiLoRALinear(nn.Module):
@@ -278,8 +285,8 @@ class MultiLoRALinear(nn.Module):
         self.ranks = [0] * max_tenants
         self.scalings = [0.0] * max_tenants
         self.dropouts = [0.0] * max_tenants
-        # routing segments -> (segments with a tenant here, their slots, plan): see _plan
-        self._plans: dict[tuple, tuple[list, list[int], tuple]] = {}
+        # routing segments -> (segments with a tenant here, their slots, plan, memo): see _plan
+        self._plans: dict[tuple, tuple[list, list[int], tuple, dict]] = {}
         # A plain attribute, not a submodule: the routing is shared by every layer of the model.
         object.__setattr__(self, "routing", routing)
 
@@ -331,7 +338,7 @@ class MultiLoRALinear(nn.Module):
             return grouped.per_row(
                 x, y, self.routing.row_slots, slots, self.factors(slots), scales, self.max_tenants
             )
-        segments, slots, plan = self._plan(self.routing.segments)
+        segments, slots, plan, memo = self._plan(self.routing.segments)
         if not segments:
             return y
         if x.shape[0] != self.routing.num_rows:
@@ -339,16 +346,23 @@ class MultiLoRALinear(nn.Module):
                 f"multi-tenant LoRA expects inputs of shape [rows, ..., in] with rows={self.routing.num_rows}, "
                 f"got {tuple(x.shape)}; was the routing set for this batch?"
             )
-        factors = self.factors(slots)  # A, B of slots[k] at 2k, 2k + 1
-        if self.training and any(self.dropouts[slot] > 0 for slot, _, _ in segments):
+        factors = memo.get("factors")
+        if factors is None:
+            factors = self.factors(slots)  # A, B of slots[k] at 2k, 2k + 1
+            if type(self).factors is _FACTORS and type(self).slot_tensors is _SLOT_TENSORS:
+                # the slots' own tensors, the same objects until a slot changes (which clears the plans); a
+                # parallel layout's factors() may make new ones each call (its collectives): not kept
+                memo["factors"] = factors
+        if memo["dropout"] and self.training:
             x = self._dropout(x.to(factors[0].dtype), segments)
-        return segmented_lora(x, y, plan, factors)
+        return segmented_lora(x, y, plan, factors, memo)
 
-    def _plan(self, routed: list[tuple[int, int, int]] | None) -> tuple[list, list[int], tuple]:
-        """The segments of ``routed`` with a tenant here, their distinct slots, and the plan over
-        :meth:`factors` of those slots. Cached per routing: every layer of a step, and every step with
-        the same batch layout, would otherwise redo it, a loop over the tenants (a slot's change clears
-        the cache)."""
+    def _plan(self, routed: list[tuple[int, int, int]] | None) -> tuple[list, list[int], tuple, dict]:
+        """The segments of ``routed`` with a tenant here, their distinct slots, the plan over
+        :meth:`factors` of those slots, and a memo for them (whether any of them has dropout; their
+        factors; what the grouped backward found for them). Cached per routing: every layer of a step,
+        and every step with the same batch layout, would otherwise redo it, a loop over the tenants (a
+        slot's change clears the cache)."""
         key = tuple(routed or ())
         found = self._plans.get(key)
         if found is not None:
@@ -362,7 +376,8 @@ class MultiLoRALinear(nn.Module):
         )
         if len(self._plans) >= 16:  # (a few layouts alternate: a step's batch, its loss chunks, evaluation)
             self._plans.clear()
-        found = self._plans[key] = (segments, slots, plan)
+        memo = {"dropout": any(self.dropouts[slot] > 0 for slot in slots)}
+        found = self._plans[key] = (segments, slots, plan, memo)
         return found
 
     def _dropout(self, x: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -382,3 +397,6 @@ class MultiLoRALinear(nn.Module):
             f"in={self.in_features}, out={self.out_features}, slots={self.max_tenants}, "
             f"max_rank={self.max_rank}, tenants={len(self.lora_A)}"
         )
+
+
+_FACTORS, _SLOT_TENSORS = MultiLoRALinear.factors, MultiLoRALinear.slot_tensors

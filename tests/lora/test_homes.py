@@ -94,11 +94,11 @@ def test_a_job_computes_the_same_with_and_without_homes(llama_path, make_data, m
         return Trainer(JobSpec(base_model=llama_path, tenants=tenants, seq_len=64, max_rank=8, max_tenants=4))
 
     taken = []
-    take = homes.take
+    put = homes.put
 
-    def counted(d, leaves):
-        taken.append(take(d, leaves))
-        return taken[-1]
+    def counted(d, leaves, found):
+        taken.append(len(leaves))
+        put(d, leaves, found)
 
     views = []
     stacked = homes.stacked
@@ -107,14 +107,16 @@ def test_a_job_computes_the_same_with_and_without_homes(llama_path, make_data, m
         views.append(stacked(tensors))
         return views[-1]
 
-    monkeypatch.setattr(homes, "take", counted)
+    monkeypatch.setattr(homes, "put", counted)
     monkeypatch.setattr(homes, "stacked", counted_views)
     with_homes = job()
     with_homes.train()
-    assert any(taken), "the homes were used"
+    # steps 2-4 (the rows are taken at the first optimiser step) put A's and B's gradients of both buckets
+    # (t0-t2; t3) of every layer into their homes, from each step's first micro-batch (a second one adds)
+    assert len(taken) == 3 * 2 * 2 * len(with_homes.model.layers) and sum(taken) == 2 * len(taken)
     assert any(v is not None for v in views), "the factors of tenants in consecutive rows were not stacked"
     opt = with_homes.tenants["t0"].optimizer
-    monkeypatch.setattr(homes, "take", lambda d, leaves: False)
+    monkeypatch.setattr(homes, "spot", lambda leaves: None)
     monkeypatch.setattr(homes, "stacked", lambda tensors: None)
     gathered = job()
     gathered.train()
@@ -188,3 +190,49 @@ def test_an_optimiser_follows_its_tenants_weights_when_their_rows_move():
     assert all(h.data_ptr() == t.data_ptr() for h, t in zip(opt.params, first)), "stand-ins follow"
     for a, b in zip(first, plain):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_layers_kept_homes_follow_the_arena_when_it_changes():
+    """The grouped backward keeps the homes it found for a layer's bucket (the layer's memo) and puts the
+    next step's gradients there without looking at each leaf again, until any arena changes: here between two
+    backwards the arena grows (another tenant joins: every row moves) and then a tenant leaves. Every
+    gradient equals the one autograd computes without homes, and sits in its home where the home is now."""
+    from mlora_lab.lora.layer import segmented_lora
+
+    torch.manual_seed(0)
+    IN, OUT, R, T = 5, 3, 2, 4
+    shapes = [(R, IN), (OUT, R)]
+    tenants = [[torch.randn(*s) for s in shapes] for _ in range(3)]
+    arena = homes.Arena(tuple(shapes), torch.float32, torch.device("cpu"))
+    joined = [arena.join(ls) for ls in tenants]
+    factors = [t for ls in tenants for t in ls]
+    plan = tuple((2 * k, (), 2 * k + 1, (), 2 * k, 2 * k + 2, 0.5 + k) for k in range(3))
+    memo: dict = {}
+
+    def gradients(memo_: dict | None, factors_: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[bool]]:
+        """The factors' gradients, and whether each was in its home (where that home is now)."""
+        x = torch.randn(6, T, IN, generator=torch.Generator().manual_seed(1))
+        y = torch.randn(6, T, OUT, generator=torch.Generator().manual_seed(2))
+        segmented_lora(x, y.clone(), plan, factors_, memo_).square().sum().backward()
+        grads = [f.grad.clone() for f in factors_]
+        home = getattr(factors_[0], "_grad_home", None)
+        at_home = [home is not None and f.grad is getattr(f, "_grad_home", home).view for f in factors_]
+        for f, there in zip(factors_, at_home):
+            assert (
+                not there or f.grad.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr()
+            )
+            f.grad = None
+        return grads, at_home
+
+    plain = [f.detach().clone().requires_grad_() for f in factors]
+    expected, _ = gradients(None, plain)
+    for change in ("first", "kept", "grown", "left"):
+        if change == "grown":
+            arena.join([torch.randn(*s).requires_grad_() for s in shapes])  # (3 -> 4 rows: every row moves)
+        elif change == "left":  # (the third tenant: the bucket's gradients go to .grad as plain tensors)
+            arena.leave(joined.pop())
+        got, at_home = gradients(memo, [f.requires_grad_() for f in factors])
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+        assert all(at_home) if change != "left" else not any(at_home), change
+        assert memo, "the homes were kept"
