@@ -52,7 +52,9 @@ backward does no per-tenant work at all. Hooks on such a leaf's gradient are the
 LoRA code registers none. A factor that is not a leaf (a tensor-parallel identity, a DTensor's local part)
 gets its gradient through autograd as usual. When the bucket's leaves have gradient homes in consecutive rows
 of one arena (:mod:`mlora_lab.lora.homes`: the rows the optimiser steps each tenant's flat gradient from),
-the bucket's result goes there by one strided copy instead, and each ``.grad`` is its home.
+the bucket's result goes there by one strided copy instead, and each ``.grad`` is its home. A layer keeps the
+homes its buckets found (in its memo: :meth:`~mlora_lab.lora.layer.MultiLoRALinear._plan`) and puts the next
+step's gradients there without a look at each leaf, until any arena changes (:func:`homes.epoch`).
 """
 
 from __future__ import annotations
@@ -385,13 +387,13 @@ def backward(
             dB = torch.bmm(gs.transpose(1, 2), xa)  # [G, out, R]
             _give(
                 grads, factors, leaves, bucket.b_ids, bucket.b_pick, bucket.b_keep, bucket.rank, dB, -1, need,
-                memo, (k, "B"),
+                memo, ("B", bucket.b_ids),
             )  # fmt: skip
         if any(need[i] for i in bucket.a_ids):
             dA = torch.bmm(g_xa.transpose(1, 2), _rows(x2, bucket))  # [G, R, in]
             _give(
                 grads, factors, leaves, bucket.a_ids, bucket.a_pick, bucket.a_keep, bucket.rank, dA, -2, need,
-                memo, (k, "A"),
+                memo, ("A", bucket.a_ids),
             )  # fmt: skip
         if direct:
             grad_x = torch.bmm(g_xa, A)
