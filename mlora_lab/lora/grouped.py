@@ -295,6 +295,30 @@ def factor_stacks(g: Grouping, bucket: Bucket, factors: Sequence[torch.Tensor]) 
     return A, B
 
 
+def _kept_stacks(
+    g: Grouping, bucket: Bucket, factors: Sequence[torch.Tensor], memo: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`factor_stacks`, kept in ``memo`` when both are views of the factors' own storage (rows of one
+    weights buffer: :func:`homes.stacked`), which see every in-place update of the factors, until any
+    buffer's rows move (:func:`homes.epoch`). A stack that is a copy (padded ranks, picked rows, tenants out
+    of row order) is made again at each call."""
+    key = ("stacks", bucket.a_ids, bucket.b_ids)
+    kept = memo.get(key)
+    if kept is not None and kept[0] == homes.epoch():
+        return kept[1], kept[2]
+    A, B = factor_stacks(g, bucket, factors)
+    try:
+        views = all(
+            s.untyped_storage().data_ptr() == factors[ids[0]].untyped_storage().data_ptr()
+            for s, ids in ((A, bucket.a_ids), (B, bucket.b_ids))
+        )
+    except (RuntimeError, NotImplementedError):  # (no storage: a DTensor, a fake)
+        views = False
+    if views:
+        memo[key] = (homes.epoch(), A, B)
+    return A, B
+
+
 def _rows(t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
     """The bucket's tokens of ``t`` ([tokens, d], contiguous) as [G, L, d] (a view when evenly spaced)."""
     G, L, d = len(bucket.entries), bucket.length, t.shape[-1]
@@ -324,10 +348,16 @@ def _whole(bucket: Bucket, tokens: int) -> bool:
 
 
 def forward(
-    x: torch.Tensor, base: torch.Tensor | None, plan: tuple, factors: Sequence[torch.Tensor]
+    x: torch.Tensor,
+    base: torch.Tensor | None,
+    plan: tuple,
+    factors: Sequence[torch.Tensor],
+    memo: dict | None = None,
 ) -> tuple[torch.Tensor, Grouping, list[torch.Tensor]]:
     """``base`` (or zeros) plus every entry's delta, in place; the grouping, and each bucket's ``Â``,
-    ``B̂`` and ``XA`` [G, L, R] in turn (what the backward needs). ``x``: [rows, ..., in]."""
+    ``B̂`` and ``XA`` [G, L, R] in turn (what the backward needs). ``x``: [rows, ..., in]. ``memo``: a dict
+    the caller keeps for these factors and this plan, where stacks that are views of the factors' rows are
+    kept for the next step (:func:`_kept_stacks`)."""
     in_features = x.shape[-1]
     tpr = x[0].numel() // in_features if x.shape[0] else 1
     g = grouping(plan, factors, tpr, x.device)
@@ -336,7 +366,7 @@ def forward(
     x2, out2 = x.reshape(-1, in_features).contiguous(), out.view(-1, out_features)
     saved = []
     for bucket in g.buckets:
-        A, B = factor_stacks(g, bucket, factors)
+        A, B = factor_stacks(g, bucket, factors) if memo is None else _kept_stacks(g, bucket, factors, memo)
         xa = torch.bmm(_rows(x2, bucket), A.transpose(1, 2))  # [G, L, R]
         if bucket.index is None:  # accumulated into the output by the product itself: out += s · XA B̂^T
             rows = _rows(out2, bucket)

@@ -106,6 +106,7 @@ class Rows:
             self.buffer = old.new_empty(grown(old.shape[0]), self.numel)
             with torch.no_grad():
                 self.buffer[: old.shape[0]].copy_(old)
+            _EPOCH[0] += 1  # (views of the old buffer kept anywhere are stale: see epoch())
             self._moved()
         return row
 
@@ -159,7 +160,6 @@ class Arena(Rows):
         return self.buffer.as_strided((count, *self.shapes[j]), (self.numel, *self.strides[j]), offset)
 
     def _moved(self) -> None:
-        _EPOCH[0] += 1
         for homes in self.rows:
             for home in homes or ():
                 before, home.view = home.view, self._view(home.row, home.j)
@@ -180,8 +180,9 @@ _EPOCH = [0]
 
 
 def epoch() -> int:
-    """A number that changes whenever any arena's homes do (a tenant joins or leaves, an arena grows): homes
-    found (:func:`spot`) at the same epoch are still each leaf's home, at the same place."""
+    """A number that changes whenever rows do anything that a kept view of them would miss: a tenant joins
+    or leaves a gradient arena, or any buffer (gradients or weights) grows and its rows move. Homes found
+    (:func:`spot`) and factors stacked as views (:func:`stacked`) at the same epoch are still right."""
     return _EPOCH[0]
 
 

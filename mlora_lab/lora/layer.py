@@ -113,7 +113,7 @@ class _GroupedLeaves(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, base: torch.Tensor | None, plan: tuple, held: _Leaves, anchor):
         if base is not None:
             ctx.mark_dirty(base)
-        out, ctx.grouping, xas = grouped.forward(x, base, plan, held.factors)
+        out, ctx.grouping, xas = grouped.forward(x, base, plan, held.factors, held.memo)
         ctx.factors, ctx.memo = held.factors, held.memo
         ctx.save_for_backward(x, *xas)
         return out

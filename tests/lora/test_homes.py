@@ -236,3 +236,53 @@ def test_a_layers_kept_homes_follow_the_arena_when_it_changes():
             torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
         assert all(at_home) if change != "left" else not any(at_home), change
         assert memo, "the homes were kept"
+
+
+def test_a_layers_kept_stacks_see_updates_and_follow_the_weights_when_they_move():
+    """Stacks of a layer's factors that are views of their weights rows are kept in the layer's memo: they
+    see every in-place update of the factors (an optimiser step) and are made again once the rows move (the
+    buffer grows); a stack that is a copy (tenants out of row order) is never kept. Every output and gradient
+    equals the one computed without a memo."""
+    from mlora_lab.lora.layer import segmented_lora
+
+    torch.manual_seed(0)
+    IN, OUT, R, T = 5, 3, 2, 4
+    shapes = [(R, IN), (OUT, R)]
+    made = [homes.weights([torch.randn(*s) for s in shapes]) for _ in range(3)]
+    x = torch.randn(6, T, IN)
+
+    def run(factors: list[torch.Tensor], memo: dict | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        plan = tuple((2 * k, (), 2 * k + 1, (), 2 * k, 2 * k + 2, 0.5 + k) for k in range(len(factors) // 2))
+        out = segmented_lora(x, torch.zeros(6, T, OUT), plan, factors, memo)
+        out.square().sum().backward()
+        grads = [f.grad.clone() for f in factors]
+        for f in factors:
+            f.grad = None
+        return out.detach(), grads
+
+    def check(factors: list[torch.Tensor], memo: dict) -> None:
+        plain = [f.detach().clone().requires_grad_() for f in factors]
+        out, grads = run(factors, memo)
+        ref, ref_grads = run(plain, None)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        for g, e in zip(grads, ref_grads):
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+
+    factors = [t for ts in made for t in ts]
+    memo: dict = {}
+    check(factors, memo)
+    assert any(k[0] == "stacks" for k in memo), "views kept"
+    with torch.no_grad():
+        for f in factors:
+            f.mul_(1.5)  # (an optimiser's in-place step)
+    check(factors, memo)
+    before = factors[0].data_ptr()
+    while factors[0].data_ptr() == before:  # more tenants of the layout until the buffer grows
+        made.append(homes.weights([torch.randn(*s) for s in shapes]))
+    with torch.no_grad():
+        for f in factors:
+            f.add_(0.25)  # (a step after the move: a view of the old buffer would not see it)
+    check(factors, memo)
+    shuffled, other = [*made[1], *made[0], *made[2]], {}
+    check(shuffled, other)
+    assert not any(k[0] == "stacks" for k in other), "a copy is never kept"
