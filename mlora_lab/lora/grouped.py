@@ -53,8 +53,9 @@ LoRA code registers none. A factor that is not a leaf (a tensor-parallel identit
 gets its gradient through autograd as usual. When the bucket's leaves have gradient homes in consecutive rows
 of one arena (:mod:`mlora_lab.lora.homes`: the rows the optimiser steps each tenant's flat gradient from),
 the bucket's result goes there by one strided copy instead, and each ``.grad`` is its home. A layer keeps the
-homes its buckets found (in its memo: :meth:`~mlora_lab.lora.layer.MultiLoRALinear._plan`) and puts the next
-step's gradients there without a look at each leaf, until any arena changes (:func:`homes.epoch`).
+homes its buckets found, and its factor stacks that are views of their rows, in its memo
+(:meth:`~mlora_lab.lora.layer.MultiLoRALinear._plan`), and uses them at the next step without a look at each
+factor, until any rows change (:func:`homes.epoch`).
 """
 
 from __future__ import annotations

@@ -228,16 +228,6 @@ def put(d: torch.Tensor, leaves: Sequence[torch.Tensor], found: list[Home]) -> N
         leaf.grad = home.view
 
 
-def take(d: torch.Tensor, leaves: Sequence[torch.Tensor | None]) -> bool:
-    """:func:`put` ``d`` into the leaves' homes when :func:`spot` finds them; ``False`` (nothing done)
-    otherwise."""
-    found = spot(leaves)
-    if found is None:
-        return False
-    put(d, leaves, found)
-    return True
-
-
 # -- weights ------------------------------------------------------------------------------------------------
 
 

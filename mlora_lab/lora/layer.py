@@ -80,7 +80,8 @@ def per_segment() -> Iterator[None]:
 class _Leaves:
     """A layer's factors handed to :class:`_GroupedLeaves` as one opaque argument (autograd sees no
     tensor in it), and the layer's memo for this routing (:meth:`MultiLoRALinear._plan`), where the
-    grouped backward keeps what it found for the same factors at the last step (their gradient homes)."""
+    grouped forward and backward keep what they found for the same factors at the last step (stacks that are
+    views of their rows, their gradient homes)."""
 
     __slots__ = ("factors", "memo")
 

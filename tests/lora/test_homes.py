@@ -53,16 +53,18 @@ def test_a_bucket_goes_home_by_one_copy_only_when_its_leaves_are_consecutive_row
     for ls in leaves:
         arena.join(ls)
     d = torch.randn(3, *SHAPES[0])
-    assert not homes.take(d, [leaves[1][0], leaves[0][0], leaves[2][0]]), "rows out of order"
-    assert not homes.take(d, [leaves[0][0], leaves[1][1], leaves[2][0]]), "not one tensor of the layout"
-    assert not homes.take(d, [leaves[0][0], torch.zeros(2, 5), leaves[2][0]]), "a leaf without a home"
+    assert homes.spot([leaves[1][0], leaves[0][0], leaves[2][0]]) is None, "rows out of order"
+    assert homes.spot([leaves[0][0], leaves[1][1], leaves[2][0]]) is None, "not one tensor of the layout"
+    assert homes.spot([leaves[0][0], torch.zeros(2, 5), leaves[2][0]]) is None, "a leaf without a home"
     assert all(ls[0].grad is None for ls in leaves)
-    assert homes.take(d, [ls[0] for ls in leaves])
+    found = homes.spot([ls[0] for ls in leaves])
+    assert found is not None
+    homes.put(d, [ls[0] for ls in leaves], found)
     for k, ls in enumerate(leaves):
         assert ls[0].grad is ls[0]._grad_home.view
         torch.testing.assert_close(ls[0].grad, d[k], rtol=0, atol=0)
         torch.testing.assert_close(arena.row(k)[:10], d[k].reshape(-1), rtol=0, atol=0)
-    assert not homes.take(d, [ls[0] for ls in leaves]), "gradients already there: accumulated, not copied"
+    assert homes.spot([ls[0] for ls in leaves]) is None, "gradients already there: accumulated, not copied"
 
 
 def test_a_copy_or_a_pickle_of_a_leaf_has_no_home():
@@ -75,7 +77,7 @@ def test_a_copy_or_a_pickle_of_a_leaf_has_no_home():
     for other in (copy.deepcopy(leaves[0]), torch.load(buffer, weights_only=False)):
         torch.testing.assert_close(other, leaves[0], rtol=0, atol=0)
         assert other._grad_home is None
-        assert not homes.take(torch.zeros(1, 2, 5), [other])
+        assert homes.spot([other]) is None
 
 
 @pytest.mark.parametrize("accum", [1, 2])
