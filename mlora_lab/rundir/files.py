@@ -497,8 +497,12 @@ def move_into(root: str | os.PathLike, path: str | os.PathLike, folder: str | os
 
 SPARE = ".spare"
 SPARE_BYTES = 256 << 10
-"""What the job keeps allocated in ``<run_dir>/.spare``: on a full disk, freeing it makes room for
-status.json to say so (a few KB each time; the rest is allocated again right after)."""
+"""What the job keeps allocated in ``<run_dir>/.spare``: on a full disk, freeing part of it makes room
+for status.json to say so (a few KB each time; the rest is allocated again right after)."""
+SPARE_PIECE = 32 << 10
+"""What :func:`with_spare` frees at a time: room for a status.json many times over, and a small part of
+the spare, so that room taken by another writer of the same disk before ours (a race no lock covers:
+the disk is shared) costs one piece, not the whole reserve."""
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -525,27 +529,47 @@ def reserve_spare(root: str | os.PathLike, size: int = SPARE_BYTES) -> int:
         os.close(fd)
 
 
-def _free_spare(root: str | os.PathLike) -> bool:
-    spare = Path(root) / SPARE
+def _shrink_spare(root: str | os.PathLike, piece: int = SPARE_PIECE) -> bool:
+    """Free the last ``piece`` bytes of ``root/.spare`` (a truncation: the disk gets them back at once);
+    False when there is no spare left to free."""
     try:
-        if not stat.S_ISREG(os.stat(spare, follow_symlinks=False).st_mode):
-            return False
-        os.unlink(spare)
+        fd = guarded_open(root, Path(root) / SPARE, os.O_WRONLY, create=False)
     except OSError:
         return False
-    return True
+    try:
+        held = os.fstat(fd).st_size
+        if held == 0:
+            return False
+        os.ftruncate(fd, max(0, held - piece))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def with_spare(root: str | os.PathLike, write: Callable[[], T]) -> T:
-    """``write()``; if the disk is full and ``root`` holds a spare allocation (:func:`reserve_spare`),
-    free it, ``write()`` again, and allocate what is left again."""
+    """``write()``; while the disk is full and ``root`` holds a spare allocation (:func:`reserve_spare`),
+    free a piece of it (:data:`SPARE_PIECE`) and ``write()`` again; then allocate what is free again.
+
+    Freeing the spare piece by piece, not at once: a job's last status was lost when a concurrent
+    writer filled the room the whole spare had made before the spare was taken back (the next full-disk
+    write then found an empty spare). Now such a thief takes one piece and the next is still there."""
     try:
         return write()
     except OSError as e:
-        if e.errno not in NO_SPACE or not _free_spare(root):
+        if e.errno not in NO_SPACE:
             raise
+        error = e
     try:
-        return write()
+        while _shrink_spare(root):
+            try:
+                return write()
+            except OSError as e:
+                if e.errno not in NO_SPACE:
+                    raise
+                error = e
+        raise error
     finally:
         reserve_spare(root)
 

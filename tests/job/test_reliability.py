@@ -484,15 +484,56 @@ def test_status_json_is_written_on_a_full_disk_and_the_disk_stays_full(small_dis
     assert read_status(run.root).error == "rank 0: SaveError: could not save"
 
 
-def test_a_full_disk_is_said_in_status_and_stop_needs_no_space(llama_path, tmp_path, small_disk):
+def test_another_writer_taking_the_room_the_spare_made_does_not_cost_the_last_status(small_disk):
+    """A served job on a full disk once ended ``failed`` with "exited (code 1) without a final status":
+    the whole spare was freed for one status write, another writer of the disk filled that room before
+    the spare was taken back, and the run's last status then found no spare. The spare is freed a piece
+    at a time: a thief that takes the first piece leaves the next one for the status."""
+    from mlora_lab.rundir import RunDir
+    from mlora_lab.rundir.files import (
+        SPARE,
+        SPARE_BYTES,
+        SPARE_PIECE,
+        atomic_write_json,
+        reserve_spare,
+        with_spare,
+    )
+
+    run = RunDir(small_disk / "run").create()
+    update_status(run.root, state=RunState.RUNNING)
+    assert reserve_spare(run.root) == SPARE_BYTES
+    fill(small_disk)
+    tries = []
+
+    def write_status_after_a_thief():
+        tries.append(len(tries))
+        if len(tries) == 2:
+            fill(small_disk)  # another writer takes the piece the spare just freed
+        atomic_write_json(run.status, {"state": "failed", "error": "could not save"}, root=run.root)
+
+    with_spare(run.root, write_status_after_a_thief)
+    assert len(tries) == 3 and read_status(run.root).state is RunState.FAILED
+    assert (run.root / SPARE).stat().st_size >= SPARE_BYTES - 2 * SPARE_PIECE - (8 << 10)
+    update_status(run.root, error="still said")  # and again, on the same full disk
+    assert read_status(run.root).error == "still said"
+
+
+def test_a_full_disk_is_said_in_status_and_stop_needs_no_space(llama_path, tmp_path, small_disk, monkeypatch):
     """A launched job on a disk that fills up: while every save fails, the run still reads ``running``
     and says why in status.json, ``run.error`` and the dashboard's header; ``run.stop()`` on the full
     disk stops it gracefully (a signal instead of the control file it cannot write), and the run ends
-    saying what it could not save rather than ``killed``."""
+    saying what it could not save rather than ``killed``.
+
+    The job's ranks are frozen (SIGSTOP) from the second fill until the stop's signal is sent: a job
+    that trains frees room now and then (a failed save's temporary files, a piece of its spare while it
+    writes status.json), so a disk filled beside it is full only for a moment, and the stop file once
+    found room (no signal sent: the test asked nothing)."""
     from mlora_lab.lab.dashboard import Dashboard
+    from mlora_lab.rundir.status import is_job_command
 
     good = good_tenants(tmp_path, max_steps=100_000)
     run = ml.launch(job(llama_path, good, save_every=1, output_dir=str(small_disk / "run")))
+    ranks: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 180
         while not checkpoint.checkpoint_dirs(run.path / "checkpoints"):
@@ -507,12 +548,31 @@ def test_a_full_disk_is_said_in_status_and_stop_needs_no_space(llama_path, tmp_p
         dash = Dashboard([run], interactive=False)
         dash.refresh()
         assert "No space left" in dash.status.value
+        agent = psutil.Process(run.liveness.process.pid)
+        ranks += [p for p in agent.children(recursive=True) if is_job_command(p.cmdline())]
+        assert ranks
+        for p in ranks:
+            p.suspend()
+        signalled = []
+        signal_stop = run.liveness.signal_stop
+
+        def signal_then_thaw() -> None:
+            signal_stop()
+            signalled.append(True)
+            for p in ranks:
+                p.resume()
+
+        monkeypatch.setattr(run.liveness, "signal_stop", signal_then_thaw)
         fill(small_disk)  # again: a save that failed meanwhile may have freed its temporary files' space
         with pytest.raises(OSError):
             control.request_stop(run.path)  # the disk is full indeed
         state = run.stop(timeout=120)
     finally:
+        for p in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.resume()
         run.kill()
+    assert signalled, "the stop went through the control file, not a signal"
     assert state.final and run.error != "killed", (state, run.error, run.logs(0))
     assert state is RunState.STOPPED or "could not save" in run.error, (state, run.error)
 
