@@ -37,9 +37,6 @@ Gather = Callable[[torch.Tensor, tuple, torch.Tensor], torch.Tensor]
 Scatter = Callable[[torch.Tensor, tuple, torch.Tensor], torch.Tensor]
 
 
-_GRAD = operator.attrgetter("grad")
-
-
 def _per_element(v: object) -> bool:
     return torch.is_tensor(v) and v.ndim > 0
 
@@ -226,7 +223,9 @@ class TenantOptimizer:
             if found is not None and self._home_views[0] != homes.epoch():  # (the homes moved)
                 self._home_views = (homes.epoch(), [h.view for h in found])
             # (the usual case, checked first: the backward wrote every gradient into its home)
-            if found is None or not all(map(operator.is_, map(_GRAD, self._tensors), self._home_views[1])):
+            if found is None or not all(
+                map(operator.is_, map(homes.GRAD, self._tensors), self._home_views[1])
+            ):
                 grads = [p.grad for p in self._tensors]
                 if any(g is None for g in grads):
                     return None

@@ -209,13 +209,14 @@ def spot(leaves: Sequence[torch.Tensor | None]) -> list[Home] | None:
     return found
 
 
-_GRAD = operator.attrgetter("grad")
+GRAD = operator.attrgetter("grad")
+"""``GRAD(t)`` is ``t.grad``: a C getter to map over many tensors (here and in :mod:`mlora_lab.optim`)."""
 
 
 def empty(leaves: Sequence[torch.Tensor]) -> bool:
     """Whether none of ``leaves`` has a gradient (map over a C getter: a bucket's worth of tenants each
     layer)."""
-    return all(map(operator.is_, map(_GRAD, leaves), itertools.repeat(None)))
+    return all(map(operator.is_, map(GRAD, leaves), itertools.repeat(None)))
 
 
 def put(d: torch.Tensor, leaves: Sequence[torch.Tensor], found: list[Home]) -> None:
