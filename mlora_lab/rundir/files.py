@@ -555,23 +555,18 @@ def with_spare(root: str | os.PathLike, write: Callable[[], T]) -> T:
     Freeing the spare piece by piece, not at once: a job's last status was lost when a concurrent
     writer filled the room the whole spare had made before the spare was taken back (the next full-disk
     write then found an empty spare). Now such a thief takes one piece and the next is still there."""
+    shrunk = False
     try:
-        return write()
-    except OSError as e:
-        if e.errno not in NO_SPACE:
-            raise
-        error = e
-    try:
-        while _shrink_spare(root):
+        while True:
             try:
                 return write()
             except OSError as e:
-                if e.errno not in NO_SPACE:
+                if e.errno not in NO_SPACE or not _shrink_spare(root):
                     raise
-                error = e
-        raise error
+                shrunk = True
     finally:
-        reserve_spare(root)
+        if shrunk:
+            reserve_spare(root)
 
 
 class RunLock:
