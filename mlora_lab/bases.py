@@ -489,7 +489,7 @@ def special_tokens_as_in_the_file(tok: Any, path: str | os.PathLike) -> Any:
     metadata = read_gguf_header(path).metadata
     for attribute, key in GGUF_SPECIAL_TOKENS.items():
         token_id = metadata.get(key)
-        if not isinstance(token_id, int) or not 0 <= token_id < len(tok):
+        if not is_int(token_id) or not 0 <= token_id < len(tok):
             continue
         if getattr(tok, f"{attribute}_id") != token_id:
             setattr(tok, attribute, tok.convert_ids_to_tokens(token_id))
