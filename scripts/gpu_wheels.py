@@ -36,7 +36,7 @@ PLATFORM = [
 ROOTS = [
     "msgspec>=0.19", "orjson>=3.9", "gguf>=0.10",
     "tinker==0.38.0", "starlette>=0.40", "uvicorn>=0.30", "trl==1.16.0", "datasets>=3", "pytest-timeout",
-    "bitsandbytes==0.50.0",  # (issue 36's quantized base; ~40 MB, its CUDA kernels included)
+    "bitsandbytes>=0.50",  # (issue 36's quantized base; ~40 MB, its CUDA kernels included)
 ]  # fmt: skip
 THERE = set(
     canonicalize_name(n)
@@ -83,6 +83,9 @@ def download(requirement: Requirement) -> Path:
             "-q",
             "--no-deps",
             *PLATFORM,
+            # (the versions the suite last passed with, where constraints.txt names the package)
+            "-c",
+            str(ROOT / "constraints.txt"),
             "-d",
             str(OUT),
             str(requirement),
