@@ -51,7 +51,7 @@ from mlora_lab.rundir import (
     update_status,
 )
 from mlora_lab.rundir.files import reserve_spare
-from mlora_lab.rundir.status import this_host
+from mlora_lab.rundir.status import process_fields, this_host
 from mlora_lab.spec import JobSpec
 from mlora_lab.specbase import SpecError
 from mlora_lab.text import error_line
@@ -210,13 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         if found:
             raise SpecError(found)
         if dist.is_main:
-            me = job_process()
             update_status(
                 run.root,
                 state=RunState.RUNNING,
-                pid=me.pid if me else None,
-                pid_start_time=me.start_time if me else None,
-                host=me.host if me else None,
+                **process_fields(job_process()),
                 error=None,
                 ended=None,
             )

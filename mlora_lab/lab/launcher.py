@@ -67,7 +67,7 @@ from mlora_lab.rundir import (
 )
 from mlora_lab.rundir.files import link_message
 from mlora_lab.rundir.service import remove_endpoint
-from mlora_lab.rundir.status import JOB_MODULE, TORCHRUN_MODULE, ProcessIdentity, this_host
+from mlora_lab.rundir.status import JOB_MODULE, TORCHRUN_MODULE, ProcessIdentity, process_fields, this_host
 from mlora_lab.search import Sweep
 from mlora_lab.spec import JobSpec
 from mlora_lab.specbase import SpecError
@@ -302,9 +302,9 @@ def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
         os.close(log)
     _started.append((proc, spec.parallel.nproc * omp_threads(env.get("OMP_NUM_THREADS"))))
     try:
-        me = ProcessIdentity.of(proc.pid)
-        start = me.start_time if me else None
-        update_status(run_dir.root, pid=proc.pid, pid_start_time=start, host=this_host())
+        # a job gone already is still recorded by its pid: this handle then reads its exit
+        me = ProcessIdentity.of(proc.pid) or ProcessIdentity(proc.pid, None, this_host())
+        update_status(run_dir.root, **process_fields(me))
     except BaseException:
         kill_job(proc.pid)
         raise
@@ -453,9 +453,7 @@ def resume(
         update_status(
             run.root,
             state=RunState.STARTING,
-            pid=None,
-            pid_start_time=None,
-            host=None,
+            **process_fields(None),
             ended=None,
             error=None,
             launcher=launcher,

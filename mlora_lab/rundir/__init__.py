@@ -2,8 +2,8 @@
 
 ```
 <run_dir>/job.json            the spec as launched (JobSpec as JSON)
-<run_dir>/status.json         {"state", "pid", "pid_start_time", "host", "started", "ended", "error",
-                               "launcher", "slurm_job_id", "slurm_state"}
+<run_dir>/status.json         {"state", "pid", "pid_start_time", "pid_start_ticks", "pid_boot_id", "host",
+                               "started", "ended", "error", "launcher", "slurm_job_id", "slurm_state"}
 <run_dir>/metrics.jsonl       typed rows (train / eval / system / tenant / event / completion), appended by rank 0
 <run_dir>/logs/rank<R>.log    each rank's stdout+stderr (logs/launcher.log: the torchrun agent's)
 <run_dir>/adapters/<tenant>/  latest PEFT adapter directory of that tenant

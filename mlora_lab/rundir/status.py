@@ -2,9 +2,17 @@
 
 A pid alone is not an identity: after the job ends (or the machine reboots) the number is reused by
 an unrelated process, and signalling it would kill a stranger. So the job's process is recorded as
-``pid`` + its start time (``pid_start_time``, from the kernel) + ``host``, and a process counts as the
-job only if all three match and its command line is a training job's. Anything else means the job's
-process is gone: the run is ``lost`` (its last checkpoint can be resumed), never "running".
+``pid`` + its start time + ``host``, and a process counts as the job only if all three match and its
+command line is a training job's. Anything else means the job's process is gone: the run is ``lost``
+(its last checkpoint can be resumed), never "running".
+
+The start time that identifies is the kernel's own: clock ticks since boot (``pid_start_ticks``,
+``/proc/<pid>/stat`` field 22), within one boot (``pid_boot_id``). It never changes while the process
+lives. The wall-clock start (``pid_start_time``, psutil's ``create_time()``) is *derived*, boot time +
+ticks, and the kernel's boot time moves (it is recomputed from a wall clock that NTP adjusts): a live
+job's derived start was seen a whole second from the recorded one, and the job was called ``lost`` and
+left running. The wall-clock value is kept for people and for records without ticks (written before
+ticks were, or where there is no ``/proc``), which are compared within :data:`WALL_CLOCK_SLACK_S`.
 """
 
 from __future__ import annotations
@@ -63,36 +71,101 @@ def this_host() -> str:
     return socket.gethostname()
 
 
+WALL_CLOCK_SLACK_S = 2.0
+"""How far a process's wall-clock start may be from a record that has no clock ticks. On Linux the
+wall-clock start is boot time + ticks, and the boot time moves (1 s was seen on a live job); a pid
+reused within two seconds *and* running a training job's command line is not a plausible stranger."""
+
+
+def start_ticks(pid: int) -> int | None:
+    """The start of process ``pid`` in clock ticks since boot: ``/proc/<pid>/stat`` field 22 (None
+    without ``/proc``, or when the process is gone). The command name (field 2) is in parentheses and
+    may itself hold spaces and ``)``, so the fields are counted after the *last* ``)``."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 1 :].split()
+    # fields[0] is field 3 (the state): field 22 is fields[19]
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def boot_id() -> str | None:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``; None without it): clock ticks since boot
+    identify a process within one boot only."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 @dataclass(frozen=True)
 class ProcessIdentity:
-    """A process as the kernel knows it: pid, start time (seconds since the epoch) and host."""
+    """A process as the kernel knows it: pid, start and host. The start is ``start_ticks`` (clock
+    ticks since boot, of the boot ``boot_id``) where the kernel gives it, which never moves;
+    ``start_time`` (seconds since the epoch) is the wall-clock reading of it, compared only when
+    there are no ticks (a record from before they were kept, or a system without ``/proc``)."""
 
     pid: int
-    start_time: float
+    start_time: float | None
     host: str
+    start_ticks: int | None = None
+    boot_id: str | None = None
 
     @classmethod
     def of(cls, pid: int) -> ProcessIdentity | None:
         """The identity of the running process ``pid`` on this host (None if it is already gone)."""
         try:
-            return cls(pid, psutil.Process(pid).create_time(), this_host())
+            wall = psutil.Process(pid).create_time()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return None
+        ticks = start_ticks(pid)
+        return cls(pid, wall, this_host(), ticks, boot_id() if ticks is not None else None)
 
     def alive(self) -> bool | None:
-        """True if this process still runs (same pid, same start time, a training job's command
-        line); False if it is gone; None if it ran on another host (this machine cannot tell)."""
+        """True if this process still runs (same pid, same start, a training job's command line);
+        False if it is gone; None if it ran on another host (this machine cannot tell)."""
         if self.host != this_host():
             return None
         try:
             p = psutil.Process(self.pid)
-            if abs(p.create_time() - self.start_time) > 0.05:
+            if not self._same_start(p):
                 return False  # the pid now belongs to another process
             if p.status() == psutil.STATUS_ZOMBIE:
                 return False
             return is_job_command(p.cmdline())
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return False
+
+    def _same_start(self, p: psutil.Process) -> bool:
+        if self.start_ticks is not None:
+            now = start_ticks(self.pid)
+            if now is not None:
+                # another boot restarts the count: its ticks say nothing about this process
+                return now == self.start_ticks and (self.boot_id is None or self.boot_id == boot_id())
+        if self.start_time is None:
+            return False  # nothing to compare with: never take a stranger for the job
+        return abs(p.create_time() - self.start_time) <= WALL_CLOCK_SLACK_S
+
+
+def process_fields(identity: ProcessIdentity | None) -> dict[str, Any]:
+    """The :class:`Status` fields that record ``identity`` (``update_status(run, **process_fields(me))``);
+    all None for ``None`` (no process: a run
+    being resumed, or a job whose process was gone before it could be recorded)."""
+    if identity is None:
+        return dict.fromkeys(("pid", "pid_start_time", "pid_start_ticks", "pid_boot_id", "host"))
+    return {
+        "pid": identity.pid,
+        "pid_start_time": identity.start_time,
+        "pid_start_ticks": identity.start_ticks,
+        "pid_boot_id": identity.boot_id,
+        "host": identity.host,
+    }
 
 
 @dataclass(frozen=True)
@@ -102,6 +175,12 @@ class Status:
     state: RunState
     pid: int | None = None
     pid_start_time: float | None = None
+    """The job process's start, seconds since the epoch (derived: it moves with the boot time)."""
+    pid_start_ticks: int | None = None
+    """Its start in clock ticks since boot (``/proc/<pid>/stat`` field 22): what identifies it. None in
+    a status.json written before ticks were kept, or without ``/proc``."""
+    pid_boot_id: str | None = None
+    """The boot that ``pid_start_ticks`` counts from."""
     host: str | None = None
     started: float | None = None
     ended: float | None = None
@@ -117,9 +196,13 @@ class Status:
     @property
     def process(self) -> ProcessIdentity | None:
         """The recorded job process (None before it started, or when the record is incomplete)."""
-        if self.pid is None or self.pid_start_time is None or self.host is None:
+        if self.pid is None or self.host is None:
             return None
-        return ProcessIdentity(self.pid, self.pid_start_time, self.host)
+        if self.pid_start_time is None and self.pid_start_ticks is None:
+            return None
+        return ProcessIdentity(
+            self.pid, self.pid_start_time, self.host, self.pid_start_ticks, self.pid_boot_id
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -141,6 +224,8 @@ class Status:
         kinds = {
             "pid": int,
             "pid_start_time": float,
+            "pid_start_ticks": int,
+            "pid_boot_id": str,
             "host": str,
             "started": float,
             "ended": float,

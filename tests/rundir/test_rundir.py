@@ -3,6 +3,7 @@ stale pids, stray and rewritten files, symlinks, races for one directory."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -302,6 +303,101 @@ def test_a_stale_pid_makes_the_run_lost_and_stop_never_signals_it(tmp_path, stra
     assert r.stop(timeout=1) in (RunState.LOST, RunState.STOPPED)
     assert stranger.poll() is None, "the unrelated process survived"
     assert psutil.Process(stranger.pid).status() != psutil.STATUS_ZOMBIE
+
+
+@pytest.fixture
+def job_like():
+    """A process whose command line is a training job's (it names ``mlora_lab.job``) and that trains
+    nothing: a live job as far as the identity check can tell."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)", "mlora_lab.job"], start_new_session=True
+    )
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def boot_time_moves(monkeypatch):
+    """The kernel's boot time moves forward by 1 s (as it did under a live served job): every
+    wall-clock start derived from it (psutil's ``create_time()``) moves with it."""
+
+    def move(by: float = 1.0) -> None:
+        import psutil._pslinux as pslinux
+
+        moved = psutil.boot_time() + by
+        monkeypatch.setattr(pslinux, "boot_time", lambda: moved)
+        monkeypatch.setattr(psutil, "boot_time", lambda: moved)
+
+    return move
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="clock ticks since boot need /proc")
+def test_M1_a_moved_boot_time_leaves_a_live_job_running_and_stoppable(tmp_path, job_like, boot_time_moves):
+    """M1: the job's identity is its start in clock ticks since boot, which never moves: after the
+    boot time moved by a second, the live job is ``running`` (not ``lost``), and ``stop`` signals it."""
+    from mlora_lab.lab.run import Run
+    from mlora_lab.rundir.status import process_fields
+
+    run = RunDir(tmp_path / "run").create()
+    run.job.write_text("{}")
+    me = ProcessIdentity.of(job_like.pid)
+    update_status(run.root, state="running", **process_fields(me))
+    recorded = json.loads(run.status.read_text())
+    assert isinstance(recorded["pid_start_ticks"], int) and recorded["pid_boot_id"]
+    boot_time_moves(1.0)
+    assert abs(psutil.Process(job_like.pid).create_time() - me.start_time) >= 0.99, "the boot time moved"
+    assert read_status(run.root).process.alive() is True
+    r = Run(run.root)
+    assert r.status == RunState.RUNNING and r.reconcile() == RunState.RUNNING
+    r.kill()
+    assert job_like.wait(timeout=30) is not None, "the live job was signalled"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="clock ticks since boot need /proc")
+def test_M1_ticks_and_boot_tell_a_stranger_from_the_job(job_like):
+    """M1: another start (ticks) or another boot is another process, whatever the wall clock says."""
+    from mlora_lab.rundir.status import start_ticks
+
+    me = ProcessIdentity.of(job_like.pid)
+    assert me.start_ticks == start_ticks(job_like.pid) and me.alive() is True
+    assert dataclasses.replace(me, start_ticks=me.start_ticks + 1).alive() is False
+    assert dataclasses.replace(me, boot_id="another-boot").alive() is False
+
+
+def test_M1_a_crafted_command_name_does_not_shift_the_fields(tmp_path):
+    """M1: the command name (field 2) of ``/proc/<pid>/stat`` may hold ``) `` and digits; field 22 is
+    counted after the last ``)``."""
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("no /proc")
+    from mlora_lab.rundir.status import start_ticks
+
+    odd = tmp_path / "x) 1 2 3 (y"
+    odd.symlink_to(shutil.which("sleep"))
+    proc = subprocess.Popen([str(odd), "60"], start_new_session=True)
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        assert ") 1 2 3 (" in stat, "the command name holds the crafted text"
+        since_boot = psutil.Process(proc.pid).create_time() - psutil.boot_time()
+        assert start_ticks(proc.pid) / os.sysconf("SC_CLK_TCK") == pytest.approx(since_boot, abs=0.02)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_M1_a_status_without_ticks_still_reads_after_the_boot_time_moved(tmp_path, job_like, boot_time_moves):
+    """M1: a status.json written before ticks were kept (only the wall-clock start) is still read, and
+    its job is still found after a 1 s move of the boot time; 1000 s off is another process."""
+    run = RunDir(tmp_path / "run").create()
+    me = ProcessIdentity.of(job_like.pid)
+    run.status.write_text(
+        json.dumps({"state": "running", "pid": me.pid, "pid_start_time": me.start_time, "host": me.host})
+    )
+    old = read_status(run.root).process
+    assert old is not None and old.start_ticks is None
+    boot_time_moves(1.0)
+    assert old.alive() is True
+    assert ProcessIdentity(me.pid, me.start_time - 1000, me.host).alive() is False
 
 
 def test_corrupt_or_foreign_status_gives_a_clear_error(run):
