@@ -21,7 +21,8 @@ Fields added after the first release are optional (their default is ``None``), s
 before them stay readable: a reader sees ``None`` for what an older job did not record.
 
 Float fields may be ``null``: JSON has no NaN or infinity, and the writer puts ``null`` for them.
-The writer appends each row with one ``write`` on an ``O_APPEND`` descriptor, so a reader sees whole
+A tenant's name in a row (``tenant``; an eval_metric row's ``model``) is a safe name (:data:`TenantName`):
+readers make adapter paths of it, so a row naming ``../x`` is not a row. The writer appends each row with one ``write`` on an ``O_APPEND`` descriptor, so a reader sees whole
 lines, or a last line without its newline (left for the next poll). Readers never break: a line that
 is not JSON, or not one of these rows, is skipped with a warning naming the file and line; a file
 that was rewritten (resume drops the rows after its checkpoint) or replaced is noticed and re-read.
@@ -34,12 +35,12 @@ import time
 import warnings
 from enum import Enum
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 import orjson
 
-from mlora_lab.rundir.files import TextEnum, atomic_write_bytes, guarded_open
+from mlora_lab.rundir.files import SAFE_NAME, TextEnum, atomic_write_bytes, guarded_open
 from mlora_lab.text import error_line
 
 
@@ -79,6 +80,13 @@ class EventKind(TextEnum):
     WARNING = (
         "warning"  # a tenant trains, but on nothing (an RL tenant's flat rewards, all completions masked)
     )
+
+
+TENANT_NAME_PATTERN = rf"^(?!\.\.?$){SAFE_NAME.pattern}$"
+TenantName = Annotated[str, msgspec.Meta(pattern=TENANT_NAME_PATTERN)]
+"""A tenant's name as rows carry it: what :func:`~mlora_lab.rundir.files.name_problem` accepts (it names
+a directory, ``adapters/<name>/``). Checked as a line is decoded, so a row written by hand with another
+name is skipped and reported like any malformed row, and no reader meets it."""
 
 
 class Row(msgspec.Struct, tag_field="kind", gc=False):
@@ -133,7 +141,7 @@ class TrainRow(Row, tag="train"):
 
     kind: ClassVar[RowKind] = RowKind.TRAIN
     step: int
-    tenant: str
+    tenant: TenantName
     tenant_step: int
     loss: float | None
     tokens: int
@@ -167,7 +175,7 @@ class TrainRow(Row, tag="train"):
 class EvalRow(Row, tag="eval"):
     kind: ClassVar[RowKind] = RowKind.EVAL
     step: int
-    tenant: str
+    tenant: TenantName
     loss: float | None
     time: float = msgspec.field(default_factory=time.time)
 
@@ -202,7 +210,7 @@ class TenantRow(Row, tag="tenant"):
 
     kind: ClassVar[RowKind] = RowKind.TENANT
     step: int
-    tenant: str
+    tenant: TenantName
     state: TenantState
     adapter_bytes: int = 0
     optimizer_bytes: int = 0
@@ -221,7 +229,7 @@ class EventRow(Row, tag="event"):
     event: EventKind
     message: str = ""
     time: float = msgspec.field(default_factory=time.time)
-    tenant: str | None = None
+    tenant: TenantName | None = None
     """The tenant it is about (a ``warning``), if any."""
 
     def __post_init__(self) -> None:
@@ -234,7 +242,7 @@ class CompletionRow(Row, tag="completion"):
 
     kind: ClassVar[RowKind] = RowKind.COMPLETION
     step: int
-    tenant: str
+    tenant: TenantName
     tenant_step: int
     prompt: str
     """The prompt as the model saw it (a chat rendered through the template)."""
@@ -256,7 +264,8 @@ class EvalMetricRow(Row, tag="eval_metric"):
 
     kind: ClassVar[RowKind] = RowKind.EVAL_METRIC
     step: int
-    model: str
+    model: TenantName
+    """A tenant's name, or ``base``."""
     eval: str
     metric: str
     value: float | None
@@ -283,7 +292,7 @@ class UsageRow(Row, tag="usage"):
     step: int
     key: str
     """The name of the API key (``service/keys.json``) whose requests these are."""
-    tenant: str | None
+    tenant: TenantName | None
     tokens_trained: int
     """Input tokens of its ``forward_backward`` datums."""
     tokens_forward: int
@@ -312,6 +321,15 @@ _DECODER = msgspec.json.Decoder(AnyRow)
 
 def _problem(e: msgspec.ValidationError) -> str:
     """A validation error as one short line (a hostile value is quoted in it only cut short)."""
+    text = str(e)
+    if "matching regex" in text and (at := text.rpartition(" - at `$.")[2].rstrip("`")) in (
+        "tenant",
+        "model",
+    ):
+        return (
+            f"not a metrics row: its {at} is not a safe name (1 to 100 letters, digits, '.', '_' or '-'; "
+            "not '.' or '..')"
+        )
     return f"not a metrics row: {error_line(e, 160)}"
 
 

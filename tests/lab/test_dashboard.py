@@ -600,6 +600,76 @@ def test_export_writes_figures_and_the_shown_tenants_metrics(tmp_path):
     assert dash_of(run.root, other.root).exporter.folder.value == str(tmp_path / "exports")
 
 
+def append_unsafe_tenant_rows(run: RunDir) -> int:
+    """Rows written by hand whose tenant cannot name a directory; how many."""
+    bad = ["../../etc", "a/b", ".", "..", "x y", ""]
+    with open(run.metrics, "a") as f:
+        for t in bad:
+            f.write(
+                json.dumps({"kind": "train", "step": 11, "tenant": t, "tenant_step": 1, "loss": 1.0})[:-1]
+            )
+            f.write(', "tokens": 1, "lr": 0.001, "grad_norm": 1.0, "time": 1.8e9}\n')
+        f.write(json.dumps({"kind": "tenant", "step": 11, "tenant": "../x", "state": "running"}) + "\n")
+        f.write(json.dumps({"kind": "eval", "step": 11, "tenant": "a/../../b", "loss": 1.0}) + "\n")
+    return len(bad) + 2
+
+
+def with_an_adapter(run: RunDir, tenant: str) -> None:
+    (run.adapters / tenant).mkdir(parents=True)
+    (run.adapters / tenant / "adapter_config.json").write_text("{}")
+
+
+def test_DR5_a_row_naming_an_unsafe_tenant_is_skipped_by_the_runs_dashboard(tmp_path):
+    """DR5 / D3: one hand-written row whose tenant is ``../../etc`` (or ``.``, ``a/b``, ...) no longer makes
+    ``ml.Dashboard([run])`` raise: the row is skipped with a warning naming the file and line, and the
+    dashboard, its export tab, ``ml.summary`` and ``run.metrics()`` show the run's real tenants."""
+    from mlora_lab.lab.results import summary
+
+    run = make_run(tmp_path / "r", state="finished")
+    write(run, *steps(["a", "b"], 1, 10))
+    with_an_adapter(run, "a")
+    n = append_unsafe_tenant_rows(run)
+    with pytest.warns(RuntimeWarning, match=r"metrics.jsonl line \d+: skipped .*not a safe name") as caught:
+        dash = ml.Dashboard([Run(run.root)], interactive=False)
+        dash.refresh()
+    assert len([w for w in caught if "not a safe name" in str(w.message)]) == n
+    assert not dash.problem.value
+    assert dash.model.keys(dash.chosen) == [("r", "a"), ("r", "b")]
+    assert [v for _, v in dash.exporter.adapter.options] == [(run, "a")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert sorted(summary(Run(run.root))["tenant"]) == ["a", "b"]
+        assert set(Run(run.root).metrics()["tenant"]) == {"a", "b"}
+
+
+def test_D3d_a_row_naming_an_unsafe_tenant_does_not_break_the_folders_dashboard(tmp_path):
+    """D3d: the dashboard of a whole folder (its export tab asks for an adapter folder per tenant shown)
+    builds, lists every run and offers the saved adapters, with a run holding such rows among them."""
+    work = tmp_path / "runs"
+    good = make_run(work / "20260101-000000-aaaaaa", tenants=("a",), state="finished")
+    bad = make_run(work / "20260102-000000-bbbbbb", tenants=("a", "b"), state="finished")
+    write(good, *steps(["a"], 1, 5))
+    write(bad, *steps(["a", "b"], 1, 5))
+    with_an_adapter(bad, "b")
+    append_unsafe_tenant_rows(bad)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dash = Dashboard(work, interactive=False)
+        dash.refresh()
+        dash.table.rows[good.root.name].check.value = True
+        assert set(dash.chosen) == {good.root.name, bad.root.name}
+        runs = ml.runs(work)
+    assert any("not a safe name" in str(w.message) for w in caught)
+    assert not dash.problem.value and len(dash.table.rows) == 2
+    assert sorted(k for k in dash.model.keys(dash.chosen)) == [
+        (good.root.name, "a"),
+        (bad.root.name, "a"),
+        (bad.root.name, "b"),
+    ]
+    assert [v for _, v in dash.exporter.adapter.options] == [(bad, "b")]
+    assert len(runs) == 2
+
+
 # -- the model: what a view shows, without a widget ------------------------------------------------------
 
 MODEL_WITHOUT_WIDGETS = """

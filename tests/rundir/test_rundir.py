@@ -440,6 +440,53 @@ def test_reader_skips_corrupt_and_foreign_lines_naming_file_and_line(tmp_path):
     assert all(str(path) in m for m in messages) and reader.skipped == 4
 
 
+UNSAFE_TENANTS = ["../../etc", "a/b", "x y", "", ".", "..", "n" * 101, "caf\u00e9"]
+
+
+def unsafe_tenant_rows(step: int = 9) -> list[dict]:
+    """Rows written by hand whose tenant (or evaluated model) is not a safe name: one of each kind."""
+    rows = [
+        {"kind": "train", "step": step, "tenant": bad, "tenant_step": 1, "loss": 1.0, "tokens": 1}
+        | {"lr": None, "grad_norm": None, "time": 1.0}
+        for bad in UNSAFE_TENANTS
+    ]
+    rows += [
+        {"kind": "eval", "step": step, "tenant": "../x", "loss": 1.0, "time": 1.0},
+        {"kind": "tenant", "step": step, "tenant": "../x", "state": "running", "time": 1.0},
+        {"kind": "event", "step": step, "event": "warning", "tenant": "a/b", "time": 1.0},
+        {"kind": "completion", "step": step, "tenant": "..", "tenant_step": 1, "prompt": "p"}
+        | {"completion": "c", "reward": None, "time": 1.0},
+        {"kind": "eval_metric", "step": step, "model": "../base", "eval": "e", "metric": "m", "value": 1.0},
+        {"kind": "usage", "step": step, "key": "k", "tenant": "x/y", "tokens_trained": 1}
+        | {"tokens_forward": 0, "tokens_sampled": 0, "busy_s": 0.0, "requests": 1},
+    ]
+    return rows
+
+
+def test_D3_a_row_whose_tenant_is_not_a_safe_name_is_skipped_and_reported(tmp_path):
+    """D3: a row written by hand naming a tenant that cannot name a directory (``../../etc``, ``.``, ...)
+    is no row: every reader skips it with a warning naming file, line and field, as any malformed row."""
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    writer.write(EvalRow(step=1, tenant="a", loss=1.0))
+    bad = unsafe_tenant_rows()
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in bad)
+    writer.write(EvalRow(step=2, tenant="b.c_d-9", loss=0.5))
+    reader = MetricsReader(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = reader.poll()
+    assert [(r.step, r.tenant) for r in rows] == [(1, "a"), (2, "b.c_d-9")]
+    messages = [str(w.message) for w in caught]
+    assert reader.skipped == len(bad) == len(messages)
+    assert all("is not a safe name" in m and str(path) in m for m in messages), messages[:2]
+    assert "its model is not a safe name" in messages[-2] and "its tenant" in messages[-1]
+    for r in bad:
+        with pytest.raises(ValueError, match="not a safe name"):
+            Row.from_dict(r)
+
+
 def test_no_text_makes_a_row_or_a_file_unwritable(run):
     """A reason quoting hostile input may hold a lone surrogate (not valid UTF-8): it is escaped."""
     writer = MetricsWriter(run.metrics)
