@@ -78,6 +78,8 @@ of the package (``pip install 'mlora_lab[wandb]'``; ``mlora_lab[trackers]`` for 
 ``"none"`` are taken as transformers' ``TrainingArguments.report_to`` takes them."""
 REPORT_GROUPS = ("tenant", "job")
 """``JobSpec.report_group``: one tracker run per tenant (grouped under the job), or one run for the job."""
+SERVE_DISAGREES = "serve (the old name of stay_up) and stay_up disagree: give stay_up only"
+"""The constructor's and job.json's refusal of ``serve`` and ``stay_up`` given with different values."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,13 +377,18 @@ class JobSpec:
     """Evaluations run while the job trains (:class:`~mlora_lab.specparts.Eval`): generations of every
     tenant and the base, scored by metrics, logged as ``eval/<name>/<metric>`` rows."""
     serve: dataclasses.InitVar[bool | None] = None
-    """The old name of :attr:`stay_up`, still taken by the constructor (and read and set as an attribute)."""
+    """The old name of :attr:`stay_up`, still taken by the constructor (and read and set as an attribute).
+    Given with ``stay_up``, the two must agree."""
     # fmt: on
 
     def __post_init__(self, serve: bool | None) -> None:
         if isinstance(self.evals, list | tuple):
             self.evals = [Eval.from_dict(e) if isinstance(e, dict) else e for e in self.evals]
-        if serve is not None and self.stay_up is False:
+        if serve is not None:
+            # stay_up's default (False) cannot be told from stay_up=False: only a stay_up given otherwise
+            # can disagree, and is refused as job.json refuses it
+            if self.stay_up is not False and self.stay_up != serve:
+                raise SpecError([SERVE_DISAGREES])
             self.stay_up = serve
         if isinstance(self.service, dict):
             self.service = Service.from_dict(self.service)
@@ -443,7 +450,7 @@ class JobSpec:
             d = dict(d)
             value = d.pop("serve")
             if "stay_up" in d and d["stay_up"] != value:
-                raise SpecError(["serve (the old name of stay_up) and stay_up disagree: give stay_up only"])
+                raise SpecError([SERVE_DISAGREES])
             d["stay_up"] = value
         kwargs, problems = kwargs_for(cls, d, "job", nested=("tenants", "parallel", "service", "evals"))
         evals = kwargs.get("evals")

@@ -1461,3 +1461,15 @@ def test_stay_up_is_still_read_under_its_old_name_serve(tmp_path):
     with pytest.raises(SpecError, match=r"serve .the old name of stay_up. and stay_up disagree"):
         JobSpec.from_dict({**old, "stay_up": False})
     assert JobSpec.from_dict({**old, "stay_up": True}).stay_up is True
+
+
+def test_JJ1e_the_constructor_refuses_serve_and_stay_up_that_disagree(tmp_path):
+    """JJ1e: ``JobSpec(serve=False, stay_up=True)`` is refused as job.json refuses the same disagreement
+    (a ``stay_up`` left at its default takes ``serve``'s value; both given alike are one setting)."""
+    with pytest.raises(SpecError, match=r"serve .the old name of stay_up. and stay_up disagree"):
+        JobSpec(base_model=str(tmp_path), tenants=[], serve=False, stay_up=True)
+    with pytest.raises(SpecError, match=r"serve .the old name of stay_up. and stay_up disagree"):
+        JobSpec.from_dict({"base_model": str(tmp_path), "tenants": [], "serve": False, "stay_up": True})
+    assert JobSpec(base_model=str(tmp_path), tenants=[], serve=True, stay_up=True).stay_up is True
+    assert JobSpec(base_model=str(tmp_path), tenants=[], serve=False).stay_up is False
+    assert JobSpec(base_model=str(tmp_path), tenants=[], serve=True).stay_up is True
