@@ -1,15 +1,17 @@
 """The reward worker process (see :mod:`mlora_lab.rl.rewards`); never imported by the job itself.
 
-    python -m mlora_lab.rl.reward_worker --inspect REF...   one JSON line: each function's signature
-                                                          (or why it cannot be used), then exit
-    python -m mlora_lab.rl.reward_worker --serve REF...     import the functions, say {"ok": true} (or
-                                                          {"error": ...}), then answer one JSON line per
-                                                          request line on stdin until stdin closes
+    python -m mlora_lab.rl.reward_worker --key-fd=N --inspect REF...   one answer: each function's signature
+                                                                     (or why it cannot be used), then exit
+    python -m mlora_lab.rl.reward_worker --key-fd=N --serve REF...     import the functions, say {"ok": true}
+                                                                     (or {"error": ...}), then answer one
+                                                                     request line on stdin at a time until
+                                                                     stdin closes
 
-Requests are JSON lines on stdin. Answers are frames on the process's original stdout, each line
-``<nonce> <JSON>``: the nonce is the parent's (``MLORA_REWARD_NONCE``, taken out of the environment before any
-reward is imported), so a line a reward function writes there by accident is never taken for an answer.
-What the functions print goes to stderr (stdout itself is redirected there). Before it imports or calls a
+Requests are JSON lines on stdin. Answers are frames on the process's original stdout, each line sealed with
+the parent's key (:func:`~mlora_lab.rl.rewards.seal`): the key comes on the descriptor ``--key-fd=N`` names,
+read to its end and closed before any reward is imported, so no line a reward function writes there (by
+accident, or copied off the channel) is taken for an answer. What the functions print goes to stderr
+(stdout itself is redirected there). Before it imports or calls a
 function the worker says which (``{"importing": ref}``, ``{"calling": ref}``), so whatever happens next (a
 hang, a crash, ``os._exit``) is reported with the function's name and file.
 
@@ -27,6 +29,7 @@ import ctypes
 import importlib
 import importlib.util
 import inspect
+import itertools
 import math
 import numbers
 import os
@@ -40,7 +43,7 @@ from typing import Any
 import orjson
 import psutil
 
-from mlora_lab.rl.rewards import NONCE_ENV, RewardRef, kill_tree, parse_reward, shown_reward
+from mlora_lab.rl.rewards import KEY_FD, RewardRef, kill_tree, parse_reward, seal, shown_reward
 from mlora_lab.sources import PICKLED_REWARD
 from mlora_lab.text import brief, error_line
 
@@ -284,24 +287,39 @@ def become_subreaper() -> None:
         libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
-def answer_channel() -> Any:
-    """This process's stdout as the answer channel (frames ``<nonce> <JSON>``, see the module docstring),
+def take_key(argv: list[str]) -> tuple[bytes, list[str]]:
+    """The frames' key from the descriptor ``argv[0]`` names (``--key-fd=N``), read to its end and closed, and
+    the other arguments. Called first: no reward is imported yet, and afterwards no descriptor holds the key."""
+    if not argv or not argv[0].startswith(KEY_FD + "="):
+        return b"", argv
+    fd = int(argv[0].partition("=")[2])
+    key = b""
+    try:
+        while chunk := os.read(fd, 4096):
+            key += chunk
+    finally:
+        os.close(fd)
+    return key, argv[1:]
+
+
+def answer_channel(key: bytes) -> Any:
+    """This process's stdout as the answer channel (frames sealed with ``key``, see the module docstring),
     and everything else printed (by the reward functions, or their modules when imported) sent to stderr."""
-    nonce = os.environ.pop(NONCE_ENV, "").encode()
     answers = os.dup(1)  # (not inheritable: a process a function starts does not get it)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    counter = itertools.count(1)
 
     def say(message: Any) -> None:
-        data = nonce + b" " + orjson.dumps(message, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        data = seal(key, next(counter), orjson.dumps(message, option=orjson.OPT_SERIALIZE_NUMPY))
         while data:
             data = data[os.write(answers, data) :]
 
     return say
 
 
-def serve(refs: list[str]) -> None:
-    say = answer_channel()
+def serve(refs: list[str], key: bytes) -> None:
+    say = answer_channel(key)
     threading.Thread(target=_watch_parent, daemon=True).start()
     try:
         functions = Functions(refs, say)
@@ -322,13 +340,14 @@ def serve(refs: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    key, argv = take_key(argv)
     become_subreaper()
     if len(argv) >= 1 and argv[0] == "--inspect":
-        say = answer_channel()
+        say = answer_channel(key)
         say(inspect_all(argv[1:], say))
         return 0
     if len(argv) >= 1 and argv[0] == "--serve":
-        serve(argv[1:])
+        serve(argv[1:], key)
         return 0
     print(__doc__, file=sys.stderr)
     return 2

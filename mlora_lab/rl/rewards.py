@@ -36,15 +36,22 @@ and a new one is started for the next call), crashes the interpreter, prints to 
 answer channel, closes its descriptors, detaches processes (``setsid()``), or returns the wrong count, a
 non-number or no reward at all, fails **only that tenant's call**, with the reason and the function's name
 and file (:class:`RewardError`); the job goes on. The parent keeps ``timeout_s`` by its own clock, whatever
-the worker does to its pipes; an answer is a frame only the worker can make (a nonce the worker takes out of
-its environment before it imports a function), so anything else on the channel is a malformed answer, a
-fault of that tenant. The worker ends, and kills what its functions started, when its pipe closes or its
-parent dies.
+the worker does to its pipes. An answer is a frame sealed with a key only the worker holds (:func:`seal`: an
+HMAC of a counter and the answer): the key comes on a pipe the worker inherits, reads and closes before it
+imports a function, so it is in no environment (``/proc/self/environ`` keeps the one a process started with),
+command line or descriptor a reward can read, and a frame read off the channel (``/proc/self/fd``) gives
+nothing to forge another with. Anything else on the channel is a malformed answer, a fault of that tenant.
+A reward runs in the worker's interpreter, so one that digs the key out of its memory can still seal an
+answer: every answer's shape is checked (:func:`checked_answer`), and what it forges fails or misleads only
+its own tenant. The worker ends, and kills what its functions started, when its pipe closes or its parent
+dies.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import math
 import os
 import secrets
@@ -60,7 +67,7 @@ from typing import Any
 import orjson
 import psutil
 
-from mlora_lab.text import brief, error_line
+from mlora_lab.text import brief, error_line, is_finite
 
 STANDARD_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 """What every call may pass besides the data's columns (TRL 1.16 passes all of these)."""
@@ -69,10 +76,97 @@ REQUIRED_ARGS = ("prompts", "completions")
 WORKER_MODULE = "mlora_lab.rl.reward_worker"
 START_TIMEOUT_S = 60.0
 """How long importing a tenant's reward functions in a new worker may take."""
-NONCE_ENV = "MLORA_REWARD_NONCE"
-"""The environment variable a worker reads its answer frames' nonce from (and removes at once)."""
+KEY_FD = "--key-fd"
+"""The worker's first argument, ``--key-fd=N``: the descriptor it reads its frames' key from (then closes)."""
 EXIT_GRACE_S = 2.0
 """How long a worker that closed its answer channel may take to exit before it is killed."""
+
+
+def seal(key: bytes, counter: int, body: bytes) -> bytes:
+    """One answer frame of a worker: ``<counter> <HMAC-SHA256(key, counter, body) in hex> <body>\\n``. The
+    counter grows with every frame, so a frame copied off the channel cannot be sent again either."""
+    mac = hmac.new(key, counter.to_bytes(8, "little") + body, hashlib.sha256).hexdigest()
+    return b"%d %s %s\n" % (counter, mac.encode(), body)
+
+
+class Frames:
+    """The parent's side of a worker's frames (:func:`seal`): :meth:`open` gives a line's message, or
+    ``ValueError`` when the line is not a frame of this worker (another key, a counter not past the last
+    one's, not JSON)."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key, self._last = key, 0
+
+    def open(self, line: bytes) -> Any:
+        head, _, rest = line.partition(b" ")
+        mac, _, body = rest.partition(b" ")
+        if not head.isdigit() or len(head) > 19:
+            raise ValueError("no frame")
+        counter = int(head)
+        want = hmac.new(self._key, counter.to_bytes(8, "little") + body, hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(mac, want.encode()):
+            raise ValueError("not sealed with this worker's key")
+        if counter <= self._last:
+            raise ValueError("a frame sent again")
+        self._last = counter
+        return orjson.loads(body)  # (a JSONDecodeError is a ValueError)
+
+
+def spawn(args: list[str], cwd: str | os.PathLike | None, **popen: Any) -> tuple[subprocess.Popen, Frames]:
+    """Start a worker (``python -m mlora_lab.rl.reward_worker ARGS``) in its own session, its frames' key on
+    a pipe it inherits (``--key-fd``): the key is never in its environment nor on its command line."""
+    key = secrets.token_hex(32).encode()
+    r, w = os.pipe()
+    try:
+        os.write(w, key)  # (64 bytes: a pipe holds them; the worker reads to the end, this side closed)
+    finally:
+        os.close(w)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", WORKER_MODULE, f"{KEY_FD}={r}", *args],
+            cwd=cwd,
+            pass_fds=(r,),
+            start_new_session=True,  # its own process group: a timeout kills what the function started too
+            **popen,
+        )
+    finally:
+        os.close(r)
+    return proc, Frames(key)
+
+
+def checked_answer(
+    answer: dict[str, Any], n: int, f: int
+) -> tuple[list[list[float]], dict[str, float], dict[str, list[Any]]]:
+    """A worker's answer to ``n`` completions scored by ``f`` functions, as ``(rewards [n][f] (NaN: none),
+    metrics, extra columns)``, every part's shape checked: ``ValueError`` saying what is wrong. The worker
+    makes answers of this shape; one that is not is forged (or a bug), and must fail its own tenant's call,
+    never reach the job as a ragged table."""
+    rewards = answer.get("rewards")
+    if not isinstance(rewards, list):
+        raise ValueError(f"its rewards are not a list ({brief(rewards)})")
+    if len(rewards) != n:
+        raise ValueError(f"it answered {len(rewards)} rows of rewards for {n} completions")
+    table = []
+    for i, row in enumerate(rewards):
+        if not isinstance(row, list):
+            raise ValueError(f"row {i} is not a list ({brief(row)})")
+        if len(row) != f:
+            raise ValueError(f"row {i} has {len(row)} rewards for {f} reward function(s)")
+        bad = next((v for v in row if v is not None and not is_finite(v)), None)
+        if bad is not None:
+            raise ValueError(f"row {i} holds {brief(bad)}, not a number or null")
+        table.append([math.nan if v is None else float(v) for v in row])
+    metrics, extra = answer.get("metrics", {}), answer.get("extra", {})
+    if not isinstance(metrics, dict) or not isinstance(extra, dict):
+        raise ValueError("its metrics or extra columns are not objects")
+    for k, v in metrics.items():
+        if not is_finite(v):
+            raise ValueError(f"metric {brief(k)} is {brief(v)}, not a finite number")
+    for k, v in extra.items():
+        scalars = isinstance(v, list) and all(isinstance(x, str | int | float | type(None)) for x in v)
+        if not scalars or len(v) != n:
+            raise ValueError(f"extra column {brief(k)} is not {n} texts or numbers ({brief(v)})")
+    return table, {str(k): float(v) for k, v in metrics.items()}, {str(k): list(v) for k, v in extra.items()}
 
 
 def kill_tree(pid: int, include_root: bool = True) -> None:
@@ -205,39 +299,28 @@ def _alive(p: psutil.Process) -> bool:
 def _run_worker(args: list[str], cwd: str | os.PathLike | None, timeout_s: float) -> Any:
     """Run a worker once (``--inspect``); its last answer frame. A failure names the function it was
     importing."""
-    nonce = secrets.token_hex(16)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", WORKER_MODULE, *args],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env={**os.environ, NONCE_ENV: nonce},
-        start_new_session=True,
-    )
+    proc, frames = spawn(args, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         out, err = proc.communicate()
-        doing = _doing(_frames(out, nonce.encode())[1])
+        doing = _doing(_frames(out, frames)[1])
         raise RewardError(f"importing the reward functions took more than {timeout_s:g} s{doing}") from None
-    answers, current = _frames(out, nonce.encode())
+    answers, current = _frames(out, frames)
     if proc.returncode != 0 or not answers:
         tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
         raise RewardError(f"the reward worker failed{_doing(current)}: {error_line(RuntimeError(tail[0]))}")
     return answers[-1]
 
 
-def _frames(data: bytes, nonce: bytes) -> tuple[list[Any], str | None]:
+def _frames(data: bytes, frames: Frames) -> tuple[list[Any], str | None]:
     """The answers among ``data``'s frames, and the last function a progress frame named."""
     answers, current = [], None
     for line in data.splitlines():
-        head, _, body = line.partition(b" ")
-        if head != nonce:
-            continue
         try:
-            message = orjson.loads(body)
-        except orjson.JSONDecodeError:
+            message = frames.open(line)
+        except ValueError:
             continue
         if isinstance(message, dict) and ("importing" in message or "calling" in message):
             current = str(message.get("importing") or message.get("calling"))
@@ -294,7 +377,7 @@ class RewardWorker:
         self.timeout_s = timeout_s
         self.cwd = cwd
         self._proc: subprocess.Popen | None = None
-        self._nonce = b""
+        self._frames = Frames(b"")
         self._buffer = b""
         self._sent_at: float | None = None
         self._sent_n = 0
@@ -307,17 +390,11 @@ class RewardWorker:
 
     # -- the process ---------------------------------------------------------------------------
     def _start(self) -> subprocess.Popen:
-        nonce = secrets.token_hex(16)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", WORKER_MODULE, "--serve", *self.rewards],
-            cwd=self.cwd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env={**os.environ, NONCE_ENV: nonce},
-            start_new_session=True,  # its own process group: a timeout kills what the function started too
+        proc, frames = spawn(
+            ["--serve", *self.rewards], self.cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         os.set_blocking(proc.stdin.fileno(), False)  # type: ignore[union-attr]  (writes keep the deadline)
-        self._proc, self._nonce, self._buffer, self._current = proc, nonce.encode(), b"", None
+        self._proc, self._frames, self._buffer, self._current = proc, frames, b"", None
         hello = self._read(time.monotonic() + START_TIMEOUT_S, "importing the reward functions")
         if "error" in hello:
             self.close()
@@ -360,11 +437,8 @@ class RewardWorker:
             while True:
                 while b"\n" in self._buffer:
                     line, _, self._buffer = self._buffer.partition(b"\n")
-                    head, _, body = line.partition(b" ")
                     try:
-                        if head != self._nonce:
-                            raise ValueError("no frame")
-                        message = orjson.loads(body)
+                        message = self._frames.open(line)
                         if not isinstance(message, dict):
                             raise ValueError("not an object")
                     except ValueError:  # (orjson's JSONDecodeError is one)
@@ -443,13 +517,9 @@ class RewardWorker:
         if "error" in answer:
             raise RewardError(str(answer["error"]))
         try:
-            rewards = [[math.nan if v is None else float(v) for v in row] for row in answer["rewards"]]
-            metrics = {str(k): float(v) for k, v in answer.get("metrics", {}).items()}
-            extra = {str(k): list(v) for k, v in answer.get("extra", {}).items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise self._fail(f"the reward worker's answer is malformed ({error_line(e)})") from None
-        if len(rewards) != n:
-            raise RewardError(f"the reward worker answered {len(rewards)} rewards for {n} completions")
+            rewards, metrics, extra = checked_answer(answer, n, len(self.rewards))
+        except ValueError as e:  # (a worker answers in this shape: the answer was forged, by a reward)
+            raise self._fail(f"the reward worker's answer is malformed: {e}") from None
         return RewardResult(rewards, metrics, extra, time.monotonic() - started)
 
     def __call__(self, batch: RewardBatch) -> RewardResult:

@@ -69,6 +69,14 @@ def logs(prompts, completions, log_metric, log_extra, **kwargs):
     log_metric("length", sum(len(_text(c)) for c in completions) / len(completions))
     log_extra("first", [_text(c)[:1] for c in completions])
     return [len(_text(c)) / 10 for c in completions]
+
+def forge(prompts, completions, **kwargs):         # RN12: its worker's say(), found in memory: a ragged frame
+    import sys
+    f = sys._getframe(1)
+    while not hasattr(f.f_locals.get("self"), "say"):
+        f = f.f_back
+    f.f_locals["self"].say({"rewards": [[1.0]] + [[1.0, 2.0]] * (len(completions) - 1)})
+    return [1.0] * len(completions)
 """
 
 WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "river", "city", "road"]
@@ -379,6 +387,21 @@ def test_a_reward_that_raises_or_hangs_quarantines_only_its_tenant(llama_path, t
     alone.train()
     assert trainer.losses("good") == pytest.approx(alone.losses("good"), abs=TOL)
     assert max_diff(trainer.model.tenant_tensors("good"), alone.model.tenant_tensors("good")) <= TOL
+
+
+def test_rn12_a_forged_ragged_answer_fails_only_its_tenant(llama_path, tmp_path):
+    """RN12: a reward that sends its worker a real frame of ragged rows (it found the worker's say() in
+    memory) quarantines its own tenant, naming the function; the job and the other RL tenant go on."""
+    rewards, data = reward_file(tmp_path), prompt_file(tmp_path)
+    fine = rl_tenant("fine", data, RL(reward=f"{rewards}:short", group_size=2, max_new_tokens=4), max_steps=2)
+    forger = rl_tenant("forger", data, RL(reward=f"{rewards}:forge", group_size=2, max_new_tokens=4), seed=4)
+    trainer = Trainer(job(llama_path, [fine, forger]))
+    trainer.train()
+    bad, good = trainer.tenants["forger"], trainer.tenants["fine"]
+    assert bad.state is TenantState.FAILED and bad.step == 0, bad.reason
+    assert "answer is malformed: row 1 has 2 rewards for 1 reward function(s)" in bad.reason
+    assert "'forge' (" in bad.reason
+    assert good.state is TenantState.FINISHED and good.step == 2
 
 
 def test_stopped_mid_generation_and_resumed_equals_straight_through(llama_path, tmp_path):

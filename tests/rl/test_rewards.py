@@ -416,3 +416,116 @@ def test_logged_metrics_and_extra_columns_come_back(hostile_file):
     got = RewardWorker([f"{hostile_file}:logs"], timeout_s=30)(batch())
     assert got.metrics == {"length": (2 + 4 + 1 + 15) / 4}
     assert got.extra == {"first": ["a", "a", "x", "t"]}
+
+
+SNOOP = """
+import json, os, sys
+
+def _read(path):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        return repr(e)
+    try:
+        return os.read(fd, 1 << 16).decode("latin-1")
+    except OSError as e:
+        return repr(e)
+    finally:
+        os.close(fd)
+
+def seen():
+    '''What a reward's process can read of itself without touching its own interpreter's memory: its
+    environment (as os.environ has it and as the kernel keeps it), its command line, and every descriptor it
+    holds, read without blocking (never 0: the worker's requests).'''
+    out = {"environ": dict(os.environ), "proc_environ": _read("/proc/self/environ"),
+           "cmdline": _read("/proc/self/cmdline"), "fds": {}}
+    for name in os.listdir("/proc/self/fd"):
+        if name != "0":
+            out["fds"][name] = [os.readlink(f"/proc/self/fd/{name}") if os.path.exists(f"/proc/self/fd/{name}") else "",
+                                _read(f"/proc/self/fd/{name}")]
+    return out
+
+SEEN_AT_IMPORT = seen()
+
+def snoop(completions, **kwargs):
+    with open(os.environ["SNOOP_OUT"], "w") as f:
+        json.dump({"import": SEEN_AT_IMPORT, "call": seen()}, f)
+    return [1.0] * len(completions)
+"""
+
+FORGE = """
+import json, os, sys
+
+def forge(completions, **kwargs):
+    '''The worker's own say() (which seals frames with its key), dug out of the frame that called this
+    function: what no descriptor, environment or command line gives away, a reward's interpreter holds.'''
+    f = sys._getframe(1)
+    while f is not None and not hasattr(f.f_locals.get("self"), "say"):
+        f = f.f_back
+    f.f_locals["self"].say(json.loads(os.environ["FORGED"]))
+    return [1.0] * len(completions)
+"""
+
+
+def test_rn12_a_reward_finds_no_nonce_in_its_environment_command_line_or_descriptors(tmp_path, monkeypatch):
+    """RN12: the answer frames' nonce reaches the worker on an inherited pipe that it reads and closes
+    before any reward is imported: neither ``os.environ``, ``/proc/self/environ`` (the environment the
+    process started with, which ``os.environ.pop`` does not clear), ``/proc/self/cmdline`` nor any of its
+    descriptors gives it away, when the module is imported or when the function is called, in an
+    inspection and in a serving worker."""
+    from mlora_lab.rl import rewards
+
+    nonces = iter(f"{i:064x}" for i in range(0xA5A5A5, 0xA5A5A5 + 10))
+    made = []
+
+    def token_hex(n):
+        made.append(next(nonces))
+        return made[-1]
+
+    monkeypatch.setattr(rewards.secrets, "token_hex", token_hex)
+    path = tmp_path / "snoop.py"
+    path.write_text(textwrap.dedent(SNOOP))
+    out = tmp_path / "seen.json"
+    monkeypatch.setenv("SNOOP_OUT", str(out))
+    [sig] = inspect_rewards([f"{path}:snoop"])
+    assert isinstance(sig, RewardSignature), sig
+    worker = RewardWorker([f"{path}:snoop"], timeout_s=30)
+    try:
+        assert worker(batch()).rewards == [[1.0]] * 4
+        seen = out.read_text()
+        assert len(made) == 2  # (an inspection's key, then the serving worker's)
+        for nonce in made:
+            assert nonce not in seen
+        assert '"proc_environ": "' in seen and "SNOOP_OUT" in seen  # (it did read its environment)
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize(
+    ("forged", "message"),
+    [
+        ('{"rewards": [[1.0], [1.0, 2.0], [1.0], [1.0]]}', r"row 1 has 2 rewards for 1 reward function"),
+        ('{"rewards": [[1.0, 2.0], [1.0, 2.0], [1.0, 2.0], [1.0, 2.0]]}', r"row 0 has 2 rewards for 1"),
+        ('{"rewards": [[1.0], [1.0], [1.0]]}', r"it answered 3 rows of rewards for 4 completions"),
+        ('{"rewards": [1.0, 1.0, 1.0, 1.0]}', r"row 0 is not a list"),
+        ('{"rewards": [[true], [1.0], [1.0], [1.0]]}', r"row 0 holds True, not a number or null"),
+        ('{"rewards": [[1.0], [1.0], [1.0], [1.0]], "extra": {"x": [{"a": 1}]}}', r"extra column 'x'"),
+        ('{"rewards": [[1.0], [1.0], [1.0], [1.0]], "metrics": {"m": "high"}}', r"metric 'm'"),
+        ('{"rewards": {"a": 1}}', r"rewards are not a list"),
+    ],
+)
+def test_rn12_a_forged_frame_of_the_wrong_shape_fails_only_its_call(tmp_path, monkeypatch, forged, message):
+    """RN12: a reward that digs its worker's sealing out of memory can send a real frame; every answer's
+    shape is checked (a row per completion, a reward per function in each, numbers or null; metrics numbers;
+    extra columns of texts or numbers, one per completion), so a forged one fails only this call, naming
+    itself, and a new worker serves the next."""
+    path = tmp_path / "forge.py"
+    path.write_text(textwrap.dedent(FORGE))
+    monkeypatch.setenv("FORGED", forged)
+    worker = RewardWorker([f"{path}:forge"], timeout_s=30)
+    with pytest.raises(RewardError, match=f"answer is malformed: .*{message}"):
+        worker(batch())
+    worker.close()
+    good = tmp_path / "good.py"
+    good.write_text("def ok(completions, **kw):\n    return [1.0] * len(completions)\n")
+    assert RewardWorker([f"{good}:ok"], timeout_s=30)(batch()).rewards == [[1.0]] * 4
