@@ -13,6 +13,7 @@ short and every reader here answers rather than raises::
     path_problem("a\\0b")               # "contains a NUL byte, which no file name can hold"
     value, why = parse_json(text)      # why: "Expecting value at line 1 column 1", "nested too deeply"
     value, why = read_json(path, "a job file")   # why: "not found", "is a directory, not a job file"
+    spreadsheet_safe("=HYPERLINK(...)")  # "'=HYPERLINK(...)": a CSV cell no spreadsheet runs
 
 This module imports nothing of mlora_lab and no third-party package: the notebook side, the validator
 and the training processes all use it cheaply.
@@ -254,3 +255,24 @@ def collection_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+# ---------------------------------------------------------------------------------------------
+# Spreadsheets
+# ---------------------------------------------------------------------------------------------
+
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+"""What a spreadsheet may read as the start of a formula in a CSV cell (OWASP's CSV-injection list)."""
+
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+
+
+def spreadsheet_safe(value: Any) -> Any:
+    """A CSV cell as a spreadsheet should get it: a text that begins with one of :data:`FORMULA_STARTS`
+    (``=HYPERLINK(...)``, ``-2+3``, ``@SUM(...)``: a completion or a data column a spreadsheet would run)
+    with a leading ``'``, as OWASP's CSV-injection advice has it, so it is shown as the text it is. A text
+    that is a plain number (``-2.5``: the spreadsheet reads that number, nothing runs) and anything not a
+    string (a number stays a number) are kept."""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS) and not _PLAIN_NUMBER.fullmatch(value):
+        return "'" + value
+    return value

@@ -26,8 +26,11 @@ from __future__ import annotations
 import math
 import os
 import re
+import string
 from collections.abc import Sequence
 from typing import Any
+
+from mlora_lab.text import brief, error_line, parse_json, show_path
 
 REFERENCE_COLUMNS = ("answer", "reference", "solution", "target", "completion")
 """The columns a built-in metric takes the reference from, the first a row has."""
@@ -159,6 +162,71 @@ DEFAULT_RUBRIC = (
 )
 """:class:`Judge`'s default instruction; ``{prompt}``, ``{completion}`` and ``{reference}`` are filled in."""
 
+RUBRIC_FIELDS = ("prompt", "completion", "reference")
+"""The fields a rubric may name."""
+
+MAX_ANSWER_BYTES = 4 * 2**20
+"""The most of a judge server's answer read: a chat completion of a few tokens is a few hundred bytes."""
+
+
+class JudgeError(RuntimeError):
+    """A judge's request failed: one line naming the judge, its model and what its server answered (its
+    status and reason, or the answer that is not a chat completion), or why it could not be asked."""
+
+
+def rubric_problems(rubric: Any) -> list[str]:
+    """Why ``rubric`` is no :class:`Judge` rubric: not a ``str.format`` template (a lone brace), a field
+    other than :data:`RUBRIC_FIELDS` (``{answer}``, ``{0}``, ``{prompt.x}``), a field a text cannot fill
+    (``{prompt:d}``); empty when it is one."""
+    if not isinstance(rubric, str):
+        return [f"the rubric must be a str.format template, not {brief(rubric)}"]
+    try:
+        fields = [(f, c, s) for _, f, s, c in string.Formatter().parse(rubric) if f is not None]
+    except ValueError as e:
+        return [
+            f"the rubric is not a str.format template ({error_line(e)}); a brace meant as text is written "
+            "twice ('{' as '{{', '}' as '}}')"
+        ]
+    unknown, unfilled = [], []
+    for field, conversion, spec in fields:
+        shown = "{" + field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+        if field not in RUBRIC_FIELDS:
+            unknown.append(shown)
+            continue
+        try:
+            shown.format(**{field: "text"})
+        except Exception as e:  # (a format spec or conversion a text cannot take)
+            unfilled.append(f"{shown} ({error_line(e)})")
+    problems = []
+    if unknown:
+        problems.append(
+            f"the rubric names {', '.join(dict.fromkeys(unknown))}; it may name only "
+            "{prompt}, {completion} and {reference} (a brace meant as text is written twice)"
+        )
+    if unfilled:
+        problems.append(f"a text cannot fill {', '.join(unfilled)}")
+    return problems
+
+
+def _said(raw: bytes) -> str:
+    """What a server answered, as a message shows it: its text (bytes that are not UTF-8 shown as U+FFFD) as
+    a short repr on one line; "nothing" for an empty body."""
+    if not raw:
+        return "nothing (an empty body)"
+    return brief(raw.decode("utf-8", "replace"), 200)
+
+
+def _refusal(raw: bytes) -> str:
+    """The reason in an error answer: OpenAI's ``{"error": {"message"}}`` (or ``{"error": text}``,
+    ``{"detail": text}``), else the answer itself."""
+    value, _ = parse_json(raw.decode("utf-8", "replace")) if raw else (None, None)
+    if isinstance(value, dict):
+        error = value.get("error", value.get("detail"))
+        reason = error.get("message") if isinstance(error, dict) else error
+        if isinstance(reason, str) and reason:
+            return brief(reason, 300)
+    return _said(raw)
+
 
 class Judge:
     """An LLM as judge: a metric (or a reward) that asks a model, through an OpenAI-compatible chat endpoint (a
@@ -166,6 +234,10 @@ class Judge:
     by ``scale`` (``None`` when it answers none). ``rubric`` is a ``str.format`` template of ``{prompt}``,
     ``{completion}`` and ``{reference}`` (the row's reference column, empty without one). Greedy (temperature
     0), so the same completion gets the same score. :meth:`of` aims it at a served run's own endpoint.
+
+    A rubric naming any other field is refused here, in the notebook (``ValueError``); a request that fails
+    (the server unreachable, its refusal, an answer that is not a chat completion) raises :class:`JudgeError`,
+    one line naming the judge, its model and what the server answered.
 
     It is a plain object (picklable: it reaches the metrics' worker process as a notebook's function does),
     and it uses only the standard library's HTTP client."""
@@ -185,7 +257,12 @@ class Judge:
         self.base_url = base_url.rstrip("/") if base_url else None
         self.scale, self.max_tokens, self.timeout_s = scale, max_tokens, timeout_s
         self.__name__ = name
-        rubric.format(prompt="", completion="", reference="")  # (a bad template fails here, in the notebook)
+        problems = rubric_problems(rubric)  # (a bad template fails here, in the notebook)
+        if problems:
+            raise ValueError(f"{self._who()}: {'; '.join(problems)}")
+
+    def _who(self) -> str:
+        return f"judge {brief(self.__name__)} (model {brief(self.model)})"
 
     @classmethod
     def of(cls, served: Any, **kwargs: Any) -> Judge:
@@ -206,8 +283,11 @@ class Judge:
         return url.rstrip("/"), key
 
     def ask(self, text: str) -> str:
-        """The judge model's greedy answer to ``text`` (one user message)."""
+        """The judge model's greedy answer to ``text`` (one user message); :class:`JudgeError` when the
+        request fails or the answer is not a chat completion."""
+        import http.client
         import json
+        import urllib.error
         import urllib.request
 
         body = {"model": self.model, "messages": [{"role": "user", "content": text}], "temperature": 0,
@@ -218,8 +298,34 @@ class Judge:
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
         )
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
-            return json.loads(answer.read())["choices"][0]["message"]["content"] or ""
+        where = f"{self._who()}: {show_path(url)}"
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+                raw = answer.read(MAX_ANSWER_BYTES + 1)
+        except urllib.error.HTTPError as e:  # (before URLError: it is one)
+            raise JudgeError(f"{where} answered HTTP {e.code}: {_refusal(_body(e))}") from None
+        except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            reason = e.reason if isinstance(e, urllib.error.URLError) else e
+            if isinstance(reason, TimeoutError):
+                raise JudgeError(f"{where} did not answer within {self.timeout_s:g} s") from None
+            why = error_line(reason) if isinstance(reason, BaseException) else brief(reason)
+            raise JudgeError(f"{self._who()}: cannot reach {show_path(url)} ({why})") from None
+        if len(raw) > MAX_ANSWER_BYTES:
+            raise JudgeError(f"{where} answered more than {MAX_ANSWER_BYTES // 2**20} MiB: {_said(raw)}")
+        if not raw:
+            raise JudgeError(f"{where} answered nothing (an empty body)")
+        try:
+            value, why = parse_json(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            value, why = None, f"bytes that are not UTF-8 text at position {e.start}"
+        if why is not None:
+            raise JudgeError(f"{where} answered what is not JSON ({why}): {_said(raw)}")
+        content = _content(value)
+        if content is Ellipsis:
+            raise JudgeError(
+                f"{where} answered no chat completion (no text at choices[0].message.content): {_said(raw)}"
+            )
+        return content or ""
 
     def __call__(
         self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any
@@ -237,3 +343,21 @@ class Judge:
 
     def __repr__(self) -> str:
         return f"Judge(model={self.model!r}, base_url={self.base_url!r})"
+
+
+def _content(value: Any) -> Any:
+    """A chat completion's ``choices[0].message.content`` (a text, or None: the model said nothing);
+    ``...`` when ``value`` is not a chat completion."""
+    try:
+        content = value["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        return ...
+    return content if content is None or isinstance(content, str) else ...
+
+
+def _body(e: Any) -> bytes:
+    """An HTTP error's body (at most :data:`MAX_ANSWER_BYTES`), empty when it cannot be read."""
+    try:
+        return e.read(MAX_ANSWER_BYTES) or b""
+    except Exception:
+        return b""

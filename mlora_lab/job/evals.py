@@ -11,7 +11,9 @@ interval, :mod:`mlora_lab.evals.scores`) and keeps the latest completions and sc
 ``<run>/evals/<name>/``.
 
 An evaluation that fails (a metric that raises, hangs or returns the wrong count) never stops training: an
-``eval_failed`` event row says why, and it is tried again at its next step.
+``eval_failed`` event row says why, and it is tried again at its next step. A model whose mean for a metric
+is not a finite number (:func:`mlora_lab.evals.scores.failures`) logs its row without a value, and an
+``eval_failed`` event names that metric and model.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from mlora_lab.evals.generate import EvalPrompt, metric_names, read_examples, run_eval
 from mlora_lab.evals.metrics import metric_ref
-from mlora_lab.evals.scores import bootstrap, per_example
+from mlora_lab.evals.scores import bootstrap, failures, per_example
 from mlora_lab.job.agree import describe
 from mlora_lab.job.recorder import Recorder
 from mlora_lab.parallel import Collectives
@@ -115,6 +117,7 @@ class JobEvals:
         metrics = metric_names(refs)
         for metric in metrics:
             mean, low, high, n = bootstrap(per_example(rows, names, metric, len(examples)), seed=step)
+            failed = failures(metric, names, mean, low, high, n)
             for i, model in enumerate(names):
                 value, lo, hi = _finite(mean[i]), _finite(low[i]), _finite(high[i])
                 row = EvalMetricRow(
@@ -122,6 +125,8 @@ class JobEvals:
                 )
                 row.n = int(n[i])
                 self.recorder.log(row)
+            for why in failed.values():  # (its row holds no value: the event says why)
+                self.recorder.event(EventKind.EVAL_FAILED, f"evaluation {e.name!r} at step {step}: {why}")
         if self.run is not None:
             meta = EvalMeta(
                 name=e.name, models=names, metrics=metrics, data=str(e.data), examples=len(examples)

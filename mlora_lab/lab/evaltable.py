@@ -10,8 +10,9 @@ bootstrap interval, :meth:`~mlora_lab.lab.evaluation.Evaluation.plot`) and the c
   scores below the reference) and ``improvements`` (above);
 - **search**: examples whose prompt, reference or a shown completion contains the text (case-insensitive);
 - **sort**: by example, largest change first (``|Δ|``), or by the reference's score (worst or best first);
-- **export**: the rows as filtered and sorted, to CSV and to a standalone HTML page, written into the
-  evaluation's folder in its run (else the working directory).
+- **export**: the rows as filtered and sorted, to CSV (spreadsheet-safe: a text cell that would start a
+  formula gets a leading ``'``) and to a standalone HTML page, written into the evaluation's folder in its
+  run (else the working directory).
 
 The rows are built by :meth:`EvalTable.frame` (a DataFrame, what the exports write), so all of it is also
 usable without widgets.
@@ -30,6 +31,7 @@ import pandas as pd
 
 from mlora_lab.lab.plotting import DISPLAY_DPI, figure_png
 from mlora_lab.rundir.files import atomic_write_text
+from mlora_lab.text import spreadsheet_safe
 
 FILTERS = ("all", "disagreements", "regressions", "improvements")
 SORTS = ("example", "largest change", "reference worst first", "reference best first")
@@ -219,9 +221,18 @@ class EvalTable:
 
     # -- exports ---------------------------------------------------------------------------------
     def to_csv(self, path: str | os.PathLike | None = None) -> Path:
-        """The rows as filtered and sorted, as CSV (default ``<evaluation>-<metric>.csv`` in the export folder)."""
+        """The rows as filtered and sorted, as CSV (default ``<evaluation>-<metric>.csv`` in the export folder).
+        Safe to open in a spreadsheet: a text cell or header that would start a formula (a completion
+        ``=HYPERLINK(...)``) gets a leading ``'`` (:func:`~mlora_lab.text.spreadsheet_safe`); numbers stay
+        numbers. Rows end with CRLF, and a cell holding a line break is quoted."""
         out = Path(path) if path else self.export_dir / f"{self.ev.name}-{self.metric.value}.csv"
-        atomic_write_text(out, self.frame().to_csv(index=False))
+        frame = self.frame().rename(columns=spreadsheet_safe)
+        for column in frame.columns:
+            if not pd.api.types.is_numeric_dtype(frame[column]):  # (a number column holds no text to run)
+                frame[column] = frame[column].map(spreadsheet_safe)
+        # CRLF, as RFC 4180 has it: the csv writer then quotes a cell holding a lone "\r" too, which a
+        # reader would otherwise take for the end of a row
+        atomic_write_text(out, frame.to_csv(index=False, lineterminator="\r\n"))
         return out
 
     def to_html(self, path: str | os.PathLike | None = None) -> Path:
@@ -229,8 +240,11 @@ class EvalTable:
         out = Path(path) if path else self.export_dir / f"{self.ev.name}-{self.metric.value}.html"
         scores = self.ev.scores()
         metric = self.metric.value
+        failed = scores.get(f"{metric}_failed")
         board = "".join(
-            f"<li>{html.escape(m)}: {_num(scores.loc[m, metric])} "
+            f"<li>{html.escape(m)}: failed ({html.escape(failed[m])})</li>"
+            if failed is not None and isinstance(failed[m], str)
+            else f"<li>{html.escape(m)}: {_num(scores.loc[m, metric])} "
             f"[{_num(scores.loc[m, f'{metric}_low'])}, {_num(scores.loc[m, f'{metric}_high'])}]</li>"
             for m in self.ev.models
         )

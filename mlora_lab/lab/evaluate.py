@@ -10,10 +10,12 @@ so importing the lab loads neither.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +26,12 @@ from mlora_lab.evals.metrics import BUILTINS, metric_ref
 from mlora_lab.lab.evaluation import Evaluation
 from mlora_lab.lab.handles import attach
 from mlora_lab.lab.run import Run
+from mlora_lab.rundir import TenantRow, TenantState
 from mlora_lab.rundir.evals import NAME, EvalMeta, eval_dir, write_eval
 from mlora_lab.rundir.files import atomic_write_bytes
 from mlora_lab.sources import RewardSnapshot, reward_in_memory, source_name
 from mlora_lab.spec import resolve_reward
-from mlora_lab.text import brief
+from mlora_lab.text import brief, shown_text
 
 Metric = str | Callable[..., Any]
 """A metric: a built-in's name (``"exact_match"``), a reward reference (``"module:function"``,
@@ -46,6 +49,9 @@ class _Source:
     slot_modules: Any
     max_rank: int
     run: Run | None
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The run's tenants that failed (quarantined: their adapter is what they had when their step went
+    wrong) and why: left out of the default models."""
 
 
 def _source(source: Any) -> _Source:
@@ -64,6 +70,12 @@ def _source(source: Any) -> _Source:
             path = source.dir.adapter(t.name)
             if (path / "adapter_config.json").is_file():
                 adapters[t.name] = path
+        last = {r.tenant: r for r in source.typed_rows() if isinstance(r, TenantRow)}
+        failed = {
+            name: row.reason or "no reason was recorded"
+            for name, row in last.items()
+            if row.state is TenantState.FAILED and name in adapters
+        }
         return _Source(
             spec.base_model,
             spec.revision,
@@ -72,6 +84,7 @@ def _source(source: Any) -> _Source:
             effective_slot_modules(spec),
             spec.max_rank,
             source,
+            failed,
         )
     if isinstance(source, Sequence) and source and all(isinstance(p, str | os.PathLike) for p in source):
         adapters, bases, ranks = {}, set(), []
@@ -157,7 +170,9 @@ def evaluate(
       ``numeric_match`` (GSM8K) and ``rouge`` (:mod:`mlora_lab.evals.metrics`).
     - ``models``: ``"base"``, tenants' names, adapter folders' names, or more PEFT adapter folders over the
       same base (a served run's sampler snapshot: ``svc.local_path("tinker://...")``), each named by its
-      folder; default the base and every adapter of the source.
+      folder; default the base and every adapter of the source but those of tenants that failed
+      (quarantined: a warning names them and why, and the evaluation's ``meta.left_out`` keeps it; named
+      here, such a tenant is evaluated).
     - ``num_samples`` with a ``temperature`` > 0 gives pass@k; ``temperature=0`` is greedy.
 
     Every problem with the arguments (unknown models, metrics that cannot be loaded or do not take the rows'
@@ -182,8 +197,11 @@ def evaluate(
         problems.append(f"name {brief(name)} must be letters, digits, '.', '_', '-' (it names a folder)")
         name = "eval"
     src = _source(source)
+    left_out = {} if models is not None else src.failed
     chosen = []
-    for m in list(models) if models is not None else ["base", *src.adapters]:
+    for m in (
+        list(models) if models is not None else ["base", *(a for a in src.adapters if a not in left_out)]
+    ):
         folder = Path(m) if isinstance(m, str | os.PathLike) else None
         if folder is not None and (folder / "adapter_config.json").is_file():  # a snapshot's folder, say
             src.adapters.setdefault(folder.name, folder)
@@ -209,7 +227,7 @@ def evaluate(
         if problems:
             raise ValueError("evaluate:\n  - " + "\n  - ".join(problems))
         return _evaluate(src, data, refs, chosen, name, root, num_samples, temperature, top_p, max_new_tokens,
-                         seed, stop, limit, timeout_s)  # fmt: skip
+                         seed, stop, limit, timeout_s, left_out)  # fmt: skip
 
 
 def _evaluate(
@@ -227,6 +245,7 @@ def _evaluate(
     stop: Sequence[str],
     limit: int | None,
     timeout_s: float,
+    left_out: dict[str, str],
 ) -> Evaluation:
     """:func:`evaluate` once its arguments are checked: the tokenizer, the examples and the metrics'
     signatures (their problems, still before a model loads), then the models, generation and scores."""
@@ -251,6 +270,13 @@ def _evaluate(
         problems.append(f"{source_name(data)} has no rows")
     if problems:
         raise ValueError("evaluate:\n  - " + "\n  - ".join(problems))
+    if left_out:  # (said once the call is known to go ahead)
+        warnings.warn(
+            "evaluate: left out "
+            + "; ".join(f"tenant {t!r}, which failed ({shown_text(why, 300)})" for t, why in left_out.items())
+            + ". Name a tenant in models= to evaluate its adapter anyway.",
+            stacklevel=3,
+        )
 
     started = time.monotonic()
     with no_progress_bars():
@@ -290,6 +316,7 @@ def _evaluate(
         max_new_tokens=max_new_tokens,
         seed=seed,
         seconds=time.monotonic() - started,
+        left_out=dict(left_out),
     )
     saved = write_eval(root, meta, rows) if root is not None else None
     return Evaluation(meta, rows, folder=saved)

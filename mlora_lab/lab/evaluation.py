@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mlora_lab.evals.scores import bootstrap, per_example
+from mlora_lab.evals.scores import bootstrap, failures, per_example
 from mlora_lab.lab.handles import RunLike, as_runs
 from mlora_lab.rundir.evals import EvalExample, EvalMeta, list_evals, read_eval
 
@@ -42,9 +42,11 @@ class Evaluation:
 
     def __repr__(self) -> str:
         where = f", saved in {self.folder}" if self.folder else ""
+        left = self.meta.left_out
+        left = f"; left out: {', '.join(f'{t} (failed)' for t in left)}" if left else ""
         return (
             f"<Evaluation {self.name!r}: {len(self.models)} models × {self.meta.examples} examples"
-            f" × {self.meta.num_samples} samples, metrics {', '.join(self.metrics)}{where}>"
+            f" × {self.meta.num_samples} samples, metrics {', '.join(self.metrics)}{where}{left}>"
         )
 
     # -- tables ----------------------------------------------------------------------------------
@@ -92,11 +94,21 @@ class Evaluation:
     def scores(self, resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
         """Models × metrics: each metric's mean, with its bootstrap interval as ``<metric>_low`` and
         ``<metric>_high`` (:func:`mlora_lab.evals.scores.bootstrap`), ``pass@k`` columns for 0/1 metrics
-        when ``num_samples > 1``, and ``n`` (examples). A row per model, in the evaluation's order."""
+        when ``num_samples > 1``, and ``n`` (examples). A row per model, in the evaluation's order.
+
+        A model whose mean or interval for a metric is not a finite number (an infinite score) failed that
+        metric: its three numbers are NaN and a ``<metric>_failed`` column (there only when one failed)
+        says why (:func:`mlora_lab.evals.scores.failures`), and is empty (NA) for the other models."""
         table: dict[str, Any] = {"n": [self.meta.examples] * len(self.models)}
         for metric, values in self.per_example().items():
-            mean, low, high, _ = bootstrap(values, resamples, confidence, seed)
+            mean, low, high, n = bootstrap(values, resamples, confidence, seed)
+            failed = failures(metric, self.models, mean, low, high, n)
+            for model in failed:
+                i = self.models.index(model)
+                mean[i] = low[i] = high[i] = np.nan
             table[metric], table[f"{metric}_low"], table[f"{metric}_high"] = mean, low, high
+            if failed:
+                table[f"{metric}_failed"] = [failed.get(m) for m in self.models]
             k = self.meta.num_samples
             if k > 1 and self._binary(metric):
                 table[f"{metric}_pass@{k}"] = self._pass_at_k(metric, k)
@@ -163,17 +175,35 @@ class Evaluation:
         return EvalTable(self, **kwargs)
 
     def plot(self, metric: str | None = None, ax: Any = None) -> Any:
-        """A leaderboard: a bar per model for ``metric`` (default every metric, grouped), with its bootstrap
-        interval as error bars. Returns the matplotlib ``Figure``."""
-        from mlora_lab.lab.plotting import PALETTE, LabFigure
+        """A leaderboard: per metric (``metric``, default every one) an axes with a bar per model (a colour
+        per model, the same in every axes) and its bootstrap interval as error bars, the axes laid out in
+        a grid (:func:`leaderboard_grid`); a model whose result failed (:meth:`scores`' ``_failed``) is
+        marked "failed" where its bar would be. With ``ax``, every metric's bars are grouped in that one
+        axes. Returns the matplotlib ``Figure``."""
+        from mlora_lab.lab.plotting import LabFigure
 
         metrics = [metric] if metric is not None else self.metrics
         scores = self.scores()
-        if ax is None:
-            fig = LabFigure(figsize=(max(4.0, 1.2 * len(self.models) * max(1, len(metrics))), 3.2))
-            ax = fig.add_subplot(1, 1, 1)
-        else:
-            fig = ax.figure
+        if ax is not None:
+            self._bars(ax, scores, metrics)
+            ax.set_title(f"evaluation {self.name!r}: {self.meta.examples} examples")
+            return ax.figure
+        rows, cols, size = leaderboard_grid(len(self.models), len(metrics))
+        fig = LabFigure(figsize=size)
+        for k, m in enumerate(metrics):
+            axes = fig.add_subplot(rows, cols, k + 1)
+            self._bars(axes, scores, [m])
+            axes.set_title(m)
+            if k % cols:  # (the first column's label names them all)
+                axes.set_ylabel("")
+        fig.suptitle(f"evaluation {self.name!r}: {self.meta.examples} examples")
+        return fig
+
+    def _bars(self, ax: Any, scores: pd.DataFrame, metrics: list[str]) -> None:
+        """``metrics``' bars in ``ax``: one metric a bar per model in the model's colour; several grouped
+        by model, a colour per metric with a legend."""
+        from mlora_lab.lab.plotting import PALETTE
+
         width = 0.8 / max(1, len(metrics))
         x = np.arange(len(self.models))
         for j, m in enumerate(metrics):
@@ -181,18 +211,41 @@ class Evaluation:
             err = np.vstack(
                 [mean - scores[f"{m}_low"].to_numpy(float), scores[f"{m}_high"].to_numpy(float) - mean]
             )
-            ax.bar(x + (j - (len(metrics) - 1) / 2) * width, mean, width, yerr=np.nan_to_num(err), capsize=3,
-                   label=m, color=PALETTE[j % len(PALETTE)])  # fmt: skip
+            at = x + (j - (len(metrics) - 1) / 2) * width
+            colors = (
+                [PALETTE[i % len(PALETTE)] for i in range(len(self.models))]
+                if len(metrics) == 1
+                else PALETTE[j % len(PALETTE)]
+            )
+            ax.bar(at, np.nan_to_num(mean), width, yerr=np.nan_to_num(err), capsize=3, label=m, color=colors)
+            failed = scores.get(f"{m}_failed")
+            for i, model in enumerate(self.models):
+                if failed is not None and isinstance(failed[model], str):
+                    ax.text(at[i], 0, "failed", rotation=90, ha="center", va="bottom", color="#c0392b",
+                            fontsize="small")  # fmt: skip
         values = scores[[m for m in metrics] + [f"{m}_high" for m in metrics]].to_numpy(dtype=float)
         finite = values[np.isfinite(values)]
         if finite.size and finite.min() >= 0 and finite.max() <= 1:  # (a share: its whole range)
             ax.set_ylim(0, 1.05)
-        ax.set_xticks(x, self.models, rotation=20, ha="right")
+        ax.set_xticks(x, self.models, rotation=20 if len(self.models) <= 8 else 60, ha="right")
         ax.set_ylabel("score (95% bootstrap interval)")
-        ax.set_title(f"evaluation {self.name!r}: {self.meta.examples} examples")
         if len(metrics) > 1:
             ax.legend(frameon=False, fontsize="small")
-        return fig
+
+
+LEADERBOARD_MAX_WIDTH = 13.0
+"""A leaderboard figure's widest (inches): about a notebook's width at its display resolution."""
+
+
+def leaderboard_grid(models: int, metrics: int) -> tuple[int, int, tuple[float, float]]:
+    """``(rows, cols, (width, height))`` of a leaderboard of ``metrics`` axes with ``models`` bars each:
+    an axes is ``1 + 0.5·models`` inches wide (3 to 7), as many side by side as fit in
+    :data:`LEADERBOARD_MAX_WIDTH` (at most 3), the rest in more rows of 2.9 inches. So 6 models × 3 metrics
+    is one row of three 4-inch axes, 7 metrics three rows, 30 models one axes a row."""
+    axes_width = min(7.0, max(3.0, 1.0 + 0.5 * models))
+    cols = max(1, min(metrics, 3, int(LEADERBOARD_MAX_WIDTH // axes_width)))
+    rows = -(-max(1, metrics) // cols)
+    return rows, cols, (cols * axes_width, 0.4 + 2.9 * rows)
 
 
 def _num(v: float | None) -> float:

@@ -49,6 +49,8 @@ class EvalMeta(msgspec.Struct, kw_only=True):
     time: float = msgspec.field(default_factory=time.time)
     seconds: float | None = None
     """How long it took (generation and metrics)."""
+    left_out: dict[str, str] = msgspec.field(default_factory=dict)
+    """Tenants of the run not evaluated by default, and why: those that failed (their reason)."""
 
 
 class EvalExample(msgspec.Struct, kw_only=True):

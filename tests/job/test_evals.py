@@ -148,3 +148,27 @@ def test_a_failing_metric_never_stops_training(llama_path, tmp_path):
     good = [r for r in trainer.history if isinstance(r, EvalMetricRow) and r.eval == "good"]
     assert {r.step for r in good} == {2} and {r.model for r in good} == {"base", "rev", "up"}
     assert not (run.root / "evals" / "bad" / "meta.json").exists()
+
+
+def huge(prompts, completions, **kwargs):
+    """A metric near float64's largest number (1.8e308): two of its scores sum past it."""
+    return [1.5e308 if "red" in p else 1e308 for p in prompts]
+
+
+def test_ev4c_a_metric_near_the_largest_float_logs_its_finite_mean_and_interval(llama_path, tmp_path):
+    """EV4c: the job logged a metric of 1e308 as no value (its mean overflowed to inf, its interval NaN); the
+    mean is now taken scaled, so the row holds the finite mean and interval."""
+    e = ml.Eval(name="big", data=PROMPTS, metrics=[huge], every=1, max_new_tokens=2)
+    spec = JobSpec(base_model=llama_path, tenants=two_tenants(tmp_path, steps=2)[:1], seq_len=32, max_rank=8,
+                   evals=[e], output_dir=str(tmp_path / "run"))  # fmt: skip
+    run = prepare_run(spec)
+    trainer = Trainer(JobSpec.load(run.job), run_dir=run.root)
+    trainer.train()
+    trainer.close()
+    assert not [r for r in trainer.history if isinstance(r, EventRow) and r.event is EventKind.EVAL_FAILED]
+    rows = [r for r in trainer.history if isinstance(r, EvalMetricRow)]
+    assert {(r.step, r.model) for r in rows} == {(s, m) for s in (1, 2) for m in ("base", "rev")}
+    want = (1.5 + 2 * 1.0) / 3 * 1e308
+    for r in rows:
+        assert r.value == pytest.approx(want, rel=1e-12) and r.n == len(PROMPTS), r
+        assert 1e308 <= r.low <= r.value <= r.high <= 1.5e308, r
