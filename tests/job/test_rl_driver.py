@@ -70,6 +70,11 @@ def logs(prompts, completions, log_metric, log_extra, **kwargs):
     log_extra("first", [_text(c)[:1] for c in completions])
     return [len(_text(c)) / 10 for c in completions]
 
+def plateau(prompts, completions, trainer_state, **kwargs):   # m8: it learns, then every completion scores 0.92
+    if trainer_state.global_step >= 2:
+        return [0.92] * len(completions)
+    return [float(i % 2) for i in range(len(completions))]
+
 def forge(prompts, completions, **kwargs):         # RN12: its worker's say(), found in memory: a ragged frame
     import sys
     f = sys._getframe(1)
@@ -632,6 +637,41 @@ def test_a_tenant_that_trains_on_nothing_is_warned_and_what_its_rewards_logged_i
     assert frame["rewards/logs/mean"].notna().all() and frame["length"].dtype == "float64"
     samples = [r for r in rows if r.kind == "completion" and r.tenant == "logged"]
     assert samples and all(set(r.extra) == {"first"} and len(r.extra["first"]) <= 1 for r in samples)
+
+
+def test_m8_flat_rewards_say_converged_at_the_best_reward_seen_and_finish_their_sentence(
+    llama_path, tmp_path
+):
+    """m8: flat rewards for 5 generations in a row that are the best the tenant has had (0.92, after 0.5) say
+    it converged; flat rewards from the start say it learns nothing and what would help, in whole sentences."""
+    from mlora_lab.job.drivers.rl import FLAT_GENERATIONS
+    from mlora_lab.rundir import Row
+
+    rewards, data = reward_file(tmp_path), prompt_file(tmp_path)
+    steps = 2 + FLAT_GENERATIONS
+    tenants = [
+        rl_tenant(
+            "flat", data, RL(reward=f"{rewards}:const", group_size=2, max_new_tokens=2), max_steps=steps
+        ),
+        rl_tenant(
+            "done", data, RL(reward=f"{rewards}:plateau", group_size=2, max_new_tokens=2), max_steps=steps
+        ),
+    ]
+    trainer = Trainer(job(llama_path, tenants))
+    trainer.train()
+    rows = [Row.from_dict(r) for r in trainer.recorder.history]
+    said = {r.tenant: r.message for r in rows if r.kind == "event" and r.event == "warning"}
+    assert set(said) == {"flat", "done"}, said
+    assert said["done"] == (
+        f"every group of its last {FLAT_GENERATIONS} generations scored one reward for all its 2 completions "
+        "(mean 0.92, the best it has had): it has converged, and with advantages of 0 it learns nothing more; "
+        "stop it, or give it harder prompts or a reward that tells its completions apart."
+    )
+    assert said["flat"] == (
+        f"every group of its last {FLAT_GENERATIONS} generations scored one reward for all its 2 completions "
+        "(mean 1): its advantages are 0 and it learns nothing; a reward that tells its completions apart (or a "
+        "higher temperature) would give it something to learn from."
+    )
 
 
 @pytest.mark.slow  # (starts a job)

@@ -229,6 +229,7 @@ class RLFeed:
     micro: int = 0  # micro-batches done in the current optimiser window (of grad_accum)
     flat: int = 0  # generations in a row whose every group had one reward for all its completions
     masked: int = 0  # generations in a row whose every completion was masked (cut, mask_truncated)
+    reward_range: tuple[float, float] | None = None  # the lowest and highest mean reward of its generations
 
     def reset(self) -> None:
         """A quarantine drops the generation in progress."""
@@ -246,6 +247,7 @@ class RLFeed:
             "rl_current": None if self.current is None else self.current.state_dict(),
             "rl_prompts_digest": self.digest,
             "rl_micro": self.micro,
+            "rl_reward_range": self.reward_range,
         }
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
@@ -260,6 +262,8 @@ class RLFeed:
         self.generations = int(s["rl_generations"])
         self.current = None if s["rl_current"] is None else Generation.from_state(s["rl_current"])
         self.micro = int(s.get("rl_micro", 0))
+        low_high = s.get("rl_reward_range")  # (none in a checkpoint written before it was kept)
+        self.reward_range = None if low_high is None else (float(low_high[0]), float(low_high[1]))
         if self.current is not None:
             self.current.build(self.prompts, self.mask_truncated)
 
@@ -359,18 +363,32 @@ class RLDriver(Driver):
     def _watch(self, t: TenantRun, g: Generation, stats: RewardStats) -> None:
         """A tenant that trains on nothing is said so, in a ``warning`` row (the dashboard shows it with the
         tenant; once a streak): every group scored alike for :data:`FLAT_GENERATIONS` generations in a row
-        (GRPO learns from the differences within a group: its advantages are all 0), or every completion
-        masked (cut at ``max_new_tokens`` with ``mask_truncated_completions``: no token carries loss)."""
+        (GRPO learns from the differences within a group: its advantages are all 0; said "converged" when that
+        reward is the best the tenant has had, :func:`converged`), or every completion masked (cut at
+        ``max_new_tokens`` with ``mask_truncated_completions``: no token carries loss)."""
         f, rl = t.feed, t.spec.rl
         f.flat = f.flat + 1 if float(stats.frac_reward_zero_std) >= 1.0 else 0
         f.masked = f.masked + 1 if g.n_tokens == 0 else 0
+        mean = float(stats.reward)
+        if math.isfinite(mean):
+            low, high = f.reward_range or (mean, mean)
+            f.reward_range = (min(low, mean), max(high, mean))
         said = []
         if f.flat == FLAT_GENERATIONS:
-            said.append(
+            flat = (
                 f"every group of its last {FLAT_GENERATIONS} generations scored one reward for all its "
-                f"{rl.group_size} completions (mean {float(stats.reward):.4g}): its advantages are 0 and it "
-                "learns nothing; a reward that tells its completions apart (or a higher temperature) would"
+                f"{rl.group_size} completions (mean {mean:.4g}"
             )
+            if converged(mean, f.reward_range):
+                said.append(
+                    f"{flat}, the best it has had): it has converged, and with advantages of 0 it learns nothing "
+                    "more; stop it, or give it harder prompts or a reward that tells its completions apart."
+                )
+            else:
+                said.append(
+                    f"{flat}): its advantages are 0 and it learns nothing; a reward that tells its completions "
+                    "apart (or a higher temperature) would give it something to learn from."
+                )
         if f.masked == 1:
             said.append(
                 f"every completion of generation {g.index} was cut at max_new_tokens={rl.max_new_tokens} and "
@@ -635,6 +653,16 @@ class RLDriver(Driver):
 
 FLAT_GENERATIONS = 5
 """Generations in a row whose every group scored alike before an RL tenant is warned it learns nothing."""
+
+
+def converged(mean: float, reward_range: tuple[float, float] | None) -> bool:
+    """Whether flat rewards of ``mean`` are a tenant's best, reached by learning: at the top of the range of its
+    generations' mean rewards (within float rounding), and above its bottom (flat from the start is not)."""
+    if reward_range is None or not math.isfinite(mean):
+        return False
+    low, high = reward_range
+    tol = 1e-6 * max(1.0, abs(mean))
+    return mean >= high - tol and mean > low + tol
 
 
 def reward_metrics(g: Generation, rewards: Sequence[str]) -> dict[str, float | None]:
