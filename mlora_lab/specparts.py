@@ -80,6 +80,12 @@ class RL:
     reward_weights: list[float] | None = field(default=None, metadata=meta(
         "reward weights", kind="numbers", section="RL", optional=True, help="one per reward function"))
     """A weight per reward function (default 1 each); the tenant's reward is their weighted sum."""
+    reward_names: list[str] | None = field(default=None, metadata=meta(
+        "reward names", kind="texts", section="RL", optional=True, max=MAX_REWARDS,
+        null_means="the functions' names", help="one per reward function: its columns' name"))
+    """A name per reward function, for its columns (``rewards/<name>/mean``, ``rewards/<name>/std``); ``None``:
+    each function's name (``name#2`` for a second of one name), a lambda's ``<lambda #k>`` (the tenant's k-th
+    lambda). Functions given by value have theirs written here when the spec is launched."""
     group_size: int = field(default=8, metadata=meta(
         "group size", section="RL", min=2, max=MAX_GROUP, help="completions sampled per prompt"))
     """Completions per prompt (TRL's ``num_generations``): advantages compare completions of one prompt."""

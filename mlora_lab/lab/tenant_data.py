@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mlora_lab.rl.rewards import reward_names
 from mlora_lab.rundir import RunDir, atomic_write_bytes
 from mlora_lab.rundir.evals import eval_dir
 from mlora_lab.sources import RewardSnapshot, memory_kind, reward_in_memory, snapshot
@@ -28,8 +29,9 @@ SPLITS = {"data": "train", "eval_data": "eval"}
 def freeze(tenant: Any) -> Any:
     """``tenant`` with each in-memory source replaced by its :class:`~mlora_lab.sources.Snapshot`, and each
     reward function held in memory by its :class:`~mlora_lab.sources.RewardSnapshot` (pickled now: one that
-    cannot be is left for the validator to name); the same tenant when it holds none; anything that is not a
-    Tenant as it is."""
+    cannot be is left for the validator to name), its ``rl.reward_names`` filled from the functions when not
+    given (:func:`~mlora_lab.rl.rewards.reward_names`); the same tenant when it holds none; anything that is
+    not a Tenant as it is."""
     if not isinstance(tenant, Tenant):
         return tenant
     changes: dict[str, Any] = {
@@ -39,7 +41,10 @@ def freeze(tenant: Any) -> Any:
     if isinstance(rl, RL) and any(reward_in_memory(r) for r in rl.rewards):
         rewards = [_pickled(r) for r in rl.rewards]
         changes["rl"] = dataclasses.replace(
-            rl, reward=rewards if isinstance(rl.reward, list | tuple) else rewards[0]
+            rl,
+            reward=rewards if isinstance(rl.reward, list | tuple) else rewards[0],
+            # (named while they are functions: a pickle's name cannot tell two lambdas apart)
+            reward_names=rl.reward_names if rl.reward_names is not None else reward_names(rl.rewards),
         )
     return dataclasses.replace(tenant, **changes) if changes else tenant
 

@@ -223,6 +223,28 @@ def parse_reward(text: Any) -> RewardRef | str:
     return ref
 
 
+def reward_names(rewards: Sequence[Any], given: Sequence[str] | None = None) -> list[str]:
+    """The name each reward function's columns carry (``rewards/<name>/mean``): ``given`` (``RL.reward_names``)
+    when there are names, else each function's name (a reference's, or a function's ``__name__``), ``name#2``
+    for a second of one name, and ``<lambda #k>`` for the k-th lambda (every lambda is ``<lambda>``)."""
+    if given is not None:
+        return list(given)
+    out: list[str] = []
+    seen: dict[str, int] = {}
+    lambdas = 0
+    for r in rewards:
+        name = r.rpartition(":")[2] if isinstance(r, str) else getattr(r, "__name__", None)
+        if not isinstance(name, str) or not name:
+            name = type(r).__name__
+        if name == "<lambda>":
+            lambdas += 1
+            out.append(f"<lambda #{lambdas}>")
+            continue
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return out
+
+
 def shown_reward(text: Any) -> str:
     """A reward as messages name it: its function, then its module or file (a long path's end, so the file's
     name always shows): ``'short' (…/tasks/rewards.py)``."""

@@ -30,7 +30,7 @@ from mlora_lab.specparts import RL, ClientModel
 from mlora_lab.text import brief, is_finite, is_int, path_problem
 from mlora_lab.trackers import report_to_problems
 from mlora_lab.validate.context import Context, bound, got, usable_path
-from mlora_lab.validate.rl import check_numbers, check_reward_refs, check_texts
+from mlora_lab.validate.rl import check_numbers, check_reward_names, check_reward_refs, check_texts
 from mlora_lab.validate.tenants import check_name
 
 
@@ -140,6 +140,8 @@ def check_rl_fields(ctx: Context, t: Tenant) -> bool:
             f"rl.reward_weights has {len(weights)} weights for {len(rl.rewards)} reward functions; "
             "give one weight per function",
         )
+    if ok["reward"] and ok["reward_names"]:
+        check_reward_names(ctx, t)
     seq_len = ctx.spec.seq_len
     if ok["max_new_tokens"] and is_int(seq_len) and rl.max_new_tokens >= seq_len:
         ctx.say(

@@ -2,6 +2,7 @@
 
 check_reward_refs / check_numbers / check_texts   RL's own field kinds (``validate.fields.check_rl_fields``
                            checks ``t.rl`` field by field with them; no file is read)
+check_reward_names(ctx, t)   ``rl.reward_names`` against the rewards (one each, usable as column names)
 check_rewards(ctx, t, columns)   the reward functions imported in a short-lived worker process (the
                        notebook never imports the user's file itself, so an edited file is seen
                        anew and a module that hangs cannot hang it): each exists, is callable,
@@ -20,7 +21,7 @@ from mlora_lab.sources import RewardSnapshot, reward_in_memory
 from mlora_lab.spec import Tenant
 from mlora_lab.specbase import MAX_REWARDS, FieldInfo
 from mlora_lab.specparts import RL
-from mlora_lab.text import brief, error_line, is_finite
+from mlora_lab.text import HIDDEN, brief, error_line, is_finite
 from mlora_lab.validate.context import Context, got
 
 
@@ -88,6 +89,8 @@ def check_numbers(ctx: Context, t: Tenant, v: Any, info: FieldInfo, label: str) 
 
 
 def check_texts(ctx: Context, t: Tenant, v: Any, info: FieldInfo, label: str) -> bool:
+    if v is None and info.optional:
+        return True
     if not isinstance(v, list | tuple) or not all(isinstance(x, str) and x for x in v):
         ctx.say(t, "rl", f"{label} must be a list of non-empty strings ({got(v)})")
     elif info.max is not None and len(v) > info.max:
@@ -99,3 +102,34 @@ def check_texts(ctx: Context, t: Tenant, v: Any, info: FieldInfo, label: str) ->
     else:
         return True
     return False
+
+
+def check_reward_names(ctx: Context, t: Tenant) -> None:
+    """``rl.reward_names`` (a list of texts already) against the rewards: one per function, each a column
+    name (not blank, no '/': the columns are ``rewards/<name>/mean``, no hidden character), all distinct."""
+    rl = t.rl
+    names = rl.reward_names
+    if names is None:
+        return
+    if len(names) != len(rl.rewards):
+        ctx.say(
+            t,
+            "rl",
+            f"rl.reward_names has {len(names)} names for {len(rl.rewards)} reward functions; give one name "
+            "per function",
+        )
+    for name in names:
+        why = (
+            "is blank"
+            if not name.strip()
+            else "holds a '/' (the columns are rewards/<name>/mean)"
+            if "/" in name
+            else "holds a hidden character"
+            if HIDDEN.search(name)
+            else None
+        )
+        if why:
+            ctx.say(t, "rl", f"rl.reward_names: {brief(name)} {why}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    for name in twice:
+        ctx.say(t, "rl", f"rl.reward_names names two functions {brief(name)}; give each its own")

@@ -674,6 +674,38 @@ def test_m8_flat_rewards_say_converged_at_the_best_reward_seen_and_finish_their_
     )
 
 
+def test_m9_each_reward_functions_columns_are_named_by_reward_names_or_lambda_k(llama_path, tmp_path):
+    """m9: two lambdas given by value, pickled into the run as a launch does (both ``…-reward.pkl:reward``),
+    log ``rewards/<lambda #1>/mean`` and ``rewards/<lambda #2>/mean``, not ``rewards/reward/mean`` twice;
+    ``reward_names`` names the columns of functions named by reference."""
+    from mlora_lab.lab.tenant_data import freeze, write_data
+    from mlora_lab.rundir import RunDir
+
+    rewards, data = reward_file(tmp_path), prompt_file(tmp_path)
+    lambdas = RL(
+        reward=[lambda completions, **kw: [len(str(c)) / 9 for c in completions], lambda completions, **kw: [
+            float(i % 2) for i in range(len(completions))]],
+        group_size=2,
+        max_new_tokens=3,
+    )  # fmt: skip
+    given = write_data(RunDir(tmp_path / "run"), freeze(rl_tenant("l", data, lambdas, max_steps=1)))
+    assert [r.rpartition(":")[2] for r in given.rl.reward] == ["reward", "reward"]
+    named = RL(
+        reward=[f"{rewards}:short", f"{rewards}:short"],
+        reward_names=["brevity", "again"],
+        group_size=2,
+        max_new_tokens=3,
+    )
+    trainer = Trainer(job(llama_path, [given, rl_tenant("n", data, named, max_steps=1)]))
+    trainer.train()
+    extra = {r["tenant"]: r["extra"] for r in trainer.history if r["kind"] == RowKind.TRAIN}
+    assert set(extra["l"]) == {f"rewards/<lambda #{k}>/{s}" for k in (1, 2) for s in ("mean", "std")}
+    assert extra["l"]["rewards/<lambda #2>/mean"] == pytest.approx(0.5)
+    assert set(extra["n"]) == {
+        f"rewards/{name}/{s}" for name in ("brevity", "again") for s in ("mean", "std")
+    }
+
+
 @pytest.mark.slow  # (starts a job)
 def test_reward_functions_from_a_notebook_a_lambda_and_a_closure_train_as_their_file_would(
     llama_path, tmp_path

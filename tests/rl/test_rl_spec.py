@@ -262,3 +262,53 @@ def test_a_generation_that_cannot_fit_the_machine_is_refused_before_launch(tmp_p
     assert "262,144 sequences" in said[0] and f"but {device} has" in said[0]
     small = Tenant(name="a", data=data, batch_size=2, rl=RL(reward=f"{rewards}:short", group_size=4))
     assert texts(JobSpec(base_model=llama_path, seq_len=128, tenants=[small])) == []
+
+
+def _letters(completions, **kwargs):
+    return [c.count("e") / 4 for c in completions]
+
+
+def test_m9_reward_names_are_validated_filled_for_functions_given_by_value_and_kept_in_job_json(
+    tmp_path, llama_path
+):
+    """m9: ``reward_names`` names each reward function's columns (``rewards/<name>/mean``): one per function,
+    distinct, no '/' (the columns' separator); functions given by value get theirs when frozen at launch
+    (a lambda ``<lambda #k>``, the k-th of the tenant's lambdas), and job.json keeps them."""
+    from mlora_lab.lab.tenant_data import freeze
+
+    rewards = write(tmp_path / "rewards.py", REWARDS)
+    data = prompts(tmp_path)
+    two = [f"{rewards}:short", f"{rewards}:with_answer"]
+    for names, expected in [
+        (["one"], "rl.reward_names has 1 names for 2 reward functions; give one name per function"),
+        (["same", "same"], "rl.reward_names names two functions 'same'"),
+        (["a/b", "c"], "rl.reward_names: 'a/b' holds a '/' (the columns are rewards/<name>/mean)"),
+        ([" ", "c"], "rl.reward_names: ' ' is blank"),
+        ("short", "rl.reward_names must be a list of non-empty strings"),
+    ]:
+        spec = JobSpec(
+            base_model=llama_path,
+            seq_len=64,
+            tenants=[Tenant(name="a", data=data, rl=RL(reward=two, reward_names=names))],
+        )
+        assert any(expected in t for t in texts(spec)), (names, texts(spec))
+    named = RL(reward=two, reward_names=["brevity", "right"])
+    spec = JobSpec(base_model=llama_path, seq_len=128, tenants=[Tenant(name="a", data=data, rl=named)])
+    assert texts(spec) == []
+    spec.to_json(tmp_path / "job.json")
+    assert JobSpec.load(tmp_path / "job.json").tenants[0].rl.reward_names == ["brevity", "right"]
+
+    def frozen(*fns, **kw):
+        return freeze(Tenant(name="a", data=data, rl=RL(reward=list(fns), **kw))).rl.reward_names
+
+    assert frozen(lambda completions, **kw: [0.0], lambda completions, **kw: [1.0]) == [
+        "<lambda #1>",
+        "<lambda #2>",
+    ]
+    assert frozen(_letters, lambda completions, **kw: [0.0], f"{rewards}:short") == [
+        "_letters",
+        "<lambda #1>",
+        "short",
+    ]
+    assert frozen(lambda completions, **kw: [0.0], reward_names=["mine"]) == ["mine"]
+    assert frozen(f"{rewards}:short") is None  # (no function held in memory: nothing to fill)

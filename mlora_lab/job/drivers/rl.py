@@ -77,7 +77,14 @@ from mlora_lab.rl.grpo import (
     policy_loss,
     reward_problem,
 )
-from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardResult, RewardWorker, shown_reward
+from mlora_lab.rl.rewards import (
+    RewardBatch,
+    RewardError,
+    RewardResult,
+    RewardWorker,
+    reward_names,
+    shown_reward,
+)
 from mlora_lab.rundir import CompletionRow, EventKind, EventRow
 from mlora_lab.sampling import Completion, SampleRequest, sample
 from mlora_lab.sources import source_name
@@ -628,7 +635,7 @@ class RLDriver(Driver):
             clip_ratio=float(totals[2] / max(float(totals[3]), 1.0))
             if rl.loss_type in (*CLIPPED, "cispo")
             else None,
-            extra=reward_metrics(g, rl.rewards) or None,
+            extra=reward_metrics(g, reward_names(rl.rewards, rl.reward_names)) or None,
         )
         if row is None:  # (not a step log_every logs: its completions are not logged either)
             return
@@ -665,17 +672,13 @@ def converged(mean: float, reward_range: tuple[float, float] | None) -> bool:
     return mean >= high - tol and mean > low + tol
 
 
-def reward_metrics(g: Generation, rewards: Sequence[str]) -> dict[str, float | None]:
+def reward_metrics(g: Generation, names: Sequence[str]) -> dict[str, float | None]:
     """A generation's ``rewards/<fn>/mean`` and ``rewards/<fn>/std`` of each reward function (over the
-    completions it scored; ``fn`` the function's name, ``fn#2`` for a second of that name), as TRL logs them,
+    completions it scored; ``fn`` its name, :func:`~mlora_lab.rl.rewards.reward_names`), as TRL logs them,
     then what the functions logged with ``log_metric``."""
     out: dict[str, float | None] = {}
     if g.per_function is not None:
-        seen: dict[str, int] = {}
-        for f, ref in enumerate(rewards):
-            name = ref.rpartition(":")[2]
-            seen[name] = seen.get(name, 0) + 1
-            key = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        for f, key in enumerate(names):
             col = g.per_function[:, f]
             scored = col[~torch.isnan(col)]
             out[f"rewards/{key}/mean"] = float(scored.mean()) if len(scored) else None
