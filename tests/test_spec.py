@@ -1473,3 +1473,50 @@ def test_JJ1e_the_constructor_refuses_serve_and_stay_up_that_disagree(tmp_path):
     assert JobSpec(base_model=str(tmp_path), tenants=[], serve=True, stay_up=True).stay_up is True
     assert JobSpec(base_model=str(tmp_path), tenants=[], serve=False).stay_up is False
     assert JobSpec(base_model=str(tmp_path), tenants=[], serve=True).stay_up is True
+
+
+def test_JJ4_ten_thousand_tenants_are_checked_without_redoing_shared_work(llama_path, tmp_path, monkeypatch):
+    """JJ4: validating 10,000 tenants took a minute: each tenant's data file was scanned, and the model's
+    modules walked for its target list, once per tenant. Tenants share a few files and target lists, and
+    each is now worked out once per check: the work does not grow with the tenants that share it (counted
+    here, not timed), and every problem is still reported, by tenant."""
+    import mlora_lab.lora.targets
+    import mlora_lab.validate.files
+
+    counts = {"scans": 0, "matches": 0}
+    scan = mlora_lab.validate.files._scan_data
+    match = mlora_lab.lora.targets.name_matches
+
+    def counted_scan(*a, **kw):
+        counts["scans"] += 1
+        return scan(*a, **kw)
+
+    def counted_match(*a, **kw):
+        counts["matches"] += 1
+        return match(*a, **kw)
+
+    monkeypatch.setattr(mlora_lab.validate.files, "_scan_data", counted_scan)
+    for module in ("mlora_lab.lora.targets", "mlora_lab.validate.model", "mlora_lab.validate.context"):
+        monkeypatch.setattr(f"{module}.name_matches", counted_match, raising=False)
+    data = write(tmp_path / "a.jsonl", '{"text": "hello world"}\n' * 20)
+
+    def check_tenants(n: int) -> tuple[list[str], dict[str, int]]:
+        tenants = [
+            Tenant(name=f"t{i}", data=data, target_modules=["q_proj", "v_proj"] if i % 2 else ["all-linear"])
+            for i in range(n)
+        ]
+        tenants[n // 2].rank = 0
+        tenants[-1].target_modules = ["nope_proj"]
+        counts.update(scans=0, matches=0)
+        found = texts(JobSpec(base_model=llama_path, tenants=tenants, max_tenants=8))
+        return found, dict(counts)
+
+    few, few_counts = check_tenants(10)
+    many, many_counts = check_tenants(10_000)
+    assert many[0] == "10000 tenants but max_tenants=8; raise max_tenants"
+    assert "tenant 't5000': rank must be >= 1 (got 0)" in many
+    assert any(p.startswith("tenant 't9999': target_modules not found in the model: nope_proj") for p in many)
+    assert len(many) == 3, many
+    assert len(few) == 3 and "tenant 't5': rank must be >= 1 (got 0)" in few
+    assert many_counts == few_counts, "the shared file and target lists are worked out once per check"
+    assert few_counts["scans"] == 1

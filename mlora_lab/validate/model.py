@@ -38,7 +38,7 @@ from mlora_lab.text import (
     show_path,
 )
 from mlora_lab.validate.context import Context, usable_path
-from mlora_lab.validate.introspect import device_memory, load_config, model_info, select_linear
+from mlora_lab.validate.introspect import device_memory, load_config, model_info
 from mlora_lab.validate.weights import safetensors_shapes
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def _resolve_modules(ctx: Context, owner: Tenant | None, field: str, targets: li
     assert m is not None
     chosen: set[str] = set()
     if ALL_LINEAR in targets:  # alone, or with other names in slot_modules (the union)
-        chosen = select_linear(m, [ALL_LINEAR])
+        chosen = set(ctx.linear_of([ALL_LINEAR]))
         if not chosen:
             ctx.say(owner, field, f"{field} '{ALL_LINEAR}' matches no linear layer in the model")
             return None
@@ -225,7 +225,7 @@ def _resolve_modules(ctx: Context, owner: Tenant | None, field: str, targets: li
     unknown: list[str] = []
     ok = True
     for target in targets:
-        hits = [(n, cls) for n, cls in m.modules if name_matches(n, target)]
+        hits = ctx.modules_named(target)
         if not hits:
             unknown.append(target)
             continue
@@ -290,7 +290,7 @@ def check_slot_modules(ctx: Context, tenants: list[Tenant]) -> None:
     for t in tenants:
         if not valid_targets(t.target_modules):
             continue
-        outside = [x for x in t.target_modules if select_linear(ctx.model, [x]) - covered]
+        outside = [x for x in t.target_modules if ctx.linear_of([x]) - covered]
         if outside:
             ctx.say(
                 t,
@@ -411,15 +411,22 @@ def check_memory(ctx: Context, tenants: list[Tenant]) -> None:
         return
     total, device = mem
     sizes = []  # (bytes, tenant, rank, features)
+    features: dict[tuple[tuple[str, ...], tuple[str, ...]], int] = {}  # (many tenants share a few targets)
     for t in tenants:
         if not (is_int(t.rank) and 1 <= t.rank <= MAX_SLOTS):
             continue
-        chosen = select_linear(m, t.target_modules) if valid_targets(t.target_modules) else set()
-        feats = sum(inn + out for n, inn, out in m.linear_shapes if n in chosen)
-        params = t.target_parameters if valid_targets(t.target_parameters) else []
-        feats += sum(
-            E * (inn + out) for n, E, out, inn in m.expert_shapes if any(name_matches(n, p) for p in params)
-        )
+        mods = tuple(t.target_modules) if valid_targets(t.target_modules) else ()
+        params = tuple(t.target_parameters) if valid_targets(t.target_parameters) else ()
+        feats = features.get((mods, params))
+        if feats is None:
+            chosen = ctx.linear_of(mods) if mods else frozenset()
+            feats = sum(inn + out for n, inn, out in m.linear_shapes if n in chosen)
+            feats += sum(
+                E * (inn + out)
+                for n, E, out, inn in m.expert_shapes
+                if any(name_matches(n, p) for p in params)
+            )
+            features[(mods, params)] = feats
         sizes.append((t.rank * feats * 16, t.name, t.rank, feats))
     need = sum(size for size, *_ in sizes)
     if need > total:

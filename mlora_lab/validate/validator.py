@@ -95,8 +95,11 @@ class Validator:
         """Every problem of ``spec``, at most ``MAX_PROBLEMS`` of them; never raises, starts no process.
 
         ``files=False`` reads no file: only the fields, names, parallel layout and tenant set."""
+        # Without a cache of its own, one check still keeps one: the tenants of a big spec share a few
+        # data files (a sweep's share one), each scanned once instead of once per tenant.
+        cache = self.cache if self.cache is not None else ValidationCache()
         try:
-            return capped(run_checks(Context(spec, self.cache), files=files))
+            return capped(run_checks(Context(spec, cache), files=files))
         except Exception as e:  # "never raises": a bug in a check is still reported, not thrown
             return _internal_error("spec", e)
 
