@@ -21,11 +21,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlora_lab.data import encode_prompt, read_rows
+from mlora_lab.data import DataError, encode_prompt, read_rows
 from mlora_lab.rl.prompts import chat_prompt
 from mlora_lab.rl.rewards import RewardBatch, RewardWorker, parse_reward
 from mlora_lab.rundir.evals import EvalExample
 from mlora_lab.sampling import SampleRequest, sample
+from mlora_lab.sources import source_name
 
 
 @dataclass
@@ -41,16 +42,25 @@ class EvalPrompt:
         return not isinstance(self.prompt, str)
 
 
+EVAL_ROW = "an evaluation row"
+"""What an evaluation's row is called in the problems found in it (an RL tenant's is "an RL row")."""
+
+
 def read_examples(source: Any, tokenizer: Any, limit: int | None = None) -> list[EvalPrompt]:
     """An evaluation's examples from any tenant data source: rows with ``prompt`` (a text, or TRL's
-    conversational list of messages) or ``messages`` and any other columns, read and checked as an RL
-    tenant's prompt rows are (:func:`mlora_lab.data.read_rows`, one ``DataError`` naming every bad row).
+    conversational list of messages) or ``messages`` and any other columns, read and checked as prompt
+    rows are (:func:`mlora_lab.data.read_rows`, named :data:`EVAL_ROW`: one ``DataError``, "bad evaluation
+    data", naming every bad row).
 
     A ``messages`` row that ends with the assistant's turn (a supervised chat row) is asked the turns
     before it, and the assistant's answer becomes its ``reference`` column (unless it has one).
     ``limit``: the first ``limit`` rows only."""
+    try:
+        rows = read_rows(source, prompts=EVAL_ROW)
+    except DataError as e:
+        raise DataError(e.problems, header=f"bad evaluation data {source_name(source)}") from None
     out = []
-    for row in read_rows(source, prompts=True)[:limit]:
+    for row in rows[:limit]:
         row = dict(row)
         chat = chat_prompt(row)
         if row.get("messages") is not None and chat and chat[-1].get("role") == "assistant" and len(chat) > 1:

@@ -253,6 +253,7 @@ def _evaluate(
     import transformers
 
     from mlora_lab.bases import no_progress_bars, resolve_base
+    from mlora_lab.data import DataError
     from mlora_lab.evals.generate import metric_names, read_examples, run_eval
     from mlora_lab.lora import MultiLoRAModel
     from mlora_lab.rl.rewards import RewardSignature, inspect_rewards
@@ -262,11 +263,16 @@ def _evaluate(
     base_path = str(resolve_base(src.base_model, revision=src.revision))
     tok_path = str(hub.resolve(src.tokenizer)) if src.tokenizer else base_path
     tokenizer = transformers.AutoTokenizer.from_pretrained(tok_path)
-    examples = read_examples(data, tokenizer, limit)
+    try:
+        examples = read_examples(data, tokenizer, limit)
+    except DataError as e:  # (every bad row, with the metrics' problems, in the one error)
+        examples, problems = [], list(e.problems)
     columns = {k for ex in examples for k in ex.columns}
     for sig in inspect_rewards(refs, cwd=os.getcwd()):
-        problems += sig.problems(columns) if isinstance(sig, RewardSignature) else [str(sig)]
-    if not examples:
+        problems += (
+            sig.problems(columns if examples else None) if isinstance(sig, RewardSignature) else [str(sig)]
+        )
+    if not examples and not problems:
         problems.append(f"{source_name(data)} has no rows")
     if problems:
         raise ValueError("evaluate:\n  - " + "\n  - ".join(problems))

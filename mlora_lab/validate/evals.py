@@ -2,7 +2,7 @@
 
 check_eval_fields(ctx)   each evaluation's fields, names unique and usable as folders, its models among the
                          base and the tenants (any name when tenants may join later), its metrics references
-check_eval_files(ctx)    its rows read as prompt rows, its metrics imported in a worker process and checked
+check_eval_files(ctx)    its rows read as prompt rows (named evaluation rows), its metrics imported in a worker process and checked
                          against the rows' columns (as an RL tenant's reward functions are)
 """
 
@@ -126,10 +126,11 @@ def metric_refs(e: Eval, folder: Path) -> list[str]:
 def check_eval_files(ctx: Context, evals: list[Eval]) -> None:
     """Each evaluation's rows (prompt rows, as an RL tenant's) and its metrics against their columns."""
     from mlora_lab.data import scan_source  # the data module imports torch
+    from mlora_lab.evals.generate import EVAL_ROW
 
     for e in evals:
         where = f"evaluation {e.name!r}"
-        report = scan_source(e.data, prompts=True)
+        report = scan_source(e.data, prompts=EVAL_ROW)
         for problem in report.problems:
             ctx.say(None, "evals", f"{where}: {problem}")
         if not report.problems and report.n_rows == 0:

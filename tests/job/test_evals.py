@@ -126,6 +126,20 @@ def test_every_problem_of_an_evaluation_is_named_at_once(llama_path, tmp_path):
         assert part in found, found
 
 
+def test_ev6_an_evaluations_rows_without_a_prompt_are_refused_as_evaluation_rows(llama_path, tmp_path):
+    """EV6: a job's evaluation data without a prompt was refused as "an RL row needs 'prompt'"; the problem
+    now names the evaluation and says they are evaluation rows."""
+    bad = ml.Eval(
+        name="x", data=write_jsonl(tmp_path / "bad.jsonl", [{"text": "no prompt"}]), metrics=["contains"]
+    )
+    spec = JobSpec(base_model=llama_path, tenants=two_tenants(tmp_path), seq_len=32, max_rank=8, evals=[bad])
+    found = [str(p) for p in problems(spec)]
+    assert any("evaluation 'x'" in p and "line 1: an evaluation row needs 'prompt'" in p for p in found), (
+        found
+    )
+    assert not any("RL" in p or "reward" in p for p in found), found
+
+
 def test_a_failing_metric_never_stops_training(llama_path, tmp_path):
     """A metric that raises fails its evaluation, each time, as an ``eval_failed`` event naming it; the tenants
     train to their end, and another evaluation of the same job still logs its rows."""

@@ -465,6 +465,22 @@ def test_ev13e_a_rubric_naming_an_unknown_field_is_one_message():
     assert ml.Judge(rubric="{prompt!r} {{literal}} {completion:>5} {reference}").rubric
 
 
+def test_ev6_rows_without_a_prompt_are_refused_as_evaluation_rows(adapters, monkeypatch):
+    """EV6: evaluation data without a prompt was refused as "an RL row needs 'prompt'" under "bad tenant
+    data"; the one ``evaluate`` error now says they are evaluation rows, with every other bad row, before
+    any model loads."""
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded")
+    )
+    rows = [{"text": "no prompt"}, {"prompt": "upper: sun\n", "completions": "SUN"}, *ROWS[:1]]
+    with pytest.raises(ValueError) as e:
+        ml.evaluate(adapters, rows, ["contains"], name="ev6")
+    text = str(e.value)
+    assert text.startswith("evaluate:") and "row 0: an evaluation row needs 'prompt'" in text, text
+    assert "row 1: column 'completions'" in text, text
+    assert "RL" not in text and "tenant" not in text, text
+
+
 # -- plots and failed tenants (m11) ----------------------------------------------------------------------
 
 
