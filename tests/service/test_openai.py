@@ -262,6 +262,19 @@ def test_an_llm_judge_metric_asks_a_model_through_the_endpoint(served, tmp_path,
     assert all((a is None and b != b) or a == b for a, b in zip(direct, got))
 
 
+def test_oa19_a_judge_keeps_the_endpoints_reason_for_refusing_it(served):
+    """OA19: the endpoint's 400 reached a judge as "HTTP Error 400: Bad Request", its reason lost; the judge's
+    error now names the judge, its model, the status and the endpoint's own reason."""
+    job, _ = served
+    judge = ml.Judge(model="alice", rubric="rate {completion}:", base_url=f"{job.server.url}/v1", api_key=job.key,
+                     max_tokens=10**9, name="strict")  # fmt: skip
+    with pytest.raises(Exception) as e:  # (before: urllib's HTTPError, "Bad Request")
+        judge(["reverse: red cat\n"], ["cat red"])
+    text = str(e.value)
+    assert "judge 'strict' (model 'alice')" in text and "HTTP 400" in text and "max_tokens" in text, text
+    assert isinstance(e.value, ml.metrics.JudgeError), repr(e.value)
+
+
 def test_a_named_sampler_snapshot_is_a_model_of_its_key(served):
     """A Tinker client's named sampler snapshot is a model of the endpoint (its ``tinker://`` path), for its own
     key only, and samples as the SDK's sampling client of the same path does."""
