@@ -208,6 +208,70 @@ def test_resume_over_a_quantized_base_equals_an_uninterrupted_run(
     assert max_diff(again.model.tenant_tensors("a"), straight.model.tenant_tensors("a")) <= 1e-6
 
 
+def cut_nf4_run(base: str, data: str, run_dir, steps: int = 3) -> JobSpec:
+    """An nf4 run of one tenant (6 steps) cut after ``steps`` with a checkpoint; its spec."""
+    tenant = Tenant(
+        name="a", data=data, rank=4, target_modules=["q_proj", "v_proj"], lr=5e-3, batch_size=2, max_steps=6,
+        seed=1, eps=1e-6,
+    )  # fmt: skip
+    spec = JobSpec(base_model=base, tenants=[tenant], seq_len=48, max_rank=8, max_tenants=2, quantize="nf4")
+    first = Trainer(spec, run_dir=run_dir)
+    for _ in range(steps):
+        first.step()
+    first.save_checkpoint()
+    first.close()
+    return spec
+
+
+@pytest.mark.parametrize(
+    "edit", [{"quantize": None}, {"quantize": "int8"}, {"quantize_embeddings": True}], ids=str
+)
+def test_Q6_a_changed_quantize_is_held_back_when_an_nf4_run_resumes(edit, tiny_models, make_data, tmp_path):
+    """Q6: resuming an nf4 run after job.json's ``quantize`` (or ``quantize_embeddings``) changed said
+    nothing, and the adapters went on over another base. The change is held back, as a changed rank is: the
+    resume keeps the checkpoint's base (nf4), says which setting it held back and why (a ``warning`` event,
+    and the log), puts job.json back, and goes on exactly as a run never cut."""
+    import json
+
+    base = tiny_models("llama")
+    spec = cut_nf4_run(base, make_data("reverse"), tmp_path / "cut")
+    straight = Trainer(spec)
+    straight.train()
+    job = tmp_path / "cut" / "job.json"
+    job.write_text(json.dumps(json.loads(job.read_text()) | edit))
+    again = Trainer(JobSpec.load(job), run_dir=tmp_path / "cut", resume=True)
+    (field,) = edit
+    assert (again.spec.quantize, again.spec.quantize_embeddings) == ("nf4", False)
+    saved = json.loads(job.read_text())
+    assert (saved["quantize"], saved["quantize_embeddings"]) == ("nf4", False), "job.json is put back"
+    (warning,) = [r for r in again.history if r["kind"] == "event" and r["event"] == "warning"]
+    assert f"job.json's {field}={edit[field]!r} is held back" in warning["message"], warning["message"]
+    again.train()
+    assert again.global_step == 6 and again.losses("a")[-1] == straight.losses("a")[-1]
+    assert max_diff(again.model.tenant_tensors("a"), straight.model.tenant_tensors("a")) <= 1e-6
+
+
+@pytest.mark.slow
+def test_Q6_ml_resume_says_what_it_held_back(tiny_models, make_data, tmp_path):
+    """Q6: ``ml.resume`` (and ``mlora-lab resume``) warns the caller, naming the setting it holds back,
+    before the job starts; the resumed job runs over the nf4 base it was trained on."""
+    import json
+
+    import mlora_lab as ml
+    from mlora_lab.rundir import update_status
+
+    run_dir = tmp_path / "cut"
+    cut_nf4_run(tiny_models("llama"), make_data("reverse"), run_dir)
+    update_status(run_dir, state="stopped")
+    job = run_dir / "job.json"
+    job.write_text(json.dumps(json.loads(job.read_text()) | {"quantize": None}))
+    with pytest.warns(UserWarning, match=r"job.json's quantize=None is held back.*quantize='nf4'"):
+        run = ml.resume(run_dir)
+    assert json.loads(job.read_text())["quantize"] == "nf4"
+    assert run.wait(timeout=300) == "finished", run.logs(0)
+    assert run.metrics().query("kind == 'train'")["tenant_step"].max() == 6
+
+
 @pytest.mark.parametrize("mode", ["nf4", "nf4+embeddings"])
 def test_greedy_sampling_over_a_quantized_base_equals_peft_generate(mode, tiny_models, tmp_path):
     from mlora_lab.lora import MultiLoRAModel

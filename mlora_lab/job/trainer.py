@@ -86,6 +86,12 @@ class Trainer:
         self.stop_requested = False
         torch.manual_seed(spec.seed)
         self.comm, mesh = self._layout()
+        self.checkpointer = Checkpointer(self.run, self.comm, self.dist.is_main)
+        # The checkpoint is chosen before the base is built: the base it records is the one to build
+        # (a quantize or dtype changed in job.json since is held back, as a changed rank is)
+        self._resumed = self.checkpointer.latest() if resume else None
+        saved_base = self._resumed[1].get("base") if self._resumed and self._resumed[1] else None
+        self._held_back = checkpoint.hold_back_base(spec, saved_base)
         self.engine = Engine.build(spec, self.dims, mesh, self.comm)
         self._record_slots()
         self.recorder = Recorder(self.run, self.comm, self.dist.is_main, spec.log_every)
@@ -95,7 +101,6 @@ class Trainer:
         self.drivers = Drivers([make(parts) for make in drivers])
         controls = Controls(self.pool, self.drivers.feed, self.run)
         self.control = ControlHandler(self.run, self.comm, self.dist.is_main, controls)
-        self.checkpointer = Checkpointer(self.run, self.comm, self.dist.is_main)
         self.evals = JobEvals(spec.evals, self.engine, self.comm, self.recorder, self.run, self.dist.is_main)
         self.search: SearchController | None = None
         self._start_tenants(resume)
@@ -125,7 +130,8 @@ class Trainer:
         named, and the others resume."""
         saved, skipped = None, []
         if resume:
-            path, saved, skipped = self.checkpointer.latest()
+            assert self._resumed is not None
+            path, saved, skipped = self._resumed
             if path is None:
                 why = "".join(f"\n  {name}: {reason}" for name, reason in skipped)
                 where = self.run.checkpoints if self.run else None
@@ -140,6 +146,10 @@ class Trainer:
                     EventKind.CHECKPOINT_SKIPPED, f"{name} is damaged and was skipped: {reason}"
                 )
             self.pool.removed = set(saved["removed"])
+            for said in self._held_back:
+                if self.dist.is_main:
+                    print(said, flush=True)
+                self.recorder.event(EventKind.WARNING, said)
         sweep = read_sweep(self.run) if self.run is not None else None
         if sweep is not None:
             self.search = SearchController(
@@ -175,11 +185,13 @@ class Trainer:
         return parts
 
     def state_dict(self) -> dict[str, Any]:
-        """The job's own state: its global step, the world size it ran on, and the RNG state."""
+        """The job's own state: its global step, the world size it ran on, the RNG state, and the base it
+        trains over (:data:`~mlora_lab.rundir.checkpoint.BASE_SETTINGS`: a resume keeps it)."""
         return {
             "global_step": self.global_step,
             "world_size": self.dist.world_size,
             "rng": torch.get_rng_state(),
+            "base": checkpoint.base_settings(self.spec),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

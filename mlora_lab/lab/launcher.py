@@ -425,6 +425,10 @@ def resume(
             raise FileNotFoundError(f"{run.root}: no intact checkpoint to resume from{why}")
         for damaged, reason in skipped:
             warnings.warn(f"{damaged.name} is damaged ({reason}); resuming from {path.name}", stacklevel=2)
+        # a base setting changed in job.json since (quantize, dtype) is held back, as the job holds it back
+        held_back = checkpoint.hold_back_base(spec, checkpoint.read_base(path))
+        for said in held_back:
+            warnings.warn(said, stacklevel=2)
         try:
             before = read_status(run.root)
         except RunDirError:  # corrupt (see above): the launcher it was launched with is unknown
@@ -447,7 +451,7 @@ def resume(
         if problems:
             raise SpecError(problems)
         _convert_base(spec)
-        if changed:
+        if changed or held_back:
             spec.to_json(run.job)
         control.clear_stop(run.root)
         update_status(

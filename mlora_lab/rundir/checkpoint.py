@@ -263,6 +263,56 @@ def check_job_state(state: Any, name: str = "checkpoint") -> None:
         count(saved.get("step"), f"tenant {tenant!r}: step")
 
 
+BASE_SETTINGS = ("quantize", "quantize_embeddings", "dtype")
+"""The base model's settings (``JobSpec`` fields) a job's checkpoint records, as its state's ``base``: the
+adapters it holds were trained over that base (an nf4 one, a bfloat16 one), and a resume continues exactly,
+so a resume keeps them (:func:`hold_back_base`), as it keeps a tenant's rank."""
+
+
+def base_settings(spec: Any) -> dict[str, Any]:
+    """``spec``'s :data:`BASE_SETTINGS`, as a checkpoint records them."""
+    return {f: getattr(spec, f) for f in BASE_SETTINGS}
+
+
+def read_base(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The base settings an intact checkpoint records (its ``state.json`` alone is read: no tensor);
+    ``None`` for one written before they were kept, or one that cannot be read."""
+    try:
+        state = json.loads((Path(path) / STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    base = state.get("base") if isinstance(state, dict) else None
+    return base if isinstance(base, dict) else None
+
+
+def hold_back_base(spec: Any, saved: Any) -> list[str]:
+    """Put ``spec``'s base settings that differ from a checkpoint's (``saved``, its ``base``) back to the
+    checkpoint's, and say so: one sentence per setting held back, naming both values. Nothing for a
+    checkpoint that records none (written before they were kept), nor for a recorded value that no spec
+    could hold (a crafted checkpoint)."""
+    from mlora_lab.spec import DTYPES, QUANTIZE  # (the spec's choices; rundir otherwise knows no spec)
+
+    if not isinstance(saved, dict):
+        return []
+    allowed = {
+        "quantize": lambda v: v is None or (isinstance(v, str) and v in QUANTIZE),
+        "quantize_embeddings": lambda v: isinstance(v, bool),
+        "dtype": lambda v: isinstance(v, str) and v in DTYPES,
+    }
+    said = []
+    for f in BASE_SETTINGS:
+        then, now = saved.get(f), getattr(spec, f)
+        if f not in saved or not allowed[f](then) or (type(now) is type(then) and now == then):
+            continue
+        setattr(spec, f, then)
+        said.append(
+            f"job.json's {f}={now!r} is held back: this run's adapters were trained over the base its checkpoint "
+            f"records ({f}={then!r}), and the resume goes on over it (job.json says so again). To train over "
+            "another base, launch a new run whose tenants start from these adapters (init_adapter)"
+        )
+    return said
+
+
 def checkpoint_dirs(checkpoints: str | os.PathLike) -> list[Path]:
     """``step_*`` directories (not symlinks), oldest first."""
     root = Path(checkpoints)

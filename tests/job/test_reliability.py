@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 import pytest
+import torch
 from conftest import not_ours, write_jsonl
 from test_isolation import good_tenants, job, long_text_rows
 
@@ -660,6 +661,27 @@ def test_a_renamed_tenant_does_not_train_beside_its_old_name(llama_path, tmp_pat
     assert "job.json no longer lists it (renamed to 'a2'?)" in resumed.unstarted["a"]
     saved = checkpoint.read_checkpoint(checkpoint.latest_intact(run / "checkpoints")[0])
     assert saved["tenants"]["a"]["step"] == 2, "a's state is kept in the checkpoints"
+
+
+def test_Q6_a_base_setting_changed_in_job_json_is_held_back_on_resume(llama_path, tmp_path):
+    """Q6: the base's ``dtype`` (as its ``quantize``, tests/test_quantize.py) edited in job.json before a
+    resume was taken silently: the adapters then went on over another base. It is held back, as a changed
+    rank is: the resume keeps the checkpoint's setting, says so (a ``warning`` event and the log), puts
+    job.json back, and continues as if never cut; a resume with job.json untouched says nothing."""
+    run, _ = stopped_at_step_2(llama_path, tmp_path)
+    straight, _ = stopped_at_step_2(llama_path, tmp_path / "straight")
+    d = json.loads((run / "job.json").read_text())
+    assert d["dtype"] == "auto"
+    d["dtype"] = "bfloat16"
+    (run / "job.json").write_text(json.dumps(d))
+    resumed = resume_in_process(run)
+    assert resumed.spec.dtype == "auto" and json.loads((run / "job.json").read_text())["dtype"] == "auto"
+    assert resumed.model.model.get_input_embeddings().weight.dtype == torch.float32
+    (warning,) = [r for r in resumed.history if r["kind"] == "event" and r["event"] == "warning"]
+    assert "dtype='bfloat16' is held back" in warning["message"] and "dtype='auto'" in warning["message"]
+    untouched = resume_in_process(straight)
+    assert not [r for r in untouched.history if r["kind"] == "event" and r["event"] == "warning"]
+    assert untouched.losses("a") == resumed.losses("a") and untouched.losses("b") == resumed.losses("b")
 
 
 def recommit(path: Path, edit) -> None:
