@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mlora_lab.rl.prompts import chat_prompt, prompt_row_problems
+from mlora_lab.rl.prompts import RL_ROW, chat_prompt, prompt_row_problems
 from mlora_lab.sources import SourceError, memory_kind, source_name, source_rows
 from mlora_lab.text import error_line, surrogate_problem
 
@@ -75,15 +75,16 @@ class SourceReport:
 
 # In a Python str from JSON every surrogate code point is a lone one ("\ud800"): a valid pair
 # ("\ud83d\ude00") is decoded to one character. It has no UTF-8 form, so tokenizers raise on it.
-def _row_kind_and_problems(row: Any, prompts: bool = False) -> tuple[str | None, list[str]]:
+def _row_kind_and_problems(row: Any, prompts: bool | str = False) -> tuple[str | None, list[str]]:
     """Classify one parsed row; problems are phrased without the file/line prefix. A key whose value is
     null counts as missing: a table (a DataFrame, a parquet file) holds every column in every row, so
-    its ``text`` rows have a null ``prompt`` and ``completion``. With ``prompts`` the row is an RL
-    tenant's: a prompt to complete (:func:`~mlora_lab.rl.prompts.prompt_row_problems`)."""
+    its ``text`` rows have a null ``prompt`` and ``completion``. With ``prompts`` the row is a prompt to
+    complete (:func:`~mlora_lab.rl.prompts.prompt_row_problems`): an RL tenant's (``True``), or what a
+    text names (``"an evaluation row"``)."""
     if not isinstance(row, dict):
         return None, [f"expected a JSON object, got {type(row).__name__}"]
     if prompts:
-        return prompt_row_problems(row)
+        return prompt_row_problems(row, prompts if isinstance(prompts, str) else RL_ROW)
     present = [kind for kind, keys in _KIND_KEYS.items() if any(row.get(key) is not None for key in keys)]
     if not present:
         return None, ["row has none of 'text', 'prompt'+'completion', 'messages'"]
@@ -136,7 +137,9 @@ def _cap(problems: list[str], where: str, total: int | None = None) -> list[str]
     return [*problems[:MAX_PROBLEMS_PER_FILE], f"{where}: ... and {extra} more problem(s)"]
 
 
-def _checked_rows(source: Any, prompts: bool = False) -> Iterator[tuple[str, str | None, Any, list[str]]]:
+def _checked_rows(
+    source: Any, prompts: bool | str = False
+) -> Iterator[tuple[str, str | None, Any, list[str]]]:
     """``(label, kind, row, problems)`` of every row of ``source`` (:func:`~mlora_lab.sources.source_rows`),
     its shape checked. Raises :class:`~mlora_lab.sources.SourceError`."""
     for r in source_rows(source):
@@ -147,8 +150,10 @@ def _checked_rows(source: Any, prompts: bool = False) -> Iterator[tuple[str, str
         yield r.label, kind, r.row, problems
 
 
-def _scan(source: Any, keep_rows: bool = True, prompts: bool = False) -> tuple[SourceReport, list[dict]]:
-    """Read and check every row of ``source`` (``prompts``: an RL tenant's prompt rows); returns the
+def _scan(
+    source: Any, keep_rows: bool = True, prompts: bool | str = False
+) -> tuple[SourceReport, list[dict]]:
+    """Read and check every row of ``source`` (``prompts``: prompt rows, :func:`scan_source`); returns the
     report and (with ``keep_rows``) the rows that are valid."""
     where = source_name(source)
     problems: list[str] = []
@@ -178,9 +183,10 @@ def _scan(source: Any, keep_rows: bool = True, prompts: bool = False) -> tuple[S
     return SourceReport(n_rows, kinds, _cap(problems, where, n_problems), columns), rows
 
 
-def scan_source(source: Any, prompts: bool = False) -> SourceReport:
+def scan_source(source: Any, prompts: bool | str = False) -> SourceReport:
     """Check a tenant's data source (a file of any kind :mod:`mlora_lab.sources` reads, or an in-memory
-    source) and report every problem; never raises.
+    source) and report every problem; never raises. With ``prompts`` its rows are prompts to complete: an
+    RL tenant's (``True``), or those that a text names in messages (``"an evaluation row"``).
 
     Problems name the source and the row, e.g. ``"data.jsonl line 3: not valid JSON (...)"``,
     ``"DataFrame row 2: 'text' must be a string"``. Blank lines are skipped. The list is capped at ~20
@@ -194,8 +200,8 @@ def scan_source(source: Any, prompts: bool = False) -> SourceReport:
         )
 
 
-def read_rows(source: Any, prompts: bool = False) -> list[dict]:
-    """All rows of a tenant's data source, in order (``prompts``: an RL tenant's prompt rows). Raises
+def read_rows(source: Any, prompts: bool | str = False) -> list[dict]:
+    """All rows of a tenant's data source, in order (``prompts``: prompt rows, :func:`scan_source`). Raises
     :class:`DataError` listing every problem."""
     report, rows = _scan(source, prompts=prompts)
     if report.problems:
@@ -243,11 +249,25 @@ def encode_prompt(row: dict, tokenizer: Any) -> tuple[Any, str, list[int]]:
     ``prompt`` text with the tokenizer's special tokens, a chat (``messages``, or TRL's conversational
     ``prompt``) through the chat template with the generation prompt (its special tokens are the
     template's)."""
+    prompt, text, special = _prompt_text(row, tokenizer)
+    return prompt, text, encode(tokenizer, text, add_special_tokens=special)
+
+
+def encode_prompt_cut(row: dict, tokenizer: Any, max_tokens: int) -> tuple[Any, str, list[int], bool]:
+    """:func:`encode_prompt` keeping the prompt's last ``max_tokens`` tokens (the end of a prompt is where
+    it asks): ``(prompt as given, text fed, ids, cut)``. The ids are exactly the end of the whole
+    tokenization, but a long prompt is never tokenized whole (:func:`_encode_tail`)."""
+    prompt, text, special = _prompt_text(row, tokenizer)
+    ids, _ = _encode_tail(tokenizer, text, special, max_tokens)
+    return prompt, text, ids[-max_tokens:], len(ids) > max_tokens
+
+
+def _prompt_text(row: dict, tokenizer: Any) -> tuple[Any, str, bool]:
+    """``(prompt as given, text fed, whether the tokenizer adds its special tokens)`` of a prompt row."""
     chat = chat_prompt(row)
     if chat is not None:
-        text = render_chat(tokenizer, chat, add_generation_prompt=True)
-        return chat, text, encode(tokenizer, text, add_special_tokens=False)
-    return row["prompt"], row["prompt"], encode(tokenizer, row["prompt"], add_special_tokens=True)
+        return chat, render_chat(tokenizer, chat, add_generation_prompt=True), False
+    return row["prompt"], row["prompt"], True
 
 
 # The first prefix _encode_head tokenizes: this many characters per token needed, and at least this many.
@@ -286,6 +306,40 @@ def _encode_head(
                 return ids[:need], offs[:need] if offs is not None else None, False
             prev = ids[:need]
         length *= 2
+
+
+def _encode_tail(tokenizer: Any, text: str, add_special_tokens: bool, n: int) -> tuple[list[int], bool]:
+    """The last tokens of ``tokenizer(text)`` without tokenizing all of a huge ``text``: ``(ids, whole)``,
+    :func:`_encode_head` from the other end.
+
+    ``whole``: ``text`` was tokenized entirely and ``ids`` are all its tokens. Otherwise ``ids`` are the
+    last ``n + 1`` tokens of the whole text (so it has more than ``n``). Suffixes of ``text`` (as many
+    characters as :func:`_encode_head`'s prefixes, then doubling) are tokenized without special tokens
+    until two successive ones agree on their last ``n + 1`` ids (a suffix only tokenizes differently near
+    its cut); the special tokens the tokenizer puts after a text (an EOS, for some) then end them.
+    """
+    need = n + 1
+    length = max(_HEAD_CHARS_PER_TOKEN * need, _HEAD_MIN_CHARS, 1)
+    prev: list[int] | None = None
+    while length < len(text):
+        piece = text[len(text) - length :]
+        ids = encode(tokenizer, piece, add_special_tokens=False)
+        if len(ids) >= need:
+            if prev == ids[-need:]:
+                after = _specials_after(tokenizer, piece, ids) if add_special_tokens else []
+                return (ids + after)[-need:], False
+            prev = ids[-need:]
+        length *= 2
+    return encode(tokenizer, text, add_special_tokens), True
+
+
+def _specials_after(tokenizer: Any, text: str, plain: list[int]) -> list[int]:
+    """The special tokens ``tokenizer`` puts after ``text``'s own (``plain``: without special tokens)."""
+    full = encode(tokenizer, text, add_special_tokens=True)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[start + len(plain) :]
+    return []
 
 
 def _with_eos(ids: list[int], eos_id: int | None) -> list[int]:
@@ -470,6 +524,51 @@ def load_examples(source: Any, tokenizer: Any, seq_len: int) -> list[Example]:
     """:func:`read_rows` + :func:`tokenize_rows`: a tenant's data source as token rows (rows with no
     target token left dropped; :class:`DataError` if no row keeps one)."""
     return tokenize_rows(read_rows(source), tokenizer, seq_len, source=source_name(source))
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt of an RL tenant, as the model and the reward functions see it."""
+
+    ids: list[int]
+    """Token ids to complete (its last ``max_tokens``, :func:`tokenize_prompts`)."""
+    prompt: Any
+    """As the reward functions get it: the row's ``prompt`` text, or its ``messages`` list."""
+    text: str
+    """The text the ids encode (a chat rendered with the generation prompt): what the samples show."""
+    columns: dict[str, Any]
+    """Every other field of the row, for the reward functions' keyword arguments."""
+
+    @property
+    def chat(self) -> bool:
+        return not isinstance(self.prompt, str)
+
+
+def tokenize_prompts(rows: list[dict], tokenizer: Any, max_tokens: int, source: str = "") -> list[PromptRow]:
+    """An RL tenant's prompt rows tokenized (:func:`encode_prompt_cut`): a prompt longer than ``max_tokens``
+    (``seq_len - max_new_tokens``: the room a completion leaves) keeps its last ones, cut before it is
+    tokenized whole, as :func:`tokenize_rows` cuts a row. Warns once (``UserWarning``) with the number cut."""
+    out, cut = [], 0
+    for row in rows:
+        prompt, text, ids, was_cut = encode_prompt_cut(row, tokenizer, max_tokens)
+        cut += was_cut
+        columns = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
+        out.append(PromptRow(ids, prompt, text, columns))
+    if cut:
+        warnings.warn(
+            f"{source or '<rows>'}: {cut} of {len(rows)} prompt(s) truncated to their last {max_tokens} tokens "
+            "(seq_len - max_new_tokens)",
+            UserWarning,
+            stacklevel=2,
+        )
+    return out
+
+
+def load_prompts(source: Any, tokenizer: Any, max_tokens: int) -> list[PromptRow]:
+    """:func:`read_rows` of prompt rows + :func:`tokenize_prompts`: an RL tenant's prompts as token ids."""
+    return tokenize_prompts(
+        read_rows(source, prompts=True), tokenizer, max_tokens, source=source_name(source)
+    )
 
 
 def check_vocab(examples: list[Example], vocab: int, source: str = "") -> None:

@@ -569,3 +569,93 @@ def test_rows_left_without_targets_are_dropped_and_a_file_with_none_is_refused(t
     assert example.n_target > 0
     assert target_problem(mixed, tok, 8) is None
     assert tokenize_rows([], tok, seq_len=8) == []
+
+
+# --------------------------------------------------------------------------- RL prompts
+
+
+class Spy:
+    """A tokenizer that records the longest text it was asked to tokenize."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def __call__(self, text, **kwargs):
+        self.longest = max(self.longest, len(text))
+        return self.tok(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_rn8_rl_prompts_far_longer_than_their_room_are_cut_first_keeping_their_end_and_warned(tok, tmp_path):
+    """RN8: RL prompts longer than ``seq_len - max_new_tokens`` keep their last tokens (the end is where a
+    prompt asks), exactly those of the whole tokenization, are cut before they are tokenized whole (a 2-MB
+    prompt costs a few kB of tokenizing, as an SFT row does), and one warning counts them, as SFT rows'."""
+    from mlora_lab.data import load_prompts
+
+    rng = random.Random(1)
+    far = "word " * 400_000 + random_text(rng, 3000)  # (2 MB; the reference below tokenizes it whole)
+    chat = [{"role": "user", "content": "word " * 60_000 + random_text(rng, 3000) + " what is 2 + 2?"}]
+    rows = [{"prompt": far}, {"prompt": "2 + 2 =", "answer": "4"}, {"messages": chat}, {"prompt": chat}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    spy = Spy(tok)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = load_prompts(path, spy, max_tokens=40)
+    assert spy.longest < 50_000, spy.longest
+    assert [str(w.message) for w in caught] == [
+        f"{path}: 3 of 4 prompt(s) truncated to their last 40 tokens (seq_len - max_new_tokens)"
+    ]
+    rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    whole = [
+        tok(far)["input_ids"],
+        tok("2 + 2 =")["input_ids"],
+        tok(rendered, add_special_tokens=False)["input_ids"],
+        tok(rendered, add_special_tokens=False)["input_ids"],
+    ]
+    assert [p.ids for p in got] == [w[-40:] for w in whole]
+    assert [p.prompt for p in got] == [far, "2 + 2 =", chat, chat]
+    assert got[1].columns == {"answer": "4"} and got[0].text == far and got[2].text == rendered
+
+
+@pytest.mark.parametrize("first_suffix", ["default", "one_char"])
+def test_rn8_cutting_a_prompt_first_gives_exactly_the_end_of_its_whole_tokenization(
+    tok, monkeypatch, first_suffix
+):
+    """RN8: over random texts (multi-byte characters, emoji, long words, whitespace runs, special-token
+    text) and rooms anywhere, including around the prompt's length: the ids and the cut flag are those of
+    tokenizing the whole prompt and keeping its last tokens."""
+    from mlora_lab.data import encode_prompt_cut
+
+    if first_suffix == "one_char":
+        monkeypatch.setattr(mlora_lab.data, "_HEAD_MIN_CHARS", 1)
+        monkeypatch.setattr(mlora_lab.data, "_HEAD_CHARS_PER_TOKEN", 1)
+    rng = random.Random(2)
+    n_cut = 0
+    for i in range(200):
+        text = random_text(rng, rng.choice([rng.randint(1, 300), rng.randint(1000, 6000)]))
+        row = {"prompt": text} if i % 2 else {"messages": [{"role": "user", "content": text}]}
+        chat = "messages" in row
+        fed = (
+            tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+            if chat
+            else text
+        )
+        full = tok(fed, add_special_tokens=not chat)["input_ids"]
+        for room in {1, 2, rng.randint(3, 64), max(len(full) - 1, 1), len(full), len(full) + 1}:
+            _, shown, ids, cut = encode_prompt_cut(row, tok, max_tokens=room)
+            assert (shown, ids, cut) == (fed, full[-room:], len(full) > room), (i, room, row)
+            n_cut += cut
+    assert n_cut > 300  # the cut path was taken, not only the whole one
+
+
+def test_ev6_prompt_rows_are_named_for_what_they_are_for():
+    """EV6: a prompt row without a prompt is "an RL row" to an RL tenant's reader and "an evaluation row" to
+    an evaluation's (``prompts=`` names what the rows are for)."""
+    rows = [{"prompt": "ok"}, {"answer": "4"}]
+    needs = "needs 'prompt' (a text, or a chat as a list of messages) or 'messages' to complete; this one has neither"
+    assert f"row 1: an RL row {needs}" in scan_source(rows, prompts=True).problems[0]
+    assert f"row 1: an evaluation row {needs}" in scan_source(rows, prompts="an evaluation row").problems[0]
+    with pytest.raises(DataError, match=f"row 1: an evaluation row {re.escape(needs)}"):
+        read_rows(rows, prompts="an evaluation row")

@@ -27,10 +27,15 @@ def chat_prompt(row: dict) -> list | None:
     return row["prompt"] if isinstance(row.get("prompt"), list) else None
 
 
-def prompt_row_problems(row: dict) -> tuple[str | None, list[str]]:
+RL_ROW = "an RL row"
+"""What a prompt row is called in messages when nothing else is said (an RL tenant's data)."""
+
+
+def prompt_row_problems(row: dict, what: str = RL_ROW) -> tuple[str | None, list[str]]:
     """An RL row: ``prompt`` (text to complete, or a list of messages as TRL's conversational rows have
     it) or ``messages`` (a chat, completed as the assistant's next turn), never both; any other key is a
-    column the reward functions may take, except the names the job gives them (:data:`RESERVED_COLUMNS`)."""
+    column the reward functions may take, except the names the job gives them (:data:`RESERVED_COLUMNS`).
+    ``what`` names the rows in messages by what they are for (``"an evaluation row"``: an evaluation's)."""
     has_prompt, has_messages = row.get("prompt") is not None, row.get("messages") is not None
     reserved = [k for k in RESERVED_COLUMNS if k in row]
     problems = [
@@ -41,7 +46,7 @@ def prompt_row_problems(row: dict) -> tuple[str | None, list[str]]:
     if has_prompt == has_messages:
         why = "has both" if has_prompt else "has neither"
         return None, [
-            f"an RL row needs 'prompt' (a text, or a chat as a list of messages) or 'messages' to complete; "
+            f"{what} needs 'prompt' (a text, or a chat as a list of messages) or 'messages' to complete; "
             f"this one {why}",
             *problems,
         ]

@@ -639,6 +639,43 @@ def test_a_tenant_that_trains_on_nothing_is_warned_and_what_its_rewards_logged_i
     assert samples and all(set(r.extra) == {"first"} and len(r.extra["first"]) <= 1 for r in samples)
 
 
+def test_rn8_an_rl_tenants_far_longer_prompts_are_cut_before_they_are_tokenized_and_warned(
+    llama_path, tmp_path
+):
+    """RN8: the RL driver reads a tenant's prompts as SFT rows are read: a 2-MB prompt is cut to its end
+    before it is tokenized (never tokenized whole), and one warning in the SFT rows' words counts the cut."""
+    import warnings
+
+    from mlora_lab.job.drivers.rl import read_prompts
+
+    class Spy:
+        def __init__(self, tok):
+            self.tok, self.longest = tok, 0
+
+        def __call__(self, text, **kwargs):
+            self.longest = max(self.longest, len(text))
+            return self.tok(text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+    data = tmp_path / "far.jsonl"
+    data.write_text(
+        json.dumps({"prompt": "word " * 400_000 + "say yes"}) + "\n" + json.dumps({"prompt": "hi"}) + "\n"
+    )
+    tok = Spy(transformers.AutoTokenizer.from_pretrained(llama_path))
+    t = rl_tenant("a", str(data), RL(reward="m:f", max_new_tokens=8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prompts = read_prompts(t, tok, seq_len=48, vocab=10**6)
+    assert tok.longest < 50_000, tok.longest
+    assert [str(w.message) for w in caught] == [
+        f"{data}: 1 of 2 prompt(s) truncated to their last 40 tokens (seq_len - max_new_tokens)"
+    ]
+    assert [len(p.ids) for p in prompts] == [40, len(tok.tok("hi")["input_ids"])]
+    assert prompts[0].ids == tok.tok("word " * 20 + "say yes")["input_ids"][-40:]
+
+
 def test_m8_flat_rewards_say_converged_at_the_best_reward_seen_and_finish_their_sentence(
     llama_path, tmp_path
 ):

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import warnings
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,9 +60,9 @@ from mlora_lab.data import (
     IGNORE_INDEX,
     DataError,
     Example,
+    PromptRow,
     TenantStream,
-    encode_prompt,
-    read_rows,
+    load_prompts,
 )
 from mlora_lab.job.agree import describe
 from mlora_lab.job.drivers.base import Driver, JobParts, Plan, StepResult
@@ -97,24 +96,6 @@ def generation_seed(seed: int, generation: int, position: int) -> int:
     the three (each completion's own generator is then seeded with ``row_seed(this, j)``)."""
     digest = hashlib.blake2b(f"mlora_lab.rl/{seed}/{generation}/{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-@dataclass(frozen=True)
-class PromptRow:
-    """One prompt of an RL tenant, as the model and the reward functions see it."""
-
-    ids: list[int]
-    """Token ids to complete (cut from the left to ``seq_len − max_new_tokens``)."""
-    prompt: Any
-    """As the reward functions get it: the row's ``prompt`` text, or its ``messages`` list."""
-    text: str
-    """The text the ids encode (a chat rendered with the generation prompt): what the samples show."""
-    columns: dict[str, Any]
-    """Every other field of the row, for the reward functions' keyword arguments."""
-
-    @property
-    def chat(self) -> bool:
-        return not isinstance(self.prompt, str)
 
 
 @dataclass
@@ -276,33 +257,23 @@ class RLFeed:
 
 
 def read_prompts(tenant: Tenant, tokenizer: Any, seq_len: int, vocab: int) -> list[PromptRow]:
-    """An RL tenant's prompt rows, tokenized: ``prompt`` text with the tokenizer's special tokens,
-    ``messages`` through the chat template with the generation prompt (its special tokens are the
-    template's). A prompt longer than ``seq_len − max_new_tokens`` keeps its last tokens (one warning)."""
+    """An RL tenant's prompt rows, tokenized (:func:`~mlora_lab.data.load_prompts`: ``prompt`` text with the
+    tokenizer's special tokens, ``messages`` through the chat template with the generation prompt). A prompt
+    longer than ``seq_len − max_new_tokens`` keeps its last tokens (one warning, as SFT rows cut get)."""
     rl: RL = tenant.rl
     where = source_name(tenant.data)
-    room = seq_len - rl.max_new_tokens
-    out, cut, problems = [], 0, []
-    for n, row in enumerate(read_rows(tenant.data, prompts=True), start=1):
-        prompt, text, ids = encode_prompt(row, tokenizer)  # (a chat through the template)
-        if not ids:
+    prompts = load_prompts(tenant.data, tokenizer, seq_len - rl.max_new_tokens)
+    problems = []
+    for n, p in enumerate(prompts, start=1):
+        if not p.ids:
             problems.append(f"{where} row {n}: the prompt encodes to no token")
-        elif max(ids) >= vocab:
-            problems.append(f"{where} row {n}: token id {max(ids)} is outside the model's {vocab} embeddings")
-        if len(ids) > room:
-            ids, cut = ids[len(ids) - room :], cut + 1
-        columns = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
-        out.append(PromptRow(ids, prompt, text, columns))
+        elif max(p.ids) >= vocab:
+            problems.append(
+                f"{where} row {n}: token id {max(p.ids)} is outside the model's {vocab} embeddings"
+            )
     if problems:
         raise DataError(problems, header=f"cannot use {where}")
-    if cut:
-        warnings.warn(
-            f"{where}: {cut} of {len(out)} prompt(s) longer than seq_len - max_new_tokens = {room} tokens "
-            "keep their last tokens",
-            UserWarning,
-            stacklevel=2,
-        )
-    return out
+    return prompts
 
 
 def completion_index(
