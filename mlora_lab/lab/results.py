@@ -41,6 +41,7 @@ from mlora_lab.lab.plotting import (
 )
 from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
 from mlora_lab.lab.series import METRICS, RL_METRICS, X_AXES, RunSeries, to_datetimes
+from mlora_lab.lab.tables import FittedFrame, Shown, cut, decimals, general, minute, whole
 from mlora_lab.lab.usage import latest_usage, usage_totals
 from mlora_lab.rundir import (
     EvalMetricRow,
@@ -106,6 +107,7 @@ RUNS_COLUMNS = [
     "tenants",
     "global_step",
     "best_smoothed_loss",
+    "best_reward",
     *USAGE_SHOWN,
     "tags",
     "note",
@@ -113,14 +115,118 @@ RUNS_COLUMNS = [
     "path",
     "problem",
 ]
+COUNTS = ("steps", "max_steps", "rank", "warmup", "batch_size", "grad_accum", "rows", "tokens", "global_step")
+"""Columns of whole numbers: pandas' nullable ``Int64``, so a count that one row lacks (a tenant that failed
+before its first step has no ``rows``) does not turn the column into floats (``1234.0``)."""
+
+
+class RunsFrame(FittedFrame):
+    """:func:`runs`' table: a DataFrame of every column, shown fitted (:mod:`mlora_lab.lab.tables`): each run
+    on one line, short headers, a run's usage, tags, note and problem only where some run has them, its path
+    left to the frame (``run`` names its directory)."""
+
+    VIEW = (
+        Shown("run", "run", keep=10),
+        Shown("name", "name", cut(24), keep=3),
+        Shown("state", "state", keep=9),
+        Shown("tenants", "tenants", cut(30), keep=5),
+        Shown("global_step", "step", whole, keep=7),
+        Shown("best_smoothed_loss", "best loss", decimals(), keep=6, optional=True),
+        Shown("best_reward", "best reward", decimals(), keep=6, optional=True),
+        Shown("tokens_trained", "trained", whole, keep=2, optional=True),
+        Shown("tokens_sampled", "sampled", whole, keep=2, optional=True),
+        Shown("busy_s", "busy s", decimals(1), keep=1, optional=True),
+        Shown("tags", "tags", cut(30), keep=4, optional=True),
+        Shown("note", "note", cut(40), keep=1, optional=True),
+        Shown("started", "started", minute, keep=5),
+        Shown("problem", "problem", cut(60), keep=8, optional=True),
+    )
+    HIDDEN = frozenset({"path"})
+
+
+LOSSES = ("final_loss", "best_smoothed_loss", "first_loss")
+
+
+class SummaryFrame(FittedFrame):
+    """:func:`summary`'s table: a DataFrame of every column, shown fitted (:mod:`mlora_lab.lab.tables`):
+    losses and rewards with 4 decimals (never in scientific notation for a tiny value), counts as whole
+    numbers, settings as written; the eval and reward columns only where some tenant has them, and, for
+    tenants that all learn from rewards, their rewards without their losses (a GRPO loss says nothing of
+    how well a tenant does: its reward does)."""
+
+    VIEW = (
+        Shown("run", "run", keep=11),
+        Shown("tenant", "tenant", keep=12),
+        Shown("state", "state", keep=10),
+        Shown("steps", "steps", whole, keep=9),
+        Shown("max_steps", "max steps", whole, keep=4),
+        Shown("final_loss", "final loss", decimals(), keep=8),
+        Shown("best_smoothed_loss", "best loss", decimals(), keep=8),
+        Shown("eval_loss", "eval loss", decimals(), keep=7, optional=True),
+        Shown("best_eval_loss", "best eval", decimals(), keep=4, optional=True),
+        Shown("reward", "reward", decimals(), keep=8, optional=True),
+        Shown("first_loss", "first loss", decimals(), keep=3),
+        Shown("lr", "lr", general, keep=6),
+        Shown("rank", "rank", whole, keep=6),
+        Shown("alpha", "alpha", general, keep=3),
+        Shown("schedule", "schedule", keep=2),
+        Shown("warmup", "warmup", whole, keep=1),
+        Shown("dropout", "dropout", general, keep=1),
+        Shown("batch_size", "batch", whole, keep=2),
+        Shown("grad_accum", "accum", whole, keep=1),
+        Shown("targets", "targets", cut(30), keep=2),
+        Shown("rows", "rows", whole, keep=2, optional=True),
+        Shown("tokens", "tokens", whole, keep=3),
+        Shown("time_s", "time s", decimals(1), keep=2),
+        Shown("reason", "reason", cut(60), keep=7, optional=True),
+    )
+
+    def view(self) -> list[Shown]:
+        shown = super().view()
+        if _all_rl(self):
+            shown = [s for s in shown if s.column not in LOSSES]
+        return shown
+
+
+def _all_rl(table: pd.DataFrame) -> bool:
+    """Whether every tenant of ``table`` that trained has a reward (so all learn from rewards)."""
+    if "reward" not in table or "steps" not in table:
+        return False
+    trained = table[pd.to_numeric(table["steps"], errors="coerce").fillna(0) > 0]
+    return len(trained) > 0 and bool(trained["reward"].notna().all())
+
+
+def _counts(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with its :data:`COUNTS` columns as ``Int64`` (a column holding anything but whole numbers
+    and missing values is left as it is)."""
+    for column in COUNTS:
+        if column in table and table[column].dtype != "Int64":
+            values = [None if _missing(v) else v for v in table[column].tolist()]
+            if all(v is None or _whole(v) for v in values):
+                table[column] = pd.array([v if v is None else int(v) for v in values], dtype="Int64")
+    return table
+
+
+def _missing(v: object) -> bool:
+    return v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v))
+
+
+def _whole(v: object) -> bool:
+    return (
+        isinstance(v, int | float | np.integer | np.floating)
+        and not isinstance(v, bool)
+        and float(v).is_integer()
+    )
 
 
 def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
     """One row per run directory under ``workdir``: ``run`` (its directory's name), ``name`` (the job's
     ``JobSpec.name``), state, tenants (comma-joined names), ``global_step`` (the job's step: one per
-    batch, whichever tenants took part), ``best_smoothed_loss`` (the lowest smoothed train loss of any tenant:
-    the EMA the dashboard draws, factor :data:`~mlora_lab.lab.plotting.SMOOTHING`, so one lucky batch
-    cannot set it; None before the first step), ``tags`` (comma-joined, in the order they were added:
+    batch, whichever tenants took part), ``best_smoothed_loss`` (the lowest smoothed train loss of any tenant
+    that learns from data: the EMA the dashboard draws, factor :data:`~mlora_lab.lab.plotting.SMOOTHING`, so
+    one lucky batch cannot set it; None before the first step, and for a run whose tenants all learn from
+    rewards, whose loss says nothing of how well they do), ``best_reward`` (the highest smoothed mean reward
+    of any RL tenant; None without one), ``tags`` (comma-joined, in the order they were added:
     ``table[table.tags.str.contains("baseline")]``), ``note`` (cut past
     :data:`~mlora_lab.lab.plotting.NOTE_CHARS` characters) and start time; a served run's usage so far,
     ``tokens_trained``, ``tokens_sampled`` and ``busy_s`` (its clients' requests, every key's: None for a
@@ -135,10 +241,19 @@ def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
             status = read_status(job.parent)
             metrics = run.typed_rows()
             losses: dict[str, list[float]] = {}
+            rewards: dict[str, list[float]] = {}  # (an RL tenant's: None where a generation had none)
             for r in metrics:
-                if isinstance(r, TrainRow) and r.loss is not None:
-                    losses.setdefault(r.tenant, []).append(r.loss)
-            best = [b for v in losses.values() if (b := best_smoothed(np.array(v))) is not None]
+                if isinstance(r, TrainRow):
+                    if r.reward is not None or r.tenant in rewards:
+                        rewards.setdefault(r.tenant, []).append(np.nan if r.reward is None else r.reward)
+                    if r.loss is not None:
+                        losses.setdefault(r.tenant, []).append(r.loss)
+            best = [
+                b
+                for t, v in losses.items()
+                if t not in rewards and (b := best_smoothed(np.array(v))) is not None
+            ]
+            best_rewards = [-b for v in rewards.values() if (b := best_smoothed(-np.array(v))) is not None]
             used = usage_totals(latest_usage(metrics)) or {}
             row |= {
                 "name": run.spec.name,
@@ -146,6 +261,7 @@ def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
                 "tenants": ", ".join(t.name for t in run.spec.tenants),
                 "global_step": max((r.step for r in metrics), default=0),
                 "best_smoothed_loss": min(best, default=None),
+                "best_reward": max(best_rewards, default=None),
                 **{c: used.get(c) for c in USAGE_SHOWN},
                 "started": to_datetimes(status.started if status else None),
             }
@@ -163,7 +279,7 @@ def runs(workdir: str | Path = DEFAULT_WORKDIR) -> pd.DataFrame:
         except RunDirError as e:
             row["problem"] = "; ".join(p for p in (row["problem"], str(e)) if p)
         rows.append(row)
-    return pd.DataFrame(rows, columns=RUNS_COLUMNS)
+    return RunsFrame(_counts(pd.DataFrame(rows, columns=RUNS_COLUMNS)))
 
 
 def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
@@ -185,8 +301,11 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
       step, and ``reason``.
 
     Tenants added while the job ran are included, also those the job refused or has not added yet
-    (their settings are those their ``add`` message sent). ``rows`` is None for runs written before
-    rows were counted."""
+    (their settings are those their ``add`` message sent). ``rows`` is missing (``<NA>``: counts are
+    nullable integers) for runs written before rows were counted and for tenants with no step.
+
+    A :class:`SummaryFrame`: every column is in the frame; it shows itself fitted (4 decimals, whole counts,
+    the reward instead of the losses of tenants that all learn from rewards)."""
     runs = as_runs(runs)
     out = []
     for run in runs:
@@ -229,7 +348,7 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
             )
     columns = (["run"] if len(runs) > 1 else []) + SUMMARY_COLUMNS
     extra = sorted({k for r in out for k in r if k.startswith("eval/")})
-    return pd.DataFrame(out)[columns + extra] if out else pd.DataFrame(columns=columns)
+    return SummaryFrame(_counts(pd.DataFrame(out)[columns + extra]) if out else pd.DataFrame(columns=columns))
 
 
 def _last_eval_scores(run: Run) -> dict[str, dict[str, float | None]]:

@@ -453,7 +453,7 @@ def test_a_workdir_view_lists_sorts_filters_and_overlays_runs(tmp_path):
     assert "baseline" in cells and ">30<" in cells and f">{best:.4f}<" in cells  # tags, step, best loss
     # the run directory's whole name in a cell of its own, wide enough for it; a gap before every next cell
     assert f"font-family:monospace'>{r1.root.name}</span>" in cells
-    assert cells.count("padding-right:10px") == len(COLUMNS)
+    assert cells.count("padding-right:10px") == len(COLUMNS) - 1, "every column but usage (no run served)"
     assert dict(COLUMNS)["id"] >= 7.5 * len("20261129-003243-2679c1") + 10
     dash.table.filter.value = "baseline"
     assert dash.table.body.children == (dash.table.rows[r1.root.name].box,)
@@ -482,6 +482,48 @@ def test_a_workdir_view_lists_sorts_filters_and_overlays_runs(tmp_path):
     dash.model._rescanned = 0
     dash.refresh()
     assert "20260104-000000-dddddd" in dash.feeds
+
+
+def header_cells(header: str) -> list[tuple[str, int]]:
+    """(text, width in px) of each cell of the runs table's header."""
+    import re
+
+    return [(t, int(w)) for w, t in re.findall(r"width:(\d+)px;[^>]*><b>([^<]*)</b>", header)]
+
+
+def test_m5_the_runs_table_fits_a_notebook_one_line_a_run(tmp_path):
+    """m5: the runs table was 1,460 px wide: in a notebook narrower than that each row wrapped onto two
+    lines, and headers such as "best loss (smoothed)" were cut. It fits 960 px (a laptop's JupyterLab with
+    its side bar open), every header whole (bold text at 7.5 px a character), each row held on one line (a
+    narrower output scrolls); the usage column only when a shown run served clients (m10: a run whose
+    tenants all learn from rewards shows its best reward there, not a GRPO loss)."""
+    from test_rl_lab import rl_steps
+
+    from mlora_lab.lab.dashboard.table import GAP
+    from mlora_lab.rundir import UsageRow
+
+    work = tmp_path / "runs"
+    sft = make_run(work / "20260101-000000-aaaaaa", tenants=("a", "b"), state="finished")
+    rl = make_run(work / "20260102-000000-bbbbbb", tenants=("grpo",), state="finished")
+    write(sft, *steps(["a", "b"], 1, 30))
+    write(rl, *rl_steps("grpo", 1, 8, reward=lambda s: s / 10))
+    dash = Dashboard(work, interactive=False)
+    dash.refresh()
+    header = dash.table.header.value
+    cells = header_cells(header)
+    assert [t for t, _ in cells][:5] == ["run", "id", "state", "tenants", "step"] and "usage" not in header
+    assert 30 + sum(w for _, w in cells) <= 960, cells  # (30: the checkbox's place)
+    for text, width in cells:
+        assert len(text) * 7.5 + GAP <= width, f"header {text!r} is cut at {width} px"
+    for html in (header, *(row.cells.value for row in dash.table.rows.values())):
+        assert html.startswith("<div style='white-space:nowrap"), "a row never wraps"
+    assert ">reward 0.664<" in dash.table.rows[rl.root.name].cells.value, "its best smoothed reward"
+    served = make_run(work / "20260103-000000-cccccc", tenants=("owner-1",))
+    write(served, UsageRow(step=1, key="k", tenant="owner-1", tokens_trained=10, tokens_forward=0,
+                           tokens_sampled=5, busy_s=0.5, requests=1))  # fmt: skip
+    dash.model._rescanned = 0
+    dash.refresh()
+    assert "usage" in [t for t, _ in header_cells(dash.table.header.value)], "a served run's usage"
 
 
 def test_stop_asks_each_chosen_live_run_and_says_which(tmp_path):
@@ -1259,10 +1301,9 @@ def test_summary_puts_what_people_run_it_for_first(tmp_path):
         ],
     )
     table = summary(Run(run.root))
-    with pd.option_context("display.max_columns", 20, "display.width", 200):
-        shown = repr(table).splitlines()[0]
-    for column in ("state", "steps", "final_loss", "best_smoothed_loss", "eval_loss", "best_eval_loss"):
-        assert column in shown, (column, shown)
+    shown = table.to_text(width=100).splitlines()[0]  # (what a narrow terminal shows: the least needed go)
+    at = [shown.index(column) for column in ("state", "steps", "final loss", "best loss")]
+    assert at == sorted(at) and "eval loss" not in shown, shown  # (no eval rows: no eval columns)
     assert (
         " ".join(table.columns[:8])
         == "tenant state steps max_steps final_loss best_smoothed_loss eval_loss best_eval_loss"

@@ -256,6 +256,7 @@ def test_runs_table_shows_tags_note_and_best_smoothed_loss(tmp_path):
         "tenants",
         "global_step",
         "best_smoothed_loss",
+        "best_reward",  # (of RL tenants: None here)
         "tokens_trained",  # (a served run's usage: None here)
         "tokens_sampled",
         "busy_s",
@@ -538,3 +539,105 @@ def test_a_runs_evaluation_is_saved_and_read_back(finished_run):
     assert (ev.folder / "metrics").is_dir(), "the notebook's metric is kept with the evaluation"
     with pytest.raises(FileNotFoundError, match=r"has no evaluation 'other'.*'smoke'"):
         ml.load_evaluation(finished_run, "other")
+
+
+def test_m5_the_runs_table_shows_each_run_on_one_line(tmp_path):
+    """m5: ``ml.runs()`` wrapped every row onto two lines (a terminal's text into blocks of columns; a
+    notebook's cells, the path and the start time, onto two lines) and cut its headers. It shows the columns
+    people read, each run on one line: in a terminal as many as fit its width (the least needed dropped
+    and named), in a notebook every cell unwrapped; the frame keeps every column."""
+    from test_dashboard import make_run, steps, write
+
+    from mlora_lab.lab.results import RUNS_COLUMNS
+    from mlora_lab.rundir.labels import update_labels
+
+    work = tmp_path / "runs"
+    r1 = make_run(
+        work / "20260101-000000-aaaaaa", tenants=("alice", "bob"), state="finished", name="sweep-lr"
+    )
+    make_run(work / "20260102-000000-bbbbbb", tenants=("a", "c"))
+    write(r1, *steps(["alice", "bob"], 1, 30))
+    update_labels(r1.root, add=["baseline"], note="first try\nwith a note on two lines, longer than a cell")
+    table = ml.runs(work)
+    assert list(table.columns) == RUNS_COLUMNS and table["global_step"].tolist() == [30, 0]
+    text = table.to_text(width=80).splitlines()
+    assert max(map(len, text)) <= 80 and len(text) == 1 + 2 + 1, (
+        text
+    )  # header, a line per run, what is left out
+    header = text[0].split()
+    assert header[:6] == ["run", "state", "tenants", "step", "best", "loss"] and header[-1] == "started", (
+        header
+    )
+    assert text[-1].startswith("(not shown, to fit: ") and "path" not in text[-1], (
+        "the path is the run's folder"
+    )
+    wide = table.to_text(width=200).splitlines()
+    assert len(wide) == 3 and all(c in wide[0] for c in ("name", "tags", "note")) and "path" not in wide[0]
+    assert "first try with a note on two lines" in wide[1] and "sweep-lr" in wide[1]
+    html = table._repr_html_()
+    assert "white-space: nowrap" in html and ">best loss</th>" in html and str(work) not in html
+    assert html.count("<tr") == 2 + 1 and ">2026-" in html and "00:00:00" not in html, (
+        "started: to the minute"
+    )
+    assert "trained" not in wide[0] and "problem" not in wide[0], "a column no run has a value in is left out"
+    assert repr(table) == table.to_text(), "what a terminal shows"
+    assert type(table[table["state"] == "running"]) is type(table), "a filtered table shows itself alike"
+
+
+def test_m10_the_summary_shows_small_numbers_and_counts_as_people_write_them(tmp_path):
+    """m10: one loss of −1.5e-08 printed the whole column in scientific notation, and ``rows`` was a float
+    (``6.0``) when a tenant failed before its first step. Counts are nullable integers, and the summary shows
+    losses with 4 decimals (a tiny one is 0.0000), counts whole, a missing value as ``–``."""
+    from test_dashboard import make_run, write
+
+    from mlora_lab.rundir import TenantRow, TenantState, TrainRow
+
+    run = make_run(tmp_path / "r", tenants=("a", "b"), state="finished")
+    rows = [
+        TrainRow(step=s, tenant="a", tenant_step=s, loss=loss, tokens=10, lr=2e-5, grad_norm=1.0,
+                 rows_seen=2 * s, tokens_seen=10 * s)
+        for s, loss in ((1, 2.5), (2, -1.5e-08), (3, 0.75))
+    ]  # fmt: skip
+    failed = TenantRow(step=1, tenant="b", state=TenantState.FAILED, reason="its step was NaN")
+    write(run, *rows, failed)
+    table = ml.summary(ml.attach(run.root)).set_index("tenant")
+    assert (
+        str(table["rows"].dtype) == "Int64"
+        and table.loc["a", "rows"] == 6
+        and pd.isna(table.loc["b", "rows"])
+    )
+    assert table["steps"].tolist() == [3, 0] and str(table["steps"].dtype) == "Int64"
+    table.loc["a", "final_loss"] = -1.5e-08  # (the smallest value of the column)
+    text = table.to_text(width=250)
+    html = table._repr_html_()
+    for shown in (text, html):
+        assert "e-08" not in shown and "e+00" not in shown and "0.0000" in shown, shown
+        assert "6.0" not in shown and "0.0002" in shown and "its step was NaN" in shown
+    line_a = next(line for line in text.splitlines() if line.startswith("a "))
+    assert " 6 " in line_a and "2.5000" in line_a
+
+
+def test_m10_a_run_whose_tenants_learn_from_rewards_shows_their_reward_not_their_loss(tmp_path):
+    """m10: an RL-only run's "best smoothed loss" means nothing (a GRPO loss says nothing of how well a tenant
+    does). ``ml.runs`` has ``best_reward`` (the highest smoothed mean reward) and no best loss for it; its
+    summary shows the reward and leaves out the losses (they stay in the frame); a mixed run's best loss is
+    its SFT tenants'."""
+    from test_dashboard import make_run, steps, write
+    from test_rl_lab import rl_steps
+
+    work = tmp_path / "runs"
+    rl = make_run(work / "rl", tenants=("grpo",), state="finished")
+    write(rl, *rl_steps("grpo", 1, 6, reward=lambda s: s / 10))
+    mixed = make_run(work / "mixed", tenants=("sft", "grpo"), state="finished")
+    write(mixed, *steps(["sft"], 1, 6, loss=lambda s, i: 3.0), *rl_steps("grpo", 1, 6))
+    table = ml.runs(work).set_index("run")
+    assert pd.isna(table.loc["rl", "best_smoothed_loss"]) and table.loc["rl", "best_reward"] > 0.4
+    assert table.loc["mixed", "best_smoothed_loss"] == pytest.approx(3.0), (
+        "the SFT tenant's, not the GRPO loss"
+    )
+    assert "best reward" in table.to_text(width=200).splitlines()[0]
+    summary = ml.summary(ml.attach(rl.root))
+    shown = summary.to_text(width=250).splitlines()[0]
+    assert "reward" in shown and "loss" not in shown, shown
+    assert summary.loc[0, "final_loss"] == pytest.approx(0.06), "the frame keeps every column"
+    assert "best loss" in ml.summary(ml.attach(mixed.root)).to_text(width=250).splitlines()[0]

@@ -13,29 +13,36 @@ import ipywidgets as W
 
 from mlora_lab.lab.dashboard.model import RunView
 from mlora_lab.lab.dashboard.progress import run_state_html
-from mlora_lab.lab.plotting import shorten
+from mlora_lab.lab.plotting import best_smoothed, shorten
+from mlora_lab.lab.series import RunSeries
 from mlora_lab.lab.usage import usage_cell
 
 SORT_KEYS = ("started", "run", "state", "global step", "best loss (smoothed)", "tenants")
 STATE_CHOICES = ["any state", "running", "finished", "failed", "stopped", "lost", "starting"]
 COLUMNS = (
-    ("run", 200),
-    ("id", 190),
-    ("state", 170),
-    ("tenants", 190),
-    ("global step", 80),
-    ("best loss (smoothed)", 140),
-    ("usage", 170),
-    ("started", 110),
-    ("tags", 170),
+    ("run", 140),
+    ("id", 175),
+    ("state", 120),
+    ("tenants", 130),
+    ("step", 60),
+    ("best loss", 100),
+    ("started", 90),
+    ("tags", 110),
+    ("usage", 140),
 )
-"""The table's columns and their widths in pixels (each includes :data:`GAP`). ``id`` fits a run directory's
-whole name (``20261129-003243-2679c1``, in a monospace font): it used to share the run's cell and be cut to
-``2026…`` behind a long name."""
+"""The table's columns and their widths in pixels (each includes :data:`GAP`), short enough that a row fits a
+laptop's notebook (955 px with the checkbox; 1,460 px wrapped every row onto two lines), each header whole.
+``id`` fits a run directory's whole name (``20261129-003243-2679c1``, in a monospace font): it used to share
+the run's cell and be cut to ``2026…`` behind a long name. ``usage`` is shown only when a run served clients."""
 GAP = 10
 """Pixels between two cells: a cell's text is cut before it, never run into the next one's."""
 MAX_NAMES = 50
 """A run's tenants are listed up to this many (a metrics file may name a million)."""
+
+
+def columns(usage: bool) -> tuple[tuple[str, int], ...]:
+    """The columns shown: all of :data:`COLUMNS`, ``usage`` only when some run has usage."""
+    return tuple(c for c in COLUMNS if usage or c[0] != "usage")
 
 
 class RunRow:
@@ -51,11 +58,12 @@ class RunRow:
         self.name = name
 
 
-def row_html(values: dict[str, Any] | None) -> str:
-    """A row's cells (``None``: the header), of fixed widths, each cut to one line with its whole
-    text in the tooltip."""
+def row_html(values: dict[str, Any] | None, shown: tuple[tuple[str, int], ...] = COLUMNS) -> str:
+    """A row's cells (``None``: the header) of the ``shown`` columns, of fixed widths, each cut to one line
+    with its whole text in the tooltip, and held on one line (a narrower output scrolls: a row that wrapped
+    put half its cells under the others)."""
     cells = []
-    for col, width in COLUMNS:
+    for col, width in shown:
         if values is None:
             text, title = f"<b>{col}</b>", col
         else:
@@ -66,7 +74,26 @@ def row_html(values: dict[str, Any] | None) -> str:
             f"text-overflow:ellipsis;vertical-align:middle'>{text}</span>"
         )
     pad = "" if values is not None else "<span style='display:inline-block;width:30px'></span>"
-    return pad + "".join(cells)
+    return f"<div style='white-space:nowrap'>{pad}{''.join(cells)}</div>"
+
+
+def best_cell(feed: RunSeries) -> tuple[str, float | None, str]:
+    """The best-loss cell of a run: its text, its sort key and its tooltip. The lowest smoothed train loss
+    of its tenants that learn from data; for a run whose tenants all learn from rewards (a GRPO loss says
+    nothing of how well they do), its highest smoothed mean reward instead."""
+    sft = [s.best_loss for s in feed.tenants.values() if s.rl is None and s.best_loss is not None]
+    if sft or not any(s.rl is not None for s in feed.tenants.values()):
+        best = min(sft, default=None)
+        why = "the lowest smoothed train loss of any tenant (EMA 0.6, as the figure draws it)"
+        return (f"{best:.4f}" if best is not None else "–"), best, why
+    rewards = [
+        -b
+        for s in feed.tenants.values()
+        if s.rl is not None and (b := best_smoothed(-s.rl["reward"])) is not None
+    ]
+    best = max(rewards, default=None)
+    why = "its tenants learn from rewards: the highest smoothed mean reward of any (EMA 0.6), not a loss"
+    return (f"reward {best:.3f}" if best is not None else "–"), None, why
 
 
 def row_values(view: RunView) -> dict[str, Any]:
@@ -77,7 +104,7 @@ def row_values(view: RunView) -> dict[str, Any]:
     names = list(itertools.islice(feed.tenants, MAX_NAMES))
     more = len(feed.tenants) - len(names)
     listed = ", ".join(names) + (f", … ({more:,} more)" if more else "")
-    best = feed.best_loss()
+    best, best_key, best_title = best_cell(feed)
     used, used_title = usage_cell(feed.usage)
     started = status.started if status is not None and status.started else None
     state = str(view.state) if view.state is not None else "?"
@@ -91,11 +118,12 @@ def row_values(view: RunView) -> dict[str, Any]:
         "state_title": state,
         "tenants": html.escape(f"{len(feed.tenants):,}: {listed}"),
         "tenants_title": listed,
-        "global step": str(feed.global_step),
-        "global step_title": "the job's step (one per batch, whichever tenants took part)",
-        "best loss (smoothed)": f"{best:.4f}" if best is not None else "–",
-        "best loss (smoothed)_title": "the lowest smoothed train loss of any tenant (EMA 0.6, as the figure draws it)",
+        "step": str(feed.global_step),
+        "step_title": "the job's global step (one per batch, whichever tenants took part)",
+        "best loss": best,
+        "best loss_title": best_title,
         "usage": html.escape(used),
+        "_usage": bool(feed.usage),
         "usage_title": used_title or "a served job's clients' tokens (none here)",
         "started": time.strftime("%m-%d %H:%M", time.localtime(started)) if started else "–",
         "tags": html.escape(tags),
@@ -104,7 +132,7 @@ def row_values(view: RunView) -> dict[str, Any]:
             "run": title,
             "state": state if view.state is not None else "",
             "global step": feed.global_step,
-            "best loss (smoothed)": best if best is not None else float("inf"),
+            "best loss (smoothed)": best_key if best_key is not None else float("inf"),
             "started": started or 0.0,
             "tenants": len(feed.tenants),
         },
@@ -125,7 +153,8 @@ class RunsTable:
         self.sort_desc = W.ToggleButton(
             value=True, description="descending", icon="sort-amount-desc", layout=W.Layout(width="130px")
         )
-        self.header = W.HTML(row_html(None))
+        self.shown = columns(usage=False)
+        self.header = W.HTML(row_html(None, self.shown))
         self.body = W.VBox(layout=W.Layout(max_height="240px", overflow="auto"))
         self.rows: dict[str, RunRow] = {}
         self._on_tick = on_tick
@@ -154,10 +183,15 @@ class RunsTable:
         rows = []
         text = self.filter.value.strip().lower()
         state = self.state_filter.value
+        every = {name: row_values(self._views[name]) for name in self.rows}
+        self.shown = columns(usage=any(values["_usage"] for values in every.values()))
+        header = row_html(None, self.shown)
+        if self.header.value != header:
+            self.header.value = header
         for name, row in self.rows.items():
             view = self._views[name]
-            values = row_values(view)
-            cells = row_html(values)
+            values = every[name]
+            cells = row_html(values, self.shown)
             if row.cells.value != cells:
                 row.cells.value = cells
             if text and text not in values["_text"]:
