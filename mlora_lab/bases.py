@@ -100,6 +100,25 @@ def no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+PEFT_DEPRECATION = r".*`?is_gradient_checkpointing`? is deprecated"
+"""The FutureWarning transformers 5 gives whenever PEFT (0.21) wraps a model: PEFT reads the deprecated
+``is_gradient_checkpointing`` in ``PeftModel.__init__``, on every load of an adapter. A notice for PEFT's
+authors, not for someone who loads an adapter."""
+
+
+@contextlib.contextmanager
+def quiet_loads() -> Iterator[None]:
+    """Loads in a notebook's process without noise: transformers' progress bars (:func:`no_progress_bars`)
+    and the one warning PEFT triggers as it wraps a model (:data:`PEFT_DEPRECATION`) are off inside the block
+    only; every other warning shows, and the user's settings and filters are back on exit (a filter set for
+    the whole kernel would hide that warning from the user's own code too)."""
+    import warnings
+
+    with no_progress_bars(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PEFT_DEPRECATION, category=FutureWarning)
+        yield
+
+
 def _gguf_files(folder: str) -> list[str]:
     try:
         names = os.listdir(folder)

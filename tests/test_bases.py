@@ -533,3 +533,77 @@ def test_a_gguf_that_declares_a_huge_model_is_refused_at_once(tmp_path, lie, wor
     start = time.monotonic()
     found = "\n".join(map(str, spec_problems(_spec(bad, tmp_path))))
     assert time.monotonic() - start < 10 and "does not match its tensors" in found and words in found, found
+
+
+def _peft_adapter(base: str, folder: Path) -> str:
+    import peft
+
+    with bases.no_progress_bars():
+        model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(folder)
+    return str(folder)
+
+
+def test_m6_loads_on_the_users_behalf_are_quiet_and_leave_the_users_settings(llama_path, tmp_path, capfd):
+    """m6: a model loaded in the notebook's process showed transformers' "Loading weights" bar (a widget in a
+    notebook), and every PEFT model made printed PEFT's FutureWarning about transformers'
+    ``is_gradient_checkpointing``. Inside ``quiet_loads()`` neither shows; outside, transformers' bars and
+    Python's warnings are as the user left them (nothing is filtered for the whole process)."""
+    import warnings
+
+    import peft
+    from transformers.utils import logging as hf_logging
+
+    adapter = _peft_adapter(llama_path, tmp_path / "adapter")
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with bases.quiet_loads():
+            assert not hf_logging.is_progress_bar_enabled()
+            peft.PeftModel.from_pretrained(
+                transformers.AutoModelForCausalLM.from_pretrained(llama_path), adapter
+            )
+        assert hf_logging.is_progress_bar_enabled(), "the user's setting is back"
+        assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+        peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(llama_path), adapter)
+    assert "Loading weights" in capfd.readouterr().err, "outside the block transformers' bars are the user's"
+    assert [w for w in caught if "is_gradient_checkpointing" in str(w.message)], "and so are the warnings"
+
+
+def test_m6_a_merge_in_the_notebooks_process_is_quiet(llama_path, tmp_path, capfd):
+    """m6: ``merge`` (what ``run.merge`` runs in the notebook's kernel) loads the base and the adapter without
+    the "Loading weights" bar or PEFT's FutureWarning."""
+    import warnings
+
+    from mlora_lab.lab.exports import merge
+
+    adapter = _peft_adapter(llama_path, tmp_path / "adapter")
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        merge(adapter, llama_path, tmp_path / "merged")
+    assert (tmp_path / "merged" / "config.json").is_file()
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+    assert "Loading weights" not in capfd.readouterr().err
+
+
+def test_m6_the_notebooks_load_models_quietly_and_filter_no_warning_for_the_whole_kernel():
+    """m6: notebooks 01 and 06 load a saved adapter with PEFT themselves, which showed the "Loading weights"
+    widget, and silenced PEFT's FutureWarning for the whole kernel (``warnings.filterwarnings``). Every
+    notebook cell that loads a model does it inside ``quiet_loads()``, and no cell filters warnings."""
+    import nbformat
+
+    cells = [
+        (path.stem, cell.source)
+        for path in sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+        for cell in nbformat.read(path, as_version=4).cells
+        if cell.cell_type == "code"
+    ]
+    loads = [
+        (name, src) for name, src in cells if "transformers.AutoModelForCausalLM.from_pretrained(" in src
+    ]
+    assert {name for name, _ in loads} >= {"01_quickstart", "06_service"}
+    for name, src in loads:
+        assert "with quiet_loads():" in src, f"{name}: a load outside quiet_loads():\n{src}"
+    for name, src in cells:
+        assert "warnings.filterwarnings" not in src and "simplefilter" not in src, name

@@ -49,16 +49,17 @@ def merge(
     import torch
     import transformers
 
-    from mlora_lab.bases import resolve_base
+    from mlora_lab.bases import quiet_loads, resolve_base
     from mlora_lab.rundir.files import atomic_directory
 
     base = resolve_base(base_model, revision=revision)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        base, dtype=dtype if dtype is not None else "auto"
-    )
-    merged = peft.PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    with quiet_loads():  # (in the notebook's kernel: a bar widget and PEFT's FutureWarning per merge)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            base, dtype=dtype if dtype is not None else "auto"
+        )
+        merged = peft.PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     tok = transformers.AutoTokenizer.from_pretrained(resolve_base(tokenizer) if tokenizer else base)
     out = Path(out_dir)
     with atomic_directory(out) as tmp:
