@@ -79,8 +79,7 @@ def _row_kind_and_problems(row: Any, prompts: bool | str = False) -> tuple[str |
     """Classify one parsed row; problems are phrased without the file/line prefix. A key whose value is
     null counts as missing: a table (a DataFrame, a parquet file) holds every column in every row, so
     its ``text`` rows have a null ``prompt`` and ``completion``. With ``prompts`` the row is a prompt to
-    complete (:func:`~mlora_lab.rl.prompts.prompt_row_problems`): an RL tenant's (``True``), or what a
-    text names (``"an evaluation row"``)."""
+    complete (:func:`~mlora_lab.rl.prompts.prompt_row_problems`; a text: what the rows are called)."""
     if not isinstance(row, dict):
         return None, [f"expected a JSON object, got {type(row).__name__}"]
     if prompts:
@@ -185,8 +184,8 @@ def _scan(
 
 def scan_source(source: Any, prompts: bool | str = False) -> SourceReport:
     """Check a tenant's data source (a file of any kind :mod:`mlora_lab.sources` reads, or an in-memory
-    source) and report every problem; never raises. With ``prompts`` its rows are prompts to complete: an
-    RL tenant's (``True``), or those that a text names in messages (``"an evaluation row"``).
+    source) and report every problem; never raises. ``prompts``: rows to complete, an RL tenant's (``True``)
+    or what a text names (``"an evaluation row"``).
 
     Problems name the source and the row, e.g. ``"data.jsonl line 3: not valid JSON (...)"``,
     ``"DataFrame row 2: 'text' must be a string"``. Blank lines are skipped. The list is capped at ~20
@@ -198,6 +197,21 @@ def scan_source(source: Any, prompts: bool | str = False) -> SourceReport:
         return SourceReport(
             0, set(), [f"{source_name(source)}: cannot scan ({type(e).__name__}: {error_line(e)})"]
         )
+
+
+def sample_prompts(source: Any) -> list[dict]:
+    """The first valid prompt row of each shape in ``source`` (a text prompt, a chat), in that order: what
+    validation calls the reward functions on once (rows are read only until both are found). Never raises."""
+    found: dict[str, dict] = {}
+    try:
+        for _, kind, row, problems in _checked_rows(source, prompts=True):
+            if kind is not None and not problems:
+                found.setdefault(kind, row)
+                if len(found) == 2:
+                    break
+    except Exception:  # ("never raises": the scan reports the source's problems)
+        pass
+    return [found[k] for k in ("prompt", "messages") if k in found]
 
 
 def read_rows(source: Any, prompts: bool | str = False) -> list[dict]:
@@ -249,20 +263,11 @@ def encode_prompt(row: dict, tokenizer: Any) -> tuple[Any, str, list[int]]:
     ``prompt`` text with the tokenizer's special tokens, a chat (``messages``, or TRL's conversational
     ``prompt``) through the chat template with the generation prompt (its special tokens are the
     template's)."""
-    prompt, text, special = _prompt_text(row, tokenizer)
+    prompt, text, special = prompt_text(row, tokenizer)
     return prompt, text, encode(tokenizer, text, add_special_tokens=special)
 
 
-def encode_prompt_cut(row: dict, tokenizer: Any, max_tokens: int) -> tuple[Any, str, list[int], bool]:
-    """:func:`encode_prompt` keeping the prompt's last ``max_tokens`` tokens (the end of a prompt is where
-    it asks): ``(prompt as given, text fed, ids, cut)``. The ids are exactly the end of the whole
-    tokenization, but a long prompt is never tokenized whole (:func:`_encode_tail`)."""
-    prompt, text, special = _prompt_text(row, tokenizer)
-    ids, _ = _encode_tail(tokenizer, text, special, max_tokens)
-    return prompt, text, ids[-max_tokens:], len(ids) > max_tokens
-
-
-def _prompt_text(row: dict, tokenizer: Any) -> tuple[Any, str, bool]:
+def prompt_text(row: dict, tokenizer: Any) -> tuple[Any, str, bool]:
     """``(prompt as given, text fed, whether the tokenizer adds its special tokens)`` of a prompt row."""
     chat = chat_prompt(row)
     if chat is not None:
@@ -306,40 +311,6 @@ def _encode_head(
                 return ids[:need], offs[:need] if offs is not None else None, False
             prev = ids[:need]
         length *= 2
-
-
-def _encode_tail(tokenizer: Any, text: str, add_special_tokens: bool, n: int) -> tuple[list[int], bool]:
-    """The last tokens of ``tokenizer(text)`` without tokenizing all of a huge ``text``: ``(ids, whole)``,
-    :func:`_encode_head` from the other end.
-
-    ``whole``: ``text`` was tokenized entirely and ``ids`` are all its tokens. Otherwise ``ids`` are the
-    last ``n + 1`` tokens of the whole text (so it has more than ``n``). Suffixes of ``text`` (as many
-    characters as :func:`_encode_head`'s prefixes, then doubling) are tokenized without special tokens
-    until two successive ones agree on their last ``n + 1`` ids (a suffix only tokenizes differently near
-    its cut); the special tokens the tokenizer puts after a text (an EOS, for some) then end them.
-    """
-    need = n + 1
-    length = max(_HEAD_CHARS_PER_TOKEN * need, _HEAD_MIN_CHARS, 1)
-    prev: list[int] | None = None
-    while length < len(text):
-        piece = text[len(text) - length :]
-        ids = encode(tokenizer, piece, add_special_tokens=False)
-        if len(ids) >= need:
-            if prev == ids[-need:]:
-                after = _specials_after(tokenizer, piece, ids) if add_special_tokens else []
-                return (ids + after)[-need:], False
-            prev = ids[-need:]
-        length *= 2
-    return encode(tokenizer, text, add_special_tokens), True
-
-
-def _specials_after(tokenizer: Any, text: str, plain: list[int]) -> list[int]:
-    """The special tokens ``tokenizer`` puts after ``text``'s own (``plain``: without special tokens)."""
-    full = encode(tokenizer, text, add_special_tokens=True)
-    for start in range(len(full) - len(plain) + 1):
-        if full[start : start + len(plain)] == plain:
-            return full[start + len(plain) :]
-    return []
 
 
 def _with_eos(ids: list[int], eos_id: int | None) -> list[int]:
@@ -524,51 +495,6 @@ def load_examples(source: Any, tokenizer: Any, seq_len: int) -> list[Example]:
     """:func:`read_rows` + :func:`tokenize_rows`: a tenant's data source as token rows (rows with no
     target token left dropped; :class:`DataError` if no row keeps one)."""
     return tokenize_rows(read_rows(source), tokenizer, seq_len, source=source_name(source))
-
-
-@dataclass(frozen=True)
-class PromptRow:
-    """One prompt of an RL tenant, as the model and the reward functions see it."""
-
-    ids: list[int]
-    """Token ids to complete (its last ``max_tokens``, :func:`tokenize_prompts`)."""
-    prompt: Any
-    """As the reward functions get it: the row's ``prompt`` text, or its ``messages`` list."""
-    text: str
-    """The text the ids encode (a chat rendered with the generation prompt): what the samples show."""
-    columns: dict[str, Any]
-    """Every other field of the row, for the reward functions' keyword arguments."""
-
-    @property
-    def chat(self) -> bool:
-        return not isinstance(self.prompt, str)
-
-
-def tokenize_prompts(rows: list[dict], tokenizer: Any, max_tokens: int, source: str = "") -> list[PromptRow]:
-    """An RL tenant's prompt rows tokenized (:func:`encode_prompt_cut`): a prompt longer than ``max_tokens``
-    (``seq_len - max_new_tokens``: the room a completion leaves) keeps its last ones, cut before it is
-    tokenized whole, as :func:`tokenize_rows` cuts a row. Warns once (``UserWarning``) with the number cut."""
-    out, cut = [], 0
-    for row in rows:
-        prompt, text, ids, was_cut = encode_prompt_cut(row, tokenizer, max_tokens)
-        cut += was_cut
-        columns = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
-        out.append(PromptRow(ids, prompt, text, columns))
-    if cut:
-        warnings.warn(
-            f"{source or '<rows>'}: {cut} of {len(rows)} prompt(s) truncated to their last {max_tokens} tokens "
-            "(seq_len - max_new_tokens)",
-            UserWarning,
-            stacklevel=2,
-        )
-    return out
-
-
-def load_prompts(source: Any, tokenizer: Any, max_tokens: int) -> list[PromptRow]:
-    """:func:`read_rows` of prompt rows + :func:`tokenize_prompts`: an RL tenant's prompts as token ids."""
-    return tokenize_prompts(
-        read_rows(source, prompts=True), tokenizer, max_tokens, source=source_name(source)
-    )
 
 
 def check_vocab(examples: list[Example], vocab: int, source: str = "") -> None:

@@ -592,7 +592,7 @@ def test_rn8_rl_prompts_far_longer_than_their_room_are_cut_first_keeping_their_e
     """RN8: RL prompts longer than ``seq_len - max_new_tokens`` keep their last tokens (the end is where a
     prompt asks), exactly those of the whole tokenization, are cut before they are tokenized whole (a 2-MB
     prompt costs a few kB of tokenizing, as an SFT row does), and one warning counts them, as SFT rows'."""
-    from mlora_lab.data import load_prompts
+    from mlora_lab.rl.prompt_tokens import load_prompts
 
     rng = random.Random(1)
     far = "word " * 400_000 + random_text(rng, 3000)  # (2 MB; the reference below tokenizes it whole)
@@ -626,7 +626,7 @@ def test_rn8_cutting_a_prompt_first_gives_exactly_the_end_of_its_whole_tokenizat
     """RN8: over random texts (multi-byte characters, emoji, long words, whitespace runs, special-token
     text) and rooms anywhere, including around the prompt's length: the ids and the cut flag are those of
     tokenizing the whole prompt and keeping its last tokens."""
-    from mlora_lab.data import encode_prompt_cut
+    from mlora_lab.rl.prompt_tokens import encode_prompt_cut
 
     if first_suffix == "one_char":
         monkeypatch.setattr(mlora_lab.data, "_HEAD_MIN_CHARS", 1)

@@ -27,6 +27,12 @@ def chat_prompt(row: dict) -> list | None:
     return row["prompt"] if isinstance(row.get("prompt"), list) else None
 
 
+def as_completion(prompt: object, text: str) -> str | list[dict]:
+    """A completion as reward functions get it, in its prompt's shape (TRL's): the text for a text prompt,
+    a list of one assistant message for a chat."""
+    return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+
+
 RL_ROW = "an RL row"
 """What a prompt row is called in messages when nothing else is said (an RL tenant's data)."""
 

@@ -2,6 +2,8 @@
 
     python -m mlora_lab.rl.reward_worker --key-fd=N --inspect REF...   one answer: each function's signature
                                                                      (or why it cannot be used), then exit
+    python -m mlora_lab.rl.reward_worker --key-fd=N --inspect --probe REF...   the same, then each function
+                                                                     called once on the requests stdin holds
     python -m mlora_lab.rl.reward_worker --key-fd=N --serve REF...     import the functions, say {"ok": true}
                                                                      (or {"error": ...}), then answer one
                                                                      request line on stdin at a time until
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -33,11 +36,13 @@ import itertools
 import math
 import numbers
 import os
+import signal
 import sys
 import threading
 import time
 import types
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -129,15 +134,35 @@ def signature(text: str, fn: Any) -> dict[str, Any]:
     }
 
 
-def inspect_all(refs: list[str], say: Any = lambda message: None) -> list[Any]:
-    out: list[Any] = []
+def inspect_all(refs: list[str], say: Any = lambda message: None) -> tuple[list[Any], list[Any]]:
+    """Each reference's signature (or why it cannot be used), and its function (None when it cannot)."""
+    found: list[Any] = []
+    fns: list[Any] = []
     for text in refs:
         say({"importing": text})
         try:
-            out.append(signature(text, load(text)))
+            fn = load(text)
+            found.append(signature(text, fn))
         except LookupError as e:
-            out.append(str(e))
-    return out
+            fn = None
+            found.append(str(e))
+        fns.append(fn)
+    return found, fns
+
+
+def run_inspect(refs: list[str], say: Any, probe: dict[str, Any] | None) -> None:
+    """``--inspect``: say the signatures; then, with ``probe`` (``{"requests": [[request, what], ...],
+    "timeout_s": t}``), call each function once on each request (:meth:`Functions.probe`) and say
+    ``{"probed": [[index, problem]]}`` for each that fails."""
+    found, fns = inspect_all(refs, say)
+    say(found)
+    if probe is None:
+        return
+    usable = [i for i, fn in enumerate(fns) if fn is not None]
+    functions = Functions([refs[i] for i in usable], say, [fns[i] for i in usable])
+    for request, what in probe["requests"]:
+        for j, why in functions.probe(request, str(what), float(probe["timeout_s"])):
+            say({"probed": [[usable[j], why]]})
 
 
 JSON_SCALARS = (str, int, float, bool, type(None))
@@ -145,17 +170,23 @@ JSON_SCALARS = (str, int, float, bool, type(None))
 
 class Functions:
     """A tenant's reward functions, called as TRL calls them. ``say`` tells the parent which one is about to
-    be imported or called."""
+    be imported or called; ``fns``: the functions, already imported (else they are imported here)."""
 
-    def __init__(self, refs: list[str], say: Any = lambda message: None) -> None:
+    def __init__(
+        self, refs: list[str], say: Any = lambda message: None, fns: list[Any] | None = None
+    ) -> None:
         self.refs, self.say = refs, say
-        self.fns = []
-        for r in refs:
-            say({"importing": r})
-            self.fns.append(load(r))
+        if fns is None:
+            fns = []
+            for r in refs:
+                say({"importing": r})
+                fns.append(load(r))
+        self.fns = fns
         self.sigs = [signature(r, f) for r, f in zip(refs, self.fns, strict=True)]
 
-    def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
+    def arguments(self, request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list], dict[str, list]]:
+        """Every argument a call of ``request`` may pass (TRL's), and the metrics and extra columns that its
+        ``log_metric`` and ``log_extra`` fill."""
         n = len(request["completions"])
         metrics: dict[str, list[float]] = defaultdict(list)
         extra: dict[str, list[Any]] = defaultdict(list)
@@ -191,18 +222,26 @@ class Functions:
             "log_metric": log_metric,
             "log_extra": log_extra,
         }
+        return everything, metrics, extra
+
+    def call(self, f: int, everything: dict[str, Any]) -> Any:
+        """What function ``f`` returns, given the arguments it takes of ``everything`` (all of them with
+        ``**kwargs``); it raises what the function raises."""
+        text, fn, sig = self.refs[f], self.fns[f], self.sigs[f]
+        kwargs = (
+            everything if sig["var_keyword"] else {k: v for k, v in everything.items() if k in sig["accepts"]}
+        )
+        self.say({"calling": text})
+        out = fn(**kwargs)
+        return asyncio.run(_awaited(out)) if inspect.isawaitable(out) else out
+
+    def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
+        n = len(request["completions"])
+        everything, metrics, extra = self.arguments(request)
         table = [[math.nan] * len(self.fns) for _ in range(n)]
-        for f, (text, fn, sig) in enumerate(zip(self.refs, self.fns, self.sigs, strict=True)):
-            kwargs = (
-                everything
-                if sig["var_keyword"]
-                else {k: v for k, v in everything.items() if k in sig["accepts"]}
-            )
-            self.say({"calling": text})
+        for f, text in enumerate(self.refs):
             try:
-                out = fn(**kwargs)
-                if inspect.isawaitable(out):
-                    out = asyncio.run(_awaited(out))
+                out = self.call(f, everything)
             except BaseException as e:  # SystemExit too: it is the function's failure, not the worker's
                 raise RuntimeError(
                     f"reward {shown_reward(text)} raised {type(e).__name__}: {error_line(e)}"
@@ -223,6 +262,72 @@ class Functions:
             "metrics": {k: sum(v) / len(v) for k, v in metrics.items() if v},
             "extra": extra,
         }
+
+    def probe(self, request: dict[str, Any], what: str, timeout_s: float) -> Iterator[tuple[int, str]]:
+        """Each function called once on ``request`` (a row of the data with a sample completion, ``what``
+        says which), one after the other: ``(its index, why its type does not fit the data's)`` for one that
+        raised ``TypeError`` or ``AttributeError``, or returned no list of one number or None per completion
+        (yielded at once: a later function may end the worker). A function the request cannot be
+        given (it needs a column the row lacks: its signature says so), a callable object (an ``ml.Judge``
+        asks a model), what it raises otherwise (the sample's text may be what it refuses) and a call past
+        ``timeout_s`` are not judged."""
+        n = len(request["completions"])
+        everything, _, _ = self.arguments(request)
+        for f, (text, fn, sig) in enumerate(zip(self.refs, self.fns, self.sigs, strict=True)):
+            needs = {"prompts", "completions"} - (
+                {*sig["accepts"]} if not sig["var_keyword"] else set(everything)
+            )
+            if needs or set(sig["required"]) - set(everything) or not _plain(fn):
+                continue
+            called = f"reward {shown_reward(text)}, called once on {what} with a sample completion,"
+            try:
+                with _time_limit(timeout_s):
+                    got = self.call(f, everything)
+            except (TypeError, AttributeError) as e:
+                yield f, f"{called} raised {type(e).__name__}: {error_line(e)}{SHAPES}"
+                continue
+            except BaseException:  # (its own refusal of the sample's text, or the time limit)
+                continue
+            try:
+                _rewards(text, got, n)
+            except RuntimeError as e:  # ("reward 'fn' (file) returned ...": said once)
+                yield f, f"{called} {error_line(e).removeprefix(f'reward {shown_reward(text)} ')}"
+
+
+SHAPES = (
+    " (a text prompt's completion is a text; a chat prompt's is a list of one message, "
+    "[{'role': 'assistant', 'content': ...}], as TRL passes them)"
+)
+"""What a type mismatch found by :meth:`Functions.probe` is told about the completions' shapes."""
+
+
+class _TimedOut(BaseException):
+    """A probe call ran past its time (a ``BaseException``: a function's ``except Exception`` keeps it)."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Any:
+    """Raise :class:`_TimedOut` in this (the main) thread after ``seconds`` (a signal: it interrupts Python
+    code and sleeps; the parent's clock is the last bound)."""
+
+    def ring(signum: int, frame: Any) -> None:
+        raise _TimedOut
+
+    before = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+def _plain(fn: Any) -> bool:
+    """A function (a ``def``, a lambda, a method, a builtin, a ``functools.partial`` of one), not a callable
+    object such as ``ml.Judge``, whose call may ask a model that is not up before launch."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.isbuiltin(fn)
 
 
 async def _awaited(out: Any) -> Any:
@@ -343,8 +448,10 @@ def main(argv: list[str]) -> int:
     key, argv = take_key(argv)
     become_subreaper()
     if len(argv) >= 1 and argv[0] == "--inspect":
-        say = answer_channel(key)
-        say(inspect_all(argv[1:], say))
+        probing = len(argv) >= 2 and argv[1] == "--probe"
+        # (read before any reward is imported: a module that reads stdin cannot take it)
+        probe = orjson.loads(sys.stdin.buffer.read()) if probing else None
+        run_inspect(argv[2:] if probing else argv[1:], answer_channel(key), probe)
         return 0
     if len(argv) >= 1 and argv[0] == "--serve":
         serve(argv[1:], key)

@@ -78,6 +78,9 @@ START_TIMEOUT_S = 60.0
 """How long importing a tenant's reward functions in a new worker may take."""
 KEY_FD = "--key-fd"
 """The worker's first argument, ``--key-fd=N``: the descriptor it reads its frames' key from (then closes)."""
+PROBE_TIMEOUT_S = 10.0
+"""How long one call of a reward function on a sample row may take at validation (a slower one is not
+judged: :func:`inspect_rewards`)."""
 EXIT_GRACE_S = 2.0
 """How long a worker that closed its answer channel may take to exit before it is killed."""
 
@@ -265,10 +268,13 @@ class RewardSignature:
     required: tuple[str, ...]
     var_keyword: bool
     is_async: bool
+    probe: str | None = None
+    """Why its call on a sample row of the data failed as a type mismatch would (:func:`inspect_rewards`)."""
 
     def problems(self, columns: set[str] | None) -> list[str]:
-        """Why it cannot be called with TRL's arguments and these data ``columns`` (None: not known)."""
-        out = []
+        """Why it cannot be called with TRL's arguments and these data ``columns`` (None: not known), or
+        its call on a sample row failed."""
+        out = [self.probe] if self.probe else []
         missing = [a for a in REQUIRED_ARGS if a not in self.accepts and not self.var_keyword]
         if missing:
             out.append(
@@ -286,11 +292,21 @@ class RewardSignature:
 
 
 def inspect_rewards(
-    rewards: Sequence[str], cwd: str | os.PathLike | None = None, timeout_s: float = START_TIMEOUT_S
+    rewards: Sequence[str],
+    cwd: str | os.PathLike | None = None,
+    timeout_s: float = START_TIMEOUT_S,
+    probes: Sequence[tuple[RewardBatch, str]] = (),
+    probe_timeout_s: float = PROBE_TIMEOUT_S,
 ) -> list[RewardSignature | str]:
     """Import each reward function in a fresh worker process (the notebook's own ``sys.modules`` keeps
     an old copy of an edited file; an import that hangs cannot hang the caller) and return its
-    signature, or why it cannot be used: not found, not importable, not callable."""
+    signature, or why it cannot be used: not found, not importable, not callable.
+
+    ``probes``: ``(batch, what it is)`` pairs, sample rows of the data with a sample completion each; every
+    function is then called once on each, in the same worker (at most ``probe_timeout_s`` a call), and a
+    call that fails as a type mismatch would (a ``TypeError`` or ``AttributeError``, or an answer that is no
+    list of numbers) is its signature's :attr:`~RewardSignature.probe` (what TRL's
+    ``think_format_reward`` on text prompts does at the first step, said before launch)."""
     problems: list[RewardSignature | str | None] = [None] * len(rewards)
     refs = []
     for i, text in enumerate(rewards):
@@ -299,15 +315,44 @@ def inspect_rewards(
             problems[i] = ref
         else:
             refs.append((i, str(ref)))
-    if refs:
+    if not refs:
+        return problems  # type: ignore[return-value]
+    ask = None
+    if probes:
+        requests = [[_request(batch), what] for batch, what in probes]
         try:
-            answer = _run_worker(["--inspect", *(r for _, r in refs)], cwd, timeout_s)
-        except RewardError as e:
-            answer = [str(e)] * len(refs)
-        for (i, _), got in zip(refs, answer, strict=True):
-            if isinstance(got, dict):
-                got |= {"accepts": tuple(got["accepts"]), "required": tuple(got["required"])}
-            problems[i] = RewardSignature(**got) if isinstance(got, dict) else str(got)
+            ask = orjson.dumps(
+                {"requests": requests, "timeout_s": probe_timeout_s}, option=orjson.OPT_SERIALIZE_NUMPY
+            )
+        except orjson.JSONEncodeError:  # (a column no JSON holds: the job could not send it either)
+            probes = ()
+    args = ["--inspect", *(["--probe"] if probes else []), *(r for _, r in refs)]
+    # (the parent's bound: imports, then every probe call at its time limit, which the worker keeps itself)
+    bound = timeout_s + len(probes) * len(refs) * (probe_timeout_s + 1)
+    try:
+        answers, current, failure = _run_worker(args, cwd, bound, ask)
+        if not isinstance(answers[0], list) or len(answers[0]) != len(refs):
+            raise RewardError(f"the reward worker's answer is malformed: {brief(answers[0])}")
+    except RewardError as e:
+        answers, current, failure = [[str(e)] * len(refs)], None, None
+    probed: dict[int, str] = {}
+    for answer in answers[1:]:
+        for j, why in answer.get("probed", []) if isinstance(answer, dict) else []:
+            probed.setdefault(int(j), str(why))
+    if failure and current is not None:  # a probe call that ended (or hung) its worker: that function's
+        j = next((j for j, (_, r) in enumerate(refs) if r == current), None)
+        if j is not None:
+            probed.setdefault(
+                j, f"reward {shown_reward(current)}, called once on a sample row of the data, {failure}"
+            )
+    for j, ((i, _), got) in enumerate(zip(refs, answers[0], strict=True)):
+        if isinstance(got, dict):
+            got |= {
+                "accepts": tuple(got["accepts"]),
+                "required": tuple(got["required"]),
+                "probe": probed.get(j),
+            }
+        problems[i] = RewardSignature(**got) if isinstance(got, dict) else str(got)
     return problems  # type: ignore[return-value]
 
 
@@ -318,22 +363,49 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def _run_worker(args: list[str], cwd: str | os.PathLike | None, timeout_s: float) -> Any:
-    """Run a worker once (``--inspect``); its last answer frame. A failure names the function it was
-    importing."""
-    proc, frames = spawn(args, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _run_worker(
+    args: list[str], cwd: str | os.PathLike | None, timeout_s: float, stdin: bytes | None = None
+) -> tuple[list[Any], str | None, str | None]:
+    """Run a worker once (``--inspect``): ``(its answers, the function a progress frame last named, how it
+    failed after its first answer, or None)``. A failure before it (no answer) is a :class:`RewardError`
+    naming the function it was importing."""
+    proc, frames = spawn(
+        args,
+        cwd,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        out, err = proc.communicate(stdin, timeout=timeout_s)
+        failure = None
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         out, err = proc.communicate()
-        doing = _doing(_frames(out, frames)[1])
-        raise RewardError(f"importing the reward functions took more than {timeout_s:g} s{doing}") from None
+        failure = f"took more than {timeout_s:g} s"
     answers, current = _frames(out, frames)
-    if proc.returncode != 0 or not answers:
+    if not answers and failure:
+        raise RewardError(f"importing the reward functions {failure}{_doing(current)}")
+    if proc.returncode != 0 and not failure:
         tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-        raise RewardError(f"the reward worker failed{_doing(current)}: {error_line(RuntimeError(tail[0]))}")
-    return answers[-1]
+        failure = f"ended its worker: {error_line(RuntimeError(tail[0]))}"
+        if not answers:
+            raise RewardError(
+                f"the reward worker failed{_doing(current)}: {error_line(RuntimeError(tail[0]))}"
+            )
+    return answers, current, failure
+
+
+def _request(batch: RewardBatch) -> dict[str, Any]:
+    """What a worker is sent of ``batch`` (a request line)."""
+    return {
+        "prompts": batch.prompts,
+        "completions": batch.completions,
+        "completion_ids": batch.completion_ids,
+        "columns": batch.columns,
+        "state": batch.state,
+        "scores_may_be_missing": batch.scores_may_be_missing,
+    }
 
 
 def _frames(data: bytes, frames: Frames) -> tuple[list[Any], str | None]:
@@ -514,16 +586,8 @@ class RewardWorker:
         if self._proc is None or self._proc.poll() is not None:
             self.close()
             self._start()
-        message = {
-            "prompts": batch.prompts,
-            "completions": batch.completions,
-            "completion_ids": batch.completion_ids,
-            "columns": batch.columns,
-            "state": batch.state,
-            "scores_may_be_missing": batch.scores_may_be_missing,
-        }
         try:
-            data = orjson.dumps(message, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+            data = orjson.dumps(_request(batch), option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         except orjson.JSONEncodeError as e:
             raise RewardError(f"the reward inputs cannot be sent to the worker: {error_line(e)}") from None
         self._sent_at, self._sent_n, self._current = time.monotonic(), len(batch), None

@@ -11,11 +11,13 @@ check_rewards(ctx, t, columns)   the reward functions imported in a short-lived 
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from mlora_lab.rl.rewards import inspect_rewards, parse_reward
+from mlora_lab.rl.prompts import as_completion, chat_prompt
+from mlora_lab.rl.rewards import RewardBatch, inspect_rewards, parse_reward
 from mlora_lab.rundir.files import atomic_write_bytes
 from mlora_lab.sources import RewardSnapshot, reward_in_memory
 from mlora_lab.spec import Tenant
@@ -24,11 +26,17 @@ from mlora_lab.specparts import RL
 from mlora_lab.text import HIDDEN, brief, error_line, is_finite
 from mlora_lab.validate.context import Context, got
 
+SAMPLE_COMPLETION = "The answer is 42."
+"""The completion reward functions are called with once at validation (in its prompt's shape)."""
+
 
 def check_rewards(ctx: Context, t: Tenant, columns: set[str] | None) -> None:
     """Import ``t``'s reward functions in a worker process and check them against the data's columns
     (``None``: unknown, because the data has problems of its own). A function held in memory is pickled
-    (as a launch will) and unpickled there: one that cannot travel to the worker is said so now."""
+    (as a launch will) and unpickled there: one that cannot travel to the worker is said so now. With the
+    columns known, each function is also called once on the first row of each prompt shape in the data (a
+    text prompt, a chat) with :data:`SAMPLE_COMPLETION` in that shape, so a type mismatch (TRL's
+    ``think_format_reward`` on text prompts) is refused now, not at the first step."""
     rl = t.rl
     if not isinstance(rl, RL) or not check_reward_refs(None, t, rl.reward, "rl.reward"):
         return
@@ -49,9 +57,33 @@ def check_rewards(ctx: Context, t: Tenant, columns: set[str] | None) -> None:
                 atomic_write_bytes(path, snap.data, root=tmp)
                 r = f"{path}:{snap.name}"
             refs.append(r)
-        for found in inspect_rewards(refs):
+        probes = _probes(ctx, t) if columns is not None else []
+        for found in inspect_rewards(refs, probes=probes):
             for problem in [found] if isinstance(found, str) else found.problems(columns):
                 ctx.say(t, "rl", problem)
+
+
+def _probes(ctx: Context, t: Tenant) -> list[tuple[RewardBatch, str]]:
+    """A one-row batch of each prompt shape in ``t``'s data, with :data:`SAMPLE_COMPLETION` as TRL would
+    pass it, and what it is (``"a text prompt of the data"``)."""
+    from mlora_lab.data import sample_prompts  # the data module imports torch
+
+    ids = [0]
+    if ctx.tok is not None:
+        with contextlib.suppress(Exception):
+            ids = list(ctx.tok(SAMPLE_COMPLETION, add_special_tokens=False)["input_ids"]) or ids
+    out = []
+    for row in sample_prompts(t.data):
+        prompt = chat_prompt(row) or row["prompt"]
+        batch = RewardBatch(
+            prompts=[prompt],
+            completions=[as_completion(prompt, SAMPLE_COMPLETION)],
+            completion_ids=[ids],
+            columns={k: [v] for k, v in row.items() if k not in ("prompt", "messages")},
+            state={"global_step": 0, "max_steps": t.max_steps},
+        )
+        out.append((batch, f"a {'text' if isinstance(prompt, str) else 'chat'} prompt of the data"))
+    return out
 
 
 def check_reward_refs(ctx: Context | None, t: Tenant, v: Any, label: str) -> bool:

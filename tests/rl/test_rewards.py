@@ -18,6 +18,7 @@ from mlora_lab.rl.rewards import (
     RewardWorker,
     inspect_rewards,
     parse_reward,
+    shown_reward,
 )
 
 REWARDS = """
@@ -529,3 +530,44 @@ def test_rn12_a_forged_frame_of_the_wrong_shape_fails_only_its_call(tmp_path, mo
     good = tmp_path / "good.py"
     good.write_text("def ok(completions, **kw):\n    return [1.0] * len(completions)\n")
     assert RewardWorker([f"{good}:ok"], timeout_s=30)(batch()).rewards == [[1.0]] * 4
+
+
+PROBED = """
+import os, time
+
+def hangs(completions, **kwargs):
+    time.sleep(600)
+
+def counts_wrong(completions, **kwargs):
+    return [1.0, 2.0]
+
+def leaves(completions, **kwargs):
+    os._exit(5)
+
+def fine(completions, **kwargs):
+    return [len(c) / 10 for c in completions]
+"""
+
+
+def test_m7_a_probe_call_names_what_would_fail_at_the_first_step_within_its_time(tmp_path):
+    """m7: each function called once on a sample row at inspection: a wrong answer or a call that ends the
+    worker is its problem; one that outlasts ``probe_timeout_s`` is stopped and not judged (a slow reward is
+    no type mismatch), and the others are still called."""
+    path = tmp_path / "probed.py"
+    path.write_text(textwrap.dedent(PROBED))
+    sample = RewardBatch(prompts=["2 + 2 ="], completions=["The answer is 4."], completion_ids=[[1, 2]])
+    refs = [f"{path}:{name}" for name in ("hangs", "counts_wrong", "fine", "leaves")]
+    t0 = time.monotonic()
+    hangs, counts_wrong, fine, leaves = inspect_rewards(
+        refs, probes=[(sample, "a text prompt of the data")], probe_timeout_s=1.0
+    )
+    assert time.monotonic() - t0 < 20
+    assert hangs.probe is None and fine.probe is None and fine.problems(set()) == []
+    assert counts_wrong.probe == (
+        f"reward {shown_reward(refs[1])}, called once on a text prompt of the data with a sample completion, "
+        "returned 2 rewards for 1 completions (one per completion)"
+    )
+    assert counts_wrong.problems(set()) == [counts_wrong.probe]
+    assert leaves.probe.startswith(
+        f"reward {shown_reward(refs[3])}, called once on a sample row of the data, ended"
+    )

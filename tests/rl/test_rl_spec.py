@@ -312,3 +312,53 @@ def test_m9_reward_names_are_validated_filled_for_functions_given_by_value_and_k
     ]
     assert frozen(lambda completions, **kw: [0.0], reward_names=["mine"]) == ["mine"]
     assert frozen(f"{rewards}:short") is None  # (no function held in memory: nothing to fill)
+
+
+SHAPES = """
+def text_only(completions, **kwargs):      # a text reward: a chat's completion has no .split
+    return [len(c.split()) / 10 for c in completions]
+
+def picky(completions, **kwargs):          # raises on a completion it cannot parse: its own choice
+    return [float(c) for c in completions]
+
+def slow(completions, **kwargs):           # one row within the probe's time, it is called once
+    return [1.0 for c in completions]
+
+class Scorer:                               # a callable object (as ml.Judge is): not called before launch
+    def __call__(self, completions, **kwargs):
+        raise TypeError("called")
+
+scorer = Scorer()
+"""
+
+
+def test_m7_each_reward_is_called_once_on_a_row_of_the_data_before_launch(tmp_path, llama_path):
+    """m7: TRL's ``think_format_reward`` (it reads ``completion[0]["content"]``) on text prompts, and a text
+    reward on chat prompts, are refused before launch: each reward function is called once in the worker, on
+    the first row of each prompt shape in the data with a sample completion of that shape (a text; a list of
+    one assistant message), and a TypeError or AttributeError there (a type mismatch) is one problem naming
+    the tenant, the reward and the error. What raises on the sample's text (``float("...")``), and a callable
+    object (a judge asks a model), are not judged there."""
+    pytest.importorskip("trl")
+    shapes = write(tmp_path / "shapes.py", SHAPES)
+    text = write(tmp_path / "text.jsonl", '{"prompt": "2 + 2 ="}\n')
+    chat = write(tmp_path / "chat.jsonl", '{"prompt": [{"role": "user", "content": "2 + 2?"}]}\n')
+
+    def said(data, *refs):
+        tenant = Tenant(name="t", data=data, rl=RL(reward=list(refs), max_new_tokens=8))
+        return texts(JobSpec(base_model=llama_path, seq_len=64, tenants=[tenant]))
+
+    got = said(text, "trl.rewards:think_format_reward", f"{shapes}:text_only", f"{shapes}:picky")
+    assert len(got) == 1, got
+    assert got[0].startswith("tenant 't': reward 'think_format_reward' (trl.rewards), called once on a text ")
+    assert "raised TypeError: string indices must be integers" in got[0]
+    assert "a text prompt's completion is a text" in got[0]
+    got = said(chat, "trl.rewards:think_format_reward", f"{shapes}:text_only", f"{shapes}:scorer")
+    assert len(got) == 1 and "reward 'text_only' (" in got[0], got
+    assert "raised AttributeError: 'list' object has no attribute 'split'" in got[0]
+    mixed = write(
+        tmp_path / "mixed.jsonl", '{"prompt": "2 + 2 ="}\n{"messages": [{"role": "user", "content": "hi"}]}\n'
+    )
+    got = said(mixed, f"{shapes}:text_only")
+    assert len(got) == 1 and "called once on a chat prompt of the data" in got[0], got
+    assert said(text, f"{shapes}:text_only", f"{shapes}:slow") == []

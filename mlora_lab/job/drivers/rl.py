@@ -56,14 +56,7 @@ from typing import Any
 
 import torch
 
-from mlora_lab.data import (
-    IGNORE_INDEX,
-    DataError,
-    Example,
-    PromptRow,
-    TenantStream,
-    load_prompts,
-)
+from mlora_lab.data import IGNORE_INDEX, DataError, Example, TenantStream
 from mlora_lab.job.agree import describe
 from mlora_lab.job.drivers.base import Driver, JobParts, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
@@ -76,6 +69,8 @@ from mlora_lab.rl.grpo import (
     policy_loss,
     reward_problem,
 )
+from mlora_lab.rl.prompt_tokens import PromptRow, load_prompts
+from mlora_lab.rl.prompts import as_completion
 from mlora_lab.rl.rewards import (
     RewardBatch,
     RewardError,
@@ -257,9 +252,10 @@ class RLFeed:
 
 
 def read_prompts(tenant: Tenant, tokenizer: Any, seq_len: int, vocab: int) -> list[PromptRow]:
-    """An RL tenant's prompt rows, tokenized (:func:`~mlora_lab.data.load_prompts`: ``prompt`` text with the
-    tokenizer's special tokens, ``messages`` through the chat template with the generation prompt). A prompt
-    longer than ``seq_len − max_new_tokens`` keeps its last tokens (one warning, as SFT rows cut get)."""
+    """An RL tenant's prompt rows, tokenized (:func:`~mlora_lab.rl.prompt_tokens.load_prompts`: ``prompt``
+    text with the tokenizer's special tokens, ``messages`` through the chat template with the generation
+    prompt). A prompt longer than ``seq_len − max_new_tokens`` keeps its last tokens (one warning, as SFT rows
+    cut get); every kept token must be one the model embeds."""
     rl: RL = tenant.rl
     where = source_name(tenant.data)
     prompts = load_prompts(tenant.data, tokenizer, seq_len - rl.max_new_tokens)
@@ -485,9 +481,7 @@ class RLDriver(Driver):
             keys = sorted({k for r in rows for k in r.columns})
             batch = RewardBatch(
                 prompts=[r.prompt for r in rows],
-                completions=[
-                    [{"role": "assistant", "content": x}] if r.chat else x for r, x in zip(rows, texts)
-                ],
+                completions=[as_completion(r.prompt, x) for r, x in zip(rows, texts)],
                 completion_ids=[list(c.tokens) for c in by_tenant[t.name]],
                 columns={k: [r.columns.get(k) for r in rows] for k in keys},
                 state={"global_step": t.step, "max_steps": t.spec.max_steps},
