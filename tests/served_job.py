@@ -48,6 +48,7 @@ class Served:
         log_every: int = 1,
         tenants: list | None = None,
         max_queue: int = 4096,
+        run_dir: Path | None = None,
     ) -> None:
         self.base = base
         spec = JobSpec(
@@ -75,6 +76,7 @@ class Served:
         )
         self.trainer = Trainer(
             spec,
+            run_dir,  # (None: no run directory, nothing written)
             drivers=(
                 lambda parts: ServiceDriver(
                     parts,

@@ -408,6 +408,8 @@ class Trainer:
     # -- saving ----------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
         """Write ``checkpoints/step_<N>`` (see :class:`~.checkpointer.Checkpointer`). A collective."""
+        for driver in self.drivers:  # (the tenants' states as of now: a served job's clients that went away)
+            driver.before_checkpoint()
         return self.checkpointer.save(self.global_step, self.parts())
 
     def save(self, final: bool) -> None:

@@ -45,6 +45,15 @@ KEY_PREFIX = "tml-"
 OWNER = "owner"
 """The name of the key the job creates: the one ``svc.api_key`` is."""
 KEYS_MODE = 0o600
+BASE_MODEL_NAME = "base"
+"""What the OpenAI endpoint of a served job calls its base model, beside the name clients give it."""
+
+
+def reserved_model_names(base_model: str) -> frozenset[str]:
+    """The model names a served job's endpoint gives meaning to (``"base"`` and ``base_model``, the name its
+    clients give the base): no tenant of the job may take one, or it would be listed twice and never be
+    reached (a ``tinker://`` path is never a tenant's name)."""
+    return frozenset({BASE_MODEL_NAME, base_model})
 
 
 def keys_path(run: RunDir) -> Path:

@@ -10,10 +10,11 @@ The routes and their bodies are those of the ``tinker`` SDK 0.38.0: the paths it
 
 Errors always carry a JSON body (the SDK retries a bare 400 as a connection error):
 401 no or a wrong ``X-API-Key``; 404 an id that is unknown *or another key's* (so ids do not leak);
-400 unreadable JSON or protobuf, a checkpoint name that is not a name (``.``, ``..``, a separator: never a
-path) or a path that is not a checkpoint's, a tensor shape past what the job holds; 422 fields that are
-wrong (``{"detail": ...}`` names every problem); 410 a finished session; 413 a body over ``max_body_bytes``,
-or tensors that would decode past it; 429 the inbox is full (never 402: the SDK pauses for an hour on it);
+400 unreadable JSON or protobuf (JSON nested too deeply or holding a lone surrogate: naming the field,
+:mod:`.reading`), a checkpoint name that is not a name (``.``, ``..``, a separator: never a path) or a path
+that is not a checkpoint's, a tensor shape past what the job holds; 422 fields that are wrong
+(``{"detail": ...}`` names every problem); 410 a finished session; 413 a body over ``max_body_bytes``, or
+tensors that would decode past it; 429 the inbox is full (never 402: the SDK pauses for an hour on it);
 500 a bug in a handler (the server goes on). An ordered request refused at the door spends its ``seq_id``
 (the model's next requests do not wait for it), and sent again it gets the same answer.
 ``retrieve_future`` holds a request up to ``poll_s`` (40 s) and then answers ``try_again`` as a 408, which
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import socket
@@ -45,7 +45,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlora_lab.rundir import service as files
-from mlora_lab.service import wire
+from mlora_lab.service import reading, wire
 from mlora_lab.service.bodies import (
     BodyError,
     CheckpointPath,
@@ -161,29 +161,21 @@ def create_app(state: ServiceState) -> Starlette:
 
 async def read_body(request: Request, state: ServiceState) -> bytes:
     """The body, refused with 413 past ``max_body_bytes`` (by its Content-Length, and as it is read)."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise Refused(400, f"Content-Length {declared!r} is not a number") from None
-        if size > state.max_body_bytes:
-            raise Refused(413, f"the body has {size} bytes; at most {state.max_body_bytes}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > state.max_body_bytes:
-            raise Refused(413, f"the body has more than {state.max_body_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        return await reading.read_body(request, state.max_body_bytes)
+    except reading.Unreadable as e:
+        raise Refused(e.status, e.message) from None
 
 
 async def read_json(request: Request, state: ServiceState) -> dict[str, Any]:
-    raw = await read_body(request, state)
+    """The JSON object of the body (``{}`` for none): a 400 naming the field when it is not JSON, nested too
+    deeply or holds a lone surrogate (:mod:`.reading`, as the OpenAI routes read theirs)."""
     try:
-        body = json.loads(raw) if raw else {}
-    except (ValueError, UnicodeDecodeError) as e:
-        raise Refused(400, f"the body is not JSON ({e})") from None
+        body = reading.parse_body(await read_body(request, state))
+    except reading.Unreadable as e:
+        raise Refused(e.status, e.message) from None
+    if body is None:
+        return {}
     if not isinstance(body, dict):
         raise Refused(422, ["the body must be a JSON object"])
     return body

@@ -30,6 +30,25 @@ probability is at least ``1 / vocabulary``, so this holds for a vocabulary of up
 float32 the sampler filters in rounds it to 0, which would keep no token at all."""
 
 
+def floored_temperature(temperature: float) -> float:
+    """``temperature`` as the sampler takes it: one in ``(0, MIN_TEMPERATURE)`` is 0 (greedy). Both routes
+    (the Tinker ``asample`` and the OpenAI completions) sample through it."""
+    return 0.0 if 0 < temperature < MIN_TEMPERATURE else temperature
+
+
+def prompt_room_problem(prompt_tokens: int, max_context: int, sampled: bool = True) -> str | None:
+    """Why a prompt of ``prompt_tokens`` tokens does not fit a job whose context holds ``max_context``
+    (``sampled``: with at least one token to sample after it), saying how long a prompt may be; None when it
+    fits."""
+    most = max_context - 1 if sampled else max_context
+    if prompt_tokens <= most:
+        return None
+    room = " leave room to sample" if sampled else " fit the job's context"
+    return (
+        f"the prompt has {prompt_tokens} tokens; at most {most}{room} (the job's context holds {max_context})"
+    )
+
+
 class BodyError(ValueError):
     """A request body that cannot be used: every problem found (a user error). ``status``: 422 for fields
     of the wrong type or range, 400 when a checkpoint name or path is not one (a name that is a path, say:
@@ -412,13 +431,12 @@ def read_sample(body: Any, *, vocab_size: int, max_context: int) -> tuple[Fields
     p = Fields(f.body.get("sampling_params"), "sampling_params")
     room = max_context - len(prompt)
     max_tokens = p.int("max_tokens", 1, max(room, 1), required=False, default=min(room, 256))
-    if room < 1:
-        p.problems.append(
-            f"the prompt has {len(prompt)} tokens; at most {max_context - 1} leave room to sample"
-        )
+    no_room = prompt_room_problem(len(prompt), max_context)
+    if no_room is not None:
+        p.problems.append(no_room)
     temperature = p.float("temperature", 1.0, ge=0.0)
-    if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
-        temperature = 0.0  # (greedy: see MIN_TEMPERATURE)
+    if temperature is not None:
+        temperature = floored_temperature(temperature)
     top_k = p.int("top_k", required=False, default=-1)
     if top_k is not None and top_k != -1 and top_k < 1:
         p.problems.append(f"sampling_params.top_k is {top_k}; it must be -1 (no limit) or >= 1")

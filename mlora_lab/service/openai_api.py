@@ -3,7 +3,8 @@
 OpenAI API (the ``openai`` client, lm-eval's ``local-completions``, inspect-ai, verifiers) reaches the base,
 every tenant and every named sampler snapshot of a running job.
 
-Models: ``base`` (also the name the service gives the base, ``Service.model_name``), each tenant holding a
+Models: ``base`` (also the name the service gives the base, ``Service.model_name``; no tenant may take either
+name: :func:`~mlora_lab.rundir.service.reserved_model_names`), each tenant holding a
 slot by its name (sampled with its *current* adapter, while it trains), and the named sampler snapshots
 (``tinker://<run>/sampler_weights/<name>``, those the caller's key saved). A request becomes the same
 :class:`~.work.Work` a Tinker ``asample`` does: the training loop takes every waiting sample at once, so
@@ -11,12 +12,16 @@ requests from many callers share one batched generation with the job's own sampl
 adapter. The answer waits for it (no polling): an OpenAI client simply waits on its HTTP request.
 
 The request and response bodies are OpenAI's (``openai`` 3.x's ``Completion`` and ``ChatCompletion``): ``n``,
-``temperature``, ``top_p``, ``max_tokens`` (``max_completion_tokens``), ``stop`` (up to 4 strings, cut from the
-text as OpenAI does), ``seed``, ``logprobs`` / ``top_logprobs`` (and ``echo`` with the prompt's logprobs for
-completions, what lm-eval's log-likelihood requests use), and ``stream`` (server-sent events; the completion
-is generated in one batch, so its text comes as one chunk per choice, then ``[DONE]``). Errors have OpenAI's
-shape, ``{"error": {"message", "type", "param", "code"}}``: 401 a missing or wrong key (``Authorization:
-Bearer`` or ``X-API-Key``), 404 an unknown model (named), 400 a bad field (named), 429 a full queue.
+``temperature`` (below 1e-5 greedy, as the Tinker route samples), ``top_p``, ``max_tokens``
+(``max_completion_tokens``), ``stop`` (up to 4 strings, cut from the text as OpenAI does), ``seed``,
+``logprobs`` / ``top_logprobs`` (and ``echo`` with the prompt's logprobs for completions, what lm-eval's
+log-likelihood requests use; ``echo`` with ``max_tokens: 0`` scores the prompt alone), and ``stream``
+(server-sent events; the completion is generated in one batch, so its text comes as one chunk per choice, then
+``[DONE]``). Bodies are read as the Tinker routes read theirs (:mod:`.reading`). Errors have OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``: 401 a missing or wrong key (``Authorization: Bearer`` or
+``X-API-Key``), 404 an unknown model (named), 400 a bad field (named: JSON nested too deeply and a lone
+surrogate too), 413 a body over ``max_body_bytes`` or more prompts than a key may have waiting at once (its
+share of the queue, named), 429 a full queue.
 """
 
 from __future__ import annotations
@@ -30,9 +35,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlora_lab.service.bodies import Fields, Sample, parse_checkpoint_path
+from mlora_lab.rundir.service import BASE_MODEL_NAME, reserved_model_names
+from mlora_lab.service import reading
+from mlora_lab.service.bodies import (
+    Fields,
+    Sample,
+    floored_temperature,
+    parse_checkpoint_path,
+    prompt_room_problem,
+)
 from mlora_lab.service.state import ServiceState
-from mlora_lab.service.work import InboxFull, Kind, Result, Work
+from mlora_lab.service.work import InboxFull, Kind, NeverFits, Result, Work
 
 OPENAI_PREFIX = "/v1"
 MAX_N = 128
@@ -97,16 +110,17 @@ def _key(request: Request) -> str | None:
 def model_ids(state: ServiceState, owner: str) -> list[str]:
     """The models ``owner``'s key may sample: the base, the tenants (a Tinker client's only for its own key),
     and the named sampler snapshots its key saved."""
+    reserved = reserved_model_names(state.base_model)  # (no tenant takes one: never listed as a tenant)
     with state.lock:
         others = {info.name for info in state.models.values() if info.owner != owner and info.name}
-        tenants = [n for n in state.tenant_names if n not in others]
+        tenants = [n for n in state.tenant_names if n not in others and n not in reserved]
         snaps = list(state.snapshot_paths)
     owned = []
     for path in snaps:
         parsed = parse_checkpoint_path(path, "model", Fields({}))
         if parsed is not None and state.owns_run(owner, parsed.run_id):
             owned.append(path)
-    return ["base", *tenants, *owned]
+    return [BASE_MODEL_NAME, *tenants, *owned]
 
 
 async def list_models(request: Request, state: ServiceState, owner: str) -> Response:
@@ -122,22 +136,12 @@ async def list_models(request: Request, state: ServiceState, owner: str) -> Resp
 
 
 async def _body(request: Request, state: ServiceState) -> dict[str, Any]:
-    """The JSON body, refused past ``max_body_bytes`` by its Content-Length and as it is read (never held whole
-    first)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > state.max_body_bytes:
-        raise OpenAIError(413, f"the body has {declared} bytes; at most {state.max_body_bytes}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > state.max_body_bytes:
-            raise OpenAIError(413, f"the body has more than {state.max_body_bytes} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    """The JSON body, read as the Tinker routes read theirs (:mod:`.reading`: refused past ``max_body_bytes``
+    as it is read; JSON nested too deeply, or with a lone surrogate, is a 400 naming the field)."""
     try:
-        body = json.loads(raw) if raw else None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise OpenAIError(400, f"the body is not JSON ({e})") from None
+        body = reading.parse_body(await reading.read_body(request, state.max_body_bytes))
+    except reading.Unreadable as e:
+        raise OpenAIError(e.status, e.message, e.field) from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "the body must be a JSON object")
     return body
@@ -184,7 +188,7 @@ def _target(state: ServiceState, owner: str, model: Any) -> dict[str, Any]:
     """The :class:`Sample` fields that aim a request at ``model`` (404 naming it when it is none of them)."""
     if not isinstance(model, str) or not model:
         raise OpenAIError(400, "model is required: 'base', a tenant's name or a sampler snapshot", "model")
-    if model in ("base", state.base_model):
+    if model in reserved_model_names(state.base_model):
         return {}
     known = model_ids(state, owner)
     if model not in known:
@@ -210,25 +214,35 @@ def _encode(state: ServiceState, prompt: Any, param: str) -> list[int]:
     raise OpenAIError(400, f"{param} must be a string, a list of strings, or token ids", param)
 
 
+def _scores_only(body: dict) -> bool:
+    """``max_tokens: 0`` with ``echo``: the prompt scored (its logprobs), nothing sampled (what a harness sends
+    to score a text, and OpenAI's completions accept)."""
+    asked = body.get("max_completion_tokens", body.get("max_tokens"))
+    return "prompt" in body and type(asked) is int and asked == 0 and body.get("echo") is True
+
+
 def _sample(state: ServiceState, body: dict, prompt: list[int], target: dict, **kw: Any) -> Sample:
+    """The :class:`Sample` a request's ``prompt`` asks for. Only scored (:func:`_scores_only`), it samples one
+    greedy token, which the answer leaves out, with the prompt's logprobs."""
+    scores_only = _scores_only(body)
+    no_room = prompt_room_problem(len(prompt), state.limits.max_tokens, sampled=not scores_only)
+    if no_room is not None:
+        raise OpenAIError(400, no_room, "messages" if "messages" in body else "prompt")
     room = state.limits.max_tokens - len(prompt)
-    if room < 1:
-        raise OpenAIError(
-            400,
-            f"the prompt has {len(prompt)} tokens; the job's context holds {state.limits.max_tokens}",
-            "messages" if "messages" in body else "prompt",
-        )
     default = kw.pop("default_max", min(room, 16))
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, name, default, 1, room, integer=True)
+    if body.get(name) == 0 and not scores_only and "prompt" in body:
+        raise OpenAIError(400, f"{name} 0 samples nothing: it needs echo: true (the prompt's logprobs)", name)
+    max_tokens = 1 if scores_only else _number(body, name, default, 1, room, integer=True)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise OpenAIError(400, "seed must be an integer", "seed")
+    temperature = floored_temperature(float(_number(body, "temperature", 1.0, 0.0, 2.0)))
     return Sample(
         prompt=prompt,
         num_samples=_number(body, "n", 1, 1, MAX_N, integer=True),
         max_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        temperature=0.0 if scores_only else temperature,
         top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)),
         seed=seed,
         stop_strings=_stops(body),
@@ -239,10 +253,22 @@ def _sample(state: ServiceState, body: dict, prompt: list[int], target: dict, **
 
 
 async def _run(state: ServiceState, owner: str, samples: list[Sample]) -> list[dict[str, Any]]:
-    """Queue every sample (one per prompt) and wait for their generations; their JSON results."""
+    """Queue every sample (one per prompt, all or none) and wait for their generations; their JSON results.
+    More prompts than a key may have waiting at once can never run: a 413 naming that share."""
     works = [Work(Kind.SAMPLE, state.futures.new(), owner, body=s) for s in samples]
-    for w in works:
-        state.inbox.put(w)
+    try:
+        state.inbox.put_all(works)
+    except (NeverFits, InboxFull) as e:
+        for w in works:
+            state.futures.forget(w.request_id)
+        if isinstance(e, NeverFits):
+            raise OpenAIError(
+                413,
+                f"the request has {e.items} prompts, and at most {e.most} of one key may wait in the job's "
+                f"queue at once (its share): send at most {e.most} prompts a request",
+                "prompt",
+            ) from None
+        raise
     out = []
     for w in works:
         deadline = time.monotonic() + WAIT_S
@@ -316,8 +342,11 @@ async def completions(request: Request, state: ServiceState, owner: str) -> Resp
     ]
     results = await _run(state, owner, samples)
     choices, completion_tokens = [], 0
+    scores_only = _scores_only(body)
     for p, (ids, res) in enumerate(zip(encoded, results)):
         for j, seq in enumerate(res["sequences"]):
+            if scores_only:  # (the one token sampled to score the prompt is not part of the answer)
+                seq = {**seq, "tokens": [], "logprobs": [], "top_logprobs": [], "stop_reason": "length"}
             text, stopped = _text(state, seq["tokens"], stops)
             completion_tokens += len(seq["tokens"])
             shown = (state.tokenizer.decode(ids, skip_special_tokens=True) if echo else "") + text

@@ -87,6 +87,15 @@ class InboxFull(Exception):
     """The inbox holds as many waiting items as it may: the client should retry later (HTTP 429)."""
 
 
+class NeverFits(Exception):
+    """One request of more items than its source may ever have waiting (``most``: its share, or the whole
+    inbox): retrying cannot help (HTTP 413, naming ``most``)."""
+
+    def __init__(self, items: int, most: int) -> None:
+        super().__init__(f"{items} items, and at most {most} may wait at once")
+        self.items, self.most = items, most
+
+
 class Refusal(Exception):
     """A numbered request sent again after it was refused at the door: the first answer, again (``status``
     and ``detail``), since its ``seq_id`` was stepped over and can never run."""
@@ -167,22 +176,51 @@ class Inbox:
                     return seen
                 if work.seq_id < self._next.get(work.model_id, 0):
                     raise SeqIdPassed(f"seq_id {work.seq_id} of model {work.model_id!r} ran long ago")
-            if self._waiting >= self.capacity:
-                raise InboxFull(f"{self.capacity} requests are waiting")
-            source = self.source(work)
-            if self._held[source] >= self.per_source:
-                raise InboxFull(f"{self._held[source]} requests of {source} are waiting, its most at once")
+            self._room_for(self.source(work), 1)
             if work.kind in ORDERED:
                 self._seen[work.model_id][work.seq_id] = work.request_id
                 self._ordered[work.model_id][work.seq_id] = work
             else:
                 self._unordered.append(work)
-            self._held[source] += 1
-            self._waiting += 1
-            self._last = time.monotonic()
-            self._first = self._first or self._last
+            self._held_one(work)
         self._arrived()
         return work.request_id
+
+    def put_all(self, works: Sequence[Work]) -> None:
+        """Queue the unordered ``works`` of one request (an OpenAI request's prompts, one key's) whole or not
+        at all: :class:`NeverFits` when they are more than one source may ever have waiting, so that the
+        request is refused for good rather than told to retry; :class:`InboxFull` when they do not fit now."""
+        assert not any(w.kind in ORDERED for w in works), "numbered requests come one at a time"
+        with self._lock:
+            counts: dict[str, int] = defaultdict(int)
+            for work in works:
+                counts[self.source(work)] += 1
+            most = min(self.per_source, self.capacity)
+            for n in counts.values():
+                if n > most:
+                    raise NeverFits(n, most)
+            for source, n in counts.items():
+                self._room_for(source, n)
+            if self._waiting + len(works) > self.capacity:  # (several sources' items together)
+                raise InboxFull(f"{self._waiting} requests are waiting, of at most {self.capacity}")
+            for work in works:
+                self._unordered.append(work)
+                self._held_one(work)
+        self._arrived()
+
+    def _room_for(self, source: str, n: int) -> None:
+        """:class:`InboxFull` unless ``n`` more items of ``source`` fit now (the lock is held)."""
+        if self._waiting + n > self.capacity:
+            raise InboxFull(f"{self._waiting} requests are waiting, of at most {self.capacity}")
+        if self._held.get(source, 0) + n > self.per_source:
+            raise InboxFull(f"{self._held[source]} requests of {source} are waiting, its most at once")
+
+    def _held_one(self, work: Work) -> None:
+        """``work`` waits from now on (the lock is held)."""
+        self._held[self.source(work)] += 1
+        self._waiting += 1
+        self._last = time.monotonic()
+        self._first = self._first or self._last
 
     def take(self) -> list[Work]:
         """Every item that may run now: unordered ones in arrival order, then per model the consecutive

@@ -1,4 +1,5 @@
-"""A served job's ``service`` settings (no file read): its fields.
+"""A served job's ``service`` settings (no file read): its fields, and no tenant named as its OpenAI endpoint names
+the base (``base``).
 
 The Tinker service runs on any layout (``parallel``: several processes, fsdp, tp, ep; rank 0 serves, the
 other processes follow it: :mod:`mlora_lab.job.drivers.tinker.driver`), so nothing here depends on ``parallel``.
@@ -6,6 +7,8 @@ other processes follow it: :mod:`mlora_lab.job.drivers.tinker.driver`), so nothi
 
 from __future__ import annotations
 
+from mlora_lab.rundir.service import reserved_model_names
+from mlora_lab.spec import Tenant
 from mlora_lab.specbase import fields_info
 from mlora_lab.specparts import Service
 from mlora_lab.validate.context import Context, got
@@ -30,3 +33,13 @@ def check_service(ctx: Context) -> None:
             )
             continue
         check_field(ctx, None, f"service.{name}", getattr(s, name), info)
+    base = s.model_name if isinstance(s.model_name, str) and s.model_name else ctx.spec.base_model
+    reserved = reserved_model_names(base) if isinstance(base, str) else frozenset()
+    for t in ctx.spec.tenants if isinstance(ctx.spec.tenants, list) else ():
+        if isinstance(t, Tenant) and isinstance(t.name, str) and t.name in reserved:
+            ctx.say(
+                t,
+                "name",
+                f"{t.name!r} is what the job's OpenAI endpoint calls its base model: a tenant of a served job "
+                "needs another name",
+            )

@@ -4,9 +4,11 @@ sampling is seeded, logprobs are the model's, streaming gives the same text, and
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
+import httpx
 import peft
 import pytest
 import torch
@@ -340,3 +342,148 @@ def test_many_callers_share_one_generation_and_a_full_queue_answers_429(llama_pa
         assert sizes == [3] and sorted(answers) == [0, 1, 2]
     finally:
         job.close()
+
+
+# -- the hardening the Tinker route has (issue 48, section 2) ------------------------------------------------
+
+
+def post(job: Served, path: str, body: bytes | dict) -> httpx.Response:
+    """A raw POST to the OpenAI side (a body no ``openai`` client would send)."""
+    headers = {"Authorization": f"Bearer {job.key}", "Content-Type": "application/json"}
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    return httpx.post(f"{job.server.url}/v1/{path}", headers=headers, timeout=60, **kw)
+
+
+def test_oa16b_a_temperature_below_the_floor_samples_greedily(served):
+    """OA16b: temperature 1e-46 (logits / it overflow) samples greedily, as 0 does and as the Tinker route
+    does below 1e-5; 2e-5 is a temperature like any other."""
+    job, _ = served
+    kw = dict(model="alice", prompt=PROMPT, max_tokens=8, logprobs=1, seed=3)
+    greedy = client(job).completions.create(temperature=0, **kw).choices[0]
+    for tiny in (1e-46, 1e-300, 9e-6):
+        got = client(job).completions.create(temperature=tiny, **kw).choices[0]
+        assert got.text == greedy.text, tiny
+        assert got.logprobs.token_logprobs == pytest.approx(greedy.logprobs.token_logprobs, abs=1e-6), tiny
+
+
+def test_oa12b_a_body_nested_too_deeply_is_a_400_naming_the_field(served):
+    """OA12b: a JSON body 100,000 levels deep is a 400 naming the field that holds the nesting (it was a 500,
+    "internal error"); the Tinker route answers the same, and both go on serving."""
+    job, _ = served
+    deep = b'{"model": "base", "max_tokens": 2, "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for path in ("completions", "chat/completions"):
+        r = post(job, path, deep)
+        assert r.status_code == 400, (path, r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert error["param"] == "prompt" and "nested" in error["message"], error
+        assert "100,000" in error["message"], error
+    whole = post(job, "completions", b"[" * 100_000 + b"]" * 100_000)
+    assert whole.status_code == 400 and "the body" in whole.json()["error"]["message"]
+    tinker = httpx.post(f"{job.server.url}/api/v1/create_session", headers={"X-API-Key": job.key}, timeout=60,
+                        content=b'{"tags": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")  # fmt: skip
+    assert tinker.status_code == 400 and "tags" in str(tinker.json()["detail"]), tinker.text[:300]
+    assert client(job).completions.create(model="base", prompt=PROMPT, max_tokens=2).choices
+
+
+def test_oa12c_a_lone_surrogate_is_a_400_naming_the_field(served):
+    """OA12c: a lone surrogate (``\\ud800``: no text) in a prompt, a message or a stop string is a 400 that
+    names the field (it was a 500); a surrogate pair (an emoji) is text and is served."""
+    job, _ = served
+    cases = [
+        ("completions", {"model": "base", "prompt": "red \\ud800 cat", "max_tokens": 2}, "prompt"),
+        ("completions", {"model": "base", "prompt": ["ok", "red \\udc00"], "max_tokens": 2}, "prompt[1]"),
+        ("completions", {"model": "base", "prompt": "red", "stop": ["\\ud800"], "max_tokens": 2}, "stop[0]"),
+        ("chat/completions", {"model": "base", "messages": [{"role": "user", "content": "hi \\udbff"}]},
+         "messages[0].content"),
+    ]  # fmt: skip
+    for path, body, field in cases:
+        raw = json.dumps(body).replace("\\\\u", "\\u").encode()  # (the escape itself, as a client sends it)
+        r = post(job, path, raw)
+        assert r.status_code == 400, (field, r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert error["param"] == field.split("[")[0].split(".")[0], error
+        assert field in error["message"] and "lone surrogate" in error["message"], error
+    emoji = post(job, "completions", {"model": "base", "prompt": "red \U0001f431", "max_tokens": 2})
+    assert emoji.status_code == 200, emoji.text[:300]
+
+
+def test_oa9_a_prompt_that_fills_the_context_is_told_the_limit(served):
+    """OA9: a prompt with no room left to sample is told how long a prompt may be (it was told "the prompt has
+    47 tokens; the job's context holds 47"), as the Tinker route says it."""
+    job, _ = served
+    limit = job.state.limits.max_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client(job).completions.create(model="base", prompt=[5] * limit, max_tokens=1)
+    message = e.value.body["message"]
+    assert f"has {limit} tokens" in message and f"at most {limit - 1}" in message, message
+    assert e.value.body["param"] == "prompt"
+    fits = client(job).completions.create(model="base", prompt=[5] * (limit - 1), max_tokens=1, temperature=0)
+    assert fits.usage.completion_tokens == 1
+
+
+def test_oa4b_a_request_larger_than_the_keys_share_is_a_413_naming_it(served):
+    """OA4b: a request of more prompts than its key may have waiting at once can never run: 413 naming the share
+    (it was 429 "retry later"), and none of its prompts is queued; one within the share runs."""
+    job, _ = served
+    inbox = job.state.inbox
+    share, inbox.share = inbox.share, 2
+    try:
+        with pytest.raises(openai.APIStatusError) as e:
+            client(job).completions.create(model="base", prompt=["a", "b", "c"], max_tokens=1)
+        assert e.value.status_code == 413
+        assert "3 prompts" in e.value.message and "at most 2" in e.value.message, e.value.message
+        assert len(inbox) == 0, "nothing of the refused request waits"
+        assert len(client(job).completions.create(model="base", prompt=["a", "b"], max_tokens=1).choices) == 2
+    finally:
+        inbox.share = share
+
+
+def test_m1_echo_with_max_tokens_0_scores_the_prompt_only(served):
+    """m1: ``echo=True, max_tokens=0`` (what a harness sends to score a prompt) answers the prompt with its
+    logprobs and no completion, as OpenAI's completions do; the logprobs are those of ``max_tokens=1``'s echo."""
+    job, _ = served
+    c = client(job)
+    scored = c.completions.create(model="alice", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    one = c.completions.create(
+        model="alice", prompt=PROMPT, max_tokens=1, echo=True, logprobs=1, temperature=0
+    )
+    n = len(one.choices[0].logprobs.tokens) - 1  # the prompt's tokens
+    choice = scored.choices[0]
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == n
+    assert choice.logprobs.tokens == one.choices[0].logprobs.tokens[:n]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        one.choices[0].logprobs.token_logprobs[1:n], abs=1e-5
+    )
+    assert choice.text == one.choices[0].text[: len(choice.text)] and choice.finish_reason == "length"
+    limit = job.state.limits.max_tokens  # (a prompt that fills the context is scored too: nothing is sampled)
+    full = c.completions.create(model="base", prompt=[5] * limit, max_tokens=0, echo=True, logprobs=0)
+    assert len(full.choices[0].logprobs.token_logprobs) == limit
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens 0 .* echo"):
+        c.completions.create(model="base", prompt=PROMPT, max_tokens=0)
+
+
+def test_sh1d_a_client_cannot_take_the_name_base(served):
+    """SH1d: a Tinker client that names its tenant ``base`` gets another name (``base-2``): ``/v1/models`` lists
+    ``base`` once, and the client's tenant is reached by its name (its sampling differs from the base's)."""
+    from tinker import types
+
+    job, _ = served
+    tc = (
+        job.client(user_metadata={"name": "base"})
+        .create_lora_training_client(base_model=job.base, rank=4, train_mlp=False, train_unembed=False)
+        .result()
+    )
+    name = job.tenant(tc.model_id)
+    assert name == "base-2"
+    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 5, 9, 13]),
+                        loss_fn_inputs={"target_tokens": [5, 9, 13, 17], "weights": [1.0] * 4})  # fmt: skip
+    for _ in range(3):
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    models = [m.id for m in client(job).models.list()]
+    assert models.count("base") == 1 and name in models, models
+    kw = dict(prompt=[1, 5, 9], max_tokens=4, temperature=0, logprobs=1)
+    base = client(job).completions.create(model="base", **kw).choices[0].logprobs.token_logprobs
+    tenant = client(job).completions.create(model=name, **kw).choices[0].logprobs.token_logprobs
+    assert base != pytest.approx(tenant, abs=1e-4)

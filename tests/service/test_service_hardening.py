@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import threading
 import time
 
 import httpx
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 tinker = pytest.importorskip("tinker")
+from conftest import task_rows, write_jsonl  # noqa: E402
 from served_job import Served  # noqa: E402
 from tinker import types  # noqa: E402
 from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
@@ -288,6 +290,40 @@ def test_sessions_that_made_no_model_expire_and_leave_the_checkpoints(llama_path
         served.close()
 
 
+def test_sv22_clients_gone_away_at_checkpoint_time_are_not_kept_as_live(llama_path, tmp_path):
+    """SV22: a client silent for longer than ``session_timeout`` when a checkpoint is written has its tenant
+    saved and paused first, and a session of it that made no model is forgotten, so the checkpoint (what a
+    resumed job restores) holds neither as live, even when the loop had not looked at the sessions yet."""
+    served = Served(llama_path, background=False, session_timeout_s=30.0, run_dir=tmp_path / "run")
+    try:
+        sampling = served.client()
+        sid = sampling.create_sampling_client(base_model=served.base).result()._sampling_session_id
+        program, made = served.client(), []
+
+        def create() -> None:
+            made.append(program.create_lora_training_client(base_model=served.base, rank=2).result())
+
+        threading.Thread(target=create, daemon=True).start()
+        served.step_while(lambda: not made, timeout=60)
+        name, model_session = served.tenant(made[0].model_id), made[0].model_id.split(":train:")[0]
+        for client in (sampling, program):  # (no heartbeat from here on: they went away)
+            client._get_session_holder().close()
+        with served.state.lock:
+            for session in served.state.sessions.values():
+                session.last_seen -= 31.0
+        served.trainer.save_checkpoint()
+        state = served.trainer.checkpointer.latest()[1]
+        kept = state["tenants"][name]
+        assert kept["state"] == TenantState.PAUSED.value, kept["state"]
+        assert kept["reason"].startswith("its client sent no heartbeat nor request"), kept["reason"]
+        assert (served.trainer.run.adapters / name / "adapter_model.safetensors").is_file()
+        sessions = state["service"]["sessions"]
+        assert model_session in sessions and sid.split(":sample:")[0] not in sessions, sorted(sessions)
+        assert sid not in state["service"]["sampling_sessions"]
+    finally:
+        served.close()
+
+
 def test_a_session_keeps_its_most_recently_used_sampling_sessions():
     from mlora_lab.service.keys import Keys
     from mlora_lab.service.state import ServiceState
@@ -378,6 +414,20 @@ def test_slots_that_would_be_empty_fail_validation_and_host_empty_is_named(llama
         str(p) for p in problems(ml.JobSpec(base_model=llama_path, tenants=[], service=ml.Service(host="")))
     ]
     assert len(said) == 1 and "service.host is empty" in said[0] and "0.0.0.0" in said[0], said
+
+
+def test_sh1d_no_tenant_of_a_served_job_takes_a_name_of_the_base(llama_path, tmp_path):
+    """SH1d: a served job's tenant named ``base`` (or as clients name the base, ``Service.model_name``) would be
+    listed twice by the OpenAI endpoint and never reached: validation names it; unserved, the name is free."""
+    import mlora_lab as ml
+    from mlora_lab.validate import problems
+
+    data = write_jsonl(tmp_path / "d.jsonl", task_rows("reverse", 4))
+    for name, service in (("base", ml.Service()), ("my-base", ml.Service(model_name="my-base"))):
+        spec = ml.JobSpec(base_model=llama_path, tenants=[ml.Tenant(name=name, data=data)], service=service)
+        said = [str(p) for p in problems(spec)]
+        assert len(said) == 1 and f"'{name}' is what the job's OpenAI endpoint calls" in said[0], said
+    assert problems(ml.JobSpec(base_model=llama_path, tenants=[ml.Tenant(name="base", data=data)])) == []
 
 
 def test_clients_tenants_are_named_after_their_metadata_or_their_key(llama_path):

@@ -144,6 +144,11 @@ class Driver(ABC):
         """Whether work may still come with none of its tenants running (a service waiting for requests)."""
         return False
 
+    def before_checkpoint(self) -> None:  # noqa: B027 (a hook: may do nothing)
+        """A checkpoint is about to be taken (before any part's state is read): bring the tenants' states up
+        to date (a served job pauses the tenants of clients that went away). On every process: it may be a
+        collective."""
+
     def state_dict(self) -> dict[str, Any]:
         """What this driver keeps beyond its tenants' feeds, for the job's checkpoint: a dict of its own
         top-level keys (none by default). Called on every process; rank 0's is written."""

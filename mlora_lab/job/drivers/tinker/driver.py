@@ -40,7 +40,8 @@ Such a next step starts at once, with what has come meanwhile (it waits for no g
 
 A client that goes away (its session finished, or no heartbeat nor request for ``session_timeout_s``; the
 SDK heartbeats every 10 s) has its tenants saved (``adapters/<tenant>``) and paused, not lost; a paused
-tenant whose session shows life again (a request naming its model) goes on where it stopped.
+tenant whose session shows life again (a request naming its model) goes on where it stopped; a checkpoint is
+written only after that is looked at (:mod:`mlora_lab.job.drivers.tinker.sessions`).
 
 **On several processes** (fsdp, tp, ep under torchrun), rank 0 alone serves HTTP and holds the inbox, the
 futures and the keys; the other processes build this driver with no service state and follow rank 0, so
@@ -84,12 +85,14 @@ from mlora_lab.data import IGNORE_INDEX, Example
 from mlora_lab.job.agree import agree
 from mlora_lab.job.drivers.base import Driver, JobParts, Plan, StepResult
 from mlora_lab.job.drivers.tinker.saved_states import SavedStates, saved_model
+from mlora_lab.job.drivers.tinker.sessions import GONE, SessionWatch, apply_changes
 from mlora_lab.job.drivers.tinker.snapshots import Snapshots
 from mlora_lab.job.metering import Meter
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.lora.model import MultiLoRAModel
 from mlora_lab.lora.targets import output_layer_names, storable_targets
 from mlora_lab.rundir import TenantState
+from mlora_lab.rundir.service import reserved_model_names
 from mlora_lab.service import losses, wire
 from mlora_lab.service.bodies import ModelInfo
 from mlora_lab.service.work import ErrorCategory, Kind, Result, Work
@@ -97,9 +100,6 @@ from mlora_lab.spec import Tenant
 from mlora_lab.specbase import MAX_COUNT
 from mlora_lab.specparts import ClientModel
 from mlora_lab.text import brief
-
-GONE = "its client sent no heartbeat nor request"
-"""The start of the reason a tenant of a client that went away is paused with."""
 
 ATTENTION = (".self_attn.", ".attention.", ".attn.", ".self_attention.")
 """A module path holding one of these is an attention projection (``train_attn``); other linear layers of
@@ -144,7 +144,7 @@ def client_tenant_name(info: ModelInfo, free: Callable[[str], bool]) -> str:
     depends on ``info`` and the names taken alone): its ``user_metadata["name"]`` made safe (each run of
     other characters becomes ``-``; at most 64 characters), then ``-2``, ``-3``...; without one, its key's
     name and the first count free (``alice-1``, ``alice-2``...): a dashboard says whose it is, never an
-    opaque id alone."""
+    opaque id alone. (A name the OpenAI endpoint gives the base, ``base``, is never free: ``base-2``.)"""
     wanted = re.sub(r"[^A-Za-z0-9._-]+", "-", info.name or "").strip(".-")[:64]
     if wanted:
         if free(wanted):
@@ -238,9 +238,10 @@ class ServiceDriver(Driver):
             raise ValueError("the service's state belongs to rank 0, and only to it")
         if state is not None:
             state.inbox.arrived = parts.wake  # a request wakes the idle loop at once
-        self.session_timeout_s = float(session_timeout_s)
-        self._watched = 0.0
+        self.watch = SessionWatch(session_timeout_s)  # (rank 0's: clients gone away, or back)
         self.state, self.lora_alpha = state, float(lora_alpha)
+        service = parts.spec.service  # (the names the OpenAI endpoint gives the base: no client's tenant's)
+        self.reserved = reserved_model_names((service and service.model_name) or parts.spec.base_model)
         folder = None if checkpoints is None else Path(checkpoints)  # (rank 0 alone writes there)
         self.snapshots = Snapshots(parts.engine, parts.spec.max_tenants, folder, self.main)
         self.states = SavedStates(parts.engine, folder, self.main, self.lora_alpha)
@@ -337,7 +338,7 @@ class ServiceDriver(Driver):
         self._publish_models()
         # (every process runs what rank 0 took, in its order: every forward is a collective)
         orders: _Orders = self.comm.broadcast_object(self._orders() if self.main else None)  # type: ignore[assignment]
-        self._apply_sessions(orders)
+        apply_changes(self.pool, orders.pauses, orders.resumes)
         samples: list[Work] = []
         for work in orders.works:
             if work.kind is Kind.CREATE_MODEL:
@@ -432,7 +433,7 @@ class ServiceDriver(Driver):
     def _orders(self) -> _Orders:
         """Rank 0: the sessions' changes and the waiting requests. A sample with no seed gets one here, from
         torch's generator, so that every process draws the same tokens."""
-        pauses, resumes = self._watch_sessions()
+        pauses, resumes = self.watch.changes(self.state, self.pool, self.names)
         works = []
         # (requests a full step left behind run now, with whatever has come: none waits out a gather)
         while not self._left_over() and (wait := self.state.inbox.gather_wait(GATHER_QUIET_S, GATHER_MAX_S)):
@@ -467,8 +468,10 @@ class ServiceDriver(Driver):
         if model_id in self.names:
             self._fail(work, f"model {model_id!r} exists already")
             return None
-        model = self.engine.model
-        name = client_tenant_name(info, lambda n: not self.pool.name_taken(n) and n not in model.tenants)
+        model, reserved = self.engine.model, self.reserved
+        name = client_tenant_name(
+            info, lambda n: not self.pool.name_taken(n) and n not in model.tenants and n not in reserved
+        )
         try:
             targets, experts = tinker_targets(
                 self.engine.model,
@@ -520,39 +523,13 @@ class ServiceDriver(Driver):
         """The tenant a client's model is (``KeyError`` for a model this job has not made)."""
         return self.names[model_id]
 
-    def _watch_sessions(self) -> tuple[dict[str, str], list[str]]:
-        """Rank 0: the tenants of clients that went away (to pause, with why) and those whose client is back
-        (to resume). Looked at once a second; sessions that made no model and are over are forgotten then
-        (:meth:`~mlora_lab.service.state.ServiceState.expire_sessions`)."""
-        now = time.time()
-        pauses: dict[str, str] = {}
-        resumes: list[str] = []
-        if now - self._watched < 1.0:
-            return pauses, resumes
-        self._watched = now
-        self.state.expire_sessions(now, self.session_timeout_s)
-        with self.state.lock:
-            sessions = [(s.finished, s.last_seen, list(s.model_ids)) for s in self.state.sessions.values()]
-        for finished, seen, models in sessions:
-            gone = finished or now - seen > self.session_timeout_s
-            for model_id in models:
-                t = self.pool.tenants.get(self.names.get(model_id, ""))
-                if t is None:
-                    continue
-                if gone and t.state is TenantState.RUNNING:
-                    pauses[t.name] = "its client finished its session" if finished else GONE
-                elif not gone and t.state is TenantState.PAUSED and (t.reason or "").startswith(GONE):
-                    resumes.append(t.name)
-        return pauses, resumes
-
-    def _apply_sessions(self, orders: _Orders) -> None:
-        """Pause (after saving: a collective) the tenants of clients that went away; resume those whose
-        client is back."""
-        for name, why in orders.pauses.items():
-            self.pool.save_adapter_logged(name)
-            self.pool.set_state(self.pool[name], TenantState.PAUSED, f"{why} (adapter saved)")
-        for name in orders.resumes:
-            self.pool.set_state(self.pool[name], TenantState.RUNNING)
+    def before_checkpoint(self) -> None:
+        """The clients that had gone away by now are paused before the checkpoint keeps their tenants (their
+        sessions that made no model forgotten): a resumed job must not take them for live ones. On every
+        process (rank 0 decides; pausing saves: a collective)."""
+        changes = self.watch.changes(self.state, self.pool, self.names, now=True) if self.main else None
+        pauses, resumes = self.comm.broadcast_object(changes)
+        apply_changes(self.pool, pauses, resumes)
 
     def _publish_models(self) -> None:
         """Rank 0: tell the HTTP side what the OpenAI endpoint lists and samples: the tenants holding a slot,
