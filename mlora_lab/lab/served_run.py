@@ -12,6 +12,7 @@ and reads and rewrites ``service/keys.json`` (which the server re-reads), both t
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -110,14 +111,9 @@ class ServedRun(Run):
 
     def client(self, api_key: str | None = None, **kwargs: Any) -> Any:
         """A ``tinker.ServiceClient`` bound to the service (with the owner's key unless ``api_key`` is
-        given); ``kwargs`` go to it. Needs the ``tinker`` SDK: ``pip install 'mlora_lab[serve]'``."""
-        try:
-            import tinker
-        except ImportError as e:
-            raise ImportError(
-                "svc.client() needs the tinker SDK: pip install 'mlora_lab[serve]' (or tinker==0.38.0)"
-            ) from e
-        return tinker.ServiceClient(base_url=self.base_url, api_key=api_key or self.api_key, **kwargs)
+        given) that sends the job no telemetry (:func:`service_client`); ``kwargs`` go to it. Needs the
+        ``tinker`` SDK: ``pip install 'mlora_lab[serve]'``."""
+        return service_client(self.base_url, api_key or self.api_key, **kwargs)
 
     @property
     def openai_base_url(self) -> str:
@@ -155,3 +151,45 @@ class ServedRun(Run):
         (``save_state``) or ``tinker://…/sampler_weights/<name>`` (a named ``save_weights_for_sampler``);
         ``FileNotFoundError`` when the run has none of that name."""
         return files.local_path(self.dir, tinker_path)
+
+
+def service_client(base_url: str, api_key: str, **kwargs: Any) -> Any:
+    """A ``tinker.ServiceClient`` of a served job (``kwargs`` go to it) that sends no telemetry.
+
+    The SDK reports its own usage and errors to whatever server it talks to, in batches every 10 s and when it
+    closes (``TINKER_TELEMETRY``, on by default). A served job collects none: it takes the batches and drops
+    them, and once it has stopped, a client still alive in a notebook failed to send one and printed a 75-line
+    traceback into whatever cell ran then. Telemetry is turned off for this client alone, as each of its
+    sessions starts; the environment, and every other client of the process, are left as they are."""
+    return _client_class()(base_url=base_url, api_key=api_key, **kwargs)
+
+
+@functools.cache
+def _client_class() -> type:
+    try:
+        import tinker
+    except ImportError as e:
+        raise ImportError(
+            "svc.client() needs the tinker SDK: pip install 'mlora_lab[serve]' (or tinker==0.38.0)"
+        ) from e
+
+    class ServedJobClient(tinker.ServiceClient):
+        """A ``tinker.ServiceClient`` whose holders (its session's, its REST reads') send no telemetry."""
+
+        def _get_session_holder(self) -> Any:
+            return _without_telemetry(super()._get_session_holder())
+
+        def _get_rest_holder(self) -> Any:
+            return _without_telemetry(super()._get_rest_holder())
+
+    return ServedJobClient
+
+
+def _without_telemetry(holder: Any) -> Any:
+    """``holder`` (the SDK 0.38 ``InternalClientHolder``) with its telemetry stopped and dropped: what it
+    queued is never sent, and it queues nothing more (the SDK logs only ``if holder.get_telemetry()``)."""
+    telemetry = getattr(holder, "_telemetry", None)
+    if telemetry is not None:
+        holder._telemetry = None
+        telemetry.stop()
+    return holder
