@@ -49,6 +49,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlora_lab import hub
 from mlora_lab.hub import HUB_ID
 from mlora_lab.hub import offline as hub_offline
 from mlora_lab.text import brief, error_line, parse_json, path_problem, show_path
@@ -429,45 +430,55 @@ def _load_hub_dataset(source: HubDataset) -> Any:
             f"a Hub dataset is read with the datasets package, which is not installed ({e})"
         ) from None
 
-    where = f"{source.repo_id}" + (f" (revision {source.revision})" if source.revision else "")
+    where = f"{source.repo_id}" + (f" (revision {brief(source.revision)})" if source.revision else "")
+    if (why := hub.revision_problem(source.revision)) is not None:
+        raise SourceError(f"the Hub dataset {source.repo_id}: revision {brief(source.revision)} {why}")
     revision = source.revision
-    if not hub_offline():
+    with hub.bounded_waits():  # (every request answers within hub.TIMEOUT_S, or fails at once: no retries)
+        if not hub_offline():
+            try:
+                api = HfApi()
+                info = api.dataset_info(source.repo_id, revision=source.revision, timeout=hub.TIMEOUT_S)
+                revision = info.sha or revision
+                api.auth_check(source.repo_id, repo_type="dataset")
+            except GatedRepoError:
+                raise SourceError(
+                    f"{where} is a gated dataset on the Hub: accept its terms on its page, then log in "
+                    "(`hf auth login`) or set HF_TOKEN"
+                ) from None
+            except RevisionNotFoundError:
+                raise SourceError(
+                    f"the Hub dataset {source.repo_id} has no revision {brief(source.revision)}"
+                ) from None
+            except RepositoryNotFoundError:
+                raise SourceError(
+                    f"{where} is not a dataset on the Hub (if it is private: log in with `hf auth login` or "
+                    "set HF_TOKEN)"
+                ) from None
+            except Exception as e:  # (the Hub cannot be reached: what the cache holds may still do)
+                if hub.timed_out(e):
+                    raise SourceError(
+                        f"the Hub dataset {where}: {hub.silence(e)} (with HF_HUB_OFFLINE=1 a copy in the cache is "
+                        "read without asking it)"
+                    ) from None
+                if not _unreachable(e):
+                    raise SourceError(f"the Hub dataset {where} could not be read: {error_line(e)}") from None
         try:
-            api = HfApi()
-            revision = api.dataset_info(source.repo_id, revision=source.revision).sha or revision
-            api.auth_check(source.repo_id, repo_type="dataset")
-        except GatedRepoError:
-            raise SourceError(
-                f"{where} is a gated dataset on the Hub: accept its terms on its page, then log in "
-                "(`hf auth login`) or set HF_TOKEN"
-            ) from None
-        except RevisionNotFoundError:
-            raise SourceError(
-                f"the Hub dataset {source.repo_id} has no revision {source.revision!r}"
-            ) from None
-        except RepositoryNotFoundError:
-            raise SourceError(
-                f"{where} is not a dataset on the Hub (if it is private: log in with `hf auth login` or set "
-                "HF_TOKEN)"
-            ) from None
-        except Exception as e:  # (the Hub cannot be reached: what the cache holds may still do)
-            if not _unreachable(e):
-                raise SourceError(f"the Hub dataset {where} could not be read: {error_line(e)}") from None
-    try:
-        return datasets.load_dataset(source.repo_id, source.config, split=source.split, revision=revision)
-    except Exception as e:
-        if hub_offline() or _unreachable(e):
-            reason = "HF_HUB_OFFLINE is set" if hub_offline() else "the Hub cannot be reached"
-            raise SourceError(
-                f"the Hub dataset {where} is not in the cache and {reason}: nothing can be downloaded"
-            ) from None
-        raise SourceError(f"the Hub dataset {where} could not be loaded: {error_line(e)}") from None
+            return datasets.load_dataset(source.repo_id, source.config, split=source.split, revision=revision)
+        except Exception as e:
+            if hub_offline() or _unreachable(e):
+                reason = "HF_HUB_OFFLINE is set" if hub_offline() else hub.silence(e)
+                raise SourceError(
+                    f"the Hub dataset {where} is not in the cache and {reason}: nothing can be downloaded; "
+                    f"{hub.ways_out(model=False)}"
+                ) from None
+            raise SourceError(f"the Hub dataset {where} could not be loaded: {error_line(e)}") from None
 
 
 def _unreachable(e: BaseException) -> bool:
     """Whether ``e`` says the Hub could not be reached (rather than what it answered)."""
     names = {c.__name__ for c in type(e).__mro__}
-    return bool(
+    return hub.unanswered(e) or bool(
         names
         & {"ConnectionError", "OfflineModeIsEnabled", "LocalEntryNotFoundError", "Timeout", "ConnectError"}
     )

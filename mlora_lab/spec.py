@@ -254,7 +254,7 @@ class JobSpec:
         "tokenizer", kind="dir", optional=True, form=False))
     """Tokenizer directory or Hub id; ``None`` = ``base_model``."""
     revision: str | None = field(default=None, metadata=meta(
-        "revision", kind="text", section="Job", optional=True, max=256, form=False,
+        "revision", kind="text", section="Job", optional=True, max=256, form=False, null_means="the main branch",
         help="Hub revision (branch, tag or commit) of a base_model / tokenizer given by its Hub id"))
     """The Hub revision of ``base_model`` and ``tokenizer`` when they are Hub ids (``None``: ``main``); a launch
     records the commit it downloaded, so every process of the run reads the same snapshot."""

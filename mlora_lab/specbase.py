@@ -210,7 +210,8 @@ class FieldInfo:
     """``None`` (JSON ``null``) is valid: an optional path, or a number that may be switched off."""
     null_means: str = ""
     """For an optional number: what ``None`` means, as the label of the form's checkbox that sets it
-    (the form's attribute is that label with ``_`` for spaces: ``"no clipping"`` -> ``form.no_clipping``)."""
+    (the form's attribute is that label with ``_`` for spaces: ``"no clipping"`` -> ``form.no_clipping``).
+    For an optional text no form shows: what ``None`` means, in the message about an empty one."""
     empty: str = ""
     """What a form says while this required field is empty ("choose a training data file")."""
     form: bool = True

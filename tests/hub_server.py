@@ -9,6 +9,10 @@ carries the token ``HF_TOKEN`` holds. A dataset's repository is keyed ``"dataset
 the same endpoints under ``/api/datasets/`` and ``/datasets/<id>/resolve/``, with the folder listing and
 ``paths-info`` that ``datasets.load_dataset`` asks for. Writes (``create_repo``, then ``upload_folder``'s pre-upload and commit,
 every file a "regular" upload, its bytes in the commit) need that token too.
+
+Hostile Hubs: a repository's ``cut`` files are sent half and the connection closed (a download cut short), and
+its ``files`` may hold names no Hub gives (``../escape.json``), listed and served as they are. :class:`SilentHub`
+accepts connections and never answers.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,6 +33,7 @@ class Repo:
     files: dict[str, bytes]
     gated: bool = False
     sha: str = field(default="")
+    cut: frozenset[str] = frozenset()  # files whose download stops half-way (the connection closed)
 
     def __post_init__(self) -> None:
         if not self.sha:
@@ -188,6 +194,11 @@ class HubServer:
             h.end_headers()
             if body:
                 self.requests[(repo_id, path)] = self.requests.get((repo_id, path), 0) + 1
+                if path in repo.cut:  # half of it, then the connection ends
+                    h.wfile.write(data[: len(data) // 2])
+                    h.wfile.flush()
+                    h.close_connection = True
+                    return
                 h.wfile.write(data)
             return
         self._error(h, 404, "", "not found")
@@ -268,3 +279,43 @@ class HubServer:
         h.end_headers()
         if h.command != "HEAD":
             h.wfile.write(data)
+
+
+class SilentHub:
+    """``with SilentHub() as hub:`` ... ``hub.url``: a server that accepts every connection and never answers
+    (a Hub behind a stalled proxy); ``hub.connections`` counts those accepted."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list[socket.socket] = []
+
+    @property
+    def connections(self) -> int:
+        return len(self.held)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # (closed: the block ended)
+                return
+            self.held.append(conn)
+
+    def __enter__(self) -> SilentHub:
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def closed_port() -> str:
+    """The URL of a loopback port nothing listens on (a Hub that cannot be reached: connections refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"

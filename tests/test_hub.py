@@ -11,7 +11,11 @@ Hub's (``HF_HOME``): the download path and the cache layout are both the library
 - offline (``HF_HUB_OFFLINE``) a cached id still validates and trains;
 - a launched job (torchrun) records the commit it read and trains with the Hub unreachable;
 - a tenant's data may be a Hub dataset (``ml.HubDataset``, through ``datasets.load_dataset``): it trains as the
-  same rows from a file, the three answers name it, job.json holds it until a launch writes its rows.
+  same rows from a file, the three answers name it, job.json holds it until a launch writes its rows;
+- a Hub that misbehaves is one problem naming the id and what was wrong, in bounded time: one that never answers
+  (the timeout named), one that cannot be reached (the ways out named, no retries), a download cut short, file
+  names that leave the repository (nothing written outside the cache), a revision that is no revision; a push
+  that cannot reach the Hub is one line from the CLI.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import pytest
 import torch
 import transformers
 from conftest import task_rows, write_jsonl
-from hub_server import HubServer, Repo, repo_from_folder
+from hub_server import HubServer, Repo, SilentHub, closed_port, repo_from_folder
 
 import mlora_lab as ml
 from mlora_lab.job.trainer import Trainer
@@ -364,3 +368,135 @@ def test_forms_take_a_hub_id_and_a_revision(hub, make_data):
     assert builder.spec().revision == commit and builder.form.revision == commit
     bad = ml.TenantForm("org/tiny", revision="v9")
     assert bad.linear_names == [] and "has no revision 'v9'" in bad._model_error.message
+
+
+def point_at(monkeypatch, url: str) -> None:
+    """``huggingface_hub`` (and the module-level API object PEFT uses) pointed at ``url`` for the rest of the test."""
+    import huggingface_hub.constants
+    import huggingface_hub.hf_api
+
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    importlib.reload(huggingface_hub.constants)
+    monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", url)
+
+
+def test_a_hub_that_never_answers_is_one_problem_naming_the_id_and_the_timeout(hub, make_data, monkeypatch):
+    """HB4: a Hub that accepts connections and never answers held validation for 400 s (huggingface_hub's
+    defaults: a 10 s HEAD, then six 60 s ones with back-off). Each request now waits ``hub.TIMEOUT_S`` at most,
+    and the id is one problem naming the timeout; a Hub dataset likewise."""
+    import time
+
+    from mlora_lab import hub as hub_module
+
+    monkeypatch.setattr(hub_module, "TIMEOUT_S", 1.0)
+    with SilentHub() as silent:
+        point_at(monkeypatch, silent.url)
+        started = time.monotonic()
+        (said,) = messages(JobSpec(base_model="org/tiny", tenants=[tenant(make_data)]))
+        spent = time.monotonic() - started
+        assert silent.connections >= 1, "the Hub was asked"
+        assert "base_model org/tiny" in said and "did not answer within 1 s" in said, said
+        assert spent < 30, f"validation waited {spent:.0f} s"  # (a sanity bound: one 1 s wait is the design)
+        import datasets.config
+
+        monkeypatch.setattr(datasets.config, "HF_ENDPOINT", silent.url)
+        spec = JobSpec(base_model=hub.base, tenants=[Tenant(name="a", data=ml.HubDataset("org/rows"),
+                                                            target_modules=["q_proj"])])  # fmt: skip
+        (said,) = messages(spec)
+        assert "org/rows" in said and "did not answer within 1 s" in said, said
+
+
+def test_a_download_cut_short_is_one_problem_naming_the_id(hub, make_data):
+    """HB5: the connection closes half-way through the weights: one problem naming the id and the cut, not
+    "internal error while validating the spec"; nothing half-written is left as the snapshot's file."""
+    hub.repos["org/cut"] = Repo(dict(hub.repos["org/tiny"].files), cut=frozenset({"model.safetensors"}))
+    (said,) = messages(JobSpec(base_model="org/cut", tenants=[tenant(make_data)]))
+    assert "internal error" not in said, said
+    assert "base_model org/cut" in said and "cut short" in said, said
+    from mlora_lab import hub as hub_module
+
+    with pytest.raises(FileNotFoundError):
+        hub_module.local("org/cut")
+
+
+def test_hub_file_names_leaving_the_repository_are_refused_and_nothing_escapes(hub, make_data, tmp_path):
+    """HB7: a Hub that lists ``../`` file names (and serves them): one problem naming the id and the name, and
+    no file written outside the Hub cache."""
+    files = dict(hub.repos["org/tiny"].files)
+    files["../escape.json"] = b'{"escaped": true}'
+    files["../../../../../escape.json"] = b'{"escaped": true}'
+    hub.repos["org/evil"] = Repo(files)
+    spec = JobSpec(base_model="org/evil", tenants=[tenant(make_data)])
+    before = {p for p in tmp_path.rglob("*") if "hf" not in p.relative_to(tmp_path).parts[:1]}
+    (said,) = messages(spec)
+    assert "internal error" not in said, said
+    assert "base_model org/evil" in said and "../escape.json" in said, said
+    after = {p for p in tmp_path.rglob("*") if "hf" not in p.relative_to(tmp_path).parts[:1]}
+    assert after == before and not list(tmp_path.parent.glob("escape.json")), "a file escaped the cache"
+    assert not any(p.name == "escape.json" for p in (tmp_path / "hf").rglob("*")), "nothing of it is kept"
+
+
+@pytest.mark.parametrize("revision", ["main\nforged: line", "", " ", "v1\x00"], ids=["newline", "empty", "blank", "nul"])
+def test_a_revision_that_is_no_revision_is_one_problem_naming_it(hub, make_data, revision):
+    """HB8b / HB8c: a revision holding a newline (or a NUL) was an internal error (or a second problem from
+    the Hub); an empty one got a message about "the tenants". Each is one problem, the revision field's, and
+    the Hub is not asked; :func:`mlora_lab.hub.fetch` (which the forms call) names the id and the revision."""
+    from mlora_lab import hub as hub_module
+
+    calls = hub.calls
+    found = problems(JobSpec(base_model="org/tiny", revision=revision, tenants=[tenant(make_data)]))
+    assert [p.field for p in found] == ["revision"], [p.message for p in found]
+    said = found[0].message
+    assert "internal error" not in said and "tenants" not in said and "\n" not in said, said
+    assert said.startswith("revision ") and ("empty" in said) == (not revision.strip()), said
+    path, why = hub_module.fetch("org/tiny", revision)
+    assert path is None and why.startswith("org/tiny: revision ") and "\n" not in why, why
+    assert hub.calls == calls, "the Hub was asked"
+
+
+def test_an_unreachable_hub_fails_at_once_and_names_the_ways_out(hub, make_data, monkeypatch, caplog, capfd):
+    """m3: with HF_HUB_OFFLINE unset and the Hub unreachable, huggingface_hub retried for 24 s with a warning
+    each time, then said nothing of what to do. One request, no retry, and the message names the ways out:
+    HF_HUB_OFFLINE=1 with a filled HF_HOME, or the SmolLM2 that ships with the package. A cached id still
+    validates from the cache."""
+    import logging
+    import time
+
+    assert messages(JobSpec(base_model="org/tiny", tenants=[tenant(make_data)])) == []  # (now cached)
+    point_at(monkeypatch, closed_port())
+    caplog.set_level(logging.INFO)
+    started = time.monotonic()
+    (said,) = messages(JobSpec(base_model="org/other", tenants=[tenant(make_data)]))
+    spent = time.monotonic() - started
+    assert "base_model org/other is not in the Hub cache" in said and "the Hub cannot be reached" in said
+    assert "HF_HUB_OFFLINE=1" in said and "HF_HOME" in said and "real_base_model()" in said, said
+    noise = caplog.text + "".join(capfd.readouterr())
+    assert "Retrying" not in noise and "Retry" not in noise, noise
+    assert spent < 10, f"{spent:.0f} s"  # (a sanity bound: no back-off; one refused connection is instant)
+    assert messages(JobSpec(base_model="org/tiny", tenants=[tenant(make_data)])) == [], "the cache still does"
+
+
+def test_a_push_that_cannot_reach_the_hub_is_one_line_from_the_cli(hub, make_data, tmp_path, monkeypatch):
+    """m4: ``mlora-lab push`` with the Hub unreachable printed a 75-line traceback. One line naming the
+    repository and the cause, exit code 2, as the rest of the CLI; ``run.push_to_hub`` raises the same."""
+    import subprocess
+    import sys
+
+    from mlora_lab.lab.exports import ExportError
+    from mlora_lab.lab.run import Run
+
+    Trainer(
+        JobSpec(base_model=hub.base, tenants=[tenant(make_data)], seq_len=32), run_dir=tmp_path / "run"
+    ).train()
+    url = closed_port()
+    point_at(monkeypatch, url)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    with pytest.raises(ExportError, match=r"me/adapter-a.*cannot be reached"):
+        Run(tmp_path / "run").push_to_hub("a", "me/adapter-a")
+    done = subprocess.run(
+        [sys.executable, "-m", "mlora_lab.lab.cli", "push", str(tmp_path / "run"), "a", "me/adapter-a"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "me/adapter-a" in lines[0] and "cannot be reached" in lines[0], done.stderr

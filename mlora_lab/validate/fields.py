@@ -244,7 +244,8 @@ def _text(ctx: Context, owner: Tenant | None, field: str, v: Any, info: FieldInf
     if not isinstance(v, str):
         ctx.say(owner, field, f"{label} must be a string ({got(v)})")
     elif not v.strip():
-        ctx.say(owner, field, f"{label} is empty; give a name, or null for one made from the tenants")
+        null = f"null for {info.null_means}" if info.null_means else "null"  # (each field's own meaning)
+        ctx.say(owner, field, f"{label} is empty; give one, or {null}")
     elif info.max is not None and len(v) > info.max:
         ctx.say(owner, field, f"{label} is {len(v):,} characters long (at most {bound(info.max)})")
     elif not v.isprintable():

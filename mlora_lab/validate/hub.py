@@ -20,12 +20,16 @@ def fetch_hub_ids(ctx: Context, tenants: list[Tenant]) -> list[Tenant]:
     theirs. A failed one is said, and left empty so that no later check reports it again."""
     s = ctx.spec
     changes: dict[str, str] = {}
+    # a revision already refused (empty, a line break, ...) is said once, by the field check: not asked for
+    bad_revision = any(p.tenant is None and p.field == "revision" for p in ctx.out)
     for field in ("base_model", "tokenizer"):
         value = getattr(s, field)
         if hub.is_hub_id(value):
             # (the revision is the base's; a tokenizer of another repository is read at its main)
             revision = s.revision if field == "base_model" or s.tokenizer == s.base_model else None
-            path, why = _fetch(ctx, value, revision)
+            path, why = (
+                (None, None) if revision is not None and bad_revision else _fetch(ctx, value, revision)
+            )
             if why is not None:
                 ctx.say(None, field, f"{field} {why}")
             changes[field] = "" if path is None else str(path)  # ("": skipped by the checks that read it)
