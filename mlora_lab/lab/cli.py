@@ -451,13 +451,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    out = Run(args.run_dir).merge(args.tenant, args.out_dir, dtype=args.dtype)
+    out = Run(args.run_dir).merge(args.tenant, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
     print(f"{args.tenant}: merged into the base model at {out}")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    out = Run(args.run_dir).export(args.tenant, args.format, args.out)
+    out = Run(args.run_dir).export(args.tenant, args.format, args.out, overwrite=args.overwrite)
     print(f"{args.tenant}: {args.format} adapter at {out}")
     return 0
 
@@ -554,6 +554,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", type=Path)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="of the merged weights; default: the base's own")  # fmt: skip
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a folder that holds files: only the files a merge writes are replaced",
+    )
     p.set_defaults(func=cmd_merge)
     p = sub.add_parser(
         "export", help="write a tenant's adapter in another format (gguf: for llama.cpp, Ollama)"
@@ -562,6 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("tenant")
     p.add_argument("--format", choices=["gguf"], default="gguf")
     p.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/exports/TENANT.gguf")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing file at --out")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("push", help="upload a tenant's adapter to a Hub repository (private unless --public)")
     p.add_argument("run_dir", type=Path)

@@ -371,28 +371,45 @@ class Run:
             raise FileNotFoundError(f"no adapter saved yet for tenant {tenant!r} in {self.dir.root}")
         return path
 
-    def merge(self, tenant: str, out_dir: str | os.PathLike, dtype: Any = None) -> Path:
+    def merge(
+        self, tenant: str, out_dir: str | os.PathLike, dtype: Any = None, overwrite: bool = False
+    ) -> Path:
         """``tenant``'s latest adapter merged into the base model, saved with the tokenizer as a plain
         transformers model in ``out_dir`` (:func:`~mlora_lab.lab.exports.merge`; ``dtype``: of the merged
-        weights, default the base's own)."""
+        weights, default the base's own): a new or empty folder outside every run directory (or in this run's
+        ``exports/``); ``overwrite=True`` also takes a folder holding files, replacing only those a merge
+        writes. :class:`~mlora_lab.lab.exports.ExportError` (a ``ValueError``) says why a folder is refused."""
         from mlora_lab.lab.exports import merge
 
         spec = self.spec
         return merge(
             self.adapter_path(tenant), spec.base_model, out_dir, tokenizer=spec.tokenizer, dtype=dtype,
-            revision=spec.revision,
+            revision=spec.revision, overwrite=overwrite,
         )  # fmt: skip
 
-    def export(self, tenant: str, format: str = "gguf", path: str | os.PathLike | None = None) -> Path:
+    def export(
+        self,
+        tenant: str,
+        format: str = "gguf",
+        path: str | os.PathLike | None = None,
+        overwrite: bool = False,
+    ) -> Path:
         """``tenant``'s latest adapter in another format: ``"gguf"``, a LoRA adapter llama.cpp (and Ollama)
         loads (:func:`~mlora_lab.lab.exports.export_gguf`), written to ``path`` (default:
-        ``<run>/exports/<tenant>.gguf``)."""
+        ``<run>/exports/<tenant>.gguf``, replacing an earlier export there). A path in a run directory (but
+        its ``exports/``) is refused, and an existing file elsewhere is replaced only with ``overwrite=True``."""
         from mlora_lab.lab.exports import export_gguf
 
         if format != "gguf":
             raise ValueError(f"unknown export format {format!r}; known: 'gguf' (merged models: run.merge)")
         out = Path(path) if path is not None else self.dir.root / "exports" / f"{tenant}.gguf"
-        return export_gguf(self.adapter_path(tenant), self.spec.base_model, out, revision=self.spec.revision)
+        return export_gguf(
+            self.adapter_path(tenant),
+            self.spec.base_model,
+            out,
+            revision=self.spec.revision,
+            overwrite=overwrite,
+        )
 
     def push_to_hub(self, tenant: str, repo_id: str, private: bool = True, token: str | None = None) -> str:
         """Upload ``tenant``'s latest adapter to the Hub repository ``repo_id`` (private unless

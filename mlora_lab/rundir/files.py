@@ -10,6 +10,10 @@ is ever opened, created or replaced through one. One guard does it, for every wr
     atomic_write_bytes(path, data, root=root) # a whole file (status.json, a control message, an export)
     with atomic_directory(path, root=root) as tmp: ...     # a whole directory (an adapter, a checkpoint)
 
+A folder the user names (a merged model's) is written differently, since it may hold the user's own files:
+``with files_into(path) as tmp:`` adds files, never removes or replaces one it did not write, and
+:func:`run_holding` tells whether a path is inside a run directory (which no export writes into).
+
 Each walks from ``root`` (trusted as given: it may itself be a link, say to a bigger disk) one folder at
 a time with ``O_NOFOLLOW``, holding each folder open, and opens or renames the last name relative to
 its folder, so a link planted anywhere below ``root`` (a folder or the file itself) is refused with
@@ -206,6 +210,23 @@ class RunDir:
         for d in (self.logs, self.adapters, self.checkpoints, self.control):
             os.close(open_folder(self.root, relative_parts(self.root, d), create=True))
         return self
+
+
+RUN_MARKERS = ("job.json", "status.json")
+"""The files that make a folder a run directory (a run being created has one of them first)."""
+
+
+def run_holding(path: str | os.PathLike) -> Path | None:
+    """The run directory ``path`` is in, or is: the nearest folder at or above it that holds a job.json or a
+    status.json, found both by the path's names and through the links on the way (``out -> runs/x/adapters``).
+    None when no run holds it. What writers of a user's paths (merges, exports) check: a run's files are the
+    job's, and replacing one (job.json, a checkpoint, another tenant's adapter) loses the run."""
+    given = Path(os.path.abspath(path))
+    for chain in (given, Path(os.path.realpath(given))):
+        for folder in (chain, *chain.parents):
+            if any(os.path.lexists(folder / marker) for marker in RUN_MARKERS):
+                return folder
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,6 +492,116 @@ def atomic_directory(path: str | os.PathLike, *, root: str | os.PathLike | None 
     finally:
         shutil.rmtree(tmp, dir_fd=folder, ignore_errors=True)
         os.close(folder)
+
+
+@contextlib.contextmanager
+def files_into(
+    path: str | os.PathLike,
+    *,
+    replace: bool = False,
+    stale: Callable[[str], bool] | None = None,
+    last: str | None = None,
+) -> Iterator[Path]:
+    """Write files into the folder ``path`` (made, with its parents, if missing), which may hold files of its
+    own that are never removed: the block writes into a private temporary folder inside ``path``, and when it
+    ends without an exception its files move in.
+
+    - a name ``path`` already holds is replaced only with ``replace`` (and only by a file: a folder of that
+      name is never touched); without it the move is refused (``FileExistsError``, before anything moves), and
+      a name that appears meanwhile is never overwritten either (each file is linked in, which fails on an
+      existing name, then its temporary name removed);
+    - ``stale(name)``: files of an earlier write of the same kind that this one does not write (a model saved
+      in 3 shards before, in 1 now), removed with ``replace`` so the folder holds one write, not a mix;
+    - ``last``: the file whose presence says the folder is complete (a model's ``config.json``): an old one
+      is removed first and the new one moved in last, so a crash half-way never leaves a folder that looks
+      complete.
+
+    On an exception the temporary folder is removed and ``path`` keeps what it held. The block's files get the
+    run's file mode (:func:`run_mode`; safetensors creates ``0600``) and are fsynced. Only files: a folder the
+    block writes is refused. The user's path is trusted as given (links in it are followed, as any program
+    writing there would); the files moved in replace links of their name rather than write through them."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    tmp = _temporary_name("write", "tmp")
+    try:
+        os.mkdir(tmp, 0o700, dir_fd=fd)
+        yield folder / tmp
+        inner = os.open(tmp, _FOLDER, dir_fd=fd)
+        try:
+            names = sorted(os.listdir(inner))
+            for name in names:
+                if not stat.S_ISREG(os.stat(name, dir_fd=inner, follow_symlinks=False).st_mode):
+                    raise IsADirectoryError(
+                        errno.EISDIR, f"only files are written into {show_path(folder)}", name
+                    )
+                file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=inner)
+                try:
+                    os.fchmod(file, run_mode())
+                    os.fsync(file)
+                finally:
+                    os.close(file)
+
+            def kind(name: str) -> int | None:
+                try:
+                    return stat.S_IFMT(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+                except FileNotFoundError:
+                    return None
+
+            held = [n for n in names if kind(n) is not None]
+            if held and not replace:
+                raise FileExistsError(
+                    errno.EEXIST, f"{show_path(folder)} already holds {', '.join(held[:5])}"
+                )
+            for name in held:
+                if kind(name) == stat.S_IFDIR:
+                    raise IsADirectoryError(
+                        errno.EISDIR, f"{show_path(folder / name)} is a folder, not a file"
+                    )
+            order = [n for n in names if n != last] + [n for n in names if n == last]
+            if replace:
+                if last in names and kind(last) is not None:
+                    os.unlink(last, dir_fd=fd)  # first: from here on the folder does not look complete
+                for name in os.listdir(fd):
+                    if stale is not None and name not in names and stale(name) and kind(name) != stat.S_IFDIR:
+                        os.unlink(name, dir_fd=fd)
+            moved: list[str] = []
+            try:
+                for name in order:
+                    if replace:
+                        os.replace(name, name, src_dir_fd=inner, dst_dir_fd=fd)
+                    else:
+                        _link_new(name, inner, fd, folder)
+                    moved.append(name)
+            except BaseException:
+                if not replace:  # (what this call added goes again: the folder is as it was)
+                    for name in moved:
+                        with contextlib.suppress(OSError):
+                            os.unlink(name, dir_fd=fd)
+                raise
+            fsync_dir(fd)
+        finally:
+            os.close(inner)
+    finally:
+        shutil.rmtree(tmp, dir_fd=fd, ignore_errors=True)
+        os.close(fd)
+
+
+def _link_new(name: str, src: int, dst: int, folder: Path) -> None:
+    """Move the file ``name`` from the folder ``src`` into ``dst`` only if ``dst`` has no such name: a hard link
+    (which fails on a name that exists, even one made a moment ago); where the filesystem has no hard links, a
+    rename after a look (the moment between is the only window)."""
+    try:
+        os.link(name, name, src_dir_fd=src, dst_dir_fd=dst, follow_symlinks=False)
+        return
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, f"{show_path(folder)} already holds {name}") from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+    if os.path.lexists(folder / name):
+        raise FileExistsError(errno.EEXIST, f"{show_path(folder)} already holds {name}")
+    os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
 
 
 def move_into(root: str | os.PathLike, path: str | os.PathLike, folder: str | os.PathLike) -> Path:

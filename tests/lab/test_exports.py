@@ -7,14 +7,22 @@
   ``alpha / r``), names each pair after the base's GGUF tensor, and holds PEFT's A and B, with B's rows in
   llama.cpp's per-head order for a Llama's query and key projections (llama.cpp's own ``permute``, copied here);
 - a base the format's conversion rearranges is refused, naming the ones written;
-- ``Run.merge`` and ``Run.export`` on a trained run, and the CLI.
+- ``Run.merge`` and ``Run.export`` on a trained run, and the CLI;
+- nothing a user has is lost: a merge never writes into a run directory (its own, another's, an adapter's
+  folder) and never into a folder holding files unless asked (then it replaces only its own files, and one cut
+  short never looks complete); a GGUF export never replaces a run's file or an existing file unasked; a bogus
+  dtype, a folder or ``/proc`` is one message naming what the user gave; a merge draws no progress bar.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import peft
@@ -23,8 +31,9 @@ import torch
 import transformers
 
 from mlora_lab.job.trainer import Trainer
-from mlora_lab.lab.exports import export_gguf, merge
+from mlora_lab.lab.exports import ExportError, export_gguf, merge
 from mlora_lab.lab.run import Run
+from mlora_lab.rundir import RunDir, update_status
 from mlora_lab.spec import JobSpec, Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS
 
@@ -175,6 +184,231 @@ def test_the_dashboards_export_tab_writes_a_shown_tenants_adapter(tiny_models, m
     tab.adapter_button.click()
     assert (tmp_path / "out" / "b-merged" / "config.json").is_file(), tab.message.value
     assert "b-merged" in tab.message.value
+
+
+def adapter_run(folder: Path, base: str, tenants: tuple[str, ...] = ("a", "b")) -> Run:
+    """A run directory as a finished job leaves it, without the training: job.json, status.json, metrics, a
+    checkpoint and a PEFT adapter per tenant (PEFT's own, with a random B)."""
+    run = RunDir(folder).create()
+    spec = JobSpec(base_model=base, seq_len=32, tenants=[
+        Tenant(name=n, data=f"{n}.jsonl", rank=4, alpha=8, target_modules=["q_proj", "v_proj"]) for n in tenants])  # fmt: skip
+    spec.to_json(run.job)
+    update_status(run.root, state="finished", pid=1, started=time.time(), ended=time.time())
+    run.metrics.write_text(json.dumps({"kind": "train", "step": 1, "tenant": tenants[0], "loss": 1.0}) + "\n")
+    (run.checkpoints / "step_1").mkdir()
+    (run.checkpoints / "step_1" / "state.pt").write_bytes(b"state")
+    for i, name in enumerate(tenants):
+        peft_adapter(base, run.adapter(name), ["q_proj", "v_proj"], rank=4 + i)
+    return Run(run.root)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file below ``folder`` and its bytes: what must come out of a refused merge unchanged."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_merge_into_a_folder_holding_a_users_file_keeps_it(tiny_models, tmp_path):
+    """EX1: a merge into an existing folder holding a user's file swapped a fresh folder in, and the file was
+    gone. Now refused, naming the folder; with ``overwrite=True`` the merge writes its files beside the
+    user's, and a second merge replaces only its own files (an earlier merge's weights it does not write go)."""
+    run = adapter_run(tmp_path / "run", tiny_models("llama"))
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    with pytest.raises(ExportError, match=r"mine is not empty \(it holds notes.txt\).*overwrite=True"):
+        run.merge("a", out)
+    assert snapshot(out) == {"notes.txt": b"my notes"}
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"an earlier merge's shard")
+    merged = run.merge("a", out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "my notes"
+    assert not (out / "model-00001-of-00002.safetensors").exists(), "the earlier merge's shard is gone"
+    assert transformers.AutoModelForCausalLM.from_pretrained(merged) is not None
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "no temporary folder left"
+    run.merge("b", out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "my notes" and (out / "config.json").is_file()
+
+
+def test_a_merge_into_a_run_directory_is_refused_and_the_run_is_kept(tiny_models, tmp_path):
+    """EX2 / EX3: a merge into ``run.path`` swapped the whole run away (job.json, metrics, checkpoints); one
+    into another tenant's adapter folder replaced that adapter. Anything inside a run directory is refused,
+    overwrite or not: this run's, its adapters', another run's (a folder holding a job.json or status.json).
+    Its ``exports/`` folder is the exception: the run's outputs go there."""
+    base = tiny_models("llama")
+    run = adapter_run(tmp_path / "run", base)
+    other = adapter_run(tmp_path / "other", base, tenants=("c",))
+    before, before_other = snapshot(run.path), snapshot(other.path)
+    (tmp_path / "link").symlink_to(run.path / "adapters")
+    for asked in ({}, {"overwrite": True}):  # (a plain merge, then one asked to overwrite)
+        with pytest.raises(
+            ExportError, match=r"run is a run directory: a merged model is never written into a run"
+        ):
+            run.merge("a", run.path, **asked)
+        with pytest.raises(ExportError, match=r"adapters/b is inside the run directory .*run"):
+            run.merge("a", run.path / "adapters" / "b", **asked)
+        with pytest.raises(ExportError, match=r"is inside the run directory .*other"):
+            run.merge("a", other.path / "merged", **asked)
+        with pytest.raises(ExportError, match=r"is inside the run directory"):  # (through a link to it)
+            run.merge("a", tmp_path / "link" / "b", **asked)
+        assert snapshot(run.path) == before and snapshot(other.path) == before_other
+    assert snapshot(run.path) == before and snapshot(other.path) == before_other
+    merged = run.merge("a", run.path / "exports" / "a-merged")
+    assert (merged / "config.json").is_file() and snapshot(run.path).items() >= before.items()
+
+
+def test_a_merge_to_the_current_folder_gets_a_true_message(tiny_models, tmp_path, monkeypatch):
+    """EX4b: a merge to ``.`` said it "names the run directory itself", wherever ``.`` was. Now: in a folder
+    that holds files, that it is not empty (naming the folder); in a run, that it is the run directory; in an
+    empty folder, the merge is written there."""
+    run = adapter_run(tmp_path / "run", tiny_models("llama"))
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "data.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path / "work")
+    with pytest.raises(ExportError) as refused:
+        run.merge("a", ".")
+    assert f". ({tmp_path / 'work'}) is not empty" in str(refused.value), refused.value
+    assert "names the run directory" not in str(refused.value)
+    monkeypatch.chdir(run.path)
+    with pytest.raises(ExportError, match=r"is a run directory"):
+        run.merge("a", ".")
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path / "empty")
+    run.merge("a", ".")
+    assert (tmp_path / "empty" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("dtype", ["bogus", ["float16"], b"float16", "int8", torch.int8, "auto!"])
+def test_a_bogus_dtype_is_one_message_before_anything_is_read(dtype, tiny_models, tmp_path):
+    """EX5c: ``dtype=["float16"]`` (or bytes) gave transformers' ``IndexError``, a name torch lacks an
+    ``AttributeError``: each is one message naming the dtype and the ones a merge takes, and nothing is made."""
+    with pytest.raises(
+        ExportError, match=r"dtype .* is not one a merged model is saved in: give one of float32"
+    ):
+        merge(tmp_path / "no-adapter", tiny_models("llama"), tmp_path / "out", dtype=dtype)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_gguf_export_never_replaces_a_runs_file_or_a_users_unasked(tiny_models, tmp_path):
+    """EX6e / EX6d: ``run.export(..., path=<run>/job.json)`` overwrote the job file; an export to a folder or
+    into ``/proc`` named temporary file names. A path in a run (but its exports/) is refused, an existing file
+    is replaced only with ``overwrite=True`` (the run's own exports/ excepted), and every refusal or failure
+    names the path the user gave."""
+    run = adapter_run(tmp_path / "run", tiny_models("llama"))
+    job = run.dir.job.read_bytes()
+    with pytest.raises(ExportError, match=r"job.json is inside the run directory"):
+        run.export("a", "gguf", path=run.dir.job)
+    with pytest.raises(ExportError, match=r"job.json is inside the run directory"):
+        run.export("a", "gguf", path=run.dir.job, overwrite=True)
+    assert run.dir.job.read_bytes() == job
+    for folder in (tmp_path, Path("/proc")):
+        with pytest.raises(ExportError) as refused:
+            run.export("a", "gguf", path=folder)
+        said = str(refused.value)
+        assert said.startswith(f"{folder} is a folder: name the GGUF file") and ".tmp-" not in said, said
+    with pytest.raises(ExportError) as refused:
+        run.export("a", "gguf", path="/proc/a.gguf")
+    said = str(refused.value)
+    assert said.startswith("/proc/a.gguf: the GGUF adapter could not be written (") and "tmp" not in said, (
+        said
+    )
+    mine = tmp_path / "mine.gguf"
+    mine.write_bytes(b"my own file")
+    with pytest.raises(ExportError, match=r"mine.gguf exists: overwrite=True"):
+        run.export("a", "gguf", path=mine)
+    assert mine.read_bytes() == b"my own file"
+    assert run.export("a", "gguf", path=mine, overwrite=True).read_bytes()[:4] == b"GGUF"
+    first = run.export("a")  # (the run's exports/: a second export replaces the first)
+    assert run.export("b") != first and run.export("a") == first and first.read_bytes()[:4] == b"GGUF"
+
+
+def test_a_merge_cut_short_never_leaves_a_folder_that_looks_complete(tiny_models, tmp_path, monkeypatch):
+    """A merge that fails while it writes (a full disk, say) leaves no ``config.json`` in a new folder, and an
+    earlier merge's folder (``overwrite``) as it was; one cut short while its files move in leaves that folder
+    without a ``config.json`` (it moves in last), never a mix that looks complete. The user's files stay, no
+    temporary folder is left, and the failure names the folder as given, never a temporary name."""
+    run = adapter_run(tmp_path / "run", tiny_models("llama"))
+    out = tmp_path / "out"
+    run.merge("a", out)
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device", "/some/.write.tmp-123/tokenizer.json")
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.PreTrainedTokenizerBase, "save_pretrained", full_disk)
+        for folder, asked in ((tmp_path / "new", {}), (out, {"overwrite": True})):
+            with pytest.raises(ExportError) as failed:
+                run.merge("b", folder, **asked)
+            assert (
+                str(failed.value)
+                == f"{folder}: the merged model could not be written (No space left on device)"
+            )
+            assert not [p for p in folder.iterdir() if p.name.startswith(".")], "no temporary folder left"
+    assert not (tmp_path / "new" / "config.json").exists()
+    assert snapshot(out) == before, "the earlier merge is untouched"
+    replace, moves = os.replace, []
+
+    def cut(src, dst, **kwargs):  # the third file that moves in fails
+        moves.append(dst)
+        if len(moves) == 3:
+            raise OSError(5, "Input/output error", dst)
+        return replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", cut)
+    with pytest.raises(
+        ExportError, match=r"out: the merged model could not be written \(Input/output error\)"
+    ):
+        run.merge("b", out, overwrite=True)
+    monkeypatch.undo()
+    assert not (out / "config.json").exists(), "half-moved, the folder does not look complete"
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "no temporary folder left"
+
+
+def test_a_merge_draws_no_progress_bar(tiny_models, tmp_path, capfd):
+    """m6: ``merge`` drew transformers' ``Writing model shards`` (and ``Loading weights``) bars: a widget per
+    call in a notebook."""
+    run = adapter_run(tmp_path / "run", tiny_models("llama"))
+    capfd.readouterr()
+    run.merge("a", tmp_path / "out")
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err and "Loading weights" not in err, err
+
+
+def test_the_cli_refuses_a_merge_into_a_run_in_one_line(tiny_models, tmp_path):
+    """EX2 / EX4b from the shell: ``mlora-lab merge RUN a RUN`` exited 0 having replaced the run; ``. `` in a run
+    said "names the run directory itself". Both exit 2 with one line; ``--overwrite`` writes beside a user's
+    file; ``export --out`` onto the job file is refused likewise."""
+    run = adapter_run(tmp_path / "run", tiny_models("llama"))
+    before = snapshot(run.path)
+    command = [sys.executable, "-m", "mlora_lab.lab.cli"]
+
+    def cli(*args: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess:
+        return subprocess.run([*command, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+    for args, cwd in (
+        (("merge", str(run.path), "a", str(run.path)), tmp_path),
+        (("merge", str(run.path), "a", "."), run.path),
+        (("merge", str(run.path), "a", "adapters/b", "--overwrite"), run.path),
+        (("export", str(run.path), "a", "--out", str(run.dir.job), "--overwrite"), tmp_path),
+    ):
+        done = cli(*args, cwd=cwd)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert lines[0].startswith(f"mlora-lab {args[0]}: ") and "run directory" in lines[0], lines
+        assert "names the run directory itself" not in lines[0]
+    assert snapshot(run.path) == before
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    done = cli("merge", str(run.path), "a", "mine")
+    assert done.returncode == 2 and "is not empty" in done.stderr and "--overwrite" in done.stderr, (
+        done.stderr
+    )
+    done = cli("merge", str(run.path), "a", "mine", "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "mine" / "config.json").is_file() and (
+        tmp_path / "mine" / "notes.txt"
+    ).read_text() == "mine"
 
 
 def float32_gguf(src, dst) -> None:

@@ -610,6 +610,53 @@ def test_atomic_directory_leaves_the_old_one_on_failure(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
 
 
+def test_files_into_a_users_folder_never_removes_or_overwrites_what_it_did_not_write(tmp_path):
+    """EX1 / EX3's mechanism (:func:`~mlora_lab.rundir.files.files_into`, what a merge writes through): the
+    folder's own files stay; a name it holds is refused (before anything moves) unless ``replace``, and then a
+    folder of that name still is; ``stale`` files of an earlier write go; ``last`` comes last; a name that
+    appears while the block writes is never overwritten, and what the call moved in goes again."""
+    from mlora_lab.rundir.files import files_into, run_holding
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with files_into(folder, last="config.json") as tmp:
+        (tmp / "config.json").write_text("1")
+        (tmp / "model.bin").write_text("1")
+    assert {p.name: p.read_text() for p in folder.iterdir()} == {
+        "notes.txt": "mine",
+        "config.json": "1",
+        "model.bin": "1",
+    }
+    with pytest.raises(FileExistsError, match=r"already holds config\.json"), files_into(folder) as tmp:
+        (tmp / "config.json").write_text("2")
+        (tmp / "new.bin").write_text("2")
+    assert not (folder / "new.bin").exists() and (folder / "config.json").read_text() == "1"
+    with files_into(folder, replace=True, stale=lambda n: n.endswith(".bin"), last="config.json") as tmp:
+        (tmp / "config.json").write_text("3")
+        (tmp / "other.bin").write_text("3")
+    assert {p.name: p.read_text() for p in folder.iterdir()} == {
+        "notes.txt": "mine",
+        "config.json": "3",
+        "other.bin": "3",
+    }
+    with (
+        pytest.raises(FileExistsError, match=r"already holds late\.txt"),
+        files_into(tmp_path / "new") as tmp,
+    ):
+        (tmp / "a.txt").write_text("a")
+        (tmp / "late.txt").write_text("ours")
+        (tmp_path / "new" / "late.txt").write_text("someone's")  # (appears while the block writes)
+    assert {p.name: p.read_text() for p in (tmp_path / "new").iterdir()} == {"late.txt": "someone's"}
+    (folder / "sub").mkdir()
+    with pytest.raises(IsADirectoryError, match="sub is a folder"), files_into(folder, replace=True) as tmp:
+        (tmp / "sub").write_text("x")
+    assert (folder / "sub").is_dir() and not [p for p in folder.iterdir() if p.name.startswith(".")]
+    run = RunDir(tmp_path / "run").create()
+    JobSpec(base_model="m", tenants=[]).to_json(run.job)
+    assert run_holding(run.root / "adapters" / "a" / "x") == run.root and run_holding(folder) is None
+
+
 # -- one owner per run directory -----------------------------------------------------------------------
 
 
@@ -886,7 +933,7 @@ ALLOWED_WRITERS = {
     (
         "mlora_lab/lab/exports.py",
         "save_pretrained",
-    ): "run.merge: inside the fresh directory of atomic_directory",
+    ): "run.merge: inside the temporary folder of files_into",
     (
         "mlora_lab/lab/exports.py",
         "mkdtemp",

@@ -110,9 +110,13 @@ def export_files(
 ADAPTER_FORMATS = [("GGUF adapter (llama.cpp, Ollama)", "gguf"), ("merged model (transformers)", "merged")]
 
 
-def export_adapter(run: RunDir, tenant: str, fmt: str, folder: str | os.PathLike) -> Path:
+def export_adapter(
+    run: RunDir, tenant: str, fmt: str, folder: str | os.PathLike, overwrite: bool = False
+) -> Path:
     """``tenant``'s latest adapter in ``run`` as ``fmt`` (:data:`ADAPTER_FORMATS`) in ``folder``:
-    ``<tenant>.gguf``, or a ``<tenant>-merged`` model directory (what ``Run.export`` and ``Run.merge`` write)."""
+    ``<tenant>.gguf``, or a ``<tenant>-merged`` model directory (what ``Run.export`` and ``Run.merge`` write,
+    refusing what they refuse: a folder in a run but its ``exports/``, an earlier export without
+    ``overwrite``; :class:`~mlora_lab.lab.exports.ExportError`)."""
     from mlora_lab.lab.exports import export_gguf, merge
     from mlora_lab.spec import JobSpec
 
@@ -121,9 +125,17 @@ def export_adapter(run: RunDir, tenant: str, fmt: str, folder: str | os.PathLike
         raise FileNotFoundError(f"no adapter saved yet for tenant {tenant!r} in {run.root}")
     spec = JobSpec.load(run.job)
     if fmt == "gguf":
-        return export_gguf(adapter, spec.base_model, Path(folder) / f"{tenant}.gguf", revision=spec.revision)
+        return export_gguf(
+            adapter,
+            spec.base_model,
+            Path(folder) / f"{tenant}.gguf",
+            revision=spec.revision,
+            overwrite=overwrite,
+        )
     out = Path(folder) / f"{tenant}-merged"
-    return merge(adapter, spec.base_model, out, tokenizer=spec.tokenizer, revision=spec.revision)
+    return merge(
+        adapter, spec.base_model, out, tokenizer=spec.tokenizer, revision=spec.revision, overwrite=overwrite
+    )
 
 
 class ExportTab:
@@ -152,6 +164,10 @@ class ExportTab:
         self.adapter_button = W.Button(
             description="Export adapter", icon="download", layout=W.Layout(width="160px")
         )
+        self.adapter_overwrite = W.Checkbox(
+            value=False, description="overwrite", indent=False, layout=W.Layout(width="100px"),
+            tooltip="replace an earlier export of this adapter in the folder (a merge: only its own files)",
+        )  # fmt: skip
         self.adapter_button.on_click(lambda _: self._adapter_clicked())
         self.message = W.HTML()
         self._export = export
@@ -165,7 +181,7 @@ class ExportTab:
                 intro,
                 self.folder,
                 W.HBox([self.figures_button, self.csv_button]),
-                W.HBox([self.adapter, self.adapter_format, self.adapter_button]),
+                W.HBox([self.adapter, self.adapter_format, self.adapter_overwrite, self.adapter_button]),
                 self.message,
             ]
         )
@@ -191,7 +207,9 @@ class ExportTab:
         run_dir, tenant = self.adapter.value
         self.message.value = f"exporting {html.escape(tenant)}'s adapter ..."
         try:
-            path = export_adapter(run_dir, tenant, self.adapter_format.value, self.folder.value)
+            path = export_adapter(
+                run_dir, tenant, self.adapter_format.value, self.folder.value, self.adapter_overwrite.value
+            )
         except (OSError, ValueError) as e:
             self.message.value = f"<span style='color:{RED}'>export failed: {html.escape(str(e))}</span>"
             return
