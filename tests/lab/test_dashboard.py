@@ -712,6 +712,23 @@ def test_D3d_a_row_naming_an_unsafe_tenant_does_not_break_the_folders_dashboard(
     assert len(runs) == 2
 
 
+def test_D3d_a_job_json_naming_an_unsafe_tenant_does_not_break_the_export_tab(tmp_path):
+    """D3d: job.json edited by hand to name a tenant ``../evil`` (the job would refuse it; the views read
+    job.json's names): the folder's dashboard builds, and its export tab offers only adapters that can be
+    in the run's ``adapters/`` (a name that cannot name a folder has none)."""
+    work = tmp_path / "runs"
+    run = make_run(work / "r", tenants=("a", "b"), state="finished")
+    job = json.loads(run.job.read_text())
+    job["tenants"][0]["name"] = "../evil"
+    run.job.write_text(json.dumps(job))
+    write(run, *steps(["b"], 1, 5))
+    with_an_adapter(run, "b")
+    dash = Dashboard(work, interactive=False)
+    dash.refresh()
+    assert not dash.problem.value
+    assert [v for _, v in dash.exporter.adapter.options] == [(run, "b")]
+
+
 # -- the model: what a view shows, without a widget ------------------------------------------------------
 
 MODEL_WITHOUT_WIDGETS = """
@@ -1469,3 +1486,22 @@ def test_a_served_runs_open_ended_tenants_show_steps_done_and_its_usage(tmp_path
         4.75,
     ]
     assert table.loc["plain", ["tokens_trained"]].isna().all()
+
+
+def test_m12_a_tinker_clients_loss_reads_as_a_sum_with_its_mean_a_token_beside_it(tmp_path):
+    """m12: a Tinker client's train rows hold its ``loss:sum`` (281.2 for a batch of a few hundred tokens), which
+    read as divergence next to the other tenants' means: its progress row names it a sum and shows the mean a
+    token beside it (none for a loss that has no such mean); the other tenants' rows read as before."""
+    run = make_run(tmp_path / "served", tenants=("owner-1", "owner-2", "a"))
+    write(
+        run,
+        *steps(["owner-1"], 1, 2, loss=lambda s, i: 281.2, loss_reduction="sum", loss_per_token=0.5274),
+        *steps(["owner-2"], 1, 2, loss=lambda s, i: -0.03, loss_reduction="sum"),
+        *steps(["a"], 1, 2, loss=lambda s, i: 0.61),
+    )
+    dash = dash_of(run.root)
+    assert "loss:sum 281.2 (0.5274 a token)" in dash.progress_rows[("served", "owner-1")].info.value
+    rl = dash.progress_rows[("served", "owner-2")].info.value
+    assert "loss:sum -0.03" in rl and "a token" not in rl
+    plain = dash.progress_rows[("served", "a")].info.value
+    assert "loss 0.6100" in plain and "loss:sum" not in plain

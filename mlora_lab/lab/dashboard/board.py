@@ -51,7 +51,7 @@ from mlora_lab.lab.dashboard.refresher import Refresher
 from mlora_lab.lab.dashboard.table import RunsTable
 from mlora_lab.lab.plotting import DISPLAY_DPI, DRAWING, figure_png, fit_layout, series_label
 from mlora_lab.lab.series import X_AXES, RunSeries
-from mlora_lab.rundir import RunDir, control
+from mlora_lab.rundir import RunDir, control, name_problem
 
 log = logging.getLogger(__name__)
 
@@ -292,11 +292,15 @@ class Dashboard:
         self._update_stop()
 
     def _adapters(self) -> list[tuple[str, tuple[RunDir, str]]]:
-        """The shown tenants that have a saved adapter, for the export tab."""
+        """The shown tenants that have a saved adapter, for the export tab. A name that cannot name a folder
+        (a job.json edited by hand; the job refuses it) has none, and is not asked for one."""
         out = []
         for key in self.picked():
             run = self.model.runs[key[0]]
-            if (run.liveness.dir.adapter(key[1]) / "adapter_config.json").is_file():
+            if (
+                name_problem(key[1]) is None
+                and (run.liveness.dir.adapter(key[1]) / "adapter_config.json").is_file()
+            ):
                 out.append((self.label(key), (run.liveness.dir, key[1])))
         return out
 
