@@ -411,6 +411,43 @@ def test_the_cli_refuses_a_merge_into_a_run_in_one_line(tiny_models, tmp_path):
     ).read_text() == "mine"
 
 
+def test_the_export_tab_refuses_what_a_merge_refuses_and_overwrites_when_asked(tiny_models, tmp_path):
+    """EX1 / EX3 / EX6e from the dashboard: the export tab's adapter row goes through the same checks. A second
+    export into its folder is refused (the message says so) until its overwrite box is ticked, which keeps a
+    user's file beside a merged model; a folder inside the run is refused, its exports/ taken."""
+    from mlora_lab.lab.dashboard.outputs import ExportTab
+
+    run = adapter_run(tmp_path / "run", tiny_models("llama"))
+    out = tmp_path / "out"
+    tab = ExportTab(out, export=lambda **kw: [])
+    tab.follow([run.path], [("a", (run.dir, "a"))])
+    tab.adapter.value = (run.dir, "a")
+    tab.adapter_button.click()
+    assert (out / "a.gguf").is_file() and "wrote" in tab.message.value, tab.message.value
+    tab.adapter_button.click()
+    assert "export failed" in tab.message.value and "a.gguf exists" in tab.message.value, tab.message.value
+    tab.adapter_overwrite.value = True
+    tab.adapter_button.click()
+    assert "wrote" in tab.message.value, tab.message.value
+    tab.adapter_format.value, tab.adapter_overwrite.value = "merged", False
+    (out / "a-merged").mkdir()
+    (out / "a-merged" / "notes.txt").write_text("mine")
+    tab.adapter_button.click()
+    assert "export failed" in tab.message.value and "is not empty" in tab.message.value, tab.message.value
+    tab.adapter_overwrite.value = True
+    tab.adapter_button.click()
+    assert (out / "a-merged" / "config.json").is_file() and (
+        out / "a-merged" / "notes.txt"
+    ).read_text() == "mine"
+    before = snapshot(run.path)
+    tab.folder.value = str(run.path / "adapters")
+    tab.adapter_button.click()
+    assert "inside the run directory" in tab.message.value and snapshot(run.path) == before, tab.message.value
+    tab.folder.value = str(run.path / "exports")
+    tab.adapter_button.click()
+    assert (run.path / "exports" / "a-merged" / "config.json").is_file(), tab.message.value
+
+
 def float32_gguf(src, dst) -> None:
     """A copy of the GGUF model ``src`` with every tensor dequantized to float32 (names, layout and metadata
     kept): llama.cpp then multiplies in float32, as PEFT does, instead of quantizing activations to 8 bits."""
