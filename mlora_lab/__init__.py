@@ -17,11 +17,14 @@ __version__ = "0.1.0"
 def _no_kernel_offer(record: logging.LogRecord) -> bool:
     # bitsandbytes, imported by PEFT and transformers whenever it is installed (the quant extra), says on a CPU
     # with AVX512-BF16 that it could not download a faster nf4 inference kernel: one a job never uses (it holds
-    # every layer to the training kernel, mlora_lab.quant.keep_one_kernel), so the line only alarms.
-    return "gemm_4bit_forward from kernels-community" not in str(record.msg)
+    # every layer to the training kernel, mlora_lab.quant.keep_one_kernel), so the line only alarms. Offline
+    # (HF_HUB_OFFLINE=1) the kernels package says instead that it skips the kernel's publisher check.
+    text = str(record.msg)
+    return "gemm_4bit_forward from kernels-community" not in text and "quantization-bitsandbytes" not in text
 
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_kernel_offer)
+logging.getLogger("kernels._internals.hf_hub").addFilter(_no_kernel_offer)
 
 _EXPORTS = {  # public name -> the module that defines it
     "ASHA": "mlora_lab.search",

@@ -4,6 +4,8 @@
   the progress bars and the runs table appear and keep updating while a later cell blocks in
   ``run.wait()`` (the kernel then handles no message from the browser at all), and the dashboard's Stop
   button stops the job;
+- JupyterLab runs the service notebook (06) with Run All in a kernel as a user has it: every cell runs, and
+  nothing shows an error or stderr, also a while after its jobs stopped;
 - Voila serves a notebook with a live PNG dashboard of a running job; it updates and Stop works.
 
 Screenshots go to the test's temp dir."""
@@ -149,11 +151,14 @@ def test_live_dashboard_in_chromium(llama_path, tmp_path):
 QUICKSTART = Path(__file__).resolve().parents[2] / "notebooks" / "01_quickstart.ipynb"
 
 
-def start_server(args: list[str], log_path: Path) -> tuple[subprocess.Popen, int, object]:
-    """A Jupyter server on a free loopback port (no token: only this machine can reach it)."""
+def start_server(
+    args: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, int, object]:
+    """A Jupyter server on a free loopback port (no token: only this machine can reach it); ``env``: its
+    environment (and its kernels'), this process's by default."""
     port = free_port()
     log = log_path.open("w")
-    proc = subprocess.Popen([*args, f"--port={port}"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([*args, f"--port={port}"], stdout=log, stderr=subprocess.STDOUT, env=env)
     wait_listening(port, proc)
     return proc, port, log
 
@@ -190,6 +195,58 @@ def run_all(page) -> None:
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
 
+def start_run_all(page, cells: list) -> None:
+    """Run All, once the first code cell (of the notebook's ``cells``) shows it runs. A press made while the
+    kernel connection is still settling can be lost: tried again if nothing runs."""
+    first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")
+    first_prompt = page.locator(".jp-Notebook .jp-Cell").nth(first_code).locator(".jp-InputPrompt")
+    for attempt in range(3):
+        run_all(page)
+        try:
+            page.wait_for_function(
+                "e => /\\[(\\*|\\d+)\\]/.test(e.textContent)",
+                arg=first_prompt.element_handle(),
+                timeout=10_000,
+            )
+            return
+        except playwright.TimeoutError:
+            assert attempt < 2, "Run All runs nothing"
+
+
+def jupyterlab_args(root: Path) -> list[str]:
+    """A JupyterLab server over ``root`` that asks nothing (no token, no news, no update check)."""
+    return [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--allow-root",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.root_dir={root}",
+        "--IdentityProvider.token=",
+        "--ServerApp.password=",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
+
+
+def open_notebook(page, port: int, name: str) -> None:
+    """Open ``name`` in JupyterLab and wait for its kernel, answering what JupyterLab asks on the way."""
+    # (JupyterLab on a machine busy with the rest of the suite can take more than playwright's default 30 s to
+    # answer a click: a CI run lost the first "Run All" click that way)
+    page.set_default_timeout(120_000)
+    # (on a busy machine JupyterLab may ask which kernel to start although the notebook names one and it has
+    # started it: a fresh-clone CI run lost the test to that dialog. Answered as a user does, with the kernel it
+    # proposes, whenever it comes up before an action)
+    asks = page.locator(".jp-Dialog", has_text="Select Kernel")
+    page.add_locator_handler(asks, lambda d: d.get_by_role("button", name="Select", exact=True).click())
+    page.goto(f"http://127.0.0.1:{port}/lab/tree/{name}", timeout=180_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
+    no_news = page.get_by_role("button", name="No", exact=True)
+    if no_news.count():  # JupyterLab asks once whether to fetch news
+        no_news.click()
+
+
 def wait_for_run(runs: Path, timeout: float) -> Path:
     """The one run directory the notebook creates under ``runs``."""
     deadline = time.monotonic() + timeout
@@ -213,35 +270,10 @@ def test_quickstart_in_jupyterlab(tmp_path):
     wait_cell = next(i for i, c in enumerate(nb.cells) if "run.wait(" in c.source)
     lab = log = None
     try:
-        lab, port, log = start_server(
-            [
-                sys.executable,
-                "-m",
-                "jupyterlab",
-                "--no-browser",
-                "--allow-root",
-                "--ServerApp.ip=127.0.0.1",
-                f"--ServerApp.root_dir={root}",
-                "--IdentityProvider.token=",
-                "--ServerApp.password=",
-                "--LabApp.news_url=None",
-                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-            ],
-            tmp_path / "jupyterlab.log",
-        )
+        lab, port, log = start_server(jupyterlab_args(root), tmp_path / "jupyterlab.log")
         with playwright.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            # (JupyterLab on a machine busy with the rest of the suite can take more than playwright's default
-            # 30 s to answer a click: a CI run lost the first "Run All" click that way)
-            page.set_default_timeout(120_000)
-            # (on a busy machine JupyterLab may ask which kernel to start although the notebook names one and it
-            # has started it: a fresh-clone CI run lost the test to that dialog. Answered as a user does, with
-            # the kernel it proposes, whenever it comes up before an action)
-            asks = page.locator(".jp-Dialog", has_text="Select Kernel")
-            page.add_locator_handler(
-                asks, lambda d: d.get_by_role("button", name="Select", exact=True).click()
-            )
             try:
                 drive_quickstart(page, port, root, wait_cell, tmp_path)
             except Exception:
@@ -259,29 +291,11 @@ def test_quickstart_in_jupyterlab(tmp_path):
 def drive_quickstart(page, port: int, root: Path, wait_cell: int, tmp_path: Path) -> None:
     """Run All the quickstart, watch the dashboard update while the kernel is busy in the ``run.wait()``
     cell, interrupt the wait, press Stop."""
-    page.goto(f"http://127.0.0.1:{port}/lab/tree/quickstart.ipynb", timeout=180_000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
-    no_news = page.get_by_role("button", name="No", exact=True)
-    if no_news.count():  # JupyterLab asks once whether to fetch news
-        no_news.click()
+    open_notebook(page, port, "quickstart.ipynb")
     # Run All: the kernel gets every cell at once, so from the dashboard's cell to the end of run.wait()
-    # it never handles a message from the browser (the figures' handshake waits behind the wait). A
-    # press made while the kernel connection is still settling can be lost: tried again if nothing runs.
-    cells = nbformat.read(root / "quickstart.ipynb", 4).cells
-    first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")
-    first_prompt = page.locator(".jp-Notebook .jp-Cell").nth(first_code).locator(".jp-InputPrompt")
+    # it never handles a message from the browser (the figures' handshake waits behind the wait)
     wait_prompt = page.locator(".jp-Notebook .jp-Cell").nth(wait_cell).locator(".jp-InputPrompt")
-    for attempt in range(3):
-        run_all(page)
-        try:
-            page.wait_for_function(
-                "e => /\\[(\\*|\\d+)\\]/.test(e.textContent)",
-                arg=first_prompt.element_handle(),
-                timeout=10_000,
-            )
-            break
-        except playwright.TimeoutError:
-            assert attempt < 2, "Run All runs nothing"
+    start_run_all(page, nbformat.read(root / "quickstart.ipynb", 4).cells)
     run_dir = wait_for_run(root / "lab" / "runs", timeout=300)
     run = ml.attach(run_dir)
     # the job runs: the dashboard's header counts steps, its figures are ipympl canvases
@@ -342,6 +356,75 @@ def drive_quickstart(page, port: int, root: Path, wait_cell: int, tmp_path: Path
     playwright.expect(row).not_to_contain_text("running", timeout=10_000)
     assert "stopped" in row.inner_text(), row.inner_text()
     page.screenshot(path=str(tmp_path / "jupyterlab-3.png"), full_page=True)
+
+
+SERVICE = Path(__file__).resolve().parents[2] / "notebooks" / "06_service.ipynb"
+LATE_S = 30
+"""How long the test still watches a notebook after its last cell ran: what the SDK's clients do in the
+background (telemetry sent every 10 s, a heartbeat every 10 s) prints when it fails, into the cell that ran last."""
+
+
+def test_service_notebook_runs_clean_in_jupyterlab(tmp_path):
+    """M2: notebook 06 under Run All in JupyterLab, its kernel as a user has it (the tinker SDK's telemetry on:
+    the tests' own processes turn it off): every cell runs, and no cell shows an error, a traceback or anything
+    on stderr, also a while after the notebook's jobs stopped (it showed a 75-line traceback there: a client's
+    telemetry failing to reach the stopped job)."""
+    pytest.importorskip("tinker")
+    root = tmp_path / "lab"
+    root.mkdir()
+    shutil.copy(SERVICE, root / "service.ipynb")
+    cells = nbformat.read(root / "service.ipynb", 4).cells
+    code = [i for i, c in enumerate(cells) if c.cell_type == "code"]
+    env = {k: v for k, v in os.environ.items() if k != "TINKER_TELEMETRY"}
+    lab = log = None
+    try:
+        lab, port, log = start_server(jupyterlab_args(root), tmp_path / "jupyterlab.log", env=env)
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            try:
+                open_notebook(page, port, "service.ipynb")
+                start_run_all(page, cells)
+                # done: no cell waits or runs ([*]): the last one ran, or one failed (Run All stops there)
+                page.wait_for_function(
+                    """() => ![...document.querySelectorAll('.jp-Notebook .jp-InputPrompt')]
+                        .some(p => p.textContent.includes('[*]'))""",
+                    timeout=900_000,
+                    polling=1000,
+                )
+                time.sleep(LATE_S)
+                page.keyboard.press("Control+s")
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:  # (saved: the file has the last cell's outputs)
+                    saved = nbformat.read(root / "service.ipynb", 4).cells
+                    if saved[code[-1]].get("execution_count"):
+                        break
+                    time.sleep(1)
+                page.screenshot(path=str(tmp_path / "service.png"), full_page=True)
+            except Exception:
+                page.screenshot(path=str(tmp_path / "service-failed.png"), full_page=True)
+                raise
+            browser.close()
+    finally:  # never leave a job, a server or a log handle behind
+        stop_runs_under(root)
+        if lab is not None:
+            lab.terminate()
+            lab.wait(timeout=30)
+            log.close()
+    ran = [i for i in code if saved[i].get("execution_count")]
+    assert ran == code, f"cells that did not run: {sorted(set(code) - set(ran))}"
+    shown = {
+        i: [o for o in saved[i].get("outputs", []) if o.output_type == "error" or o.get("name") == "stderr"]
+        for i in code
+    }
+    bad = {i: o for i, o in shown.items() if o}
+    assert not bad, "\n".join(  # (whole: a traceback cut short says nothing)
+        f"cell {i}: {o.get('ename', '')} {o.get('text', '')}" for i, outs in bad.items() for o in outs
+    )
+    printed = [
+        o.get("text", "") for i in code for o in saved[i].get("outputs", []) if o.output_type == "stream"
+    ]
+    assert not [t for t in printed if "Traceback" in t], printed
 
 
 def test_eval_table_in_chromium(llama_path, tmp_path):

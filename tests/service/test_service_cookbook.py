@@ -256,3 +256,20 @@ def test_sl_loop_runs_unchanged_from_the_command_line_against_a_job_served_by_th
             assert svc.stop() == "stopped", svc.logs(0)
         finally:
             stop_runs_under(tmp_path)
+
+
+def test_m3_the_cookbook_does_not_know_smollm2_and_notebook_06_says_so():
+    """M3: the only real model shipped here, SmolLM2-135M-Instruct, is a name tinker-cookbook 0.6.1 does not know
+    (its recipes pick their renderer by it, and stop), and notebook 06, which serves it, says so plainly instead
+    of implying that the cookbook's recipes run on it."""
+    import nbformat
+
+    from mlora_lab.lab.demo import REAL_MODEL_ID
+
+    with pytest.raises(Exception, match="Unknown model"):
+        model_info.get_recommended_renderer_name(REAL_MODEL_ID)
+    notebook = Path(__file__).resolve().parents[2] / "notebooks" / "06_service.ipynb"
+    text = " ".join(c.source for c in nbformat.read(notebook, 4).cells if c.cell_type == "markdown")
+    said = " ".join(text.split())
+    assert "tinker-cookbook's recipes cannot run on this model" in said, said
+    assert f"does not know SmolLM2's: it stops with `Unknown model: {REAL_MODEL_ID}`" in said, said
