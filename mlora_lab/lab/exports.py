@@ -17,8 +17,8 @@ weights are refused, naming those that are written. Checked against llama.cpp it
 3e-6 (relative), what the adapter adds to them to 3e-4.
 
 **Where they are written.** A merge or an export never removes or replaces what it did not write. Anything
-inside a run directory (the run's own, or any other: a folder holding a job.json or a status.json) is refused,
-but for the run's ``exports/`` folder: a run's files are its job's (EX2 merged into a run and lost it). A
+inside a run directory (the run's own, or any other: :func:`~mlora_lab.rundir.files.is_run_folder`) is refused,
+but for the run's ``exports/`` folder: a run's files are its job's (a merge into a run once lost it). A
 merged model goes into a new or empty folder (:func:`check_merge_target`); with ``overwrite=True`` into one
 that holds files too, where only the files a merge writes are replaced (config, weights and their index,
 generation config, tokenizer files) and the others are kept (:func:`~mlora_lab.rundir.files.files_into`: built

@@ -212,19 +212,28 @@ class RunDir:
         return self
 
 
-RUN_MARKERS = ("job.json", "status.json")
-"""The files that make a folder a run directory (a run being created has one of them first)."""
+def is_run_folder(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` is a run directory: it holds a status.json (a launch writes one), or a job.json beside
+    the folders :meth:`RunDir.create` makes (``control/``, ``checkpoints/``). A project folder that keeps its own
+    job.json (``mlora-lab run job.json``) is no run."""
+    here = Path(folder)
+    if os.path.lexists(here / "status.json"):
+        return True
+    return os.path.lexists(here / "job.json") and any(
+        os.path.isdir(here / d) for d in ("control", "checkpoints")
+    )
 
 
 def run_holding(path: str | os.PathLike) -> Path | None:
-    """The run directory ``path`` is in, or is: the nearest folder at or above it that holds a job.json or a
-    status.json, found both by the path's names and through the links on the way (``out -> runs/x/adapters``).
-    None when no run holds it. What writers of a user's paths (merges, exports) check: a run's files are the
-    job's, and replacing one (job.json, a checkpoint, another tenant's adapter) loses the run."""
+    """The run directory ``path`` is in, or is: the nearest folder at or above it that is one
+    (:func:`is_run_folder`), found both by the path's names and through the links on the way
+    (``out -> runs/x/adapters``). None when no run holds it. What writers of a user's paths (merges, exports)
+    check: a run's files are the job's, and replacing one (job.json, a checkpoint, another tenant's adapter)
+    loses the run."""
     given = Path(os.path.abspath(path))
     for chain in (given, Path(os.path.realpath(given))):
         for folder in (chain, *chain.parents):
-            if any(os.path.lexists(folder / marker) for marker in RUN_MARKERS):
+            if is_run_folder(folder):
                 return folder
     return None
 

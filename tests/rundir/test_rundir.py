@@ -655,6 +655,10 @@ def test_files_into_a_users_folder_never_removes_or_overwrites_what_it_did_not_w
     run = RunDir(tmp_path / "run").create()
     JobSpec(base_model="m", tenants=[]).to_json(run.job)
     assert run_holding(run.root / "adapters" / "a" / "x") == run.root and run_holding(folder) is None
+    JobSpec(base_model="m", tenants=[]).to_json(folder / "job.json")  # (a project's own job file: no run)
+    assert run_holding(folder / "merged") is None
+    (folder / "status.json").write_text("{}")
+    assert run_holding(folder / "merged") == folder
 
 
 # -- one owner per run directory -----------------------------------------------------------------------
