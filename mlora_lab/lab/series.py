@@ -282,6 +282,10 @@ class TenantSeries:
         self.step = 0
         self.tokens = 0
         self.last_loss: float | None = None
+        self.loss_reduction: str | None = None
+        """How its latest loss is taken over tokens (``TrainRow.loss_reduction``): None for their mean,
+        ``"sum"`` for a Tinker client's ``loss:sum``, with :attr:`last_loss_per_token` beside it."""
+        self.last_loss_per_token: float | None = None
         self.best_loss: float | None = None
         """The lowest point of its smoothed train loss (:func:`~mlora_lab.lab.plotting.best_smoothed`,
         kept up row by row: the EMA's numerator and denominator are two numbers)."""
@@ -307,6 +311,7 @@ class TenantSeries:
         self.train.append(r.step, self.step, self.tokens, r.time, loss, r.lr, r.grad_norm)
         if loss is not None:
             self.last_loss = loss
+            self.loss_reduction, self.last_loss_per_token = r.loss_reduction, r.loss_per_token
         # the EMA of plotting.best_smoothed over what is drawn (clipped; NaN only decays the weights)
         w, (num, den) = SMOOTHING, self._ema
         v = _drawable(loss)
@@ -372,6 +377,14 @@ class TenantSeries:
         # optimiser state exists, so the latest is the tenant's current memory
         self.adapter_bytes = r.adapter_bytes or 0
         self.optimizer_bytes = r.optimizer_bytes or 0
+
+    def loss_shown(self) -> str:
+        """Its latest loss as a view says it: ``loss 0.5321`` (a mean per token), or ``loss:sum 281.2 (0.5274 a
+        token)`` for a Tinker client's: unnamed, a sum that grows with the client's batch reads as divergence."""
+        if self.loss_reduction != "sum":
+            return f"loss {self.last_loss:.4f}"
+        mean = "" if self.last_loss_per_token is None else f" ({self.last_loss_per_token:.4f} a token)"
+        return f"loss:sum {self.last_loss:.5g}{mean}"
 
     def timing(self, resumes: Sequence[float] = (), window: int = 20) -> tuple[float, float | None]:
         """``(elapsed, eta)`` in seconds: the time it has trained (gaps such as a stop before a resume

@@ -170,6 +170,14 @@ class TrainRow(Row, tag="train"):
     """Named metrics of the step: an RL tenant's ``rewards/<fn>/mean`` and ``rewards/<fn>/std`` of each reward
     function (as TRL logs them, ``fn`` the function's name) and what its functions logged with
     ``log_metric(name, value)`` (their mean over the step's calls)."""
+    loss_reduction: str | None = None
+    """How ``loss`` is taken over the step's tokens when it is not their mean (``None``): ``"sum"`` for a
+    Tinker client's tenant (its requests' ``loss:sum``, Tinker's sum over tokens and datums, which grows with
+    the batch: 281.2 may be 0.53 a token)."""
+    loss_per_token: float | None = None
+    """Beside a summed ``loss``: the mean per token, ``loss`` over the step's summed token weights (a Tinker
+    client's ``cross_entropy``: ``Σ w·(−log p) / Σ w``, the mean over the trained tokens for 0/1 weights);
+    ``None`` where it has no such mean (other losses, negative weights)."""
 
 
 class EvalRow(Row, tag="eval"):

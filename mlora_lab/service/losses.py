@@ -279,3 +279,26 @@ def datum_loss(
         metrics["clipped:sum"] = (clipped & counted).sum().to(loss.dtype)
         metrics["tokens:sum"] = counted.sum().to(loss.dtype)
     return loss, metrics
+
+
+def token_weight(
+    loss_fn: str, data: Sequence[Mapping[str, torch.Tensor]], num_targets: Sequence[int]
+) -> float | None:
+    """What a request's ``loss:sum`` is divided by to give its mean per token: ``Σ w`` over its datums'
+    positions for ``cross_entropy`` (``w = 1`` without ``weights``), so that ``Σ w·(−lp) / Σ w`` is the mean
+    ``−log p`` of the trained tokens for 0/1 weights, whatever scale the client gave them (a batch's
+    weights of ``1/n`` sum to 1: its ``loss:sum`` is already that mean). ``None`` for the other losses (a
+    sum of ratio-weighted advantages has no such mean) and for weights that are negative (the SDK's custom
+    loss sends ``w = −∂C/∂lp``) or sum to 0."""
+    if loss_fn != "cross_entropy":
+        return None
+    total = 0.0
+    for inputs, n in zip(data, num_targets):
+        weights = inputs.get("weights")
+        if weights is None:
+            total += n
+        elif bool((weights < 0).any()):
+            return None
+        else:
+            total += float(weights.sum())
+    return total if total > 0 else None

@@ -787,7 +787,8 @@ def test_old_rows_without_the_newer_fields_are_read(tmp_path):
     ]
     assert rows[0].rows_seen is None and rows[1].cpu_percent is None  # not recorded then
     rl = dict.fromkeys(("reward", "reward_std", "completion_len", "kl", "clip_ratio"))  # (RL tenants' fields)
-    assert rows[0].to_dict() == {**old[0], "rows_seen": None, "tokens_seen": None, **rl, "extra": None}
+    rl |= {"extra": None, "loss_reduction": None, "loss_per_token": None}  # (and a Tinker client's: a sum)
+    assert rows[0].to_dict() == {**old[0], "rows_seen": None, "tokens_seen": None, **rl}
     writer = MetricsWriter(path)
     writer.write(
         SystemRow(
@@ -1059,6 +1060,8 @@ def test_rows_frame_keeps_row_order_kinds_and_types(tmp_path):
         "completion_len",
         "kl",
         "clip_ratio",
+        "loss_reduction",
+        "loss_per_token",
         "state",
         "adapter_bytes",
         "optimizer_bytes",

@@ -971,3 +971,39 @@ def test_a_clients_train_rows_respect_log_every(llama_path, tmp_path):
         assert all(math.isfinite(r["loss"]) for r in rows)
     finally:
         served.close()
+
+
+def test_m12_a_clients_train_rows_say_their_loss_is_a_sum_and_give_its_mean_a_token(llama_path):
+    """m12: a client's train row holds its step's ``loss:sum`` and says so (``loss_reduction="sum"``), with the
+    mean a token beside it: for ``cross_entropy``, ``loss:sum`` over the summed weights (the mean ``−log p`` of
+    the trained tokens for 0/1 weights, the same for weights scaled by any factor); none for a loss that has
+    no such mean (``importance_sampling``)."""
+    served = Served(llama_path, max_tenants=2)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+        tc, name = training_client(served, seed=5)
+        batch = [(ids[:-1], ids[1:]) for ids in (tok(t).input_ids for t in TEXTS[:2])]
+        for scale in (1.0, 0.25):
+            data = [
+                types.Datum(model_input=types.ModelInput.from_ints(x),
+                            loss_fn_inputs={"target_tokens": y, "weights": [0.0] * 2 + [scale] * (len(x) - 2)})
+                for x, y in batch
+            ]  # fmt: skip
+            fb = tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+            loss_sum = fb.result().metrics["loss:sum"]
+            row = [r for r in served.trainer.history if r["kind"] == "train" and r["tenant"] == name][-1]
+            weight = scale * sum(len(x) - 2 for x, _ in batch)
+            assert row.loss == pytest.approx(loss_sum, rel=1e-5) and row.loss_reduction == "sum"
+            assert row.loss_per_token == pytest.approx(loss_sum / weight, rel=1e-5)
+            assert 1.0 < row.loss_per_token < 20.0, "a mean -log p of a tiny random model's tokens"
+        x, y = batch[0]
+        rl = types.Datum(model_input=types.ModelInput.from_ints(x),
+                         loss_fn_inputs={"target_tokens": y, "logprobs": [-1.0] * len(x), "advantages": [0.5] * len(x)})  # fmt: skip
+        fb = tc.forward_backward([rl], "importance_sampling")
+        tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+        row = [r for r in served.trainer.history if r["kind"] == "train" and r["tenant"] == name][-1]
+        assert row.loss == pytest.approx(fb.result().metrics["loss:sum"], rel=1e-5)
+        assert row.loss_reduction == "sum" and row.loss_per_token is None
+    finally:
+        served.close()

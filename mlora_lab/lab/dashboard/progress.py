@@ -133,7 +133,7 @@ class TenantProgress:
         steps = f"{tenant.step}/{tenant.max_steps}" if tenant.max_steps else f"{tenant.step} steps"
         text = f"{steps} · {shown}"
         if tenant.last_loss is not None:
-            text += f" · loss {tenant.last_loss:.4f}"
+            text += f" · {tenant.loss_shown()}"  # (a Tinker client's: loss:sum, its mean a token beside it)
         if tenant.last_reward is not None:  # an RL tenant: what it is trained to raise
             text += f" · reward {tenant.last_reward:.4g}"
         elapsed, eta = tenant.timing(resumes)

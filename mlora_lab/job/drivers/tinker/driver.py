@@ -169,6 +169,9 @@ class ServiceFeed:
     model_id: str
     window_tokens: int = 0
     window_requests: int = 0
+    window_weight: float | None = 0.0
+    """What the window's summed loss is divided by for its mean per token (its requests'
+    :func:`~mlora_lab.service.losses.token_weight`, summed); None once a request has no such mean."""
     next_seq_id: Callable[[], int | None] = lambda: None
     """The seq_id of the model's first request not run yet (rank 0 knows it; None elsewhere)."""
     restored_seq_id: int | None = None
@@ -181,8 +184,18 @@ class ServiceFeed:
         self.model_id = state["service_model_id"]
         self.restored_seq_id = state.get("service_next_seq_id")
 
+    def add(self, fb: wire.ForwardBackward, lengths: list[int]) -> None:
+        """A request that trains (not forward-only) joins the window."""
+        weight = losses.token_weight(fb.loss_fn, [d.inputs for d in fb.data], lengths)
+        self.window_tokens += sum(lengths)
+        self.window_requests += 1
+        self.window_weight = (
+            None if weight is None or self.window_weight is None else self.window_weight + weight
+        )
+
     def reset(self) -> None:
         self.window_tokens = self.window_requests = 0
+        self.window_weight = 0.0
 
 
 @dataclass
@@ -420,8 +433,7 @@ class ServiceDriver(Driver):
                     work.owner, t.name, trained=0 if only else n, forward=n if only else 0, requests=1
                 )
                 if not only:
-                    t.feed.window_tokens += sum(lengths)
-                    t.feed.window_requests += 1
+                    t.feed.add(work.body, lengths)
             if pending.optim is not None:
                 self.meter.add(pending.optim.owner, t.name, requests=1)
                 _set_adam(t, pending.optim.body)
@@ -601,7 +613,9 @@ class ServiceDriver(Driver):
             metrics = {"grad_norm:max": result.grad_norm, "learning_rate:max": result.lr}
             self._settle(work, Result(json={"metrics": metrics}))
         f: ServiceFeed = t.feed
-        self.log_train(t, result, f.window_tokens)  # (every log_every-th step, as the other drivers)
+        # (every log_every-th step, as the other drivers; its loss is Tinker's sum: said so, with its mean)
+        mean = result.loss / f.window_weight if f.window_weight else None
+        self.log_train(t, result, f.window_tokens, loss_reduction="sum", loss_per_token=mean)
         f.reset()
 
     def after_step(self) -> None:
