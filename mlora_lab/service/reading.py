@@ -59,12 +59,12 @@ def parse_body(raw: bytes) -> Any:
         return None
     value, why = parse_json(raw)
     if why == "nested too deeply":
-        field, depth = deepest(raw)
+        field, depth, cut = deepest(raw)
         where = f"field {field!r}" if field is not None else "the body"
         raise Unreadable(
             400,
-            f"{where} is nested {depth:,} levels deep (arrays and objects inside each other); "
-            "a request needs a few levels, and JSON past about a thousand is refused",
+            f"{where} is nested {'more than ' if cut else ''}{depth:,} levels deep (arrays and objects inside "
+            "each other); a request needs a few levels, and JSON past about a thousand is refused",
             field,
         )
     if why is not None:
@@ -85,11 +85,19 @@ _TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[{]+|[\]}]+|:')
 and colons: what :func:`deepest` follows."""
 
 
-def deepest(raw: bytes) -> tuple[str | None, int]:
-    """``(the top-level key whose value nests deepest, or None when the body itself does; that depth)``, from
-    the text alone (it did not parse). A run of brackets is one match: 100,000 of them cost one step."""
+SCAN_TOKENS = 100_000
+"""At most this many of :data:`_TOKENS` are followed (some 50 ms): a body nested past it is said to be nested
+more than the depth reached by then (``[1,[1,[1,…`` over 8 MiB would take a second of the server's loop)."""
+
+
+def deepest(raw: bytes) -> tuple[str | None, int, bool]:
+    """``(the top-level key whose value nests deepest, or None when the body itself does; that depth; whether
+    the scan stopped before the end)``, from the text alone (it did not parse). A run of brackets is one match:
+    100,000 of them cost one step."""
     depth, best, key, best_key, last = 0, 0, None, None, b""
-    for m in _TOKENS.finditer(raw):
+    for n, m in enumerate(_TOKENS.finditer(raw)):
+        if n == SCAN_TOKENS:
+            return (best_key, best - 1, True) if best_key is not None else (None, best, True)
         token = m.group()
         if token[0] in b"[{":
             if depth + len(token) > best:
@@ -102,8 +110,8 @@ def deepest(raw: bytes) -> tuple[str | None, int]:
             key = name if isinstance(name, str) and not surrogate_problem("", name) else None
         last = token
     if best_key is not None:  # (the key's value: the levels below the body's own object)
-        return best_key, best - 1
-    return None, best
+        return best_key, best - 1, False
+    return None, best, False
 
 
 def lone_surrogate(value: Any) -> tuple[str, str, str | None] | None:
