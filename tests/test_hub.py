@@ -436,7 +436,9 @@ def test_hub_file_names_leaving_the_repository_are_refused_and_nothing_escapes(h
     assert not any(p.name == "escape.json" for p in (tmp_path / "hf").rglob("*")), "nothing of it is kept"
 
 
-@pytest.mark.parametrize("revision", ["main\nforged: line", "", " ", "v1\x00"], ids=["newline", "empty", "blank", "nul"])
+@pytest.mark.parametrize(
+    "revision", ["main\nforged: line", "", " ", "v1\x00"], ids=["newline", "empty", "blank", "nul"]
+)
 def test_a_revision_that_is_no_revision_is_one_problem_naming_it(hub, make_data, revision):
     """HB8b / HB8c: a revision holding a newline (or a NUL) was an internal error (or a second problem from
     the Hub); an empty one got a message about "the tenants". Each is one problem, the revision field's, and
