@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -376,20 +377,11 @@ class JobSpec:
         "evals", kind="evals", section="Eval", form=False, help="evaluations while training"))
     """Evaluations run while the job trains (:class:`~mlora_lab.specparts.Eval`): generations of every
     tenant and the base, scored by metrics, logged as ``eval/<name>/<metric>`` rows."""
-    serve: dataclasses.InitVar[bool | None] = None
-    """The old name of :attr:`stay_up`, still taken by the constructor (and read and set as an attribute).
-    Given with ``stay_up``, the two must agree."""
     # fmt: on
 
-    def __post_init__(self, serve: bool | None) -> None:
+    def __post_init__(self) -> None:
         if isinstance(self.evals, list | tuple):
             self.evals = [Eval.from_dict(e) if isinstance(e, dict) else e for e in self.evals]
-        if serve is not None:
-            # stay_up's default (False) cannot be told from stay_up=False: only a stay_up given otherwise
-            # can disagree, and is refused as job.json refuses it
-            if self.stay_up is not False and self.stay_up != serve:
-                raise SpecError([SERVE_DISAGREES])
-            self.stay_up = serve
         if isinstance(self.service, dict):
             self.service = Service.from_dict(self.service)
         self.base_model = _path_str(self.base_model)
@@ -598,9 +590,25 @@ def _set_serve(self: JobSpec, value: Any) -> None:
     self.stay_up = value
 
 
-# ``spec.serve`` reads and sets ``stay_up`` (the constructor's ``serve=`` is the InitVar above; its class
-# default, which the generated __init__ no longer needs, gives way to the alias)
+# ``spec.serve`` reads and sets ``stay_up``
 JobSpec.serve = property(_get_serve, _set_serve, doc="The old name of :attr:`JobSpec.stay_up`.")  # type: ignore[assignment,method-assign]
+_fields_init = JobSpec.__init__
+
+
+@functools.wraps(_fields_init)
+def _init(self: JobSpec, *args: Any, serve: bool | None = None, **kwargs: Any) -> None:
+    """The generated ``__init__``, also taking ``serve=``, the old name of ``stay_up``: given with ``stay_up``,
+    the two must agree (as in job.json). It is no dataclass field (an ``InitVar`` was one), so
+    ``dataclasses.replace(spec, stay_up=...)`` passes ``stay_up`` alone: with an ``InitVar`` it passed
+    ``serve=spec.serve`` too, the old value, which then disagreed with the new one, or overrode it."""
+    if serve is not None:
+        if "stay_up" in kwargs and kwargs["stay_up"] != serve:
+            raise SpecError([SERVE_DISAGREES])
+        kwargs["stay_up"] = serve
+    _fields_init(self, *args, **kwargs)
+
+
+JobSpec.__init__ = _init  # type: ignore[method-assign]
 
 
 def default_run_name(job: JobSpec) -> str:

@@ -1520,3 +1520,20 @@ def test_JJ4_ten_thousand_tenants_are_checked_without_redoing_shared_work(llama_
     assert len(few) == 3 and "tenant 't5': rank must be >= 1 (got 0)" in few
     assert many_counts == few_counts, "the shared file and target lists are worked out once per check"
     assert few_counts["scans"] == 1
+
+
+def test_JJ1e_replace_sets_stay_up_either_way(tmp_path):
+    """JJ1e: ``dataclasses.replace(spec, stay_up=...)`` (how a sweep's job is made) sets ``stay_up`` either way:
+    ``serve`` is the constructor's old name for it, not a field that ``replace`` passes again with the old value
+    (which disagreed with the new one, and refused every sweep; before the refusal, it overrode a new False)."""
+    import dataclasses
+
+    spec = JobSpec(base_model=str(tmp_path), tenants=[])
+    assert dataclasses.replace(spec, stay_up=True).stay_up is True
+    assert (
+        dataclasses.replace(JobSpec(base_model=str(tmp_path), tenants=[], serve=True), stay_up=False).stay_up
+        is False
+    )
+    with pytest.raises(SpecError, match=r"serve .the old name of stay_up. and stay_up disagree"):
+        JobSpec(base_model=str(tmp_path), tenants=[], serve=True, stay_up=False)
+    assert spec.serve is False and JobSpec(base_model=str(tmp_path), tenants=[], serve=True).serve is True
