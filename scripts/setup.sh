@@ -62,4 +62,6 @@ fi
 # writing it at import (PYTHONDONTWRITEBYTECODE) every job process would compile the package again (0.37 s
 # of the job's start). A source edited later is compiled again at import, as Python always does.
 "$VENV/bin/python" -m compileall -q mlora_lab >/dev/null
-"$VENV/bin/python" -c "import torch, transformers, peft, mlora_lab; print(f'mlora_lab {mlora_lab.__version__}: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"
+# mlora_lab first: it quiets bitsandbytes' kernel offer (a line on CPUs with AVX512-BF16, two with HF_HUB_OFFLINE=1),
+# which importing PEFT before it would print.
+"$VENV/bin/python" -c "import mlora_lab, torch, transformers, peft; print(f'mlora_lab {mlora_lab.__version__}: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"
