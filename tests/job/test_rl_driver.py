@@ -646,18 +646,9 @@ def test_rn8_an_rl_tenants_far_longer_prompts_are_cut_before_they_are_tokenized_
     before it is tokenized (never tokenized whole), and one warning in the SFT rows' words counts the cut."""
     import warnings
 
+    from test_data import Spy
+
     from mlora_lab.job.drivers.rl import read_prompts
-
-    class Spy:
-        def __init__(self, tok):
-            self.tok, self.longest = tok, 0
-
-        def __call__(self, text, **kwargs):
-            self.longest = max(self.longest, len(text))
-            return self.tok(text, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(self.tok, name)
 
     data = tmp_path / "far.jsonl"
     data.write_text(
