@@ -30,8 +30,8 @@ import numpy as np
 import pandas as pd
 
 from mlora_lab.lab.plotting import DISPLAY_DPI, figure_png
+from mlora_lab.lab.tables import spreadsheet_csv
 from mlora_lab.rundir.files import atomic_write_text
-from mlora_lab.text import spreadsheet_safe
 
 FILTERS = ("all", "disagreements", "regressions", "improvements")
 SORTS = ("example", "largest change", "reference worst first", "reference best first")
@@ -226,13 +226,7 @@ class EvalTable:
         ``=HYPERLINK(...)``) gets a leading ``'`` (:func:`~mlora_lab.text.spreadsheet_safe`); numbers stay
         numbers. Rows end with CRLF, and a cell holding a line break is quoted."""
         out = Path(path) if path else self.export_dir / f"{self.ev.name}-{self.metric.value}.csv"
-        frame = self.frame().rename(columns=spreadsheet_safe)
-        for column in frame.columns:
-            if not pd.api.types.is_numeric_dtype(frame[column]):  # (a number column holds no text to run)
-                frame[column] = frame[column].map(spreadsheet_safe)
-        # CRLF, as RFC 4180 has it: the csv writer then quotes a cell holding a lone "\r" too, which a
-        # reader would otherwise take for the end of a row
-        atomic_write_text(out, frame.to_csv(index=False, lineterminator="\r\n"))
+        atomic_write_text(out, spreadsheet_csv(self.frame()))
         return out
 
     def to_html(self, path: str | os.PathLike | None = None) -> Path:

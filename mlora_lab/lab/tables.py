@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 import numpy as np
 import pandas as pd
 
+from mlora_lab.text import spreadsheet_safe
+
 MISSING = "–"
 """What a cell without a value shows."""
 _ids = itertools.count()
@@ -188,3 +190,16 @@ def _terminal_width() -> int:
     """Columns of the terminal the output goes to (pandas' ``display.width`` otherwise: 80)."""
     fallback = int(pd.get_option("display.width") or 80)
     return shutil.get_terminal_size((fallback, 24)).columns
+
+
+def spreadsheet_csv(frame: pd.DataFrame) -> str:
+    """``frame`` as CSV that is safe to open in a spreadsheet: a text cell or header that would start a formula
+    (a completion ``=HYPERLINK(...)``, a quarantine reason) gets a leading ``'``
+    (:func:`~mlora_lab.text.spreadsheet_safe`); number columns stay numbers. Rows end with CRLF, as RFC 4180
+    has it: the csv writer then quotes a cell holding a lone ``\\r`` too, which a reader would otherwise take
+    for the end of a row."""
+    frame = frame.rename(columns=spreadsheet_safe)
+    for column in frame.columns:
+        if not pd.api.types.is_numeric_dtype(frame[column]):  # (a number column holds no text to run)
+            frame[column] = frame[column].map(spreadsheet_safe)
+    return frame.to_csv(index=False, lineterminator="\r\n")

@@ -1505,3 +1505,29 @@ def test_m12_a_tinker_clients_loss_reads_as_a_sum_with_its_mean_a_token_beside_i
     assert "loss:sum -0.03" in rl and "a token" not in rl
     plain = dash.progress_rows[("served", "a")].info.value
     assert "loss 0.6100" in plain and "loss:sum" not in plain
+
+
+def test_the_metrics_csv_export_is_spreadsheet_safe(tmp_path):
+    """EV12c, the dashboard's side: its metrics CSV (tenant rows carry free text: a quarantine reason) is
+    written as the eval table's is: a text cell that would start a formula gets a leading ``'``, numbers stay
+    numbers, a lone carriage return stays inside its cell."""
+    import csv
+
+    import pandas as pd
+
+    from mlora_lab.lab.dashboard.outputs import export_files
+
+    frame = pd.DataFrame(
+        {
+            "tenant": ["a", "b"],
+            "loss": [-0.5, 1.25],
+            "reason": ['=HYPERLINK("http://x","y")', "line\rbreak"],
+            "=SUM(A1)": ["@cmd", "-2.5"],
+        }
+    )
+    (path,) = export_files(tmp_path / "exports", [], frame)
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["tenant", "loss", "reason", "'=SUM(A1)"]
+    assert rows[1] == ["a", "-0.5", "'=HYPERLINK(\"http://x\",\"y\")", "'@cmd"]
+    assert rows[2] == ["b", "1.25", "line\rbreak", "-2.5"]

@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from mlora_lab.lab.dashboard.figures import RED
 from mlora_lab.lab.logs import log_files, tail_lines
 from mlora_lab.lab.plotting import figure_png, figure_svg, fit_layout
+from mlora_lab.lab.tables import spreadsheet_csv
 from mlora_lab.rundir import RunDir, atomic_write_bytes
 
 ERROR_LINE = re.compile(r"Traceback|Error|error:|Exception|\bFAILED\b|Killed")
@@ -85,7 +86,7 @@ def export_files(
     folder: Path, figures: Sequence[tuple[str, Figure]], metrics: pd.DataFrame | None
 ) -> list[Path]:
     """Write each named figure (PNG at twice the display resolution, and SVG) and the metrics (CSV)
-    into ``folder``, each file atomically; names start with the time, so exports never overwrite each
+    into ``folder``, each file atomically (the CSV safe to open in a spreadsheet: :func:`spreadsheet_csv`); names start with the time, so exports never overwrite each
     other. Returns the files written."""
     # an exports/ folder (a run's, or next to the runs: the default) is a folder of the runs: never
     # written through a link planted in its place; a folder named otherwise is taken as given
@@ -102,7 +103,7 @@ def export_files(
             written.append(path)
     if metrics is not None:
         path = folder / f"{stamp}-metrics.csv"
-        atomic_write_bytes(path, metrics.to_csv(index=False).encode(), root=root)
+        atomic_write_bytes(path, spreadsheet_csv(metrics).encode(), root=root)
         written.append(path)
     return written
 
