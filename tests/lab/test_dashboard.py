@@ -1529,5 +1529,5 @@ def test_the_metrics_csv_export_is_spreadsheet_safe(tmp_path):
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["tenant", "loss", "reason", "'=SUM(A1)"]
-    assert rows[1] == ["a", "-0.5", "'=HYPERLINK(\"http://x\",\"y\")", "'@cmd"]
+    assert rows[1] == ["a", "-0.5", '\'=HYPERLINK("http://x","y")', "'@cmd"]
     assert rows[2] == ["b", "1.25", "line\rbreak", "-2.5"]
