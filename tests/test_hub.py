@@ -451,6 +451,7 @@ def test_a_revision_that_is_no_revision_is_one_problem_naming_it(hub, make_data,
     said = found[0].message
     assert "internal error" not in said and "tenants" not in said and "\n" not in said, said
     assert said.startswith("revision ") and ("empty" in said) == (not revision.strip()), said
+    assert said.endswith("(the Hub revision of base_model org/tiny: not asked for)"), said
     path, why = hub_module.fetch("org/tiny", revision)
     assert path is None and why.startswith("org/tiny: revision ") and "\n" not in why, why
     assert hub.calls == calls, "the Hub was asked"

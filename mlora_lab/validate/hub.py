@@ -20,16 +20,25 @@ def fetch_hub_ids(ctx: Context, tenants: list[Tenant]) -> list[Tenant]:
     theirs. A failed one is said, and left empty so that no later check reports it again."""
     s = ctx.spec
     changes: dict[str, str] = {}
-    # a revision already refused (empty, a line break, ...) is said once, by the field check: not asked for
-    bad_revision = any(p.tenant is None and p.field == "revision" for p in ctx.out)
+    # a revision already refused (empty, a line break, ...) is said once, by the field check, which then names
+    # the ids it is the revision of: none is asked for
+    bad_revision = next(
+        (i for i, p in enumerate(ctx.out) if p.tenant is None and p.field == "revision"), None
+    )
     for field in ("base_model", "tokenizer"):
         value = getattr(s, field)
         if hub.is_hub_id(value):
             # (the revision is the base's; a tokenizer of another repository is read at its main)
             revision = s.revision if field == "base_model" or s.tokenizer == s.base_model else None
-            path, why = (
-                (None, None) if revision is not None and bad_revision else _fetch(ctx, value, revision)
-            )
+            if revision is not None and bad_revision is not None:
+                said = ctx.out[bad_revision]
+                if value not in said.message:  # (a tokenizer of the base's repository: named once)
+                    ctx.out[bad_revision] = dataclasses.replace(
+                        said, message=f"{said.message} (the Hub revision of {field} {value}: not asked for)"
+                    )
+                changes[field] = ""  # (skipped by the checks that read it)
+                continue
+            path, why = _fetch(ctx, value, revision)
             if why is not None:
                 ctx.say(None, field, f"{field} {why}")
             changes[field] = "" if path is None else str(path)  # ("": skipped by the checks that read it)
