@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -198,15 +199,13 @@ def follow(run: Run, out: TextIO | None = None, poll: float = 0.5, tty: bool | N
 
 
 def summary_text(run: Run) -> str:
-    """:func:`~mlora_lab.lab.results.summary` of ``run`` as a table for a terminal (long reasons cut)."""
+    """:func:`~mlora_lab.lab.results.summary` of ``run`` as a table for a terminal, as a notebook shows it
+    (:class:`~mlora_lab.lab.tables.FittedFrame`: losses to 4 decimals and never in scientific notation, whole
+    counts, long reasons cut, a reward column only for RL tenants), fitted to the terminal's width (200
+    columns when the output is no terminal: a log keeps every column)."""
     from mlora_lab.lab.results import summary
 
-    table = summary(run)
-    table["reason"] = table["reason"].fillna("")
-    if table["reward"].isna().all():  # a run without RL tenants: no column of NaN in a narrow terminal
-        table = table.drop(columns="reward")
-    with pd.option_context("display.width", 200, "display.max_columns", 40, "display.precision", 4):
-        return table.to_string(index=False, max_colwidth=60)
+    return summary(run).to_text(width=shutil.get_terminal_size((200, 24)).columns, index=False)
 
 
 def print_outcome(run: Run, state: str, out=sys.stdout) -> None:

@@ -153,15 +153,15 @@ class FittedFrame(pd.DataFrame):
             return repr(pd.DataFrame(self))
         return self.to_text()
 
-    def to_text(self, width: int | None = None) -> str:
+    def to_text(self, width: int | None = None, index: bool = True) -> str:
         """The table as a terminal shows it: as many of the view's columns as fit ``width`` (the
         terminal's; pandas' ``display.width`` when output is not a terminal), the least needed dropped
-        first and named below."""
+        first and named below; ``index``: with the frame's index (a command's report leaves it out)."""
         width = width or _terminal_width()
         full = self.view()
         view = list(full)
         while True:
-            text = self.shown(view).to_string(max_rows=pd.get_option("display.max_rows"))
+            text = self.shown(view).to_string(max_rows=pd.get_option("display.max_rows"), index=index)
             if len(view) <= 1 or max(map(len, text.splitlines()), default=0) <= width:
                 break
             view.pop(min(range(len(view)), key=lambda i: (view[i].keep, -i)))  # (the rightmost of the least)

@@ -268,7 +268,7 @@ def test_cli_resume_follows_a_metrics_file_the_resume_rewrites(llama_path, tmp_p
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "final_loss" in proc.stdout
+    assert "final loss" in proc.stdout
     rows = [r for r in ml.attach(run.path).rows() if r["kind"] == "train"]
     steps = [(r["tenant"], r["tenant_step"]) for r in rows]
     assert len(steps) == len(set(steps)) and ("a", 10) in steps and ("b", 10) in steps

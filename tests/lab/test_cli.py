@@ -90,7 +90,7 @@ def test_run_end_to_end(tmp_path, llama_path, make_data):
     proc = cli("run", "job.json", "--workdir", "runs", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (run_dir,) = list((tmp_path / "runs").iterdir())
-    assert "alice" in proc.stdout and "final_loss" in proc.stdout
+    assert "alice" in proc.stdout and "final loss" in proc.stdout
     followed = proc.stdout.split("\n\n")[0].splitlines()  # what the follower printed, before the summary
     assert len(followed) <= 12, followed  # changes and a few progress lines, never one per poll
     assert followed[0] == f"run directory: {run_dir}"
@@ -137,7 +137,11 @@ def test_run_end_to_end(tmp_path, llama_path, make_data):
     proc = cli("status", str(run_dir), cwd=tmp_path)
     assert proc.returncode == 0 and "finished" in proc.stdout and "tags: smoke" in proc.stdout
     header = next(line for line in proc.stdout.splitlines() if line.lstrip().startswith("tenant"))
-    assert header.split()[:2] == ["tenant", "state"] and header.split()[-1] == "reason"
+    assert header.split()[:2] == ["tenant", "state"] and "final loss" in header and "reason" not in header
+    assert next(line for line in proc.stdout.splitlines() if "alice" in line).split()[:2] == [
+        "alice",
+        "finished",
+    ]
 
 
 @slow

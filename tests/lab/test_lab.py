@@ -615,6 +615,13 @@ def test_m10_the_summary_shows_small_numbers_and_counts_as_people_write_them(tmp
         assert "6.0" not in shown and "0.0002" in shown and "its step was NaN" in shown
     line_a = next(line for line in text.splitlines() if line.startswith("a "))
     assert " 6 " in line_a and "2.5000" in line_a
+    # the terminal's summary (mlora-lab status, and the end of mlora-lab run) is the same table
+    from mlora_lab.lab.cli import summary_text
+
+    write(run, TrainRow(step=4, tenant="a", tenant_step=4, loss=-1.5e-08, tokens=10, lr=2e-5, grad_norm=1.0))
+    status = summary_text(ml.attach(run.root))
+    assert "e-08" not in status and "0.0000" in status and "its step was NaN" in status, status
+    assert "final loss" in status.splitlines()[0] and "reward" not in status, status
 
 
 def test_m10_a_run_whose_tenants_learn_from_rewards_shows_their_reward_not_their_loss(tmp_path):
