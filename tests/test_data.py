@@ -659,3 +659,7 @@ def test_ev6_prompt_rows_are_named_for_what_they_are_for():
     assert f"row 1: an evaluation row {needs}" in scan_source(rows, prompts="an evaluation row").problems[0]
     with pytest.raises(DataError, match=f"row 1: an evaluation row {re.escape(needs)}"):
         read_rows(rows, prompts="an evaluation row")
+    # a column named like an argument the job passes is refused for the functions these rows reach
+    named = [{"prompt": "ok", "completions": "x"}]
+    assert "every reward function" in scan_source(named, prompts=True).problems[0]
+    assert "every metric function" in scan_source(named, prompts="an evaluation row").problems[0]

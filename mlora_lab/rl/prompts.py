@@ -44,8 +44,11 @@ def prompt_row_problems(row: dict, what: str = RL_ROW) -> tuple[str | None, list
     ``what`` names the rows in messages by what they are for (``"an evaluation row"``: an evaluation's)."""
     has_prompt, has_messages = row.get("prompt") is not None, row.get("messages") is not None
     reserved = [k for k in RESERVED_COLUMNS if k in row]
+    takers = (
+        "reward function" if what == RL_ROW else "metric function"
+    )  # (an evaluation's rows reach metrics)
     problems = [
-        f"column {k!r} has a name the job itself passes every reward function ({', '.join(RESERVED_COLUMNS)}): "
+        f"column {k!r} has a name the job itself passes every {takers} ({', '.join(RESERVED_COLUMNS)}): "
         "rename the column"
         for k in reserved
     ]
