@@ -12,6 +12,7 @@ Screenshots go to the test's temp dir."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -230,6 +231,31 @@ def jupyterlab_args(root: Path) -> list[str]:
     ]
 
 
+@contextlib.contextmanager
+def jupyterlab_page(root: Path, tmp_path: Path, name: str, env: dict[str, str] | None = None):
+    """``(page, port)``: Chromium on a JupyterLab server over ``root`` (``env``: the server's and its kernels'
+    environment). A failure leaves ``<name>-failed.png``; whatever happens, no job, server or log handle is left
+    behind."""
+    lab = log = None
+    try:
+        lab, port, log = start_server(jupyterlab_args(root), tmp_path / "jupyterlab.log", env=env)
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            try:
+                yield page, port
+            except Exception:
+                page.screenshot(path=str(tmp_path / f"{name}-failed.png"), full_page=True)
+                raise
+            browser.close()
+    finally:
+        stop_runs_under(root)
+        if lab is not None:
+            lab.terminate()
+            lab.wait(timeout=30)
+            log.close()
+
+
 def open_notebook(page, port: int, name: str) -> None:
     """Open ``name`` in JupyterLab and wait for its kernel, answering what JupyterLab asks on the way."""
     # (JupyterLab on a machine busy with the rest of the suite can take more than playwright's default 30 s to
@@ -268,24 +294,8 @@ def test_quickstart_in_jupyterlab(tmp_path):
         cell.source = re.sub(r"max_steps=\d+", "max_steps=100_000", cell.source)
     nbformat.write(nb, root / "quickstart.ipynb")
     wait_cell = next(i for i, c in enumerate(nb.cells) if "run.wait(" in c.source)
-    lab = log = None
-    try:
-        lab, port, log = start_server(jupyterlab_args(root), tmp_path / "jupyterlab.log")
-        with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            try:
-                drive_quickstart(page, port, root, wait_cell, tmp_path)
-            except Exception:
-                page.screenshot(path=str(tmp_path / "jupyterlab-failed.png"), full_page=True)
-                raise
-            browser.close()
-    finally:  # never leave a job, a server or a log handle behind
-        stop_runs_under(root)
-        if lab is not None:
-            lab.terminate()
-            lab.wait(timeout=30)
-            log.close()
+    with jupyterlab_page(root, tmp_path, "jupyterlab") as (page, port):
+        drive_quickstart(page, port, root, wait_cell, tmp_path)
 
 
 def drive_quickstart(page, port: int, root: Path, wait_cell: int, tmp_path: Path) -> None:
@@ -376,41 +386,25 @@ def test_service_notebook_runs_clean_in_jupyterlab(tmp_path):
     cells = nbformat.read(root / "service.ipynb", 4).cells
     code = [i for i, c in enumerate(cells) if c.cell_type == "code"]
     env = {k: v for k, v in os.environ.items() if k != "TINKER_TELEMETRY"}
-    lab = log = None
-    try:
-        lab, port, log = start_server(jupyterlab_args(root), tmp_path / "jupyterlab.log", env=env)
-        with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            try:
-                open_notebook(page, port, "service.ipynb")
-                start_run_all(page, cells)
-                # done: no cell waits or runs ([*]): the last one ran, or one failed (Run All stops there)
-                page.wait_for_function(
-                    """() => ![...document.querySelectorAll('.jp-Notebook .jp-InputPrompt')]
-                        .some(p => p.textContent.includes('[*]'))""",
-                    timeout=900_000,
-                    polling=1000,
-                )
-                time.sleep(LATE_S)
-                page.keyboard.press("Control+s")
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:  # (saved: the file has the last cell's outputs)
-                    saved = nbformat.read(root / "service.ipynb", 4).cells
-                    if saved[code[-1]].get("execution_count"):
-                        break
-                    time.sleep(1)
-                page.screenshot(path=str(tmp_path / "service.png"), full_page=True)
-            except Exception:
-                page.screenshot(path=str(tmp_path / "service-failed.png"), full_page=True)
-                raise
-            browser.close()
-    finally:  # never leave a job, a server or a log handle behind
-        stop_runs_under(root)
-        if lab is not None:
-            lab.terminate()
-            lab.wait(timeout=30)
-            log.close()
+    with jupyterlab_page(root, tmp_path, "service", env=env) as (page, port):
+        open_notebook(page, port, "service.ipynb")
+        start_run_all(page, cells)
+        # done: no cell waits or runs ([*]): the last one ran, or one failed (Run All stops there)
+        page.wait_for_function(
+            """() => ![...document.querySelectorAll('.jp-Notebook .jp-InputPrompt')]
+                .some(p => p.textContent.includes('[*]'))""",
+            timeout=900_000,
+            polling=1000,
+        )
+        time.sleep(LATE_S)
+        page.keyboard.press("Control+s")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # (saved: the file has the last cell's outputs)
+            saved = nbformat.read(root / "service.ipynb", 4).cells
+            if saved[code[-1]].get("execution_count"):
+                break
+            time.sleep(1)
+        page.screenshot(path=str(tmp_path / "service.png"), full_page=True)
     ran = [i for i in code if saved[i].get("execution_count")]
     assert ran == code, f"cells that did not run: {sorted(set(code) - set(ran))}"
     shown = {
