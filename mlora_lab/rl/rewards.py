@@ -393,6 +393,8 @@ def _run_worker(
             raise RewardError(
                 f"the reward worker failed{_doing(current)}: {error_line(RuntimeError(tail[0]))}"
             )
+    if not answers:  # (it exited 0 without an answer: an import that called os._exit(0), say)
+        raise RewardError(f"the reward worker ended without an answer{_doing(current)}")
     return answers, current, failure
 
 

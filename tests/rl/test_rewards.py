@@ -401,14 +401,18 @@ def test_processes_a_reward_detaches_do_not_outlive_its_worker(hostile_file):
     assert not detached()
 
 
-def test_an_import_that_exits_names_its_reward(tmp_path):
-    """RV3: a reward module that calls os._exit while it is imported is named, at inspection and in a worker."""
+@pytest.mark.parametrize("code", [7, 0])
+def test_an_import_that_exits_names_its_reward(tmp_path, code):
+    """RV3: a reward module that calls os._exit while it is imported is named, at inspection and in a worker
+    (with exit code 0 too: the worker then ends without an answer, which is no success)."""
     path = tmp_path / "leaves.py"
     path.write_text(
-        "import os\nos._exit(7)\ndef fn(completions, **kw):\n    return [0.0] * len(completions)\n"
+        f"import os\nos._exit({code})\ndef fn(completions, **kw):\n    return [0.0] * len(completions)\n"
     )
     [got] = inspect_rewards([f"{path}:fn"])
     assert isinstance(got, str) and "in reward 'fn' (" in got and "leaves.py)" in got, got
+    if code == 0:
+        return
     with pytest.raises(RewardError, match=r"exited with code 7 .*\(in reward 'fn' \(.*/leaves.py\)\)"):
         RewardWorker([f"{path}:fn"], timeout_s=30)(batch())
 
