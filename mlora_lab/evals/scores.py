@@ -59,10 +59,13 @@ def per_example(rows: Sequence[EvalExample], models: Sequence[str], metric: str,
             cells.setdefault((index[r.model], r.example), []).append(float(v))
     out = np.full((len(models), examples), np.nan)
     for (m, e), scores in cells.items():
-        if not all(map(math.isfinite, scores)):
+        total = sum(scores)  # (inf or NaN: an infinite score, or a sum past the largest float)
+        if math.isfinite(total):
+            out[m, e] = total / len(scores)
+        elif not all(map(math.isfinite, scores)):
             out[m, e] = math.inf
-        else:
-            out[m, e] = scores[0] if len(scores) == 1 else scaled_mean(np.array(scores), axis=0)
+        else:  # (finite scores whose sum overflows: rare, so the scaled mean only here)
+            out[m, e] = scaled_mean(np.array(scores), axis=0)
     return out
 
 
