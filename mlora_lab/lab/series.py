@@ -263,6 +263,18 @@ def _drawable(value: float | None) -> float:
     return min(max(float(value), -MAX_DRAWN), MAX_DRAWN)
 
 
+def _ema_step(state: tuple[float, float], value: float | None) -> tuple[tuple[float, float], float | None]:
+    """One row of the EMA of :func:`~mlora_lab.lab.plotting.best_smoothed` over what is drawn (clipped; NaN
+    only decays the weights), kept as its numerator and denominator: the new state, and the smoothed value
+    at this row (None when the row has no value)."""
+    w, (num, den) = SMOOTHING, state
+    v = _drawable(value)
+    if v != v:
+        return (w * num, w * den), None
+    num, den = w * num + v, w * den + 1.0
+    return (num, den), num / den
+
+
 class TenantSeries:
     """One tenant of one run: its train and eval rows as columns, its latest state and memory."""
 
@@ -294,6 +306,9 @@ class TenantSeries:
         """An RL tenant's :data:`RL` columns, from its first train row that carries one of
         :data:`RL_METRICS` on (None for an SFT tenant: it costs such a tenant nothing)."""
         self.last_reward: float | None = None
+        self.best_reward: float | None = None
+        """An RL tenant's highest smoothed mean reward (kept up row by row, as :attr:`best_loss` is)."""
+        self._reward_ema = (0.0, 0.0)
         self.samples: deque[CompletionRow] | None = None
         """Its latest :data:`RECENT_SAMPLES` completion rows, oldest first (None: it has none)."""
         self.named: dict[str, Columns] = {}
@@ -312,13 +327,8 @@ class TenantSeries:
         if loss is not None:
             self.last_loss = loss
             self.loss_reduction, self.last_loss_per_token = r.loss_reduction, r.loss_per_token
-        # the EMA of plotting.best_smoothed over what is drawn (clipped; NaN only decays the weights)
-        w, (num, den) = SMOOTHING, self._ema
-        v = _drawable(loss)
-        num, den = (w * num + v, w * den + 1.0) if v == v else (w * num, w * den)
-        self._ema = (num, den)
-        if den > 0 and v == v:
-            smoothed = num / den
+        self._ema, smoothed = _ema_step(self._ema, loss)
+        if smoothed is not None:
             self.best_loss = smoothed if self.best_loss is None else min(self.best_loss, smoothed)
         # (an SFT row: five checks, and nothing more is kept or computed for it)
         if r.extra:
@@ -354,6 +364,9 @@ class TenantSeries:
         )
         if r.reward is not None:
             self.last_reward = r.reward
+        self._reward_ema, smoothed = _ema_step(self._reward_ema, r.reward)
+        if smoothed is not None:
+            self.best_reward = smoothed if self.best_reward is None else max(self.best_reward, smoothed)
 
     def add_completion(self, r: CompletionRow) -> None:
         if self.samples is None:
@@ -424,7 +437,7 @@ class RunSeries:
         self._max_steps: dict[str, int | None] = {}  # (None: no goal, step_goal)
         self._index: dict[str, int] = {}  # each tenant's place in the run, kept across a restart
         self._spec_fresh = False
-        self._best: tuple[tuple[int, int] | None, float | None] = (None, None)
+        self._best: tuple[tuple[int, int] | None, tuple[float | None, float | None]] = (None, (None, None))
         self._read_spec()
         self._reset()
 
@@ -438,11 +451,15 @@ class RunSeries:
             self._max_steps = dict(outline.goals)
             self.title = outline.name or self.title
 
-    def best_loss(self) -> float | None:
-        """The lowest smoothed train loss of any of its tenants (:attr:`TenantSeries.best_loss`)."""
+    def best(self) -> tuple[float | None, float | None]:
+        """``(the lowest smoothed train loss of its tenants that learn from data, the highest smoothed mean
+        reward of those that learn from rewards)`` (:attr:`TenantSeries.best_loss`, ``best_reward``; None:
+        none has one), worked out again only after new rows."""
         if self._best[0] != (self.epoch, self.version):
-            best = [s.best_loss for s in self.tenants.values() if s.best_loss is not None]
-            self._best = ((self.epoch, self.version), min(best, default=None))
+            tenants = self.tenants.values()
+            losses = [s.best_loss for s in tenants if s.rl is None and s.best_loss is not None]
+            rewards = [s.best_reward for s in tenants if s.best_reward is not None]
+            self._best = ((self.epoch, self.version), (min(losses, default=None), max(rewards, default=None)))
         return self._best[1]
 
     def colour(self, tenant: str) -> str:

@@ -13,7 +13,7 @@ import ipywidgets as W
 
 from mlora_lab.lab.dashboard.model import RunView
 from mlora_lab.lab.dashboard.progress import run_state_html
-from mlora_lab.lab.plotting import best_smoothed, shorten
+from mlora_lab.lab.plotting import shorten
 from mlora_lab.lab.series import RunSeries
 from mlora_lab.lab.usage import usage_cell
 
@@ -81,19 +81,12 @@ def best_cell(feed: RunSeries) -> tuple[str, float | None, str]:
     """The best-loss cell of a run: its text, its sort key and its tooltip. The lowest smoothed train loss
     of its tenants that learn from data; for a run whose tenants all learn from rewards (a GRPO loss says
     nothing of how well they do), its highest smoothed mean reward instead."""
-    sft = [s.best_loss for s in feed.tenants.values() if s.rl is None and s.best_loss is not None]
-    if sft or not any(s.rl is not None for s in feed.tenants.values()):
-        best = min(sft, default=None)
+    loss, reward = feed.best()
+    if loss is not None or reward is None:
         why = "the lowest smoothed train loss of any tenant (EMA 0.6, as the figure draws it)"
-        return (f"{best:.4f}" if best is not None else "–"), best, why
-    rewards = [
-        -b
-        for s in feed.tenants.values()
-        if s.rl is not None and (b := best_smoothed(-s.rl["reward"])) is not None
-    ]
-    best = max(rewards, default=None)
+        return (f"{loss:.4f}" if loss is not None else "–"), loss, why
     why = "its tenants learn from rewards: the highest smoothed mean reward of any (EMA 0.6), not a loss"
-    return (f"reward {best:.3f}" if best is not None else "–"), None, why
+    return f"reward {reward:.3f}", None, why
 
 
 def row_values(view: RunView) -> dict[str, Any]:
