@@ -41,7 +41,7 @@ from mlora_lab.lab.plotting import (
 )
 from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
 from mlora_lab.lab.series import METRICS, RL_METRICS, X_AXES, RunSeries, to_datetimes
-from mlora_lab.lab.tables import FittedFrame, Shown, cut, decimals, general, minute, whole
+from mlora_lab.lab.tables import FittedFrame, Shown, cut, decimals, general, minute, missing, whole
 from mlora_lab.lab.usage import latest_usage, usage_totals
 from mlora_lab.rundir import (
     EvalMetricRow,
@@ -201,14 +201,10 @@ def _counts(table: pd.DataFrame) -> pd.DataFrame:
     and missing values is left as it is)."""
     for column in COUNTS:
         if column in table and table[column].dtype != "Int64":
-            values = [None if _missing(v) else v for v in table[column].tolist()]
+            values = [None if missing(v) else v for v in table[column].tolist()]
             if all(v is None or _whole(v) for v in values):
                 table[column] = pd.array([v if v is None else int(v) for v in values], dtype="Int64")
     return table
-
-
-def _missing(v: object) -> bool:
-    return v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v))
 
 
 def _whole(v: object) -> bool:

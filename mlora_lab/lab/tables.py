@@ -36,7 +36,8 @@ MISSING = "–"
 _ids = itertools.count()
 
 
-def _missing(v: Any) -> bool:
+def missing(v: Any) -> bool:
+    """Whether a cell holds no value: None, ``pd.NA``, ``pd.NaT`` or a float NaN."""
     if v is None or v is pd.NA or v is pd.NaT:
         return True
     return isinstance(v, float | np.floating) and math.isnan(v)
@@ -47,7 +48,7 @@ def decimals(places: int = 4) -> Callable[[Any], str]:
     ``0.0000``, not a reason to write its whole column as ``-1.500000e-08``); beyond, 4 significant digits."""
 
     def fmt(v: Any) -> str:
-        if _missing(v):
+        if missing(v):
             return MISSING
         if isinstance(v, bool | str):
             return str(v)
@@ -62,7 +63,7 @@ def decimals(places: int = 4) -> Callable[[Any], str]:
 
 def general(v: Any) -> str:
     """A setting as people write it: ``2e-05``, ``0.1``, ``3``."""
-    if _missing(v):
+    if missing(v):
         return MISSING
     return f"{v:g}" if isinstance(v, float | np.floating) else str(v)
 
@@ -70,7 +71,7 @@ def general(v: Any) -> str:
 def whole(v: Any) -> str:
     """A count: a whole number (``1,234``), whatever the column's dtype (a float column where a value was
     missing)."""
-    if _missing(v):
+    if missing(v):
         return MISSING
     if isinstance(v, bool | str):
         return str(v)
@@ -80,7 +81,7 @@ def whole(v: Any) -> str:
 
 def minute(v: Any) -> str:
     """A time to the minute (``2026-11-29 00:32``)."""
-    if _missing(v):
+    if missing(v):
         return MISSING
     try:
         return pd.Timestamp(v).strftime("%Y-%m-%d %H:%M")
@@ -92,7 +93,7 @@ def cut(limit: int) -> Callable[[Any], str]:
     """Text cut to ``limit`` characters (``…`` in place of the rest)."""
 
     def fmt(v: Any) -> str:
-        if _missing(v) or v == "":
+        if missing(v) or v == "":
             return "" if v == "" else MISSING
         text = " ".join(str(v).split())  # (a note's line breaks would break the row)
         return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -133,7 +134,7 @@ class FittedFrame(pd.DataFrame):
             s
             for s in self.VIEW
             if s.column in self.columns
-            and not (s.optional and not self[s.column].map(lambda v: not _missing(v) and v != "").any())
+            and not (s.optional and not self[s.column].map(lambda v: not missing(v) and v != "").any())
         ]
         for c in self.columns:
             if c not in named and c not in self.HIDDEN:

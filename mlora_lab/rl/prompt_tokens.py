@@ -70,16 +70,14 @@ def encode_prompt_cut(row: dict, tokenizer: Any, max_tokens: int) -> tuple[Any, 
     it asks): ``(prompt as given, text fed, ids, cut)``. The ids are exactly the end of the whole
     tokenization, but a long prompt is never tokenized whole (:func:`_encode_tail`)."""
     prompt, text, special = data.prompt_text(row, tokenizer)
-    ids, _ = _encode_tail(tokenizer, text, special, max_tokens)
+    ids = _encode_tail(tokenizer, text, special, max_tokens)
     return prompt, text, ids[-max_tokens:], len(ids) > max_tokens
 
 
-def _encode_tail(tokenizer: Any, text: str, add_special_tokens: bool, n: int) -> tuple[list[int], bool]:
-    """The last tokens of ``tokenizer(text)`` without tokenizing all of a huge ``text``: ``(ids, whole)``,
-    :func:`mlora_lab.data._encode_head` from the other end.
-
-    ``whole``: ``text`` was tokenized entirely and ``ids`` are all its tokens. Otherwise ``ids`` are the
-    last ``n + 1`` tokens of the whole text (so it has more than ``n``). Suffixes of ``text`` (as many
+def _encode_tail(tokenizer: Any, text: str, add_special_tokens: bool, n: int) -> list[int]:
+    """The last tokens of ``tokenizer(text)`` without tokenizing all of a huge ``text``,
+    :func:`mlora_lab.data._encode_head` from the other end: all its tokens when ``text`` is short enough to
+    be tokenized entirely, else the last ``n + 1`` tokens of the whole text (so it has more than ``n``). Suffixes of ``text`` (as many
     characters as :func:`mlora_lab.data._encode_head`'s prefixes, then doubling) are tokenized without special tokens
     until two successive ones agree on their last ``n + 1`` ids (a suffix only tokenizes differently near
     its cut); the special tokens the tokenizer puts after a text (an EOS, for some) then end them.
@@ -93,10 +91,10 @@ def _encode_tail(tokenizer: Any, text: str, add_special_tokens: bool, n: int) ->
         if len(ids) >= need:
             if prev == ids[-need:]:
                 after = _specials_after(tokenizer, piece, ids) if add_special_tokens else []
-                return (ids + after)[-need:], False
+                return (ids + after)[-need:]
             prev = ids[-need:]
         length *= 2
-    return data.encode(tokenizer, text, add_special_tokens), True
+    return data.encode(tokenizer, text, add_special_tokens)
 
 
 def _specials_after(tokenizer: Any, text: str, plain: list[int]) -> list[int]:
