@@ -437,7 +437,9 @@ def test_hub_file_names_leaving_the_repository_are_refused_and_nothing_escapes(h
 
 
 @pytest.mark.parametrize(
-    "revision", ["main\nforged: line", "", " ", "v1\x00"], ids=["newline", "empty", "blank", "nul"]
+    "revision",
+    ["main\nforged: line", "", " ", "v1\x00", "a b"],
+    ids=["newline", "empty", "blank", "nul", "space"],
 )
 def test_a_revision_that_is_no_revision_is_one_problem_naming_it(hub, make_data, revision):
     """HB8b / HB8c: a revision holding a newline (or a NUL) was an internal error (or a second problem from

@@ -12,6 +12,7 @@ import dataclasses
 
 from mlora_lab import hub
 from mlora_lab.spec import Tenant
+from mlora_lab.text import brief
 from mlora_lab.validate.context import Context
 
 
@@ -20,28 +21,29 @@ def fetch_hub_ids(ctx: Context, tenants: list[Tenant]) -> list[Tenant]:
     theirs. A failed one is said, and left empty so that no later check reports it again."""
     s = ctx.spec
     changes: dict[str, str] = {}
-    # a revision already refused (empty, a line break, ...) is said once, by the field check, which then names
-    # the ids it is the revision of: none is asked for
-    bad_revision = next(
-        (i for i, p in enumerate(ctx.out) if p.tenant is None and p.field == "revision"), None
-    )
-    for field in ("base_model", "tokenizer"):
-        value = getattr(s, field)
-        if hub.is_hub_id(value):
-            # (the revision is the base's; a tokenizer of another repository is read at its main)
-            revision = s.revision if field == "base_model" or s.tokenizer == s.base_model else None
-            if revision is not None and bad_revision is not None:
-                said = ctx.out[bad_revision]
-                if value not in said.message:  # (a tokenizer of the base's repository: named once)
-                    ctx.out[bad_revision] = dataclasses.replace(
-                        said, message=f"{said.message} (the Hub revision of {field} {value}: not asked for)"
-                    )
-                changes[field] = ""  # (skipped by the checks that read it)
-                continue
-            path, why = _fetch(ctx, value, revision)
-            if why is not None:
-                ctx.say(None, field, f"{field} {why}")
-            changes[field] = "" if path is None else str(path)  # ("": skipped by the checks that read it)
+    # (the revision is the base's; a tokenizer of another repository is read at its main)
+    ids = {field: value for field in ("base_model", "tokenizer") if hub.is_hub_id(value := getattr(s, field))}
+    uses = [f for f in ids if s.revision is not None and (f == "base_model" or s.tokenizer == s.base_model)]
+    said = next((i for i, p in enumerate(ctx.out) if p.tenant is None and p.field == "revision"), None)
+    why = hub.revision_problem(s.revision)
+    if uses and (said is not None or why is not None):
+        # one problem for a revision that is none: the field check's (empty, a line break, ...) or, for what
+        # it lets through (a space, "..", a character Git refuses), this one; it names the ids it is the
+        # revision of, none of which is asked for
+        named = ", ".join(dict.fromkeys(ids[f] for f in uses))
+        whose = f"(the Hub revision of {' and '.join(uses)} {named}: not asked for)"
+        if said is not None:
+            ctx.out[said] = dataclasses.replace(ctx.out[said], message=f"{ctx.out[said].message} {whose}")
+        else:
+            ctx.say(None, "revision", f"revision {brief(s.revision)} {why} {whose}")
+        changes.update(dict.fromkeys(uses, ""))  # ("": skipped by the checks that read it)
+    for field, value in ids.items():
+        if field in changes:
+            continue
+        path, why = _fetch(ctx, value, s.revision if field in uses else None)
+        if why is not None:
+            ctx.say(None, field, f"{field} {why}")
+        changes[field] = "" if path is None else str(path)  # ("": skipped by the checks that read it)
     out = []
     for t in tenants:
         if hub.is_hub_id(t.init_adapter):
