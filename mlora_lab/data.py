@@ -71,6 +71,9 @@ class SourceReport:
     """Every problem (capped at ~20 per source plus an "... and N more" line); empty = usable."""
     columns: set[str] = field(default_factory=set)
     """Every key with a value in a valid row (an RL tenant's reward functions take them as arguments)."""
+    samples: dict[str, dict] = field(default_factory=dict)
+    """Prompt rows (``prompts``): the first valid row of each shape, ``"prompt"`` and ``"messages"``, which
+    validation calls the reward functions on once."""
 
 
 # In a Python str from JSON every surrogate code point is a lone one ("\ud800"): a valid pair
@@ -159,6 +162,7 @@ def _scan(
     n_problems = 0  # all of them; only the first few are kept as text
     kinds: set[str] = set()
     columns: set[str] = set()
+    samples: dict[str, dict] = {}
     rows: list[dict] = []
     n_rows = 0
     try:
@@ -171,6 +175,8 @@ def _scan(
                 kinds.add(kind)
             if kind is not None and not row_problems:
                 columns.update(k for k, v in row.items() if isinstance(k, str) and v is not None)
+                if prompts:
+                    samples.setdefault(kind, row)
                 if keep_rows:
                     rows.append(row)
     except SourceError as e:
@@ -179,7 +185,7 @@ def _scan(
     if n_rows == 0 and not n_problems:
         n_problems += 1
         problems.append(f"{where}: {'empty file' if memory_kind(source) is None else 'empty'} (no rows)")
-    return SourceReport(n_rows, kinds, _cap(problems, where, n_problems), columns), rows
+    return SourceReport(n_rows, kinds, _cap(problems, where, n_problems), columns, samples), rows
 
 
 def scan_source(source: Any, prompts: bool | str = False) -> SourceReport:
@@ -197,21 +203,6 @@ def scan_source(source: Any, prompts: bool | str = False) -> SourceReport:
         return SourceReport(
             0, set(), [f"{source_name(source)}: cannot scan ({type(e).__name__}: {error_line(e)})"]
         )
-
-
-def sample_prompts(source: Any) -> list[dict]:
-    """The first valid prompt row of each shape in ``source`` (a text prompt, a chat), in that order: what
-    validation calls the reward functions on once (rows are read only until both are found). Never raises."""
-    found: dict[str, dict] = {}
-    try:
-        for _, kind, row, problems in _checked_rows(source, prompts=True):
-            if kind is not None and not problems:
-                found.setdefault(kind, row)
-                if len(found) == 2:
-                    break
-    except Exception:  # ("never raises": the scan reports the source's problems)
-        pass
-    return [found[k] for k in ("prompt", "messages") if k in found]
 
 
 def read_rows(source: Any, prompts: bool | str = False) -> list[dict]:

@@ -35,14 +35,14 @@ def check_data(ctx: Context, t: Tenant) -> None:
     if t.client is not None:  # a Tinker client's tenant: its client sends the rows
         return
     if isinstance(t.rl, RL):
-        columns = None
+        columns, samples = None, {}
         if memory_kind(t.data) is not None or usable_path(t.data):
             report = _scan_prompts(ctx, t.data)
             path = t.data if isinstance(t.data, str) else None
             for problem in report.problems:
                 ctx.say(t, "data", f"data: {problem}", path=path)
-            columns = None if report.problems else report.columns
-        check_rewards(ctx, t, columns)
+            columns, samples = (None, {}) if report.problems else (report.columns, report.samples)
+        check_rewards(ctx, t, columns, [samples[k] for k in ("prompt", "messages") if k in samples])
         return
     for name in ("data", "eval_data"):
         source = getattr(t, name)

@@ -3,7 +3,7 @@
 check_reward_refs / check_numbers / check_texts   RL's own field kinds (``validate.fields.check_rl_fields``
                            checks ``t.rl`` field by field with them; no file is read)
 check_reward_names(ctx, t)   ``rl.reward_names`` against the rewards (one each, usable as column names)
-check_rewards(ctx, t, columns)   the reward functions imported in a short-lived worker process (the
+check_rewards(ctx, t, columns, samples)   the reward functions imported in a short-lived worker process (the
                        notebook never imports the user's file itself, so an edited file is seen
                        anew and a module that hangs cannot hang it): each exists, is callable,
                        takes TRL's arguments, and names no argument the data rows lack
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,14 @@ SAMPLE_COMPLETION = "The answer is 42."
 """The completion reward functions are called with once at validation (in its prompt's shape)."""
 
 
-def check_rewards(ctx: Context, t: Tenant, columns: set[str] | None) -> None:
+def check_rewards(ctx: Context, t: Tenant, columns: set[str] | None, samples: Sequence[dict] = ()) -> None:
     """Import ``t``'s reward functions in a worker process and check them against the data's columns
     (``None``: unknown, because the data has problems of its own). A function held in memory is pickled
     (as a launch will) and unpickled there: one that cannot travel to the worker is said so now. With the
-    columns known, each function is also called once on the first row of each prompt shape in the data (a
-    text prompt, a chat) with :data:`SAMPLE_COMPLETION` in that shape, so a type mismatch (TRL's
-    ``think_format_reward`` on text prompts) is refused now, not at the first step."""
+    columns known, each function is also called once on each of ``samples`` (the first row of each prompt
+    shape in the data, a text prompt and a chat, as the data's scan found them: ``SourceReport.samples``)
+    with :data:`SAMPLE_COMPLETION` in that shape, so a type mismatch (TRL's ``think_format_reward`` on text
+    prompts) is refused now, not at the first step."""
     rl = t.rl
     if not isinstance(rl, RL) or not check_reward_refs(None, t, rl.reward, "rl.reward"):
         return
@@ -57,23 +59,21 @@ def check_rewards(ctx: Context, t: Tenant, columns: set[str] | None) -> None:
                 atomic_write_bytes(path, snap.data, root=tmp)
                 r = f"{path}:{snap.name}"
             refs.append(r)
-        probes = _probes(ctx, t) if columns is not None else []
+        probes = _probes(ctx, t, samples) if columns is not None else []
         for found in inspect_rewards(refs, probes=probes):
             for problem in [found] if isinstance(found, str) else found.problems(columns):
                 ctx.say(t, "rl", problem)
 
 
-def _probes(ctx: Context, t: Tenant) -> list[tuple[RewardBatch, str]]:
-    """A one-row batch of each prompt shape in ``t``'s data, with :data:`SAMPLE_COMPLETION` as TRL would
-    pass it, and what it is (``"a text prompt of the data"``)."""
-    from mlora_lab.data import sample_prompts  # the data module imports torch
-
+def _probes(ctx: Context, t: Tenant, samples: Sequence[dict]) -> list[tuple[RewardBatch, str]]:
+    """A one-row batch of each of ``samples`` (prompt rows of ``t``'s data), with :data:`SAMPLE_COMPLETION`
+    as TRL would pass it, and what it is (``"a text prompt of the data"``)."""
     ids = [0]
     if ctx.tok is not None:
         with contextlib.suppress(Exception):
             ids = list(ctx.tok(SAMPLE_COMPLETION, add_special_tokens=False)["input_ids"]) or ids
     out = []
-    for row in sample_prompts(t.data):
+    for row in samples:
         prompt = chat_prompt(row) or row["prompt"]
         batch = RewardBatch(
             prompts=[prompt],
