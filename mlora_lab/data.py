@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mlora_lab.rl.prompts import RL_ROW, chat_prompt, prompt_row_problems
+from mlora_lab.rl.prompts import PromptRows, chat_prompt, prompt_row_problems
 from mlora_lab.sources import SourceError, memory_kind, source_name, source_rows
 from mlora_lab.text import error_line, surrogate_problem
 
@@ -78,15 +78,15 @@ class SourceReport:
 
 # In a Python str from JSON every surrogate code point is a lone one ("\ud800"): a valid pair
 # ("\ud83d\ude00") is decoded to one character. It has no UTF-8 form, so tokenizers raise on it.
-def _row_kind_and_problems(row: Any, prompts: bool | str = False) -> tuple[str | None, list[str]]:
+def _row_kind_and_problems(row: Any, prompts: PromptRows | None = None) -> tuple[str | None, list[str]]:
     """Classify one parsed row; problems are phrased without the file/line prefix. A key whose value is
     null counts as missing: a table (a DataFrame, a parquet file) holds every column in every row, so
     its ``text`` rows have a null ``prompt`` and ``completion``. With ``prompts`` the row is a prompt to
     complete (:func:`~mlora_lab.rl.prompts.prompt_row_problems`; a text: what the rows are called)."""
     if not isinstance(row, dict):
         return None, [f"expected a JSON object, got {type(row).__name__}"]
-    if prompts:
-        return prompt_row_problems(row, prompts if isinstance(prompts, str) else RL_ROW)
+    if prompts is not None:
+        return prompt_row_problems(row, prompts)
     present = [kind for kind, keys in _KIND_KEYS.items() if any(row.get(key) is not None for key in keys)]
     if not present:
         return None, ["row has none of 'text', 'prompt'+'completion', 'messages'"]
@@ -140,7 +140,7 @@ def _cap(problems: list[str], where: str, total: int | None = None) -> list[str]
 
 
 def _checked_rows(
-    source: Any, prompts: bool | str = False
+    source: Any, prompts: PromptRows | None = None
 ) -> Iterator[tuple[str, str | None, Any, list[str]]]:
     """``(label, kind, row, problems)`` of every row of ``source`` (:func:`~mlora_lab.sources.source_rows`),
     its shape checked. Raises :class:`~mlora_lab.sources.SourceError`."""
@@ -153,7 +153,7 @@ def _checked_rows(
 
 
 def _scan(
-    source: Any, keep_rows: bool = True, prompts: bool | str = False
+    source: Any, keep_rows: bool = True, prompts: PromptRows | None = None
 ) -> tuple[SourceReport, list[dict]]:
     """Read and check every row of ``source`` (``prompts``: prompt rows, :func:`scan_source`); returns the
     report and (with ``keep_rows``) the rows that are valid."""
@@ -175,7 +175,7 @@ def _scan(
                 kinds.add(kind)
             if kind is not None and not row_problems:
                 columns.update(k for k, v in row.items() if isinstance(k, str) and v is not None)
-                if prompts:
+                if prompts is not None:
                     samples.setdefault(kind, row)
                 if keep_rows:
                     rows.append(row)
@@ -188,10 +188,10 @@ def _scan(
     return SourceReport(n_rows, kinds, _cap(problems, where, n_problems), columns, samples), rows
 
 
-def scan_source(source: Any, prompts: bool | str = False) -> SourceReport:
+def scan_source(source: Any, prompts: PromptRows | None = None) -> SourceReport:
     """Check a tenant's data source (a file of any kind :mod:`mlora_lab.sources` reads, or an in-memory
-    source) and report every problem; never raises. ``prompts``: rows to complete, an RL tenant's (``True``)
-    or what a text names (``"an evaluation row"``).
+    source) and report every problem; never raises. ``prompts``: rows to complete, and what for
+    (:data:`~mlora_lab.rl.prompts.RL_ROWS`, :data:`~mlora_lab.rl.prompts.EVAL_ROWS`).
 
     Problems name the source and the row, e.g. ``"data.jsonl line 3: not valid JSON (...)"``,
     ``"DataFrame row 2: 'text' must be a string"``. Blank lines are skipped. The list is capped at ~20
@@ -205,7 +205,7 @@ def scan_source(source: Any, prompts: bool | str = False) -> SourceReport:
         )
 
 
-def read_rows(source: Any, prompts: bool | str = False) -> list[dict]:
+def read_rows(source: Any, prompts: PromptRows | None = None) -> list[dict]:
     """All rows of a tenant's data source, in order (``prompts``: prompt rows, :func:`scan_source`). Raises
     :class:`DataError` listing every problem."""
     report, rows = _scan(source, prompts=prompts)

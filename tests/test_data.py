@@ -31,6 +31,7 @@ from mlora_lab.data import (
     tokenize_example,
     tokenize_rows,
 )
+from mlora_lab.rl.prompts import EVAL_ROWS, RL_ROWS
 from mlora_lab.tiny import build_tokenizer
 
 
@@ -655,11 +656,11 @@ def test_ev6_prompt_rows_are_named_for_what_they_are_for():
     an evaluation's (``prompts=`` names what the rows are for)."""
     rows = [{"prompt": "ok"}, {"answer": "4"}]
     needs = "needs 'prompt' (a text, or a chat as a list of messages) or 'messages' to complete; this one has neither"
-    assert f"row 1: an RL row {needs}" in scan_source(rows, prompts=True).problems[0]
-    assert f"row 1: an evaluation row {needs}" in scan_source(rows, prompts="an evaluation row").problems[0]
+    assert f"row 1: an RL row {needs}" in scan_source(rows, prompts=RL_ROWS).problems[0]
+    assert f"row 1: an evaluation row {needs}" in scan_source(rows, prompts=EVAL_ROWS).problems[0]
     with pytest.raises(DataError, match=f"row 1: an evaluation row {re.escape(needs)}"):
-        read_rows(rows, prompts="an evaluation row")
+        read_rows(rows, prompts=EVAL_ROWS)
     # a column named like an argument the job passes is refused for the functions these rows reach
     named = [{"prompt": "ok", "completions": "x"}]
-    assert "every reward function" in scan_source(named, prompts=True).problems[0]
-    assert "every metric function" in scan_source(named, prompts="an evaluation row").problems[0]
+    assert "every reward function" in scan_source(named, prompts=RL_ROWS).problems[0]
+    assert "every metric function" in scan_source(named, prompts=EVAL_ROWS).problems[0]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlora_lab.data import DataError, encode_prompt, read_rows
-from mlora_lab.rl.prompts import chat_prompt
+from mlora_lab.rl.prompts import EVAL_ROWS, chat_prompt
 from mlora_lab.rl.rewards import RewardBatch, RewardWorker, parse_reward
 from mlora_lab.rundir.evals import EvalExample
 from mlora_lab.sampling import SampleRequest, sample
@@ -42,21 +42,17 @@ class EvalPrompt:
         return not isinstance(self.prompt, str)
 
 
-EVAL_ROW = "an evaluation row"
-"""What an evaluation's row is called in the problems found in it (an RL tenant's is "an RL row")."""
-
-
 def read_examples(source: Any, tokenizer: Any, limit: int | None = None) -> list[EvalPrompt]:
     """An evaluation's examples from any tenant data source: rows with ``prompt`` (a text, or TRL's
     conversational list of messages) or ``messages`` and any other columns, read and checked as prompt
-    rows are (:func:`mlora_lab.data.read_rows`, named :data:`EVAL_ROW`: one ``DataError``, "bad evaluation
+    rows are (:func:`mlora_lab.data.read_rows`, named :data:`~mlora_lab.rl.prompts.EVAL_ROWS`: one ``DataError``, "bad evaluation
     data", naming every bad row).
 
     A ``messages`` row that ends with the assistant's turn (a supervised chat row) is asked the turns
     before it, and the assistant's answer becomes its ``reference`` column (unless it has one).
     ``limit``: the first ``limit`` rows only."""
     try:
-        rows = read_rows(source, prompts=EVAL_ROW)
+        rows = read_rows(source, prompts=EVAL_ROWS)
     except DataError as e:
         raise DataError(e.problems, header=f"bad evaluation data {source_name(source)}") from None
     out = []

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlora_lab import data
+from mlora_lab.rl.prompts import RL_ROWS
 from mlora_lab.sources import source_name
 
 
@@ -61,7 +62,7 @@ def tokenize_prompts(rows: list[dict], tokenizer: Any, max_tokens: int, source: 
 def load_prompts(source: Any, tokenizer: Any, max_tokens: int) -> list[PromptRow]:
     """:func:`~mlora_lab.data.read_rows` of prompt rows + :func:`tokenize_prompts`: an RL tenant's prompts as token ids."""
     return tokenize_prompts(
-        data.read_rows(source, prompts=True), tokenizer, max_tokens, source=source_name(source)
+        data.read_rows(source, prompts=RL_ROWS), tokenizer, max_tokens, source=source_name(source)
     )
 
 

@@ -9,6 +9,8 @@ No torch here: :mod:`mlora_lab.data` checks rows with it before any model exists
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mlora_lab.rl.rewards import STANDARD_ARGS
 from mlora_lab.text import surrogate_problem
 
@@ -33,29 +35,38 @@ def as_completion(prompt: object, text: str) -> str | list[dict]:
     return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
 
 
-RL_ROW = "an RL row"
-"""What a prompt row is called in messages when nothing else is said (an RL tenant's data)."""
+@dataclass(frozen=True)
+class PromptRows:
+    """What prompt rows are for, as the problems found in them say it."""
+
+    row: str
+    """What a row is called: ``"an RL row"``."""
+    takers: str
+    """What its columns reach: ``"reward function"``."""
 
 
-def prompt_row_problems(row: dict, what: str = RL_ROW) -> tuple[str | None, list[str]]:
+RL_ROWS = PromptRows("an RL row", "reward function")
+"""An RL tenant's prompt rows: completed, then scored by its reward functions."""
+EVAL_ROWS = PromptRows("an evaluation row", "metric function")
+"""An evaluation's rows: completed by every model, then scored by its metrics."""
+
+
+def prompt_row_problems(row: dict, rows: PromptRows = RL_ROWS) -> tuple[str | None, list[str]]:
     """An RL row: ``prompt`` (text to complete, or a list of messages as TRL's conversational rows have
     it) or ``messages`` (a chat, completed as the assistant's next turn), never both; any other key is a
     column the reward functions may take, except the names the job gives them (:data:`RESERVED_COLUMNS`).
-    ``what`` names the rows in messages by what they are for (``"an evaluation row"``: an evaluation's)."""
+    ``rows`` says in messages what the rows are for (:data:`RL_ROWS`, :data:`EVAL_ROWS`)."""
     has_prompt, has_messages = row.get("prompt") is not None, row.get("messages") is not None
     reserved = [k for k in RESERVED_COLUMNS if k in row]
-    takers = (
-        "reward function" if what == RL_ROW else "metric function"
-    )  # (an evaluation's rows reach metrics)
     problems = [
-        f"column {k!r} has a name the job itself passes every {takers} ({', '.join(RESERVED_COLUMNS)}): "
+        f"column {k!r} has a name the job itself passes every {rows.takers} ({', '.join(RESERVED_COLUMNS)}): "
         "rename the column"
         for k in reserved
     ]
     if has_prompt == has_messages:
         why = "has both" if has_prompt else "has neither"
         return None, [
-            f"{what} needs 'prompt' (a text, or a chat as a list of messages) or 'messages' to complete; "
+            f"{rows.row} needs 'prompt' (a text, or a chat as a list of messages) or 'messages' to complete; "
             f"this one {why}",
             *problems,
         ]

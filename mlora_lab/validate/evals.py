@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mlora_lab.evals.metrics import BUILTINS, metric_ref
+from mlora_lab.rl.prompts import EVAL_ROWS
 from mlora_lab.rl.rewards import inspect_rewards, parse_reward
 from mlora_lab.rundir.evals import NAME
 from mlora_lab.rundir.files import atomic_write_bytes
@@ -126,11 +127,10 @@ def metric_refs(e: Eval, folder: Path) -> list[str]:
 def check_eval_files(ctx: Context, evals: list[Eval]) -> None:
     """Each evaluation's rows (prompt rows, as an RL tenant's) and its metrics against their columns."""
     from mlora_lab.data import scan_source  # the data module imports torch
-    from mlora_lab.evals.generate import EVAL_ROW
 
     for e in evals:
         where = f"evaluation {e.name!r}"
-        report = scan_source(e.data, prompts=EVAL_ROW)
+        report = scan_source(e.data, prompts=EVAL_ROWS)
         for problem in report.problems:
             ctx.say(None, "evals", f"{where}: {problem}")
         if not report.problems and report.n_rows == 0:

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from mlora_lab.lora.targets import name_matches
+from mlora_lab.rl.prompts import RL_ROWS
 from mlora_lab.sources import Snapshot, memory_kind, source_name
 from mlora_lab.spec import JobSpec, Tenant, valid_targets
 from mlora_lab.specbase import field_info
@@ -58,7 +59,7 @@ def _scan_prompts(ctx: Context, source: Any) -> Any:
     """An RL tenant's prompt rows: their problems, and the columns they hold."""
     from mlora_lab.data import scan_source  # the data module imports torch
 
-    report = scan_source(source, prompts=True)
+    report = scan_source(source, prompts=RL_ROWS)
     if "messages" in report.kinds and ctx.tok is not None and not getattr(ctx.tok, "chat_template", None):
         report.problems.append(
             f"{source_name(source)} has chat ('messages') rows but the tokenizer has no chat_template"
