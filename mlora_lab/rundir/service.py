@@ -30,6 +30,7 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlora_lab.rundir.files import (
     RunDir,
@@ -47,6 +48,12 @@ OWNER = "owner"
 KEYS_MODE = 0o600
 BASE_MODEL_NAME = "base"
 """What the OpenAI endpoint of a served job calls its base model, beside the name clients give it."""
+
+
+def served_base_name(model_name: Any, base_model: Any) -> Any:
+    """The name a served job's clients give its base: ``Service.model_name`` where it is set, else
+    ``base_model`` (a Hub id, or the local directory) as the spec holds it (unchecked: validation's)."""
+    return model_name if isinstance(model_name, str) and model_name else base_model
 
 
 def reserved_model_names(base_model: str) -> frozenset[str]:

@@ -7,7 +7,7 @@ other processes follow it: :mod:`mlora_lab.job.drivers.tinker.driver`), so nothi
 
 from __future__ import annotations
 
-from mlora_lab.rundir.service import reserved_model_names
+from mlora_lab.rundir.service import reserved_model_names, served_base_name
 from mlora_lab.spec import Tenant
 from mlora_lab.specbase import fields_info
 from mlora_lab.specparts import Service
@@ -33,7 +33,7 @@ def check_service(ctx: Context) -> None:
             )
             continue
         check_field(ctx, None, f"service.{name}", getattr(s, name), info)
-    base = s.model_name if isinstance(s.model_name, str) and s.model_name else ctx.spec.base_model
+    base = served_base_name(s.model_name, ctx.spec.base_model)
     reserved = reserved_model_names(base) if isinstance(base, str) else frozenset()
     for t in ctx.spec.tenants if isinstance(ctx.spec.tenants, list) else ():
         if isinstance(t, Tenant) and isinstance(t.name, str) and t.name in reserved:

@@ -92,7 +92,7 @@ from mlora_lab.job.tenants import TenantRun
 from mlora_lab.lora.model import MultiLoRAModel
 from mlora_lab.lora.targets import output_layer_names, storable_targets
 from mlora_lab.rundir import TenantState
-from mlora_lab.rundir.service import reserved_model_names
+from mlora_lab.rundir.service import reserved_model_names, served_base_name
 from mlora_lab.service import losses, wire
 from mlora_lab.service.bodies import ModelInfo
 from mlora_lab.service.work import ErrorCategory, Kind, Result, Work
@@ -254,7 +254,9 @@ class ServiceDriver(Driver):
         self.watch = SessionWatch(session_timeout_s)  # (rank 0's: clients gone away, or back)
         self.state, self.lora_alpha = state, float(lora_alpha)
         service = parts.spec.service  # (the names the OpenAI endpoint gives the base: no client's tenant's)
-        self.reserved = reserved_model_names((service and service.model_name) or parts.spec.base_model)
+        self.reserved = reserved_model_names(
+            served_base_name(service and service.model_name, parts.spec.base_model)
+        )
         folder = None if checkpoints is None else Path(checkpoints)  # (rank 0 alone writes there)
         self.snapshots = Snapshots(parts.engine, parts.spec.max_tenants, folder, self.main)
         self.states = SavedStates(parts.engine, folder, self.main, self.lora_alpha)

@@ -50,7 +50,7 @@ class JobService:
             keys.add(files.OWNER)
         # The name clients use for the base, and the tokenizer they are told to load: a Hub id where there is
         # one (the SDK and the cookbook load it by name, from the Hub cache), else the local directory.
-        name = self.settings.model_name or spec.base_model
+        name = files.served_base_name(self.settings.model_name, spec.base_model)
         if spec.tokenizer:
             tokenizer = spec.tokenizer if hub.is_hub_id(spec.tokenizer) else str(hub.resolve(spec.tokenizer))
         elif hub.is_hub_id(spec.base_model):
