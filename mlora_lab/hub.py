@@ -272,10 +272,16 @@ def _kinds(e: BaseException) -> set[str]:
     return {c.__name__ for c in type(e).__mro__}
 
 
+UNANSWERED = {"ConnectError", "TimeoutException", "ConnectionError", "Timeout", "OfflineModeIsEnabled",
+              "LocalEntryNotFoundError"}  # fmt: skip
+"""The classes (by name) of what huggingface_hub, its HTTP library and ``datasets`` raise when the Hub did not
+answer: httpx's and httpx2's errors, and what ``datasets`` raises in their stead or when nothing is cached."""
+
+
 def unanswered(e: BaseException) -> bool:
     """Whether ``e`` (raised by huggingface_hub or ``datasets`` inside :func:`bounded_waits`) says the Hub did
     not answer (refused, unreachable, silent), rather than what it answered."""
-    return isinstance(e, HubUnanswered) or bool(_kinds(e) & {"ConnectError", "TimeoutException"})
+    return isinstance(e, HubUnanswered) or bool(_kinds(e) & UNANSWERED)
 
 
 def timed_out(e: BaseException) -> bool:

@@ -461,27 +461,18 @@ def _load_hub_dataset(source: HubDataset) -> Any:
                         f"the Hub dataset {where}: {hub.silence(e)} (with HF_HUB_OFFLINE=1 a copy in the cache is "
                         "read without asking it)"
                     ) from None
-                if not _unreachable(e):
+                if not hub.unanswered(e):
                     raise SourceError(f"the Hub dataset {where} could not be read: {error_line(e)}") from None
         try:
             return datasets.load_dataset(source.repo_id, source.config, split=source.split, revision=revision)
         except Exception as e:
-            if hub_offline() or _unreachable(e):
+            if hub_offline() or hub.unanswered(e):
                 reason = "HF_HUB_OFFLINE is set" if hub_offline() else hub.silence(e)
                 raise SourceError(
                     f"the Hub dataset {where} is not in the cache and {reason}: nothing can be downloaded; "
                     f"{hub.ways_out(model=False)}"
                 ) from None
             raise SourceError(f"the Hub dataset {where} could not be loaded: {error_line(e)}") from None
-
-
-def _unreachable(e: BaseException) -> bool:
-    """Whether ``e`` says the Hub could not be reached (rather than what it answered)."""
-    names = {c.__name__ for c in type(e).__mro__}
-    return hub.unanswered(e) or bool(
-        names
-        & {"ConnectionError", "OfflineModeIsEnabled", "LocalEntryNotFoundError", "Timeout", "ConnectError"}
-    )
 
 
 def _dataset_rows(ds: Any) -> Iterator[SourceRow]:
