@@ -26,7 +26,7 @@ from mlora_lab.evals.metrics import BUILTINS, metric_ref
 from mlora_lab.lab.evaluation import Evaluation
 from mlora_lab.lab.handles import attach
 from mlora_lab.lab.run import Run
-from mlora_lab.rundir import TenantRow, TenantState
+from mlora_lab.rundir import TenantState
 from mlora_lab.rundir.evals import NAME, EvalMeta, eval_dir, write_eval
 from mlora_lab.rundir.files import atomic_write_bytes
 from mlora_lab.sources import RewardSnapshot, reward_in_memory, source_name
@@ -70,7 +70,7 @@ def _source(source: Any) -> _Source:
             path = source.dir.adapter(t.name)
             if (path / "adapter_config.json").is_file():
                 adapters[t.name] = path
-        last = {r.tenant: r for r in source.typed_rows() if isinstance(r, TenantRow)}
+        last = source.last_tenant_rows()
         failed = {
             name: row.reason or "no reason was recorded"
             for name, row in last.items()

@@ -47,7 +47,6 @@ from mlora_lab.rundir import (
     EvalMetricRow,
     RowKind,
     RunDirError,
-    TenantRow,
     TrainRow,
     read_labels,
     read_status,
@@ -306,10 +305,7 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
     out = []
     for run in runs:
         run_state = run.status
-        last: dict[str, TenantRow] = {}  # each tenant's latest tenant row
-        for r in run.typed_rows():
-            if isinstance(r, TenantRow):
-                last[r.tenant] = r
+        last = run.last_tenant_rows()
         df = run.metrics()
         scores = _last_eval_scores(run)
         for name, t in run.tenant_specs().items():

@@ -293,6 +293,11 @@ class Run:
         """The tenant's state now (:meth:`tenant_states`); None when no row names it yet."""
         return self.tenant_states().get(name)
 
+    def last_tenant_rows(self) -> dict[str, TenantRow]:
+        """Each tenant's latest ``tenant`` row (its state as the job last wrote it, with the reason), in the
+        order the tenants first appear in the rows."""
+        return {r.tenant: r for r in self.typed_rows() if isinstance(r, TenantRow)}
+
     def tenant_states(self) -> dict[str, TenantState | RunState]:
         """Every tenant's state now, in the order the tenants first appear in the rows: pending,
         running, paused, finished, removed, failed or refused as its latest row says, except that once
@@ -300,7 +305,7 @@ class Run:
         state, as :func:`~mlora_lab.lab.results.summary`, ``mlora-lab status`` and the dashboard do
         (:func:`~mlora_lab.rundir.shown_tenant_state`: the job writes no row for those tenants when it
         stops)."""
-        own = {r.tenant: r.state for r in self.typed_rows() if isinstance(r, TenantRow)}
+        own = {name: r.state for name, r in self.last_tenant_rows().items()}
         run_state = self.status
         if not run_state.final:
             return own
