@@ -29,45 +29,45 @@ logging.getLogger("kernels._internals.hf_hub").addFilter(_no_kernel_offer)
 _EXPORTS = {  # public name -> the module that defines it
     "ASHA": "mlora_lab.search",
     "Dashboard": "mlora_lab.lab.dashboard",
-    "Eval": "mlora_lab.specparts",
-    "Evaluation": "mlora_lab.lab.evaluation",
+    "Eval": "mlora_lab.spec.parts",
+    "Evaluation": "mlora_lab.lab.evals.evaluation",
     "Grid": "mlora_lab.search",
     "HubDataset": "mlora_lab.sources",
-    "JobBuilder": "mlora_lab.lab.forms",
+    "JobBuilder": "mlora_lab.lab.forms.builders",
     "Judge": "mlora_lab.evals.metrics",
-    "JobSpec": "mlora_lab.spec",
+    "JobSpec": "mlora_lab.spec.job",
     "MultiLoRAModel": "mlora_lab.lora",
     "Objective": "mlora_lab.search",
     "PBT": "mlora_lab.search",
-    "Parallel": "mlora_lab.specparts",
-    "RL": "mlora_lab.specparts",
+    "Parallel": "mlora_lab.spec.parts",
+    "RL": "mlora_lab.spec.parts",
     "Random": "mlora_lab.search",
-    "Request": "mlora_lab.lab.run",
-    "Run": "mlora_lab.lab.run",
-    "Service": "mlora_lab.specparts",
-    "SlurmOptions": "mlora_lab.lab.slurm",
-    "SpecError": "mlora_lab.specbase",
+    "Request": "mlora_lab.lab.runs.run",
+    "Run": "mlora_lab.lab.runs.run",
+    "Service": "mlora_lab.spec.parts",
+    "SlurmOptions": "mlora_lab.lab.slurm.cluster",
+    "SpecError": "mlora_lab.spec.fields",
     "Sweep": "mlora_lab.search",
-    "SweepRun": "mlora_lab.lab.sweep_run",
-    "Tenant": "mlora_lab.spec",
-    "TenantForm": "mlora_lab.lab.forms",
-    "attach": "mlora_lab.lab.handles",
+    "SweepRun": "mlora_lab.lab.runs.sweep",
+    "Tenant": "mlora_lab.spec.job",
+    "TenantForm": "mlora_lab.lab.forms.builders",
+    "attach": "mlora_lab.lab.runs.attach",
     "choice": "mlora_lab.search",
-    "compare": "mlora_lab.lab.results",
-    "compare_generations": "mlora_lab.lab.generations",
-    "evaluate": "mlora_lab.lab.evaluate",
-    "evaluations": "mlora_lab.lab.evaluation",
-    "hparams": "mlora_lab.lab.hparams",
-    "launch": "mlora_lab.lab.launcher",
-    "load_evaluation": "mlora_lab.lab.evaluation",
+    "compare": "mlora_lab.lab.compare.results",
+    "compare_generations": "mlora_lab.lab.compare.generations",
+    "evaluate": "mlora_lab.lab.evals.evaluate",
+    "evaluations": "mlora_lab.lab.evals.evaluation",
+    "hparams": "mlora_lab.lab.compare.hparams",
+    "launch": "mlora_lab.lab.launch",
+    "load_evaluation": "mlora_lab.lab.evals.evaluation",
     "loguniform": "mlora_lab.search",
     "metrics": "mlora_lab.evals",
     "randint": "mlora_lab.search",
     "report": "mlora_lab.trackers",
-    "resume": "mlora_lab.lab.launcher",
-    "runs": "mlora_lab.lab.results",
-    "serve": "mlora_lab.lab.launcher",
-    "summary": "mlora_lab.lab.results",
+    "resume": "mlora_lab.lab.launch",
+    "runs": "mlora_lab.lab.compare.results",
+    "serve": "mlora_lab.lab.launch",
+    "summary": "mlora_lab.lab.compare.results",
     "sweep": "mlora_lab.lab.sweeps",
     "uniform": "mlora_lab.search",
 }
@@ -76,18 +76,18 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from mlora_lab.evals import metrics  # noqa: F401
     from mlora_lab.evals.metrics import Judge  # noqa: F401
+    from mlora_lab.lab.compare.generations import compare_generations  # noqa: F401
+    from mlora_lab.lab.compare.hparams import hparams  # noqa: F401
+    from mlora_lab.lab.compare.results import compare, runs, summary  # noqa: F401
     from mlora_lab.lab.dashboard import Dashboard  # noqa: F401
-    from mlora_lab.lab.evaluate import evaluate  # noqa: F401
-    from mlora_lab.lab.evaluation import Evaluation, evaluations, load_evaluation  # noqa: F401
-    from mlora_lab.lab.forms import JobBuilder, TenantForm  # noqa: F401
-    from mlora_lab.lab.generations import compare_generations  # noqa: F401
-    from mlora_lab.lab.handles import attach  # noqa: F401
-    from mlora_lab.lab.hparams import hparams  # noqa: F401
-    from mlora_lab.lab.launcher import launch, resume, serve  # noqa: F401
-    from mlora_lab.lab.results import compare, runs, summary  # noqa: F401
-    from mlora_lab.lab.run import Request, Run  # noqa: F401
-    from mlora_lab.lab.slurm import SlurmOptions  # noqa: F401
-    from mlora_lab.lab.sweep_run import SweepRun  # noqa: F401
+    from mlora_lab.lab.evals.evaluate import evaluate  # noqa: F401
+    from mlora_lab.lab.evals.evaluation import Evaluation, evaluations, load_evaluation  # noqa: F401
+    from mlora_lab.lab.forms.builders import JobBuilder, TenantForm  # noqa: F401
+    from mlora_lab.lab.launch import launch, resume, serve  # noqa: F401
+    from mlora_lab.lab.runs.attach import attach  # noqa: F401
+    from mlora_lab.lab.runs.run import Request, Run  # noqa: F401
+    from mlora_lab.lab.runs.sweep import SweepRun  # noqa: F401
+    from mlora_lab.lab.slurm.cluster import SlurmOptions  # noqa: F401
     from mlora_lab.lab.sweeps import sweep  # noqa: F401
     from mlora_lab.lora import MultiLoRAModel  # noqa: F401
     from mlora_lab.search import (  # noqa: F401
@@ -102,9 +102,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         randint,
         uniform,
     )
-    from mlora_lab.spec import JobSpec, Tenant  # noqa: F401
-    from mlora_lab.specbase import SpecError  # noqa: F401
-    from mlora_lab.specparts import RL, Eval, Parallel, Service  # noqa: F401
+    from mlora_lab.spec.fields import SpecError  # noqa: F401
+    from mlora_lab.spec.job import JobSpec, Tenant  # noqa: F401
+    from mlora_lab.spec.parts import RL, Eval, Parallel, Service  # noqa: F401
     from mlora_lab.trackers import report  # noqa: F401
 
 

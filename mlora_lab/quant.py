@@ -37,7 +37,7 @@ import torch
 import transformers
 from torch import nn
 
-from mlora_lab.spec import QUANTIZE
+from mlora_lab.spec.job import QUANTIZE
 
 
 def available() -> bool:
@@ -46,7 +46,7 @@ def available() -> bool:
 
 
 def config(quantize: str, dtype: torch.dtype) -> transformers.BitsAndBytesConfig:
-    """transformers' ``BitsAndBytesConfig`` for ``quantize`` (one of :data:`~mlora_lab.spec.QUANTIZE`),
+    """transformers' ``BitsAndBytesConfig`` for ``quantize`` (one of :data:`~mlora_lab.spec.job.QUANTIZE`),
     computing in ``dtype``: QLoRA's settings for ``"nf4"`` (NormalFloat 4-bit, double quantization)."""
     if quantize == "nf4":
         return transformers.BitsAndBytesConfig(

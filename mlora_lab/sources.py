@@ -615,7 +615,7 @@ class RewardSnapshot:
     """A reward function given as a callable (a notebook's ``def``, a lambda, a closure, as ``reward_funcs=[fn]``
     takes them in TRL), pickled by value with ``cloudpickle`` once, when the spec is launched: the function the
     job's reward worker calls is the one validated, whatever the notebook does with it afterwards. Written into
-    the run directory and named there (:func:`mlora_lab.lab.tenant_data.write_data`); the worker unpickles it
+    the run directory and named there (:func:`mlora_lab.lab.runs.tenant_data.write_data`); the worker unpickles it
     (a run's own file: as trusted as a ``file.py:function`` in it)."""
 
     name: str

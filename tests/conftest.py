@@ -27,7 +27,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # the Tinker SDK sends nothing anywhere from a test
 # Jobs the tests start run side by side with each other, with notebook kernels and with this process: one
-# torch thread per job process, as the launcher picks on a busy machine (mlora_lab.lab.threads), whatever
+# torch thread per job process, as the launcher picks on a busy machine (mlora_lab.lab.launchers.threads), whatever
 # the machine looks like at the moment a job starts. (This process keeps the threads torch took at import.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -24,8 +24,8 @@ from mlora_lab.service.app import Server
 from mlora_lab.service.keys import Keys
 from mlora_lab.service.state import ServiceState
 from mlora_lab.service.work import Futures, Inbox
-from mlora_lab.spec import JobSpec
-from mlora_lab.specparts import Service
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.parts import Service
 
 SLOTS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -33,7 +33,7 @@ from hub_server import HubServer, Repo, SilentHub, closed_port, repo_from_folder
 
 import mlora_lab as ml
 from mlora_lab.job.trainer import Trainer
-from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec, Tenant
 from mlora_lab.validate import problems
 
 TOKEN = "hf_loopback_token"
@@ -188,7 +188,7 @@ def test_push_to_hub_uploads_an_adapter_peft_loads_by_name(hub, make_data, tmp_p
     import subprocess
     import sys
 
-    from mlora_lab.lab.run import Run
+    from mlora_lab.lab.runs.run import Run
 
     Trainer(
         JobSpec(base_model=hub.base, tenants=[tenant(make_data)], seq_len=32), run_dir=tmp_path / "run"
@@ -221,9 +221,9 @@ def test_a_served_job_answers_to_the_hub_id_or_the_name_the_spec_gives(hub, make
     """Its base goes by ``Service.model_name`` when given, else by the base's Hub id (not a local path), and
     the tokenizer clients are told to load is the Hub id, which the SDK and the cookbook load by name."""
     from mlora_lab.job.drivers.tinker.job_service import JobService
-    from mlora_lab.lab.served_run import ServedRun
+    from mlora_lab.lab.runs.served import ServedRun
     from mlora_lab.rundir import RunDir
-    from mlora_lab.specparts import Service
+    from mlora_lab.spec.parts import Service
 
     def served(spec: JobSpec, name: str) -> JobService:
         run = RunDir(tmp_path / name)
@@ -318,7 +318,7 @@ def test_a_hub_dataset_that_cannot_be_had_is_one_answer_naming_it(hub, monkeypat
 
 
 def test_job_json_holds_a_hub_dataset_until_a_launch_writes_its_rows(hub, tmp_path):
-    from mlora_lab.lab import tenant_data
+    from mlora_lab.lab.runs import tenant_data
     from mlora_lab.rundir import RunDir
 
     t = Tenant(name="a", data=ml.HubDataset("org/rows", revision="main"), target_modules=["q_proj"])
@@ -488,7 +488,7 @@ def test_a_push_that_cannot_reach_the_hub_is_one_line_from_the_cli(hub, make_dat
     import sys
 
     from mlora_lab.lab.exports import ExportError
-    from mlora_lab.lab.run import Run
+    from mlora_lab.lab.runs.run import Run
 
     Trainer(
         JobSpec(base_model=hub.base, tenants=[tenant(make_data)], seq_len=32), run_dir=tmp_path / "run"

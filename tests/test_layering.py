@@ -45,10 +45,10 @@ ENGINE = (
     "mlora_lab.rl",
 )
 LIGHT = (
-    "mlora_lab.spec",
-    "mlora_lab.specbase",
-    "mlora_lab.specparts",
-    "mlora_lab.specoutline",
+    "mlora_lab.spec.job",
+    "mlora_lab.spec.fields",
+    "mlora_lab.spec.parts",
+    "mlora_lab.spec.outline",
     "mlora_lab.text",
     "mlora_lab.sources",
     "mlora_lab.search",
@@ -270,7 +270,7 @@ def run_python(code: str) -> str:
 
 def test_importing_the_run_directory_protocol_loads_no_torch():
     loaded = run_python(
-        "import sys, mlora_lab.rundir, mlora_lab.spec, mlora_lab.specbase, mlora_lab.specparts, "
+        "import sys, mlora_lab.rundir, mlora_lab.spec.job, mlora_lab.spec.fields, mlora_lab.spec.parts, "
         "mlora_lab.text, mlora_lab.search; "
         "print(sorted(m for m in ('torch', 'transformers', 'pandas') if m in sys.modules))"
     )

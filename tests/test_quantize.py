@@ -19,9 +19,9 @@ from mlora_lab import quant
 from mlora_lab.data import load_examples
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.reference import train_peft
-from mlora_lab.spec import JobSpec, Tenant
-from mlora_lab.specbase import SpecError
-from mlora_lab.specparts import Parallel
+from mlora_lab.spec.fields import SpecError
+from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.parts import Parallel
 from mlora_lab.tiny import TYPICAL_TARGETS
 from mlora_lab.validate import check, problems
 
@@ -357,7 +357,7 @@ def test_an_rl_tenant_over_a_quantized_base_trains_and_resumes_exactly(tiny_mode
     quantized layers, and a stop mid-window then resume equals a run straight through."""
     import json
 
-    from mlora_lab.specparts import RL
+    from mlora_lab.spec.parts import RL
 
     base = tiny_models("llama")
     (tmp_path / "rewards.py").write_text(

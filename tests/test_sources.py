@@ -21,7 +21,7 @@ from conftest import not_ours
 import mlora_lab as ml
 from mlora_lab.data import load_examples, read_rows, scan_source
 from mlora_lab.job.trainer import Trainer
-from mlora_lab.lab.launcher import prepare_run
+from mlora_lab.lab.launch import prepare_run
 from mlora_lab.lora import read_adapter
 from mlora_lab.rundir import control, update_status
 from mlora_lab.sources import Snapshot, SourceError, describe, snapshot, source_rows

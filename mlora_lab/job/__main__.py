@@ -52,8 +52,8 @@ from mlora_lab.rundir import (
 )
 from mlora_lab.rundir.files import reserve_spare
 from mlora_lab.rundir.status import process_fields, this_host
-from mlora_lab.spec import JobSpec
-from mlora_lab.specbase import SpecError
+from mlora_lab.spec.fields import SpecError
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.text import error_line
 from mlora_lab.validate import job_of_sweep, problems
 

@@ -20,8 +20,8 @@ from mlora_lab.job.tenants import FeedFor, TenantPool
 from mlora_lab.parallel import Collectives
 from mlora_lab.rundir import RunDir, RunDirError, TenantRow, TenantState, control
 from mlora_lab.rundir.control import ControlMessage, ControlResult, Op
-from mlora_lab.spec import Tenant
-from mlora_lab.specbase import SpecError
+from mlora_lab.spec.fields import SpecError
+from mlora_lab.spec.job import Tenant
 from mlora_lab.validate import tenant_problems
 
 

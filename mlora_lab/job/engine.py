@@ -43,7 +43,7 @@ from mlora_lab.memory import (
 )
 from mlora_lab.parallel import Collectives, ParallelDims, parallelize
 from mlora_lab.sources import source_name
-from mlora_lab.spec import JobSpec, effective_slot_modules
+from mlora_lab.spec.job import JobSpec, effective_slot_modules
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -31,7 +31,7 @@ from mlora_lab.job.recorder import Recorder
 from mlora_lab.parallel import Collectives
 from mlora_lab.rundir import EvalMetricRow, EventKind, RunDir, TenantState
 from mlora_lab.rundir.evals import EvalMeta, write_eval
-from mlora_lab.specparts import Eval
+from mlora_lab.spec.parts import Eval
 
 
 class JobEvals:

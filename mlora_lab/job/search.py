@@ -40,7 +40,7 @@ from mlora_lab.rundir import (
     atomic_write_json,
 )
 from mlora_lab.search import Action, ActionOp, Objective, Search, Sweep, TrialState, is_eval_score
-from mlora_lab.spec import Tenant
+from mlora_lab.spec.job import Tenant
 
 OPTIMIZER_FIELDS = ("lr", "weight_decay", "max_grad_norm")
 

@@ -60,7 +60,7 @@ from mlora_lab.job.search import SearchController, read_sweep
 from mlora_lab.job.tenants import TenantPool, TenantRun
 from mlora_lab.parallel import Collectives, DistInfo, ParallelDims
 from mlora_lab.rundir import ControlMessage, EventKind, RunDir, TenantState, checkpoint, control, rows
-from mlora_lab.spec import JobSpec
+from mlora_lab.spec.job import JobSpec
 
 
 class SaveError(RuntimeError):

@@ -21,5 +21,5 @@ Layered from the bottom up (a module imports only modules above it in this list,
     cli, demo                         the ``mlora-lab`` command line
 
 ``Run.dashboard()`` is the one call down-room: the dashboard works on run directories (a
-:class:`~mlora_lab.lab.run.Run` is one: ``os.fspath(run)``) and never imports the handle.
+:class:`~mlora_lab.lab.runs.run.Run` is one: ``os.fspath(run)``) and never imports the handle.
 """

@@ -22,10 +22,10 @@ from typing import TextIO
 import pandas as pd
 from tqdm import tqdm
 
-from mlora_lab.lab.handles import attach
-from mlora_lab.lab.launcher import LAUNCHERS, launch, prepare_run, resume, serve
-from mlora_lab.lab.run import DEFAULT_WORKDIR, Run
-from mlora_lab.lab.slurm import SlurmOptions
+from mlora_lab.lab.launch import LAUNCHERS, launch, prepare_run, resume, serve
+from mlora_lab.lab.runs.attach import attach
+from mlora_lab.lab.runs.run import DEFAULT_WORKDIR, Run
+from mlora_lab.lab.slurm.cluster import SlurmOptions
 from mlora_lab.rundir import (
     ControlError,
     EventRow,
@@ -37,9 +37,9 @@ from mlora_lab.rundir import (
     TrainRow,
 )
 from mlora_lab.search import dist_from_dict, strategy_from_dict
-from mlora_lab.spec import JobSpec, Tenant, step_goal
-from mlora_lab.specbase import SpecError
-from mlora_lab.specoutline import Outline
+from mlora_lab.spec.fields import SpecError
+from mlora_lab.spec.job import JobSpec, Tenant, step_goal
+from mlora_lab.spec.outline import Outline
 
 # What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
 # resumed): one clear message and exit code 2, never a traceback. (A damaged checkpoint's
@@ -62,7 +62,7 @@ class Follower:
     Progress counts optimiser steps over all tenants: ``total`` is the sum of their ``max_steps`` (a
     tenant that was removed, failed or refused counts the steps it took), so it reaches 100 % when
     the last tenant is done, and grows when a tenant is added while the job runs. A tenant with no goal
-    (a Tinker client's, :func:`~mlora_lab.spec.step_goal`) counts the steps it took, and while one runs
+    (a Tinker client's, :func:`~mlora_lab.spec.job.step_goal`) counts the steps it took, and while one runs
     the line shows steps done only (no total, no share)."""
 
     def __init__(self, run: Run) -> None:
@@ -199,11 +199,11 @@ def follow(run: Run, out: TextIO | None = None, poll: float = 0.5, tty: bool | N
 
 
 def summary_text(run: Run) -> str:
-    """:func:`~mlora_lab.lab.results.summary` of ``run`` as a table for a terminal, as a notebook shows it
+    """:func:`~mlora_lab.lab.compare.results.summary` of ``run`` as a table for a terminal, as a notebook shows it
     (:class:`~mlora_lab.lab.tables.FittedFrame`: losses to 4 decimals and never in scientific notation, whole
     counts, long reasons cut, a reward column only for RL tenants), fitted to the terminal's width (200
     columns when the output is no terminal: a log keeps every column)."""
-    from mlora_lab.lab.results import summary
+    from mlora_lab.lab.compare.results import summary
 
     return summary(run).to_text(width=shutil.get_terminal_size((200, 24)).columns, index=False)
 
@@ -370,8 +370,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from mlora_lab.lab.compare.results import plot_losses
     from mlora_lab.lab.demo import build_demo
-    from mlora_lab.lab.results import plot_losses
 
     work = Path(args.workdir)
     base = None

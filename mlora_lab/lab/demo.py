@@ -18,8 +18,8 @@ from transformers import AutoConfig
 
 from mlora_lab import hub
 from mlora_lab.bases import real_model_path
-from mlora_lab.spec import JobSpec, Tenant
-from mlora_lab.specparts import Parallel
+from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.parts import Parallel
 from mlora_lab.tiny import EXPERT_TARGETS, build_tiny_model, default_corpus
 
 # Words and their word-for-word translations (ASCII, so a small byte-level tokenizer keeps them whole).

@@ -45,8 +45,8 @@ from mlora_lab.rundir import (
     UsageRow,
 )
 from mlora_lab.rundir.rows import FIELD_NAMES, ROW_TYPES
-from mlora_lab.specbase import SpecError
-from mlora_lab.specoutline import Outline
+from mlora_lab.spec.fields import SpecError
+from mlora_lab.spec.outline import Outline
 from mlora_lab.text import collection_paused
 
 X_AXES = ("tenant step", "global step", "tokens", "wall time", "relative time")

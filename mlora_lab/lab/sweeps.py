@@ -9,7 +9,7 @@
 
 The trials are tenants of one job (the base tenant, ``spec.tenants[0]`` unless ``base`` is given, with a
 trial's configuration): no process start, model load or idle device between trials. The decisions are
-the job's; this side only reads ``sweep.json`` and ``search.json`` (:class:`~mlora_lab.lab.sweep_run.SweepRun`).
+the job's; this side only reads ``sweep.json`` and ``search.json`` (:class:`~mlora_lab.lab.runs.sweep.SweepRun`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mlora_lab.lab.launcher import launch
-from mlora_lab.lab.run import DEFAULT_WORKDIR
-from mlora_lab.lab.slurm import SlurmOptions
-from mlora_lab.lab.sweep_run import SweepRun
+from mlora_lab.lab.launch import launch
+from mlora_lab.lab.runs.run import DEFAULT_WORKDIR
+from mlora_lab.lab.runs.sweep import SweepRun
+from mlora_lab.lab.slurm.cluster import SlurmOptions
 from mlora_lab.search import Objective, Strategy, Sweep, asha_warning, dist_from_dict
-from mlora_lab.spec import JobSpec, Tenant
-from mlora_lab.specbase import SpecError
+from mlora_lab.spec.fields import SpecError
+from mlora_lab.spec.job import JobSpec, Tenant
 
 
 def objective_reference(objective: str | Callable) -> str:
@@ -94,5 +94,5 @@ def sweep(
     )
     named = dataclasses.replace(spec, tenants=tenants, name=spec.name or f"{base.name} sweep")
     run = launch(named, workdir, launcher, slurm=slurm, sweep=plan)
-    # (its directory has a sweep.json: the launch already handed back a SweepRun, mlora_lab.lab.handles)
+    # (its directory has a sweep.json: the launch already handed back a SweepRun, mlora_lab.lab.runs.attach)
     return run if isinstance(run, SweepRun) else SweepRun(run.path, process=run.process)

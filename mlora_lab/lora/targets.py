@@ -15,7 +15,7 @@ is excluded whatever it is called (``lm_head``, ``embed_out`` in GPT-NeoX-Japane
 ``output_projection`` in BioGPT, ``head`` in RWKV); only a model without that method (or one whose
 method fails or returns ``None``) falls back to transformers' conventions (:func:`output_layer_names`).
 Everything here works on models built on the ``meta`` device, and importing this module imports no
-torch (:mod:`mlora_lab.spec` and :mod:`mlora_lab.validate` use it before any model exists).
+torch (:mod:`mlora_lab.spec.job` and :mod:`mlora_lab.validate` use it before any model exists).
 
 Differences from PEFT, on purpose: LoRA goes on ``nn.Linear`` only (PEFT also takes GPT-2's
 ``Conv1D``), and with transformers v5 PEFT turns ``"all-linear"`` on a MoE model whose experts were

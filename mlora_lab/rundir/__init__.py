@@ -12,7 +12,7 @@
 <run_dir>/checkpoints/        step_<N>/ = state.json + tensors.safetensors + meta.json (checksums)
 <run_dir>/control/            control messages, their results, and the stop request
 <run_dir>/labels.json         tags and a note, set by people (the job never reads it)
-<run_dir>/slurm.json          the SlurmOptions of a Slurm job (mlora_lab.lab.slurm), reused by a resume
+<run_dir>/slurm.json          the SlurmOptions of a Slurm job (mlora_lab.lab.slurm.cluster), reused by a resume
 <run_dir>/slurm.sbatch        its batch script as last submitted (logs/launcher.log: its output)
 <run_dir>/sweep.json          a search inside the job (mlora_lab.search.Sweep), if it runs one
 <run_dir>/search.json         that search's state: trials, rungs, decisions and why (written by rank 0)

@@ -290,7 +290,7 @@ def hold_back_base(spec: Any, saved: Any) -> list[str]:
     checkpoint's, and say so: one sentence per setting held back, naming both values. Nothing for a
     checkpoint that records none (written before they were kept), nor for a recorded value that no spec
     could hold (a crafted checkpoint)."""
-    from mlora_lab.spec import DTYPES, QUANTIZE  # (the spec's choices; rundir otherwise knows no spec)
+    from mlora_lab.spec.job import DTYPES, QUANTIZE  # (the spec's choices; rundir otherwise knows no spec)
 
     if not isinstance(saved, dict):
         return []

@@ -16,7 +16,7 @@
 ``<model>`` is the model id with ``:`` written ``-`` (:func:`saved_folder`, :func:`local_path`).
 
 Both are written whole, atomically, through the run directory's guard (:mod:`.files`). The job side
-(:mod:`mlora_lab.service.keys`) and the notebook side (:class:`mlora_lab.lab.served_run.ServedRun`) read and
+(:mod:`mlora_lab.service.keys`) and the notebook side (:class:`mlora_lab.lab.runs.served.ServedRun`) read and
 write them only through this module. A key is ``"tml-"`` and 32 random bytes, URL-safe (the SDK refuses
 keys without the ``tml-`` prefix).
 """

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlora_lab.rundir import MetricsReader, RunDir
-from mlora_lab.spec import REPORT_GROUPS, TRACKERS, JobSpec
-from mlora_lab.specbase import MAX_NAME_LEN, SAFE_NAME, SpecError
+from mlora_lab.spec.fields import MAX_NAME_LEN, SAFE_NAME, SpecError
+from mlora_lab.spec.job import REPORT_GROUPS, TRACKERS, JobSpec
 from mlora_lab.text import brief, error_line
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ def mirror_run(
     ``logging_dir`` and ``project`` default to the run's own ``report_to``, ``report_group``,
     ``logging_dir`` and ``project``. Sent again to the same place, TensorBoard and trackio still hold
     each step once (TensorBoard's restart marker replaces what its folder held, trackio skips the steps
-    its run holds); W&B's runs keep their id, so a sync continues them. :class:`~mlora_lab.specbase.SpecError` for bad arguments (every problem at
+    its run holds); W&B's runs keep their id, so a sync continues them. :class:`~mlora_lab.spec.fields.SpecError` for bad arguments (every problem at
     once); ``RuntimeError`` naming each tracker that failed, after the others are done.
     """
     from mlora_lab.trackers.mirror import Mirror

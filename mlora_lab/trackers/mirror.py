@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from mlora_lab.rundir import Row, RunDir, name_problem
-from mlora_lab.spec import JobSpec, Tenant
-from mlora_lab.specbase import SpecError
+from mlora_lab.spec.fields import SpecError
+from mlora_lab.spec.job import JobSpec, Tenant
 from mlora_lab.text import brief, error_line
 from mlora_lab.trackers.backends import BACKENDS, Backend, Where
 from mlora_lab.trackers.points import (

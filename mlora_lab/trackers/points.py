@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from mlora_lab.rundir import CompletionRow, EvalRow, EventRow, Row, SystemRow, TenantRow, TrainRow
-from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec, Tenant
 
 JOB: str | None = None
 """The key of the job's own tracker run."""

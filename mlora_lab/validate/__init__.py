@@ -1,4 +1,4 @@
-"""Validation of a :class:`~mlora_lab.spec.JobSpec`: every problem at once, before anything starts.
+"""Validation of a :class:`~mlora_lab.spec.job.JobSpec`: every problem at once, before anything starts.
 
     from mlora_lab.validate import check, problems, Validator, ValidationCache
     for p in problems(spec):                        # list[Problem], never raises
@@ -16,8 +16,8 @@ is reported before anything is launched. ``problems(spec, files=False)`` checks 
 names, parallel layout and tenant set, reading no file: cheap enough for the training process to
 re-check the ``job.json`` it starts from.
 
-Field values are checked against each field's :class:`~mlora_lab.specbase.FieldInfo` (kind, bounds,
-choices), the same metadata the forms build their inputs from. Each :class:`~mlora_lab.specbase.Problem`
+Field values are checked against each field's :class:`~mlora_lab.spec.fields.FieldInfo` (kind, bounds,
+choices), the same metadata the forms build their inputs from. Each :class:`~mlora_lab.spec.fields.Problem`
 names its tenant and field, so views place problems without parsing their text. Everything here
 treats its input as hostile: a message repeats at most ~80 characters of a bad value
 (:mod:`mlora_lab.text`).
@@ -38,7 +38,7 @@ Importing this package imports no torch: the model is built (on the meta device)
 needs it.
 """
 
-from mlora_lab.specbase import Problem
+from mlora_lab.spec.fields import Problem
 from mlora_lab.validate.context import ValidationCache
 from mlora_lab.validate.introspect import all_linear_names, linear_target_options, model_target_names
 from mlora_lab.validate.sweep import job_of_sweep, sweep_problems, sweep_slot_modules

@@ -13,8 +13,8 @@ import os
 from typing import Any
 
 from mlora_lab.lora.targets import name_matches
-from mlora_lab.spec import JobSpec, Tenant
-from mlora_lab.specbase import MAX_PROBLEMS, Problem, tenant_label
+from mlora_lab.spec.fields import MAX_PROBLEMS, Problem, tenant_label
+from mlora_lab.spec.job import JobSpec, Tenant
 from mlora_lab.text import brief, is_int, path_problem
 from mlora_lab.validate.introspect import ModelInfo, select_linear
 

@@ -1,4 +1,4 @@
-"""The job's evaluations (``JobSpec.evals``, :class:`~mlora_lab.specparts.Eval`).
+"""The job's evaluations (``JobSpec.evals``, :class:`~mlora_lab.spec.parts.Eval`).
 
 check_eval_fields(ctx)   each evaluation's fields, names unique and usable as folders, its models among the
                          base and the tenants (any name when tenants may join later), its metrics references
@@ -18,9 +18,9 @@ from mlora_lab.rl.rewards import inspect_rewards, parse_reward
 from mlora_lab.rundir.evals import NAME
 from mlora_lab.rundir.files import atomic_write_bytes
 from mlora_lab.sources import RewardSnapshot, memory_kind, reward_in_memory, source_name
-from mlora_lab.spec import Tenant
-from mlora_lab.specbase import MAX_REWARDS, fields_info
-from mlora_lab.specparts import Eval
+from mlora_lab.spec.fields import MAX_REWARDS, fields_info
+from mlora_lab.spec.job import Tenant
+from mlora_lab.spec.parts import Eval
 from mlora_lab.text import brief, error_line
 from mlora_lab.validate.context import Context, got
 from mlora_lab.validate.fields import check_field

@@ -1,4 +1,4 @@
-"""Every field's type and range, from its :class:`~mlora_lab.specbase.FieldInfo` (the metadata
+"""Every field's type and range, from its :class:`~mlora_lab.spec.fields.FieldInfo` (the metadata
 the forms build their inputs from); no file is read.
 
     check_job_fields(ctx)        the JobSpec's own fields (parallel and tenants are checked apart)
@@ -16,8 +16,7 @@ from typing import Any
 
 from mlora_lab.lora.targets import ALL_LINEAR
 from mlora_lab.sources import memory_kind, source_type_problem
-from mlora_lab.spec import JobSpec, Tenant, valid_targets
-from mlora_lab.specbase import (
+from mlora_lab.spec.fields import (
     MAX_NAME_LEN,
     MAX_ROWS,
     MAX_TARGETS,
@@ -26,7 +25,8 @@ from mlora_lab.specbase import (
     field_info,
     fields_info,
 )
-from mlora_lab.specparts import RL, ClientModel
+from mlora_lab.spec.job import JobSpec, Tenant, valid_targets
+from mlora_lab.spec.parts import RL, ClientModel
 from mlora_lab.text import brief, is_finite, is_int, path_problem
 from mlora_lab.trackers import report_to_problems
 from mlora_lab.validate.context import Context, bound, got, usable_path
@@ -109,7 +109,7 @@ def check_client_fields(ctx: Context, t: Tenant) -> bool:
 
 
 def check_rl_fields(ctx: Context, t: Tenant) -> bool:
-    """``t.rl``'s fields against their :class:`~mlora_lab.specbase.FieldInfo`, then: a weight per reward,
+    """``t.rl``'s fields against their :class:`~mlora_lab.spec.fields.FieldInfo`, then: a weight per reward,
     a completion that fits ``seq_len`` after at least one prompt token, no ``eval_data`` (an RL
     tenant is measured by its rewards), and, for now, ``grad_accum`` 1 (one generation per optimizer
     step: what the RL driver, :mod:`mlora_lab.job.drivers.rl`, trains)."""

@@ -15,9 +15,9 @@ from typing import Any
 from mlora_lab.lora.targets import name_matches
 from mlora_lab.rl.prompts import RL_ROWS
 from mlora_lab.sources import Snapshot, memory_kind, source_name
-from mlora_lab.spec import JobSpec, Tenant, valid_targets
-from mlora_lab.specbase import field_info
-from mlora_lab.specparts import RL
+from mlora_lab.spec.fields import field_info
+from mlora_lab.spec.job import JobSpec, Tenant, valid_targets
+from mlora_lab.spec.parts import RL
 from mlora_lab.text import brief, brief_list, is_int, json_type, read_json, show_path
 from mlora_lab.validate.context import Context, got, more, usable_path
 from mlora_lab.validate.introspect import select_linear

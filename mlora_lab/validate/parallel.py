@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from mlora_lab.spec import QUANTIZE
-from mlora_lab.specbase import fields_info
-from mlora_lab.specparts import Parallel
+from mlora_lab.spec.fields import fields_info
+from mlora_lab.spec.job import QUANTIZE
+from mlora_lab.spec.parts import Parallel
 from mlora_lab.validate.context import Context
 from mlora_lab.validate.fields import check_field
 from mlora_lab.validate.introspect import tp_problems

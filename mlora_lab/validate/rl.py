@@ -1,4 +1,4 @@
-"""An RL tenant's settings (:class:`~mlora_lab.specparts.RL`) and its reward functions.
+"""An RL tenant's settings (:class:`~mlora_lab.spec.parts.RL`) and its reward functions.
 
 check_reward_refs / check_numbers / check_texts   RL's own field kinds (``validate.fields.check_rl_fields``
                            checks ``t.rl`` field by field with them; no file is read)
@@ -21,9 +21,9 @@ from mlora_lab.rl.prompts import as_completion, chat_prompt
 from mlora_lab.rl.rewards import RewardBatch, inspect_rewards, parse_reward
 from mlora_lab.rundir.files import atomic_write_bytes
 from mlora_lab.sources import RewardSnapshot, reward_in_memory
-from mlora_lab.spec import Tenant
-from mlora_lab.specbase import MAX_REWARDS, FieldInfo
-from mlora_lab.specparts import RL
+from mlora_lab.spec.fields import MAX_REWARDS, FieldInfo
+from mlora_lab.spec.job import Tenant
+from mlora_lab.spec.parts import RL
 from mlora_lab.text import HIDDEN, brief, error_line, is_finite
 from mlora_lab.validate.context import Context, got
 

@@ -8,15 +8,15 @@ other processes follow it: :mod:`mlora_lab.job.drivers.tinker.driver`), so nothi
 from __future__ import annotations
 
 from mlora_lab.rundir.service import reserved_model_names, served_base_name
-from mlora_lab.spec import Tenant
-from mlora_lab.specbase import fields_info
-from mlora_lab.specparts import Service
+from mlora_lab.spec.fields import fields_info
+from mlora_lab.spec.job import Tenant
+from mlora_lab.spec.parts import Service
 from mlora_lab.validate.context import Context, got
 from mlora_lab.validate.fields import check_field
 
 
 def check_service(ctx: Context) -> None:
-    """``service``'s fields against their :class:`~mlora_lab.specbase.FieldInfo`."""
+    """``service``'s fields against their :class:`~mlora_lab.spec.fields.FieldInfo`."""
     s = ctx.spec.service
     if s is None:
         return

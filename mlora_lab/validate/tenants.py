@@ -8,8 +8,8 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from mlora_lab.spec import JobSpec, Tenant
-from mlora_lab.specbase import MAX_NAME_LEN, SAFE_NAME, Problem
+from mlora_lab.spec.fields import MAX_NAME_LEN, SAFE_NAME, Problem
+from mlora_lab.spec.job import JobSpec, Tenant
 from mlora_lab.text import brief, is_int
 from mlora_lab.validate.context import Context, case_problem, got, tenant_problem
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from mlora_lab.spec import JobSpec, Tenant, effective_slot_modules
-from mlora_lab.specbase import MAX_SLOTS, Problem, SpecError
-from mlora_lab.specparts import Parallel
+from mlora_lab.spec.fields import MAX_SLOTS, Problem, SpecError
+from mlora_lab.spec.job import JobSpec, Tenant, effective_slot_modules
+from mlora_lab.spec.parts import Parallel
 from mlora_lab.text import error_line
 from mlora_lab.validate.context import Context, ValidationCache, capped
 from mlora_lab.validate.evals import check_eval_fields, check_eval_files
@@ -81,7 +81,7 @@ def run_checks(ctx: Context, files: bool = True) -> list[Problem]:
 
 
 class Validator:
-    """Checks specs and reports every problem at once, as :class:`~mlora_lab.specbase.Problem` objects.
+    """Checks specs and reports every problem at once, as :class:`~mlora_lab.spec.fields.Problem` objects.
 
     :func:`problems` is ``Validator().problems(spec)``. With a :class:`ValidationCache`, repeated checks
     skip the slow steps (loading the model config and tokenizer, scanning unchanged data files).
@@ -134,7 +134,7 @@ def _internal_error(what: str, e: Exception) -> list[Problem]:
 
 
 def problems(spec: JobSpec, files: bool = True) -> list[Problem]:
-    """Every problem with ``spec`` (:class:`~mlora_lab.specbase.Problem`, each naming its tenant and field),
+    """Every problem with ``spec`` (:class:`~mlora_lab.spec.fields.Problem`, each naming its tenant and field),
     at most ``MAX_PROBLEMS``. Never raises; starts no process; remembers nothing (a form that checks
     on every change uses ``Validator(ValidationCache())``). Checks that need the model are skipped
     when it cannot be loaded.

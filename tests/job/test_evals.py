@@ -11,9 +11,9 @@ from conftest import task_rows, write_jsonl
 
 import mlora_lab as ml
 from mlora_lab.job.trainer import Trainer
-from mlora_lab.lab.launcher import prepare_run
+from mlora_lab.lab.launch import prepare_run
 from mlora_lab.rundir import EvalMetricRow, EventKind, EventRow
-from mlora_lab.spec import JobSpec
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.validate import problems
 
 PROMPTS = [

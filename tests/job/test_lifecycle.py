@@ -182,7 +182,7 @@ def test_a_request_says_what_it_waits_for(llama_path, make_data, tmp_path, capsy
     Request says so (``status``), and a blocking call says it in one line per phase."""
     import threading
 
-    from mlora_lab.lab.launcher import prepare_run
+    from mlora_lab.lab.launch import prepare_run
 
     run = ml.attach(
         prepare_run(job(llama_path, [tenant("a", make_data)], output_dir=str(tmp_path / "run"))).root

@@ -24,9 +24,9 @@ from test_isolation import good_tenants, job, long_text_rows
 import mlora_lab as ml
 from mlora_lab.job.trainer import SaveError, Trainer
 from mlora_lab.lab import cli
-from mlora_lab.lab.launcher import prepare_run
+from mlora_lab.lab.launch import prepare_run
 from mlora_lab.rundir import RunState, TenantState, checkpoint, control, read_status, update_status
-from mlora_lab.spec import JobSpec
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.validate import problems as spec_problems
 
 # -- one owner per run directory ------------------------------------------------------------------------
@@ -444,7 +444,7 @@ def test_a_run_that_cannot_start_is_failed_with_the_cause(llama_path, tmp_path, 
     """Anything that goes wrong between creating the run directory and the job writing ``running``
     (here: the process cannot be started) ends the run ``failed`` with the cause, never ``starting``
     for ever."""
-    from mlora_lab.lab import launcher
+    from mlora_lab.lab import launch as launcher
 
     def no_process(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")

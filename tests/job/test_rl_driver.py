@@ -25,8 +25,8 @@ from mlora_lab.job.drivers.rl import Generation, RLDriver, RLFeed
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.reference import peft_lora_tensors
 from mlora_lab.rundir import CompletionRow, RowKind, TenantState
-from mlora_lab.spec import JobSpec, Tenant
-from mlora_lab.specparts import RL
+from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.parts import RL
 from mlora_lab.tiny import TYPICAL_TARGETS
 
 TOL = 1e-5
@@ -706,7 +706,7 @@ def test_m9_each_reward_functions_columns_are_named_by_reward_names_or_lambda_k(
     """m9: two lambdas given by value, pickled into the run as a launch does (both ``…-reward.pkl:reward``),
     log ``rewards/<lambda #1>/mean`` and ``rewards/<lambda #2>/mean``, not ``rewards/reward/mean`` twice;
     ``reward_names`` names the columns of functions named by reference."""
-    from mlora_lab.lab.tenant_data import freeze, write_data
+    from mlora_lab.lab.runs.tenant_data import freeze, write_data
     from mlora_lab.rundir import RunDir
 
     rewards, data = reward_file(tmp_path), prompt_file(tmp_path)

@@ -10,7 +10,7 @@ import torch
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.optim import TenantOptimizer
 from mlora_lab.rundir import EvalRow, MetricsReader, MetricsWriter, atomic_write_text, checkpoint
-from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec, Tenant
 
 
 def spec_for(base: str, tenants: list[Tenant], **kw) -> JobSpec:
@@ -208,7 +208,7 @@ def test_passes_are_cut_between_whole_tenants_within_the_token_budget():
 
 
 def test_max_pass_tokens_is_checked_with_the_other_settings(llama_path, make_data):
-    from mlora_lab.spec import JobSpec
+    from mlora_lab.spec.job import JobSpec
     from mlora_lab.validate import problems
 
     t = Tenant(name="t", data=make_data("reverse"))
@@ -224,7 +224,7 @@ def test_an_unset_pass_budget_is_one_pass_but_in_a_served_job_on_a_cpu(llama_pat
     a served step holds however many clients wait at once); a number is kept."""
     from mlora_lab.job.engine import SERVED_CPU_PASS_TOKENS, Engine
     from mlora_lab.parallel import Collectives, ParallelDims
-    from mlora_lab.specparts import Service
+    from mlora_lab.spec.parts import Service
 
     t = Tenant(name="t", data=make_data("reverse"))
     assert Trainer(spec_for(llama_path, [t])).engine.max_pass_tokens is None

@@ -377,8 +377,8 @@ def test_resume_names_a_planted_log_link_in_one_line(tmp_path, llama_path):
 def test_follow_of_a_served_run_shows_its_clients_steps_done_with_no_total(tmp_path):
     """A Tinker client's tenant has no goal: the progress line shows the tenant steps done (``owner-1 52``),
     never ``52/9007199254740991`` nor a share of a total."""
-    from mlora_lab.specbase import MAX_COUNT
-    from mlora_lab.specparts import ClientModel
+    from mlora_lab.spec.fields import MAX_COUNT
+    from mlora_lab.spec.parts import ClientModel
 
     run = RunDir(tmp_path / "run").create()
     client = ClientModel(model_id="ab12:train:0", owner="owner")

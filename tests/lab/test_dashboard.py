@@ -23,7 +23,7 @@ from mlora_lab.lab import plotting
 from mlora_lab.lab.dashboard import Dashboard
 from mlora_lab.lab.dashboard.table import COLUMNS
 from mlora_lab.lab.plotting import PALETTE, Ema, ema, series_colour, thin, thin_with_breaks
-from mlora_lab.lab.run import Run
+from mlora_lab.lab.runs.run import Run
 from mlora_lab.lab.series import gap_breaks
 from mlora_lab.rundir import (
     EvalRow,
@@ -36,7 +36,7 @@ from mlora_lab.rundir import (
     TrainRow,
     update_status,
 )
-from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec, Tenant
 
 T0 = 1.8e9
 
@@ -587,7 +587,7 @@ def test_compare_log_axis_smoothing_and_png(tmp_path):
     assert "image/png" in data and metadata["image/png"] == {"width": 640, "height": 360}  # shown at 1x ...
     assert png_size(data["image/png"]) == (1280, 720)  # ... rendered at 2x
     path = tmp_path / "losses.svg"
-    from mlora_lab.lab.results import plot_losses
+    from mlora_lab.lab.compare.results import plot_losses
 
     plot_losses(run.root, path)
     assert path.read_text().lstrip().startswith("<?xml")
@@ -665,7 +665,7 @@ def test_DR5_a_row_naming_an_unsafe_tenant_is_skipped_by_the_runs_dashboard(tmp_
     """DR5 / D3: one hand-written row whose tenant is ``../../etc`` (or ``.``, ``a/b``, ...) no longer makes
     ``ml.Dashboard([run])`` raise: the row is skipped with a warning naming the file and line, and the
     dashboard, its export tab, ``ml.summary`` and ``run.metrics()`` show the run's real tenants."""
-    from mlora_lab.lab.results import summary
+    from mlora_lab.lab.compare.results import summary
 
     run = make_run(tmp_path / "r", state="finished")
     write(run, *steps(["a", "b"], 1, 10))
@@ -967,8 +967,8 @@ def test_hyperparameters_next_to_results(tmp_path):
     """summary() has the best eval loss; hparams() puts every tenant at (setting, best eval loss), on a log
     axis for lr, only for the settings that differ, marks the best, and warns about tenants without
     eval rows; the parallel-coordinates view has an axis per setting plus the metric."""
-    from mlora_lab.lab.hparams import hparams
-    from mlora_lab.lab.results import summary
+    from mlora_lab.lab.compare.hparams import hparams
+    from mlora_lab.lab.compare.results import summary
 
     lrs = {"a": 1e-4, "b": 1e-3, "c": 1e-2, "d": 3e-3}
     ranks = {"a": 4, "b": 8, "c": 16, "d": 8}
@@ -1058,7 +1058,7 @@ def test_every_figure_is_drawn_and_laid_out_under_the_one_drawing_lock(tmp_path,
     from matplotlib.figure import Figure
     from matplotlib.layout_engine import ConstrainedLayoutEngine
 
-    from mlora_lab.lab.results import plot_losses
+    from mlora_lab.lab.compare.results import plot_losses
 
     unlocked: list[str] = []
     threads: set[str] = set()
@@ -1113,8 +1113,8 @@ def test_every_figure_is_drawn_and_laid_out_under_the_one_drawing_lock(tmp_path,
 def test_no_label_is_parsed_as_mathtext(tmp_path):
     """Run names (free text) and a sweep's categorical values reach legends, tick labels, titles and
     annotations: every one is shown literally, never parsed as mathtext (which raised)."""
-    from mlora_lab.lab.hparams import hparams
-    from mlora_lab.lab.results import plot_losses
+    from mlora_lab.lab.compare.hparams import hparams
+    from mlora_lab.lab.compare.results import plot_losses
 
     roots = []
     for k, name in enumerate((MATHTEXT, "$x$ plain")):
@@ -1151,7 +1151,7 @@ def test_one_colour_per_run_and_tenant_in_every_view_and_after_a_rerun(tmp_path)
     """The same (run, tenant) has the same colour in the single-run dashboard, the multi-run dashboard
     (whatever else is shown, in any order), ml.compare, ml.hparams, and in a run of the same notebook made
     later (another directory, the same job name)."""
-    from mlora_lab.lab.hparams import hparams
+    from mlora_lab.lab.compare.hparams import hparams
 
     first = make_run(tmp_path / "20260101-000000-aaaaaa", tenants=("a", "b", "c"), name="quickstart")
     again = make_run(tmp_path / "20260102-000000-bbbbbb", tenants=("a", "b", "c"), name="quickstart")
@@ -1229,7 +1229,7 @@ def test_tenant_states_agree_with_the_run_after_a_stop(tmp_path):
 def test_hparams_shows_categorical_settings_and_names_points_on_hover(tmp_path):
     """target_modules (a sweep's decisive setting) and schedule are drawn as categories, and the point
     under the cursor is named: run / tenant, its settings, its metric."""
-    from mlora_lab.lab.hparams import hparams
+    from mlora_lab.lab.compare.hparams import hparams
 
     run = RunDir(tmp_path / "r").create()
     data = tmp_path / "d.jsonl"
@@ -1276,7 +1276,7 @@ def test_hparams_shows_categorical_settings_and_names_points_on_hover(tmp_path):
 def test_log_lr_ticks_stay_readable_inside_one_decade(tmp_path):
     """An lr searched over less than a decade (3e-4 .. 2e-3): a handful of plain, apart tick labels, not
     a pile of minor ones."""
-    from mlora_lab.lab.hparams import hparams
+    from mlora_lab.lab.compare.hparams import hparams
 
     lrs = {"a": 3e-4, "b": 5e-4, "c": 1e-3, "d": 2e-3}
     run = sweep_run(tmp_path / "r", lrs, dict.fromkeys(lrs, 8), best={t: 1.0 + i for i, t in enumerate(lrs)})
@@ -1297,7 +1297,7 @@ def test_log_lr_ticks_stay_readable_inside_one_decade(tmp_path):
 def test_summary_puts_what_people_run_it_for_first(tmp_path):
     """A notebook shows the first and last columns of a wide table and hides the middle behind "…": the
     state, steps and losses come before the settings; best_smoothed_loss is the smoothed curve's lowest point."""
-    from mlora_lab.lab.results import summary
+    from mlora_lab.lab.compare.results import summary
 
     run = make_run(tmp_path / "r", tenants=("a",))
     losses = [3.0, 2.0, 0.1, 2.0, 1.8, 1.7]  # one lucky batch at step 3
@@ -1355,7 +1355,7 @@ def test_the_views_say_which_step_and_what_the_cpu_percent_means(tmp_path):
 def test_extreme_but_well_typed_rows_break_no_view(tmp_path):
     """time 1e12 (year 33658) and losses of ±1e308 are valid JSON numbers: the tables, the summary and
     every figure on every x axis go on (the time is NaT in tables; a loss is drawn clipped)."""
-    from mlora_lab.lab.results import summary
+    from mlora_lab.lab.compare.results import summary
 
     run = make_run(tmp_path / "r")
     rows = steps(["a", "b"], 1, 6)
@@ -1452,7 +1452,7 @@ def test_a_served_runs_open_ended_tenants_show_steps_done_and_its_usage(tmp_path
     it took, never ``52/9007199254740991``, no bar that would read as done, and no ETA (nor does the run's
     header); the runs table shows the run's usage (tokens trained and sampled, per key in the tooltip)."""
     from mlora_lab.rundir import UsageRow
-    from mlora_lab.specbase import MAX_COUNT
+    from mlora_lab.spec.fields import MAX_COUNT
 
     work = tmp_path / "runs"
     run = make_run(work / "served", tenants=("owner-1",), max_steps=MAX_COUNT)

@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 
 import mlora_lab as ml
+from mlora_lab.lab.compare.results import SUMMARY_COLUMNS
 from mlora_lab.lab.dashboard import Dashboard
 from mlora_lab.lab.demo import task_rows, write_jsonl
 from mlora_lab.lab.plotting import best_smoothed, ema, thin
-from mlora_lab.lab.results import SUMMARY_COLUMNS
 from mlora_lab.rundir import RunLabels, update_status
 
 slow = pytest.mark.slow  # every test that launches a job (the generations' prompt rendering needs none)
@@ -167,7 +167,7 @@ def test_summary_has_each_tenants_state_settings_and_the_tenants_added_live(tiny
     """Settings next to results, the state each tenant is in now (a tenant still training when the
     run stopped shows ``stopped``), and tenants that are in no job.json: refused, or still queued."""
     from mlora_lab.job.trainer import Trainer
-    from mlora_lab.lab.launcher import prepare_run
+    from mlora_lab.lab.launch import prepare_run
     from mlora_lab.rundir import control
 
     data = write_jsonl(tmp_path / "rev.jsonl", task_rows("reverse", 16, 0))
@@ -376,9 +376,9 @@ def chat_and_plain_run(tiny_models, tmp_path):
     adapters saved at PEFT's initialisation."""
     import transformers
 
-    from mlora_lab.lab.launcher import prepare_run
+    from mlora_lab.lab.launch import prepare_run
     from mlora_lab.lora import MultiLoRAModel
-    from mlora_lab.spec import effective_slot_modules
+    from mlora_lab.spec.job import effective_slot_modules
 
     base = tiny_models("llama")
     spec = ml.JobSpec(
@@ -548,7 +548,7 @@ def test_m5_the_runs_table_shows_each_run_on_one_line(tmp_path):
     and named), in a notebook every cell unwrapped; the frame keeps every column."""
     from test_dashboard import make_run, steps, write
 
-    from mlora_lab.lab.results import RUNS_COLUMNS
+    from mlora_lab.lab.compare.results import RUNS_COLUMNS
     from mlora_lab.rundir.labels import update_labels
 
     work = tmp_path / "runs"

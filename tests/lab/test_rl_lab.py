@@ -12,9 +12,9 @@ import pytest
 from test_dashboard import T0, dash_of, make_run, steps, write
 
 import mlora_lab as ml
+from mlora_lab.lab.compare.results import summary
 from mlora_lab.lab.plotting import ema
-from mlora_lab.lab.results import summary
-from mlora_lab.lab.run import Run
+from mlora_lab.lab.runs.run import Run
 from mlora_lab.rundir import CompletionRow, EvalRow, TrainRow
 
 

@@ -19,8 +19,8 @@ from mlora_lab.data import load_examples
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.lora import read_adapter
 from mlora_lab.reference import train_peft
-from mlora_lab.spec import JobSpec, Tenant
-from mlora_lab.specbase import MAX_COUNT
+from mlora_lab.spec.fields import MAX_COUNT
+from mlora_lab.spec.job import JobSpec, Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS
 
 ARCHS = ["llama", "qwen2", "phi3", "gpt_neox"]

@@ -21,7 +21,7 @@ from mlora_lab.job.trainer import Trainer
 from mlora_lab.lora import grouped
 from mlora_lab.lora.grouped import rank_padding
 from mlora_lab.lora.layer import per_segment, segmented_lora
-from mlora_lab.spec import JobSpec
+from mlora_lab.spec.job import JobSpec
 
 IN, OUT, E = 12, 10, 4
 TOL = 1e-6  # (relative to the largest value compared, when above 1)

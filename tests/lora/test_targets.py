@@ -25,7 +25,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
 
-from mlora_lab.lab.forms import TenantForm, linear_target_names
+from mlora_lab.lab.forms.builders import TenantForm, linear_target_names
 from mlora_lab.lora import MultiLoRAModel
 from mlora_lab.lora.targets import (
     ALL_LINEAR,
@@ -38,7 +38,7 @@ from mlora_lab.lora.targets import (
     storable_targets,
     suffixes,
 )
-from mlora_lab.spec import JobSpec, Tenant, effective_slot_modules
+from mlora_lab.spec.job import JobSpec, Tenant, effective_slot_modules
 from mlora_lab.tiny import ARCHITECTURES, MOE_ARCHITECTURES, build_tokenizer, tiny_config
 from mlora_lab.validate import all_linear_names, linear_target_options
 from mlora_lab.validate import problems as spec_problems

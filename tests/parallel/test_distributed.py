@@ -20,7 +20,7 @@ from conftest import task_rows, write_jsonl
 
 import mlora_lab as ml
 from mlora_lab.job.trainer import Trainer
-from mlora_lab.lab.launcher import prepare_run
+from mlora_lab.lab.launch import prepare_run
 from mlora_lab.lora import read_adapter
 from mlora_lab.rundir import read_status
 from mlora_lab.tiny import EXPERT_TARGETS, TYPICAL_TARGETS

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import mlora_lab as ml
-from mlora_lab.spec import JobSpec, Tenant
-from mlora_lab.specbase import SpecError
-from mlora_lab.specparts import RL
+from mlora_lab.spec.fields import SpecError
+from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.parts import RL
 from mlora_lab.validate import problems as spec_problems
 
 REWARDS = """
@@ -274,7 +274,7 @@ def test_m9_reward_names_are_validated_filled_for_functions_given_by_value_and_k
     """m9: ``reward_names`` names each reward function's columns (``rewards/<name>/mean``): one per function,
     distinct, no '/' (the columns' separator); functions given by value get theirs when frozen at launch
     (a lambda ``<lambda #k>``, the k-th of the tenant's lambdas), and job.json keeps them."""
-    from mlora_lab.lab.tenant_data import freeze
+    from mlora_lab.lab.runs.tenant_data import freeze
 
     rewards = write(tmp_path / "rewards.py", REWARDS)
     data = prompts(tmp_path)

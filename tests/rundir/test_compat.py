@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from mlora_lab.job.trainer import Trainer
-from mlora_lab.spec import JobSpec
+from mlora_lab.spec.job import JobSpec
 
 V1 = Path(__file__).parents[1] / "data" / "run_v1"
 

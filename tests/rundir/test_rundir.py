@@ -48,7 +48,7 @@ from mlora_lab.rundir import (
     update_status,
 )
 from mlora_lab.rundir.rows import truncate_after
-from mlora_lab.spec import JobSpec
+from mlora_lab.spec.job import JobSpec
 
 
 @pytest.fixture
@@ -285,7 +285,7 @@ def test_identity_needs_pid_start_time_host_and_a_job_command_line(stranger):
 def test_a_stale_pid_makes_the_run_lost_and_stop_never_signals_it(tmp_path, stranger):
     """After a reboot the recorded pid belongs to someone else: the run reads ``lost`` (resumable),
     and ``stop``/``kill`` leave the stranger alone."""
-    from mlora_lab.lab.run import Run
+    from mlora_lab.lab.runs.run import Run
 
     run = RunDir(tmp_path / "run").create()
     run.job.write_text("{}")
@@ -336,7 +336,7 @@ def boot_time_moves(monkeypatch):
 def test_M1_a_moved_boot_time_leaves_a_live_job_running_and_stoppable(tmp_path, job_like, boot_time_moves):
     """M1: the job's identity is its start in clock ticks since boot, which never moves: after the
     boot time moved by a second, the live job is ``running`` (not ``lost``), and ``stop`` signals it."""
-    from mlora_lab.lab.run import Run
+    from mlora_lab.lab.runs.run import Run
     from mlora_lab.rundir.status import process_fields
 
     run = RunDir(tmp_path / "run").create()
@@ -928,13 +928,16 @@ ALLOWED_WRITERS = {
     ("mlora_lab/tiny.py", "save_pretrained"): "tiny test models, in a folder the caller names",
     ("mlora_lab/lab/demo.py", "mkdir"): "the demo's data, in the folder the caller names",
     ("mlora_lab/lab/demo.py", "write_text"): "the demo's data, in the folder the caller names",
-    ("mlora_lab/lab/results.py", "savefig"): "plot_losses(path=...): a file the caller names",
+    ("mlora_lab/lab/compare/results.py", "savefig"): "plot_losses(path=...): a file the caller names",
     ("mlora_lab/lab/plotting.py", "savefig"): "into an in-memory buffer",
     (
         "mlora_lab/trackers/backends.py",
         "mkdir",
     ): "a tracker folder the user names (logging_dir, its variable)",
-    ("mlora_lab/lab/slurm.py", "NamedTemporaryFile"): "a private temporary file for sbatch --test-only",
+    (
+        "mlora_lab/lab/slurm/cluster.py",
+        "NamedTemporaryFile",
+    ): "a private temporary file for sbatch --test-only",
     (
         "mlora_lab/lab/exports.py",
         "save_pretrained",

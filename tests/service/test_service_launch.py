@@ -283,7 +283,7 @@ def test_a_served_job_in_every_layout_equals_peft_and_adamw(arch, layout, tiny_m
     (losses, logprobs and adapters to 1e-5; sampled logprobs to 1e-4)."""
     from test_service_sdk import assert_same, peft_greedy, peft_steps
 
-    from mlora_lab.lab.launcher import prepare_run
+    from mlora_lab.lab.launch import prepare_run
     from mlora_lab.lora import read_adapter
     from mlora_lab.reference import peft_lora_tensors
 

@@ -31,7 +31,7 @@ from mlora_lab.rundir import (
     TenantState,
     TrainRow,
 )
-from mlora_lab.specbase import SpecError
+from mlora_lab.spec.fields import SpecError
 from mlora_lab.trackers import backends, mirror_run, report_to_problems, requested
 from mlora_lab.trackers.points import JOB, Log, Note, RowMapper, job_title
 from mlora_lab.validate import problems

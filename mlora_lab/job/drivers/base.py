@@ -42,7 +42,7 @@ from mlora_lab.job.engine import Engine
 from mlora_lab.job.recorder import Recorder
 from mlora_lab.job.tenants import Feed, TenantPool, TenantRun
 from mlora_lab.rundir import TrainRow
-from mlora_lab.spec import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec, Tenant
 
 
 @dataclass

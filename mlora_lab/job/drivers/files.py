@@ -28,7 +28,7 @@ from mlora_lab.job.agree import describe
 from mlora_lab.job.drivers.base import Driver, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rundir import EvalRow, TenantState
-from mlora_lab.spec import Tenant
+from mlora_lab.spec.job import Tenant
 
 
 def rows_digest(examples: Sequence[Example]) -> str:

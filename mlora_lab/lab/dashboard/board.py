@@ -7,7 +7,7 @@
 
 It refreshes from the run directories in a background thread (the kernel stays free: :mod:`.refresher`)
 and only reads them (metrics.jsonl incrementally, status.json, labels.json, logs/), writing nothing but
-control messages (Stop), the end of a run it found dead (:mod:`mlora_lab.lab.liveness`) and exports. It
+control messages (Stop), the end of a run it found dead (:mod:`mlora_lab.lab.launchers.liveness`) and exports. It
 works the same for a run launched a minute ago, one attached after a kernel restart, or one that
 finished yesterday.
 

@@ -1,7 +1,7 @@
 """What a dashboard shows, without a widget: the runs it offers, their states, series and ETAs, and RL
 tenants' recent samples.
 
-:class:`ViewModel` polls run directories only: each run's :class:`~mlora_lab.lab.liveness.Liveness`
+:class:`ViewModel` polls run directories only: each run's :class:`~mlora_lab.lab.launchers.liveness.Liveness`
 (reconciled, so a job that died unseen is recorded as failed or lost), its metrics through a
 :class:`~mlora_lab.lab.series.RunSeries`, and its labels. The widgets (:mod:`.board`) read it; it can
 be driven and tested without ipywidgets.
@@ -21,9 +21,9 @@ from typing import Any
 
 import pandas as pd
 
-from mlora_lab.lab.liveness import Liveness, Verdict
-from mlora_lab.lab.logs import read_log
+from mlora_lab.lab.launchers.liveness import Liveness, Verdict
 from mlora_lab.lab.plotting import cut_note, run_name, run_titles
+from mlora_lab.lab.runs.logs import read_log
 from mlora_lab.lab.series import RunSeries, TenantSeries, rows_frame
 from mlora_lab.rundir import (
     EvalRow,
@@ -112,7 +112,7 @@ class RunView:
 
     def poll_state(self) -> bool:
         """Reconcile the run's state (recording an end found: :meth:`Liveness.reconcile
-        <mlora_lab.lab.liveness.Liveness.reconcile>`); True if it changed."""
+        <mlora_lab.lab.launchers.liveness.Liveness.reconcile>`); True if it changed."""
         try:
             self.verdict = self.liveness.reconcile()
             state: Shown = self.verdict.state
@@ -225,7 +225,7 @@ class ViewModel:
 
     def add(self, run: Any) -> None:
         """Offer a run: a run directory, or anything ``os.fspath`` takes that may carry its liveness
-        (a ``Run`` does: :meth:`~mlora_lab.lab.liveness.Liveness.of`)."""
+        (a ``Run`` does: :meth:`~mlora_lab.lab.launchers.liveness.Liveness.of`)."""
         liveness = Liveness.of(run)
         if not liveness.dir.is_run():
             raise RunDirError(f"{liveness.dir.root}: not a run directory (no job.json)")

@@ -15,8 +15,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from mlora_lab.lab.dashboard.figures import RED
-from mlora_lab.lab.logs import log_files, tail_lines
 from mlora_lab.lab.plotting import figure_png, figure_svg, fit_layout
+from mlora_lab.lab.runs.logs import log_files, tail_lines
 from mlora_lab.lab.tables import spreadsheet_csv
 from mlora_lab.rundir import RunDir, atomic_write_bytes
 
@@ -119,7 +119,7 @@ def export_adapter(
     refusing what they refuse: a folder in a run but its ``exports/``, an earlier export without
     ``overwrite``; :class:`~mlora_lab.lab.exports.ExportError`)."""
     from mlora_lab.lab.exports import export_gguf, merge
-    from mlora_lab.spec import JobSpec
+    from mlora_lab.spec.job import JobSpec
 
     adapter = run.adapter(tenant)
     if not (adapter / "adapter_config.json").is_file():

@@ -96,9 +96,9 @@ from mlora_lab.rundir.service import reserved_model_names, served_base_name
 from mlora_lab.service import losses, wire
 from mlora_lab.service.bodies import ModelInfo
 from mlora_lab.service.work import ErrorCategory, Kind, Result, Work
-from mlora_lab.spec import Tenant
-from mlora_lab.specbase import MAX_COUNT
-from mlora_lab.specparts import ClientModel
+from mlora_lab.spec.fields import MAX_COUNT
+from mlora_lab.spec.job import Tenant
+from mlora_lab.spec.parts import ClientModel
 from mlora_lab.text import brief
 
 ATTENTION = (".self_attn.", ".attention.", ".attn.", ".self_attention.")

@@ -1,0 +1,1 @@
+"""Comparing tenants and runs: the runs table, summaries, overlays, hyperparameters and generations side by side."""

@@ -1,0 +1,799 @@
+"""What a job is: ``Tenant`` and ``JobSpec``, their JSON form, and what each field means.
+
+These are plain dataclasses that store names and paths, never live objects, so a spec round-trips
+through ``job.json`` unchanged (the one exception lives only in the notebook: a tenant's rows held in memory,
+a DataFrame say, which a launch writes into the run directory before it writes ``job.json``)::
+
+    spec = JobSpec(base_model="models/tiny", tenants=[Tenant(name="alice", data="alice.jsonl")])
+    spec.to_json("run/job.json")                # atomic write
+    spec = JobSpec.load("run/job.json")         # relative paths resolved against run/
+
+    from mlora_lab.validate import check
+    check(spec)                                 # raises SpecError listing *every* problem at once
+
+The contract is three modules, of which this is the one users write: the nested parts a spec holds
+(``Parallel``, ``Service``, a tenant's ``RL`` and ``ClientModel``) are in :mod:`mlora_lab.spec.parts`, and
+what every spec dataclass is built from is in :mod:`mlora_lab.spec.fields`: each field's
+:class:`~mlora_lab.spec.fields.FieldInfo` (``field_info(Tenant, "lr")``: its label, help line, widget kind,
+form section and bounds), from which the notebook forms (:mod:`mlora_lab.lab.forms.builders`) build their inputs
+and against which the validator (:mod:`mlora_lab.validate`) checks values, so a new ``Tenant`` field is
+one edit here; every bound; and the reader of hostile dicts.
+
+Validation lives in :mod:`mlora_lab.validate` (``problems(spec)``, ``check(spec)``), which imports
+this module and never the other way round; the spec holds only the contract it reports in,
+:class:`~mlora_lab.spec.fields.Problem` (a tenant, a field, a sentence) and
+:class:`~mlora_lab.spec.fields.SpecError`. It imports no torch, transformers or model code: the notebook side
+and the training processes both read specs cheaply.
+
+Everything here treats its input as hostile: any JSON (or Python values in the fields) gives
+``SpecError``, never another exception, and a message repeats at most ~80 characters of a bad value
+(:mod:`mlora_lab.text` shows and reads hostile values).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlora_lab.hub import HUB_ID
+from mlora_lab.lora.targets import ALL_LINEAR
+from mlora_lab.sources import HubDataset, describe, memory_kind, reward_in_memory
+from mlora_lab.spec.fields import (
+    MAX_COUNT,
+    MAX_LR,
+    MAX_ROWS,
+    MAX_RUN_NAME_LEN,
+    MAX_SEED,
+    MAX_SEQ_LEN,
+    MAX_SLOTS,
+    MAX_TARGETS,
+    MAX_WEIGHT_DECAY,
+    Problem,
+    SpecError,
+    kwargs_for,
+    meta,
+)
+from mlora_lab.spec.parts import RL, ClientModel, Eval, Parallel, Service
+from mlora_lab.text import brief, collection_paused, json_type, parse_json, read_json, show_path
+
+SCHEDULES = ("constant", "linear", "cosine")
+"""Learning-rate schedules a tenant may use; every one starts with ``warmup_steps`` of linear warmup."""
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""Base-model dtypes a job may run in."""
+
+QUANTIZE = ("nf4", "int8")
+"""How a job may quantize its frozen base (``JobSpec.quantize``): bitsandbytes' 4-bit NormalFloat (QLoRA's)
+or LLM.int8."""
+
+TRACKERS = ("tensorboard", "trackio", "wandb")
+"""Experiment trackers a job can mirror its metrics rows to (``JobSpec.report_to``), each an optional extra
+of the package (``pip install 'mlora_lab[wandb]'``; ``mlora_lab[trackers]`` for all three). ``"all"`` and
+``"none"`` are taken as transformers' ``TrainingArguments.report_to`` takes them."""
+REPORT_GROUPS = ("tenant", "job")
+"""``JobSpec.report_group``: one tracker run per tenant (grouped under the job), or one run for the job."""
+SERVE_DISAGREES = "serve (the old name of stay_up) and stay_up disagree: give stay_up only"
+"""The constructor's and job.json's refusal of ``serve`` and ``stay_up`` given with different values."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The dataclasses
+# ---------------------------------------------------------------------------------------------
+
+
+def _path_str(value: Any) -> Any:
+    """``os.PathLike`` -> ``str`` (so ``pathlib.Path`` arguments serialise); anything else unchanged."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+@dataclass
+class Tenant:
+    """One LoRA adapter trained in the job: its data, its LoRA shape and its own optimizer settings."""
+
+    # fmt: off
+    name: str = field(metadata=meta(
+        "name", kind="name", section="Data", help="letters, digits, . _ - (it names a directory)",
+        empty="enter a name for this tenant"))
+    """Unique name; it becomes a directory name (``adapters/<name>/``), so only ``[A-Za-z0-9._-]``."""
+    data: str | Any = field(metadata=meta(
+        "data", kind="path", section="Data", help=".jsonl/.json/.parquet/.csv rows: text, prompt/completion or messages",
+        empty="choose a training data file"))
+    """Training data: rows of ``text``, ``prompt``/``completion`` or ``messages``, from a ``.jsonl``,
+    ``.json``, ``.parquet`` or ``.csv`` file, or (in the notebook) a pandas DataFrame, a list of dicts or
+    a ``datasets.Dataset`` (:mod:`mlora_lab.sources`). job.json holds only paths: a launch (and
+    ``run.add_tenant``) writes an in-memory source into the run directory and names that file there."""
+    eval_data: str | Any | None = field(default=None, metadata=meta(
+        "eval data", kind="path", section="Data", optional=True, help="optional held-out rows, same format"))
+    """Optional held-out rows (any source ``data`` takes), evaluated every ``JobSpec.eval_every`` steps."""
+    init_adapter: str | None = field(default=None, metadata=meta(
+        "init adapter", kind="dir", section="Advanced", optional=True,
+        help="optional PEFT adapter directory to start from"))
+    """Optional PEFT LoRA adapter directory to start from; its r, alpha, rsLoRA and targets must match."""
+    rank: int = field(default=8, metadata=meta(
+        "rank", section="LoRA", min=1, max=MAX_SLOTS, at_most="max_rank", slider=True,
+        help="LoRA rank r, at most the job's max_rank"))
+    """LoRA rank r (1 .. ``JobSpec.max_rank``)."""
+    alpha: float = field(default=16, metadata=meta(
+        "alpha", kind="float", section="LoRA", min=0, min_open=True,
+        help="the delta is scaled by alpha / rank"))
+    """LoRA alpha; the delta is scaled by :attr:`scaling`."""
+    use_rslora: bool = field(default=False, metadata=meta(
+        "rsLoRA", kind="bool", section="LoRA", help="scale by alpha / sqrt(rank) instead"))
+    """rsLoRA: scale by ``alpha / sqrt(rank)`` instead of ``alpha / rank``."""
+    dropout: float = field(default=0.0, metadata=meta(
+        "dropout", kind="float", section="LoRA", min=0, max=1, max_open=True, slider=True, typical=(0.0, 0.5),
+        step=0.01, help="dropout on the LoRA input"))
+    """Dropout on the LoRA input, in [0, 1)."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"], metadata=meta(
+        "target modules", kind="targets", section="LoRA",
+        help="all-linear: every linear layer but the output"))
+    """Linear layers to adapt, matched as PEFT does (full name or ``.``-suffix), or ``["all-linear"]`` (every
+    ``nn.Linear`` but the output layer); the rules live in :mod:`mlora_lab.lora.targets`."""
+    target_parameters: list[str] = field(default_factory=list, metadata=meta(
+        "target parameters", kind="targets", form=False, help="packed MoE expert weights to adapt"))
+    """3-D packed MoE expert parameters to adapt (e.g. ``mlp.experts.gate_up_proj``), PEFT-style."""
+    lr: float = field(default=2e-4, metadata=meta(
+        "lr", kind="log-float", section="Optimizer", min=0, min_open=True, max=MAX_LR, typical=(1e-6, 1e-1),
+        help="peak learning rate, used exactly as typed"))
+    """Peak learning rate of this tenant's AdamW (at most :data:`MAX_LR`)."""
+    weight_decay: float = field(default=0.0, metadata=meta(
+        "weight decay", kind="float", section="Advanced", min=0, max=MAX_WEIGHT_DECAY, help="AdamW weight decay"))
+    """AdamW weight decay (at most :data:`MAX_WEIGHT_DECAY`)."""
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=meta(
+        "betas", kind="pair", min=0, max=1, max_open=True, form=False))
+    """AdamW betas (a JSON list in ``job.json``)."""
+    eps: float = field(default=1e-8, metadata=meta(
+        "eps", kind="float", min=0, min_open=True, max=1, form=False))
+    """AdamW epsilon, in (0, 1]."""
+    schedule: str = field(default="constant", metadata=meta(
+        "schedule", kind="choice", choices=SCHEDULES, section="Optimizer",
+        help="after warmup: constant or decay to 0"))
+    """Learning-rate schedule after warmup: ``"constant"``, ``"linear"`` or ``"cosine"`` (decay to 0)."""
+    warmup_steps: int = field(default=0, metadata=meta(
+        "warmup steps", section="Optimizer", min=0, max=MAX_COUNT, help="linear warmup from 0 to lr"))
+    """Steps of linear warmup from 0 to ``lr``."""
+    max_grad_norm: float | None = field(default=1.0, metadata=meta(
+        "max grad norm", kind="float", section="Optimizer", min=0, min_open=True, optional=True,
+        null_means="no clipping", help="clip the gradient norm to this"))
+    """Clip this tenant's gradient norm to this value; ``None`` disables clipping."""
+    batch_size: int = field(default=4, metadata=meta(
+        "batch size", section="Optimizer", min=1, max=MAX_ROWS, help="rows of this tenant per micro-batch"))
+    """Rows of this tenant in each micro-batch."""
+    grad_accum: int = field(default=1, metadata=meta(
+        "grad accum", section="Optimizer", min=1, max=MAX_ROWS, help="micro-batches per optimizer step"))
+    """Micro-batches per optimizer step."""
+    max_steps: int = field(default=100, metadata=meta(
+        "max steps", section="Optimizer", min=1, max=MAX_COUNT,
+        help="optimizer steps; then the adapter is saved"))
+    """Optimizer steps after which this tenant is finished (its adapter is saved and its slot idles)."""
+    shuffle: bool = field(default=True, metadata=meta(
+        "shuffle", kind="bool", section="Advanced", help="shuffle the rows every epoch"))
+    """Shuffle the rows every epoch (seeded by ``seed``)."""
+    seed: int = field(default=0, metadata=meta(
+        "seed", section="Optimizer", min=0, max=MAX_SEED, help="LoRA init, dropout and data order"))
+    """Seed of this tenant's LoRA init, dropout and data order."""
+    rl: RL | None = field(default=None, metadata=meta(
+        "rl", kind="rl", section="RL", optional=True, form=False, help="learn from rewards (GRPO)"))
+    """``None``: supervised rows. An :class:`RL`: the rows are prompts, and the tenant learns from rewards."""
+    client: ClientModel | None = field(default=None, metadata=meta(
+        "client", kind="client", section="Service", optional=True, form=False,
+        help="the Tinker training client that drives it"))
+    """``None``: the job feeds it (``data``). A :class:`ClientModel`: a served job's tenant that a Tinker training
+    client drives request by request (it has no ``data``); the job records it so a resume brings it back."""
+    # fmt: on
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rl, dict):
+            self.rl = RL.from_dict(self.rl)
+        if isinstance(self.client, dict):
+            self.client = ClientModel.from_dict(self.client)
+        self.data = _path_str(self.data)
+        self.eval_data = _path_str(self.eval_data)
+        self.init_adapter = _path_str(self.init_adapter)
+        if isinstance(self.betas, list):
+            self.betas = tuple(self.betas)
+
+    @property
+    def scaling(self) -> float:
+        """The factor on ``B @ A``: ``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA (as PEFT)."""
+        return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (``betas`` as a list). A tenant whose data is held in memory (a DataFrame,
+        ...) has none: :class:`SpecError` says to launch it or to write the data to a file."""
+        held = in_memory_problems(self)
+        if held:
+            raise SpecError(held)
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas) if isinstance(self.betas, tuple | list) else self.betas
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | Tenant) -> Tenant:
+        """Build from a dict (e.g. one ``tenants`` entry of ``job.json``); unknown keys raise ``SpecError``.
+
+        Any input gives a ``Tenant`` or ``SpecError``, nothing else; field values are not checked here
+        (:func:`mlora_lab.validate.problems` does that) except for nesting too deep to copy."""
+        kwargs, problems = _tenant_kwargs(d, "tenant")
+        if isinstance(kwargs.get("rl"), dict):
+            problems += kwargs_for(RL, kwargs["rl"], "tenant.rl")[1]
+        if isinstance(kwargs.get("client"), dict):
+            problems += kwargs_for(ClientModel, kwargs["client"], "tenant.client")[1]
+        if problems:
+            raise SpecError(problems)
+        return d if isinstance(d, Tenant) else cls(**kwargs)
+
+
+@dataclass
+class JobSpec:
+    """A whole job: one frozen base model, its tenants, and the job-wide settings. ``= job.json``."""
+
+    # fmt: off
+    base_model: str = field(metadata=meta("base model", kind="dir", form=False))
+    """A Hub id (``"HuggingFaceTB/SmolLM2-135M-Instruct"``: downloaded once, by validation, into the Hub cache,
+    see :mod:`mlora_lab.hub`; a local directory of the same name wins), a local directory of a transformers
+    causal LM (``save_pretrained`` layout), or a ``.gguf`` file (or a directory holding one ``.gguf`` and no
+    ``config.json``), converted once into a cache by ``mlora_lab.bases.resolve_base``."""
+    tenants: list[Tenant] = field(metadata=meta("tenants", kind="tenants", form=False))
+    """The tenants to train (may be empty with ``serve=True`` or a ``service``)."""
+    name: str | None = field(default=None, metadata=meta(
+        "run name", kind="text", section="Job", optional=True, max=MAX_RUN_NAME_LEN,
+        help="shown in every label; empty: made from the tenants' names"))
+    """The run's name, shown in every label (legends, progress rows, the runs table, the dashboard's
+    header; ``run / tenant`` when runs are shown together) and the key of its tenants' colours, so that a
+    notebook run again keeps its colours: at most ``MAX_RUN_NAME_LEN`` printable characters. ``None`` =
+    made from the tenants' names when the spec is resolved (:func:`default_run_name`: ``"alice+bob"``),
+    which a launch does before it writes ``job.json``. The run directory keeps its timestamped id."""
+    tokenizer: str | None = field(default=None, metadata=meta(
+        "tokenizer", kind="dir", optional=True, form=False))
+    """Tokenizer directory or Hub id; ``None`` = ``base_model``."""
+    revision: str | None = field(default=None, metadata=meta(
+        "revision", kind="text", section="Job", optional=True, max=256, form=False, null_means="the main branch",
+        help="Hub revision (branch, tag or commit) of a base_model / tokenizer given by its Hub id"))
+    """The Hub revision of ``base_model`` and ``tokenizer`` when they are Hub ids (``None``: ``main``); a launch
+    records the commit it downloaded, so every process of the run reads the same snapshot."""
+    seq_len: int = field(default=512, metadata=meta(
+        "seq len", section="Job", min=2, max=MAX_SEQ_LEN, help="tokens per row; longer rows are cut"))
+    """Rows are truncated to this many tokens (with a warning) and right-padded."""
+    max_tenants: int = field(default=8, metadata=meta(
+        "max tenants", section="Job", min=1, max=MAX_SLOTS,
+        help="most tenants at once; a free slot costs nothing"))
+    """The most tenants the job can hold at once (a limit: a free slot allocates nothing)."""
+    max_rank: int = field(default=64, metadata=meta(
+        "max rank", section="Job", min=1, max=MAX_SLOTS, help="largest rank of a tenant, now or added later"))
+    """The largest rank a tenant (present or added later) may have (a limit: each tenant's tensors have
+    its own rank)."""
+    parallel: Parallel = field(default_factory=Parallel, metadata=meta(
+        "parallel", kind="parallel", form=False))
+    """Process layout (ranks, FSDP / TP / EP degrees)."""
+    dtype: str = field(default="auto", metadata=meta(
+        "dtype", kind="choice", choices=DTYPES, section="Job",
+        help="of the frozen base (adapters stay float32); auto: bfloat16 on a GPU that has it, else float32"))
+    """dtype of the frozen base: ``"auto"`` (bfloat16 on a GPU that supports it, float32 on the CPU and
+    on older GPUs), ``"float32"``, ``"bfloat16"`` or ``"float16"``. Adapters, their gradients and AdamW
+    state are float32 whatever it is, as PEFT keeps them."""
+    quantize: str | None = field(default=None, metadata=meta(
+        "quantize", kind="choice", choices=QUANTIZE, section="Job", optional=True, form=False,
+        help="the frozen base in 4-bit nf4 or int8 (bitsandbytes); adapters stay float32"))
+    """Quantize the frozen base's linear layers as it loads (bitsandbytes through transformers'
+    ``BitsAndBytesConfig``, :mod:`mlora_lab.quant`): ``"nf4"`` (QLoRA's 4-bit NormalFloat, blocks of 64
+    with an absmax scale each, the scales quantized again) or ``"int8"`` (LLM.int8: row-wise absmax int8,
+    outlier features above 6.0 in 16-bit). ``None``: the base in ``dtype``. The embeddings, the norms and
+    the output layer stay in ``dtype``; every LoRA delta is added to the dequantized layer's output, and
+    adapters, their gradients and AdamW state stay float32, as PEFT keeps them over a quantized base
+    (QLoRA). Needs the ``quant`` extra; one process, or data parallel only (no FSDP, TP or EP)."""
+    quantize_embeddings: bool = field(default=False, metadata=meta(
+        "quantize embeddings", kind="bool", section="Job", form=False,
+        help="with quantize='nf4': the embedding and output layers in nf4 too (QLoRA keeps them in dtype)"))
+    """With ``quantize="nf4"``: the input embedding and the output layer in nf4 too (a tied pair stored
+    once; :func:`mlora_lab.quant.quantize_embeddings`). QLoRA keeps them in ``dtype``; with a large vocabulary
+    they are much of the base (13 % of Llama-3.1-8B), and this takes base memory from ~0.35 to ~0.26 of
+    bf16's, at the cost of the output layer's precision (llama.cpp's 4-bit files quantize them too)."""
+    log_every: int = field(default=1, metadata=meta(
+        "log every", section="Logging", min=1, max=MAX_COUNT, help="write train metrics every N steps"))
+    """Write train metrics every this many steps."""
+    eval_every: int = field(default=0, metadata=meta(
+        "eval every", section="Logging", min=0, max=MAX_COUNT,
+        help="evaluate every N steps; 0 = only at the end"))
+    """Evaluate tenants with ``eval_data`` every this many steps; 0 = never (only at the end)."""
+    save_every: int = field(default=0, metadata=meta(
+        "save every", section="Logging", min=0, max=MAX_COUNT,
+        help="save adapters and a checkpoint every N steps; 0 = only at the end"))
+    """Save adapters and a checkpoint every this many steps; 0 = only at the end."""
+    report_to: list[str] | str = field(default_factory=list, metadata=meta(
+        "report to", kind="trackers", section="Logging", form=False,
+        help="mirror metrics to tensorboard, trackio, wandb"))
+    """Experiment trackers that rank 0 mirrors every metrics row to while the job runs: a list of
+    ``"tensorboard"``, ``"trackio"``, ``"wandb"``, or ``"all"`` (those installed) / ``"none"``, as
+    transformers' ``report_to``. Each is an optional extra; one that is not installed is a validation
+    problem, one that fails while the job runs is said once in its events and never ends it
+    (:mod:`mlora_lab.trackers`). W&B runs offline unless ``WANDB_MODE`` says otherwise."""
+    report_group: str = field(default="tenant", metadata=meta(
+        "report group", kind="choice", choices=REPORT_GROUPS, section="Logging", form=False,
+        help="a tracker run per tenant, or one for the job"))
+    """``"tenant"``: one tracker run per tenant, on its own tenant step, grouped under the job (W&B and
+    trackio ``group=``), plus one run of the job's own rows (system, events); ``"job"``: one run for the
+    whole job, on the global step, every tenant's metric under its name (``train/loss/alice``)."""
+    logging_dir: str | None = field(default=None, metadata=meta(
+        "logging dir", kind="dir", optional=True, form=False))
+    """Where the trackers write (``tensorboard/``, ``wandb/``, ``trackio/`` in it); ``None`` = the run
+    directory's ``trackers/``, unless ``WANDB_DIR`` / ``TRACKIO_DIR`` are set: nothing leaves the run
+    directory unless asked."""
+    project: str | None = field(default=None, metadata=meta(
+        "project", kind="id", optional=True, form=False))
+    """The W&B / trackio project the tracker runs go to; ``None`` = ``WANDB_PROJECT`` for W&B, else
+    ``"mlora_lab"``."""
+    stay_up: bool = field(default=False, metadata=meta(
+        "stay up", kind="bool", section="Job", help="stay up for tenants added later"))
+    """Stay up after all tenants finish, waiting for tenants added from the notebook. (Called ``serve``
+    before: ``JobSpec(serve=True)``, ``spec.serve`` and a job file's ``"serve"`` still mean it. The new name
+    keeps it apart from ``service`` and ``ml.serve``, which serve the Tinker API.)"""
+    seed: int = field(default=0, metadata=meta(
+        "job seed", section="Advanced", min=0, max=MAX_SEED, help="order in which tenants' rows are mixed"))
+    """Job-wide seed (batch mixing order)."""
+    output_dir: str | None = field(default=None, metadata=meta(
+        "output dir", kind="dir", optional=True, form=False))
+    """Run directory; ``None`` = a new directory under ``runs/`` chosen at launch."""
+    activation_checkpointing: bool | int = field(default=0, metadata=meta(
+        "checkpointing", section="Advanced", min=0, max=MAX_SLOTS, bool_ok=True,
+        help="recompute activations: 0 = off, k = every k-th block"))
+    """Recompute decoder blocks' activations in the backward instead of keeping them: 0 (or false) =
+    off, 1 (or true) = every block, k = every k-th block (blocks 0, k, 2k, ...)."""
+    max_pass_tokens: int | None = field(default=None, metadata=meta(
+        "max pass tokens", section="Advanced", min=1, max=MAX_COUNT, optional=True, null_means="one pass",
+        help="padded tokens of one forward + backward; a larger step runs in several"))
+    """At most this many tokens (rows × their padded length) in one forward + backward: a step whose
+    tenants' rows hold more runs in several passes, each of whole tenants (at least one), their gradients
+    summed before the optimiser steps: the same update, with the activations of one pass at a time instead
+    of the whole step's. The tenants still share the step (one generation for the RL tenants; the requests
+    of a service's clients that wait together). ``None``: every step in one pass, except in a job that serves
+    on a CPU: 1,024 (a served step holds however many clients wait at once, and measured on a CPU its
+    throughput was the same in passes). Passes trade time for memory elsewhere (measured on a CPU: a
+    4-tenant step of 2,048 tokens ~7 % slower in two passes, its peak RSS 15 % lower); a GPU gains from big
+    passes."""
+    packing: bool = field(default=False, metadata=meta(
+        "packing", kind="bool", section="Advanced", help="pack each tenant's rows into seq_len sequences"))
+    """Pack each tenant's rows into ``seq_len``-token sequences (documents kept whole and apart: position
+    ids restart and no token attends across a document boundary) instead of one right-padded row each;
+    ``batch_size`` then counts packed sequences."""
+    slot_modules: list[str] | None = field(default=None, metadata=meta(
+        "slot modules", kind="targets", optional=True, form=False))
+    """Linear layers that can take adapters (same matching as ``target_modules``, except that
+    ``"all-linear"`` may come with other names: the union); ``None`` = the union of the tenants'
+    ``target_modules``. Set it so that tenants added later may target modules no initial tenant uses
+    (the layers are wrapped once, when the job starts; wrapping allocates nothing per tenant)."""
+    service: Service | None = field(default=None, metadata=meta(
+        "service", kind="service", optional=True, form=False, help="serve the Tinker API"))
+    """``None``: no service. A :class:`Service`: the job also serves the Tinker API (``ml.serve(spec)``), on
+    one process for now, and stays up until it is stopped."""
+    evals: list[Eval] = field(default_factory=list, metadata=meta(
+        "evals", kind="evals", section="Eval", form=False, help="evaluations while training"))
+    """Evaluations run while the job trains (:class:`~mlora_lab.spec.parts.Eval`): generations of every
+    tenant and the base, scored by metrics, logged as ``eval/<name>/<metric>`` rows."""
+    # fmt: on
+
+    def __post_init__(self) -> None:
+        if isinstance(self.evals, list | tuple):
+            self.evals = [Eval.from_dict(e) if isinstance(e, dict) else e for e in self.evals]
+        if isinstance(self.service, dict):
+            self.service = Service.from_dict(self.service)
+        self.base_model = _path_str(self.base_model)
+        self.tokenizer = _path_str(self.tokenizer)
+        self.output_dir = _path_str(self.output_dir)
+        self.logging_dir = _path_str(self.logging_dir)
+
+    # -- JSON ----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict, field order as in ``job.json``. A tenant whose data is held in memory
+        makes it :class:`SpecError` (naming every such tenant): job.json names files, so launch the spec
+        (the launch writes the rows into the run directory) or write the data to a file."""
+        tenants = self.tenants if isinstance(self.tenants, list | tuple) else []
+        held = [p for t in tenants if isinstance(t, Tenant) for p in in_memory_problems(t)]
+        evals = self.evals if isinstance(self.evals, list | tuple) else []
+        held += [
+            f"evaluation {e.name!r}: its {what} is held in memory; job.json names files (launch the spec, "
+            "which writes it into the run directory)"
+            for e in evals
+            if isinstance(e, Eval)
+            for what, held_ in (
+                ("data", memory_kind(e.data) is not None),
+                ("metric", any(reward_in_memory(m) for m in e.metrics)),
+            )
+            if held_
+        ]
+        if held:
+            raise SpecError(held)
+        d: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "tenants":
+                value = [t.to_dict() if isinstance(t, Tenant) else copy.deepcopy(t) for t in value]
+            elif f.name in ("parallel", "service"):
+                value = value.to_dict() if isinstance(value, Parallel | Service) else copy.deepcopy(value)
+            elif f.name == "evals" and isinstance(value, list | tuple):
+                value = [e.to_dict() if isinstance(e, Eval) else copy.deepcopy(e) for e in value]
+            else:
+                value = copy.deepcopy(value)
+            d[f.name] = value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> JobSpec:
+        """Build from a dict (``tenants`` as dicts or ``Tenant``, ``parallel`` as a dict or ``Parallel``).
+
+        Unknown or missing keys, at any level, raise one ``SpecError`` naming all of them; any input
+        gives a ``JobSpec`` or ``SpecError``, nothing else.
+        """
+        with collection_paused():  # (a million tenants' objects: the collector would scan them for nothing)
+            return cls._from_dict(d)
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> JobSpec:
+        old = isinstance(d, dict) and "serve" in d
+        if old:  # the old name of stay_up (job files written before it was renamed)
+            d = dict(d)
+            value = d.pop("serve")
+            if "stay_up" in d and d["stay_up"] != value:
+                raise SpecError([SERVE_DISAGREES])
+            d["stay_up"] = value
+        kwargs, problems = kwargs_for(cls, d, "job", nested=("tenants", "parallel", "service", "evals"))
+        evals = kwargs.get("evals")
+        if "evals" in kwargs and not isinstance(evals, list):
+            problems.append(f"evals must be a list (got {type(evals).__name__})")
+        elif isinstance(evals, list):
+            built_evals = []
+            for i, e in enumerate(evals):
+                try:
+                    built_evals.append(Eval.from_dict(e))
+                except SpecError as err:
+                    problems += [f"evals[{i}]: {p}" for p in err.problems]
+            kwargs["evals"] = built_evals
+        tenants = kwargs.get("tenants")
+        if "tenants" in kwargs and not isinstance(tenants, list):
+            problems.append(f"tenants must be a list (got {type(tenants).__name__})")
+        elif isinstance(tenants, list):
+            built: list[Tenant] = []
+            for i, t in enumerate(tenants):
+                label = f"tenants[{i}]" + (
+                    f" ({brief(t['name'])})" if isinstance(t, dict) and "name" in t else ""
+                )
+                t_kwargs, t_problems = _tenant_kwargs(t, label)
+                if isinstance(t_kwargs.get("rl"), dict):
+                    t_problems += kwargs_for(RL, t_kwargs["rl"], f"{label}.rl")[1]
+                if isinstance(t_kwargs.get("client"), dict):
+                    t_problems += kwargs_for(ClientModel, t_kwargs["client"], f"{label}.client")[1]
+                problems += t_problems
+                if not t_problems:
+                    built.append(t if isinstance(t, Tenant) else Tenant(**t_kwargs))
+            kwargs["tenants"] = built
+        if "parallel" in kwargs:
+            p_kwargs, p_problems = kwargs_for(Parallel, kwargs["parallel"], "parallel")
+            problems += p_problems
+            if not p_problems and not isinstance(kwargs["parallel"], Parallel):
+                kwargs["parallel"] = Parallel(**p_kwargs)
+        if kwargs.get("service") is not None:
+            s_kwargs, s_problems = kwargs_for(Service, kwargs["service"], "service")
+            problems += s_problems
+            if not s_problems and not isinstance(kwargs["service"], Service):
+                kwargs["service"] = Service(**s_kwargs)
+        if problems:
+            raise SpecError(problems)
+        return cls(**kwargs)
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """The spec as JSON text (indent 2); with ``path``, also write it there atomically. A tenant's
+        ``data`` / ``eval_data`` below the file's own directory is written relative to it (:meth:`load`
+        resolves it there again): a run directory that is copied or moved reads its own copy of the rows
+        a launch wrote into it (``data/<tenant>/train.jsonl``), not the original's."""
+        d = self.to_dict()
+        if path is not None:
+            here = os.path.dirname(os.path.abspath(os.fspath(path)))
+            for t in d["tenants"] if isinstance(d["tenants"], list) else []:
+                relative_tenant_paths(t, here)
+            for e in d["evals"] if isinstance(d["evals"], list) else []:
+                relative_tenant_paths(e, here)  # (an evaluation's data, as a tenant's)
+        text = json.dumps(d, indent=2)
+        if path is not None:
+            from mlora_lab.rundir.files import atomic_write_text  # the one atomic write (rundir owns files)
+
+            atomic_write_text(path, text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobSpec:
+        """Parse ``job.json`` text; bad JSON or bad keys raise ``SpecError``. Paths are kept as written."""
+        value, why = parse_json(text)
+        if why is not None:
+            raise SpecError(f"job spec is not valid JSON: {why}")
+        return cls.from_dict(value)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> JobSpec:
+        """Read a ``job.json`` file; relative paths in it are relative to the file's directory.
+
+        Every way the file can be wrong (missing, a directory or device, not UTF-8, not JSON, not a
+        JSON object, bad keys) raises one ``SpecError`` that names the file.
+        """
+        try:
+            path = os.fsdecode(os.fspath(path))
+        except TypeError:
+            raise SpecError(f"job file must be a path (got {type(path).__name__})") from None
+        name = show_path(path)
+        d, why = read_json(path, "a job file")
+        if why:
+            raise SpecError(f"{name}: {why}")
+        if not isinstance(d, dict):
+            raise SpecError(
+                f"{name}: the top level must be a JSON object with base_model and tenants (got {json_type(d)})"
+            )
+        # (a fresh spec: its paths are resolved in place, without resolved()'s deep copy, which
+        # took 9 s of a 10-s load for 100k tenants)
+        return cls.from_dict(d)._resolve_in_place(os.path.dirname(os.path.abspath(path)))
+
+    def resolved(self, base_dir: str | os.PathLike) -> JobSpec:
+        """A copy whose relative paths (base_model, tokenizer, logging_dir, data, eval_data, init_adapter) are
+        made absolute against ``base_dir`` (absolute paths and ``None`` are kept), and whose ``name``, if
+        ``None``, is :func:`default_run_name`."""
+        base = os.path.abspath(os.fspath(base_dir))
+        # In-memory data (a DataFrame, ...) is shared with the copy, not copied: it is never changed here.
+        tenants = self.tenants if isinstance(self.tenants, list | tuple) else []
+        memo = {
+            id(v): v
+            for t in tenants
+            if isinstance(t, Tenant)
+            for v in (t.data, t.eval_data)
+            if memory_kind(v) is not None
+        }
+        return copy.deepcopy(self, memo)._resolve_in_place(base)
+
+    def _resolve_in_place(self, base: str) -> JobSpec:
+        """:meth:`resolved`'s changes, made to this spec itself; returns it."""
+        out = self
+        if out.name is None:
+            out.name = default_run_name(out)
+        out.base_model = _resolve_model(out.base_model, base)
+        out.tokenizer = _resolve_model(out.tokenizer, base)
+        out.logging_dir = _resolve(out.logging_dir, base)
+        for t in out.tenants:
+            if isinstance(t, Tenant):
+                resolve_tenant_paths(t, base)
+        for e in out.evals if isinstance(out.evals, list) else []:
+            if isinstance(e, Eval):
+                e.data = _resolve(_path_str(e.data), base)
+                if isinstance(e.metrics, list):
+                    e.metrics = [resolve_reward(m, base) for m in e.metrics]
+        return out
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    def tenant(self, name: str) -> Tenant:
+        """The tenant called ``name``; ``KeyError`` naming the known tenants otherwise."""
+        for t in self.tenants:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tenant {name!r}; tenants: {[t.name for t in self.tenants]}")
+
+
+def _get_serve(self: JobSpec) -> Any:
+    return self.stay_up
+
+
+def _set_serve(self: JobSpec, value: Any) -> None:
+    self.stay_up = value
+
+
+# ``spec.serve`` reads and sets ``stay_up``
+JobSpec.serve = property(_get_serve, _set_serve, doc="The old name of :attr:`JobSpec.stay_up`.")  # type: ignore[assignment,method-assign]
+_fields_init = JobSpec.__init__
+
+
+@functools.wraps(_fields_init)
+def _init(self: JobSpec, *args: Any, serve: bool | None = None, **kwargs: Any) -> None:
+    """The generated ``__init__``, also taking ``serve=``, the old name of ``stay_up``: given with ``stay_up``,
+    the two must agree (as in job.json). It is no dataclass field (an ``InitVar`` was one), so
+    ``dataclasses.replace(spec, stay_up=...)`` passes ``stay_up`` alone: with an ``InitVar`` it passed
+    ``serve=spec.serve`` too, the old value, which then disagreed with the new one, or overrode it."""
+    if serve is not None:
+        if "stay_up" in kwargs and kwargs["stay_up"] != serve:
+            raise SpecError([SERVE_DISAGREES])
+        kwargs["stay_up"] = serve
+    _fields_init(self, *args, **kwargs)
+
+
+JobSpec.__init__ = _init  # type: ignore[method-assign]
+
+
+def default_run_name(job: JobSpec) -> str:
+    """A readable name for a run that was given none: its tenants' names joined by ``+`` (at most three,
+    then how many more: ``"a+b+c+4 more"``), cut to 60 characters; ``"serve"`` for a serving job (or one
+    with a ``service``) without tenants, ``"run"`` for none at all."""
+    tenants = job.tenants if isinstance(job.tenants, list | tuple) else []
+    names = [t.name for t in tenants if isinstance(t, Tenant) and isinstance(t.name, str)]
+    return default_name(names, job.stay_up is True or job.service is not None)
+
+
+def default_name(names: list[str], serving: bool) -> str:
+    """:func:`default_run_name` of a job whose tenants have ``names`` (``serving``: one that stays up or
+    serves the Tinker API)."""
+    names = [n for n in names if n]
+    if not names:
+        return "serve" if serving else "run"
+    text = "+".join(names[:3]) + (f"+{len(names) - 3} more" if len(names) > 3 else "")
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def step_goal(t: Tenant) -> int | None:
+    """The steps a tenant trains to (its ``max_steps``), or None when it has no goal: a Tinker client's
+    tenant (its client steps it for as long as it likes; its ``max_steps`` is the largest count) or any
+    tenant whose ``max_steps`` is that count. Views show such a tenant's steps done, never ``52/2**53-1``
+    nor an ETA."""
+    goal = t.max_steps
+    if t.client is not None or not isinstance(goal, int) or goal >= MAX_COUNT:
+        return None
+    return goal
+
+
+def effective_slot_modules(job: JobSpec, output_layer: Sequence[str] = ()) -> list[str]:
+    """The linear-layer names that get adapter slots: ``slot_modules``, else the union of the
+    tenants' targets (``"all-linear"`` first if any tenant asks for it, then the names other tenants
+    give: one may name a layer all-linear leaves out, the output layer). A served job (``service``)
+    without ``slot_modules`` slots what a Tinker client's default ``LoraConfig`` trains: ``"all-linear"``
+    and ``output_layer`` (the model's output layer, by its full name: the caller that has the model says
+    which, :func:`~mlora_lab.lora.targets.output_layer_names`), besides its tenants' targets; a job with no
+    tenant to go by (``serve``: waiting for them) slots ``"all-linear"``. A free slot holds no tensor, and a
+    layer no tenant of a batch targets computes nothing more than the base.
+    Targets that are not valid lists of names (a spec that does not validate) are left out rather than
+    raised on."""
+    slots = job.slot_modules
+    if slots and isinstance(slots, list | tuple):
+        names = [m for m in slots if isinstance(m, str)]
+    else:
+        tenants = job.tenants if isinstance(job.tenants, list | tuple) else []
+        targets = [t.target_modules for t in tenants if isinstance(t, Tenant)]
+        names = sorted({m for ts in targets if valid_targets(ts) for m in ts})
+        if job.service is not None:
+            names = [ALL_LINEAR, *(n for n in output_layer if n not in names), *names]
+        elif not names:  # (a job that waits for tenants: they may target any linear layer)
+            names = [ALL_LINEAR]
+    if ALL_LINEAR not in names:
+        return list(names)
+    return [ALL_LINEAR, *(n for n in names if n != ALL_LINEAR)]
+
+
+def valid_targets(v: Any, union: bool = False) -> bool:
+    """A list of at most ``MAX_TARGETS`` non-empty names (each at most 1000 characters), with
+    ``"all-linear"`` only on its own, as PEFT takes it (in a list with other names PEFT reads it as
+    one more plain name, which matches no layer); with ``union`` (``slot_modules``, which PEFT never
+    sees) ``"all-linear"`` may come with other names and the list selects the union."""
+    if not isinstance(v, list | tuple) or len(v) > MAX_TARGETS:
+        return False
+    if not all(isinstance(x, str) and 0 < len(x) <= 1000 for x in v):
+        return False
+    return union or ALL_LINEAR not in v or len(v) == 1
+
+
+def in_memory_problems(t: Tenant) -> list[Problem]:
+    """One problem per field of ``t`` (``data``, ``eval_data``) that holds rows in memory rather than a
+    path: what :meth:`Tenant.to_dict` and :meth:`JobSpec.to_dict` refuse, since job.json names files."""
+    out = []
+    for name in ("data", "eval_data"):
+        value = getattr(t, name)
+        if memory_kind(value) is None or isinstance(value, HubDataset):  # (a Hub dataset is its name)
+            continue
+        label = t.name if isinstance(t.name, str) else None
+        out.append(
+            Problem(
+                label,
+                name,
+                f"{name} is {describe(value)} held in memory, which job.json cannot hold: launch the spec "
+                "(ml.launch writes the rows into the run directory and names that file) or write the rows "
+                "to a file and give its path (df.to_json('rows.jsonl', orient='records', lines=True))",
+            )
+        )
+    if isinstance(t.rl, RL) and any(reward_in_memory(r) for r in t.rl.rewards):
+        out.append(
+            Problem(
+                t.name if isinstance(t.name, str) else None,
+                "rl",
+                "rl.reward holds a function in memory, which job.json cannot hold: launch the spec (ml.launch "
+                "pickles it into the run directory and names that file) or give 'file.py:function'",
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the dataclasses from hostile dicts
+# ---------------------------------------------------------------------------------------------
+
+
+def _tenant_kwargs(d: Any, where: str) -> tuple[dict[str, Any], list[str]]:
+    """:func:`~mlora_lab.spec.fields.kwargs_for` a ``Tenant``, and a problem for each of ``data`` / ``eval_data``
+    given as rows."""
+    kwargs, problems = kwargs_for(Tenant, d, where)
+    if isinstance(d, dict):  # a dict is JSON (job.json, a control message): it names files, never holds rows
+        problems += [
+            f"{where}: {k} must be a file path (got {json_type(d[k])}); rows held in memory are for the "
+            "notebook's Tenant, which a launch writes to a file"
+            for k in ("data", "eval_data")
+            if isinstance(d.get(k), list)
+        ]
+        for k in ("data", "eval_data"):  # an object is a Hub dataset, as to_dict writes one
+            if isinstance(d.get(k), dict):
+                hub_kwargs, hub_problems = kwargs_for(HubDataset, d[k], f"{where}.{k} (a Hub dataset)")
+                problems += hub_problems
+                if not hub_problems:
+                    kwargs[k] = HubDataset(**hub_kwargs)
+    return kwargs, problems
+
+
+def resolve_reward(ref: Any, base: str) -> Any:
+    """A reward ``"path/to/file.py:function"`` with a relative file made absolute against ``base``; a
+    ``"module:function"`` (no ``/`` and no ``.py``) and anything else are kept."""
+    if not isinstance(ref, str):
+        return ref
+    target, sep, function = ref.rpartition(":")
+    is_file = target.endswith(".py") or "/" in target or os.sep in target
+    if not sep or not target or not is_file:
+        return ref
+    return f"{_resolve(target, base)}:{function}"
+
+
+def resolve_tenant_paths(t: Tenant, base: str) -> None:
+    """Make ``t``'s relative paths (data, eval_data, init_adapter, reward files) absolute against ``base``,
+    in place (what :meth:`JobSpec.resolved` does to each tenant; ``sweep.json``'s base tenant too)."""
+    t.data = _resolve(t.data, base)
+    t.eval_data = _resolve(t.eval_data, base)
+    t.init_adapter = _resolve_model(t.init_adapter, base)
+    if isinstance(t.rl, RL):
+        t.rl.reward = (
+            resolve_reward(t.rl.reward, base)
+            if isinstance(t.rl.reward, str)
+            else [resolve_reward(r, base) for r in t.rl.reward]
+            if isinstance(t.rl.reward, list)
+            else t.rl.reward
+        )
+
+
+def relative_tenant_paths(t: Any, here: str) -> None:
+    """A tenant's dict with its ``data`` / ``eval_data`` below ``here`` (a file's directory) made relative to
+    it, in place: a run directory that is copied or moved reads its own copy of the rows written into it."""
+    for key in ("data", "eval_data"):
+        if isinstance(t, dict) and isinstance(t.get(key), str):
+            t[key] = _relative_below(t[key], here)
+
+
+def _relative_below(path: str, base: str) -> str:
+    """``path`` relative to ``base`` when it is an absolute path below ``base`` (lexically), else as it is."""
+    if not os.path.isabs(path):
+        return path
+    try:
+        if os.path.commonpath([os.path.normpath(path), base]) != base:
+            return path
+    except ValueError:  # (different drives)
+        return path
+    return os.path.relpath(os.path.normpath(path), base)
+
+
+def _resolve_model(value: Any, base: str) -> Any:
+    """:func:`_resolve`, except that a Hub id (``org/name``) stays one unless a local path of that name exists
+    (relative to ``base``): as in transformers, a local directory wins."""
+    resolved = _resolve(value, base)
+    if isinstance(value, str) and HUB_ID.fullmatch(value) and not os.path.exists(resolved):
+        return value
+    return resolved
+
+
+def _resolve(path: Any, base: str) -> Any:
+    if not isinstance(path, str) or not path:
+        return path
+    expanded = os.path.expanduser(path)
+    return expanded if os.path.isabs(expanded) else os.path.normpath(os.path.join(base, expanded))

@@ -1,0 +1,351 @@
+"""The spec's nested parts: the small dataclasses that ``JobSpec`` and ``Tenant`` each hold one of (or
+``None``), each with its own corner of ``job.json``.
+
+* :class:`Parallel` (``JobSpec.parallel``): how the job is laid out over processes;
+* :class:`Service` (``JobSpec.service``): the job also serves the Tinker API;
+* :class:`RL` (``Tenant.rl``): the tenant learns from rewards (GRPO) instead of fixed rows;
+* :class:`ClientModel` (``Tenant.client``): the Tinker model behind a served job's tenant.
+
+Each is self-contained: it reads and writes its own dict (``to_dict`` / ``from_dict``), its fields carry
+their :class:`~mlora_lab.spec.fields.FieldInfo` like every other, and the validator checks it on its own
+(the nested kinds of :data:`~mlora_lab.spec.fields.FIELD_KINDS`). That is why they live apart from
+:mod:`mlora_lab.spec.job`, which holds them (it imports this module, never the other way round): a reader of
+a supervised job (a tenant's rows, its LoRA shape and optimiser; the job-wide settings) does not page past
+GRPO's knobs or the service's queue, and a reader of RL or of the service finds all of it here, beside the
+choices its fields take (:data:`LOSS_TYPES`, :data:`SCALE_REWARDS`). Their bounds (``MAX_REWARDS``,
+``MAX_PORT``, ...) are in :mod:`mlora_lab.spec.fields`, with every other field's.
+
+Light contract, as the spec: no torch, transformers or model code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlora_lab.spec.fields import (
+    MAX_COUNT,
+    MAX_DEGREE,
+    MAX_GROUP,
+    MAX_NEW_TOKENS,
+    MAX_PORT,
+    MAX_QUEUE,
+    MAX_REWARDS,
+    MAX_SEED,
+    MAX_SESSION_TIMEOUT,
+    SpecError,
+    kwargs_for,
+    meta,
+)
+
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo")
+"""``RL.loss_type``: how TRL 1.16's ``GRPOTrainer`` turns per-token terms into a loss (``dapo`` its default)."""
+SCALE_REWARDS = ("group", "batch", "none")
+"""``RL.scale_rewards``: divide advantages by the std of the prompt's group, of the batch, or not at all."""
+
+
+def _built(cls: type, d: Any, where: str) -> Any:
+    """``d`` if it is a ``cls`` already, else ``cls`` built from the dict ``d``; unknown or missing keys raise
+    :class:`SpecError` (the nested parts' ``from_dict``)."""
+    kwargs, problems = kwargs_for(cls, d, where)
+    if problems:
+        raise SpecError(problems)
+    return d if isinstance(d, cls) else cls(**kwargs)
+
+
+@dataclass
+class RL:
+    """A tenant that learns from rewards instead of fixed rows: GRPO, as TRL 1.16's ``GRPOTrainer``.
+
+    Each optimizer step the job samples ``group_size`` completions of each of the tenant's
+    ``batch_size × grad_accum`` prompts (all RL tenants in one batched generation, each row with its own
+    adapter; the step then trains in ``grad_accum`` micro-batches of ``batch_size`` prompts), scores them with
+    the reward functions (a weighted sum; ``None`` from a function is skipped, as TRL's ``nansum``), turns
+    the rewards into advantages within each prompt's group, ``A = (r - mean) / (std + 1e-4)`` (std over the
+    group with n-1, or the batch, or 1: ``scale_rewards``), and minimises the clipped importance-ratio
+    loss over the completion tokens (``loss_type``), plus ``beta`` times the KL to the base model (the
+    shared base with the adapter switched off). The tenant's data rows are prompts: ``{"prompt": ...}`` or
+    ``{"messages": [...]}`` (the chat template with the generation prompt), and any other fields, which
+    reach the reward functions as keyword arguments. See :mod:`mlora_lab.rl.rewards` for how reward
+    functions are called."""
+
+    # fmt: off
+    reward: str | list[str] = field(metadata=meta(
+        "reward", kind="rewards", section="RL", max=MAX_REWARDS, help="module:function or file.py:function"))
+    """The reward function, ``"module:function"`` or ``"path/to/file.py:function"`` (a relative file is
+    taken from where the job is launched), or a function itself (a notebook's ``def``, a lambda, a closure:
+    pickled by value into the run directory at launch, as TRL's ``reward_funcs=[fn]``), or a list of them
+    whose rewards are summed (``reward_weights``)."""
+    reward_weights: list[float] | None = field(default=None, metadata=meta(
+        "reward weights", kind="numbers", section="RL", optional=True, help="one per reward function"))
+    """A weight per reward function (default 1 each); the tenant's reward is their weighted sum."""
+    reward_names: list[str] | None = field(default=None, metadata=meta(
+        "reward names", kind="texts", section="RL", optional=True, max=MAX_REWARDS,
+        null_means="the functions' names", help="one per reward function: its columns' name"))
+    """A name per reward function, for its columns (``rewards/<name>/mean``, ``rewards/<name>/std``); ``None``:
+    each function's name (``name#2`` for a second of one name), a lambda's ``<lambda #k>`` (the tenant's k-th
+    lambda). Functions given by value have theirs written here when the spec is launched."""
+    group_size: int = field(default=8, metadata=meta(
+        "group size", section="RL", min=2, max=MAX_GROUP, help="completions sampled per prompt"))
+    """Completions per prompt (TRL's ``num_generations``): advantages compare completions of one prompt."""
+    max_new_tokens: int = field(default=64, metadata=meta(
+        "max new tokens", section="RL", min=1, max=MAX_NEW_TOKENS, help="longest completion"))
+    """Longest completion (TRL's ``max_completion_length``); prompt and completion fit ``seq_len``."""
+    temperature: float = field(default=1.0, metadata=meta(
+        "temperature", kind="float", section="RL", min=0, min_open=True, max=100, help="sampling temperature"))
+    """Sampling temperature (> 0: a group of greedy completions would all be the same); the training
+    forward scores completions at it too (``log_softmax(logits / temperature)``, as TRL)."""
+    top_p: float = field(default=1.0, metadata=meta(
+        "top p", kind="float", section="RL", min=0, min_open=True, max=1, help="nucleus sampling"))
+    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches ``top_p``."""
+    top_k: int = field(default=0, metadata=meta(
+        "top k", section="RL", min=0, max=2**31 - 1, help="0: all tokens"))
+    """Sample from the ``top_k`` most likely tokens only (0: no limit)."""
+    stop: list[str] = field(default_factory=list, metadata=meta(
+        "stop", kind="texts", section="RL", max=64, help="strings that end a completion"))
+    """Strings that end a completion (besides EOS and ``max_new_tokens``); the stop string is kept."""
+    loss_type: str = field(default="dapo", metadata=meta(
+        "loss type", kind="choice", choices=LOSS_TYPES, section="RL", help="TRL's loss_type"))
+    """How per-token terms make the loss, as TRL's ``loss_type`` (:data:`LOSS_TYPES`; ``dapo``: summed over
+    every completion token of the step and divided by their number)."""
+    epsilon: float = field(default=0.2, metadata=meta(
+        "epsilon", kind="float", section="RL", min=0, min_open=True, max=10, help="clip the ratio to 1 ± epsilon"))
+    """The importance ratio is clipped to ``[1 - epsilon, 1 + epsilon_high]``."""
+    epsilon_high: float | None = field(default=None, metadata=meta(
+        "epsilon high", kind="float", section="RL", min=0, min_open=True, max=100, optional=True,
+        null_means="same as epsilon", help="upper clip (DAPO); null: epsilon"))
+    """Upper clip of the ratio (DAPO's clip-higher); ``None``: ``epsilon``. For ``cispo`` the cap of the ratio."""
+    beta: float = field(default=0.0, metadata=meta(
+        "beta", kind="float", section="RL", min=0, max=100, help="KL weight to the base model"))
+    """Weight of the KL to the reference, the base model without the adapter (0: no reference pass)."""
+    num_iterations: int = field(default=1, metadata=meta(
+        "iterations", section="RL", min=1, max=64, help="updates per generation"))
+    """Optimizer steps on each generation's completions (TRL's ``num_iterations``, μ)."""
+    scale_rewards: str = field(default="group", metadata=meta(
+        "scale rewards", kind="choice", choices=SCALE_REWARDS, section="RL", help="advantage std: group/batch/none"))
+    """Divide advantages by the reward std of the prompt's group, of the whole batch, or not at all."""
+    mask_truncated_completions: bool = field(default=False, metadata=meta(
+        "mask truncated", kind="bool", section="RL", help="no loss on completions cut at max_new_tokens"))
+    """Leave completions that hit ``max_new_tokens`` without EOS or a stop string out of the loss (as TRL)."""
+    reward_timeout_s: float = field(default=60.0, metadata=meta(
+        "reward timeout", kind="float", section="RL", min=0, min_open=True, max=86_400,
+        help="seconds a reward call may take"))
+    """Seconds one call of the tenant's reward functions may take; past it the tenant is quarantined."""
+    log_completions: int = field(default=2, metadata=meta(
+        "log completions", section="RL", min=0, max=64, help="samples kept per logged step"))
+    """Sampled completions (with their rewards) kept per logged step, shown by the dashboard."""
+    # fmt: on
+
+    @property
+    def rewards(self) -> list[Any]:
+        """``reward`` as a list (references, or functions held in memory until the spec is launched)."""
+        return list(self.reward) if isinstance(self.reward, list | tuple) else [self.reward]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | RL) -> RL:
+        """Build from a dict (``rl`` of a tenant in ``job.json``); unknown or missing keys raise
+        ``SpecError``."""
+        return _built(cls, d, "rl")
+
+
+@dataclass
+class ClientModel:
+    """The Tinker model (a training client's LoRA) behind a served job's tenant: its id, the API key that made
+    it, and its ``LoraConfig``. The job writes it into ``job.json`` when the client creates the model; a resume
+    registers the model again under its id and owner (its saved states stay reachable), and its client has
+    ``Service.session_timeout`` to come back before the tenant is saved and paused."""
+
+    # fmt: off
+    model_id: str = field(metadata=meta("model id", kind="text", section="Service", max=255,
+                                         help="the Tinker model id"))
+    owner: str = field(metadata=meta("owner", kind="text", section="Service", max=255,
+                                      help="the name of the API key that made it"))
+    seed: int | None = field(default=None, metadata=meta(
+        "seed", section="Service", min=0, max=MAX_SEED, optional=True, help="its LoRA init seed"))
+    train_attn: bool = field(default=True, metadata=meta("train attn", kind="bool", section="Service"))
+    train_mlp: bool = field(default=True, metadata=meta("train mlp", kind="bool", section="Service"))
+    train_unembed: bool = field(default=True, metadata=meta("train unembed", kind="bool", section="Service"))
+    # fmt: on
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | ClientModel) -> ClientModel:
+        """Build from a dict (``client`` of a tenant in ``job.json``); unknown or missing keys raise
+        ``SpecError``."""
+        return _built(cls, d, "client")
+
+
+@dataclass
+class Parallel:
+    """How the job is laid out over processes: ``fsdp * tp`` must divide ``world_size``, and ``ep``
+    the ``world_size / tp`` data-parallel ranks (expert parallelism borrows from them)."""
+
+    # fmt: off
+    nproc: int = field(default=1, metadata=meta(
+        "nproc", section="Parallel", min=1, max=MAX_DEGREE, slider=True,
+        help="processes (ranks) on this machine"))
+    """Processes (ranks) per node."""
+    nnodes: int = field(default=1, metadata=meta(
+        "nnodes", section="Parallel", min=1, max=MAX_DEGREE, form=False))
+    """Nodes."""
+    fsdp: int = field(default=1, metadata=meta(
+        "fsdp", section="Parallel", min=1, max=MAX_DEGREE, help="shard group size: a divisor of nproc / tp"))
+    """FSDP2 shard-group size (data parallel over the rest)."""
+    tp: int = field(default=1, metadata=meta(
+        "tp", section="Parallel", min=1, max=MAX_DEGREE,
+        help="tensor parallel: ranks that split every projection"))
+    """Tensor-parallel degree."""
+    ep: int = field(default=1, metadata=meta(
+        "ep", section="Parallel", min=1, max=MAX_DEGREE,
+        help="expert parallel (MoE): a divisor of nproc / tp and of the experts"))
+    """Expert-parallel degree (MoE models): groups of ``ep`` data-parallel ranks split the experts."""
+    # fmt: on
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks: ``nproc * nnodes``."""
+        return self.nproc * self.nnodes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | Parallel) -> Parallel:
+        """Build from a dict; unknown keys raise ``SpecError`` (and any input gives a ``Parallel`` or
+        ``SpecError``)."""
+        kwargs, problems = kwargs_for(cls, d, "parallel")
+        if problems:
+            raise SpecError(problems)
+        return d if isinstance(d, Parallel) else cls(**kwargs)
+
+
+@dataclass
+class Service:
+    """The job also serves the Tinker API (:mod:`mlora_lab.service`): programs drive their own tenants with
+    the official ``tinker`` SDK, request by request, and the requests of every client that wait at the same
+    moment share one mixed-tenant step. Rank 0 serves HTTP on a thread; every request needs an API key
+    (``<run_dir>/service/keys.json``, owner-only). The job stays up until it is stopped (as ``serve``).
+    A client's ``train_attn``/``train_mlp``/``train_unembed`` pick among the job's ``slot_modules``; on an
+    MoE model every packed expert parameter also gets slots, which ``train_mlp`` adapts."""
+
+    # fmt: off
+    host: str = field(default="127.0.0.1", metadata=meta(
+        "host", kind="text", section="Service", max=255, help="address to listen on (loopback by default)"))
+    """The address the server listens on: loopback unless told otherwise (``"0.0.0.0"``: every interface)."""
+    port: int = field(default=0, metadata=meta(
+        "port", section="Service", min=0, max=MAX_PORT, help="0: any free port"))
+    """The TCP port; 0 = a free one, chosen when the server starts (``service/endpoint.json`` says which)."""
+    lora_alpha: float = field(default=32.0, metadata=meta(
+        "lora alpha", kind="float", section="Service", min=0, min_open=True,
+        help="alpha of the clients' adapters (Tinker has none)"))
+    """LoRA alpha of every client's adapter: Tinker's ``LoraConfig`` has a rank and no alpha."""
+    max_queue: int = field(default=4096, metadata=meta(
+        "max queue", section="Service", min=1, max=MAX_QUEUE, help="waiting requests; more are answered 429"))
+    """Requests that may wait at once; past it a request is answered 429 (the SDK retries it). One source (a
+    model's numbered requests, or one key's samples) holds at most a quarter of them."""
+    session_timeout: float = field(default=60.0, metadata=meta(
+        "session timeout", kind="float", section="Service", min=1, max=MAX_SESSION_TIMEOUT,
+        help="seconds without heartbeat before a client's tenants are saved and paused"))
+    """Seconds a client may be silent (no heartbeat nor request; the SDK heartbeats every 10 s) before its
+    tenants are saved and paused; a request of its brings them back."""
+    max_step_tokens: int | None = field(default=None, metadata=meta(
+        "max step tokens", section="Service", min=1, max=MAX_COUNT, optional=True, null_means="no limit",
+        help="datum tokens one step takes at most; more wait for the next"))
+    """The input tokens of the clients' datums one step of the loop takes at most: the forward/backward
+    requests waiting beyond it run in the next steps (each model's in order, the models taking turns to go
+    first; one request larger than it runs alone). A step's activation memory grows with its tokens, so this
+    bounds it however many clients send at once; on a CPU a smaller step also costs less per token (its
+    working set stays in cache), while a GPU gains from big steps. ``None``: every waiting request."""
+    model_name: str | None = field(default=None, metadata=meta(
+        "model name", kind="text", section="Service", optional=True, max=256,
+        help="the base's name to clients; empty: its Hub id, or its path"))
+    """The name clients give the base (``create_lora_training_client(base_model=...)``, what
+    ``get_server_capabilities`` lists and ``get_info`` answers): ``None`` = ``base_model`` (its Hub id, by
+    which the SDK's and the cookbook's tokenizer and renderer lookups find the model). The tokenizer clients are
+    told to load is the spec's ``tokenizer`` or the base's Hub id, else the base's local directory."""
+    # fmt: on
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | Service) -> Service:
+        """Build from a dict (``service`` of ``job.json``); unknown keys raise ``SpecError``."""
+        kwargs, problems = kwargs_for(cls, d, "service")
+        if problems:
+            raise SpecError(problems)
+        return d if isinstance(d, Service) else cls(**kwargs)
+
+
+@dataclass
+class Eval:
+    """An evaluation the job runs while it trains (``JobSpec.evals``): every ``every`` global steps, and once
+    when training ends, the base and the tenants complete ``data``'s prompts in ONE batched generation
+    between two steps (each row with its own adapter, as :func:`mlora_lab.evaluate` does after training);
+    ``metrics`` score them, and each model's mean per metric (with its bootstrap 95 % interval) is logged as
+    a row ``eval/<name>/<metric>``, which the dashboard, ``ml.compare`` and ``ml.summary`` read. The latest
+    completions and scores are kept in ``<run>/evals/<name>/`` (the evaluation's table)."""
+
+    # fmt: off
+    name: str = field(metadata=meta(
+        "name", kind="name", section="Eval", help="letters, digits, . _ - (it names a folder)"))
+    """Its name: the rows' ``eval/<name>/<metric>`` and its folder ``evals/<name>/``."""
+    data: Any = field(metadata=meta(
+        "data", kind="path", section="Eval", help="prompt rows: prompt or messages, and other columns"))
+    """Its examples: any tenant data source (a file, a DataFrame, rows, ``ml.HubDataset``; one held in memory
+    is written into the run at launch) whose rows hold ``prompt`` or ``messages`` and any other columns."""
+    metrics: list[Any] = field(metadata=meta(
+        "metrics", kind="rewards", section="Eval", max=MAX_REWARDS, help="built-in names, module:function"))
+    """Built-in metric names (``exact_match``, ``contains``, ``regex``, ``numeric_match``, ``rouge``),
+    ``"module:function"``, ``"file.py:function"`` or functions (pickled into the run at launch): TRL's reward
+    signature, as :mod:`mlora_lab.evals.metrics` describes."""
+    every: int = field(default=0, metadata=meta(
+        "every", section="Eval", min=0, max=MAX_COUNT, help="global steps between runs; 0: at the end only"))
+    """Run it every ``every`` global steps (0: only once training ends); it always runs at the end."""
+    models: list[str] | None = field(default=None, metadata=meta(
+        "models", kind="texts", section="Eval", optional=True, max=MAX_REWARDS * 64,
+        help="base and tenants' names; null: all"))
+    """Which models: ``"base"`` and tenants' names (``None``: the base and every tenant training then). A
+    tenant's own evaluation is ``models=["base", "alice"]``."""
+    max_new_tokens: int = field(default=64, metadata=meta(
+        "max new tokens", section="Eval", min=1, max=MAX_NEW_TOKENS, help="longest completion"))
+    num_samples: int = field(default=1, metadata=meta(
+        "samples", section="Eval", min=1, max=MAX_GROUP, help="completions per prompt and model (pass@k)"))
+    temperature: float = field(default=0.0, metadata=meta(
+        "temperature", kind="float", section="Eval", min=0, max=100, help="0: greedy"))
+    top_p: float = field(default=1.0, metadata=meta(
+        "top p", kind="float", section="Eval", min=0, min_open=True, max=1, help="nucleus sampling"))
+    limit: int | None = field(default=None, metadata=meta(
+        "limit", section="Eval", min=1, max=MAX_COUNT, optional=True, null_means="every row",
+        help="the first rows only"))
+    timeout_s: float = field(default=60.0, metadata=meta(
+        "timeout", kind="float", section="Eval", min=0, min_open=True, max=86_400,
+        help="seconds the metrics may take"))
+    # fmt: on
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (its ``data`` a path or a Hub dataset's dict, as a tenant's)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if hasattr(d["data"], "to_dict"):
+            d["data"] = d["data"].to_dict()
+        d["metrics"] = list(self.metrics)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | Eval) -> Eval:
+        """Build from a dict (one of ``evals`` in ``job.json``); unknown or missing keys raise ``SpecError``."""
+        if isinstance(d, dict) and isinstance(d.get("data"), dict):
+            from mlora_lab.sources import HubDataset
+
+            d = {**d, "data": _built(HubDataset, d["data"], "eval data (a Hub dataset)")}
+        return _built(cls, d, "evals")
