@@ -307,7 +307,7 @@ def layout_worker(spec_path: str, out: str, steps: int) -> None:
     from mlora_lab.job.recorder import memory_bytes
     from mlora_lab.job.trainer import Trainer
     from mlora_lab.parallel import init_distributed, shutdown_distributed
-    from mlora_lab.spec import JobSpec
+    from mlora_lab.spec.job import JobSpec
 
     setup()
     dist = init_distributed()
@@ -394,7 +394,7 @@ def llama_layout_job(work: Path, quick: bool) -> tuple[Path, int, dict]:
     parameters, or a tiny one with ``quick``), tenants of ranks 8-64 on all seven projections, batch 4
     each, seq <= 64. Returns the job.json path, the parameter count and the model size."""
     from mlora_lab.lab.demo import task_rows, write_jsonl
-    from mlora_lab.spec import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec, Tenant
     from mlora_lab.tiny import build_tiny_model
 
     size = (

@@ -93,7 +93,7 @@ def fake_rows(n: int, tenants: int, t0: float = 1.8e9) -> list[str]:
 
 
 def make_run_dir(root: Path, tenants: int, state: str = "finished") -> Path:
-    from mlora_lab.spec import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec, Tenant
 
     root.mkdir(parents=True)
     (root / "logs").mkdir()
@@ -110,7 +110,7 @@ def make_run_dir(root: Path, tenants: int, state: str = "finished") -> Path:
 
 
 def incremental_read(quick: bool, repeats: int = 3) -> None:
-    from mlora_lab.lab.run import Run
+    from mlora_lab.lab.runs.run import Run
 
     n, chunk = (20_000 if quick else 100_000), 1_000
     rows = fake_rows(n, 10)
@@ -169,7 +169,7 @@ def _refresh_times(roots: list[Path], steps: list[str], interactive: bool):
     """Refresh times (and, interactive, the canvas render times), one refresh after each of ``steps``
     was appended to every run, as a live run does; then the system tab's render time."""
     from mlora_lab.lab.dashboard import Dashboard
-    from mlora_lab.lab.run import Run
+    from mlora_lab.lab.runs.run import Run
 
     dash = Dashboard([Run(r) for r in roots], interactive=interactive)
     dash.refresh()  # the first load of every row
@@ -220,7 +220,7 @@ def many_tenants(quick: bool) -> None:
     import resource
 
     from mlora_lab.lab.dashboard import Dashboard
-    from mlora_lab.lab.run import Run
+    from mlora_lab.lab.runs.run import Run
 
     n = 100_000 if quick else 1_000_000
     root = Path(tempfile.mkdtemp()) / "run"

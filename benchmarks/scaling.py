@@ -62,7 +62,7 @@ def build_trainer(model_dir: str, data: list[str], seq: int, total_rows: int, ma
     """A job of ``len(data)`` rank-8 tenants sharing ``total_rows`` rows per step (``max_tenants`` slots,
     max_rank 16)."""
     from mlora_lab.job.trainer import Trainer
-    from mlora_lab.spec import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec, Tenant
 
     k = len(data)
     tenants = [

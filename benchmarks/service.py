@@ -133,7 +133,7 @@ def overhead(cfg: dict, model_dir: str, repeats: int) -> dict:
     from mlora_lab.service.keys import Keys
     from mlora_lab.service.state import ServiceState
     from mlora_lab.service.work import Futures, Inbox, Kind, Work
-    from mlora_lab.spec import JobSpec
+    from mlora_lab.spec.job import JobSpec
 
     rank, tokens = cfg["rank"], cfg["tokens"]
     spec = JobSpec(

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/threads.py            # ~4 min on 2 cores
     .venv/bin/python benchmarks/threads.py --quick    # smoke test (~1 min; its numbers mean nothing)
 
-``mlora_lab.lab.launcher`` sets ``OMP_NUM_THREADS`` for the job's processes; this measures which value to set.
+``mlora_lab.lab.launch`` sets ``OMP_NUM_THREADS`` for the job's processes; this measures which value to set.
 Every case is the same small job (a Llama-style model, 2 tenants, the same global batch per step)
 started the way ``ml.launch`` starts it: ``torchrun`` on the loopback rendezvous, ``OMP_NUM_THREADS`` in
 the environment and nothing else (the worker does not call ``torch.set_num_threads``; it reports the
@@ -20,7 +20,7 @@ processes kept busy meanwhile. Cases are interleaved over ``--rounds`` rounds (A
 so drift of a shared machine hits them alike, and the table shows the median over rounds. The ratio
 that decides the rule: step time with 2 threads ÷ with 1 thread, per case.
 
-Then **what the launcher picks** (``mlora_lab.lab.threads``): the one-process job on the machine as it is
+Then **what the launcher picks** (``mlora_lab.lab.launchers.threads``): the one-process job on the machine as it is
 (idle, after waiting for quiet) and with one core kept busy by a spinning process this benchmark starts:
 in each condition the load the launcher measures (``machine_load``), the threads it gives
 (``threads_per_process``), and the step time with 1 and with 2 threads, so the table shows whether the
@@ -59,7 +59,7 @@ def worker(job: str, out: str, steps: int, budget: float) -> None:
 
     from mlora_lab.job.trainer import Trainer
     from mlora_lab.parallel import init_distributed, shutdown_distributed
-    from mlora_lab.spec import JobSpec
+    from mlora_lab.spec.job import JobSpec
 
     transformers.utils.logging.set_verbosity_error()
     dist = init_distributed()
@@ -91,7 +91,7 @@ def worker(job: str, out: str, steps: int, budget: float) -> None:
 
 def build_job(work: Path, quick: bool) -> Path:
     from mlora_lab.lab.demo import task_rows, write_jsonl
-    from mlora_lab.spec import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec, Tenant
     from mlora_lab.tiny import build_tiny_model
 
     cfg = QUICK if quick else FULL
@@ -229,7 +229,7 @@ def main() -> None:
 def rule_rows(work: Path, job: Path, steps: int, budget: float, rounds: int) -> list[list]:
     """For an idle machine and one with a core kept busy: the load the launcher measures, the threads it
     picks for a one-process job, and that job's step time with 1 and with 2 threads (median of rounds)."""
-    from mlora_lab.lab.threads import machine_load, threads_per_process
+    from mlora_lab.lab.launchers.threads import machine_load, threads_per_process
 
     out = []
     for condition in ("idle", "one core busy"):

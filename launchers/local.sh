@@ -12,14 +12,14 @@
 set -euo pipefail
 JOB="${1:?usage: launchers/local.sh job.json}"
 PY="${PYTHON:-python}"
-NPROC="$("$PY" -c 'import sys; from mlora_lab.spec import JobSpec; print(JobSpec.load(sys.argv[1]).parallel.nproc)' "$JOB")"
+NPROC="$("$PY" -c 'import sys; from mlora_lab.spec.job import JobSpec; print(JobSpec.load(sys.argv[1]).parallel.nproc)' "$JOB")"
 RUN_DIR="$("$PY" -m mlora_lab.lab.cli prepare "$JOB")"
 echo "run directory: $RUN_DIR"
 # Line 1: the job's module (mlora_lab.rundir.status.JOB_MODULE); line 2: the torchrun arguments; then
 # NAME=value lines of the loopback environment and of the torch threads per process (OMP_NUM_THREADS, as
-# ml.launch sets it: mlora_lab/lab/threads.py).
+# ml.launch sets it: mlora_lab/lab/launchers/threads.py).
 RDZV="$("$PY" -c 'import sys; from mlora_lab.rendezvous import loopback_env, single_node_torchrun_args
-from mlora_lab.lab.threads import thread_env
+from mlora_lab.lab.launchers.threads import thread_env
 from mlora_lab.rundir.status import JOB_MODULE
 print(JOB_MODULE)
 print(*single_node_torchrun_args(int(sys.argv[1])))

@@ -19,7 +19,7 @@ RUN_DIR="${1:?usage: RDZV_ENDPOINT=host:port launchers/multinode.sh RUN_DIR [--r
 shift
 PY="${PYTHON:-python}"
 ENDPOINT="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the rendezvous}"
-read -r JOB_NNODES JOB_NPROC JOB_MODULE < <("$PY" -c 'import sys; from mlora_lab.spec import JobSpec
+read -r JOB_NNODES JOB_NPROC JOB_MODULE < <("$PY" -c 'import sys; from mlora_lab.spec.job import JobSpec
 from mlora_lab.rundir.status import JOB_MODULE
 p = JobSpec.load(sys.argv[1] + "/job.json").parallel; print(p.nnodes, p.nproc, JOB_MODULE)' "$RUN_DIR")
 exec "$PY" -m torch.distributed.run \
