@@ -46,9 +46,9 @@ from mlora_lab import hub
 from mlora_lab.bases import GGUFBaseError, is_gguf, resolve_base
 from mlora_lab.lab.launchers.liveness import Liveness, kill_job
 from mlora_lab.lab.launchers.threads import omp_threads, thread_env
+from mlora_lab.lab.records.logs import LAUNCHER_LOG
 from mlora_lab.lab.runs import tenant_data
 from mlora_lab.lab.runs.attach import handle_for
-from mlora_lab.lab.runs.logs import LAUNCHER_LOG
 from mlora_lab.lab.runs.run import DEFAULT_WORKDIR, Run
 from mlora_lab.lab.runs.served import ServedRun
 from mlora_lab.lab.slurm import cluster as slurm_cmd  # (`slurm` is launch()'s options argument)

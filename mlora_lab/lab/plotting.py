@@ -1,5 +1,5 @@
 """How the lab draws: one module for the dashboard and for ``ml.compare`` / ``plot_losses`` (the data they
-draw is :mod:`mlora_lab.lab.series`).
+draw is :mod:`mlora_lab.lab.records.series`).
 
 Drawing helpers, shared so that a plot looks the same wherever it is made:
 
@@ -11,7 +11,7 @@ Drawing helpers, shared so that a plot looks the same wherever it is made:
 - :func:`ema` / :class:`Ema`: TensorBoard's bias-corrected smoothing, whole or incremental;
 - :func:`thin`: at most ``max_points`` per line, keeping each bucket's min and max (spikes stay);
 - :func:`with_breaks` / :func:`thin_with_breaks`: lines never join points across a stop → resume gap
-  (:func:`~mlora_lab.lab.series.gap_breaks` finds them);
+  (:func:`~mlora_lab.lab.records.series.gap_breaks` finds them);
 - :func:`style_axes`, :func:`set_log_y`, :func:`robust_ylim`, :func:`placeholder`, :func:`fit_layout`:
   grid on linear and log axes, readable log ticks on narrow ranges, y-limits that ignore outliers,
   a "waiting…" text instead of empty ticks, margins measured so that no label is clipped;
@@ -72,7 +72,7 @@ X_LABELS = {
     "wall time": "wall time",
     "relative time": "seconds since the run started",
 }
-"""The label of each x axis (:data:`~mlora_lab.lab.series.X_AXES`)."""
+"""The label of each x axis (:data:`~mlora_lab.lab.records.series.X_AXES`)."""
 FEW_POINTS = 25
 """A series with at most this many points is drawn with markers: a single point is a dot, not nothing."""
 

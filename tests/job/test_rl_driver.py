@@ -599,7 +599,7 @@ def test_a_tenant_that_trains_on_nothing_is_warned_and_what_its_rewards_logged_i
     tenant (once a streak), never silence. Each reward function's mean and std (TRL's ``rewards/<fn>/mean``),
     what the functions logged with ``log_metric`` and ``log_extra`` are in the rows (R19)."""
     from mlora_lab.job.drivers.rl import FLAT_GENERATIONS
-    from mlora_lab.lab.series import rows_frame
+    from mlora_lab.lab.records.series import rows_frame
     from mlora_lab.rundir import Row
 
     rewards = reward_file(tmp_path)

@@ -206,7 +206,7 @@ def test_a_diverging_trial_fails_alone_frees_its_slot_and_is_never_the_best(
     assert "non-finite update" in trials[0]["reason"] and "lr=1e+38" in trials[0]["reason"]
     rows = _trial_rows(tr, "trial-000", "tenant")
     assert rows[-1]["state"] == "failed" and "non-finite update" in rows[-1]["reason"]
-    from mlora_lab.lab.runs import trials as lab_trials
+    from mlora_lab.lab.records import trials as lab_trials
 
     table, best = lab_trials.results(RunDir(tmp_path / "run")), lab_trials.best(RunDir(tmp_path / "run"))
     assert best["trial"] in (2, 3) and table.iloc[0].trial == best["trial"]
@@ -216,7 +216,7 @@ def test_a_diverging_trial_fails_alone_frees_its_slot_and_is_never_the_best(
 def test_results_of_a_grid_too_large_say_so(base_tenant, tmp_path):
     """results() of a run whose sweep.json holds a 4.2e10-point grid (written by hand) died with a bare
     MemoryError; it says what is wrong with the file."""
-    from mlora_lab.lab.runs import trials as lab_trials
+    from mlora_lab.lab.records import trials as lab_trials
     from mlora_lab.rundir import RunDirError
 
     space = {f: choice(*range(1, 1001)) for f in ("seed", "warmup_steps", "batch_size")}

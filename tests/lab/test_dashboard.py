@@ -23,8 +23,8 @@ from mlora_lab.lab import plotting
 from mlora_lab.lab.dashboard import Dashboard
 from mlora_lab.lab.dashboard.table import COLUMNS
 from mlora_lab.lab.plotting import PALETTE, Ema, ema, series_colour, thin, thin_with_breaks
+from mlora_lab.lab.records.series import gap_breaks
 from mlora_lab.lab.runs.run import Run
-from mlora_lab.lab.series import gap_breaks
 from mlora_lab.rundir import (
     EvalRow,
     EventKind,

@@ -1031,7 +1031,7 @@ def test_rows_frame_keeps_row_order_kinds_and_types(tmp_path):
     """The lab's DataFrame of typed rows: the rows in file order across kinds, ``kind`` first and each
     kind's fields in order (kinds as they first appear), NaN where a kind lacks a field or a float was
     not finite (null), enums as their text, ints kept as ints when every value is one."""
-    from mlora_lab.lab.series import rows_frame
+    from mlora_lab.lab.records.series import rows_frame
 
     path = tmp_path / "metrics.jsonl"
     written = [
@@ -1097,7 +1097,7 @@ def test_rows_frame_keeps_row_order_kinds_and_types(tmp_path):
 def test_completion_rows_round_trip_and_sit_beside_the_others_in_a_frame(tmp_path):
     """An RL tenant's sampled completions (a row kind of their own) are written, read back typed, and kept
     apart from the train rows in a frame (a reader that does not know them skips nothing else)."""
-    from mlora_lab.lab.series import rows_frame
+    from mlora_lab.lab.records.series import rows_frame
 
     path = tmp_path / "metrics.jsonl"
     sample = CompletionRow(

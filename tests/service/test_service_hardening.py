@@ -456,7 +456,7 @@ def test_each_keys_tokens_and_busy_seconds_are_metered_per_tenant(llama_path):
     (forward), the tokens sampled and the requests, and share each step's and generation's time out over
     them; the totals go into the job's checkpoints and come back."""
     from mlora_lab.job.metering import Meter
-    from mlora_lab.lab.runs.usage import latest_usage, usage_cell, usage_table
+    from mlora_lab.lab.records.usage import latest_usage, usage_cell, usage_table
     from mlora_lab.rundir import Row
 
     served = Served(llama_path, max_tenants=3)

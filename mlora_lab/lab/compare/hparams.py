@@ -1,7 +1,7 @@
 """Hyperparameters next to results, for sweeps: :func:`hparams` draws every tenant of some runs as a
 point per setting (a scatter panel each) or as a line across the settings (parallel coordinates), its
 y the best value of a metric it reached, read from :func:`~mlora_lab.lab.compare.results.summary` and a sweep's
-record of the settings each trial was given (:mod:`mlora_lab.lab.runs.trials`).
+record of the settings each trial was given (:mod:`mlora_lab.lab.records.trials`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from mlora_lab.lab.plotting import (
     set_log_x,
     style_axes,
 )
+from mlora_lab.lab.records.series import RunSeries
+from mlora_lab.lab.records.trials import results
 from mlora_lab.lab.runs.attach import RunLike, as_runs
 from mlora_lab.lab.runs.run import Run
-from mlora_lab.lab.runs.trials import results
-from mlora_lab.lab.series import RunSeries
 from mlora_lab.rundir import RunDirError
 
 HPARAMS = (

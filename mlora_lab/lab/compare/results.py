@@ -38,10 +38,10 @@ from mlora_lab.lab.plotting import (
     style_axes,
     thin_with_breaks,
 )
+from mlora_lab.lab.records.series import METRICS, RL_METRICS, X_AXES, RunSeries, to_datetimes
+from mlora_lab.lab.records.usage import latest_usage, usage_totals
 from mlora_lab.lab.runs.attach import RunLike, as_runs
 from mlora_lab.lab.runs.run import DEFAULT_WORKDIR, Run
-from mlora_lab.lab.runs.usage import latest_usage, usage_totals
-from mlora_lab.lab.series import METRICS, RL_METRICS, X_AXES, RunSeries, to_datetimes
 from mlora_lab.lab.tables import FittedFrame, Shown, cut, decimals, general, minute, missing, whole
 from mlora_lab.rundir import (
     EvalMetricRow,
@@ -98,7 +98,7 @@ BROKEN = "broken"
 """The state :func:`runs` lists a run in whose files cannot be read (no run is ever in it)."""
 
 USAGE_SHOWN = ("tokens_trained", "tokens_sampled", "busy_s")
-"""A served run's usage totals in the runs table (:mod:`mlora_lab.lab.runs.usage`; ``svc.usage()`` has them all)."""
+"""A served run's usage totals in the runs table (:mod:`mlora_lab.lab.records.usage`; ``svc.usage()`` has them all)."""
 RUNS_COLUMNS = [
     "run",
     "name",
@@ -419,7 +419,7 @@ def compare(
 
     ``metric`` is one of ``loss``, ``eval_loss``, ``lr``, ``grad_norm``, ``tokens``, an evaluation's score
     ``eval/<name>/<metric>`` (``JobSpec.evals``; the base model is drawn too, as ``base``), or what RL tenants
-    log (:data:`~mlora_lab.lab.series.RL_METRICS`: ``reward``, ``reward_std``, ``completion_len``, ``kl``,
+    log (:data:`~mlora_lab.lab.records.series.RL_METRICS`: ``reward``, ``reward_std``, ``completion_len``, ``kl``,
     ``clip_ratio``; SFT tenants have none and are not drawn for them); ``x`` one of
     ``tenant step`` (default), ``global step``, ``tokens`` (the tenant's target tokens seen so far),
     ``wall time``, ``relative time`` (seconds since the run's first row); ``tenants`` limits the
@@ -469,7 +469,7 @@ def _overlay(
 ) -> list[str]:
     """Draw ``metric`` of every (run, tenant) on ``ax`` (and, ``with_eval``, the eval loss as dots);
     returns the names of the runs that had no value to draw. Colours are the tenants' own
-    (:meth:`~mlora_lab.lab.series.RunSeries.colour`), each run has its line style, labels are
+    (:meth:`~mlora_lab.lab.records.series.RunSeries.colour`), each run has its line style, labels are
     ``run / tenant`` with the run's title (:func:`~mlora_lab.lab.plotting.run_titles`)."""
     taken: dict[str, Path] = {}
     feeds = [RunSeries(run.dir, run_name(run.path, taken)) for run in runs]

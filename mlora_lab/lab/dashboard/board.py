@@ -50,7 +50,7 @@ from mlora_lab.lab.dashboard.progress import TenantProgress, header_html
 from mlora_lab.lab.dashboard.refresher import Refresher
 from mlora_lab.lab.dashboard.table import RunsTable
 from mlora_lab.lab.plotting import DISPLAY_DPI, DRAWING, figure_png, fit_layout, series_label
-from mlora_lab.lab.series import X_AXES, RunSeries
+from mlora_lab.lab.records.series import X_AXES, RunSeries
 from mlora_lab.rundir import RunDir, control, name_problem
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import ipywidgets as W
 
 from mlora_lab.lab.dashboard.model import Key
 from mlora_lab.lab.plotting import shorten
-from mlora_lab.lab.series import X_AXES
+from mlora_lab.lab.records.series import X_AXES
 
 ENDED_ICONS = {"finished": "check", "stopped": "stop", "failed": "times", "lost": "question"}
 """The Stop button's icon once the runs shown have ended, by how they ended."""

@@ -43,7 +43,7 @@ from mlora_lab.lab.plotting import (
     style_axes,
     thin_with_breaks,
 )
-from mlora_lab.lab.series import RunSeries
+from mlora_lab.lab.records.series import RunSeries
 
 RED, AMBER, GREEN, GREY, INK = "#c0392b", "#b9770e", "#27ae60", "#7f8c8d", "#2c3e50"
 CSS_STYLES = {"-": "solid", "--": "dashed", ":": "dotted", "-.": "dashed"}
@@ -266,7 +266,7 @@ class Panel:
                 event.canvas.draw_idle()
 
     def set_x(self, x: str) -> None:
-        """Label and tick the x axes for one of :data:`~mlora_lab.lab.series.X_AXES`."""
+        """Label and tick the x axes for one of :data:`~mlora_lab.lab.records.series.X_AXES`."""
         for ax in self.fig.axes:
             set_x_axis(ax, x)
 

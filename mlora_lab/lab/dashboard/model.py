@@ -3,7 +3,7 @@ tenants' recent samples.
 
 :class:`ViewModel` polls run directories only: each run's :class:`~mlora_lab.lab.launchers.liveness.Liveness`
 (reconciled, so a job that died unseen is recorded as failed or lost), its metrics through a
-:class:`~mlora_lab.lab.series.RunSeries`, and its labels. The widgets (:mod:`.board`) read it; it can
+:class:`~mlora_lab.lab.records.series.RunSeries`, and its labels. The widgets (:mod:`.board`) read it; it can
 be driven and tested without ipywidgets.
 """
 
@@ -23,8 +23,8 @@ import pandas as pd
 
 from mlora_lab.lab.launchers.liveness import Liveness, Verdict
 from mlora_lab.lab.plotting import cut_note, run_name, run_titles
-from mlora_lab.lab.runs.logs import read_log
-from mlora_lab.lab.series import RunSeries, TenantSeries, rows_frame
+from mlora_lab.lab.records.logs import read_log
+from mlora_lab.lab.records.series import RunSeries, TenantSeries, rows_frame
 from mlora_lab.rundir import (
     EvalRow,
     RunDirError,

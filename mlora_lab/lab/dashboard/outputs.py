@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 
 from mlora_lab.lab.dashboard.figures import RED
 from mlora_lab.lab.plotting import figure_png, figure_svg, fit_layout
-from mlora_lab.lab.runs.logs import log_files, tail_lines
+from mlora_lab.lab.records.logs import log_files, tail_lines
 from mlora_lab.lab.tables import spreadsheet_csv
 from mlora_lab.rundir import RunDir, atomic_write_bytes
 

@@ -12,7 +12,7 @@ import numpy as np
 from mlora_lab.lab.dashboard.figures import AMBER, GREEN, GREY, INK, RED
 from mlora_lab.lab.dashboard.model import RunView, TenantShown, Unreadable
 from mlora_lab.lab.plotting import shorten
-from mlora_lab.lab.series import TenantSeries
+from mlora_lab.lab.records.series import TenantSeries
 from mlora_lab.rundir import RunState, TenantState
 
 STATE_COLOURS: dict[RunState | TenantState | Unreadable, str] = {

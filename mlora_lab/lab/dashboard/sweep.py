@@ -1,5 +1,5 @@
 """A search's view: the run's dashboard, the trials table, and config → objective panels
-(``sweep.dashboard()``). Reads the run directory only (:mod:`mlora_lab.lab.runs.trials`)."""
+(``sweep.dashboard()``). Reads the run directory only (:mod:`mlora_lab.lab.records.trials`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from mlora_lab.lab.dashboard.figures import RED
 from mlora_lab.lab.launchers.liveness import Liveness
 from mlora_lab.lab.plotting import drawable, figure_png, plain, set_categories, set_log_x
-from mlora_lab.lab.runs import trials
+from mlora_lab.lab.records import trials
 from mlora_lab.rundir import RunDirError
 from mlora_lab.text import error_line
 
@@ -27,7 +27,7 @@ LOG_SETTINGS = frozenset({"lr"})
 
 
 def trials_html(run: Any) -> str:
-    """The trials table (:func:`mlora_lab.lab.runs.trials.results`, without the adapter paths) as HTML."""
+    """The trials table (:func:`mlora_lab.lab.records.trials.results`, without the adapter paths) as HTML."""
     try:
         table = trials.results(Liveness.of(run).dir).drop(columns=["adapter"], errors="ignore")
     except RunDirError as e:

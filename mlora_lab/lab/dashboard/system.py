@@ -23,7 +23,7 @@ from mlora_lab.lab.plotting import (
     style_axes,
     thin_with_breaks,
 )
-from mlora_lab.lab.series import TIME_AXES, gap_breaks
+from mlora_lab.lab.records.series import TIME_AXES, gap_breaks
 
 MAX_BARS = 20
 """The tenant memory panel shows the biggest this many tenants."""

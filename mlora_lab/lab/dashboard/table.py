@@ -14,8 +14,8 @@ import ipywidgets as W
 from mlora_lab.lab.dashboard.model import RunView
 from mlora_lab.lab.dashboard.progress import run_state_html
 from mlora_lab.lab.plotting import shorten
-from mlora_lab.lab.runs.usage import usage_cell
-from mlora_lab.lab.series import RunSeries
+from mlora_lab.lab.records.series import RunSeries
+from mlora_lab.lab.records.usage import usage_cell
 
 SORT_KEYS = ("started", "run", "state", "global step", "best loss (smoothed)", "tenants")
 STATE_CHOICES = ["any state", "running", "finished", "failed", "stopped", "lost", "starting"]

@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from mlora_lab.lab.runs.logs import read_log
+from mlora_lab.lab.records.logs import read_log
 from mlora_lab.lab.slurm import cluster as slurm
 from mlora_lab.rundir import RunDir, RunDirError, RunState, Status, control, read_status, update_status
 from mlora_lab.rundir.status import JOB_MODULE, is_job_command

@@ -25,9 +25,9 @@ from typing import Any
 import pandas as pd
 
 from mlora_lab.lab.launchers.liveness import Liveness
+from mlora_lab.lab.records.logs import read_log
+from mlora_lab.lab.records.series import rows_frame
 from mlora_lab.lab.runs import tenant_data
-from mlora_lab.lab.runs.logs import read_log
-from mlora_lab.lab.series import rows_frame
 from mlora_lab.lab.slurm.cluster import SlurmJob
 from mlora_lab.rundir import (
     ControlError,

@@ -19,8 +19,8 @@ from typing import Any
 
 import pandas as pd
 
+from mlora_lab.lab.records.usage import latest_usage, usage_table
 from mlora_lab.lab.runs.run import Run
-from mlora_lab.lab.runs.usage import latest_usage, usage_table
 from mlora_lab.rundir import RunState
 from mlora_lab.rundir import service as files
 from mlora_lab.rundir.files import name_problem
@@ -134,7 +134,7 @@ class ServedRun(Run):
         """What the clients' requests have cost the job so far: per API key and tenant (``by="tenant"``;
         tenant ``None``: samples of the base model) or per key (``by="key"``): ``tokens_trained``,
         ``tokens_forward``, ``tokens_sampled``, ``busy_s`` (the job's seconds, each step's shared out over
-        its tenants by their tokens) and ``requests``, most busy first (:mod:`mlora_lab.lab.runs.usage`)."""
+        its tenants by their tokens) and ``requests``, most busy first (:mod:`mlora_lab.lab.records.usage`)."""
         return usage_table(latest_usage(self.typed_rows()), by=by)
 
     def tenant_of(self, model_id: str) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from mlora_lab.lab.runs import trials
+from mlora_lab.lab.records import trials
 from mlora_lab.lab.runs.run import Run
 from mlora_lab.search import Search, Sweep
 
@@ -16,7 +16,7 @@ class SweepRun(Run):
     """A :class:`~mlora_lab.lab.runs.run.Run` whose job runs a search: the trials, their results and the best.
 
     The decisions are the job's; this side only reads ``sweep.json`` and ``search.json``
-    (:mod:`mlora_lab.lab.runs.trials`)."""
+    (:mod:`mlora_lab.lab.records.trials`)."""
 
     @property
     def sweep(self) -> Sweep:
@@ -32,7 +32,7 @@ class SweepRun(Run):
         return trials.trial_name(self.sweep, trial_id)
 
     def results(self) -> pd.DataFrame:
-        """One row per trial, best first (:func:`mlora_lab.lab.runs.trials.results`): ``trial``, ``tenant``,
+        """One row per trial, best first (:func:`mlora_lab.lab.records.trials.results`): ``trial``, ``tenant``,
         ``state``, one column per searched setting, ``steps``, ``rung``, ``objective``, ``best``,
         ``parent``, ``reason`` and ``adapter``."""
         return trials.results(self.dir)

@@ -1,0 +1,1 @@
+"""What a run directory records, read for the lab: the logs, the series the plots draw, a search's trials and a served job's usage. Below the handles, the launchers and the dashboard, which all read them."""
