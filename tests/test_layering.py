@@ -10,8 +10,10 @@ the test fails on:
   (the notebook and CLI process) importing ``job/``: the two meet only in the run directory;
 * the engine (``lora/``, ``parallel/``, ``data``, ``optim``, ``memory``, ``sampling``, ``rl/``) importing
   ``validate/``, ``job/`` or ``lab/``;
-* torch in the light contract (``spec``, ``specbase``, ``specparts``, ``text``, ``sources``, ``search``,
-  ``rundir`` but its tensor codec), which the notebook side reads without loading torch;
+* torch in the light contract (``spec/``, ``text``, ``sources``, ``search``, ``rundir`` but its tensor
+  codec), which the notebook side reads without loading torch;
+* a room of the lab importing a room of the lab that :data:`LAB_ROOMS` does not let it (the lab's own
+  walls: a room imports only rooms below it);
 * a private name (``_x``) imported from another module;
 * a module over 800 lines or a class over 450.
 
@@ -45,10 +47,7 @@ ENGINE = (
     "mlora_lab.rl",
 )
 LIGHT = (
-    "mlora_lab.spec.job",
-    "mlora_lab.spec.fields",
-    "mlora_lab.spec.parts",
-    "mlora_lab.spec.outline",
+    "mlora_lab.spec",
     "mlora_lab.text",
     "mlora_lab.sources",
     "mlora_lab.search",
@@ -57,6 +56,39 @@ LIGHT = (
 LIGHT_EXCEPT = ("mlora_lab.rundir.checkpoint",)  # the tensor codec of checkpoints: safetensors, torch
 JOB_SIDE = ("mlora_lab.job", "mlora_lab.service")  # processes started by torchrun
 NOTEBOOK_LIBRARIES = ("pandas", "matplotlib", "ipywidgets", "ipympl", "IPython")
+
+
+LAB_ROOMS: dict[str, tuple[str, ...]] = {
+    # room of mlora_lab.lab -> the rooms of the lab it may import, bottom up (each only rooms above it here)
+    "tables": (),  # DataFrames that show themselves fitted
+    "plotting": (),  # how the lab draws
+    "exports": (),  # adapters out: merged, GGUF, the Hub
+    "slurm": (),  # what mlora_lab knows of Slurm: options, batch script, sbatch's reading, Slurm's answers
+    "records": ("plotting",),  # what a run directory records: logs, series, trials, usage
+    "launchers": ("records", "slurm"),  # the launcher seam, its engines (local, Slurm, Ray), liveness
+    "dashboard": ("tables", "plotting", "exports", "records", "launchers"),  # the live view
+    "runs": ("tables", "exports", "records", "launchers", "dashboard"),  # the handles: Run, ServedRun, ...
+    "launch": ("records", "launchers", "runs"),  # ml.launch / resume / serve, by launcher name
+    "sweeps": ("records", "launchers", "runs", "launch"),  # ml.sweep
+    "evals": ("tables", "plotting", "records", "runs"),  # ml.evaluate, Evaluation, the eval table
+    "compare": ("tables", "plotting", "records", "dashboard", "runs", "evals"),  # runs, summary, hparams, ...
+    "forms": ("records", "runs", "launch"),  # TenantForm, JobBuilder
+    "demo": (),  # mlora-lab demo's model and data
+    "cli": (
+        "tables",
+        "exports",
+        "records",
+        "launchers",
+        "runs",
+        "launch",
+        "sweeps",
+        "evals",
+        "compare",
+        "demo",
+    ),
+}
+"""The lab's rooms and what each may import of the others. The two crossings that go down are calls made
+inside a function: ``Run.dashboard()`` (a handle opens its board) and ``SweepRun.dashboard()``."""
 
 
 def module_name(path: Path) -> str:
@@ -185,6 +217,26 @@ def test_the_rooms_are_where_the_guide_says():
 DRIVERS = ("mlora_lab.job.drivers.files", "mlora_lab.job.drivers.rl", "mlora_lab.job.drivers.tinker")
 """The drivers, each a module or a package: none imports another (the job's list composes them,
 ``mlora_lab.job.drivers.default``); they share only the seam, ``mlora_lab.job.drivers.base``."""
+
+
+def lab_room(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["mlora_lab", "lab"] else None
+
+
+def test_every_module_of_the_lab_is_in_a_named_room():
+    loose = sorted({room for m in modules() if (room := lab_room(m)) and room not in LAB_ROOMS})
+    assert loose == [], f"rooms of the lab that LAB_ROOMS does not name: {loose}"
+
+
+def test_the_rooms_of_the_lab_import_only_the_rooms_below_them():
+    def rule(name: str, target: str, names: tuple) -> str | None:
+        mine, theirs = lab_room(name), lab_room(target)
+        if mine and theirs and mine != theirs and theirs not in LAB_ROOMS.get(mine, ()):
+            return f"lab.{mine} imports lab.{theirs} ({target})"
+        return None
+
+    assert violations(rule) == []
 
 
 def test_drivers_never_import_each_other():
