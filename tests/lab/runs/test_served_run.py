@@ -11,9 +11,10 @@ import pytest
 tinker = pytest.importorskip("tinker")
 
 from mlora_lab.lab.runs.served import service_client  # noqa: E402
-from mlora_lab.service import app, wire  # noqa: E402
+from mlora_lab.service import wire  # noqa: E402
 from mlora_lab.service.app import Server  # noqa: E402
 from mlora_lab.service.keys import Keys  # noqa: E402
+from mlora_lab.service.routes import sessions  # noqa: E402
 from mlora_lab.service.state import ServiceState  # noqa: E402
 from mlora_lab.service.work import Futures, Inbox, Kind, Result  # noqa: E402
 
@@ -25,13 +26,14 @@ def job(monkeypatch):
     """A service on loopback whose loop only creates models (a thread plays it), counting the telemetry
     batches it is sent."""
     sent: list[bytes] = []
-    route = app.telemetry
+    route = sessions.telemetry
 
     async def telemetry(request, state, owner):
         sent.append(await request.body())
         return await route(request, state, owner)
 
-    monkeypatch.setattr(app, "telemetry", telemetry)  # (before the app is made: its route takes this one)
+    # (before the app is made: its route takes this one)
+    monkeypatch.setattr(sessions, "telemetry", telemetry)
     keys = Keys()
     key = keys.add("owner")
     state = ServiceState(Inbox(), Futures(), keys, BASE, wire.Limits(vocab_size=100, max_tokens=32))
