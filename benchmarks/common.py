@@ -394,7 +394,8 @@ def llama_layout_job(work: Path, quick: bool) -> tuple[Path, int, dict]:
     parameters, or a tiny one with ``quick``), tenants of ranks 8-64 on all seven projections, batch 4
     each, seq <= 64. Returns the job.json path, the parameter count and the model size."""
     from mlora_lab.lab.demo import task_rows, write_jsonl
-    from mlora_lab.spec.job import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec
+    from mlora_lab.spec.tenant import Tenant
     from mlora_lab.tiny import build_tiny_model
 
     size = (

@@ -52,7 +52,8 @@ LR = 1e-4
 
 def worker_mlora(p: dict) -> dict:
     from mlora_lab.job.trainer import Trainer
-    from mlora_lab.spec.job import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec
+    from mlora_lab.spec.tenant import Tenant
 
     rss_imported = common.rss_bytes()
     b0, c0, t0 = common.machine_busy_seconds(), time.process_time(), time.perf_counter()

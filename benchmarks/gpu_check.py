@@ -255,7 +255,8 @@ def part_g1(cfg: dict, work: Path) -> dict:
 
     from mlora_lab.data import load_examples
     from mlora_lab.job.trainer import Trainer
-    from mlora_lab.spec.job import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec
+    from mlora_lab.spec.tenant import Tenant
 
     base = build_base(cfg, work)
     rows, seq = cfg["rows"], cfg["seq"]
@@ -424,7 +425,8 @@ def part_quantized(cfg: dict, work: Path) -> dict:
     from mlora_lab import quant
     from mlora_lab.data import load_examples
     from mlora_lab.job.trainer import Trainer
-    from mlora_lab.spec.job import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec
+    from mlora_lab.spec.tenant import Tenant
 
     if not quant.available():
         raise RuntimeError("bitsandbytes is not installed (scripts/gpu_wheels.py gathers it)")

@@ -93,7 +93,8 @@ def fake_rows(n: int, tenants: int, t0: float = 1.8e9) -> list[str]:
 
 
 def make_run_dir(root: Path, tenants: int, state: str = "finished") -> Path:
-    from mlora_lab.spec.job import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec
+    from mlora_lab.spec.tenant import Tenant
 
     root.mkdir(parents=True)
     (root / "logs").mkdir()

@@ -66,7 +66,8 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (2, 1, 2), (2, 2, 1), (2, 2, 2)]  # (world, fsd
 
 def memory(model_dir: str, cfg: dict, work: Path) -> float:
     from mlora_lab.lab.demo import task_rows, write_jsonl
-    from mlora_lab.spec.job import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec
+    from mlora_lab.spec.tenant import Tenant
 
     tenants = [
         Tenant(name=f"t{i}", data=write_jsonl(work / f"t{i}.jsonl", task_rows(task, 64, seed=i)), rank=r,

@@ -204,7 +204,8 @@ def main() -> None:
     from mlora_lab.bases import real_model_path, resolve_base
     from mlora_lab.data import collate, load_examples
     from mlora_lab.job.trainer import Trainer
-    from mlora_lab.spec.job import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec
+    from mlora_lab.spec.tenant import Tenant
 
     if not quant.available():
         sys.exit("bitsandbytes is not installed: pip install 'mlora_lab[quant]'")

@@ -206,7 +206,8 @@ record_batches.label = ""
 
 
 def job_spec(p: dict, **overrides):
-    from mlora_lab.spec.job import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec
+    from mlora_lab.spec.tenant import Tenant
 
     tenants = [
         Tenant(name=f"t{i}", data=path, rank=RANK, alpha=ALPHA, target_modules=TARGETS, lr=LR,

@@ -164,8 +164,9 @@ def step_times(start: float, stamps: list[float]) -> list[float]:
 def worker_mlora(p: dict) -> dict:
     from mlora_lab.job.trainer import Trainer
     from mlora_lab.rundir import RowKind
-    from mlora_lab.spec.job import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec
     from mlora_lab.spec.parts import RL
+    from mlora_lab.spec.tenant import Tenant
 
     rss_imported = common.rss_bytes()
     with PeakRSS() as mem:

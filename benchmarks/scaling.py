@@ -62,7 +62,8 @@ def build_trainer(model_dir: str, data: list[str], seq: int, total_rows: int, ma
     """A job of ``len(data)`` rank-8 tenants sharing ``total_rows`` rows per step (``max_tenants`` slots,
     max_rank 16)."""
     from mlora_lab.job.trainer import Trainer
-    from mlora_lab.spec.job import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec
+    from mlora_lab.spec.tenant import Tenant
 
     k = len(data)
     tenants = [

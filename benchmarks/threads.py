@@ -91,7 +91,8 @@ def worker(job: str, out: str, steps: int, budget: float) -> None:
 
 def build_job(work: Path, quick: bool) -> Path:
     from mlora_lab.lab.demo import task_rows, write_jsonl
-    from mlora_lab.spec.job import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec
+    from mlora_lab.spec.tenant import Tenant
     from mlora_lab.tiny import build_tiny_model
 
     cfg = QUICK if quick else FULL

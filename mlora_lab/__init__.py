@@ -49,7 +49,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "SpecError": "mlora_lab.spec.fields",
     "Sweep": "mlora_lab.search",
     "SweepRun": "mlora_lab.lab.runs.sweep",
-    "Tenant": "mlora_lab.spec.job",
+    "Tenant": "mlora_lab.spec.tenant",
     "TenantForm": "mlora_lab.lab.forms.builders",
     "attach": "mlora_lab.lab.runs.attach",
     "choice": "mlora_lab.search",
@@ -103,8 +103,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         uniform,
     )
     from mlora_lab.spec.fields import SpecError  # noqa: F401
-    from mlora_lab.spec.job import JobSpec, Tenant  # noqa: F401
+    from mlora_lab.spec.job import JobSpec  # noqa: F401
     from mlora_lab.spec.parts import RL, Eval, Parallel, Service  # noqa: F401
+    from mlora_lab.spec.tenant import Tenant  # noqa: F401
     from mlora_lab.trackers import report  # noqa: F401
 
 

@@ -1,6 +1,6 @@
 """Where a tenant's rows come from: files and in-memory sources, each read as rows of plain JSON values.
 
-A tenant's ``data`` (and ``eval_data``) is one of::
+A tenant's ``data`` (and ``heldout_data``) is one of::
 
     "train.jsonl"           JSON Lines: one object per line
     "train.json"            a JSON array of objects (pandas ``df.to_json(path, orient="records")``), or JSON
@@ -70,7 +70,7 @@ _MAX_DEPTH = 64  # a cell nested deeper than this is refused (no RecursionError 
 
 @dataclass(frozen=True)
 class HubDataset:
-    """A split of a dataset on the Hub, as a tenant's ``data`` or ``eval_data``:
+    """A split of a dataset on the Hub, as a tenant's ``data`` or ``heldout_data``:
     ``datasets.load_dataset(repo_id, config, split=split, revision=revision)``.
 
     It is read once, in the notebook's process, by validation (a download into ``datasets``' cache, with its

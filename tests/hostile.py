@@ -181,7 +181,7 @@ def hostile_tenants(
         ("data", "/nonexistent/x.jsonl"), ("data", files["a_dir"]), ("data", "x\x00y"), ("data", "\ud800"),
         ("data", files["not_utf8"]), ("data", files["surrogate"]), ("data", files["not_json"]),
         ("data", files["empty"]), ("data", files["wrong_shape"]), ("data", files["no_targets"]),
-        ("data", files["fifo"]), ("eval_data", files["no_targets"]), ("eval_data", "/dev/zero"),
+        ("data", files["fifo"]), ("heldout_data", files["no_targets"]), ("heldout_data", "/dev/zero"),
         ("init_adapter", files["adapter_garbage_config"]), ("init_adapter", files["adapter_no_weights"]),
         ("init_adapter", files["adapter_truncated"]), ("init_adapter", files["adapter_pickle"]),
         ("init_adapter", files["adapter_other_base"]), ("init_adapter", files["adapter_wrong_keys"]),

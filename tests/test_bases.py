@@ -17,7 +17,8 @@ import transformers
 
 from mlora_lab import bases
 from mlora_lab.bases import GGUFBaseError, gguf_file, is_gguf, resolve_base
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.tiny import CHAT_TEMPLATE
 from mlora_lab.validate import model_target_names
 from mlora_lab.validate import problems as spec_problems

@@ -33,7 +33,8 @@ from hub_server import HubServer, Repo, SilentHub, closed_port, repo_from_folder
 
 import mlora_lab as ml
 from mlora_lab.job.trainer import Trainer
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.validate import problems
 
 TOKEN = "hf_loopback_token"
@@ -273,11 +274,11 @@ def test_a_hub_dataset_trains_as_the_same_rows_from_a_file(hub, tmp_path):
     same = write_jsonl(tmp_path / "rows.jsonl", task_rows("reverse", 8))
     settings = dict(rank=4, alpha=8, target_modules=["q_proj", "v_proj"], lr=5e-3, batch_size=2, max_steps=3)
 
-    def trained(train, eval_data):
+    def trained(train, heldout_data):
         spec = JobSpec(
             base_model=hub.base,
             seq_len=32,
-            tenants=[Tenant(name="a", data=train, eval_data=eval_data, **settings)],
+            tenants=[Tenant(name="a", data=train, heldout_data=heldout_data, **settings)],
         )
         assert messages(spec) == []
         trainer = Trainer(spec)

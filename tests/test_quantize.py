@@ -20,8 +20,9 @@ from mlora_lab.data import load_examples
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.reference import train_peft
 from mlora_lab.spec.fields import SpecError
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.parts import Parallel
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS
 from mlora_lab.validate import check, problems
 

@@ -220,15 +220,15 @@ def test_validation_reports_every_problem_of_every_in_memory_source_at_once(llam
     spec = ml.JobSpec(
         base_model=llama_path,
         tenants=[
-            ml.Tenant(name="good", data=good, eval_data=list(PLAIN)),
-            ml.Tenant(name="bad", data=bad, eval_data=[{"prompt": "p"}]),
+            ml.Tenant(name="good", data=good, heldout_data=list(PLAIN)),
+            ml.Tenant(name="bad", data=bad, heldout_data=[{"prompt": "p"}]),
         ],
     )
     found = [str(p) for p in problems(spec)]
     assert found == [
         "tenant 'bad': data: DataFrame row 1: 'text' must be a string",
         "tenant 'bad': data: DataFrame row 2: row has none of 'text', 'prompt'+'completion', 'messages'",
-        "tenant 'bad': eval_data: list row 0: 'prompt' without 'completion'",
+        "tenant 'bad': heldout_data: list row 0: 'prompt' without 'completion'",
     ]
 
 
@@ -309,17 +309,17 @@ def test_a_launch_writes_the_rows_into_the_run_and_add_tenant_does_too(llama_pat
     """prepare_run is what ml.launch does before it starts torchrun; the job runs here, in this process."""
     df = pd.DataFrame(PLAIN * 3)
     spec = spec_for(llama_path, df, max_steps=20, output_dir=str(tmp_path / "run"))
-    spec.tenants[0].eval_data = dataset(PLAIN)
+    spec.tenants[0].heldout_data = dataset(PLAIN)
     run = ml.attach(prepare_run(spec).root)
     job = ml.JobSpec.load(run.dir.job)
     bob = job.tenant("bob")
-    assert (bob.data, bob.eval_data) == (
+    assert (bob.data, bob.heldout_data) == (
         str(run.dir.tenant_data("bob", "train")),
         str(run.dir.tenant_data("bob", "eval")),
     )
-    assert given(read_rows(bob.data)) == PLAIN * 3 and given(read_rows(bob.eval_data)) == PLAIN
+    assert given(read_rows(bob.data)) == PLAIN * 3 and given(read_rows(bob.heldout_data)) == PLAIN
     raw = json.loads(run.dir.job.read_text())["tenants"][0]  # relative: a copied run reads its own copy
-    assert (raw["data"], raw["eval_data"]) == ("data/bob/train.jsonl", "data/bob/eval.jsonl")
+    assert (raw["data"], raw["heldout_data"]) == ("data/bob/train.jsonl", "data/bob/eval.jsonl")
     update_status(run.path, state="running")
     trainer = Trainer(job, run_dir=run.path)
     trainer.step()

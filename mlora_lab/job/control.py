@@ -21,7 +21,7 @@ from mlora_lab.parallel import Collectives
 from mlora_lab.rundir import RunDir, RunDirError, TenantRow, TenantState, control
 from mlora_lab.rundir.control import ControlMessage, ControlResult, Op
 from mlora_lab.spec.fields import SpecError
-from mlora_lab.spec.job import Tenant
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.validate import tenant_problems
 
 

@@ -40,11 +40,11 @@ from mlora_lab.rundir import (
     atomic_write_json,
 )
 from mlora_lab.search import Action, ActionOp, Objective, Search, Sweep, TrialState, is_eval_score
-from mlora_lab.spec.job import Tenant
+from mlora_lab.spec.tenant import Tenant
 
 OPTIMIZER_FIELDS = ("lr", "weight_decay", "max_grad_norm")
 
-Evaluate = Callable[[Sequence[str]], dict[str, float]]
+HeldoutLosses = Callable[[Sequence[str]], dict[str, float]]
 
 
 def load_objective(metric: str) -> Callable[[list[dict]], float] | None:
@@ -57,7 +57,8 @@ class SearchController:
     """Runs :class:`~mlora_lab.search.Search` over the slots of a :class:`~.tenants.TenantPool`.
 
     Built with what it acts on: the pool (slots, tenant states), the feeds of new trials, the recorder
-    (rows and events), the communicator, and ``evaluate(names)`` (eval losses of trials, a collective).
+    (rows and events), the communicator, and ``heldout_losses(names)`` (held-out losses of trials, a
+    collective).
     ``saved`` is its :meth:`state_dict` from a checkpoint, when the job resumes."""
 
     def __init__(
@@ -67,13 +68,13 @@ class SearchController:
         feed_for: FeedFor,
         recorder: Recorder,
         comm: Collectives,
-        evaluate: Evaluate,
+        heldout_losses: HeldoutLosses,
         run: RunDir | None,
         is_main: bool,
         saved: dict[str, Any] | None = None,
     ) -> None:
         self.sweep, self.pool, self.feed_for, self.recorder = sweep, pool, feed_for, recorder
-        self.comm, self.evaluate, self.run, self.is_main = comm, evaluate, run, is_main
+        self.comm, self.heldout_losses, self.run, self.is_main = comm, heldout_losses, run, is_main
         self.engine = Search.from_dict(saved["engine"]) if saved else sweep.search()
         self.kept: dict[int, dict[str, Any]] = {int(k): v for k, v in (saved or {}).get("kept", {}).items()}
         self.objective_fn = load_objective(sweep.objective.metric) if is_main else None
@@ -126,10 +127,10 @@ class SearchController:
         free = self.pool.free_slots
         if not (due or failed or (free > 0 and self.engine.can_fill())):
             return
-        evals = self._evaluate(due)
+        heldout = self._heldout_losses(due)
         decided = None
         if self.is_main:
-            decided = self._decide(due, failed, evals, free)
+            decided = self._decide(due, failed, heldout, free)
         actions, state = self.comm.broadcast_object(decided)
         self.engine = Search.from_dict(state)
         for action in actions:
@@ -141,13 +142,13 @@ class SearchController:
             except OSError as e:  # a full disk: the checkpoint still holds it
                 print(f"search.json not written: {e}", flush=True)
 
-    def _evaluate(self, due: list[int]) -> dict[str, float]:
-        """Eval losses of the trials due now (those with eval data), if the objective wants them."""
+    def _heldout_losses(self, due: list[int]) -> dict[str, float]:
+        """Held-out losses of the trials due now (those with held-out data), if the objective wants them."""
         if not due or self.sweep.objective.metric == "train_loss":
             return {}
-        return self.evaluate([self.name(i) for i in due])
+        return self.heldout_losses([self.name(i) for i in due])
 
-    def _decide(self, due: list[int], failed: list[int], evals: dict[str, float], free: int) -> tuple:
+    def _decide(self, due: list[int], failed: list[int], heldout: dict[str, float], free: int) -> tuple:
         engine, step = self.engine, self.recorder.step
         actions: list[Action] = []
         for i in failed:
@@ -158,7 +159,7 @@ class SearchController:
         paused = []
         for i in sorted(due):
             run = self.pool[self.name(i)]
-            value, why = self._value(i, evals)
+            value, why = self._value(i, heldout)
             actions += engine.report(i, run.step, value, step, why=why)
             if engine.trial(i).state is TrialState.PAUSED:
                 paused.append(i)
@@ -166,9 +167,9 @@ class SearchController:
         actions += engine.fill(free + freed + len(paused), step, tuple(paused))
         return actions, engine.to_dict()
 
-    def _value(self, trial_id: int, evals: dict[str, float]) -> tuple[float, str]:
-        """The objective of a trial now, and why it is NaN when it is: its eval loss (when it has eval
-        data), else the mean of its last ``window`` train losses, or the user's function of its rows."""
+    def _value(self, trial_id: int, heldout: dict[str, float]) -> tuple[float, str]:
+        """The objective of a trial now, and why it is NaN when it is: its held-out loss (``eval_loss``, when it
+        has held-out data), else the mean of its last ``window`` train losses, or the user's function of its rows."""
         name, objective = self.name(trial_id), self.sweep.objective
         rows = [r for r in (*self.past_rows, *self.recorder.history) if r.get("tenant") == name]
         if self.objective_fn is not None:
@@ -182,8 +183,8 @@ class SearchController:
                 why = f"{objective.metric} raised {describe(e)}"
                 print(f"objective of {name}: {why}", flush=True)
                 return math.nan, why
-        if objective.metric == "eval_loss" and name in evals:
-            return evals[name], ""
+        if objective.metric == "eval_loss" and name in heldout:
+            return heldout[name], ""
         if is_eval_score(objective.metric):  # its latest score in one of the job's evaluations
             scores = [
                 r["value"]

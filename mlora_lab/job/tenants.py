@@ -28,7 +28,8 @@ from mlora_lab.job.engine import Engine
 from mlora_lab.job.recorder import Recorder
 from mlora_lab.optim import TenantOptimizer, build_optimizer
 from mlora_lab.rundir import EventKind, RunDir, TenantRow, TenantState, checkpoint
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 
 
 class Feed(Protocol):

@@ -158,7 +158,7 @@ class Trainer:
                 self.drivers.feed,
                 self.recorder,
                 self.comm,
-                self.drivers.evaluate,
+                self.drivers.heldout_losses,
                 self.run,
                 self.dist.is_main,
                 saved.get("search") if saved is not None else None,
@@ -233,8 +233,8 @@ class Trainer:
         self.poll()
         while not self.stop_requested:
             if self.step():
-                if self.spec.eval_every and self.global_step % self.spec.eval_every == 0:
-                    self.evaluate()
+                if self.spec.heldout_every and self.global_step % self.spec.heldout_every == 0:
+                    self.heldout_losses()
                 self.evals.after_step(self.global_step, self.pool.states())
                 if self.spec.save_every and self.global_step % self.spec.save_every == 0:
                     self.save(final=False)
@@ -247,7 +247,7 @@ class Trainer:
                 break
             self.poll()
         if not self.stop_requested:
-            self.evaluate()  # (of the tenants that have eval data)
+            self.heldout_losses()  # (of the tenants that have held-out data)
             self.evals.finish(self.global_step, self.pool.states())
         self.save(final=True)
 
@@ -379,9 +379,10 @@ class Trainer:
             if t.name in raised:
                 self.pool.quarantine(t, f"its optimiser step {raised[t.name]}")
 
-    def evaluate(self, only: Sequence[str] | None = None) -> dict[str, float]:
-        """Eval losses of every tenant with eval data (or of those ``only``). A collective."""
-        return self.drivers.evaluate(only)
+    def heldout_losses(self, only: Sequence[str] | None = None) -> dict[str, float]:
+        """Held-out losses of every tenant with ``heldout_data`` (or of those ``only``), logged as the run
+        directory's ``eval`` rows. A collective. (The evaluations, ``spec.evals``, are :attr:`evals`'.)"""
+        return self.drivers.heldout_losses(only)
 
     # -- control ---------------------------------------------------------------------------------
     def poll(self) -> None:

@@ -38,9 +38,10 @@ from mlora_lab.rundir import (
 )
 from mlora_lab.search import dist_from_dict, strategy_from_dict
 from mlora_lab.spec.fields import SpecError
-from mlora_lab.spec.job import JobSpec, Tenant, step_goal
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.outline import Outline
 
+from mlora_lab.spec.tenant import Tenant, step_goal
 # What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
 # resumed): one clear message and exit code 2, never a traceback. (A damaged checkpoint's
 # CheckpointError is a RuntimeError: the codec, and torch, are not imported to name it.)
@@ -62,7 +63,7 @@ class Follower:
     Progress counts optimiser steps over all tenants: ``total`` is the sum of their ``max_steps`` (a
     tenant that was removed, failed or refused counts the steps it took), so it reaches 100 % when
     the last tenant is done, and grows when a tenant is added while the job runs. A tenant with no goal
-    (a Tinker client's, :func:`~mlora_lab.spec.job.step_goal`) counts the steps it took, and while one runs
+    (a Tinker client's, :func:`~mlora_lab.spec.tenant.step_goal`) counts the steps it took, and while one runs
     the line shows steps done only (no total, no share)."""
 
     def __init__(self, run: Run) -> None:

@@ -18,8 +18,9 @@ from transformers import AutoConfig
 
 from mlora_lab import hub
 from mlora_lab.bases import real_model_path
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.parts import Parallel
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.tiny import EXPERT_TARGETS, build_tiny_model, default_corpus
 
 # Words and their word-for-word translations (ASCII, so a small byte-level tokenizer keeps them whole).
@@ -151,12 +152,12 @@ def build_demo(
     data = {}
     for task in ("reverse", "upper", "count"):
         data[task] = write_jsonl(work / "data" / f"{task}.jsonl", task_rows(task, 256, seed=0))
-        data[task + "_eval"] = write_jsonl(work / "data" / f"{task}_eval.jsonl", task_rows(task, 32, seed=1))
+        data[task + "_heldout"] = write_jsonl(work / "data" / f"{task}_heldout.jsonl", task_rows(task, 32, seed=1))
     tenants = [
         Tenant(
             name="reverse",
             data=data["reverse"],
-            eval_data=data["reverse_eval"],
+            heldout_data=data["reverse_heldout"],
             rank=4,
             alpha=8,
             target_modules=["q_proj", "v_proj"],
@@ -168,7 +169,7 @@ def build_demo(
         Tenant(
             name="upper",
             data=data["upper"],
-            eval_data=data["upper_eval"],
+            heldout_data=data["upper_heldout"],
             rank=16,
             alpha=32,
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -182,7 +183,7 @@ def build_demo(
         Tenant(
             name="count",
             data=data["count"],
-            eval_data=data["count_eval"],
+            heldout_data=data["count_heldout"],
             rank=8,
             alpha=16,
             use_rslora=True,
@@ -210,6 +211,6 @@ def build_demo(
         max_rank=16,
         slot_modules=["all-linear"],
         parallel=Parallel(nproc=nproc, fsdp=nproc, ep=ep),
-        eval_every=25,
+        heldout_every=25,
         log_every=1,
     )

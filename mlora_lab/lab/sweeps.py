@@ -27,7 +27,8 @@ from mlora_lab.lab.runs.sweep import SweepRun
 from mlora_lab.lab.slurm.cluster import SlurmOptions
 from mlora_lab.search import Objective, Strategy, Sweep, asha_warning, dist_from_dict
 from mlora_lab.spec.fields import SpecError
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 
 
 def objective_reference(objective: str | Callable) -> str:
@@ -69,8 +70,8 @@ def sweep(
 
     ``base``: the tenant every trial starts from (default ``spec.tenants[0]``, which then is not trained
     itself; the job's other tenants train alongside the trials). ``budget``: the most tenant steps a
-    trial trains (default: the base tenant's ``max_steps``). ``objective``: ``"eval_loss"`` (the base
-    needs ``eval_data``; else the train loss is used), ``"train_loss"``, or a function of a trial's
+    trial trains (default: the base tenant's ``max_steps``). ``objective``: ``"eval_loss"`` (the held-out loss:
+    the base needs ``heldout_data``; else the train loss is used), ``"train_loss"``, or a function of a trial's
     metrics rows defined in an importable module; ``mode`` ``"min"`` or ``"max"``. The job's free slots
     (``max_tenants`` minus its other tenants) are the trials running at once. Every value the space
     can give a trial is checked before anything starts (:func:`~mlora_lab.validate.sweep_problems`)."""

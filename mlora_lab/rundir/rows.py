@@ -8,7 +8,7 @@ train     ``step, tenant, tenant_step, loss, tokens, lr, grad_norm, rows_seen, t
           for an SFT tenant)
 completion ``step, tenant, tenant_step, prompt, completion, reward, time``: a few sampled
           completions of an RL tenant per logged step (``rl.log_completions``), with their reward
-eval      ``step, tenant, loss, time``
+eval      ``step, tenant, loss, time``: a tenant's held-out loss (:data:`HELDOUT_KIND`, :class:`HeldoutRow`)
 system    ``step, rank, mem_bytes, peak_mem_bytes, step_time, tokens_per_s, cpu_percent, gpu_util,
           time``
 tenant    ``step, tenant, state, adapter_bytes, optimizer_bytes, local_adapter_bytes,
@@ -43,10 +43,16 @@ import orjson
 from mlora_lab.rundir.files import SAFE_NAME, TextEnum, atomic_write_bytes, guarded_open
 from mlora_lab.text import error_line
 
+HELDOUT_KIND = "eval"
+"""The ``kind`` of a held-out loss row (:class:`HeldoutRow`: the mean loss of a tenant's ``heldout_data``).
+It keeps the name it had before the spec called that loss "held-out" (``eval_data`` then): the value is a
+contract of the run directory, which outside checks and older runs' files hold. Elsewhere "eval" means the
+generation evaluations, whose rows are ``eval_metric`` (:class:`EvalMetricRow`)."""
+
 
 class RowKind(TextEnum):
     TRAIN = "train"
-    EVAL = "eval"
+    HELDOUT = HELDOUT_KIND
     SYSTEM = "system"
     TENANT = "tenant"
     EVENT = "event"
@@ -180,8 +186,10 @@ class TrainRow(Row, tag="train"):
     ``None`` where it has no such mean (other losses, negative weights)."""
 
 
-class EvalRow(Row, tag="eval"):
-    kind: ClassVar[RowKind] = RowKind.EVAL
+class HeldoutRow(Row, tag=HELDOUT_KIND):
+    """A tenant's held-out loss at a step: the mean target-token loss of its ``heldout_data``."""
+
+    kind: ClassVar[RowKind] = RowKind.HELDOUT
     step: int
     tenant: TenantName
     loss: float | None
@@ -317,9 +325,9 @@ class UsageRow(Row, tag="usage"):
 
 ROW_TYPES: dict[RowKind, type[Row]] = {
     t.kind: t
-    for t in (TrainRow, EvalRow, SystemRow, TenantRow, EventRow, CompletionRow, UsageRow, EvalMetricRow)
+    for t in (TrainRow, HeldoutRow, SystemRow, TenantRow, EventRow, CompletionRow, UsageRow, EvalMetricRow)
 }
-AnyRow = TrainRow | EvalRow | SystemRow | TenantRow | EventRow | CompletionRow | UsageRow | EvalMetricRow
+AnyRow = TrainRow | HeldoutRow | SystemRow | TenantRow | EventRow | CompletionRow | UsageRow | EvalMetricRow
 """Any metrics row: the type a line is decoded into (its ``kind`` picks which)."""
 FIELD_NAMES: dict[str, tuple[str, ...]] = {kind.value: t.__struct_fields__ for kind, t in ROW_TYPES.items()}
 """Per kind, its fields in order (the keys of its line after ``kind``)."""
@@ -422,7 +430,7 @@ class MetricsWriter:
 
 
 class MetricsReader:
-    """The one reader of metrics.jsonl: typed rows (:class:`TrainRow`, :class:`EvalRow`, ...), read
+    """The one reader of metrics.jsonl: typed rows (:class:`TrainRow`, :class:`HeldoutRow`, ...), read
     incrementally. It remembers its byte offset and line number, never parses a partial line, skips
     bad lines (one warning each, naming file and line), and starts over when the file was rewritten or
     replaced (``generation`` then increases: callers that keep derived state, like a dashboard,

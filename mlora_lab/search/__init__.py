@@ -23,7 +23,7 @@ Strategies (``budget`` = the most tenant steps any trial trains, ``R``):
   probability ``resample``). Only optimiser settings can be searched by PBT (weights are copied between
   members, so their shapes must agree).
 
-The objective is ``eval_loss`` (a trial with eval data is evaluated when it reports), ``train_loss``
+The objective is ``eval_loss`` (the held-out loss: a trial with ``heldout_data`` is measured when it reports), ``train_loss``
 (the mean of its last ``window`` logged train losses) or ``"module:function"``, a function of the
 trial's metrics rows the job imports; ``mode`` is ``min`` or ``max``.
 

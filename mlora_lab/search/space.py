@@ -268,7 +268,7 @@ def strategy_from_dict(d: Any) -> Strategy:
 
 @dataclass(frozen=True)
 class Objective:
-    """What a trial is judged by: ``eval_loss``, ``train_loss`` (mean of the last ``window`` logged
+    """What a trial is judged by: ``eval_loss`` (the held-out loss of its ``heldout_data``), ``train_loss`` (mean of the last ``window`` logged
     train losses), an evaluation's score ``eval/<name>/<metric>`` (its latest, ``JobSpec.evals``) or
     ``"module:function"`` (``function(rows) -> float`` of the trial's metrics rows); ``mode`` ``min`` or
     ``max``."""

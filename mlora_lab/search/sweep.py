@@ -29,7 +29,7 @@ class Sweep:
     tenant ``base`` with ``name = f"{prefix}{i:03d}"``, the trial's configuration applied and
     ``max_steps = budget``."""
 
-    base: Any  # mlora_lab.spec.job.Tenant
+    base: Any  # mlora_lab.spec.tenant.Tenant
     space: dict[str, Distribution]
     strategy: Strategy
     budget: int
@@ -67,7 +67,7 @@ class Sweep:
         """Write ``sweep.json`` at ``path`` (atomically); the base tenant's rows below the file's directory
         (a launch wrote them into the run) are named relative to it, as ``job.json`` names its tenants'."""
         from mlora_lab.rundir.files import atomic_write_json  # (rundir owns the files)
-        from mlora_lab.spec.job import relative_tenant_paths
+        from mlora_lab.spec.paths import relative_tenant_paths
 
         d = self.to_dict()
         relative_tenant_paths(d["base"], os.path.dirname(os.path.abspath(os.fspath(path))))
@@ -77,7 +77,7 @@ class Sweep:
     def read(cls, path: str | os.PathLike) -> Sweep:
         """Read ``sweep.json``; the base tenant's relative paths are relative to the file's directory.
         ``OSError`` or ``ValueError`` naming the problem otherwise."""
-        from mlora_lab.spec.job import resolve_tenant_paths
+        from mlora_lab.spec.paths import resolve_tenant_paths
 
         sweep = cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
         resolve_tenant_paths(sweep.base, os.path.dirname(os.path.abspath(os.fspath(path))))
@@ -87,7 +87,7 @@ class Sweep:
     def from_dict(cls, d: Any) -> Sweep:
         """From ``sweep.json``'s object; ``ValueError`` naming the problem otherwise."""
         from mlora_lab.spec.fields import SpecError
-        from mlora_lab.spec.job import Tenant
+        from mlora_lab.spec.tenant import Tenant
 
         if not isinstance(d, dict):
             raise ValueError("sweep.json must hold a JSON object")

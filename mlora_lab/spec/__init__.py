@@ -1,7 +1,8 @@
 """The job's contract, as data: what a job, its tenants and their parts are, with every field's
 bounds and meaning. The notebook side reads it without loading torch.
 
-    job         JobSpec and Tenant: a job and its tenants, read from and written to job.json
+    job         JobSpec: a job (one base, its tenants, job-wide settings), read from and written to job.json
+    tenant      Tenant: one LoRA adapter of a job, its data, held-out data, LoRA shape and optimizer
     parts       the nested parts: Parallel, RL, Eval, Service, ClientModel
     fields      the field machinery: metadata, bounds, labels, Problem and SpecError
     outline     the outline of a job a form shows before it is valid
@@ -11,7 +12,8 @@ modules of the package import each from the module that defines it.
 """
 
 from mlora_lab.spec.fields import SpecError
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.parts import RL, Eval, Parallel, Service
 
 __all__ = ["RL", "Eval", "JobSpec", "Parallel", "Service", "SpecError", "Tenant"]
+from mlora_lab.spec.tenant import Tenant

@@ -108,7 +108,7 @@ class Problem:
     message: str
     """The sentence, without the ``"tenant 'alice': "`` prefix."""
     path: str | None = None
-    """The file the problem is in, for a problem of one data file (``data`` / ``eval_data``): lets a
+    """The file the problem is in, for a problem of one data file (``data`` / ``heldout_data``): lets a
     view group the same problem across files."""
 
     def __str__(self) -> str:

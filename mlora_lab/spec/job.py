@@ -11,13 +11,21 @@ a DataFrame say, which a launch writes into the run directory before it writes `
     from mlora_lab.validate import check
     check(spec)                                 # raises SpecError listing *every* problem at once
 
-The contract is three modules, of which this is the one users write: the nested parts a spec holds
-(``Parallel``, ``Service``, a tenant's ``RL`` and ``ClientModel``) are in :mod:`mlora_lab.spec.parts`, and
-what every spec dataclass is built from is in :mod:`mlora_lab.spec.fields`: each field's
-:class:`~mlora_lab.spec.fields.FieldInfo` (``field_info(Tenant, "lr")``: its label, help line, widget kind,
-form section and bounds), from which the notebook forms (:mod:`mlora_lab.lab.forms.builders`) build their inputs
-and against which the validator (:mod:`mlora_lab.validate`) checks values, so a new ``Tenant`` field is
-one edit here; every bound; and the reader of hostile dicts.
+The contract is a package, and this is the module users write with :mod:`mlora_lab.spec.tenant` (``Tenant``):
+the nested parts a spec holds (``Parallel``, ``Service``, ``Eval``, a tenant's ``RL`` and ``ClientModel``) are
+in :mod:`mlora_lab.spec.parts`; where its paths point (resolved against ``job.json``'s directory, written back
+relative to it) in :mod:`mlora_lab.spec.paths`; its renamed fields, still read under their old names with a
+warning (``eval_every``, ``serve``), in :mod:`mlora_lab.spec.renames`; and what every spec dataclass is built
+from in :mod:`mlora_lab.spec.fields`: each field's :class:`~mlora_lab.spec.fields.FieldInfo`
+(``field_info(JobSpec, "seq_len")``: its label, help line, widget kind, form section and bounds), from which
+the notebook forms (:mod:`mlora_lab.lab.forms.builders`) build their inputs and against which the validator
+(:mod:`mlora_lab.validate`) checks values, so a new field is one edit here; every bound; and the reader of
+hostile dicts.
+
+Two things are measured while a job trains, and the code keeps their names apart: a tenant's *held-out
+loss* (``Tenant.heldout_data`` every ``heldout_every`` steps) and the *evaluations* (``evals``: generations
+scored by metrics). Only the run directory's held-out rows keep their old ``kind``, ``"eval"`` (a contract
+that outside checks and old runs read).
 
 Validation lives in :mod:`mlora_lab.validate` (``problems(spec)``, ``check(spec)``), which imports
 this module and never the other way round; the spec holds only the contract it reports in,
@@ -55,6 +63,16 @@ from mlora_lab.spec.fields import (
     MAX_SLOTS,
     MAX_TARGETS,
     MAX_WEIGHT_DECAY,
+from mlora_lab.spec.paths import (
+    path_str,
+    relative_tenant_paths,
+    resolve_model_path,
+    resolve_path,
+    resolve_reward,
+    resolve_tenant_paths,
+)
+from mlora_lab.spec.renames import RENAMED, add_old_names, renamed_keys, warn_old_keys
+from mlora_lab.spec.tenant import Tenant, in_memory_problems, tenant_kwargs
     Problem,
     SpecError,
     kwargs_for,
@@ -79,156 +97,10 @@ of the package (``pip install 'mlora_lab[wandb]'``; ``mlora_lab[trackers]`` for 
 ``"none"`` are taken as transformers' ``TrainingArguments.report_to`` takes them."""
 REPORT_GROUPS = ("tenant", "job")
 """``JobSpec.report_group``: one tracker run per tenant (grouped under the job), or one run for the job."""
-SERVE_DISAGREES = "serve (the old name of stay_up) and stay_up disagree: give stay_up only"
-"""The constructor's and job.json's refusal of ``serve`` and ``stay_up`` given with different values."""
-
 
 # ---------------------------------------------------------------------------------------------
 # The dataclasses
 # ---------------------------------------------------------------------------------------------
-
-
-def _path_str(value: Any) -> Any:
-    """``os.PathLike`` -> ``str`` (so ``pathlib.Path`` arguments serialise); anything else unchanged."""
-    return os.fspath(value) if isinstance(value, os.PathLike) else value
-
-
-@dataclass
-class Tenant:
-    """One LoRA adapter trained in the job: its data, its LoRA shape and its own optimizer settings."""
-
-    # fmt: off
-    name: str = field(metadata=meta(
-        "name", kind="name", section="Data", help="letters, digits, . _ - (it names a directory)",
-        empty="enter a name for this tenant"))
-    """Unique name; it becomes a directory name (``adapters/<name>/``), so only ``[A-Za-z0-9._-]``."""
-    data: str | Any = field(metadata=meta(
-        "data", kind="path", section="Data", help=".jsonl/.json/.parquet/.csv rows: text, prompt/completion or messages",
-        empty="choose a training data file"))
-    """Training data: rows of ``text``, ``prompt``/``completion`` or ``messages``, from a ``.jsonl``,
-    ``.json``, ``.parquet`` or ``.csv`` file, or (in the notebook) a pandas DataFrame, a list of dicts or
-    a ``datasets.Dataset`` (:mod:`mlora_lab.sources`). job.json holds only paths: a launch (and
-    ``run.add_tenant``) writes an in-memory source into the run directory and names that file there."""
-    eval_data: str | Any | None = field(default=None, metadata=meta(
-        "eval data", kind="path", section="Data", optional=True, help="optional held-out rows, same format"))
-    """Optional held-out rows (any source ``data`` takes), evaluated every ``JobSpec.eval_every`` steps."""
-    init_adapter: str | None = field(default=None, metadata=meta(
-        "init adapter", kind="dir", section="Advanced", optional=True,
-        help="optional PEFT adapter directory to start from"))
-    """Optional PEFT LoRA adapter directory to start from; its r, alpha, rsLoRA and targets must match."""
-    rank: int = field(default=8, metadata=meta(
-        "rank", section="LoRA", min=1, max=MAX_SLOTS, at_most="max_rank", slider=True,
-        help="LoRA rank r, at most the job's max_rank"))
-    """LoRA rank r (1 .. ``JobSpec.max_rank``)."""
-    alpha: float = field(default=16, metadata=meta(
-        "alpha", kind="float", section="LoRA", min=0, min_open=True,
-        help="the delta is scaled by alpha / rank"))
-    """LoRA alpha; the delta is scaled by :attr:`scaling`."""
-    use_rslora: bool = field(default=False, metadata=meta(
-        "rsLoRA", kind="bool", section="LoRA", help="scale by alpha / sqrt(rank) instead"))
-    """rsLoRA: scale by ``alpha / sqrt(rank)`` instead of ``alpha / rank``."""
-    dropout: float = field(default=0.0, metadata=meta(
-        "dropout", kind="float", section="LoRA", min=0, max=1, max_open=True, slider=True, typical=(0.0, 0.5),
-        step=0.01, help="dropout on the LoRA input"))
-    """Dropout on the LoRA input, in [0, 1)."""
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"], metadata=meta(
-        "target modules", kind="targets", section="LoRA",
-        help="all-linear: every linear layer but the output"))
-    """Linear layers to adapt, matched as PEFT does (full name or ``.``-suffix), or ``["all-linear"]`` (every
-    ``nn.Linear`` but the output layer); the rules live in :mod:`mlora_lab.lora.targets`."""
-    target_parameters: list[str] = field(default_factory=list, metadata=meta(
-        "target parameters", kind="targets", form=False, help="packed MoE expert weights to adapt"))
-    """3-D packed MoE expert parameters to adapt (e.g. ``mlp.experts.gate_up_proj``), PEFT-style."""
-    lr: float = field(default=2e-4, metadata=meta(
-        "lr", kind="log-float", section="Optimizer", min=0, min_open=True, max=MAX_LR, typical=(1e-6, 1e-1),
-        help="peak learning rate, used exactly as typed"))
-    """Peak learning rate of this tenant's AdamW (at most :data:`MAX_LR`)."""
-    weight_decay: float = field(default=0.0, metadata=meta(
-        "weight decay", kind="float", section="Advanced", min=0, max=MAX_WEIGHT_DECAY, help="AdamW weight decay"))
-    """AdamW weight decay (at most :data:`MAX_WEIGHT_DECAY`)."""
-    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=meta(
-        "betas", kind="pair", min=0, max=1, max_open=True, form=False))
-    """AdamW betas (a JSON list in ``job.json``)."""
-    eps: float = field(default=1e-8, metadata=meta(
-        "eps", kind="float", min=0, min_open=True, max=1, form=False))
-    """AdamW epsilon, in (0, 1]."""
-    schedule: str = field(default="constant", metadata=meta(
-        "schedule", kind="choice", choices=SCHEDULES, section="Optimizer",
-        help="after warmup: constant or decay to 0"))
-    """Learning-rate schedule after warmup: ``"constant"``, ``"linear"`` or ``"cosine"`` (decay to 0)."""
-    warmup_steps: int = field(default=0, metadata=meta(
-        "warmup steps", section="Optimizer", min=0, max=MAX_COUNT, help="linear warmup from 0 to lr"))
-    """Steps of linear warmup from 0 to ``lr``."""
-    max_grad_norm: float | None = field(default=1.0, metadata=meta(
-        "max grad norm", kind="float", section="Optimizer", min=0, min_open=True, optional=True,
-        null_means="no clipping", help="clip the gradient norm to this"))
-    """Clip this tenant's gradient norm to this value; ``None`` disables clipping."""
-    batch_size: int = field(default=4, metadata=meta(
-        "batch size", section="Optimizer", min=1, max=MAX_ROWS, help="rows of this tenant per micro-batch"))
-    """Rows of this tenant in each micro-batch."""
-    grad_accum: int = field(default=1, metadata=meta(
-        "grad accum", section="Optimizer", min=1, max=MAX_ROWS, help="micro-batches per optimizer step"))
-    """Micro-batches per optimizer step."""
-    max_steps: int = field(default=100, metadata=meta(
-        "max steps", section="Optimizer", min=1, max=MAX_COUNT,
-        help="optimizer steps; then the adapter is saved"))
-    """Optimizer steps after which this tenant is finished (its adapter is saved and its slot idles)."""
-    shuffle: bool = field(default=True, metadata=meta(
-        "shuffle", kind="bool", section="Advanced", help="shuffle the rows every epoch"))
-    """Shuffle the rows every epoch (seeded by ``seed``)."""
-    seed: int = field(default=0, metadata=meta(
-        "seed", section="Optimizer", min=0, max=MAX_SEED, help="LoRA init, dropout and data order"))
-    """Seed of this tenant's LoRA init, dropout and data order."""
-    rl: RL | None = field(default=None, metadata=meta(
-        "rl", kind="rl", section="RL", optional=True, form=False, help="learn from rewards (GRPO)"))
-    """``None``: supervised rows. An :class:`RL`: the rows are prompts, and the tenant learns from rewards."""
-    client: ClientModel | None = field(default=None, metadata=meta(
-        "client", kind="client", section="Service", optional=True, form=False,
-        help="the Tinker training client that drives it"))
-    """``None``: the job feeds it (``data``). A :class:`ClientModel`: a served job's tenant that a Tinker training
-    client drives request by request (it has no ``data``); the job records it so a resume brings it back."""
-    # fmt: on
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rl, dict):
-            self.rl = RL.from_dict(self.rl)
-        if isinstance(self.client, dict):
-            self.client = ClientModel.from_dict(self.client)
-        self.data = _path_str(self.data)
-        self.eval_data = _path_str(self.eval_data)
-        self.init_adapter = _path_str(self.init_adapter)
-        if isinstance(self.betas, list):
-            self.betas = tuple(self.betas)
-
-    @property
-    def scaling(self) -> float:
-        """The factor on ``B @ A``: ``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA (as PEFT)."""
-        return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict (``betas`` as a list). A tenant whose data is held in memory (a DataFrame,
-        ...) has none: :class:`SpecError` says to launch it or to write the data to a file."""
-        held = in_memory_problems(self)
-        if held:
-            raise SpecError(held)
-        d = dataclasses.asdict(self)
-        d["betas"] = list(self.betas) if isinstance(self.betas, tuple | list) else self.betas
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | Tenant) -> Tenant:
-        """Build from a dict (e.g. one ``tenants`` entry of ``job.json``); unknown keys raise ``SpecError``.
-
-        Any input gives a ``Tenant`` or ``SpecError``, nothing else; field values are not checked here
-        (:func:`mlora_lab.validate.problems` does that) except for nesting too deep to copy."""
-        kwargs, problems = _tenant_kwargs(d, "tenant")
-        if isinstance(kwargs.get("rl"), dict):
-            problems += kwargs_for(RL, kwargs["rl"], "tenant.rl")[1]
-        if isinstance(kwargs.get("client"), dict):
-            problems += kwargs_for(ClientModel, kwargs["client"], "tenant.client")[1]
-        if problems:
-            raise SpecError(problems)
-        return d if isinstance(d, Tenant) else cls(**kwargs)
 
 
 @dataclass
@@ -242,7 +114,7 @@ class JobSpec:
     causal LM (``save_pretrained`` layout), or a ``.gguf`` file (or a directory holding one ``.gguf`` and no
     ``config.json``), converted once into a cache by ``mlora_lab.bases.resolve_base``."""
     tenants: list[Tenant] = field(metadata=meta("tenants", kind="tenants", form=False))
-    """The tenants to train (may be empty with ``serve=True`` or a ``service``)."""
+    """The tenants to train (may be empty with ``stay_up=True`` or a ``service``)."""
     name: str | None = field(default=None, metadata=meta(
         "run name", kind="text", section="Job", optional=True, max=MAX_RUN_NAME_LEN,
         help="shown in every label; empty: made from the tenants' names"))
@@ -299,10 +171,13 @@ class JobSpec:
     log_every: int = field(default=1, metadata=meta(
         "log every", section="Logging", min=1, max=MAX_COUNT, help="write train metrics every N steps"))
     """Write train metrics every this many steps."""
-    eval_every: int = field(default=0, metadata=meta(
-        "eval every", section="Logging", min=0, max=MAX_COUNT,
-        help="evaluate every N steps; 0 = only at the end"))
-    """Evaluate tenants with ``eval_data`` every this many steps; 0 = never (only at the end)."""
+    heldout_every: int = field(default=0, metadata=meta(
+        "held-out every", section="Logging", min=0, max=MAX_COUNT,
+        help="held-out loss every N steps; 0 = only at the end"))
+    """Log the held-out loss of tenants with ``heldout_data`` every this many steps; 0 = only at the end. Called
+    ``eval_every`` before (``JobSpec(eval_every=...)``, ``spec.eval_every`` and a job file's ``"eval_every"``
+    still mean it, with a ``DeprecationWarning``, until :data:`~mlora_lab.spec.renames.REMOVAL`); the
+    evaluations' own schedule is each :class:`~mlora_lab.spec.parts.Eval`'s ``every``."""
     save_every: int = field(default=0, metadata=meta(
         "save every", section="Logging", min=0, max=MAX_COUNT,
         help="save adapters and a checkpoint every N steps; 0 = only at the end"))
@@ -333,8 +208,9 @@ class JobSpec:
     stay_up: bool = field(default=False, metadata=meta(
         "stay up", kind="bool", section="Job", help="stay up for tenants added later"))
     """Stay up after all tenants finish, waiting for tenants added from the notebook. (Called ``serve``
-    before: ``JobSpec(serve=True)``, ``spec.serve`` and a job file's ``"serve"`` still mean it. The new name
-    keeps it apart from ``service`` and ``ml.serve``, which serve the Tinker API.)"""
+    before: ``JobSpec(serve=True)``, ``spec.serve`` and a job file's ``"serve"`` still mean it, with a
+    ``DeprecationWarning``, until :data:`~mlora_lab.spec.renames.REMOVAL`: mlora_lab 0.3, or 2027-06-01. The
+    new name keeps it apart from ``service`` and ``ml.serve``, which serve the Tinker API.)"""
     seed: int = field(default=0, metadata=meta(
         "job seed", section="Advanced", min=0, max=MAX_SEED, help="order in which tenants' rows are mixed"))
     """Job-wide seed (batch mixing order)."""
@@ -437,14 +313,12 @@ class JobSpec:
 
     @classmethod
     def _from_dict(cls, d: dict[str, Any]) -> JobSpec:
-        old = isinstance(d, dict) and "serve" in d
-        if old:  # the old name of stay_up (job files written before it was renamed)
-            d = dict(d)
-            value = d.pop("serve")
-            if "stay_up" in d and d["stay_up"] != value:
-                raise SpecError([SERVE_DISAGREES])
-            d["stay_up"] = value
-        kwargs, problems = kwargs_for(cls, d, "job", nested=("tenants", "parallel", "service", "evals"))
+        old: list[str] = []  # the old field names the file holds (read as the new ones, warned once)
+        problems: list[str] = []
+        if isinstance(d, dict):
+            d, old, problems = renamed_keys(d, RENAMED["JobSpec"], "job")
+        kwargs, more = kwargs_for(cls, d, "job", nested=("tenants", "parallel", "service", "evals"))
+        problems += more
         evals = kwargs.get("evals")
         if "evals" in kwargs and not isinstance(evals, list):
             problems.append(f"evals must be a list (got {type(evals).__name__})")
@@ -490,7 +364,7 @@ class JobSpec:
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """The spec as JSON text (indent 2); with ``path``, also write it there atomically. A tenant's
-        ``data`` / ``eval_data`` below the file's own directory is written relative to it (:meth:`load`
+        ``data`` / ``heldout_data`` below the file's own directory is written relative to it (:meth:`load`
         resolves it there again): a run directory that is copied or moved reads its own copy of the rows
         a launch wrote into it (``data/<tenant>/train.jsonl``), not the original's."""
         d = self.to_dict()
@@ -539,7 +413,7 @@ class JobSpec:
         return cls.from_dict(d)._resolve_in_place(os.path.dirname(os.path.abspath(path)))
 
     def resolved(self, base_dir: str | os.PathLike) -> JobSpec:
-        """A copy whose relative paths (base_model, tokenizer, logging_dir, data, eval_data, init_adapter) are
+        """A copy whose relative paths (base_model, tokenizer, logging_dir, data, heldout_data, init_adapter) are
         made absolute against ``base_dir`` (absolute paths and ``None`` are kept), and whose ``name``, if
         ``None``, is :func:`default_run_name`."""
         base = os.path.abspath(os.fspath(base_dir))
@@ -549,7 +423,7 @@ class JobSpec:
             id(v): v
             for t in tenants
             if isinstance(t, Tenant)
-            for v in (t.data, t.eval_data)
+            for v in (t.data, t.heldout_data)
             if memory_kind(v) is not None
         }
         return copy.deepcopy(self, memo)._resolve_in_place(base)
@@ -582,33 +456,8 @@ class JobSpec:
         raise KeyError(f"no tenant {name!r}; tenants: {[t.name for t in self.tenants]}")
 
 
-def _get_serve(self: JobSpec) -> Any:
-    return self.stay_up
-
-
-def _set_serve(self: JobSpec, value: Any) -> None:
-    self.stay_up = value
-
-
-# ``spec.serve`` reads and sets ``stay_up``
-JobSpec.serve = property(_get_serve, _set_serve, doc="The old name of :attr:`JobSpec.stay_up`.")  # type: ignore[assignment,method-assign]
-_fields_init = JobSpec.__init__
-
-
-@functools.wraps(_fields_init)
-def _init(self: JobSpec, *args: Any, serve: bool | None = None, **kwargs: Any) -> None:
-    """The generated ``__init__``, also taking ``serve=``, the old name of ``stay_up``: given with ``stay_up``,
-    the two must agree (as in job.json). It is no dataclass field (an ``InitVar`` was one), so
-    ``dataclasses.replace(spec, stay_up=...)`` passes ``stay_up`` alone: with an ``InitVar`` it passed
-    ``serve=spec.serve`` too, the old value, which then disagreed with the new one, or overrode it."""
-    if serve is not None:
-        if "stay_up" in kwargs and kwargs["stay_up"] != serve:
-            raise SpecError([SERVE_DISAGREES])
-        kwargs["stay_up"] = serve
-    _fields_init(self, *args, **kwargs)
-
-
-JobSpec.__init__ = _init  # type: ignore[method-assign]
+# JobSpec(eval_every=..., serve=...), spec.eval_every and spec.serve: read, with a warning
+add_old_names(JobSpec, RENAMED["JobSpec"])
 
 
 def default_run_name(job: JobSpec) -> str:
@@ -648,7 +497,7 @@ def effective_slot_modules(job: JobSpec, output_layer: Sequence[str] = ()) -> li
     without ``slot_modules`` slots what a Tinker client's default ``LoraConfig`` trains: ``"all-linear"``
     and ``output_layer`` (the model's output layer, by its full name: the caller that has the model says
     which, :func:`~mlora_lab.lora.targets.output_layer_names`), besides its tenants' targets; a job with no
-    tenant to go by (``serve``: waiting for them) slots ``"all-linear"``. A free slot holds no tensor, and a
+    tenant to go by (``stay_up``: waiting for them) slots ``"all-linear"``. A free slot holds no tensor, and a
     layer no tenant of a batch targets computes nothing more than the base.
     Targets that are not valid lists of names (a spec that does not validate) are left out rather than
     raised on."""

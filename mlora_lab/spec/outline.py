@@ -2,7 +2,7 @@
 
 The dashboard and the command line's progress line read a run's ``job.json`` on every refresh that meets a
 tenant they did not know; a file naming a million tenants takes about a second to outline, where building
-and validating its :class:`~mlora_lab.spec.job.Tenant` objects takes ten. Light contract, as the spec.
+and validating its :class:`~mlora_lab.spec.tenant.Tenant` objects takes ten. Light contract, as the spec.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass
 
 from mlora_lab.spec.fields import MAX_COUNT, SpecError
-from mlora_lab.spec.job import Tenant, default_name
+from mlora_lab.spec.job import default_name
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import read_json, show_path
 
 _MAX_STEPS = next(f.default for f in dataclasses.fields(Tenant) if f.name == "max_steps")
@@ -65,6 +66,7 @@ class Outline:
                 goals[name] = goal if ok else None
         name = d.get("name")
         if not isinstance(name, str) or not name:
+            # ("serve": stay_up's old name, read here without the warning a load gives)
             serving = d.get("serve") is True or d.get("stay_up") is True or d.get("service") is not None
             name = default_name(list(goals), serving)
         return cls(name, goals)

@@ -19,7 +19,8 @@ from typing import Any
 
 from mlora_lab.rundir import Row, RunDir, name_problem
 from mlora_lab.spec.fields import SpecError
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief, error_line
 from mlora_lab.trackers.backends import BACKENDS, Backend, Where
 from mlora_lab.trackers.points import (

@@ -45,8 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlora_lab.rundir import CompletionRow, EvalRow, EventRow, Row, SystemRow, TenantRow, TrainRow
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.rundir import CompletionRow, EventRow, HeldoutRow, Row, SystemRow, TenantRow, TrainRow
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 
 JOB: str | None = None
 """The key of the job's own tracker run."""
@@ -174,7 +175,7 @@ class RowMapper:
             else:
                 values["global_step"] = row.step
             return self._tenant(row.tenant, row, "train", values)
-        if isinstance(row, EvalRow):
+        if isinstance(row, HeldoutRow):
             return self._tenant(row.tenant, row, "eval", numbers(row))
         if isinstance(row, TenantRow):
             items = self._tenant(row.tenant, row, "tenant", numbers(row, TENANT_METRICS))

@@ -14,7 +14,8 @@ from typing import Any
 
 from mlora_lab.lora.targets import name_matches
 from mlora_lab.spec.fields import MAX_PROBLEMS, Problem, tenant_label
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief, is_int, path_problem
 from mlora_lab.validate.introspect import ModelInfo, select_linear
 

@@ -19,8 +19,8 @@ from mlora_lab.rundir.evals import NAME
 from mlora_lab.rundir.files import atomic_write_bytes
 from mlora_lab.sources import RewardSnapshot, memory_kind, reward_in_memory, source_name
 from mlora_lab.spec.fields import MAX_REWARDS, fields_info
-from mlora_lab.spec.job import Tenant
 from mlora_lab.spec.parts import Eval
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief, error_line
 from mlora_lab.validate.context import Context, got
 from mlora_lab.validate.fields import check_field

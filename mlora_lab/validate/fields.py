@@ -25,8 +25,9 @@ from mlora_lab.spec.fields import (
     field_info,
     fields_info,
 )
-from mlora_lab.spec.job import JobSpec, Tenant, valid_targets
+from mlora_lab.spec.job import JobSpec, valid_targets
 from mlora_lab.spec.parts import RL, ClientModel
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief, is_finite, is_int, path_problem
 from mlora_lab.trackers import report_to_problems
 from mlora_lab.validate.context import Context, bound, got, usable_path
@@ -82,7 +83,7 @@ def check_tenant_fields(ctx: Context, t: Tenant) -> None:
 
 
 def check_client_fields(ctx: Context, t: Tenant) -> bool:
-    """``t.client``'s fields; a client's tenant is supervised by its client (no ``rl``, no ``eval_data``), and
+    """``t.client``'s fields; a client's tenant is supervised by its client (no ``rl``, no ``heldout_data``), and
     only a served job (``service``) has clients."""
     c = t.client
     if c is None:
@@ -101,8 +102,8 @@ def check_client_fields(ctx: Context, t: Tenant) -> bool:
         ctx.say(
             t, "rl", "a tenant driven by a Tinker client has no rl settings (its client computes its losses)"
         )
-    if t.eval_data is not None:
-        ctx.say(t, "eval_data", "a tenant driven by a Tinker client has no eval_data; remove it")
+    if t.heldout_data is not None:
+        ctx.say(t, "heldout_data", "a tenant driven by a Tinker client has no heldout_data; remove it")
     if ctx.spec.service is None:
         ctx.say(t, "client", "a tenant driven by a Tinker client needs a served job (service settings)")
     return len(ctx.out) == before
@@ -110,7 +111,7 @@ def check_client_fields(ctx: Context, t: Tenant) -> bool:
 
 def check_rl_fields(ctx: Context, t: Tenant) -> bool:
     """``t.rl``'s fields against their :class:`~mlora_lab.spec.fields.FieldInfo`, then: a weight per reward,
-    a completion that fits ``seq_len`` after at least one prompt token, no ``eval_data`` (an RL
+    a completion that fits ``seq_len`` after at least one prompt token, no ``heldout_data`` (an RL
     tenant is measured by its rewards), and, for now, ``grad_accum`` 1 (one generation per optimizer
     step: what the RL driver, :mod:`mlora_lab.job.drivers.rl`, trains)."""
     rl = t.rl
@@ -150,8 +151,8 @@ def check_rl_fields(ctx: Context, t: Tenant) -> bool:
             f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for a prompt in seq_len={seq_len}; "
             "prompt and completion together fit seq_len",
         )
-    if t.eval_data is not None:
-        ctx.say(t, "eval_data", "an RL tenant has no eval_data (it is measured by its rewards); remove it")
+    if t.heldout_data is not None:
+        ctx.say(t, "heldout_data", "an RL tenant has no heldout_data (it is measured by its rewards); remove it")
     return len(ctx.out) == before
 
 

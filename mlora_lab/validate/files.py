@@ -2,7 +2,7 @@
 row that keeps a target token at ``seq_len``) and its ``init_adapter`` (a PEFT LoRA adapter whose config
 matches the tenant and whose tensor shapes fit the base model, read from the weights' header alone).
 
-    check_data(ctx, t)           data and eval_data (a file scanned once per version with a cache)
+    check_data(ctx, t)           data and heldout_data (a file scanned once per version with a cache)
     check_init_adapter(ctx, t)   adapter_config.json against the tenant, weight shapes against the model
 """
 
@@ -16,8 +16,10 @@ from mlora_lab.lora.targets import name_matches
 from mlora_lab.rl.prompts import RL_ROWS
 from mlora_lab.sources import Snapshot, memory_kind, source_name
 from mlora_lab.spec.fields import field_info
-from mlora_lab.spec.job import JobSpec, Tenant, valid_targets
+from mlora_lab.spec.job import JobSpec, valid_targets
 from mlora_lab.spec.parts import RL
+from mlora_lab.spec.paths import TENANT_FILES
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief, brief_list, is_int, json_type, read_json, show_path
 from mlora_lab.validate.context import Context, got, more, usable_path
 from mlora_lab.validate.introspect import select_linear
@@ -30,7 +32,7 @@ from mlora_lab.validate.weights import safetensors_shapes
 
 
 def check_data(ctx: Context, t: Tenant) -> None:
-    """Every problem of the tenant's ``data`` and ``eval_data`` sources (a file's problems keep its path
+    """Every problem of the tenant's ``data`` and ``heldout_data`` sources (a file's problems keep its path
     in ``Problem.path``, so a view can group one file's problems across tenants). An RL tenant's rows
     are prompts, and its reward functions are checked against their columns (:mod:`.rl`)."""
     if t.client is not None:  # a Tinker client's tenant: its client sends the rows
@@ -45,7 +47,7 @@ def check_data(ctx: Context, t: Tenant) -> None:
             columns, samples = (None, {}) if report.problems else (report.columns, report.samples)
         check_rewards(ctx, t, columns, [samples[k] for k in ("prompt", "messages") if k in samples])
         return
-    for name in ("data", "eval_data"):
+    for name in TENANT_FILES:
         source = getattr(t, name)
         if memory_kind(source) is not None:
             for tail in _data_problems(ctx, source):

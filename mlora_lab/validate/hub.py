@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from mlora_lab import hub
-from mlora_lab.spec.job import Tenant
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief
 from mlora_lab.validate.context import Context
 

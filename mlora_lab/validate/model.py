@@ -25,8 +25,9 @@ from mlora_lab.bases import (
 )
 from mlora_lab.lora.targets import ALL_LINEAR, name_matches, suffixes
 from mlora_lab.spec.fields import MAX_SLOTS, tenant_label
-from mlora_lab.spec.job import Tenant, valid_targets
+from mlora_lab.spec.job import valid_targets
 from mlora_lab.spec.parts import RL
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import (
     MAX_JSON_BYTES,
     brief,

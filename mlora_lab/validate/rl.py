@@ -22,8 +22,8 @@ from mlora_lab.rl.rewards import RewardBatch, inspect_rewards, parse_reward
 from mlora_lab.rundir.files import atomic_write_bytes
 from mlora_lab.sources import RewardSnapshot, reward_in_memory
 from mlora_lab.spec.fields import MAX_REWARDS, FieldInfo
-from mlora_lab.spec.job import Tenant
 from mlora_lab.spec.parts import RL
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import HIDDEN, brief, error_line, is_finite
 from mlora_lab.validate.context import Context, got
 

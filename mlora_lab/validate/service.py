@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from mlora_lab.rundir.service import reserved_model_names, served_base_name
 from mlora_lab.spec.fields import fields_info
-from mlora_lab.spec.job import Tenant
 from mlora_lab.spec.parts import Service
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.validate.context import Context, got
 from mlora_lab.validate.fields import check_field
 

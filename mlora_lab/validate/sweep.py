@@ -9,8 +9,9 @@ from typing import Any
 
 from mlora_lab.search import is_eval_score
 from mlora_lab.spec.fields import Problem
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.parts import Eval
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import is_int
 from mlora_lab.validate.context import ValidationCache, capped
 from mlora_lab.validate.validator import Validator

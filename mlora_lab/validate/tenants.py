@@ -9,7 +9,8 @@ import collections
 from typing import Any
 
 from mlora_lab.spec.fields import MAX_NAME_LEN, SAFE_NAME, Problem
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief, is_int
 from mlora_lab.validate.context import Context, case_problem, got, tenant_problem
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 from mlora_lab.spec.fields import MAX_SLOTS, Problem, SpecError
-from mlora_lab.spec.job import JobSpec, Tenant, effective_slot_modules
+from mlora_lab.spec.job import JobSpec, effective_slot_modules
 from mlora_lab.spec.parts import Parallel
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import error_line
 from mlora_lab.validate.context import Context, ValidationCache, capped
 from mlora_lab.validate.evals import check_eval_fields, check_eval_files

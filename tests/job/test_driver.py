@@ -16,7 +16,8 @@ from mlora_lab.job.drivers.base import Driver, JobParts, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.rundir import TenantState
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 
 ROWS = [
     {"text": "the quick brown fox"},

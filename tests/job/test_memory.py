@@ -18,7 +18,8 @@ from mlora_lab.memory import (
     output_layer,
     token_loss,
 )
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS, tiny_config
 from mlora_lab.validate import problems as spec_problems
 

@@ -18,7 +18,8 @@ from mlora_lab.data import (
     padding_waste,
 )
 from mlora_lab.job.trainer import Trainer
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS
 
 ARCHS = ["llama", "qwen2", "phi3", "gpt_neox", "qwen3_moe"]

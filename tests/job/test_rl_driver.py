@@ -25,8 +25,9 @@ from mlora_lab.job.drivers.rl import Generation, RLDriver, RLFeed
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.reference import peft_lora_tensors
 from mlora_lab.rundir import CompletionRow, RowKind, TenantState
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.parts import RL
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS
 
 TOL = 1e-5

@@ -21,7 +21,7 @@ from mlora_lab.search import ASHA, PBT, Action, Objective, Sweep, choice, loguni
 def base_tenant(tmp_path) -> ml.Tenant:
     data = write_jsonl(tmp_path / "train.jsonl", task_rows("reverse", 24))
     evals = write_jsonl(tmp_path / "eval.jsonl", task_rows("reverse", 6))
-    return ml.Tenant(name="base", data=data, eval_data=evals, rank=4, batch_size=2, max_steps=8)
+    return ml.Tenant(name="base", data=data, heldout_data=evals, rank=4, batch_size=2, max_steps=8)
 
 
 def sweep_trainer(llama_path: str, out: Path, sweep: Sweep, resume: bool = False, **job) -> Trainer:

@@ -9,8 +9,9 @@ import torch
 
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.optim import TenantOptimizer
-from mlora_lab.rundir import EvalRow, MetricsReader, MetricsWriter, atomic_write_text, checkpoint
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.rundir import HeldoutRow, MetricsReader, MetricsWriter, atomic_write_text, checkpoint
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 
 
 def spec_for(base: str, tenants: list[Tenant], **kw) -> JobSpec:
@@ -95,9 +96,9 @@ def test_tenant_optimizer_is_torch_adamw_with_per_tenant_clipping():
 
 def test_eval_rows_and_checkpoint(llama_path, make_data, tmp_path):
     t = Tenant(
-        name="e", data=make_data("upper"), eval_data=make_data("upper", 5, name="ev"), rank=4, max_steps=4
+        name="e", data=make_data("upper"), heldout_data=make_data("upper", 5, name="ev"), rank=4, max_steps=4
     )
-    trainer = Trainer(spec_for(llama_path, [t], eval_every=2, save_every=2), run_dir=tmp_path / "run")
+    trainer = Trainer(spec_for(llama_path, [t], heldout_every=2, save_every=2), run_dir=tmp_path / "run")
     trainer.train()
     evals = [r for r in trainer.history if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [2, 4, 4]
@@ -112,7 +113,7 @@ def test_eval_rows_and_checkpoint(llama_path, make_data, tmp_path):
 def test_metrics_reader_never_parses_a_partial_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     writer = MetricsWriter(path)
-    writer.write(EvalRow(step=1, tenant="a", loss=1.0))
+    writer.write(HeldoutRow(step=1, tenant="a", loss=1.0))
     reader = MetricsReader(path)
     assert [r.step for r in reader.poll()] == [1]
     with open(path, "a") as f:

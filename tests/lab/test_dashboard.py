@@ -28,6 +28,7 @@ from mlora_lab.lab.runs.run import Run
 from mlora_lab.rundir import (
     EvalRow,
     EventKind,
+    HeldoutRow,
     EventRow,
     MetricsWriter,
     RunDir,
@@ -36,7 +37,8 @@ from mlora_lab.rundir import (
     TrainRow,
     update_status,
 )
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 
 T0 = 1.8e9
 
@@ -473,7 +475,7 @@ def test_a_workdir_view_lists_sorts_filters_and_overlays_runs(tmp_path):
     labels = [label for label, _ in dash.tenants.options]
     assert f"{r1.root.name} / a" in labels and f"{r2.root.name} / a" in labels
     visible = [
-        ln for ln in dash.loss.ax.get_lines() if ln.get_visible() and ln.get_label() not in ("_raw", "_eval")
+        ln for ln in dash.loss.ax.get_lines() if ln.get_visible() and ln.get_label() not in ("_raw", "_heldout")
     ]
     assert len(visible) == 4 and len({ln.get_color() for ln in visible}) == 4
     assert f"{r2.root.name} / c" in dash.loss.legend.value
@@ -558,7 +560,7 @@ def test_colours_are_the_same_in_the_dashboard_and_in_compare(tmp_path):
 
 def test_compare_warns_naming_runs_without_the_metric(tmp_path):
     with_eval, without = make_run(tmp_path / "with_eval"), make_run(tmp_path / "without")
-    write(with_eval, *steps(["a"], 1, 4), EvalRow(step=4, tenant="a", loss=1.5, time=T0 + 4))
+    write(with_eval, *steps(["a"], 1, 4), HeldoutRow(step=4, tenant="a", loss=1.5, time=T0 + 4))
     write(without, *steps(["a"], 1, 4))
     with pytest.warns(UserWarning, match=r"no 'eval_loss' values in run\(s\) without"):
         fig = ml.compare([with_eval.root, without.root], metric="eval_loss")
@@ -575,7 +577,7 @@ def test_compare_log_axis_smoothing_and_png(tmp_path):
     from IPython.core.formatters import DisplayFormatter
 
     run = make_run(tmp_path / "r")
-    write(run, *steps(["a", "b"], 1, 40), EvalRow(step=20, tenant="a", loss=1.0, time=T0 + 20))
+    write(run, *steps(["a", "b"], 1, 40), HeldoutRow(step=20, tenant="a", loss=1.0, time=T0 + 20))
     fig = ml.compare(run.root, smoothing=0.6, logy=True, x="global step")
     ax = fig.axes[0]
     assert ax.get_yscale() == "log" and ax.get_xlabel() == "global step"
@@ -591,7 +593,7 @@ def test_compare_log_axis_smoothing_and_png(tmp_path):
 
     plot_losses(run.root, path)
     assert path.read_text().lstrip().startswith("<?xml")
-    evals = [ln for ln in plot_losses(run.root).axes[0].lines if ln.get_label() == "_eval"]
+    evals = [ln for ln in plot_losses(run.root).axes[0].lines if ln.get_label() == "_heldout"]
     assert len(evals) == 1 and evals[0].get_xdata().tolist() == [20]
 
 
@@ -956,8 +958,8 @@ def sweep_run(root: Path, lrs: dict[str, float], ranks: dict[str, int], best: di
     rows = steps(list(lrs), 1, 4)
     for t, b in best.items():
         rows += [
-            EvalRow(step=2, tenant=t, loss=b + 0.5, time=T0 + 2),
-            EvalRow(step=4, tenant=t, loss=b, time=T0 + 4),
+            HeldoutRow(step=2, tenant=t, loss=b + 0.5, time=T0 + 2),
+            HeldoutRow(step=4, tenant=t, loss=b, time=T0 + 4),
         ]
     write(run, *rows)
     return run
@@ -1126,8 +1128,8 @@ def test_no_label_is_parsed_as_mathtext(tmp_path):
             SystemRow(
                 step=1, rank=0, mem_bytes=2**30, peak_mem_bytes=2**30, step_time=1, tokens_per_s=9, time=T0
             ),
-            EvalRow(step=6, tenant="a", loss=1.0, time=T0 + 6),
-            EvalRow(step=6, tenant="b", loss=2.0, time=T0 + 6),
+            HeldoutRow(step=6, tenant="a", loss=1.0, time=T0 + 6),
+            HeldoutRow(step=6, tenant="b", loss=2.0, time=T0 + 6),
         )
         roots.append(run.root)
     dash = dash_of(*roots)
@@ -1172,7 +1174,7 @@ def test_one_colour_per_run_and_tenant_in_every_view_and_after_a_rerun(tmp_path)
         ln.get_label(): ln.get_color() for ln in fig.axes[0].get_lines() if not ln.get_label().startswith("_")
     }
     assert {t: drawn[f"quickstart / {t}"] for t in "abc"} == solo
-    write(first, *[EvalRow(step=5, tenant=t, loss=1.0 + i, time=T0 + 5) for i, t in enumerate("abc")])
+    write(first, *[HeldoutRow(step=5, tenant=t, loss=1.0 + i, time=T0 + 5) for i, t in enumerate("abc")])
     points = hparams(str(first.root), params=["max_steps"], metric="eval_loss").axes[0].collections[0]
     assert [matplotlib.colors.to_hex(c) for c in points.get_facecolors()] == [solo[t] for t in "abc"]
 
@@ -1246,7 +1248,7 @@ def test_hparams_shows_categorical_settings_and_names_points_on_hover(tmp_path):
         run,
         *steps(list(configs), 1, 3),
         *[
-            EvalRow(step=3, tenant=t, loss=v, time=T0 + 3)
+            HeldoutRow(step=3, tenant=t, loss=v, time=T0 + 3)
             for t, v in (("qv", 2.0), ("all", 1.0), ("qkvo", 1.5))
         ],
     )
@@ -1320,7 +1322,7 @@ def test_summary_puts_what_people_run_it_for_first(tmp_path):
     table = summary(Run(run.root))
     shown = table.to_text(width=100).splitlines()[0]  # (what a narrow terminal shows: the least needed go)
     at = [shown.index(column) for column in ("state", "steps", "final loss", "best loss")]
-    assert at == sorted(at) and "eval loss" not in shown, shown  # (no eval rows: no eval columns)
+    assert at == sorted(at) and "held-out loss" not in shown, shown  # (no eval rows: no held-out columns)
     assert (
         " ".join(table.columns[:8])
         == "tenant state steps max_steps final_loss best_smoothed_loss eval_loss best_eval_loss"
@@ -1366,7 +1368,7 @@ def test_extreme_but_well_typed_rows_break_no_view(tmp_path):
         TrainRow(
             step=7, tenant="b", tenant_step=7, loss=-1e308, tokens=10, lr=1e-3, grad_norm=1.0, time=T0 + 7
         ),
-        EvalRow(step=7, tenant="a", loss=1e308, time=T0 + 7),
+        HeldoutRow(step=7, tenant="a", loss=1e308, time=T0 + 7),
         SystemRow(
             step=7,
             rank=0,

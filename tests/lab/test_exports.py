@@ -34,7 +34,8 @@ from mlora_lab.job.trainer import Trainer
 from mlora_lab.lab.exports import ExportError, export_gguf, merge
 from mlora_lab.lab.runs.run import Run
 from mlora_lab.rundir import RunDir, update_status
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS
 
 TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -15,7 +15,7 @@ import mlora_lab as ml
 from mlora_lab.lab.compare.results import summary
 from mlora_lab.lab.plotting import ema
 from mlora_lab.lab.runs.run import Run
-from mlora_lab.rundir import CompletionRow, EvalRow, TrainRow
+from mlora_lab.rundir import CompletionRow, HeldoutRow, TrainRow
 
 
 def rl_steps(tenant: str, first: int, last: int, reward=lambda s: 0.1 * s, t0: float = T0) -> list[TrainRow]:
@@ -81,7 +81,7 @@ def test_compare_draws_each_rl_tenants_metric_and_leaves_sft_tenants_out(tmp_pat
         run,
         *steps(["sft"], 1, 5),
         *rl_steps("grpo", 1, 5, reward=lambda s: None if s == 3 else 0.1 * s),  # step 3: nothing scored
-        EvalRow(step=5, tenant="sft", loss=1.0, time=T0 + 5),
+        HeldoutRow(step=5, tenant="sft", loss=1.0, time=T0 + 5),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the SFT tenant is simply not drawn: no warning about it
@@ -110,7 +110,7 @@ def test_compare_draws_each_rl_tenants_metric_and_leaves_sft_tenants_out(tmp_pat
 
 def test_compare_of_an_rl_metric_without_rl_tenants_is_one_error_naming_the_metrics(tmp_path):
     sft = make_run(tmp_path / "sft")
-    write(sft, *steps(["a", "b"], 1, 4), EvalRow(step=4, tenant="a", loss=1.5, time=T0 + 4))
+    write(sft, *steps(["a", "b"], 1, 4), HeldoutRow(step=4, tenant="a", loss=1.5, time=T0 + 4))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one error, no warning per run before it
         with pytest.raises(ValueError) as e:

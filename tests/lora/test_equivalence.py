@@ -20,7 +20,8 @@ from mlora_lab.job.trainer import Trainer
 from mlora_lab.lora import read_adapter
 from mlora_lab.reference import train_peft
 from mlora_lab.spec.fields import MAX_COUNT
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.tiny import TYPICAL_TARGETS
 
 ARCHS = ["llama", "qwen2", "phi3", "gpt_neox"]

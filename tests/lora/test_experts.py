@@ -96,7 +96,8 @@ def test_moe_tenants_train_like_peft_and_round_trip(arch, tiny_models, make_data
     from mlora_lab.job.trainer import Trainer
     from mlora_lab.lora import read_adapter
     from mlora_lab.reference import train_peft
-    from mlora_lab.spec.job import JobSpec, Tenant
+    from mlora_lab.spec.job import JobSpec
+    from mlora_lab.spec.tenant import Tenant
     from mlora_lab.tiny import EXPERT_TARGETS
     from mlora_lab.validate import problems as spec_problems
 

@@ -14,7 +14,8 @@ from mlora_lab.job.trainer import Trainer
 from mlora_lab.lora import homes
 from mlora_lab.lora.model import TensorIO
 from mlora_lab.optim import TenantOptimizer, sq_norms, step_many
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 
 SHAPES = [(2, 5), (3, 2)]
 

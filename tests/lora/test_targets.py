@@ -38,7 +38,8 @@ from mlora_lab.lora.targets import (
     storable_targets,
     suffixes,
 )
-from mlora_lab.spec.job import JobSpec, Tenant, effective_slot_modules
+from mlora_lab.spec.job import JobSpec, effective_slot_modules
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.tiny import ARCHITECTURES, MOE_ARCHITECTURES, build_tokenizer, tiny_config
 from mlora_lab.validate import all_linear_names, linear_target_options
 from mlora_lab.validate import problems as spec_problems

@@ -11,8 +11,9 @@ import pytest
 
 import mlora_lab as ml
 from mlora_lab.spec.fields import SpecError
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.parts import RL
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.validate import problems as spec_problems
 
 REWARDS = """
@@ -144,12 +145,12 @@ def test_bad_rl_settings_are_all_reported_at_once(tmp_path, llama_path):
         assert expected in found, expected
     long = RL(reward=f"{rewards}:short", max_new_tokens=64, reward_weights=[1.0, 2.0])
     spec = JobSpec(
-        base_model=llama_path, seq_len=64, tenants=[Tenant(name="a", data=data, eval_data=data, rl=long)]
+        base_model=llama_path, seq_len=64, tenants=[Tenant(name="a", data=data, heldout_data=data, rl=long)]
     )
     found = "\n".join(texts(spec))
     assert "rl.max_new_tokens=64 leaves no room for a prompt in seq_len=64" in found
     assert "rl.reward_weights has 2 weights for 1 reward functions" in found
-    assert "an RL tenant has no eval_data" in found
+    assert "an RL tenant has no heldout_data" in found
 
 
 def test_reward_functions_are_checked_against_the_rows_before_launch(tmp_path, llama_path):

@@ -26,6 +26,7 @@ from mlora_lab.rundir import (
     ControlResult,
     EvalRow,
     EventKind,
+    HeldoutRow,
     EventRow,
     MetricsReader,
     MetricsWriter,
@@ -420,20 +421,20 @@ def test_corrupt_or_foreign_status_gives_a_clear_error(run):
 def test_reader_skips_corrupt_and_foreign_lines_naming_file_and_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     writer = MetricsWriter(path)
-    writer.write(EvalRow(step=1, tenant="a", loss=1.0))
+    writer.write(HeldoutRow(step=1, tenant="a", loss=1.0))
     with open(path, "ab") as f:
         f.write(b"\x00\xff garbage\n")
         f.write(b'{"kind": "train", "step": "one"}\n')  # JSON, but not a train row
         f.write(b'{"hello": "world"}\n')
         f.write(b"[1, 2]\n")
-    writer.write(EvalRow(step=2, tenant="a", loss=0.5))
+    writer.write(HeldoutRow(step=2, tenant="a", loss=0.5))
     reader = MetricsReader(path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rows = reader.poll()
     assert rows == [
-        EvalRow(step=1, tenant="a", loss=1.0, time=rows[0].time),
-        EvalRow(step=2, tenant="a", loss=0.5, time=rows[1].time),
+        HeldoutRow(step=1, tenant="a", loss=1.0, time=rows[0].time),
+        HeldoutRow(step=2, tenant="a", loss=0.5, time=rows[1].time),
     ]
     messages = [str(w.message) for w in caught]
     assert [m.split(" line ")[1].split(":")[0] for m in messages] == ["2", "3", "4", "5"], messages
@@ -468,11 +469,11 @@ def test_D3_a_row_whose_tenant_is_not_a_safe_name_is_skipped_and_reported(tmp_pa
     is no row: every reader skips it with a warning naming file, line and field, as any malformed row."""
     path = tmp_path / "metrics.jsonl"
     writer = MetricsWriter(path)
-    writer.write(EvalRow(step=1, tenant="a", loss=1.0))
+    writer.write(HeldoutRow(step=1, tenant="a", loss=1.0))
     bad = unsafe_tenant_rows()
     with open(path, "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in bad)
-    writer.write(EvalRow(step=2, tenant="b.c_d-9", loss=0.5))
+    writer.write(HeldoutRow(step=2, tenant="b.c_d-9", loss=0.5))
     reader = MetricsReader(path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -535,7 +536,7 @@ def test_rows_are_typed_and_every_kind_round_trips(tmp_path):
             rows_seen=2,
             tokens_seen=3,
         ),
-        EvalRow(step=1, tenant="a", loss=1.5),
+        HeldoutRow(step=1, tenant="a", loss=1.5),
         SystemRow(step=1, rank=0, mem_bytes=1, peak_mem_bytes=2, step_time=0.1, tokens_per_s=30.0),
         TenantRow(step=1, tenant="a", state="paused", adapter_bytes=10, reason="asked"),
         EventRow(step=1, event=EventKind.RESUMED, message="from step_1"),
@@ -565,9 +566,9 @@ def test_rows_are_typed_and_every_kind_round_trips(tmp_path):
 def test_writer_recreates_a_deleted_file_and_never_follows_a_symlink(tmp_path):
     path = tmp_path / "metrics.jsonl"
     writer = MetricsWriter(path)
-    writer.write(EvalRow(step=1, tenant="a", loss=1.0))
+    writer.write(HeldoutRow(step=1, tenant="a", loss=1.0))
     path.unlink()
-    writer.write(EvalRow(step=2, tenant="a", loss=1.0))
+    writer.write(HeldoutRow(step=2, tenant="a", loss=1.0))
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["kind"] for r in rows] == ["event", "eval"] and rows[0]["event"] == EventKind.METRICS_RECREATED
     writer.close()
@@ -693,13 +694,13 @@ def test_the_lock_has_one_holder_and_dies_with_it(tmp_path):
 
 def test_a_non_finite_metric_is_written_as_null_and_read_back(run):
     writer = MetricsWriter(run.metrics)
-    writer.write(EvalRow(step=1, tenant="a", loss=float("nan")))
+    writer.write(HeldoutRow(step=1, tenant="a", loss=float("nan")))
     writer.write(
         TrainRow(step=1, tenant="a", tenant_step=1, loss=2.0, tokens=3, lr=0.1, grad_norm=float("inf"))
     )
     rows = MetricsReader(run.metrics).poll()
     assert (
-        [type(r) for r in rows] == [EvalRow, TrainRow] and rows[0].loss is None and rows[1].grad_norm is None
+        [type(r) for r in rows] == [HeldoutRow, TrainRow] and rows[0].loss is None and rows[1].grad_norm is None
     )
 
 
@@ -1035,13 +1036,13 @@ def test_rows_frame_keeps_row_order_kinds_and_types(tmp_path):
 
     path = tmp_path / "metrics.jsonl"
     written = [
-        EvalRow(step=1, tenant="a", loss=3.0, time=10.0),
+        HeldoutRow(step=1, tenant="a", loss=3.0, time=10.0),
         TrainRow(step=1, tenant="a", tenant_step=1, loss=2.0, tokens=3, lr=0.1, grad_norm=None, time=11.0),
         TenantRow(step=1, tenant="b", state="failed", reason="non-finite loss", time=12.0),
         TrainRow(
             step=2, tenant="a", tenant_step=2, loss=float("nan"), tokens=4, lr=0.1, grad_norm=1.0, time=13.0
         ),
-        EvalRow(step=2, tenant="a", loss=2.5, time=14.0),
+        HeldoutRow(step=2, tenant="a", loss=2.5, time=14.0),
     ]
     writer = MetricsWriter(path)
     for row in written:

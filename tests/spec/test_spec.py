@@ -19,9 +19,10 @@ import mlora_lab.text
 import mlora_lab.validate
 import mlora_lab.validate.model
 from mlora_lab.spec.fields import Problem, SpecError, fields_info
-from mlora_lab.spec.job import MAX_COUNT, JobSpec, Tenant, default_run_name, step_goal
+from mlora_lab.spec.job import MAX_COUNT, JobSpec, default_run_name
 from mlora_lab.spec.outline import Outline
 from mlora_lab.spec.parts import Parallel, Service
+from mlora_lab.spec.tenant import Tenant, step_goal
 from mlora_lab.tiny import build_tokenizer
 from mlora_lab.validate import check, model_target_names, tenant_problems
 from mlora_lab.validate import problems as spec_problems
@@ -60,7 +61,7 @@ def test_json_round_trip_keeps_types():
         base_model="/m",
         tenants=[
             Tenant(name="a", data="a.jsonl", betas=(0.8, 0.95), max_grad_norm=None, target_parameters=["x"]),
-            Tenant(name="b", data="b.jsonl", eval_data="b_eval.jsonl", use_rslora=True, schedule="cosine"),
+            Tenant(name="b", data="b.jsonl", heldout_data="b_eval.jsonl", use_rslora=True, schedule="cosine"),
         ],
         parallel=Parallel(nproc=2),
         slot_modules=["q_proj", "k_proj", "v_proj"],
@@ -100,7 +101,7 @@ def test_to_json_writes_atomically_and_load_resolves_relative_paths(tmp_path):
     spec = JobSpec(
         base_model="./models/tiny",  # (./: a local path; "models/tiny" that does not exist reads as a Hub id)
         tokenizer="/abs/tok",
-        tenants=[Tenant(name="a", data="data/a.jsonl", eval_data="../e.jsonl", init_adapter="~/ad")],
+        tenants=[Tenant(name="a", data="data/a.jsonl", heldout_data="../e.jsonl", init_adapter="~/ad")],
     )
     job = tmp_path / "run" / "job.json"
     job.parent.mkdir()
@@ -114,7 +115,7 @@ def test_to_json_writes_atomically_and_load_resolves_relative_paths(tmp_path):
     assert loaded.tokenizer == "/abs/tok"
     t = loaded.tenants[0]
     assert t.data == os.path.join(run, "data", "a.jsonl")
-    assert t.eval_data == str(tmp_path / "e.jsonl")
+    assert t.heldout_data == str(tmp_path / "e.jsonl")
     assert t.init_adapter == os.path.expanduser("~/ad")
     assert spec.tenants[0].data == "data/a.jsonl"  # resolved() returns a copy
     assert loaded.resolved(tmp_path) == loaded  # absolute paths are kept
@@ -343,7 +344,11 @@ BAD_CASES: list[tuple[str, Callable[[JobSpec, Path], None], str]] = [
         "b.jsonl line 2: not valid JSON",
     ),
     ("data_type", at("tenants.0.data", None), "tenant 'a': data must be a non-empty string"),
-    ("eval_missing", at("tenants.0.eval_data", lambda tmp: str(tmp / "ev.jsonl")), "tenant 'a': eval_data: "),
+    (
+        "eval_missing",
+        at("tenants.0.heldout_data", lambda tmp: str(tmp / "ev.jsonl")),
+        "tenant 'a': heldout_data: ",
+    ),
     (
         "init_not_dir",
         at("tenants.0.init_adapter", lambda tmp: str(tmp / "nope")),
@@ -371,7 +376,7 @@ BAD_CASES: list[tuple[str, Callable[[JobSpec, Path], None], str]] = [
     ("max_tenants0", at("max_tenants", 0), "max_tenants must be >= 1"),
     ("max_rank0", at("max_rank", 0), "max_rank must be >= 1"),
     ("log_every0", at("log_every", 0), "log_every must be >= 1"),
-    ("eval_every_neg", at("eval_every", -1), "eval_every must be >= 0"),
+    ("eval_every_neg", at("heldout_every", -1), "heldout_every must be >= 0"),
     ("save_every_neg", at("save_every", -1), "save_every must be >= 0"),
     (
         "dtype",
@@ -700,7 +705,7 @@ def test_expert_parallel_is_checked_against_the_experts(tmp_path, moe_path, llam
 def test_chat_rows_need_a_chat_template(tmp_path, llama_path):
     spec = good_spec(llama_path, tmp_path)
     chat = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
-    spec.tenants[0].eval_data = write(tmp_path / "chat.jsonl", chat)
+    spec.tenants[0].heldout_data = write(tmp_path / "chat.jsonl", chat)
     assert spec_problems(spec) == []  # the tiny tokenizer has a chat template
     tok = build_tokenizer()
     tok.chat_template = None
@@ -708,7 +713,8 @@ def test_chat_rows_need_a_chat_template(tmp_path, llama_path):
     spec.tokenizer = str(tmp_path / "plain_tok")
     (problem,) = texts(spec)
     assert (
-        "tenant 'a': eval_data has chat ('messages') rows but the tokenizer has no chat_template" in problem
+        "tenant 'a': heldout_data has chat ('messages') rows but the tokenizer has no chat_template"
+        in problem
     )
 
 
@@ -878,7 +884,7 @@ GARBAGE_IDS = [name for name, _ in GARBAGE_CASES]
 TENANT_FIELDS = [f for f in Tenant.__dataclass_fields__ if f != "name"]
 # (field, value) pairs of GARBAGE that are valid (a list: [] is unhashable)
 VALID = [
-    ("eval_data", None),
+    ("heldout_data", None),
     ("init_adapter", None),
     ("rl", None),
     ("client", None),
@@ -944,7 +950,7 @@ def test_problems_never_raise_and_name_the_tenant(tmp_path, llama_path, value):
         for i, f in enumerate(TENANT_FIELDS):
             named = any(f"tenant 't{i}': " in p for p in problems)
             # a list is a tenant's rows held in memory: like a file's, its rows are read with the files
-            rows = f in ("data", "eval_data") and isinstance(value, list)
+            rows = f in ("data", "heldout_data") and isinstance(value, list)
             assert named == ((f, value) not in VALID and (files or not rows)), (f, problems)
         if not (isinstance(value, str) and value.isalnum()):
             assert any("tenant name must be a string" in p or "name is not a safe" in p for p in problems)
@@ -1144,7 +1150,11 @@ HARDENING_CASES: list[tuple[str, Callable[[JobSpec, Path], None], str]] = [
         at("tenants.0.data", "a\ud800.jsonl"),
         "tenant 'a': data path contains a lone surrogate (\\ud800), which is not valid text",
     ),
-    ("eval_nul", at("tenants.0.eval_data", "e\0.jsonl"), "tenant 'a': eval_data path contains a NUL byte"),
+    (
+        "eval_nul",
+        at("tenants.0.heldout_data", "e\0.jsonl"),
+        "tenant 'a': heldout_data path contains a NUL byte",
+    ),
     (
         "init_surrogate",
         at("tenants.0.init_adapter", "\udfff"),
@@ -1158,7 +1168,7 @@ HARDENING_CASES: list[tuple[str, Callable[[JobSpec, Path], None], str]] = [
     ("data_fifo", at("tenants.0.data", data_fifo), "fifo.jsonl: not a regular file"),
     ("data_long_path", at("tenants.0.data", "x" * 10_000), "tenant 'a': data path is 10,000 characters long"),
     ("data_long_name", at("tenants.0.data", "x" * 300), "(300 characters): cannot read (File name too long)"),
-    ("eval_dir", at("tenants.0.eval_data", mkdir("e.jsonl")), "tenant 'a': eval_data: "),
+    ("eval_dir", at("tenants.0.heldout_data", mkdir("e.jsonl")), "tenant 'a': heldout_data: "),
     # the base model and its tokenizer
     (
         "config_only",
@@ -1380,11 +1390,11 @@ def test_data_whose_rows_all_lose_their_targets(tmp_path, llama_path):
     rows = "".join(json.dumps({"prompt": LONG_PROMPT, "completion": " yes"}) + "\n" for _ in range(3))
     path = write(tmp_path / "p.jsonl", rows)
     spec = good_spec(llama_path, tmp_path, seq_len=8)
-    spec.tenants[0].data = spec.tenants[0].eval_data = path
+    spec.tenants[0].data = spec.tenants[0].heldout_data = path
     assert texts(spec) == [
         f"tenant 'a': {field}: {path}: all 3 row(s) lose their target tokens when truncated to seq_len=8; "
         "raise seq_len or shorten the prompts"
-        for field in ("data", "eval_data")
+        for field in ("data", "heldout_data")
     ]
     spec.seq_len = 64
     assert spec_problems(spec) == []
@@ -1444,6 +1454,7 @@ def test_outline_reads_names_and_goals_as_the_spec_does(tmp_path):
         Outline.read(path)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (the warning: tests/spec/test_renames.py)
 def test_stay_up_is_still_read_under_its_old_name_serve(tmp_path):
     """``serve`` was renamed ``stay_up`` (it competed with ``service`` and ``ml.serve``): the constructor's
     ``serve=``, the attribute and a job file's ``"serve"`` still mean it; files are written with the new name."""
@@ -1463,6 +1474,7 @@ def test_stay_up_is_still_read_under_its_old_name_serve(tmp_path):
     assert JobSpec.from_dict({**old, "stay_up": True}).stay_up is True
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (the warning: tests/spec/test_renames.py)
 def test_JJ1e_the_constructor_refuses_serve_and_stay_up_that_disagree(tmp_path):
     """JJ1e: ``JobSpec(serve=False, stay_up=True)`` is refused as job.json refuses the same disagreement
     (a ``stay_up`` left at its default takes ``serve``'s value; both given alike are one setting)."""
@@ -1522,6 +1534,7 @@ def test_JJ4_ten_thousand_tenants_are_checked_without_redoing_shared_work(llama_
     assert few_counts["scans"] == 1
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (the warning: tests/spec/test_renames.py)
 def test_JJ1e_replace_sets_stay_up_either_way(tmp_path):
     """JJ1e: ``dataclasses.replace(spec, stay_up=...)`` (how a sweep's job is made) sets ``stay_up`` either way:
     ``serve`` is the constructor's old name for it, not a field that ``replace`` passes again with the old value

@@ -24,6 +24,7 @@ from mlora_lab.lab.cli import main as cli_main
 from mlora_lab.rundir import (
     EvalRow,
     EventKind,
+    HeldoutRow,
     EventRow,
     MetricsReader,
     SystemRow,
@@ -135,7 +136,7 @@ def job_spec(base: str, folder: Path, **kw) -> ml.JobSpec:
     alice = ml.Tenant(
         name="alice",
         data=write_jsonl(folder / "alice.jsonl", task_rows("reverse", 12)),
-        eval_data=write_jsonl(folder / "alice_eval.jsonl", task_rows("reverse", 4)),
+        heldout_data=write_jsonl(folder / "alice_eval.jsonl", task_rows("reverse", 4)),
         rank=4,
         lr=1e-2,
         max_steps=4,
@@ -151,7 +152,7 @@ def job_spec(base: str, folder: Path, **kw) -> ml.JobSpec:
         target_modules=["q_proj", "k_proj", "v_proj"],
     )
     return ml.JobSpec(
-        base_model=base, tenants=[alice, bob], seq_len=48, max_rank=8, max_tenants=4, eval_every=2, **kw
+        base_model=base, tenants=[alice, bob], seq_len=48, max_rank=8, max_tenants=4, heldout_every=2, **kw
     )
 
 
@@ -265,7 +266,7 @@ def test_rows_become_metrics_on_the_tenant_step_or_the_global_step():
         TrainRow(step=1, tenant="a", tenant_step=1, loss=2.5, tokens=10, lr=1e-3, grad_norm=float("nan")),
         TrainRow(step=2, tenant="b", tenant_step=1, loss=3.0, tokens=7, lr=2e-3, grad_norm=0.5, rows_seen=4),
         TrainRow(step=3, tenant="a", tenant_step=2, loss=2.0, tokens=10, lr=1e-3, grad_norm=0.25),
-        EvalRow(step=3, tenant="a", loss=2.2),
+        HeldoutRow(step=3, tenant="a", loss=2.2),
         SystemRow(step=3, rank=1, mem_bytes=5, peak_mem_bytes=6, step_time=0.5, tokens_per_s=40.0),
         TenantRow(step=4, tenant="a", state=TenantState.FAILED, reason="loss is nan"),
         EventRow(step=4, event=EventKind.RESUMED, message="from step_3"),
@@ -361,7 +362,7 @@ def test_a_job_mirrors_every_row_live_one_tracker_run_per_tenant(llama_path, tmp
         assert tb_texts(folder, "tenant/state")[-1][1] == "finished"
     # eval rows carry the global step: they land on alice's tenant step at that moment
     step_of = {r.step: r.tenant_step for r in train_rows(rows, "alice")}
-    evals = [r for r in rows if isinstance(r, EvalRow)]
+    evals = [r for r in rows if isinstance(r, HeldoutRow)]
     assert evals and tb_scalars(board / "tenants" / "alice", "eval/loss") == [
         (step_of[max(s for s in step_of if s <= r.step)], pytest.approx(r.loss, rel=1e-6)) for r in evals
     ]
@@ -571,7 +572,7 @@ def test_report_mirrors_a_finished_run_as_one_job_run(finished):
         assert tb_scalars(run_dir / "trackers" / "tensorboard" / "job", f"train/loss/{name}") == [
             (r.step, pytest.approx(r.loss, rel=1e-6)) for r in mine
         ]
-    evals = [r for r in rows if isinstance(r, EvalRow)]
+    evals = [r for r in rows if isinstance(r, HeldoutRow)]
     assert [(x["step"], x["eval/loss/alice"]) for x in logs if "eval/loss/alice" in x] == [
         (r.step, r.loss) for r in evals
     ]

@@ -42,7 +42,8 @@ from mlora_lab.job.engine import Engine
 from mlora_lab.job.recorder import Recorder
 from mlora_lab.job.tenants import Feed, TenantPool, TenantRun
 from mlora_lab.rundir import TrainRow
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 
 
 @dataclass
@@ -136,8 +137,9 @@ class Driver(ABC):
         process, driver by driver, whatever rows a process had (:meth:`loss` is called only for a tenant
         with rows here), so it may be a collective."""
 
-    def evaluate(self, only: Sequence[str] | None = None) -> dict[str, float]:
-        """Eval losses of this driver's tenants (or of those ``only``). A collective."""
+    def heldout_losses(self, only: Sequence[str] | None = None) -> dict[str, float]:
+        """Held-out losses of this driver's tenants (their ``heldout_data``; or of those ``only``). A
+        collective."""
         return {}
 
     def waiting(self) -> bool:
@@ -183,9 +185,9 @@ class Drivers:
         """The :data:`~.tenants.FeedFor` of the pool: ``tenant``'s feed, made by its driver."""
         return self.of(tenant).feed(tenant)
 
-    def evaluate(self, only: Sequence[str] | None = None) -> dict[str, float]:
-        """Eval losses of every driver's tenants (or of those ``only``). A collective."""
+    def heldout_losses(self, only: Sequence[str] | None = None) -> dict[str, float]:
+        """Held-out losses of every driver's tenants (or of those ``only``). A collective."""
         out: dict[str, float] = {}
         for d in self.all:
-            out |= d.evaluate(only)
+            out |= d.heldout_losses(only)
         return out

@@ -27,8 +27,8 @@ from mlora_lab.data import IGNORE_INDEX, Example, TenantStream
 from mlora_lab.job.agree import describe
 from mlora_lab.job.drivers.base import Driver, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
-from mlora_lab.rundir import EvalRow, TenantState
-from mlora_lab.spec.job import Tenant
+from mlora_lab.rundir import HeldoutRow, TenantState
+from mlora_lab.spec.tenant import Tenant
 
 
 def rows_digest(examples: Sequence[Example]) -> str:
@@ -44,10 +44,10 @@ def rows_digest(examples: Sequence[Example]) -> str:
 
 @dataclass
 class FileFeed:
-    """A file-data tenant's feed: its data order, eval rows and the accumulation window."""
+    """A file-data tenant's feed: its data order, held-out rows and the accumulation window."""
 
     stream: TenantStream
-    eval_examples: list[Example] = field(default_factory=list)
+    heldout_examples: list[Example] = field(default_factory=list)
     micro: int = 0  # micro-batches done in the current accumulation window
     window: list[list[Example]] = field(default_factory=list)
     window_tokens: int = 0
@@ -115,8 +115,8 @@ class FileData(Driver):
 
     def feed(self, tenant: Tenant) -> FileFeed:
         examples = self.engine.examples(tenant.data)
-        evals = self.engine.examples(tenant.eval_data) if tenant.eval_data is not None else []
-        return FileFeed(TenantStream(examples, seed=tenant.seed, shuffle=tenant.shuffle), evals)
+        heldout = self.engine.examples(tenant.heldout_data) if tenant.heldout_data is not None else []
+        return FileFeed(TenantStream(examples, seed=tenant.seed, shuffle=tenant.shuffle), heldout)
 
     def _mine(self, tenants: Sequence[TenantRun]) -> list[TenantRun]:
         return [t for t in tenants if isinstance(t.feed, FileFeed)]
@@ -156,14 +156,15 @@ class FileData(Driver):
             self.pool.finish(t)
 
     @torch.no_grad()
-    def evaluate(self, only: Sequence[str] | None = None) -> dict[str, float]:
-        """Mean target-token loss of each tenant's eval set (or of the tenants ``only``), computed in
-        mixed-tenant batches. A collective: every process calls it with the same tenants."""
-        # a quarantined tenant's loss is NaN by definition: it is not evaluated
+    def heldout_losses(self, only: Sequence[str] | None = None) -> dict[str, float]:
+        """Mean target-token loss of each tenant's held-out rows (or of the tenants ``only``), computed in
+        mixed-tenant batches, logged as :class:`~mlora_lab.rundir.HeldoutRow` rows. A collective: every
+        process calls it with the same tenants."""
+        # a quarantined tenant's loss is NaN by definition: it is not measured
         tenants = [
             t
             for t in self._mine(list(self.pool))
-            if t.feed.eval_examples and t.state is not TenantState.FAILED and (only is None or t.name in only)
+            if t.feed.heldout_examples and t.state is not TenantState.FAILED and (only is None or t.name in only)
         ]
         if not tenants:  # (the same on every process)
             return {}
@@ -173,12 +174,12 @@ class FileData(Driver):
         names = [t.name for t in tenants]
         sums = torch.zeros(len(names), 2, dtype=torch.float64)  # (loss sum, target tokens) per tenant
         cursors = dict.fromkeys(names, 0)
-        while any(cursors[t.name] < len(t.feed.eval_examples) for t in tenants):
+        while any(cursors[t.name] < len(t.feed.heldout_examples) for t in tenants):
             groups = []
             for t in tenants:
                 c = cursors[t.name]
                 groups.append(
-                    (t.name, self.engine.local_rows(t.feed.eval_examples[c : c + t.spec.batch_size]))
+                    (t.name, self.engine.local_rows(t.feed.heldout_examples[c : c + t.spec.batch_size]))
                 )
                 cursors[t.name] = c + t.spec.batch_size
             batch, token_loss = self.engine.forward(groups)
@@ -192,5 +193,5 @@ class FileData(Driver):
         model.train(was_training)
         losses = {n: float(sums[i, 0] / max(sums[i, 1], 1)) for i, n in enumerate(names)}
         for n, loss in losses.items():
-            self.recorder.log(EvalRow(step=self.recorder.step, tenant=n, loss=loss))
+            self.recorder.log(HeldoutRow(step=self.recorder.step, tenant=n, loss=loss))
         return losses

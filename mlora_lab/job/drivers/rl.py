@@ -82,8 +82,8 @@ from mlora_lab.rl.rewards import (
 from mlora_lab.rundir import CompletionRow, EventKind, EventRow
 from mlora_lab.sampling import Completion, SampleRequest, sample
 from mlora_lab.sources import source_name
-from mlora_lab.spec.job import Tenant
 from mlora_lab.spec.parts import RL
+from mlora_lab.spec.tenant import Tenant
 
 
 def generation_seed(seed: int, generation: int, position: int) -> int:

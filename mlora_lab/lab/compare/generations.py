@@ -2,6 +2,11 @@
 multi-tenant model and decodes every adapter's greedy completions of the same prompts in one batch, each
 prompt rendered the way the tenant was trained.
 
+A view over ``ml.evaluate``'s sampler (:func:`mlora_lab.sampling.sample`): the ``C`` columns' renderings of
+the ``P`` prompts are ``C·P`` greedy requests of one batch, each row with its column's adapter (the base's
+with none), left-padded and decoded there; what is left here is which columns there are, how each renders
+a prompt, and the table. Greedy, each completion is what PEFT's ``generate`` gives with that adapter alone.
+
 The only comparison that needs torch and transformers: both are imported when it is called, so that
 importing the lab loads neither.
 """
@@ -51,12 +56,12 @@ def compare_generations(
     ``result.attrs["inputs"]`` (``{column: [text per prompt]}``) and the rendering used per column in
     ``result.attrs["chat"]``.
     """
-    import torch
     import transformers
 
     from mlora_lab import data
     from mlora_lab.bases import no_progress_bars, resolve_base
     from mlora_lab.lora import MultiLoRAModel
+    from mlora_lab.sampling import SampleRequest, sample
     from mlora_lab.spec.job import effective_slot_modules
 
     if isinstance(prompts, str) or not prompts:
@@ -70,9 +75,6 @@ def compare_generations(
     base_path = str(resolve_base(spec.base_model, revision=spec.revision))  # a GGUF base: its converted copy
     tok_path = str(hub.resolve(spec.tokenizer)) if spec.tokenizer else base_path
     tok = transformers.AutoTokenizer.from_pretrained(tok_path)
-    tok.padding_side = "left"  # generation appends on the right
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
 
     def trained_on_chat(t) -> bool:
         report = data.scan_source(t.data)
@@ -110,25 +112,17 @@ def compare_generations(
                 "give plain-string prompts with chat=False to feed them as they are"
             )
 
-    def fed_as(prompt: Prompt, as_chat: bool) -> tuple[str, bool]:
-        """``(text, add_special_tokens)``: how training would tokenize this prompt for a column."""
+    def fed_as(prompt: Prompt, as_chat: bool) -> tuple[str, list[int]]:
+        """``(text, token ids)``: how training tokenizes this prompt for a column (a prompt row's
+        rendering, :func:`mlora_lab.data.encode_prompt`: a chat through the template, which brings its
+        own BOS; a text with the tokenizer's BOS)."""
         messages = _as_messages(prompt)
-        if messages is None and not as_chat:
-            return prompt, True  # a prompt/completion row's prompt: with the tokenizer's BOS
-        if messages is None:
+        if messages is None and as_chat:
             messages = [{"role": "user", "content": prompt}]
-        return data.render_chat(
-            tok, messages, add_generation_prompt=True
-        ), False  # the template adds BOS itself
+        _, text, ids = data.encode_prompt({"prompt": prompt if messages is None else messages}, tok)
+        return text, ids
 
     fed = {c: [fed_as(p, m) for p in prompts] for c, _, m in columns}
-    rows = [data.encode(tok, text, special) for c, _, _ in columns for text, special in fed[c]]
-    width = max((len(r) for r in rows), default=0)
-    input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):  # left padding
-        input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        attention_mask[i, width - len(r) :] = 1
 
     with no_progress_bars():  # a widget per load in a notebook: noise for a load done on the user's behalf
         base = transformers.AutoModelForCausalLM.from_pretrained(base_path)
@@ -141,18 +135,15 @@ def compare_generations(
     )
     for name in names:
         mm.load_adapter(name, run.adapter_path(name))
-    mm.eval()
-    rows_tenants = [t for _, t, _ in columns for _ in prompts]  # column-major: contiguous segments
-    with torch.no_grad():
-        out = mm.generate(
-            input_ids,
-            tenants=rows_tenants,
-            attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id,
-        )
-    texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
+    # ml.evaluate's sampler: one batch, each row with its column's adapter (the base's rows with none),
+    # greedy, stopping at the model's EOS or after max_new_tokens; requests column by column
+    requests = [
+        SampleRequest(prompt=ids, tenant=t, max_new_tokens=max_new_tokens, temperature=0.0)
+        for c, t, _ in columns
+        for _, ids in fed[c]
+    ]
+    completions = sample(mm, requests, tokenizer=tok)  # one per request, in order
+    texts = [tok.decode(c.tokens, skip_special_tokens=True) for c in completions]
     table = {"prompt": list(prompts)}
     for j, (c, _, _) in enumerate(columns):
         table[c] = texts[j * len(prompts) : (j + 1) * len(prompts)]

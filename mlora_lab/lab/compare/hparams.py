@@ -165,7 +165,7 @@ def hparams(
     line (``kind="parallel"``: parallel coordinates, an axis per setting and a last one for the metric,
     lines coloured by the metric, best darkest).
 
-    ``metric`` is ``eval_loss`` (the lowest eval loss the tenant reached), ``loss`` (the lowest point
+    ``metric`` is ``eval_loss`` (the lowest held-out loss the tenant reached), ``loss`` (the lowest point
     of its smoothed train loss) or an evaluation's score ``eval/<name>/<metric>`` (its latest,
     ``JobSpec.evals``; ``mode="max"`` by default: more is better, give ``mode="min"`` for an error rate);
     tenants without it are left out, with a warning naming them.
@@ -206,7 +206,7 @@ def hparams(
         warnings.warn(
             f"hparams: no {metric} for "
             + ", ".join(f"{r.run}/{r.tenant}" for r in missing.itertuples())
-            + (" (give the tenants eval_data, and eval_every in the job)" if metric == "eval_loss" else ""),
+            + (" (give the tenants heldout_data, and heldout_every in the job)" if metric == "eval_loss" else ""),
             stacklevel=2,
         )
     table = table[table[column].notna()].reset_index(drop=True)

@@ -53,7 +53,7 @@ from mlora_lab.rundir import (
     shown_tenant_state,
 )
 from mlora_lab.spec.fields import SpecError
-from mlora_lab.spec.job import Tenant
+from mlora_lab.spec.tenant import Tenant
 
 SUMMARY_COLUMNS = [
     "tenant",
@@ -161,8 +161,8 @@ class SummaryFrame(FittedFrame):
         Shown("max_steps", "max steps", whole, keep=4),
         Shown("final_loss", "final loss", decimals(), keep=8),
         Shown("best_smoothed_loss", "best loss", decimals(), keep=8),
-        Shown("eval_loss", "eval loss", decimals(), keep=7, optional=True),
-        Shown("best_eval_loss", "best eval", decimals(), keep=4, optional=True),
+        Shown("eval_loss", "held-out loss", decimals(), keep=7, optional=True),
+        Shown("best_eval_loss", "best held-out", decimals(), keep=4, optional=True),
         Shown("reward", "reward", decimals(), keep=8, optional=True),
         Shown("first_loss", "first loss", decimals(), keep=3),
         Shown("lr", "lr", general, keep=6),
@@ -287,9 +287,9 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
     - its results first (a notebook hides the middle columns of a wide table): ``steps`` (the tenant's
       own optimiser steps) of ``max_steps``, ``final_loss`` (its last logged train loss), ``best_smoothed_loss``
       (the lowest point of its smoothed train loss: the EMA the dashboard draws, factor
-      :data:`~mlora_lab.lab.plotting.SMOOTHING`; one lucky batch cannot set it), ``eval_loss`` (the last)
-      and ``best_eval_loss``, ``reward`` (an RL tenant's latest logged mean reward; NaN for an SFT
-      tenant), ``first_loss``;
+      :data:`~mlora_lab.lab.plotting.SMOOTHING`; one lucky batch cannot set it), ``eval_loss`` and
+      ``best_eval_loss`` (the held-out loss: the last and the lowest of its ``eval`` rows), ``reward`` (an
+      RL tenant's latest logged mean reward; NaN for an SFT tenant), ``first_loss``;
     - its settings: ``lr``, ``rank``, ``alpha``, ``schedule``, ``warmup`` (steps), ``dropout``,
       ``batch_size``, ``grad_accum``, ``targets`` (target modules, then target parameters, comma-joined);
     - ``rows`` of its data and target ``tokens`` trained on, ``time_s`` from its first to its last logged
@@ -310,7 +310,7 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
         scores = _last_eval_scores(run)
         for name, t in run.tenant_specs().items():
             train = df[(df["kind"] == RowKind.TRAIN) & (df["tenant"] == name)] if len(df) else df
-            evals = df[(df["kind"] == RowKind.EVAL) & (df["tenant"] == name)] if len(df) else df
+            heldout = df[(df["kind"] == RowKind.HELDOUT) & (df["tenant"] == name)] if len(df) else df
             row = last.get(name)
             # cumulative since train rows carry it (exact also with log_every > 1); older runs: the sum
             tokens = _last_count(train, "tokens_seen")
@@ -328,8 +328,8 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
                     "best_smoothed_loss": best_smoothed(train["loss"].to_numpy(dtype=float))
                     if len(train)
                     else None,
-                    "eval_loss": evals["loss"].iloc[-1] if len(evals) else None,
-                    "best_eval_loss": evals["loss"].min() if len(evals) else None,
+                    "eval_loss": heldout["loss"].iloc[-1] if len(heldout) else None,
+                    "best_eval_loss": heldout["loss"].min() if len(heldout) else None,
                     "reward": _last_value(train, "reward"),
                     "rows": _last_count(train, "rows_seen"),
                     "tokens": tokens,
@@ -430,7 +430,7 @@ def compare(
     sets the y-limits from the 1st-99th percentile of the values. Lines are broken where a run was
     stopped and resumed (on time axes), and a series of a few points has markers.
 
-    A run with no value of ``metric`` for the tenants asked (no eval rows for ``eval_loss``, say) is
+    A run with no value of ``metric`` for the tenants asked (no held-out rows for ``eval_loss``, say) is
     left out with a warning naming it; an RL metric that no run has at all (no RL tenant) is a
     ``ValueError`` naming the metrics they have.
     """
@@ -465,9 +465,9 @@ def _overlay(
     tenants: Sequence[str] | None,
     smoothing: float,
     x: str,
-    with_eval: bool = False,
+    with_heldout: bool = False,
 ) -> list[str]:
-    """Draw ``metric`` of every (run, tenant) on ``ax`` (and, ``with_eval``, the eval loss as dots);
+    """Draw ``metric`` of every (run, tenant) on ``ax`` (and, ``with_heldout``, the held-out loss as dots);
     returns the names of the runs that had no value to draw. Colours are the tenants' own
     (:meth:`~mlora_lab.lab.records.series.RunSeries.colour`), each run has its line style, labels are
     ``run / tenant`` with the run's title (:func:`~mlora_lab.lab.plotting.run_titles`)."""
@@ -502,8 +502,8 @@ def _overlay(
             drew = True
             colour = feed.colour(name)
             label = series_label(None if len(feeds) == 1 else title, name)
-            is_eval = metric == "eval_loss"
-            marker = "o" if is_eval else marker_for(len(xs))
+            is_heldout = metric == "eval_loss"  # (a point per measurement: dots)
+            marker = "o" if is_heldout else marker_for(len(xs))
             if smoothing > 0 and len(xs) > 1:  # the raw values stay visible under the smoothed line
                 (raw,) = ax.plot(
                     *thin_with_breaks(xs, ys, breaks, COMPARE_POINTS),
@@ -524,17 +524,17 @@ def _overlay(
                 label=plain(label),
             )
             line.lab_role = "main"
-            if with_eval:
-                ex, ey, ebreaks = feed.xy(name, "eval_loss", x)
-                if len(ex):
+            if with_heldout:
+                hx, hy, hbreaks = feed.xy(name, "eval_loss", x)
+                if len(hx):
                     (dots,) = ax.plot(
                         *thin_with_breaks(ex, drawable(ey), ebreaks, COMPARE_POINTS),
                         "o",
                         color=colour,
                         markersize=4,
-                        label="_eval",
+                        label="_heldout",
                     )
-                    dots.lab_role = "eval"
+                    dots.lab_role = "heldout"
         if not drew:
             missing.append(feed.name)
     return missing
@@ -555,14 +555,14 @@ def _finish(ax: Axes, logy: bool, ignore_outliers: bool, empty: str) -> None:
 
 
 def plot_losses(run: RunLike, path: str | Path | None = None, smoothing: float = 0.0) -> Figure:
-    """Train loss (lines) and eval loss (dots) of every tenant of a run, against the tenant step;
+    """Train loss (lines) and held-out loss (dots) of every tenant of a run, against the tenant step;
     saved to ``path`` if given (the format from its suffix: ``.png`` at twice the display resolution,
     ``.svg``, ``.pdf``)."""
     (run,) = as_runs(run)
     fig = LabFigure(figsize=(8, 4.5))
     ax = fig.add_subplot(1, 1, 1)
-    _overlay(ax, [run], "loss", None, smoothing, "tenant step", with_eval=True)
-    style_axes(ax, ylabel="loss (lines: train, dots: eval)", title=plain(shorten(_title(run), 80)), size=9)
+    _overlay(ax, [run], "loss", None, smoothing, "tenant step", with_heldout=True)
+    style_axes(ax, ylabel="loss (lines: train, dots: held-out)", title=plain(shorten(_title(run), 80)), size=9)
     _finish(ax, False, False, "no steps logged yet")
     if path is not None:
         with DRAWING:

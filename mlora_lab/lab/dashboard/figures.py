@@ -351,7 +351,7 @@ class Panel:
 
 
 class LossFigure(Panel):
-    """Train loss (smoothed over its faded raw values) and eval loss (dots) of every picked tenant,
+    """Train loss (smoothed over its faded raw values) and held-out loss (dots) of every picked tenant,
     with an HTML legend above it (:attr:`legend`)."""
 
     def __init__(self, interactive: bool, lock: threading.RLock, hover: Hover, smoother: Smoother) -> None:
@@ -360,7 +360,7 @@ class LossFigure(Panel):
         self.lines = self.sets[self.ax]
         self.smoother = smoother
         self.legend = W.HTML()
-        style_axes(self.ax, ylabel="loss (lines: train, dots: eval)")
+        style_axes(self.ax, ylabel="loss (lines: train, dots: held-out)")
 
     def draw(self, scene: Scene) -> None:
         self.x = scene.x
@@ -380,12 +380,12 @@ class LossFigure(Panel):
                     "linestyle": "--",
                     "linewidth": 0.8,
                     "markersize": 4,
-                    "label": "_eval",
+                    "label": "_heldout",
                 }
-                line = self.lines.get((key, "eval"), color=scene.colour(key), **style)
-                line.set_data(*thin_with_breaks(ex, drawable(ey), ebreaks, per_line))
-                self.hover.name(line, scene.label(key) + " (eval)")
-                shown.add((key, "eval"))
+                line = self.lines.get((key, "heldout"), color=scene.colour(key), **style)
+                line.set_data(*thin_with_breaks(hx, drawable(hy), hbreaks, per_line))
+                self.hover.name(line, scene.label(key) + " (held-out)")
+                shown.add((key, "heldout"))
         self.lines.show_only(shown)
         placeholder(self.ax, None if points else WAITING)
         set_log_y(self.ax, scene.logy)

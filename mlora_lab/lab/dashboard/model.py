@@ -26,7 +26,7 @@ from mlora_lab.lab.plotting import cut_note, run_name, run_titles
 from mlora_lab.lab.records.logs import read_log
 from mlora_lab.lab.records.series import RunSeries, TenantSeries, rows_frame
 from mlora_lab.rundir import (
-    EvalRow,
+    HeldoutRow,
     RunDirError,
     RunState,
     Status,
@@ -367,7 +367,7 @@ class ViewModel:
             rows = [
                 r
                 for r in self.runs[run].series.rows
-                if isinstance(r, TrainRow | EvalRow) and r.tenant in names
+                if isinstance(r, TrainRow | HeldoutRow) and r.tenant in names
             ]
             if rows:
                 df = rows_frame(rows)

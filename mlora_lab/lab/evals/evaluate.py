@@ -30,7 +30,7 @@ from mlora_lab.rundir import TenantState
 from mlora_lab.rundir.evals import NAME, EvalMeta, eval_dir, write_eval
 from mlora_lab.rundir.files import atomic_write_bytes
 from mlora_lab.sources import RewardSnapshot, reward_in_memory, source_name
-from mlora_lab.spec.job import resolve_reward
+from mlora_lab.spec.paths import resolve_reward
 from mlora_lab.text import brief, shown_text
 
 Metric = str | Callable[..., Any]

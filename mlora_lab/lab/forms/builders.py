@@ -48,8 +48,9 @@ from mlora_lab.lora.targets import ALL_LINEAR
 from mlora_lab.rundir import RunState
 from mlora_lab.sources import describe
 from mlora_lab.spec.fields import FieldInfo, Problem, SpecError, field_info, fields_info
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.parts import Parallel
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import error_line
 from mlora_lab.validate import ValidationCache, Validator, linear_target_options
 
@@ -106,7 +107,7 @@ def _next_name(name: str, taken: set[str]) -> str:
 
 
 class TenantForm:
-    """An ipywidgets form that produces :class:`~mlora_lab.spec.job.Tenant` objects.
+    """An ipywidgets form that produces :class:`~mlora_lab.spec.tenant.Tenant` objects.
 
     Each input is an attribute named like the Tenant field it sets (``form.rank``, ``form.lr``,
     ``form.target_modules``, ...; ``form.no_clipping`` turns ``max_grad_norm`` into ``None``), made

@@ -401,7 +401,7 @@ def layout_inputs(inputs: list[FieldInput], advanced: str = "Advanced") -> list[
 def problem_lines(problems: list[Problem], own: str | None = None) -> list[str]:
     """One line per problem, as a form shows it. Problems of the form's own tenant (``own``) drop the
     ``tenant 'x':`` prefix. The same problem of several data files (``path`` set, same text after the
-    file's name) becomes one line naming every file: ``a.jsonl (data), b.jsonl (eval_data): empty file``."""
+    file's name) becomes one line naming every file: ``a.jsonl (data), b.jsonl (heldout_data): empty file``."""
     groups: dict[str, list[Problem]] = {}
     rests: dict[int, str] = {}
     for i, p in enumerate(problems):

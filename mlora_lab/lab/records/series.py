@@ -34,6 +34,7 @@ from mlora_lab.rundir import (
     EvalMetricRow,
     EvalRow,
     EventKind,
+    HeldoutRow,
     EventRow,
     MetricsReader,
     Row,
@@ -57,13 +58,14 @@ RL_METRICS = ("reward", "reward_std", "completion_len", "kl", "clip_ratio")
 """What an RL tenant's train rows add (:class:`~mlora_lab.rundir.TrainRow`); an SFT tenant has none."""
 METRICS = {
     "loss": "train",
-    "eval_loss": "eval",
+    "eval_loss": "heldout",  # (the held-out loss, of the run directory's ``eval`` rows)
     "lr": "train",
     "grad_norm": "train",
     "tokens": "train",
     **dict.fromkeys(RL_METRICS, "rl"),
 }
-"""Metrics a tenant has, and the rows they come from (``rl``: the train rows of an RL tenant)."""
+"""Metrics a tenant has, and the rows they come from (``heldout``: the held-out loss rows; ``rl``: the train
+rows of an RL tenant)."""
 RECENT_SAMPLES = 16
 """Completion rows kept per tenant (the latest ones): the dashboard shows a few of them."""
 
@@ -276,17 +278,17 @@ def _ema_step(state: tuple[float, float], value: float | None) -> tuple[tuple[fl
 
 
 class TenantSeries:
-    """One tenant of one run: its train and eval rows as columns, its latest state and memory."""
+    """One tenant of one run: its train and held-out loss rows as columns, its latest state and memory."""
 
     TRAIN = ("step", "tenant_step", "tokens", "time", "loss", "lr", "grad_norm")
-    EVAL = ("step", "tenant_step", "tokens", "time", "loss")
+    HELDOUT = ("step", "tenant_step", "tokens", "time", "loss")
     RL = ("step", "tenant_step", "tokens", "time", *RL_METRICS)
 
     def __init__(self, name: str, max_steps: int | None) -> None:
         self.name = name
         self.max_steps = max_steps
         self.train = Columns(*self.TRAIN)
-        self.evals = Columns(*self.EVAL)
+        self.heldout = Columns(*self.HELDOUT)
         self.state: TenantState | None = None  # as its latest tenant row says (None: no row yet)
         self.reason: str | None = None
         self.adapter_bytes = 0
@@ -373,15 +375,15 @@ class TenantSeries:
             self.samples = deque(maxlen=RECENT_SAMPLES)
         self.samples.append(r)
 
-    def add_eval(self, r: EvalRow) -> None:
-        # eval rows carry the global step; they are placed at the tenant's step and tokens at that step
+    def add_heldout(self, r: HeldoutRow) -> None:
+        # held-out rows carry the global step; they are placed at the tenant's step and tokens at that step
         # (its latest train row at or before it: normally the row just logged)
         tenant_step, tokens = self.step, self.tokens
         if len(self.train) and r.step < self.train.last("step"):
             a = self.train.arrays()
             i = int(np.searchsorted(a["step"], r.step, side="right")) - 1
             tenant_step, tokens = (a["tenant_step"][i], a["tokens"][i]) if i >= 0 else (0, 0)
-        self.evals.append(r.step, tenant_step, tokens, r.time, r.loss)
+        self.heldout.append(r.step, tenant_step, tokens, r.time, r.loss)
 
     def add_state(self, r: TenantRow) -> None:
         self.state = r.state
@@ -532,8 +534,8 @@ class RunSeries:
                 if s.rl is not None:
                     self.rl_version += 1
                     self.rewarded = self.rewarded or r.reward is not None
-            elif isinstance(r, EvalRow):
-                self.tenant(r.tenant).add_eval(r)
+            elif isinstance(r, HeldoutRow):
+                self.tenant(r.tenant).add_heldout(r)
             elif isinstance(r, SystemRow):
                 cols = self.system.get(r.rank)
                 if cols is None:
@@ -596,8 +598,8 @@ class RunSeries:
         columns = (
             None
             if s is None
-            else s.evals
-            if source == "eval"
+            else s.heldout
+            if source == "heldout"
             else s.rl
             if source == "rl"
             else s.named.get(metric)

@@ -3,7 +3,7 @@
     run = ml.launch(spec)        # (mlora_lab.lab.launch) or ml.attach("runs/<id>")
     run.status                   # the state now (read, never written: see mlora_lab.lab.launchers.liveness)
     run.wait(); run.stop()       # ... these record what they find
-    run.metrics()                # pandas DataFrame of train/eval rows (RL tenants: reward, kl, ... too)
+    run.metrics()                # pandas DataFrame of train and held-out (eval) rows (RL tenants: reward, kl, ...)
     run.completions()            # RL tenants' sampled completions with their rewards
     run.add_tenant(ml.Tenant(...)); run.pause_tenant("alice")
 
@@ -48,7 +48,8 @@ from mlora_lab.rundir import (
 )
 from mlora_lab.rundir.files import TextEnum
 from mlora_lab.spec.fields import SpecError
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.tenant import Tenant
 
 TENANT_STATES = frozenset(s.value for s in TenantState)
 
@@ -461,9 +462,9 @@ class Run:
         return frame.copy(deep=False)
 
     def metrics(self) -> pd.DataFrame:
-        """Train and eval rows: one row per tenant per logged step (an RL tenant's train rows also have
-        ``reward, reward_std, completion_len, kl, clip_ratio``; NaN for an SFT tenant)."""
-        return self._table((RowKind.TRAIN, RowKind.EVAL))
+        """Train and held-out loss (kind ``eval``) rows: one row per tenant per logged step (an RL tenant's train
+        rows also have ``reward, reward_std, completion_len, kl, clip_ratio``; NaN for an SFT tenant)."""
+        return self._table((RowKind.TRAIN, RowKind.HELDOUT))
 
     def eval_metrics(self) -> pd.DataFrame:
         """The scores of the job's evaluations (``JobSpec.evals``): ``step, model, eval, metric, value, low,

@@ -19,11 +19,13 @@ from mlora_lab.rl.rewards import reward_names
 from mlora_lab.rundir import RunDir, atomic_write_bytes
 from mlora_lab.rundir.evals import eval_dir
 from mlora_lab.sources import RewardSnapshot, memory_kind, reward_in_memory, snapshot
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.parts import RL, Eval
+from mlora_lab.spec.tenant import Tenant
 
-SPLITS = {"data": "train", "eval_data": "eval"}
-"""The tenant fields that hold rows, and the name of the file each is written to."""
+SPLITS = {"data": "train", "heldout_data": "eval"}
+"""The tenant fields that hold rows, and the name of the file each is written to (``data/<tenant>/eval.jsonl``
+for the held-out rows: the run directory's layout keeps the name older runs have)."""
 
 
 def freeze(tenant: Any) -> Any:

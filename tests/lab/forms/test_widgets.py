@@ -17,8 +17,9 @@ from mlora_lab.lab.forms.builders import JobBuilder, TenantForm
 from mlora_lab.lab.forms.fields import LABEL_WIDTH
 from mlora_lab.rundir import RunState
 from mlora_lab.spec.fields import MAX_LABEL, SpecError, field_info, fields_info
-from mlora_lab.spec.job import JobSpec, Tenant
+from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.parts import Parallel
+from mlora_lab.spec.tenant import Tenant
 from mlora_lab.validate import problems as spec_problems
 
 LLAMA_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -68,7 +69,7 @@ def test_fused_architecture_offers_its_own_names(tiny_models):
 def test_fields_make_the_matching_tenant(llama_path, make_data):
     train, evals = make_data("text"), make_data("reverse", name="held_out")
     form = filled_form(llama_path, train)
-    form.eval_data.value = evals
+    form.heldout_data.value = evals
     form.rank.value = 16
     form.alpha.value = 32
     form.use_rslora.value = True
@@ -87,7 +88,7 @@ def test_fields_make_the_matching_tenant(llama_path, make_data):
     assert t == Tenant(
         name="alice",
         data=train,
-        eval_data=evals,
+        heldout_data=evals,
         rank=16,
         alpha=32,
         use_rslora=True,
@@ -114,7 +115,7 @@ def test_defaults_fill_the_form(llama_path, make_data):
 def test_data_dir_files_are_offered(llama_path, make_data, tmp_path):
     a, b = make_data("text", name="a"), make_data("chat", name="b")
     form = TenantForm(base_model=llama_path, data_dir=tmp_path)
-    assert list(form.data.options) == [a, b] == list(form.eval_data.options)
+    assert list(form.data.options) == [a, b] == list(form.heldout_data.options)
 
 
 def test_all_linear_excludes_the_other_targets(llama_path):
@@ -324,12 +325,12 @@ def test_the_same_problem_of_several_data_files_is_one_line(llama_path, tmp_path
     for name in ("e1", "e2"):
         (tmp_path / f"{name}.jsonl").write_text("")
     form = filled_form(llama_path, str(tmp_path / "e1.jsonl"))
-    form.eval_data.value = str(tmp_path / "e2.jsonl")
+    form.heldout_data.value = str(tmp_path / "e2.jsonl")
     assert len(form.problems()) == 2
     text = shown(form.problems_box)
     assert "1 problem" in text
     assert (
-        f"{tmp_path / 'e1.jsonl'} (data), {tmp_path / 'e2.jsonl'} (eval_data): empty file (no rows)" in text
+        f"{tmp_path / 'e1.jsonl'} (data), {tmp_path / 'e2.jsonl'} (heldout_data): empty file (no rows)" in text
     )
 
 
@@ -351,14 +352,14 @@ def test_job_builder_spec_round_trips(llama_path, make_data, tmp_path):
     builder.max_tenants.value = 3
     builder.max_rank.value = 16
     builder.dtype.value = "bfloat16"
-    builder.eval_every.value = 5
+    builder.heldout_every.value = 5
     builder.save_every.value = 10
     builder.nproc.value = 2
     builder.fsdp.value = 2
     spec = builder.spec()
     assert spec.tenants == builder.form.tenants and spec.tenants[0].name == "alice"
     assert (spec.seq_len, spec.max_tenants, spec.max_rank, spec.dtype) == (32, 3, 16, "bfloat16")
-    assert (spec.eval_every, spec.save_every) == (5, 10)
+    assert (spec.heldout_every, spec.save_every) == (5, 10)
     assert spec.parallel == Parallel(nproc=2, fsdp=2)
     assert JobSpec.from_json(spec.to_json()) == spec
     assert spec_problems(spec) == [] and builder.problems() == []
