@@ -59,8 +59,6 @@ from mlora_lab.rundir.labels import RunLabels, read_labels, update_labels
 from mlora_lab.rundir.rows import (
     CompletionRow,
     EvalMetricRow,
-    EvalRow,
-    HELDOUT_KIND,
     EventKind,
     EventRow,
     MetricsReader,
@@ -94,7 +92,6 @@ __all__ = [
     "ControlMessage",
     "ControlResult",
     "EvalMetricRow",
-    "EvalRow",
     "EventKind",
     "EventRow",
     "LinkRefused",

@@ -1,4 +1,5 @@
-"""What a job is: ``Tenant`` and ``JobSpec``, their JSON form, and what each field means.
+"""What a job is: :class:`JobSpec` (one frozen base, its tenants and the job-wide settings), its JSON form
+``job.json``, and what each field means.
 
 These are plain dataclasses that store names and paths, never live objects, so a spec round-trips
 through ``job.json`` unchanged (the one exception lives only in the notebook: a tenant's rows held in memory,
@@ -42,27 +43,26 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import json
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlora_lab.hub import HUB_ID
 from mlora_lab.lora.targets import ALL_LINEAR
-from mlora_lab.sources import HubDataset, describe, memory_kind, reward_in_memory
+from mlora_lab.sources import memory_kind, reward_in_memory
 from mlora_lab.spec.fields import (
     MAX_COUNT,
-    MAX_LR,
-    MAX_ROWS,
     MAX_RUN_NAME_LEN,
     MAX_SEED,
     MAX_SEQ_LEN,
     MAX_SLOTS,
     MAX_TARGETS,
-    MAX_WEIGHT_DECAY,
+    SpecError,
+    kwargs_for,
+    meta,
+)
+from mlora_lab.spec.parts import RL, ClientModel, Eval, Parallel, Service
 from mlora_lab.spec.paths import (
     path_str,
     relative_tenant_paths,
@@ -73,16 +73,7 @@ from mlora_lab.spec.paths import (
 )
 from mlora_lab.spec.renames import RENAMED, add_old_names, renamed_keys, warn_old_keys
 from mlora_lab.spec.tenant import Tenant, in_memory_problems, tenant_kwargs
-    Problem,
-    SpecError,
-    kwargs_for,
-    meta,
-)
-from mlora_lab.spec.parts import RL, ClientModel, Eval, Parallel, Service
 from mlora_lab.text import brief, collection_paused, json_type, parse_json, read_json, show_path
-
-SCHEDULES = ("constant", "linear", "cosine")
-"""Learning-rate schedules a tenant may use; every one starts with ``warmup_steps`` of linear warmup."""
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 """Base-model dtypes a job may run in."""
@@ -260,10 +251,10 @@ class JobSpec:
             self.evals = [Eval.from_dict(e) if isinstance(e, dict) else e for e in self.evals]
         if isinstance(self.service, dict):
             self.service = Service.from_dict(self.service)
-        self.base_model = _path_str(self.base_model)
-        self.tokenizer = _path_str(self.tokenizer)
-        self.output_dir = _path_str(self.output_dir)
-        self.logging_dir = _path_str(self.logging_dir)
+        self.base_model = path_str(self.base_model)
+        self.tokenizer = path_str(self.tokenizer)
+        self.output_dir = path_str(self.output_dir)
+        self.logging_dir = path_str(self.logging_dir)
 
     # -- JSON ----------------------------------------------------------------------------------
 
@@ -339,7 +330,8 @@ class JobSpec:
                 label = f"tenants[{i}]" + (
                     f" ({brief(t['name'])})" if isinstance(t, dict) and "name" in t else ""
                 )
-                t_kwargs, t_problems = _tenant_kwargs(t, label)
+                t_kwargs, t_problems, t_old = tenant_kwargs(t, label)
+                old += t_old
                 if isinstance(t_kwargs.get("rl"), dict):
                     t_problems += kwargs_for(RL, t_kwargs["rl"], f"{label}.rl")[1]
                 if isinstance(t_kwargs.get("client"), dict):
@@ -358,6 +350,7 @@ class JobSpec:
             problems += s_problems
             if not s_problems and not isinstance(kwargs["service"], Service):
                 kwargs["service"] = Service(**s_kwargs)
+        warn_old_keys("job.json", old, RENAMED["JobSpec"] + RENAMED["Tenant"])
         if problems:
             raise SpecError(problems)
         return cls(**kwargs)
@@ -433,15 +426,15 @@ class JobSpec:
         out = self
         if out.name is None:
             out.name = default_run_name(out)
-        out.base_model = _resolve_model(out.base_model, base)
-        out.tokenizer = _resolve_model(out.tokenizer, base)
-        out.logging_dir = _resolve(out.logging_dir, base)
+        out.base_model = resolve_model_path(out.base_model, base)
+        out.tokenizer = resolve_model_path(out.tokenizer, base)
+        out.logging_dir = resolve_path(out.logging_dir, base)
         for t in out.tenants:
             if isinstance(t, Tenant):
                 resolve_tenant_paths(t, base)
         for e in out.evals if isinstance(out.evals, list) else []:
             if isinstance(e, Eval):
-                e.data = _resolve(_path_str(e.data), base)
+                e.data = resolve_path(path_str(e.data), base)
                 if isinstance(e.metrics, list):
                     e.metrics = [resolve_reward(m, base) for m in e.metrics]
         return out
@@ -477,17 +470,6 @@ def default_name(names: list[str], serving: bool) -> str:
         return "serve" if serving else "run"
     text = "+".join(names[:3]) + (f"+{len(names) - 3} more" if len(names) > 3 else "")
     return text if len(text) <= 60 else text[:59] + "…"
-
-
-def step_goal(t: Tenant) -> int | None:
-    """The steps a tenant trains to (its ``max_steps``), or None when it has no goal: a Tinker client's
-    tenant (its client steps it for as long as it likes; its ``max_steps`` is the largest count) or any
-    tenant whose ``max_steps`` is that count. Views show such a tenant's steps done, never ``52/2**53-1``
-    nor an ETA."""
-    goal = t.max_steps
-    if t.client is not None or not isinstance(goal, int) or goal >= MAX_COUNT:
-        return None
-    return goal
 
 
 def effective_slot_modules(job: JobSpec, output_layer: Sequence[str] = ()) -> list[str]:
@@ -527,122 +509,3 @@ def valid_targets(v: Any, union: bool = False) -> bool:
     if not all(isinstance(x, str) and 0 < len(x) <= 1000 for x in v):
         return False
     return union or ALL_LINEAR not in v or len(v) == 1
-
-
-def in_memory_problems(t: Tenant) -> list[Problem]:
-    """One problem per field of ``t`` (``data``, ``eval_data``) that holds rows in memory rather than a
-    path: what :meth:`Tenant.to_dict` and :meth:`JobSpec.to_dict` refuse, since job.json names files."""
-    out = []
-    for name in ("data", "eval_data"):
-        value = getattr(t, name)
-        if memory_kind(value) is None or isinstance(value, HubDataset):  # (a Hub dataset is its name)
-            continue
-        label = t.name if isinstance(t.name, str) else None
-        out.append(
-            Problem(
-                label,
-                name,
-                f"{name} is {describe(value)} held in memory, which job.json cannot hold: launch the spec "
-                "(ml.launch writes the rows into the run directory and names that file) or write the rows "
-                "to a file and give its path (df.to_json('rows.jsonl', orient='records', lines=True))",
-            )
-        )
-    if isinstance(t.rl, RL) and any(reward_in_memory(r) for r in t.rl.rewards):
-        out.append(
-            Problem(
-                t.name if isinstance(t.name, str) else None,
-                "rl",
-                "rl.reward holds a function in memory, which job.json cannot hold: launch the spec (ml.launch "
-                "pickles it into the run directory and names that file) or give 'file.py:function'",
-            )
-        )
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Building the dataclasses from hostile dicts
-# ---------------------------------------------------------------------------------------------
-
-
-def _tenant_kwargs(d: Any, where: str) -> tuple[dict[str, Any], list[str]]:
-    """:func:`~mlora_lab.spec.fields.kwargs_for` a ``Tenant``, and a problem for each of ``data`` / ``eval_data``
-    given as rows."""
-    kwargs, problems = kwargs_for(Tenant, d, where)
-    if isinstance(d, dict):  # a dict is JSON (job.json, a control message): it names files, never holds rows
-        problems += [
-            f"{where}: {k} must be a file path (got {json_type(d[k])}); rows held in memory are for the "
-            "notebook's Tenant, which a launch writes to a file"
-            for k in ("data", "eval_data")
-            if isinstance(d.get(k), list)
-        ]
-        for k in ("data", "eval_data"):  # an object is a Hub dataset, as to_dict writes one
-            if isinstance(d.get(k), dict):
-                hub_kwargs, hub_problems = kwargs_for(HubDataset, d[k], f"{where}.{k} (a Hub dataset)")
-                problems += hub_problems
-                if not hub_problems:
-                    kwargs[k] = HubDataset(**hub_kwargs)
-    return kwargs, problems
-
-
-def resolve_reward(ref: Any, base: str) -> Any:
-    """A reward ``"path/to/file.py:function"`` with a relative file made absolute against ``base``; a
-    ``"module:function"`` (no ``/`` and no ``.py``) and anything else are kept."""
-    if not isinstance(ref, str):
-        return ref
-    target, sep, function = ref.rpartition(":")
-    is_file = target.endswith(".py") or "/" in target or os.sep in target
-    if not sep or not target or not is_file:
-        return ref
-    return f"{_resolve(target, base)}:{function}"
-
-
-def resolve_tenant_paths(t: Tenant, base: str) -> None:
-    """Make ``t``'s relative paths (data, eval_data, init_adapter, reward files) absolute against ``base``,
-    in place (what :meth:`JobSpec.resolved` does to each tenant; ``sweep.json``'s base tenant too)."""
-    t.data = _resolve(t.data, base)
-    t.eval_data = _resolve(t.eval_data, base)
-    t.init_adapter = _resolve_model(t.init_adapter, base)
-    if isinstance(t.rl, RL):
-        t.rl.reward = (
-            resolve_reward(t.rl.reward, base)
-            if isinstance(t.rl.reward, str)
-            else [resolve_reward(r, base) for r in t.rl.reward]
-            if isinstance(t.rl.reward, list)
-            else t.rl.reward
-        )
-
-
-def relative_tenant_paths(t: Any, here: str) -> None:
-    """A tenant's dict with its ``data`` / ``eval_data`` below ``here`` (a file's directory) made relative to
-    it, in place: a run directory that is copied or moved reads its own copy of the rows written into it."""
-    for key in ("data", "eval_data"):
-        if isinstance(t, dict) and isinstance(t.get(key), str):
-            t[key] = _relative_below(t[key], here)
-
-
-def _relative_below(path: str, base: str) -> str:
-    """``path`` relative to ``base`` when it is an absolute path below ``base`` (lexically), else as it is."""
-    if not os.path.isabs(path):
-        return path
-    try:
-        if os.path.commonpath([os.path.normpath(path), base]) != base:
-            return path
-    except ValueError:  # (different drives)
-        return path
-    return os.path.relpath(os.path.normpath(path), base)
-
-
-def _resolve_model(value: Any, base: str) -> Any:
-    """:func:`_resolve`, except that a Hub id (``org/name``) stays one unless a local path of that name exists
-    (relative to ``base``): as in transformers, a local directory wins."""
-    resolved = _resolve(value, base)
-    if isinstance(value, str) and HUB_ID.fullmatch(value) and not os.path.exists(resolved):
-        return value
-    return resolved
-
-
-def _resolve(path: Any, base: str) -> Any:
-    if not isinstance(path, str) or not path:
-        return path
-    expanded = os.path.expanduser(path)
-    return expanded if os.path.isabs(expanded) else os.path.normpath(os.path.join(base, expanded))

@@ -26,10 +26,9 @@ from mlora_lab.lab.plotting import PALETTE, Ema, ema, series_colour, thin, thin_
 from mlora_lab.lab.records.series import gap_breaks
 from mlora_lab.lab.runs.run import Run
 from mlora_lab.rundir import (
-    EvalRow,
     EventKind,
-    HeldoutRow,
     EventRow,
+    HeldoutRow,
     MetricsWriter,
     RunDir,
     SystemRow,

@@ -32,7 +32,7 @@ def finished_run(tiny_models, tmp_path_factory):
         ml.Tenant(
             name="rev",
             data=write_jsonl(work / "rev.jsonl", task_rows("reverse", 32, 0)),
-            eval_data=write_jsonl(work / "rev_eval.jsonl", task_rows("reverse", 6, 1)),
+            heldout_data=write_jsonl(work / "rev_eval.jsonl", task_rows("reverse", 6, 1)),
             rank=4,
             lr=1e-2,
             max_steps=8,
@@ -46,7 +46,7 @@ def finished_run(tiny_models, tmp_path_factory):
             max_steps=6,
         ),
     ]
-    spec = ml.JobSpec(base_model=base, tenants=tenants, seq_len=48, max_rank=8, eval_every=4, save_every=4)
+    spec = ml.JobSpec(base_model=base, tenants=tenants, seq_len=48, max_rank=8, heldout_every=4, save_every=4)
     run = ml.launch(spec, workdir=work / "runs")
     assert run.wait(300) == "finished", run.logs(0)
     return run

@@ -22,10 +22,9 @@ from mlora_lab import trackers
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.lab.cli import main as cli_main
 from mlora_lab.rundir import (
-    EvalRow,
     EventKind,
-    HeldoutRow,
     EventRow,
+    HeldoutRow,
     MetricsReader,
     SystemRow,
     TenantRow,

@@ -528,7 +528,7 @@ def _overlay(
                 hx, hy, hbreaks = feed.xy(name, "eval_loss", x)
                 if len(hx):
                     (dots,) = ax.plot(
-                        *thin_with_breaks(ex, drawable(ey), ebreaks, COMPARE_POINTS),
+                        *thin_with_breaks(hx, drawable(hy), hbreaks, COMPARE_POINTS),
                         "o",
                         color=colour,
                         markersize=4,

@@ -373,8 +373,8 @@ class LossFigure(Panel):
             )
             shown |= got
             points += n
-            ex, ey, ebreaks = scene.feeds[key[0]].xy(key[1], "eval_loss", scene.x)
-            if len(ex):
+            hx, hy, hbreaks = scene.feeds[key[0]].xy(key[1], "eval_loss", scene.x)
+            if len(hx):
                 style = {
                     "marker": "o",
                     "linestyle": "--",

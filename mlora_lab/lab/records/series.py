@@ -32,10 +32,9 @@ from mlora_lab.lab.plotting import MAX_DRAWN, SMOOTHING, series_colour
 from mlora_lab.rundir import (
     CompletionRow,
     EvalMetricRow,
-    EvalRow,
     EventKind,
-    HeldoutRow,
     EventRow,
+    HeldoutRow,
     MetricsReader,
     Row,
     RunDir,
