@@ -60,6 +60,7 @@ from mlora_lab.rundir.rows import (
     CompletionRow,
     EvalMetricRow,
     EventKind,
+    HELDOUT_KIND,
     EventRow,
     MetricsReader,
     MetricsWriter,
