@@ -40,8 +40,8 @@ from mlora_lab.search import dist_from_dict, strategy_from_dict
 from mlora_lab.spec.fields import SpecError
 from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.outline import Outline
-
 from mlora_lab.spec.tenant import Tenant, step_goal
+
 # What a user can get wrong (a bad job.json, a directory that is not a run, a run that cannot be
 # resumed): one clear message and exit code 2, never a traceback. (A damaged checkpoint's
 # CheckpointError is a RuntimeError: the codec, and torch, are not imported to name it.)

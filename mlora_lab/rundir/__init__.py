@@ -57,14 +57,14 @@ from mlora_lab.rundir.files import (
 )
 from mlora_lab.rundir.labels import RunLabels, read_labels, update_labels
 from mlora_lab.rundir.rows import (
+    HELDOUT_KIND,
     CompletionRow,
     EvalMetricRow,
     EventKind,
-    HELDOUT_KIND,
     EventRow,
+    HeldoutRow,
     MetricsReader,
     MetricsWriter,
-    HeldoutRow,
     Row,
     RowKind,
     SystemRow,
@@ -86,17 +86,17 @@ from mlora_lab.rundir.status import (
 
 __all__ = [
     "FINAL_STATES",
+    "HELDOUT_KIND",
     "CheckpointError",
     "CompletionRow",
-    "HELDOUT_KIND",
     "ControlError",
     "ControlMessage",
     "ControlResult",
     "EvalMetricRow",
     "EventKind",
     "EventRow",
-    "LinkRefused",
     "HeldoutRow",
+    "LinkRefused",
     "MetricsReader",
     "MetricsWriter",
     "Op",
