@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -9,7 +10,14 @@ import torch
 
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.optim import TenantOptimizer
-from mlora_lab.rundir import HeldoutRow, MetricsReader, MetricsWriter, atomic_write_text, checkpoint
+from mlora_lab.rundir import (
+    HELDOUT_KIND,
+    HeldoutRow,
+    MetricsReader,
+    MetricsWriter,
+    atomic_write_text,
+    checkpoint,
+)
 from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.tenant import Tenant
 
@@ -94,7 +102,7 @@ def test_tenant_optimizer_is_torch_adamw_with_per_tenant_clipping():
     assert ours.state_bytes() == 2 * plain.numel() * 4
 
 
-def test_eval_rows_and_checkpoint(llama_path, make_data, tmp_path):
+def test_heldout_rows_and_checkpoint(llama_path, make_data, tmp_path):
     t = Tenant(
         name="e", data=make_data("upper"), heldout_data=make_data("upper", 5, name="ev"), rank=4, max_steps=4
     )
@@ -108,6 +116,56 @@ def test_eval_rows_and_checkpoint(llama_path, make_data, tmp_path):
     state = checkpoint.read_checkpoint(ckpts[-1])
     assert state["tenants"]["e"]["step"] == 4
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_job_json_with_the_old_names_runs_and_resumes(llama_path, make_data, tmp_path):
+    """A job.json an older version wrote (``eval_data``, ``eval_every``, ``serve``) loads with one warning as
+    the same spec, trains, and resumes from its checkpoint exactly where the job under the new names goes:
+    the same train and held-out losses (1e-6); the job.json and checkpoint it writes name the new fields. (An
+    older version's checkpoint, its tenants under the old names too: tests/rundir/test_compat.py.)"""
+    tenant = Tenant(
+        name="e", data=make_data("upper"), heldout_data=make_data("upper", 5, name="ev"), rank=4, max_steps=6
+    )
+    new = spec_for(llama_path, [tenant], heldout_every=2, name="e")
+    old = new.to_dict()
+    old["eval_every"], old["serve"] = old.pop("heldout_every"), old.pop("stay_up")
+    old["tenants"][0]["eval_data"] = old["tenants"][0].pop("heldout_data")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job.json").write_text(json.dumps(old))
+
+    def load() -> JobSpec:
+        with pytest.warns(DeprecationWarning, match="'eval_every', 'serve' and 'eval_data'") as caught:
+            spec = JobSpec.load(run / "job.json")
+        assert len([w for w in caught if w.category is DeprecationWarning]) == 1, "one warning per load"
+        return spec
+
+    assert load() == new
+    straight = Trainer(new)
+    straight.train()
+    first = Trainer(load(), run_dir=run)
+    for _ in range(3):
+        first.step()
+    first.save_checkpoint()
+    first.close()
+    saved = checkpoint.read_checkpoint(sorted((run / "checkpoints").glob("step_*"))[-1])
+    assert (
+        "heldout_data" in saved["tenants"]["e"]["spec"] and "eval_data" not in saved["tenants"]["e"]["spec"]
+    )
+    assert "heldout_every" in json.loads((run / "job.json").read_text()), "the job writes the new names"
+    (run / "job.json").write_text(json.dumps(old))  # (as the older version left it)
+    again = Trainer(load(), run_dir=run, resume=True)
+    again.train()
+    assert again.global_step == straight.global_step == 6
+    assert again.losses("e")[-1] == pytest.approx(straight.losses("e")[-1], abs=1e-6)
+
+    def heldout(trainer: Trainer) -> list[tuple[int, float]]:
+        return [
+            (r["step"], r["loss"]) for r in trainer.history if r["kind"] == HELDOUT_KIND and r["step"] > 3
+        ]
+
+    assert [s for s, _ in heldout(again)] == [4, 6, 6]
+    assert [v for _, v in heldout(again)] == pytest.approx([v for _, v in heldout(straight)], abs=1e-6)
 
 
 def test_metrics_reader_never_parses_a_partial_line(tmp_path):
