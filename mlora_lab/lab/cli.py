@@ -17,15 +17,15 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import pandas as pd
 from tqdm import tqdm
 
-from mlora_lab.lab.launch import LAUNCHERS, launch, prepare_run, resume, serve
+from mlora_lab.lab.launch import launch, prepare_run, resume, serve
+from mlora_lab.lab.launchers import registry
 from mlora_lab.lab.runs.attach import attach
 from mlora_lab.lab.runs.run import DEFAULT_WORKDIR, Run
-from mlora_lab.lab.slurm.cluster import SlurmOptions
 from mlora_lab.rundir import (
     ControlError,
     EventRow,
@@ -35,6 +35,7 @@ from mlora_lab.rundir import (
     TenantRow,
     TenantState,
     TrainRow,
+    read_status,
 )
 from mlora_lab.search import dist_from_dict, strategy_from_dict
 from mlora_lab.spec.fields import SpecError
@@ -227,18 +228,72 @@ def follow_to_exit(run: Run, no_follow: bool = False) -> int:
     return 0 if state == RunState.FINISHED else 1
 
 
-def slurm_options(args: argparse.Namespace) -> SlurmOptions | None:
-    """The Slurm options given on the command line; None when none is (a launch then uses the
-    defaults, a resume the run's own)."""
-    fields = {k: getattr(args, k) for k in ("partition", "time", "gpus_per_node", "cpus_per_task", "account")}
-    given = {k: v for k, v in fields.items() if v is not None}
-    extra, setup = list(args.sbatch_arg or []), list(args.setup or [])
-    if not given and not extra and not setup:
-        return None
-    return SlurmOptions(**given, extra=extra, setup=setup)
+SLURM_FLAGS = ("partition", "time", "gpus_per_node", "cpus_per_task", "account")
 
 
-def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
+def launcher_options(args: argparse.Namespace, launcher: str | None) -> dict[str, Any]:
+    """The launchers' options given on the command line, as ``launch``/``resume`` take them
+    (``{"slurm": SlurmOptions(...)}``); empty when none is (a launch then uses the launcher's defaults, a
+    resume the run's own). Slurm's flags make Slurm options, ``--ray-address`` Ray options, whatever the
+    launcher (options for another launcher than the one named are refused, as ``ml.launch`` refuses
+    them); ``--launcher-options FILE`` holds the options of ``launcher`` as JSON, which the flags for the
+    same launcher override field by field."""
+    fields: dict[str, dict[str, Any]] = {}
+    slurm = {k: getattr(args, k) for k in SLURM_FLAGS if getattr(args, k) is not None}
+    if args.sbatch_arg:
+        slurm["extra"] = list(args.sbatch_arg)
+    if args.setup:
+        slurm["setup"] = list(args.setup)
+    if slurm:
+        fields["slurm"] = slurm
+    if args.ray_address is not None:
+        fields["ray"] = {"address": args.ray_address}
+    if args.launcher_options is not None:
+        if launcher is None:
+            raise SpecError(
+                ["--launcher-options needs --launcher (the launcher whose options the file holds)"]
+            )
+        try:
+            given = json.loads(Path(args.launcher_options).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise SpecError([f"--launcher-options {args.launcher_options}: cannot be read ({e})"]) from None
+        if not isinstance(given, dict):
+            raise SpecError([f"--launcher-options {args.launcher_options}: not a JSON object"])
+        fields[launcher] = given | fields.get(launcher, {})
+    return {name: options_of(name, given) for name, given in fields.items()}
+
+
+def options_of(launcher: str, fields: dict[str, Any]) -> Any:
+    """``fields`` as the options of ``launcher`` (its ``options_type``); SpecError naming what is wrong."""
+    kind = registry.get(launcher).options_type
+    if kind is None:
+        raise SpecError([f"the {launcher} launcher takes no options"])
+    try:
+        return kind.from_dict(fields) if hasattr(kind, "from_dict") else kind(**fields)
+    except (TypeError, ValueError) as e:
+        raise SpecError([f"{launcher} options: {e}"]) from None
+
+
+def add_launcher_arguments(p: argparse.ArgumentParser, default: str | None = "local") -> None:
+    names = registry.names()
+    p.add_argument(
+        "--launcher",
+        default=default,
+        choices=names,
+        help=(
+            f"where the job runs: {', '.join(names)} (local: torchrun here; slurm: sbatch, ray: a Ray "
+            "cluster, both on parallel.nnodes nodes)"
+            if default is not None
+            else "default: the one the run was launched with"
+        ),
+    )
+    p.add_argument(
+        "--launcher-options",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the launcher's options as JSON (SlurmOptions, RayOptions fields); the flags below override them",
+    )
     g = p.add_argument_group(
         "Slurm (with --launcher slurm; the run directory must be on a filesystem every node sees)"
     )
@@ -261,19 +316,23 @@ def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
         metavar="LINE",
         help="a shell line the batch script runs first, e.g. 'module load cuda' (repeatable)",
     )
+    g = p.add_argument_group(
+        "Ray (with --launcher ray; the run directory must be on storage every node sees)"
+    )
+    g.add_argument(
+        "--ray-address", default=None, metavar="ADDRESS", help="the cluster: ray://head:10001, auto, ..."
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    run = launch(
-        JobSpec.load(args.job), workdir=args.workdir, launcher=args.launcher, slurm=slurm_options(args)
-    )
+    options = launcher_options(args, args.launcher)
+    run = launch(JobSpec.load(args.job), workdir=args.workdir, launcher=args.launcher, **options)
     return follow_to_exit(run, args.no_follow)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    svc = serve(
-        JobSpec.load(args.job), workdir=args.workdir, launcher=args.launcher, slurm=slurm_options(args)
-    )
+    options = launcher_options(args, args.launcher)
+    svc = serve(JobSpec.load(args.job), workdir=args.workdir, launcher=args.launcher, **options)
     print(f"run directory: {svc.path}\nwaiting for the job to load its model and listen...", flush=True)
     endpoint = svc.endpoint()
     print(f"Tinker API at {endpoint.url}")
@@ -342,7 +401,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         d.pop("budget"),
         workdir=args.workdir,
         launcher=args.launcher,
-        slurm=slurm_options(args),
+        **launcher_options(args, args.launcher),
         **d,
     )
     if args.no_follow:
@@ -398,6 +457,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
+def run_launcher(run_dir: Path) -> str | None:
+    """The launcher a run was launched with, as its status.json says (None: unknown)."""
+    try:
+        status = read_status(run_dir)
+    except RunDirError:
+        return None
+    return status.launcher if status is not None else None
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
     run = resume(
         args.run_dir,
@@ -407,7 +475,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         tp=args.tp,
         nnodes=args.nnodes,
         launcher=args.launcher,
-        slurm=slurm_options(args),
+        **launcher_options(args, args.launcher or run_launcher(args.run_dir)),
     )
     return follow_to_exit(run, args.no_follow)
 
@@ -475,27 +543,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", type=Path)
     p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where run directories go (unless output_dir)")
     p.add_argument("--no-follow", action="store_true", help="print the run directory and return at once")
-    p.add_argument(
-        "--launcher",
-        default="local",
-        choices=LAUNCHERS,
-        help="where the job runs: local (torchrun here) or slurm (sbatch; parallel.nnodes nodes)",
-    )
-    add_slurm_arguments(p)
+    add_launcher_arguments(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("serve", help="launch a job.json that serves the Tinker API, print its URL, follow it")
     p.add_argument("job", type=Path)
     p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where run directories go (unless output_dir)")
     p.add_argument("--no-follow", action="store_true", help="return once the service listens")
-    p.add_argument("--launcher", default="local", choices=LAUNCHERS)
-    add_slurm_arguments(p)
+    add_launcher_arguments(p)
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("sweep", help="launch a hyperparameter search inside one job and follow it")
     p.add_argument("sweep", type=Path)
     p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where run directories go (unless output_dir)")
     p.add_argument("--no-follow", action="store_true", help="print the run directory and return at once")
-    p.add_argument("--launcher", default="local", choices=LAUNCHERS)
-    add_slurm_arguments(p)
+    add_launcher_arguments(p)
     p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("prepare", help="validate a job.json and create its run directory (for launchers/)")
     p.add_argument("job", type=Path)
@@ -520,11 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", type=int, default=None, help="change the FSDP degree (default: nproc / tp)")
     p.add_argument("--tp", type=int, default=None, help="change the tensor-parallel degree")
     p.add_argument("--ep", type=int, default=None, help="change the expert-parallel degree (MoE)")
-    p.add_argument("--nnodes", type=int, default=None, help="change the number of nodes (Slurm)")
-    p.add_argument(
-        "--launcher", default=None, choices=LAUNCHERS, help="default: the one the run was launched with"
-    )
-    add_slurm_arguments(p)
+    p.add_argument("--nnodes", type=int, default=None, help="change the number of nodes (Slurm, Ray)")
+    add_launcher_arguments(p, default=None)
     p.add_argument("--no-follow", action="store_true")
     p.set_defaults(func=cmd_resume)
     p = sub.add_parser("status", help="show a run's state and per-tenant summary")

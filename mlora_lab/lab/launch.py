@@ -20,10 +20,21 @@ anything, and torchrun's output goes to ``logs/launcher.log`` through no link
 says ``running`` (the process cannot be started, its pid cannot be recorded), ends the run ``failed``
 with the cause: a run is never left ``starting`` for ever.
 
-``launcher="slurm"`` submits the job to Slurm instead (:mod:`mlora_lab.lab.slurm.cluster`: one torchrun agent
-per node); the run then follows Slurm as well as the run directory (:mod:`mlora_lab.lab.launchers.liveness`):
-``queued`` with Slurm's reason while the job waits, and ``failed`` with Slurm's reason when Slurm
-cancels it, times it out or loses a node (a job killed from outside cannot say so itself).
+Launchers are called by name only (:mod:`mlora_lab.lab.launchers.registry`): ``local`` (torchrun here),
+``slurm``, ``ray``, or any registered one. Each launcher's options come as the keyword of its name
+(``slurm=ml.SlurmOptions(...)``, ``ray=ml.RayOptions(...)``), must be of its ``options_type``, and are
+recorded in the run directory (``RunDir.launcher_options``), where a resume finds them again. A launch is
+four steps, each one function here:
+
+    check      spec, run directory and launcher (its options, and the engine asked) -> SpecError
+    prepare    the run directory: job.json, in-memory rows, sweep.json, the options, ``starting``
+    submit     launcher.submit(...) -> JobRef; an engine's job recorded as ``queued`` in status.json
+    handle     the run's handle (with the process, when this Python started it)
+
+An engine's run then follows its engine as well as the run directory
+(:mod:`mlora_lab.lab.launchers.liveness`): ``queued`` with the engine's reason while the job waits, and
+``failed`` with its words when the engine cancels it, times it out or loses a node (a job killed from
+outside cannot say so itself).
 """
 
 from __future__ import annotations
@@ -32,10 +43,7 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import stat
-import subprocess
-import sys
 import time
 import uuid
 import warnings
@@ -44,30 +52,27 @@ from typing import Any
 
 from mlora_lab import hub
 from mlora_lab.bases import GGUFBaseError, is_gguf, resolve_base
-from mlora_lab.lab.launchers.liveness import Liveness, kill_job
-from mlora_lab.lab.launchers.threads import omp_threads, thread_env
-from mlora_lab.lab.records.logs import LAUNCHER_LOG
+from mlora_lab.lab.launchers import registry
+from mlora_lab.lab.launchers.base import Launcher, LauncherError
+from mlora_lab.lab.launchers.liveness import Liveness
+from mlora_lab.lab.launchers.local import started_process
 from mlora_lab.lab.runs import tenant_data
 from mlora_lab.lab.runs.attach import handle_for
 from mlora_lab.lab.runs.run import DEFAULT_WORKDIR, Run
 from mlora_lab.lab.runs.served import ServedRun
-from mlora_lab.lab.slurm import cluster as slurm_cmd  # (`slurm` is launch()'s options argument)
-from mlora_lab.lab.slurm.cluster import SlurmError, SlurmOptions
 from mlora_lab.rundir import (
     RunDir,
     RunDirError,
     RunLock,
     RunState,
     atomic_write_json,
-    atomic_write_text,
     control,
-    guarded_open,
     read_status,
     update_status,
 )
 from mlora_lab.rundir.files import link_message
 from mlora_lab.rundir.service import remove_endpoint
-from mlora_lab.rundir.status import JOB_MODULE, TORCHRUN_MODULE, ProcessIdentity, process_fields, this_host
+from mlora_lab.rundir.status import process_fields
 from mlora_lab.search import Sweep
 from mlora_lab.spec.fields import SpecError
 from mlora_lab.spec.job import JobSpec
@@ -75,12 +80,6 @@ from mlora_lab.spec.parts import Parallel, Service
 from mlora_lab.text import error_line, show_path
 from mlora_lab.validate import job_of_sweep, sweep_problems, sweep_slot_modules
 from mlora_lab.validate import problems as spec_problems
-
-LAUNCHERS = ("local", "slurm")
-MULTI_NODE = (
-    "launch it with launcher='slurm' (ml.launch(spec, launcher='slurm', slurm=ml.SlurmOptions(...)), or "
-    "`mlora-lab run job.json --launcher slurm`), or start launchers/multinode.sh on every node"
-)
 
 
 def new_run_id() -> str:
@@ -109,38 +108,78 @@ def _directory_problem(root: Path) -> str | None:
     return None
 
 
-def _launcher_problems(
-    launcher: str | None, parallel: Any, options: SlurmOptions | None, root: Path, resume: bool = False
+def given_options(**options: Any) -> dict[str, Any]:
+    """The launchers' options a caller gave (``slurm=...``, ``ray=...``, ...), without the ones left None."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
+def launcher_problems(
+    launcher: str | None, spec: JobSpec, options: dict[str, Any], root: Path, resume: bool = False
 ) -> list[str]:
-    """Problems of running a job laid out as ``parallel`` with ``launcher`` (and its Slurm options):
-    an unknown launcher, several nodes on the local one, Slurm options that do not fit. Slurm itself
-    is asked too (``sbatch --test-only`` of the script that would be submitted), so a partition or
-    account it refuses is reported before anything is created."""
-    if launcher is not None and launcher not in LAUNCHERS:
-        return [f"unknown launcher {launcher!r}; known: {', '.join(LAUNCHERS)}"]
-    p = parallel if isinstance(parallel, Parallel) else Parallel()
-    nnodes, nproc = p.nnodes, p.nproc
-    if launcher != "slurm":
-        if options is not None:
-            return [
-                f"Slurm options were given, but the launcher is {launcher or 'none'!r}; use launcher='slurm'"
+    """Problems of running ``spec`` with ``launcher`` (None: the caller starts the processes itself) and
+    the launchers' ``options`` given: an unknown launcher, options given for another launcher or not of
+    the launcher's ``options_type``, and what the launcher itself finds (:meth:`Launcher.check`: several
+    nodes on the local one, Slurm options that do not fit, a partition Slurm refuses, a Ray cluster
+    without enough nodes, ...), the engine asked before anything is created."""
+    if launcher is not None and (problem := registry.unknown(launcher)) is not None:
+        return [problem]
+    problems = []
+    for name in options:
+        if registry.unknown(name) is not None:
+            problems.append(
+                f"{name}= names no launcher; launchers take their options as {', '.join(registry.names())}="
+            )
+        elif name != launcher:
+            problems.append(
+                f"{name.capitalize()} options were given, but the launcher is {launcher or 'none'!r}; "
+                f"use launcher={name!r}"
+            )
+    if problems or launcher is None:
+        return problems
+    try:
+        engine = registry.get(launcher)
+    except LauncherError as e:
+        return [str(e)]
+    value, kind = options.get(launcher), engine.options_type
+    if value is not None and (kind is None or not isinstance(value, kind)):
+        takes = f"takes an ml.{kind.__name__}" if kind is not None else "takes no options"
+        return [f"{launcher}= {takes}, not {type(value).__name__}"]
+    if not isinstance(spec.parallel, Parallel):  # (its own problem is reported: check the default layout)
+        spec = dataclasses.replace(spec, parallel=Parallel())
+    return engine.check(spec, value, root, resume)
+
+
+def _record_options(run: RunDir, engine: Launcher, options: Any) -> None:
+    """The launcher's options (its defaults when none were given) as JSON in the run directory, which a
+    resume reads again (:func:`read_options`); nothing for a launcher that takes none."""
+    kind = engine.options_type
+    if kind is not None:
+        options = options if options is not None else kind()
+        atomic_write_json(run.launcher_options(engine.name), options.to_dict())
+
+
+def read_options(run: RunDir, launcher: str) -> Any:
+    """The options of ``launcher`` the run was launched with. Their setup lines, interpreter or
+    environment may run as shell on the nodes (Slurm's ``setup`` and ``python``), so the file is trusted
+    only if it is yours and nobody else can write it."""
+    engine = registry.get(launcher)
+    path, kind = run.launcher_options(launcher), engine.options_type
+    again = f"pass {launcher}=ml.{kind.__name__ if kind is not None else 'Options'}(...)"
+    try:
+        st = path.stat(follow_symlinks=False)
+    except OSError as e:
+        raise SpecError([f"{path}: cannot be read ({e}); {again}"]) from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise SpecError(
+            [
+                f"{path} is not a file of yours that only you can write, so its setup lines are not run; "
+                f"{again} to resume"
             ]
-        if launcher == "local" and nnodes != 1:
-            return [f"parallel.nnodes = {nnodes}: the local launcher runs on this machine only; {MULTI_NODE}"]
-        return []
-    options = options if options is not None else SlurmOptions()
-    if not isinstance(options, SlurmOptions):
-        return [f"slurm= takes an ml.SlurmOptions, not {type(options).__name__}"]
-    problems = options.problems(nnodes, nproc)
-    if (problem := slurm_cmd.run_dir_problem(root)) is not None:
-        problems.append(problem)
-    if shutil.which("sbatch") is None:
-        problems.append("the slurm launcher needs Slurm's commands (sbatch, scontrol, scancel) on PATH")
-    if not problems:
-        script = slurm_cmd.render_script(options, root, nnodes, nproc, RunDir(root).slurm_script, resume)
-        if (refused := slurm_cmd.test_submit(script)) is not None:
-            problems.append(refused)
-    return problems
+        )
+    try:
+        return kind.from_dict(json.loads(path.read_text()))  # type: ignore[union-attr]
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise SpecError([f"{path}: cannot be read ({e}); {again}"]) from None
 
 
 def _convert_base(spec: JobSpec) -> None:
@@ -187,21 +226,23 @@ def prepare_run(
     workdir: str | Path = DEFAULT_WORKDIR,
     launcher: str | None = None,
     lock: RunLock | None = None,
-    slurm_options: SlurmOptions | None = None,
     sweep: Sweep | None = None,
+    options: dict[str, Any] | None = None,
 ) -> RunDir:
-    """Validate ``spec``, the launcher (and its Slurm options) and the run directory (one
-    :class:`~mlora_lab.spec.fields.SpecError` listing every problem; nothing is created then), and create the
-    run directory with ``job.json`` (paths made absolute) and a ``starting`` status. Tenant rows held in
-    memory (a DataFrame, a list of dicts, a datasets.Dataset) are read once, validated, and written into
-    the run directory (``data/<tenant>/train.jsonl``, :mod:`~mlora_lab.lab.runs.tenant_data`), which job.json
-    then names (relative to itself: a copied run directory reads its own copy). ``launcher=None``:
-    the caller starts the processes itself (``launchers/``, on one node or many). With ``lock``, it is
-    left held for the caller. With ``sweep`` (:func:`mlora_lab.lab.sweeps.sweep`), the job runs that search
-    over tenant slots: it is checked with every value it can give a trial, and written as ``sweep.json``.
-    With a launcher, a GGUF base is converted before the directory is created (a file that cannot be
-    converted is a SpecError too). If writing the run's files fails half-way (a full disk), a run that
-    has its job.json is marked ``failed`` with the cause."""
+    """Validate ``spec``, the launcher (and the launchers' ``options``: ``{"slurm": SlurmOptions(...)}``)
+    and the run directory (one :class:`~mlora_lab.spec.fields.SpecError` listing every problem; nothing
+    is created then), and create the run directory with ``job.json`` (paths made absolute), the
+    launcher's options and a ``starting`` status. Tenant rows held in memory (a DataFrame, a list of
+    dicts, a datasets.Dataset) are read once, validated, and written into the run directory
+    (``data/<tenant>/train.jsonl``, :mod:`~mlora_lab.lab.runs.tenant_data`), which job.json then names
+    (relative to itself: a copied run directory reads its own copy). ``launcher=None``: the caller starts
+    the processes itself (``launchers/``, on one node or many). With ``lock``, it is left held for the
+    caller. With ``sweep`` (:func:`mlora_lab.lab.sweeps.sweep`), the job runs that search over tenant
+    slots: it is checked with every value it can give a trial, and written as ``sweep.json``. With a
+    launcher, a GGUF base is converted before the directory is created (a file that cannot be converted
+    is a SpecError too). If writing the run's files fails half-way (a full disk), a run that has its
+    job.json is marked ``failed`` with the cause."""
+    options = options or {}
     # Rows held in memory (a DataFrame, ...) are read once, here: what is validated is what is written.
     spec = tenant_data.freeze_all(spec.resolved(Path.cwd()))
     root = _run_root(spec, workdir)
@@ -214,7 +255,7 @@ def prepare_run(
         problems = spec_problems(spec)
     if (problem := _directory_problem(root)) is not None:
         problems.append(problem)
-    problems += _launcher_problems(launcher, spec.parallel, slurm_options, root)
+    problems += launcher_problems(launcher, spec, options, root)
     if problems:
         raise SpecError(problems)
     spec = _pin_revision(spec)
@@ -235,8 +276,8 @@ def prepare_run(
         if sweep is not None:
             sweep = dataclasses.replace(sweep, base=tenant_data.write_data(run, sweep.base))
             sweep.write(run.sweep)
-        if launcher == "slurm":
-            atomic_write_json(run.slurm_options, (slurm_options or SlurmOptions()).to_dict())
+        if launcher is not None:
+            _record_options(run, registry.get(launcher), options.get(launcher))
         update_status(run.root, state=RunState.STARTING, started=time.time(), launcher=launcher)
     except BaseException as e:
         if run.is_run() and not isinstance(e, SpecError):
@@ -248,122 +289,53 @@ def prepare_run(
     return run
 
 
-def torchrun_command(spec: JobSpec, run_dir: Path, resume: bool = False) -> list[str]:
-    """The torchrun command line for a single-node job: a rendezvous that listens on 127.0.0.1 only
-    and picks free ports, so several runs can go at once. Multi-node jobs use ``launchers/``."""
-    from mlora_lab.rendezvous import single_node_torchrun_args  # (torch: only when a job starts)
-
-    torchrun = [
-        sys.executable,
-        "-m",
-        TORCHRUN_MODULE,  # torch.distributed.run, started with the collector off while it imports
-        *single_node_torchrun_args(spec.parallel.nproc),
-    ]
-    return [*torchrun, "-m", JOB_MODULE, str(run_dir), *(["--resume"] if resume else [])]
-
-
-# Jobs this process started, with the threads they were given: the next job's threads leave room for them.
-_started: list[tuple[subprocess.Popen, int]] = []
-
-
-def job_env(nproc: int) -> dict[str, str]:
-    """The environment of a job's processes: ours, plus ``OMP_NUM_THREADS`` (unless set: see
-    :mod:`mlora_lab.lab.launchers.threads`; jobs started from here that still run count as busy cores), quiet
-    tokenizers and the loopback rendezvous settings."""
-    from mlora_lab.rendezvous import loopback_env
-
-    _started[:] = [(p, n) for p, n in _started if p.poll() is None]
-    env = dict(os.environ)
-    env.update(thread_env(nproc, busy=sum(n for _, n in _started), environ=env))
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    for key, value in loopback_env().items():
-        env.setdefault(key, value)
-    return env
-
-
-def _start(run_dir: RunDir, spec: JobSpec, resume: bool = False) -> Run:
-    """Start torchrun for ``run_dir`` (whose lock the caller holds; a GGUF base is converted already)
-    and record its process. Its output goes to ``logs/launcher.log``, never through a link planted
-    there or at ``logs/``. A process whose pid cannot be recorded is ended again (the caller marks the
-    run failed): nothing could tell later whether it still runs."""
-    env = job_env(spec.parallel.nproc)
-    remove_endpoint(run_dir)  # (a served run's, left by a job that was killed: the new job writes its own)
-    log = guarded_open(run_dir.root, run_dir.logs / LAUNCHER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        proc = subprocess.Popen(
-            torchrun_command(spec, run_dir.root, resume),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: Ctrl-C in the notebook does not reach the job
-            env=env,
-        )
-    finally:
-        os.close(log)
-    _started.append((proc, spec.parallel.nproc * omp_threads(env.get("OMP_NUM_THREADS"))))
-    try:
-        # a job gone already is still recorded by its pid: this handle then reads its exit
-        me = ProcessIdentity.of(proc.pid) or ProcessIdentity(proc.pid, None, this_host())
-        update_status(run_dir.root, **process_fields(me))
-    except BaseException:
-        kill_job(proc.pid)
-        raise
-    return handle_for(run_dir.root, process=proc)
-
-
-def _submit(run_dir: RunDir, spec: JobSpec, options: SlurmOptions, resume: bool = False) -> Run:
-    """Write the batch script into the run directory and submit it (the caller holds the lock; a GGUF
-    base is converted already, as for a local job). The run is ``queued`` with the job id in
-    status.json; if sbatch refuses after all, the run is marked failed and :class:`SlurmError` says why."""
-    p = spec.parallel
-    remove_endpoint(run_dir)  # (as for a local job)
-    script = slurm_cmd.render_script(options, run_dir.root, p.nnodes, p.nproc, run_dir.slurm_script, resume)
-    atomic_write_text(run_dir.slurm_script, script)  # the record; Slurm gets the text itself
-    try:
-        job_id = slurm_cmd.submit(script)
-    except SlurmError as e:
-        update_status(run_dir.root, state=RunState.FAILED, ended=time.time(), error=str(e))
-        raise
-    update_status(
-        run_dir.root, state=RunState.QUEUED, launcher="slurm", slurm_job_id=job_id, slurm_state=None
-    )
-    return handle_for(run_dir.root)
+def _submit(run: RunDir, launcher: str, spec: JobSpec, options: Any, resume: bool = False) -> Run:
+    """Hand the prepared ``run`` (whose lock the caller holds; a GGUF base is converted already) to its
+    launcher, record what it started, and return the run's handle. An engine that queues the job (Slurm,
+    Ray) has it recorded as ``launcher_job`` with the run ``queued``; a local job's process is recorded
+    by the launcher itself. The caller marks the run failed if this raises (sbatch refuses after all,
+    the process cannot be started)."""
+    engine = registry.get(launcher)
+    remove_endpoint(run)  # (a served run's, left by a job that was killed: the new job writes its own)
+    ref = engine.submit(run, spec, options, resume)
+    if getattr(engine, "queues", True):
+        update_status(run.root, state=RunState.QUEUED, launcher_job=ref, launcher_state=None)
+    return handle_for(run.root, process=started_process(ref))
 
 
 def launch(
     spec: JobSpec,
     workdir: str | Path = DEFAULT_WORKDIR,
     launcher: str = "local",
-    slurm: SlurmOptions | None = None,
+    slurm: Any = None,
     sweep: Sweep | None = None,
+    *,
+    ray: Any = None,
+    **options: Any,
 ) -> Run:
     """Start ``spec`` in the background and return its :class:`Run` at once.
 
     ``launcher="local"``: torchrun on this machine. ``launcher="slurm"``: one Slurm job of
-    ``parallel.nnodes`` nodes (``slurm``: partition, time, GPUs, ... as :class:`~mlora_lab.lab.slurm.cluster.SlurmOptions`),
-    submitted with ``sbatch``; the run directory must then be on a filesystem every node sees at the
-    same path (``workdir`` or ``output_dir`` on NFS/Lustre/GPFS, not /tmp), and so must this Python
-    and its packages. Everything is checked first: a bad spec, launcher or option raises
-    :class:`~mlora_lab.spec.fields.SpecError` naming every problem, and nothing is created or submitted. If the
-    job cannot be started or submitted after all, the run is ``failed`` with the cause and the error
-    is raised."""
+    ``parallel.nnodes`` nodes (``slurm``: partition, time, GPUs, ... as
+    :class:`~mlora_lab.lab.slurm.cluster.SlurmOptions`), submitted with ``sbatch``. ``launcher="ray"``:
+    one torchrun agent per node of a Ray cluster (``ray``: its ``RayOptions``). Any registered launcher
+    takes its options as the keyword of its name (:mod:`mlora_lab.lab.launchers.registry`). On an engine
+    of several machines the run directory must be on a filesystem every node sees at the same path
+    (``workdir`` or ``output_dir`` on NFS/Lustre/GPFS, not /tmp), and so must this Python and its
+    packages. Everything is checked first: a bad spec, launcher or option raises
+    :class:`~mlora_lab.spec.fields.SpecError` naming every problem, and nothing is created or submitted.
+    If the job cannot be started or submitted after all, the run is ``failed`` with the cause and the
+    error is raised."""
     spec = spec.resolved(Path.cwd())
     root = _run_root(spec, workdir)
+    given = given_options(slurm=slurm, ray=ray, **options)
     lock = RunLock(RunDir(root))
-    run_dir = prepare_run(
-        dataclasses.replace(spec, output_dir=str(root)),
-        workdir,
-        launcher,
-        lock=lock,
-        slurm_options=slurm,
-        sweep=sweep,
-    )
+    spec = dataclasses.replace(spec, output_dir=str(root))
+    run = prepare_run(spec, workdir, launcher, lock=lock, sweep=sweep, options=given)
     try:
-        if launcher == "slurm":
-            return _submit(run_dir, JobSpec.load(run_dir.job), slurm or SlurmOptions())
-        return _start(run_dir, JobSpec.load(run_dir.job))
+        return _submit(run, launcher, JobSpec.load(run.job), given.get(launcher))
     except BaseException as e:
-        _fail_start(run_dir, e)
+        _fail_start(run, e)
         raise
     finally:
         lock.release()
@@ -377,8 +349,9 @@ def serve(spec: JobSpec, **launch_kwargs: Any) -> ServedRun:
         svc = ml.serve(spec)
         tc = svc.client().create_lora_training_client(base_model=svc.base_model, rank=8)
 
-    ``svc.base_url`` waits for the job to load its model and listen. ``launch_kwargs`` go to :func:`launch`.
-    The job stays up until it is stopped (``svc.stop()``); ``spec.tenants`` may be empty."""
+    ``svc.base_url`` waits for the job to load its model and listen. ``launch_kwargs`` go to :func:`launch`
+    (``launcher="slurm", slurm=...``, ``launcher="ray", ray=...``). The job stays up until it is stopped
+    (``svc.stop()``); ``spec.tenants`` may be empty."""
     service = spec.service if spec.service is not None else Service()
     run = launch(dataclasses.replace(spec, service=service), **launch_kwargs)
     return run if isinstance(run, ServedRun) else ServedRun(run.path, process=run.process)
@@ -392,61 +365,43 @@ def resume(
     tp: int | None = None,
     launcher: str | None = None,
     nnodes: int | None = None,
-    slurm: SlurmOptions | None = None,
+    slurm: Any = None,
+    *,
+    ray: Any = None,
+    **options: Any,
 ) -> Run:
     """Continue a stopped, failed or lost run from its latest intact checkpoint, in the background.
 
     ``nproc``/``nnodes``/``fsdp``/``ep``/``tp`` change the layout (checkpoints hold full tensors, so any
     layout works). Given any of them, the run's ``tp`` and ``ep`` are kept where they still divide the
-    new world (else 1) and ``fsdp`` defaults to ``world / tp``. ``launcher``: ``local`` or ``slurm``
-    (default: the one the run was launched with); a Slurm resume reuses the run's Slurm options unless
-    ``slurm`` gives new ones. Every problem is reported before anything changes, a symlink planted
-    where the job writes (``logs/``, a log, ``control/``, ...) included; a GGUF base is converted then
-    too. If the job cannot be started after all, the run is ``failed`` with the cause.
+    new world (else 1) and ``fsdp`` defaults to ``world / tp``. ``launcher``: ``local``, ``slurm``,
+    ``ray``, ... (default: the one the run was launched with); it reuses the options the run recorded
+    for that launcher unless new ones are given (``slurm=...``, ``ray=...``). Every problem is reported
+    before anything changes, a symlink planted where the job writes (``logs/``, a log, ``control/``, ...)
+    included; a GGUF base is converted then too. If the job cannot be started after all, the run is
+    ``failed`` with the cause.
     """
-    from mlora_lab.rundir import checkpoint  # (the codec loads torch: a resume starts a job anyway)
-
     run = RunDir(Path(run_dir).absolute())
     if not run.is_run():
         raise RunDirError(f"{run.root}: not a run directory (no job.json)")
-    spec = JobSpec.load(run.job)
     lock = RunLock(run)
     lock.acquire()
     try:
-        try:
-            state = Liveness(run.root).verdict().state
-        except RunDirError:  # a corrupt status.json: no job holds the lock we hold, so none runs
-            state = RunState.LOST
-        if not state.final:
-            raise RuntimeError(f"{run.root} is {state.value}; stop it first")
-        path, skipped = checkpoint.latest_intact(run.checkpoints)
-        if path is None:
-            why = "".join(f"; {p.name}: {reason}" for p, reason in skipped)
-            raise FileNotFoundError(f"{run.root}: no intact checkpoint to resume from{why}")
-        for damaged, reason in skipped:
-            warnings.warn(f"{damaged.name} is damaged ({reason}); resuming from {path.name}", stacklevel=2)
-        # a base setting changed in job.json since (quantize, dtype) is held back, as the job holds it back
-        held_back = checkpoint.hold_back_base(spec, checkpoint.read_base(path))
-        for said in held_back:
-            warnings.warn(said, stacklevel=2)
-        try:
-            before = read_status(run.root)
-        except RunDirError:  # corrupt (see above): the launcher it was launched with is unknown
-            before = None
-        launcher = launcher or (before.launcher if before and before.launcher in LAUNCHERS else "local")
-        if launcher == "slurm" and slurm is None and run.slurm_options.is_file():
-            slurm = read_slurm_options(run)
-        changed = any(v is not None for v in (nproc, fsdp, ep, tp, nnodes))
-        if changed:
-            p = spec.parallel
-            p.nproc = nproc or p.nproc
-            p.nnodes = nnodes or p.nnodes
-            p.tp = tp or (p.tp if p.world_size % p.tp == 0 else 1)
-            p.fsdp = fsdp or p.world_size // p.tp
-            p.ep = ep or (p.ep if (p.world_size // p.tp) % p.ep == 0 else 1)
+        spec, held_back, before = _resumable(run)
+        launcher = launcher or (
+            before.launcher if before and not registry.unknown(before.launcher) else "local"
+        )
+        given = given_options(slurm=slurm, ray=ray, **options)
+        if (
+            launcher not in given
+            and not registry.unknown(launcher)
+            and run.launcher_options(launcher).is_file()
+        ):
+            given[launcher] = read_options(run, launcher)
+        changed = _relayout(spec, nproc=nproc, nnodes=nnodes, fsdp=fsdp, ep=ep, tp=tp)
         sweep = Sweep.from_dict(json.loads(run.sweep.read_text("utf-8"))) if run.sweep.is_file() else None
         problems = spec_problems(spec if sweep is None else job_of_sweep(spec, sweep)) if changed else []
-        problems += _launcher_problems(launcher, spec.parallel, slurm, run.root, resume=True)
+        problems += launcher_problems(launcher, spec, given, run.root, resume=True)
         problems += [link_message(link, run.root) for link in run.links()]
         if problems:
             raise SpecError(problems)
@@ -461,15 +416,12 @@ def resume(
             ended=None,
             error=None,
             launcher=launcher,
-            slurm_job_id=None,
-            slurm_state=None,
+            launcher_job=None,
+            launcher_state=None,
         )
         try:
-            if launcher == "slurm":
-                options = slurm or SlurmOptions()
-                atomic_write_json(run.slurm_options, options.to_dict())
-                return _submit(run, spec, options, resume=True)
-            return _start(run, spec, resume=True)
+            _record_options(run, registry.get(launcher), given.get(launcher))
+            return _submit(run, launcher, spec, given.get(launcher), resume=True)
         except BaseException as e:
             _fail_start(run, e)
             raise
@@ -477,24 +429,46 @@ def resume(
         lock.release()
 
 
-def read_slurm_options(run: RunDir) -> SlurmOptions:
-    """The Slurm options the run was launched with. Its ``setup`` lines and ``python`` run as shell on
-    the nodes, so the file is trusted only if it is yours and nobody else can write it."""
-    path = run.slurm_options
+def _resumable(run: RunDir) -> tuple[JobSpec, list[str], Any]:
+    """The spec to resume ``run`` with (a base setting changed in job.json since, quantize or dtype, held
+    back as the job holds it back, each said in a warning), what was held back, and the run's status
+    before (None if corrupt). Raises if the run still goes (``RuntimeError``) or has no intact
+    checkpoint (``FileNotFoundError``); a damaged newer checkpoint is warned of and skipped."""
+    from mlora_lab.rundir import checkpoint  # (the codec loads torch: a resume starts a job anyway)
+
+    spec = JobSpec.load(run.job)
     try:
-        st = path.stat(follow_symlinks=False)
-    except OSError as e:
-        raise SpecError([f"{path}: cannot be read ({e}); pass slurm=ml.SlurmOptions(...)"]) from None
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise SpecError(
-            [
-                f"{path} is not a file of yours that only you can write, so its setup lines are not run; "
-                "pass slurm=ml.SlurmOptions(...) to resume"
-            ]
-        )
+        state = Liveness(run.root).verdict().state
+    except RunDirError:  # a corrupt status.json: no job holds the lock we hold, so none runs
+        state = RunState.LOST
+    if not state.final:
+        raise RuntimeError(f"{run.root} is {state.value}; stop it first")
+    path, skipped = checkpoint.latest_intact(run.checkpoints)
+    if path is None:
+        why = "".join(f"; {p.name}: {reason}" for p, reason in skipped)
+        raise FileNotFoundError(f"{run.root}: no intact checkpoint to resume from{why}")
+    for damaged, reason in skipped:
+        warnings.warn(f"{damaged.name} is damaged ({reason}); resuming from {path.name}", stacklevel=3)
+    held_back = checkpoint.hold_back_base(spec, checkpoint.read_base(path))
+    for said in held_back:
+        warnings.warn(said, stacklevel=3)
     try:
-        return SlurmOptions.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError) as e:
-        raise SpecError(
-            [f"{run.slurm_options}: cannot be read ({e}); pass slurm=ml.SlurmOptions(...)"]
-        ) from None
+        before = read_status(run.root)
+    except RunDirError:  # corrupt (see above): the launcher it was launched with is unknown
+        before = None
+    return spec, held_back, before
+
+
+def _relayout(spec: JobSpec, **given: int | None) -> bool:
+    """Change ``spec.parallel`` to the layout ``given`` (nproc, nnodes, fsdp, ep, tp; None: not given),
+    keeping ``tp`` and ``ep`` where they still divide the new world (else 1), ``fsdp`` defaulting to
+    ``world / tp``. False (nothing changed) when none is given."""
+    if all(v is None for v in given.values()):
+        return False
+    p = spec.parallel
+    p.nproc = given["nproc"] or p.nproc
+    p.nnodes = given["nnodes"] or p.nnodes
+    p.tp = given["tp"] or (p.tp if p.world_size % p.tp == 0 else 1)
+    p.fsdp = given["fsdp"] or p.world_size // p.tp
+    p.ep = given["ep"] or (p.ep if (p.world_size // p.tp) % p.ep == 0 else 1)
+    return True

@@ -24,7 +24,6 @@ from typing import Any
 from mlora_lab.lab.launch import launch
 from mlora_lab.lab.runs.run import DEFAULT_WORKDIR
 from mlora_lab.lab.runs.sweep import SweepRun
-from mlora_lab.lab.slurm.cluster import SlurmOptions
 from mlora_lab.search import Objective, Strategy, Sweep, asha_warning, dist_from_dict
 from mlora_lab.spec.fields import SpecError
 from mlora_lab.spec.job import JobSpec
@@ -64,7 +63,8 @@ def sweep(
     mode: str = "min",
     workdir: str | Path = DEFAULT_WORKDIR,
     launcher: str = "local",
-    slurm: SlurmOptions | None = None,
+    slurm: Any = None,
+    **options: Any,
 ) -> SweepRun:
     """Launch one job that searches ``space`` with ``strategy`` and return its :class:`SweepRun` at once.
 
@@ -74,7 +74,9 @@ def sweep(
     the base needs ``heldout_data``; else the train loss is used), ``"train_loss"``, or a function of a trial's
     metrics rows defined in an importable module; ``mode`` ``"min"`` or ``"max"``. The job's free slots
     (``max_tenants`` minus its other tenants) are the trials running at once. Every value the space
-    can give a trial is checked before anything starts (:func:`~mlora_lab.validate.sweep_problems`)."""
+    can give a trial is checked before anything starts (:func:`~mlora_lab.validate.sweep_problems`).
+    ``launcher`` and its options (``slurm=ml.SlurmOptions(...)``, ``ray=ml.RayOptions(...)``) as for
+    :func:`~mlora_lab.lab.launch.launch`."""
     tenants = list(spec.tenants)
     if base is None:
         if not tenants:
@@ -94,6 +96,6 @@ def sweep(
         objective=Objective(objective_reference(objective), mode),
     )
     named = dataclasses.replace(spec, tenants=tenants, name=spec.name or f"{base.name} sweep")
-    run = launch(named, workdir, launcher, slurm=slurm, sweep=plan)
+    run = launch(named, workdir, launcher, slurm=slurm, sweep=plan, **options)
     # (its directory has a sweep.json: the launch already handed back a SweepRun, mlora_lab.lab.runs.attach)
     return run if isinstance(run, SweepRun) else SweepRun(run.path, process=run.process)

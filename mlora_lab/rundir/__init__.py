@@ -3,7 +3,9 @@
 ```
 <run_dir>/job.json            the spec as launched (JobSpec as JSON)
 <run_dir>/status.json         {"state", "pid", "pid_start_time", "pid_start_ticks", "pid_boot_id", "host",
-                               "started", "ended", "error", "launcher", "slurm_job_id", "slurm_state"}
+                               "started", "ended", "error", "launcher", "launcher_job", "launcher_state"}
+                              (launcher_job: {"kind", "id"} of the engine's job; an older file's
+                              slurm_job_id / slurm_state are read as launcher_job / launcher_state)
 <run_dir>/metrics.jsonl       typed rows (train / eval / system / tenant / event / completion), appended by rank 0
 <run_dir>/logs/rank<R>.log    each rank's stdout+stderr (logs/launcher.log: the torchrun agent's)
 <run_dir>/adapters/<tenant>/  latest PEFT adapter directory of that tenant
@@ -13,6 +15,7 @@
 <run_dir>/control/            control messages, their results, and the stop request
 <run_dir>/labels.json         tags and a note, set by people (the job never reads it)
 <run_dir>/slurm.json          the SlurmOptions of a Slurm job (mlora_lab.lab.slurm.cluster), reused by a resume
+<run_dir>/<L>_options.json    another launcher L's options (ray_options.json: RayOptions), reused likewise
 <run_dir>/slurm.sbatch        its batch script as last submitted (logs/launcher.log: its output)
 <run_dir>/sweep.json          a search inside the job (mlora_lab.search.Sweep), if it runs one
 <run_dir>/search.json         that search's state: trials, rungs, decisions and why (written by rank 0)

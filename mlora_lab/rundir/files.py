@@ -135,6 +135,11 @@ class RunDir:
     search = property(lambda self: self.root / "search.json")
     service = property(lambda self: self.root / "service")
 
+    def launcher_options(self, launcher: str) -> Path:
+        """Where a launch records the options of ``launcher`` (its ``options_type`` as JSON), which a
+        resume reads again: ``<launcher>_options.json``; Slurm's keeps its first name, ``slurm.json``."""
+        return self.slurm_options if launcher == "slurm" else self.root / f"{launcher}_options.json"
+
     def inside(self, path: str | os.PathLike) -> Path:
         """``path`` checked: lexically inside the run directory, and no part of it below the root (the
         folders on the way, the file itself) is a symlink. Returns it under the resolved root.

@@ -169,6 +169,31 @@ def process_fields(identity: ProcessIdentity | None) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class JobRef:
+    """Which job of which engine runs a run: ``kind`` is the launcher's name (``slurm``, ``ray``, ...),
+    ``id`` the engine's own id of the job (a Slurm job id, a Ray job's submission id), as text.
+    status.json records it as ``launcher_job`` (``{"kind": ..., "id": ...}``)."""
+
+    kind: str
+    id: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "id": self.id}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> JobRef:
+        """From status.json's ``launcher_job``; ``ValueError`` for anything but ``{"kind": str, "id": str}``."""
+        if not (
+            isinstance(d, dict)
+            and set(d) == {"kind", "id"}
+            and isinstance(d["kind"], str)
+            and isinstance(d["id"], str)
+        ):
+            raise ValueError(f"launcher_job must be {{'kind': str, 'id': str}}, got {str(d)[:120]}")
+        return cls(d["kind"], d["id"])
+
+
+@dataclass(frozen=True)
 class Status:
     """The content of ``status.json``."""
 
@@ -186,12 +211,20 @@ class Status:
     ended: float | None = None
     error: str | None = None
     launcher: str | None = None
-    """``local`` or ``slurm`` (None: started by hand, from ``launchers/``)."""
-    slurm_job_id: int | None = None
-    """The Slurm job that runs it (``launcher == "slurm"``)."""
-    slurm_state: str | None = None
-    """Slurm's final ``JobState`` of that job, once the notebook side has seen it (COMPLETED,
-    CANCELLED, TIMEOUT, ...); None while it is queued or runs."""
+    """The launcher's name (``local``, ``slurm``, ``ray``; None: started by hand, from ``launchers/``)."""
+    launcher_job: JobRef | None = None
+    """The engine's job that runs it (a Slurm job, a Ray job). None for a local run: its process (the
+    ``pid`` fields) is its record. Read from ``slurm_job_id`` in a status.json written before it."""
+    launcher_state: str | None = None
+    """The engine's final word on that job, once the notebook side has seen it (Slurm's COMPLETED,
+    CANCELLED, TIMEOUT, ...; Ray's SUCCEEDED, FAILED, STOPPED); None while it is queued or runs, after
+    which the engine is not asked again. Read from ``slurm_state`` in an older status.json."""
+
+    @property
+    def slurm_job_id(self) -> int | None:
+        """The Slurm job that runs it (None: not a Slurm run)."""
+        ref = self.launcher_job
+        return int(ref.id) if ref is not None and ref.kind == "slurm" and ref.id.isdigit() else None
 
     @property
     def process(self) -> ProcessIdentity | None:
@@ -211,7 +244,9 @@ class Status:
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "status.json") -> Status:
-        """Parse ``status.json``'s object; :class:`RunDirError` naming the problem otherwise."""
+        """Parse ``status.json``'s object; :class:`RunDirError` naming the problem otherwise. An older
+        file's ``slurm_job_id``/``slurm_state`` are read as ``launcher_job`` (``JobRef("slurm", id)``)
+        and ``launcher_state`` where the newer fields are absent."""
         if not isinstance(d, dict):
             raise RunDirError(f"{where}: not a JSON object")
         try:
@@ -231,7 +266,8 @@ class Status:
             "ended": float,
             "error": str,
             "launcher": str,
-            "slurm_job_id": int,
+            "launcher_state": str,
+            "slurm_job_id": int,  # (older files)
             "slurm_state": str,
         }
         values: dict[str, Any] = {}
@@ -240,6 +276,16 @@ class Status:
             if not _of_type(v, kind):
                 raise RunDirError(f"{where}: {key} has the wrong type ({type(v).__name__})")
             values[key] = float(v) if kind is float and v is not None else v
+        old_id, old_state = values.pop("slurm_job_id"), values.pop("slurm_state")
+        job = d.get("launcher_job")
+        if job is not None:
+            try:
+                values["launcher_job"] = JobRef.from_dict(job)
+            except ValueError as e:
+                raise RunDirError(f"{where}: {e}") from None
+        elif old_id is not None:
+            values["launcher_job"] = JobRef("slurm", str(old_id))
+            values["launcher_state"] = values["launcher_state"] or old_state
         return cls(state=state, **values)
 
 

@@ -444,7 +444,7 @@ def test_a_run_that_cannot_start_is_failed_with_the_cause(llama_path, tmp_path, 
     """Anything that goes wrong between creating the run directory and the job writing ``running``
     (here: the process cannot be started) ends the run ``failed`` with the cause, never ``starting``
     for ever."""
-    from mlora_lab.lab import launch as launcher
+    from mlora_lab.lab.launchers import local as launcher
 
     def no_process(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")

@@ -23,36 +23,12 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from mlora_lab.rundir import RunDir
+from mlora_lab.rundir.status import JobRef
 from mlora_lab.spec.job import JobSpec
 
 
 class LauncherError(RuntimeError):
     """An engine's command or API failed, or the engine cannot be asked (its own words are in the text)."""
-
-
-@dataclass(frozen=True)
-class JobRef:
-    """Which job of which engine runs a run: ``kind`` is the launcher's name (``local``, ``slurm``,
-    ``ray``), ``id`` the engine's own id of the job (a Slurm job id, a Ray job name, a process's
-    identity), as text. status.json records it as ``launcher_job``."""
-
-    kind: str
-    id: str
-
-    def to_dict(self) -> dict[str, str]:
-        return {"kind": self.kind, "id": self.id}
-
-    @classmethod
-    def from_dict(cls, d: Any) -> JobRef:
-        """From status.json's ``launcher_job``; ``ValueError`` for anything but ``{"kind": str, "id": str}``."""
-        if not (
-            isinstance(d, dict)
-            and set(d) == {"kind", "id"}
-            and isinstance(d["kind"], str)
-            and isinstance(d["id"], str)
-        ):
-            raise ValueError(f"launcher_job must be {{'kind': str, 'id': str}}, got {str(d)[:120]}")
-        return cls(d["kind"], d["id"])
 
 
 @dataclass(frozen=True)

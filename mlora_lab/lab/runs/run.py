@@ -24,11 +24,11 @@ from typing import Any
 
 import pandas as pd
 
+from mlora_lab.lab.launchers.base import EngineJob
 from mlora_lab.lab.launchers.liveness import Liveness
 from mlora_lab.lab.records.logs import read_log
 from mlora_lab.lab.records.series import rows_frame
 from mlora_lab.lab.runs import tenant_data
-from mlora_lab.lab.slurm.cluster import SlurmJob
 from mlora_lab.rundir import (
     ControlError,
     MetricsReader,
@@ -203,16 +203,17 @@ class Run:
         return verdict.waiting if not verdict.state.final and verdict.waiting else verdict.error
 
     @property
-    def slurm_job(self) -> SlurmJob | None:
-        """What Slurm says of this run's job now (None: not a Slurm run, or Slurm forgot the job)."""
-        return self.liveness.slurm_job()
+    def engine_job(self) -> EngineJob | None:
+        """What the run's engine (Slurm, Ray, ...) says of its job now, in the seam's terms (None: a local
+        run, or the engine forgot the job)."""
+        return self.liveness.engine_job()
 
     def wait(self, timeout: float | None = None, poll: float = 0.5) -> RunState:
         """Block until the run ends (or ``timeout`` seconds pass) and return its state (recorded:
         :meth:`reconcile`). A Slurm run ends when Slurm says its job has ended, not when the job
         writes its end: nothing of the job is left then (:meth:`~mlora_lab.lab.launchers.liveness.Liveness.wait`).
         After a timeout the state is not final and :attr:`reason` says what Slurm says;
-        :class:`~mlora_lab.lab.slurm.cluster.SlurmError` if the run says it ended but Slurm cannot be asked
+        :class:`~mlora_lab.lab.launchers.base.LauncherError` (``SlurmError`` for Slurm) if the run says it ended but its engine cannot be asked
         whether its job has."""
         state = self.liveness.wait(timeout, poll).state
         if self.process is not None and state.final:
@@ -225,7 +226,7 @@ class Run:
         After ``timeout`` seconds the job's processes are killed. Returns once the run has ended (a
         Slurm run: once Slurm says its job has ended, as :meth:`wait`); the state is not final only if
         even the kill could not end it (:attr:`reason` says why), and a Slurm job that scancel has not
-        ended within two minutes raises :class:`~mlora_lab.lab.slurm.cluster.SlurmError` with Slurm's state.
+        ended within two minutes raises :class:`~mlora_lab.lab.launchers.base.LauncherError` (``SlurmError``) with Slurm's state.
         On a disk too full for the stop file, the job is sent SIGTERM instead (:meth:`~mlora_lab.lab.launchers.liveness.Liveness.signal_stop`)."""
         if (state := self.reconcile()).final:
             return self.wait(timeout)  # (at once, unless Slurm could not confirm the end yet)

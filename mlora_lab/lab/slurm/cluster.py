@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlora_lab.lab.launchers.base import LauncherError
 from mlora_lab.lab.slurm.sbatch_args import read_line, script_options, variable_option
 from mlora_lab.rundir.status import JOB_MODULE, TORCHRUN_MODULE
 from mlora_lab.text import brief
@@ -57,6 +58,7 @@ __all__ = [
     "render_script",
     "run_dir_problem",
     "sbatch_environment",
+    "signal_steps",
     "steps",
     "submit",
     "test_submit",
@@ -152,7 +154,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 MAX_EXTRA = 32
 
 
-class SlurmError(RuntimeError):
+class SlurmError(LauncherError):
     """A Slurm command failed (its own message is in the text)."""
 
 
@@ -515,6 +517,16 @@ def cancel(job_id: int, signal: str | None = None) -> None:
     proc = _command(args)
     if proc.returncode != 0 and "already completing or completed" not in proc.stderr:
         raise SlurmError(f"scancel {job_id}: {proc.stderr.strip()[:500]}")
+
+
+def signal_steps(job_id: int, signal: str) -> None:
+    """Send ``signal`` to every process of the job's steps (``scancel --signal=SIG JOB``, without
+    ``--full``: the batch shell is spared, so it goes on waiting for ``srun``). SIGTERM so reaches the
+    torchrun agents, which pass it to their workers: each rank then stops as its stop file would make
+    it (finish the step, checkpoint, save, exit)."""
+    proc = _command(["scancel", f"--signal={signal}", str(int(job_id))])
+    if proc.returncode != 0 and "already completing or completed" not in proc.stderr:
+        raise SlurmError(f"scancel --signal={signal} {job_id}: {proc.stderr.strip()[:500]}")
 
 
 def steps(job_id: int) -> list[str]:

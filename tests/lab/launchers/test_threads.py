@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from mlora_lab.lab import launch as launcher
+from mlora_lab.lab.launchers import local as launcher
 from mlora_lab.lab.launchers import threads
 from mlora_lab.lab.launchers.threads import omp_threads, thread_env, threads_per_process, usable_cores
 

