@@ -17,12 +17,14 @@ An old name is read three ways, each with a ``DeprecationWarning`` naming the ne
   and resumes, and its next ``job.json`` is new.
 
 An old name given beside its new one with another value is refused (:func:`disagree`), in the constructor
-as in JSON: neither can silently win. The warning is attributed to the first caller outside mlora_lab (the
+as in JSON: neither can silently win. (Except in ``dataclasses.replace(t, eval_data=...)``, which passes every
+field as it is beside the change: there the change wins, as ``replace`` means.) The warning is attributed to the first caller outside mlora_lab (the
 notebook cell or script that used the old name), where Python's default filters show it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import warnings
@@ -131,15 +133,17 @@ def add_old_names(cls: type, renamed: Sequence[Renamed]) -> None:
         used = [r for r in renamed if r.old in kwargs]
         if used:
             problems = []
+            # dataclasses.replace(obj, old=...) passes every field as it is, the new name's too: the change wins
+            replacing = _called_by_replace(sys._getframe(1))
             for r in used:
                 value = kwargs.pop(r.old)
                 position = order.index(r.new)
                 given = (
                     kwargs[r.new] if r.new in kwargs else args[position] if position < len(args) else _UNSET
                 )
-                if given is not _UNSET and not _same(given, value):
+                if given is not _UNSET and not replacing and not _same(given, value):
                     problems.append(disagree(r))
-                elif given is _UNSET:
+                elif given is _UNSET or replacing:
                     kwargs[r.new] = value
             warn_old(deprecation(f"{cls.__name__}({', '.join(f'{r.old}=...' for r in used)})", used))
             if problems:
@@ -147,6 +151,12 @@ def add_old_names(cls: type, renamed: Sequence[Renamed]) -> None:
         generated(self, *args, **kwargs)
 
     cls.__init__ = __init__
+
+
+def _called_by_replace(frame: Any) -> bool:
+    """Whether ``frame`` is ``dataclasses.replace`` (or the helper it calls, in Python 3.13+)."""
+    code = frame.f_code
+    return code.co_filename == dataclasses.__file__ and code.co_name in ("replace", "_replace")
 
 
 def _alias(owner: str, r: Renamed) -> property:

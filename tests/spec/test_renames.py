@@ -117,6 +117,15 @@ def test_old_keyword_arguments_and_attributes_still_work_with_a_warning():
     # the old names are no dataclass fields: fields(), asdict() and replace() see the new names only
     assert "eval_data" not in {f.name for f in dataclasses.fields(Tenant)}
     assert "eval_every" not in dataclasses.asdict(spec) and "serve" not in dataclasses.asdict(spec)
+    # replace() with an old name: the change wins over the value replace copies under the new name
+    with pytest.warns(DeprecationWarning, match=r"Tenant\(eval_data=\.\.\.\)") as w:
+        assert dataclasses.replace(t, eval_data=None).heldout_data is None
+    assert w.list[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match=r"JobSpec\(serve=\.\.\.\)"):
+        assert (
+            dataclasses.replace(JobSpec(base_model="m", tenants=[], stay_up=True), serve=False).stay_up
+            is False
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert dataclasses.replace(t, heldout_data=None).heldout_data is None
