@@ -5,7 +5,7 @@ A launcher starts a prepared run directory's job on its engine and answers for i
 :mod:`mlora_lab.lab.launchers.registry` and never branches on which one it holds:
 
     problems = launcher.check(spec, options, run_dir)         # before anything is created
-    ref = launcher.submit(run_dir, spec, options, resume)     # -> JobRef, recorded in status.json
+    ref = launcher.submit(run_dir, spec, options, resume)     # -> JobRef, status.json's launcher_job
     launcher.status(ref)                                      # -> EngineJob | None (the engine forgot it)
     launcher.stop(ref)                                        # a graceful stop, by the engine's means
     launcher.kill(ref, timeout)                               # returns when the engine says it ended
@@ -59,7 +59,16 @@ class Launcher(Protocol):
     name: ClassVar[str]
     """Its name in the registry, in ``launch(launcher=...)`` and ``--launcher``."""
     options_type: ClassVar[type | None]
-    """The type of its options (``SlurmOptions``, ``RayOptions``; None: it takes none)."""
+    """The type of its options (``SlurmOptions``, ``RayOptions``; None: it takes none), given as the
+    keyword of the launcher's name (``ml.launch(spec, launcher="ray", ray=ml.RayOptions(...))``). A
+    launch records them with ``to_dict()`` in ``RunDir.launcher_options(name)``; a resume reads them
+    back with ``options_type.from_dict(...)``; ``options_type()`` are its defaults."""
+    queues: ClassVar[bool]
+    """True (an engine: Slurm, Ray): the lab records the JobRef ``submit`` returns as status.json's
+    ``launcher_job``, the run reads ``queued`` until the engine starts it, and the liveness asks
+    :meth:`status` until the engine gives its final word. False (``local`` only): the job is a process
+    started here, which ``submit`` records itself (the ``pid`` fields) and the liveness watches by its
+    identity. Taken as True when a launcher does not say."""
 
     def check(self, spec: JobSpec, options: Any, run_dir: Path, resume: bool = False) -> list[str]:
         """Every problem of running ``spec`` (laid out as ``spec.parallel``) with ``options`` in

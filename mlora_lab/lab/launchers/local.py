@@ -1,7 +1,7 @@
 """The ``local`` launcher: torchrun on this machine, as a background process in its own session.
 
-    python -m mlora_lab.job.torchrun --standalone-like loopback rendezvous --nproc-per-node P \
-        -m mlora_lab.job RUN_DIR [--resume]          (stdout and stderr: RUN_DIR/logs/launcher.log)
+    python -m mlora_lab.job.torchrun <loopback rendezvous> --nproc-per-node P -m mlora_lab.job RUN_DIR
+        (stdout and stderr appended to RUN_DIR/logs/launcher.log)
 
 A notebook interrupt does not reach the job (its own session); a stop reaches every rank through the
 process group. Single-node jobs rendezvous on 127.0.0.1 only (:mod:`mlora_lab.rendezvous`), on free
