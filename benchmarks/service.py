@@ -14,7 +14,7 @@ interleaved, 1 warm-up round, median of the repeats):
 
 - ``step`` (the baseline): the step's two requests put into the inbox and :meth:`Trainer.step` called right
   here; its futures are settled when it returns. The engine step and the driver, nothing else (the driver's
-  gather, :data:`~mlora_lab.job.drivers.tinker.driver.GATHER_QUIET_S` after the last request, included: every contender
+  gather, :data:`~mlora_lab.job.drivers.tinker.plan.GATHER_QUIET_S` after the last request, included: every contender
   waits it out).
 - ``inbox``: the same two requests put into the inbox while the training loop runs on a thread as a served
   job runs it (``trainer.train()``, its default idle wait), waiting on the futures as the HTTP server's

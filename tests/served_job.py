@@ -106,7 +106,7 @@ class Served:
         driver = self.trainer.drivers.all[0]
         while going() and time.monotonic() < deadline:
             waiting = len(self.state.inbox)
-            left = any(driver.queues.values())  # (max_step_tokens: taken, not run yet)
+            left = any(driver.requests.queues.values())  # (max_step_tokens: taken, not run yet)
             if waiting >= batch or left or (waiting and time.monotonic() - last > 1.0):
                 self.trainer.step()
                 last = time.monotonic()

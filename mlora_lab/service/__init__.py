@@ -2,7 +2,8 @@
 drive their tenants through the ``tinker`` SDK (0.38.0), unchanged.
 
 - :mod:`.app`: the HTTP front (Starlette + uvicorn on a thread): checks each request, queues it, answers
-  futures; it never computes. :mod:`.keys` (API keys), :mod:`.reading` (a body read and parsed, for both
+  futures; it never computes. :mod:`.routes`: its Tinker routes, one module per resource of the SDK
+  (sessions, training, weights, sampling, REST). :mod:`.keys` (API keys), :mod:`.reading` (a body read and parsed, for both
   sides alike), :mod:`.bodies` (JSON bodies, checked); :mod:`.openai_api`, the OpenAI-compatible routes.
 - :mod:`.work`: the inbox (every model's requests in ``seq_id`` order, a resend run once) and the futures,
   where the HTTP thread and the training loop meet; :mod:`.state`: the state both share (sessions, models,

@@ -263,8 +263,10 @@ def test_two_clients_at_once_share_each_step_and_each_equals_peft(llama_path, tm
     driver = served.trainer.drivers.all[0]
     plans, gathers = [], []  # whether requests a full step left were waiting: at each plan, at each gather
     plan, gather_wait = driver.plan, served.state.inbox.gather_wait
-    driver.plan = lambda: plans.append(any(driver.queues.values())) or plan()
-    served.state.inbox.gather_wait = lambda *a: gathers.append(any(driver.queues.values())) or gather_wait(*a)
+    driver.plan = lambda: plans.append(any(driver.requests.queues.values())) or plan()
+    served.state.inbox.gather_wait = lambda *a: (
+        gathers.append(any(driver.requests.queues.values())) or gather_wait(*a)
+    )
     try:
         clients: dict[int, tuple] = {}
         results: dict[int, tuple] = {}

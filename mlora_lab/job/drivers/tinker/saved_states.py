@@ -19,6 +19,7 @@ go ahead (its folder exists already or not), so a request fails alike on every p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,23 @@ class SavedStates:
             return Result(error=f"{work.body.path} has another LoRA shape (rank or layers) than this model")
         self.restore(t, state, work.body.optimizer)
         return Result(json={"path": work.body.path, "type": "load_weights"})
+
+    def create_from(
+        self, work: Work, create: Callable[[Work, ModelInfo], TenantRun | None], base_model: str
+    ) -> Result | None:
+        """``create_training_client_from_state``: a new model with the saved LoRA settings (``create``
+        makes it, or fails the request and gives None: then None), then the load into it; its answer."""
+        try:
+            state = self.read(work.body.path)
+        except ValueError as e:  # (not a checkpoint path: the request fails alone, alike on every process)
+            state = str(e)
+        if isinstance(state, str):
+            return Result(error=state)
+        t = create(work, saved_model(work, state, base_model))
+        if t is None:
+            return None
+        self.restore(t, state, work.body.optimizer)
+        return Result(json={"path": work.body.path, "type": "load_weights", "model_id": work.model_id})
 
     def restore(self, t: TenantRun, state: dict[str, Any], optimizer: bool) -> None:
         """A read state's weights into ``t``, and its AdamW state if ``optimizer`` (else a fresh AdamW)."""

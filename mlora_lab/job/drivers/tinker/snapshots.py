@@ -44,6 +44,7 @@ import torch
 
 from mlora_lab.job.engine import Engine
 from mlora_lab.lora import AdapterError
+from mlora_lab.lora.model import MultiLoRAModel
 from mlora_lab.rundir import checkpoint
 from mlora_lab.rundir.files import check_no_links
 from mlora_lab.rundir.service import TINKER, saved_folder
@@ -239,26 +240,8 @@ class Snapshots:
                 settle(work, Result(error=why))
                 continue
             s = work.body
-            ids = list(s.stop_token_ids)
-            # ``stop`` absent: the model's end-of-sequence; ``stop: []``: nothing stops a sample but its
-            # length; stop strings or ids: those and the end-of-sequence
-            stops = ids + eos if (s.stop_at_eos or s.stop_strings or ids) else []
-            requests.append(
-                SampleRequest(
-                    prompt=s.prompt,
-                    tenant=s.tenant if s.tenant is not None else None if snap is None else snap.slot,
-                    num_samples=s.num_samples,
-                    max_new_tokens=s.max_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    top_k=None if s.top_k < 1 else s.top_k,
-                    stop_token_ids=tuple(dict.fromkeys(stops)),
-                    stop_strings=tuple(s.stop_strings),
-                    seed=s.seed,
-                    prompt_logprobs=s.prompt_logprobs,
-                    top_logprobs=s.top_logprobs,
-                )
-            )
+            slot = s.tenant if s.tenant is not None else None if snap is None else snap.slot
+            requests.append(sample_request(s, slot, eos))
             kept.append(work)
         taken = kept
         if not requests:
@@ -289,29 +272,7 @@ class Snapshots:
         """Read the named snapshot ``path`` (``tinker://<model>/sampler_weights/<name>``) back from its PEFT
         folder into :attr:`by_key`, unloaded, if it is there and every process could read it (one all-reduce:
         the processes take part in every sample together, so they must agree on which can run)."""
-        snap = None
-        parts = path.removeprefix(TINKER).split("/")
-        if self.checkpoints is not None and path.startswith(TINKER) and len(parts) == 3:
-            try:
-                if parts[1] != "sampler_weights":
-                    raise ValueError(f"{path} is not a sampler snapshot")
-                # (linear layers as they are; packed experts' PEFT tensors in the slots' layout)
-                model = self.engine.model
-                folder = saved_folder(self.checkpoints, path)
-                check_no_links(self.checkpoints.parent, folder)  # (no link planted in the run is followed)
-                config, tensors = model.read_peft_adapter(folder)
-                snap = Snapshot(
-                    parts[0],
-                    tensors,
-                    int(config.r),
-                    float(config.lora_alpha),
-                    tuple(k for k in tensors if k in model.layers),
-                    bool(config.use_rslora),
-                    named=True,
-                    parameters=tuple(sorted(config.target_parameters or [])),
-                )
-            except (OSError, ValueError, AdapterError):
-                snap = None
+        snap = None if self.checkpoints is None else read_snapshot(self.engine.model, self.checkpoints, path)
         unreadable = torch.tensor([float(snap is None)])
         if self.engine.comm.mesh is not None:
             unreadable = self.engine.comm.sum_over_world(unreadable)
@@ -387,3 +348,51 @@ class Snapshots:
     def _any_running(self, running: bool) -> bool:
         """Whether a sampling row still runs on any process (an all-reduce after every decode step)."""
         return bool(self.engine.comm.sum_over_world(torch.tensor([float(running)]))[0] > 0)
+
+
+def sample_request(s: Any, slot: str | None, eos: list[int]) -> SampleRequest:
+    """A sample request's body ``s`` as a row group of the batched generation, sampled with the adapter in
+    ``slot`` (None: the base alone); ``eos``: the model's end-of-sequence ids."""
+    ids = list(s.stop_token_ids)
+    # ``stop`` absent: the model's end-of-sequence; ``stop: []``: nothing stops a sample but its
+    # length; stop strings or ids: those and the end-of-sequence
+    stops = ids + eos if (s.stop_at_eos or s.stop_strings or ids) else []
+    return SampleRequest(
+        prompt=s.prompt,
+        tenant=slot,
+        num_samples=s.num_samples,
+        max_new_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=None if s.top_k < 1 else s.top_k,
+        stop_token_ids=tuple(dict.fromkeys(stops)),
+        stop_strings=tuple(s.stop_strings),
+        seed=s.seed,
+        prompt_logprobs=s.prompt_logprobs,
+        top_logprobs=s.top_logprobs,
+    )
+
+
+def read_snapshot(model: MultiLoRAModel, checkpoints: Path, path: str) -> Snapshot | None:
+    """The named snapshot ``path`` (``tinker://<model>/sampler_weights/<name>``) read back from its PEFT
+    folder in the service folder ``checkpoints``, unloaded; None when it is not one or cannot be read."""
+    parts = path.removeprefix(TINKER).split("/")
+    if not path.startswith(TINKER) or len(parts) != 3 or parts[1] != "sampler_weights":
+        return None
+    try:
+        folder = saved_folder(checkpoints, path)
+        check_no_links(checkpoints.parent, folder)  # (no link planted in the run is followed)
+        # (linear layers as they are; packed experts' PEFT tensors in the slots' layout)
+        config, tensors = model.read_peft_adapter(folder)
+    except (OSError, ValueError, AdapterError):
+        return None
+    return Snapshot(
+        parts[0],
+        tensors,
+        int(config.r),
+        float(config.lora_alpha),
+        tuple(k for k in tensors if k in model.layers),
+        bool(config.use_rslora),
+        named=True,
+        parameters=tuple(sorted(config.target_parameters or [])),
+    )
