@@ -401,6 +401,7 @@ def test_a_served_job_without_slot_modules_serves_the_sdks_default_client(llama_
 
 def test_slots_that_would_be_empty_fail_validation_and_host_empty_is_named(llama_path):
     import mlora_lab as ml
+    from mlora_lab.spec.job import effective_slot_modules
     from mlora_lab.validate import problems
 
     said = [
@@ -409,7 +410,7 @@ def test_slots_that_would_be_empty_fail_validation_and_host_empty_is_named(llama
     assert any("slot_modules is empty" in p for p in said), said
     waiting = ml.JobSpec(base_model=llama_path, tenants=[], stay_up=True)
     assert problems(waiting) == []
-    assert ml.spec.effective_slot_modules(waiting) == ["all-linear"]
+    assert effective_slot_modules(waiting) == ["all-linear"]
     said = [
         str(p) for p in problems(ml.JobSpec(base_model=llama_path, tenants=[], service=ml.Service(host="")))
     ]
