@@ -34,7 +34,9 @@ def compare_generations(
     chat: bool | None = None,
 ) -> pd.DataFrame:
     """Greedy completions of the same prompts by each saved adapter (and the base), in ONE
-    mixed-tenant batch: a row per prompt, a column per adapter.
+    mixed-tenant batch of ``ml.evaluate``'s sampler: a row per prompt, a column per adapter. Each
+    completion is what PEFT's ``generate`` gives with that adapter alone (it stops at the model's EOS
+    or after ``max_new_tokens``), and the base's what the plain model gives.
 
     Each tenant is fed the prompts the way it was trained (the rendering code is the training data's
     own, :mod:`mlora_lab.data`):
