@@ -268,7 +268,7 @@ def test_a_forms_validation_cache_asks_the_hub_once_per_id(hub, make_data):
 
 def test_a_hub_dataset_trains_as_the_same_rows_from_a_file(hub, tmp_path):
     """``ml.HubDataset`` through ``datasets.load_dataset`` from the loopback Hub: the same losses and adapters
-    as the same rows in a JSONL file, and its test split as eval data."""
+    as the same rows in a JSONL file, and its test split as held-out data."""
     data = ml.HubDataset("org/rows")
     assert str(data) == "org/rows (train)"
     same = write_jsonl(tmp_path / "rows.jsonl", task_rows("reverse", 8))
