@@ -45,7 +45,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlora_lab.rundir import CompletionRow, EventRow, HeldoutRow, Row, SystemRow, TenantRow, TrainRow
+from mlora_lab.rundir import (
+    HELDOUT_KIND,
+    CompletionRow,
+    EventRow,
+    HeldoutRow,
+    Row,
+    SystemRow,
+    TenantRow,
+    TrainRow,
+)
 from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.tenant import Tenant
 
@@ -176,7 +185,7 @@ class RowMapper:
                 values["global_step"] = row.step
             return self._tenant(row.tenant, row, "train", values)
         if isinstance(row, HeldoutRow):
-            return self._tenant(row.tenant, row, "eval", numbers(row))
+            return self._tenant(row.tenant, row, HELDOUT_KIND, numbers(row))  # (eval/loss: the rows' kind)
         if isinstance(row, TenantRow):
             items = self._tenant(row.tenant, row, "tenant", numbers(row, TENANT_METRICS))
             text = f"{row.state.value}: {row.reason}" if row.reason else row.state.value
