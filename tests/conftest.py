@@ -17,9 +17,11 @@ import torch
 from mlora_lab.tiny import build_tiny_model
 
 # The tests mirror the package (tests/job/, tests/lab/, ...). Some share helpers across folders
-# (test_slurm compares adapters as test_distributed does): every folder's modules stay importable by
+# (tests/lab/slurm/test_slurm compares adapters as tests/dist/test_distributed does): every folder's modules stay importable by
 # their name, as pytest's "prepend" import mode makes them within a folder (names are unique).
-sys.path[1:1] = [str(p) for p in sorted(Path(__file__).parent.iterdir()) if any(p.glob("test_*.py"))]
+sys.path[1:1] = sorted(
+    {str(p.parent) for p in Path(__file__).parent.rglob("test_*.py") if p.parent != Path(__file__).parent}
+)
 
 # Determinism and a quiet, offline environment for every test (torchrun children inherit it).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
