@@ -76,7 +76,15 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mlora_lab.lab.launchers.base import EngineJob, LauncherError
-from mlora_lab.lab.launchers.ray_actors import Agent, Supervisor, amount, cluster_view, words
+from mlora_lab.lab.launchers.ray_actors import (
+    Agent,
+    Supervisor,
+    agent_name,
+    amount,
+    cluster_view,
+    lookup,
+    words,
+)
 from mlora_lab.rundir import RunDir
 from mlora_lab.rundir.status import JobRef
 from mlora_lab.spec.job import JobSpec
@@ -374,20 +382,6 @@ def job_of(ref: JobRef) -> tuple[str, str, str]:
     return address, namespace, name
 
 
-def _agent_name(name: str, rank: int) -> str:
-    return f"{name}-node{rank}"
-
-
-def _lookup(name: str, namespace: str) -> Any:
-    """The live named actor, or None when Ray does not know it (never was, or dead)."""
-    import ray
-
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return None
-
-
 # -- the launcher -------------------------------------------------------------------------------------
 
 
@@ -448,6 +442,7 @@ class RayLauncher:
             "python": options.python,
             "rdzv_port": options.rdzv_port or 20000 + zlib.crc32(name.encode()) % 20000,
             "env_vars": (options.runtime_env or {}).get("env_vars", {}),
+            "namespace": options.namespace,
         }
         common: dict[str, Any] = {"namespace": options.namespace, "lifetime": "detached", "max_restarts": 0}
         if options.runtime_env is not None:
@@ -462,7 +457,7 @@ class RayLauncher:
                 made.append(
                     ray.remote(Agent)
                     .options(
-                        name=_agent_name(name, i),
+                        name=agent_name(name, i),
                         num_cpus=bundle["CPU"],
                         num_gpus=bundle.get("GPU", 0),
                         resources=own,
@@ -475,7 +470,8 @@ class RayLauncher:
             head = next(
                 (n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"]), None
             )
-            place = NodeAffinitySchedulingStrategy(head, soft=True) if head else "DEFAULT"
+            # (hard: on the head it lives as long as the cluster; a soft affinity may spill it to a worker node)
+            place = NodeAffinitySchedulingStrategy(head, soft=False) if head else "DEFAULT"
             supervisor = (
                 ray.remote(Supervisor)
                 .options(name=name, num_cpus=0, max_concurrency=8, scheduling_strategy=place, **common)
@@ -494,21 +490,23 @@ class RayLauncher:
         return JobRef(self.name, ref_id(address, options.namespace, name))
 
     def status(self, ref: JobRef) -> EngineJob | None:
-        """The supervisor's word on the job (None: Ray no longer knows it). A final word is read once:
-        the supervisor is ended then (the lab records the word in status.json)."""
+        """The supervisor's word on the job (None: Ray no longer knows it: no such actor, or it is dead).
+        A final word is read once: the supervisor is ended then (the lab records the word in
+        status.json). :class:`LauncherError` when Ray cannot be asked, or the supervisor cannot answer
+        for a moment (``ActorUnavailableError``: the lab asks again)."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import ActorDiedError, RayError
 
         supervisor = self._supervisor(ref)
         if supervisor is None:
             return None
         try:
             record = ray.get(supervisor.report.remote(), timeout=ASK_TIMEOUT_S)
-        except RayActorError:
+        except ActorDiedError:
             return None
-        except GetTimeoutError:
+        except RayError as e:  # (GetTimeoutError, ActorUnavailableError, an error of the report itself)
             raise LauncherError(
-                f"Ray did not answer within {ASK_TIMEOUT_S:.0f} s about job {ref.id}"
+                f"Ray cannot say what became of job {ref.id}: {type(e).__name__}: {words(e)}"
             ) from None
         job = EngineJob(**record)
         if job.final:
@@ -552,7 +550,7 @@ class RayLauncher:
     def _supervisor(self, ref: JobRef) -> Any:
         address, namespace, name = job_of(ref)
         connect(address, namespace)
-        return _lookup(name, namespace)
+        return lookup(name, namespace)
 
 
 def _capacity_problems(
@@ -588,7 +586,7 @@ def _leftovers(name: str, namespace: str) -> bool:
     """Whether Ray still knows a live agent or an unremoved group of the job ``name``."""
     from ray.util import placement_group_table
 
-    if any(_lookup(_agent_name(name, i), namespace) is not None for i in range(_most_nodes(name))):
+    if any(lookup(agent_name(name, i), namespace) is not None for i in range(_most_nodes(name))):
         return True
     return any(
         t.get("name") == name and t.get("state") != "REMOVED" for t in placement_group_table().values()
@@ -612,10 +610,9 @@ def _remove_leftovers(name: str, namespace: str, timeout: float) -> None:
     from ray.util.placement_group import PlacementGroup
 
     for i in range(_most_nodes(name)):
-        if (agent := _lookup(_agent_name(name, i), namespace)) is not None:
-            with contextlib.suppress(Exception):
-                ray.get(agent.kill_tree.remote(), timeout=45)
-            ray.kill(agent)
+        if (agent := lookup(agent_name(name, i), namespace)) is not None:
+            ray.wait([agent.kill_tree.remote()], timeout=10)  # (one never placed does not answer)
+            ray.kill(agent, no_restart=True)
     for group_id, table in placement_group_table().items():
         if table.get("name") == name and table.get("state") != "REMOVED":
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))

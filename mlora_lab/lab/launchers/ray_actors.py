@@ -9,7 +9,7 @@ classes by reference, so the nodes import this module (and mlora_lab with it) in
     Supervisor(plan, group, agents)   no CPU, on the head node: waits on every agent, ends the job when one
                                       fails or dies, removes the group, keeps the job's final word
 
-A ``plan`` is the job as plain values: ``name``, ``run_dir``, ``resume``, ``nnodes``, ``nproc``, ``bundle``
+A ``plan`` is the job as plain values: ``name``, ``namespace``, ``run_dir``, ``resume``, ``nnodes``, ``nproc``, ``bundle``
 (what each node's bundle reserves), ``cpus_per_node``, ``python``, ``rdzv_port``, ``env_vars`` (the
 runtime environment's). Ray is imported inside the functions: this module loads without it.
 """
@@ -38,9 +38,11 @@ __all__ = [
     "RECORD_TTL_S",
     "Agent",
     "Supervisor",
+    "agent_name",
     "amount",
     "cluster_view",
     "dead",
+    "lookup",
     "words",
 ]
 
@@ -70,6 +72,22 @@ def cluster_view() -> tuple[list[dict], dict[str, float], dict[str, float]]:
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     return nodes, ray.cluster_resources(), ray.available_resources()
+
+
+def agent_name(name: str, rank: int) -> str:
+    """The Ray name of the agent of node rank ``rank`` of the job ``name``."""
+    return f"{name}-node{rank}"
+
+
+def lookup(name: str, namespace: str) -> Any:
+    """The live named actor, or None when Ray does not know it: it never was, or it is dead (Ray forgets
+    a dead actor's name once it has declared it dead)."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
 
 
 def dead(actor: Any, timeout: float = 5.0) -> str | None:
@@ -254,8 +272,11 @@ class Supervisor:
         self.over = threading.Event()
         threading.Thread(target=self._watch, name="mlora-supervise", daemon=True).start()
 
-    def ping(self) -> bool:
-        return True
+    def ping(self) -> str:
+        """The Ray node this supervisor runs on (the head node, where it can be)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def report(self) -> dict[str, Any]:
         """The job's state as :class:`EngineJob` fields."""
@@ -281,14 +302,12 @@ class Supervisor:
         """SIGKILL every agent's process tree, remove the group, and return the final record once Ray
         says the agents are dead and the group removed."""
         import ray
-        from ray.exceptions import RayError
 
         with self.lock:
             self.killing = True
-        if self._group_placed():
-            for ref in [agent.kill_tree.remote() for agent in self.agents]:
-                with contextlib.suppress(RayError):
-                    ray.get(ref, timeout=45)
+        if self._group_placed():  # (an agent on a dead node never answers: at most 30 s for them all)
+            refs = [agent.kill_tree.remote() for agent in self.agents]
+            ray.wait(refs, num_returns=len(refs), timeout=30)
         self._end()
         return self.record or {}
 
@@ -371,6 +390,7 @@ class Supervisor:
 
     def _end(self) -> None:
         """Remove the group, wait until Ray says every agent is dead and the group removed, keep the record."""
+        import ray
         from ray.util import placement_group_table, remove_placement_group
 
         with self.lock:
@@ -383,12 +403,16 @@ class Supervisor:
             return
         with contextlib.suppress(Exception):
             remove_placement_group(self.group)
+        for agent in self.agents:  # (Ray kills a group's actors with it; one never placed waits until killed)
+            with contextlib.suppress(Exception):
+                ray.kill(agent, no_restart=True)
         deadline = time.monotonic() + DEAD_WAIT_S
         unconfirmed = list(range(len(self.agents)))
         while unconfirmed and time.monotonic() < deadline:
-            unconfirmed = [i for i in unconfirmed if dead(self.agents[i], timeout=2) is None]
+            name, namespace = self.plan["name"], self.plan["namespace"]
+            unconfirmed = [i for i in unconfirmed if lookup(agent_name(name, i), namespace) is not None]
             if unconfirmed:
-                time.sleep(0.5)
+                time.sleep(0.2)
         removed = placement_group_table(self.group).get("state") == "REMOVED"
         name, ends = self.plan["name"], "; ".join(f"node rank {i} {e}" for i, e in sorted(self.ends.items()))
         if self.killing:

@@ -144,7 +144,7 @@ def data(tmp_path_factory) -> dict[str, str]:
 def tenants(data: dict[str, str]) -> list[ml.Tenant]:
     return [
         ml.Tenant(
-            name="a", data=data["reverse"], rank=4, alpha=8, lr=1e-3, batch_size=3, max_steps=16, seed=1
+            name="a", data=data["reverse"], rank=4, alpha=8, lr=1e-3, batch_size=3, max_steps=48, seed=1
         ),
         ml.Tenant(
             name="b",
@@ -153,7 +153,7 @@ def tenants(data: dict[str, str]) -> list[ml.Tenant]:
             lr=2e-3,
             batch_size=2,
             grad_accum=2,
-            max_steps=12,
+            max_steps=36,
             schedule="cosine",
             warmup_steps=2,
             seed=2,
@@ -273,7 +273,15 @@ def test_queued_while_the_cluster_is_full_then_rows_a_live_tenant_and_a_graceful
         ml.Tenant(name="a", data=data["reverse"], rank=4, lr=1e-3, batch_size=2, max_steps=100_000, seed=1)
     ]
     run = ml.launch(job(llama_path, long, tmp_path / "run"), launcher="ray", ray=options(cluster))
+    doomed = ml.launch(job(llama_path, long, tmp_path / "doomed"), launcher="ray", ray=options(cluster))
     try:
+        assert doomed.status == "queued"
+        doomed.kill()  # while queued: its group removed, its agents (never started) dead, and Ray says so
+        assert_ray_says_it_ended(doomed)
+        assert doomed.status == "stopped" and re.fullmatch(
+            r"cancelled while queued \(Ray job mlora_lab/mlora-doomed-\w+@[\d.:]+\)", doomed.error
+        ), doomed.error
+        assert read_status(doomed.path).launcher_state == "STOPPED"
         assert run.status == "queued"
         waiting = wait_for("Ray's reason", lambda: "NO_RESOURCES" in (run.reason or "") and run.reason, run)
         assert re.fullmatch(
@@ -316,8 +324,25 @@ def test_queued_while_the_cluster_is_full_then_rows_a_live_tenant_and_a_graceful
             checkpoint.read_checkpoint(latest)["tenants"]["a"]["step"] > 0 and run.adapter_path("c").is_dir()
         )
     finally:
-        if not run.reconcile().final:
-            run.kill()
+        for each in (run, doomed):
+            if not each.reconcile().final:
+                each.kill()
+
+
+@pytest.mark.slow
+def test_a_kill_ends_every_process_on_both_nodes_without_a_save(cluster, llama_path, data, tmp_path):
+    long = [ml.Tenant(name="a", data=data["reverse"], rank=4, batch_size=2, max_steps=100_000, seed=1)]
+    run = ml.launch(job(llama_path, long, tmp_path / "run"), launcher="ray", ray=options(cluster))
+    wait_for("the first steps", lambda: run.global_step >= 2, run)
+    assert len(processes_of(run)) == 4  # two torchrun agents, two workers
+    run.kill()
+    assert_ray_says_it_ended(run)
+    assert run.status == "stopped" and re.fullmatch(
+        r"killed \(Ray job mlora_lab/mlora-run-\w+@[\d.:]+\)", run.error
+    )
+    status = read_status(run.path)
+    assert status.launcher_state == "STOPPED" and status.error == run.error
+    assert "done after" not in run.logs(0, tail=None)  # SIGKILL: no final save
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +366,7 @@ def test_a_killed_node_fails_the_run_with_rays_words_and_a_resume_on_one_node_co
     cluster.kill_worker()
     assert run.wait(180) == "failed", f"{run.status}: {run.error}"
     assert_ray_says_it_ended(run)
-    assert run.global_step < 16, "interrupted mid-run"
+    assert run.global_step < 48, "interrupted mid-run"
     assert re.search(
         r"Ray job mlora-run-\w+ failed: the agent of node rank \d died: .*The actor died because its node has died",
         run.error,
