@@ -12,7 +12,9 @@ An old name is read three ways, each with a ``DeprecationWarning`` naming the ne
   ``dataclasses.fields``, ``asdict`` and ``replace`` see the new names only: ``replace(spec, stay_up=...)``
   passes ``stay_up`` alone, never the old value again under the old name;
 * a key of a dict read from JSON (``job.json``, ``sweep.json``, a checkpoint's tenants, a control message),
-  which :func:`renamed_keys` maps and whose reader warns once per file with :func:`warn_old_keys`.
+  which :func:`renamed_keys` maps and whose reader warns once per file with :func:`warn_old_keys`; and a
+  key of a pickled object's state (a ``Tenant`` or ``JobSpec`` pickled by an older version), mapped the
+  same way by the ``__setstate__`` :func:`add_old_names` gives the class.
   Files are always written with the new names, so a run directory written by an older version loads, runs
   and resumes, and its next ``job.json`` is new.
 
@@ -151,6 +153,28 @@ def add_old_names(cls: type, renamed: Sequence[Renamed]) -> None:
         generated(self, *args, **kwargs)
 
     cls.__init__ = __init__
+    if "__setstate__" not in vars(cls):
+        cls.__setstate__ = _setstate(cls.__name__, renamed)
+
+
+def _setstate(owner: str, renamed: Sequence[Renamed]) -> Any:
+    """``__setstate__`` for a pickle (or ``copy``) of ``owner`` made before the rename: its state (the
+    instance's ``__dict__``) holds an old key, which would sit unseen under the old name's property while
+    the new field read its default. The old keys are read as the new names with one warning per object
+    (:func:`warn_old_keys`); an old key beside its new one with another value is a :class:`SpecError`."""
+
+    def __setstate__(self: Any, state: Any) -> None:
+        if isinstance(state, tuple):  # (dict state, slots state): what pickle gives a class with both
+            state, slots = state
+            for name, value in (slots or {}).items():
+                object.__setattr__(self, name, value)
+        state, old, problems = renamed_keys(state or {}, renamed, f"a pickled {owner}")
+        if problems:
+            raise SpecError(problems)
+        warn_old_keys(f"a pickled {owner}", old, renamed)
+        self.__dict__.update(state)
+
+    return __setstate__
 
 
 def _called_by_replace(frame: Any) -> bool:

@@ -5,8 +5,11 @@ forms and validation problems speak the new names only."""
 
 from __future__ import annotations
 
+import copy
+import copyreg
 import dataclasses
 import json
+import pickle
 import warnings
 
 import pytest
@@ -177,6 +180,58 @@ def test_the_serve_alias_names_its_removal_date():
         JobSpec.from_dict({"base_model": "m", "tenants": [], "serve": True})
     assert REMOVAL in str(w.list[0].message)
     assert "2027-06-01" in JobSpec.serve.__doc__ and "mlora_lab 0.3" in JobSpec.serve.__doc__
+
+
+class OldPickle:
+    """Pickles as an object of ``cls`` whose state (its ``__dict__``) is ``state``: what an older version's
+    ``pickle.dumps(obj)`` wrote when the field still had its old name."""
+
+    def __init__(self, cls: type, state: dict) -> None:
+        self.cls, self.state = cls, state
+
+    def __reduce__(self):
+        return copyreg._reconstructor, (self.cls, object, None), self.state
+
+
+def tenant_state(**changes) -> dict:
+    return {**vars(Tenant(name="a", data="a.jsonl")), **changes}
+
+
+def test_an_old_pickle_reads_its_old_keys_as_the_new_names_with_the_warning():
+    """A Tenant pickled with ``eval_data`` and a JobSpec with ``eval_every`` and ``serve`` in their state:
+    unpickled, the values are under the new names (not lost behind the old names' properties), with one
+    DeprecationWarning per object naming the new names and the removal date, attributed to the caller."""
+    state = tenant_state(eval_data="e.jsonl")
+    del state["heldout_data"]
+    with pytest.warns(
+        DeprecationWarning, match=r"a pickled Tenant's 'eval_data': deprecated, use heldout_data"
+    ) as w:
+        t = pickle.loads(pickle.dumps(OldPickle(Tenant, state)))
+    assert len(deprecations(w.list)) == 1 and REMOVAL in str(w.list[0].message)
+    assert w.list[0].filename == __file__
+    assert t == Tenant(name="a", data="a.jsonl", heldout_data="e.jsonl") and "eval_data" not in vars(t)
+
+    spec = vars(JobSpec(base_model="m", tenants=[]))
+    spec = {
+        ("eval_every" if k == "heldout_every" else "serve" if k == "stay_up" else k): v
+        for k, v in spec.items()
+    }
+    spec |= {"eval_every": 7, "serve": True, "tenants": [OldPickle(Tenant, state)]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        job = pickle.loads(pickle.dumps(OldPickle(JobSpec, spec)))
+    texts = sorted(str(w.message) for w in deprecations(caught))
+    assert len(texts) == 2 and "'eval_every' and 'serve'" in texts[0] and "'eval_data'" in texts[1], texts
+    assert job.heldout_every == 7 and job.stay_up is True and job.tenants[0].heldout_data == "e.jsonl"
+
+
+def test_a_new_pickle_or_copy_warns_nothing_and_an_old_key_that_disagrees_is_refused():
+    t = Tenant(name="a", data="a.jsonl", heldout_data="e.jsonl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pickle.loads(pickle.dumps(t)) == t and copy.deepcopy(t) == t
+    with pytest.raises(SpecError, match=r"a pickled Tenant: eval_data \(the old name of heldout_data\) and"):
+        pickle.loads(pickle.dumps(OldPickle(Tenant, tenant_state(heldout_data="e", eval_data="f"))))
 
 
 def test_validation_forms_and_field_metadata_use_the_new_names(tmp_path):
