@@ -4,8 +4,9 @@
 <run_dir>/job.json            the spec as launched (JobSpec as JSON)
 <run_dir>/status.json         {"state", "pid", "pid_start_time", "pid_start_ticks", "pid_boot_id", "host",
                                "started", "ended", "error", "launcher", "launcher_job", "launcher_state"}
-                              (launcher_job: {"kind", "id"} of the engine's job; an older file's
-                              slurm_job_id / slurm_state are read as launcher_job / launcher_state)
+                              (launcher_job: {"kind", "id"} of the engine's job; a Slurm run's also
+                              slurm_job_id / slurm_state, written until mlora_lab 0.3 and read from an
+                              older file as launcher_job / launcher_state: legacy.py)
 <run_dir>/metrics.jsonl       typed rows (train / eval / system / tenant / event / completion), appended by rank 0
 <run_dir>/logs/rank<R>.log    each rank's stdout+stderr (logs/launcher.log: the torchrun agent's)
 <run_dir>/adapters/<tenant>/  latest PEFT adapter directory of that tenant
@@ -42,9 +43,10 @@ side reads a run (status, metrics, logs) without it.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
-from mlora_lab.rundir import control, labels
+from mlora_lab.rundir import control, labels, rows
 from mlora_lab.rundir.control import ControlError, ControlMessage, ControlResult, Op
 from mlora_lab.rundir.files import (
     LinkRefused,
@@ -141,8 +143,15 @@ if TYPE_CHECKING:  # the same names, imported eagerly, for type checkers
 
 
 def __getattr__(name: str) -> Any:
-    """The checkpoint codec, imported when it is first asked for (it loads torch)."""
+    """The checkpoint codec, imported when it is first asked for (it loads torch); an old name of
+    :data:`~mlora_lab.rundir.rows.OLD_NAMES` (``EvalRow``), with its ``DeprecationWarning``."""
     if name in ("checkpoint", "CheckpointError"):
         codec = importlib.import_module("mlora_lab.rundir.checkpoint")
         return codec if name == "checkpoint" else codec.CheckpointError
+    if name in rows.OLD_NAMES:
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("importlib"):
+            # ``from mlora_lab.rundir import EvalRow`` asks hasattr() first, from the import machinery, then
+            # getattr() from the importing line: the warning is said once, there
+            return getattr(rows, rows.OLD_NAMES[name])
+        return getattr(rows, name)
     raise AttributeError(f"module 'mlora_lab.rundir' has no attribute {name!r}")

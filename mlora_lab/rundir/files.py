@@ -39,6 +39,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from mlora_lab.rundir.legacy import options_file
 from mlora_lab.text import show_path
 
 T = TypeVar("T")
@@ -129,7 +130,7 @@ class RunDir:
     control = property(lambda self: self.root / "control")
     labels = property(lambda self: self.root / "labels.json")
     lock = property(lambda self: self.root / ".lock")
-    slurm_options = property(lambda self: self.root / "slurm.json")
+    slurm_options = property(lambda self: self.launcher_options("slurm"))
     slurm_script = property(lambda self: self.root / "slurm.sbatch")
     sweep = property(lambda self: self.root / "sweep.json")
     search = property(lambda self: self.root / "search.json")
@@ -137,8 +138,9 @@ class RunDir:
 
     def launcher_options(self, launcher: str) -> Path:
         """Where a launch records the options of ``launcher`` (its ``options_type`` as JSON), which a
-        resume reads again: ``<launcher>_options.json``; Slurm's keeps its first name, ``slurm.json``."""
-        return self.slurm_options if launcher == "slurm" else self.root / f"{launcher}_options.json"
+        resume reads again: ``<launcher>_options.json``, or the name it had before the seam
+        (:data:`~mlora_lab.rundir.legacy.LEGACY`: Slurm's ``slurm.json``)."""
+        return self.root / options_file(launcher)
 
     def inside(self, path: str | os.PathLike) -> Path:
         """``path`` checked: lexically inside the run directory, and no part of it below the root (the

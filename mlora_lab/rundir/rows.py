@@ -53,6 +53,8 @@ generation evaluations, whose rows are ``eval_metric`` (:class:`EvalMetricRow`).
 class RowKind(TextEnum):
     TRAIN = "train"
     HELDOUT = HELDOUT_KIND
+    EVAL = HELDOUT_KIND
+    """The old name of :attr:`HELDOUT` (the same member: an enum alias), kept for code that names it."""
     SYSTEM = "system"
     TENANT = "tenant"
     EVENT = "event"
@@ -508,3 +510,22 @@ def truncate_after(path: str | os.PathLike, step: int) -> None:
         if row.step <= step:
             keep.append(raw + b"\n")
     atomic_write_bytes(path, b"".join(keep))
+
+
+OLD_NAMES = {"EvalRow": "HeldoutRow"}
+"""Names this module had before the held-out loss was called so: each is still given, with a
+``DeprecationWarning``, until :data:`~mlora_lab.spec.renames.REMOVAL`."""
+
+
+def __getattr__(name: str) -> Any:
+    """An old name of :data:`OLD_NAMES` (``EvalRow``): its new one, with the deprecation."""
+    if name in OLD_NAMES:
+        from mlora_lab.spec.renames import REMOVAL, warn_old  # (the one wording of a deprecation)
+
+        new = OLD_NAMES[name]
+        warn_old(
+            f'mlora_lab.rundir.{name}: deprecated, use {new} (the held-out loss\'s row; "eval" now means the '
+            f"generation evaluations, whose rows are EvalMetricRow). The old name is read until {REMOVAL}"
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,6 +27,7 @@ from typing import Any
 
 import psutil
 
+from mlora_lab.rundir import legacy
 from mlora_lab.rundir.files import RunDir, RunDirError, TextEnum, atomic_write_json, with_spare
 
 JOB_MODULE = "mlora_lab.job"
@@ -182,13 +183,9 @@ class JobRef:
 
     @classmethod
     def from_dict(cls, d: Any) -> JobRef:
-        """From status.json's ``launcher_job``; ``ValueError`` for anything but ``{"kind": str, "id": str}``."""
-        if not (
-            isinstance(d, dict)
-            and set(d) == {"kind", "id"}
-            and isinstance(d["kind"], str)
-            and isinstance(d["id"], str)
-        ):
+        """From status.json's ``launcher_job``: ``kind`` and ``id`` (text) are required, other keys (a later
+        version's) are ignored; ``ValueError`` otherwise."""
+        if not (isinstance(d, dict) and isinstance(d.get("kind"), str) and isinstance(d.get("id"), str)):
             raise ValueError(f"launcher_job must be {{'kind': str, 'id': str}}, got {str(d)[:120]}")
         return cls(d["kind"], d["id"])
 
@@ -214,7 +211,8 @@ class Status:
     """The launcher's name (``local``, ``slurm``, ``ray``; None: started by hand, from ``launchers/``)."""
     launcher_job: JobRef | None = None
     """The engine's job that runs it (a Slurm job, a Ray job). None for a local run: its process (the
-    ``pid`` fields) is its record. Read from ``slurm_job_id`` in a status.json written before it."""
+    ``pid`` fields) is its record. Read from a launcher's old field (:mod:`~mlora_lab.rundir.legacy`:
+    ``slurm_job_id``) in a status.json written before it."""
     launcher_state: str | None = None
     """The engine's final word on that job, once the notebook side has seen it (Slurm's COMPLETED,
     CANCELLED, TIMEOUT, ...; Ray's SUCCEEDED, FAILED, STOPPED); None while it is queued or runs, after
@@ -222,9 +220,21 @@ class Status:
 
     @property
     def slurm_job_id(self) -> int | None:
-        """The Slurm job that runs it (None: not a Slurm run)."""
+        """The Slurm job that runs it (None: not a Slurm run). Also written to status.json as
+        ``slurm_job_id`` until :data:`~mlora_lab.rundir.legacy.REMOVAL`, for scripts that read it there."""
+        return self._old_fields().get("slurm_job_id")
+
+    @property
+    def slurm_state(self) -> str | None:
+        """Slurm's final word on that job (:attr:`launcher_state` of a Slurm run; None otherwise, or while
+        it is queued or runs). Also written to status.json as ``slurm_state`` until the removal date."""
+        return self._old_fields().get("slurm_state")
+
+    def _old_fields(self) -> dict[str, Any]:
         ref = self.launcher_job
-        return int(ref.id) if ref is not None and ref.kind == "slurm" and ref.id.isdigit() else None
+        if ref is None:
+            return {}
+        return legacy.status_fields(ref.kind, ref.id, self.launcher_state)
 
     @property
     def process(self) -> ProcessIdentity | None:
@@ -238,15 +248,18 @@ class Status:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """status.json's object: the fields, and an engine's old fields beside the new ones
+        (:func:`~mlora_lab.rundir.legacy.status_fields`: a Slurm run's ``slurm_job_id`` and
+        ``slurm_state``, until :data:`~mlora_lab.rundir.legacy.REMOVAL`)."""
         d = dataclasses.asdict(self)
         d["state"] = self.state.value
-        return d
+        return d | self._old_fields()
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "status.json") -> Status:
         """Parse ``status.json``'s object; :class:`RunDirError` naming the problem otherwise. An older
-        file's ``slurm_job_id``/``slurm_state`` are read as ``launcher_job`` (``JobRef("slurm", id)``)
-        and ``launcher_state`` where the newer fields are absent."""
+        file's ``slurm_job_id``/``slurm_state`` (:mod:`~mlora_lab.rundir.legacy`) are read as
+        ``launcher_job`` (``JobRef("slurm", id)``) and ``launcher_state`` where the newer fields are absent."""
         if not isinstance(d, dict):
             raise RunDirError(f"{where}: not a JSON object")
         try:
@@ -267,25 +280,24 @@ class Status:
             "error": str,
             "launcher": str,
             "launcher_state": str,
-            "slurm_job_id": int,  # (older files)
-            "slurm_state": str,
         }
+        old_keys = legacy.old_status_keys()
         values: dict[str, Any] = {}
-        for key, kind in kinds.items():
+        for key, kind in (kinds | old_keys).items():
             v = d.get(key)
             if not _of_type(v, kind):
                 raise RunDirError(f"{where}: {key} has the wrong type ({type(v).__name__})")
-            values[key] = float(v) if kind is float and v is not None else v
-        old_id, old_state = values.pop("slurm_job_id"), values.pop("slurm_state")
+            if key in kinds:
+                values[key] = float(v) if kind is float and v is not None else v
         job = d.get("launcher_job")
         if job is not None:
             try:
                 values["launcher_job"] = JobRef.from_dict(job)
             except ValueError as e:
                 raise RunDirError(f"{where}: {e}") from None
-        elif old_id is not None:
-            values["launcher_job"] = JobRef("slurm", str(old_id))
-            values["launcher_state"] = values["launcher_state"] or old_state
+        elif (old := legacy.job_from_old_fields(d)) is not None:
+            values["launcher_job"] = JobRef(old[0], old[1])
+            values["launcher_state"] = values["launcher_state"] or old[2]
         return cls(state=state, **values)
 
 

@@ -699,7 +699,9 @@ def test_a_non_finite_metric_is_written_as_null_and_read_back(run):
     )
     rows = MetricsReader(run.metrics).poll()
     assert (
-        [type(r) for r in rows] == [HeldoutRow, TrainRow] and rows[0].loss is None and rows[1].grad_norm is None
+        [type(r) for r in rows] == [HeldoutRow, TrainRow]
+        and rows[0].loss is None
+        and rows[1].grad_norm is None
     )
 
 
@@ -1126,3 +1128,33 @@ def test_completion_rows_round_trip_and_sit_beside_the_others_in_a_frame(tmp_pat
     df = rows_frame(rows)
     assert list(df["kind"]) == ["train", "completion"]
     assert df["reward"].tolist()[0] == 0.5 and df["completion"].tolist()[1] == " ok"
+
+
+def test_the_held_out_rows_old_names_are_still_given():
+    """``RowKind.EVAL`` is ``RowKind.HELDOUT`` (an enum alias: one member, listed once); ``EvalRow`` is
+    ``HeldoutRow`` with one DeprecationWarning naming the new name and the removal date, at the line that
+    names it, however it is imported."""
+    import mlora_lab.rundir as rundir_package
+    from mlora_lab.rundir import RowKind
+    from mlora_lab.rundir import rows as rows_module
+    from mlora_lab.spec.renames import REMOVAL
+
+    assert RowKind.EVAL is RowKind.HELDOUT and RowKind("eval") is RowKind.HELDOUT
+    assert [k for k in RowKind if k.value == "eval"] == [RowKind.HELDOUT]
+    for get in (
+        lambda: rundir_package.EvalRow,
+        lambda: rows_module.EvalRow,
+        lambda: __import__("mlora_lab.rundir", fromlist=["EvalRow"]).EvalRow,
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert get() is HeldoutRow
+        (w,) = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+        assert "mlora_lab.rundir.EvalRow: deprecated, use HeldoutRow" in str(w.message)
+        assert REMOVAL in str(w.message) and w.filename == __file__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from mlora_lab.rundir import EvalRow
+    assert EvalRow is HeldoutRow and len(caught) == 1 and caught[0].filename == __file__
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchRow'"):
+        rows_module.NoSuchRow  # noqa: B018

@@ -99,26 +99,48 @@ def test_a_local_job_ref_holds_the_process_identity_and_is_killed_by_it_only():
 # -- status.json: launcher_job, and old runs' Slurm fields --------------------------------------------------
 
 
-def test_old_slurm_fields_are_read_as_a_job_ref_and_only_the_new_ones_are_written(tmp_path):
+def test_old_slurm_fields_are_read_as_a_job_ref_and_written_beside_the_new_ones(tmp_path):
+    """A status.json from before the seam (``slurm_job_id``, ``slurm_state`` only) reads as a JobRef; a Slurm
+    run's status.json carries the old fields beside the new ones (scripts outside read them) until the
+    removal date; another engine's carries none."""
     run = RunDir(tmp_path / "r").create()
     run.status.write_text(
         json.dumps({"state": "stopped", "launcher": "slurm", "slurm_job_id": 42, "slurm_state": "CANCELLED"})
     )
     status = read_status(run.root)
     assert status.launcher_job == JobRef("slurm", "42") and status.launcher_state == "CANCELLED"
-    assert status.slurm_job_id == 42
+    assert status.slurm_job_id == 42 and status.slurm_state == "CANCELLED"
     update_status(run.root, error="killed")
     written = json.loads(run.status.read_text())
     assert (
         written["launcher_job"] == {"kind": "slurm", "id": "42"} and written["launcher_state"] == "CANCELLED"
     )
-    assert "slurm_job_id" not in written and "slurm_state" not in written
+    assert written["slurm_job_id"] == 42 and written["slurm_state"] == "CANCELLED"
+    update_status(run.root, launcher_job=JobRef("slurm", "43"), launcher_state=None)
+    written = json.loads(run.status.read_text())
+    assert written["slurm_job_id"] == 43 and written["slurm_state"] is None
+    assert read_status(run.root).slurm_job_id == 43, "the new fields win over the old ones they sit beside"
     update_status(run.root, launcher_job=JobRef("ray", "raysubmit_1"), launcher_state=None)
     status = read_status(run.root)
     assert status.launcher_job == JobRef("ray", "raysubmit_1") and status.slurm_job_id is None
+    assert status.slurm_state is None and "slurm_job_id" not in json.loads(run.status.read_text())
+    run.status.write_text(json.dumps({"state": "running", "slurm_job_id": "42"}))
+    with pytest.raises(ml.rundir.RunDirError, match=r"slurm_job_id has the wrong type \(str\)"):
+        read_status(run.root)
     run.status.write_text(json.dumps({"state": "running", "launcher_job": {"kind": "ray"}}))
     with pytest.raises(ml.rundir.RunDirError, match=r"launcher_job must be \{'kind': str, 'id': str\}"):
         read_status(run.root)
+    # a later version's extra keys are ignored (forward compatible)
+    run.status.write_text(
+        json.dumps({"state": "running", "launcher_job": {"kind": "ray", "id": "r1", "n": 2}})
+    )
+    assert read_status(run.root).launcher_job == JobRef("ray", "r1")
+
+
+def test_a_launchers_options_file_is_named_by_the_one_legacy_table(tmp_path):
+    run = RunDir(tmp_path / "r")
+    assert run.launcher_options("slurm") == run.slurm_options == run.root / "slurm.json"
+    assert run.launcher_options("ray") == run.root / "ray_options.json"
 
 
 # -- a third engine, one module: through ml.launch, wait, kill and the CLI -------------------------------
