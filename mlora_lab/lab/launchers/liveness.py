@@ -41,10 +41,10 @@ import psutil
 
 from mlora_lab.lab.launchers import registry
 from mlora_lab.lab.launchers.base import EngineJob, LauncherError
-from mlora_lab.lab.launchers.local import kill_job, terminate_job
+from mlora_lab.lab.launchers.local import LocalLauncher, job_ref
 from mlora_lab.lab.records.logs import read_log
 from mlora_lab.rundir import RunDir, RunDirError, RunState, Status, control, read_status, update_status
-from mlora_lab.rundir.status import JOB_MODULE, JobRef
+from mlora_lab.rundir.status import JOB_MODULE, JobRef, ProcessIdentity
 
 ENGINE_MAX_AGE_S = 1.0
 """An engine is asked about a job at most this often (a dashboard reads the state every second)."""
@@ -186,16 +186,17 @@ class Liveness:
         status = read_status(self.dir.root)
         if status is None or status.launcher_job is None:
             return None
-        return registry.get(status.launcher_job.kind).status(status.launcher_job)
+        return registry.for_job(status.launcher_job).status(status.launcher_job)
 
     def _ask(self, ref: JobRef) -> EngineJob | LauncherError | None:
-        """``registry.get(ref.kind).status(ref)`` at most once per :data:`ENGINE_MAX_AGE_S`; the
-        engine's error when it cannot be asked (or its launcher cannot be loaded here)."""
+        """``registry.for_job(ref).status(ref)`` at most once per :data:`ENGINE_MAX_AGE_S`; the
+        engine's error when it cannot be asked (or its launcher is not registered or cannot be loaded
+        here: an engine registered in another process)."""
         now = time.monotonic()
         seen = self._seen
         if seen is None or seen[1] != ref or now - seen[0] > ENGINE_MAX_AGE_S:
             try:
-                answer: EngineJob | LauncherError | None = registry.get(ref.kind).status(ref)
+                answer: EngineJob | LauncherError | None = registry.for_job(ref).status(ref)
             except LauncherError as e:
                 answer = e
             self._seen = seen = (now, ref, answer)
@@ -335,19 +336,15 @@ class Liveness:
         (it runs on another host)."""
         status = read_status(self.dir.root)
         if (ref := self._engine_ref(status)) is not None:
-            registry.get(ref.kind).stop(ref)
+            registry.for_job(ref).stop(ref)
             return
-        if self.process is not None and self.process.poll() is None:
-            pid = self.process.pid
-        elif status is not None and status.process is not None and status.process.alive():
-            pid = status.process.pid
-        else:
+        if (ref := self._local_ref(status)) is None:
             where = f" (it runs on {status.host})" if status is not None and status.host else ""
             raise RunDirError(
                 f"{self.dir.root}: the stop file cannot be written (is the disk full?) and the job's "
                 f"process cannot be signalled from here{where}; free some space and stop again"
             )
-        terminate_job(pid)
+        registry.get(LocalLauncher.name).stop(ref)
 
     def kill(self, timeout: float = 120) -> None:
         """SIGKILL every process of the job, after checking that the recorded process still is the
@@ -360,20 +357,30 @@ class Liveness:
         if (ref := self._engine_ref(status)) is not None:
             self._kill_engine_job(ref, timeout)
             return
-        if self.process is not None and self.process.poll() is None:
-            kill_job(self.process.pid)
-        elif status is not None and status.process is not None and status.process.alive():
-            kill_job(status.process.pid)
+        if (local := self._local_ref(status)) is not None:
+            registry.get(LocalLauncher.name).kill(local, timeout)
         if status is not None and not status.state.final:
             with contextlib.suppress(OSError):
                 update_status(self.dir.root, state=RunState.STOPPED, ended=time.time(), error="killed")
+
+    def _local_ref(self, status: Status | None) -> JobRef | None:
+        """A local job's live process as the ``local`` launcher's JobRef, which stops and kills it (one
+        implementation of "never signal a stale pid"): the process this Python started while it runs,
+        else the one status.json records if it still is the job; None when neither runs here."""
+        if self.process is not None and self.process.poll() is None:
+            me = ProcessIdentity.of(self.process.pid)
+            if me is not None:
+                return job_ref(me)
+        if status is not None and status.process is not None and status.process.alive():
+            return job_ref(status.process)
+        return None
 
     def _kill_engine_job(self, ref: JobRef, timeout: float = 120) -> None:
         """End the engine's job (its launcher's ``kill`` returns once the engine says it ended), then
         record the engine's final state (and ``stopped`` if the run was not final). The launcher's error
         if it has not ended by ``timeout``: nothing is recorded then, so the next verdict asks again."""
         queued = self.verdict().state is RunState.QUEUED
-        job = registry.get(ref.kind).kill(ref, timeout)
+        job = registry.for_job(ref).kill(ref, timeout)
         status = read_status(self.dir.root)
         fields: dict[str, Any] = {"launcher_state": job.state if job is not None else "UNKNOWN"}
         if status is not None and not status.state.final:

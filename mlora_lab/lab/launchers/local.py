@@ -99,7 +99,7 @@ class LocalLauncher:
         except BaseException:
             kill_job(proc.pid)
             raise
-        return JobRef(self.name, identity_id(me))
+        return job_ref(me)
 
     def status(self, ref: JobRef) -> EngineJob | None:
         """RUNNING while the process of ``ref`` runs; EXITED (final) once it is gone, clean only if this
@@ -133,6 +133,13 @@ class LocalLauncher:
                 raise LauncherError(f"pid {me.pid} still runs {timeout:.0f} s after SIGKILL")
             time.sleep(0.05)
         return self.status(ref)
+
+
+def job_ref(me: ProcessIdentity) -> JobRef:
+    """The local launcher's JobRef of the job whose process is ``me``: what :meth:`LocalLauncher.stop`,
+    :meth:`~LocalLauncher.kill` and :meth:`~LocalLauncher.status` act on (the liveness stops and kills a
+    local run through them)."""
+    return JobRef(LocalLauncher.name, identity_id(me))
 
 
 def identity_id(me: ProcessIdentity) -> str:

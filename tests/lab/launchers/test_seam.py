@@ -96,6 +96,144 @@ def test_a_local_job_ref_holds_the_process_identity_and_is_killed_by_it_only():
         identity_of(JobRef("local", "42"))
 
 
+# -- an engine this Python does not know, and engines installed by other distributions --------------------
+
+
+def test_a_run_of_an_engine_not_registered_here_believes_its_status_file(tmp_path, capsys):
+    """status.json names a job of an engine registered in another process ('k8s'): reading the run (its
+    status, repr, ``mlora-lab status``, ``ml.runs``) believes the file, with the reason the engine cannot
+    be asked, as when Slurm does not answer; stopping or killing it says why it cannot."""
+    run_dir = RunDir(tmp_path / "runs" / "r").create()
+    ml.JobSpec(base_model="m", tenants=[], stay_up=True).to_json(run_dir.job)
+    update_status(run_dir.root, state="running", launcher="k8s", launcher_job=JobRef("k8s", "job-7"))
+    run = ml.attach(run_dir.root)
+    assert run.status == "running" and "status='running'" in repr(run)
+    assert run.reason.startswith("launcher 'k8s' is not registered in this Python (known: local, slurm, ray")
+    assert "its job job-7 cannot be asked from here" in run.reason
+    assert cli.main(["status", str(run.path)]) == 0
+    assert "running: launcher 'k8s' is not registered in this Python" in capsys.readouterr().out
+    assert len(ml.runs(tmp_path / "runs")) == 1
+    with pytest.raises(LauncherError, match="launcher 'k8s' is not registered in this Python"):
+        run.liveness.kill(timeout=1)
+    with pytest.raises(LauncherError, match="launcher 'k8s' is not registered in this Python"):
+        run.liveness.signal_stop()
+    with pytest.raises(LauncherError, match="launcher 'k8s' is not registered"):
+        run.engine_job  # noqa: B018
+    update_status(run_dir.root, state="stopped")  # its end, unconfirmed: believed for the view
+    assert run.status == "stopped" and not run.liveness.verdict().confirmed
+    assert read_status(run.path).launcher_state is None, "nothing recorded: the engine is asked again"
+
+
+@pytest.fixture
+def installed_engine(tmp_path, monkeypatch):
+    """A distribution installed on sys.path that declares the engine 'k9s' in the entry-point group
+    ``mlora_lab.launchers`` (its module: FakeEngine under another name), read afresh by the registry."""
+    site = tmp_path / "site"
+    (site / "k9s_engine").mkdir(parents=True)
+    (site / "k9s_engine" / "__init__.py").write_text(
+        "from test_seam import FakeEngine\n\nclass K9sEngine(FakeEngine):\n    name = 'k9s'\n"
+    )
+    info = site / "k9s_engine-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: k9s-engine\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[mlora_lab.launchers]\nk9s = k9s_engine:K9sEngine\nlocal = k9s_engine:K9sEngine\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    registry.installed.cache_clear()
+    yield
+    registry.installed.cache_clear()
+
+
+def test_an_engine_installed_by_a_distribution_is_one_entry_point(installed_engine, llama_path, tmp_path):
+    """A new engine is one module and one entry point: named by the registry (after the built-in ones,
+    which an entry point cannot replace), loaded on first use, and checked by ``ml.launch``."""
+    assert registry.names()[:3] == ("local", "slurm", "ray") and "k9s" in registry.names()
+    assert registry.unknown("k9s") is None and registry.get("local").name == "local"
+    engine = registry.get("k9s")
+    assert engine.name == "k9s" and engine.options_type is FakeOptions
+    assert isinstance(registry.for_job(JobRef("k9s", "1")), Launcher)
+    spec = ml.JobSpec(
+        base_model=llama_path,
+        tenants=[],
+        stay_up=True,
+        output_dir=str(tmp_path / "r"),
+        parallel=ml.Parallel(nproc=1, nnodes=3, fsdp=3),
+    )
+    with pytest.raises(ml.SpecError, match="the fake cluster has 2 nodes, not 3"):
+        ml.launch(spec, launcher="k9s", k9s=FakeOptions())
+
+
+def test_an_installed_engine_that_cannot_be_imported_says_which_distribution(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    info = site / "broken-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[mlora_lab.launchers]\nbroken = no_such_module:Engine\n")
+    monkeypatch.syspath_prepend(str(site))
+    registry.installed.cache_clear()
+    try:
+        with pytest.raises(
+            LauncherError, match=r"the broken launcher \(no_such_module:Engine, declared by broken\)"
+        ):
+            registry.get("broken")
+    finally:
+        registry.installed.cache_clear()
+
+
+# -- a local run is stopped and killed by the local launcher ------------------------------------------------
+
+
+def test_a_local_run_is_stopped_and_killed_through_the_local_launcher(tmp_path, monkeypatch):
+    """The liveness signals a local job only through ``registry.get("local")`` (one implementation of
+    "never signal a stale pid"), with the process this Python started, whose exit code it keeps."""
+    calls = []
+
+    class Spy(LocalLauncher):
+        def stop(self, ref):
+            calls.append(("stop", ref))
+            return super().stop(ref)
+
+        def kill(self, ref, timeout=120):
+            calls.append(("kill", ref))
+            return super().kill(ref, timeout)
+
+    monkeypatch.setitem(registry.LAUNCHERS, "local", Spy)
+    code = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); print('ready', flush=True); time.sleep(60)"
+    run_dir = RunDir(tmp_path / "r").create()
+    run_dir.job.write_text("{}")
+    procs = []
+    for _ in range(2):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, "mlora_lab.job"], stdout=subprocess.PIPE, text=True
+        )
+        procs.append(proc)
+        assert proc.stdout.readline() == "ready\n"
+    try:
+        from mlora_lab.lab.launchers.liveness import Liveness
+        from mlora_lab.rundir.status import process_fields
+
+        me = ProcessIdentity.of(procs[0].pid)
+        update_status(run_dir.root, state="running", launcher="local", **process_fields(me))
+        live = Liveness(run_dir.root, procs[0])
+        live.signal_stop()
+        assert procs[0].wait(30) == 3 and calls == [("stop", JobRef("local", identity_id(me)))]
+        assert live.verdict().state == "failed" and "code 3" in live.verdict().error  # the exit code it saw
+        other = ProcessIdentity.of(procs[1].pid)  # a job this Python did not start: by its record
+        update_status(run_dir.root, state="running", **process_fields(other))
+        calls.clear()
+        Liveness(run_dir.root).kill(timeout=30)
+        assert calls == [("kill", JobRef("local", identity_id(other)))] and procs[1].poll() is not None
+        assert read_status(run_dir.root).state == "stopped" and read_status(run_dir.root).error == "killed"
+        calls.clear()
+        Liveness(run_dir.root).kill(timeout=30)  # nothing runs: nothing is signalled
+        assert calls == []
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 # -- status.json: launcher_job, and old runs' Slurm fields --------------------------------------------------
 
 
