@@ -113,6 +113,18 @@ def given_options(**options: Any) -> dict[str, Any]:
     return {name: value for name, value in options.items() if value is not None}
 
 
+def refuse_unknown_keywords(func: str, options: dict[str, Any]) -> None:
+    """Every keyword in ``options`` (what ``**options`` of :func:`launch`, :func:`resume` or ``ml.sweep``
+    caught) must name a launcher, whose options it gives: any other is a misspelt argument (``wrkdir=``),
+    a ``TypeError`` as Python's own for a function without ``**``, naming the launchers that take options."""
+    for name in options:
+        if registry.unknown(name) is not None:
+            raise TypeError(
+                f"{func}() got an unexpected keyword argument {name!r} (launchers take their options as "
+                f"{', '.join(f'{n}=...' for n in registry.with_options())})"
+            )
+
+
 def launcher_problems(
     launcher: str | None, spec: JobSpec, options: dict[str, Any], root: Path, resume: bool = False
 ) -> list[str]:
@@ -126,9 +138,8 @@ def launcher_problems(
     problems = []
     for name in options:
         if registry.unknown(name) is not None:
-            problems.append(
-                f"{name}= names no launcher; launchers take their options as {', '.join(registry.names())}="
-            )
+            takes = ", ".join(f"{n}=" for n in registry.with_options())
+            problems.append(f"{name}= names no launcher; launchers take their options as {takes}")
         elif name != launcher:
             problems.append(
                 f"{name.capitalize()} options were given, but the launcher is {launcher or 'none'!r}; "
@@ -297,16 +308,28 @@ def _submit(run: RunDir, launcher: str, spec: JobSpec, options: Any, resume: boo
     the process cannot be started)."""
     engine = registry.get(launcher)
     remove_endpoint(run)  # (a served run's, left by a job that was killed: the new job writes its own)
-    ref = engine.submit(run, spec, options, resume)
+    try:
+        ref = engine.submit(run, spec, options, resume)
+    except LauncherError as e:  # the engine refused after all: the run's error is its own words (sbatch's)
+        with contextlib.suppress(OSError):
+            update_status(run.root, state=RunState.FAILED, ended=time.time(), error=str(e))
+        raise
     if getattr(engine, "queues", True):
-        update_status(run.root, state=RunState.QUEUED, launcher_job=ref, launcher_state=None)
+        try:
+            update_status(run.root, state=RunState.QUEUED, launcher_job=ref, launcher_state=None)
+        except BaseException:
+            # a job nobody could follow (no launcher_job recorded) must not run on: end it, as local.py
+            # ends a process whose identity it cannot record
+            with contextlib.suppress(Exception):
+                engine.kill(ref)
+            raise
     return handle_for(run.root, process=started_process(ref))
 
 
 def launch(
     spec: JobSpec,
     workdir: str | Path = DEFAULT_WORKDIR,
-    launcher: str = "local",
+    launcher: str | None = "local",
     slurm: Any = None,
     sweep: Sweep | None = None,
     *,
@@ -326,6 +349,8 @@ def launch(
     :class:`~mlora_lab.spec.fields.SpecError` naming every problem, and nothing is created or submitted.
     If the job cannot be started or submitted after all, the run is ``failed`` with the cause and the
     error is raised."""
+    refuse_unknown_keywords("launch", options)
+    launcher = launcher if launcher is not None else "local"  # (None was the local launcher, as before)
     spec = spec.resolved(Path.cwd())
     root = _run_root(spec, workdir)
     given = given_options(slurm=slurm, ray=ray, **options)
@@ -381,6 +406,7 @@ def resume(
     included; a GGUF base is converted then too. If the job cannot be started after all, the run is
     ``failed`` with the cause.
     """
+    refuse_unknown_keywords("resume", options)
     run = RunDir(Path(run_dir).absolute())
     if not run.is_run():
         raise RunDirError(f"{run.root}: not a run directory (no job.json)")
@@ -397,7 +423,9 @@ def resume(
             and not registry.unknown(launcher)
             and run.launcher_options(launcher).is_file()
         ):
-            given[launcher] = read_options(run, launcher)
+            # (a launcher that cannot be loaded here: launcher_problems names it with the others)
+            with contextlib.suppress(LauncherError):
+                given[launcher] = read_options(run, launcher)
         changed = _relayout(spec, nproc=nproc, nnodes=nnodes, fsdp=fsdp, ep=ep, tp=tp)
         sweep = Sweep.from_dict(json.loads(run.sweep.read_text("utf-8"))) if run.sweep.is_file() else None
         problems = spec_problems(spec if sweep is None else job_of_sweep(spec, sweep)) if changed else []

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mlora_lab.lab.launch import launch
+from mlora_lab.lab.launch import launch, refuse_unknown_keywords
 from mlora_lab.lab.runs.run import DEFAULT_WORKDIR
 from mlora_lab.lab.runs.sweep import SweepRun
 from mlora_lab.search import Objective, Strategy, Sweep, asha_warning, dist_from_dict
@@ -77,6 +77,7 @@ def sweep(
     can give a trial is checked before anything starts (:func:`~mlora_lab.validate.sweep_problems`).
     ``launcher`` and its options (``slurm=ml.SlurmOptions(...)``, ``ray=ml.RayOptions(...)``) as for
     :func:`~mlora_lab.lab.launch.launch`."""
+    refuse_unknown_keywords("sweep", options)
     tenants = list(spec.tenants)
     if base is None:
         if not tenants:

@@ -93,5 +93,7 @@ class Launcher(Protocol):
 
     def kill(self, ref: JobRef, timeout: float = 120) -> EngineJob | None:
         """End the job now, without a final save, and return when the engine says it has ended (its
-        last word, or None if it forgot the job); :class:`LauncherError` if it has not by ``timeout``."""
+        last word, or None if it forgot the job); :class:`LauncherError` if it has not by ``timeout``.
+        A killed run's error is ``killed (<words>)`` (``cancelled while queued (<words>)``), the words
+        being the launcher's optional ``kill_words(ref)`` (Slurm's ``scancel 42``), else ``Ray job r1``."""
         ...

@@ -380,12 +380,17 @@ class Liveness:
         record the engine's final state (and ``stopped`` if the run was not final). The launcher's error
         if it has not ended by ``timeout``: nothing is recorded then, so the next verdict asks again."""
         queued = self.verdict().state is RunState.QUEUED
-        job = registry.for_job(ref).kill(ref, timeout)
+        engine = registry.for_job(ref)
+        job = engine.kill(ref, timeout)
         status = read_status(self.dir.root)
         fields: dict[str, Any] = {"launcher_state": job.state if job is not None else "UNKNOWN"}
         if status is not None and not status.state.final:
             what = "cancelled while queued" if queued else "killed"
-            fields |= {"state": RunState.STOPPED, "ended": time.time(), "error": f"{what} ({job_words(ref)})"}
+            said = getattr(
+                engine, "kill_words", None
+            )  # (optional: Slurm's "scancel 42", words users match on)
+            how = said(ref) if callable(said) else job_words(ref)
+            fields |= {"state": RunState.STOPPED, "ended": time.time(), "error": f"{what} ({how})"}
         with contextlib.suppress(OSError):
             update_status(self.dir.root, **fields)
 

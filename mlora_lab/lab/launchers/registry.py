@@ -60,6 +60,20 @@ def unknown(name: object) -> str | None:
     return f"unknown launcher {name!r}; known: {', '.join(_known())}"
 
 
+def with_options() -> tuple[str, ...]:
+    """The names of the launchers that take options (an ``options_type``): what ``ml.launch``'s keywords
+    may be. A launcher that cannot be loaded here is named too (it may take some)."""
+    takes = []
+    for name in _known():
+        try:
+            if get(name).options_type is None:
+                continue
+        except (LauncherError, SpecError):
+            pass
+        takes.append(name)
+    return tuple(takes)
+
+
 def register(name: str, target: str | type) -> None:
     """Make ``target`` (a Launcher class, or ``"module:Class"``) the launcher called ``name``."""
     LAUNCHERS[name] = target

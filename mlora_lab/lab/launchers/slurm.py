@@ -90,6 +90,11 @@ class SlurmLauncher:
             time.sleep(0.5)
         return engine_job(job) if job is not None else None
 
+    def kill_words(self, ref: JobRef) -> str:
+        """How a kill of ``ref`` is named in the run's error: ``scancel 42`` (``killed (scancel 42)``,
+        ``cancelled while queued (scancel 42)``: the words users have matched on since before the seam)."""
+        return f"scancel {ref.id}"
+
 
 def job_id(ref: JobRef) -> int:
     """The Slurm job id a ``slurm`` JobRef holds; :class:`SlurmError` if it holds none."""

@@ -34,6 +34,7 @@ from mlora_lab.lab.launchers.local import (
 from mlora_lab.lab.slurm.cluster import SlurmError, SlurmOptions
 from mlora_lab.rundir import RunDir, read_status, update_status
 from mlora_lab.rundir.status import JobRef, ProcessIdentity
+from mlora_lab.search import LogUniform, Random
 
 slow = pytest.mark.slow
 
@@ -65,11 +66,41 @@ def test_options_for_another_launcher_or_of_another_type_are_one_problem_each(ll
         ml.launch(spec, ray=object())
     with pytest.raises(ml.SpecError, match=r"slurm= takes an ml.SlurmOptions, not dict"):
         ml.launch(spec, launcher="slurm", slurm={"time": "10"})
-    with pytest.raises(ml.SpecError, match=r"k8s= names no launcher"):
+    with pytest.raises(TypeError, match=r"^launch\(\) got an unexpected keyword argument 'k8s'"):
         ml.launch(spec, k8s=1)
     with pytest.raises(ml.SpecError, match=r"unknown launcher 'k8s'; known: local, slurm, ray"):
         ml.launch(spec, launcher="k8s")
     assert not (tmp_path / "r").exists()
+
+
+def test_a_misspelt_keyword_is_a_type_error_naming_the_launchers_that_take_options(llama_path, tmp_path):
+    """``**options`` takes launchers' options only: any other keyword is Python's own TypeError, as before
+    the seam, and the hint names only the launchers that take options (not ``local``)."""
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], stay_up=True, output_dir=str(tmp_path / "r"))
+    hint = r" \(launchers take their options as slurm=\.\.\., ray=\.\.\.\)$"
+    with pytest.raises(TypeError, match=r"^launch\(\) got an unexpected keyword argument 'wrkdir'" + hint):
+        ml.launch(spec, wrkdir=str(tmp_path))
+    with pytest.raises(TypeError, match=r"^resume\(\) got an unexpected keyword argument 'nprocs'" + hint):
+        ml.resume(tmp_path / "r", nprocs=2)
+    with pytest.raises(TypeError, match=r"^sweep\(\) got an unexpected keyword argument 'budjet'"):
+        ml.sweep(spec, {"lr": LogUniform(1e-4, 1e-2)}, Random(2), budjet=3)
+    assert not (tmp_path / "r").exists()
+    assert registry.with_options()[:2] == ("slurm", "ray") and "local" not in registry.with_options()
+
+
+def test_launcher_none_is_the_local_launcher(llama_path, tmp_path, monkeypatch):
+    """``ml.launch(spec, launcher=None)`` is a local launch, as before the seam (its run says ``local``)."""
+    submitted = []
+
+    class NoStart(LocalLauncher):
+        def submit(self, run_dir, spec, options=None, resume=False):
+            submitted.append(run_dir.root)
+            return JobRef("local", identity_id(ProcessIdentity(1, None, "elsewhere")))
+
+    monkeypatch.setitem(registry.LAUNCHERS, "local", NoStart)
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], stay_up=True, output_dir=str(tmp_path / "r"))
+    run = ml.launch(spec, launcher=None)
+    assert submitted == [run.path] and read_status(run.path).launcher == "local"
 
 
 def test_a_local_job_ref_holds_the_process_identity_and_is_killed_by_it_only():
@@ -418,6 +449,28 @@ def test_a_third_engine_kills_a_queued_job_and_ends_one_with_its_words(fake, lla
     assert other.reconcile() == "failed" and read_status(other.path).launcher_state == "PREEMPTED"
     fake.jobs.clear()  # the engine forgets: its verdict is recorded, it is asked no more
     assert ml.attach(other.path).status == "failed"
+
+
+def test_a_job_whose_launcher_job_cannot_be_recorded_is_killed(
+    fake, llama_path, make_data, tmp_path, monkeypatch
+):
+    """The engine took the job, then status.json could not record it (a full disk): nothing could follow
+    the job, so it is killed (as a local process whose pid cannot be recorded), and the error raised."""
+    from mlora_lab.lab import launch as launch_module
+
+    real = launch_module.update_status
+
+    def full(root, **fields):
+        if fields.get("launcher_job") is not None:
+            raise OSError(28, "No space left on device")
+        return real(root, **fields)
+
+    monkeypatch.setattr(launch_module, "update_status", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        ml.launch(tiny_job(llama_path, make_data, tmp_path / "r"), launcher="fake")
+    assert fake.jobs["1"]["ended"] == "CANCELLED"
+    status = read_status(tmp_path / "r")
+    assert status.state == "failed" and "No space left on device" in status.error
 
 
 def test_a_third_engine_that_cannot_be_asked_leaves_an_end_unconfirmed(

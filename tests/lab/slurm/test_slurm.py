@@ -825,6 +825,49 @@ def test_a_kill_of_a_job_that_ended_meanwhile_is_its_end(slurm_run, monkeypatch)
     assert read_status(run.path).launcher_state == "COMPLETED" and run.status == "stopped"
 
 
+@pytest.mark.parametrize(
+    ("state", "words"),
+    [("queued", "cancelled while queued (scancel 42)"), ("running", "killed (scancel 42)")],
+)
+def test_a_killed_slurm_runs_error_names_the_scancel(slurm_run, monkeypatch, state, words):
+    """The words users match on since before the seam: ``killed (scancel 42)``, ``cancelled while queued
+    (scancel 42)``."""
+    answer = SlurmJob(42, "PENDING", "Resources") if state == "queued" else SlurmJob(42, "RUNNING", "None")
+    run = slurm_run(answer, state=state)
+    assert run.status == state
+    killed = []
+
+    def kill(job_id):
+        killed.append(job_id)
+        monkeypatch.setattr(slurm_module, "query", lambda job_id: SlurmJob(42, "CANCELLED", "None", "0:9"))
+
+    monkeypatch.setattr(slurm_module, "kill", kill)
+    run.kill()
+    status = read_status(run.path)
+    assert killed == [42] and status.state == "stopped" and status.error == words
+    assert status.launcher_state == status.slurm_state == "CANCELLED"
+
+
+def test_sbatch_refusing_after_the_check_records_and_raises_its_own_words(llama_path, tmp_path, monkeypatch):
+    """The check passed, then sbatch refused the job: the run is ``failed`` with sbatch's words as its
+    error, and the SlurmError raised says the same."""
+    from mlora_lab.lab.launchers.slurm import SlurmLauncher
+
+    said = "sbatch refused the job: sbatch: error: Batch job submission failed: Invalid account"
+
+    def refuse(script):
+        raise slurm_module.SlurmError(said)
+
+    monkeypatch.setattr(SlurmLauncher, "check", lambda self, spec, options, run_dir, resume=False: [])
+    monkeypatch.setattr(slurm_module, "submit", refuse)
+    spec = ml.JobSpec(base_model=llama_path, tenants=[], stay_up=True, output_dir=str(tmp_path / "r"))
+    with pytest.raises(slurm_module.SlurmError) as err:
+        ml.launch(spec, launcher="slurm")
+    assert str(err.value) == said
+    status = read_status(tmp_path / "r")
+    assert status.state == "failed" and status.error == said and status.launcher_job is None
+
+
 def test_slurm_is_asked_no_more_once_it_gave_its_verdict(slurm_run, monkeypatch):
     run = slurm_run(SlurmJob(42, "TIMEOUT", "TimeLimit"), state="running")
     assert run.reconcile() == "failed"  # (recorded: wait(), stop(), the CLI and the dashboard reconcile)
@@ -1254,7 +1297,7 @@ def test_a_stopped_slurm_job_is_over_when_stop_and_wait_return(
     else:
         run.kill()
         assert_nothing_of_the_job_is_left(on_cluster, run, job_id, stepd_grace=10)
-        assert run.status == "stopped" and run.error == f"killed (Slurm job {job_id})"
+        assert run.status == "stopped" and run.error == f"killed (scancel {job_id})"
         # SIGKILL, not Slurm's SIGTERM (on which the job would save and write its own end)
         assert "done after" not in run.logs(0, tail=None) and read_status(run.path).error == run.error
     ended = read_status(run.path).launcher_state
