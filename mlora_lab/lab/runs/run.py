@@ -43,6 +43,7 @@ from mlora_lab.rundir import (
     TenantState,
     control,
     read_labels,
+    read_status,
     shown_tenant_state,
     update_labels,
 )
@@ -207,6 +208,22 @@ class Run:
         """What the run's engine (Slurm, Ray, ...) says of its job now, in the seam's terms (None: a local
         run, or the engine forgot the job)."""
         return self.liveness.engine_job()
+
+    @property
+    def slurm_job(self) -> Any:
+        """Deprecated (use :attr:`engine_job`, any engine's job in the seam's terms): what Slurm says of
+        this run's job now, in Slurm's own terms, a :class:`~mlora_lab.lab.slurm.cluster.SlurmJob` (None:
+        not a Slurm run, or Slurm forgot the job); :class:`~mlora_lab.lab.slurm.cluster.SlurmError` when
+        Slurm cannot be asked. Given until mlora_lab 0.3 (or 2027-06-01), with a ``DeprecationWarning``."""
+        from mlora_lab.lab.launchers.slurm import slurm_job  # (Slurm's machinery: only when asked)
+        from mlora_lab.spec.renames import REMOVAL, warn_old
+
+        warn_old(
+            "Run.slurm_job: deprecated, use Run.engine_job (what any engine, Slurm or Ray, says of the "
+            f"run's job: an EngineJob). The old name is read until {REMOVAL}, then refused"
+        )
+        status = read_status(self.dir.root)
+        return slurm_job(status.launcher_job if status is not None else None)
 
     def wait(self, timeout: float | None = None, poll: float = 0.5) -> RunState:
         """Block until the run ends (or ``timeout`` seconds pass) and return its state (recorded:

@@ -868,6 +868,20 @@ def test_sbatch_refusing_after_the_check_records_and_raises_its_own_words(llama_
     assert status.state == "failed" and status.error == said and status.launcher_job is None
 
 
+def test_run_slurm_job_is_still_slurms_record_with_a_deprecation(slurm_run):
+    """``Run.slurm_job`` (before the seam) gives Slurm's own record, a SlurmJob, until mlora_lab 0.3 or
+    2027-06-01, with a DeprecationWarning naming ``Run.engine_job``; None for a run Slurm does not run."""
+    answer = SlurmJob(42, "PENDING", "Resources")
+    run = slurm_run(answer)
+    with pytest.warns(DeprecationWarning, match=r"Run\.slurm_job: deprecated, use Run\.engine_job") as w:
+        assert run.slurm_job == answer
+    assert "mlora_lab 0.3" in str(w.list[0].message) and "2027-06-01" in str(w.list[0].message)
+    assert w.list[0].filename == __file__
+    update_status(run.path, launcher="ray", launcher_job=JobRef("ray", "r1"))
+    with pytest.warns(DeprecationWarning):
+        assert run.slurm_job is None
+
+
 def test_slurm_is_asked_no_more_once_it_gave_its_verdict(slurm_run, monkeypatch):
     run = slurm_run(SlurmJob(42, "TIMEOUT", "TimeLimit"), state="running")
     assert run.reconcile() == "failed"  # (recorded: wait(), stop(), the CLI and the dashboard reconcile)
