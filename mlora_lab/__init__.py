@@ -42,6 +42,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "Parallel": "mlora_lab.spec.parts",
     "RL": "mlora_lab.spec.parts",
     "Random": "mlora_lab.search",
+    "RayOptions": "mlora_lab.lab.launchers.ray",
     "Request": "mlora_lab.lab.runs.run",
     "Run": "mlora_lab.lab.runs.run",
     "Service": "mlora_lab.spec.parts",
@@ -84,6 +85,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from mlora_lab.lab.evals.evaluation import Evaluation, evaluations, load_evaluation  # noqa: F401
     from mlora_lab.lab.forms.builders import JobBuilder, TenantForm  # noqa: F401
     from mlora_lab.lab.launch import launch, resume, serve  # noqa: F401
+    from mlora_lab.lab.launchers.ray import RayOptions  # noqa: F401
     from mlora_lab.lab.runs.attach import attach  # noqa: F401
     from mlora_lab.lab.runs.run import Request, Run  # noqa: F401
     from mlora_lab.lab.runs.sweep import SweepRun  # noqa: F401

@@ -23,6 +23,7 @@ from conftest import task_rows, write_jsonl
 from test_distributed import assert_same_adapters
 
 import mlora_lab as ml
+from mlora_lab.lab import cli
 from mlora_lab.lab.dashboard.model import ViewModel
 from mlora_lab.lab.launch import read_options
 from mlora_lab.lab.launchers import ray as ray_launcher
@@ -224,7 +225,7 @@ def _named(ray, name: str, namespace: str) -> bool:
     return True
 
 
-def test_the_cluster_is_asked_first_one_problem_each(cluster, llama_path, data, tmp_path):
+def test_the_cluster_is_asked_first_one_problem_each(cluster, llama_path, data, tmp_path, capsys):
     spec = job(llama_path, tenants(data), tmp_path / "run")
     ray = RayLauncher()
     free_port = __import__("socket").socket()
@@ -257,6 +258,13 @@ def test_the_cluster_is_asked_first_one_problem_each(cluster, llama_path, data, 
         and "(their CPU: 2, 2)" in problems[0]
     )
     assert "ray.resources['a100'] = 1 a100 on each of 2 nodes" in problems[1]
+    assert not (tmp_path / "run").exists()
+
+    spec.to_json(tmp_path / "job.json")  # the command line: --ray-address, the other fields from a JSON file
+    (tmp_path / "ray.json").write_text(json.dumps({"cpus_per_node": 3, "namespace": "cli"}))
+    argv = ["run", str(tmp_path / "job.json"), "--launcher", "ray", "--ray-address", cluster.address]
+    assert cli.main([*argv, "--launcher-options", str(tmp_path / "ray.json"), "--no-follow"]) == 2
+    assert "ray.cpus_per_node = 3 CPU on each of 2 nodes" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 
