@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from mlora_lab.lab.launch import launch, prepare_run, resume, serve
 from mlora_lab.lab.launchers import registry
+from mlora_lab.lab.launchers.base import LauncherError
 from mlora_lab.lab.runs.attach import attach
 from mlora_lab.lab.runs.run import DEFAULT_WORKDIR, Run
 from mlora_lab.rundir import (
@@ -260,12 +261,24 @@ def launcher_options(args: argparse.Namespace, launcher: str | None) -> dict[str
         if not isinstance(given, dict):
             raise SpecError([f"--launcher-options {args.launcher_options}: not a JSON object"])
         fields[launcher] = given | fields.get(launcher, {})
+    if launcher is not None:  # (refused before any launcher is loaded: --ray-address imports nothing of Ray)
+        problems = [
+            f"{name.capitalize()} options were given, but the launcher is {launcher!r}; use --launcher {name}"
+            for name in fields
+            if name != launcher
+        ]
+        if problems:
+            raise SpecError(problems)
     return {name: options_of(name, given) for name, given in fields.items()}
 
 
 def options_of(launcher: str, fields: dict[str, Any]) -> Any:
-    """``fields`` as the options of ``launcher`` (its ``options_type``); SpecError naming what is wrong."""
-    kind = registry.get(launcher).options_type
+    """``fields`` as the options of ``launcher`` (its ``options_type``); SpecError naming what is wrong (a
+    launcher that cannot be loaded here too)."""
+    try:
+        kind = registry.get(launcher).options_type
+    except LauncherError as e:
+        raise SpecError([str(e)]) from None
     if kind is None:
         raise SpecError([f"the {launcher} launcher takes no options"])
     try:

@@ -526,6 +526,57 @@ def test_the_cli_takes_every_registered_launcher_and_its_options(tmp_path):
         parser.parse_args(["run", "job.json", "--launcher", "k8s"])
 
 
+def test_the_cli_refuses_options_for_another_launcher_before_loading_any(tmp_path, monkeypatch, capsys):
+    """``--ray-address`` with ``--launcher slurm`` (or local) is that one problem, found before any launcher
+    is loaded: the Ray launcher here cannot even be imported, and is never tried."""
+    monkeypatch.setitem(registry.LAUNCHERS, "ray", "mlora_lab.lab.launchers.no_such_engine:Engine")
+    parser = cli.build_parser()
+    args = parser.parse_args(["run", "job.json", "--launcher", "slurm", "--ray-address", "ray://head:10001"])
+    with pytest.raises(ml.SpecError) as err:
+        cli.launcher_options(args, "slurm")
+    assert [str(p) for p in err.value.problems] == [
+        "Ray options were given, but the launcher is 'slurm'; use --launcher ray"
+    ]
+    args = parser.parse_args(["run", "job.json", "--ray-address", "x", "--partition", "gpu"])
+    with pytest.raises(ml.SpecError) as err:
+        cli.launcher_options(args, "local")
+    assert [str(p) for p in err.value.problems] == [
+        "Slurm options were given, but the launcher is 'local'; use --launcher slurm",
+        "Ray options were given, but the launcher is 'local'; use --launcher ray",
+    ]
+    assert cli.main(["run", str(tmp_path / "job.json"), "--ray-address", "x"]) == 2
+    assert "Ray options were given, but the launcher is 'local'" in capsys.readouterr().err
+    args = parser.parse_args(["run", "job.json", "--launcher", "ray", "--ray-address", "x"])
+    with pytest.raises(ml.SpecError, match=r"the ray launcher cannot be loaded \(ModuleNotFoundError"):
+        cli.launcher_options(args, "ray")
+
+
+def test_a_resume_whose_launcher_cannot_be_loaded_lists_that_problem(
+    llama_path, tmp_path, monkeypatch, capsys
+):
+    from mlora_lab.lab import launch as launch_module
+    from mlora_lab.lab.launch import prepare_run
+
+    monkeypatch.setitem(registry.LAUNCHERS, "nowhere", "mlora_lab.lab.launchers.no_such_engine:Engine")
+    run = prepare_run(
+        ml.JobSpec(base_model=llama_path, tenants=[], stay_up=True, output_dir=str(tmp_path / "r"))
+    )
+    ended = {"state": "stopped", "launcher_job": JobRef("nowhere", "1"), "launcher_state": "DONE"}
+    update_status(run.root, launcher="nowhere", **ended)
+    run.launcher_options("nowhere").write_text("{}")
+    # (a run with a checkpoint to resume from: what the resume checks before the launcher)
+    monkeypatch.setattr(
+        launch_module, "_resumable", lambda r: (ml.JobSpec.load(r.job), [], read_status(r.root))
+    )
+    with pytest.raises(ml.SpecError) as err:
+        ml.resume(run.root)
+    (problem,) = err.value.problems
+    assert str(problem).startswith("the nowhere launcher cannot be loaded (ModuleNotFoundError")
+    assert cli.main(["resume", str(run.root), "--no-follow"]) == 2
+    assert "the nowhere launcher cannot be loaded" in capsys.readouterr().err
+    assert read_status(run.root).state == "stopped", "nothing changed"
+
+
 def test_the_cli_runs_a_registered_engine_by_name(fake, llama_path, make_data, tmp_path, capsys):
     tiny_job(llama_path, make_data, tmp_path / "r").to_json(tmp_path / "job.json")
     (tmp_path / "fake.json").write_text(json.dumps({"hold": True}))
