@@ -20,7 +20,7 @@ and the option string ``"+..."``, so:
 Later lines override earlier ones (``--output`` given twice: the second wins). :func:`read_line` reads
 one line's text as sbatch would, and says what is odd about it (see :class:`LineReading`).
 This module imports nothing of mlora_lab: it is a model of sbatch, checked against the installed one
-by ``tests/lab/test_slurm.py`` (every option and abbreviation, and ``sbatch --verbose``'s reading of lines).
+by ``tests/lab/slurm/test_slurm.py`` (every option and abbreviation, and ``sbatch --verbose``'s reading of lines).
 """
 
 from __future__ import annotations
