@@ -11,6 +11,7 @@ one uninterrupted local process's to 1e-6). Whenever a call says a job ended (``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,7 +32,7 @@ from mlora_lab.lab.launchers.base import LauncherError
 from mlora_lab.lab.launchers.ray import RayLauncher, RayOptions, job_of
 from mlora_lab.lora import read_adapter
 from mlora_lab.rundir import RunDir, checkpoint, read_status
-from mlora_lab.rundir.status import JobRef
+from mlora_lab.rundir.status import JOB_MODULE, JobRef
 
 # every test here shares one local Ray cluster: one pytest-xdist worker runs them all (--dist loadgroup)
 pytestmark = pytest.mark.xdist_group("ray")
@@ -115,6 +116,24 @@ def test_a_ray_job_reference_holds_its_namespace_name_and_address():
 
 
 # -- a real two-node cluster ----------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_jobs():
+    """conftest's, narrowed to the jobs: every process of the module's Ray cluster descends from this one
+    (its raylets start and end workers as they please, between tests too), so only the job processes a
+    test left behind (torchrun agents, ranks) are killed, never Ray's own."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    leftovers = []
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if p.pid not in before and JOB_MODULE in " ".join(p.cmdline()):
+                leftovers.append(p)
+                p.kill()
+    psutil.wait_procs(leftovers, timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +244,7 @@ def _named(ray, name: str, namespace: str) -> bool:
     return True
 
 
+@pytest.mark.slow  # (the cluster's start)
 def test_the_cluster_is_asked_first_one_problem_each(cluster, llama_path, data, tmp_path, capsys):
     spec = job(llama_path, tenants(data), tmp_path / "run")
     ray = RayLauncher()
