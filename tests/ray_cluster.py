@@ -38,6 +38,7 @@ class LocalRay:
         self.cluster = None
         self.worker = None
         self.pids: set[int] = set()
+        self.environ: dict[str, str | None] = {}
 
     @property
     def address(self) -> str:
@@ -47,6 +48,7 @@ class LocalRay:
         import ray
         from ray.cluster_utils import Cluster
 
+        self.environ = {k: os.environ.get(k) for k in QUIET}
         os.environ.update(QUIET)  # (the nodes' processes inherit this process's environment)
         node = {"num_cpus": CPUS, "object_store_memory": OBJECT_STORE}
         self.cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
@@ -74,6 +76,11 @@ class LocalRay:
         before = self.descendants() | self.pids
         ray.shutdown()
         self.cluster.shutdown()
+        for key, value in self.environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         deadline = time.monotonic() + 30
         while (left := [p for p in before if _alive(p)]) and time.monotonic() < deadline:
             time.sleep(0.2)

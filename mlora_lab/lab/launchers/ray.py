@@ -404,7 +404,7 @@ class RayLauncher:
         try:
             import ray  # noqa: F401
         except ImportError as e:
-            return [f"the ray launcher needs Ray on this machine ({e}): pip install 'ray>=2.60'"]
+            return [f"the ray launcher needs Ray on this machine ({e}): pip install 'mlora_lab[ray]'"]
         address = options.target()
         try:
             connect(address, options.namespace)
