@@ -118,7 +118,7 @@ class Agent:
         self.proc: subprocess.Popen | None = None
         self.code: int | None = None
         self.error: str | None = None
-        self.killed = self.stopping = False
+        self.killed = False
         self.lock = threading.Lock()
         self.done = threading.Event()
         threading.Thread(target=self._run, name="mlora-torchrun", daemon=True).start()
@@ -135,9 +135,7 @@ class Agent:
 
     def terminate(self) -> None:
         """SIGTERM the ranks (a graceful stop: they save and exit); torchrun itself if it has none yet."""
-        with self.lock:
-            self.stopping = True
-            proc = self.proc
+        proc = self.proc
         if proc is not None and proc.poll() is None:
             terminate_job(proc.pid)
 
@@ -265,7 +263,6 @@ class Supervisor:
         self.ends: dict[int, str] = {}
         self.failed: list[str] = []
         self.started = False
-        self.stopping = False
         self.killing = False
         self.record: dict[str, Any] | None = None
         self.lock = threading.Lock()
@@ -284,7 +281,7 @@ class Supervisor:
         if self.record is not None:
             return self.record
         if not self._group_placed():
-            return {"state": "PENDING", "words": self._pendingwords(), "pending": True}
+            return {"state": "PENDING", "words": self._pending_words(), "pending": True}
         if self.failed or self.killing:
             why = self.failed[0] if self.failed else "it is being killed"
             return {"state": "RUNNING", "words": f"Ray job {name} is ending ({why})"}
@@ -294,7 +291,6 @@ class Supervisor:
 
     def stop(self) -> None:
         """SIGTERM every node's ranks (they finish the step, save and exit 0)."""
-        self.stopping = True
         for agent in self.agents:
             agent.terminate.remote()
 
@@ -328,7 +324,7 @@ class Supervisor:
         where = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         return [where.get(node, "?") for node in table.get("bundles_to_node_id", {}).values()]
 
-    def _pendingwords(self) -> str:
+    def _pending_words(self) -> str:
         """Ray's reason the group waits: what it asks, against what the cluster has."""
         from ray.util import placement_group_table
 
