@@ -152,7 +152,9 @@ def build_demo(
     data = {}
     for task in ("reverse", "upper", "count"):
         data[task] = write_jsonl(work / "data" / f"{task}.jsonl", task_rows(task, 256, seed=0))
-        data[task + "_heldout"] = write_jsonl(work / "data" / f"{task}_heldout.jsonl", task_rows(task, 32, seed=1))
+        data[task + "_heldout"] = write_jsonl(
+            work / "data" / f"{task}_heldout.jsonl", task_rows(task, 32, seed=1)
+        )
     tenants = [
         Tenant(
             name="reverse",

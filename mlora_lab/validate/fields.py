@@ -152,7 +152,9 @@ def check_rl_fields(ctx: Context, t: Tenant) -> bool:
             "prompt and completion together fit seq_len",
         )
     if t.heldout_data is not None:
-        ctx.say(t, "heldout_data", "an RL tenant has no heldout_data (it is measured by its rewards); remove it")
+        ctx.say(
+            t, "heldout_data", "an RL tenant has no heldout_data (it is measured by its rewards); remove it"
+        )
     return len(ctx.out) == before
 
 

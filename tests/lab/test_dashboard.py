@@ -474,7 +474,9 @@ def test_a_workdir_view_lists_sorts_filters_and_overlays_runs(tmp_path):
     labels = [label for label, _ in dash.tenants.options]
     assert f"{r1.root.name} / a" in labels and f"{r2.root.name} / a" in labels
     visible = [
-        ln for ln in dash.loss.ax.get_lines() if ln.get_visible() and ln.get_label() not in ("_raw", "_heldout")
+        ln
+        for ln in dash.loss.ax.get_lines()
+        if ln.get_visible() and ln.get_label() not in ("_raw", "_heldout")
     ]
     assert len(visible) == 4 and len({ln.get_color() for ln in visible}) == 4
     assert f"{r2.root.name} / c" in dash.loss.legend.value

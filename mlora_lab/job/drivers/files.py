@@ -164,7 +164,9 @@ class FileData(Driver):
         tenants = [
             t
             for t in self._mine(list(self.pool))
-            if t.feed.heldout_examples and t.state is not TenantState.FAILED and (only is None or t.name in only)
+            if t.feed.heldout_examples
+            and t.state is not TenantState.FAILED
+            and (only is None or t.name in only)
         ]
         if not tenants:  # (the same on every process)
             return {}

@@ -206,7 +206,11 @@ def hparams(
         warnings.warn(
             f"hparams: no {metric} for "
             + ", ".join(f"{r.run}/{r.tenant}" for r in missing.itertuples())
-            + (" (give the tenants heldout_data, and heldout_every in the job)" if metric == "eval_loss" else ""),
+            + (
+                " (give the tenants heldout_data, and heldout_every in the job)"
+                if metric == "eval_loss"
+                else ""
+            ),
             stacklevel=2,
         )
     table = table[table[column].notna()].reset_index(drop=True)

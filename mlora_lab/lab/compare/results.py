@@ -562,7 +562,9 @@ def plot_losses(run: RunLike, path: str | Path | None = None, smoothing: float =
     fig = LabFigure(figsize=(8, 4.5))
     ax = fig.add_subplot(1, 1, 1)
     _overlay(ax, [run], "loss", None, smoothing, "tenant step", with_heldout=True)
-    style_axes(ax, ylabel="loss (lines: train, dots: held-out)", title=plain(shorten(_title(run), 80)), size=9)
+    style_axes(
+        ax, ylabel="loss (lines: train, dots: held-out)", title=plain(shorten(_title(run), 80)), size=9
+    )
     _finish(ax, False, False, "no steps logged yet")
     if path is not None:
         with DRAWING:

@@ -330,7 +330,8 @@ def test_the_same_problem_of_several_data_files_is_one_line(llama_path, tmp_path
     text = shown(form.problems_box)
     assert "1 problem" in text
     assert (
-        f"{tmp_path / 'e1.jsonl'} (data), {tmp_path / 'e2.jsonl'} (heldout_data): empty file (no rows)" in text
+        f"{tmp_path / 'e1.jsonl'} (data), {tmp_path / 'e2.jsonl'} (heldout_data): empty file (no rows)"
+        in text
     )
 
 
