@@ -5,12 +5,14 @@ Bad rows: every problem of every row in one error."""
 
 from __future__ import annotations
 
+import copy
 from unittest import mock
 
 import pytest
 
 from mlora_lab.data import DataError
 from mlora_lab.rl import pairs
+from mlora_lab.tiny import CHAT_TEMPLATE
 
 # As in test_rl_loss.py: TRL imports trackio when present, which would fix its store folder for this worker.
 with (
@@ -127,6 +129,7 @@ CASES = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore:.*keep_end.*deprecated:FutureWarning")  # TRL 1.16 still applies it
 @pytest.mark.parametrize("fmt,max_length,mode,dropped", CASES, ids=[f"{f}-{n}-{m}" for f, n, m, _ in CASES])
 def test_pair_ids_and_batch_equal_dpo_trainers(fmt, max_length, mode, dropped, llama_path, tok, tmp_path):
     rows = ROWS[fmt]
@@ -151,6 +154,30 @@ def test_pair_ids_and_batch_equal_dpo_trainers(fmt, max_length, mode, dropped, l
     chosen, _ = pairs.pair_sequences(kept[0], max_length, mode)
     if len(chosen.input_ids) == len(kept[0].prompt_ids) + len(kept[0].chosen_ids):
         assert [t for t, m in zip(chosen.input_ids, chosen.completion_mask) if m] == kept[0].chosen_ids
+
+
+def test_tools_and_chat_template_kwargs_reach_the_template_as_in_trl(llama_path, tok, tmp_path):
+    """A row's ``tools`` (here as JSON text) and ``chat_template_kwargs`` are rendered by the template."""
+    tok = copy.deepcopy(tok)
+    tok.chat_template = (
+        "{% if tools %}[{{ tools | length }} tools]{% endif %}{% if hint %}({{ hint }}){% endif %}"
+        + CHAT_TEMPLATE
+    )
+    rows = [
+        {
+            **ROWS["paired_chat"][0],
+            "tools": '[{"name": "f"}, {"name": "g"}]',
+            "chat_template_kwargs": {"hint": "brief"},
+        },
+        {**ROWS["paired_chat"][1], "tools": "[]", "chat_template_kwargs": {"hint": "long"}},
+    ]
+    assert pairs.check_rows(rows) == "paired_chat"
+    trainer = build(DPOTrainer, DPOConfig, llama_path, tok, tmp_path, rows, max_length=None)
+    ours = [vars(pairs.tokenize_pair(r, tok)) for r in rows]
+    assert ours == [
+        {k: ex[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for ex in trainer.train_dataset
+    ]
+    assert tok.decode(ours[0]["prompt_ids"]).startswith("[2 tools](brief)")
 
 
 def test_pad_to_multiple_of_equals_trls_collator(tok):
