@@ -3,6 +3,8 @@
 - :mod:`mlora_lab.rl.grpo`: GRPO's group-normalised advantages and clipped policy loss, equal to TRL
   1.16.0's (the RL driver calls them per tenant per step and does the reductions over processes itself;
   the module says which counts to pass);
+- :mod:`mlora_lab.rl.preference`: the DPO family's losses (TRL 1.16.0's ``DPOTrainer`` loss types,
+  f-divergences, LD-DPO, WPO) and TRL's reward metrics, from sequence log-probs of a pair batch;
 - :mod:`mlora_lab.rl.rewards`: reward functions with TRL's signature, imported and called in a worker
   process of their own per tenant (:mod:`mlora_lab.rl.reward_worker`), with a timeout; a failing
   reward fails only its tenant's call, with the reason.

@@ -149,14 +149,11 @@ def ours(trainer: DPOTrainer, batch, fused: bool, *, ld_alpha=None, **options):
     with torch.no_grad(), model.disable_adapter():
         ref_token_logps, _ = token_stats(model, batch, fused)
     chosen_mask, rejected_mask = mask.chunk(2)
-    chosen_tl, rejected_tl = token_logps.chunk(2)
+    chosen_tl, rejected_tl = token_logps.chunk(2)  # TRL's batch is [chosen rows; rejected rows]
+    ref_chosen_tl, ref_rejected_tl = ref_token_logps.chunk(2)
     chosen, rejected = sequence_logps(chosen_tl, chosen_mask, rejected_tl, rejected_mask, ld_alpha=ld_alpha)
     ref_chosen, ref_rejected = sequence_logps(
-        *ref_token_logps.chunk(2)[:1],
-        chosen_mask,
-        ref_token_logps.chunk(2)[1],
-        rejected_mask,
-        ld_alpha=ld_alpha,
+        ref_chosen_tl, chosen_mask, ref_rejected_tl, rejected_mask, ld_alpha=ld_alpha
     )
     counts = batch["completion_mask"].sum(dim=1)
     pair_weights = None
