@@ -37,7 +37,8 @@ sft             ``−mean`` of the chosen completions' per-token log-probs (one 
 sigmoid_norm    ``−log σ(β(g_w/n_w − g_l/n_l))``
 ==============  ====================================================================================
 
-``loss = Σ_k w_k · mean_pairs(L_k · c)`` with ``c = 1`` or WPO's pair weight ``c = ω_w·ω_l``
+RPO (TRL's former ``rpo_alpha``) is ``loss_types=("sigmoid", "sft")``, ``loss_weights=(1, α)``, as TRL 1.16
+writes it. ``loss = Σ_k w_k · mean_pairs(L_k · c)`` with ``c = 1`` or WPO's pair weight ``c = ω_w·ω_l``
 (:func:`wpo_weights`, :1518-1526). A non-reverse_kl f-divergence is allowed only for
 :data:`F_DIVERGENCE_LOSS_TYPES` (:810-816: the f-DPO reparameterisation's ``β log Z(x)`` term cancels
 only in the chosen−rejected difference).
@@ -212,7 +213,7 @@ def preference_loss(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
     f_divergence: str = "reverse_kl",
-    f_alpha: float = 1.0,
+    f_alpha: float = 0.5,
     discopop_tau: float = 0.05,
     chosen_tokens: torch.Tensor | None = None,
     rejected_tokens: torch.Tensor | None = None,

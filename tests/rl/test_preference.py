@@ -75,6 +75,20 @@ def test_every_trl_loss_type_is_offered():
     assert tuple(re.findall(r"'(\w+)'", listed)) == LOSS_TYPES
 
 
+def test_defaults_are_dpo_configs():
+    import inspect
+
+    config = DPOConfig(output_dir="unused", report_to="none", use_cpu=True, bf16=False)
+    defaults = {k: p.default for k, p in inspect.signature(preference_loss).parameters.items()}
+    assert list(defaults["loss_types"]) == config.loss_type
+    assert defaults["loss_weights"] == config.loss_weights
+    assert defaults["beta"] == config.beta
+    assert defaults["label_smoothing"] == config.label_smoothing
+    assert defaults["f_divergence"] == config.f_divergence_type
+    assert defaults["f_alpha"] == config.f_alpha_divergence_coef
+    assert defaults["discopop_tau"] == config.discopop_tau
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_models, tmp_path_factory):
     import transformers
