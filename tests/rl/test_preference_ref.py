@@ -188,3 +188,51 @@ def test_init_adapter_reference_equals_peft_with_it_loaded(base, tmp_path, ld_al
     with torch.no_grad(), init.disable_adapter():
         plain = init(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert not torch.allclose(plain[:, :-1], logits, atol=1e-3)  # the init adapter changes the reference
+
+
+def test_init_adapter_reference_equals_trls_ref_adapter(base, tmp_path):
+    """TRL's ``"ref"`` adapter case: a PEFT model with a pretrained adapter, which TRL copies into a frozen "ref"
+    adapter, with ``precompute_ref_log_probs``: TRL's columns (its forward under the "ref" adapter)
+    equal the cache routed to the init adapter's frozen tenant, to TRL's float32 precision."""
+    import transformers
+
+    path, tok = base
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    init = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    )
+    init.save_pretrained(tmp_path / "init")
+    policy = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64),
+        tmp_path / "init",
+        is_trainable=True,
+    )
+    args = DPOConfig(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=2,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        precompute_ref_log_probs=True,
+        ld_alpha=0.4,
+    )
+    trainer = DPOTrainer(
+        model=policy, args=args, train_dataset=datasets.Dataset.from_list(ROWS), processing_class=tok
+    )
+    trl_chosen = torch.tensor(trainer.train_dataset["ref_chosen_logps"], dtype=torch.float64)
+    trl_rejected = torch.tensor(trainer.train_dataset["ref_rejected_logps"], dtype=torch.float64)
+
+    mm = multi_lora(path)
+    mm.load_adapter("alice@ref", tmp_path / "init")
+    pairs = [tokenize_pair(row, tok) for row in ROWS]
+    cache = ReferenceCache(mm, pad_token_id=tok.pad_token_id, tenant="alice@ref", ld_alpha=0.4)
+    chosen, rejected = cache(list(range(len(ROWS))), pairs, dtype=torch.float64)
+    torch.testing.assert_close(chosen, trl_chosen, rtol=TRL_RTOL, atol=TRL_ATOL)
+    torch.testing.assert_close(rejected, trl_rejected, rtol=TRL_RTOL, atol=TRL_ATOL)
+    base_only, _ = ReferenceCache(mm, pad_token_id=tok.pad_token_id, ld_alpha=0.4)(
+        list(range(len(ROWS))), pairs, dtype=torch.float64
+    )
+    assert (base_only - chosen).abs().min() > 1e-3  # TRL did use the "ref" adapter, not the bare base
