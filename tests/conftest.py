@@ -241,3 +241,35 @@ def stop_runs_under(folder: Path) -> list[str]:
             run.kill()
             stopped.append(run.path.name)
     return stopped
+
+
+def task_files(folder: Path) -> dict[str, str]:
+    """The ``reverse``, ``chat`` and ``upper`` tasks' rows as JSONL files in ``folder``: kind -> path."""
+    return {
+        kind: write_jsonl(folder / f"{kind}.jsonl", task_rows(kind)) for kind in ("reverse", "chat", "upper")
+    }
+
+
+def two_tenants(data: dict[str, str], steps: tuple[int, int]) -> list:
+    """The two tenants the multi-node engine tests (Slurm, Ray) train: different tasks, ranks, learning rates,
+    batch sizes, accumulation, schedules and target modules; ``steps``: each one's ``max_steps``."""
+    import mlora_lab as ml
+
+    return [
+        ml.Tenant(
+            name="a", data=data["reverse"], rank=4, alpha=8, lr=1e-3, batch_size=3, max_steps=steps[0], seed=1
+        ),
+        ml.Tenant(
+            name="b",
+            data=data["chat"],
+            rank=8,
+            lr=2e-3,
+            batch_size=2,
+            grad_accum=2,
+            max_steps=steps[1],
+            schedule="cosine",
+            warmup_steps=2,
+            seed=2,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+        ),
+    ]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import ray_cluster
-from conftest import task_rows, write_jsonl
+from conftest import task_files, two_tenants
 from test_distributed import assert_same_adapters
 
 import mlora_lab as ml
@@ -155,31 +155,11 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict[str, str]:
-    folder = tmp_path_factory.mktemp("ray_data")
-    return {
-        kind: write_jsonl(folder / f"{kind}.jsonl", task_rows(kind)) for kind in ("reverse", "chat", "upper")
-    }
+    return task_files(tmp_path_factory.mktemp("ray_data"))
 
 
 def tenants(data: dict[str, str]) -> list[ml.Tenant]:
-    return [
-        ml.Tenant(
-            name="a", data=data["reverse"], rank=4, alpha=8, lr=1e-3, batch_size=3, max_steps=48, seed=1
-        ),
-        ml.Tenant(
-            name="b",
-            data=data["chat"],
-            rank=8,
-            lr=2e-3,
-            batch_size=2,
-            grad_accum=2,
-            max_steps=36,
-            schedule="cosine",
-            warmup_steps=2,
-            seed=2,
-            target_modules=["q_proj", "v_proj", "down_proj"],
-        ),
-    ]
+    return two_tenants(data, steps=(48, 36))
 
 
 def job(base: str, ts: list[ml.Tenant], out: Path, nodes: int = 2) -> ml.JobSpec:
