@@ -359,7 +359,7 @@ class Liveness:
             return
         if (local := self._local_ref(status)) is not None:
             registry.get(LocalLauncher.name).kill(local, timeout)
-        if status is not None and not status.state.final:
+        if status is not None and _killed_by_us(status, read_status(self.dir.root)):
             with contextlib.suppress(OSError):
                 update_status(self.dir.root, state=RunState.STOPPED, ended=time.time(), error="killed")
 
@@ -379,12 +379,13 @@ class Liveness:
         """End the engine's job (its launcher's ``kill`` returns once the engine says it ended), then
         record the engine's final state (and ``stopped`` if the run was not final). The launcher's error
         if it has not ended by ``timeout``: nothing is recorded then, so the next verdict asks again."""
+        before = read_status(self.dir.root)
         queued = self.verdict().state is RunState.QUEUED
         engine = registry.for_job(ref)
         job = engine.kill(ref, timeout)
         status = read_status(self.dir.root)
         fields: dict[str, Any] = {"launcher_state": job.state if job is not None else "UNKNOWN"}
-        if status is not None and not status.state.final:
+        if status is not None and _killed_by_us(before, status):
             what = "cancelled while queued" if queued else "killed"
             said = getattr(
                 engine, "kill_words", None
@@ -393,6 +394,17 @@ class Liveness:
             fields |= {"state": RunState.STOPPED, "ended": time.time(), "error": f"{what} ({how})"}
         with contextlib.suppress(OSError):
             update_status(self.dir.root, **fields)
+
+
+def _killed_by_us(before: Status | None, after: Status | None) -> bool:
+    """Whether a kill ended the run, so that it is recorded ``stopped``: it was not final before the kill,
+    and after it is not final either, or is ``failed``. A SIGKILL reaches the ranks one by one (each
+    node's tree in turn): rank 0, still alive while another rank's process is gone, sees its collective
+    fail and writes ``failed`` in the moment before its own SIGKILL; that failure is the kill's echo,
+    not the run's end. A ``finished`` (or ``stopped``) written before the kill landed stays."""
+    if after is None or (before is not None and before.state.final):
+        return False
+    return not after.state.final or after.state is RunState.FAILED
 
 
 def engine_name(ref: JobRef | None) -> str:

@@ -451,6 +451,39 @@ def test_a_third_engine_kills_a_queued_job_and_ends_one_with_its_words(fake, lla
     assert ml.attach(other.path).status == "failed"
 
 
+def test_a_failure_the_dying_job_writes_during_a_kill_is_recorded_as_the_kill(
+    fake, llama_path, make_data, tmp_path, monkeypatch
+):
+    """SIGKILL reaches the nodes one by one: rank 0 sees a peer vanish and writes ``failed`` just before
+    its own SIGKILL. That is the kill's echo: the run is ``stopped`` (killed). A run that had already
+    ended before the kill keeps its own end."""
+    real = FakeEngine.kill
+
+    def echo(self, ref, timeout=120):
+        if self.jobs[ref.id]["proc"] is not None:
+            update_status(self.jobs[ref.id]["run"].root, state="failed", error="a peer's socket closed")
+        return real(self, ref, timeout)
+
+    monkeypatch.setattr(FakeEngine, "kill", echo)
+    run = ml.launch(tiny_job(llama_path, make_data, tmp_path / "r"), launcher="fake")
+    fake.jobs["1"]["proc"] = subprocess.Popen(["sleep", "600"], start_new_session=True)  # (it runs)
+    update_status(run.path, state="running")
+    run.kill()
+    status = read_status(run.path)
+    assert (status.state, status.error, status.launcher_state) == (
+        "stopped",
+        "killed (Fake job 1)",
+        "CANCELLED",
+    )
+    assert run.status == "stopped"
+
+    ended = ml.launch(tiny_job(llama_path, make_data, tmp_path / "e"), launcher="fake")
+    update_status(ended.path, state="failed", error="out of memory")  # its own end, before the kill
+    ended.kill()
+    status = read_status(ended.path)
+    assert (status.state, status.error) == ("failed", "out of memory")
+
+
 def test_a_job_whose_launcher_job_cannot_be_recorded_is_killed(
     fake, llama_path, make_data, tmp_path, monkeypatch
 ):
