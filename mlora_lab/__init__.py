@@ -40,6 +40,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "Objective": "mlora_lab.search",
     "PBT": "mlora_lab.search",
     "Parallel": "mlora_lab.spec.parts",
+    "Preference": "mlora_lab.spec.parts",
     "RL": "mlora_lab.spec.parts",
     "Random": "mlora_lab.search",
     "RayOptions": "mlora_lab.lab.launchers.ray",
@@ -106,7 +107,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     )
     from mlora_lab.spec.fields import SpecError  # noqa: F401
     from mlora_lab.spec.job import JobSpec  # noqa: F401
-    from mlora_lab.spec.parts import RL, Eval, Parallel, Service  # noqa: F401
+    from mlora_lab.spec.parts import RL, Eval, Parallel, Preference, Service  # noqa: F401
     from mlora_lab.spec.tenant import Tenant  # noqa: F401
     from mlora_lab.trackers import report  # noqa: F401
 

@@ -208,7 +208,7 @@ def test_the_rooms_are_where_the_guide_says():
     ):
         assert gone not in names, f"{gone} should have moved into mlora_lab.job"
     # the generic loop in job/, its drivers (and their seam) in job/drivers/
-    for driver in ("base", "files", "rl", "tinker", "tinker.driver", "tinker.job_service", "tinker.snapshots",
+    for driver in ("base", "files", "rl", "preference", "tinker", "tinker.driver", "tinker.job_service", "tinker.snapshots",
                    "tinker.saved_states", "tinker.sessions", "tinker.plan", "default"):  # fmt: skip
         assert f"mlora_lab.job.drivers.{driver}" in names, driver
     # the service's HTTP front: its Tinker routes by resource of the SDK, which app composes
@@ -221,7 +221,12 @@ def test_the_rooms_are_where_the_guide_says():
         )
 
 
-DRIVERS = ("mlora_lab.job.drivers.files", "mlora_lab.job.drivers.rl", "mlora_lab.job.drivers.tinker")
+DRIVERS = (
+    "mlora_lab.job.drivers.files",
+    "mlora_lab.job.drivers.rl",
+    "mlora_lab.job.drivers.preference",
+    "mlora_lab.job.drivers.tinker",
+)
 """The drivers, each a module or a package: none imports another (the job's list composes them,
 ``mlora_lab.job.drivers.default``); they share only the seam, ``mlora_lab.job.drivers.base``."""
 

@@ -409,3 +409,89 @@ def collate_unpaired(
         out.update(_batch(kl, pad_token_id, pad_to_multiple_of, prefix="KL_"))
     out["label"] = [r.label for r in rows]
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A tenant's data source
+# ---------------------------------------------------------------------------------------------
+
+MAX_PROBLEMS = 20
+"""Problems named per source before "... and N more" (as :func:`mlora_lab.data.scan_source`)."""
+
+
+def scan_pairs(source: Any) -> tuple[list[str], list[dict], str | None]:
+    """Every row of a tenant's data source (any :mod:`mlora_lab.sources` reads: a ``.jsonl``/``.json``/
+    ``.parquet``/``.csv`` file, a DataFrame, a list of dicts, a ``datasets.Dataset``, a Hub dataset) read as
+    preference rows: ``(problems, rows, format)``, the problems naming the source and the row
+    (``"pairs.jsonl line 3: missing key 'rejected'"``, at most :data:`MAX_PROBLEMS` and a count), the valid rows
+    in order, and their one format (:data:`FORMATS`). A table holds every column in every row, so a null
+    value counts as a missing key. Never raises."""
+    from mlora_lab.sources import SourceError, source_name, source_rows
+
+    where = source_name(source)
+    problems: list[str] = []
+    total = 0
+    rows: list[dict] = []
+    first: tuple[str, str] | None = None
+    try:
+        for r in source_rows(source):
+            found = list(r.problems)
+            row = r.row
+            if not found:
+                row = {k: v for k, v in row.items() if v is not None} if isinstance(row, dict) else row
+                fmt, found = row_format(row)
+                if fmt is not None and not found:
+                    if first is None:
+                        first = (r.label, fmt)
+                    elif fmt != first[1]:
+                        found = [f"is {fmt} but {first[0]} is {first[1]}: one format per tenant"]
+            total += len(found)
+            problems += [f"{where} {r.label}: {p}" for p in found][: max(0, MAX_PROBLEMS - len(problems))]
+            if not found:
+                rows.append(row)
+    except SourceError as e:
+        total += 1
+        problems.append(f"{where}: {e}")
+    except Exception as e:  # "never raises": an unforeseen failure is still a problem
+        total += 1
+        problems.append(f"{where}: cannot be read ({type(e).__name__}: {e})")
+    if not rows and not total:
+        total += 1
+        problems.append(f"{where}: no rows")
+    if total > len(problems):
+        problems.append(f"{where}: ... and {total - len(problems)} more problem(s)")
+    return problems, rows, first[1] if first else None
+
+
+def read_pairs(source: Any, tokenizer: Any, seq_len: int) -> list[PairIds]:
+    """A preference tenant's data as TRL's ``DPOTrainer`` tokenizes it (:func:`tokenize_pair`), in order, the
+    pairs whose prompt alone fills ``seq_len`` dropped (:func:`keeps_pair`, with a ``UserWarning`` saying how
+    many). :class:`~mlora_lab.data.DataError` naming every problem of every row, or saying that no pair is
+    left; unpaired (KTO) rows are refused here: a preference tenant trains on pairs."""
+    import warnings
+
+    from mlora_lab.sources import source_name
+
+    problems, rows, fmt = scan_pairs(source)
+    where = source_name(source)
+    if not problems and fmt is not None and fmt.startswith("unpaired"):
+        problems.append(
+            f"{where}: rows are KTO's unpaired {{'prompt', 'completion', 'label'}}, but a preference tenant "
+            "trains on pairs {'prompt', 'chosen', 'rejected'}"
+        )
+    if problems:
+        raise DataError(problems, header=f"bad preference data {where}")
+    pairs = [tokenize_pair(row, tokenizer) for row in rows]
+    kept = [p for p in pairs if keeps_pair(p, seq_len)]
+    if len(kept) < len(pairs):
+        warnings.warn(
+            f"{where}: {len(pairs) - len(kept)} of {len(pairs)} pair(s) dropped: their prompt alone has "
+            f">= seq_len={seq_len} tokens (as TRL drops them)",
+            stacklevel=2,
+        )
+    if not kept:
+        raise DataError(
+            [f"{where}: every pair's prompt has >= seq_len={seq_len} tokens: no completion token is left"],
+            header=f"bad preference data {where}",
+        )
+    return kept

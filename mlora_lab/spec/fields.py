@@ -157,6 +157,7 @@ FIELD_KINDS = (
     "trackers",
     "id",
     "rl",
+    "pref",
     "rewards",
     "numbers",
     "texts",

@@ -62,7 +62,7 @@ from mlora_lab.spec.fields import (
     kwargs_for,
     meta,
 )
-from mlora_lab.spec.parts import RL, ClientModel, Eval, Parallel, Service
+from mlora_lab.spec.parts import RL, ClientModel, Eval, Parallel, Preference, Service
 from mlora_lab.spec.paths import (
     path_str,
     relative_tenant_paths,
@@ -336,6 +336,8 @@ class JobSpec:
                     t_problems += kwargs_for(RL, t_kwargs["rl"], f"{label}.rl")[1]
                 if isinstance(t_kwargs.get("client"), dict):
                     t_problems += kwargs_for(ClientModel, t_kwargs["client"], f"{label}.client")[1]
+                if isinstance(t_kwargs.get("pref"), dict):
+                    t_problems += kwargs_for(Preference, t_kwargs["pref"], f"{label}.pref")[1]
                 problems += t_problems
                 if not t_problems:
                     built.append(t if isinstance(t, Tenant) else Tenant(**t_kwargs))

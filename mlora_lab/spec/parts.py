@@ -4,6 +4,7 @@
 * :class:`Parallel` (``JobSpec.parallel``): how the job is laid out over processes;
 * :class:`Service` (``JobSpec.service``): the job also serves the Tinker API;
 * :class:`RL` (``Tenant.rl``): the tenant learns from rewards (GRPO) instead of fixed rows;
+* :class:`Preference` (``Tenant.pref``): the tenant learns from preference pairs (DPO and its family);
 * :class:`ClientModel` (``Tenant.client``): the Tinker model behind a served job's tenant.
 
 Each is self-contained: it reads and writes its own dict (``to_dict`` / ``from_dict``), its fields carry
@@ -43,6 +44,31 @@ LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo")
 """``RL.loss_type``: how TRL 1.16's ``GRPOTrainer`` turns per-token terms into a loss (``dapo`` its default)."""
 SCALE_REWARDS = ("group", "batch", "none")
 """``RL.scale_rewards``: divide advantages by the std of the prompt's group, of the batch, or not at all."""
+
+
+PREFERENCE_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+)
+"""``Preference.loss_type``: TRL 1.16's ``DPOTrainer`` loss types, in the order its error message lists them
+(``sigmoid``: DPO). The maths of each is :mod:`mlora_lab.rl.preference`, whose own list a test keeps equal."""
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+"""``Preference.f_divergence_type``: the f-DPO divergences (``reverse_kl``: plain DPO)."""
+REFERENCES = ("base", "init_adapter")
+"""``Preference.reference``: the base with the tenant's delta off, or the tenant's ``init_adapter`` frozen."""
 
 
 def _built(cls: type, d: Any, where: str) -> Any:
@@ -151,6 +177,87 @@ class RL:
         """Build from a dict (``rl`` of a tenant in ``job.json``); unknown or missing keys raise
         ``SpecError``."""
         return _built(cls, d, "rl")
+
+
+@dataclass
+class Preference:
+    """A tenant that learns from preference pairs instead of rows to imitate: DPO and its family, as TRL 1.16's
+    ``DPOTrainer`` computes them (the same names and defaults as its ``DPOConfig``).
+
+    The tenant's data rows are pairs in TRL's formats: ``{"prompt", "chosen", "rejected"}`` (texts, or
+    conversations as lists of messages) or ``{"chosen", "rejected"}`` (the prompt is their common start). For
+    each pair the loss compares the log-ratios ``u = log π(y|x) − log π_ref(y|x)`` of the chosen and the rejected
+    completion (``sigmoid``: ``−log σ(β(u_w − u_l))``). The reference ``π_ref`` is the shared base with the
+    tenant's delta off (``reference="base"``, TRL's PEFT case: no second model) or the tenant's
+    ``init_adapter`` frozen (``"init_adapter"``, TRL's ``ref_adapter_name``); each pair's reference log-probs
+    are computed once, the first time the pair is drawn, and kept (TRL's ``precompute_ref_log_probs``).
+    A pair counts as one row of ``batch_size``: a micro-batch holds ``batch_size`` pairs, ``2·batch_size``
+    sequences. Every sequence (prompt + completion) is cut to the job's ``seq_len``, keeping its start; a
+    pair whose prompt alone fills ``seq_len`` is dropped, as TRL drops it."""
+
+    # fmt: off
+    loss_type: str | list[str] = field(default="sigmoid", metadata=meta(
+        "loss type", kind="texts", section="Preference", max=len(PREFERENCE_LOSS_TYPES),
+        help="TRL's loss_type: sigmoid (DPO), ipo, hinge, robust, ... or a list of them"))
+    """One of :data:`PREFERENCE_LOSS_TYPES`, or a list of them whose losses are summed (``loss_weights``):
+    RPO (TRL's former ``rpo_alpha = α``) is ``["sigmoid", "sft"]`` with weights ``[1, α]``."""
+    loss_weights: list[float] | None = field(default=None, metadata=meta(
+        "loss weights", kind="numbers", section="Preference", optional=True, max=len(PREFERENCE_LOSS_TYPES),
+        help="one per loss type (default 1 each)"))
+    """A weight per loss type (default 1 each)."""
+    beta: float = field(default=0.1, metadata=meta(
+        "beta", kind="float", section="Preference", min=0, min_open=True, max=1000,
+        help="how far from the reference the tenant may move"))
+    """The inverse temperature ``β`` of the log-ratios (smaller: further from the reference); ``rewards/*``
+    are ``β·u``."""
+    label_smoothing: float = field(default=0.0, metadata=meta(
+        "label smoothing", kind="float", section="Preference", min=0, max=0.5, max_open=True,
+        help="assumed share of flipped labels (robust, exo_pair, aot)"))
+    """The share of pairs assumed flipped (cDPO/robust DPO; ``exo_pair``'s ``ε``, which must be > 0)."""
+    f_divergence_type: str = field(default="reverse_kl", metadata=meta(
+        "f-divergence", kind="choice", choices=F_DIVERGENCES, section="Preference",
+        help="f-DPO's divergence (reverse_kl: DPO)"))
+    """The divergence to the reference (f-DPO); a non-default one applies to the sigmoid family only."""
+    f_alpha_divergence_coef: float = field(default=0.5, metadata=meta(
+        "f alpha", kind="float", section="Preference", min=-100, max=100,
+        help="alpha of alpha_divergence"))
+    """``α`` of ``alpha_divergence``."""
+    discopop_tau: float = field(default=0.05, metadata=meta(
+        "discopop tau", kind="float", section="Preference", min=0, min_open=True, max=100,
+        help="discopop's temperature"))
+    """The temperature ``τ`` of the ``discopop`` loss."""
+    ld_alpha: float | None = field(default=None, metadata=meta(
+        "ld alpha", kind="float", section="Preference", min=0, max=1, optional=True,
+        null_means="no length desensitisation", help="LD-DPO: weight of the longer answer's extra tokens"))
+    """LD-DPO: the tokens a completion has beyond the pair's shorter one count by this weight (``None``: fully)."""
+    reference: str | None = field(default=None, metadata=meta(
+        "reference", kind="choice", choices=REFERENCES, section="Preference", optional=True,
+        null_means="as TRL: init_adapter if any, else base",
+        help="base: the base without the adapter; init_adapter: the adapter it starts from"))
+    """The reference model: ``"base"`` (the shared base, the delta off) or ``"init_adapter"`` (the tenant's
+    ``init_adapter``, frozen as it was before the first step). ``None``: what TRL 1.16 does, the init adapter
+    when the tenant has one (TRL copies a pretrained adapter as its ``"ref"`` adapter), else the base."""
+    # fmt: on
+
+    def reference_of(self, init_adapter: str | None) -> str:
+        """The reference a tenant with this ``init_adapter`` trains against (``reference``, or its default)."""
+        if self.reference is not None:
+            return self.reference
+        return "init_adapter" if init_adapter is not None else "base"
+
+    @property
+    def loss_types(self) -> list[str]:
+        """``loss_type`` as a list."""
+        return list(self.loss_type) if isinstance(self.loss_type, list | tuple) else [self.loss_type]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | Preference) -> Preference:
+        """Build from a dict (``pref`` of a tenant in ``job.json``); unknown keys raise ``SpecError``."""
+        return _built(cls, d, "pref")
 
 
 @dataclass

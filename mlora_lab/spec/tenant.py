@@ -34,7 +34,7 @@ from mlora_lab.spec.fields import (
     kwargs_for,
     meta,
 )
-from mlora_lab.spec.parts import RL, ClientModel
+from mlora_lab.spec.parts import RL, ClientModel, Preference
 from mlora_lab.spec.paths import TENANT_FILES, path_str
 from mlora_lab.spec.renames import RENAMED, add_old_names, renamed_keys, warn_old_keys
 from mlora_lab.text import json_type
@@ -136,6 +136,11 @@ class Tenant:
     rl: RL | None = field(default=None, metadata=meta(
         "rl", kind="rl", section="RL", optional=True, form=False, help="learn from rewards (GRPO)"))
     """``None``: supervised rows. An :class:`RL`: the rows are prompts, and the tenant learns from rewards."""
+    pref: Preference | None = field(default=None, metadata=meta(
+        "pref", kind="pref", section="Preference", optional=True, form=False,
+        help="learn from preference pairs (DPO and its family)"))
+    """``None``: supervised rows. A :class:`Preference`: the rows are preference pairs (``prompt``, ``chosen``,
+    ``rejected``), and the tenant learns to prefer the chosen completion (DPO, IPO, ... as TRL computes them)."""
     client: ClientModel | None = field(default=None, metadata=meta(
         "client", kind="client", section="Service", optional=True, form=False,
         help="the Tinker training client that drives it"))
@@ -148,6 +153,8 @@ class Tenant:
             self.rl = RL.from_dict(self.rl)
         if isinstance(self.client, dict):
             self.client = ClientModel.from_dict(self.client)
+        if isinstance(self.pref, dict):
+            self.pref = Preference.from_dict(self.pref)
         self.data = path_str(self.data)
         self.heldout_data = path_str(self.heldout_data)
         self.init_adapter = path_str(self.init_adapter)
@@ -181,6 +188,8 @@ class Tenant:
             problems += kwargs_for(RL, kwargs["rl"], "tenant.rl")[1]
         if isinstance(kwargs.get("client"), dict):
             problems += kwargs_for(ClientModel, kwargs["client"], "tenant.client")[1]
+        if isinstance(kwargs.get("pref"), dict):
+            problems += kwargs_for(Preference, kwargs["pref"], "tenant.pref")[1]
         if problems:
             raise SpecError(problems)
         return d if isinstance(d, Tenant) else cls(**kwargs)

@@ -31,6 +31,7 @@ from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief, is_finite, is_int, path_problem
 from mlora_lab.trackers import report_to_problems
 from mlora_lab.validate.context import Context, bound, got, usable_path
+from mlora_lab.validate.pref import check_pref_fields
 from mlora_lab.validate.rl import check_numbers, check_reward_names, check_reward_refs, check_texts
 from mlora_lab.validate.tenants import check_name
 
@@ -61,6 +62,8 @@ def check_tenant_fields(ctx: Context, t: Tenant) -> None:
     for name, info in fields_info(Tenant):
         if info.kind == "rl":
             ok[name] = check_rl_fields(ctx, t)
+        elif info.kind == "pref":
+            ok[name] = check_pref_fields(ctx, t, check_field)
         elif info.kind == "client":
             ok[name] = check_client_fields(ctx, t)
         elif name == "data" and isinstance(t.client, ClientModel):

@@ -23,6 +23,7 @@ from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief, brief_list, is_int, json_type, read_json, show_path
 from mlora_lab.validate.context import Context, got, more, usable_path
 from mlora_lab.validate.introspect import select_linear
+from mlora_lab.validate.pref import check_pairs
 from mlora_lab.validate.rl import check_rewards
 from mlora_lab.validate.weights import safetensors_shapes
 
@@ -36,6 +37,9 @@ def check_data(ctx: Context, t: Tenant) -> None:
     in ``Problem.path``, so a view can group one file's problems across tenants). An RL tenant's rows
     are prompts, and its reward functions are checked against their columns (:mod:`.rl`)."""
     if t.client is not None:  # a Tinker client's tenant: its client sends the rows
+        return
+    if t.pref is not None:  # its rows are preference pairs (its heldout_data is refused with its fields)
+        check_pairs(ctx, t)
         return
     if isinstance(t.rl, RL):
         columns, samples = None, {}

@@ -887,6 +887,7 @@ VALID = [
     ("heldout_data", None),
     ("init_adapter", None),
     ("rl", None),
+    ("pref", None),
     ("client", None),
     ("max_grad_norm", None),
     ("target_parameters", []),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from mlora_lab.job.drivers.base import DriverFactory
 from mlora_lab.job.drivers.files import FileData
+from mlora_lab.job.drivers.preference import PreferenceDriver
 from mlora_lab.job.drivers.rl import RLDriver
 
-DEFAULT_DRIVERS: tuple[DriverFactory, ...] = (RLDriver, FileData)
+DEFAULT_DRIVERS: tuple[DriverFactory, ...] = (RLDriver, PreferenceDriver, FileData)

@@ -109,9 +109,10 @@ class FileData(Driver):
     """SFT tenants fed from their data files (see the module docstring)."""
 
     def accepts(self, tenant: Tenant) -> bool:
-        # an RL tenant's rows are prompts: the RL driver's (mlora_lab.job.drivers.rl); a Tinker client's tenant is the
-        # service driver's (mlora_lab.job.drivers.tinker.driver)
-        return tenant.rl is None and tenant.client is None
+        # an RL tenant's rows are prompts: the RL driver's (mlora_lab.job.drivers.rl); a preference tenant's are
+        # pairs (mlora_lab.job.drivers.preference); a Tinker client's tenant is the service driver's
+        # (mlora_lab.job.drivers.tinker.driver)
+        return tenant.rl is None and tenant.client is None and tenant.pref is None
 
     def feed(self, tenant: Tenant) -> FileFeed:
         examples = self.engine.examples(tenant.data)

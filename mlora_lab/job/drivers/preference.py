@@ -1,0 +1,299 @@
+"""The preference driver: tenants that learn from preference pairs (DPO and its family, ``Tenant.pref``), in
+the same loop and the same base forward as the SFT and RL tenants, as TRL 1.16's ``DPOTrainer`` trains them.
+
+A tenant's data is ``M`` pairs ``(x, y_w, y_l)`` tokenized as TRL does (:func:`~mlora_lab.rl.pairs.read_pairs`).
+Its optimiser window is ``B·k`` pairs (``B = batch_size``, ``k = grad_accum``), drawn when the window starts
+(the tenant's seeded order, as an SFT tenant's rows), trained in ``k`` micro-batches of ``B`` pairs: TRL's
+``per_device_train_batch_size = B``, ``gradient_accumulation_steps = k``. With ``D`` data-parallel processes,
+process ``d`` takes pairs ``d, d + D, ...`` of each micro-batch, and both sequences of a pair stay together::
+
+    reference   at a window start, for the window's pairs not yet cached: one no-grad forward (eval mode) of
+                their 2 sequences routed to no adapter (reference "base": the base alone) or to the tenant
+                (reference "init_adapter", the default of a tenant with one, as TRL's: done for EVERY pair
+                before the tenant's first step, while its slot still holds the init adapter); each process its share, the values summed over the processes,
+                kept by pair id (:class:`~mlora_lab.rl.preference_ref.ReferenceCache`) and checkpointed
+    rows        per local pair: prompt + chosen, prompt + rejected (labels on the completion tokens only),
+                the chosen half then the rejected half
+    loss        from the loop's per-token losses ℓ [2P, T-1] of this process's P pairs: token log-probs −ℓ,
+                sequence log-probs over the completion tokens (LD-DPO's ld_alpha), the reference's from the
+                cache, and preference_loss(...) = TRL's batch loss L_b (a mean over the P pairs), scaled to
+                L_b · P / (B·k): summed over the processes and micro-batches, the window's gradient is the
+                mean over micro-batches of each micro-batch's mean over its pairs, as TRL's
+    metrics     TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
+                logps/rejected: sums over every pair of the window (all processes), logged as their means in
+                the train row's ``extra``
+
+**Why the reference is cached, not computed in the step.** The reference is fixed for the run, so a pair's
+``ℓ^ref`` depends on its tokens alone: one forward per pair for the whole run (TRL's
+``precompute_ref_log_probs``), against a second forward of every pair at every step of every epoch in the
+same-step approach. Its memory is two floats per pair on the host (about 100 bytes a pair with Python's
+dict; 1M pairs ≈ 100 MB) and nothing on the accelerator; a checkpoint holds it as an ``[M, 2]`` float64
+tensor. The reference forward is small (the window's new pairs, no gradient) and leaves the step's batch
+to the policy's rows.
+
+**Under D > 1.** The losses that are a mean of per-pair terms (all but ``aot``, ``aot_unpaired`` and
+``sft``) give exactly the one-process gradient. ``aot`` and ``aot_unpaired`` sort the pairs of a batch and
+``sft`` averages over a batch's tokens: each process computes them over its own share of the micro-batch,
+as TRL does on each of its devices under data parallelism.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mlora_lab.data import IGNORE_INDEX, DataError, Example, TenantStream, check_vocab
+from mlora_lab.job.agree import describe
+from mlora_lab.job.drivers.base import Driver, Plan, StepResult
+from mlora_lab.job.tenants import TenantRun
+from mlora_lab.rl.pairs import PairIds, pair_sequences, read_pairs
+from mlora_lab.rl.preference import METRICS, preference_loss, sequence_logps
+from mlora_lab.rl.preference_ref import ReferenceCache
+from mlora_lab.spec.parts import Preference
+from mlora_lab.spec.tenant import Tenant
+
+SORTING_OR_BATCH = ("aot", "aot_unpaired", "sft")
+"""Loss types that are not a mean of per-pair terms (see the module docstring, "Under D > 1")."""
+
+
+def pairs_digest(pairs: Sequence[PairIds]) -> str:
+    """SHA-256 of a tenant's tokenized pairs, in order: what its data cursor and reference cache index into."""
+    h = hashlib.sha256()
+    for p in pairs:
+        for part in (p.prompt_ids, p.chosen_ids, p.rejected_ids):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(array("q", part).tobytes())
+    return h.hexdigest()
+
+
+def pair_examples(pair: PairIds, seq_len: int) -> tuple[Example, Example]:
+    """The chosen and the rejected sequence of a pair as loop rows: prompt + completion cut to ``seq_len``
+    (its start kept, as TRL's ``keep_start``), labels the tokens themselves on the completion, ignored on the
+    prompt (the loop's loss at position ``p`` predicts token ``p + 1``, TRL's ``completion_mask[:, 1:]``)."""
+    out = []
+    for s in pair_sequences(pair, seq_len, "keep_start"):
+        labels = [tok if m else IGNORE_INDEX for tok, m in zip(s.input_ids, s.completion_mask, strict=True)]
+        out.append(Example(list(s.input_ids), labels))
+    return out[0], out[1]
+
+
+@dataclass
+class PrefFeed:
+    """A preference tenant's feed: its pairs, their order, the window being trained, the reference cache and
+    the window's metric sums."""
+
+    pairs: list[PairIds]
+    examples: list[tuple[Example, Example]]
+    stream: TenantStream  # over pair indices
+    reference: ReferenceCache
+    digest: str
+    micro: int = 0  # micro-batches done in the current window
+    window: list[list[int]] = field(default_factory=list)  # [k][B] pair indices
+    window_tokens: int = 0  # completion tokens (chosen and rejected) of the window's pairs
+    sums: torch.Tensor = field(default_factory=lambda: torch.zeros(len(METRICS) + 1, dtype=torch.float64))
+    """This process's ``Σ`` of each metric over its pairs of the window, then its pair count."""
+
+    def reset(self) -> None:
+        self.micro = 0
+        self.sums.zero_()
+
+    def pairs_taken(self) -> int:
+        return self.stream.epoch * len(self.stream) + self.stream.cursor
+
+    def state_dict(self) -> dict[str, Any]:
+        # (keys apart from the pool's: mlora_lab.job.tenants.POOL_KEYS)
+        return {
+            "pref_stream": self.stream.state_dict(),
+            "pref_micro": self.micro,
+            "pref_window": self.window,
+            "pref_window_tokens": self.window_tokens,
+            "pref_sums": self.sums.clone(),
+            "pref_reference": self.reference.state_dict(),
+            "pref_digest": self.digest,
+        }
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        """Continue from a checkpoint; ``ValueError`` if the pairs changed since, or the reference was computed
+        under other options."""
+        if s["pref_digest"] != self.digest:
+            raise ValueError(
+                f"its preference pairs changed since the checkpoint ({len(self.pairs)} pairs now; their tokens "
+                "differ): put the data back as it was to resume it, or train on the new pairs as a new tenant "
+                "that starts from its adapter (init_adapter)"
+            )
+        self.stream.load_state_dict(s["pref_stream"])
+        self.micro = int(s["pref_micro"])
+        self.window = [[int(i) for i in micro] for micro in s["pref_window"]]
+        self.window_tokens = int(s["pref_window_tokens"])
+        self.sums = s["pref_sums"].to(torch.float64).clone()
+        self.reference.load_state_dict(s["pref_reference"])
+
+
+class PreferenceDriver(Driver):
+    """Preference tenants: pairs, a cached reference, TRL's DPO-family losses (see the module docstring)."""
+
+    def __init__(self, parts: Any) -> None:
+        super().__init__(parts)
+        self.comm = parts.engine.comm
+
+    def accepts(self, tenant: Tenant) -> bool:
+        return tenant.pref is not None and tenant.client is None and tenant.rl is None
+
+    def feed(self, tenant: Tenant) -> PrefFeed:
+        e, pref = self.engine, tenant.pref
+        pairs = read_pairs(tenant.data, e.tokenizer, self.spec.seq_len)
+        examples = [pair_examples(p, self.spec.seq_len) for p in pairs]
+        check_vocab([ex for both in examples for ex in both], e.vocab_rows, str(tenant.data))
+        on_init = pref.reference_of(tenant.init_adapter) == "init_adapter"
+        if on_init and tenant.init_adapter is None:
+            raise DataError(["pref.reference = 'init_adapter' needs an init_adapter"], header="cannot train")
+        reference = ReferenceCache(
+            e.model,
+            pad_token_id=e.pad_id,
+            tenant=tenant.name if on_init else None,
+            ld_alpha=pref.ld_alpha,
+            max_length=self.spec.seq_len,
+        )
+        # (the stream's "examples" are the pairs' indices: it only counts and orders them)
+        stream = TenantStream(list(range(len(pairs))), seed=tenant.seed, shuffle=tenant.shuffle)
+        return PrefFeed(pairs, examples, stream, reference, pairs_digest(pairs))
+
+    def _mine(self, tenants: Sequence[TenantRun]) -> list[TenantRun]:
+        return [t for t in tenants if isinstance(t.feed, PrefFeed)]
+
+    def _local(self, pair_ids: Sequence[int]) -> list[int]:
+        return list(pair_ids[self.comm.dp_rank :: self.comm.dp_size])
+
+    # -- a step's plan ---------------------------------------------------------------------------
+    def plan(self) -> Plan | None:
+        active = self._mine(self.pool.running())
+        if not active:
+            return None
+        failed: dict[str, str] = {}
+        for t in active:
+            f: PrefFeed = t.feed
+            if f.micro == 0:
+                try:
+                    B, k = t.spec.batch_size, t.spec.grad_accum
+                    drawn = f.stream.take(B * k)
+                    f.window = [drawn[i * B : (i + 1) * B] for i in range(k)]
+                    f.window_tokens = sum(
+                        ex.n_target for i in drawn for ex in f.examples[i]
+                    )  # (the tokens the loss reads)
+                    f.sums.zero_()
+                except Exception as e:  # (the same on every process: the same stream)
+                    failed[t.name] = describe(e)
+        self._reference([t for t in active if t.feed.micro == 0 and t.name not in failed])
+        rows: dict[str, list[Example]] = {}
+        for t in active:
+            f = t.feed
+            if t.name not in failed:
+                mine = self._local(f.window[f.micro])
+                rows[t.name] = [f.examples[i][0] for i in mine] + [f.examples[i][1] for i in mine]
+            f.micro += 1  # (the micro-batch the loss below is of: micro - 1)
+        complete = [t.name for t in active if t.feed.micro == t.spec.grad_accum]  # the same on every process
+        return Plan(tenants=active, rows=rows, complete=complete, failed=failed)
+
+    @torch.no_grad()
+    def _reference(self, starting: list[TenantRun]) -> None:
+        """The reference log-probs of the starting windows' pairs not yet cached (a tenant whose reference is its
+        init adapter: of all its pairs, before its first step), one forward per tenant whose reference is its
+        init adapter and one for all the others (routed to no adapter). A collective: every process has the same
+        caches, so the same pairs are missing everywhere; each computes its share and the sums are shared."""
+        todo: dict[str | None, list[tuple[TenantRun, list[int]]]] = {}
+        for t in starting:
+            f: PrefFeed = t.feed
+            wanted = (
+                range(len(f.pairs)) if f.reference.tenant is not None else [i for m in f.window for i in m]
+            )
+            missing = [int(i) for i in f.reference.missing(list(wanted))]
+            if missing:
+                todo.setdefault(f.reference.tenant, []).append((t, missing))
+        if not todo:
+            return
+        model = self.engine.model
+        was_training = model.training
+        model.eval()  # (a fixed reference: no dropout of an init adapter)
+        try:
+            for key, jobs in todo.items():
+                chunk = max(t.spec.batch_size * t.spec.grad_accum for t, _ in jobs)
+                for start in range(0, max(len(m) for _, m in jobs), chunk):
+                    self._reference_pass(key, [(t, m[start : start + chunk]) for t, m in jobs])
+        finally:
+            model.train(was_training)
+
+    def _reference_pass(self, key: str | None, jobs: list[tuple[TenantRun, list[int]]]) -> None:
+        groups, local = [], []
+        for t, missing in jobs:
+            mine = self._local(missing)
+            local.append(mine)
+            ex = t.feed.examples
+            groups.append((key, [ex[i][0] for i in mine] + [ex[i][1] for i in mine]))
+        batch, token_loss = self.engine.forward(groups)
+        start = 0
+        for (t, missing), mine in zip(jobs, local, strict=True):
+            values = torch.zeros(len(missing), 2, dtype=torch.float64)
+            if mine:
+                n = len(mine)
+                logps = -token_loss[start : start + 2 * n].double()
+                mask = batch.labels[start : start + 2 * n, 1:] != IGNORE_INDEX
+                chosen, rejected = sequence_logps(
+                    logps[:n], mask[:n], logps[n:], mask[n:], ld_alpha=t.feed.reference.options["ld_alpha"]
+                )
+                at = torch.tensor([missing.index(i) for i in mine])
+                values[at, 0], values[at, 1] = chosen.cpu(), rejected.cpu()
+            start += 2 * len(mine)
+            values = self.comm.sum_over_dp(values)
+            for i, (c, r) in zip(missing, values.tolist(), strict=True):
+                t.feed.reference.values[i] = (c, r)
+
+    # -- the loss --------------------------------------------------------------------------------
+    def loss(self, t: TenantRun, token_loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The tenant's preference loss of this process's pairs of the micro-batch (see the module docstring)."""
+        f: PrefFeed = t.feed
+        pref: Preference = t.spec.pref
+        mine = self._local(f.window[f.micro - 1])
+        n = len(mine)
+        logps = -token_loss  # [2n, T-1]
+        mask = labels[:, 1:] != IGNORE_INDEX
+        chosen, rejected = sequence_logps(logps[:n], mask[:n], logps[n:], mask[n:], ld_alpha=pref.ld_alpha)
+        ref = torch.tensor([f.reference.values[i] for i in mine], dtype=logps.dtype, device=logps.device)
+        counts = (labels != IGNORE_INDEX).sum(dim=1)  # TRL's unshifted completion_mask
+        loss, metrics = preference_loss(
+            chosen,
+            rejected,
+            ref[:, 0],
+            ref[:, 1],
+            loss_types=pref.loss_types,
+            loss_weights=pref.loss_weights,
+            beta=pref.beta,
+            label_smoothing=pref.label_smoothing,
+            f_divergence=pref.f_divergence_type,
+            f_alpha=pref.f_alpha_divergence_coef,
+            discopop_tau=pref.discopop_tau,
+            chosen_tokens=counts[:n],
+            rejected_tokens=counts[n:],
+            chosen_token_logps=logps[:n],
+            chosen_mask=mask[:n],
+        )
+        f.sums += torch.tensor([float(metrics[m]) * n for m in METRICS] + [n], dtype=torch.float64)
+        return loss * (n / (t.spec.batch_size * t.spec.grad_accum))
+
+    def stepped(self, t: TenantRun, result: StepResult) -> None:
+        f: PrefFeed = t.feed
+        sums = self.comm.sum_over_dp(f.sums.clone())  # (every process steps the same tenants, in order)
+        count = float(sums[-1])
+        extra = {m: (float(sums[i]) / count if count else None) for i, m in enumerate(METRICS)}
+        f.micro = 0
+        f.sums.zero_()
+        t.tokens_seen += f.window_tokens
+        self.log_train(
+            t, result, f.window_tokens, rows_seen=f.pairs_taken(), tokens_seen=t.tokens_seen, extra=extra
+        )
+        if t.step >= t.spec.max_steps:
+            self.pool.finish(t)

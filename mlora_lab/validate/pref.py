@@ -1,0 +1,128 @@
+"""A preference tenant's settings and rows (``Tenant.pref``, :class:`~mlora_lab.spec.parts.Preference`).
+
+    check_pref_fields(ctx, t)   every field, the loss options together (TRL's own refusals), and what a
+                                preference tenant cannot be beside: RL, a Tinker client, packing
+    check_pairs(ctx, t)         every problem of every row of its data, read as preference pairs
+
+The options are checked by :func:`mlora_lab.rl.preference.check_options`, the engine's own list of what TRL
+1.16's ``DPOTrainer`` refuses, so that validation and training never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlora_lab.sources import memory_kind
+from mlora_lab.spec.fields import FieldInfo, fields_info
+from mlora_lab.spec.parts import PREFERENCE_LOSS_TYPES, Preference
+from mlora_lab.spec.tenant import Tenant
+from mlora_lab.text import brief, is_finite
+from mlora_lab.validate.context import Context, got, usable_path
+
+
+def check_pref_fields(ctx: Context, t: Tenant, check_field: Any) -> bool:
+    """``t.pref``'s fields (``check_field``: the validator's field check), then the options together. Whether
+    it passed."""
+    pref = t.pref
+    if pref is None:
+        return True
+    if not isinstance(pref, Preference):
+        ctx.say(
+            t,
+            "pref",
+            f"pref must be preference settings (an object, e.g. {{'beta': 0.1}}) or null ({got(pref)})",
+        )
+        return False
+    before = len(ctx.out)
+    ok: dict[str, bool] = {}
+    for name, info in fields_info(Preference):
+        value, label = getattr(pref, name), f"pref.{name}"
+        if name == "loss_type":
+            ok[name] = _loss_types(ctx, t, value, label)
+        elif name == "loss_weights":
+            ok[name] = _weights(ctx, t, value, info, label)
+        else:
+            ok[name] = check_field(ctx, t, "pref", value, info, label=label)
+    if all(ok.values()):
+        from mlora_lab.rl.preference import check_options  # (the engine's refusals: it imports torch)
+
+        for problem in check_options(
+            pref.loss_types,
+            pref.loss_weights,
+            beta=pref.beta,
+            label_smoothing=pref.label_smoothing,
+            f_divergence=pref.f_divergence_type,
+            ld_alpha=pref.ld_alpha,
+        ):
+            ctx.say(t, "pref", f"pref: {problem}")
+    if t.rl is not None:
+        ctx.say(t, "pref", "a tenant learns from rewards (rl) or from preference pairs (pref), not both")
+    if t.client is not None:
+        ctx.say(
+            t,
+            "pref",
+            "a tenant driven by a Tinker client has no pref settings (its client computes its losses)",
+        )
+    if pref.reference == "init_adapter" and t.init_adapter is None:  # (None: "base" without an init adapter)
+        ctx.say(
+            t,
+            "pref",
+            "pref.reference = 'init_adapter' needs the tenant's init_adapter (the adapter it starts from, "
+            "frozen as the reference); give one, or use reference 'base'",
+        )
+    if t.heldout_data is not None:
+        ctx.say(
+            t,
+            "heldout_data",
+            "a preference tenant has no heldout_data yet: its progress is its rewards/margins and "
+            "rewards/accuracies; remove it",
+        )
+    if ctx.spec.packing:
+        ctx.say(
+            t,
+            "pref",
+            "packing joins rows into one sequence, but a preference tenant's pair is two sequences scored "
+            "apart: turn packing off in a job with preference tenants",
+        )
+    return len(ctx.out) == before
+
+
+def _loss_types(ctx: Context, t: Tenant, v: Any, label: str) -> bool:
+    values = v if isinstance(v, list | tuple) else [v]
+    if not values or not all(isinstance(x, str) and x for x in values):
+        ctx.say(t, "pref", f"{label} must be a loss type or a non-empty list of them ({got(v)})")
+        return False
+    unknown = [x for x in values if x not in PREFERENCE_LOSS_TYPES]
+    if unknown:
+        ctx.say(
+            t,
+            "pref",
+            f"{label}: unknown loss type(s) {', '.join(brief(x) for x in unknown)}; offered (TRL 1.16's "
+            f"DPOTrainer): {', '.join(PREFERENCE_LOSS_TYPES)}",
+        )
+        return False
+    if len(set(values)) != len(values):
+        ctx.say(t, "pref", f"{label} names a loss type twice ({', '.join(values)}); weigh it instead")
+        return False
+    return True
+
+
+def _weights(ctx: Context, t: Tenant, v: Any, info: FieldInfo, label: str) -> bool:
+    if v is None:
+        return True
+    if isinstance(v, list | tuple) and v and all(is_finite(x) and not isinstance(x, bool) for x in v):
+        return True
+    ctx.say(t, "pref", f"{label} must be a non-empty list of finite numbers or null ({got(v)})")
+    return False
+
+
+def check_pairs(ctx: Context, t: Tenant) -> None:
+    """Every problem of the preference tenant's ``data`` rows (:func:`mlora_lab.rl.pairs.scan_pairs`)."""
+    source = t.data
+    if memory_kind(source) is None and not usable_path(source):
+        return  # (a type or path problem, reported with the fields)
+    from mlora_lab.rl.pairs import scan_pairs  # (the rl package imports torch)
+
+    path = source if isinstance(source, str) else None
+    for problem in scan_pairs(source)[0]:
+        ctx.say(t, "data", f"data: {problem}", path=path)
