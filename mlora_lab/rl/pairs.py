@@ -419,13 +419,19 @@ MAX_PROBLEMS = 20
 """Problems named per source before "... and N more" (as :func:`mlora_lab.data.scan_source`)."""
 
 
-def scan_pairs(source: Any) -> tuple[list[str], list[dict], str | None]:
+UNPAIRED_REFUSED = (
+    "an unpaired (KTO) row; a preference tenant trains on pairs {'prompt', 'chosen', 'rejected'}"
+)
+
+
+def scan_pairs(source: Any, unpaired: bool = False) -> tuple[list[str], list[dict], str | None]:
     """Every row of a tenant's data source (any :mod:`mlora_lab.sources` reads: a ``.jsonl``/``.json``/
     ``.parquet``/``.csv`` file, a DataFrame, a list of dicts, a ``datasets.Dataset``, a Hub dataset) read as
     preference rows: ``(problems, rows, format)``, the problems naming the source and the row
     (``"pairs.jsonl line 3: missing key 'rejected'"``, at most :data:`MAX_PROBLEMS` and a count), the valid rows
-    in order, and their one format (:data:`FORMATS`). A table holds every column in every row, so a null
-    value counts as a missing key. Never raises."""
+    in order, and their one format (:data:`FORMATS`). Unpaired (KTO) rows are a problem each unless
+    ``unpaired``. A table holds every column in every row, so a null value counts as a missing key. Never
+    raises."""
     from mlora_lab.sources import SourceError, source_name, source_rows
 
     where = source_name(source)
@@ -440,7 +446,9 @@ def scan_pairs(source: Any) -> tuple[list[str], list[dict], str | None]:
             if not found:
                 row = {k: v for k, v in row.items() if v is not None} if isinstance(row, dict) else row
                 fmt, found = row_format(row)
-                if fmt is not None and not found:
+                if fmt is not None and fmt.startswith("unpaired") and not unpaired and not found:
+                    found = [UNPAIRED_REFUSED]
+                elif fmt is not None and not found:
                     if first is None:
                         first = (r.label, fmt)
                     elif fmt != first[1]:
@@ -472,13 +480,8 @@ def read_pairs(source: Any, tokenizer: Any, seq_len: int) -> list[PairIds]:
 
     from mlora_lab.sources import source_name
 
-    problems, rows, fmt = scan_pairs(source)
+    problems, rows, _ = scan_pairs(source)
     where = source_name(source)
-    if not problems and fmt is not None and fmt.startswith("unpaired"):
-        problems.append(
-            f"{where}: rows are KTO's unpaired {{'prompt', 'completion', 'label'}}, but a preference tenant "
-            "trains on pairs {'prompt', 'chosen', 'rejected'}"
-        )
     if problems:
         raise DataError(problems, header=f"bad preference data {where}")
     pairs = [tokenize_pair(row, tokenizer) for row in rows]
