@@ -5,6 +5,9 @@
   the module says which counts to pass);
 - :mod:`mlora_lab.rl.preference`: the DPO family's losses (TRL 1.16.0's ``DPOTrainer`` loss types,
   f-divergences, LD-DPO, WPO) and TRL's reward metrics, from sequence log-probs of a pair batch;
+- :mod:`mlora_lab.rl.preference_free`: the losses without a pair's reference or without pairs, as TRL 1.16.0's
+  trainers compute them: ORPO's odds ratio, CPO's (with SimPO and AlphaPO), KTO's unpaired loss with its KL
+  estimate, and each trainer's metrics;
 - :mod:`mlora_lab.rl.preference_ref`: a pair's reference log-probs from the shared base (the tenant's delta
   off, or its init adapter), computed once per row and cached by row id;
 - :mod:`mlora_lab.rl.pairs`: preference rows (paired, implicit prompt, KTO's unpaired; text or chat)
