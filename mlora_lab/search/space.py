@@ -27,8 +27,11 @@ SEARCHABLE = (
     "batch_size",
     "grad_accum",
     "seed",
+    "pref.beta",
+    "pref.label_smoothing",
 )
-"""Tenant fields a search may vary."""
+"""Tenant fields a search may vary; ``pref.<field>`` is a field of a preference tenant's
+:class:`~mlora_lab.spec.parts.Preference` (a β sweep: ten DPO variants on one base)."""
 
 PBT_SEARCHABLE = ("lr", "weight_decay", "max_grad_norm")
 """What PBT may vary: settings of the optimiser, which can change while a member trains."""

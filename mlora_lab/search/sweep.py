@@ -38,10 +38,26 @@ class Sweep:
     prefix: str = "trial-"
 
     def trial_tenant(self, trial_id: int, config: dict[str, Any]) -> Any:
-        """The tenant of trial ``trial_id`` with ``config``."""
-        return dataclasses.replace(
-            self.base, name=f"{self.prefix}{trial_id:03d}", max_steps=self.budget, **_tenant_values(config)
+        """The tenant of trial ``trial_id`` with ``config`` (``pref.beta``: the ``beta`` of its ``pref``; a
+        base tenant without one keeps none, which validation refuses: :func:`nested_problems`)."""
+        values = _tenant_values(config)
+        nested = {k.split(".", 1)[1]: values.pop(k) for k in list(values) if k.startswith("pref.")}
+        tenant = dataclasses.replace(
+            self.base, name=f"{self.prefix}{trial_id:03d}", max_steps=self.budget, **values
         )
+        if nested and tenant.pref is not None:
+            tenant = dataclasses.replace(tenant, pref=dataclasses.replace(tenant.pref, **nested))
+        return tenant
+
+    def nested_problems(self) -> list[str]:
+        """A ``pref.<field>`` in the space of a base tenant that is not a preference tenant."""
+        named = sorted(k for k in self.space if isinstance(k, str) and k.startswith("pref."))
+        if named and getattr(self.base, "pref", None) is None:
+            return [
+                f"search space {', '.join(named)}: the base tenant {self.base.name!r} has no pref (it is not a "
+                "preference tenant); give it pref=ml.Preference(...) or search other fields"
+            ]
+        return []
 
     def trial_id(self, name: str) -> int | None:
         """The trial a tenant name belongs to (None: not a trial of this sweep)."""

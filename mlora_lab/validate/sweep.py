@@ -81,6 +81,7 @@ def sweep_problems(spec: JobSpec, sweep: Any, cache: ValidationCache | None = No
                 Problem(None, "objective", f"objective {metric!r}: the job has no evaluation "
                         f"{metric.split('/')[1]!r} (JobSpec.evals: {', '.join(named) or 'none'})")
             )  # fmt: skip
+    out += [Problem(None, "search", p) for p in sweep.nested_problems()]
     if any(p.field == "search" for p in out):
         return out
     validator = Validator(cache or ValidationCache())

@@ -371,3 +371,38 @@ def test_two_ranks_equal_one(layout, pref_one_process, llama_path, tmp_path):
     for name in ("a", "b"):
         tensors = read_adapter(run.adapter_path(name))[1]
         assert max_diff(tensors, trainer.model.tenant_tensors(name)) <= TOL, name
+
+
+def test_an_in_job_search_sweeps_beta_of_dpo_tenants(llama_path, tmp_path):
+    """``pref.beta`` in a sweep's space: each trial is the base preference tenant with its own β, the trials
+    train side by side on one base, and each equals that tenant trained alone."""
+    from test_search_job import search_state
+
+    import mlora_lab as ml
+    from mlora_lab.rundir import RunDir, atomic_write_json
+    from mlora_lab.search import Objective, Sweep, choice
+
+    data, adapter = pair_file(tmp_path), init_adapter(llama_path, tmp_path)
+    base = pref_tenant("base", data, adapter, Preference(reference="base"))
+    sweep = Sweep(
+        base, {"pref.beta": choice(0.05, 0.5)}, ml.Grid(), budget=3, objective=Objective("train_loss")
+    )
+    spec = job(llama_path, [], slot_modules=TARGETS, output_dir=str(tmp_path / "run"))
+    run = RunDir(tmp_path / "run").create()
+    spec.to_json(run.job)
+    atomic_write_json(run.root / "sweep.json", sweep.to_dict())
+    tr = Trainer(spec, tmp_path / "run")
+    tr.train(idle_s=0.01)
+    tr.close()
+    trials = {t["id"]: t for t in search_state(tmp_path / "run")["trials"]}
+    assert [trials[i]["state"] for i in (0, 1)] == ["finished", "finished"]
+    for i, beta in enumerate((0.05, 0.5)):
+        alone = Trainer(job(llama_path, [sweep.trial_tenant(i, {"pref.beta": beta})], slot_modules=TARGETS))
+        alone.train()
+        assert alone.tenants[f"trial-00{i}"].spec.pref.beta == beta
+        assert tr.losses(f"trial-00{i}") == pytest.approx(alone.losses(f"trial-00{i}"), abs=TOL)
+    from mlora_lab.validate import sweep_problems
+
+    sft = Sweep(ml.Tenant(name="s", data=data), {"pref.beta": choice(0.1, 1.0)}, ml.Grid(), budget=2)
+    problems = [str(p) for p in sweep_problems(job(llama_path, []), sft)]
+    assert any("search space pref.beta: the base tenant 's' has no pref" in p for p in problems), problems
