@@ -38,7 +38,14 @@ from mlora_lab.lab.plotting import (
     style_axes,
     thin_with_breaks,
 )
-from mlora_lab.lab.records.series import METRICS, RL_METRICS, X_AXES, RunSeries, to_datetimes
+from mlora_lab.lab.records.series import (
+    METRICS,
+    PREFERENCE_METRICS,
+    RL_METRICS,
+    X_AXES,
+    RunSeries,
+    to_datetimes,
+)
 from mlora_lab.lab.records.usage import latest_usage, usage_totals
 from mlora_lab.lab.runs.attach import RunLike, as_runs
 from mlora_lab.lab.runs.run import DEFAULT_WORKDIR, Run
@@ -66,6 +73,8 @@ SUMMARY_COLUMNS = [
     "best_eval_loss",
     "reward",
     "first_loss",
+    "rewards/accuracies",
+    "rewards/margins",
     "lr",
     "rank",
     "alpha",
@@ -82,6 +91,9 @@ SUMMARY_COLUMNS = [
 ]
 """What people run :func:`summary` for comes first (a notebook shows the first and last ten columns of a
 wide table and hides the middle behind "…"): state, steps, losses; then the settings."""
+PREFERENCE_SHOWN = ("rewards/accuracies", "rewards/margins")
+"""What :func:`summary` shows of a preference tenant (``Tenant.pref``): its latest of these two of
+:data:`~mlora_lab.lab.records.series.PREFERENCE_METRICS`, under TRL's names."""
 SETTINGS = (
     "rank",
     "alpha",
@@ -149,9 +161,9 @@ LOSSES = ("final_loss", "best_smoothed_loss", "first_loss")
 class SummaryFrame(FittedFrame):
     """:func:`summary`'s table: a DataFrame of every column, shown fitted (:mod:`mlora_lab.lab.tables`):
     losses and rewards with 4 decimals (never in scientific notation for a tiny value), counts as whole
-    numbers, settings as written; the eval and reward columns only where some tenant has them, and, for
-    tenants that all learn from rewards, their rewards without their losses (a GRPO loss says nothing of
-    how well a tenant does: its reward does)."""
+    numbers, settings as written; the eval, reward and preference columns only where some tenant has them,
+    and, for tenants that all learn from rewards, their rewards without their losses (a GRPO loss says
+    nothing of how well a tenant does: its reward does)."""
 
     VIEW = (
         Shown("run", "run", keep=11),
@@ -165,6 +177,8 @@ class SummaryFrame(FittedFrame):
         Shown("best_eval_loss", "best held-out", decimals(), keep=4, optional=True),
         Shown("reward", "reward", decimals(), keep=8, optional=True),
         Shown("first_loss", "first loss", decimals(), keep=3),
+        Shown("rewards/accuracies", "rewards/accuracies", decimals(), keep=7, optional=True),
+        Shown("rewards/margins", "rewards/margins", decimals(), keep=7, optional=True),
         Shown("lr", "lr", general, keep=6),
         Shown("rank", "rank", whole, keep=6),
         Shown("alpha", "alpha", general, keep=3),
@@ -289,7 +303,11 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
       (the lowest point of its smoothed train loss: the EMA the dashboard draws, factor
       :data:`~mlora_lab.lab.plotting.SMOOTHING`; one lucky batch cannot set it), ``eval_loss`` and
       ``best_eval_loss`` (the held-out loss: the last and the lowest of its ``eval`` rows), ``reward`` (an
-      RL tenant's latest logged mean reward; NaN for an SFT tenant), ``first_loss``;
+      RL tenant's latest logged mean reward; NaN for an SFT tenant), ``first_loss``, and a preference
+      tenant's (``Tenant.pref``) latest ``rewards/accuracies`` and ``rewards/margins`` as TRL's DPOTrainer
+      logs them (the share of the window's pairs whose chosen answer the adapter prefers over the rejected
+      one more than the reference does, and the mean of that difference in implicit rewards; NaN for
+      other tenants);
     - its settings: ``lr``, ``rank``, ``alpha``, ``schedule``, ``warmup`` (steps), ``dropout``,
       ``batch_size``, ``grad_accum``, ``targets`` (target modules, then target parameters, comma-joined);
     - ``rows`` of its data and target ``tokens`` trained on, ``time_s`` from its first to its last logged
@@ -331,6 +349,7 @@ def summary(runs: RunLike | Sequence[RunLike]) -> pd.DataFrame:
                     "eval_loss": heldout["loss"].iloc[-1] if len(heldout) else None,
                     "best_eval_loss": heldout["loss"].min() if len(heldout) else None,
                     "reward": _last_value(train, "reward"),
+                    **{m: _last_value(train, m) for m in PREFERENCE_SHOWN},
                     "rows": _last_count(train, "rows_seen"),
                     "tokens": tokens,
                     "time_s": _seconds(train["time"]) if "time" in train else 0.0,  # (no rows: no column)
@@ -401,6 +420,16 @@ def _last_value(train: pd.DataFrame, column: str) -> float:
     return float(values.iloc[-1]) if len(values) else float("nan")
 
 
+KIND_METRICS = {
+    **dict.fromkeys(
+        RL_METRICS, f"only RL tenants, Tenant.rl, log {', '.join(RL_METRICS)}; kl only with beta > 0"
+    ),
+    **dict.fromkeys(
+        PREFERENCE_METRICS, f"only preference tenants, Tenant.pref, log {', '.join(PREFERENCE_METRICS)}"
+    ),
+}
+"""The metrics only one kind of tenant logs, and what :func:`compare` says when no tenant of the runs has
+one (an SFT tenant has none of them)."""
 COMPARE_POINTS = 4000
 """Points per line in a comparison figure: longer series are thinned, keeping each bucket's min and max."""
 
@@ -420,7 +449,10 @@ def compare(
     ``metric`` is one of ``loss``, ``eval_loss``, ``lr``, ``grad_norm``, ``tokens``, an evaluation's score
     ``eval/<name>/<metric>`` (``JobSpec.evals``; the base model is drawn too, as ``base``), or what RL tenants
     log (:data:`~mlora_lab.lab.records.series.RL_METRICS`: ``reward``, ``reward_std``, ``completion_len``, ``kl``,
-    ``clip_ratio``; SFT tenants have none and are not drawn for them); ``x`` one of
+    ``clip_ratio``), or what preference tenants (``Tenant.pref``) log, as TRL's DPOTrainer names them
+    (:data:`~mlora_lab.lab.records.series.PREFERENCE_METRICS`: ``rewards/chosen``, ``rewards/rejected``,
+    ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; other tenants have none
+    of these two kinds and are not drawn for them); ``x`` one of
     ``tenant step`` (default), ``global step``, ``tokens`` (the tenant's target tokens seen so far),
     ``wall time``, ``relative time`` (seconds since the run's first row); ``tenants`` limits the
     tenants drawn (default: all). Each (run, tenant) has its own colour, the same as in the dashboard
@@ -431,8 +463,8 @@ def compare(
     stopped and resumed (on time axes), and a series of a few points has markers.
 
     A run with no value of ``metric`` for the tenants asked (no held-out rows for ``eval_loss``, say) is
-    left out with a warning naming it; an RL metric that no run has at all (no RL tenant) is a
-    ``ValueError`` naming the metrics they have.
+    left out with a warning naming it; an RL or preference metric that no run has at all (no tenant of that
+    kind) is a ``ValueError`` naming the metrics they have.
     """
     if metric not in METRICS and not metric.startswith("eval/"):
         raise ValueError(
@@ -475,13 +507,11 @@ def _overlay(
     feeds = [RunSeries(run.dir, run_name(run.path, taken)) for run in runs]
     for feed in feeds:
         feed.poll()
-    if metric in RL_METRICS and not any(feed.has(metric) for feed in feeds):
+    kind = KIND_METRICS.get(metric)
+    if kind is not None and not any(feed.has(metric) for feed in feeds):
         # one error rather than a warning per run and an empty figure: nothing could be drawn
         have = [m for m in METRICS if any(m in feed.metric_names() for feed in feeds)]
-        raise ValueError(
-            f"no {metric!r} values in these runs (only RL tenants, Tenant.rl, log {', '.join(RL_METRICS)}; "
-            f"kl only with beta > 0); choose from {have}"
-        )
+        raise ValueError(f"no {metric!r} values in these runs ({kind}); choose from {have}")
     titles = run_titles([(feed.title, feed.name) for feed in feeds])
     set_x_axis(ax, x)
     missing = []

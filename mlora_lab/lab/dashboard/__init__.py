@@ -5,6 +5,7 @@
 - :mod:`.progress`: the header and the tenants' progress rows;
 - :mod:`.figures` and :mod:`.system`: the loss, lr + grad-norm and system figures, and the hover readout;
 - :mod:`.rl`: RL tenants' reward panel and recent samples (made only when a run has RL rows);
+- :mod:`.preference`: preference tenants' reward margins and accuracies (made only when a run has their rows);
 - :mod:`.panels`: those figures as one view's, and which of them to redraw when;
 - :mod:`.outputs`: the logs tab and export;
 - :mod:`.sweep`: a search's view (trials table, config → objective);

@@ -16,8 +16,9 @@ filterable runs table to pick from (:mod:`.table`); per tenant a progress row (s
 ETA, the reason of a failure: :mod:`.progress`); the loss (train lines, smoothed over a faded raw
 line, and eval dots) against the tenant step, the global step, tokens seen, the wall clock or the
 time since the run started; for RL tenants their reward, and their latest sampled completions with
-their rewards (:mod:`.rl`: shown only when a run has RL rows); tabs with memory per rank, CPU/GPU
-utilisation, throughput and each tenant's adapter + optimiser memory (:mod:`.system`); learning rate
+their rewards (:mod:`.rl`: shown only when a run has RL rows); for preference tenants their reward
+margins and accuracies (:mod:`.preference`: shown only when a run has such rows); tabs with memory per
+rank, CPU/GPU utilisation, throughput and each tenant's adapter + optimiser memory (:mod:`.system`); learning rate
 and gradient norm (:mod:`.figures`); a live tail of each rank's log; export of the figures (PNG, SVG)
 and of the shown tenants' metrics (CSV) (:mod:`.outputs`). What it shows is computed without widgets
 (:mod:`.model`), and its figures are redrawn together (:mod:`.panels`).
@@ -141,6 +142,7 @@ class Dashboard:
         p = self.panels  # the figures a notebook reaches on the dashboard itself
         self.loss, self.optim, self.system = p.loss, p.optim, p.system
         self.rl_views, self.eval_views, self.hover = p.rl_views, p.eval_views, p.hover
+        self.preference_views = p.preference_views
         # a new scale re-fits y even where the user zoomed (before the redraw)
         self.logy.observe(lambda _: self.loss.ax.set_autoscaley_on(True), names="value")
         self.logs = LogTab(self._quieted)
@@ -169,6 +171,7 @@ class Dashboard:
                 *figure,
                 self.eval_views.box,
                 self.rl_views.box,
+                self.preference_views.box,
                 self.tabs,
             ]
         )
@@ -459,7 +462,8 @@ class Dashboard:
         self.panels.update(self._scene(), shown, force)
 
     def redraw(self, figures: Sequence[str] = ("loss", "optim", "system")) -> None:
-        """Redraw these figures now (``loss``, ``optim``, ``system``; ``reward`` once it is shown)."""
+        """Redraw these figures now (``loss``, ``optim``, ``system``; ``reward``, ``preference`` once
+        shown)."""
         with self._lock:
             self.panels.redraw(self._scene(), figures)
 

@@ -1,7 +1,8 @@
 """The dashboard's figures as one: the loss figure, the tabs' lr + grad-norm and system figures, RL
-tenants' views (:mod:`.rl`) and the evaluations' scores (:mod:`.evals`), sharing one hover readout and one smoother; which of them to redraw when
-(only what changed: the loss figure at once, the tabs' figures at a slower pace), their x axis, the
-readout of a point, and following the data again after a zoom.
+tenants' views (:mod:`.rl`), preference tenants' (:mod:`.preference`) and the evaluations' scores
+(:mod:`.evals`), sharing one hover readout and one smoother; which of them to redraw when (only what
+changed: the loss figure at once, the tabs' figures at a slower pace), their x axis, the readout of a
+point, and following the data again after a zoom.
 
 Built with the view's model and the drawing lock (:data:`~mlora_lab.lab.plotting.DRAWING`, which the
 figures' canvases take for a browser's frame request); the callers hold that lock around every draw.
@@ -20,6 +21,7 @@ from matplotlib.figure import Figure
 from mlora_lab.lab.dashboard.evals import EvalViews
 from mlora_lab.lab.dashboard.figures import Hover, LossFigure, OptimFigure, Panel, Scene, Smoother
 from mlora_lab.lab.dashboard.model import ViewModel
+from mlora_lab.lab.dashboard.preference import PreferenceViews
 from mlora_lab.lab.dashboard.rl import RLViews
 from mlora_lab.lab.dashboard.system import SystemFigure
 
@@ -31,7 +33,7 @@ cell ends, so a figure drawn only once its tab is picked would stay empty meanwh
 
 class Panels:
     """The figures of one view: :attr:`loss`, :attr:`optim` and :attr:`system` (made at once, on the x
-    axis ``x``) and :attr:`rl_views` (its panel made when a run first has RL rows)."""
+    axis ``x``), :attr:`rl_views` and :attr:`preference_views` (each made when a run first has such rows)."""
 
     def __init__(self, model: ViewModel, interactive: bool, lock: threading.RLock, x: str) -> None:
         self.model = model
@@ -41,6 +43,8 @@ class Panels:
         self.system = SystemFigure(interactive, lock, self.hover, smoother)
         self.rl_views = RLViews(interactive, lock, self.hover, smoother)
         """The reward panel and the recent samples of RL tenants (made when a run first has RL rows)."""
+        self.preference_views = PreferenceViews(interactive, lock, self.hover, smoother)
+        """The margins and accuracies of preference tenants (made when a run first has their rows)."""
         self.eval_views = EvalViews(interactive, lock, self.hover, smoother)
         """The evaluations' scores (made when a run first has an evaluation row, ``JobSpec.evals``)."""
         self._drawn: dict[str, tuple] = {}
@@ -49,7 +53,14 @@ class Panels:
 
     def all(self) -> tuple[Panel, ...]:
         """Every figure made so far."""
-        return self.loss, self.optim, self.system, *self.rl_views.panels(), *self.eval_views.panels()
+        return (
+            self.loss,
+            self.optim,
+            self.system,
+            *self.rl_views.panels(),
+            *self.preference_views.panels(),
+            *self.eval_views.panels(),
+        )
 
     @property
     def readouts(self) -> dict[Figure, W.HTML]:
@@ -77,6 +88,7 @@ class Panels:
             self.loss.show()
             self._drawn["loss"] = version
         self.rl_views.update(scene, self.model, force)  # (an SFT-only view: two flags read, nothing drawn)
+        self.preference_views.update(scene, force)  # (without preference tenants: a counter per run read)
         self.eval_views.update(scene, force)  # (without evaluations: a counter per run read)
         now = time.monotonic()
         for name, panel in (("system", self.system), ("optim", self.optim)):
@@ -90,10 +102,13 @@ class Panels:
                 self._tab_drawn[name] = now
 
     def redraw(self, scene: Scene, figures: Sequence[str]) -> None:
-        """Redraw these figures now (``loss``, ``optim``, ``system``; ``reward`` and ``evals`` once shown)."""
+        """Redraw these figures now (``loss``, ``optim``, ``system``; ``reward``, ``preference`` and ``evals``
+        once shown)."""
         panels = {"loss": self.loss, "optim": self.optim, "system": self.system}
         if self.rl_views.figure is not None:
             panels["reward"] = self.rl_views.figure
+        if self.preference_views.figure is not None:
+            panels["preference"] = self.preference_views.figure
         if self.eval_views.figure is not None:
             panels["evals"] = self.eval_views.figure
         for name in figures:
@@ -101,12 +116,15 @@ class Panels:
             panels[name].show()
 
     def exported(self, scene: Scene) -> list[tuple[str, Figure]]:
-        """Every figure drawn for ``scene``, by the name its files get (``reward`` with RL tenants)."""
+        """Every figure drawn for ``scene``, by the name its files get (``reward`` with RL tenants,
+        ``preference`` with preference tenants)."""
         for panel in self.all():
             panel.draw(scene)
         drawn = [("loss", self.loss.fig), ("optim", self.optim.fig), ("system", self.system.fig)]
         if self.rl_views.figure is not None and self.model.rewarded(scene.chosen):
             drawn.append(("reward", self.rl_views.figure.fig))
+        if self.preference_views.figure is not None and self.preference_views.shown:
+            drawn.append(("preference", self.preference_views.figure.fig))
         if self.eval_views.figure is not None and self.eval_views.shown:
             drawn.append(("evals", self.eval_views.figure.fig))
         return drawn

@@ -55,6 +55,20 @@ target tokens seen so far, the wall clock, or seconds since the run's first row.
 TIME_AXES = ("wall time", "relative time")
 RL_METRICS = ("reward", "reward_std", "completion_len", "kl", "clip_ratio")
 """What an RL tenant's train rows add (:class:`~mlora_lab.rundir.TrainRow`); an SFT tenant has none."""
+PREFERENCE_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+"""What a preference tenant's train rows carry in their ``extra`` (``Tenant.pref``; named as TRL's DPOTrainer
+logs them): with ``r_c = beta (log pi(y_c|x) - log pi_ref(y_c|x))`` and ``r_r`` the same of the rejected
+answer, the means over the window's pairs of ``r_c``, ``r_r``, ``[r_c > r_r]``, ``r_c - r_r``, and of the
+policy's ``log pi(y_c|x)``, ``log pi(y_r|x)``. Other tenants have none."""
+PREFERENCE_MARK = "rewards/margins"
+"""The key of a train row's ``extra`` that makes it a preference tenant's row (every such row has it)."""
 METRICS = {
     "loss": "train",
     "eval_loss": "heldout",  # (the held-out loss, of the run directory's ``eval`` rows)
@@ -62,9 +76,10 @@ METRICS = {
     "grad_norm": "train",
     "tokens": "train",
     **dict.fromkeys(RL_METRICS, "rl"),
+    **dict.fromkeys(PREFERENCE_METRICS, "named"),
 }
 """Metrics a tenant has, and the rows they come from (``heldout``: the held-out loss rows; ``rl``: the train
-rows of an RL tenant)."""
+rows of an RL tenant; ``named``: a train row's ``extra``, here a preference tenant's)."""
 RECENT_SAMPLES = 16
 """Completion rows kept per tenant (the latest ones): the dashboard shows a few of them."""
 
@@ -313,8 +328,9 @@ class TenantSeries:
         self.samples: deque[CompletionRow] | None = None
         """Its latest :data:`RECENT_SAMPLES` completion rows, oldest first (None: it has none)."""
         self.named: dict[str, Columns] = {}
-        """Its train rows' named metrics (``TrainRow.extra``: ``rewards/<fn>/mean``, ``log_metric``'s), each
-        as columns ``step, tenant_step, tokens, time, value`` from the first row that has it on."""
+        """Its train rows' named metrics (``TrainRow.extra``: ``rewards/<fn>/mean``, ``log_metric``'s, a
+        preference tenant's :data:`PREFERENCE_METRICS`), each as columns ``step, tenant_step, tokens, time,
+        value`` from the first row that has it on."""
         self.warning: str | None = None
         """Its latest ``warning`` (it trains on nothing: flat rewards, every completion masked)."""
 
@@ -368,6 +384,11 @@ class TenantSeries:
         self._reward_ema, smoothed = _ema_step(self._reward_ema, r.reward)
         if smoothed is not None:
             self.best_reward = smoothed if self.best_reward is None else max(self.best_reward, smoothed)
+
+    @property
+    def preference(self) -> bool:
+        """Whether it learns from preference pairs (its train rows carry :data:`PREFERENCE_METRICS`)."""
+        return PREFERENCE_MARK in self.named
 
     def add_completion(self, r: CompletionRow) -> None:
         if self.samples is None:
@@ -484,6 +505,7 @@ class RunSeries:
         self.tokens_per_s: float | None = None
         self.version = 0  # counts rows taken in: a drawing is stale when it differs
         self.rl_version = 0  # counts RL train rows and completion rows (the reward panel, the samples)
+        self.preference_version = 0  # counts preference tenants' train rows (the preference panel)
         self.rewarded = False  # some tenant has a reward value (the dashboard then shows its panel)
         self.sampled = False  # some tenant has completion rows
         self.usage: dict[
@@ -533,6 +555,8 @@ class RunSeries:
                 if s.rl is not None:
                     self.rl_version += 1
                     self.rewarded = self.rewarded or r.reward is not None
+                elif r.extra and PREFERENCE_MARK in r.extra:  # (an SFT row: one check)
+                    self.preference_version += 1
             elif isinstance(r, HeldoutRow):
                 self.tenant(r.tenant).add_heldout(r)
             elif isinstance(r, SystemRow):
