@@ -406,3 +406,53 @@ def test_an_in_job_search_sweeps_beta_of_dpo_tenants(llama_path, tmp_path):
     sft = Sweep(ml.Tenant(name="s", data=data), {"pref.beta": choice(0.1, 1.0)}, ml.Grid(), budget=2)
     problems = [str(p) for p in sweep_problems(job(llama_path, []), sft)]
     assert any("search space pref.beta: the base tenant 's' has no pref" in p for p in problems), problems
+
+
+def test_add_pause_resume_remove_and_quarantine_a_preference_tenant(llama_path, make_data, tmp_path):
+    """A preference tenant added at step 3 of a running job, paused mid-window and resumed, trains exactly as
+    alone; one whose adapter blows up is quarantined alone (the others exactly as without it); a removed one's
+    adapter is saved."""
+    from test_lifecycle import corrupted_adapter
+
+    from mlora_lab.lora import read_adapter
+    from mlora_lab.rundir import control
+
+    data, adapter = pair_file(tmp_path), init_adapter(llama_path, tmp_path)
+    sft = Tenant(name="s", data=make_data("reverse"), rank=4, lr=5e-3, batch_size=2, max_steps=14, seed=1)
+    p = pref_tenant("p", data, adapter, Preference(beta=0.2, reference="base"), grad_accum=2, max_steps=4)
+    trainer = Trainer(job(llama_path, [sft], slot_modules=TARGETS), run_dir=tmp_path / "run")
+    for _ in range(3):
+        trainer.step()
+    msg = control.send(trainer.run.root, "add", tenant=p.to_dict())  # (as the lab sends it)
+    trainer.poll()
+    assert control.wait_result(trainer.run.root, msg, timeout=5).step == 3
+    trainer.step()  # p: micro-batch 1 of 2 done
+    assert trainer.tenants["p"].feed.micro == 1
+    trainer.apply_control({"op": "pause", "name": "p"})
+    for _ in range(2):
+        trainer.step()
+    assert trainer.tenants["p"].feed.micro == 1 and trainer.tenants["p"].step == 0
+    trainer.apply_control({"op": "resume", "name": "p"})
+    for _ in range(3):
+        trainer.step()
+    trainer.apply_control({"op": "remove", "name": "s"})
+    assert read_adapter(tmp_path / "run" / "adapters" / "s")[1]
+    trainer.train()
+    alone = Trainer(job(llama_path, [p], slot_modules=TARGETS))
+    alone.train()
+    assert trainer.tenants["p"].state is TenantState.FINISHED
+    assert trainer.losses("p") == pytest.approx(alone.losses("p"), abs=TOL)
+    assert max_diff(trainer.model.tenant_tensors("p"), alone.model.tenant_tensors("p")) <= TOL
+
+    bad_init = corrupted_adapter(llama_path, tmp_path / "corrupt", TARGETS)
+    bad = pref_tenant("bad", data, bad_init, Preference(reference="base"), max_steps=4)
+    good = pref_tenant("good", data, adapter, Preference(beta=0.3, reference="base"), max_steps=4)
+    with_bad = Trainer(job(llama_path, [good, bad], slot_modules=TARGETS))
+    with_bad.train()
+    without = Trainer(job(llama_path, [good], slot_modules=TARGETS))
+    without.train()
+    assert (
+        with_bad.tenants["bad"].state is TenantState.FAILED and "non-finite" in with_bad.tenants["bad"].reason
+    )
+    assert with_bad.losses("good") == pytest.approx(without.losses("good"), abs=1e-6)
+    assert max_diff(with_bad.model.tenant_tensors("good"), without.model.tenant_tensors("good")) <= 1e-6
