@@ -67,6 +67,11 @@ PREFERENCE_LOSS_TYPES = (
 (``sigmoid``: DPO). The maths of each is :mod:`mlora_lab.rl.preference`, whose own list a test keeps equal."""
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 """``Preference.f_divergence_type``: the f-DPO divergences (``reverse_kl``: plain DPO)."""
+PREFERENCE_METHODS = ("dpo", "orpo", "cpo")
+"""``Preference.method``: whose trainer the tenant trains as, TRL 1.16's ``DPOTrainer``, ``ORPOTrainer`` or
+``CPOTrainer`` (CPO, SimPO, AlphaPO); ORPO and CPO have no reference model."""
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+"""``Preference.loss_type`` with ``method="cpo"``: ``CPOTrainer``'s (``simpo``: SimPO, with ``cpo_alpha=0``)."""
 REFERENCES = ("base", "init_adapter")
 """``Preference.reference``: the base with the tenant's delta off, or the tenant's ``init_adapter`` frozen."""
 
@@ -182,7 +187,8 @@ class RL:
 @dataclass
 class Preference:
     """A tenant that learns from preference pairs instead of rows to imitate: DPO and its family, as TRL 1.16's
-    ``DPOTrainer`` computes them (the same names and defaults as its ``DPOConfig``).
+    ``DPOTrainer`` computes them (the same names and defaults as its ``DPOConfig``), or ORPO and CPO/SimPO
+    (``method``), as its ``ORPOTrainer`` and ``CPOTrainer`` do, which need no reference.
 
     The tenant's data rows are pairs in TRL's formats: ``{"prompt", "chosen", "rejected"}`` (texts, or
     conversations as lists of messages) or ``{"chosen", "rejected"}`` (the prompt is their common start). For
@@ -196,11 +202,20 @@ class Preference:
     pair whose prompt alone fills ``seq_len`` is dropped, as TRL drops it."""
 
     # fmt: off
+    method: str = field(default="dpo", metadata=meta(
+        "method", kind="choice", choices=PREFERENCE_METHODS, section="Preference",
+        help="dpo (a reference), orpo or cpo (none)"))
+    """Whose loss: ``"dpo"`` (``DPOTrainer``: the log-ratios to a reference), ``"orpo"`` (``ORPOTrainer``: the
+    chosen answer's NLL over prompt and completion, minus ``β`` times the log-sigmoid of the log odds ratio of the
+    completions' average log-probs) or ``"cpo"`` (``CPOTrainer``: ``loss_type`` sigmoid, hinge, ipo or simpo on
+    the completions' log-probs, plus ``cpo_alpha`` times the chosen completion's NLL). See
+    :mod:`mlora_lab.rl.preference` and :mod:`mlora_lab.rl.preference_free` for the maths."""
     loss_type: str | list[str] = field(default="sigmoid", metadata=meta(
         "loss type", kind="texts", section="Preference", max=len(PREFERENCE_LOSS_TYPES),
         help="TRL's loss_type: sigmoid (DPO), ipo, hinge, robust, ... or a list of them"))
-    """One of :data:`PREFERENCE_LOSS_TYPES`, or a list of them whose losses are summed (``loss_weights``):
-    RPO (TRL's former ``rpo_alpha = α``) is ``["sigmoid", "sft"]`` with weights ``[1, α]``."""
+    """DPO: one of :data:`PREFERENCE_LOSS_TYPES`, or a list of them whose losses are summed (``loss_weights``):
+    RPO (TRL's former ``rpo_alpha = α``) is ``["sigmoid", "sft"]`` with weights ``[1, α]``. CPO: one of
+    :data:`CPO_LOSS_TYPES`. ORPO has one loss: leave it ``"sigmoid"``."""
     loss_weights: list[float] | None = field(default=None, metadata=meta(
         "loss weights", kind="numbers", section="Preference", optional=True, max=len(PREFERENCE_LOSS_TYPES),
         help="one per loss type (default 1 each)"))
@@ -209,7 +224,7 @@ class Preference:
         "beta", kind="float", section="Preference", min=0, min_open=True, max=1000,
         help="how far from the reference the tenant may move"))
     """The inverse temperature ``β`` of the log-ratios (smaller: further from the reference); ``rewards/*``
-    are ``β·u``."""
+    are ``β·u``. ORPO: the weight ``λ`` of its odds-ratio term (``ORPOConfig.beta``)."""
     label_smoothing: float = field(default=0.0, metadata=meta(
         "label smoothing", kind="float", section="Preference", min=0, max=0.5, max_open=True,
         help="assumed share of flipped labels (robust, exo_pair, aot)"))
@@ -236,7 +251,15 @@ class Preference:
         help="base: the base without the adapter; init_adapter: the adapter it starts from"))
     """The reference model: ``"base"`` (the shared base, the delta off) or ``"init_adapter"`` (the tenant's
     ``init_adapter``, frozen as it was before the first step). ``None``: what TRL 1.16 does, the init adapter
-    when the tenant has one (TRL copies a pretrained adapter as its ``"ref"`` adapter), else the base."""
+    when the tenant has one (TRL copies a pretrained adapter as its ``"ref"`` adapter), else the base. DPO only."""
+    cpo_alpha: float = field(default=1.0, metadata=meta(
+        "cpo alpha", kind="float", section="Preference", min=0, max=1000,
+        help="CPO: weight of the chosen answer's NLL (0 for SimPO)"))
+    """CPO: the weight of the chosen completion's NLL term (``CPOConfig.cpo_alpha``; 0 for SimPO)."""
+    simpo_gamma: float = field(default=0.5, metadata=meta(
+        "simpo gamma", kind="float", section="Preference", min=-1000, max=1000,
+        help="SimPO's target reward margin"))
+    """CPO with ``loss_type="simpo"``: the target reward margin ``γ`` (``CPOConfig.simpo_gamma``)."""
     # fmt: on
 
     def reference_of(self, init_adapter: str | None) -> str:

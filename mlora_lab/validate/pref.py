@@ -14,7 +14,7 @@ from typing import Any
 
 from mlora_lab.sources import memory_kind
 from mlora_lab.spec.fields import FieldInfo, fields_info
-from mlora_lab.spec.parts import PREFERENCE_LOSS_TYPES, Preference
+from mlora_lab.spec.parts import CPO_LOSS_TYPES, PREFERENCE_LOSS_TYPES, Preference
 from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief, is_finite
 from mlora_lab.validate.context import Context, got, usable_path
@@ -38,22 +38,13 @@ def check_pref_fields(ctx: Context, t: Tenant, check_field: Any) -> bool:
     for name, info in fields_info(Preference):
         value, label = getattr(pref, name), f"pref.{name}"
         if name == "loss_type":
-            ok[name] = _loss_types(ctx, t, value, label)
+            ok[name] = _loss_types(ctx, t, value, label, pref.method)
         elif name == "loss_weights":
             ok[name] = _weights(ctx, t, value, info, label)
         else:
             ok[name] = check_field(ctx, t, "pref", value, info, label=label)
     if all(ok.values()):
-        from mlora_lab.rl.preference import check_options  # (the engine's refusals: it imports torch)
-
-        for problem in check_options(
-            pref.loss_types,
-            pref.loss_weights,
-            beta=pref.beta,
-            label_smoothing=pref.label_smoothing,
-            f_divergence=pref.f_divergence_type,
-            ld_alpha=pref.ld_alpha,
-        ):
+        for problem in _option_problems(pref):
             ctx.say(t, "pref", f"pref: {problem}")
     if t.rl is not None:
         ctx.say(t, "pref", "a tenant learns from rewards (rl) or from preference pairs (pref), not both")
@@ -87,18 +78,72 @@ def check_pref_fields(ctx: Context, t: Tenant, check_field: Any) -> bool:
     return len(ctx.out) == before
 
 
-def _loss_types(ctx: Context, t: Tenant, v: Any, label: str) -> bool:
+def _option_problems(pref: Preference) -> list[str]:
+    """The options together, by the engine's own checks (they import torch), and what does not apply to the
+    method (a reference for ORPO or CPO, several loss types outside DPO, ...)."""
+    from mlora_lab.rl import preference, preference_free
+
+    if pref.method == "dpo":
+        return preference.check_options(
+            pref.loss_types,
+            pref.loss_weights,
+            beta=pref.beta,
+            label_smoothing=pref.label_smoothing,
+            f_divergence=pref.f_divergence_type,
+            ld_alpha=pref.ld_alpha,
+        )
+    problems = []
+    if pref.method == "orpo":
+        problems += preference_free.check_orpo_options(beta=pref.beta)
+        if pref.loss_types != ["sigmoid"]:
+            problems.append(
+                f"orpo has one loss, its odds ratio: leave loss_type unset (got {pref.loss_type!r})"
+            )
+        if pref.label_smoothing:
+            problems.append("orpo has no label_smoothing; leave it 0")
+    else:
+        if len(pref.loss_types) > 1:
+            problems.append("cpo takes one loss_type (a list of them is DPO's)")
+        else:
+            problems += preference_free.check_cpo_options(
+                pref.loss_types[0],
+                beta=pref.beta,
+                label_smoothing=pref.label_smoothing,
+                cpo_alpha=pref.cpo_alpha,
+            )
+    unused = [
+        name
+        for name, value, default in (
+            ("reference", pref.reference, None),
+            ("loss_weights", pref.loss_weights, None),
+            ("ld_alpha", pref.ld_alpha, None),
+            ("f_divergence_type", pref.f_divergence_type, "reverse_kl"),
+        )
+        if value != default
+    ]
+    if unused:
+        problems.append(
+            f"{', '.join(unused)} {'apply' if len(unused) > 1 else 'applies'} to DPO only: {pref.method} has no "
+            f"reference model; leave {'them' if len(unused) > 1 else 'it'} unset"
+        )
+    return problems
+
+
+def _loss_types(ctx: Context, t: Tenant, v: Any, label: str, method: Any = "dpo") -> bool:
     values = v if isinstance(v, list | tuple) else [v]
     if not values or not all(isinstance(x, str) and x for x in values):
         ctx.say(t, "pref", f"{label} must be a loss type or a non-empty list of them ({got(v)})")
         return False
-    unknown = [x for x in values if x not in PREFERENCE_LOSS_TYPES]
-    if unknown:
+    offered, whose = (
+        (CPO_LOSS_TYPES, "CPOTrainer") if method == "cpo" else (PREFERENCE_LOSS_TYPES, "DPOTrainer")
+    )
+    unknown = [x for x in values if x not in offered]
+    if unknown and method != "orpo":  # (orpo's one loss: said with the options)
         ctx.say(
             t,
             "pref",
             f"{label}: unknown loss type(s) {', '.join(brief(x) for x in unknown)}; offered (TRL 1.16's "
-            f"DPOTrainer): {', '.join(PREFERENCE_LOSS_TYPES)}",
+            f"{whose}): {', '.join(offered)}",
         )
         return False
     if len(set(values)) != len(values):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -456,3 +457,87 @@ def test_add_pause_resume_remove_and_quarantine_a_preference_tenant(llama_path, 
     )
     assert with_bad.losses("good") == pytest.approx(without.losses("good"), abs=1e-6)
     assert max_diff(with_bad.model.tenant_tensors("good"), without.model.tenant_tensors("good")) <= 1e-6
+
+
+def free_trl_run(base: str, data: str, adapter: str, t: Tenant, out: Path) -> tuple[Any, list[dict]]:
+    """TRL's ORPOTrainer or CPOTrainer (``trl.experimental``) on the same rows, order, AdamW and steps as ``t``."""
+    import transformers
+
+    with (
+        mock.patch("transformers.integrations.is_trackio_available", return_value=False),
+        mock.patch("transformers.integrations.integration_utils.is_trackio_available", return_value=False),
+    ):
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+    pref = t.pref
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    common = dict(
+        output_dir=str(out),
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.grad_accum,
+        max_steps=t.max_steps,
+        learning_rate=t.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_epsilon=t.eps,
+        max_grad_norm=0.0,
+        train_sampling_strategy="sequential",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        max_length=64,
+        beta=pref.beta,
+    )
+    if pref.method == "orpo":
+        config, trainer_class = ORPOConfig(**common), ORPOTrainer
+    else:
+        config = CPOConfig(
+            **common,
+            loss_type=pref.loss_types[0],
+            label_smoothing=pref.label_smoothing,
+            cpo_alpha=pref.cpo_alpha,
+            simpo_gamma=pref.simpo_gamma,
+        )
+        trainer_class = CPOTrainer
+    rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
+    tok = transformers.AutoTokenizer.from_pretrained(base)
+    trainer = trainer_class(
+        model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tok
+    )
+    trainer.train()
+    return trainer, [h for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize(
+    "pref",
+    [
+        Preference(method="orpo", beta=0.3),
+        Preference(method="cpo", beta=0.3),
+        Preference(method="cpo", loss_type="simpo", beta=2.0, cpo_alpha=0.0, simpo_gamma=0.4),
+        Preference(method="cpo", loss_type="ipo", beta=0.3, cpo_alpha=0.5),
+    ],
+    ids=["orpo", "cpo", "simpo", "cpo-ipo"],
+)
+def test_orpo_and_cpo_tenants_equal_trls_trainers(pref, llama_path, tmp_path):
+    """Without a reference: ORPO (its odds ratio and the chosen NLL over prompt and completion) and CPO/SimPO
+    equal TRL's ORPOTrainer and CPOTrainer over 3 steps of 2 micro-batches: losses, TRL's metrics, adapters."""
+    data, adapter = pair_file(tmp_path), init_adapter(llama_path, tmp_path)
+    t = pref_tenant("p", data, adapter, pref, grad_accum=2, max_steps=3)
+    trainer = Trainer(job(llama_path, [t]))
+    trainer.train()
+    assert trainer.tenants["p"].state is TenantState.FINISHED
+    reference, logs = free_trl_run(llama_path, data, adapter, t, tmp_path / "trl")
+    rows = ours(trainer, "p")
+    assert [r["loss"] for r in rows] == pytest.approx([h["loss"] for h in logs], abs=TOL)
+    names = [m for m in rows[0]["extra"] if m in logs[0]]
+    assert {"rewards/margins", "rewards/accuracies", "nll_loss"} <= set(names)
+    for m in names:
+        assert [r["extra"][m] for r in rows] == pytest.approx([h[m] for h in logs], rel=1e-5, abs=TOL), m
+    diff = max_diff(trainer.model.tenant_tensors("p"), peft_lora_tensors(reference.model))
+    assert diff <= TOL, f"adapters differ by {diff}"

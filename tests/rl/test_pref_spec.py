@@ -46,7 +46,9 @@ def test_preference_settings_round_trip_through_job_json(tmp_path):
     assert saved["loss_type"] == ["sigmoid", "sft"] and saved["beta"] == 0.05 and saved["reference"] is None
     back = JobSpec.load(path).tenants[0].pref
     assert back == pref and back.loss_types == ["sigmoid", "sft"]
-    with pytest.raises(SpecError, match=r"tenants\[0\] \('a'\)\.pref: unknown field 'bta' \(did you mean 'beta'\?\)"):
+    with pytest.raises(
+        SpecError, match=r"tenants\[0\] \('a'\)\.pref: unknown field 'bta' \(did you mean 'beta'\?\)"
+    ):
         JobSpec.from_dict({"base_model": "m", "tenants": [{"name": "a", "data": "p", "pref": {"bta": 1}}]})
 
 
@@ -74,8 +76,14 @@ def test_every_problem_of_every_preference_tenant_at_once(llama_path, tmp_path):
             Tenant(name="unknown", data=good, pref=Preference(loss_type=["sigmoid", "kto"])),
             Tenant(name="beta", data=good, pref=Preference(beta=0.0, label_smoothing=0.7)),
             Tenant(name="exo", data=good, pref=Preference(loss_type="exo_pair")),
-            Tenant(name="fdiv", data=good, pref=Preference(loss_type="bco_pair", f_divergence_type="js_divergence")),
-            Tenant(name="weights", data=good, pref=Preference(loss_type=["sigmoid", "sft"], loss_weights=[1.0])),
+            Tenant(
+                name="fdiv",
+                data=good,
+                pref=Preference(loss_type="bco_pair", f_divergence_type="js_divergence"),
+            ),
+            Tenant(
+                name="weights", data=good, pref=Preference(loss_type=["sigmoid", "sft"], loss_weights=[1.0])
+            ),
             Tenant(name="init", data=good, pref=Preference(reference="init_adapter")),
             Tenant(name="both", data=good, pref=Preference(), rl=ml.RL(reward="r.py:f")),
             Tenant(name="heldout", data=good, heldout_data=good, pref=Preference()),
@@ -120,3 +128,33 @@ def test_packing_and_unpaired_rows_are_refused(llama_path, tmp_path):
 
     with pytest.raises(DataError, match=r"line 1: an unpaired \(KTO\) row"):
         read_pairs(unpaired, None, 64)
+
+
+def test_orpo_and_cpo_options_are_checked_for_their_method(llama_path, tmp_path):
+    good = pairs(tmp_path)
+    spec = JobSpec(
+        base_model=llama_path,
+        tenants=[
+            Tenant(name="orpo", data=good, pref=Preference(method="orpo", loss_type="ipo", reference="base")),
+            Tenant(name="cpo", data=good, pref=Preference(method="cpo", loss_type="kto")),
+            Tenant(
+                name="hinge", data=good, pref=Preference(method="cpo", loss_type="hinge", label_smoothing=0.1)
+            ),
+            Tenant(name="many", data=good, pref=Preference(method="cpo", loss_type=["sigmoid", "ipo"])),
+            Tenant(name="kto", data=good, pref=Preference(method="kto")),
+            Tenant(name="fine", data=good, pref=Preference(method="cpo", loss_type="simpo", cpo_alpha=0.0)),
+        ],
+        max_tenants=8,
+    )
+    out = "\n".join(texts(spec))
+    for needle in (
+        "tenant 'orpo': pref: orpo has one loss, its odds ratio: leave loss_type unset (got 'ipo')",
+        "tenant 'orpo': pref: reference applies to DPO only: orpo has no reference model",
+        "tenant 'cpo': pref.loss_type: unknown loss type(s) 'kto'; offered (TRL 1.16's CPOTrainer): sigmoid, "
+        "hinge, ipo, simpo",
+        "tenant 'hinge': pref: hinge ignores label_smoothing",
+        "tenant 'many': pref: cpo takes one loss_type",
+        "tenant 'kto': pref.method must be one of",
+    ):
+        assert needle in out, f"{needle!r} not in:\n{out}"
+    assert "tenant 'fine'" not in out

@@ -53,12 +53,23 @@ from mlora_lab.job.drivers.base import Driver, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rl.pairs import PairIds, pair_sequences, read_pairs
 from mlora_lab.rl.preference import METRICS, preference_loss, sequence_logps
+from mlora_lab.rl.preference_free import (
+    CPO_AVERAGED_LOSS_TYPES,
+    CPO_METRICS,
+    ORPO_METRICS,
+    cpo_loss,
+    masked_logps,
+    orpo_loss,
+    token_mean_nll,
+)
 from mlora_lab.rl.preference_ref import ReferenceCache
 from mlora_lab.spec.parts import Preference
 from mlora_lab.spec.tenant import Tenant
 
 SORTING_OR_BATCH = ("aot", "aot_unpaired", "sft")
 """Loss types that are not a mean of per-pair terms (see the module docstring, "Under D > 1")."""
+METHOD_METRICS = {"dpo": METRICS, "orpo": ORPO_METRICS, "cpo": CPO_METRICS}
+"""What each method logs (TRL's names): DPO's six, ORPO's and CPO's with their NLL and odds terms."""
 
 
 def pairs_digest(pairs: Sequence[PairIds]) -> str:
@@ -71,15 +82,25 @@ def pairs_digest(pairs: Sequence[PairIds]) -> str:
     return h.hexdigest()
 
 
-def pair_examples(pair: PairIds, seq_len: int) -> tuple[Example, Example]:
+def pair_examples(pair: PairIds, seq_len: int, whole_chosen: bool = False) -> tuple[Example, Example]:
     """The chosen and the rejected sequence of a pair as loop rows: prompt + completion cut to ``seq_len``
     (its start kept, as TRL's ``keep_start``), labels the tokens themselves on the completion, ignored on the
-    prompt (the loop's loss at position ``p`` predicts token ``p + 1``, TRL's ``completion_mask[:, 1:]``)."""
+    prompt (the loop's loss at position ``p`` predicts token ``p + 1``, TRL's ``completion_mask[:, 1:]``).
+    ``whole_chosen`` (ORPO, whose NLL covers the chosen prompt too): every token of the chosen row is a label."""
     out = []
-    for s in pair_sequences(pair, seq_len, "keep_start"):
-        labels = [tok if m else IGNORE_INDEX for tok, m in zip(s.input_ids, s.completion_mask, strict=True)]
+    for k, s in enumerate(pair_sequences(pair, seq_len, "keep_start")):
+        whole = whole_chosen and k == 0
+        labels = [
+            tok if m or whole else IGNORE_INDEX for tok, m in zip(s.input_ids, s.completion_mask, strict=True)
+        ]
         out.append(Example(list(s.input_ids), labels))
     return out[0], out[1]
+
+
+def completion_masks(pair: PairIds, seq_len: int) -> tuple[list[int], list[int]]:
+    """The chosen and the rejected sequence's completion masks (1 on a completion token), as cut to ``seq_len``."""
+    chosen, rejected = pair_sequences(pair, seq_len, "keep_start")
+    return chosen.completion_mask, rejected.completion_mask
 
 
 @dataclass
@@ -89,14 +110,20 @@ class PrefFeed:
 
     pairs: list[PairIds]
     examples: list[tuple[Example, Example]]
+    masks: list[tuple[list[int], list[int]]]  # each sequence's completion mask (1 on a completion token)
     stream: TenantStream  # over pair indices
-    reference: ReferenceCache
+    reference: ReferenceCache | None  # (None: ORPO and CPO have no reference)
     digest: str
+    metrics: tuple[str, ...] = METRICS
     micro: int = 0  # micro-batches done in the current window
     window: list[list[int]] = field(default_factory=list)  # [k][B] pair indices
     window_tokens: int = 0  # completion tokens (chosen and rejected) of the window's pairs
-    sums: torch.Tensor = field(default_factory=lambda: torch.zeros(len(METRICS) + 1, dtype=torch.float64))
-    """This process's ``Σ`` of each metric over its pairs of the window, then its pair count."""
+    sums: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    """This process's ``Σ`` of each of ``metrics`` over its pairs of the window, then its pair count."""
+
+    def __post_init__(self) -> None:
+        if self.sums.numel() != len(self.metrics) + 1:
+            self.sums = torch.zeros(len(self.metrics) + 1, dtype=torch.float64)
 
     def reset(self) -> None:
         self.micro = 0
@@ -113,7 +140,7 @@ class PrefFeed:
             "pref_window": self.window,
             "pref_window_tokens": self.window_tokens,
             "pref_sums": self.sums.clone(),
-            "pref_reference": self.reference.state_dict(),
+            "pref_reference": None if self.reference is None else self.reference.state_dict(),
             "pref_digest": self.digest,
         }
 
@@ -131,7 +158,17 @@ class PrefFeed:
         self.window = [[int(i) for i in micro] for micro in s["pref_window"]]
         self.window_tokens = int(s["pref_window_tokens"])
         self.sums = s["pref_sums"].to(torch.float64).clone()
-        self.reference.load_state_dict(s["pref_reference"])
+        if self.reference is not None:
+            self.reference.load_state_dict(s["pref_reference"])
+
+
+def _shifted(masks: Sequence[Sequence[int]], width: int, device: torch.device) -> torch.Tensor:
+    """``[n, width − 1]`` bool: ``out[r, p] = masks[r][p + 1]`` (the loop's ``ℓ[:, p]`` is of token ``p + 1``),
+    False past a row's end."""
+    out = torch.zeros(len(masks), width - 1, dtype=torch.bool)
+    for r, m in enumerate(masks):
+        out[r, : len(m) - 1] = torch.tensor(m[1:], dtype=torch.bool)
+    return out.to(device)
 
 
 class PreferenceDriver(Driver):
@@ -145,23 +182,36 @@ class PreferenceDriver(Driver):
         return tenant.pref is not None and tenant.client is None and tenant.rl is None
 
     def feed(self, tenant: Tenant) -> PrefFeed:
-        e, pref = self.engine, tenant.pref
-        pairs = read_pairs(tenant.data, e.tokenizer, self.spec.seq_len)
-        examples = [pair_examples(p, self.spec.seq_len) for p in pairs]
+        e, pref, L = self.engine, tenant.pref, self.spec.seq_len
+        pairs = read_pairs(tenant.data, e.tokenizer, L)
+        examples = [pair_examples(p, L, whole_chosen=pref.method == "orpo") for p in pairs]
         check_vocab([ex for both in examples for ex in both], e.vocab_rows, str(tenant.data))
-        on_init = pref.reference_of(tenant.init_adapter) == "init_adapter"
-        if on_init and tenant.init_adapter is None:
-            raise DataError(["pref.reference = 'init_adapter' needs an init_adapter"], header="cannot train")
-        reference = ReferenceCache(
-            e.model,
-            pad_token_id=e.pad_id,
-            tenant=tenant.name if on_init else None,
-            ld_alpha=pref.ld_alpha,
-            max_length=self.spec.seq_len,
-        )
+        reference = None
+        if pref.method == "dpo":
+            on_init = pref.reference_of(tenant.init_adapter) == "init_adapter"
+            if on_init and tenant.init_adapter is None:
+                raise DataError(
+                    ["pref.reference = 'init_adapter' needs an init_adapter"], header="cannot train"
+                )
+            reference = ReferenceCache(
+                e.model,
+                pad_token_id=e.pad_id,
+                tenant=tenant.name if on_init else None,
+                ld_alpha=pref.ld_alpha,
+                max_length=L,
+            )
         # (the stream's "examples" are the pairs' indices: it only counts and orders them)
         stream = TenantStream(list(range(len(pairs))), seed=tenant.seed, shuffle=tenant.shuffle)
-        return PrefFeed(pairs, examples, stream, reference, pairs_digest(pairs))
+        masks = [completion_masks(p, L) for p in pairs]
+        return PrefFeed(
+            pairs,
+            examples,
+            masks,
+            stream,
+            reference,
+            pairs_digest(pairs),
+            metrics=METHOD_METRICS[pref.method],
+        )
 
     def _mine(self, tenants: Sequence[TenantRun]) -> list[TenantRun]:
         return [t for t in tenants if isinstance(t.feed, PrefFeed)]
@@ -182,9 +232,7 @@ class PreferenceDriver(Driver):
                     B, k = t.spec.batch_size, t.spec.grad_accum
                     drawn = f.stream.take(B * k)
                     f.window = [drawn[i * B : (i + 1) * B] for i in range(k)]
-                    f.window_tokens = sum(
-                        ex.n_target for i in drawn for ex in f.examples[i]
-                    )  # (the tokens the loss reads)
+                    f.window_tokens = sum(sum(m[1:]) for i in drawn for m in f.masks[i])  # (its completions')
                     f.sums.zero_()
                 except Exception as e:  # (the same on every process: the same stream)
                     failed[t.name] = describe(e)
@@ -208,6 +256,8 @@ class PreferenceDriver(Driver):
         todo: dict[str | None, list[tuple[TenantRun, list[int]]]] = {}
         for t in starting:
             f: PrefFeed = t.feed
+            if f.reference is None:
+                continue
             wanted = (
                 range(len(f.pairs)) if f.reference.tenant is not None else [i for m in f.window for i in m]
             )
@@ -260,11 +310,44 @@ class PreferenceDriver(Driver):
         mine = self._local(f.window[f.micro - 1])
         n = len(mine)
         logps = -token_loss  # [2n, T-1]
-        mask = labels[:, 1:] != IGNORE_INDEX
+        masks = [f.masks[i][0] for i in mine] + [f.masks[i][1] for i in mine]
+        mask = _shifted(masks, labels.shape[1], logps.device)  # [2n, T-1]: ℓ[:, p] is of token p + 1
+        if pref.method == "dpo":
+            loss, metrics = self._dpo(f, pref, mine, logps, mask)
+        elif pref.method == "orpo":
+            whole = (
+                labels[:n, 1:] != IGNORE_INDEX
+            )  # the chosen rows' prompt and completion (attention_mask[:, 1:])
+            average = masked_logps(logps, mask, average=True)
+            loss, metrics = orpo_loss(
+                average[:n], average[n:], token_mean_nll(logps[:n], whole), beta=pref.beta
+            )
+        else:
+            (loss_type,) = pref.loss_types
+            seq = masked_logps(logps, mask, average=loss_type in CPO_AVERAGED_LOSS_TYPES)
+            nll = token_mean_nll(logps[:n], mask[:n]) if pref.cpo_alpha != 0 else None
+            loss, metrics = cpo_loss(
+                seq[:n],
+                seq[n:],
+                nll,
+                loss_type=loss_type,
+                beta=pref.beta,
+                label_smoothing=pref.label_smoothing,
+                cpo_alpha=pref.cpo_alpha,
+                simpo_gamma=pref.simpo_gamma,
+            )
+        f.sums += torch.tensor([float(metrics[m]) * n for m in f.metrics] + [n], dtype=torch.float64)
+        return loss * (n / (t.spec.batch_size * t.spec.grad_accum))
+
+    def _dpo(
+        self, f: PrefFeed, pref: Preference, mine: list[int], logps: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        n = len(mine)
         chosen, rejected = sequence_logps(logps[:n], mask[:n], logps[n:], mask[n:], ld_alpha=pref.ld_alpha)
         ref = torch.tensor([f.reference.values[i] for i in mine], dtype=logps.dtype, device=logps.device)
-        counts = (labels != IGNORE_INDEX).sum(dim=1)  # TRL's unshifted completion_mask
-        loss, metrics = preference_loss(
+        # TRL's unshifted completion_mask counts (a completion token at position 0 counts there, not in ℓ)
+        counts = torch.tensor([sum(m) for m in [f.masks[i][0] for i in mine] + [f.masks[i][1] for i in mine]])
+        return preference_loss(
             chosen,
             rejected,
             ref[:, 0],
@@ -276,19 +359,17 @@ class PreferenceDriver(Driver):
             f_divergence=pref.f_divergence_type,
             f_alpha=pref.f_alpha_divergence_coef,
             discopop_tau=pref.discopop_tau,
-            chosen_tokens=counts[:n],
-            rejected_tokens=counts[n:],
+            chosen_tokens=counts[:n].to(logps.device),
+            rejected_tokens=counts[n:].to(logps.device),
             chosen_token_logps=logps[:n],
             chosen_mask=mask[:n],
         )
-        f.sums += torch.tensor([float(metrics[m]) * n for m in METRICS] + [n], dtype=torch.float64)
-        return loss * (n / (t.spec.batch_size * t.spec.grad_accum))
 
     def stepped(self, t: TenantRun, result: StepResult) -> None:
         f: PrefFeed = t.feed
         sums = self.comm.sum_over_dp(f.sums.clone())  # (every process steps the same tenants, in order)
         count = float(sums[-1])
-        extra = {m: (float(sums[i]) / count if count else None) for i, m in enumerate(METRICS)}
+        extra = {m: (float(sums[i]) / count if count else None) for i, m in enumerate(f.metrics)}
         f.micro = 0
         f.sums.zero_()
         t.tokens_seen += f.window_tokens
