@@ -53,6 +53,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "SweepRun": "mlora_lab.lab.runs.sweep",
     "Tenant": "mlora_lab.spec.tenant",
     "TenantForm": "mlora_lab.lab.forms.builders",
+    "WinRate": "mlora_lab.evals.metrics",
     "attach": "mlora_lab.lab.runs.attach",
     "choice": "mlora_lab.search",
     "compare": "mlora_lab.lab.compare.results",
@@ -77,7 +78,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from mlora_lab.evals import metrics  # noqa: F401
-    from mlora_lab.evals.metrics import Judge  # noqa: F401
+    from mlora_lab.evals.metrics import Judge, WinRate  # noqa: F401
     from mlora_lab.lab.compare.generations import compare_generations  # noqa: F401
     from mlora_lab.lab.compare.hparams import hparams  # noqa: F401
     from mlora_lab.lab.compare.results import compare, runs, summary  # noqa: F401

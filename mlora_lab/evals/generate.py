@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlora_lab.data import DataError, encode_prompt, read_rows
+from mlora_lab.evals.metrics import PEER_COLUMNS, text_of
 from mlora_lab.rl.prompts import EVAL_ROWS, chat_prompt
 from mlora_lab.rl.rewards import RewardBatch, RewardWorker, parse_reward
 from mlora_lab.rundir.evals import EvalExample
@@ -49,12 +50,24 @@ def read_examples(source: Any, tokenizer: Any, limit: int | None = None) -> list
     data", naming every bad row).
 
     A ``messages`` row that ends with the assistant's turn (a supervised chat row) is asked the turns
-    before it, and the assistant's answer becomes its ``reference`` column (unless it has one).
+    before it, and the assistant's answer becomes its ``reference`` column (unless it has one); so does a
+    preference row's ``chosen`` answer (TRL's ``{"prompt", "chosen", "rejected"}``, texts or conversations:
+    the prompt is asked, ``chosen`` and ``rejected`` stay columns). A column named as one of
+    :data:`~mlora_lab.evals.metrics.PEER_COLUMNS` is refused (the evaluation passes those itself).
     ``limit``: the first ``limit`` rows only."""
     try:
         rows = read_rows(source, prompts=EVAL_ROWS)
     except DataError as e:
         raise DataError(e.problems, header=f"bad evaluation data {source_name(source)}") from None
+    taken = [
+        f"{source_name(source)} row {i}: column {k!r} has a name the evaluation itself passes every metric "
+        f"function ({', '.join(PEER_COLUMNS)}): rename the column"
+        for i, row in enumerate(rows)
+        for k in PEER_COLUMNS
+        if k in row
+    ]
+    if taken:
+        raise DataError(taken, header=f"bad evaluation data {source_name(source)}")
     out = []
     for row in rows[:limit]:
         row = dict(row)
@@ -62,6 +75,8 @@ def read_examples(source: Any, tokenizer: Any, limit: int | None = None) -> list
         if row.get("messages") is not None and chat and chat[-1].get("role") == "assistant" and len(chat) > 1:
             row.setdefault("reference", chat[-1].get("content", ""))
             row["messages"] = chat[:-1]
+        if row.get("chosen") is not None and row.get("prompt") is not None:
+            row.setdefault("reference", text_of(row["chosen"]))
         prompt, _, ids = encode_prompt(row, tokenizer)
         columns = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
         out.append(EvalPrompt(prompt, ids, columns))
@@ -102,6 +117,7 @@ def run_eval(
     timeout_s: float = 60.0,
     cwd: str | os.PathLike | None = None,
     any_running: Callable[[bool], bool] | None = None,
+    baselines: Sequence[str] = (),
 ) -> list[EvalExample]:
     """Generate and score: ``models`` are ``(column, tenant of model or None for the base)``; ``metrics``
     are reward references (``"module:function"``, ``"file.py:function"``, a pickled function's file),
@@ -109,7 +125,11 @@ def run_eval(
     model and sample, model by model. ``temperature=0`` is greedy (then every sample is the same; ask
     ``num_samples > 1`` with a temperature for pass@k). A seeded request draws the same tokens whatever
     else is in the batch (:func:`mlora_lab.sampling.row_seed`), so an evaluation is reproducible.
-    ``any_running``: :func:`mlora_lab.sampling.sample`'s, when several processes generate together."""
+    ``any_running``: :func:`mlora_lab.sampling.sample`'s, when several processes generate together.
+    ``baselines``: columns of ``models`` whose completions the metrics compare others with
+    (:class:`~mlora_lab.evals.metrics.WinRate`); then every metric call also gets, per completion, the
+    :data:`~mlora_lab.evals.metrics.PEER_COLUMNS`: ``eval_model`` (its model's column) and
+    ``eval_completions`` (``{baseline: its completion of the same example and sample}``)."""
     names = list(names) if names is not None else metric_names(metrics)
     requests = [
         SampleRequest(
@@ -151,6 +171,13 @@ def run_eval(
                 stop_reason=c.stop_reason,
             )
         )
+    if metrics and out and baselines:
+        made = {(r.model, r.example, r.sample): t for r, t in zip(out, texts, strict=True)}
+        columns[PEER_COLUMNS[0]] = [r.model for r in out]
+        columns[PEER_COLUMNS[1]] = [
+            {b: made[(b, r.example, r.sample)] for b in baselines if (b, r.example, r.sample) in made}
+            for r in out
+        ]
     if metrics and out:
         # as TRL hands a chat prompt's completion to its reward functions: the assistant's message
         fed = [

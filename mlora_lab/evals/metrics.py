@@ -19,6 +19,10 @@ it has (``answer``, as GSM8K's rows name it, then ``reference``, ``solution``, `
 ``rouge``           ROUGE-L F1 through the ``rouge_score`` package (the one ``evaluate``'s ROUGE wraps),
                     when it is installed
 ==================  ================================================================================
+
+Two ask a model: :class:`Judge` rates each completion on a scale; :class:`WinRate` asks a judge which of two
+answers is better, the completion or a baseline's (the base model's, a preference row's ``chosen``), in
+both orders, and scores wins, ties and losses as 1, ½ and 0.
 """
 
 from __future__ import annotations
@@ -174,10 +178,10 @@ class JudgeError(RuntimeError):
     status and reason, or the answer that is not a chat completion), or why it could not be asked."""
 
 
-def rubric_problems(rubric: Any) -> list[str]:
+def rubric_problems(rubric: Any, allowed: Sequence[str] = RUBRIC_FIELDS) -> list[str]:
     """Why ``rubric`` is no :class:`Judge` rubric: not a ``str.format`` template (a lone brace), a field
-    other than :data:`RUBRIC_FIELDS` (``{answer}``, ``{0}``, ``{prompt.x}``), a field a text cannot fill
-    (``{prompt:d}``); empty when it is one."""
+    other than ``allowed`` (:data:`RUBRIC_FIELDS`; ``{answer}``, ``{0}``, ``{prompt.x}``), a field a text
+    cannot fill (``{prompt:d}``); empty when it is one."""
     if not isinstance(rubric, str):
         return [f"the rubric must be a str.format template, not {brief(rubric)}"]
     try:
@@ -190,7 +194,7 @@ def rubric_problems(rubric: Any) -> list[str]:
     unknown, unfilled = [], []
     for field, conversion, spec in fields:
         shown = "{" + field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
-        if field not in RUBRIC_FIELDS:
+        if field not in allowed:
             unknown.append(shown)
             continue
         try:
@@ -199,9 +203,10 @@ def rubric_problems(rubric: Any) -> list[str]:
             unfilled.append(f"{shown} ({error_line(e)})")
     problems = []
     if unknown:
+        names = ["{" + f + "}" for f in allowed]
         problems.append(
             f"the rubric names {', '.join(dict.fromkeys(unknown))}; it may name only "
-            "{prompt}, {completion} and {reference} (a brace meant as text is written twice)"
+            f"{', '.join(names[:-1])} and {names[-1]} (a brace meant as text is written twice)"
         )
     if unfilled:
         problems.append(f"a text cannot fill {', '.join(unfilled)}")
@@ -343,6 +348,157 @@ class Judge:
 
     def __repr__(self) -> str:
         return f"Judge(model={self.model!r}, base_url={self.base_url!r})"
+
+
+PAIRWISE_RUBRIC = (
+    "Which of the two answers to the question is better: more correct, more helpful, more complete? "
+    "Reply with A, B or tie only.\n\nQuestion: {prompt}\n\nAnswer A: {answer_a}\n\nAnswer B: {answer_b}\n"
+)
+""":class:`WinRate`'s default instruction; ``{prompt}``, ``{answer_a}``, ``{answer_b}`` and ``{reference}`` are
+filled in."""
+
+PAIRWISE_FIELDS = ("prompt", "answer_a", "answer_b", "reference")
+"""The fields a :class:`WinRate` rubric may name."""
+
+PEER_COLUMNS = ("eval_model", "eval_completions")
+"""What an evaluation passes its metrics besides the rows' columns when a metric compares models
+(:func:`mlora_lab.evals.generate.run_eval`'s ``baselines``): per completion, the model that wrote it, and
+``{model: text}``, those models' completions of the same example and sample. Evaluation rows may not have
+columns of these names."""
+
+_VERDICT = re.compile(
+    r"[\s\[\](){}\"'*`]*(?:(?:answer|output|verdict)\s*:?\s*)?(A|B|tie)[\s\[\](){}\"'*`.!]*", re.IGNORECASE
+)
+
+
+def verdict(answer: str) -> str | None:
+    """A pairwise judge's answer as ``"A"``, ``"B"`` or ``"tie"`` (case, brackets, quotes, a final full
+    stop and a leading ``Answer:`` aside: ``"[[B]]"``, ``"answer: a."``, ``"Tie"``); None when it is anything
+    else ("A and B are equal", "I cannot tell", nothing): a judge that answers neither."""
+    found = _VERDICT.fullmatch(answer or "")
+    if found is None:
+        return None
+    said = found.group(1)
+    return "tie" if said.lower() == "tie" else said.upper()
+
+
+def conversation_text(prompt: Any) -> str:
+    """A prompt as a judge reads it: a text as it is; a chat's single user message as its content, a longer
+    chat as ``role: content`` paragraphs (the judge sees the whole conversation being answered)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        if len(prompt) == 1:
+            return str(prompt[0].get("content", ""))
+        return "\n\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in prompt)
+    return text_of(prompt)
+
+
+class WinRate:
+    r"""Win rate against a baseline, judged pairwise: a metric that asks ``judge``'s model which of two
+    answers to the prompt is better, the evaluated model's completion or the baseline's, in both orders.
+
+    The baseline (``against``) is a model of the evaluation (``"base"``, the default: the base model's own
+    completion of the same prompt, its adapter-free answer, as TRL's ``WinRateCallback`` compares a policy
+    with its reference; or a tenant's name) or a column of the rows (``"chosen"``: a preference row's
+    preferred answer; ``"reference"``). A name that is both is the model.
+
+    For a prompt ``x``, a completion ``y`` and the baseline's ``y₀``, the judge ``J`` is asked twice, with
+    the answers swapped, and each verdict gives ``y`` points::
+
+        v₁ = J(x, A = y,  B = y₀)    s₁ = 1 if v₁ = A,  ½ if tie,  0 if v₁ = B
+        v₂ = J(x, A = y₀, B = y)     s₂ = 1 if v₂ = B,  ½ if tie,  0 if v₂ = A
+        w(y) = (s₁ + s₂) / 2         ∈ {0, ¼, ½, ¾, 1}
+
+    The evaluation's score is the mean of ``w`` over the examples (each example's over its samples first),
+    ``W = (wins + ties / 2) / n`` counted in half-comparisons (AlpacaEval's and Chatbot Arena's convention),
+    with the evaluation's percentile bootstrap interval over examples (:mod:`mlora_lab.evals.scores`).
+    Asking both orders cancels the judge's position bias to first order: if the judge picks position A
+    ``δ`` more often than the answers deserve, ``E[s₁] = p + δ`` and ``E[s₂] = p − δ`` for the true
+    preference ``p``, so ``E[w] = p``; a judge that always answers A scores every comparison ½, no
+    information, rather than a win. ``W = ½`` is parity with the baseline; above it, better.
+
+    Not scored (``None``, left out of the mean): a comparison where the judge answered neither A, B nor tie
+    in either order (scoring the other order alone would let its position bias back in), a row without a
+    baseline (its column empty), and the baseline model's own completions (a model is not compared with
+    itself). Two answers that are the same text (stripped) score ½ without asking: a judge consistent in
+    both orders can only tie them.
+
+    Why a metric of its own beside :class:`Judge`: a judge rates one answer on a scale, this compares two,
+    with another rubric (``{prompt}``, ``{answer_a}``, ``{answer_b}`` and ``{reference}``, the row's
+    reference) and another reading of the answer (:func:`verdict`). It asks through ``judge`` (its model,
+    endpoint, key, ``max_tokens`` and time limit), so the same judge serves both. Greedy, as the judge is.
+    """
+
+    def __init__(
+        self, judge: Judge, against: str = "base", rubric: str = PAIRWISE_RUBRIC, name: str | None = None
+    ) -> None:
+        if not isinstance(judge, Judge):
+            raise TypeError(f"WinRate asks through a Judge (ml.Judge(...)), not {brief(judge)}")
+        if not isinstance(against, str) or not against:
+            raise ValueError(
+                f"WinRate's against is a model's name ('base') or a column ('chosen'), not {brief(against)}"
+            )
+        default = f"win_rate_vs_{against}"
+        self.judge, self.against, self.rubric = judge, against, rubric
+        self.__name__ = name or (default if default.isidentifier() else "win_rate")
+        problems = rubric_problems(rubric, PAIRWISE_FIELDS)  # (a bad template fails here, in the notebook)
+        if problems:
+            raise ValueError(f"win rate {brief(self.__name__)} ({judge._who()}): {'; '.join(problems)}")
+
+    def baselines(self, n: int, kwargs: dict[str, Any]) -> list[str | None]:
+        """The baseline's answer for each of ``n`` completions: model ``against``'s completion of the same
+        example and sample (:data:`PEER_COLUMNS`), else the row's ``against`` column; ``ValueError`` when
+        it is neither."""
+        peers = kwargs.get(PEER_COLUMNS[1])
+        if peers is not None and any(isinstance(p, dict) and self.against in p for p in peers):
+            return [
+                text_of(p[self.against]) if isinstance(p, dict) and p.get(self.against) is not None else None
+                for p in peers
+            ]
+        if self.against in kwargs:
+            return [None if v is None else text_of(v) for v in kwargs[self.against]]
+        raise ValueError(
+            f"{self.__name__} compares each completion with {self.against!r}'s answer, which is neither a "
+            "model of the evaluation nor a column of its rows"
+        )
+
+    def points(self, prompt: str, tenant: str, baseline: str, reference: str, first: bool) -> float | None:
+        """The completion's points from one order (``first``: it is answer A), None for no verdict."""
+        a, b = (tenant, baseline) if first else (baseline, tenant)
+        said = verdict(
+            self.judge.ask(self.rubric.format(prompt=prompt, answer_a=a, answer_b=b, reference=reference))
+        )
+        if said is None:
+            return None
+        return 0.5 if said == "tie" else float(said == ("A" if first else "B"))
+
+    def __call__(
+        self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any
+    ) -> list[float | None]:
+        n = len(completions)
+        baselines = self.baselines(n, kwargs)
+        try:
+            refs = references(kwargs, self.__name__)
+        except ValueError:  # (no reference column: the rubric's {reference} is left empty)
+            refs = [""] * n
+        models = kwargs.get(PEER_COLUMNS[0]) or [None] * n
+        out: list[float | None] = []
+        for prompt, completion, baseline, ref, model in zip(prompts, completions, baselines, refs, models, strict=True):  # fmt: skip
+            text = text_of(completion)
+            if baseline is None or model == self.against:
+                out.append(None)
+            elif text.strip() == baseline.strip():
+                out.append(0.5)
+            else:
+                asked = conversation_text(prompt)
+                s1 = self.points(asked, text, baseline, ref, first=True)
+                s2 = self.points(asked, text, baseline, ref, first=False)
+                out.append(None if s1 is None or s2 is None else (s1 + s2) / 2)
+        return out
+
+    def __repr__(self) -> str:
+        return f"WinRate({self.judge!r}, against={self.against!r})"
 
 
 def _content(value: Any) -> Any:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mlora_lab import hub
-from mlora_lab.evals.metrics import BUILTINS, metric_ref
+from mlora_lab.evals.metrics import BUILTINS, WinRate, metric_ref
 from mlora_lab.lab.evals.evaluation import Evaluation
 from mlora_lab.lab.runs.attach import attach
 from mlora_lab.lab.runs.run import Run
@@ -167,7 +167,10 @@ def evaluate(
       which metrics take by name. A supervised chat row is asked its turns but the last, whose answer
       becomes its ``reference``.
     - ``metrics``: :data:`Metric` s; the built-ins are ``exact_match``, ``contains``, ``regex``,
-      ``numeric_match`` (GSM8K) and ``rouge`` (:mod:`mlora_lab.evals.metrics`).
+      ``numeric_match`` (GSM8K) and ``rouge`` (:mod:`mlora_lab.evals.metrics`); ``ml.Judge`` rates each
+      completion, ``ml.WinRate(judge, against="base")`` is each model's win rate against the base's
+      completions (or a tenant's, or a column's: ``against="chosen"`` for preference rows, whose prompts
+      are asked and whose ``chosen`` answer is the ``reference``).
     - ``models``: ``"base"``, tenants' names, adapter folders' names, or more PEFT adapter folders over the
       same base (a served run's sampler snapshot: ``svc.local_path("tinker://...")``), each named by its
       folder; default the base and every adapter of the source but those of tenants that failed
@@ -216,6 +219,7 @@ def evaluate(
         problems.append(
             f"unknown model(s) {', '.join(map(repr, unknown))}; this source has {', '.join(choices)}"
         )
+    baselines, columns_needed = _baselines(list(metrics), chosen, choices, problems)
     root = src.run.path if (src.run is not None and save) else None
     with contextlib.ExitStack() as stack:
         if root is not None:  # (the evaluation keeps the metrics it was scored with)
@@ -227,7 +231,29 @@ def evaluate(
         if problems:
             raise ValueError("evaluate:\n  - " + "\n  - ".join(problems))
         return _evaluate(src, data, refs, chosen, name, root, num_samples, temperature, top_p, max_new_tokens,
-                         seed, stop, limit, timeout_s, left_out)  # fmt: skip
+                         seed, stop, limit, timeout_s, left_out, baselines, columns_needed)  # fmt: skip
+
+
+def _baselines(
+    metrics: list[Any], chosen: list[str], choices: list[str], problems: list[str]
+) -> tuple[list[str], dict[str, str]]:
+    """``(models, columns)`` the :class:`~mlora_lab.evals.metrics.WinRate` metrics compare with: the chosen
+    models they name (their completions then reach the metrics), and ``{column: metric}`` for the others,
+    which the rows must have. A model of the source left out of ``models`` is a problem saying to add it."""
+    models, columns = [], {}
+    for m in metrics:
+        if not isinstance(m, WinRate):
+            continue
+        if m.against in chosen:
+            models.append(m.against)
+        elif m.against in choices:
+            problems.append(
+                f"metric {m.__name__} compares every model with {m.against!r}, which is not evaluated: "
+                f"add {m.against!r} to models"
+            )
+        else:
+            columns[m.against] = m.__name__
+    return list(dict.fromkeys(models)), columns
 
 
 def _evaluate(
@@ -246,6 +272,8 @@ def _evaluate(
     limit: int | None,
     timeout_s: float,
     left_out: dict[str, str],
+    baselines: list[str],
+    columns_needed: dict[str, str],
 ) -> Evaluation:
     """:func:`evaluate` once its arguments are checked: the tokenizer, the examples and the metrics'
     signatures (their problems, still before a model loads), then the models, generation and scores."""
@@ -272,6 +300,12 @@ def _evaluate(
         problems += (
             sig.problems(columns if examples else None) if isinstance(sig, RewardSignature) else [str(sig)]
         )
+    for column, metric in columns_needed.items() if examples else ():
+        if column not in columns:
+            problems.append(
+                f"metric {metric} compares every model with {column!r}, which is neither a model of this "
+                f"evaluation ({', '.join(chosen)}) nor a column of its rows ({', '.join(sorted(columns)) or 'none'})"
+            )
     if not examples and not problems:
         problems.append(f"{source_name(data)} has no rows")
     if problems:
@@ -309,6 +343,7 @@ def _evaluate(
             seed=seed,
             stop=stop,
             timeout_s=timeout_s,
+            baselines=baselines,
         )
     meta = EvalMeta(
         name=name,

@@ -5,12 +5,10 @@ comparisons) and the saved evaluation hold what was measured."""
 from __future__ import annotations
 
 import csv
-import http.server
 import json
 import math
 import re
 import socket
-import threading
 
 import numpy as np
 import pandas as pd
@@ -19,6 +17,7 @@ import pytest
 import torch
 import transformers
 from conftest import task_rows, write_jsonl
+from judge_server import JudgeServer
 
 import mlora_lab as ml
 from mlora_lab.evals import metrics as M
@@ -347,37 +346,6 @@ def test_ev12c_the_csv_export_neutralises_formulas_and_keeps_numbers(tmp_path):
     back = pd.read_csv(out)
     assert back["a Δ"].dtype == float and (back["a Δ"] == -0.5).all()
     assert back["example"].tolist() == list(range(n))
-
-
-class JudgeServer:
-    """An OpenAI-compatible chat endpoint on loopback that answers every request with ``status`` and
-    ``body`` (set by the test), as a misbehaving judge server would."""
-
-    def __init__(self) -> None:
-        self.status, self.body = 200, b""
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                self.send_response(server.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(server.body)))
-                self.end_headers()
-                self.wfile.write(server.body)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_port}/v1"
-        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
-        self.thread.join()
 
 
 @pytest.fixture
