@@ -498,3 +498,34 @@ def read_pairs(source: Any, tokenizer: Any, seq_len: int) -> list[PairIds]:
             header=f"bad preference data {where}",
         )
     return kept
+
+
+def read_unpaired(source: Any, tokenizer: Any, seq_len: int) -> list[UnpairedIds]:
+    """A KTO tenant's data as TRL's ``KTOTrainer`` reads it: unpaired rows ``{"prompt", "completion", "label"}``
+    tokenized (:func:`tokenize_unpaired`), or paired rows first unpaired (:func:`unpair_rows`: each block's chosen
+    then its rejected, as TRL's ``unpair_preference_dataset``), in order, the rows whose prompt alone fills
+    ``seq_len`` dropped (with a ``UserWarning``). :class:`~mlora_lab.data.DataError` naming every problem."""
+    import warnings
+
+    from mlora_lab.sources import source_name
+
+    problems, rows, fmt = scan_pairs(source, unpaired=True)
+    where = source_name(source)
+    if problems:
+        raise DataError(problems, header=f"bad preference data {where}")
+    if fmt is not None and not fmt.startswith("unpaired"):
+        rows = unpair_rows(rows)
+    unpaired = [tokenize_unpaired(row, tokenizer) for row in rows]
+    kept = [r for r in unpaired if keeps_unpaired(r, seq_len)]
+    if len(kept) < len(unpaired):
+        warnings.warn(
+            f"{where}: {len(unpaired) - len(kept)} of {len(unpaired)} row(s) dropped: their prompt alone has "
+            f">= seq_len={seq_len} tokens (as TRL drops them)",
+            stacklevel=2,
+        )
+    if not kept:
+        raise DataError(
+            [f"{where}: every row's prompt has >= seq_len={seq_len} tokens: no completion token is left"],
+            header=f"bad preference data {where}",
+        )
+    return kept

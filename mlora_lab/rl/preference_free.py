@@ -302,8 +302,13 @@ def kto_loss(
     beta: float = 0.1,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
+    kl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, metrics)`` of one batch of ``n`` unpaired rows, as TRL 1.16.0's ``KTOTrainer._compute_loss``.
+
+    ``kl`` (0-d, already clamped at 0): the batch's KL estimate ``z₀`` when it was computed elsewhere (over a
+    batch shared by several processes, each holding some of its rows); ``kl_logps`` and ``ref_kl_logps`` are
+    then not needed, and a process may hold a single row.
 
     ``logps`` ``[n]``: the policy's completion log-prob sums (with gradient); ``ref_logps`` ``[n]`` the
     reference's; ``labels`` ``[n]`` bool, True for a desirable completion. ``kl_logps``, ``ref_kl_logps``
@@ -328,7 +333,7 @@ def kto_loss(
     )
     if labels.dtype != torch.bool:
         problems.append(f"labels must be bool, got {labels.dtype}")
-    calculate_kl = loss_type != "apo_zero_unpaired"  # kto:815
+    calculate_kl = loss_type != "apo_zero_unpaired" and kl is None  # kto:815 (or given)
     if calculate_kl and (kl_logps is None or ref_kl_logps is None):
         problems.append(f"{loss_type} needs kl_logps and ref_kl_logps (the mismatched completions')")
     if calculate_kl and logps.dim() == 1 and logps.shape[0] <= 1:  # kto:844-847
@@ -345,8 +350,10 @@ def kto_loss(
     # kto:1442-1445
     if calculate_kl:
         kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
-    else:
+    elif kl is None or loss_type == "apo_zero_unpaired":
         kl = torch.zeros(1, device=logps.device)
+    else:
+        kl = torch.as_tensor(kl, dtype=logps.dtype, device=logps.device).detach()
 
     # kto:1447-1482; an absent side contributes nothing (TRL's empty tensors)
     empty = logps.new_empty(0)

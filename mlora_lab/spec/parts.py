@@ -67,11 +67,15 @@ PREFERENCE_LOSS_TYPES = (
 (``sigmoid``: DPO). The maths of each is :mod:`mlora_lab.rl.preference`, whose own list a test keeps equal."""
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 """``Preference.f_divergence_type``: the f-DPO divergences (``reverse_kl``: plain DPO)."""
-PREFERENCE_METHODS = ("dpo", "orpo", "cpo")
-"""``Preference.method``: whose trainer the tenant trains as, TRL 1.16's ``DPOTrainer``, ``ORPOTrainer`` or
-``CPOTrainer`` (CPO, SimPO, AlphaPO); ORPO and CPO have no reference model."""
+PREFERENCE_METHODS = ("dpo", "orpo", "cpo", "kto")
+"""``Preference.method``: whose trainer the tenant trains as, TRL 1.16's ``DPOTrainer``, ``ORPOTrainer``,
+``CPOTrainer`` (CPO, SimPO, AlphaPO) or ``KTOTrainer`` (unpaired rows); ORPO and CPO have no reference model."""
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 """``Preference.loss_type`` with ``method="cpo"``: ``CPOTrainer``'s (``simpo``: SimPO, with ``cpo_alpha=0``)."""
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+"""``Preference.loss_type`` with ``method="kto"``: ``KTOTrainer``'s."""
+DEFAULT_LOSS_TYPES = {"dpo": "sigmoid", "orpo": "sigmoid", "cpo": "sigmoid", "kto": "kto"}
+"""Each method's ``loss_type`` when it is not given (its trainer's config default)."""
 REFERENCES = ("base", "init_adapter")
 """``Preference.reference``: the base with the tenant's delta off, or the tenant's ``init_adapter`` frozen."""
 
@@ -207,15 +211,18 @@ class Preference:
         help="dpo (a reference), orpo or cpo (none)"))
     """Whose loss: ``"dpo"`` (``DPOTrainer``: the log-ratios to a reference), ``"orpo"`` (``ORPOTrainer``: the
     chosen answer's NLL over prompt and completion, minus ``β`` times the log-sigmoid of the log odds ratio of the
-    completions' average log-probs) or ``"cpo"`` (``CPOTrainer``: ``loss_type`` sigmoid, hinge, ipo or simpo on
-    the completions' log-probs, plus ``cpo_alpha`` times the chosen completion's NLL). See
+    completions' average log-probs), ``"cpo"`` (``CPOTrainer``: ``loss_type`` sigmoid, hinge, ipo or simpo on
+    the completions' log-probs, plus ``cpo_alpha`` times the chosen completion's NLL) or ``"kto"``
+    (``KTOTrainer``: unpaired rows ``{"prompt", "completion", "label"}``, or pairs it unpairs, each row's
+    log-ratio against the reference and a KL estimate from mismatched completions). See
     :mod:`mlora_lab.rl.preference` and :mod:`mlora_lab.rl.preference_free` for the maths."""
-    loss_type: str | list[str] = field(default="sigmoid", metadata=meta(
-        "loss type", kind="texts", section="Preference", max=len(PREFERENCE_LOSS_TYPES),
-        help="TRL's loss_type: sigmoid (DPO), ipo, hinge, robust, ... or a list of them"))
+    loss_type: str | list[str] | None = field(default=None, metadata=meta(
+        "loss type", kind="texts", section="Preference", max=len(PREFERENCE_LOSS_TYPES), optional=True,
+        null_means="the method's default", help="TRL's loss_type: sigmoid (DPO), ipo, hinge, robust, ..."))
     """DPO: one of :data:`PREFERENCE_LOSS_TYPES`, or a list of them whose losses are summed (``loss_weights``):
     RPO (TRL's former ``rpo_alpha = α``) is ``["sigmoid", "sft"]`` with weights ``[1, α]``. CPO: one of
-    :data:`CPO_LOSS_TYPES`. ORPO has one loss: leave it ``"sigmoid"``."""
+    :data:`CPO_LOSS_TYPES`; KTO: one of :data:`KTO_LOSS_TYPES`. ORPO has one loss. ``None``: the method's
+    trainer's default (:data:`DEFAULT_LOSS_TYPES`: ``sigmoid``, ``kto`` for KTO)."""
     loss_weights: list[float] | None = field(default=None, metadata=meta(
         "loss weights", kind="numbers", section="Preference", optional=True, max=len(PREFERENCE_LOSS_TYPES),
         help="one per loss type (default 1 each)"))
@@ -260,6 +267,14 @@ class Preference:
         "simpo gamma", kind="float", section="Preference", min=-1000, max=1000,
         help="SimPO's target reward margin"))
     """CPO with ``loss_type="simpo"``: the target reward margin ``γ`` (``CPOConfig.simpo_gamma``)."""
+    desirable_weight: float = field(default=1.0, metadata=meta(
+        "desirable weight", kind="float", section="Preference", min=0, max=1000,
+        help="KTO: weight of the desirable rows' losses"))
+    """KTO: the weight ``λ_D`` of the desirable rows' losses (``KTOConfig.desirable_weight``)."""
+    undesirable_weight: float = field(default=1.0, metadata=meta(
+        "undesirable weight", kind="float", section="Preference", min=0, max=1000,
+        help="KTO: weight of the undesirable rows' losses"))
+    """KTO: the weight ``λ_U`` of the undesirable rows' losses (``KTOConfig.undesirable_weight``)."""
     # fmt: on
 
     def reference_of(self, init_adapter: str | None) -> str:
@@ -270,7 +285,9 @@ class Preference:
 
     @property
     def loss_types(self) -> list[str]:
-        """``loss_type`` as a list."""
+        """``loss_type`` as a list (the method's default when it is ``None``)."""
+        if self.loss_type is None:
+            return [DEFAULT_LOSS_TYPES.get(self.method, "sigmoid")]
         return list(self.loss_type) if isinstance(self.loss_type, list | tuple) else [self.loss_type]
 
     def to_dict(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from mlora_lab.sources import memory_kind
 from mlora_lab.spec.fields import FieldInfo, fields_info
-from mlora_lab.spec.parts import CPO_LOSS_TYPES, PREFERENCE_LOSS_TYPES, Preference
+from mlora_lab.spec.parts import CPO_LOSS_TYPES, KTO_LOSS_TYPES, PREFERENCE_LOSS_TYPES, Preference
 from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief, is_finite
 from mlora_lab.validate.context import Context, got, usable_path
@@ -46,6 +46,13 @@ def check_pref_fields(ctx: Context, t: Tenant, check_field: Any) -> bool:
     if all(ok.values()):
         for problem in _option_problems(pref):
             ctx.say(t, "pref", f"pref: {problem}")
+        if pref.method == "kto" and pref.loss_types == ["kto"] and t.batch_size == 1:
+            ctx.say(
+                t,
+                "batch_size",
+                "KTO's KL estimate pairs each row's prompt with another row's completion of its micro-batch: "
+                "batch_size must be at least 2 (TRL refuses 1 too), or use loss_type 'apo_zero_unpaired'",
+            )
     if t.rl is not None:
         ctx.say(t, "pref", "a tenant learns from rewards (rl) or from preference pairs (pref), not both")
     if t.client is not None:
@@ -93,7 +100,17 @@ def _option_problems(pref: Preference) -> list[str]:
             ld_alpha=pref.ld_alpha,
         )
     problems = []
-    if pref.method == "orpo":
+    if pref.method == "kto":
+        if len(pref.loss_types) > 1:
+            problems.append("kto takes one loss_type (a list of them is DPO's)")
+        else:
+            problems += preference_free.check_kto_options(
+                pref.loss_types[0],
+                beta=pref.beta,
+                desirable_weight=pref.desirable_weight,
+                undesirable_weight=pref.undesirable_weight,
+            )
+    elif pref.method == "orpo":
         problems += preference_free.check_orpo_options(beta=pref.beta)
         if pref.loss_types != ["sigmoid"]:
             problems.append(
@@ -114,7 +131,7 @@ def _option_problems(pref: Preference) -> list[str]:
     unused = [
         name
         for name, value, default in (
-            ("reference", pref.reference, None),
+            ("reference", None if pref.method == "kto" else pref.reference, None),
             ("loss_weights", pref.loss_weights, None),
             ("ld_alpha", pref.ld_alpha, None),
             ("f_divergence_type", pref.f_divergence_type, "reverse_kl"),
@@ -123,20 +140,23 @@ def _option_problems(pref: Preference) -> list[str]:
     ]
     if unused:
         problems.append(
-            f"{', '.join(unused)} {'apply' if len(unused) > 1 else 'applies'} to DPO only: {pref.method} has no "
-            f"reference model; leave {'them' if len(unused) > 1 else 'it'} unset"
+            f"{', '.join(unused)} {'apply' if len(unused) > 1 else 'applies'} to DPO only: leave "
+            f"{'them' if len(unused) > 1 else 'it'} unset for {pref.method}"
         )
     return problems
 
 
 def _loss_types(ctx: Context, t: Tenant, v: Any, label: str, method: Any = "dpo") -> bool:
+    if v is None:  # (the method's default)
+        return True
     values = v if isinstance(v, list | tuple) else [v]
     if not values or not all(isinstance(x, str) and x for x in values):
         ctx.say(t, "pref", f"{label} must be a loss type or a non-empty list of them ({got(v)})")
         return False
-    offered, whose = (
-        (CPO_LOSS_TYPES, "CPOTrainer") if method == "cpo" else (PREFERENCE_LOSS_TYPES, "DPOTrainer")
-    )
+    offered, whose = {
+        "cpo": (CPO_LOSS_TYPES, "CPOTrainer"),
+        "kto": (KTO_LOSS_TYPES, "KTOTrainer"),
+    }.get(method, (PREFERENCE_LOSS_TYPES, "DPOTrainer"))
     unknown = [x for x in values if x not in offered]
     if unknown and method != "orpo":  # (orpo's one loss: said with the options)
         ctx.say(
@@ -169,5 +189,5 @@ def check_pairs(ctx: Context, t: Tenant) -> None:
     from mlora_lab.rl.pairs import scan_pairs  # (the rl package imports torch)
 
     path = source if isinstance(source, str) else None
-    for problem in scan_pairs(source)[0]:
+    for problem in scan_pairs(source, unpaired=getattr(t.pref, "method", None) == "kto")[0]:
         ctx.say(t, "data", f"data: {problem}", path=path)

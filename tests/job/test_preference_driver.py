@@ -541,3 +541,97 @@ def test_orpo_and_cpo_tenants_equal_trls_trainers(pref, llama_path, tmp_path):
         assert [r["extra"][m] for r in rows] == pytest.approx([h[m] for h in logs], rel=1e-5, abs=TOL), m
     diff = max_diff(trainer.model.tenant_tensors("p"), peft_lora_tensors(reference.model))
     assert diff <= TOL, f"adapters differ by {diff}"
+
+
+KTO_ROWS = [
+    {
+        "prompt": f"Question {i}: what do {'cats' if i % 2 else 'dogs'} like?",
+        "completion": (" They like warm places" + " and naps" * (i % 3))
+        if i % 3
+        else " Nothing" + " at all" * i,
+        "label": bool(i % 3),
+    }
+    for i in range(12)
+]
+
+
+def kto_trl_run(base: str, data: str, adapter: str, t: Tenant, out: Path) -> tuple[Any, list[dict]]:
+    """TRL's KTOTrainer on the same rows (unpaired, or pairs it unpairs), order, AdamW and steps as ``t``."""
+    import transformers
+    from trl import KTOConfig, KTOTrainer
+
+    pref = t.pref
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    config = KTOConfig(
+        output_dir=str(out),
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.grad_accum,
+        max_steps=t.max_steps,
+        learning_rate=t.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_epsilon=t.eps,
+        max_grad_norm=0.0,
+        train_sampling_strategy="sequential",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        max_length=64,
+        beta=pref.beta,
+        loss_type=pref.loss_types[0],
+        desirable_weight=pref.desirable_weight,
+        undesirable_weight=pref.undesirable_weight,
+        precompute_ref_log_probs=False,
+    )
+    rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
+    tok = transformers.AutoTokenizer.from_pretrained(base)
+    trainer = KTOTrainer(
+        model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tok
+    )
+    if pref.reference_of(t.init_adapter) == "base":
+        trainer.model.delete_adapter("ref")
+    trainer.train()
+    return trainer, [h for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize(
+    ("pref", "paired"),
+    [
+        (Preference(method="kto", beta=0.3, reference="base"), False),
+        (Preference(method="kto", beta=0.3, desirable_weight=1.3, undesirable_weight=0.7), False),
+        (Preference(method="kto", loss_type="apo_zero_unpaired", beta=0.3, reference="base"), False),
+        (Preference(method="kto", beta=0.3, reference="base"), True),
+    ],
+    ids=["kto", "kto-weighted-init-ref", "apo_zero_unpaired", "kto-unpaired-pairs"],
+)
+def test_kto_tenants_equal_trls_kto_trainer(pref, paired, llama_path, tmp_path):
+    """KTO on unpaired rows (and on pairs, unpaired as TRL unpairs them): the KL estimate from each row's prompt
+    with the previous row's completion, the reference the base or the init adapter; losses, TRL's metrics and
+    the adapters equal KTOTrainer's over 3 steps of 2 micro-batches."""
+    data = pair_file(tmp_path) if paired else pair_file(tmp_path, KTO_ROWS, "kto.jsonl")
+    adapter = init_adapter(llama_path, tmp_path)
+    # (steps that never straddle an epoch: HF's Trainer ends an epoch with a short accumulation, we do not)
+    t = pref_tenant("k", data, adapter, pref, batch_size=4 if paired else 3, grad_accum=2, max_steps=3)
+    trainer = Trainer(job(llama_path, [t]))
+    trainer.train()
+    assert trainer.tenants["k"].state is TenantState.FINISHED
+    reference, logs = kto_trl_run(llama_path, data, adapter, t, tmp_path / "trl")
+    rows = ours(trainer, "k")
+    assert [r["loss"] for r in rows] == pytest.approx([h["loss"] for h in logs], abs=TOL)
+    for m in (
+        "kl",
+        "rewards/chosen",
+        "logps/chosen",
+        "rewards/rejected",
+        "logps/rejected",
+        "rewards/margins",
+    ):
+        assert [r["extra"][m] for r in rows] == pytest.approx([h.get(m) for h in logs], rel=1e-5, abs=TOL), m
+    diff = max_diff(trainer.model.tenant_tensors("k"), peft_lora_tensors(reference.model))
+    assert diff <= TOL, f"adapters differ by {diff}"

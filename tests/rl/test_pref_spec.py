@@ -44,6 +44,7 @@ def test_preference_settings_round_trip_through_job_json(tmp_path):
     spec.to_json(path)
     saved = json.loads(path.read_text())["tenants"][0]["pref"]
     assert saved["loss_type"] == ["sigmoid", "sft"] and saved["beta"] == 0.05 and saved["reference"] is None
+    assert Preference().loss_types == ["sigmoid"] and Preference(method="kto").loss_types == ["kto"]
     back = JobSpec.load(path).tenants[0].pref
     assert back == pref and back.loss_types == ["sigmoid", "sft"]
     with pytest.raises(
@@ -141,20 +142,29 @@ def test_orpo_and_cpo_options_are_checked_for_their_method(llama_path, tmp_path)
                 name="hinge", data=good, pref=Preference(method="cpo", loss_type="hinge", label_smoothing=0.1)
             ),
             Tenant(name="many", data=good, pref=Preference(method="cpo", loss_type=["sigmoid", "ipo"])),
-            Tenant(name="kto", data=good, pref=Preference(method="kto")),
+            Tenant(name="kto", data=good, pref=Preference(method="simpo")),
             Tenant(name="fine", data=good, pref=Preference(method="cpo", loss_type="simpo", cpo_alpha=0.0)),
+            Tenant(name="kto1", data=good, pref=Preference(method="kto"), batch_size=1),
+            Tenant(
+                name="ktow",
+                data=good,
+                pref=Preference(method="kto", desirable_weight=0, undesirable_weight=0),
+            ),
+            Tenant(name="ktofine", data=good, pref=Preference(method="kto", reference="base")),
         ],
-        max_tenants=8,
+        max_tenants=12,
     )
     out = "\n".join(texts(spec))
     for needle in (
         "tenant 'orpo': pref: orpo has one loss, its odds ratio: leave loss_type unset (got 'ipo')",
-        "tenant 'orpo': pref: reference applies to DPO only: orpo has no reference model",
+        "tenant 'orpo': pref: reference applies to DPO only: leave it unset for orpo",
         "tenant 'cpo': pref.loss_type: unknown loss type(s) 'kto'; offered (TRL 1.16's CPOTrainer): sigmoid, "
         "hinge, ipo, simpo",
         "tenant 'hinge': pref: hinge ignores label_smoothing",
         "tenant 'many': pref: cpo takes one loss_type",
         "tenant 'kto': pref.method must be one of",
+        "tenant 'kto1': KTO's KL estimate pairs each row's prompt with another row's completion",
+        "tenant 'ktow': pref: desirable_weight and undesirable_weight are both 0",
     ):
         assert needle in out, f"{needle!r} not in:\n{out}"
-    assert "tenant 'fine'" not in out
+    assert "tenant 'fine'" not in out and "tenant 'ktofine'" not in out

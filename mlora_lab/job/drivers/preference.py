@@ -51,13 +51,23 @@ from mlora_lab.data import IGNORE_INDEX, DataError, Example, TenantStream, check
 from mlora_lab.job.agree import describe
 from mlora_lab.job.drivers.base import Driver, Plan, StepResult
 from mlora_lab.job.tenants import TenantRun
-from mlora_lab.rl.pairs import PairIds, pair_sequences, read_pairs
+from mlora_lab.rl.pairs import (
+    PairIds,
+    UnpairedIds,
+    kl_completion_ids,
+    pair_sequences,
+    read_pairs,
+    read_unpaired,
+    sequence,
+)
 from mlora_lab.rl.preference import METRICS, preference_loss, sequence_logps
 from mlora_lab.rl.preference_free import (
     CPO_AVERAGED_LOSS_TYPES,
     CPO_METRICS,
+    KTO_METRICS,
     ORPO_METRICS,
     cpo_loss,
+    kto_loss,
     masked_logps,
     orpo_loss,
     token_mean_nll,
@@ -68,7 +78,7 @@ from mlora_lab.spec.tenant import Tenant
 
 SORTING_OR_BATCH = ("aot", "aot_unpaired", "sft")
 """Loss types that are not a mean of per-pair terms (see the module docstring, "Under D > 1")."""
-METHOD_METRICS = {"dpo": METRICS, "orpo": ORPO_METRICS, "cpo": CPO_METRICS}
+METHOD_METRICS = {"dpo": METRICS, "orpo": ORPO_METRICS, "cpo": CPO_METRICS, "kto": KTO_METRICS}
 """What each method logs (TRL's names): DPO's six, ORPO's and CPO's with their NLL and odds terms."""
 
 
@@ -80,6 +90,22 @@ def pairs_digest(pairs: Sequence[PairIds]) -> str:
             h.update(len(part).to_bytes(8, "little"))
             h.update(array("q", part).tobytes())
     return h.hexdigest()
+
+
+def unpaired_digest(rows: Sequence[UnpairedIds], kl_ids: Sequence[list[int]]) -> str:
+    """SHA-256 of a KTO tenant's tokenized rows, their labels and their KL completions, in order."""
+    h = hashlib.sha256()
+    for r, kl in zip(rows, kl_ids, strict=True):
+        for part in (r.prompt_ids, r.completion_ids, [int(r.label)], kl):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(array("q", part).tobytes())
+    return h.hexdigest()
+
+
+def _example(input_ids: Sequence[int], mask: Sequence[int]) -> Example:
+    return Example(
+        list(input_ids), [tok if m else IGNORE_INDEX for tok, m in zip(input_ids, mask, strict=True)]
+    )
 
 
 def pair_examples(pair: PairIds, seq_len: int, whole_chosen: bool = False) -> tuple[Example, Example]:
@@ -119,15 +145,24 @@ class PrefFeed:
     window: list[list[int]] = field(default_factory=list)  # [k][B] pair indices
     window_tokens: int = 0  # completion tokens (chosen and rejected) of the window's pairs
     sums: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
-    """This process's ``Σ`` of each of ``metrics`` over its pairs of the window, then its pair count."""
+    """This process's ``Σ`` of each of ``metrics`` over its pairs of the window, then its pair count (KTO:
+    ``[k, 6]``, per micro-batch ``n_D, Σβu_D, Σℓ_D, n_U, Σβu_U, Σℓ_U``)."""
+    labels: list[bool] | None = None  # KTO: each row's label (desirable); its examples are (row, KL row)
+    kls: list[float] = field(default_factory=list)  # KTO: each micro-batch's KL estimate z₀, so far
 
     def __post_init__(self) -> None:
-        if self.sums.numel() != len(self.metrics) + 1:
+        if self.labels is None and self.sums.numel() != len(self.metrics) + 1:
             self.sums = torch.zeros(len(self.metrics) + 1, dtype=torch.float64)
+
+    def zero_sums(self, k: int) -> None:
+        """Forget the window's metric sums (``k`` micro-batches)."""
+        self.sums = torch.zeros(k, 6, dtype=torch.float64) if self.labels is not None else self.sums.zero_()
+        self.kls = []
 
     def reset(self) -> None:
         self.micro = 0
         self.sums.zero_()
+        self.kls = []
 
     def pairs_taken(self) -> int:
         return self.stream.epoch * len(self.stream) + self.stream.cursor
@@ -140,6 +175,7 @@ class PrefFeed:
             "pref_window": self.window,
             "pref_window_tokens": self.window_tokens,
             "pref_sums": self.sums.clone(),
+            "pref_kls": list(self.kls),
             "pref_reference": None if self.reference is None else self.reference.state_dict(),
             "pref_digest": self.digest,
         }
@@ -158,6 +194,7 @@ class PrefFeed:
         self.window = [[int(i) for i in micro] for micro in s["pref_window"]]
         self.window_tokens = int(s["pref_window_tokens"])
         self.sums = s["pref_sums"].to(torch.float64).clone()
+        self.kls = [float(x) for x in s.get("pref_kls", [])]
         if self.reference is not None:
             self.reference.load_state_dict(s["pref_reference"])
 
@@ -169,6 +206,25 @@ def _shifted(masks: Sequence[Sequence[int]], width: int, device: torch.device) -
     for r, m in enumerate(masks):
         out[r, : len(m) - 1] = torch.tensor(m[1:], dtype=torch.bool)
     return out.to(device)
+
+
+def _kto_metrics(sums: torch.Tensor, kls: list[float]) -> dict[str, float | None]:
+    """TRL's KTO metrics of a window from its per-micro-batch sums ``[k, 6]`` (``n_D, Σβu_D, Σℓ_D, n_U, Σβu_U,
+    Σℓ_U`` over every process) and KL estimates: each micro-batch's side means where it has that side (margins
+    where it has both), averaged over the micro-batches (kto:1524-1546, TRL's log of a step); ``None`` for a
+    side no micro-batch had."""
+    per: dict[str, list[float]] = {m: [] for m in KTO_METRICS}
+    per["kl"] = list(kls)
+    for n_d, r_d, l_d, n_u, r_u, l_u in sums.tolist():
+        if n_d:
+            per["rewards/chosen"].append(r_d / n_d)
+            per["logps/chosen"].append(l_d / n_d)
+        if n_u:
+            per["rewards/rejected"].append(r_u / n_u)
+            per["logps/rejected"].append(l_u / n_u)
+        if n_d and n_u:
+            per["rewards/margins"].append(r_d / n_d - r_u / n_u)
+    return {m: (sum(v) / len(v) if v else None) for m, v in per.items()}
 
 
 class PreferenceDriver(Driver):
@@ -183,6 +239,8 @@ class PreferenceDriver(Driver):
 
     def feed(self, tenant: Tenant) -> PrefFeed:
         e, pref, L = self.engine, tenant.pref, self.spec.seq_len
+        if pref.method == "kto":
+            return self._kto_feed(tenant)
         pairs = read_pairs(tenant.data, e.tokenizer, L)
         examples = [pair_examples(p, L, whole_chosen=pref.method == "orpo") for p in pairs]
         check_vocab([ex for both in examples for ex in both], e.vocab_rows, str(tenant.data))
@@ -213,6 +271,40 @@ class PreferenceDriver(Driver):
             metrics=METHOD_METRICS[pref.method],
         )
 
+    def _kto_feed(self, tenant: Tenant) -> PrefFeed:
+        """A KTO tenant's rows (TRL's ``KTOTrainer``): each row's KL completion is the one before it within its
+        block of ``batch_size`` rows in data order (:func:`~mlora_lab.rl.pairs.kl_completion_ids`), fixed for the
+        run as TRL fixes it when it prepares the data set; each row's reference values are those of its row and
+        of its KL row."""
+        e, pref, L = self.engine, tenant.pref, self.spec.seq_len
+        rows = read_unpaired(tenant.data, e.tokenizer, L)
+        kl_ids = kl_completion_ids([r.completion_ids for r in rows], tenant.batch_size)
+        seqs = [
+            (sequence(r.prompt_ids, r.completion_ids, L), sequence(r.prompt_ids, kl, L))
+            for r, kl in zip(rows, kl_ids, strict=True)
+        ]
+        examples = [tuple(_example(s.input_ids, s.completion_mask) for s in both) for both in seqs]
+        check_vocab([ex for both in examples for ex in both], e.vocab_rows, str(tenant.data))
+        on_init = pref.reference_of(tenant.init_adapter) == "init_adapter"
+        if on_init and tenant.init_adapter is None:
+            raise DataError(["pref.reference = 'init_adapter' needs an init_adapter"], header="cannot train")
+        reference = ReferenceCache(
+            e.model, pad_token_id=e.pad_id, tenant=tenant.name if on_init else None, max_length=L
+        )
+        stream = TenantStream(list(range(len(rows))), seed=tenant.seed, shuffle=tenant.shuffle)
+        masks = [(a.completion_mask, b.completion_mask) for a, b in seqs]
+        return PrefFeed(
+            rows,
+            examples,
+            masks,
+            stream,
+            reference,
+            unpaired_digest(rows, kl_ids),
+            metrics=KTO_METRICS,
+            labels=[r.label for r in rows],
+            sums=torch.zeros(tenant.grad_accum, 6, dtype=torch.float64),
+        )
+
     def _mine(self, tenants: Sequence[TenantRun]) -> list[TenantRun]:
         return [t for t in tenants if isinstance(t.feed, PrefFeed)]
 
@@ -232,17 +324,24 @@ class PreferenceDriver(Driver):
                     B, k = t.spec.batch_size, t.spec.grad_accum
                     drawn = f.stream.take(B * k)
                     f.window = [drawn[i * B : (i + 1) * B] for i in range(k)]
-                    f.window_tokens = sum(sum(m[1:]) for i in drawn for m in f.masks[i])  # (its completions')
-                    f.sums.zero_()
+                    if f.labels is None:  # (its completions')
+                        f.window_tokens = sum(sum(m[1:]) for i in drawn for m in f.masks[i])
+                    else:  # (KTO: its rows', not their KL rows')
+                        f.window_tokens = sum(sum(f.masks[i][0][1:]) for i in drawn)
+                    f.zero_sums(k)
                 except Exception as e:  # (the same on every process: the same stream)
                     failed[t.name] = describe(e)
         self._reference([t for t in active if t.feed.micro == 0 and t.name not in failed])
+        self._kl_estimates([t for t in active if t.spec.pref.loss_types == ["kto"] and t.name not in failed])
         rows: dict[str, list[Example]] = {}
         for t in active:
             f = t.feed
             if t.name not in failed:
                 mine = self._local(f.window[f.micro])
-                rows[t.name] = [f.examples[i][0] for i in mine] + [f.examples[i][1] for i in mine]
+                if f.labels is not None:  # KTO: its rows alone (their KL rows were scored without gradient)
+                    rows[t.name] = [f.examples[i][0] for i in mine]
+                else:
+                    rows[t.name] = [f.examples[i][0] for i in mine] + [f.examples[i][1] for i in mine]
             f.micro += 1  # (the micro-batch the loss below is of: micro - 1)
         complete = [t.name for t in active if t.feed.micro == t.spec.grad_accum]  # the same on every process
         return Plan(tenants=active, rows=rows, complete=complete, failed=failed)
@@ -277,6 +376,40 @@ class PreferenceDriver(Driver):
         finally:
             model.train(was_training)
 
+    @torch.no_grad()
+    def _kl_estimates(self, tenants: list[TenantRun]) -> None:
+        """KTO's KL estimate of each tenant's micro-batch about to train, ``z₀ = max(0, mean_B(ℓ' − ℓ'^ref))`` over
+        its ``B`` KL rows (each row's prompt with another row's completion) under the tenant's adapter as it is
+        now, without gradient (TRL's ``_compute_kl_logps``): one forward of every such tenant's KL rows (each
+        process its share; the sums shared, so every process holds the whole micro-batch's z₀). A collective."""
+        if not tenants:
+            return
+        model = self.engine.model
+        was_training = model.training
+        model.eval()  # (TRL disables dropout: disable_dropout=True)
+        try:
+            local = [self._local(t.feed.window[t.feed.micro]) for t in tenants]
+            groups = [
+                (t.name, [t.feed.examples[i][1] for i in mine])
+                for t, mine in zip(tenants, local, strict=True)
+            ]
+            batch, token_loss = self.engine.forward(groups)
+        finally:
+            model.train(was_training)
+        sums = torch.zeros(len(tenants), 2, dtype=torch.float64)
+        start = 0
+        for j, (t, mine) in enumerate(zip(tenants, local, strict=True)):
+            if mine:
+                f: PrefFeed = t.feed
+                mask = _shifted([f.masks[i][1] for i in mine], batch.labels.shape[1], token_loss.device)
+                kl_logps = masked_logps(-token_loss[start : start + len(mine)], mask).double().cpu()
+                ref = torch.tensor([f.reference.values[i][1] for i in mine], dtype=torch.float64)
+                sums[j] = torch.tensor([float((kl_logps - ref).sum()), len(mine)], dtype=torch.float64)
+            start += len(mine)
+        sums = self.comm.sum_over_dp(sums)
+        for j, t in enumerate(tenants):
+            t.feed.kls.append(max(0.0, float(sums[j, 0] / sums[j, 1])))
+
     def _reference_pass(self, key: str | None, jobs: list[tuple[TenantRun, list[int]]]) -> None:
         groups, local = [], []
         for t, missing in jobs:
@@ -309,7 +442,9 @@ class PreferenceDriver(Driver):
         pref: Preference = t.spec.pref
         mine = self._local(f.window[f.micro - 1])
         n = len(mine)
-        logps = -token_loss  # [2n, T-1]
+        logps = -token_loss  # [2n, T-1] (KTO: [n, T-1])
+        if f.labels is not None:
+            return self._kto(t, f, pref, mine, logps, labels.shape[1])
         masks = [f.masks[i][0] for i in mine] + [f.masks[i][1] for i in mine]
         mask = _shifted(masks, labels.shape[1], logps.device)  # [2n, T-1]: ℓ[:, p] is of token p + 1
         if pref.method == "dpo":
@@ -337,6 +472,34 @@ class PreferenceDriver(Driver):
                 simpo_gamma=pref.simpo_gamma,
             )
         f.sums += torch.tensor([float(metrics[m]) * n for m in f.metrics] + [n], dtype=torch.float64)
+        return loss * (n / (t.spec.batch_size * t.spec.grad_accum))
+
+    def _kto(
+        self, t: TenantRun, f: PrefFeed, pref: Preference, mine: list[int], logps: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        """KTO's loss of this process's rows (the micro-batch's KL estimate computed by :meth:`_kl_estimates`), its
+        metric sums kept per micro-batch (TRL logs the mean of each micro-batch's side means)."""
+        n = len(mine)
+        mask = _shifted([f.masks[i][0] for i in mine], width, logps.device)
+        seq = masked_logps(logps, mask)
+        ref = torch.tensor([f.reference.values[i][0] for i in mine], dtype=seq.dtype, device=seq.device)
+        desirable = torch.tensor([f.labels[i] for i in mine], dtype=torch.bool, device=seq.device)
+        (loss_type,) = pref.loss_types
+        kl = torch.tensor(f.kls[f.micro - 1], dtype=seq.dtype) if loss_type == "kto" else None
+        loss, _ = kto_loss(
+            seq,
+            ref,
+            desirable,
+            loss_type=loss_type,
+            beta=pref.beta,
+            desirable_weight=pref.desirable_weight,
+            undesirable_weight=pref.undesirable_weight,
+            kl=kl,
+        )
+        rewards, kept = pref.beta * (seq.detach() - ref), seq.detach()
+        d, u = desirable, ~desirable
+        sides = [(int(s.sum()), float(rewards[s].sum()), float(kept[s].sum())) for s in (d, u)]
+        f.sums[f.micro - 1] += torch.tensor([*sides[0], *sides[1]], dtype=torch.float64)
         return loss * (n / (t.spec.batch_size * t.spec.grad_accum))
 
     def _dpo(
@@ -368,8 +531,12 @@ class PreferenceDriver(Driver):
     def stepped(self, t: TenantRun, result: StepResult) -> None:
         f: PrefFeed = t.feed
         sums = self.comm.sum_over_dp(f.sums.clone())  # (every process steps the same tenants, in order)
-        count = float(sums[-1])
-        extra = {m: (float(sums[i]) / count if count else None) for i, m in enumerate(f.metrics)}
+        if f.labels is not None:
+            extra = _kto_metrics(sums, f.kls or [0.0] * t.spec.grad_accum)
+        else:
+            count = float(sums[-1])
+            extra = {m: (float(sums[i]) / count if count else None) for i, m in enumerate(f.metrics)}
+        f.kls = []
         f.micro = 0
         f.sums.zero_()
         t.tokens_seen += f.window_tokens
