@@ -635,3 +635,32 @@ def test_kto_tenants_equal_trls_kto_trainer(pref, paired, llama_path, tmp_path):
         assert [r["extra"][m] for r in rows] == pytest.approx([h.get(m) for h in logs], rel=1e-5, abs=TOL), m
     diff = max_diff(trainer.model.tenant_tensors("k"), peft_lora_tensors(reference.model))
     assert diff <= TOL, f"adapters differ by {diff}"
+
+
+@pytest.mark.slow  # (starts a served job)
+def test_a_served_jobs_file_tenants_include_preference_tenants(llama_path, tmp_path):
+    """A served job (the Tinker service on) feeds its file tenants through the same drivers: a DPO tenant in it
+    trains to its steps, equal to the tenant trained alone, while the service waits for clients."""
+    import time
+
+    import mlora_lab as ml
+    from mlora_lab.lora import read_adapter
+
+    data, adapter = pair_file(tmp_path), init_adapter(llama_path, tmp_path)
+    p = pref_tenant("p", data, adapter, Preference(beta=0.2, reference="base"), max_steps=3)
+    svc = ml.serve(job(llama_path, [p], output_dir=str(tmp_path / "served")))
+    try:
+        deadline = time.monotonic() + 240
+        while svc.tenant_state("p") != "finished":
+            assert time.monotonic() < deadline and svc.status in ("starting", "running"), svc.logs(0)
+            time.sleep(0.5)
+        rows = svc.metrics()
+        rows = rows[(rows["kind"] == "train") & (rows["tenant"] == "p")]
+        margins = list(rows["rewards/margins"])
+    finally:
+        assert svc.stop() == "stopped", svc.logs(0)
+    alone = Trainer(job(llama_path, [p]))
+    alone.train()
+    assert list(rows["loss"]) == pytest.approx(alone.losses("p"), abs=TOL)
+    assert margins == pytest.approx([r["extra"]["rewards/margins"] for r in ours(alone, "p")], abs=TOL)
+    assert max_diff(read_adapter(svc.adapter_path("p"))[1], alone.model.tenant_tensors("p")) <= TOL
