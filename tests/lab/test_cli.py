@@ -36,13 +36,16 @@ from mlora_lab.rundir.status import JOB_MODULE
 slow = pytest.mark.slow  # every test that starts a job
 
 
-def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli(
+    *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mlora_lab.lab.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -404,3 +407,33 @@ def test_follow_of_a_served_run_shows_its_clients_steps_done_with_no_total(tmp_p
     last = out.getvalue().splitlines()[-1]
     assert last.endswith("tenant steps 62  a 10/10 1.000 | owner-1 52 1.000"), last
     assert str(MAX_COUNT) not in out.getvalue() and "%" not in last
+
+
+@slow
+def test_a_job_json_with_a_preference_tenant_runs_and_shows_its_margins(tmp_path, llama_path, make_data):
+    """``"pref": {...}`` in job.json (the names of ``ml.Preference``, TRL's): the CLI runs the DPO tenant beside an
+    SFT one, and ``status`` shows its last accuracy and margin; a misspelt key is refused naming the key."""
+    rows = [
+        {"prompt": f"Say something {i}.", "chosen": " Thank you kindly!", "rejected": " no" + "." * (i + 1)}
+        for i in range(6)
+    ]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pref = {"name": "dpo", "data": "pairs.jsonl", "rank": 4, "max_steps": 3, "batch_size": 2, "lr": 0.01}
+    job_json(tmp_path, llama_path, make_data, save_every=0)
+    job = json.loads((tmp_path / "job.json").read_text())
+    job["tenants"] = [job["tenants"][0], {**pref, "pref": {"beta": 0.5, "loss_type": "sigmoid"}}]
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    proc = cli("run", "job.json", "--workdir", "runs", cwd=tmp_path, env={"COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    assert ml.JobSpec.load(run_dir / "job.json").tenants[1].pref == ml.Preference(
+        beta=0.5, loss_type="sigmoid"
+    )
+    proc = cli("status", str(run_dir), cwd=tmp_path, env={"COLUMNS": "200"})
+    header = next(line for line in proc.stdout.splitlines() if line.lstrip().startswith("tenant"))
+    assert "rewards/accuracies" in header and "rewards/margins" in header, proc.stdout
+    job["tenants"][1]["pref"] = {"bta": 0.5}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    proc = cli("run", "job.json", "--workdir", "bad", cwd=tmp_path)
+    assert proc.returncode != 0 and "pref: unknown field 'bta' (did you mean 'beta'?)" in proc.stderr
+    assert not (tmp_path / "bad").exists()
