@@ -56,13 +56,13 @@ def pair_file(folder: Path, rows: list[dict] = ROWS, name: str = "pairs.jsonl") 
     return str(path)
 
 
-def init_adapter(base: str, folder: Path, seed: int = 11) -> str:
+def init_adapter(base: str, folder: Path, seed: int = 11, targets: list[str] = TARGETS) -> str:
     """A PEFT adapter with B ≠ 0, so the policy differs from the base at step 0 (the rewards are not all 0)."""
     import transformers
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(base)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     path = folder / f"init_{seed}"
     peft.get_peft_model(model, config).save_pretrained(path)
     return str(path)
@@ -664,3 +664,40 @@ def test_a_served_jobs_file_tenants_include_preference_tenants(llama_path, tmp_p
     assert list(rows["loss"]) == pytest.approx(alone.losses("p"), abs=TOL)
     assert margins == pytest.approx([r["extra"]["rewards/margins"] for r in ours(alone, "p")], abs=TOL)
     assert max_diff(read_adapter(svc.adapter_path("p"))[1], alone.model.tenant_tensors("p")) <= TOL
+
+
+@pytest.mark.slow
+def test_expert_parallel_two_ranks_equal_one(tiny_models, tmp_path):
+    """A DPO and a KTO tenant on a mixture of experts (mixtral) under ep=2: the experts split, tokens travel
+    between the ranks, each rank trains its share of the pairs (rows); the run equals one process."""
+    import mlora_lab as ml
+    from mlora_lab.lora import read_adapter
+
+    base, targets = tiny_models("mixtral"), ["q_proj", "v_proj"]
+    adapter = init_adapter(base, tmp_path, targets=targets)
+    data, kto = pair_file(tmp_path), pair_file(tmp_path, KTO_ROWS, "kto.jsonl")
+    tenants = [
+        pref_tenant(
+            "a", data, adapter, Preference(beta=0.2, reference="base"), target_modules=targets, batch_size=3
+        ),
+        pref_tenant(
+            "k", kto, adapter, Preference(method="kto", beta=0.3), target_modules=targets, batch_size=3
+        ),
+    ]
+    one = Trainer(job(base, tenants, slot_modules=targets))
+    one.train()
+    spec = job(base, tenants, slot_modules=targets, parallel=ml.Parallel(nproc=2, fsdp=1, ep=2))
+    spec.output_dir = str(tmp_path / "out")
+    run = ml.launch(spec)
+    state = run.wait(600)
+    assert state == "finished", f"{state}: {run.error}\n{run.logs(0)}\n{run.logs(1)}"
+    m = run.metrics()
+    m = m[m["kind"] == "train"].set_index(["tenant", "tenant_step"]).sort_index()
+    want = {(r["tenant"], r["tenant_step"]): r for r in one.history if r["kind"] == RowKind.TRAIN}
+    assert set(m.index) == set(want)
+    assert list(m["loss"]) == pytest.approx([want[k]["loss"] for k in m.index], abs=TOL)
+    assert list(m["rewards/chosen"]) == pytest.approx(
+        [want[k]["extra"]["rewards/chosen"] for k in m.index], abs=TOL
+    )
+    for name in ("a", "k"):
+        assert max_diff(read_adapter(run.adapter_path(name))[1], one.model.tenant_tensors(name)) <= TOL, name
