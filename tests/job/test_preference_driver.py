@@ -86,9 +86,8 @@ def pref_tenant(name: str, data: str, adapter: str | None, pref: Preference, **k
 
 
 def job(base: str, tenants: list[Tenant], **kw) -> JobSpec:
-    return JobSpec(
-        base_model=base, tenants=tenants, seq_len=64, max_rank=8, max_tenants=4, dtype="float32", **kw
-    )
+    kw = {"seq_len": 64, "max_rank": 8, "max_tenants": 4, "dtype": "float32", **kw}
+    return JobSpec(base_model=base, tenants=tenants, **kw)
 
 
 def trl_run(base: str, data: str, adapter: str, t: Tenant, out: Path) -> tuple[DPOTrainer, list[dict]]:
@@ -701,3 +700,35 @@ def test_expert_parallel_two_ranks_equal_one(tiny_models, tmp_path):
     )
     for name in ("a", "k"):
         assert max_diff(read_adapter(run.adapter_path(name))[1], one.model.tenant_tensors(name)) <= TOL, name
+
+
+def test_tenants_on_the_same_pairs_share_one_base_reference(llama_path, tmp_path):
+    """A β sweep (and IPO beside DPO) on the same pairs: one reference cache, each pair's reference forward made
+    once for all of them; each tenant still trains as alone. A tenant whose reference is its init adapter, or
+    on other pairs, has its own."""
+    data, adapter = pair_file(tmp_path), init_adapter(llama_path, tmp_path)
+    other = pair_file(tmp_path, ROWS[:6], "other.jsonl")
+    tenants = [
+        pref_tenant("b1", data, adapter, Preference(beta=0.1, reference="base")),
+        pref_tenant("b5", data, adapter, Preference(beta=0.5, reference="base"), shuffle=True),
+        pref_tenant("ipo", data, adapter, Preference(loss_type="ipo", reference="base")),
+        pref_tenant("init", data, adapter, Preference(beta=0.1)),
+        pref_tenant("other", other, adapter, Preference(beta=0.1, reference="base")),
+    ]
+    together = Trainer(job(llama_path, tenants, max_tenants=5))
+    passes = []
+    driver = together.drivers.of(tenants[0])
+    real = driver._reference_pass
+    driver._reference_pass = lambda key, jobs: passes.append(sum(len(m) for _, m in jobs)) or real(key, jobs)
+    together.train()
+    feeds = {t.name: together.tenants[t.name].feed for t in tenants}
+    assert feeds["b1"].reference is feeds["b5"].reference is feeds["ipo"].reference
+    assert feeds["init"].reference is not feeds["b1"].reference is not feeds["other"].reference
+    assert (
+        sum(passes) == len(ROWS) + len(ROWS) + 6
+    )  # the shared cache's 8 pairs once, the init's, the other's
+    for t in tenants[:3]:
+        alone = Trainer(job(llama_path, [t]))
+        alone.train()
+        assert together.losses(t.name) == pytest.approx(alone.losses(t.name), abs=TOL), t.name
+        assert max_diff(together.model.tenant_tensors(t.name), alone.model.tenant_tensors(t.name)) <= TOL

@@ -195,8 +195,10 @@ class PrefFeed:
         self.window_tokens = int(s["pref_window_tokens"])
         self.sums = s["pref_sums"].to(torch.float64).clone()
         self.kls = [float(x) for x in s.get("pref_kls", [])]
-        if self.reference is not None:
+        if self.reference is not None:  # (merged: a cache shared with tenants restored before this one)
+            before = dict(self.reference.values)
             self.reference.load_state_dict(s["pref_reference"])
+            self.reference.values = {**before, **self.reference.values}
 
 
 def _shifted(masks: Sequence[Sequence[int]], width: int, device: torch.device) -> torch.Tensor:
@@ -233,6 +235,19 @@ class PreferenceDriver(Driver):
     def __init__(self, parts: Any) -> None:
         super().__init__(parts)
         self.comm = parts.engine.comm
+        # reference caches of the base reference by (rows' digest, ld_alpha): tenants on the same rows (a β
+        # sweep, DPO beside IPO) share one, so each row's reference forward is made once for all of them
+        self.shared: dict[tuple[str, float | None], ReferenceCache] = {}
+
+    def _base_reference(self, digest: str, ld_alpha: float | None) -> ReferenceCache:
+        """The cache of the base reference of rows with this ``digest`` (made on first use, then shared)."""
+        key = (digest, ld_alpha)
+        if key not in self.shared:
+            e = self.engine
+            self.shared[key] = ReferenceCache(
+                e.model, pad_token_id=e.pad_id, ld_alpha=ld_alpha, max_length=self.spec.seq_len
+            )
+        return self.shared[key]
 
     def accepts(self, tenant: Tenant) -> bool:
         return tenant.pref is not None and tenant.client is None and tenant.rl is None
@@ -251,12 +266,12 @@ class PreferenceDriver(Driver):
                 raise DataError(
                     ["pref.reference = 'init_adapter' needs an init_adapter"], header="cannot train"
                 )
-            reference = ReferenceCache(
-                e.model,
-                pad_token_id=e.pad_id,
-                tenant=tenant.name if on_init else None,
-                ld_alpha=pref.ld_alpha,
-                max_length=L,
+            reference = (
+                ReferenceCache(
+                    e.model, pad_token_id=e.pad_id, tenant=tenant.name, ld_alpha=pref.ld_alpha, max_length=L
+                )
+                if on_init
+                else self._base_reference(pairs_digest(pairs), pref.ld_alpha)
             )
         # (the stream's "examples" are the pairs' indices: it only counts and orders them)
         stream = TenantStream(list(range(len(pairs))), seed=tenant.seed, shuffle=tenant.shuffle)
@@ -288,8 +303,11 @@ class PreferenceDriver(Driver):
         on_init = pref.reference_of(tenant.init_adapter) == "init_adapter"
         if on_init and tenant.init_adapter is None:
             raise DataError(["pref.reference = 'init_adapter' needs an init_adapter"], header="cannot train")
-        reference = ReferenceCache(
-            e.model, pad_token_id=e.pad_id, tenant=tenant.name if on_init else None, max_length=L
+        digest = unpaired_digest(rows, kl_ids)
+        reference = (
+            ReferenceCache(e.model, pad_token_id=e.pad_id, tenant=tenant.name, max_length=L)
+            if on_init
+            else self._base_reference(digest, None)
         )
         stream = TenantStream(list(range(len(rows))), seed=tenant.seed, shuffle=tenant.shuffle)
         masks = [(a.completion_mask, b.completion_mask) for a, b in seqs]
@@ -299,7 +317,7 @@ class PreferenceDriver(Driver):
             masks,
             stream,
             reference,
-            unpaired_digest(rows, kl_ids),
+            digest,
             metrics=KTO_METRICS,
             labels=[r.label for r in rows],
             sums=torch.zeros(tenant.grad_accum, 6, dtype=torch.float64),
@@ -351,18 +369,21 @@ class PreferenceDriver(Driver):
         """The reference log-probs of the starting windows' pairs not yet cached (a tenant whose reference is its
         init adapter: of all its pairs, before its first step), one forward per tenant whose reference is its
         init adapter and one for all the others (routed to no adapter). A collective: every process has the same
-        caches, so the same pairs are missing everywhere; each computes its share and the sums are shared."""
-        todo: dict[str | None, list[tuple[TenantRun, list[int]]]] = {}
+        caches, so the same pairs are missing everywhere; each computes its share and the sums are shared.
+        Tenants that share a cache (the same rows, the base as reference) have their missing rows computed once."""
+        wanted: dict[int, tuple[TenantRun, list[int]]] = {}  # by cache: a tenant of it, and its rows wanted
         for t in starting:
             f: PrefFeed = t.feed
             if f.reference is None:
                 continue
-            wanted = (
-                range(len(f.pairs)) if f.reference.tenant is not None else [i for m in f.window for i in m]
-            )
-            missing = [int(i) for i in f.reference.missing(list(wanted))]
+            rows = range(len(f.pairs)) if f.reference.tenant is not None else [i for m in f.window for i in m]
+            first, before = wanted.get(id(f.reference), (t, []))
+            wanted[id(f.reference)] = (first, before + list(rows))
+        todo: dict[str | None, list[tuple[TenantRun, list[int]]]] = {}
+        for t, rows in wanted.values():
+            missing = [int(i) for i in t.feed.reference.missing(rows)]
             if missing:
-                todo.setdefault(f.reference.tenant, []).append((t, missing))
+                todo.setdefault(t.feed.reference.tenant, []).append((t, missing))
         if not todo:
             return
         model = self.engine.model
