@@ -32,7 +32,8 @@ reader sees what the tenants learn, which the test does not judge (the whole tes
 with a quarter); the distributed one's three 2-process jobs, 70 s -> 59 s. (The RL notebook's time is its
 jobs' start: 39 s in full, 42 s with a quarter, on a quiet machine.) The real-model parts of 05 and 07 run in
 full, since the test checks their stated results: with them 05 took 95 s and 07 51 s (19 s and 23 s without),
-on 2 cores at a load of about 1."""
+on 2 cores at a load of about 1; 08 (three tenants of 300 steps in full, then a DPO tenant on SmolLM2) took 65 s,
+its real-model part about 35 s of it, at a load of about 2."""
 NEEDS = {"06_service": "tinker"}
 """Notebooks that need an optional package (the ``serve`` extra's SDK, in the ``dev`` extra too)."""
 
@@ -66,7 +67,19 @@ def evaluation_on_a_real_model(tmp_path: Path) -> None:
     assert scores.loc["capitals", "exact_match_low"] > scores.loc["base", "exact_match_high"], scores
 
 
-REAL_MODEL_PARTS = {"05_rl": rl_on_a_real_model, "07_evaluate": evaluation_on_a_real_model}
+def preference_on_a_real_model(tmp_path: Path) -> None:
+    """Issue 50 (preference tenants): 08's last part trains a DPO tenant on SmolLM2 to prefer answers ending in
+    ``!`` over the same answers ending in ``.``, and on countries it never trained on, the share of its answers that
+    exclaim beats the base's by more than the intervals' width, as the notebook states."""
+    scores = ml.load_evaluation(real_model_run(tmp_path, "real-model-pref"), "style").scores()
+    assert scores.loc["excited", "exclaims_low"] > scores.loc["base", "exclaims_high"], scores
+
+
+REAL_MODEL_PARTS = {
+    "05_rl": rl_on_a_real_model,
+    "07_evaluate": evaluation_on_a_real_model,
+    "08_preference": preference_on_a_real_model,
+}
 """Notebooks whose last part shows a real model (SmolLM2-135M-Instruct) improve on a real metric: the test
 checks the stated result again from the run that part leaves, whatever the notebook's own asserts say."""
 
