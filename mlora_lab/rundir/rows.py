@@ -189,13 +189,17 @@ class TrainRow(Row, tag="train"):
 
 
 class HeldoutRow(Row, tag=HELDOUT_KIND):
-    """A tenant's held-out loss at a step: the mean target-token loss of its ``heldout_data``."""
+    """A tenant's held-out loss at a step: the mean target-token loss of its ``heldout_data`` (a preference tenant:
+    its preference loss, the mean over its held-out pairs, with TRL's metrics in ``extra``)."""
 
     kind: ClassVar[RowKind] = RowKind.HELDOUT
     step: int
     tenant: TenantName
     loss: float | None
     time: float = msgspec.field(default_factory=time.time)
+    extra: dict[str, float | None] | None = None
+    """Named metrics of the held-out rows: a preference tenant's TRL metrics over its held-out pairs
+    (``rewards/accuracies``, ``rewards/margins``, ...; TRL logs them as ``eval_rewards/...``)."""
 
 
 class SystemRow(Row, tag="system"):

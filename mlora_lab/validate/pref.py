@@ -68,12 +68,12 @@ def check_pref_fields(ctx: Context, t: Tenant, check_field: Any) -> bool:
             "pref.reference = 'init_adapter' needs the tenant's init_adapter (the adapter it starts from, "
             "frozen as the reference); give one, or use reference 'base'",
         )
-    if t.heldout_data is not None:
+    if t.heldout_data is not None and pref.method == "kto":
         ctx.say(
             t,
             "heldout_data",
-            "a preference tenant has no heldout_data yet: its progress is its rewards/margins and "
-            "rewards/accuracies; remove it",
+            "a KTO tenant has no heldout_data yet (its held-out loss needs a KL estimate of its own): its progress "
+            "is its rewards/margins and kl; remove it",
         )
     if ctx.spec.packing:
         ctx.say(
@@ -182,12 +182,14 @@ def _weights(ctx: Context, t: Tenant, v: Any, info: FieldInfo, label: str) -> bo
 
 
 def check_pairs(ctx: Context, t: Tenant) -> None:
-    """Every problem of the preference tenant's ``data`` rows (:func:`mlora_lab.rl.pairs.scan_pairs`)."""
-    source = t.data
-    if memory_kind(source) is None and not usable_path(source):
-        return  # (a type or path problem, reported with the fields)
+    """Every problem of the preference tenant's ``data`` and ``heldout_data`` rows
+    (:func:`mlora_lab.rl.pairs.scan_pairs`)."""
     from mlora_lab.rl.pairs import scan_pairs  # (the rl package imports torch)
 
-    path = source if isinstance(source, str) else None
-    for problem in scan_pairs(source, unpaired=getattr(t.pref, "method", None) == "kto")[0]:
-        ctx.say(t, "data", f"data: {problem}", path=path)
+    for name in ("data", "heldout_data"):
+        source = getattr(t, name)
+        if source is None or (memory_kind(source) is None and not usable_path(source)):
+            continue  # (a type or path problem, reported with the fields)
+        path = source if isinstance(source, str) else None
+        for problem in scan_pairs(source, unpaired=getattr(t.pref, "method", None) == "kto")[0]:
+            ctx.say(t, name, f"{name}: {problem}", path=path)

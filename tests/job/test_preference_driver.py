@@ -732,3 +732,25 @@ def test_tenants_on_the_same_pairs_share_one_base_reference(llama_path, tmp_path
         alone.train()
         assert together.losses(t.name) == pytest.approx(alone.losses(t.name), abs=TOL), t.name
         assert max_diff(together.model.tenant_tensors(t.name), alone.model.tenant_tensors(t.name)) <= TOL
+
+
+def test_held_out_pairs_give_trls_eval_loss_and_metrics(llama_path, tmp_path):
+    """``heldout_data`` of pairs: every ``heldout_every`` steps and at the end, the mean preference loss over the
+    held-out pairs and TRL's metrics (a held-out row), equal to TRL's ``evaluate()`` (``eval_loss``,
+    ``eval_rewards/...``) on the same pairs after the same steps; the base reference of the held-out pairs is
+    shared with a tenant training on them, the init adapter's computed before the first step."""
+    data, adapter = pair_file(tmp_path), init_adapter(llama_path, tmp_path)
+    heldout = pair_file(tmp_path, ROWS[:4], "heldout.jsonl")
+    t = pref_tenant("p", data, adapter, Preference(beta=0.3), heldout_data=heldout, grad_accum=2, max_steps=2)
+    trainer = Trainer(job(llama_path, [t], heldout_every=1))
+    trainer.train()
+    rows = [r for r in trainer.history if r["kind"] == RowKind.HELDOUT and r["tenant"] == "p"]
+    reference, _ = trl_run(llama_path, data, adapter, t, tmp_path / "trl")
+    eval_rows = [json.loads(line) for line in Path(heldout).read_text().splitlines()]
+    reference.args.per_device_eval_batch_size = t.batch_size
+    got = reference.evaluate(datasets.Dataset.from_list(eval_rows))
+    assert rows[-1]["loss"] == pytest.approx(got["eval_loss"], abs=TOL)
+    for m in METRICS:
+        assert rows[-1]["extra"][m] == pytest.approx(got[f"eval_{m}"], rel=1e-5, abs=TOL), m
+    assert len(rows) >= 2 and rows[0]["step"] < rows[-1]["step"]
+    assert trainer.heldout_losses(["p"])["p"] == pytest.approx(rows[-1]["loss"], abs=1e-6)

@@ -87,7 +87,8 @@ def test_every_problem_of_every_preference_tenant_at_once(llama_path, tmp_path):
             ),
             Tenant(name="init", data=good, pref=Preference(reference="init_adapter")),
             Tenant(name="both", data=good, pref=Preference(), rl=ml.RL(reward="r.py:f")),
-            Tenant(name="heldout", data=good, heldout_data=good, pref=Preference()),
+            Tenant(name="heldout", data=good, heldout_data=good, pref=Preference(method="kto")),
+            Tenant(name="heldbad", data=good, heldout_data=bad, pref=Preference()),
             Tenant(name="rows", data=bad, pref=Preference()),
         ],
         max_tenants=16,
@@ -102,14 +103,15 @@ def test_every_problem_of_every_preference_tenant_at_once(llama_path, tmp_path):
         "tenant 'weights': pref: 1 loss_weights for 2 loss_types",
         "tenant 'init': pref.reference = 'init_adapter' needs the tenant's init_adapter",
         "tenant 'both': a tenant learns from rewards (rl) or from preference pairs (pref), not both",
-        "tenant 'heldout': a preference tenant has no heldout_data yet",
+        "tenant 'heldout': a KTO tenant has no heldout_data yet",
+        "tenant 'heldbad': heldout_data: ",
         "bad.jsonl line 1: 'chosen' and 'rejected' are the same",
         "bad.jsonl line 2: missing key 'rejected'",
         "bad.jsonl line 3: an unpaired (KTO) row; a preference tenant trains on pairs",
         "bad.jsonl line 4: unexpected key 'score'",
     ):
         assert needle in out, f"{needle!r} not in:\n{out}"
-    assert out.count("tenant 'rows': data: ") == 4
+    assert out.count("tenant 'rows': data: ") == 4 and out.count("tenant 'heldbad': heldout_data: ") == 4
     spec.output_dir = str(tmp_path / "out")
     with pytest.raises(SpecError, match="tenant 'unknown'"):
         ml.launch(spec)  # refused before any process starts

@@ -73,6 +73,7 @@ from mlora_lab.rl.preference_free import (
     token_mean_nll,
 )
 from mlora_lab.rl.preference_ref import ReferenceCache
+from mlora_lab.rundir import HeldoutRow, TenantState
 from mlora_lab.spec.parts import Preference
 from mlora_lab.spec.tenant import Tenant
 
@@ -149,6 +150,7 @@ class PrefFeed:
     ``[k, 6]``, per micro-batch ``n_D, Σβu_D, Σℓ_D, n_U, Σβu_U, Σℓ_U``)."""
     labels: list[bool] | None = None  # KTO: each row's label (desirable); its examples are (row, KL row)
     kls: list[float] = field(default_factory=list)  # KTO: each micro-batch's KL estimate z₀, so far
+    heldout: PrefFeed | None = None  # the held-out pairs (their examples, masks and reference; no order)
 
     def __post_init__(self) -> None:
         if self.labels is None and self.sums.numel() != len(self.metrics) + 1:
@@ -177,6 +179,11 @@ class PrefFeed:
             "pref_sums": self.sums.clone(),
             "pref_kls": list(self.kls),
             "pref_reference": None if self.reference is None else self.reference.state_dict(),
+            "pref_heldout_reference": (
+                None
+                if self.heldout is None or self.heldout.reference is None
+                else self.heldout.reference.state_dict()
+            ),
             "pref_digest": self.digest,
         }
 
@@ -195,10 +202,16 @@ class PrefFeed:
         self.window_tokens = int(s["pref_window_tokens"])
         self.sums = s["pref_sums"].to(torch.float64).clone()
         self.kls = [float(x) for x in s.get("pref_kls", [])]
-        if self.reference is not None:  # (merged: a cache shared with tenants restored before this one)
-            before = dict(self.reference.values)
-            self.reference.load_state_dict(s["pref_reference"])
-            self.reference.values = {**before, **self.reference.values}
+        for cache, saved in (
+            (self.reference, s["pref_reference"]),
+            (None if self.heldout is None else self.heldout.reference, s.get("pref_heldout_reference")),
+        ):
+            if (
+                cache is not None and saved is not None
+            ):  # (merged: a cache shared with tenants restored before)
+                before = dict(cache.values)
+                cache.load_state_dict(saved)
+                cache.values = {**before, **cache.values}
 
 
 def _shifted(masks: Sequence[Sequence[int]], width: int, device: torch.device) -> torch.Tensor:
@@ -253,12 +266,19 @@ class PreferenceDriver(Driver):
         return tenant.pref is not None and tenant.client is None and tenant.rl is None
 
     def feed(self, tenant: Tenant) -> PrefFeed:
-        e, pref, L = self.engine, tenant.pref, self.spec.seq_len
-        if pref.method == "kto":
+        if tenant.pref.method == "kto":
             return self._kto_feed(tenant)
-        pairs = read_pairs(tenant.data, e.tokenizer, L)
+        f = self._pair_feed(tenant, tenant.data)
+        if tenant.heldout_data is not None:
+            f.heldout = self._pair_feed(tenant, tenant.heldout_data)
+        return f
+
+    def _pair_feed(self, tenant: Tenant, source: Any) -> PrefFeed:
+        """The pairs of ``source`` (the tenant's data or held-out data) as a feed, with their reference cache."""
+        e, pref, L = self.engine, tenant.pref, self.spec.seq_len
+        pairs = read_pairs(source, e.tokenizer, L)
         examples = [pair_examples(p, L, whole_chosen=pref.method == "orpo") for p in pairs]
-        check_vocab([ex for both in examples for ex in both], e.vocab_rows, str(tenant.data))
+        check_vocab([ex for both in examples for ex in both], e.vocab_rows, str(source))
         reference = None
         if pref.method == "dpo":
             on_init = pref.reference_of(tenant.init_adapter) == "init_adapter"
@@ -371,19 +391,32 @@ class PreferenceDriver(Driver):
         init adapter and one for all the others (routed to no adapter). A collective: every process has the same
         caches, so the same pairs are missing everywhere; each computes its share and the sums are shared.
         Tenants that share a cache (the same rows, the base as reference) have their missing rows computed once."""
-        wanted: dict[int, tuple[TenantRun, list[int]]] = {}  # by cache: a tenant of it, and its rows wanted
+        wanted: list[tuple[PrefFeed, Sequence[int], int]] = []  # (feed, its rows wanted, rows per forward)
         for t in starting:
             f: PrefFeed = t.feed
             if f.reference is None:
                 continue
-            rows = range(len(f.pairs)) if f.reference.tenant is not None else [i for m in f.window for i in m]
-            first, before = wanted.get(id(f.reference), (t, []))
-            wanted[id(f.reference)] = (first, before + list(rows))
-        todo: dict[str | None, list[tuple[TenantRun, list[int]]]] = {}
-        for t, rows in wanted.values():
-            missing = [int(i) for i in t.feed.reference.missing(rows)]
+            chunk = t.spec.batch_size * t.spec.grad_accum
+            on_init = (
+                f.reference.tenant is not None
+            )  # (every row now: the slot holds the init adapter until step 1)
+            wanted.append((f, range(len(f.pairs)) if on_init else [i for m in f.window for i in m], chunk))
+            if on_init and f.heldout is not None:
+                wanted.append((f.heldout, range(len(f.heldout.pairs)), chunk))
+        self._fill(wanted)
+
+    def _fill(self, wanted: list[tuple[PrefFeed, Sequence[int], int]]) -> None:
+        """Compute the missing reference values of each feed's wanted rows, a cache shared by several feeds
+        once, in forwards of at most the largest ``rows per forward`` of each reference (a collective)."""
+        by_cache: dict[int, tuple[PrefFeed, list[int], int]] = {}
+        for f, rows, chunk in wanted:
+            first, before, most = by_cache.get(id(f.reference), (f, [], 0))
+            by_cache[id(f.reference)] = (first, before + list(rows), max(most, chunk))
+        todo: dict[str | None, list[tuple[PrefFeed, list[int], int]]] = {}
+        for f, rows, chunk in by_cache.values():
+            missing = [int(i) for i in f.reference.missing(rows)]
             if missing:
-                todo.setdefault(t.feed.reference.tenant, []).append((t, missing))
+                todo.setdefault(f.reference.tenant, []).append((f, missing, chunk))
         if not todo:
             return
         model = self.engine.model
@@ -391,9 +424,9 @@ class PreferenceDriver(Driver):
         model.eval()  # (a fixed reference: no dropout of an init adapter)
         try:
             for key, jobs in todo.items():
-                chunk = max(t.spec.batch_size * t.spec.grad_accum for t, _ in jobs)
-                for start in range(0, max(len(m) for _, m in jobs), chunk):
-                    self._reference_pass(key, [(t, m[start : start + chunk]) for t, m in jobs])
+                chunk = max(c for _, _, c in jobs)
+                for start in range(0, max(len(m) for _, m, _ in jobs), chunk):
+                    self._reference_pass(key, [(f, m[start : start + chunk]) for f, m, _ in jobs])
         finally:
             model.train(was_training)
 
@@ -431,30 +464,30 @@ class PreferenceDriver(Driver):
         for j, t in enumerate(tenants):
             t.feed.kls.append(max(0.0, float(sums[j, 0] / sums[j, 1])))
 
-    def _reference_pass(self, key: str | None, jobs: list[tuple[TenantRun, list[int]]]) -> None:
+    def _reference_pass(self, key: str | None, jobs: list[tuple[PrefFeed, list[int]]]) -> None:
         groups, local = [], []
-        for t, missing in jobs:
+        for f, missing in jobs:
             mine = self._local(missing)
             local.append(mine)
-            ex = t.feed.examples
+            ex = f.examples
             groups.append((key, [ex[i][0] for i in mine] + [ex[i][1] for i in mine]))
         batch, token_loss = self.engine.forward(groups)
         start = 0
-        for (t, missing), mine in zip(jobs, local, strict=True):
+        for (f, missing), mine in zip(jobs, local, strict=True):
             values = torch.zeros(len(missing), 2, dtype=torch.float64)
             if mine:
                 n = len(mine)
                 logps = -token_loss[start : start + 2 * n].double()
                 mask = batch.labels[start : start + 2 * n, 1:] != IGNORE_INDEX
                 chosen, rejected = sequence_logps(
-                    logps[:n], mask[:n], logps[n:], mask[n:], ld_alpha=t.feed.reference.options["ld_alpha"]
+                    logps[:n], mask[:n], logps[n:], mask[n:], ld_alpha=f.reference.options["ld_alpha"]
                 )
                 at = torch.tensor([missing.index(i) for i in mine])
                 values[at, 0], values[at, 1] = chosen.cpu(), rejected.cpu()
             start += 2 * len(mine)
             values = self.comm.sum_over_dp(values)
             for i, (c, r) in zip(missing, values.tolist(), strict=True):
-                t.feed.reference.values[i] = (c, r)
+                f.reference.values[i] = (c, r)
 
     # -- the loss --------------------------------------------------------------------------------
     def loss(self, t: TenantRun, token_loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -466,6 +499,16 @@ class PreferenceDriver(Driver):
         logps = -token_loss  # [2n, T-1] (KTO: [n, T-1])
         if f.labels is not None:
             return self._kto(t, f, pref, mine, logps, labels.shape[1])
+        loss, metrics = self._pairs_loss(pref, f, mine, logps, labels)
+        f.sums += torch.tensor([float(metrics[m]) * n for m in f.metrics] + [n], dtype=torch.float64)
+        return loss * (n / (t.spec.batch_size * t.spec.grad_accum))
+
+    def _pairs_loss(
+        self, pref: Preference, f: PrefFeed, mine: list[int], logps: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss and metrics of pairs ``mine`` of ``f`` (its masks and reference) from their rows' token
+        log-probs ``[2n, T-1]`` and labels ``[2n, T]`` (the chosen rows, then the rejected ones)."""
+        n = len(mine)
         masks = [f.masks[i][0] for i in mine] + [f.masks[i][1] for i in mine]
         mask = _shifted(masks, labels.shape[1], logps.device)  # [2n, T-1]: ℓ[:, p] is of token p + 1
         if pref.method == "dpo":
@@ -492,8 +535,7 @@ class PreferenceDriver(Driver):
                 cpo_alpha=pref.cpo_alpha,
                 simpo_gamma=pref.simpo_gamma,
             )
-        f.sums += torch.tensor([float(metrics[m]) * n for m in f.metrics] + [n], dtype=torch.float64)
-        return loss * (n / (t.spec.batch_size * t.spec.grad_accum))
+        return loss, metrics
 
     def _kto(
         self, t: TenantRun, f: PrefFeed, pref: Preference, mine: list[int], logps: torch.Tensor, width: int
@@ -566,3 +608,68 @@ class PreferenceDriver(Driver):
         )
         if t.step >= t.spec.max_steps:
             self.pool.finish(t)
+
+    # -- held-out pairs ------------------------------------------------------------------------
+    @torch.no_grad()
+    def heldout_losses(self, only: Sequence[str] | None = None) -> dict[str, float]:
+        """Each pair tenant's preference loss over its held-out pairs (or of the tenants ``only``), the mean over
+        the pairs (TRL's ``eval_loss`` with batches of ``batch_size`` pairs), with TRL's metrics, logged as a
+        :class:`~mlora_lab.rundir.HeldoutRow` (metrics in ``extra``). Their base references are computed (and
+        kept) first; an init adapter's were computed before the first step. A collective."""
+        tenants = [
+            t
+            for t in self._mine(list(self.pool))
+            if t.feed.heldout is not None
+            and t.state is not TenantState.FAILED
+            and (only is None or t.name in only)
+        ]
+        if not tenants:  # (the same on every process)
+            return {}
+        self._fill([(t.feed.heldout, range(len(t.feed.heldout.pairs)), t.spec.batch_size) for t in tenants])
+        width = max(len(t.feed.metrics) for t in tenants) + 2
+        sums = torch.zeros(
+            len(tenants), width, dtype=torch.float64
+        )  # (Σ n·loss, Σ n·metric..., n) per tenant
+        model = self.engine.model
+        was_training = model.training
+        model.eval()
+        try:
+            cursors = [0] * len(
+                tenants
+            )  # (each tenant in batches of its batch_size; the same on every process)
+            while any(c < len(t.feed.heldout.pairs) for c, t in zip(cursors, tenants, strict=True)):
+                local = [
+                    self._local(range(c, min(c + t.spec.batch_size, len(t.feed.heldout.pairs))))
+                    for c, t in zip(cursors, tenants, strict=True)
+                ]
+                cursors = [c + t.spec.batch_size for c, t in zip(cursors, tenants, strict=True)]
+                groups = []
+                for t, mine in zip(tenants, local, strict=True):
+                    ex = t.feed.heldout.examples
+                    groups.append((t.name, [ex[i][0] for i in mine] + [ex[i][1] for i in mine]))
+                batch, token_loss = self.engine.forward(groups)
+                start = 0
+                for j, (t, mine) in enumerate(zip(tenants, local, strict=True)):
+                    if mine:
+                        rows = slice(start, start + 2 * len(mine))
+                        h = t.feed.heldout
+                        loss, metrics = self._pairs_loss(
+                            t.spec.pref, h, mine, -token_loss[rows], batch.labels[rows]
+                        )
+                        n = len(mine)
+                        values = [float(loss) * n, *(float(metrics[m]) * n for m in h.metrics)]
+                        sums[j, : len(values)] += torch.tensor(values, dtype=torch.float64)
+                        sums[j, -1] += n
+                    start += 2 * len(mine)
+        finally:
+            model.train(was_training)
+        sums = self.comm.sum_over_dp(sums)
+        out = {}
+        for j, t in enumerate(tenants):
+            n = float(sums[j, -1])
+            out[t.name] = float(sums[j, 0]) / n
+            extra = {m: float(sums[j, 1 + i]) / n for i, m in enumerate(t.feed.heldout.metrics)}
+            self.recorder.log(
+                HeldoutRow(step=self.recorder.step, tenant=t.name, loss=out[t.name], extra=extra)
+            )
+        return out
