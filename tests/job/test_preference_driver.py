@@ -167,8 +167,44 @@ def max_diff(a: dict, b: dict) -> float:
         Preference(loss_type="sigmoid_norm", beta=0.3, ld_alpha=0.5, reference="base"),
         Preference(beta=0.3, f_divergence_type="js_divergence", reference="base"),
         Preference(loss_type="apo_zero", beta=0.3),  # a tenant with an init adapter: it is the reference
+        *(
+            Preference(loss_type=loss_type, beta=0.3, reference="base", **extra)
+            for loss_type, extra in (
+                ("exo_pair", {"label_smoothing": 1e-3}),
+                ("nca_pair", {}),
+                ("bco_pair", {}),
+                ("sppo_hard", {}),
+                ("aot", {"label_smoothing": 0.1}),
+                ("aot_unpaired", {}),
+                ("apo_down", {}),
+                ("discopop", {}),
+                ("sft", {}),
+            )
+        ),
+        Preference(
+            beta=0.3, f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3, reference="base"
+        ),
     ],
-    ids=["sigmoid", "ipo", "hinge", "robust", "rpo", "sigmoid_norm-ld", "js", "apo_zero-init-ref"],
+    ids=[
+        "sigmoid",
+        "ipo",
+        "hinge",
+        "robust",
+        "rpo",
+        "sigmoid_norm-ld",
+        "js",
+        "apo_zero-init-ref",
+        "exo_pair",
+        "nca_pair",
+        "bco_pair",
+        "sppo_hard",
+        "aot",
+        "aot_unpaired",
+        "apo_down",
+        "discopop",
+        "sft",
+        "alpha_divergence",
+    ],
 )
 def test_one_preference_tenant_equals_trls_dpo_trainer(pref, llama_path, tmp_path):
     data, adapter = pair_file(tmp_path), init_adapter(llama_path, tmp_path)
