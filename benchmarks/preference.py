@@ -32,7 +32,9 @@ and imports are done before the clock starts.
   Goal: mlora / TRL <= 1.0.
 - **peak memory**, 1 tenant: the median peak RSS of the 1-tenant runs / that of the TRL runs. Goal <= 1.0.
 - **4 tenants** with β = 0.05, 0.1, 0.2, 0.5 in one job vs 4 TRL runs one after another (4 processes), each
-  with its tenant's β and pairs: job time = set-up (tokenizer, pairs, model load + wrap) + the reference of
+  with its tenant's β, all on the same pairs (a β sweep, the case the issue names: in one job the tenants share
+  one reference cache, so each pair's reference forward is made once for the four; each TRL run makes its
+  own): job time = set-up (tokenizer, pairs, model load + wrap) + the reference of
   every pair + all steps, imports excluded. Goal: mlora / sum of the 4 TRL runs <= 0.6.
 
 Every run reports the cores *other* processes kept busy while it trained (``/proc/stat`` less its own CPU
@@ -344,7 +346,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mlora_bench_") as tmp_name:
         tmp = Path(tmp_name)
         model_dir = common.build_model(tmp / "model", cfg["size"])
-        data = [write_pairs(tmp / f"pairs{i}.jsonl", cfg["pairs"] * cfg["steps"], seed=i) for i in range(n)]
+        # a β sweep: every tenant (and TRL run) on the same pairs; in one job they share one base reference
+        data = [write_pairs(tmp / "pairs.jsonl", cfg["pairs"] * cfg["steps"], seed=0)] * n
         print(f"\n# preference: DPO tenants (issue 50) vs TRL {trl_version()} DPOTrainer + PEFT LoRA\n")
         print(common.machine_line())
         print(
