@@ -76,6 +76,22 @@ KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 """``Preference.loss_type`` with ``method="kto"``: ``KTOTrainer``'s."""
 DEFAULT_LOSS_TYPES = {"dpo": "sigmoid", "orpo": "sigmoid", "cpo": "sigmoid", "kto": "kto"}
 """Each method's ``loss_type`` when it is not given (its trainer's config default)."""
+METHOD_FIELDS = {
+    "dpo": (
+        "loss_weights",
+        "label_smoothing",
+        "f_divergence_type",
+        "f_alpha_divergence_coef",
+        "discopop_tau",
+        "ld_alpha",
+        "reference",
+    ),
+    "orpo": (),
+    "cpo": ("label_smoothing", "cpo_alpha", "simpo_gamma"),
+    "kto": ("reference", "desirable_weight", "undesirable_weight"),
+}
+"""The ``Preference`` fields each method reads besides ``method``, ``loss_type`` and ``beta`` (another set is a
+mistake validation names: it would be ignored)."""
 REFERENCES = ("base", "init_adapter")
 """``Preference.reference``: the base with the tenant's delta off, or the tenant's ``init_adapter`` frozen."""
 

@@ -10,11 +10,18 @@ The options are checked by :func:`mlora_lab.rl.preference.check_options`, the en
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from mlora_lab.sources import memory_kind
 from mlora_lab.spec.fields import FieldInfo, fields_info
-from mlora_lab.spec.parts import CPO_LOSS_TYPES, KTO_LOSS_TYPES, PREFERENCE_LOSS_TYPES, Preference
+from mlora_lab.spec.parts import (
+    CPO_LOSS_TYPES,
+    KTO_LOSS_TYPES,
+    METHOD_FIELDS,
+    PREFERENCE_LOSS_TYPES,
+    Preference,
+)
 from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief, is_finite
 from mlora_lab.validate.context import Context, got, usable_path
@@ -53,6 +60,13 @@ def check_pref_fields(ctx: Context, t: Tenant, check_field: Any) -> bool:
                 "KTO's KL estimate pairs each row's prompt with another row's completion of its micro-batch: "
                 "batch_size must be at least 2 (TRL refuses 1 too), or use loss_type 'apo_zero_unpaired'",
             )
+    if is_finite(t.dropout) and t.dropout > 0:
+        ctx.say(
+            t,
+            "dropout",
+            f"dropout = {t.dropout:g} in a preference tenant: TRL's preference trainers turn dropout off "
+            "(disable_dropout=True), so that the policy and its reference differ by the adapter alone; set it to 0",
+        )
     if t.rl is not None:
         ctx.say(t, "pref", "a tenant learns from rewards (rl) or from preference pairs (pref), not both")
     if t.client is not None:
@@ -91,7 +105,7 @@ def _option_problems(pref: Preference) -> list[str]:
     from mlora_lab.rl import preference, preference_free
 
     if pref.method == "dpo":
-        return preference.check_options(
+        return _unused(pref) + preference.check_options(
             pref.loss_types,
             pref.loss_weights,
             beta=pref.beta,
@@ -116,8 +130,6 @@ def _option_problems(pref: Preference) -> list[str]:
             problems.append(
                 f"orpo has one loss, its odds ratio: leave loss_type unset (got {pref.loss_type!r})"
             )
-        if pref.label_smoothing:
-            problems.append("orpo has no label_smoothing; leave it 0")
     else:
         if len(pref.loss_types) > 1:
             problems.append("cpo takes one loss_type (a list of them is DPO's)")
@@ -128,22 +140,24 @@ def _option_problems(pref: Preference) -> list[str]:
                 label_smoothing=pref.label_smoothing,
                 cpo_alpha=pref.cpo_alpha,
             )
+    return problems + _unused(pref)
+
+
+def _unused(pref: Preference) -> list[str]:
+    """The fields set (not at their default) that ``pref.method`` does not read (:data:`METHOD_FIELDS`)."""
+    reads = {"method", "loss_type", "beta", *METHOD_FIELDS.get(pref.method, ())}
     unused = [
-        name
-        for name, value, default in (
-            ("reference", None if pref.method == "kto" else pref.reference, None),
-            ("loss_weights", pref.loss_weights, None),
-            ("ld_alpha", pref.ld_alpha, None),
-            ("f_divergence_type", pref.f_divergence_type, "reverse_kl"),
-        )
-        if value != default
+        f.name
+        for f in dataclasses.fields(Preference)
+        if f.name not in reads and getattr(pref, f.name) != f.default
     ]
-    if unused:
-        problems.append(
-            f"{', '.join(unused)} {'apply' if len(unused) > 1 else 'applies'} to DPO only: leave "
-            f"{'them' if len(unused) > 1 else 'it'} unset for {pref.method}"
-        )
-    return problems
+    if not unused:
+        return []
+    whose = {n: [m for m, names in METHOD_FIELDS.items() if n in names] for n in unused}
+    said = "; ".join(f"{n} is {' and '.join(whose[n]) or 'no method'}'s" for n in unused)
+    return [
+        f"{pref.method} does not read {', '.join(unused)} ({said}): leave {'them' if len(unused) > 1 else 'it'} unset"
+    ]
 
 
 def _loss_types(ctx: Context, t: Tenant, v: Any, label: str, method: Any = "dpo") -> bool:
@@ -153,6 +167,7 @@ def _loss_types(ctx: Context, t: Tenant, v: Any, label: str, method: Any = "dpo"
     if not values or not all(isinstance(x, str) and x for x in values):
         ctx.say(t, "pref", f"{label} must be a loss type or a non-empty list of them ({got(v)})")
         return False
+    method = method if isinstance(method, str) else "dpo"  # (a hostile method is its own field's problem)
     offered, whose = {
         "cpo": (CPO_LOSS_TYPES, "CPOTrainer"),
         "kto": (KTO_LOSS_TYPES, "KTOTrainer"),

@@ -790,3 +790,99 @@ def test_held_out_pairs_give_trls_eval_loss_and_metrics(llama_path, tmp_path):
         assert rows[-1]["extra"][m] == pytest.approx(got[f"eval_{m}"], rel=1e-5, abs=TOL), m
     assert len(rows) >= 2 and rows[0]["step"] < rows[-1]["step"]
     assert trainer.heldout_losses(["p"])["p"] == pytest.approx(rows[-1]["loss"], abs=1e-6)
+
+
+def test_a_resume_with_other_held_out_pairs_recomputes_their_base_reference(llama_path, tmp_path):
+    """Review finding: the held-out cache's values were restored by row index onto other held-out pairs, and
+    through the shared cache reached a tenant training on those pairs. Now the held-out pairs' digest is kept:
+    other pairs' base references are dropped and computed again; an init adapter's cannot be, so it is refused."""
+    data, adapter = pair_file(tmp_path), init_adapter(llama_path, tmp_path)
+    first, second = pair_file(tmp_path, ROWS[:4], "a.jsonl"), pair_file(tmp_path, ROWS[4:], "b.jsonl")
+    y = pref_tenant("y", data, adapter, Preference(reference="base"), heldout_data=first, max_steps=3)
+    trainer = Trainer(job(llama_path, [y]), run_dir=tmp_path / "run")
+    trainer.step()
+    trainer.save_checkpoint()
+    trainer.close()
+    moved = Tenant(**{**y.__dict__, "heldout_data": second})
+    x = pref_tenant("x", second, adapter, Preference(reference="base"), max_steps=3)
+    again = Trainer(job(llama_path, [moved, x]), run_dir=tmp_path / "run", resume=True)
+    again.train()
+    fresh = Trainer(job(llama_path, [x]))
+    fresh.train()
+    assert again.losses("x") == pytest.approx(fresh.losses("x"), abs=TOL)
+    assert again.heldout_losses(["y"])["y"] < 5  # (the first pairs' values gave 6.9 here)
+    init_ref = pref_tenant("i", data, adapter, Preference(), heldout_data=first, max_steps=3)
+    saved = Trainer(job(llama_path, [init_ref]), run_dir=tmp_path / "run2")
+    saved.step()
+    state = saved.tenants["i"].feed.state_dict()
+    saved.close()
+    other = saved.drivers.of(init_ref).feed(Tenant(**{**init_ref.__dict__, "heldout_data": second}))
+    with pytest.raises(
+        ValueError, match="its held-out pairs changed since the checkpoint, and their reference"
+    ):
+        other.load_state_dict(state)
+
+
+def test_a_windows_metric_sums_are_saved_over_every_process_and_restored_on_rank_0():
+    """Review finding: a mid-window checkpoint held rank 0's own metric sums only. They are saved summed over
+    the data-parallel processes (as the window's loss) and restored on rank 0, zeros elsewhere."""
+    from mlora_lab.data import TenantStream
+    from mlora_lab.job.drivers.preference import PrefFeed
+
+    class Comm:
+        def __init__(self, rank: int) -> None:
+            self.dp_rank = rank
+
+        def sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:
+            return t * 2  # (two processes holding the same partial sums)
+
+    def feed(rank: int) -> PrefFeed:
+        return PrefFeed([], [], [], TenantStream([0, 1], seed=0), None, "d", comm=Comm(rank))
+
+    saving = feed(0)
+    saving.sums += torch.tensor([1.0, 2, 3, 4, 5, 6, 2])
+    state = saving.state_dict()
+    assert state["pref_sums"].tolist() == [2.0, 4, 6, 8, 10, 12, 4]
+    for rank, want in ((0, [2.0, 4, 6, 8, 10, 12, 4]), (1, [0.0] * 7)):
+        f = feed(rank)
+        f.load_state_dict(state)
+        assert f.sums.tolist() == want
+
+
+def test_a_resume_with_another_grad_accum_mid_window_fails_only_that_tenant(llama_path, make_data, tmp_path):
+    data, adapter = pair_file(tmp_path), init_adapter(llama_path, tmp_path)
+    p = pref_tenant("p", data, adapter, Preference(reference="base"), grad_accum=4, max_steps=2)
+    s = Tenant(name="s", data=make_data("reverse"), rank=4, batch_size=2, max_steps=3)
+    first = Trainer(job(llama_path, [p, s]), run_dir=tmp_path / "run")
+    first.step()
+    first.save_checkpoint()
+    first.close()
+    again = Trainer(
+        job(llama_path, [Tenant(**{**p.__dict__, "grad_accum": 2}), s]), run_dir=tmp_path / "run", resume=True
+    )
+    again.train()
+    assert again.tenants["p"].state is TenantState.FAILED
+    assert "grad_accum is 2 now: resume it with the grad_accum it was saved with" in again.tenants["p"].reason
+    assert again.tenants["s"].state is TenantState.FINISHED
+
+
+def test_reference_forwards_keep_to_a_micro_batch_and_max_pass_tokens(llama_path, tmp_path):
+    """Review finding: a reference forward held a whole window (B·k pairs) of every tenant at once. It holds at
+    most a micro-batch (B pairs) of each, and with ``max_pass_tokens`` the tenants' groups go in passes."""
+    data, adapter = pair_file(tmp_path), init_adapter(llama_path, tmp_path)
+    other = pair_file(tmp_path, ROWS[::-1], "other.jsonl")
+    tenants = [
+        pref_tenant("a", data, adapter, Preference(reference="base"), grad_accum=4, max_steps=1),
+        pref_tenant("b", other, adapter, Preference(reference="base"), grad_accum=4, max_steps=1),
+    ]
+    trainer = Trainer(job(llama_path, tenants, max_pass_tokens=64))
+    sizes = []
+    real = trainer.engine.forward
+
+    def counted(groups, temperatures=None):
+        sizes.append(sum(len(rows) for _, rows in groups))
+        return real(groups, temperatures)
+
+    trainer.engine.forward = counted
+    trainer.train()
+    assert max(sizes) <= 4, sizes  # one tenant's micro-batch: 2 pairs, 4 sequences

@@ -148,7 +148,8 @@ def test_compare_of_a_preference_metric_no_tenant_has_is_one_error_naming_the_me
 
 
 def test_summary_has_each_preference_tenants_last_accuracy_and_margin(tmp_path, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")  # (the CLI's table drops columns to fit the terminal; 80 without one)
+    # (the CLI's table drops columns to fit the terminal; 80 without one)
+    monkeypatch.setenv("COLUMNS", "200")
     run = make_run(tmp_path / "r", tenants=("sft", "dpo", "grpo"))
     # the last window had no pair: the last values are the step before's
     write(run, *steps(["sft"], 1, 4), *pref_steps("dpo", 1, 4, empty=(4,)), *rl_steps("grpo", 1, 4))

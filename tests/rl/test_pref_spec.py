@@ -153,13 +153,19 @@ def test_orpo_and_cpo_options_are_checked_for_their_method(llama_path, tmp_path)
                 pref=Preference(method="kto", desirable_weight=0, undesirable_weight=0),
             ),
             Tenant(name="ktofine", data=good, pref=Preference(method="kto", reference="base")),
+            Tenant(
+                name="ktols", data=good, pref=Preference(method="kto", label_smoothing=0.2, cpo_alpha=0.5)
+            ),
+            Tenant(name="dpocpo", data=good, pref=Preference(simpo_gamma=0.2)),
+            Tenant(name="hostile", data=good, pref=Preference(method=["dpo"], loss_type="nope")),
+            Tenant(name="drop", data=good, pref=Preference(), dropout=0.1),
         ],
-        max_tenants=12,
+        max_tenants=16,
     )
     out = "\n".join(texts(spec))
     for needle in (
         "tenant 'orpo': pref: orpo has one loss, its odds ratio: leave loss_type unset (got 'ipo')",
-        "tenant 'orpo': pref: reference applies to DPO only: leave it unset for orpo",
+        "tenant 'orpo': pref: orpo does not read reference (reference is dpo and kto's): leave it unset",
         "tenant 'cpo': pref.loss_type: unknown loss type(s) 'kto'; offered (TRL 1.16's CPOTrainer): sigmoid, "
         "hinge, ipo, simpo",
         "tenant 'hinge': pref: hinge ignores label_smoothing",
@@ -169,4 +175,14 @@ def test_orpo_and_cpo_options_are_checked_for_their_method(llama_path, tmp_path)
         "tenant 'ktow': pref: desirable_weight and undesirable_weight are both 0",
     ):
         assert needle in out, f"{needle!r} not in:\n{out}"
+    for needle in (
+        "tenant 'ktols': pref: kto does not read label_smoothing, cpo_alpha (label_smoothing is dpo and cpo's; "
+        "cpo_alpha is cpo's): leave them unset",
+        "tenant 'dpocpo': pref: dpo does not read simpo_gamma (simpo_gamma is cpo's): leave it unset",
+        "tenant 'hostile': pref.method must be one of",
+        "tenant 'hostile': pref.loss_type: unknown loss type(s) 'nope'",
+        "tenant 'drop': dropout = 0.1 in a preference tenant: TRL's preference trainers turn dropout off",
+    ):
+        assert needle in out, f"{needle!r} not in:\n{out}"
+    assert "internal error" not in out
     assert "tenant 'fine'" not in out and "tenant 'ktofine'" not in out
