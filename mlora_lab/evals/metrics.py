@@ -169,6 +169,37 @@ DEFAULT_RUBRIC = (
 RUBRIC_FIELDS = ("prompt", "completion", "reference")
 """The fields a rubric may name."""
 
+RANK_RUBRIC = (
+    "Here are {n} answers to the same task. Judge them against each other: give each a score from 0 (wrong or "
+    "useless) to 1 (correct, complete, the best of them); a better answer gets a higher score. Reply with one "
+    "line per answer, its number, a colon and its score, and nothing else.\n\nTask: {prompt}\n"
+    "Reference answer: {reference}\n\n{answers}\n"
+)
+""":class:`Judge`'s default instruction with ``mode="rank"``; ``{prompt}``, ``{answers}`` (``Answer 1:`` ... each
+on its own lines), ``{n}`` and ``{reference}`` are filled in."""
+
+RANK_FIELDS = ("prompt", "answers", "n", "reference")
+"""The fields a ``mode="rank"`` rubric may name."""
+
+JUDGE_MODES = ("score", "rank")
+""":class:`Judge`'s modes: each completion scored alone, or a group's completions ranked against each other."""
+
+_RANK_LINE = re.compile(
+    r"^\W*(?:answer\s*)?(\d+)\s*[:=)\].-]+\s*(-?\d+(?:\.\d+)?|-?\.\d+)", re.IGNORECASE | re.MULTILINE
+)
+
+
+def rank_scores(answer: str, n: int) -> dict[int, float]:
+    """A ranking judge's answer as ``{k: score}`` for answers ``1..n`` (lines ``k: s``, ``Answer k = s``,
+    ``k) s``; a score clipped to [0, 1]; a number outside ``1..n`` or said twice ignored after its first)."""
+    out: dict[int, float] = {}
+    for k, s in _RANK_LINE.findall(answer or ""):
+        k = int(k)
+        if 1 <= k <= n and k not in out:
+            out[k] = min(max(float(s), 0.0), 1.0)
+    return out
+
+
 MAX_ANSWER_BYTES = 4 * 2**20
 """The most of a judge server's answer read: a chat completion of a few tokens is a few hundred bytes."""
 
@@ -245,24 +276,40 @@ class Judge:
     one line naming the judge, its model and what the server answered.
 
     It is a plain object (picklable: it reaches the metrics' worker process as a notebook's function does),
-    and it uses only the standard library's HTTP client."""
+    and it uses only the standard library's HTTP client.
+
+    **``mode="rank"``** (RULER's way, ART's relative judge): the completions of one prompt (a GRPO group: the
+    ``G`` completions of a prompt; any completions given with the same prompt) are shown to the judge together,
+    and it scores each in [0, 1] against the others (:data:`RANK_RUBRIC`); those are their rewards. A group is
+    told apart by its prompt. Its distinct answers are shown in an order fixed by a hash of ``seed``, the prompt
+    and each answer, not by the order they came in, so the rewards are **permutation-invariant** (the same
+    completions in any order get the same rewards) and **seeded**; they are **cached** by (prompt, reference,
+    answers shown), so a group seen again is not asked again. Equal answers get one score; a group whose answers
+    are all equal gets ½ each without a request; an answer the judge gave no score is ``None``."""
 
     def __init__(
         self,
         model: str = "base",
-        rubric: str = DEFAULT_RUBRIC,
+        rubric: str | None = None,
         base_url: str | None = None,
         api_key: str | None = None,
         scale: float = 10.0,
         max_tokens: int = 8,
         timeout_s: float = 120.0,
         name: str = "judge",
+        mode: str = "score",
+        seed: int = 0,
     ) -> None:
-        self.model, self.rubric, self.api_key = model, rubric, api_key
+        if mode not in JUDGE_MODES:
+            raise ValueError(f"Judge mode must be one of {', '.join(JUDGE_MODES)}, not {brief(mode)}")
+        rubric = rubric if rubric is not None else RANK_RUBRIC if mode == "rank" else DEFAULT_RUBRIC
+        self.model, self.rubric, self.api_key, self.mode, self.seed = model, rubric, api_key, mode, seed
         self.base_url = base_url.rstrip("/") if base_url else None
         self.scale, self.max_tokens, self.timeout_s = scale, max_tokens, timeout_s
         self.__name__ = name
-        problems = rubric_problems(rubric)  # (a bad template fails here, in the notebook)
+        self.cache: dict[tuple[str, str, tuple[str, ...]], dict[str, float | None]] = {}
+        # (a bad template fails here, in the notebook)
+        problems = rubric_problems(rubric, RANK_FIELDS if mode == "rank" else RUBRIC_FIELDS)
         if problems:
             raise ValueError(f"{self._who()}: {'; '.join(problems)}")
 
@@ -287,16 +334,17 @@ class Judge:
             )
         return url.rstrip("/"), key
 
-    def ask(self, text: str) -> str:
-        """The judge model's greedy answer to ``text`` (one user message); :class:`JudgeError` when the
-        request fails or the answer is not a chat completion."""
+    def ask(self, text: str, max_tokens: int | None = None) -> str:
+        """The judge model's greedy answer to ``text`` (one user message, at most ``max_tokens`` tokens,
+        ``self.max_tokens`` by default); :class:`JudgeError` when the request fails or the answer is not a chat
+        completion."""
         import http.client
         import json
         import urllib.error
         import urllib.request
 
         body = {"model": self.model, "messages": [{"role": "user", "content": text}], "temperature": 0,
-                "max_tokens": self.max_tokens}  # fmt: skip
+                "max_tokens": max_tokens or self.max_tokens}  # fmt: skip
         url, key = self.endpoint()
         request = urllib.request.Request(
             f"{url}/chat/completions",
@@ -339,6 +387,8 @@ class Judge:
             refs = references(kwargs, self.__name__)
         except ValueError:  # (no reference column: the rubric's {reference} is left empty)
             refs = [""] * len(completions)
+        if self.mode == "rank":
+            return self.rank(prompts, completions, refs)
         out: list[float | None] = []
         for prompt, completion, ref in zip(prompts, completions, refs, strict=True):
             asked = self.rubric.format(prompt=text_of(prompt), completion=text_of(completion), reference=ref)
@@ -346,8 +396,43 @@ class Judge:
             out.append(None if number is None else min(max(number, 0.0), self.scale) / self.scale)
         return out
 
+    def rank(
+        self, prompts: Sequence[Any], completions: Sequence[Any], refs: Sequence[str]
+    ) -> list[float | None]:
+        """``mode="rank"``'s rewards (see the class docstring): each group of completions with one prompt (and
+        reference) scored together, in the seeded order of its distinct answers, from the cache when it was
+        asked before."""
+        import hashlib
+
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
+            groups.setdefault((conversation_text(prompt), ref), []).append(i)
+        out: list[float | None] = [None] * len(completions)
+        for (prompt, ref), members in groups.items():
+            texts = [text_of(completions[i]) for i in members]
+
+            def shown(text: str, prompt: str = prompt) -> str:
+                return hashlib.sha256(f"{self.seed}\0{prompt}\0{text}".encode()).hexdigest()
+
+            distinct = tuple(sorted(set(texts), key=lambda t: (shown(t), t)))
+            key = (prompt, ref, distinct)
+            if key not in self.cache:
+                if len(distinct) == 1:  # (nothing to tell apart: no request)
+                    self.cache[key] = {distinct[0]: 0.5}
+                else:
+                    answers = "\n\n".join(f"Answer {k}:\n{t}" for k, t in enumerate(distinct, start=1))
+                    asked = self.rubric.format(prompt=prompt, answers=answers, n=len(distinct), reference=ref)
+                    said = rank_scores(
+                        self.ask(asked, max(self.max_tokens, 8 * len(distinct) + 16)), len(distinct)
+                    )
+                    self.cache[key] = {t: said.get(k) for k, t in enumerate(distinct, start=1)}
+            for i, text in zip(members, texts, strict=True):
+                out[i] = self.cache[key][text]
+        return out
+
     def __repr__(self) -> str:
-        return f"Judge(model={self.model!r}, base_url={self.base_url!r})"
+        mode = "" if self.mode == "score" else f", mode={self.mode!r}"
+        return f"Judge(model={self.model!r}, base_url={self.base_url!r}{mode})"
 
 
 PAIRWISE_RUBRIC = (
