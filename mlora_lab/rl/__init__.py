@@ -12,6 +12,8 @@
   off, or its init adapter), computed once per row and cached by row id;
 - :mod:`mlora_lab.rl.pairs`: preference rows (paired, implicit prompt, KTO's unpaired; text or chat)
   recognised with every problem named, and tokenized and collated exactly as TRL 1.16.0's trainers do;
+- :mod:`mlora_lab.rl.trajectory`: multi-turn trajectories (the model's sampled tokens with the sampler's log-probs,
+  the environment's rendered ones) as loop rows, and the model tokens' log-probs gathered for GRPO's loss;
 - :mod:`mlora_lab.rl.rewards`: reward functions with TRL's signature, imported and called in a worker
   process of their own per tenant (:mod:`mlora_lab.rl.reward_worker`), with a timeout; a failing
   reward fails only its tenant's call, with the reason.
