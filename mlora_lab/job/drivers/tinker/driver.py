@@ -239,11 +239,12 @@ class ServiceDriver(Driver):
         return self.requests.loss(t, token_loss)
 
     def stepped(self, t: TenantRun, result: StepResult) -> None:
-        self.requests.stepped(t, result)
         f: ServiceFeed = t.feed
         # (every log_every-th step, as the other drivers; its loss is Tinker's sum: said so, with its mean)
         mean = result.loss / f.window_weight if f.window_weight else None
+        # the row first, then the optim_step's answer: a client that reads the run after its answer finds the row
         self.log_train(t, result, f.window_tokens, loss_reduction="sum", loss_per_token=mean)
+        self.requests.stepped(t, result)
         f.reset()
 
     def after_step(self) -> None:
