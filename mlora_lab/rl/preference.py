@@ -56,24 +56,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-)
-F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+from mlora_lab.spec.parts import F_DIVERGENCES, PREFERENCE_LOSS_TYPES
+
+# TRL's names, owned by the spec (the contract job.json is checked against): one list for both
+LOSS_TYPES = PREFERENCE_LOSS_TYPES
 # :810, the loss types a non-default f-divergence generalises
 F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 # :819, losses that sort the pairs, which would misalign WPO's per-pair weights

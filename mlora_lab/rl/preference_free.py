@@ -59,12 +59,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# cpo:735-736, the loss types CPOTrainer.cpo_loss accepts
-CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+# CPO_LOSS_TYPES (cpo:735-736, what CPOTrainer.cpo_loss accepts) and KTO_LOSS_TYPES (KTOConfig.loss_type's
+# choices) are the spec's: one list for the engine and the checks of job.json
+from mlora_lab.spec.parts import CPO_LOSS_TYPES, KTO_LOSS_TYPES
+
 # cpo:850, the loss types fed average (not summed) completion log-probs
 CPO_AVERAGED_LOSS_TYPES = ("ipo", "simpo")
-# KTOConfig.loss_type's choices
-KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 _REWARD_METRICS = (
     "rewards/chosen",
     "rewards/rejected",

@@ -90,15 +90,10 @@ def job(base: str, tenants: list[Tenant], **kw) -> JobSpec:
     return JobSpec(base_model=base, tenants=tenants, **kw)
 
 
-def trl_run(base: str, data: str, adapter: str, t: Tenant, out: Path) -> tuple[DPOTrainer, list[dict]]:
-    """TRL's DPOTrainer on the same rows, order (sequential), AdamW and steps as tenant ``t``."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(base)
-    pref = t.pref
-    model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
-    args = DPOConfig(
+def trl_settings(t: Tenant, out: Path) -> dict[str, Any]:
+    """The settings every TRL trainer below shares with tenant ``t``: its rows in order (sequential), its batch,
+    accumulation and steps, its AdamW (constant lr, no decay, no clipping), fp32 on the CPU, a log each step."""
+    return dict(
         output_dir=str(out),
         report_to="none",
         save_strategy="no",
@@ -118,6 +113,35 @@ def trl_run(base: str, data: str, adapter: str, t: Tenant, out: Path) -> tuple[D
         dataloader_num_workers=0,
         disable_tqdm=True,
         max_length=64,
+    )
+
+
+def trl_inputs(base: str, data: str, adapter: str) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, rows)`` for a TRL trainer: the base in fp32 with the PEFT adapter the tenant starts
+    from (trainable), and the tenant's data file as a ``datasets.Dataset``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
+    tok = transformers.AutoTokenizer.from_pretrained(base)
+    return model, tok, datasets.Dataset.from_list(rows)
+
+
+def trained(trainer: Any, t: Tenant) -> tuple[Any, list[dict]]:
+    """Train ``trainer`` against ``t``'s reference and return it with its per-step logs. TRL 1.16 copies a
+    pretrained adapter as "ref", its reference; without it, the adapter disabled (the base)."""
+    if "ref" in getattr(trainer.model, "peft_config", {}) and t.pref.reference_of(t.init_adapter) == "base":
+        trainer.model.delete_adapter("ref")
+    trainer.train()
+    return trainer, [h for h in trainer.state.log_history if "loss" in h]
+
+
+def trl_run(base: str, data: str, adapter: str, t: Tenant, out: Path) -> tuple[DPOTrainer, list[dict]]:
+    """TRL's DPOTrainer on the same rows, order, AdamW and steps as tenant ``t``."""
+    pref = t.pref
+    args = DPOConfig(
+        **trl_settings(t, out),
         loss_type=pref.loss_types,
         loss_weights=pref.loss_weights,
         beta=pref.beta,
@@ -127,17 +151,10 @@ def trl_run(base: str, data: str, adapter: str, t: Tenant, out: Path) -> tuple[D
         ld_alpha=pref.ld_alpha,
         precompute_ref_log_probs=False,  # (the reference in each step: "ref" can be dropped after __init__)
     )
-    rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
-    trainer = DPOTrainer(
-        model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tok
-    )
-    # TRL 1.16 copies a pretrained adapter as "ref", its reference; without it, the adapter disabled (the base)
+    model, tok, rows = trl_inputs(base, data, adapter)
+    trainer = DPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tok)
     assert "ref" in trainer.model.peft_config
-    if t.pref.reference_of(t.init_adapter) == "base":
-        trainer.model.delete_adapter("ref")
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    return trainer, logs
+    return trained(trainer, t)
 
 
 def tied(metrics: dict) -> bool:
@@ -496,8 +513,6 @@ def test_add_pause_resume_remove_and_quarantine_a_preference_tenant(llama_path, 
 
 def free_trl_run(base: str, data: str, adapter: str, t: Tenant, out: Path) -> tuple[Any, list[dict]]:
     """TRL's ORPOTrainer or CPOTrainer (``trl.experimental``) on the same rows, order, AdamW and steps as ``t``."""
-    import transformers
-
     with (
         mock.patch("transformers.integrations.is_trackio_available", return_value=False),
         mock.patch("transformers.integrations.integration_utils.is_trackio_available", return_value=False),
@@ -505,48 +520,20 @@ def free_trl_run(base: str, data: str, adapter: str, t: Tenant, out: Path) -> tu
         from trl.experimental.cpo import CPOConfig, CPOTrainer
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
     pref = t.pref
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
-    common = dict(
-        output_dir=str(out),
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=t.batch_size,
-        gradient_accumulation_steps=t.grad_accum,
-        max_steps=t.max_steps,
-        learning_rate=t.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_epsilon=t.eps,
-        max_grad_norm=0.0,
-        train_sampling_strategy="sequential",
-        logging_steps=1,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        max_length=64,
-        beta=pref.beta,
-    )
     if pref.method == "orpo":
-        config, trainer_class = ORPOConfig(**common), ORPOTrainer
+        config, trainer_class = ORPOConfig(**trl_settings(t, out), beta=pref.beta), ORPOTrainer
     else:
         config = CPOConfig(
-            **common,
+            **trl_settings(t, out),
+            beta=pref.beta,
             loss_type=pref.loss_types[0],
             label_smoothing=pref.label_smoothing,
             cpo_alpha=pref.cpo_alpha,
             simpo_gamma=pref.simpo_gamma,
         )
         trainer_class = CPOTrainer
-    rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
-    tok = transformers.AutoTokenizer.from_pretrained(base)
-    trainer = trainer_class(
-        model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tok
-    )
-    trainer.train()
-    return trainer, [h for h in trainer.state.log_history if "loss" in h]
+    model, tok, rows = trl_inputs(base, data, adapter)
+    return trained(trainer_class(model=model, args=config, train_dataset=rows, processing_class=tok), t)
 
 
 @pytest.mark.parametrize(
@@ -592,47 +579,19 @@ KTO_ROWS = [
 
 def kto_trl_run(base: str, data: str, adapter: str, t: Tenant, out: Path) -> tuple[Any, list[dict]]:
     """TRL's KTOTrainer on the same rows (unpaired, or pairs it unpairs), order, AdamW and steps as ``t``."""
-    import transformers
     from trl import KTOConfig, KTOTrainer
 
     pref = t.pref
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
     config = KTOConfig(
-        output_dir=str(out),
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=t.batch_size,
-        gradient_accumulation_steps=t.grad_accum,
-        max_steps=t.max_steps,
-        learning_rate=t.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_epsilon=t.eps,
-        max_grad_norm=0.0,
-        train_sampling_strategy="sequential",
-        logging_steps=1,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        max_length=64,
+        **trl_settings(t, out),
         beta=pref.beta,
         loss_type=pref.loss_types[0],
         desirable_weight=pref.desirable_weight,
         undesirable_weight=pref.undesirable_weight,
         precompute_ref_log_probs=False,
     )
-    rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
-    tok = transformers.AutoTokenizer.from_pretrained(base)
-    trainer = KTOTrainer(
-        model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tok
-    )
-    if pref.reference_of(t.init_adapter) == "base":
-        trainer.model.delete_adapter("ref")
-    trainer.train()
-    return trainer, [h for h in trainer.state.log_history if "loss" in h]
+    model, tok, rows = trl_inputs(base, data, adapter)
+    return trained(KTOTrainer(model=model, args=config, train_dataset=rows, processing_class=tok), t)
 
 
 @pytest.mark.parametrize(
