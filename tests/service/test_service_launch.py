@@ -297,7 +297,9 @@ def test_a_served_job_in_every_layout_equals_peft_and_adamw(arch, layout, tiny_m
         max_rank=8,
         slot_modules=SLOTS[:4] if moe else SLOTS,  # (an MoE block's MLP: its packed experts, slotted)
         parallel=layout,
-        service=ml.Service(port=free_port()),
+        # one node: any free port, bound by the job itself (a port picked here can be taken by another test's
+        # process before the job binds it: EADDRINUSE, seen once in CI); two nodes: the port the script serves
+        service=ml.Service(port=free_port() if layout.nnodes > 1 else 0),
     )
     agents = []
     if layout.nnodes == 1:
