@@ -24,9 +24,29 @@ from mlora_lab.bases import no_progress_bars
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
 # A ChatML-like template; the assistant's turn ends with EOS so a tuned adapter learns to stop.
+# Tool-capable, Hermes/Qwen style, as TRL's tool loop expects: with ``tools`` a first system block
+# lists them (after the system message's content, which then gets no block of its own); an
+# assistant's ``tool_calls`` follow its content as ``<tool_call>{"name": .., "arguments": ..}</tool_call>``
+# (arguments: a dict goes through tojson, a JSON string as is); a tool result is a ``<|tool|>`` turn.
+# Without tools, tool calls or None contents it renders byte for byte what the first version did.
+# No newline follows a ``%}`` (trim_blocks would eat it): newlines there are ``{{ '\\n' }}``.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{{ bos_token }}"
+    "{% set tools_in_system = tools and messages and messages[0]['role'] == 'system' %}"
+    "{% if tools %}<|system|>\n"
+    "{% if tools_in_system and messages[0]['content'] %}{{ messages[0]['content'] }}{{ '\\n\\n' }}{% endif %}"
+    "You can call these tools:\n<tools>\n{% for t in tools %}{{ t | tojson }}{{ '\\n' }}{% endfor %}"
+    '</tools>\nTo call one, answer <tool_call>{"name": ..., "arguments": {...}}</tool_call>\n'
+    "{% endif %}"
+    "{% for m in messages %}{% if not (loop.first and tools_in_system) %}"
+    "<|{{ m['role'] }}|>\n{% if m['content'] is not none %}{{ m['content'] }}{% endif %}"
+    "{% if m['role'] == 'assistant' %}"
+    "{% for c in m['tool_calls'] or [] %}{% set f = c['function'] if c['function'] is defined else c %}"
+    '<tool_call>{"name": {{ f[\'name\'] | tojson }}, "arguments": '
+    "{% if f['arguments'] is not defined or f['arguments'] is none %}{{ '{}' }}"
+    "{% elif f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}"
+    "{{ '}' }}</tool_call>{% endfor %}"
+    "{{ eos_token }}{% endif %}{{ '\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
