@@ -153,10 +153,10 @@ async def run_rollout(config: EnvConfig, fn: Any, tid: str, example: dict[str, A
     try:
         if inspect.iscoroutinefunction(fn):
             async with openai.AsyncOpenAI(**args) as client:
-                out = await fn(client, config.model, example)
+                out = await fn(client, config.model, example, **config.env_args)
         else:
             with openai.OpenAI(**args) as client:
-                out = await asyncio.to_thread(fn, client, config.model, example)
+                out = await asyncio.to_thread(fn, client, config.model, example, **config.env_args)
                 if inspect.isawaitable(out):
                     out = await out
     except (asyncio.CancelledError, EpisodeFailure):
@@ -373,11 +373,29 @@ def serve(key: bytes) -> None:
         say({"error": "; ".join(problems)})
         return
     try:
+        import openai  # noqa: F401  (once, before the first episode's clock runs)
+    except ImportError:
+        say(
+            {
+                "error": "an env worker calls the job through the openai client: pip install 'mlora_lab[openai]'"
+            }
+        )
+        return
+    try:
         if config.env is not None:
             say({"importing": config.env})
             fn = load(config.env)
             if not callable(fn):
                 raise LookupError(f"env {config.env!r} is not a function")
+            try:
+                inspect.signature(fn).bind(None, None, None, **config.env_args)
+            except TypeError as e:
+                raise LookupError(
+                    f"env {config.env!r} cannot be called as rollout(client, model, example"
+                    f"{''.join(', ' + k + '=...' for k in config.env_args)}): {error_line(e)}"
+                ) from None
+            except ValueError:  # (no signature to check: the call says)
+                pass
 
             def run(tid: str, example: dict[str, Any]) -> Any:
                 return run_rollout(config, fn, tid, example)

@@ -92,8 +92,9 @@ class EpisodeResult:
 
 @dataclass
 class EnvConfig:
-    """A tenant's env: ``env`` (a rollout function's reference) or ``tools`` (tool functions' references),
-    its endpoint and limits. ``turn_timeout_s`` bounds one model request and one tool call;
+    """A tenant's env: ``env`` (a rollout function's reference, called as ``rollout(client, model, example,
+    **env_args)``) or ``tools`` (tool functions' references: the tool loop), its endpoint and limits. With
+    ``env``, the rollout function runs its own tools: ``tools`` are not the worker's then. ``turn_timeout_s`` bounds one model request and one tool call;
     ``rollout_timeout_s`` one episode (and, with :data:`GRACE_S`, a batch by the parent's clock)."""
 
     env: str | None
@@ -112,8 +113,8 @@ class EnvConfig:
         out = []
         if self.env is None and not self.tools:
             out.append("an env tenant needs env= (a rollout function) or tools=[...]")
-        if self.env is not None and self.tools:
-            out.append("give env= or tools=, not both (a rollout function runs its own tools)")
+        if self.env is None and self.env_args:
+            out.append("env_args are the keyword arguments of env=, and there is no env")
         if self.env is not None and not isinstance(self.env, str):
             out.append(f"env must be a reference 'module:function' or 'file.py:function' ({brief(self.env)})")
         if not isinstance(self.tools, list) or not all(isinstance(t, str) for t in self.tools):
@@ -361,7 +362,7 @@ class EnvWorker:
 
     def _too_big(self) -> EnvError:
         return self._fail(
-            f"the env worker's answer is over {ANSWER_CAP >> 20} MiB (ANSWER_CAP) while {self._doing}: stopped"
+            f"the env worker's answer is over {_size(ANSWER_CAP)} (ANSWER_CAP) while {self._doing}: stopped"
         )
 
     def poll(self) -> list[EpisodeResult] | None:
@@ -454,3 +455,7 @@ class EnvWorker:
         if got is None:
             raise self._fail(f"{self._doing} gave no answer in time")
         return got
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n:,} bytes"

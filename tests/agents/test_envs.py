@@ -19,7 +19,7 @@ from mlora_lab.agents.envs import GRACE_S, EnvConfig, EnvError, EnvWorker, Episo
 KEY = "job-private-key"
 
 ENV_CODE = '''
-import asyncio, math, os, time
+import asyncio, math, os, subprocess, time
 
 
 def add(a: int, b: int) -> int:
@@ -86,6 +86,10 @@ async def ask_async(client, model, example):
     }
 
 
+def with_args(client, model, example, scale, offset=0.0):
+    return scale * len(example["prompt"]) + offset
+
+
 def sleepy(client, model, example):
     time.sleep(0.5)
     return 0.25
@@ -99,8 +103,15 @@ def hostile(client, model, example):
         time.sleep(1e6)
     if mode == "exit":
         os._exit(3)
+    if mode == "detach":  # (a daemon of its own session, then a failure: it must not outlive the worker)
+        proc = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+        with open(example["pidfile"], "w") as f:
+            f.write(str(proc.pid))
+        raise RuntimeError("left a daemon behind")
     if mode == "string":
         return "1.0"
+    if mode == "big":
+        return {"reward": 1.0, "messages": [{"role": "assistant", "content": "x" * 5000}]}
     if mode == "nan":
         return math.nan
     if mode == "unknown_key":
@@ -390,6 +401,17 @@ def test_rollouts_sync_and_async_return_a_number_or_a_dict_with_weighted_parts(e
     assert endpoint.requests[-1][1]["x-trajectory-id"] == "a-1"
 
 
+def test_env_args_are_the_rollouts_keyword_arguments(env_file, endpoint, workers):
+    cfg = config(endpoint, env_file, env="with_args")
+    cfg.env_args = {"scale": 2.0, "offset": 0.5}
+    (r,) = worker(workers, cfg).run([Episode("e", {"prompt": "abc"})])
+    assert r.reward == 6.5
+    cfg = config(endpoint, env_file, env="with_args")
+    cfg.env_args = {"scael": 2.0}
+    with pytest.raises(EnvError, match=r"cannot be called as rollout\(client, model, example, scael=...\)"):
+        worker(workers, cfg).run([Episode("e", {"prompt": "abc"})])
+
+
 def test_episodes_run_concurrently(env_file, endpoint, workers):
     w = worker(workers, config(endpoint, env_file, env="sleepy"))
     w.run([Episode("warm", {"prompt": "x"})])  # (the worker's start is not what is measured)
@@ -424,6 +446,31 @@ def test_a_hostile_rollout_fails_its_tenant_and_the_next_submit_starts_a_new_wor
     assert w.pid is None and gone(first)
     (r,) = w.run([Episode("after", {"mode": "ok"})])
     assert r.reward == 0.5 and w.pid != first
+
+
+def test_what_a_failed_env_started_is_killed_with_its_worker(env_file, endpoint, workers, tmp_path):
+    w = worker(workers, config(endpoint, env_file, env="hostile"))
+    pidfile = tmp_path / "daemon.pid"
+    with pytest.raises(EnvError, match="raised RuntimeError: left a daemon behind"):
+        w.run([Episode("d", {"mode": "detach", "pidfile": str(pidfile)})])
+    daemon = int(pidfile.read_text())
+    deadline = time.monotonic() + 5.0
+    while not gone(daemon) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(daemon)
+
+
+def test_an_answer_over_the_cap_fails_the_tenant(env_file, endpoint, workers, monkeypatch):
+    import mlora_lab.agents.envs as envs
+
+    w = worker(workers, config(endpoint, env_file, env="hostile"))
+    assert w.run([Episode("small", {"mode": "ok"})])[0].reward == 0.5
+    monkeypatch.setattr(envs, "ANSWER_CAP", 4096)  # (the job's side only: the worker keeps 64 MiB)
+    with pytest.raises(
+        EnvError, match=r"answer is over 4,096 bytes \(ANSWER_CAP\) while running the episodes"
+    ):
+        w.run([Episode("big", {"mode": "big"})])
+    assert w.pid is None
 
 
 def test_a_hanging_rollout_is_stopped_by_the_workers_limit_then_by_the_jobs_clock(
