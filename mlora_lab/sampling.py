@@ -110,6 +110,10 @@ class SampleRequest:
     top_logprobs: int = 0
     """Also give, at every completion token, the ``top_logprobs`` most likely tokens and their raw logprobs
     (what OpenAI's ``top_logprobs`` asks; 0: none)."""
+    first_sample: int = 0
+    """Sample ``i`` draws as sample ``first_sample + i`` of the same request would (``row_seed(seed,
+    first_sample + i)``): one sample of a group asked on its own (an agent's turn) draws what the group's
+    member draws."""
 
 
 @dataclass
@@ -280,10 +284,10 @@ def sample(
         for k in range(r.num_samples):
             generator = None
             if r.temperature > 0:
-                generator = torch.Generator(device=device).manual_seed(row_seed(seed, k))
+                generator = torch.Generator(device=device).manual_seed(row_seed(seed, r.first_sample + k))
             stops = eos if r.stop_token_ids is None else frozenset(int(t) for t in r.stop_token_ids)
             settings = (r.max_new_tokens, float(r.temperature), float(r.top_p), r.top_k, stops)
-            row_s = row_seed(seed, k) if r.temperature > 0 else 0
+            row_s = row_seed(seed, r.first_sample + k) if r.temperature > 0 else 0
             row = _Row(Completion(i, k), r.tenant, *settings, tuple(r.stop_strings), generator, row_s)
             if r.top_logprobs:
                 row.top, row.out.top_logprobs = r.top_logprobs, []

@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from mlora_lab.agents.envs import ANSWER_CAP, EnvConfig
-from mlora_lab.rl.reward_worker import _leave, _watch_parent, answer_channel, become_subreaper, load, take_key
+from mlora_lab.rl.reward_worker import answer_channel, become_subreaper, leave, load, take_key, watch_parent
 from mlora_lab.text import brief, error_line
 
 TRAJECTORY_HEADER = "X-Trajectory-Id"
@@ -362,7 +362,7 @@ async def run_batch(config: EnvConfig, run: Any, episodes: list[dict[str, Any]])
 
 def serve(key: bytes) -> None:
     say = answer_channel(key)
-    threading.Thread(target=_watch_parent, daemon=True).start()
+    threading.Thread(target=watch_parent, daemon=True).start()
     try:
         config = EnvConfig(**orjson.loads(sys.stdin.buffer.readline()))
     except (TypeError, ValueError) as e:
@@ -447,4 +447,4 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     code = main(sys.argv[1:])
     sys.stdout.flush()
-    _leave(code)
+    leave(code)

@@ -34,18 +34,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import selectors
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
 
-from mlora_lab.rl.rewards import EXIT_GRACE_S, KEY_FD, START_TIMEOUT_S, Frames, kill_tree
+from mlora_lab.rl.rewards import EXIT_GRACE_S, START_TIMEOUT_S, Frames, kill_tree, spawn
 from mlora_lab.text import brief, is_finite
 
 WORKER_MODULE = "mlora_lab.agents.env_worker"
@@ -134,26 +132,9 @@ class EnvConfig:
 
 
 def spawn_worker(cwd: str | os.PathLike | None) -> tuple[subprocess.Popen, Frames]:
-    """Start an env worker in its own session, its frames' key on a pipe it inherits (``--key-fd``), as
-    :func:`mlora_lab.rl.rewards.spawn` starts a reward worker (which names its module itself)."""
-    key = secrets.token_hex(32).encode()
-    r, w = os.pipe()
-    try:
-        os.write(w, key)
-    finally:
-        os.close(w)
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", WORKER_MODULE, f"{KEY_FD}={r}"],
-            cwd=cwd,
-            pass_fds=(r,),
-            start_new_session=True,  # its own process group: a kill takes what the env started too
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-    finally:
-        os.close(r)
-    return proc, Frames(key)
+    """Start an env worker as :func:`mlora_lab.rl.rewards.spawn` starts a reward worker: its own session (a kill
+    takes what the env started too), its frames' key on a pipe it inherits."""
+    return spawn([], cwd, module=WORKER_MODULE, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
 def checked_results(answer: Any, episodes: list[Episode]) -> list[EpisodeResult]:

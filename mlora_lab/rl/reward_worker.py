@@ -367,17 +367,17 @@ def _rewards(text: str, out: Any, n: int) -> list[float]:
     return values
 
 
-def _watch_parent() -> None:
+def watch_parent() -> None:
     """End this process, and everything its functions started, when the job that started it is gone (even
     while a reward function hangs)."""
     parent = os.getppid()
     while True:
         time.sleep(1.0)
         if os.getppid() != parent:
-            _leave(1)
+            leave(1)
 
 
-def _leave(code: int) -> None:
+def leave(code: int) -> None:
     """Kill this process's descendants, then end it."""
     with contextlib.suppress(psutil.Error):
         kill_tree(os.getpid(), include_root=False)
@@ -425,7 +425,7 @@ def answer_channel(key: bytes) -> Any:
 
 def serve(refs: list[str], key: bytes) -> None:
     say = answer_channel(key)
-    threading.Thread(target=_watch_parent, daemon=True).start()
+    threading.Thread(target=watch_parent, daemon=True).start()
     try:
         functions = Functions(refs, say)
     except LookupError as e:
@@ -463,4 +463,4 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     code = main(sys.argv[1:])
     sys.stdout.flush()
-    _leave(code)  # (what the functions started does not outlive them)
+    leave(code)  # (what the functions started does not outlive them)

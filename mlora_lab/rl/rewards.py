@@ -115,9 +115,12 @@ class Frames:
         return orjson.loads(body)  # (a JSONDecodeError is a ValueError)
 
 
-def spawn(args: list[str], cwd: str | os.PathLike | None, **popen: Any) -> tuple[subprocess.Popen, Frames]:
-    """Start a worker (``python -m mlora_lab.rl.reward_worker ARGS``) in its own session, its frames' key on
-    a pipe it inherits (``--key-fd``): the key is never in its environment nor on its command line."""
+def spawn(
+    args: list[str], cwd: str | os.PathLike | None, module: str = "", **popen: Any
+) -> tuple[subprocess.Popen, Frames]:
+    """Start a worker (``python -m mlora_lab.rl.reward_worker ARGS``, or another ``module``: an agent's env
+    worker) in its own session, its frames' key on a pipe it inherits (``--key-fd``): the key is never in its
+    environment nor on its command line."""
     key = secrets.token_hex(32).encode()
     r, w = os.pipe()
     try:
@@ -126,7 +129,7 @@ def spawn(args: list[str], cwd: str | os.PathLike | None, **popen: Any) -> tuple
         os.close(w)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", WORKER_MODULE, f"{KEY_FD}={r}", *args],
+            [sys.executable, "-m", module or WORKER_MODULE, f"{KEY_FD}={r}", *args],
             cwd=cwd,
             pass_fds=(r,),
             start_new_session=True,  # its own process group: a timeout kills what the function started too

@@ -198,13 +198,15 @@ class RunDir:
             raise RunDirError(f"a tenant's data split is 'train' or 'eval' (got {str(split)[:80]!r})")
         return self.inside(self.data / tenant / f"{split}.jsonl")
 
-    def reward(self, tenant: str, index: int, name: str) -> Path:
-        """``rewards/<tenant>/<index>-<name>.pkl``: a reward function the tenant was given as a callable,
-        pickled by value at launch or ``run.add_tenant`` (job.json names it ``"<that path>:<name>"``)."""
+    def reward(self, tenant: str, index: int, name: str, role: str = "") -> Path:
+        """``rewards/<tenant>/<role><index>-<name>.pkl``: a reward function the tenant was given as a callable
+        (``role`` ``""``; an agent's env ``"env"``, its tools ``"tool"``), pickled by value at launch or
+        ``run.add_tenant`` (job.json names it ``"<that path>:<name>"``)."""
         problem = name_problem(tenant) or (None if name.isidentifier() else f"{name[:40]!r} is no identifier")
+        problem = problem or (None if role in ("", "env", "tool") else f"{role[:40]!r} is no function role")
         if problem:
             raise RunDirError(f"a reward file of tenant {str(tenant)[:80]!r} cannot be named: {problem}")
-        return self.inside(self.root / "rewards" / tenant / f"{int(index)}-{name}.pkl")
+        return self.inside(self.root / "rewards" / tenant / f"{role}{int(index)}-{name}.pkl")
 
     def is_run(self) -> bool:
         """True when the directory holds a run (a job.json)."""

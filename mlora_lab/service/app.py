@@ -69,12 +69,15 @@ def reachable(host: str) -> str:
 
 
 class Server:
-    """uvicorn serving ``state`` on a daemon thread with its own event loop (``futures`` bound to it).
+    """uvicorn serving ``state`` (or another ``app``) on a daemon thread with its own event loop (``futures``
+    bound to it).
 
     ``Server(state).start()`` returns once it accepts connections; ``.url`` is then its base URL."""
 
-    def __init__(self, state: ServiceState, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.state = state
+    def __init__(
+        self, state: ServiceState | None, host: str = "127.0.0.1", port: int = 0, app: Starlette | None = None
+    ) -> None:
+        self.state, self.app = state, app  # (``app``: another app than the service's, with no state)
         self.host = host
         self.port = port
         self.url: str | None = None
@@ -93,7 +96,7 @@ class Server:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            create_app(self.state),
+            create_app(self.state) if self.app is None else self.app,
             log_level="warning",
             access_log=False,
             lifespan="off",
@@ -104,7 +107,8 @@ class Server:
         def run() -> None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
-            self.state.futures.bind(loop)
+            if self.state is not None:
+                self.state.futures.bind(loop)
             try:
                 loop.run_until_complete(self._server.serve(sockets=[sock]))  # type: ignore[union-attr]
             except BaseException as e:  # reported by start() when it happens before startup

@@ -161,12 +161,16 @@ FIELD_KINDS = (
     "rewards",
     "numbers",
     "texts",
+    "function",
+    "functions",
+    "mapping",
     "service",
     "client",
 )
 """Kinds of :attr:`FieldInfo.kind`. ``tenants``, ``parallel``, ``service``, ``rl`` and ``client`` are the spec's
-nested parts, checked on their own; ``rewards`` (reward functions), ``numbers`` and ``texts`` (lists) are
-RL's."""
+nested parts, checked on their own; ``rewards`` (reward functions), ``numbers`` and ``texts`` (lists),
+``function`` (one optional function: an agent's env), ``functions`` (a list of them, maybe empty: its tools) and
+``mapping`` (a JSON object: keyword arguments) are RL's."""
 
 
 @dataclass(frozen=True)

@@ -122,12 +122,14 @@ class RL:
     functions are called."""
 
     # fmt: off
-    reward: str | list[str] = field(metadata=meta(
+    reward: str | list[str] | None = field(default=None, metadata=meta(
         "reward", kind="rewards", section="RL", max=MAX_REWARDS, help="module:function or file.py:function"))
     """The reward function, ``"module:function"`` or ``"path/to/file.py:function"`` (a relative file is
     taken from where the job is launched), or a function itself (a notebook's ``def``, a lambda, a closure:
     pickled by value into the run directory at launch, as TRL's ``reward_funcs=[fn]``), or a list of them
-    whose rewards are summed (``reward_weights``)."""
+    whose rewards are summed (``reward_weights``). Required, except for a tenant whose ``env`` gives its
+    episodes' rewards itself. With ``env`` or ``tools`` the functions score whole conversations:
+    ``completions`` are the messages after the prompt (tool calls and results included)."""
     reward_weights: list[float] | None = field(default=None, metadata=meta(
         "reward weights", kind="numbers", section="RL", optional=True, help="one per reward function"))
     """A weight per reward function (default 1 each); the tenant's reward is their weighted sum."""
@@ -186,12 +188,67 @@ class RL:
     log_completions: int = field(default=2, metadata=meta(
         "log completions", section="RL", min=0, max=64, help="samples kept per logged step"))
     """Sampled completions (with their rewards) kept per logged step, shown by the dashboard."""
+    env: Any = field(default=None, metadata=meta(
+        "env", kind="function", section="Agent", optional=True, form=False,
+        help="rollout(client, model, example): an agent's episode"))
+    """An agent environment: ``rollout(client, model, example, **env_args)`` (``"module:function"``,
+    ``"file.py:function"`` or the function itself, pickled at launch as reward functions are), which plays one
+    episode of ``example`` (a data row) through ``client``, an ``openai.OpenAI`` client of the job's own endpoint
+    (``openai.AsyncOpenAI`` for an ``async def``), calling ``model`` (the tenant) as many turns as it likes, and
+    returns the episode's reward (a number, or ``{"reward", "rewards": {name: score}, "metrics", "messages"}``).
+    The tokens trained on are the ones the endpoint sampled for the episode (:mod:`mlora_lab.agents`)."""
+    env_args: dict[str, Any] = field(default_factory=dict, metadata=meta(
+        "env args", kind="mapping", section="Agent", form=False, help="keyword arguments of env"))
+    """Keyword arguments the ``env`` function is called with besides its three (JSON values)."""
+    tools: list[Any] = field(default_factory=list, metadata=meta(
+        "tools", kind="functions", section="Agent", form=False, max=MAX_REWARDS,
+        help="functions the model may call"))
+    """Tools the model may call (TRL's ``tools=``): functions with type hints and a Google-style docstring
+    (their JSON schemas go to the chat template's ``tools``), each ``"module:function"``, ``"file.py:function"``
+    or the function itself. Without ``env``, the job plays the tool loop itself (TRL's): the model answers,
+    each tool call it makes is run and its result appended, for up to ``max_turns`` turns, and the reward
+    functions score the whole conversation."""
+    max_turns: int = field(default=8, metadata=meta(
+        "max turns", section="Agent", min=1, max=256, help="model turns per episode (tools)"))
+    """The most model turns of one episode of the built-in tool loop (``tools`` without ``env``)."""
+    turn_timeout_s: float = field(default=60.0, metadata=meta(
+        "turn timeout", kind="float", section="Agent", min=0, min_open=True, max=86_400,
+        help="seconds a tool call may take"))
+    """Seconds a tool call (or the env's wait for one model turn) may take; past it the tenant is quarantined."""
+    rollout_timeout_s: float = field(default=600.0, metadata=meta(
+        "rollout timeout", kind="float", section="Agent", min=0, min_open=True, max=86_400,
+        help="seconds one generation's episodes may take"))
+    """Seconds the episodes of one generation may take in all; past it the tenant is quarantined."""
     # fmt: on
 
     @property
     def rewards(self) -> list[Any]:
-        """``reward`` as a list (references, or functions held in memory until the spec is launched)."""
+        """``reward`` as a list (references, or functions held in memory until the spec is launched); ``[]``
+        for an ``env`` tenant without reward functions."""
+        if self.reward is None:
+            return []
         return list(self.reward) if isinstance(self.reward, list | tuple) else [self.reward]
+
+    @property
+    def agent(self) -> bool:
+        """Whether the tenant plays episodes (``env`` or ``tools``) rather than one completion per prompt."""
+        return self.env is not None or bool(self.tools)
+
+    @property
+    def functions(self) -> list[tuple[str, int, Any]]:
+        """Every function the tenant names, ``(role, index, value)``: ``("", i, reward i)``, ``("env", 0, env)``,
+        ``("tool", k, tool k)``; what a launch pickles and a path resolves."""
+        out = [("", i, r) for i, r in enumerate(self.rewards)]
+        out += [("env", 0, self.env)] if self.env is not None else []
+        return out + [("tool", k, f) for k, f in enumerate(self.tools)]
+
+    def with_functions(self, functions: list[tuple[str, int, Any]]) -> RL:
+        """A copy with :attr:`functions` replaced (same roles and order; rewards keep their list-or-one shape)."""
+        rewards = [v for role, _, v in functions if role == ""]
+        env = [v for role, _, v in functions if role == "env"]
+        tools = [v for role, _, v in functions if role == "tool"]
+        reward = rewards if isinstance(self.reward, list | tuple) else (rewards[0] if rewards else None)
+        return dataclasses.replace(self, reward=reward, env=env[0] if env else None, tools=tools)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""

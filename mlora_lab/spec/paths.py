@@ -86,6 +86,10 @@ def resolve_tenant_paths(t: TenantPaths, base: str) -> None:
             if isinstance(t.rl.reward, list)
             else t.rl.reward
         )
+        if isinstance(t.rl.env, str):  # (an agent's env and tools are named as reward functions are)
+            t.rl.env = resolve_reward(t.rl.env, base)
+        if isinstance(t.rl.tools, list):
+            t.rl.tools = [resolve_reward(f, base) if isinstance(f, str) else f for f in t.rl.tools]
 
 
 def relative_tenant_paths(t: Any, here: str) -> None:

@@ -228,12 +228,13 @@ def in_memory_problems(t: Tenant) -> list[Problem]:
                 "to a file and give its path (df.to_json('rows.jsonl', orient='records', lines=True))",
             )
         )
-    if isinstance(t.rl, RL) and any(reward_in_memory(r) for r in t.rl.rewards):
+    if isinstance(t.rl, RL) and any(reward_in_memory(v) for _, _, v in _functions(t.rl)):
         out.append(
             Problem(
                 t.name if isinstance(t.name, str) else None,
                 "rl",
-                "rl.reward holds a function in memory, which job.json cannot hold: launch the spec (ml.launch "
+                "rl.reward, rl.env or rl.tools holds a function in memory, which job.json cannot hold: launch "
+                "the spec (ml.launch "
                 "pickles it into the run directory and names that file) or give 'file.py:function'",
             )
         )
@@ -265,3 +266,11 @@ def tenant_kwargs(d: Any, where: str) -> tuple[dict[str, Any], list[str], list[s
                 if not hub_problems:
                     kwargs[k] = HubDataset(**hub_kwargs)
     return kwargs, problems, old
+
+
+def _functions(rl: RL) -> list[tuple[str, int, Any]]:
+    """``rl.functions``, or the rewards alone when the agent fields are not well-formed (validation names them)."""
+    try:
+        return rl.functions
+    except TypeError:
+        return [("", i, r) for i, r in enumerate(rl.rewards)]

@@ -30,6 +30,7 @@ from mlora_lab.spec.parts import RL, ClientModel
 from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import brief, is_finite, is_int, path_problem
 from mlora_lab.trackers import report_to_problems
+from mlora_lab.validate.agents import check_agent, check_agent_field
 from mlora_lab.validate.context import Context, bound, got, usable_path
 from mlora_lab.validate.pref import check_pref_fields
 from mlora_lab.validate.rl import check_numbers, check_reward_names, check_reward_refs, check_texts
@@ -129,7 +130,15 @@ def check_rl_fields(ctx: Context, t: Tenant) -> bool:
         value = getattr(rl, name)
         label = f"rl.{name}"
         if info.kind == "rewards":
-            ok[name] = check_reward_refs(ctx, t, value, label)
+            if value is None and name == "reward":
+                ok[name] = rl.env is not None
+                if not ok[name]:
+                    ctx.say(t, "rl", "rl.reward is required (the functions that score completions), unless rl.env "
+                            "gives each episode's reward")  # fmt: skip
+            else:
+                ok[name] = check_reward_refs(ctx, t, value, label)
+        elif info.kind in ("function", "functions", "mapping"):
+            ok[name] = check_agent_field(ctx, t, value, info, label)
         elif info.kind == "numbers":
             ok[name] = check_numbers(ctx, t, value, info, label)
         elif info.kind == "texts":
@@ -158,6 +167,8 @@ def check_rl_fields(ctx: Context, t: Tenant) -> bool:
         ctx.say(
             t, "heldout_data", "an RL tenant has no heldout_data (it is measured by its rewards); remove it"
         )
+    if rl.agent or rl.env_args:
+        check_agent(ctx, t, ok)
     return len(ctx.out) == before
 
 

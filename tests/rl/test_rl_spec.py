@@ -86,7 +86,8 @@ def test_unknown_rl_keys_are_named_with_every_other_problem():
     message = str(e.value)
     assert "tenants[0] ('a'): unknown field 'lrr' (did you mean 'lr'?)" in message
     assert "tenants[0] ('a').rl: unknown fields 'rewards' (did you mean 'reward'?), 'group'" in message
-    assert "tenants[0] ('a').rl: missing required field reward" in message
+    assert "missing required field reward" not in message  # (rl.reward may be left out: an agent's env
+    # gives rewards; validation says when it is needed)
 
 
 def test_a_good_rl_tenant_validates_beside_an_sft_tenant(tmp_path, llama_path, make_data):

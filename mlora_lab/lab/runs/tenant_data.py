@@ -40,15 +40,22 @@ def freeze(tenant: Any) -> Any:
         name: snapshot(getattr(tenant, name)) for name in SPLITS if memory_kind(getattr(tenant, name))
     }
     rl = tenant.rl
-    if isinstance(rl, RL) and any(reward_in_memory(r) for r in rl.rewards):
-        rewards = [_pickled(r) for r in rl.rewards]
+    if isinstance(rl, RL) and _well_formed(rl) and any(reward_in_memory(v) for _, _, v in rl.functions):
         changes["rl"] = dataclasses.replace(
-            rl,
-            reward=rewards if isinstance(rl.reward, list | tuple) else rewards[0],
+            rl.with_functions([(role, i, _pickled(v)) for role, i, v in rl.functions]),
             # (named while they are functions: a pickle's name cannot tell two lambdas apart)
-            reward_names=rl.reward_names if rl.reward_names is not None else reward_names(rl.rewards),
+            reward_names=rl.reward_names
+            if rl.reward_names is not None or not rl.rewards
+            else reward_names(rl.rewards),
         )
     return dataclasses.replace(tenant, **changes) if changes else tenant
+
+
+def _well_formed(rl: RL) -> bool:
+    """Whether ``rl``'s function fields have their shapes (else validation names them; nothing is pickled)."""
+    return isinstance(rl.tools, list | tuple) and (
+        rl.reward is None or isinstance(rl.reward, list | tuple | str) or reward_in_memory(rl.reward)
+    )
 
 
 def _pickled(reward: Any) -> Any:
@@ -121,17 +128,19 @@ def write_data(run: RunDir, tenant: Any) -> Any:
         atomic_write_bytes(path, snapshot(value).jsonl(), root=run.root)
         changes[name] = str(path)
     rl = tenant.rl
-    if isinstance(rl, RL) and any(isinstance(r, RewardSnapshot) for r in rl.rewards):
+    if (
+        isinstance(rl, RL)
+        and _well_formed(rl)
+        and any(isinstance(v, RewardSnapshot) for _, _, v in rl.functions)
+    ):
         refs = []
-        for i, r in enumerate(rl.rewards):
-            if isinstance(r, RewardSnapshot):
-                path = run.reward(tenant.name, i, r.name)
-                atomic_write_bytes(path, r.data, root=run.root)
-                r = f"{path}:{r.name}"
-            refs.append(r)
-        changes["rl"] = dataclasses.replace(
-            rl, reward=refs if isinstance(rl.reward, list | tuple) else refs[0]
-        )
+        for role, i, v in rl.functions:  # (an agent's env and tools are pickled as reward functions are)
+            if isinstance(v, RewardSnapshot):
+                path = run.reward(tenant.name, i, v.name, role=role)
+                atomic_write_bytes(path, v.data, root=run.root)
+                v = f"{path}:{v.name}"
+            refs.append((role, i, v))
+        changes["rl"] = rl.with_functions(refs)
     return dataclasses.replace(tenant, **changes) if changes else tenant
 
 

@@ -1,64 +1,25 @@
-"""The RL driver: tenants that learn from rewards by GRPO (TRL 1.16's ``GRPOTrainer``), in the same loop
-and the same base forward as the SFT tenants.
-
-An RL tenant's optimiser window is one **generation**: ``B·k`` prompts of its data (``B = batch_size``,
-``k = grad_accum``), ``G = rl.group_size`` completions of each, ``N = B·k·G`` completions in all, trained on
-for ``rl.num_iterations`` optimiser steps (TRL's μ) before the next generation. Each optimiser step is ``k``
-micro-batches of ``B·G`` rows (micro-batch ``m``: the completions of prompts ``m·B … m·B + B − 1``), their
-gradients summed: TRL's ``gradient_accumulation_steps = k`` with ``steps_per_generation = k`` (its
-default), ``per_device_train_batch_size = B·G``::
-
-    generate    at a window start: the B·k prompts of EVERY RL tenant starting a window, in ONE sample()
-                call (each row with its own adapter; stop at EOS, at rl.stop strings, at max_new_tokens)
-    reward      on rank 0: each tenant's reward worker (its own process, with a timeout) scores its N
-                completions; every tenant's batch is submitted before any answer is read, so they
-                compute at once; the answers (or each failure) are broadcast to every process
-    advantage   R = combine_rewards(r [N, F], rl.reward_weights)   A = advantages(R, G, rl.scale_rewards)
-    rows        prompt + completion, labels on the completion tokens only (EOS included when drawn;
-                none at all on a completion cut at max_new_tokens with rl.mask_truncated_completions)
-    loss        from the loop's per-token losses ℓ [n, T-1] of this process's rows: the completion's
-                log-probs logps[i, k] = −ℓ[i, P_i − 1 + k] (P_i its prompt's tokens) [n, L], and
-                policy_loss(logps, old, A, mask) with TRL's normalisers over the whole window:
-                S = N completions, N_tok = its completion tokens, K = k·D micro-batches (D
-                data-parallel processes; their gradients are summed, as for the SFT tenants)
-
-**Why every process generates everything.** Under FSDP, TP and EP every forward is a collective, so all
-processes must run the same forwards: they all call :func:`~mlora_lab.sampling.sample` with the same
-requests and the same seeds (so they draw the same completions), and an ``any_running`` hook (an
-all-reduce of "a row still runs here") keeps their decode steps in step. Splitting the prompts over the
-data-parallel ranks, and gathering the completions, is a later optimisation. Each process then trains on
-its own share of the rows (``engine.local_rows``).
-
-**Seeds.** Completion ``j`` of prompt ``b`` of generation ``g`` of a tenant with ``seed`` draws from
-``row_seed(generation_seed(seed, g, b), j)``: nothing else. A resume regenerates nothing that was trained
-on and needs no RNG state; the same tenant alone or beside others draws the same tokens (up to
-floating-point differences of differently shaped batches, see :mod:`mlora_lab.sampling`).
-
-**Logprobs.** The plan asks the loop to divide each RL tenant's logits by its ``rl.temperature``, so
-``−ℓ`` is TRL's ``log_softmax(z / temperature)[y]`` (top-k / top-p do not enter it, as in TRL). With
-``num_iterations = 1`` the old
-log-probs are ``sg(logps)`` (ratio 1, TRL's own shortcut); with more, the first step's ``sg(logps)`` are
-kept (each micro-batch's as it is computed, then gathered from every process at the window's end, so a
-checkpoint holds them whatever the world size, mid-window too) and the later steps' ratios are taken
-against them. With ``beta > 0`` the reference log-probs are those of the base
-model alone: one no-grad forward of the generation's rows with no adapter (tenant ``None``) right after
-the generation, once per generation, on the shared base (no second copy of the model).
-"""
+"""The RL driver itself (see :mod:`mlora_lab.job.drivers.rl` for the maths)."""
 
 from __future__ import annotations
 
-import hashlib
 import math
-from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mlora_lab.data import IGNORE_INDEX, DataError, Example, TenantStream
+from mlora_lab.data import IGNORE_INDEX, TenantStream
 from mlora_lab.job.agree import describe
 from mlora_lab.job.drivers.base import Driver, JobParts, Plan, StepResult
+from mlora_lab.job.drivers.rl.agents import AgentParts
+from mlora_lab.job.drivers.rl.generation import (
+    Generation,
+    RLFeed,
+    completion_index,
+    generation_seed,
+    prompts_digest,
+    read_prompts,
+)
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rl.grpo import (
     CLIPPED,
@@ -69,7 +30,6 @@ from mlora_lab.rl.grpo import (
     policy_loss,
     reward_problem,
 )
-from mlora_lab.rl.prompt_tokens import PromptRow, load_prompts
 from mlora_lab.rl.prompts import as_completion
 from mlora_lab.rl.rewards import (
     RewardBatch,
@@ -81,219 +41,21 @@ from mlora_lab.rl.rewards import (
 )
 from mlora_lab.rundir import CompletionRow, EventKind, EventRow
 from mlora_lab.sampling import Completion, SampleRequest, sample
-from mlora_lab.sources import source_name
 from mlora_lab.spec.parts import RL
 from mlora_lab.spec.tenant import Tenant
 
-
-def generation_seed(seed: int, generation: int, position: int) -> int:
-    """The sampling seed of the prompt at ``position`` of a tenant's ``generation``: 63 bits of a hash of
-    the three (each completion's own generator is then seeded with ``row_seed(this, j)``)."""
-    digest = hashlib.blake2b(f"mlora_lab.rl/{seed}/{generation}/{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+if TYPE_CHECKING:  # (the agents' endpoint loads starlette: only a job with agent tenants does)
+    from mlora_lab.agents.rollouts import Rollouts
 
 
-@dataclass
-class Generation:
-    """One generation of a tenant: its completions and everything its window's steps train on.
-
-    Completion ``i = b·G + j`` is completion ``j`` of prompt ``prompts[b]`` (TRL's order). ``old_logps`` and
-    ``ref_logps`` are ``[N, L]`` (``L`` the longest completion; 0 past a completion's end), for every
-    completion, on every process."""
-
-    index: int  # the tenant's generation counter when it was drawn
-    prompts: list[int]  # [B] indices into the feed's prompts
-    group_size: int
-    tokens: list[list[int]]  # [N] completion tokens
-    truncated: list[bool]  # [N] stopped by max_new_tokens (no EOS, no stop string)
-    rewards: torch.Tensor  # [N] combined reward, NaN where none was given
-    advantages: torch.Tensor  # [N]
-    iteration: int = 0  # optimiser steps taken on it so far
-    old_logps: torch.Tensor | None = None
-    ref_logps: torch.Tensor | None = None
-    # within a window: this process's sg(logps) of the micro-batches done (first window, μ > 1), [N, L]
-    old_local: torch.Tensor | None = None
-    # within a window: this process's (kl sum, kl count, clipped sum, clipped count) of the micro-batches done
-    stats: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
-    rows: list[Example] = field(default_factory=list, repr=False)
-    n_tokens: int = 0  # completion tokens that carry loss, over all N
-    per_function: torch.Tensor | None = None  # [N, F] each reward function's reward (float64, NaN: none)
-    logged: dict[str, float] = field(default_factory=dict)  # what the functions logged with log_metric
-    extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns, one value per completion
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def max_len(self) -> int:
-        return max(len(c) for c in self.tokens)
-
-    def build(self, prompts: Sequence[PromptRow], mask_truncated: bool) -> None:
-        """The training rows: prompt + completion, labels on the completion's tokens (none on a truncated
-        completion when ``mask_truncated``), and the count of tokens that carry loss."""
-        self.rows, self.n_tokens = [], 0
-        for i, tokens in enumerate(self.tokens):
-            ids = prompts[self.prompts[i // self.group_size]].ids
-            masked = mask_truncated and self.truncated[i]
-            labels = (
-                [IGNORE_INDEX] * (len(ids) + len(tokens)) if masked else [IGNORE_INDEX] * len(ids) + tokens
-            )
-            self.rows.append(Example([*ids, *tokens], labels))
-            self.n_tokens += 0 if masked else len(tokens)
-
-    def prompt_len(self, i: int) -> int:
-        return len(self.rows[i]) - len(self.tokens[i])
-
-    def micro(self, m: int, k: int) -> range:
-        """The completions of micro-batch ``m`` of ``k``: those of its ``B`` prompts, ``B·G`` in all."""
-        n = len(self.tokens) // k
-        return range(m * n, (m + 1) * n)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "prompts": self.prompts,
-            "group_size": self.group_size,
-            "tokens": self.tokens,
-            "truncated": self.truncated,
-            "rewards": self.rewards,
-            "advantages": self.advantages,
-            "iteration": self.iteration,
-            "old_logps": self.old_logps,
-            "ref_logps": self.ref_logps,
-            "old_local": self.old_local,
-            "stats": self.stats,
-            "per_function": self.per_function,
-            "logged": self.logged,
-            "extra": self.extra,
-        }
-
-    @classmethod
-    def from_state(cls, s: dict[str, Any]) -> Generation:
-        return cls(
-            index=int(s["index"]),
-            prompts=[int(p) for p in s["prompts"]],
-            group_size=int(s["group_size"]),
-            tokens=[list(map(int, c)) for c in s["tokens"]],
-            truncated=[bool(x) for x in s["truncated"]],
-            rewards=s["rewards"].float(),
-            advantages=s["advantages"].float(),
-            iteration=int(s["iteration"]),
-            old_logps=None if s["old_logps"] is None else s["old_logps"].float(),
-            ref_logps=None if s["ref_logps"] is None else s["ref_logps"].float(),
-            old_local=None if s.get("old_local") is None else s["old_local"].float(),
-            stats=s["stats"].double() if "stats" in s else torch.zeros(4, dtype=torch.float64),
-            per_function=None if s.get("per_function") is None else s["per_function"].double(),
-            logged={str(k): float(v) for k, v in (s.get("logged") or {}).items()},
-            extra={str(k): list(v) for k, v in (s.get("extra") or {}).items()},
-        )
-
-
-def prompts_digest(prompts: Sequence[PromptRow]) -> str:
-    """SHA-256 of a tenant's prompt token ids, in order: what its prompt cursor indexes into."""
-    h = hashlib.sha256()
-    for p in prompts:
-        h.update(len(p.ids).to_bytes(8, "little"))
-        h.update(array("q", p.ids).tobytes())
-    return h.hexdigest()
-
-
-@dataclass
-class RLFeed:
-    """An RL tenant's feed: its prompts, their order, its generation counter and the generation its
-    window trains on (``None`` between windows)."""
-
-    prompts: list[PromptRow]
-    stream: TenantStream  # over prompt indices: take(n) gives the next n indices
-    mask_truncated: bool = False  # the tenant's rl.mask_truncated_completions (rows of a restored generation)
-    generations: int = 0  # generations drawn so far (the seeds derive from it)
-    current: Generation | None = None
-    digest: str = ""
-    micro: int = 0  # micro-batches done in the current optimiser window (of grad_accum)
-    flat: int = 0  # generations in a row whose every group had one reward for all its completions
-    masked: int = 0  # generations in a row whose every completion was masked (cut, mask_truncated)
-    reward_range: tuple[float, float] | None = None  # the lowest and highest mean reward of its generations
-
-    def reset(self) -> None:
-        """A quarantine drops the generation in progress."""
-        self.current = None
-        self.micro = 0
-
-    def prompts_taken(self) -> int:
-        return self.stream.epoch * len(self.stream) + self.stream.cursor
-
-    def state_dict(self) -> dict[str, Any]:
-        # (keys apart from the pool's: mlora_lab.job.tenants.POOL_KEYS)
-        return {
-            "rl_stream": self.stream.state_dict(),
-            "rl_generations": self.generations,
-            "rl_current": None if self.current is None else self.current.state_dict(),
-            "rl_prompts_digest": self.digest,
-            "rl_micro": self.micro,
-            "rl_reward_range": self.reward_range,
-        }
-
-    def load_state_dict(self, s: dict[str, Any]) -> None:
-        """Continue from a checkpoint; ``ValueError`` if the tenant's prompts changed since."""
-        if s["rl_prompts_digest"] != self.digest:
-            raise ValueError(
-                f"its prompts changed since the checkpoint ({len(self.prompts)} prompts now; their tokens "
-                "differ): put the data back as it was to resume it, or train on the new prompts as a new "
-                "tenant that starts from its adapter (init_adapter)"
-            )
-        self.stream.load_state_dict(s["rl_stream"])
-        self.generations = int(s["rl_generations"])
-        self.current = None if s["rl_current"] is None else Generation.from_state(s["rl_current"])
-        self.micro = int(s.get("rl_micro", 0))
-        low_high = s.get("rl_reward_range")  # (none in a checkpoint written before it was kept)
-        self.reward_range = None if low_high is None else (float(low_high[0]), float(low_high[1]))
-        if self.current is not None:
-            self.current.build(self.prompts, self.mask_truncated)
-
-
-def read_prompts(tenant: Tenant, tokenizer: Any, seq_len: int, vocab: int) -> list[PromptRow]:
-    """An RL tenant's prompt rows, tokenized (:func:`~mlora_lab.rl.prompt_tokens.load_prompts`: ``prompt``
-    text with the tokenizer's special tokens, ``messages`` through the chat template with the generation
-    prompt). A prompt longer than ``seq_len − max_new_tokens`` keeps its last tokens (one warning, as SFT rows
-    cut get); every kept token must be one the model embeds."""
-    rl: RL = tenant.rl
-    where = source_name(tenant.data)
-    prompts = load_prompts(tenant.data, tokenizer, seq_len - rl.max_new_tokens)
-    problems = []
-    for n, p in enumerate(prompts, start=1):
-        if not p.ids:
-            problems.append(f"{where} row {n}: the prompt encodes to no token")
-        elif max(p.ids) >= vocab:
-            problems.append(
-                f"{where} row {n}: token id {max(p.ids)} is outside the model's {vocab} embeddings"
-            )
-    if problems:
-        raise DataError(problems, header=f"cannot use {where}")
-    return prompts
-
-
-def completion_index(
-    g: Generation, local: Sequence[int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the completion tokens of rows ``local`` of ``g`` sit in the loop's per-token losses
-    ``ℓ [n, T-1]`` (``ℓ[:, p]`` predicts token ``p + 1``): ``(index [n, L], valid [n, L])`` with
-    ``index[r, k] = P_r − 1 + k`` for the ``k``-th completion token (0 past the completion's end, where
-    ``valid`` is False), ``L`` the longest of these completions."""
-    starts = torch.tensor([g.prompt_len(i) - 1 for i in local], dtype=torch.long)
-    lengths = torch.tensor([len(g.tokens[i]) for i in local], dtype=torch.long)
-    k = torch.arange(int(lengths.max()) if len(local) else 0)
-    valid = k[None] < lengths[:, None]
-    index = torch.where(valid, starts[:, None] + k[None], 0)
-    return index.to(device), valid.to(device)
-
-
-class RLDriver(Driver):
+class RLDriver(AgentParts, Driver):
     """RL tenants: generations, rewards, GRPO's loss (see the module docstring)."""
 
     def __init__(self, parts: JobParts) -> None:
         super().__init__(parts)
         self.comm = parts.engine.comm
         self.workers: dict[str, RewardWorker] = {}  # rank 0: one per RL tenant that is running
+        self.rollouts: Rollouts | None = None  # agent tenants' endpoint and env workers (made at the first)
 
     def accepts(self, tenant: Tenant) -> bool:
         return tenant.rl is not None
@@ -314,6 +76,8 @@ class RLDriver(Driver):
         active = self._mine(self.pool.running())
         for name in [n for n in self.workers if n not in {t.name for t in active}]:
             self.workers.pop(name).close()  # finished, failed, paused or removed: its worker is not needed
+        if self.rollouts is not None:  # (and its env worker)
+            self.rollouts.close(keep=[t.name for t in active] or ["(none)"])
         if not active:
             return None
         starting = [t for t in active if t.feed.current is None]  # the same on every process
@@ -330,9 +94,12 @@ class RLDriver(Driver):
         return Plan(tenants=active, rows=rows, complete=complete, failed=failed, temperatures=temperatures)
 
     def close(self) -> None:
-        """The job is over: every reward worker is killed, with what its functions started."""
+        """The job is over: every reward and env worker is killed, with what its functions started, and the
+        agents' endpoint closed."""
         for name in list(self.workers):
             self.workers.pop(name).close()
+        if self.rollouts is not None:
+            self.rollouts.close()
 
     def _watch(self, t: TenantRun, g: Generation, stats: RewardStats) -> None:
         """A tenant that trains on nothing is said so, in a ``warning`` row (the dashboard shows it with the
@@ -381,6 +148,15 @@ class RLDriver(Driver):
         return [part[i] for i in self.engine.local_rows(range(len(part)))]
 
     def _generate(self, tenants: list[TenantRun]) -> dict[str, str]:
+        """A new generation for each of ``tenants``: agent tenants play their episodes (:meth:`_play`), the
+        others sample one completion per group member. Returns the tenants that failed, with why (the same on
+        every process)."""
+        agents = [t for t in tenants if t.spec.rl.agent]
+        plain = [t for t in tenants if not t.spec.rl.agent]
+        failed = self._sample(plain) if plain else {}
+        return failed | (self._play(agents) if agents else {})
+
+    def _sample(self, tenants: list[TenantRun]) -> dict[str, str]:
         """A new generation for each of ``tenants``: one batched sampling, rewards, advantages, rows (and
         the reference log-probs where ``beta > 0``). Returns the tenants that failed, with why (the same
         on every process)."""
@@ -535,7 +311,9 @@ class RLDriver(Driver):
         logps = -token_loss.gather(1, index)  # [n, L]
         mask = valid & (labels[:, 1:].gather(1, index) != IGNORE_INDEX)
         L = logps.shape[1]
-        old = g.old_logps[local, :L].to(logps.device) if g.iteration > 0 and g.old_logps is not None else None
+        # (an agent's episodes: the ratio is against the sampler's log-probs from the first step on)
+        sampled = g.iteration > 0 or g.trajectories is not None
+        old = g.old_logps[local, :L].to(logps.device) if sampled and g.old_logps is not None else None
         ref = g.ref_logps[local, :L].to(logps.device) if rl.beta > 0 else None
         loss, metrics = policy_loss(
             logps,
@@ -556,7 +334,9 @@ class RLDriver(Driver):
         for i, key in enumerate(("kl", clip_key)):
             if key in metrics:
                 g.stats[2 * i : 2 * i + 2] += metrics[key].detach().double().cpu()
-        if rl.num_iterations > 1 and g.iteration == 0:  # the later steps' ratios are against these
+        if (
+            rl.num_iterations > 1 and g.iteration == 0 and g.trajectories is None
+        ):  # later ratios: against these
             if g.old_local is None:
                 g.old_local = torch.zeros(len(g), g.max_len, dtype=torch.float32)
             if local:
@@ -573,7 +353,9 @@ class RLDriver(Driver):
         f.micro = 0
         totals = self.comm.sum_over_dp(g.stats)  # (kl sum, kl count, clipped sum, clipped count)
         g.stats = torch.zeros(4, dtype=torch.float64)
-        if rl.num_iterations > 1 and g.iteration == 0:  # the later steps' ratios are against these
+        if (
+            rl.num_iterations > 1 and g.iteration == 0 and g.trajectories is None
+        ):  # later ratios: against these
             old = g.old_local if g.old_local is not None else torch.zeros(len(g), g.max_len)
             g.old_logps, g.old_local = self.comm.sum_over_dp(old).float(), None
         g.iteration += 1
@@ -600,7 +382,10 @@ class RLDriver(Driver):
             clip_ratio=float(totals[2] / max(float(totals[3]), 1.0))
             if rl.loss_type in (*CLIPPED, "cispo")
             else None,
-            extra=reward_metrics(g, reward_names(rl.rewards, rl.reward_names)) or None,
+            extra=reward_metrics(
+                g, ["env"] * (rl.env is not None) + reward_names(rl.rewards, rl.reward_names)
+            )
+            or None,
         )
         if row is None:  # (not a step log_every logs: its completions are not logged either)
             return
@@ -616,7 +401,7 @@ class RLDriver(Driver):
                     tenant=t.name,
                     tenant_step=t.step,
                     prompt=t.feed.prompts[g.prompts[i // G]].text,
-                    completion=tok.decode(g.tokens[i], skip_special_tokens=True),
+                    completion=g.completion_text(i, tok),
                     reward=reward if math.isfinite(reward) else None,
                     extra={k: v[i] for k, v in g.extra.items()} or None,
                 )

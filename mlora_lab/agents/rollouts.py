@@ -1,0 +1,233 @@
+"""One generation of every agent tenant starting a window: their episodes, played at once, every waiting turn of
+every tenant sampled in one batched generation.
+
+For each agent tenant ``t`` with ``B`` prompts and groups of ``G``, episode ``i = b·G + j`` (member ``j`` of
+prompt ``b``) is registered at the endpoint as trajectory ``"<t>/<g>/<b>/<j>"`` and handed to ``t``'s env worker
+(its own process: :mod:`mlora_lab.agents.envs`). Then, until every worker has answered::
+
+    rank 0      polls each worker (never blocking: a worker that failed, hung past its deadline or answered
+                garbage fails its tenant alone), takes the turns waiting at the endpoint (those arriving together:
+                :meth:`~mlora_lab.agents.endpoint.AgentEndpoint.take`)
+    broadcast   the wave's sampling requests (every process runs every forward: FSDP, TP and EP are collectives)
+    all         sample(wave)                       one generation, each row with its tenant's adapter
+    rank 0      answers each turn (the capture records its ids and the sampler's log-probs)
+
+Each episode's trajectory is then its ledger (:mod:`mlora_lab.agents.ledger`) cut to ``seq_len``, with the
+worker's reward, its parts and the conversation, broadcast to every process. An episode that never called the
+model has nothing to train: its tenant fails, with the reason (as a reward function that returns nothing does).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlora_lab.agents.endpoint import AgentEndpoint, Expected, TenantTurns, Turn
+from mlora_lab.agents.envs import EnvConfig, EnvError, EnvWorker, Episode, EpisodeResult
+from mlora_lab.agents.ledger import trajectory_of
+from mlora_lab.rl.trajectory import MODEL, Segment, Trajectory
+from mlora_lab.sampling import sample
+from mlora_lab.spec.parts import RL
+
+
+@dataclass
+class RolloutJob:
+    """An agent tenant's generation to play: its examples in order (prompt ``b``), the first-turn seed of each,
+    its group size."""
+
+    tenant: str
+    rl: RL
+    generation: int
+    examples: list[dict[str, Any]]
+    seeds: list[int]
+    group_size: int
+
+    def tid(self, b: int, j: int) -> str:
+        return f"{self.tenant}/{self.generation}/{b}/{j}"
+
+
+@dataclass
+class Played:
+    """One episode, played: its trajectory (tokens, masks, the sampler's log-probs, the reward its env gave) and
+    what its env said of it."""
+
+    trajectory: Trajectory
+    parts: dict[str, tuple[float, float]] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    stop: str = ""
+    turns: int = 0
+    forks: int = 0
+    cut: bool = False  # longer than seq_len: cut to it (with its masks)
+
+
+def _wire(p: Played) -> dict[str, Any]:
+    t = p.trajectory
+    return {
+        "segments": [
+            (s.source, list(s.tokens), None if s.logprobs is None else list(s.logprobs)) for s in t.segments
+        ],
+        "reward": t.reward,
+        "truncated": t.truncated,
+        "turns_messages": t.turns,
+        "parts": p.parts,
+        "metrics": p.metrics,
+        "stop": p.stop,
+        "turns": p.turns,
+        "forks": p.forks,
+        "cut": p.cut,
+    }
+
+
+def _unwire(d: dict[str, Any]) -> Played:
+    segments = [
+        Segment(src, tuple(toks), None if lps is None else tuple(lps)) for src, toks, lps in d["segments"]
+    ]
+    t = Trajectory(segments, d["reward"], None, d["truncated"], d["turns_messages"])
+    return Played(t, d["parts"], d["metrics"], d["stop"], d["turns"], d["forks"], d["cut"])
+
+
+class Rollouts:
+    """The agent tenants' endpoint and env workers (rank 0) and the wave loop (every process).
+
+    ``broadcast(obj)``: rank 0's ``obj`` on every process (identity on one process); ``any_running``: the decode
+    steps' agreement hook of :func:`~mlora_lab.sampling.sample` (``None`` on one process)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        seq_len: int,
+        main: bool,
+        broadcast: Callable[[Any], Any],
+        any_running: Callable[[bool], bool] | None = None,
+        cwd: str | os.PathLike | None = None,
+    ) -> None:
+        self.model, self.tokenizer, self.seq_len, self.main = model, tokenizer, int(seq_len), main
+        self.broadcast, self.any_running, self.cwd = broadcast, any_running, cwd
+        self.endpoint: AgentEndpoint | None = None
+        self.workers: dict[str, EnvWorker] = {}
+
+    def close(self, keep: Sequence[str] = ()) -> None:
+        """Stop the env workers of tenants not in ``keep`` (all of them, and the endpoint, when ``keep`` is empty)."""
+        for name in [n for n in self.workers if n not in keep]:
+            self.workers.pop(name).close()
+        if not keep and self.endpoint is not None:
+            self.endpoint.stop()
+            self.endpoint = None
+
+    def _worker(self, job: RolloutJob) -> EnvWorker:
+        if self.endpoint is None:
+            self.endpoint = AgentEndpoint(self.tokenizer, self.seq_len)
+            self.endpoint.start()
+        rl = job.rl
+        key = self.endpoint.tenant(job.tenant, TenantTurns(rl.max_new_tokens, rl.temperature, tuple(rl.stop)))
+        worker = self.workers.get(job.tenant)
+        if worker is None:
+            config = EnvConfig(
+                env=rl.env,
+                tools=list(rl.tools),
+                env_args=dict(rl.env_args),
+                base_url=self.endpoint.url,
+                api_key=key,
+                model=job.tenant,
+                max_turns=rl.max_turns,
+                turn_timeout_s=rl.turn_timeout_s,
+                rollout_timeout_s=rl.rollout_timeout_s,
+            )
+            worker = self.workers[job.tenant] = EnvWorker(config, cwd=self.cwd)
+        return worker
+
+    def play(self, jobs: Sequence[RolloutJob]) -> dict[str, list[Played] | str]:
+        """Every job's episodes (in order ``b·G + j``), or why its tenant failed; the same on every process."""
+        results: dict[str, list[EpisodeResult] | str] = {}
+        pending: dict[str, EnvWorker] = {}
+        if self.main:
+            for job in jobs:
+                try:
+                    worker = self._worker(job)
+                    episodes = []
+                    for b, (example, seed) in enumerate(zip(job.examples, job.seeds, strict=True)):
+                        for j in range(job.group_size):
+                            self.endpoint.expect(job.tid(b, j), Expected(job.tenant, seed, j))  # type: ignore[union-attr]
+                            episodes.append(Episode(job.tid(b, j), example))
+                    worker.submit(episodes)
+                    pending[job.tenant] = worker
+                except EnvError as e:
+                    results[job.tenant] = str(e)
+        while True:
+            turns: list[Turn] = []
+            if self.main:
+                for name in list(pending):
+                    try:
+                        got = pending[name].poll()
+                    except EnvError as e:
+                        got = str(e)
+                    if got is not None:
+                        results[name] = got
+                        del pending[name]
+                turns = self.endpoint.take() if pending and self.endpoint is not None else []
+                failed = {n for n, r in results.items() if isinstance(r, str)}
+                for turn in [x for x in turns if x.request.tenant in failed]:  # (a failed env's last turns)
+                    turn.settle(RuntimeError("the tenant's env failed"))
+                turns = [x for x in turns if x.request.tenant not in failed]
+                order = ([x.request for x in turns], not pending)
+            else:
+                order = None
+            requests, finished = self.broadcast(order)
+            if requests:
+                try:
+                    completions = sample(
+                        self.model, requests, tokenizer=self.tokenizer, any_running=self.any_running
+                    )
+                except Exception as e:
+                    for turn in turns:
+                        turn.settle(e)
+                    raise
+                for turn, c in zip(turns, sorted(completions, key=lambda c: c.request), strict=False):
+                    turn.settle(c)
+            if finished:
+                break
+        wired: dict[str, Any] | None = None
+        if self.main:
+            wired = {}
+            for job in jobs:
+                got = results.get(job.tenant)
+                if not isinstance(got, list) and self.endpoint is not None:  # (its ledgers are not needed)
+                    for b in range(len(job.examples)):
+                        for j in range(job.group_size):
+                            self.endpoint.finish(job.tid(b, j))
+                played = self._played(job, got) if isinstance(got, list) else got or "its env gave no answer"
+                wired[job.tenant] = played if isinstance(played, str) else [_wire(p) for p in played]
+        return unwire(self.broadcast(wired))
+
+    def _played(self, job: RolloutJob, results: list[EpisodeResult]) -> list[Played] | str:
+        """The job's episodes as trajectories (rank 0: the ledgers are here), or why they cannot be trained."""
+        by_id = {r.trajectory_id: r for r in results}
+        out: list[Played] = []
+        problems: list[str] = []
+        for b in range(len(job.examples)):
+            for j in range(job.group_size):
+                tid = job.tid(b, j)
+                led = self.endpoint.finish(tid) if self.endpoint is not None else None
+                r = by_id.get(tid)
+                if r is None:
+                    problems.append(f"episode {tid} got no result from the env")
+                    continue
+                if led is None or not any(s.source == MODEL for s in led.segments):
+                    problems.append(
+                        f"episode {tid} never had an answer from the model (the env called no turn)"
+                    )
+                    continue
+                t = trajectory_of(led, self.seq_len, r.reward)
+                cut = led.n_tokens > self.seq_len
+                out.append(Played(t, dict(r.parts), dict(r.metrics), r.stop, led.turns, led.forks, cut))
+        if problems:
+            return "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+        return out
+
+
+def unwire(got: dict[str, Any]) -> dict[str, list[Played] | str]:
+    """:meth:`Rollouts.play`'s broadcast answer as :class:`Played` episodes."""
+    return {k: v if isinstance(v, str) else [_unwire(d) for d in v] for k, v in got.items()}
