@@ -219,6 +219,24 @@ class RL:
         "rollout timeout", kind="float", section="Agent", min=0, min_open=True, max=86_400,
         help="seconds one generation's episodes may take"))
     """Seconds the episodes of one generation may take in all; past it the tenant is quarantined."""
+    harness: bool = field(default=False, metadata=meta(
+        "harness", kind="bool", section="Agent", form=False,
+        help="episodes played by an outside agent program"))
+    """Harness mode: any agent program (openai-agents, smolagents, a shell script with ``curl``) plays the
+    tenant's episodes. Each generation's ``B·k·G`` episodes (``G`` of each data row, trajectory ids
+    ``<tenant>/<generation>/<b>/<j>``) are published at the job's endpoint; with the tenant's key (the run's
+    ``agents.json``, ``run.agent_endpoint(tenant)``) the program, any number of times at once::
+
+        GET  <base_url>/episodes?limit=N&wait=S        claims up to N episodes: {"data": [{"trajectory_id",
+                                                       "example"}]} (a long poll of up to S seconds)
+        POST <base_url>/chat/completions                model=<tenant>, header X-Trajectory-Id: <id>; as
+                                                        many turns as it likes
+        POST <base_url>/trajectories/<id>/reward        {"reward": x} or {"rewards": {name: score}, "metrics":
+                                                        {...}}, once (as an ``env`` rollout returns)
+
+    The generation trains once every episode has its reward; past ``rollout_timeout_s`` from publishing the
+    tenant fails, with the reason. No ``env`` and no ``tools``; reward functions are optional (they score each
+    conversation, as for ``tools``)."""
     # fmt: on
 
     @property
@@ -231,8 +249,15 @@ class RL:
 
     @property
     def agent(self) -> bool:
-        """Whether the tenant plays episodes (``env`` or ``tools``) rather than one completion per prompt."""
-        return self.env is not None or bool(self.tools)
+        """Whether the tenant plays episodes (``env``, ``tools`` or ``harness``) rather than one completion per
+        prompt."""
+        return self.env is not None or bool(self.tools) or self.harness is True
+
+    @property
+    def own_reward(self) -> bool:
+        """Whether each episode comes with a reward of its own (an ``env``'s, or a ``harness`` program's):
+        the ``"env"`` reward column."""
+        return self.env is not None or self.harness is True
 
     @property
     def functions(self) -> list[tuple[str, int, Any]]:

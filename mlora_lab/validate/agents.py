@@ -65,6 +65,16 @@ def check_agent(ctx: Context, t: Tenant, ok: dict[str, bool]) -> None:
         ctx.say(t, "rl", "rl.env_args are the keyword arguments of rl.env, and there is no rl.env")
     if not rl.agent:
         return
+    if rl.harness is True and (rl.env is not None or rl.tools):
+        given = " and ".join(
+            x for x, on in (("rl.env", rl.env is not None), ("rl.tools", bool(rl.tools))) if on
+        )
+        ctx.say(
+            t,
+            "rl",
+            f"rl.harness is on and {given} given: a harness tenant's episodes are played by an outside program "
+            "(it has no env and no tools of the job's); turn harness off or remove them",
+        )
     if ok.get("top_p") and ok.get("top_k") and (rl.top_p < 1 or rl.top_k):
         ctx.say(
             t,
@@ -73,7 +83,7 @@ def check_agent(ctx: Context, t: Tenant, ok: dict[str, bool]) -> None:
             f"top_k={rl.top_k}): its importance ratio is taken against the sampler's log-probs, which equal "
             "the trainer's log_softmax(z / temperature) only then",
         )
-    if importlib.util.find_spec("openai") is None:
+    if importlib.util.find_spec("openai") is None and rl.harness is not True:  # (a harness's program calls)
         ctx.say(
             t,
             "rl",

@@ -131,10 +131,10 @@ def check_rl_fields(ctx: Context, t: Tenant) -> bool:
         label = f"rl.{name}"
         if info.kind == "rewards":
             if value is None and name == "reward":
-                ok[name] = rl.env is not None
+                ok[name] = rl.own_reward
                 if not ok[name]:
                     ctx.say(t, "rl", "rl.reward is required (the functions that score completions), unless rl.env "
-                            "gives each episode's reward")  # fmt: skip
+                            "gives each episode's reward (or a harness program does: rl.harness)")  # fmt: skip
             else:
                 ok[name] = check_reward_refs(ctx, t, value, label)
         elif info.kind in ("function", "functions", "mapping"):
