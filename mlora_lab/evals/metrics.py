@@ -308,6 +308,7 @@ class Judge:
         self.scale, self.max_tokens, self.timeout_s = scale, max_tokens, timeout_s
         self.__name__ = name
         self.cache: dict[tuple[str, str, tuple[str, ...]], dict[str, float | None]] = {}
+        self.verdicts: dict[tuple[str, str, tuple[str, ...]], str] = {}  # (the cache's requests and answers)
         # (a bad template fails here, in the notebook)
         problems = rubric_problems(rubric, RANK_FIELDS if mode == "rank" else RUBRIC_FIELDS)
         if problems:
@@ -387,27 +388,43 @@ class Judge:
             refs = references(kwargs, self.__name__)
         except ValueError:  # (no reference column: the rubric's {reference} is left empty)
             refs = [""] * len(completions)
+        # per completion: what the judge was asked and what it answered (the samples view)
+        verdict_log: list[str] = []
         if self.mode == "rank":
-            return self.rank(prompts, completions, refs)
-        out: list[float | None] = []
-        for prompt, completion, ref in zip(prompts, completions, refs, strict=True):
-            asked = self.rubric.format(prompt=text_of(prompt), completion=text_of(completion), reference=ref)
-            number = final_number(self.ask(asked))
-            out.append(None if number is None else min(max(number, 0.0), self.scale) / self.scale)
+            out = self.rank(prompts, completions, refs, verdict_log)
+        else:
+            out = []
+            for prompt, completion, ref in zip(prompts, completions, refs, strict=True):
+                asked = self.rubric.format(
+                    prompt=text_of(prompt), completion=text_of(completion), reference=ref
+                )
+                said = self.ask(asked)
+                number = final_number(said)
+                out.append(None if number is None else min(max(number, 0.0), self.scale) / self.scale)
+                verdict_log.append(judged(asked, said))
+        log_extra = kwargs.get("log_extra")
+        if callable(log_extra):  # (a reward: its prompts and verdicts go with the sampled completions)
+            log_extra(self.__name__, verdict_log)
         return out
 
     def rank(
-        self, prompts: Sequence[Any], completions: Sequence[Any], refs: Sequence[str]
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        refs: Sequence[str],
+        verdict_log: list[str] | None = None,
     ) -> list[float | None]:
         """``mode="rank"``'s rewards (see the class docstring): each group of completions with one prompt (and
         reference) scored together, in the seeded order of its distinct answers, from the cache when it was
-        asked before."""
+        asked before. ``verdict_log`` gets, per completion, its group's request and the judge's answer."""
         import hashlib
 
         groups: dict[tuple[str, str], list[int]] = {}
         for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
             groups.setdefault((conversation_text(prompt), ref), []).append(i)
         out: list[float | None] = [None] * len(completions)
+        said_of: dict[int, str] = {}
+        verdicts = self.__dict__.setdefault("verdicts", {})  # (a judge pickled before it kept them has none)
         for (prompt, ref), members in groups.items():
             texts = [text_of(completions[i]) for i in members]
 
@@ -419,20 +436,37 @@ class Judge:
             if key not in self.cache:
                 if len(distinct) == 1:  # (nothing to tell apart: no request)
                     self.cache[key] = {distinct[0]: 0.5}
+                    verdicts[key] = "(one distinct answer: ½ each, no request)"
                 else:
                     answers = "\n\n".join(f"Answer {k}:\n{t}" for k, t in enumerate(distinct, start=1))
                     asked = self.rubric.format(prompt=prompt, answers=answers, n=len(distinct), reference=ref)
-                    said = rank_scores(
-                        self.ask(asked, max(self.max_tokens, 8 * len(distinct) + 16)), len(distinct)
-                    )
+                    answer = self.ask(asked, max(self.max_tokens, 8 * len(distinct) + 16))
+                    said = rank_scores(answer, len(distinct))
                     self.cache[key] = {t: said.get(k) for k, t in enumerate(distinct, start=1)}
+                    verdicts[key] = judged(asked, answer)
             for i, text in zip(members, texts, strict=True):
                 out[i] = self.cache[key][text]
+                said_of[i] = verdicts.get(key, "")
+        if verdict_log is not None:
+            verdict_log.extend(said_of.get(i, "") for i in range(len(completions)))
         return out
 
     def __repr__(self) -> str:
         mode = "" if self.mode == "score" else f", mode={self.mode!r}"
         return f"Judge(model={self.model!r}, base_url={self.base_url!r}{mode})"
+
+
+JUDGED_CHARS = 600
+"""How much of a judge's request a sample shows (its start and its end), beside the judge's whole answer."""
+
+
+def judged(asked: str, said: str) -> str:
+    """What the samples view shows of one judge call: the request (its start and end past
+    :data:`JUDGED_CHARS`) and the answer."""
+    if len(asked) > JUDGED_CHARS:
+        half = JUDGED_CHARS // 2
+        asked = f"{asked[:half]} … {asked[-half:]}"
+    return f"asked: {asked}\nanswered: {said}"
 
 
 PAIRWISE_RUBRIC = (

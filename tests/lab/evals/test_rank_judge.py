@@ -90,3 +90,21 @@ def test_a_rank_rubric_names_only_its_fields():
         ml.Judge(mode="pairwise")
     assert "mode='rank'" in repr(ml.Judge(mode="rank"))
     assert ml.Judge(mode="rank", rubric="Rank {answers} for {prompt} ({n}; {reference})").mode == "rank"
+
+
+def test_as_a_reward_its_requests_and_verdicts_go_with_the_samples(server):
+    """Used as an RL tenant's reward, the judge logs, per completion, what it asked and what it answered
+    (``log_extra``, the column named after it): the recent samples view shows them beside each completion."""
+    logged: dict[str, list[str]] = {}
+    j = judge(server, name="ruler")
+    answers = ["Paris.", "Paris.", "Paris.", "Lyon."]
+    rewards = j(["Capital?"] * 2 + ["Other?"] * 2, answers, log_extra=logged.__setitem__)
+    assert rewards == [0.5, 0.5, 1.0, 0.2]  # (the first group: two equal answers, no request)
+    said = logged["ruler"]
+    assert len(said) == 4 and said[0] == said[1] == "(one distinct answer: ½ each, no request)"
+    assert said[2] == said[3] and said[2].startswith("asked: ") and "Answer 1:" in said[2]
+    assert said[2].endswith("answered: " + scripted(server.asked[0]))
+    scored = ml.Judge(model="base", base_url=server.url, api_key="k", name="scorer")
+    server.reply = lambda asked: "8"
+    assert scored(["Q?"], ["A."], log_extra=logged.__setitem__) == [0.8]
+    assert logged["scorer"][0].endswith("answered: 8") and "A." in logged["scorer"][0]
