@@ -1,0 +1,298 @@
+"""Agent tenants in real jobs (issue 51): beside SFT tenants, on two ranks, with tools the model really calls.
+
+- two ranks equal one: an env tenant (a multi-turn rollout given by value) and a tools tenant (``tools=[add]``,
+  its reward by value) beside an SFT tenant, launched under torchrun with ``fsdp=2``, end as on one process:
+  the same rewards and losses, the same adapters (1e-5);
+- a tool-using tenant calls its tools: from an adapter SFT-trained to write ``<tool_call>`` for ``add``, its
+  episodes are MODEL · ENV · MODEL, the ENV segment the template's ``<|tool|>`` turn holding the tool's result,
+  and the reward functions get the whole conversation, the tool's message included;
+- rewards rise for a multi-turn env and a tools tenant in one job with an SFT tenant (3 seeds);
+- a conversation that grows past ``seq_len``: the env hears "context" (a 400) and the job finishes;
+- a tool-loop turn that leaves no room ends its episode normally, with stop ``"context"``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import transformers
+
+from mlora_lab.job.drivers.base import JobParts, Plan
+from mlora_lab.job.drivers.files import FileData
+from mlora_lab.job.drivers.rl import Generation, RLDriver
+from mlora_lab.job.trainer import Trainer
+from mlora_lab.rl.trajectory import ENV, MODEL
+from mlora_lab.rundir import RowKind, TenantState
+from mlora_lab.spec.job import JobSpec
+from mlora_lab.spec.parts import RL
+from mlora_lab.spec.tenant import Tenant
+
+TOL = 1e-5
+TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "river", "city", "road"]
+CALLER_TARGETS = ["q_proj", "v_proj", "lm_head"]  # (a random base's output layer needs adapting to learn a call)
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+# -- what the tenants run (given by value: the launch pickles them) ---------------------------------------------
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def guess(client, model, example, rounds=2):
+    """A multi-turn game: ``rounds`` answers, "shorter, with <word>" between them; its reward is hits and
+    brevity."""
+    messages = list(example["messages"])
+    hit = brevity = 0.0
+    for k in range(rounds):
+        m = client.chat.completions.create(model=model, messages=messages).choices[0].message
+        messages.append({"role": "assistant", "content": m.content})
+        hit += float(example["word"] in m.content)
+        brevity -= len(m.content) / 20
+        if k + 1 < rounds:
+            messages.append({"role": "user", "content": f"shorter, with {example['word']}"})
+    return {"rewards": {"hit": hit, "brevity": {"score": brevity, "weight": 0.5}}, "messages": messages}
+
+
+def tool_reward(prompts, completions, **kwargs):
+    """Tool messages count, long answers cost (``completions``: the conversation from the first answer on)."""
+    out = []
+    for conversation in completions:
+        tools = sum(m["role"] == "tool" for m in conversation)
+        text = sum(len(m.get("content") or "") for m in conversation if m["role"] == "assistant")
+        out.append(tools - text / 40)
+    return out
+
+
+# -- the same, as a file (the in-process jobs) ------------------------------------------------------------------
+CODE = '''
+import openai
+
+def _said(conversation):
+    return "".join(m.get("content") or "" for m in conversation if m["role"] == "assistant")
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+def short(prompts, completions, **kwargs):
+    return [-len(_said(c)) / 10 for c in completions]
+
+def tools_seen(prompts, completions, **kwargs):
+    return [float(sum(m["role"] == "tool" for m in c)) for c in completions]
+
+def brief(client, model, example, rounds=2):
+    messages = list(example["messages"])
+    score = 0.0
+    for k in range(rounds):
+        m = client.chat.completions.create(model=model, messages=messages).choices[0].message
+        messages.append({"role": "assistant", "content": m.content})
+        score -= len(m.content) / 10
+        if k + 1 < rounds:
+            messages.append({"role": "user", "content": "shorter"})
+    return {"reward": score, "messages": messages}
+
+def grow(client, model, example):
+    messages, refused = list(example["messages"]), 0.0
+    for k in range(50):
+        try:
+            m = client.chat.completions.create(model=model, messages=messages).choices[0].message
+        except openai.BadRequestError as e:
+            assert "context" in str(e), str(e)
+            refused = 1.0
+            break
+        messages += [{"role": "assistant", "content": m.content},
+                     {"role": "user", "content": "go on " + " ".join(["and"] * 12)}]
+    return {"reward": -len(messages) / 10, "metrics": {"refused": refused}, "messages": messages}
+'''
+
+
+def code_file(tmp: Path) -> str:
+    path = tmp / "agents_code.py"
+    path.write_text(CODE)
+    return str(path)
+
+
+def write_rows(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def chat_rows(n: int = 4) -> list[dict]:
+    return [
+        {
+            "messages": [{"role": "user", "content": f"say {' '.join(WORDS[i : i + 1 + i % 3])} and"}],
+            "word": WORDS[(i + 3) % len(WORDS)],
+        }
+        for i in range(n)
+    ]
+
+
+def question_rows(n: int = 2) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": "what is 2 + 3?"}]} for _ in range(n)]
+
+
+def sft_rows(n: int = 4) -> list[dict]:
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"tell me of the {w}"},
+                {"role": "assistant", "content": f"the {w} is {WORDS[(i + 2) % len(WORDS)]}"},
+            ]
+        }
+        for i, w in enumerate(WORDS[:n])
+    ]
+
+
+def tenant(name: str, data: str, rl: RL | None = None, **kw) -> Tenant:
+    settings = dict(
+        rank=8,
+        alpha=16,
+        target_modules=TARGETS,
+        lr=2e-2,
+        batch_size=2,
+        max_steps=2,
+        max_grad_norm=None,
+        eps=1e-4,
+        seed=3,
+    )
+    return Tenant(name=name, data=data, rl=rl, **(settings | kw))
+
+
+def job(base: str, tenants: list[Tenant], seq_len: int, **kw) -> JobSpec:
+    return JobSpec(base_model=base, tenants=tenants, seq_len=seq_len, max_rank=8, max_tenants=8, **kw)
+
+
+class Recording(RLDriver):
+    """The RL driver, keeping every generation its tenants train on."""
+
+    def __init__(self, parts: JobParts) -> None:
+        super().__init__(parts)
+        self.generations: dict[str, list[Generation]] = {}
+
+    def plan(self) -> Plan | None:
+        plan = super().plan()
+        for t in plan.tenants if plan is not None else []:
+            g = t.feed.current
+            if g is not None and g.iteration == 0 and t.name not in plan.failed:
+                self.generations.setdefault(t.name, []).append(g)
+        return plan
+
+
+def train(spec: JobSpec, run_dir: Path | None = None) -> tuple[Trainer, Recording]:
+    trainer = Trainer(spec, run_dir=run_dir, drivers=(Recording, FileData))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    for name, t in trainer.tenants.items():
+        assert t.state is TenantState.FINISHED, (name, t.reason)
+    (driver, _) = trainer.drivers
+    return trainer, driver
+
+
+def rows_of(trainer: Trainer, name: str) -> list[dict]:
+    return [r for r in trainer.history if r["kind"] == RowKind.TRAIN and r["tenant"] == name]
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    return max(max((a[k][0] - b[k][0]).abs().max().item(), (a[k][1] - b[k][1]).abs().max().item()) for k in a)
+
+
+# -- an adapter that calls add ----------------------------------------------------------------------------------
+def tools_system(tok) -> str:
+    """The system block the template writes for ``tools=[add]``, as a system message's content: an SFT row with it
+    renders the RL prompt character for character."""
+    rendered = chat_render(tok, question_rows(1)[0]["messages"], tools=True)
+    head = f"{tok.bos_token}<|system|>\n"
+    assert rendered.startswith(head)
+    return rendered[len(head) : rendered.index("\n<|user|>")]
+
+
+def chat_render(tok, messages: list[dict], tools: bool = False, generation: bool = True) -> str:
+    from transformers.utils import get_json_schema
+
+    return tok.apply_chat_template(
+        messages,
+        tools=[get_json_schema(add)] if tools else None,
+        tokenize=False,
+        add_generation_prompt=generation,
+    )
+
+
+@pytest.fixture(scope="module")
+def caller(llama_path, tmp_path_factory) -> str:
+    """An adapter SFT-trained (in-process, 60 steps: the loss falls from 6.3 to 0.006) to answer "what is 2 + 3?" with a tool call to ``add``, then,
+    after the tool's ``5``, with ``5``: rows whose system message is the tools block, so they render the RL
+    tenant's prompt exactly."""
+    folder = tmp_path_factory.mktemp("caller")
+    tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+    system = {"role": "system", "content": tools_system(tok)}
+    question = question_rows(1)[0]["messages"]
+    conversation = [
+        system,
+        *question,
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "5"},
+    ]
+    # the SFT row's prompt is the RL tenant's, token for token
+    assert chat_render(tok, [system, *question]) == chat_render(tok, question, tools=True)
+    data = write_rows(folder / "calls.jsonl", [{"messages": conversation}] * 4)
+    t = tenant("caller", data, target_modules=CALLER_TARGETS, lr=5e-2, max_steps=60, seed=5)
+    train(job(llama_path, [t], seq_len=512), run_dir=folder / "run")
+    return str(folder / "run" / "adapters" / "caller")
+
+
+def test_a_tool_using_tenant_calls_its_tools_and_its_rewards_see_the_tool_turns(caller, llama_path, tmp_path):
+    code = code_file(tmp_path)
+    data = write_rows(tmp_path / "questions.jsonl", question_rows(2))
+    rl = RL(
+        tools=[f"{code}:add"],
+        reward=[f"{code}:tools_seen", f"{code}:short"],
+        reward_weights=[1.0, 0.01],
+        group_size=2,
+        max_new_tokens=64,
+        temperature=0.3,
+        max_turns=2,
+    )
+    t = tenant("user", data, rl, init_adapter=caller, target_modules=CALLER_TARGETS, lr=1e-3, max_steps=2)
+    trainer, driver = train(job(llama_path, [t], seq_len=512))
+    tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+    called = 0
+    for g in driver.generations["user"]:
+        seen = g.per_function[:, 0].tolist()  # tools_seen: the tool messages its conversation held
+        for i, tr in enumerate(g.trajectories):
+            messages = g.extra["messages"][i]
+            tools = [m for m in messages if m["role"] == "tool"]
+            assert seen[i] == len(tools), (seen[i], messages)  # the reward got the whole conversation
+            sources = [s.source for s in tr.segments]
+            if sources[:4] != [ENV, MODEL, ENV, MODEL]:
+                continue
+            called += 1
+            between = tok.decode(list(tr.segments[2].tokens))
+            assert "<|tool|>\n5\n" in between and between.endswith("<|assistant|>\n"), between
+            assert tok.decode(list(tr.segments[1].tokens), skip_special_tokens=True) == CALL
+            asked = [m for m in messages if m["role"] == "assistant" and m.get("tool_calls")]
+            assert asked and asked[0]["tool_calls"][0]["function"]["name"] == "add", messages
+            arguments = asked[0]["tool_calls"][0]["function"]["arguments"]  # (normalized: a dict)
+            assert (json.loads(arguments) if isinstance(arguments, str) else arguments) == {"a": 2, "b": 3}
+            assert tools and tools[0]["content"] == "5", messages
+            assert g.extra["turns"][i] == 2
+    assert called >= 1, [g.extra["messages"] for g in driver.generations["user"]]
+    rows = rows_of(trainer, "user")
+    assert max(r["extra"]["rewards/tools_seen/mean"] for r in rows) > 0
