@@ -30,6 +30,20 @@ The answer is OpenAI's ``ChatCompletion`` (or its stream: one content chunk, a f
 The capture of each trajectory's tokens is :mod:`mlora_lab.agents.ledger`'s. Errors have OpenAI's shape: 401 a
 wrong key, 404 another tenant's model, 400 a bad body or a full context (the message says "context": an episode
 ends there normally), 504 a turn the job did not answer in time.
+
+**Harness mode** (``rl.harness``): no env worker; the job :meth:`~AgentEndpoint.publish`-es a generation's
+episodes and an outside program plays them with the tenant's key::
+
+    GET  /v1/episodes?limit=N&wait=S            claims up to N (default 1) of the tenant's unclaimed episodes,
+                                                waiting up to S seconds (default 0) for one: {"data":
+                                                [{"trajectory_id", "example"}]}
+    POST /v1/trajectories/<id>/reward           the episode's reward, once: {"reward": x} or {"rewards": {...},
+                                                "metrics": {...}} (an env rollout's return, checked as one:
+                                                :func:`mlora_lab.agents.env_worker.rollout_result`) -> {"ok":
+                                                true}; 400 naming every problem, 404 not an episode of the
+                                                key's tenant, 409 a second reward
+
+A rewarded episode is over: a turn of it is a 409.
 """
 
 from __future__ import annotations
@@ -56,6 +70,11 @@ from mlora_lab.sampling import Completion, SampleRequest
 MAX_BODY_BYTES = 8 << 20
 TRAJECTORY_HEADERS = ("x-trajectory-id", "x-session-id")
 MAX_STOP = 4
+MAX_CLAIM = 4096
+"""The most episodes one ``GET /v1/episodes`` claims."""
+MAX_POLL_S = 300.0
+"""The longest ``GET /v1/episodes`` waits for an episode (its ``wait``)."""
+POLL_S = 0.05
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -74,6 +93,7 @@ class TenantTurns:
     max_new_tokens: int
     temperature: float
     stop: tuple[str, ...] = ()
+    harness: bool = False  # its episodes are published for an outside program (rl.harness)
 
 
 @dataclass(frozen=True)
@@ -116,6 +136,15 @@ class EndpointError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+def _number(text: str, kind: type, low: float, high: float) -> Any:
+    """``text`` as a ``kind`` in ``[low, high]``, or ``None``."""
+    try:
+        x = kind(text)
+    except ValueError:
+        return None
+    return x if low <= x <= high else None
+
+
 class AgentEndpoint:
     """The endpoint's state (keys, tenants, expected trajectories, the capture, the turn queue) and its app.
 
@@ -128,6 +157,8 @@ class AgentEndpoint:
         self._tenants: dict[str, TenantTurns] = {}
         self._expected: dict[str, Expected] = {}
         self._turns: list[Turn] = []
+        self._published: dict[str, list[tuple[str, dict[str, Any]]]] = {}  # tenant -> unclaimed episodes
+        self._rewards: dict[str, dict[str, Any] | None] = {}  # a published episode -> its reward, once posted
         self._lock = threading.Condition()
         self._server: Any = None
         self.url: str | None = None
@@ -168,10 +199,33 @@ class AgentEndpoint:
             self._expected[trajectory] = expected
 
     def finish(self, trajectory: str) -> Ledger | None:
-        """The trajectory's episode is over: its ledger (``None`` if it never called), and no more turns."""
+        """The trajectory's episode is over: its ledger (``None`` if it never called), and no more turns (nor a
+        claim or a reward, were it published)."""
         with self._lock:
             self._expected.pop(trajectory, None)
+            if self._rewards.pop(trajectory, False) is not False:
+                for tenant, queue in self._published.items():
+                    self._published[tenant] = [e for e in queue if e[0] != trajectory]
             return self.capture.take(trajectory)
+
+    def keys(self, harness: bool = True) -> dict[str, str]:
+        """``tenant -> key`` of the registered tenants (only harness tenants', by default)."""
+        with self._lock:
+            return {t: k for k, t in self._keys.items() if not harness or self._tenants[t].harness}
+
+    def publish(self, tenant: str, episodes: list[tuple[str, dict[str, Any]]]) -> None:
+        """Harness tenant ``tenant``'s episodes ``(trajectory id, example)``, each :meth:`expect`-ed already, may
+        now be claimed (``GET /v1/episodes``) and rewarded."""
+        with self._lock:
+            self._published.setdefault(tenant, []).extend(episodes)
+            for tid, _ in episodes:
+                self._rewards[tid] = None
+
+    def rewards(self, trajectories: list[str]) -> dict[str, dict[str, Any]]:
+        """The rewards posted so far for published ``trajectories`` (each a checked rollout result:
+        ``reward``, ``parts``, ``metrics``, ``messages``, ``turns``, ``stop``)."""
+        with self._lock:
+            return {t: r for t in trajectories if (r := self._rewards.get(t)) is not None}
 
     def take(self, quiet_s: float = 0.01, most_s: float = 0.05, idle_s: float = 0.05) -> list[Turn]:
         """The turns waiting now: waits up to ``idle_s`` for a first one, then while more arrive (at most
@@ -204,6 +258,8 @@ class AgentEndpoint:
             routes=[
                 route("/v1/models", self._models, ["GET"]),
                 route("/v1/chat/completions", self._chat, ["POST"]),
+                route("/v1/episodes", self._episodes, ["GET"]),
+                route("/v1/trajectories/{trajectory:path}/reward", self._reward, ["POST"]),
             ]
         )
 
@@ -227,6 +283,72 @@ class AgentEndpoint:
             }
         ]
         return JSONResponse({"object": "list", "data": data})
+
+    async def _episodes(self, request: Request) -> Response:
+        owner = self._owner(request)
+        if not self._tenants[owner].harness:
+            raise EndpointError(404, f"tenant {owner!r} is not a harness tenant: its env plays its episodes")
+        problems = []
+        given = request.query_params.get("limit", "1"), request.query_params.get("wait", "0")
+        limit, wait = _number(given[0], int, 1, MAX_CLAIM), _number(given[1], float, 0.0, MAX_POLL_S)
+        if limit is None:
+            problems.append(f"limit must be an integer in [1, {MAX_CLAIM}] (got {given[0][:40]!r})")
+        if wait is None:
+            problems.append(f"wait must be seconds in [0, {MAX_POLL_S:g}] (got {given[1][:40]!r})")
+        if problems:
+            raise EndpointError(400, "; ".join(problems))
+        deadline = time.monotonic() + wait
+        while True:
+            with self._lock:
+                queue = self._published.get(owner, [])
+                claimed, self._published[owner] = queue[:limit], queue[limit:]
+            if claimed or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+        data = [{"trajectory_id": tid, "example": example} for tid, example in claimed]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def _reward(self, request: Request) -> Response:
+        from mlora_lab.agents.env_worker import EpisodeFailure, rollout_result
+
+        owner = self._owner(request)
+        tid = request.path_params["trajectory"]
+        with self._lock:
+            known = tid in self._rewards and (e := self._expected.get(tid)) is not None and e.tenant == owner
+            given = self._rewards.get(tid) is not None
+            led = self.capture.ledgers.get(tid)
+            answered = led is not None and led.turns > 0
+        if not known:
+            raise EndpointError(404, f"trajectory {tid[:80]!r} is not one of tenant {owner!r}'s episodes now")
+        if given:
+            raise EndpointError(
+                409, f"trajectory {tid!r} has its reward already: an episode is rewarded once"
+            )
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise EndpointError(413, f"the body is {len(raw)} bytes, more than {MAX_BODY_BYTES}")
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise EndpointError(400, f"the body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise EndpointError(400, 'the body must be a JSON object: {"reward": x} or {"rewards": {...}}')
+        try:
+            result = rollout_result(tid, "harness", body)
+        except EpisodeFailure as e:
+            message = str(e).replace("rollout 'harness' returned", "the reward is", 1)
+            raise EndpointError(400, message) from None
+        if not answered:
+            raise EndpointError(
+                400,
+                f"trajectory {tid!r} has no answered turn yet: call /v1/chat/completions with it (X-Trajectory-Id) "
+                "first; an episode trains the model's tokens",
+            )
+        with self._lock:
+            if self._rewards.get(tid, False) is not None:  # (rewarded meanwhile, or over)
+                raise EndpointError(409, f"trajectory {tid!r} has its reward already, or its episode is over")
+            self._rewards[tid] = result
+        return JSONResponse({"ok": True})
 
     async def _chat(self, request: Request) -> Response:
         owner = self._owner(request)
@@ -260,6 +382,9 @@ class AgentEndpoint:
         tid = tid or meta.get("trajectory_id")
         with self._lock:
             expected = self._expected.get(tid) if isinstance(tid, str) else None
+            over = isinstance(tid, str) and self._rewards.get(tid) is not None
+        if over:
+            raise EndpointError(409, f"trajectory {tid[:80]!r} has its reward: its episode is over")
         if expected is None or expected.tenant != owner:
             raise EndpointError(
                 400,

@@ -12,6 +12,10 @@ prompt ``b``) is registered at the endpoint as trajectory ``"<t>/<g>/<b>/<j>"`` 
     all         sample(wave)                       one generation, each row with its tenant's adapter
     rank 0      answers each turn (the capture records its ids and the sampler's log-probs)
 
+A **harness** tenant (``rl.harness``) has no worker: its episodes are published at the endpoint for an outside
+program to claim, play and reward (:mod:`mlora_lab.agents.endpoint`); the loop serves its turns as any other
+and waits until each of them has its reward, or fails the tenant ``rollout_timeout_s`` after publishing.
+
 Each episode's trajectory is then its ledger (:mod:`mlora_lab.agents.ledger`) cut to ``seq_len``, with the
 worker's reward, its parts and the conversation, broadcast to every process. An episode that never called the
 model has nothing to train: its tenant fails, with the reason (as a reward function that returns nothing does).
@@ -20,6 +24,7 @@ model has nothing to train: its tenant fails, with the reason (as a reward funct
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,9 +108,14 @@ class Rollouts:
         broadcast: Callable[[Any], Any],
         any_running: Callable[[bool], bool] | None = None,
         cwd: str | os.PathLike | None = None,
+        on_keys: Callable[[str | None, dict[str, str]], None] | None = None,
     ) -> None:
         self.model, self.tokenizer, self.seq_len, self.main = model, tokenizer, int(seq_len), main
         self.broadcast, self.any_running, self.cwd = broadcast, any_running, cwd
+        self.on_keys = on_keys
+        """Rank 0, when a harness tenant is first registered: ``on_keys(base_url, {tenant: key})`` of every
+        harness tenant (the RL driver writes the run's ``agents.json``); ``on_keys(None, {})`` when the endpoint
+        stops."""
         self.endpoint: AgentEndpoint | None = None
         self.workers: dict[str, EnvWorker] = {}
 
@@ -114,15 +124,27 @@ class Rollouts:
         for name in [n for n in self.workers if n not in keep]:
             self.workers.pop(name).close()
         if not keep and self.endpoint is not None:
+            published = self.endpoint.keys()
             self.endpoint.stop()
             self.endpoint = None
+            if published and self.on_keys is not None:  # (the endpoint is gone: so are its keys)
+                self.on_keys(None, {})
 
-    def _worker(self, job: RolloutJob) -> EnvWorker:
+    def _worker(self, job: RolloutJob) -> EnvWorker | None:
+        """The tenant's env worker (``None`` for a harness tenant: an outside program plays its episodes)."""
         if self.endpoint is None:
             self.endpoint = AgentEndpoint(self.tokenizer, self.seq_len)
             self.endpoint.start()
         rl = job.rl
-        key = self.endpoint.tenant(job.tenant, TenantTurns(rl.max_new_tokens, rl.temperature, tuple(rl.stop)))
+        harness = rl.harness is True
+        known = set(self.endpoint.keys())
+        turns = TenantTurns(rl.max_new_tokens, rl.temperature, tuple(rl.stop), harness)
+        key = self.endpoint.tenant(job.tenant, turns)
+        if harness:
+            keys = self.endpoint.keys()
+            if self.on_keys is not None and set(keys) != known:
+                self.on_keys(self.endpoint.url, keys)  # type: ignore[arg-type]
+            return None
         worker = self.workers.get(job.tenant)
         if worker is None:
             config = EnvConfig(
@@ -143,6 +165,7 @@ class Rollouts:
         """Every job's episodes (in order ``b·G + j``), or why its tenant failed; the same on every process."""
         results: dict[str, list[EpisodeResult] | str] = {}
         pending: dict[str, EnvWorker] = {}
+        published: dict[str, tuple[list[str], float, float]] = {}  # harness: its ids, published at, deadline
         if self.main:
             for job in jobs:
                 try:
@@ -152,8 +175,14 @@ class Rollouts:
                         for j in range(job.group_size):
                             self.endpoint.expect(job.tid(b, j), Expected(job.tenant, seed, j))  # type: ignore[union-attr]
                             episodes.append(Episode(job.tid(b, j), example))
-                    worker.submit(episodes)
-                    pending[job.tenant] = worker
+                    if worker is None:
+                        self.endpoint.publish(job.tenant, [(e.trajectory_id, e.example) for e in episodes])  # type: ignore[union-attr]
+                        now = time.monotonic()
+                        ids = [e.trajectory_id for e in episodes]
+                        published[job.tenant] = (ids, now, now + job.rl.rollout_timeout_s)
+                    else:
+                        worker.submit(episodes)
+                        pending[job.tenant] = worker
                 except EnvError as e:
                     results[job.tenant] = str(e)
         while True:
@@ -167,12 +196,18 @@ class Rollouts:
                     if got is not None:
                         results[name] = got
                         del pending[name]
-                turns = self.endpoint.take() if pending and self.endpoint is not None else []
+                for name in list(published):
+                    got = self._rewarded(*published[name])
+                    if got is not None:
+                        results[name] = got
+                        del published[name]
+                waiting = pending or published
+                turns = self.endpoint.take() if waiting and self.endpoint is not None else []
                 failed = {n for n, r in results.items() if isinstance(r, str)}
                 for turn in [x for x in turns if x.request.tenant in failed]:  # (a failed env's last turns)
                     turn.settle(RuntimeError("the tenant's env failed"))
                 turns = [x for x in turns if x.request.tenant not in failed]
-                order = ([x.request for x in turns], not pending)
+                order = ([x.request for x in turns], not waiting)
             else:
                 order = None
             requests, finished = self.broadcast(order)
@@ -201,6 +236,30 @@ class Rollouts:
                 played = self._played(job, got) if isinstance(got, list) else got or "its env gave no answer"
                 wired[job.tenant] = played if isinstance(played, str) else [_wire(p) for p in played]
         return unwire(self.broadcast(wired))
+
+    def _rewarded(self, ids: list[str], start: float, deadline: float) -> list[EpisodeResult] | str | None:
+        """A harness tenant's published episodes as results once each has its reward; why it fails once the
+        deadline has passed without; ``None`` while it waits."""
+        got = self.endpoint.rewards(ids)  # type: ignore[union-attr]
+        if len(got) == len(ids):
+            return [
+                EpisodeResult(
+                    tid,
+                    r["reward"],
+                    {k: (float(s), float(w)) for k, (s, w) in r["parts"].items()},
+                    r["metrics"],
+                    r["messages"],
+                    r["turns"],
+                    r["stop"],
+                )
+                for tid, r in ((tid, got[tid]) for tid in ids)
+            ]
+        if time.monotonic() < deadline:
+            return None
+        return (
+            f"{len(ids) - len(got)} of {len(ids)} episodes got no reward in {deadline - start:g} s "
+            "(rl.rollout_timeout_s): is its harness program running?"
+        )
 
     def _played(self, job: RolloutJob, results: list[EpisodeResult]) -> list[Played] | str:
         """The job's episodes as trajectories (rank 0: the ledgers are here), or why they cannot be trained."""

@@ -21,6 +21,7 @@
 <run_dir>/sweep.json          a search inside the job (mlora_lab.search.Sweep), if it runs one
 <run_dir>/search.json         that search's state: trials, rungs, decisions and why (written by rank 0)
 <run_dir>/service/            a served job's endpoint.json (its URL) and keys.json (API keys, 0600)
+<run_dir>/agents.json         harness tenants' agents endpoint and keys (0600; :mod:`.agents`)
 <run_dir>/.lock               held (flock) by whoever owns the directory: a launch, then the job
 <run_dir>/.spare              space the job keeps allocated, freed to write status.json on a full disk
 ```

@@ -29,6 +29,7 @@ from mlora_lab.lab.launchers.liveness import Liveness
 from mlora_lab.lab.records.logs import read_log
 from mlora_lab.lab.records.series import rows_frame
 from mlora_lab.lab.runs import tenant_data
+from mlora_lab.lab.runs.agents import AgentHarness
 from mlora_lab.rundir import (
     ControlError,
     MetricsReader,
@@ -136,8 +137,9 @@ class Request:
         return f"{self.op.value} tenant {self.tenant!r}"  # "add tenant 'x'", "pause tenant 'x'", ...
 
 
-class Run:
-    """Handle on one run directory; every method only reads files or writes control messages.
+class Run(AgentHarness):
+    """Handle on one run directory; every method only reads files or writes control messages (and, for harness
+    tenants, talks to the job's agents' endpoint: :class:`~mlora_lab.lab.runs.agents.AgentHarness`).
 
     ``process``: the job's torchrun process when this Python process started it (a launch), so that
     a job that dies without writing its end reads ``failed`` with its exit code rather than ``lost``."""

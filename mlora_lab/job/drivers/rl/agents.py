@@ -17,6 +17,7 @@ from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rl.grpo import advantages, combine_rewards, reward_problem
 from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardResult, RewardWorker, shown_reward
 from mlora_lab.rundir import EventKind, EventRow
+from mlora_lab.rundir.agents import remove_agents, write_agents
 
 if TYPE_CHECKING:  # (the agents' endpoint loads starlette: only a job with agent tenants does)
     from mlora_lab.agents.rollouts import Played, Rollouts
@@ -40,8 +41,19 @@ class AgentParts:
                 self.pool.is_main,
                 self.comm.broadcast_object,
                 self._any_running if self.comm.mesh is not None else None,
+                on_keys=self._harness_keys,
             )
         return self.rollouts
+
+    def _harness_keys(self, base_url: str | None, keys: dict[str, str]) -> None:
+        """Rank 0: the harness tenants' endpoint and keys, for the notebook (``run.agent_endpoint``), in the
+        run's ``agents.json`` (0600; none without a run directory), removed when the endpoint stops."""
+        if self.recorder.run is None:
+            return
+        if base_url is None:
+            remove_agents(self.recorder.run)
+        else:
+            write_agents(self.recorder.run, base_url, keys)
 
     def _play(self, tenants: list[TenantRun]) -> dict[str, str]:
         """A new generation for each agent tenant of ``tenants``: ``batch_size·grad_accum`` examples, ``group_size``
@@ -76,7 +88,7 @@ class AgentParts:
                 failed[t.name] = f"EnvError: {got}"
                 continue
             columns, names, weights = [], [], []
-            if rl.env is not None:
+            if rl.own_reward:  # (the env's, or the harness program's)
                 columns.append(
                     [math.nan if p.trajectory.reward is None else float(p.trajectory.reward) for p in got]
                 )

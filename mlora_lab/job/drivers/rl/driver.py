@@ -382,9 +382,7 @@ class RLDriver(AgentParts, Driver):
             clip_ratio=float(totals[2] / max(float(totals[3]), 1.0))
             if rl.loss_type in (*CLIPPED, "cispo")
             else None,
-            extra=reward_metrics(
-                g, ["env"] * (rl.env is not None) + reward_names(rl.rewards, rl.reward_names)
-            )
+            extra=reward_metrics(g, ["env"] * rl.own_reward + reward_names(rl.rewards, rl.reward_names))
             or None,
         )
         if row is None:  # (not a step log_every logs: its completions are not logged either)
