@@ -1,5 +1,5 @@
 """What a dashboard shows, without a widget: the runs it offers, their states, series and ETAs, and RL
-tenants' recent samples.
+tenants' recent samples (an agent tenant's as whole episodes: :class:`Episode`).
 
 :class:`ViewModel` polls run directories only: each run's :class:`~mlora_lab.lab.launchers.liveness.Liveness`
 (reconciled, so a job that died unseen is recorded as failed or lost), its metrics through a
@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
+import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +71,137 @@ PROMPT_CHARS, COMPLETION_CHARS = 300, 600
 prompt rendered through a chat template starts with the same system text every time)."""
 
 
+EPISODE_KEYS = ("turns", "stop", "messages", "parts")
+"""What an agent tenant's completion rows carry in their ``extra`` per episode (the RL driver's agent part):
+shown as the episode, not as ``log_extra`` columns."""
+MESSAGE_CHARS, TOOL_CHARS = 600, 300
+"""A message of an episode is shown up to about this many characters (cut in the middle, as a completion); a
+tool's result (and a tool call's arguments) up to this many, then ``…``: a tool may return pages."""
+MESSAGES_SHOWN = 40
+"""The most messages shown of one episode (its first quarter and its last three quarters of them; a line says
+how many were left out between)."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of an episode as a view shows it: texts cut and hidden characters escaped, plain text still
+    to be escaped for HTML."""
+
+    role: str
+    content: str
+    calls: tuple[str, ...] = ()
+    """An assistant's tool calls, each ``name(arguments)``."""
+    name: str = ""
+    """A tool message's tool."""
+
+
+@dataclass(frozen=True)
+class Episode:
+    """An agent tenant's episode (what its completion row's ``extra`` holds: :data:`EPISODE_KEYS`)."""
+
+    turns: int | None
+    """The model's turns."""
+    stop: str
+    """Why it ended: ``answered``, ``max_turns``, ``context``, ``returned``."""
+    parts: tuple[tuple[str, float | None, float | None], ...]
+    """The env's rubric: ``(name, score, weight)`` each, its reward ``Σ score·weight``."""
+    messages: tuple[Message, ...]
+    left_out: int = 0
+    """Messages not shown, between the first and the last ones (:data:`MESSAGES_SHOWN`)..."""
+    left_at: int = 0
+    """... before ``messages[left_at]``."""
+
+
+def _structure(value: Any) -> Any:
+    """A value of a completion row's ``extra`` as structured data: as written, or decoded from the JSON text
+    a writer may have made of it (a row's ``extra`` holds scalars only)."""
+    if isinstance(value, str) and value[:1] in "[{":
+        with contextlib.suppress(ValueError):
+            return json.loads(value)
+    return value
+
+
+def _text(content: Any) -> str:
+    """A message's content as text: a string, OpenAI's content parts (their ``text``), else its JSON."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, Mapping) for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    return json.dumps(content, default=str)
+
+
+def cut_end(text: str, limit: int) -> str:
+    """``text`` up to ``limit`` characters, then ``…`` (the start of a tool's output says what it is), hidden
+    characters escaped."""
+    return shown_text(text[:limit] + ("…" if len(text) > limit else ""), limit + 1)
+
+
+def _call(call: Any) -> str:
+    """A tool call as ``name(arguments)`` (OpenAI's ``{function: {name, arguments}}`` or a bare
+    ``{name, arguments}``)."""
+    f = call.get("function", call) if isinstance(call, Mapping) else {}
+    f = f if isinstance(f, Mapping) else {}
+    args = f.get("arguments", "")
+    args = args if isinstance(args, str) else json.dumps(args, default=str)
+    return f"{shown_text(str(f.get('name', '?')), 80)}({cut_end(args, TOOL_CHARS)})"
+
+
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def _parts(value: Any) -> tuple[tuple[str, float | None, float | None], ...]:
+    """The rubric ``{name: [score, weight]}`` (a bare number: a score of weight 1)."""
+    if not isinstance(value, Mapping):
+        return ()
+    out = []
+    for name, v in value.items():
+        if isinstance(v, list | tuple) and len(v) == 2:
+            out.append((shown_text(str(name), 80), _number(v[0]), _number(v[1])))
+        else:
+            out.append((shown_text(str(name), 80), _number(v), 1.0))
+    return tuple(out)
+
+
+def episode_of(extra: Mapping[str, Any] | None) -> Episode | None:
+    """The episode a completion row's ``extra`` holds (None: not an agent tenant's row, no ``messages``
+    list). Whatever the run directory holds is shown, never trusted: a message that is not a mapping shows
+    as its text, a role or a tool call of the wrong type as ``?``."""
+    messages = _structure((extra or {}).get("messages"))
+    if not isinstance(messages, list):
+        return None
+    shown = []
+    cut = max(0, len(messages) - MESSAGES_SHOWN)
+    head = MESSAGES_SHOWN // 4
+    for m in messages[:head] + messages[head + cut :] if cut else messages:
+        if not isinstance(m, Mapping):
+            shown.append(Message("?", shown_text(_text(m), MESSAGE_CHARS)))
+            continue
+        role = m.get("role") if isinstance(m.get("role"), str) else "?"
+        text = _text(m.get("content"))
+        calls = m.get("tool_calls") if isinstance(m.get("tool_calls"), list) else []
+        shown.append(
+            Message(
+                shown_text(role, 40),
+                cut_end(text, TOOL_CHARS) if role == "tool" else shown_text(text, MESSAGE_CHARS),
+                tuple(_call(c) for c in calls),
+                shown_text(str(m.get("name") or ""), 80),
+            )
+        )
+    turns = _structure(extra.get("turns"))
+    stop = extra.get("stop")
+    return Episode(
+        turns=int(turns) if _number(turns) is not None else None,
+        stop=shown_text(stop, 40) if isinstance(stop, str) else "",
+        parts=_parts(_structure(extra.get("parts"))),
+        messages=tuple(shown),
+        left_out=cut,
+        left_at=head if cut else 0,
+    )
+
+
 @dataclass(frozen=True)
 class Sample:
     """One sampled completion (a :class:`~mlora_lab.rundir.CompletionRow`) as a view shows it: its texts
@@ -82,6 +215,24 @@ class Sample:
     completion: str
     extra: str = ""
     """What the reward functions logged for it with ``log_extra``: ``column: value`` lines."""
+    episode: Episode | None = None
+    """An agent tenant's: the whole episode (its ``completion`` is then every turn's text, one string)."""
+
+
+def sample_of(row: Any) -> Sample:
+    """A :class:`~mlora_lab.rundir.CompletionRow` as a view shows it: an agent tenant's with its
+    :class:`Episode` (its episode's keys then left out of the ``log_extra`` lines)."""
+    episode = episode_of(row.extra)
+    extra = {k: v for k, v in (row.extra or {}).items() if episode is None or k not in EPISODE_KEYS}
+    return Sample(
+        row.step,
+        row.tenant_step,
+        row.reward,
+        shown_text(row.prompt, PROMPT_CHARS),
+        shown_text(row.completion, COMPLETION_CHARS),
+        shown_text("\n".join(f"{k}: {v}" for k, v in extra.items()), PROMPT_CHARS),
+        episode,
+    )
 
 
 @dataclass
@@ -327,24 +478,7 @@ class ViewModel:
             if not rows:
                 continue
             latest = [rows[-1 - i] for i in range(min(n, len(rows)))]
-            out.append(
-                (
-                    key,
-                    [
-                        Sample(
-                            r.step,
-                            r.tenant_step,
-                            r.reward,
-                            shown_text(r.prompt, PROMPT_CHARS),
-                            shown_text(r.completion, COMPLETION_CHARS),
-                            shown_text(
-                                "\n".join(f"{k}: {v}" for k, v in (r.extra or {}).items()), PROMPT_CHARS
-                            ),
-                        )
-                        for r in latest
-                    ],
-                )
-            )
+            out.append((key, [sample_of(r) for r in latest]))
         return out
 
     def logged(self, key: Key) -> dict[str, float | None]:
