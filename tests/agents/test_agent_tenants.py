@@ -142,9 +142,22 @@ def max_diff(a: dict, b: dict) -> float:
     return max(max((a[k][0] - b[k][0]).abs().max().item(), (a[k][1] - b[k][1]).abs().max().item()) for k in a)
 
 
-def test_a_one_turn_env_trains_as_the_single_turn_tenant_on_the_same_reward_and_seed(llama_path, tmp_path):
+SETTINGS = [
+    dict(loss_type="dapo"),
+    dict(loss_type="grpo", beta=0.05, num_iterations=2),  # the KL to the base, two updates per generation
+    dict(loss_type="dr_grpo", mask_truncated_completions=True),
+]
+
+
+@pytest.mark.parametrize("more", SETTINGS, ids=[s["loss_type"] for s in SETTINGS])
+def test_a_one_turn_env_trains_as_the_single_turn_tenant_on_the_same_reward_and_seed(
+    more, llama_path, tmp_path
+):
+    """Whatever ``loss_type``, KL term and number of updates: with ``num_iterations = 2`` the single-turn tenant's
+    second ratio is against its trainer's first log-probs, the agent's against the sampler's, which equal them
+    up to batch-shape rounding (~1e-7)."""
     code, data = code_file(tmp_path), chat_file(tmp_path)
-    settings = dict(group_size=4, max_new_tokens=8, temperature=0.9)
+    settings = dict(group_size=4, max_new_tokens=8, temperature=0.9, **more)
     plain = tenant("plain", data, RL(reward=f"{code}:short", **settings))
     agent = tenant("agent", data, RL(env=f"{code}:one_turn", **settings))
     trainer = Trainer(job(llama_path, [plain, agent]), drivers=(Recording, FileData))
@@ -274,3 +287,35 @@ def test_a_failing_env_quarantines_only_its_tenant_with_the_reason(env, said, ll
     assert trainer.tenants["good"].state is TenantState.FINISHED, trainer.tenants["good"].reason
     assert trainer.tenants["bad"].state is TenantState.FAILED
     assert said in trainer.tenants["bad"].reason, trainer.tenants["bad"].reason
+
+
+def test_stopped_mid_generation_and_resumed_equals_straight_through(llama_path, tmp_path):
+    """A checkpoint inside an agent tenant's window keeps its episodes (segments, the sampler's log-probs, the
+    conversations); the resumed job draws the next generation's episodes with the same seeds and ends as the
+    uninterrupted one."""
+    code, data = code_file(tmp_path), chat_file(tmp_path)
+    rl = RL(env=f"{code}:guess", group_size=2, max_new_tokens=5, beta=0.1, num_iterations=2)
+    tenants = [tenant("a", data, rl, max_steps=4)]
+    straight = Trainer(job(llama_path, tenants, seq_len=96))
+    try:
+        straight.train()
+    finally:
+        straight.close()
+    first = Trainer(job(llama_path, tenants, seq_len=96), run_dir=tmp_path / "run")
+    assert first.step()
+    g = first.tenants["a"].feed.current
+    assert g is not None and g.iteration == 1 and g.trajectories is not None
+    first.save_checkpoint()
+    first.close()
+    again = Trainer(job(llama_path, tenants, seq_len=96), run_dir=tmp_path / "run", resume=True)
+    try:
+        restored = again.tenants["a"].feed.current
+        assert [t.segments for t in restored.trajectories] == [t.segments for t in g.trajectories]
+        assert torch.equal(restored.old_logps, g.old_logps) and torch.equal(restored.ref_logps, g.ref_logps)
+        assert [r.labels for r in restored.rows] == [r.labels for r in g.rows]
+        again.train()
+    finally:
+        again.close()
+    assert again.tenants["a"].step == 4
+    assert again.losses("a")[-3:] == pytest.approx(straight.losses("a")[-3:], abs=1e-6)
+    assert max_diff(again.model.tenant_tensors("a"), straight.model.tenant_tensors("a")) <= 1e-6
