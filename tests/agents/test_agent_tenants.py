@@ -70,6 +70,15 @@ def garbage(client, model, example):
 
 def silent(client, model, example):
     return 1.0
+
+def rewriter(client, model, example):
+    # sends its first answer back changed (a program that edits its history): the second turn cannot extend
+    # the first, and starts a branch of its own
+    messages = list(example["messages"])
+    first = client.chat.completions.create(model=model, messages=messages).choices[0].message.content
+    messages += [{"role": "assistant", "content": "(edited) " + first}, {"role": "user", "content": "again"}]
+    second = client.chat.completions.create(model=model, messages=messages).choices[0].message.content
+    return len(first + second) / 10
 """
 
 WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "river", "city", "road"]
@@ -319,3 +328,33 @@ def test_stopped_mid_generation_and_resumed_equals_straight_through(llama_path, 
     assert again.tenants["a"].step == 4
     assert again.losses("a")[-3:] == pytest.approx(straight.losses("a")[-3:], abs=1e-6)
     assert max_diff(again.model.tenant_tensors("a"), straight.model.tenant_tensors("a")) <= 1e-6
+
+
+def test_a_program_that_rewrites_its_history_forks_and_is_warned_never_silently(llama_path, tmp_path):
+    """The second turn's messages do not extend the first (the answer came back edited): its prompt is rendered
+    whole and starts a new branch; the trajectory trains on that last branch (the first answer's tokens are then
+    context: never a re-tokenization passed off as sampled ids), ``agent/forks`` counts it, a warning row says it."""
+    code, data = code_file(tmp_path), chat_file(tmp_path)
+    t = tenant("editor", data, RL(env=f"{code}:rewriter", group_size=2, max_new_tokens=5), max_steps=1)
+    trainer = Trainer(job(llama_path, [t], seq_len=96), drivers=(Recording, FileData))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert trainer.tenants["editor"].state is TenantState.FINISHED, trainer.tenants["editor"].reason
+    (driver, _) = trainer.drivers
+    tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+    for g, _ in driver.generations["editor"]:
+        for tr, messages in zip(g.trajectories, g.extra["messages"], strict=True):
+            assert [s.source for s in tr.segments] == [
+                ENV,
+                MODEL,
+            ]  # (the last branch: one rendering, one answer)
+            assert "(edited) " in tok.decode(list(tr.segments[0].tokens))
+            assert messages[-1]["role"] == "assistant" and messages[-1]["content"] == tok.decode(
+                list(tr.segments[1].tokens), skip_special_tokens=True
+            )
+    rows = [r for r in trainer.history if r["kind"] == RowKind.TRAIN]
+    assert rows[0]["extra"]["agent/forks"] == 1.0
+    warnings = [r for r in trainer.history if r["kind"] == RowKind.EVENT and r.get("tenant") == "editor"]
+    assert any("does not extend the one they were answered in" in r["message"] for r in warnings), warnings
