@@ -32,7 +32,11 @@ from mlora_lab.spec.tenant import Tenant
 TOL = 1e-5
 TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
 WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "river", "city", "road"]
-CALLER_TARGETS = ["q_proj", "v_proj", "lm_head"]  # (a random base's output layer needs adapting to learn a call)
+CALLER_TARGETS = [
+    "q_proj",
+    "v_proj",
+    "lm_head",
+]  # (a random base's output layer needs adapting to learn a call)
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
 
@@ -115,7 +119,7 @@ def grow(client, model, example):
             refused = 1.0
             break
         messages += [{"role": "assistant", "content": m.content},
-                     {"role": "user", "content": "go on " + " ".join(["and"] * 12)}]
+                     {"role": "user", "content": "go on and and"}]
     return {"reward": -len(messages) / 10, "metrics": {"refused": refused}, "messages": messages}
 '''
 
@@ -296,3 +300,106 @@ def test_a_tool_using_tenant_calls_its_tools_and_its_rewards_see_the_tool_turns(
     assert called >= 1, [g.extra["messages"] for g in driver.generations["user"]]
     rows = rows_of(trainer, "user")
     assert max(r["extra"]["rewards/tools_seen/mean"] for r in rows) > 0
+
+
+def test_a_tool_loop_turn_that_leaves_no_room_ends_its_episode_with_stop_context(
+    caller, llama_path, tmp_path
+):
+    """``seq_len`` holds the prompt and the tool call (and its EOS) but not the tool's turn after it: the loop's
+    second request is refused as a full context (a 400 saying "context"), and the episode ends there normally,
+    stop ``"context"``, one turn; the tenant trains and finishes."""
+    code = code_file(tmp_path)
+    data = write_rows(tmp_path / "questions.jsonl", question_rows(2))
+    tok = transformers.AutoTokenizer.from_pretrained(llama_path)
+    question = question_rows(1)[0]["messages"]
+    prompt = tok(chat_render(tok, question, tools=True), add_special_tokens=False)["input_ids"]
+    answer = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    seq_len = len(prompt) + len(answer) + 1  # (the tool's turn takes more than one token)
+    rl = RL(
+        tools=[f"{code}:add"],
+        reward=f"{code}:short",
+        group_size=2,
+        max_new_tokens=64,
+        temperature=0.3,
+        max_turns=3,
+    )
+    t = tenant("user", data, rl, init_adapter=caller, target_modules=CALLER_TARGETS, lr=1e-3, max_steps=2)
+    _, driver = train(job(llama_path, [t], seq_len=seq_len))
+    stopped = 0
+    for g in driver.generations["user"]:
+        for i, tr in enumerate(g.trajectories):
+            assert len(tr.tokens) <= seq_len
+            said = tok.decode(list(tr.segments[1].tokens), skip_special_tokens=True)
+            if said != CALL:  # (an answer without a call ends the loop by itself)
+                assert g.extra["stop"][i] == "answered", (said, g.extra["stop"][i])
+                continue
+            stopped += 1
+            assert g.extra["stop"][i] == "context" and g.extra["turns"][i] == 1, g.extra
+            assert [s.source for s in tr.segments] == [ENV, MODEL]
+    assert stopped >= 1
+
+
+@pytest.fixture(scope="module")
+def grown(llama_path, tmp_path_factory) -> tuple[Trainer, Recording, int]:
+    """An env that answers every answer with a longer "go on ...", until the endpoint refuses a turn as a full
+    context (it catches the 400 and returns), beside an SFT tenant, at ``seq_len=96``."""
+    folder = tmp_path_factory.mktemp("grown")
+    code = code_file(folder)
+    data = write_rows(folder / "chat.jsonl", chat_rows(2))
+    rl = RL(env=f"{code}:grow", group_size=2, max_new_tokens=6, temperature=0.9)
+    sft = tenant("sft", write_rows(folder / "sft.jsonl", sft_rows()))
+    trainer, driver = train(job(llama_path, [tenant("grower", data, rl), sft], seq_len=96))
+    return trainer, driver, 96
+
+
+def test_a_conversation_that_grows_past_seq_len_is_refused_as_a_full_context_and_the_job_finishes(grown):
+    trainer, driver, seq_len = grown
+    for g in driver.generations["grower"]:
+        for i, tr in enumerate(g.trajectories):
+            assert len(tr.tokens) <= seq_len
+            assert g.extra["stop"][i] == "returned" and g.extra["turns"][i] >= 2, g.extra
+            # its every answer was sent back, and the refused turn's message is not in the conversation
+            messages = g.extra["messages"][i]
+            assert messages[-1]["role"] == "assistant"
+            assert sum(m["role"] == "assistant" for m in messages) == g.extra["turns"][i]
+    assert len(rows_of(trainer, "grower")) == 2 and len(rows_of(trainer, "sft")) == 2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="no trajectory is ever cut to seq_len: the endpoint caps every ledger at seq_len "
+    "(AgentEndpoint(tokenizer, seq_len) -> Capture(tokenizer, max_tokens=seq_len) refuses a prompt past it, "
+    "and room = seq_len - prompt caps each answer), so agent/cut is always 0 and the cut warning of "
+    "AgentParts._said_agent never fires (docs/design/agents.md §9 says a longer trajectory is cut, with a warning)",
+)
+def test_a_conversation_that_grows_past_seq_len_is_cut_with_a_warning(grown):
+    trainer, _, _ = grown
+    rows = rows_of(trainer, "grower")
+    assert max(r["extra"]["agent/cut"] for r in rows) > 0
+    warnings = [r for r in trainer.history if r["kind"] == RowKind.EVENT and r.get("event") == "warning"]
+    assert any("longer than seq_len" in r["message"] for r in warnings), warnings
+
+
+def test_rewards_rise_for_a_multi_turn_env_and_a_tools_tenant_beside_an_sft_tenant(llama_path, tmp_path):
+    """Three seeds of each, in one job (``lm_head`` adapted: a random base's output layer must move): the mean
+    reward of the last 3 generations is above the first 3's for every tenant. Both rewards ask for short answers
+    (the env over its two answers, the tool tenant's function over its conversation)."""
+    code = code_file(tmp_path)
+    chats = write_rows(tmp_path / "chat.jsonl", chat_rows(4))
+    questions = write_rows(tmp_path / "questions.jsonl", question_rows(2))
+    settings = dict(target_modules=CALLER_TARGETS, lr=5e-2, max_steps=10)
+    tenants = [tenant("sft", write_rows(tmp_path / "sft.jsonl", sft_rows()), max_steps=10)]
+    for seed in (1, 2, 3):
+        brief = RL(env=f"{code}:brief", group_size=4, max_new_tokens=8, temperature=1.0)
+        tools = RL(tools=[f"{code}:add"], reward=f"{code}:short", group_size=4, max_new_tokens=8)
+        tenants += [
+            tenant(f"env{seed}", chats, brief, seed=seed, **settings),
+            tenant(f"tools{seed}", questions, tools, seed=seed, batch_size=1, **settings),
+        ]
+    trainer, _ = train(job(llama_path, tenants, seq_len=448))
+    rose = {}
+    for t in tenants[1:]:
+        rewards = [r["reward"] for r in rows_of(trainer, t.name)]
+        assert len(rewards) == 10
+        rose[t.name] = (sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3)
+    assert all(last > first for first, last in rose.values()), rose
