@@ -65,6 +65,7 @@ from mlora_lab.rundir.labels import RunLabels, read_labels, update_labels
 from mlora_lab.rundir.rows import (
     HELDOUT_KIND,
     CompletionRow,
+    EpisodeRecord,
     EvalMetricRow,
     EventKind,
     EventRow,
@@ -98,6 +99,7 @@ __all__ = [
     "ControlError",
     "ControlMessage",
     "ControlResult",
+    "EpisodeRecord",
     "EvalMetricRow",
     "EventKind",
     "EventRow",

@@ -258,6 +258,23 @@ class EventRow(Row, tag="event"):
         self.event = EventKind(self.event)
 
 
+class EpisodeRecord(msgspec.Struct, frozen=True, gc=False):
+    """An agent tenant's episode (``rl.env``, ``rl.tools``, harness mode), as its completion row holds it: what
+    the recent samples view folds into turns."""
+
+    messages: list[dict[str, Any]]
+    """The conversation as OpenAI messages (``system``/``user``, ``assistant`` with ``content`` and ``tool_calls``,
+    ``tool`` with ``tool_call_id``, ``name`` and ``content``): what the environment sent, and the answers."""
+    turns: int
+    """The model's turns."""
+    stop: str
+    """Why it ended: ``answered``, ``max_turns``, ``context``, ``returned`` (a rollout function returned), ``""``."""
+    parts: dict[str, tuple[float, float]] = msgspec.field(default_factory=dict)
+    """The env's rubric: ``name -> (score, weight)``; the episode's own reward is ``Σ score·weight``."""
+    forks: int = 0
+    """Times its program sent a history that did not extend the one it was answered in."""
+
+
 class CompletionRow(Row, tag="completion"):
     """A completion an RL tenant sampled, with its prompt and reward (``rl.log_completions`` of them per
     logged step): what the dashboard shows as the tenant's recent samples."""
@@ -276,6 +293,8 @@ class CompletionRow(Row, tag="completion"):
     extra: dict[str, str | float | int | bool | None] | None = None
     """What the reward functions logged for it with ``log_extra(column, values)`` (one value per
     completion), by column."""
+    episode: EpisodeRecord | None = None
+    """An agent tenant's: the whole episode (``completion`` is then every turn's text after the prompt)."""
 
 
 class EvalMetricRow(Row, tag="eval_metric"):

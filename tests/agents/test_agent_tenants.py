@@ -25,7 +25,7 @@ from mlora_lab.job.drivers.rl import Generation, RLDriver, RLFeed
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.reference import peft_lora_tensors
 from mlora_lab.rl.trajectory import ENV, MODEL
-from mlora_lab.rundir import RowKind, TenantState
+from mlora_lab.rundir import CompletionRow, EpisodeRecord, MetricsReader, RowKind, TenantState
 from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.parts import RL
 from mlora_lab.spec.tenant import Tenant
@@ -231,7 +231,7 @@ def test_a_multi_turn_env_trains_its_trajectories_token_exactly_as_peft_by_hand(
             # the feedback between answers is the template's own rendering of the user's message
             between = tok.decode(list(tr.segments[2].tokens))
             assert "lower, try again" in between and "<|user|>" in between
-            messages = g.extra["messages"][i]
+            messages = g.episodes[i]["messages"]
             answers = [m["content"] for m in messages if m["role"] == "assistant"]
             model_texts = [
                 tok.decode(list(s.tokens), skip_special_tokens=True) for s in tr.segments if s.source == MODEL
@@ -336,7 +336,9 @@ def test_a_program_that_rewrites_its_history_forks_and_is_warned_never_silently(
     context: never a re-tokenization passed off as sampled ids), ``agent/forks`` counts it, a warning row says it."""
     code, data = code_file(tmp_path), chat_file(tmp_path)
     t = tenant("editor", data, RL(env=f"{code}:rewriter", group_size=2, max_new_tokens=5), max_steps=1)
-    trainer = Trainer(job(llama_path, [t], seq_len=96), drivers=(Recording, FileData))
+    trainer = Trainer(
+        job(llama_path, [t], seq_len=96), drivers=(Recording, FileData), run_dir=tmp_path / "run"
+    )
     try:
         trainer.train()
     finally:
@@ -345,7 +347,7 @@ def test_a_program_that_rewrites_its_history_forks_and_is_warned_never_silently(
     (driver, _) = trainer.drivers
     tok = transformers.AutoTokenizer.from_pretrained(llama_path)
     for g, _ in driver.generations["editor"]:
-        for tr, messages in zip(g.trajectories, g.extra["messages"], strict=True):
+        for tr, messages in zip(g.trajectories, [e["messages"] for e in g.episodes], strict=True):
             assert [s.source for s in tr.segments] == [
                 ENV,
                 MODEL,
@@ -358,3 +360,15 @@ def test_a_program_that_rewrites_its_history_forks_and_is_warned_never_silently(
     assert rows[0]["extra"]["agent/forks"] == 1.0
     warnings = [r for r in trainer.history if r["kind"] == RowKind.EVENT and r.get("tenant") == "editor"]
     assert any("does not extend the one they were answered in" in r["message"] for r in warnings), warnings
+    # the completion rows hold each episode whole (a typed record), and read back from metrics.jsonl
+    reader = MetricsReader(tmp_path / "run" / "metrics.jsonl")
+    sampled = [r for r in reader.poll() if isinstance(r, CompletionRow)]
+    assert sampled and reader.skipped == 0
+    for row in sampled:
+        assert isinstance(row.episode, EpisodeRecord) and row.episode.turns == 2 and row.episode.forks == 1
+        assert row.episode.stop == "returned" and [m["role"] for m in row.episode.messages] == [
+            "user",
+            "assistant",
+            "user",
+            "assistant",
+        ]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pandas as pd
 
 from mlora_lab.lab.launchers.liveness import Liveness, Verdict
@@ -71,9 +72,6 @@ PROMPT_CHARS, COMPLETION_CHARS = 300, 600
 prompt rendered through a chat template starts with the same system text every time)."""
 
 
-EPISODE_KEYS = ("turns", "stop", "messages", "parts")
-"""What an agent tenant's completion rows carry in their ``extra`` per episode (the RL driver's agent part):
-shown as the episode, not as ``log_extra`` columns."""
 MESSAGE_CHARS, TOOL_CHARS = 600, 300
 """A message of an episode is shown up to about this many characters (cut in the middle, as a completion); a
 tool's result (and a tool call's arguments) up to this many, then ``…``: a tool may return pages."""
@@ -97,7 +95,7 @@ class Message:
 
 @dataclass(frozen=True)
 class Episode:
-    """An agent tenant's episode (what its completion row's ``extra`` holds: :data:`EPISODE_KEYS`)."""
+    """An agent tenant's episode (what its completion row's ``episode`` holds: :class:`~mlora_lab.rundir.EpisodeRecord`)."""
 
     turns: int | None
     """The model's turns."""
@@ -166,8 +164,7 @@ def _parts(value: Any) -> tuple[tuple[str, float | None, float | None], ...]:
 
 
 def episode_of(extra: Mapping[str, Any] | None) -> Episode | None:
-    """The episode a completion row's ``extra`` holds (None: not an agent tenant's row, no ``messages``
-    list). Whatever the run directory holds is shown, never trusted: a message that is not a mapping shows
+    """The episode a completion row's ``episode`` record holds, as plain data (None: no ``messages`` list). Whatever the run directory holds is shown, never trusted: a message that is not a mapping shows
     as its text, a role or a tool call of the wrong type as ``?``."""
     messages = _structure((extra or {}).get("messages"))
     if not isinstance(messages, list):
@@ -222,8 +219,9 @@ class Sample:
 def sample_of(row: Any) -> Sample:
     """A :class:`~mlora_lab.rundir.CompletionRow` as a view shows it: an agent tenant's with its
     :class:`Episode` (its episode's keys then left out of the ``log_extra`` lines)."""
-    episode = episode_of(row.extra)
-    extra = {k: v for k, v in (row.extra or {}).items() if episode is None or k not in EPISODE_KEYS}
+    record = getattr(row, "episode", None)
+    episode = episode_of(msgspec.to_builtins(record)) if record is not None else None
+    extra = row.extra or {}
     return Sample(
         row.step,
         row.tenant_step,

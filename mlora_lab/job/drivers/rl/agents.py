@@ -124,11 +124,21 @@ class AgentParts:
                 per_function=per_function,
                 logged=agent_metrics(got) | (scored[t.name].metrics if rl.rewards else {}),
                 extra={
-                    "turns": [p.turns for p in got],
-                    "stop": [p.stop for p in got],
-                    "messages": [p.trajectory.turns for p in got],
+                    k: v
+                    for k, v in (scored[t.name].extra if rl.rewards else {}).items()
+                    if len(v) == len(got)
                 },
                 trajectories=trajectories,
+                episodes=[
+                    {
+                        "messages": list(p.trajectory.turns),
+                        "turns": p.turns,
+                        "stop": p.stop,
+                        "parts": {k: [float(a), float(w)] for k, (a, w) in p.parts.items()},
+                        "forks": p.forks,
+                    }
+                    for p in got
+                ],
             )
             g.build(f.prompts, rl.mask_truncated_completions)
             g.old_logps = sampler_logps(g)

@@ -39,7 +39,7 @@ from mlora_lab.rl.rewards import (
     reward_names,
     shown_reward,
 )
-from mlora_lab.rundir import CompletionRow, EventKind, EventRow
+from mlora_lab.rundir import CompletionRow, EpisodeRecord, EventKind, EventRow
 from mlora_lab.sampling import Completion, SampleRequest, sample
 from mlora_lab.spec.parts import RL
 from mlora_lab.spec.tenant import Tenant
@@ -402,6 +402,7 @@ class RLDriver(AgentParts, Driver):
                     completion=g.completion_text(i, tok),
                     reward=reward if math.isfinite(reward) else None,
                     extra={k: v[i] for k, v in g.extra.items()} or None,
+                    episode=None if g.episodes is None else EpisodeRecord(**g.episodes[i]),
                 )
             )
 

@@ -56,6 +56,9 @@ class Generation:
     # an agent tenant's episodes (rl.env / rl.tools): [N] trajectories (segments: tokens, masks, the sampler's
     # log-probs, cut to seq_len), trained in place of prompt + completion; tokens[i] is then episode i's model tokens
     trajectories: list[Trajectory] | None = field(default=None, repr=False)
+    # and each episode as its completion row shows it (rundir.EpisodeRecord's fields: messages, turns, stop, parts,
+    # forks)
+    episodes: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -132,6 +135,7 @@ class Generation:
             "per_function": self.per_function,
             "logged": self.logged,
             "extra": self.extra,
+            "episodes": self.episodes,
             "trajectories": None
             if self.trajectories is None
             else [
@@ -164,6 +168,7 @@ class Generation:
             per_function=None if s.get("per_function") is None else s["per_function"].double(),
             logged={str(k): float(v) for k, v in (s.get("logged") or {}).items()},
             extra={str(k): list(v) for k, v in (s.get("extra") or {}).items()},
+            episodes=s.get("episodes"),
             trajectories=None
             if s.get("trajectories") is None
             else [
