@@ -7,16 +7,14 @@ its rubric's parts and draws its turns per episode."""
 from __future__ import annotations
 
 import html
-import json
 
 import numpy as np
-import pytest
 from test_dashboard import T0, dash_of, make_run, steps, write
 from test_rl_lab import rl_steps, sampled
 
 from mlora_lab.lab.dashboard.model import MESSAGES_SHOWN, TOOL_CHARS, episode_of, sample_of
 from mlora_lab.lab.dashboard.rl import NO_AGENT_PICKED, episode_summary
-from mlora_lab.rundir import CompletionRow, TrainRow
+from mlora_lab.rundir import CompletionRow, EpisodeRecord, TrainRow
 
 HOSTILE = "<script>alert(1)</script>\x1b[31m"
 CONVERSATION = [
@@ -30,16 +28,7 @@ CONVERSATION = [
     {"role": "tool", "tool_call_id": "c1", "name": "add", "content": "42" + " pad" * 200},
     {"role": "assistant", "content": "It is 42 <b>for sure</b>."},
 ]  # fmt: skip
-PARTS = {"correct": [1.0, 1.0], "short": [-0.25, 0.5]}
-
-
-def episode_extra(as_text: bool, **more) -> dict:
-    """A completion row's ``extra`` as the RL driver writes it for an agent tenant's episode (``as_text``: its
-    conversation and rubric as JSON text, the one form a row's ``extra`` of scalars keeps when read back)."""
-    extra = {"turns": 2, "stop": "answered", "messages": CONVERSATION, "parts": PARTS} | more
-    if as_text:
-        extra |= {"messages": json.dumps(CONVERSATION), "parts": json.dumps(PARTS)}
-    return extra
+PARTS = {"correct": (1.0, 1.0), "short": (-0.25, 0.5)}
 
 
 def agent_steps(tenant: str, first: int, last: int) -> list[TrainRow]:
@@ -60,7 +49,9 @@ def agent_steps(tenant: str, first: int, last: int) -> list[TrainRow]:
     return rows
 
 
-def agent_sample(tenant: str, step: int, as_text: bool, **more) -> CompletionRow:
+def agent_sample(tenant: str, step: int, **extra) -> CompletionRow:
+    """A completion row as the RL driver writes an agent tenant's episode (``extra``: what its reward functions
+    logged with ``log_extra``)."""
     return CompletionRow(
         step=step,
         tenant=tenant,
@@ -69,7 +60,8 @@ def agent_sample(tenant: str, step: int, as_text: bool, **more) -> CompletionRow
         completion="<tool_call>...</tool_call> It is 42.",
         reward=0.875,
         time=T0 + step,
-        extra=episode_extra(as_text, **more),
+        extra=extra or None,
+        episode=EpisodeRecord(messages=CONVERSATION, turns=2, stop="answered", parts=PARTS),
     )
 
 
@@ -80,7 +72,7 @@ def test_an_episode_folds_into_one_details_with_every_message_escaped(tmp_path):
         *steps(["sft"], 1, 2),
         *agent_steps("agent", 1, 2),
         *rl_steps("plain", 1, 2),
-        agent_sample("agent", 2, as_text=True, checked="yes"),
+        agent_sample("agent", 2, checked="yes"),
         *sampled("plain", 2, "a plain completion"),
     )
     dash = dash_of(run.root)
@@ -107,15 +99,16 @@ def test_an_episode_folds_into_one_details_with_every_message_escaped(tmp_path):
     assert "<details>" not in plain and "a plain completion" in plain
 
 
-def test_an_episode_reads_the_same_from_structures_and_from_json_text():
-    """The driver writes ``messages`` and ``parts`` as structures; a row's ``extra`` of scalars keeps them as
-    JSON text: both show as one episode."""
-    native, text = (
-        sample_of(agent_sample("a", 1, as_text=False)),
-        sample_of(agent_sample("a", 1, as_text=True)),
-    )
-    assert native == text and native.episode is not None
-    ep = native.episode
+def test_an_episode_reads_back_from_the_run_directory_as_written(tmp_path):
+    """The row as the driver writes it (``CompletionRow.episode``) reads back through the run directory into the
+    same sample as the row itself."""
+    row = agent_sample("agent", 1)
+    run = make_run(tmp_path / "r", tenants=("agent",))
+    write(run, *agent_steps("agent", 1, 1), row)
+    dash = dash_of(run.root)
+    [(_, [read])] = dash.model.samples(dash.picked())
+    assert read == sample_of(row) and read.episode is not None
+    ep = read.episode
     assert (ep.turns, ep.stop, ep.parts) == (2, "answered", (("correct", 1.0, 1.0), ("short", -0.25, 0.5)))
     assert [m.role for m in ep.messages] == ["system", "user", "assistant", "tool", "assistant"]
     assert ep.messages[2].calls == ('add({"a": 2, "b": 40})',) and ep.messages[2].content == ""
@@ -123,7 +116,7 @@ def test_an_episode_reads_the_same_from_structures_and_from_json_text():
         "</script>\\x1b[31m"
     )  # hidden characters escaped, markup left to HTML
     assert episode_summary(None, ep).startswith("reward – · 2 turns")
-    assert native.extra == ""  # nothing else was logged for it
+    assert read.extra == ""  # nothing else was logged for it
     assert sample_of(sampled("g", 1, "x")[0]).episode is None
 
 
@@ -155,18 +148,6 @@ def test_a_long_or_malformed_episode_shows_what_it_can():
     shown = episode_html(1.0, ep, "#123456")
     assert f"… {100 - MESSAGES_SHOWN} messages left out …" in shown
     assert shown.index(f">m{head - 1}<") < shown.index("messages left out") < shown.index(f">m{head + 60}<")
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="mlora_lab/rundir/rows.py: CompletionRow.extra holds scalars only, so the reader skips an agent "
-    "tenant's completion rows, whose messages and parts the driver writes as lists and mappings",
-)
-def test_an_episode_written_as_the_driver_writes_it_reads_back(tmp_path):
-    run = make_run(tmp_path / "r", tenants=("agent",))
-    write(run, *agent_steps("agent", 1, 1), agent_sample("agent", 1, as_text=False))
-    dash = dash_of(run.root)
-    assert "<details>" in dash.rl_views.samples.widget.value
 
 
 def test_the_reward_panel_splits_an_agent_tenants_rubric_and_draws_its_turns(tmp_path):

@@ -95,7 +95,8 @@ class Message:
 
 @dataclass(frozen=True)
 class Episode:
-    """An agent tenant's episode (what its completion row's ``episode`` holds: :class:`~mlora_lab.rundir.EpisodeRecord`)."""
+    """An agent tenant's episode as a view shows it (its completion row's
+    :class:`~mlora_lab.rundir.EpisodeRecord`)."""
 
     turns: int | None
     """The model's turns."""
@@ -108,15 +109,6 @@ class Episode:
     """Messages not shown, between the first and the last ones (:data:`MESSAGES_SHOWN`)..."""
     left_at: int = 0
     """... before ``messages[left_at]``."""
-
-
-def _structure(value: Any) -> Any:
-    """A value of a completion row's ``extra`` as structured data: as written, or decoded from the JSON text
-    a writer may have made of it (a row's ``extra`` holds scalars only)."""
-    if isinstance(value, str) and value[:1] in "[{":
-        with contextlib.suppress(ValueError):
-            return json.loads(value)
-    return value
 
 
 def _text(content: Any) -> str:
@@ -164,9 +156,10 @@ def _parts(value: Any) -> tuple[tuple[str, float | None, float | None], ...]:
 
 
 def episode_of(extra: Mapping[str, Any] | None) -> Episode | None:
-    """The episode a completion row's ``episode`` record holds, as plain data (None: no ``messages`` list). Whatever the run directory holds is shown, never trusted: a message that is not a mapping shows
-    as its text, a role or a tool call of the wrong type as ``?``."""
-    messages = _structure((extra or {}).get("messages"))
+    """The episode a completion row's ``episode`` record holds, as plain data (None: no ``messages`` list).
+    Whatever the run directory holds is shown, never trusted: a message that is not a mapping shows as its
+    text, a role or a tool call of the wrong type as ``?``."""
+    messages = (extra or {}).get("messages")
     if not isinstance(messages, list):
         return None
     shown = []
@@ -187,12 +180,12 @@ def episode_of(extra: Mapping[str, Any] | None) -> Episode | None:
                 shown_text(str(m.get("name") or ""), 80),
             )
         )
-    turns = _structure(extra.get("turns"))
+    turns = extra.get("turns")
     stop = extra.get("stop")
     return Episode(
         turns=int(turns) if _number(turns) is not None else None,
         stop=shown_text(stop, 40) if isinstance(stop, str) else "",
-        parts=_parts(_structure(extra.get("parts"))),
+        parts=_parts(extra.get("parts")),
         messages=tuple(shown),
         left_out=cut,
         left_at=head if cut else 0,
@@ -218,7 +211,7 @@ class Sample:
 
 def sample_of(row: Any) -> Sample:
     """A :class:`~mlora_lab.rundir.CompletionRow` as a view shows it: an agent tenant's with its
-    :class:`Episode` (its episode's keys then left out of the ``log_extra`` lines)."""
+    :class:`Episode` (from the row's :class:`~mlora_lab.rundir.EpisodeRecord`)."""
     record = getattr(row, "episode", None)
     episode = episode_of(msgspec.to_builtins(record)) if record is not None else None
     extra = row.extra or {}
