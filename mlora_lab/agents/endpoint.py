@@ -55,6 +55,7 @@ import json
 import secrets
 import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,12 @@ from mlora_lab.agents.ledger import Capture, CaptureError, Ledger
 from mlora_lab.sampling import Completion, SampleRequest
 
 MAX_BODY_BYTES = 8 << 20
+JUDGE = "(judge)"
+"""The owner of the judges' key (no tenant may be named so: parentheses are not in a tenant's name)."""
+BASE = "base"
+JUDGE_MAX_TOKENS = 256
+GREEDY_BELOW = 1e-5
+"""A judge's temperature below this samples greedily (as the served job's OpenAI route does)."""
 TRAJECTORY_HEADERS = ("x-trajectory-id", "x-session-id")
 MAX_STOP = 4
 MAX_CLAIM = 4096
@@ -109,7 +116,7 @@ class Expected:
 class Turn:
     """One request waiting for its generation: what to sample, and the future its handler waits on."""
 
-    trajectory: str
+    trajectory: str | None  # (None: a judge's request, not an episode's turn)
     request: SampleRequest
     arrived: float = field(default_factory=time.monotonic)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future, repr=False)
@@ -160,6 +167,9 @@ class AgentEndpoint:
         self._published: dict[str, list[tuple[str, dict[str, Any]]]] = {}  # tenant -> unclaimed episodes
         self._rewards: dict[str, dict[str, Any] | None] = {}  # a published episode -> its reward, once posted
         self._lock = threading.Condition()
+        self._judged: Callable[[], Collection[str]] | None = (
+            None  # the models a judge may ask besides the base
+        )
         self._server: Any = None
         self.url: str | None = None
 
@@ -208,10 +218,27 @@ class AgentEndpoint:
                     self._published[tenant] = [e for e in queue if e[0] != trajectory]
             return self.capture.take(trajectory)
 
+    def judge_key(self, models: Callable[[], Collection[str]]) -> str:
+        """The key of the job's judges (:data:`JUDGE`): they may ask ``base`` or any of ``models()`` (the job's
+        running tenants), plain requests that are not an episode's turns (nothing is captured); the same key for
+        as long as the job runs."""
+        with self._lock:
+            self._judged = models
+            for key, owner in self._keys.items():
+                if owner == JUDGE:
+                    return key
+            key = secrets.token_urlsafe(24)
+            self._keys[key] = JUDGE
+            return key
+
     def keys(self, harness: bool = True) -> dict[str, str]:
         """``tenant -> key`` of the registered tenants (only harness tenants', by default)."""
         with self._lock:
-            return {t: k for k, t in self._keys.items() if not harness or self._tenants[t].harness}
+            return {
+                t: k
+                for k, t in self._keys.items()
+                if t != JUDGE and (not harness or self._tenants[t].harness)
+            }
 
     def publish(self, tenant: str, episodes: list[tuple[str, dict[str, Any]]]) -> None:
         """Harness tenant ``tenant``'s episodes ``(trajectory id, example)``, each :meth:`expect`-ed already, may
@@ -273,21 +300,17 @@ class AgentEndpoint:
 
     async def _models(self, request: Request) -> Response:
         owner = self._owner(request)
+        names = [BASE, *sorted(self._judged())] if owner == JUDGE and self._judged is not None else [owner]
         data = [
-            {
-                "id": owner,
-                "object": "model",
-                "created": 0,
-                "owned_by": "mlora_lab",
-                "max_model_len": self.seq_len,
-            }
+            {"id": n, "object": "model", "created": 0, "owned_by": "mlora_lab", "max_model_len": self.seq_len}
+            for n in names
         ]
         return JSONResponse({"object": "list", "data": data})
 
     async def _episodes(self, request: Request) -> Response:
         owner = self._owner(request)
-        if not self._tenants[owner].harness:
-            raise EndpointError(404, f"tenant {owner!r} is not a harness tenant: its env plays its episodes")
+        if owner == JUDGE or not self._tenants[owner].harness:
+            raise EndpointError(404, f"{owner!r} is not a harness tenant: it has no episodes to claim")
         problems = []
         given = request.query_params.get("limit", "1"), request.query_params.get("wait", "0")
         limit, wait = _number(given[0], int, 1, MAX_CLAIM), _number(given[1], float, 0.0, MAX_POLL_S)
@@ -361,7 +384,7 @@ class AgentEndpoint:
             raise EndpointError(400, f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise EndpointError(400, "the body must be a JSON object")
-        turn, ids = self._turn(owner, request, body)
+        turn, ids = self._judge_turn(body) if owner == JUDGE else self._turn(owner, request, body)
         loop = asyncio.get_running_loop()
         try:
             completion = await asyncio.wait_for(asyncio.wrap_future(turn.future, loop=loop), self.wait_s)
@@ -439,6 +462,75 @@ class AgentEndpoint:
             first_sample=expected.member,
         )
         turn = Turn(tid, request_)
+        with self._lock:
+            self._turns.append(turn)
+            self._lock.notify_all()
+        return turn, ids
+
+    def _judge_turn(self, body: dict[str, Any]) -> tuple[Turn, list[int]]:
+        """A judge's request: ``model`` ``base`` or a running tenant, its messages rendered whole (nothing is
+        captured), its own ``temperature`` (below 1e-5: greedy), ``max_tokens`` (default 256, what room
+        ``seq_len`` leaves), ``stop`` and ``seed`` (default 0)."""
+        model = body.get("model")
+        names = set(self._judged()) if self._judged is not None else set()
+        if model != BASE and model not in names:
+            known = ", ".join(sorted(names)[:20]) or "none running"
+            raise EndpointError(
+                404, f"model {str(model)[:80]!r} is neither {BASE!r} nor a running tenant ({known})"
+            )
+        problems = []
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            problems.append("messages must be a non-empty list")
+        if body.get("n", 1) not in (1, None):
+            problems.append("n must be 1")
+        temperature = body.get("temperature", 1.0)
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, int | float)
+            or not 0 <= temperature <= 100
+        ):
+            problems.append("temperature must be a number in [0, 100]")
+            temperature = 0.0
+        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
+            problems.append("max_tokens must be a positive integer")
+        seed = body.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            problems.append("seed must be an integer")
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else stops
+        if (
+            not isinstance(stops, list)
+            or len(stops) > MAX_STOP
+            or not all(isinstance(x, str) and x for x in stops)
+        ):
+            problems.append(f"stop must be a string or up to {MAX_STOP} non-empty strings")
+        if problems:
+            raise EndpointError(400, "; ".join(problems))
+        try:
+            ids = chat.render(self.tokenizer, messages, tools=body.get("tools") or None)
+        except Exception as e:  # (a message the template cannot take: named)
+            raise EndpointError(
+                400, f"the chat template cannot render these messages: {e}", "messages"
+            ) from None
+        room = self.seq_len - len(ids)
+        if room < 1:
+            raise EndpointError(
+                400, f"the context is full: the prompt is {len(ids)} tokens of seq_len={self.seq_len}"
+            )
+        turn = Turn(
+            None,
+            SampleRequest(
+                prompt=ids,
+                tenant=None if model == BASE else model,
+                num_samples=1,
+                max_new_tokens=min(asked or JUDGE_MAX_TOKENS, room),
+                temperature=0.0 if temperature < GREEDY_BELOW else float(temperature),
+                stop_strings=tuple(stops),
+                seed=seed,
+            ),
+        )
         with self._lock:
             self._turns.append(turn)
             self._lock.notify_all()

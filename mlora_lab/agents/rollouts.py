@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,11 +130,17 @@ class Rollouts:
             if published and self.on_keys is not None:  # (the endpoint is gone: so are its keys)
                 self.on_keys(None, {})
 
-    def _worker(self, job: RolloutJob) -> EnvWorker | None:
-        """The tenant's env worker (``None`` for a harness tenant: an outside program plays its episodes)."""
+    def _endpoint(self) -> AgentEndpoint:
+        """The endpoint, started at its first use (rank 0)."""
         if self.endpoint is None:
             self.endpoint = AgentEndpoint(self.tokenizer, self.seq_len)
             self.endpoint.start()
+        return self.endpoint
+
+    def _worker(self, job: RolloutJob) -> EnvWorker | None:
+        """The tenant's env worker (``None`` for a harness tenant: an outside program plays its episodes)."""
+        self._endpoint()
+        assert self.endpoint is not None
         rl = job.rl
         harness = rl.harness is True
         known = set(self.endpoint.keys())
@@ -185,31 +191,56 @@ class Rollouts:
                         pending[job.tenant] = worker
                 except EnvError as e:
                     results[job.tenant] = str(e)
+
+        def waiting() -> bool:
+            for name in list(pending):
+                try:
+                    got = pending[name].poll()
+                except EnvError as e:
+                    got = str(e)
+                if got is not None:
+                    results[name] = got
+                    del pending[name]
+            for name in list(published):
+                got = self._rewarded(*published[name])
+                if got is not None:
+                    results[name] = got
+                    del published[name]
+            return bool(pending or published)
+
+        self.serve(
+            waiting if self.main else None, lambda: {n for n, r in results.items() if isinstance(r, str)}
+        )
+        wired: dict[str, Any] | None = None
+        if self.main:
+            wired = {}
+            for job in jobs:
+                got = results.get(job.tenant)
+                if not isinstance(got, list) and self.endpoint is not None:  # (its ledgers are not needed)
+                    for b in range(len(job.examples)):
+                        for j in range(job.group_size):
+                            self.endpoint.finish(job.tid(b, j))
+                played = self._played(job, got) if isinstance(got, list) else got or "its env gave no answer"
+                wired[job.tenant] = played if isinstance(played, str) else [_wire(p) for p in played]
+        return unwire(self.broadcast(wired))
+
+    def serve(self, waiting: Callable[[], bool] | None, failed: Callable[[], set[str]] = set) -> None:
+        """Answer the endpoint's turns in waves, every process in step, until ``waiting()`` (rank 0's: called
+        before each wave; ``None`` on the other processes, which follow rank 0) says nothing is waited for any
+        more. Each wave: rank 0 takes the turns waiting now (those of ``failed()`` tenants are refused), every
+        process samples them in one batched generation, rank 0 answers each."""
         while True:
             turns: list[Turn] = []
+            order = None
             if self.main:
-                for name in list(pending):
-                    try:
-                        got = pending[name].poll()
-                    except EnvError as e:
-                        got = str(e)
-                    if got is not None:
-                        results[name] = got
-                        del pending[name]
-                for name in list(published):
-                    got = self._rewarded(*published[name])
-                    if got is not None:
-                        results[name] = got
-                        del published[name]
-                waiting = pending or published
-                turns = self.endpoint.take() if waiting and self.endpoint is not None else []
-                failed = {n for n, r in results.items() if isinstance(r, str)}
-                for turn in [x for x in turns if x.request.tenant in failed]:  # (a failed env's last turns)
+                assert waiting is not None
+                still = waiting()
+                turns = self.endpoint.take() if still and self.endpoint is not None else []
+                bad = failed()
+                for turn in [x for x in turns if x.request.tenant in bad]:  # (a failed env's last turns)
                     turn.settle(RuntimeError("the tenant's env failed"))
-                turns = [x for x in turns if x.request.tenant not in failed]
-                order = ([x.request for x in turns], not waiting)
-            else:
-                order = None
+                turns = [x for x in turns if x.request.tenant not in bad or x.trajectory is None]
+                order = ([x.request for x in turns], not still)
             requests, finished = self.broadcast(order)
             if requests:
                 try:
@@ -223,19 +254,13 @@ class Rollouts:
                 for turn, c in zip(turns, sorted(completions, key=lambda c: c.request), strict=False):
                     turn.settle(c)
             if finished:
-                break
-        wired: dict[str, Any] | None = None
-        if self.main:
-            wired = {}
-            for job in jobs:
-                got = results.get(job.tenant)
-                if not isinstance(got, list) and self.endpoint is not None:  # (its ledgers are not needed)
-                    for b in range(len(job.examples)):
-                        for j in range(job.group_size):
-                            self.endpoint.finish(job.tid(b, j))
-                played = self._played(job, got) if isinstance(got, list) else got or "its env gave no answer"
-                wired[job.tenant] = played if isinstance(played, str) else [_wire(p) for p in played]
-        return unwire(self.broadcast(wired))
+                return
+
+    def judges(self, models: Callable[[], Collection[str]]) -> tuple[str, str]:
+        """The endpoint (started if it is not) and the judges' key: what a reward worker whose judge asks the job
+        is sent (``RewardBatch.endpoint``); ``models()``: the tenants a judge may ask besides the base."""
+        endpoint = self._endpoint()
+        return endpoint.url, endpoint.judge_key(models)  # type: ignore[return-value]
 
     def _rewarded(self, ids: list[str], start: float, deadline: float) -> list[EpisodeResult] | str | None:
         """A harness tenant's published episodes as results once each has its reward; why it fails once the

@@ -158,7 +158,8 @@ def rouge(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> 
 
 ENDPOINT_ENV = ("MLORA_OPENAI_BASE_URL", "MLORA_OPENAI_API_KEY")
 """What a served job sets in its environment (its OpenAI endpoint and its owner's key) for the processes it
-starts: a :class:`Judge` inside it (a reward, an evaluation's metric) finds the job's own models there."""
+starts, and what an RL job sets in a reward worker whose judge asks it: a :class:`Judge` inside it (a reward, an
+evaluation's metric) finds the job's own models there. (:data:`mlora_lab.rl.rewards.ENDPOINT_ENV`, the same.)"""
 
 DEFAULT_RUBRIC = (
     "Rate the answer to the question from 0 (wrong or useless) to 10 (correct and complete). "
@@ -316,6 +317,13 @@ class Judge:
 
     def _who(self) -> str:
         return f"judge {brief(self.__name__)} (model {brief(self.model)})"
+
+    @property
+    def asks_the_job(self) -> bool:
+        """Whether it asks the job it runs in (no ``base_url`` given): as an RL tenant's reward, the job then
+        answers it through its own endpoint, in the same batched generations as the agents' turns, with the base
+        (``model="base"``) or any of its tenants as the judge (:mod:`mlora_lab.agents.endpoint`)."""
+        return self.base_url is None
 
     @classmethod
     def of(cls, served: Any, **kwargs: Any) -> Judge:

@@ -48,7 +48,7 @@ from typing import Any
 import orjson
 import psutil
 
-from mlora_lab.rl.rewards import KEY_FD, RewardRef, kill_tree, parse_reward, seal, shown_reward
+from mlora_lab.rl.rewards import ENDPOINT_ENV, KEY_FD, RewardRef, kill_tree, parse_reward, seal, shown_reward
 from mlora_lab.sources import PICKLED_REWARD
 from mlora_lab.text import brief, error_line
 
@@ -431,10 +431,15 @@ def serve(refs: list[str], key: bytes) -> None:
     except LookupError as e:
         say({"error": str(e)})
         return
-    say({"ok": True})
+    # (a judge that asks the job it runs in: the job then answers its requests while it waits for the rewards)
+    say({"ok": True, "asks_the_job": any(getattr(f, "asks_the_job", False) is True for f in functions.fns)})
     for line in sys.stdin.buffer:
         try:
-            answer = functions(orjson.loads(line))
+            request = orjson.loads(line)
+            endpoint = request.pop("endpoint", None) if isinstance(request, dict) else None
+            if isinstance(endpoint, list) and len(endpoint) == 2:  # (the job's own, for its judges)
+                os.environ[ENDPOINT_ENV[0]], os.environ[ENDPOINT_ENV[1]] = map(str, endpoint)
+            answer = functions(request)
         except Exception as e:
             say({"error": str(e)})
             continue

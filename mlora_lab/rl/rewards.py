@@ -73,6 +73,10 @@ STANDARD_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "l
 """What every call may pass besides the data's columns (TRL 1.16 passes all of these)."""
 REQUIRED_ARGS = ("prompts", "completions")
 """What a reward function must accept (by name, or through ``**kwargs``)."""
+ENDPOINT_ENV = ("MLORA_OPENAI_BASE_URL", "MLORA_OPENAI_API_KEY")
+"""Where a reward worker's judges find the job's own OpenAI endpoint and a key: a served job sets them in its
+environment for the processes it starts, and an RL job sends its agents' endpoint with each request of a worker
+whose functions ask the job (``RewardBatch.endpoint``)."""
 WORKER_MODULE = "mlora_lab.rl.reward_worker"
 START_TIMEOUT_S = 60.0
 """How long importing a tenant's reward functions in a new worker may take."""
@@ -410,7 +414,7 @@ def _request(batch: RewardBatch) -> dict[str, Any]:
         "columns": batch.columns,
         "state": batch.state,
         "scores_may_be_missing": batch.scores_may_be_missing,
-    }
+    } | ({"endpoint": list(batch.endpoint)} if batch.endpoint is not None else {})
 
 
 def _frames(data: bytes, frames: Frames) -> tuple[list[Any], str | None]:
@@ -446,6 +450,8 @@ class RewardBatch:
     scores_may_be_missing: bool = False
     """An evaluation's metrics: a function that scores no completion at all is not a failure (a reward that
     does is: its tenant would train on nothing)."""
+    endpoint: tuple[str, str] | None = None
+    """The job's own OpenAI endpoint and a key, for functions that ask the job (:data:`ENDPOINT_ENV`)."""
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -481,6 +487,7 @@ class RewardWorker:
         self._sent_at: float | None = None
         self._sent_n = 0
         self._current: str | None = None  # the function the worker said it is importing or calling
+        self.asks_the_job = False  # (its hello says: a judge among its functions asks the job it runs in)
 
     @property
     def pid(self) -> int | None:
@@ -495,6 +502,7 @@ class RewardWorker:
         os.set_blocking(proc.stdin.fileno(), False)  # type: ignore[union-attr]  (writes keep the deadline)
         self._proc, self._frames, self._buffer, self._current = proc, frames, b"", None
         hello = self._read(time.monotonic() + START_TIMEOUT_S, "importing the reward functions")
+        self.asks_the_job = hello.get("asks_the_job") is True
         if "error" in hello:
             self.close()
             raise RewardError(str(hello["error"]))
@@ -584,13 +592,18 @@ class RewardWorker:
                     return
 
     # -- calls ---------------------------------------------------------------------------------
+    def ensure(self) -> None:
+        """Start the worker if none runs (its hello says whether a function asks the job: :attr:`asks_the_job`);
+        :class:`RewardError` when its functions cannot be imported."""
+        if self._proc is None or self._proc.poll() is not None:
+            self.close()
+            self._start()
+
     def submit(self, batch: RewardBatch) -> None:
         """Send ``batch`` to the worker (starting one if needed); the answer is read by :meth:`result`."""
         if self._sent_at is not None:
             raise RuntimeError("submit() twice without result()")
-        if self._proc is None or self._proc.poll() is not None:
-            self.close()
-            self._start()
+        self.ensure()
         try:
             data = orjson.dumps(_request(batch), option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         except orjson.JSONEncodeError as e:

@@ -15,7 +15,7 @@ from mlora_lab.job.agree import describe
 from mlora_lab.job.drivers.rl.generation import Generation, generation_seed, sampler_logps
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rl.grpo import advantages, combine_rewards, reward_problem
-from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardResult, RewardWorker, shown_reward
+from mlora_lab.rl.rewards import RewardBatch, RewardResult, RewardWorker, shown_reward
 from mlora_lab.rundir import EventKind, EventRow
 from mlora_lab.rundir.agents import remove_agents, write_agents
 
@@ -160,9 +160,8 @@ class AgentParts:
         if not tenants:
             return {}
         if not self.pool.is_main:
-            return self.comm.broadcast_object(None)  # type: ignore[return-value]
-        out: dict[str, RewardResult | str] = {}
-        sent = []
+            return self._score([])
+        calls = []
         for t in tenants:
             f, rl = t.feed, t.spec.rl
             rows = [f.prompts[p] for p in drawn[t.name] for _ in range(rl.group_size)]
@@ -185,20 +184,8 @@ class AgentParts:
                 columns={k: [r.columns.get(k) for r in rows] for k in keys},
                 state={"global_step": t.step, "max_steps": t.spec.max_steps},
             )
-            worker = self.workers.get(t.name)
-            if worker is None:
-                worker = self.workers[t.name] = RewardWorker(rl.rewards, timeout_s=rl.reward_timeout_s)
-            try:
-                worker.submit(batch)
-                sent.append(t)
-            except RewardError as e:
-                out[t.name] = str(e)
-        for t in sent:
-            try:
-                out[t.name] = self.workers[t.name].result()
-            except RewardError as e:
-                out[t.name] = str(e)
-        return self.comm.broadcast_object(out)  # type: ignore[return-value]
+            calls.append((t, batch))
+        return self._score(calls)
 
     def _said_agent(self, t: TenantRun, played: list[Played]) -> None:
         """Episodes cut to ``seq_len`` or forked (the program rewrote its history: only the last branch trains)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -246,10 +247,9 @@ class RLDriver(AgentParts, Driver):
         call failed: computed on rank 0 (every tenant's batch submitted before any answer is awaited),
         broadcast to every process."""
         if not self.pool.is_main:
-            return self.comm.broadcast_object(None)  # type: ignore[return-value]
+            return self._score([])
         tok = self.engine.tokenizer
-        out: dict[str, RewardResult | str] = {}
-        sent = []
+        calls = []
         for t in tenants:
             f, rl = t.feed, t.spec.rl
             rows = [f.prompts[p] for p in drawn[t.name] for _ in range(rl.group_size)]
@@ -262,19 +262,52 @@ class RLDriver(AgentParts, Driver):
                 columns={k: [r.columns.get(k) for r in rows] for k in keys},
                 state={"global_step": t.step, "max_steps": t.spec.max_steps},
             )
+            calls.append((t, batch))
+        return self._score(calls)
+
+    def _score(self, calls: Sequence[tuple[TenantRun, RewardBatch]]) -> dict[str, RewardResult | str]:
+        """Each call's rewards (``RewardResult``), or why it failed, on every process: computed on rank 0, every
+        tenant's batch submitted to its reward worker before any answer is awaited, then broadcast. While they
+        compute, a worker whose judge asks the job (:attr:`~mlora_lab.rl.rewards.RewardWorker.asks_the_job`: an
+        ``ml.Judge`` with no ``base_url``) is answered by the job itself: its requests reach the agents' endpoint,
+        which every process serves in batched waves (the base or any running tenant as the judge) until every
+        answer is in. ``calls`` is rank 0's (the other processes pass none and follow)."""
+        if not self.pool.is_main:
+            if self.comm.broadcast_object(None):  # (rank 0 serves its judges meanwhile: follow its waves)
+                self._rollouts().serve(None)
+            return self.comm.broadcast_object(None)  # type: ignore[return-value]
+        out: dict[str, RewardResult | str] = {}
+        sent = []
+        for t, batch in calls:
+            rl = t.spec.rl
             worker = self.workers.get(t.name)
             if worker is None:
                 worker = self.workers[t.name] = RewardWorker(rl.rewards, timeout_s=rl.reward_timeout_s)
             try:
+                worker.ensure()
+                if worker.asks_the_job:
+                    names = [x.name for x in self.pool.running()]
+                    batch.endpoint = self._rollouts().judges(lambda names=names: names)
                 worker.submit(batch)
                 sent.append(t)
             except RewardError as e:
                 out[t.name] = str(e)
-        for t in sent:
-            try:
-                out[t.name] = self.workers[t.name].result()
-            except RewardError as e:
-                out[t.name] = str(e)
+
+        def collect() -> None:
+            for t in sent:
+                try:
+                    out[t.name] = self.workers[t.name].result()
+                except RewardError as e:
+                    out[t.name] = str(e)
+
+        judged = any(self.workers[t.name].asks_the_job for t in sent)
+        if self.comm.broadcast_object(judged):
+            thread = threading.Thread(target=collect, name="mlora-rewards", daemon=True)
+            thread.start()
+            self._rollouts().serve(thread.is_alive)
+            thread.join()
+        else:
+            collect()
         return self.comm.broadcast_object(out)  # type: ignore[return-value]
 
     def _reference(self, tenants: list[TenantRun]) -> None:
