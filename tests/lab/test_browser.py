@@ -5,7 +5,7 @@
   ``run.wait()`` (the kernel then handles no message from the browser at all), and the dashboard's Stop
   button stops the job;
 - JupyterLab runs the service notebook (06) with Run All in a kernel as a user has it: every cell runs, and
-  nothing shows an error or stderr, also a while after its jobs stopped;
+  nothing shows an error or stderr, also a while after its jobs stopped; so does the agents notebook (09);
 - Voila serves a notebook with a live PNG dashboard of a running job; it updates and Stop works.
 
 Screenshots go to the test's temp dir."""
@@ -380,14 +380,33 @@ def test_service_notebook_runs_clean_in_jupyterlab(tmp_path):
     on stderr, also a while after the notebook's jobs stopped (it showed a 75-line traceback there: a client's
     telemetry failing to reach the stopped job)."""
     pytest.importorskip("tinker")
+    env = {k: v for k, v in os.environ.items() if k != "TINKER_TELEMETRY"}
+    runs_clean_in_jupyterlab(SERVICE, tmp_path, "service", env, LATE_S)
+
+
+AGENTS = Path(__file__).resolve().parents[2] / "notebooks" / "09_agents.ipynb"
+
+
+def test_agents_notebook_runs_clean_in_jupyterlab(tmp_path):
+    """Notebook 09 (agent tenants: two tool-using tenants and a multi-turn env beside an SFT tenant) under Run
+    All in JupyterLab: every cell runs, its own checks that the agents' rewards rose included, and nothing
+    shows an error, a traceback or anything on stderr (its env workers' and the agents' endpoint's too)."""
+    runs_clean_in_jupyterlab(AGENTS, tmp_path, "agents", None, 5)
+
+
+def runs_clean_in_jupyterlab(
+    notebook: Path, tmp_path: Path, name: str, env: dict | None, late_s: float
+) -> None:
+    """``notebook`` under Run All in JupyterLab: every code cell ran, none shows an error or stderr, also
+    ``late_s`` after the last one, and nothing printed a traceback."""
     root = tmp_path / "lab"
     root.mkdir()
-    shutil.copy(SERVICE, root / "service.ipynb")
-    cells = nbformat.read(root / "service.ipynb", 4).cells
+    copy = root / f"{name}.ipynb"
+    shutil.copy(notebook, copy)
+    cells = nbformat.read(copy, 4).cells
     code = [i for i, c in enumerate(cells) if c.cell_type == "code"]
-    env = {k: v for k, v in os.environ.items() if k != "TINKER_TELEMETRY"}
-    with jupyterlab_page(root, tmp_path, "service", env=env) as (page, port):
-        open_notebook(page, port, "service.ipynb")
+    with jupyterlab_page(root, tmp_path, name, env=env) as (page, port):
+        open_notebook(page, port, copy.name)
         start_run_all(page, cells)
         # done: no cell waits or runs ([*]): the last one ran, or one failed (Run All stops there)
         page.wait_for_function(
@@ -396,15 +415,15 @@ def test_service_notebook_runs_clean_in_jupyterlab(tmp_path):
             timeout=900_000,
             polling=1000,
         )
-        time.sleep(LATE_S)
+        time.sleep(late_s)
         page.keyboard.press("Control+s")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # (saved: the file has the last cell's outputs)
-            saved = nbformat.read(root / "service.ipynb", 4).cells
+            saved = nbformat.read(copy, 4).cells
             if saved[code[-1]].get("execution_count"):
                 break
             time.sleep(1)
-        page.screenshot(path=str(tmp_path / "service.png"), full_page=True)
+        page.screenshot(path=str(tmp_path / f"{name}.png"), full_page=True)
     ran = [i for i in code if saved[i].get("execution_count")]
     assert ran == code, f"cells that did not run: {sorted(set(code) - set(ran))}"
     shown = {
