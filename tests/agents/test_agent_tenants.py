@@ -71,6 +71,15 @@ def garbage(client, model, example):
 def silent(client, model, example):
     return 1.0
 
+def add(a: int, b: int) -> int:
+    '''Add two numbers.
+
+    Args:
+        a: the first
+        b: the second
+    '''
+    return a + b
+
 def rewriter(client, model, example):
     # sends its first answer back changed (a program that edits its history): the second turn cannot extend
     # the first, and starts a branch of its own
@@ -372,3 +381,42 @@ def test_a_program_that_rewrites_its_history_forks_and_is_warned_never_silently(
             "user",
             "assistant",
         ]
+
+
+DROPPING = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}<|{{ m['role'] }}|>\n"
+    "{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""A template that drops earlier answers from the history (as templates that drop earlier reasoning do): not
+append-only, and without tools."""
+
+
+def test_a_template_that_is_not_append_only_or_ignores_tools_is_warned_before_the_first_episodes(
+    llama_path, tmp_path
+):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(llama_path, base)
+    tok = transformers.AutoTokenizer.from_pretrained(base)
+    tok.chat_template = DROPPING
+    tok.save_pretrained(base)
+    code, data = code_file(tmp_path), chat_file(tmp_path)
+    env = tenant("env", data, RL(env=f"{code}:one_turn", group_size=2, max_new_tokens=4), max_steps=1)
+    tools = tenant(
+        "tools",
+        data,
+        RL(tools=[f"{code}:add"], reward=f"{code}:short", group_size=2, max_new_tokens=4),
+        max_steps=1,
+    )
+    trainer = Trainer(job(str(base), [env, tools]), drivers=(RLDriver, FileData))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    said = [(r["tenant"], r["message"]) for r in trainer.history if r["kind"] == RowKind.EVENT]
+    for name in ("env", "tools"):
+        assert trainer.tenants[name].state is TenantState.FINISHED, trainer.tenants[name].reason
+        assert sum(n == name and "is not append-only" in m for n, m in said) == 1, said
+    assert [n for n, m in said if "does not render tools=" in m] == ["tools"]

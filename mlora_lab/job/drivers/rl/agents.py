@@ -62,6 +62,8 @@ class AgentParts:
         whole conversation. Each episode trains as one row; its group's advantages are today's."""
         from mlora_lab.agents.rollouts import RolloutJob
 
+        for t in tenants:
+            self._template_check(t)
         jobs, drawn = [], {}
         for t in tenants:
             f, rl = t.feed, t.spec.rl
@@ -186,6 +188,37 @@ class AgentParts:
             )
             calls.append((t, batch))
         return self._score(calls)
+
+    def _template_check(self, t: TenantRun) -> None:
+        """Once per tenant, before its first episodes: a chat template that is not append-only (a later turn's
+        rendering changes an earlier one's tokens, as templates that drop earlier reasoning do) makes the turns
+        fork; a tools tenant whose template ignores ``tools`` never shows the model its tools. Either is said in a
+        ``warning`` row (the episodes still run: the ledger forks rather than trains on re-rendered tokens)."""
+        from mlora_lab.agents import chat
+
+        checked: set[str] = self.__dict__.setdefault("_templates_checked", set())
+        if t.name in checked:
+            return
+        checked.add(t.name)
+        tok, said = self.engine.tokenizer, []
+        try:
+            if not chat.prefix_preserving(tok):
+                said.append(
+                    "the tokenizer's chat template is not append-only (rendering a later turn changes the tokens of "
+                    "an earlier one): its episodes' turns will fork, and only each episode's last branch trains"
+                )
+            if t.spec.rl.tools and not chat.supports_tools(tok):
+                said.append(
+                    "the tokenizer's chat template does not render tools=: the model is never shown its tools' "
+                    "schemas (give the base a tool-calling template)"
+                )
+        except Exception as e:  # (a template that cannot render a probe conversation: its turns will say so)
+            said.append(f"the tokenizer's chat template could not be checked: {describe(e)}")
+        for message in said:
+            print(f"[warning] tenant {t.name}: {message}", flush=True)
+            self.recorder.log(
+                EventRow(step=self.recorder.step, event=EventKind.WARNING, message=message, tenant=t.name)
+            )
 
     def _said_agent(self, t: TenantRun, played: list[Played]) -> None:
         """Episodes cut to ``seq_len`` or forked (the program rewrote its history: only the last branch trains)
