@@ -656,5 +656,17 @@ def _user_module(module: Any) -> bool:
 
 def reward_in_memory(value: Any) -> bool:
     """Whether a reward is a function held in memory (a callable, or its :class:`RewardSnapshot`), not a
-    ``"module:function"`` / ``"file.py:function"`` reference."""
-    return isinstance(value, RewardSnapshot) or (callable(value) and not isinstance(value, str | type))
+    ``"module:function"`` / ``"file.py:function"`` reference. A verifiers ``Taskset`` or ``Env`` (an agent's
+    ``rl.env``) travels as one: pickled by value at launch."""
+    return (
+        isinstance(value, RewardSnapshot)
+        or (callable(value) and not isinstance(value, str | type))
+        or verifiers_object(value)
+    )
+
+
+def verifiers_object(value: Any) -> bool:
+    """Whether ``value`` is a verifiers ``Taskset`` or ``Env`` (told by its classes' names: verifiers is not
+    imported)."""
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(value).__mro__}
+    return bool(names & {"verifiers.v1.taskset.Taskset", "verifiers.v1.env.Env"})

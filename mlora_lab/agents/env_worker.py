@@ -12,6 +12,10 @@ Every answer is a frame sealed with the parent's key, as the reward worker's
 what the env prints goes to stderr). It is a child subreaper, a watchdog thread ends it (and what the env
 started) when its parent dies, and it kills its descendants when it ends.
 
+A verifiers environment (``env`` is ``"verifiers:<taskset id>"``, or a pickled ``Taskset`` / ``Env``) is loaded
+and served once, before ``{"ok": true}``, and each episode is its ``Env.run_episode`` with the in-process harness
+(:mod:`mlora_lab.agents.vf_harness`).
+
 The episodes of a request run concurrently in one asyncio loop, each under ``asyncio.wait_for(...,
 rollout_timeout_s)``; a sync function runs in a thread of a pool the loop keeps for the worker's life (a hung
 thread is never joined: the parent kills the worker after a failed batch).
@@ -25,6 +29,7 @@ import inspect
 import json
 import math
 import numbers
+import os
 import sys
 import threading
 import traceback
@@ -34,6 +39,7 @@ import orjson
 
 from mlora_lab.agents.envs import ANSWER_CAP, EnvConfig
 from mlora_lab.rl.reward_worker import answer_channel, become_subreaper, leave, load, take_key, watch_parent
+from mlora_lab.sources import PICKLED_REWARD, verifiers_object
 from mlora_lab.text import brief, error_line
 
 TRAJECTORY_HEADER = "X-Trajectory-Id"
@@ -328,6 +334,73 @@ async def run_tools(config: EnvConfig, tools: Tools, tid: str, example: dict[str
     }
 
 
+# -- verifiers mode ---------------------------------------------------------------------------------
+VERIFIERS_PREFIX = "verifiers:"
+
+
+def verifiers_target(env: str) -> Any:
+    """What ``env`` names if it is a verifiers environment: the taskset id of ``"verifiers:<id>"``, or the
+    ``Taskset`` / ``Env`` object a pickled ``"<...>.pkl:name"`` holds; ``None`` for a rollout function."""
+    if env.startswith(VERIFIERS_PREFIX):
+        return env.removeprefix(VERIFIERS_PREFIX)
+    target, _, _ = env.rpartition(":")
+    if not target.endswith(PICKLED_REWARD):
+        return None
+    try:
+        import cloudpickle
+
+        with open(target, "rb") as f:
+            obj = cloudpickle.load(f)
+    except BaseException:  # (``load`` unpickles it again and names the failure)
+        return None
+    return obj if verifiers_object(obj) else None
+
+
+def load_verifiers(config: EnvConfig, target: Any, loop: asyncio.AbstractEventLoop) -> Any:
+    """The episode runner of a verifiers env (:mod:`mlora_lab.agents.vf_harness`), loaded and serving (its
+    shared tool servers and interception server up, in ``loop``) before the worker says it is ready, so the
+    parent's start limit bounds a tool server that never comes up. ``LookupError`` naming what failed."""
+    try:
+        from mlora_lab.agents.vf_harness import VerifiersEnv
+    except ImportError as e:
+        raise LookupError(
+            f"env {config.env!r} is a verifiers environment and verifiers cannot be imported "
+            f"({error_line(e)}): pip install 'mlora_lab[agents]'"
+        ) from None
+    # (verifiers starts a taskset's tool servers as `python -m <module>`: the launch directory's modules
+    # import there as they do here)
+    paths = [os.getcwd(), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        env = VerifiersEnv(
+            target,
+            config.env_args,
+            base_url=config.base_url,
+            api_key=config.api_key,
+            model=config.model,
+            max_turns=config.max_turns,
+            turn_timeout_s=config.turn_timeout_s,
+            rollout_timeout_s=config.rollout_timeout_s,
+        )
+        loop.run_until_complete(env.start())
+    except Exception as e:
+        raise LookupError(f"env {config.env!r}: loading it in verifiers raised {last_line(e)}") from None
+
+    async def run(tid: str, example: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await env.run(tid, example)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise EpisodeFailure(
+                str(e) if isinstance(e, RuntimeError) else f"episode {tid!r}: {last_line(e)}"
+            ) from None
+
+    return run
+
+
 # -- a request --------------------------------------------------------------------------------------
 async def run_batch(config: EnvConfig, run: Any, episodes: list[dict[str, Any]]) -> dict[str, Any]:
     """Every episode at once, each within ``rollout_timeout_s``: ``{"results": [...]}``, or ``{"error": ...}``
@@ -381,8 +454,13 @@ def serve(key: bytes) -> None:
             }
         )
         return
+    loop = asyncio.new_event_loop()
     try:
-        if config.env is not None:
+        vf_target = verifiers_target(config.env) if config.env is not None else None
+        if vf_target is not None:
+            say({"importing": config.env})
+            run = load_verifiers(config, vf_target, loop)
+        elif config.env is not None:
             say({"importing": config.env})
             fn = load(config.env)
             if not callable(fn):
@@ -413,7 +491,6 @@ def serve(key: bytes) -> None:
         say({"error": f"loading the env raised {last_line(e)}"})
         return
     say({"ok": True})
-    loop = asyncio.new_event_loop()
     # (many episodes in sync code at once; threads of a hung one are never joined: the parent kills us)
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=256))
     for line in sys.stdin.buffer:

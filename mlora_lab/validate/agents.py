@@ -1,7 +1,9 @@
 """An agent tenant's settings (``rl.env``, ``rl.tools``, ``rl.env_args``; :mod:`mlora_lab.agents`), checked with
 every other problem of the spec, before any process starts.
 
-check_agent_field(ctx, t, value, info, label)   the agent fields' own kinds: ``function`` (one optional function),
+check_agent_field(ctx, t, value, info, label)   the agent fields' own kinds: ``function`` (one optional function;
+                                                ``rl.env`` may be a verifiers env: ``"verifiers:<taskset id>"``, a
+                                                ``Taskset`` or an ``Env``),
                                                 ``functions`` (a list, maybe empty), ``mapping`` (JSON keyword
                                                 arguments)
 check_agent(ctx, t, ok)                         what the fields mean together: tools
@@ -16,20 +18,35 @@ import json
 from typing import Any
 
 from mlora_lab.rl.rewards import parse_reward
-from mlora_lab.sources import RewardSnapshot, reward_in_memory
+from mlora_lab.sources import RewardSnapshot, reward_in_memory, verifiers_object
 from mlora_lab.spec.fields import FieldInfo
 from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import error_line
 from mlora_lab.validate.context import Context, got
 
+VERIFIERS_PREFIX = "verifiers:"
+"""``rl.env = "verifiers:<taskset id>"``: a verifiers 0.4 environment (:mod:`mlora_lab.agents.vf_harness`)."""
+
 
 def _function_problem(v: Any, label: str) -> str | None:
+    if label == "rl.env" and ((isinstance(v, str) and v.startswith(VERIFIERS_PREFIX)) or verifiers_object(v)):
+        return _verifiers_problem(v, label)
     if reward_in_memory(v):
         return None
     if not isinstance(v, str):
         return f"{label} must be 'module:function', 'file.py:function' or a function ({got(v)})"
     why = parse_reward(v)
     return f"{label}: {why}" if isinstance(why, str) else None
+
+
+def _verifiers_problem(v: Any, label: str) -> str | None:
+    """What is wrong with a verifiers env: a taskset id that is not one, or verifiers missing (the env worker
+    imports the taskset and names what fails there)."""
+    if isinstance(v, str) and not v.removeprefix(VERIFIERS_PREFIX).strip():
+        return f"{label} {v!r} names no taskset: write '{VERIFIERS_PREFIX}<taskset id>'"
+    if importlib.util.find_spec("verifiers") is None:
+        return f"{label} is a verifiers environment and verifiers is not installed: pip install 'mlora_lab[agents]'"
+    return None
 
 
 def check_agent_field(ctx: Context, t: Tenant, value: Any, info: FieldInfo, label: str) -> bool:
@@ -89,6 +106,14 @@ def check_agent(ctx: Context, t: Tenant, ok: dict[str, bool]) -> None:
             "rl",
             "an agent tenant's episodes call the job through the openai client, which is not installed: "
             "pip install 'mlora_lab[openai]'",
+        )
+    verifiers = (isinstance(rl.env, str) and rl.env.startswith(VERIFIERS_PREFIX)) or verifiers_object(rl.env)
+    if verifiers and isinstance(rl.tools, list | tuple) and rl.tools:
+        ctx.say(
+            t,
+            "rl",
+            "rl.tools are not used by a verifiers environment (rl.env): its tools are its taskset's toolsets; "
+            "remove rl.tools",
         )
     if isinstance(rl.tools, list | tuple) and rl.tools:  # (a bad reference among them is named on its own)
         _check_tools(ctx, t, [f for f in rl.tools if reward_in_memory(f) or isinstance(f, str)])
