@@ -15,7 +15,9 @@ environment.
 
 What a turn samples is the tenant's own: its ``rl.temperature`` (the trainer scores at it; a request's own
 ``temperature``, ``top_p`` are not taken), at most ``rl.max_new_tokens`` (or the request's ``max_tokens``,
-whichever is smaller, and what room ``seq_len`` leaves), stopping at EOS, ``rl.stop`` and the request's ``stop``.
+whichever is smaller, and what room the model's context leaves), stopping at EOS, ``rl.stop`` and the request's
+``stop``. An episode may grow past the job's ``seq_len`` (up to the model's context, ``context``): the job trains
+its first ``seq_len`` tokens, with a warning row (:class:`~mlora_lab.agents.rollouts.Played`'s ``cut``).
 Its seed is the trajectory's: turn ``u`` of member ``j`` of prompt ``b`` of generation ``g`` draws as completion
 ``j`` of that prompt does in a single-turn tenant (:data:`turn_seed`), so a one-turn env equals today's RL.
 
@@ -155,7 +157,8 @@ def _number(text: str, kind: type, low: float, high: float) -> Any:
 class AgentEndpoint:
     """The endpoint's state (keys, tenants, expected trajectories, the capture, the turn queue) and its app.
 
-    ``seq_len``: the longest trajectory; ``wait_s``: the longest a turn waits for the job before a 504."""
+    ``seq_len``: the longest trajectory the endpoint holds, prompt and answers (the model's context: past it a
+    turn is refused, "the context is full"); ``wait_s``: the longest a turn waits for the job before a 504."""
 
     def __init__(self, tokenizer: Any, seq_len: int, wait_s: float = 600.0) -> None:
         self.tokenizer, self.seq_len, self.wait_s = tokenizer, int(seq_len), float(wait_s)
@@ -449,7 +452,7 @@ class AgentEndpoint:
         room = self.seq_len - len(ids)
         if room < 1:
             raise EndpointError(
-                400, f"the context is full: the prompt is {len(ids)} tokens of seq_len={self.seq_len}"
+                400, f"the context is full: the prompt is {len(ids)} tokens of the model's {self.seq_len}"
             )
         request_ = SampleRequest(
             prompt=ids,
@@ -517,7 +520,7 @@ class AgentEndpoint:
         room = self.seq_len - len(ids)
         if room < 1:
             raise EndpointError(
-                400, f"the context is full: the prompt is {len(ids)} tokens of seq_len={self.seq_len}"
+                400, f"the context is full: the prompt is {len(ids)} tokens of the model's {self.seq_len}"
             )
         turn = Turn(
             None,

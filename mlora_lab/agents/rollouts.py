@@ -111,6 +111,9 @@ class Rollouts:
         on_keys: Callable[[str | None, dict[str, str]], None] | None = None,
     ) -> None:
         self.model, self.tokenizer, self.seq_len, self.main = model, tokenizer, int(seq_len), main
+        # (an episode may grow past seq_len, up to what the model can attend to: trained cut, with a warning)
+        config = getattr(getattr(model, "model", model), "config", None)
+        self.context = max(self.seq_len, int(getattr(config, "max_position_embeddings", 0) or 0))
         self.broadcast, self.any_running, self.cwd = broadcast, any_running, cwd
         self.on_keys = on_keys
         """Rank 0, when a harness tenant is first registered: ``on_keys(base_url, {tenant: key})`` of every
@@ -133,7 +136,7 @@ class Rollouts:
     def _endpoint(self) -> AgentEndpoint:
         """The endpoint, started at its first use (rank 0)."""
         if self.endpoint is None:
-            self.endpoint = AgentEndpoint(self.tokenizer, self.seq_len)
+            self.endpoint = AgentEndpoint(self.tokenizer, self.context)
             self.endpoint.start()
         return self.endpoint
 
