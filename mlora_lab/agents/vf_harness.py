@@ -135,13 +135,19 @@ class InProcessHarness(vf.Harness[InProcessHarnessConfig]):
                     if e.status_code == 400 and "context" in str(e).lower():
                         trace.info[CONTEXT_STOP] = True
                         break
-                    return ProgramResult(1, "", f"turn {len(messages)}: {type(e).__name__}: {e}")
+                    turn = 1 + sum(m.get("role") == "assistant" for m in messages)
+                    return ProgramResult(1, "", f"turn {turn}: {type(e).__name__}: {e}")
                 except openai.OpenAIError as e:
                     return ProgramResult(1, "", f"the model call failed: {type(e).__name__}: {e}")
                 if not reply.choices:
                     return ProgramResult(1, "", "the endpoint answered with no choice")
                 message = reply.choices[0].message
-                messages.append(message.model_dump(exclude_none=True))
+                said: dict[str, Any] = {"role": "assistant", "content": message.content}
+                if message.tool_calls:  # (only what a chat message holds: no provider extras sent back)
+                    said["tool_calls"] = [
+                        c.model_dump(include={"id", "type", "function"}) for c in message.tool_calls
+                    ]
+                messages.append(said)
                 if not message.tool_calls:
                     break
                 for call in message.tool_calls:
@@ -210,10 +216,13 @@ def env_config_data(target: Any, env_args: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"rl.env is a {type(target).__name__}, not a verifiers Taskset or Env")
 
 
-def load_vf_env(target: Any, env_args: dict[str, Any], max_turns: int, rollout_timeout_s: float) -> vf.Env:
+def load_vf_env(
+    target: Any, env_args: dict[str, Any], max_turns: int, turn_timeout_s: float, rollout_timeout_s: float
+) -> vf.Env:
     """The env to run the tenant's episodes: ``target`` (see :func:`env_config_data`) with every role played by
-    :class:`InProcessHarness` in the subprocess runtime, ``max_turns`` model turns per role, and the episode
-    limit ``timeout.episode = rollout_timeout_s`` (verifiers leaves it unset). ``ValueError`` naming every role
+    :class:`InProcessHarness` in the subprocess runtime (a tool call bounded by ``turn_timeout_s``), at most
+    ``max_turns`` model turns per role, and the episode limit ``timeout.episode = rollout_timeout_s`` (verifiers
+    leaves it unset). ``ValueError`` naming every role
     that pins another harness or a remote runtime."""
     data = env_config_data(target, env_args)
     cfg = vf.resolve_env_config(data)
@@ -233,7 +242,7 @@ def load_vf_env(target: Any, env_args: dict[str, Any], max_turns: int, rollout_t
             )
         updates[role] = spec.model_copy(
             update={
-                "harness": InProcessHarnessConfig(),
+                "harness": InProcessHarnessConfig(tool_timeout=float(turn_timeout_s)),
                 "runtime": SubprocessConfig(),
                 "max_turns": max_turns if spec.max_turns is None else min(spec.max_turns, max_turns),
             }
@@ -332,7 +341,7 @@ class VerifiersEnv:
         turn_timeout_s: float,
         rollout_timeout_s: float,
     ) -> None:
-        self.env = load_vf_env(target, env_args, max_turns, rollout_timeout_s)
+        self.env = load_vf_env(target, env_args, max_turns, turn_timeout_s, rollout_timeout_s)
         self.rollout_timeout_s = rollout_timeout_s
         os.environ[KEY_VAR] = api_key
         timeout = ClientTimeoutConfig(read=float(turn_timeout_s))
