@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import inspect
 import json
 import math
@@ -401,6 +402,35 @@ def load_verifiers(config: EnvConfig, target: Any, loop: asyncio.AbstractEventLo
     return run
 
 
+def loaded_environment(config: EnvConfig, fn: Any) -> Any:
+    """``None`` when ``fn`` is a rollout function (``rollout(client, model, example, **env_args)``); the verifiers
+    environment when it is a loader, as verifiers' environment modules export one (``load_environment(**env_args)
+    -> Env``: called here, once); ``LookupError`` naming the env when it is neither."""
+    try:
+        signature = inspect.signature(fn)
+    except ValueError:  # (no signature to check: called as a rollout, which says)
+        return None
+    try:
+        signature.bind(None, None, None, **config.env_args)
+        return None
+    except TypeError as e:
+        rollout_error = error_line(e)
+    try:
+        signature.bind(**config.env_args)
+    except TypeError:
+        raise LookupError(
+            f"env {config.env!r} cannot be called as rollout(client, model, example"
+            f"{''.join(', ' + k + '=...' for k in config.env_args)}): {rollout_error}"
+        ) from None
+    made = fn(**config.env_args)
+    if not verifiers_object(made):
+        raise LookupError(
+            f"env {config.env!r} is neither rollout(client, model, example, ...) nor a loader of a verifiers "
+            f"environment: called with env_args it returned {brief(made)}, not a verifiers Env or Taskset"
+        )
+    return made
+
+
 # -- a request --------------------------------------------------------------------------------------
 async def run_batch(config: EnvConfig, run: Any, episodes: list[dict[str, Any]]) -> dict[str, Any]:
     """Every episode at once, each within ``rollout_timeout_s``: ``{"results": [...]}``, or ``{"error": ...}``
@@ -465,18 +495,13 @@ def serve(key: bytes) -> None:
             fn = load(config.env)
             if not callable(fn):
                 raise LookupError(f"env {config.env!r} is not a function")
-            try:
-                inspect.signature(fn).bind(None, None, None, **config.env_args)
-            except TypeError as e:
-                raise LookupError(
-                    f"env {config.env!r} cannot be called as rollout(client, model, example"
-                    f"{''.join(', ' + k + '=...' for k in config.env_args)}): {error_line(e)}"
-                ) from None
-            except ValueError:  # (no signature to check: the call says)
-                pass
+            loaded = loaded_environment(config, fn)
+            if loaded is not None:  # (verifiers' convention: load_environment(**env_args) -> an Env)
+                run = load_verifiers(dataclasses.replace(config, env_args={}), loaded, loop)
+            else:
 
-            def run(tid: str, example: dict[str, Any]) -> Any:
-                return run_rollout(config, fn, tid, example)
+                def run(tid: str, example: dict[str, Any]) -> Any:
+                    return run_rollout(config, fn, tid, example)
 
         else:
             tools = Tools(config.tools, say)

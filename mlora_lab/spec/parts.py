@@ -196,10 +196,15 @@ class RL:
     episode of ``example`` (a data row) through ``client``, an ``openai.OpenAI`` client of the job's own endpoint
     (``openai.AsyncOpenAI`` for an ``async def``), calling ``model`` (the tenant) as many turns as it likes, and
     returns the episode's reward (a number, or ``{"reward", "rewards": {name: score}, "metrics", "messages"}``).
-    The tokens trained on are the ones the endpoint sampled for the episode (:mod:`mlora_lab.agents`)."""
+    Or a ``verifiers`` 0.4 environment: ``"verifiers:<taskset id>"``, an environment module's loader
+    (``"my_env:load_environment"``: a function that takes only ``env_args`` and returns a ``verifiers.v1`` ``Env`` or
+    ``Taskset``), or such an object itself; its episodes run through ``Env.run_episode`` with an in-process harness
+    (:mod:`mlora_lab.agents.vf_harness`). The tokens trained on are the ones the endpoint sampled for the episode
+    (:mod:`mlora_lab.agents`)."""
     env_args: dict[str, Any] = field(default_factory=dict, metadata=meta(
         "env args", kind="mapping", section="Agent", form=False, help="keyword arguments of env"))
-    """Keyword arguments the ``env`` function is called with besides its three (JSON values)."""
+    """Keyword arguments the ``env`` function is called with besides its three (JSON values); a verifiers loader's
+    arguments, or a verifiers taskset's config fields."""
     tools: list[Any] = field(default_factory=list, metadata=meta(
         "tools", kind="functions", section="Agent", form=False, max=MAX_REWARDS,
         help="functions the model may call"))

@@ -292,6 +292,38 @@ def test_a_taskset_object_pickled_by_value_runs_as_its_id_does(launch_dir, endpo
     assert r.parts == {"short": pytest.approx((-0.5, 1.0))} and r.stop == "answered"
 
 
+LOADER = """
+import verifiers.v1 as vf
+
+import short_ts
+
+
+def load_environment(level: int = 0):
+    assert level == 2, level  # (env_args reach the loader)
+    return short_ts.ShortTaskset(vf.TasksetConfig())
+
+
+def not_an_env(level: int = 0):
+    return {"level": level}
+"""
+
+
+def test_an_environment_module_s_loader_is_called_with_env_args_as_verifiers_convention_has_it(
+    launch_dir, endpoint, workers
+):
+    """``env="my_env:load_environment"`` with ``env_args``: a function that is not ``rollout(client, model,
+    example)`` but takes the env_args is a loader, called once with them; what it returns runs as a verifiers env.
+    A loader of something else is named."""
+    (launch_dir / "my_env.py").write_text(LOADER)
+    w = worker(workers, endpoint, "my_env:load_environment", env_args={"level": 2})
+    (r,) = w.run([Episode("l-0", {"prompt": "say red and"})])
+    assert r.parts == {"short": pytest.approx((-0.5, 1.0))} and r.stop == "answered"
+    with pytest.raises(EnvError, match="returned .*level.*, not a verifiers Env or Taskset"):
+        worker(workers, endpoint, "my_env:not_an_env", env_args={"level": 2}).run(
+            [Episode("l-1", {"prompt": "x"})]
+        )
+
+
 def test_an_env_pinning_another_harness_or_an_unknown_taskset_is_named(launch_dir, endpoint, workers):
     (launch_dir / "pinned_ts.py").write_text(PINNED_TS)
     with pytest.raises(EnvError, match="role 'agent' pins harness 'bash'"):
