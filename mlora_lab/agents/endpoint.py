@@ -456,7 +456,7 @@ class AgentEndpoint:
             )
         request_ = SampleRequest(
             prompt=ids,
-            tenant=owner,
+            tenant=None if owner == BASE else owner,  # (an evaluation's base: no tenant is named so)
             num_samples=1,
             max_new_tokens=min(settings.max_new_tokens, asked or settings.max_new_tokens, room),
             temperature=settings.temperature,
