@@ -117,6 +117,36 @@ def _rank(config: dict) -> int:
     return max([int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())])
 
 
+def _metric_names(refs: list[str]) -> list[str]:
+    from mlora_lab.evals.generate import metric_names
+
+    return metric_names(refs)
+
+
+def _function_refs(
+    values: Sequence[Any], labels: Sequence[str], folder: Path, root: Path | None
+) -> tuple[list[Any], list[str]]:
+    """``(references, problems)`` of an environment's functions (``env``, ``tools``), as a launch makes them of
+    an agent tenant's: a reference kept (a relative file made absolute, a ``"verifiers:<id>"`` as it is), a
+    function or a verifiers object pickled by value into ``folder``. Their shapes were checked before."""
+    from mlora_lab.validate.agents import VERIFIERS_PREFIX
+
+    refs, problems = [], []
+    for i, (v, label) in enumerate(zip(values, labels, strict=True)):
+        if isinstance(v, str):
+            refs.append(v if v.startswith(VERIFIERS_PREFIX) else resolve_reward(v, os.getcwd()))
+            continue
+        try:
+            snap = RewardSnapshot.of(v)
+        except Exception as e:
+            problems.append(f"{label} ({brief(v)}) cannot be pickled for the env worker: {e}")
+            continue
+        path = folder / f"{i}-{snap.name}.pkl"
+        atomic_write_bytes(path, snap.data, root=root)
+        refs.append(f"{path}:{snap.name}")
+    return refs, problems
+
+
 def _metric_refs(metrics: Sequence[Metric], folder: Path, root: Path | None) -> tuple[list[str], list[str]]:
     """``(references, problems)``: built-ins by their module, files made absolute, functions pickled into
     ``folder`` (in the run when there is one: the evaluation keeps the metric it was scored with)."""
@@ -144,9 +174,15 @@ def _metric_refs(metrics: Sequence[Metric], folder: Path, root: Path | None) -> 
 def evaluate(
     source: Any,
     data: Any,
-    metrics: Sequence[Metric],
+    metrics: Sequence[Metric] = (),
     models: Sequence[str] | None = None,
     *,
+    env: Any = None,
+    env_args: dict[str, Any] | None = None,
+    tools: Sequence[Any] = (),
+    max_turns: int = 8,
+    turn_timeout_s: float = 60.0,
+    rollout_timeout_s: float = 600.0,
     name: str | None = None,
     num_samples: int = 1,
     temperature: float = 0.0,
@@ -177,9 +213,19 @@ def evaluate(
       (quarantined: a warning names them and why, and the evaluation's ``meta.left_out`` keeps it; named
       here, such a tenant is evaluated).
     - ``num_samples`` with a ``temperature`` > 0 gives pass@k; ``temperature=0`` is greedy.
+    - ``env`` / ``tools``: agent environments as benchmarks, the same ones agent tenants train on
+      (``ml.RL(env=, env_args=, tools=, max_turns=, turn_timeout_s=, rollout_timeout_s=)``): a rollout
+      function ``rollout(client, model, example, **env_args)`` (a function, ``"module:function"``,
+      ``"file.py:function"``), a verifiers environment, or ``tools=[fn, ...]`` with the built-in tool loop.
+      Each model plays ``num_samples`` episodes of every example, every model's waiting turns sampled together
+      (:mod:`mlora_lab.evals.episodes`); the env's own reward is the score column ``env`` (its rubric's parts
+      ``env/<part>``), and ``metrics`` (optional with ``env``) score whole conversations (``completions``: the
+      messages from the model's first answer on). A row's completion is the conversation after the prompt as
+      text; its ``episode`` column holds the messages, turns, stop reason and rubric.
 
     Every problem with the arguments (unknown models, metrics that cannot be loaded or do not take the rows'
-    columns, bad rows) is raised as one ``ValueError`` before any model is loaded."""
+    columns, bad rows, an env or tools that cannot be played) is raised as one ``ValueError`` before any model
+    is loaded."""
     problems = []
     for field, value, ok in (
         ("num_samples", num_samples, isinstance(num_samples, int) and num_samples >= 1),
@@ -190,11 +236,15 @@ def evaluate(
     ):
         if not ok:
             problems.append(f"{field} = {brief(value)} is out of range")
-    if isinstance(metrics, str | bytes) or callable(metrics) or not metrics:
+    agent = env is not None or (isinstance(tools, list | tuple) and bool(tools))
+    if isinstance(metrics, str | bytes) or callable(metrics) or (not metrics and env is None):
         problems.append(
             "metrics must be a non-empty list (of built-in names, 'module:function' or functions)"
+            + (" (the tool loop gives no reward of its own: its conversations need metrics)" if agent else "")
         )
         metrics = []
+    if agent or env_args:
+        problems += _agent_problems(env, env_args, tools, max_turns, turn_timeout_s, rollout_timeout_s, top_p)
     name = name or time.strftime("eval-%Y%m%d-%H%M%S")
     if not isinstance(name, str) or not NAME.fullmatch(name):
         problems.append(f"name {brief(name)} must be letters, digits, '.', '_', '-' (it names a folder)")
@@ -222,16 +272,123 @@ def evaluate(
     baselines, columns_needed = _baselines(list(metrics), chosen, choices, problems)
     root = src.run.path if (src.run is not None and save) else None
     with contextlib.ExitStack() as stack:
-        if root is not None:  # (the evaluation keeps the metrics it was scored with)
-            folder = eval_dir(root, name) / "metrics"
-        else:  # adapter folders, or not saved: the pickled metrics only live while it runs
-            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mlora-eval-")))
-        refs, metric_problems = _metric_refs(list(metrics), folder, root)
+        if root is not None:  # (the evaluation keeps the metrics (and env) it was scored with)
+            work = eval_dir(root, name)
+        else:  # adapter folders, or not saved: the pickled functions only live while it runs
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mlora-eval-")))
+        refs, metric_problems = _metric_refs(list(metrics), work / "metrics", root)
         problems += metric_problems
+        episodes = None
+        if agent and not problems:  # (their shapes are right: pickled now, the metrics' way)
+            tools = list(tools)
+            labels = ["env"] * (env is not None) + [f"tools[{i}]" for i in range(len(tools))]
+            played, env_problems = _function_refs(
+                [*([env] if env is not None else []), *tools], labels, work / "env", root
+            )
+            problems += env_problems
+            episodes = _Episodes(
+                env=played[0] if env is not None else None,
+                tools=played[1:] if env is not None else played,
+                env_args=dict(env_args or {}),
+                max_turns=max_turns,
+                turn_timeout_s=float(turn_timeout_s),
+                rollout_timeout_s=float(rollout_timeout_s),
+                shown=_shown_env(env),
+            )
+        if episodes is not None and "env" in _metric_names(refs):
+            problems.append("a metric is named 'env': that is the column of the env's own reward; rename it")
         if problems:
             raise ValueError("evaluate:\n  - " + "\n  - ".join(problems))
         return _evaluate(src, data, refs, chosen, name, root, num_samples, temperature, top_p, max_new_tokens,
-                         seed, stop, limit, timeout_s, left_out, baselines, columns_needed)  # fmt: skip
+                         seed, stop, limit, timeout_s, left_out, baselines, columns_needed, episodes)  # fmt: skip
+
+
+def _shown_env(env: Any) -> str:
+    """How an error names an evaluation's environment: its reference, its function's name, its type."""
+    if env is None:
+        return "the tool loop"
+    if isinstance(env, str):
+        return f"env {brief(env)}"
+    name = getattr(env, "__qualname__", None) or type(env).__name__
+    return f"env {shown_text(str(name), 80)}"
+
+
+@dataclass
+class _Episodes:
+    """An evaluation's environment, checked and with its functions as references (the env worker's)."""
+
+    env: str | None
+    tools: list[str]
+    env_args: dict[str, Any]
+    max_turns: int
+    turn_timeout_s: float
+    rollout_timeout_s: float
+    shown: str  # (how errors name it)
+
+
+def _agent_problems(
+    env: Any,
+    env_args: Any,
+    tools: Any,
+    max_turns: Any,
+    turn_timeout_s: Any,
+    rollout_timeout_s: Any,
+    top_p: Any,
+) -> list[str]:
+    """Everything wrong with an evaluation's environment, checked as an agent tenant's fields are
+    (:mod:`mlora_lab.validate.agents`): the env a function, a reference or a verifiers env; tools a list of
+    functions with tool schemas and distinct names; env_args JSON keyword arguments of an env; the limits
+    positive; sampling with every token allowed (as agent tenants sample); the openai client installed."""
+    import importlib.util
+
+    from mlora_lab.sources import verifiers_object
+    from mlora_lab.validate.agents import VERIFIERS_PREFIX, _check_tools, _function_problem
+
+    def named(p: str) -> str:  # (the spec's words for the same fields: rl.env -> env)
+        return p.replace("rl.env", "env", 1).replace("rl.tools", "tools", 1)
+
+    problems = []
+    if env is not None and (p := _function_problem(env, "rl.env")):
+        problems.append(named(p))
+    if not isinstance(tools, list | tuple):
+        problems.append(f"tools must be a list of functions, not {brief(tools)}")
+        tools = []
+    problems += [named(p) for i, v in enumerate(tools) if (p := _function_problem(v, f"rl.tools[{i}]"))]
+    verifiers = (isinstance(env, str) and env.startswith(VERIFIERS_PREFIX)) or verifiers_object(env)
+    if verifiers and tools:
+        problems.append(
+            "tools are not used by a verifiers environment (env): its tools are its taskset's toolsets"
+        )
+    if env_args is not None:
+        if not isinstance(env_args, dict) or not all(isinstance(k, str) for k in env_args):
+            problems.append(f"env_args must be a dict with text keys, not {brief(env_args)}")
+        else:
+            try:
+                json.dumps(env_args, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                problems.append(f"env_args must hold JSON values only: {e}")
+        if env_args and env is None:
+            problems.append("env_args are the keyword arguments of env, and there is no env")
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        problems.append(f"max_turns = {brief(max_turns)} must be a positive integer")
+    for field, v in (("turn_timeout_s", turn_timeout_s), ("rollout_timeout_s", rollout_timeout_s)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf"):
+            problems.append(f"{field} = {brief(v)} must be a positive number of seconds")
+    if isinstance(top_p, int | float) and top_p != 1:
+        problems.append(
+            f"top_p = {top_p:g}: an environment's episodes sample with every token allowed (top_p=1)"
+        )
+    if importlib.util.find_spec("openai") is None:
+        problems.append("an environment's episodes call the models through the openai client, which is not "
+                        "installed: pip install 'mlora_lab[openai]'")  # fmt: skip
+
+    class _Said:  # (the tools' checks say their problems to a spec's context: collect them)
+        def say(self, owner: Any, field: Any, message: str, path: Any = None) -> None:
+            problems.append(named(message))
+
+    if tools:
+        _check_tools(_Said(), None, [f for f in tools if reward_in_memory(f) or isinstance(f, str)])  # type: ignore[arg-type]
+    return problems
 
 
 def _baselines(
@@ -274,6 +431,7 @@ def _evaluate(
     left_out: dict[str, str],
     baselines: list[str],
     columns_needed: dict[str, str],
+    episodes: _Episodes | None = None,
 ) -> Evaluation:
     """:func:`evaluate` once its arguments are checked: the tokenizer, the examples and the metrics'
     signatures (their problems, still before a model loads), then the models, generation and scores."""
@@ -282,6 +440,7 @@ def _evaluate(
 
     from mlora_lab.bases import no_progress_bars, resolve_base
     from mlora_lab.data import DataError
+    from mlora_lab.evals.episodes import EPISODE_COLUMN, EpisodeEvalError, run_episodes
     from mlora_lab.evals.generate import metric_names, read_examples, run_eval
     from mlora_lab.lora import MultiLoRAModel
     from mlora_lab.rl.rewards import RewardSignature, inspect_rewards
@@ -306,6 +465,13 @@ def _evaluate(
                 f"metric {metric} compares every model with {column!r}, which is neither a model of this "
                 f"evaluation ({', '.join(chosen)}) nor a column of its rows ({', '.join(sorted(columns)) or 'none'})"
             )
+    if episodes is not None:
+        taken = sorted({e for e, ex in enumerate(examples) if EPISODE_COLUMN in ex.columns})
+        if taken:
+            problems.append(
+                f"{source_name(data)} rows {', '.join(map(str, taken[:5]))} have a column {EPISODE_COLUMN!r}: an "
+                "environment's evaluation keeps each episode under that name; rename the column"
+            )
     if not examples and not problems:
         problems.append(f"{source_name(data)} has no rows")
     if problems:
@@ -328,23 +494,35 @@ def _evaluate(
     for m in adapters:
         mm.load_adapter(m, src.adapters[m])
     names = metric_names(refs)
-    with torch.no_grad():
-        rows = run_eval(
-            mm,
-            tokenizer,
-            examples,
-            [(m, None if m == "base" else m) for m in chosen],
-            refs,
-            names=names,
-            num_samples=num_samples,
-            temperature=float(temperature),
-            top_p=float(top_p),
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            stop=stop,
-            timeout_s=timeout_s,
-            baselines=baselines,
-        )
+    if episodes is not None:  # (run_episodes plays under no_grad itself)
+        try:
+            rows, names = run_episodes(
+                mm, tokenizer, examples, chosen, refs, env=episodes.env, tools=episodes.tools,
+                env_args=episodes.env_args, names=names, num_samples=num_samples, temperature=float(temperature),
+                max_new_tokens=max_new_tokens, max_turns=episodes.max_turns,
+                turn_timeout_s=episodes.turn_timeout_s, rollout_timeout_s=episodes.rollout_timeout_s, seed=seed,
+                stop=stop, timeout_s=timeout_s, cwd=os.getcwd(), baselines=baselines, shown_env=episodes.shown,
+            )  # fmt: skip
+        except EpisodeEvalError as e:
+            raise RuntimeError(f"evaluate: {e}") from None
+    else:
+        with torch.no_grad():
+            rows = run_eval(
+                mm,
+                tokenizer,
+                examples,
+                [(m, None if m == "base" else m) for m in chosen],
+                refs,
+                names=names,
+                num_samples=num_samples,
+                temperature=float(temperature),
+                top_p=float(top_p),
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+                stop=stop,
+                timeout_s=timeout_s,
+                baselines=baselines,
+            )
     meta = EvalMeta(
         name=name,
         models=chosen,
