@@ -30,19 +30,29 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mlora_lab.evals.generate import EvalPrompt, metric_names
 from mlora_lab.evals.metrics import PEER_COLUMNS
 from mlora_lab.rl.rewards import RewardBatch, RewardWorker
 from mlora_lab.rundir.evals import EvalExample
 from mlora_lab.text import brief
 
+if TYPE_CHECKING:  # (the lab reads EPISODE_COLUMN without loading torch, which generate imports)
+    from mlora_lab.evals.generate import EvalPrompt
+
 ENV_COLUMN = "env"
 """The score column of the environment's own reward (the RL driver's name for it); its rubric's parts are
 ``env/<part>``."""
 EPISODE_COLUMN = "episode"
-"""The row column that holds each episode: ``{"messages", "turns", "stop", "parts", "forks"}``."""
+"""The row column that holds each episode: ``{"messages", "turns", "stop", "parts", "forks"}``
+(:data:`EPISODE_KEYS`). Saved among the row's columns; :class:`~mlora_lab.lab.evals.evaluation.Evaluation`
+takes it out of them (an episode is its row's own, not its example's)."""
+EPISODE_KEYS = frozenset({"messages", "turns", "stop", "parts", "forks"})
+
+
+def is_episode(value: Any) -> bool:
+    """Whether ``value`` is an episode as :func:`run_episodes` keeps it in a row's :data:`EPISODE_COLUMN`."""
+    return isinstance(value, dict) and value.keys() == EPISODE_KEYS
 
 
 class EpisodeEvalError(RuntimeError):
@@ -114,6 +124,7 @@ def run_episodes(
     import torch
 
     from mlora_lab.agents.rollouts import RolloutJob, Rollouts
+    from mlora_lab.evals.generate import metric_names
     from mlora_lab.spec.parts import RL
 
     names = list(names) if names is not None else metric_names(metrics)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mlora_lab.evals.episodes import EPISODE_COLUMN, is_episode
 from mlora_lab.evals.scores import bootstrap, failures, per_example
 from mlora_lab.lab.runs.attach import RunLike, as_runs
 from mlora_lab.rundir.evals import EvalExample, EvalMeta, list_evals, read_eval
@@ -25,7 +26,10 @@ class Evaluation:
     """One evaluation: models × examples × samples, each completion with every metric's score."""
 
     def __init__(self, meta: EvalMeta, rows: list[EvalExample], folder: Path | None = None) -> None:
-        self.meta, self.rows, self.folder = meta, rows, folder
+        self.meta, self.folder = meta, folder
+        self.rows, self.episodes = _episodes_apart(rows)
+        """``rows``, and each one's episode (an environment's evaluation: ``{"messages", "turns", "stop",
+        "parts", "forks"}``; ``None`` for a completion), which the rows keep among their columns when saved."""
         self._per_example: dict[str, np.ndarray] | None = None  # (the rows never change: made once)
 
     @property
@@ -53,8 +57,10 @@ class Evaluation:
     def examples(self) -> pd.DataFrame:
         """One row per example, model and sample: ``example, model, sample, prompt, completion``, a column
         per metric (NaN: not scored), the example's other columns (its reference, ...), ``tokens`` and
-        ``stop_reason``."""
+        ``stop_reason``, and for an environment's evaluation ``episode`` (its row's: messages, turns, stop,
+        rubric parts, forks; the completion is its conversation after the prompt as text)."""
         extra = list(dict.fromkeys(k for r in self.rows for k in r.columns))
+        episodes = any(e is not None for e in self.episodes)
         records = [
             (
                 r.example,
@@ -66,8 +72,9 @@ class Evaluation:
                 *(r.columns.get(k) for k in extra),
                 r.tokens,
                 r.stop_reason,
+                *([episode] if episodes else []),
             )
-            for r in self.rows
+            for r, episode in zip(self.rows, self.episodes, strict=True)
         ]
         columns = [
             "example",
@@ -79,6 +86,7 @@ class Evaluation:
             *extra,
             "tokens",
             "stop_reason",
+            *([EPISODE_COLUMN] if episodes else []),
         ]
         return pd.DataFrame.from_records(records, columns=columns)
 
@@ -246,6 +254,26 @@ def leaderboard_grid(models: int, metrics: int) -> tuple[int, int, tuple[float, 
     cols = max(1, min(metrics, 3, int(LEADERBOARD_MAX_WIDTH // axes_width)))
     rows = -(-max(1, metrics) // cols)
     return rows, cols, (cols * axes_width, 0.4 + 2.9 * rows)
+
+
+def _episodes_apart(rows: list[EvalExample]) -> tuple[list[EvalExample], list[dict[str, Any] | None]]:
+    """``(rows, episodes)``: each row without its episode among its columns (the eval table shows an example's
+    columns once per example; an episode is its row's own), and that episode (``None``: none)."""
+    import msgspec
+
+    if not any(is_episode(r.columns.get(EPISODE_COLUMN)) for r in rows):
+        return rows, [None] * len(rows)
+    out, episodes = [], []
+    for r in rows:
+        episode = r.columns.get(EPISODE_COLUMN)
+        if not is_episode(episode):
+            out.append(r)
+            episodes.append(None)
+            continue
+        columns = {k: v for k, v in r.columns.items() if k != EPISODE_COLUMN}
+        out.append(msgspec.structs.replace(r, columns=columns))
+        episodes.append(episode)
+    return out, episodes
 
 
 def _num(v: float | None) -> float:

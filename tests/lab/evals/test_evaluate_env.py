@@ -161,6 +161,12 @@ def test_a_multi_turn_env_on_the_base_and_two_tenants_is_scored_by_the_env_and_a
                if m["role"] == "assistant")  # fmt: skip
     assert got["content"].strip() == want.strip()
 
+    # the eval table shows an example's columns once per example: an episode is its row's, not among them
+    frame = ev.table().frame()
+    assert "episode" not in frame.columns and "word" in frame.columns
+    assert "user: no, try again" in ev.table(models=["base", "beta"]).html()
+    assert all("episode" not in r.columns for r in ev.rows) and len(ev.episodes) == len(ev.rows)
+
     # the scores table and the saved evaluation
     scores = ev.scores()
     assert list(scores.index) == models and {"env", "env/hit", "assistant_turns"} <= set(scores.columns)
