@@ -109,6 +109,7 @@ class Rollouts:
         any_running: Callable[[bool], bool] | None = None,
         cwd: str | os.PathLike | None = None,
         on_keys: Callable[[str | None, dict[str, str]], None] | None = None,
+        gather: dict[str, float] | None = None,
     ) -> None:
         self.model, self.tokenizer, self.seq_len, self.main = model, tokenizer, int(seq_len), main
         # (an episode may grow past seq_len, up to what the model can attend to: trained cut, with a warning)
@@ -119,6 +120,10 @@ class Rollouts:
         """Rank 0, when a harness tenant is first registered: ``on_keys(base_url, {tenant: key})`` of every
         harness tenant (the RL driver writes the run's ``agents.json``); ``on_keys(None, {})`` when the endpoint
         stops."""
+        self.gather = dict(gather or {})
+        """How long a wave gathers turns: :meth:`~mlora_lab.agents.endpoint.AgentEndpoint.take`'s ``quiet_s`` and
+        ``most_s`` (its defaults: a job, whose steps wait on the episodes); an evaluation, waiting on nothing
+        else, gathers longer so that more episodes' turns share each generation."""
         self.endpoint: AgentEndpoint | None = None
         self.workers: dict[str, EnvWorker] = {}
 
@@ -170,6 +175,32 @@ class Rollouts:
             worker = self.workers[job.tenant] = EnvWorker(config, cwd=self.cwd)
         return worker
 
+    def start(self, jobs: Sequence[RolloutJob]) -> dict[str, str]:
+        """Rank 0: start the env workers of ``jobs`` together and wait until each has loaded its env (answered an
+        empty batch), so that their first turns reach one wave: a worker's start (its imports) takes longer than
+        a wave waits for turns, which would give an evaluation's models their first turns alone. Returns why a
+        job's worker could not start (its env does not load: :meth:`play` would fail it the same way)."""
+        failed: dict[str, str] = {}
+        starting: dict[str, EnvWorker] = {}
+        for job in jobs:
+            try:
+                worker = self._worker(job)
+                if worker is not None:
+                    worker.submit([])
+                    starting[job.tenant] = worker
+            except EnvError as e:
+                failed[job.tenant] = str(e)
+        while starting:  # (each poll keeps the worker's start deadline: this ends)
+            for name in list(starting):
+                try:
+                    done = starting[name].poll() is not None
+                except EnvError as e:
+                    failed[name], done = str(e), True
+                if done:
+                    del starting[name]
+            time.sleep(0.01 if starting else 0)
+        return failed
+
     def play(self, jobs: Sequence[RolloutJob]) -> dict[str, list[Played] | str]:
         """Every job's episodes (in order ``b·G + j``), or why its tenant failed; the same on every process."""
         results: dict[str, list[EpisodeResult] | str] = {}
@@ -201,6 +232,8 @@ class Rollouts:
                     got = pending[name].poll()
                 except EnvError as e:
                     got = str(e)
+                for tid in pending[name].take_ended():  # (no wave waits for an episode that ended)
+                    self.endpoint.ended(tid)  # type: ignore[union-attr]
                 if got is not None:
                     results[name] = got
                     del pending[name]
@@ -238,7 +271,7 @@ class Rollouts:
             if self.main:
                 assert waiting is not None
                 still = waiting()
-                turns = self.endpoint.take() if still and self.endpoint is not None else []
+                turns = self.endpoint.take(**self.gather) if still and self.endpoint is not None else []
                 bad = failed()
                 for turn in [x for x in turns if x.request.tenant in bad]:  # (a failed env's last turns)
                     turn.settle(RuntimeError("the tenant's env failed"))

@@ -47,6 +47,10 @@ EPISODE_COLUMN = "episode"
 """The row column that holds each episode: ``{"messages", "turns", "stop", "parts", "forks"}``
 (:data:`EPISODE_KEYS`). Saved among the row's columns; :class:`~mlora_lab.lab.evals.evaluation.Evaluation`
 takes it out of them (an episode is its row's own, not its example's)."""
+GATHER = {"quiet_s": 0.1, "most_s": 1.0}
+"""How long each wave gathers the models' waiting turns (seconds: the longest gap between two, the longest in
+all): longer than a job's waves (an evaluation waits on nothing else), so that every model's episodes, whose
+env workers answer at their own pace, share the generations."""
 EPISODE_KEYS = frozenset({"messages", "turns", "stop", "parts", "forks"})
 
 
@@ -144,14 +148,18 @@ def run_episodes(
     )
     data = [({"messages": ex.prompt} if ex.chat else {"prompt": ex.prompt}) | ex.columns for ex in examples]
     jobs = [RolloutJob(m, rl, 0, data, [seed + e for e in range(len(examples))], num_samples) for m in models]
-    rollouts = Rollouts(model, tokenizer, seq_len, main=True, broadcast=lambda x: x, cwd=cwd)
+    rollouts = Rollouts(
+        model, tokenizer, seq_len, main=True, broadcast=lambda x: x, cwd=cwd, gather=dict(GATHER)
+    )
     try:
-        with torch.no_grad():
-            played = rollouts.play(jobs)
+        failed = rollouts.start(jobs)  # (every model's worker up first: their first turns batch together)
+        if not failed:
+            with torch.no_grad():
+                played = rollouts.play(jobs)
+            failed = {m: got for m, got in played.items() if isinstance(got, str)}
     finally:
         rollouts.close()
     what = shown_env or (f"env {brief(env)}" if env is not None else "the tool loop")
-    failed = {m: got for m, got in played.items() if isinstance(got, str)}
     if failed:
         raise EpisodeEvalError(
             f"{what} failed for " + "; ".join(f"model {m!r}: {why}" for m, why in failed.items())

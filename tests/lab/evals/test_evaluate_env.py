@@ -215,3 +215,39 @@ def test_every_problem_with_the_env_is_named_before_a_model_loads(run_dir, monke
         assert part in text, text
     with pytest.raises(ValueError, match="column 'episode'"):
         ml.evaluate(run_dir, [dict(ROWS[0], episode=1)], env=guess)
+
+
+SHORT_TS = """
+import verifiers.v1 as vf
+
+
+class ShortTask(vf.Task[vf.TaskData, vf.State, vf.TaskConfig]):
+    @vf.reward(weight=1.0)
+    async def short(self, trace) -> float:
+        return -len(trace.messages[-1].content or "") / 10
+
+
+class ShortTaskset(vf.Taskset[ShortTask, vf.TasksetConfig]):
+    def load(self):
+        yield ShortTask(vf.TaskData(prompt="say red and"), self.config.task)
+
+
+__all__ = ["ShortTaskset"]
+"""
+
+
+def test_a_verifiers_taskset_comes_through_the_same_env(run_dir, tmp_path, monkeypatch):
+    pytest.importorskip("verifiers.v1", reason="verifiers is not installed (pip install 'mlora_lab[agents]')")
+    (tmp_path / "short_ts.py").write_text(SHORT_TS)
+    monkeypatch.chdir(tmp_path)  # (the env workers import the taskset from the working directory)
+    rows = [{"prompt": "say red and"}, {"messages": [{"role": "user", "content": "say green and"}]}]
+    ev = ml.evaluate(
+        run_dir, rows, env="verifiers:short_ts", models=["base", "beta"], max_new_tokens=6, save=False
+    )
+    assert ev.metrics == ["env", "env/short"]
+    table = ev.examples()
+    assert len(table) == 4
+    for _, row in table.iterrows():
+        answer = row["episode"]["messages"][-1]
+        assert answer["role"] == "assistant" and row["episode"]["stop"] == "answered"
+        assert row["env"] == pytest.approx(-len(answer["content"] or "") / 10) == row["env/short"]
