@@ -243,8 +243,12 @@ def evaluate(
             + (" (the tool loop gives no reward of its own: its conversations need metrics)" if agent else "")
         )
         metrics = []
-    if agent or env_args:
-        problems += _agent_problems(env, env_args, tools, max_turns, turn_timeout_s, rollout_timeout_s, top_p)
+    env_problems = (
+        _agent_problems(env, env_args, tools, max_turns, turn_timeout_s, rollout_timeout_s, top_p)
+        if agent or env_args
+        else []
+    )
+    problems += env_problems
     name = name or time.strftime("eval-%Y%m%d-%H%M%S")
     if not isinstance(name, str) or not NAME.fullmatch(name):
         problems.append(f"name {brief(name)} must be letters, digits, '.', '_', '-' (it names a folder)")
@@ -279,13 +283,13 @@ def evaluate(
         refs, metric_problems = _metric_refs(list(metrics), work / "metrics", root)
         problems += metric_problems
         episodes = None
-        if agent and not problems:  # (their shapes are right: pickled now, the metrics' way)
+        if agent and not env_problems:  # (their shapes are right: pickled now, the metrics' way)
             tools = list(tools)
             labels = ["env"] * (env is not None) + [f"tools[{i}]" for i in range(len(tools))]
-            played, env_problems = _function_refs(
+            played, pickle_problems = _function_refs(
                 [*([env] if env is not None else []), *tools], labels, work / "env", root
             )
-            problems += env_problems
+            problems += pickle_problems
             episodes = _Episodes(
                 env=played[0] if env is not None else None,
                 tools=played[1:] if env is not None else played,
