@@ -403,3 +403,64 @@ def test_rewards_rise_for_a_multi_turn_env_and_a_tools_tenant_beside_an_sft_tena
         assert len(rewards) == 10
         rose[t.name] = (sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3)
     assert all(last > first for first, last in rose.values()), rose
+
+
+@pytest.mark.slow  # (starts a job under torchrun)
+def test_two_ranks_equal_one_with_an_env_and_a_tools_tenant_beside_sft(llama_path, tmp_path):
+    """Under torchrun with ``fsdp=2``: an env tenant (:func:`guess`, given by value: the launch pickles it), a
+    tools tenant (``tools=[add]``, :func:`tool_reward` by value) and an SFT tenant end as the same job on one
+    process (the same pickles, read from a run folder as the launch writes them): rank 0 plays the episodes and
+    broadcasts them, each rank trains its share of the rows, and the rewards, the losses (1e-5) and the
+    adapters (1e-5) agree."""
+    import mlora_lab as ml
+    from mlora_lab.lab.runs.tenant_data import freeze, write_data
+    from mlora_lab.lora import read_adapter
+    from mlora_lab.rundir import RunDir
+
+    chats = write_rows(tmp_path / "chat.jsonl", chat_rows(4))
+    questions = write_rows(tmp_path / "questions.jsonl", question_rows(2))
+    tenants = [
+        tenant(
+            "env",
+            chats,
+            RL(env=guess, env_args={"rounds": 2}, group_size=2, max_new_tokens=6, temperature=0.9),
+        ),
+        tenant(
+            "tools",
+            questions,
+            RL(tools=[add], reward=tool_reward, group_size=3, max_new_tokens=6, max_turns=2),
+            batch_size=1,
+            seed=7,
+        ),
+        tenant("sft", write_rows(tmp_path / "sft.jsonl", sft_rows())),
+    ]
+    here = RunDir(tmp_path / "here").create()
+    trainer = Trainer(
+        job(llama_path, [write_data(here, freeze(t)) for t in tenants], seq_len=448), run_dir=here.root
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    for name, t in trainer.tenants.items():
+        assert t.state is TenantState.FINISHED, (name, t.reason)
+
+    spec = job(llama_path, tenants, seq_len=448, parallel=ml.Parallel(nproc=2, fsdp=2))
+    spec.output_dir = str(tmp_path / "out")
+    run = ml.launch(spec)
+    state = run.wait(300)
+    assert state == "finished", f"{state}: {run.error}\n{run.logs(0)}\n{run.logs(1)}"
+    m = run.metrics()
+    m = m[m["kind"] == "train"]
+    assert set(m["tenant"]) == {"env", "tools", "sft"}
+    want = {(r["tenant"], r["tenant_step"]): r for r in trainer.history if r["kind"] == RowKind.TRAIN}
+    got = m.set_index(["tenant", "tenant_step"]).sort_index()
+    assert set(got.index) == set(want)
+    rl_keys = [k for k in got.index if k[0] != "sft"]
+    assert [got.loc[k, "reward"] for k in rl_keys] == pytest.approx(
+        [want[k]["reward"] for k in rl_keys], abs=TOL
+    )
+    assert list(got["loss"]) == pytest.approx([want[k]["loss"] for k in got.index], abs=TOL)
+    for name in ("env", "tools", "sft"):
+        x, y = read_adapter(run.adapter_path(name))[1], read_adapter(here.root / "adapters" / name)[1]
+        assert max_diff(x, y) <= TOL, name
