@@ -88,7 +88,7 @@ def worker(payload: str) -> None:
     from mlora_lab.spec.parts import RL
     from mlora_lab.spec.tenant import Tenant
 
-    spent = {"sample": 0.0, "play": 0.0}
+    spent = {"sample": 0.0, "play": 0.0, "waves": 0}
     sample, play = rollouts.sample, rollouts.Rollouts.play
 
     def timed_sample(*a, **kw):
@@ -97,6 +97,7 @@ def worker(payload: str) -> None:
             return sample(*a, **kw)
         finally:
             spent["sample"] += time.perf_counter() - t0
+            spent["waves"] += 1
 
     def timed_play(self, *a, **kw):
         t0 = time.perf_counter()
@@ -149,6 +150,7 @@ def worker(payload: str) -> None:
             turns=turns,
             play=spent["play"],
             sample=spent["sample"],
+            waves=spent["waves"],
             states=states,
         )
     )
@@ -222,6 +224,10 @@ def main() -> None:
     print(
         f"4-tenant job: episodes took {together['play']:.1f} s, of which generation {together['sample']:.1f} s: "
         f"{100 * waiting:.0f}% of the episode time waited on tools with no generation running"
+    )
+    print(
+        f"generations (waves of turns): {together['waves']} in the 4-tenant job ({together['turns'] / together['waves']:.1f} "
+        f"turns each), {sum(r['waves'] for r in alone)} in the 4 single-tenant jobs"
     )
     single = [1 - r["sample"] / r["play"] for r in alone]
     print(

@@ -170,9 +170,8 @@ class AgentEndpoint:
         self._published: dict[str, list[tuple[str, dict[str, Any]]]] = {}  # tenant -> unclaimed episodes
         self._rewards: dict[str, dict[str, Any] | None] = {}  # a published episode -> its reward, once posted
         self._lock = threading.Condition()
-        self._judged: Callable[[], Collection[str]] | None = (
-            None  # the models a judge may ask besides the base
-        )
+        self._active: set[str] = set()  # env workers' episodes not ended (a wave waits for their turns)
+        self._judged: Callable[[], Collection[str]] | None = None  # (what a judge may ask besides the base)
         self._server: Any = None
         self.url: str | None = None
 
@@ -207,15 +206,27 @@ class AgentEndpoint:
             return key
 
     def expect(self, trajectory: str, expected: Expected) -> None:
-        """Trajectory ``trajectory`` may now call the endpoint (its tenant's key only)."""
+        """Trajectory ``trajectory`` may now call the endpoint (its tenant's key only). An env worker's episode
+        counts as active (the next wave waits for its turn, :meth:`take`) until :meth:`ended`; a harness
+        program's does not (its program may play its episodes one after another)."""
         with self._lock:
             self._expected[trajectory] = expected
+            turns = self._tenants.get(expected.tenant)
+            if turns is not None and not turns.harness:
+                self._active.add(trajectory)
+
+    def ended(self, trajectory: str) -> None:
+        """Trajectory ``trajectory``'s episode has ended (its env worker said so): no wave waits for it."""
+        with self._lock:
+            self._active.discard(trajectory)
+            self._lock.notify_all()
 
     def finish(self, trajectory: str) -> Ledger | None:
         """The trajectory's episode is over: its ledger (``None`` if it never called), and no more turns (nor a
         claim or a reward, were it published)."""
         with self._lock:
             self._expected.pop(trajectory, None)
+            self._active.discard(trajectory)
             if self._rewards.pop(trajectory, False) is not False:
                 for tenant, queue in self._published.items():
                     self._published[tenant] = [e for e in queue if e[0] != trajectory]
@@ -257,21 +268,32 @@ class AgentEndpoint:
         with self._lock:
             return {t: r for t in trajectories if (r := self._rewards.get(t)) is not None}
 
-    def take(self, quiet_s: float = 0.01, most_s: float = 0.05, idle_s: float = 0.05) -> list[Turn]:
-        """The turns waiting now: waits up to ``idle_s`` for a first one, then while more arrive (at most
-        ``quiet_s`` apart, ``most_s`` in all), so turns that come together share one generation."""
+    def take(
+        self, quiet_s: float = 0.01, most_s: float = 0.05, idle_s: float = 0.05, gather_s: float = 0.25
+    ) -> list[Turn]:
+        """The turns waiting now, so that turns that come together share one generation: waits up to ``idle_s``
+        for a first one; then, while some active episode (an env worker's, not ended) has no turn waiting (its
+        env is between turns: a tool runs), up to ``gather_s`` for them all; else while more arrive, at most
+        ``quiet_s`` apart and ``most_s`` in all (a harness program's, a judge's)."""
         with self._lock:
             if not self._turns:
                 self._lock.wait(idle_s)
             if self._turns:
                 start = time.monotonic()
-                while time.monotonic() - start < most_s:
-                    n = len(self._turns)
-                    self._lock.wait(quiet_s)
-                    if len(self._turns) == n:
-                        break
+                if self._active:
+                    while time.monotonic() - start < gather_s and not self._active <= self._waiting():
+                        self._lock.wait(max(0.0, min(quiet_s, gather_s - (time.monotonic() - start))))
+                else:
+                    while time.monotonic() - start < most_s:
+                        n = len(self._turns)
+                        self._lock.wait(quiet_s)
+                        if len(self._turns) == n:
+                            break
             out, self._turns = self._turns, []
             return out
+
+    def _waiting(self) -> set[str]:
+        return {t.trajectory for t in self._turns if t.trajectory is not None}
 
     # -- HTTP ------------------------------------------------------------------------------------
     def app(self) -> Starlette:

@@ -432,9 +432,12 @@ def loaded_environment(config: EnvConfig, fn: Any) -> Any:
 
 
 # -- a request --------------------------------------------------------------------------------------
-async def run_batch(config: EnvConfig, run: Any, episodes: list[dict[str, Any]]) -> dict[str, Any]:
+async def run_batch(
+    config: EnvConfig, run: Any, episodes: list[dict[str, Any]], ended: Any = lambda tid: None
+) -> dict[str, Any]:
     """Every episode at once, each within ``rollout_timeout_s``: ``{"results": [...]}``, or ``{"error": ...}``
-    naming every episode that failed (the others are cancelled at the first failure)."""
+    naming every episode that failed (the others are cancelled at the first failure). ``ended(tid)`` as each
+    episode ends (the parent's endpoint then waits for its turns no more)."""
     limit = config.rollout_timeout_s
 
     async def one(ep: dict[str, Any]) -> dict[str, Any]:
@@ -443,6 +446,8 @@ async def run_batch(config: EnvConfig, run: Any, episodes: list[dict[str, Any]])
             out = await asyncio.wait_for(run(tid, ep["example"]), limit)
         except TimeoutError:
             raise EpisodeFailure(f"episode {tid!r} took more than {limit:g} s (rollout_timeout_s)") from None
+        finally:
+            ended(tid)
         return {"trajectory_id": tid, **out}
 
     tasks = [asyncio.ensure_future(one(ep)) for ep in episodes]
@@ -521,7 +526,9 @@ def serve(key: bytes) -> None:
     for line in sys.stdin.buffer:
         try:
             request = orjson.loads(line)
-            answer = loop.run_until_complete(run_batch(config, run, request["episodes"]))
+            answer = loop.run_until_complete(
+                run_batch(config, run, request["episodes"], lambda tid: say({"ended": tid}))
+            )
         except Exception as e:
             answer = {"error": f"the env worker failed: {last_line(e)}"}
         try:

@@ -229,6 +229,7 @@ class EnvWorker:
         self._deadline = 0.0
         self._doing = ""
         self._current: str | None = None  # the function it last said it imports
+        self.ended: list[str] = []  # episodes the worker said ended, not yet taken (:meth:`take_ended`)
 
     @property
     def pid(self) -> int | None:
@@ -346,6 +347,11 @@ class EnvWorker:
             f"the env worker's answer is over {_size(ANSWER_CAP)} (ANSWER_CAP) while {self._doing}: stopped"
         )
 
+    def take_ended(self) -> list[str]:
+        """The episodes the worker said ended since the last call (read by :meth:`poll`)."""
+        out, self.ended = self.ended, []
+        return out
+
     def poll(self) -> list[EpisodeResult] | None:
         """The answer to the last :meth:`submit` if it is complete (the results in the episodes' order),
         else ``None``; never blocks. :class:`EnvError` when the env failed, the worker crashed or exited,
@@ -370,6 +376,9 @@ class EnvWorker:
                 ) from None
             if "importing" in message:
                 self._current = str(message["importing"])
+                continue
+            if "ended" in message and len(message) == 1:  # (an episode ended: progress, not the answer)
+                self.ended.append(str(message["ended"]))
                 continue
             if not self._ready:
                 if "error" in message:
