@@ -47,10 +47,11 @@ EPISODE_COLUMN = "episode"
 """The row column that holds each episode: ``{"messages", "turns", "stop", "parts", "forks"}``
 (:data:`EPISODE_KEYS`). Saved among the row's columns; :class:`~mlora_lab.lab.evals.evaluation.Evaluation`
 takes it out of them (an episode is its row's own, not its example's)."""
-GATHER = {"quiet_s": 0.1, "most_s": 1.0}
-"""How long each wave gathers the models' waiting turns (seconds: the longest gap between two, the longest in
-all): longer than a job's waves (an evaluation waits on nothing else), so that every model's episodes, whose
-env workers answer at their own pace, share the generations."""
+GATHER = {"gather_s": 1.0, "quiet_s": 0.1, "most_s": 1.0}
+"""How long each wave may wait for the models' turns (:meth:`~mlora_lab.agents.endpoint.AgentEndpoint.take`:
+until every episode still playing has its turn waiting, at most ``gather_s``): longer than a job's waves (an
+evaluation waits on nothing else), so that every model's episodes, whose env workers answer at their own pace,
+share the generations."""
 EPISODE_KEYS = frozenset({"messages", "turns", "stop", "parts", "forks"})
 
 
