@@ -7,8 +7,8 @@
   episodes are MODEL · ENV · MODEL, the ENV segment the template's ``<|tool|>`` turn holding the tool's result,
   and the reward functions get the whole conversation, the tool's message included;
 - rewards rise for a multi-turn env and a tools tenant in one job with an SFT tenant (3 seeds);
-- a conversation that grows past ``seq_len``: the env hears "context" (a 400) and the job finishes;
-- a tool-loop turn that leaves no room ends its episode normally, with stop ``"context"``.
+- a conversation that grows past ``seq_len`` is cut to it (a warning row, ``agent/cut``) and the job finishes;
+- a tool-loop turn that leaves no room in the model's context ends its episode normally, stop ``"context"``.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def brief(client, model, example, rounds=2):
 
 def grow(client, model, example):
     messages, refused = list(example["messages"]), 0.0
-    for k in range(50):
+    for k in range(8):
         try:
             m = client.chat.completions.create(model=model, messages=messages).choices[0].message
         except openai.BadRequestError as e:
@@ -119,7 +119,7 @@ def grow(client, model, example):
             refused = 1.0
             break
         messages += [{"role": "assistant", "content": m.content},
-                     {"role": "user", "content": "go on and and"}]
+                     {"role": "user", "content": "go on " + "and " * 8}]
     return {"reward": -len(messages) / 10, "metrics": {"refused": refused}, "messages": messages}
 '''
 
@@ -281,7 +281,7 @@ def test_a_tool_using_tenant_calls_its_tools_and_its_rewards_see_the_tool_turns(
     for g in driver.generations["user"]:
         seen = g.per_function[:, 0].tolist()  # tools_seen: the tool messages its conversation held
         for i, tr in enumerate(g.trajectories):
-            messages = g.extra["messages"][i]
+            messages = g.episodes[i]["messages"]
             tools = [m for m in messages if m["role"] == "tool"]
             assert seen[i] == len(tools), (seen[i], messages)  # the reward got the whole conversation
             sources = [s.source for s in tr.segments]
@@ -296,8 +296,8 @@ def test_a_tool_using_tenant_calls_its_tools_and_its_rewards_see_the_tool_turns(
             arguments = asked[0]["tool_calls"][0]["function"]["arguments"]  # (normalized: a dict)
             assert (json.loads(arguments) if isinstance(arguments, str) else arguments) == {"a": 2, "b": 3}
             assert tools and tools[0]["content"] == "5", messages
-            assert g.extra["turns"][i] == 2
-    assert called >= 1, [g.extra["messages"] for g in driver.generations["user"]]
+            assert g.episodes[i]["turns"] == 2
+    assert called >= 1, [g.episodes for g in driver.generations["user"]]
     rows = rows_of(trainer, "user")
     assert max(r["extra"]["rewards/tools_seen/mean"] for r in rows) > 0
 
@@ -305,9 +305,12 @@ def test_a_tool_using_tenant_calls_its_tools_and_its_rewards_see_the_tool_turns(
 def test_a_tool_loop_turn_that_leaves_no_room_ends_its_episode_with_stop_context(
     caller, llama_path, tmp_path
 ):
-    """``seq_len`` holds the prompt and the tool call (and its EOS) but not the tool's turn after it: the loop's
-    second request is refused as a full context (a 400 saying "context"), and the episode ends there normally,
-    stop ``"context"``, one turn; the tenant trains and finishes."""
+    """The model's context (``max_position_embeddings``, a copy of the base with it lowered; ``seq_len`` the same)
+    holds the prompt and the tool call (and its EOS) but not the tool's turn after it: the loop's second request
+    is refused as a full context (a 400 saying "context"), and the episode ends there normally, stop
+    ``"context"``, one turn; the tenant trains and finishes."""
+    import shutil
+
     code = code_file(tmp_path)
     data = write_rows(tmp_path / "questions.jsonl", question_rows(2))
     tok = transformers.AutoTokenizer.from_pretrained(llama_path)
@@ -315,6 +318,10 @@ def test_a_tool_loop_turn_that_leaves_no_room_ends_its_episode_with_stop_context
     prompt = tok(chat_render(tok, question, tools=True), add_special_tokens=False)["input_ids"]
     answer = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     seq_len = len(prompt) + len(answer) + 1  # (the tool's turn takes more than one token)
+    base = tmp_path / "short"
+    shutil.copytree(llama_path, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps(config | {"max_position_embeddings": seq_len}))
     rl = RL(
         tools=[f"{code}:add"],
         reward=f"{code}:short",
@@ -324,58 +331,43 @@ def test_a_tool_loop_turn_that_leaves_no_room_ends_its_episode_with_stop_context
         max_turns=3,
     )
     t = tenant("user", data, rl, init_adapter=caller, target_modules=CALLER_TARGETS, lr=1e-3, max_steps=2)
-    _, driver = train(job(llama_path, [t], seq_len=seq_len))
+    _, driver = train(job(str(base), [t], seq_len=seq_len))
     stopped = 0
     for g in driver.generations["user"]:
         for i, tr in enumerate(g.trajectories):
             assert len(tr.tokens) <= seq_len
             said = tok.decode(list(tr.segments[1].tokens), skip_special_tokens=True)
             if said != CALL:  # (an answer without a call ends the loop by itself)
-                assert g.extra["stop"][i] == "answered", (said, g.extra["stop"][i])
+                assert g.episodes[i]["stop"] == "answered", (said, g.episodes[i]["stop"])
                 continue
             stopped += 1
-            assert g.extra["stop"][i] == "context" and g.extra["turns"][i] == 1, g.extra
+            assert g.episodes[i]["stop"] == "context" and g.episodes[i]["turns"] == 1, g.episodes[i]
             assert [s.source for s in tr.segments] == [ENV, MODEL]
     assert stopped >= 1
 
 
-@pytest.fixture(scope="module")
-def grown(llama_path, tmp_path_factory) -> tuple[Trainer, Recording, int]:
-    """An env that answers every answer with a longer "go on ...", until the endpoint refuses a turn as a full
-    context (it catches the 400 and returns), beside an SFT tenant, at ``seq_len=96``."""
-    folder = tmp_path_factory.mktemp("grown")
-    code = code_file(folder)
-    data = write_rows(folder / "chat.jsonl", chat_rows(2))
+def test_a_conversation_that_grows_past_seq_len_is_cut_with_a_warning_and_the_job_finishes(
+    llama_path, tmp_path
+):
+    """An env that answers each of 8 answers with a long "go on ...", beside an SFT tenant, at ``seq_len=96``:
+    the endpoint lets the episode grow past ``seq_len`` (up to the model's context), the job trains each
+    trajectory's first ``seq_len`` tokens (cut, ``truncated``), says so in a warning row, logs ``agent/cut``, and
+    finishes."""
+    code = code_file(tmp_path)
+    data = write_rows(tmp_path / "chat.jsonl", chat_rows(2))
     rl = RL(env=f"{code}:grow", group_size=2, max_new_tokens=6, temperature=0.9)
-    sft = tenant("sft", write_rows(folder / "sft.jsonl", sft_rows()))
-    trainer, driver = train(job(llama_path, [tenant("grower", data, rl), sft], seq_len=96))
-    return trainer, driver, 96
-
-
-def test_a_conversation_that_grows_past_seq_len_is_refused_as_a_full_context_and_the_job_finishes(grown):
-    trainer, driver, seq_len = grown
+    sft = tenant("sft", write_rows(tmp_path / "sft.jsonl", sft_rows()))
+    seq_len = 96
+    trainer, driver = train(job(llama_path, [tenant("grower", data, rl), sft], seq_len=seq_len))
     for g in driver.generations["grower"]:
         for i, tr in enumerate(g.trajectories):
-            assert len(tr.tokens) <= seq_len
-            assert g.extra["stop"][i] == "returned" and g.extra["turns"][i] >= 2, g.extra
-            # its every answer was sent back, and the refused turn's message is not in the conversation
-            messages = g.extra["messages"][i]
-            assert messages[-1]["role"] == "assistant"
-            assert sum(m["role"] == "assistant" for m in messages) == g.extra["turns"][i]
-    assert len(rows_of(trainer, "grower")) == 2 and len(rows_of(trainer, "sft")) == 2
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="no trajectory is ever cut to seq_len: the endpoint caps every ledger at seq_len "
-    "(AgentEndpoint(tokenizer, seq_len) -> Capture(tokenizer, max_tokens=seq_len) refuses a prompt past it, "
-    "and room = seq_len - prompt caps each answer), so agent/cut is always 0 and the cut warning of "
-    "AgentParts._said_agent never fires (docs/design/agents.md §9 says a longer trajectory is cut, with a warning)",
-)
-def test_a_conversation_that_grows_past_seq_len_is_cut_with_a_warning(grown):
-    trainer, _, _ = grown
+            assert len(tr.tokens) == seq_len and tr.truncated
+            assert g.episodes[i]["stop"] == "returned" and g.episodes[i]["turns"] == 8, g.episodes[i]
+            messages = g.episodes[i]["messages"]
+            assert sum(m["role"] == "assistant" for m in messages) == 8
     rows = rows_of(trainer, "grower")
-    assert max(r["extra"]["agent/cut"] for r in rows) > 0
+    assert len(rows) == 2 and len(rows_of(trainer, "sft")) == 2
+    assert all(r["extra"]["agent/cut"] == 1.0 for r in rows), [r["extra"] for r in rows]
     warnings = [r for r in trainer.history if r["kind"] == RowKind.EVENT and r.get("event") == "warning"]
     assert any("longer than seq_len" in r["message"] for r in warnings), warnings
 
