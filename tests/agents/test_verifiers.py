@@ -318,7 +318,7 @@ def test_an_environment_module_s_loader_is_called_with_env_args_as_verifiers_con
     w = worker(workers, endpoint, "my_env:load_environment", env_args={"level": 2})
     (r,) = w.run([Episode("l-0", {"prompt": "say red and"})])
     assert r.parts == {"short": pytest.approx((-0.5, 1.0))} and r.stop == "answered"
-    with pytest.raises(EnvError, match="returned .*level.*, not a verifiers Env or Taskset"):
+    with pytest.raises(EnvError, match=r"returned .*level.*, not a verifiers Env or Taskset"):
         worker(workers, endpoint, "my_env:not_an_env", env_args={"level": 2}).run(
             [Episode("l-1", {"prompt": "x"})]
         )
