@@ -598,28 +598,32 @@ class AgentEndpoint:
             "usage": usage,
             "prompt_token_ids": ids,
         }
-        if not body.get("stream"):
-            return JSONResponse(answer)
-        base = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-        delta = {"role": "assistant", "content": content}
-        if calls:
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-        chunks = [
-            {
-                **base,
-                "choices": [
-                    {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
-                ],
-            },
-            {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
-        ]
-        options = body.get("stream_options")
-        if isinstance(options, dict) and options.get("include_usage"):
-            chunks.append({**base, "choices": [], "usage": usage})
+        return JSONResponse(answer) if not body.get("stream") else streamed(body, answer)
 
-        def events() -> Any:
-            for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+def streamed(body: dict[str, Any], answer: dict[str, Any]) -> StreamingResponse:
+    """A chat completion as server-sent events: one chunk with the whole message (its tool calls indexed), a
+    finish chunk, the usage chunk when ``stream_options.include_usage`` asks for it, then ``[DONE]``."""
+    choice = answer["choices"][0]
+    message = choice["message"]
+    base = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    chunks = [
+        {
+            **base,
+            "choices": [{"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}],
+        },
+        {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]},
+    ]
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        chunks.append({**base, "choices": [], "usage": answer["usage"]})
+
+    def events() -> Any:
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -28,7 +28,7 @@ VERIFIERS_PREFIX = "verifiers:"
 """``rl.env = "verifiers:<taskset id>"``: a verifiers 0.4 environment (:mod:`mlora_lab.agents.vf_harness`)."""
 
 
-def _function_problem(v: Any, label: str) -> str | None:
+def function_problem(v: Any, label: str) -> str | None:
     if label == "rl.env" and ((isinstance(v, str) and v.startswith(VERIFIERS_PREFIX)) or verifiers_object(v)):
         return _verifiers_problem(v, label)
     if reward_in_memory(v):
@@ -54,14 +54,14 @@ def check_agent_field(ctx: Context, t: Tenant, value: Any, info: FieldInfo, labe
     problems: list[str] = []
     if info.kind == "function":
         if value is not None:
-            problems += [p for p in [_function_problem(value, label)] if p]
+            problems += [p for p in [function_problem(value, label)] if p]
     elif info.kind == "functions":
         if not isinstance(value, list | tuple):
             problems.append(f"{label} must be a list of functions ({got(value)})")
         elif info.max is not None and len(value) > info.max:
             problems.append(f"{label} has {len(value)} functions (at most {info.max:g})")
         else:
-            problems += [p for i, v in enumerate(value) if (p := _function_problem(v, f"{label}[{i}]"))]
+            problems += [p for i, v in enumerate(value) if (p := function_problem(v, f"{label}[{i}]"))]
     elif info.kind == "mapping":
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             problems.append(f"{label} must be an object with text keys ({got(value)})")
@@ -116,10 +116,10 @@ def check_agent(ctx: Context, t: Tenant, ok: dict[str, bool]) -> None:
             "remove rl.tools",
         )
     if isinstance(rl.tools, list | tuple) and rl.tools:  # (a bad reference among them is named on its own)
-        _check_tools(ctx, t, [f for f in rl.tools if reward_in_memory(f) or isinstance(f, str)])
+        check_tools(ctx, t, [f for f in rl.tools if reward_in_memory(f) or isinstance(f, str)])
 
 
-def _check_tools(ctx: Context, t: Tenant, tools: list[Any]) -> None:
+def check_tools(ctx: Context, t: Tenant, tools: list[Any]) -> None:
     """Tools held in memory (a notebook's functions) get their JSON schemas now, so a tool without type hints or
     a docstring is named before launch; tools named by reference are imported by the tenant's env worker, which
     names what fails to import. Two tools of one name would be one tool to the model."""

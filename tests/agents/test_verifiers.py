@@ -439,6 +439,43 @@ def test_the_calculator_and_the_guessing_game_finish_in_a_job_with_their_parts_l
     assert {"rewards/correct/mean", "rewards/brief/mean"} <= logged["calc"], logged
 
 
+def test_rewards_rise_for_the_guessing_game_and_the_calculator_beside_an_sft_tenant(
+    launch_dir, llama_path, tmp_path
+):
+    """Three seeds of each verifiers env in one job with an SFT tenant (``lm_head`` adapted: a random base's output
+    layer must move): the mean reward of the last 3 generations is above the first 3's for every tenant. Both
+    rubrics reward brevity (``length``, ``brief``: weight 0.5), which a tiny model can learn in a few steps."""
+    from test_agent_jobs import CALLER_TARGETS
+
+    calc = rows_file(tmp_path, "calc.jsonl", [{"prompt": "what is 2 + 3?", "answer": 5}] * 2)
+    guess = rows_file(
+        tmp_path,
+        "guess.jsonl",
+        [{"prompt": f"guess my word, it starts with {w[0]}", "word": w} for w in WORDS[:4]],
+    )
+    settings = dict(target_modules=CALLER_TARGETS, lr=5e-2, max_steps=10)
+    tenants = [tenant("sft", sft_file(tmp_path), None, max_steps=10)]
+    for seed in (1, 2, 3):
+        rl = dict(group_size=4, max_new_tokens=8, temperature=1.0, max_turns=2)
+        tenants += [
+            tenant(f"guess{seed}", guess, RL(env="verifiers:guess_ts", **rl), seed=seed, **settings),
+            tenant(
+                f"calc{seed}", calc, RL(env="verifiers:calc_ts", **rl), seed=seed, batch_size=1, **settings
+            ),
+        ]
+    spec = job(llama_path, tenants, seq_len=512)
+    spec.max_tenants = len(tenants)
+    trainer, _ = train(spec)
+    rose = {}
+    for t in tenants[1:]:
+        rewards = [
+            r["reward"] for r in trainer.history if r["kind"] == RowKind.TRAIN and r["tenant"] == t.name
+        ]
+        assert len(rewards) == 10
+        rose[t.name] = (sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3)
+    assert all(last > first for first, last in rose.values()), rose
+
+
 def notebook_taskset() -> Any:
     """The single-turn taskset as a notebook holds it: its classes defined in ``__main__``."""
     import verifiers.v1 as vf

@@ -232,7 +232,8 @@ def test_one_preference_tenant_equals_trls_dpo_trainer(pref, llama_path, tmp_pat
     reference, logs = trl_run(llama_path, data, adapter, t, tmp_path / "trl")
     rows = ours(trainer, "p")
     assert [r["tenant_step"] for r in rows] == [1, 2, 3]
-    assert [r["loss"] for r in rows] == pytest.approx([h["loss"] for h in logs], abs=TOL)
+    # (relative too: sppo_hard's losses are ~2, where float32 sums of differently shaped batches differ by ~1e-5)
+    assert [r["loss"] for r in rows] == pytest.approx([h["loss"] for h in logs], rel=TOL, abs=TOL)
     for m in METRICS:
         skip = [m == "rewards/accuracies" and tied(h) for h in logs]
         got = [r["extra"][m] for r, s in zip(rows, skip, strict=True) if not s]

@@ -346,18 +346,18 @@ def _agent_problems(
     import importlib.util
 
     from mlora_lab.sources import verifiers_object
-    from mlora_lab.validate.agents import VERIFIERS_PREFIX, _check_tools, _function_problem
+    from mlora_lab.validate.agents import VERIFIERS_PREFIX, check_tools, function_problem
 
     def named(p: str) -> str:  # (the spec's words for the same fields: rl.env -> env)
         return p.replace("rl.env", "env", 1).replace("rl.tools", "tools", 1)
 
     problems = []
-    if env is not None and (p := _function_problem(env, "rl.env")):
+    if env is not None and (p := function_problem(env, "rl.env")):
         problems.append(named(p))
     if not isinstance(tools, list | tuple):
         problems.append(f"tools must be a list of functions, not {brief(tools)}")
         tools = []
-    problems += [named(p) for i, v in enumerate(tools) if (p := _function_problem(v, f"rl.tools[{i}]"))]
+    problems += [named(p) for i, v in enumerate(tools) if (p := function_problem(v, f"rl.tools[{i}]"))]
     verifiers = (isinstance(env, str) and env.startswith(VERIFIERS_PREFIX)) or verifiers_object(env)
     if verifiers and tools:
         problems.append(
@@ -391,7 +391,7 @@ def _agent_problems(
             problems.append(named(message))
 
     if tools:
-        _check_tools(_Said(), None, [f for f in tools if reward_in_memory(f) or isinstance(f, str)])  # type: ignore[arg-type]
+        check_tools(_Said(), None, [f for f in tools if reward_in_memory(f) or isinstance(f, str)])  # type: ignore[arg-type]
     return problems
 
 
