@@ -295,6 +295,9 @@ class CompletionRow(Row, tag="completion"):
     completion), by column."""
     episode: EpisodeRecord | None = None
     """An agent tenant's: the whole episode (``completion`` is then every turn's text after the prompt)."""
+    adapter_version: int | None = None
+    """The tenant's adapter version that sampled it (its optimiser steps then); ``tenant_step − 1 −
+    adapter_version`` is how many steps stale it was when trained (``rl.max_staleness``)."""
 
 
 class EvalMetricRow(Row, tag="eval_metric"):

@@ -188,6 +188,15 @@ class RL:
     log_completions: int = field(default=2, metadata=meta(
         "log completions", section="RL", min=0, max=64, help="samples kept per logged step"))
     """Sampled completions (with their rewards) kept per logged step, shown by the dashboard."""
+    max_staleness: int = field(default=0, metadata=meta(
+        "max staleness", section="RL", min=0, max=64,
+        help="optimizer steps a generation may be sampled ahead"))
+    """How many optimizer steps before its first training step a generation may be sampled (TRL AsyncGRPO's
+    ``max_staleness``). ``0``: sampled when its window starts (on-policy, as TRL's ``GRPOTrainer``). ``s > 0``:
+    the tenant samples its next generations up to ``s`` steps ahead, with the adapter of that time, and their
+    rewards compute while it and the other tenants train; the ratio is then against the sampler's log-probs
+    (``π_θ / π_sampler``, clipped) and each completion row records the adapter version that sampled it.
+    Single-turn tenants only, for now."""
     env: Any = field(default=None, metadata=meta(
         "env", kind="function", section="Agent", optional=True, form=False,
         help="rollout(client, model, example): an agent's episode"))

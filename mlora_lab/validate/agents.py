@@ -76,10 +76,27 @@ def check_agent_field(ctx: Context, t: Tenant, value: Any, info: FieldInfo, labe
 
 
 def check_agent(ctx: Context, t: Tenant, ok: dict[str, bool]) -> None:
-    """The agent fields of ``t.rl`` together (``ok``: which fields passed their own checks)."""
+    """The agent fields of ``t.rl`` together, and ``max_staleness`` with them (``ok``: which fields passed their
+    own checks)."""
     rl = t.rl
     if ok.get("env_args") and rl.env_args and rl.env is None:
         ctx.say(t, "rl", "rl.env_args are the keyword arguments of rl.env, and there is no rl.env")
+    if ok.get("max_staleness") and rl.max_staleness:
+        if rl.agent:
+            ctx.say(
+                t,
+                "rl",
+                f"rl.max_staleness={rl.max_staleness}: an agent tenant's episodes are played when its window "
+                "starts (sampling them ahead is not offered yet); leave max_staleness at 0",
+            )
+        elif ok.get("top_p") and ok.get("top_k") and (rl.top_p < 1 or rl.top_k):
+            ctx.say(
+                t,
+                "rl",
+                f"rl.max_staleness={rl.max_staleness} samples with every token allowed (top_p=1, top_k=0; got "
+                f"top_p={rl.top_p:g}, top_k={rl.top_k}): a stale generation's ratio is taken against the "
+                "sampler's log-probs, which equal the trainer's log_softmax(z / temperature) only then",
+            )
     if not rl.agent:
         return
     if rl.harness is True and (rl.env is not None or rl.tools):

@@ -167,7 +167,7 @@ def check_rl_fields(ctx: Context, t: Tenant) -> bool:
         ctx.say(
             t, "heldout_data", "an RL tenant has no heldout_data (it is measured by its rewards); remove it"
         )
-    if rl.agent or rl.env_args:
+    if rl.agent or rl.env_args or rl.max_staleness:
         check_agent(ctx, t, ok)
     return len(ctx.out) == before
 

@@ -131,6 +131,8 @@ class AgentParts:
                     if len(v) == len(got)
                 },
                 trajectories=trajectories,
+                version=t.step,
+                off_policy=True,
                 episodes=[
                     {
                         "messages": list(p.trajectory.turns),

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mlora_lab.data import IGNORE_INDEX, TenantStream
-from mlora_lab.job.agree import describe
 from mlora_lab.job.drivers.base import Driver, JobParts, Plan, StepResult
 from mlora_lab.job.drivers.rl.agents import AgentParts
+from mlora_lab.job.drivers.rl.drawing import Drawing
 from mlora_lab.job.drivers.rl.generation import (
     Generation,
     RLFeed,
     completion_index,
-    generation_seed,
     prompts_digest,
     read_prompts,
 )
@@ -25,23 +23,14 @@ from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rl.grpo import (
     CLIPPED,
     RewardStats,
-    advantages,
-    combine_rewards,
     nanstd,
     policy_loss,
-    reward_problem,
 )
-from mlora_lab.rl.prompts import as_completion
 from mlora_lab.rl.rewards import (
-    RewardBatch,
-    RewardError,
-    RewardResult,
     RewardWorker,
     reward_names,
-    shown_reward,
 )
 from mlora_lab.rundir import CompletionRow, EpisodeRecord, EventKind, EventRow
-from mlora_lab.sampling import Completion, SampleRequest, sample
 from mlora_lab.spec.parts import RL
 from mlora_lab.spec.tenant import Tenant
 
@@ -49,7 +38,7 @@ if TYPE_CHECKING:  # (the agents' endpoint loads starlette: only a job with agen
     from mlora_lab.agents.rollouts import Rollouts
 
 
-class RLDriver(AgentParts, Driver):
+class RLDriver(AgentParts, Drawing, Driver):
     """RL tenants: generations, rewards, GRPO's loss (see the module docstring)."""
 
     def __init__(self, parts: JobParts) -> None:
@@ -77,12 +66,15 @@ class RLDriver(AgentParts, Driver):
         active = self._mine(self.pool.running())
         for name in [n for n in self.workers if n not in {t.name for t in active}]:
             self.workers.pop(name).close()  # finished, failed, paused or removed: its worker is not needed
+            self._drop_scoring(name)
         if self.rollouts is not None:  # (and its env worker)
             self.rollouts.close(keep=[t.name for t in active] or ["(none)"])
         if not active:
             return None
-        starting = [t for t in active if t.feed.current is None]  # the same on every process
-        failed = self._generate(starting) if starting else {}
+        # (the same on every process) single-turn tenants sample what is due, agents play between windows
+        failed = self._singles([t for t in active if not t.spec.rl.agent])
+        agents = [t for t in active if t.spec.rl.agent and t.feed.current is None]
+        failed |= self._play(agents) if agents else {}
         rows = {}
         for t in active:
             f: RLFeed = t.feed
@@ -99,6 +91,7 @@ class RLDriver(AgentParts, Driver):
         agents' endpoint closed."""
         for name in list(self.workers):
             self.workers.pop(name).close()
+            self._drop_scoring(name)
         if self.rollouts is not None:
             self.rollouts.close()
 
@@ -148,168 +141,6 @@ class RLDriver(AgentParts, Driver):
         part = t.feed.current.micro(m, t.spec.grad_accum)
         return [part[i] for i in self.engine.local_rows(range(len(part)))]
 
-    def _generate(self, tenants: list[TenantRun]) -> dict[str, str]:
-        """A new generation for each of ``tenants``: agent tenants play their episodes (:meth:`_play`), the
-        others sample one completion per group member. Returns the tenants that failed, with why (the same on
-        every process)."""
-        agents = [t for t in tenants if t.spec.rl.agent]
-        plain = [t for t in tenants if not t.spec.rl.agent]
-        failed = self._sample(plain) if plain else {}
-        return failed | (self._play(agents) if agents else {})
-
-    def _sample(self, tenants: list[TenantRun]) -> dict[str, str]:
-        """A new generation for each of ``tenants``: one batched sampling, rewards, advantages, rows (and
-        the reference log-probs where ``beta > 0``). Returns the tenants that failed, with why (the same
-        on every process)."""
-        requests: list[SampleRequest] = []
-        drawn: dict[str, list[int]] = {}
-        for t in tenants:
-            f, rl = t.feed, t.spec.rl
-            drawn[t.name] = f.stream.take(t.spec.batch_size * t.spec.grad_accum)
-            for b, p in enumerate(drawn[t.name]):
-                requests.append(
-                    SampleRequest(
-                        prompt=f.prompts[p].ids,
-                        tenant=t.name,
-                        num_samples=rl.group_size,
-                        max_new_tokens=rl.max_new_tokens,
-                        temperature=rl.temperature,
-                        top_p=rl.top_p,
-                        top_k=rl.top_k or None,
-                        stop_strings=tuple(rl.stop),
-                        seed=generation_seed(t.spec.seed, f.generations, b),
-                    )
-                )
-        any_running = self._any_running if self.comm.mesh is not None else None
-        try:
-            completions = sample(
-                self.engine.model, requests, tokenizer=self.engine.tokenizer, any_running=any_running
-            )
-        except Exception as e:
-            why = f"its generation raised {describe(e)}"
-            return {t.name: why for t in tenants}
-        by_tenant: dict[str, list[Completion]] = {t.name: [] for t in tenants}
-        for c in completions:
-            by_tenant[requests[c.request].tenant].append(c)
-
-        scored = self._rewards(tenants, drawn, by_tenant)
-        failed = {}
-        made = []
-        for t in tenants:
-            f, rl = t.feed, t.spec.rl
-            got = scored[t.name]
-            f.generations += 1
-            if isinstance(got, str):
-                failed[t.name] = f"RewardError: {got}"  # (the loop says "its step raised ...")
-                continue
-            weights = rl.reward_weights if rl.reward_weights is not None else [1.0] * len(rl.rewards)
-            # (in float64: a reward of 1e308, or 1e20 weighted by 1e20, is a number there, not inf)
-            per_function = torch.tensor(got.rewards, dtype=torch.float64)
-            names = [shown_reward(r) for r in rl.rewards]
-            why = reward_problem(per_function, weights, rl.group_size, rl.scale_rewards, names)
-            if why is not None:  # never advantages of 0 in silence: the tenant's fault, named
-                failed[t.name] = f"RewardError: {why}"
-                continue
-            R = combine_rewards(per_function, weights)
-            A, stats = advantages(R, rl.group_size, rl.scale_rewards)
-            R, A = R.float(), A.float()  # (A is finite in float32: reward_problem checked)
-            cs = by_tenant[t.name]
-            g = Generation(
-                index=f.generations - 1,
-                prompts=drawn[t.name],
-                group_size=rl.group_size,
-                tokens=[list(c.tokens) for c in cs],
-                truncated=[c.stop_reason == "length" for c in cs],
-                rewards=R,
-                advantages=A,
-                per_function=per_function,
-                logged=got.metrics,
-                extra={k: v for k, v in got.extra.items() if len(v) == len(cs)},
-            )
-            g.build(f.prompts, rl.mask_truncated_completions)
-            f.current = g
-            self._watch(t, g, stats)
-            made.append(t)
-        with_ref = [t for t in made if t.spec.rl.beta > 0]
-        if with_ref:
-            self._reference(with_ref)
-        return failed
-
-    def _any_running(self, running: bool) -> bool:
-        """Whether a sampling row still runs on any process (an all-reduce: every process calls it after
-        every decode step, so all run the same forwards)."""
-        return bool(self.comm.sum_over_world(torch.tensor([float(running)]))[0] > 0)
-
-    def _rewards(
-        self, tenants: list[TenantRun], drawn: dict[str, list[int]], by_tenant: dict[str, list[Completion]]
-    ) -> dict[str, RewardResult | str]:
-        """Each tenant's rewards (``rewards [N][F]``, NaN: none; and what its functions logged), or why its
-        call failed: computed on rank 0 (every tenant's batch submitted before any answer is awaited),
-        broadcast to every process."""
-        if not self.pool.is_main:
-            return self._score([])
-        tok = self.engine.tokenizer
-        calls = []
-        for t in tenants:
-            f, rl = t.feed, t.spec.rl
-            rows = [f.prompts[p] for p in drawn[t.name] for _ in range(rl.group_size)]
-            texts = [tok.decode(c.tokens, skip_special_tokens=True) for c in by_tenant[t.name]]
-            keys = sorted({k for r in rows for k in r.columns})
-            batch = RewardBatch(
-                prompts=[r.prompt for r in rows],
-                completions=[as_completion(r.prompt, x) for r, x in zip(rows, texts)],
-                completion_ids=[list(c.tokens) for c in by_tenant[t.name]],
-                columns={k: [r.columns.get(k) for r in rows] for k in keys},
-                state={"global_step": t.step, "max_steps": t.spec.max_steps},
-            )
-            calls.append((t, batch))
-        return self._score(calls)
-
-    def _score(self, calls: Sequence[tuple[TenantRun, RewardBatch]]) -> dict[str, RewardResult | str]:
-        """Each call's rewards (``RewardResult``), or why it failed, on every process: computed on rank 0, every
-        tenant's batch submitted to its reward worker before any answer is awaited, then broadcast. While they
-        compute, a worker whose judge asks the job (:attr:`~mlora_lab.rl.rewards.RewardWorker.asks_the_job`: an
-        ``ml.Judge`` with no ``base_url``) is answered by the job itself: its requests reach the agents' endpoint,
-        which every process serves in batched waves (the base or any running tenant as the judge) until every
-        answer is in. ``calls`` is rank 0's (the other processes pass none and follow)."""
-        if not self.pool.is_main:
-            if self.comm.broadcast_object(None):  # (rank 0 serves its judges meanwhile: follow its waves)
-                self._rollouts().serve(None)
-            return self.comm.broadcast_object(None)  # type: ignore[return-value]
-        out: dict[str, RewardResult | str] = {}
-        sent = []
-        for t, batch in calls:
-            rl = t.spec.rl
-            worker = self.workers.get(t.name)
-            if worker is None:
-                worker = self.workers[t.name] = RewardWorker(rl.rewards, timeout_s=rl.reward_timeout_s)
-            try:
-                worker.ensure()
-                if worker.asks_the_job:
-                    names = [x.name for x in self.pool.running()]
-                    batch.endpoint = self._rollouts().judges(lambda names=names: names)
-                worker.submit(batch)
-                sent.append(t)
-            except RewardError as e:
-                out[t.name] = str(e)
-
-        def collect() -> None:
-            for t in sent:
-                try:
-                    out[t.name] = self.workers[t.name].result()
-                except RewardError as e:
-                    out[t.name] = str(e)
-
-        judged = any(self.workers[t.name].asks_the_job for t in sent)
-        if self.comm.broadcast_object(judged):
-            thread = threading.Thread(target=collect, name="mlora-rewards", daemon=True)
-            thread.start()
-            self._rollouts().serve(thread.is_alive)
-            thread.join()
-        else:
-            collect()
-        return self.comm.broadcast_object(out)  # type: ignore[return-value]
-
     def _reference(self, tenants: list[TenantRun]) -> None:
         """``beta > 0``: each generation's completion log-probs under the base model alone (at the tenant's
         temperature, as TRL's reference): one forward of their rows with no adapter per temperature
@@ -345,7 +176,7 @@ class RLDriver(AgentParts, Driver):
         mask = valid & (labels[:, 1:].gather(1, index) != IGNORE_INDEX)
         L = logps.shape[1]
         # (an agent's episodes: the ratio is against the sampler's log-probs from the first step on)
-        sampled = g.iteration > 0 or g.trajectories is not None
+        sampled = g.iteration > 0 or g.off_policy
         old = g.old_logps[local, :L].to(logps.device) if sampled and g.old_logps is not None else None
         ref = g.ref_logps[local, :L].to(logps.device) if rl.beta > 0 else None
         loss, metrics = policy_loss(
@@ -368,7 +199,7 @@ class RLDriver(AgentParts, Driver):
             if key in metrics:
                 g.stats[2 * i : 2 * i + 2] += metrics[key].detach().double().cpu()
         if (
-            rl.num_iterations > 1 and g.iteration == 0 and g.trajectories is None
+            rl.num_iterations > 1 and g.iteration == 0 and not g.off_policy
         ):  # later ratios: against these
             if g.old_local is None:
                 g.old_local = torch.zeros(len(g), g.max_len, dtype=torch.float32)
@@ -387,7 +218,7 @@ class RLDriver(AgentParts, Driver):
         totals = self.comm.sum_over_dp(g.stats)  # (kl sum, kl count, clipped sum, clipped count)
         g.stats = torch.zeros(4, dtype=torch.float64)
         if (
-            rl.num_iterations > 1 and g.iteration == 0 and g.trajectories is None
+            rl.num_iterations > 1 and g.iteration == 0 and not g.off_policy
         ):  # later ratios: against these
             old = g.old_local if g.old_local is not None else torch.zeros(len(g), g.max_len)
             g.old_logps, g.old_local = self.comm.sum_over_dp(old).float(), None
@@ -415,7 +246,11 @@ class RLDriver(AgentParts, Driver):
             clip_ratio=float(totals[2] / max(float(totals[3]), 1.0))
             if rl.loss_type in (*CLIPPED, "cispo")
             else None,
-            extra=reward_metrics(g, ["env"] * rl.own_reward + reward_names(rl.rewards, rl.reward_names))
+            extra=(
+                reward_metrics(g, ["env"] * rl.own_reward + reward_names(rl.rewards, rl.reward_names))
+                # (how many optimiser steps older the adapter that sampled it is than the one this step trained)
+                | ({"staleness": float(t.step - 1 - g.version)} if rl.max_staleness else {})
+            )
             or None,
         )
         if row is None:  # (not a step log_every logs: its completions are not logged either)
@@ -436,6 +271,7 @@ class RLDriver(AgentParts, Driver):
                     reward=reward if math.isfinite(reward) else None,
                     extra={k: v[i] for k, v in g.extra.items()} or None,
                     episode=None if g.episodes is None else EpisodeRecord(**g.episodes[i]),
+                    adapter_version=g.version,
                 )
             )
 

@@ -59,6 +59,15 @@ class Generation:
     # and each episode as its completion row shows it (rundir.EpisodeRecord's fields: messages, turns, stop, parts,
     # forks)
     episodes: list[dict[str, Any]] | None = field(default=None, repr=False)
+    # [N] each sampled completion's log-probs under the distribution it was drawn from (the sampler's
+    # ``sampling_logprobs``: log_softmax(filter(z / T))[token]); an agent's episodes carry theirs in ``trajectories``
+    sampled_logps: list[list[float]] | None = field(default=None, repr=False)
+    # the tenant's adapter version (its optimiser steps taken) that sampled it, and the tenant's step when it was
+    # drawn: their difference at a training step is its staleness
+    version: int = 0
+    # the ratio's "old" log-probs are the sampler's (``old_logps = sampler_logps(self)``): an agent's episodes, and
+    # a generation of a tenant with ``max_staleness > 0`` (TRL's AsyncGRPO: π_θ / π_sampler from its first step)
+    off_policy: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -136,6 +145,9 @@ class Generation:
             "logged": self.logged,
             "extra": self.extra,
             "episodes": self.episodes,
+            "sampled_logps": self.sampled_logps,
+            "version": self.version,
+            "off_policy": self.off_policy,
             "trajectories": None
             if self.trajectories is None
             else [
@@ -169,6 +181,11 @@ class Generation:
             logged={str(k): float(v) for k, v in (s.get("logged") or {}).items()},
             extra={str(k): list(v) for k, v in (s.get("extra") or {}).items()},
             episodes=s.get("episodes"),
+            sampled_logps=None
+            if s.get("sampled_logps") is None
+            else [list(map(float, c)) for c in s["sampled_logps"]],
+            version=int(s.get("version", 0)),
+            off_policy=bool(s.get("off_policy", s.get("trajectories") is not None)),
             trajectories=None
             if s.get("trajectories") is None
             else [
@@ -182,6 +199,34 @@ class Generation:
                 )
                 for t in s["trajectories"]
             ],
+        )
+
+
+@dataclass
+class Sampled:
+    """A generation sampled ahead of its window (``rl.max_staleness > 0``, or just now): its draws, waiting for
+    their rewards. Kept in checkpoints, so a resume scores it again (reward functions see the same inputs and
+    ``global_step``) and never redraws what was sampled with an older adapter."""
+
+    index: int  # the tenant's generation counter when it was drawn (its seeds derive from it)
+    version: int  # the adapter version (tenant steps) that sampled it
+    prompts: list[int]  # [B·k] indices into the feed's prompts
+    tokens: list[list[int]]  # [N] completion tokens, N = B·k·G
+    logps: list[list[float]]  # [N] the sampler's log-probs of them
+    truncated: list[bool]  # [N] cut at max_new_tokens
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("index", "version", "prompts", "tokens", "logps", "truncated")}
+
+    @classmethod
+    def from_state(cls, s: dict[str, Any]) -> Sampled:
+        return cls(
+            index=int(s["index"]),
+            version=int(s["version"]),
+            prompts=[int(p) for p in s["prompts"]],
+            tokens=[list(map(int, c)) for c in s["tokens"]],
+            logps=[list(map(float, c)) for c in s["logps"]],
+            truncated=[bool(x) for x in s["truncated"]],
         )
 
 
@@ -209,14 +254,19 @@ class RLFeed:
     flat: int = 0  # generations in a row whose every group had one reward for all its completions
     masked: int = 0  # generations in a row whose every completion was masked (cut, mask_truncated)
     reward_range: tuple[float, float] | None = None  # the lowest and highest mean reward of its generations
+    # generations sampled and not yet trained on, oldest first (rl.max_staleness > 0: up to the bound ahead)
+    ahead: list[Sampled] = field(default_factory=list)
 
     def reset(self) -> None:
-        """A quarantine drops the generation in progress."""
+        """A quarantine drops the generation in progress and those sampled ahead."""
         self.current = None
         self.micro = 0
+        self.ahead = []
 
     def prompts_taken(self) -> int:
-        return self.stream.epoch * len(self.stream) + self.stream.cursor
+        """Prompts trained on or in training (not those of generations sampled ahead)."""
+        drawn = self.stream.epoch * len(self.stream) + self.stream.cursor
+        return drawn - sum(len(s.prompts) for s in self.ahead)
 
     def state_dict(self) -> dict[str, Any]:
         # (keys apart from the pool's: mlora_lab.job.tenants.POOL_KEYS)
@@ -227,6 +277,7 @@ class RLFeed:
             "rl_prompts_digest": self.digest,
             "rl_micro": self.micro,
             "rl_reward_range": self.reward_range,
+            "rl_ahead": [s.state_dict() for s in self.ahead],
         }
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
@@ -243,6 +294,7 @@ class RLFeed:
         self.micro = int(s.get("rl_micro", 0))
         low_high = s.get("rl_reward_range")  # (none in a checkpoint written before it was kept)
         self.reward_range = None if low_high is None else (float(low_high[0]), float(low_high[1]))
+        self.ahead = [Sampled.from_state(a) for a in s.get("rl_ahead") or []]
         if self.current is not None:
             self.current.build(self.prompts, self.mask_truncated)
 
@@ -293,10 +345,18 @@ def completion_index(
 
 
 def sampler_logps(g: Generation) -> torch.Tensor:
-    """``[N, L]``: each episode's sampler log-probs of its trained model tokens, laid out as
-    :func:`completion_index` lays out the trainer's (0 past the end)."""
+    """``[N, L]``: each completion's sampler log-probs (an episode's: of its trained model tokens), laid out as
+    :func:`completion_index` lays out the trainer's (0 past the end). ``ValueError`` for a generation sampled
+    before they were kept."""
     out = torch.zeros(len(g), g.max_len, dtype=torch.float32)
-    for i, t in enumerate(g.trajectories or []):
+    if g.trajectories is None:
+        if g.sampled_logps is None:
+            raise ValueError(f"generation {g.index} keeps no sampler log-probs")
+        for i, lps in enumerate(g.sampled_logps):
+            if lps:
+                out[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        return out
+    for i, t in enumerate(g.trajectories):
         n = len(g.positions(i))
         old = t.old_logps
         if n:
