@@ -3,8 +3,8 @@
 Every formula here is a line of ``trl/trainer/grpo_trainer.py`` (TRL 1.16.0, cited as ``:NNNN``) or of
 ``trl/trainer/utils.py`` (``utils:NNNN``), done with the same torch operations in the same order, so that
 ``tests/rl/test_rl_loss.py`` can call TRL's own ``_compute_loss`` on the same tensors and find the same loss
-and gradient. What TRL does around them (generation, vLLM, reward models, entropy masks, the off-policy
-mask, multi-objective "normalize_then_sum", the entropy bonus, MoE aux loss) is not here.
+and gradient. What TRL does around them (generation, vLLM, reward models, entropy masks, multi-objective
+"normalize_then_sum", the entropy bonus, MoE aux loss) is not here; its off-policy corrections are (below).
 
 Rewards → advantages (``_generate_and_score_completions``, :2756-2830), for ``N = B·G`` completions,
 ``G`` per prompt, completion ``j`` of prompt ``b`` at row ``b·G + j`` (TRL's ``repeat_interleave`` order):
@@ -38,6 +38,34 @@ Policy loss (``_compute_loss``, :3020-3290), for ``n`` completions padded to ``T
 * plus ``β·KL`` with ``KL = exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1`` (the k3 estimator), times ``ρ`` when
   ``use_bias_correction_kl`` (TRL's default) (:3098-3105, :3149-3150).
 
+Off-policy corrections, for ``ℓ_s [n, T]`` the **sampler's** log-probs of the same tokens (what drew them: vLLM
+in TRL, this project's sampler, an agent's endpoint; its top-k/top-p filtering and its numerics make it differ
+from the trainer's ``ℓ_old``):
+
+* the sampling importance ratio (``vllm_importance_sampling_correction``, :2660-2703;
+  :func:`sampling_is_ratio`), ``d = nan_to_num(m·(ℓ_old − ℓ_s), nan=0)`` (a token the sampler could not score
+  is not corrected), with ``[C_min, C_max]`` the clip bounds (``None``: ``∓∞``) and four modes:
+
+  - ``token_truncate``: ``w_{i,t} = clamp(exp(d_{i,t}), C_min, C_max)``   ``[n, T]``
+  - ``token_mask``: ``w_{i,t} = exp(d_{i,t})``, 0 where it lies outside ``[C_min, C_max]``   ``[n, T]``
+  - ``sequence_truncate``: ``w_i = clamp(exp(Σ_t d_{i,t}), C_min, C_max)``   ``[n, 1]``
+  - ``sequence_mask`` (TRL's default): ``w_i = exp(Σ_t d_{i,t})``, 0 outside ``[C_min, C_max]``   ``[n, 1]``;
+
+  TRL computes it once per generation from ``ℓ_old`` (the trainer's log-probs when the completions were drawn)
+  and keeps it for every update of that generation; ``ρ`` stays ``π_θ/π_old``, so with ``ℓ_old`` a stale
+  sampler's this is also AReaL's decoupled PPO (``ρ`` against the proximal policy, ``w`` the behaviour
+  correction);
+* the off-policy sequence mask (``off_policy_mask_threshold`` δ, DeepSeek-V3.2's OPSM, :2945-2970;
+  :func:`off_policy_mask`): ``M_i = 1`` if ``A_i ≥ 0`` or ``Σ_t m·nan_to_num(ℓ_s − sg(ℓ)) / max(Σ_t m, 1) ≤ δ``,
+  else 0 (a negative-advantage sequence the policy has drifted far from is dropped), ``[n, 1]``; ``ℓ_s`` is
+  the sampler's log-probs when known, else ``ℓ_old`` (:3073);
+* where they enter (:3137-3150): ``L ← L·M``, then ``L ← L·w`` (not for vespo, whose φ takes ``w`` inside:
+  ``log w_i += Σ_t clamp(log w_{i,t}, log 1e-8, 20)``, :2999-3002), then ``+ β·KL``.
+
+TRL logs, per generation (:2860-2895): ``sampling/sampling_logp_difference/{mean,max}`` of ``|ℓ_old − ℓ_s|``
+over the masked tokens the sampler scored, and ``sampling/importance_sampling_ratio/{min,mean,max}`` of ``w``
+(over the masked tokens at token level, over every sequence at sequence level).
+
 The reduction (:3153-3183) is written for how this project trains: every process backpropagates its
 micro-batch's loss and the gradients are **summed** over micro-batches and processes (as the file-data
 driver does for SFT). ``K`` is the number of micro-batches so summed into one optimiser step (processes ×
@@ -61,7 +89,12 @@ one process they are equal. Passing the true global ``S`` and ``N`` (and not TRL
 ``per_device_batch`` rows") keeps the sum exact when a tenant's rows split unevenly over processes.
 
 Logged metrics (:3254-3288) come back as ``[sum, count]`` pairs, which add up over micro-batches and
-processes as TRL's ``global_masked_mean`` reduces them (:3259); :func:`masked_means` divides.
+processes as TRL's ``global_masked_mean`` reduces them (:3259); :func:`masked_means` divides. A minimum or
+maximum (:data:`MIN_METRICS`, :data:`MAX_METRICS`) comes back as ``[extreme, count]`` instead (``±∞`` where
+nothing was counted): over micro-batches :func:`combine_metrics` takes the min or max of the extremes and adds
+the counts; over processes a caller max-reduces ``−min`` and ``max`` and sum-reduces the rest. The sampling
+means are global means over every token (or sequence) of the generation, where TRL averages each process's
+mean: the same on one process.
 """
 
 from __future__ import annotations
@@ -77,7 +110,14 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO-style min(ρA, clip(ρ)A) family (:3112)
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # :2666-2703
 STD_EPS = 1e-4  # :2787, added to σ before dividing
+RATIO_METRIC = "sampling/importance_sampling_ratio"
+LOGP_DIFF_METRIC = "sampling/sampling_logp_difference"
+MIN_METRICS = (f"{RATIO_METRIC}/min",)
+"""Metrics that come back as ``[minimum, count]`` (``+∞`` when nothing was counted)."""
+MAX_METRICS = (f"{RATIO_METRIC}/max", f"{LOGP_DIFF_METRIC}/max")
+"""Metrics that come back as ``[maximum, count]`` (``−∞`` when nothing was counted)."""
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -243,16 +283,21 @@ def gamma_weights(
     lambda_pos: float,
     k_neg: float,
     lambda_neg: float,
+    importance_sampling_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """VESPO's sequence weight ``φ_i [n, 1]`` (TRL ``get_gamma_weights``, :2972-3018, without vLLM's ratio).
+    """VESPO's sequence weight ``φ_i [n, 1]`` (TRL ``get_gamma_weights``, :2972-3018).
 
-    ``log w_i = clamp(Σ_t m·clamp(ℓ − ℓ_old, −20, 20), log 1e-8, 20)``, ``φ = exp(λ + k·log w − λ·w)`` (so
-    ``φ(1) = 1``) with ``(k, λ)`` by the sign of ``A [n, 1]``; non-finite φ become 0. No gradient flows
-    through φ: it only scales ``A·∇ℓ``.
+    ``log w_i = clamp(Σ_t m·clamp(ℓ − ℓ_old, −20, 20) + Σ_t clamp(log w^s_{i,t}, log 1e-8, 20), log 1e-8, 20)``
+    with ``w^s`` the sampling ratio ``importance_sampling_ratio`` (``[n, T]`` or ``[n, 1]``; its sum left out when
+    None), ``φ = exp(λ + k·log w − λ·w)`` (so ``φ(1) = 1``) with ``(k, λ)`` by the sign of ``A [n, 1]``;
+    non-finite φ become 0. No gradient flows through φ: it only scales ``A·∇ℓ``.
     """
     with torch.no_grad():
         lower = math.log(1e-8)
         seq_log_ratio = torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)
+        if importance_sampling_ratio is not None:  # log w = log(π_θ/π_old) + log(π_old/π_sampler)
+            log_is_ratio = torch.clamp(torch.log(importance_sampling_ratio), lower, 20.0)
+            seq_log_ratio = seq_log_ratio + torch.sum(log_is_ratio, dim=-1, keepdim=True)
         log_w = torch.clamp(seq_log_ratio, lower, 20.0)
         w = torch.exp(log_w)
         nonneg = advantages >= 0
@@ -262,10 +307,152 @@ def gamma_weights(
         return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def importance_sampling_problems(
+    mode: object, clip_min: object, clip_max: object, threshold: object = None, loss_type: object = None
+) -> list[str]:
+    """Every problem of the sampling-correction settings at once (GRPOConfig's checks, :1152-1171 of its file,
+    and ``GRPOTrainer``'s vespo check, :936): ``mode`` one of :data:`IS_MODES`; the bounds finite numbers or
+    None with ``C_min < C_max``; at least one bound for a ``*_truncate`` mode; vespo only with a ``token_*``
+    mode (its φ sums the ratio's logs per token); ``threshold`` (OPSM's δ) a finite number or None."""
+    problems = []
+    if mode not in IS_MODES:
+        problems.append(f"unknown importance_sampling_mode {mode!r}; known: {', '.join(IS_MODES)}")
+    bounds = {"importance_sampling_clip_min": clip_min, "importance_sampling_clip_max": clip_max}
+    good = {}
+    for name, v in bounds.items():
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+            problems.append(f"{name} must be a finite number ≥ 0 or None, got {v!r}")
+        else:
+            good[name] = float(v)
+    if len(good) == 2 and not good["importance_sampling_clip_min"] < good["importance_sampling_clip_max"]:
+        problems.append(
+            f"importance_sampling_clip_min ({clip_min}) must be below importance_sampling_clip_max ({clip_max})"
+        )
+    if mode in ("token_truncate", "sequence_truncate") and clip_min is None and clip_max is None:
+        problems.append(
+            f"importance_sampling_mode {mode!r} truncates the ratio: give a clip_min or a clip_max"
+        )
+    if loss_type == "vespo" and mode in IS_MODES and not str(mode).startswith("token_"):
+        problems.append(
+            f"vespo takes the sampling ratio per token: importance_sampling_mode must be token_truncate or "
+            f"token_mask, got {mode!r}"
+        )
+    if threshold is not None and (
+        isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not math.isfinite(threshold)
+    ):
+        problems.append(f"off_policy_mask_threshold must be a finite number or None, got {threshold!r}")
+    return problems
+
+
+@torch.no_grad()
+def sampling_is_ratio(
+    old_logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> torch.Tensor:
+    """The sampling importance ratio ``w`` (TRL's ``vllm_importance_sampling_ratio``, :2660-2703): ``[n, T]``
+    for the ``token_*`` modes, ``[n, 1]`` for the ``sequence_*`` ones (the module docstring gives the four).
+
+    ``old_logps [n, T]``: the trainer's log-probs of the sampled tokens when they were drawn (``ℓ_old``);
+    ``sampler_logps [n, T]``: the sampler's (``ℓ_s``; NaN where it gave none); ``mask [n, T]``: 1 on the
+    completion tokens that train. Settings and defaults are GRPOConfig's ``vllm_importance_sampling_*``.
+    A constant of the loss: no gradient.
+    """
+    problems = importance_sampling_problems(mode, clip_min, clip_max)
+    if problems:
+        raise ValueError("sampling_is_ratio: " + "; ".join(problems))
+    diff = (old_logps - sampler_logps) * mask
+    diff = torch.nan_to_num(diff, nan=0.0)  # a token the sampler could not score: ratio 1
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
+
+
+def sampling_metrics(
+    old_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """What TRL logs of the sampling correction (:2860-2895), as this micro-batch's detached pairs:
+    ``[sum, count]`` for the means, ``[extreme, count]`` for :data:`MIN_METRICS` and :data:`MAX_METRICS`.
+
+    ``|ℓ_old − ℓ_s|`` over the masked tokens the sampler scored (not NaN); ``w`` (:func:`sampling_is_ratio`)
+    over the masked tokens (``[n, T]``) or over every sequence (``[n, 1]``). Nothing syncs the device.
+    """
+    with torch.no_grad():
+        m = mask.bool()
+        delta = torch.abs(old_logps - sampler_logps)
+        scored = m & ~torch.isnan(delta)
+        delta = torch.where(scored, delta, torch.zeros_like(delta))
+        seen = m if ratio.shape[-1] != 1 else torch.ones_like(ratio, dtype=torch.bool)  # (:2874-2877)
+        r = ratio
+        inf = torch.tensor(math.inf, dtype=r.dtype, device=r.device)
+
+        def pair(value: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+            return torch.stack([value.to(torch.float64), count.to(torch.float64)])
+
+        n_delta, n_ratio = scored.sum(), seen.sum()
+        return {
+            f"{LOGP_DIFF_METRIC}/mean": pair(delta.sum(), n_delta),
+            f"{LOGP_DIFF_METRIC}/max": pair(torch.where(scored, delta, -inf).amax(), n_delta),
+            f"{RATIO_METRIC}/min": pair(torch.where(seen, r, inf).amin(), n_ratio),
+            f"{RATIO_METRIC}/mean": pair(torch.where(seen, r, 0.0).sum(), n_ratio),
+            f"{RATIO_METRIC}/max": pair(torch.where(seen, r, -inf).amax(), n_ratio),
+        }
+
+
+def off_policy_mask(
+    advantages: torch.Tensor,
+    logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask ``M [n, 1]`` (TRL ``get_off_policy_mask``, :2945-2970), in
+    ``mask``'s dtype: 1 (keep) where ``A ≥ 0`` or the sequence's mean ``nan_to_num(ℓ_s − sg(ℓ))`` over its
+    masked tokens is at most ``threshold``, else 0. ``advantages [n, 1]`` (or ``[n]``), the rest ``[n, T]``."""
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    kl_div = torch.nan_to_num(sampler_logps - logps.detach(), nan=0.0)  # (a NaN token is no evidence)
+    avg_seq_kl = (kl_div * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return ((adv >= 0) | (avg_seq_kl <= threshold)).to(dtype=mask.dtype)
+
+
 def masked_means(totals: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``sum / max(count, 1)`` of each ``[sum, count]`` pair of :func:`policy_loss`'s metrics, once they have
-    been added over micro-batches and processes (TRL's ``global_masked_mean``, :3259-3265)."""
-    return {name: pair[0] / pair[1].clamp(min=1.0) for name, pair in totals.items()}
+    been added over micro-batches and processes (TRL's ``global_masked_mean``, :3259-3265); a
+    :data:`MIN_METRICS` or :data:`MAX_METRICS` pair gives its extreme, 0 where nothing was counted (TRL's value
+    for an empty batch, :2878-2884)."""
+    out = {}
+    for name, pair in totals.items():
+        if name in MIN_METRICS or name in MAX_METRICS:
+            out[name] = torch.where(pair[1] > 0, pair[0], torch.zeros_like(pair[0]))
+        else:
+            out[name] = pair[0] / pair[1].clamp(min=1.0)
+    return out
+
+
+def combine_metrics(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Two micro-batches' metric pairs as one: sums and counts added, a :data:`MIN_METRICS` or
+    :data:`MAX_METRICS` extreme the min or max of the two (a key in one only is kept as it is)."""
+    out = dict(a)
+    for name, pair in b.items():
+        if name not in out:
+            out[name] = pair
+        elif name in MIN_METRICS:
+            out[name] = torch.stack([torch.minimum(out[name][0], pair[0]), out[name][1] + pair[1]])
+        elif name in MAX_METRICS:
+            out[name] = torch.stack([torch.maximum(out[name][0], pair[0]), out[name][1] + pair[1]])
+        else:
+            out[name] = out[name] + pair
+    return out
 
 
 def _shape_problems(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> list[str]:
@@ -292,6 +479,12 @@ def _check(
     num_sequences: int | None,
     num_tokens: float | torch.Tensor | None,
     num_micro_batches: int,
+    sampler_logps: torch.Tensor | None = None,
+    importance_sampling_correction: bool = False,
+    importance_sampling_mode: str = "sequence_mask",
+    importance_sampling_clip_min: float | None = None,
+    importance_sampling_clip_max: float | None = 3.0,
+    off_policy_mask_threshold: float | None = None,
 ) -> None:
     problems = []
     if loss_type not in LOSS_TYPES:
@@ -310,6 +503,7 @@ def _check(
         problems += _shape_problems("old_logps", old_logps, (n, t))
         problems += _shape_problems("mask", mask, (n, t))
         problems += _shape_problems("ref_logps", ref_logps, (n, t))
+        problems += _shape_problems("sampler_logps", sampler_logps, (n, t))
         problems += _shape_problems("advantages", advantages, (n,))
         if loss_type == "dr_grpo" and (max_completion_length is None or max_completion_length < t):
             problems.append(
@@ -346,6 +540,18 @@ def _check(
         problems.append(f"num_sequences must be an integer ≥ 1, got {num_sequences!r}")
     if isinstance(num_tokens, numbers.Real) and not num_tokens >= 0:
         problems.append(f"num_tokens must be ≥ 0, got {num_tokens!r}")
+    if importance_sampling_correction:
+        if sampler_logps is None:
+            problems.append("importance_sampling_correction needs sampler_logps (the sampler's log-probs)")
+        problems += importance_sampling_problems(
+            importance_sampling_mode,
+            importance_sampling_clip_min,
+            importance_sampling_clip_max,
+            off_policy_mask_threshold,
+            loss_type,
+        )
+    elif off_policy_mask_threshold is not None:
+        problems += importance_sampling_problems("sequence_mask", None, None, off_policy_mask_threshold)
     if problems:
         raise ValueError("policy_loss: " + "; ".join(problems))
 
@@ -374,6 +580,12 @@ def policy_loss(
     num_sequences: int | None = None,
     num_tokens: float | torch.Tensor | None = None,
     num_micro_batches: int = 1,
+    sampler_logps: torch.Tensor | None = None,
+    importance_sampling_correction: bool = False,
+    importance_sampling_mode: str = "sequence_mask",
+    importance_sampling_clip_min: float | None = None,
+    importance_sampling_clip_max: float | None = 3.0,
+    off_policy_mask_threshold: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO's policy loss of one micro-batch (TRL 1.16.0 ``_compute_loss``, :3020-3290; the module docstring
     gives every formula and reduction).
@@ -391,10 +603,20 @@ def policy_loss(
     ``n · num_micro_batches``), ``num_tokens`` completion tokens (default ``Σ mask``, only allowed for one
     micro-batch; clamped to ≥ 1), and ``max_completion_length`` for dr_grpo.
 
+    Off-policy corrections (the module docstring's formulas): ``sampler_logps [n, T]`` are the sampler's
+    log-probs of the completions (NaN where it gave none); with ``importance_sampling_correction`` (TRL's
+    ``use_vllm and vllm_importance_sampling_correction``) the loss is weighted by :func:`sampling_is_ratio` of
+    ``old_logps`` (``sg(logps)`` when None: the first update of a generation) against them, with
+    ``importance_sampling_mode`` and the clip bounds (GRPOConfig's ``vllm_importance_sampling_*`` defaults);
+    ``off_policy_mask_threshold`` (δ) applies :func:`off_policy_mask`, against ``sampler_logps`` when given,
+    else ``old_logps``.
+
     Returns ``(loss, metrics)``: the 0-d loss, and detached ``[sum, count]`` pairs named as TRL logs them —
     ``kl`` (when ``beta ≠ 0``), ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``
-    (clipped losses), ``cispo_clip_ratio``, ``vespo/phi_seq_mean`` — for :func:`masked_means`. A count is the
-    number of masked tokens, or of sequences for a per-sequence quantity (``"sequence"`` level, φ).
+    (clipped losses), ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, and with the correction
+    :func:`sampling_metrics`' five — for :func:`masked_means` (and :func:`combine_metrics` over micro-batches).
+    A count is the number of masked tokens, or of sequences for a per-sequence quantity (``"sequence"`` level,
+    φ).
     """
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     _check(
@@ -415,10 +637,30 @@ def policy_loss(
         num_sequences,
         num_tokens,
         num_micro_batches,
+        sampler_logps,
+        importance_sampling_correction,
+        importance_sampling_mode,
+        importance_sampling_clip_min,
+        importance_sampling_clip_max,
+        off_policy_mask_threshold,
     )
     n = logps.shape[0]
     adv = advantages.unsqueeze(1)  # [n, 1]
     old_logps = logps.detach() if old_logps is None else old_logps
+    is_ratio = None  # w: [n, T] or [n, 1]
+    if importance_sampling_correction:
+        is_ratio = sampling_is_ratio(
+            old_logps,
+            sampler_logps,
+            mask,
+            importance_sampling_mode,
+            importance_sampling_clip_min,
+            importance_sampling_clip_max,
+        )
+    opsm = None  # M: [n, 1]
+    if off_policy_mask_threshold is not None:  # (:3066-3081: the sampler's log-probs when known)
+        behaviour = sampler_logps if sampler_logps is not None else old_logps
+        opsm = off_policy_mask(adv, logps, behaviour, mask, off_policy_mask_threshold)
     log_ratio = logps - old_logps  # [n, T]
     if importance_sampling_level == "token":
         log_weights = log_ratio
@@ -443,9 +685,13 @@ def policy_loss(
         per_token_loss = -(torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures) * adv
     else:  # vespo
         phi = gamma_weights(
-            adv, log_ratio, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg
+            adv, log_ratio, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, is_ratio
         )
         per_token_loss = -phi * adv * logps
+    if opsm is not None:
+        per_token_loss = per_token_loss * opsm
+    if is_ratio is not None and loss_type != "vespo":  # (vespo's φ took it)
+        per_token_loss = per_token_loss * is_ratio
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
 
@@ -487,4 +733,6 @@ def policy_loss(
         metrics["cispo_clip_ratio"] = totals(((ratio > epsilon_high) & (adv > 0)).float())
     elif loss_type == "vespo":
         metrics["vespo/phi_seq_mean"] = totals(phi)
+    if is_ratio is not None:
+        metrics |= sampling_metrics(old_logps, sampler_logps, mask, is_ratio)
     return loss, metrics
