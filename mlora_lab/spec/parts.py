@@ -44,6 +44,10 @@ LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo")
 """``RL.loss_type``: how TRL 1.16's ``GRPOTrainer`` turns per-token terms into a loss (``dapo`` its default)."""
 SCALE_REWARDS = ("group", "batch", "none")
 """``RL.scale_rewards``: divide advantages by the std of the prompt's group, of the batch, or not at all."""
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+"""``RL.importance_sampling_level``: the ratio per token (GRPO), or one per sequence (GSPO)."""
+IMPORTANCE_SAMPLING_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
+"""``RL.importance_sampling_mode``: TRL 1.16's ``vllm_importance_sampling_mode`` (``sequence_mask`` its default)."""
 
 
 PREFERENCE_LOSS_TYPES = (
@@ -175,6 +179,44 @@ class RL:
     num_iterations: int = field(default=1, metadata=meta(
         "iterations", section="RL", min=1, max=64, help="updates per generation"))
     """Optimizer steps on each generation's completions (TRL's ``num_iterations``, μ)."""
+    importance_sampling_level: str = field(default="token", metadata=meta(
+        "ratio level", kind="choice", choices=IMPORTANCE_SAMPLING_LEVELS, section="RL",
+        help="token: GRPO; sequence: GSPO"))
+    """The importance ratio ``ρ`` against the old log-probs ``ℓ_old``, per token, ``ρ_{i,t} = exp(ℓ_{i,t} −
+    ℓ_old_{i,t})`` (``"token"``, GRPO), or one per sequence, the geometric mean ``ρ_i = exp(Σ_t m(ℓ − ℓ_old) /
+    Σ_t m)`` (``"sequence"``, GSPO: pair it with ``loss_type="grpo"`` or ``"luspo"``), as TRL's
+    ``importance_sampling_level``."""
+    importance_sampling_correction: bool = field(default=False, metadata=meta(
+        "IS correction", kind="bool", section="RL", help="weight the loss by trainer/sampler probabilities"))
+    """Correct for the sampler's distribution differing from the trainer's (TRL's
+    ``vllm_importance_sampling_correction``): each token's loss is multiplied by ``w = f(exp(ℓ_old − ℓ_s))``,
+    ``ℓ_old`` the trainer's log-probs of the completions at its first step on them and ``ℓ_s`` the sampler's
+    (``importance_sampling_mode`` says how). Off by default: the sampler is the trained model itself, so ``w``
+    differs from 1 only where ``top_k``/``top_p`` cut its distribution, or where a generation was sampled by an
+    older adapter (``max_staleness``: then the ratio ``ρ`` is against the trainer at its first step and ``w``
+    weighs the staleness, AReaL's decoupled PPO)."""
+    importance_sampling_mode: str = field(default="sequence_mask", metadata=meta(
+        "IS mode", kind="choice", choices=IMPORTANCE_SAMPLING_MODES, section="RL",
+        help="per token or sequence; truncate or mask"))
+    """How ``w`` is formed from ``d = m·(ℓ_old − ℓ_s)``, with ``[C_min, C_max]`` the clip bounds:
+    ``token_truncate`` ``w_{i,t} = clamp(exp(d_{i,t}), C_min, C_max)``; ``token_mask`` ``exp(d_{i,t})``, 0
+    outside the bounds; ``sequence_truncate`` ``w_i = clamp(exp(Σ_t d_{i,t}), C_min, C_max)``; ``sequence_mask``
+    (TRL's default) ``exp(Σ_t d_{i,t})``, 0 outside the bounds."""
+    importance_sampling_clip_max: float | None = field(default=3.0, metadata=meta(
+        "IS clip max", kind="float", section="RL", min=0, min_open=True, max=1000, optional=True,
+        null_means="no upper bound", help="C_max of the sampling ratio"))
+    """``C_max``: the sampling ratio's upper bound (TRL's ``vllm_importance_sampling_clip_max``, 3); ``None``:
+    none."""
+    importance_sampling_clip_min: float | None = field(default=None, metadata=meta(
+        "IS clip min", kind="float", section="RL", min=0, max=1000, optional=True,
+        null_means="no lower bound", help="C_min of the sampling ratio"))
+    """``C_min``: the sampling ratio's lower bound (below ``C_max``); ``None``: none (TRL's default)."""
+    off_policy_mask_threshold: float | None = field(default=None, metadata=meta(
+        "off-policy mask", kind="float", section="RL", min=0, min_open=True, max=1000, optional=True,
+        null_means="no off-policy mask", help="drop drifted sequences of negative advantage"))
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's ``off_policy_mask_threshold``, δ): a completion with
+    ``A < 0`` whose mean ``ℓ_s − ℓ`` over its tokens exceeds δ (the policy has drifted far from what sampled
+    it) carries no loss. ``None``: off."""
     scale_rewards: str = field(default="group", metadata=meta(
         "scale rewards", kind="choice", choices=SCALE_REWARDS, section="RL", help="advantage std: group/batch/none"))
     """Divide advantages by the reward std of the prompt's group, of the whole batch, or not at all."""

@@ -33,7 +33,13 @@ from mlora_lab.trackers import report_to_problems
 from mlora_lab.validate.agents import check_agent, check_agent_field
 from mlora_lab.validate.context import Context, bound, got, usable_path
 from mlora_lab.validate.pref import check_pref_fields
-from mlora_lab.validate.rl import check_numbers, check_reward_names, check_reward_refs, check_texts
+from mlora_lab.validate.rl import (
+    check_importance_sampling,
+    check_numbers,
+    check_reward_names,
+    check_reward_refs,
+    check_texts,
+)
 from mlora_lab.validate.tenants import check_name
 
 
@@ -155,6 +161,7 @@ def check_rl_fields(ctx: Context, t: Tenant) -> bool:
         )
     if ok["reward"] and ok["reward_names"]:
         check_reward_names(ctx, t)
+    check_importance_sampling(ctx, t, ok)
     seq_len = ctx.spec.seq_len
     if ok["max_new_tokens"] and is_int(seq_len) and rl.max_new_tokens >= seq_len:
         ctx.say(

@@ -3,6 +3,8 @@
 check_reward_refs / check_numbers / check_texts   RL's own field kinds (``validate.fields.check_rl_fields``
                            checks ``t.rl`` field by field with them; no file is read)
 check_reward_names(ctx, t)   ``rl.reward_names`` against the rewards (one each, usable as column names)
+check_importance_sampling(ctx, t, ok)   the ratio's level against the loss type, the sampling correction's
+                       bounds and mode together (what TRL 1.16 refuses, and what it only warns about)
 check_rewards(ctx, t, columns, samples)   the reward functions imported in a short-lived worker process (the
                        notebook never imports the user's file itself, so an edited file is seen
                        anew and a module that hangs cannot hang it): each exists, is callable,
@@ -165,3 +167,57 @@ def check_reward_names(ctx: Context, t: Tenant) -> None:
     twice = sorted({n for n in names if names.count(n) > 1})
     for name in twice:
         ctx.say(t, "rl", f"rl.reward_names names two functions {brief(name)}; give each its own")
+
+
+SEQUENCE_SUMMED = ("bnpo", "dr_grpo", "dapo", "cispo")
+"""Loss types that sum per-token terms: at ``importance_sampling_level="sequence"`` they weigh each sequence by
+its length instead of GSPO's per-sequence objective (TRL 1.16 warns, ``GRPOTrainer.__init__``)."""
+
+
+def check_importance_sampling(ctx: Context, t: Tenant, ok: dict[str, bool]) -> None:
+    """The importance-ratio settings together, each field already checked alone (``ok[name]``: it passed).
+    Stricter than TRL, which only warns where a setting computes something other than its method: ``luspo``
+    at token level, a length-summed loss at sequence level. As GRPOConfig: ``C_min < C_max``, and a truncating
+    mode with the correction on needs a bound."""
+    rl = t.rl
+    level_ok, loss_ok = ok.get("importance_sampling_level"), ok.get("loss_type")
+    if level_ok and loss_ok:
+        if rl.loss_type == "luspo" and rl.importance_sampling_level != "sequence":
+            ctx.say(
+                t,
+                "rl",
+                "rl.loss_type='luspo' scales each sequence's loss by its length on a sequence-level ratio: set "
+                "rl.importance_sampling_level='sequence' (the LUSPO paper's setup; at 'token' it is "
+                "another method)",
+            )
+        if rl.importance_sampling_level == "sequence" and rl.loss_type in SEQUENCE_SUMMED:
+            ctx.say(
+                t,
+                "rl",
+                f"rl.loss_type={rl.loss_type!r} sums per-token terms, so at rl.importance_sampling_level="
+                "'sequence' it weighs each sequence by its length instead of GSPO's per-sequence objective: "
+                "use loss_type='grpo' for GSPO, or importance_sampling_level='token'",
+            )
+    lo, hi = rl.importance_sampling_clip_min, rl.importance_sampling_clip_max
+    bounds_ok = ok.get("importance_sampling_clip_min") and ok.get("importance_sampling_clip_max")
+    if bounds_ok and lo is not None and hi is not None and not lo < hi:
+        ctx.say(
+            t,
+            "rl",
+            f"rl.importance_sampling_clip_min={lo} must be below rl.importance_sampling_clip_max={hi}",
+        )
+    if (
+        bounds_ok
+        and ok.get("importance_sampling_mode")
+        and ok.get("importance_sampling_correction")
+        and rl.importance_sampling_correction
+        and rl.importance_sampling_mode.endswith("_truncate")
+        and lo is None
+        and hi is None
+    ):
+        ctx.say(
+            t,
+            "rl",
+            f"rl.importance_sampling_mode={rl.importance_sampling_mode!r} clips the sampling ratio: give "
+            "rl.importance_sampling_clip_max or rl.importance_sampling_clip_min",
+        )

@@ -11,6 +11,7 @@ import itertools
 import math
 import textwrap
 from collections import defaultdict
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -253,6 +254,7 @@ def compare(
     )
     ours.backward()
     assert torch.isfinite(theirs)
+    ours, theirs = ours.detach(), theirs.detach()
     assert abs(float(ours) - float(theirs)) <= TOL, (float(ours), float(theirs))
     assert leaf.grad.abs().sum() > 0, "a batch that moves nothing compares nothing"
     torch.testing.assert_close(mine.grad, leaf.grad, atol=TOL, rtol=0)
@@ -402,3 +404,116 @@ def test_a_correction_that_changes_nothing_is_todays_loss():
             importance_sampling_correction=True,
         )[0]
         assert float(plain) == float(corrected)
+
+
+def test_a_job_trains_gspo_and_corrected_tenants_and_logs_trls_sampling_metrics(llama_path, tmp_path):
+    """One job: a GSPO tenant (sequence-level ratio, μ = 2) with the correction at TRL's default mode, a tenant
+    whose sampler cuts its distribution (``top_k``: the sampler's probabilities are renormalised over 3
+    tokens, the trainer's are not) with the token-level truncated correction and the off-policy mask, and one
+    whose sampler is the trainer (every ratio 1 but for numerics). Each trains, and its train rows carry TRL's
+    five sampling metrics, finite; the ``top_k`` tenant's differ from 1, the plain one's do not."""
+    from test_rl_driver import job, prompt_file, reward_file, rl_tenant
+
+    from mlora_lab.job.trainer import Trainer
+    from mlora_lab.rundir import Row
+    from mlora_lab.spec.parts import RL
+
+    rewards, data = reward_file(tmp_path), prompt_file(tmp_path)
+    common = dict(
+        reward=f"{rewards}:short", group_size=2, max_new_tokens=4, importance_sampling_correction=True
+    )
+    tenants = [
+        rl_tenant(
+            "gspo",
+            data,
+            RL(**common, loss_type="grpo", importance_sampling_level="sequence", num_iterations=2),
+        ),
+        rl_tenant(
+            "topk",
+            data,
+            RL(**common, top_k=3, importance_sampling_mode="token_truncate", off_policy_mask_threshold=0.5),
+        ),
+        rl_tenant("plain", data, RL(**common, importance_sampling_mode="token_mask")),
+    ]
+    tenants = [replace(t, max_steps=2) for t in tenants]
+    trainer = Trainer(job(llama_path, tenants))
+    trainer.train()
+    rows = [Row.from_dict(r) for r in trainer.recorder.history]
+    names = [f"sampling/importance_sampling_ratio/{s}" for s in ("min", "mean", "max")]
+    names += [f"sampling/sampling_logp_difference/{s}" for s in ("mean", "max")]
+    seen = {}
+    for t in tenants:
+        train = [r for r in rows if r.kind == "train" and r.tenant == t.name]
+        assert len(train) == 2 and all(math.isfinite(r.loss) for r in train), t.name
+        for r in train:
+            assert set(names) <= set(r.extra), (t.name, r.extra)
+            assert all(math.isfinite(r.extra[k]) for k in names), (t.name, r.extra)
+        seen[t.name] = train[0].extra
+    top = seen["topk"]
+    # (top-k renormalises: the sampler's log-probs are above the trainer's, every ratio below 1)
+    assert top["sampling/sampling_logp_difference/mean"] > 1e-2
+    assert (
+        top["sampling/importance_sampling_ratio/min"] < 0.99
+        and top["sampling/importance_sampling_ratio/max"] <= 1
+    )
+    plain = seen["plain"]
+    assert plain["sampling/sampling_logp_difference/max"] < 1e-3
+    assert abs(plain["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3
+    assert math.isfinite(seen["gspo"]["sampling/importance_sampling_ratio/mean"])
+
+
+def test_validation_names_every_bad_importance_sampling_setting(tmp_path, llama_path):
+    from test_rl_driver import prompt_file, reward_file
+
+    from mlora_lab.spec.job import JobSpec
+    from mlora_lab.spec.parts import RL
+    from mlora_lab.spec.tenant import Tenant
+    from mlora_lab.validate import problems
+
+    rewards, data = reward_file(tmp_path), prompt_file(tmp_path)
+    bad = {
+        "luspo": RL(reward=f"{rewards}:short", max_new_tokens=8, loss_type="luspo"),  # at token level
+        "dapo": RL(
+            reward=f"{rewards}:short", max_new_tokens=8, importance_sampling_level="sequence"
+        ),  # (dapo: the default)
+        "bounds": RL(
+            reward=f"{rewards}:short",
+            max_new_tokens=8,
+            importance_sampling_correction=True,
+            importance_sampling_clip_min=2.0,
+            importance_sampling_clip_max=1.5,
+        ),
+        "unbounded": RL(
+            reward=f"{rewards}:short",
+            max_new_tokens=8,
+            importance_sampling_correction=True,
+            importance_sampling_mode="sequence_truncate",
+            importance_sampling_clip_max=None,
+        ),
+        "fields": RL(
+            reward=f"{rewards}:short",
+            max_new_tokens=8,
+            importance_sampling_level="tokens",
+            importance_sampling_mode="tis",
+            off_policy_mask_threshold=0.0,
+            importance_sampling_clip_max=-1.0,
+        ),
+    }
+    tenants = [Tenant(name=n, data=data, rl=rl) for n, rl in bad.items()]
+    tenants.append(Tenant(name="good", data=data, rl=RL(reward=f"{rewards}:short", max_new_tokens=8, loss_type="grpo",
+                                                         importance_sampling_level="sequence",
+                                                         importance_sampling_correction=True)))  # fmt: skip
+    found = [str(p) for p in problems(JobSpec(base_model=llama_path, seq_len=64, tenants=tenants))]
+    text = "\n".join(found)
+    for tenant, expected in [
+        ("luspo", "set rl.importance_sampling_level='sequence'"),
+        ("dapo", "rl.loss_type='dapo' sums per-token terms"),
+        ("bounds", "rl.importance_sampling_clip_min=2.0 must be below rl.importance_sampling_clip_max=1.5"),
+        ("unbounded", "rl.importance_sampling_mode='sequence_truncate' clips the sampling ratio"),
+        ("fields", "rl.importance_sampling_level must be one of token, sequence (got 'tokens')"),
+        ("fields", "rl.importance_sampling_mode must be one of"),
+        ("fields", "rl.off_policy_mask_threshold must be in (0, 1000] (or null for no off-policy mask)"),
+        ("fields", "rl.importance_sampling_clip_max must be in (0, 1000] (or null for no upper bound)"),
+    ]:
+        assert any(tenant in p and expected in p for p in found), (tenant, expected, found)
+    assert not [p for p in found if "good" in p], text

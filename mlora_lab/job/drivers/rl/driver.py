@@ -18,10 +18,14 @@ from mlora_lab.job.drivers.rl.generation import (
     completion_index,
     prompts_digest,
     read_prompts,
+    sampler_logps,
 )
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rl.grpo import (
     CLIPPED,
+    LOGP_DIFF_METRIC,
+    MIN_METRICS,
+    RATIO_METRIC,
     RewardStats,
     nanstd,
     policy_loss,
@@ -175,10 +179,18 @@ class RLDriver(AgentParts, Drawing, Driver):
         logps = -token_loss.gather(1, index)  # [n, L]
         mask = valid & (labels[:, 1:].gather(1, index) != IGNORE_INDEX)
         L = logps.shape[1]
-        # (an agent's episodes: the ratio is against the sampler's log-probs from the first step on)
-        sampled = g.iteration > 0 or g.off_policy
+        correct = rl.importance_sampling_correction
+        # (an agent's episodes: the ratio is against the sampler's log-probs from the first step on; with the
+        # sampling correction, against the trainer's at the first step, the sampler's entering through w)
+        sampled = g.iteration > 0 or (g.off_policy and not correct)
         old = g.old_logps[local, :L].to(logps.device) if sampled and g.old_logps is not None else None
         ref = g.ref_logps[local, :L].to(logps.device) if rl.beta > 0 else None
+        behaviour = None  # ℓ_s [n, L]: the sampler's log-probs, for the correction and the off-policy mask
+        if correct or rl.off_policy_mask_threshold is not None:
+            try:
+                behaviour = sampler_logps(g)[local, :L].to(logps.device)
+            except ValueError:  # (a generation restored from before they were kept: nothing to correct by)
+                behaviour = (old if old is not None else logps).detach()
         loss, metrics = policy_loss(
             logps,
             old,
@@ -193,13 +205,29 @@ class RLDriver(AgentParts, Drawing, Driver):
             num_sequences=len(g),
             num_tokens=float(g.n_tokens),
             num_micro_batches=self.comm.dp_size * t.spec.grad_accum,
+            importance_sampling_level=rl.importance_sampling_level,
+            sampler_logps=behaviour,
+            importance_sampling_correction=correct,
+            importance_sampling_mode=rl.importance_sampling_mode,
+            importance_sampling_clip_min=rl.importance_sampling_clip_min,
+            importance_sampling_clip_max=rl.importance_sampling_clip_max,
+            off_policy_mask_threshold=rl.off_policy_mask_threshold,
         )
         clip_key = "cispo_clip_ratio" if rl.loss_type == "cispo" else "clip_ratio/region_mean"
         for i, key in enumerate(("kl", clip_key)):
             if key in metrics:
                 g.stats[2 * i : 2 * i + 2] += metrics[key].detach().double().cpu()
+        if correct:  # (g.stats[4:]: SAMPLING_SUMS' pairs, then SAMPLING_EXTREMES, a minimum negated)
+            g.stats = with_sampling_stats(g.stats)
+            here = torch.cat(
+                [metrics[k] for k in SAMPLING_SUMS]
+                + [(-1 if k in MIN_METRICS else 1) * metrics[k][:1] for k in SAMPLING_EXTREMES]
+            )
+            here = here.detach().double().cpu()
+            g.stats[4:8] += here[:4]
+            g.stats[8:] = torch.maximum(g.stats[8:], here[4:])
         if (
-            rl.num_iterations > 1 and g.iteration == 0 and not g.off_policy
+            rl.num_iterations > 1 and g.iteration == 0 and (correct or not g.off_policy)
         ):  # later ratios: against these
             if g.old_local is None:
                 g.old_local = torch.zeros(len(g), g.max_len, dtype=torch.float32)
@@ -215,10 +243,17 @@ class RLDriver(AgentParts, Drawing, Driver):
         g: Generation = f.current
         rl: RL = t.spec.rl
         f.micro = 0
-        totals = self.comm.sum_over_dp(g.stats)  # (kl sum, kl count, clipped sum, clipped count)
+        # (kl sum, kl count, clipped sum, clipped count[, the sampling correction's sums, its extremes])
+        if rl.importance_sampling_correction:  # (on every process alike, whatever rows each had)
+            stats = with_sampling_stats(g.stats)
+            totals = torch.cat([self.comm.sum_over_dp(stats[:8]), self.comm.max_over_world(stats[8:])])
+        else:
+            totals = self.comm.sum_over_dp(g.stats[:4])
         g.stats = torch.zeros(4, dtype=torch.float64)
         if (
-            rl.num_iterations > 1 and g.iteration == 0 and not g.off_policy
+            rl.num_iterations > 1
+            and g.iteration == 0
+            and (rl.importance_sampling_correction or not g.off_policy)
         ):  # later ratios: against these
             old = g.old_local if g.old_local is not None else torch.zeros(len(g), g.max_len)
             g.old_logps, g.old_local = self.comm.sum_over_dp(old).float(), None
@@ -250,6 +285,7 @@ class RLDriver(AgentParts, Drawing, Driver):
                 reward_metrics(g, ["env"] * rl.own_reward + reward_names(rl.rewards, rl.reward_names))
                 # (how many optimiser steps older the adapter that sampled it is than the one this step trained)
                 | ({"staleness": float(t.step - 1 - g.version)} if rl.max_staleness else {})
+                | sampling_extra(totals)
             )
             or None,
         )
@@ -302,3 +338,36 @@ def reward_metrics(g: Generation, names: Sequence[str]) -> dict[str, float | Non
             out[f"rewards/{key}/mean"] = float(scored.mean()) if len(scored) else None
             out[f"rewards/{key}/std"] = float(nanstd(col)) if len(scored) > 1 else None
     return out | dict(g.logged)
+
+
+SAMPLING_SUMS = (f"{LOGP_DIFF_METRIC}/mean", f"{RATIO_METRIC}/mean")
+"""The sampling correction's ``[sum, count]`` metrics, at ``Generation.stats[4:8]`` within a window."""
+SAMPLING_EXTREMES = (f"{RATIO_METRIC}/min", f"{RATIO_METRIC}/max", f"{LOGP_DIFF_METRIC}/max")
+"""Its extremes, at ``Generation.stats[8:11]`` (the minimum negated, so that all three reduce by max; −∞ until a
+token is counted)."""
+
+
+def with_sampling_stats(stats: torch.Tensor) -> torch.Tensor:
+    """A window's stats with room for the sampling correction's (``[11]``: the four of every tenant, then the
+    sums at 0 and the extremes at −∞), as they are if they have it already."""
+    if len(stats) >= 11:
+        return stats
+    fresh = torch.tensor([0.0] * 4 + [-math.inf] * 3, dtype=torch.float64)
+    return torch.cat([stats[:4].double(), fresh])
+
+
+def sampling_extra(totals: torch.Tensor) -> dict[str, float]:
+    """The sampling correction's metrics, named as TRL logs them (``sampling/importance_sampling_ratio/{min,
+    mean,max}``, ``sampling/sampling_logp_difference/{mean,max}``), from a step's reduced stats (``totals
+    [11]``; none when ``[4]``: no correction). Where nothing was counted, 0, as TRL."""
+    if len(totals) < 11:
+        return {}
+    out = {}
+    for i, key in enumerate(SAMPLING_SUMS):
+        total, count = float(totals[4 + 2 * i]), float(totals[5 + 2 * i])
+        out[key] = total / max(count, 1.0)
+    counts = {RATIO_METRIC: float(totals[7]), LOGP_DIFF_METRIC: float(totals[5])}
+    for i, key in enumerate(SAMPLING_EXTREMES):
+        value = float(totals[8 + i]) * (-1 if key in MIN_METRICS else 1)
+        out[key] = value if counts[key.rsplit("/", 1)[0]] > 0 else 0.0
+    return {k: out[k] for k in sorted(out)}
