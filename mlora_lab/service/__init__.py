@@ -10,7 +10,7 @@ drive their tenants through the ``tinker`` SDK (0.38.0), unchanged.
   the inbox and futures).
 - :mod:`.wire`: the protobuf wire format, with the SDK's own message classes.
 - :mod:`.losses`: Tinker's built-in losses (``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``,
-  ``dro``) as per-token sums over one forward of the shared base.
+  ``gspo``, ``dro``) as per-token sums over one forward of the shared base.
 
 The training loop's side is :class:`mlora_lab.job.drivers.tinker.driver.ServiceDriver`, the loop's third driver.
 Import the submodules themselves: this package imports nothing.

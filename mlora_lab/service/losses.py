@@ -28,12 +28,23 @@ importance_sampling  ``−r_t·A_t``                         ``−r_t·A_t``    
 ppo                  ``−min(r_t·A_t, clip(r_t)·A_t)``     ``−r_t·A_t``, or 0 (below)   ``clip_low_threshold`` (0.8),
                                                                                        ``clip_high_threshold`` (1.2)
 cispo                ``−sg(clip(r_t))·lp_t·A_t``          ``−clip(r_t)·A_t``           as ppo
+gspo                 ``−min(s_t·A_t, clip(s_t)·A_t)``     ``−s·A_t``, or 0 (below)     as ppo
 dro                  ``−(lp_t·A_t − ½·β·(lp_t − q_t)²)``  ``−A_t + β·(lp_t − q_t)``    ``beta`` (required: see below)
 ===================  ===================================  ===========================  ===================================
+
+``gspo`` (GSPO, Zheng et al. 2025, in the GSPO-token form of Tinker's docs,
+https://tinker-docs.thinkingmachines.ai/tinker/losses/gspo) clips one ratio per datum, the geometric mean of
+its token ratios over the positions ``M`` that its ``sequence_ratio_mask`` input marks (``≠ 0``):
+``s = exp(Σ_{t∈M}(lp_t − q_t) / |M|)`` (``s = 1`` when ``M`` is empty), carried by every token with its own
+log-prob's gradient, ``s_t = sg(s)·exp(lp_t − sg(lp_t))`` (value ``s``, ``∂s_t/∂lp_t = s``). The mask is
+required: Tinker's docs give no default, and a guess (every position? those with ``A_t ≠ 0``?) would change
+``s`` silently.
 
 ``ppo``'s gradient is 0 where the clipped term is the min and constant: ``r_t > hi`` with ``A_t > 0``, or
 ``r_t < lo`` with ``A_t < 0`` (the ratio moved past the bound in the direction the advantage favours).
 Elsewhere the two terms are equal (``lo ≤ r_t ≤ hi``) or the unclipped one is the min, and it is ``−r_t·A_t``.
+``gspo``'s likewise with ``s`` for ``r_t``: one ratio for the whole datum, so a sequence whose ratio moved
+past a bound stops moving as a whole.
 
 ``cross_entropy`` takes any real weights, negative ones too: the SDK's ``forward_backward_custom`` sends
 ``weights = −∂C/∂lp`` for the user's loss ``C``, so that the gradient of ``Σ −lp·w`` is the user's gradient.
@@ -42,17 +53,17 @@ which is how the tests check them. Without ``weights`` it weighs every position 
 sends them; the SDK does not say). ``dro``'s ``beta`` has no documented default (the docs' example uses
 0.05), so a request without it is refused rather than given a guess.
 
-The other names the SDK knows (``gspo``, ``stable_reinforce``, ``custom``) are refused as a user error, as
-are input keys a loss does not read (the SDK's dtype table also lists per-token ``clip_low_threshold``,
-``clip_high_threshold`` and ``sequence_ratio_mask``; none is supported — thresholds go in
-``loss_fn_config``). :func:`validate` checks a whole request before any of it runs and raises one
+The other names the SDK knows (``stable_reinforce``, ``custom``) are refused as a user error, as are input
+keys a loss does not read (the SDK's dtype table also lists per-token ``clip_low_threshold`` and
+``clip_high_threshold``; neither is supported — thresholds go in ``loss_fn_config``). :func:`validate` checks a whole request before any of it runs and raises one
 :class:`LossInputError` naming every problem; the server answers it with ``category: "user"``.
 
 Metrics, keyed ``name:reduction`` as the SDK merges them over chunks (``lib/chunked_fwdbwd_helpers.py``):
 
 * ``loss:sum``: ``L`` (every loss; the SDK's custom-loss path pops it from ``cross_entropy``'s answer);
-* ``clipped:sum`` and ``tokens:sum`` (``ppo``, ``cispo``): of the positions with ``A_t ≠ 0``, those whose
-  ratio lies outside ``[lo, hi]``, and all of them — their quotient is the clip fraction.
+* ``clipped:sum`` and ``tokens:sum`` (``ppo``, ``cispo``, ``gspo``): of the positions with ``A_t ≠ 0``, those
+  whose ratio (``gspo``: its datum's ``s``) lies outside ``[lo, hi]``, and all of them — their quotient is the
+  clip fraction.
 """
 
 from __future__ import annotations
@@ -63,8 +74,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
-TINKER_LOSS_FNS = (*LOSS_FNS, "gspo", "stable_reinforce", "custom")  # types/loss_fn_type.py
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dro")
+TINKER_LOSS_FNS = (*LOSS_FNS, "stable_reinforce", "custom")  # types/loss_fn_type.py
 
 # loss_fn → (required inputs, optional inputs)
 INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -72,6 +83,7 @@ INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "importance_sampling": (("target_tokens", "logprobs", "advantages"), ()),
     "ppo": (("target_tokens", "logprobs", "advantages"), ()),
     "cispo": (("target_tokens", "logprobs", "advantages"), ()),
+    "gspo": (("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"), ()),
     "dro": (("target_tokens", "logprobs", "advantages"), ()),
 }
 # loss_fn → {config key: default}; None: required (no documented default)
@@ -80,6 +92,7 @@ CONFIG: dict[str, dict[str, float | None]] = {
     "importance_sampling": {},
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": None},
 }
 # what the SDK sends (types/datum.py: int64 tokens, float32 values); float64 is accepted from in-process callers
@@ -88,6 +101,7 @@ INPUT_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "weights": (torch.float32, torch.float64),
     "logprobs": (torch.float32, torch.float64),
     "advantages": (torch.float32, torch.float64),
+    "sequence_ratio_mask": (torch.float32, torch.float64),
 }
 MAX_PROBLEMS = 20  # a hostile request of 10⁴ bad datums gets a readable message, not a megabyte
 
@@ -256,6 +270,17 @@ def datum_loss(
         q, adv = inputs["logprobs"], inputs["advantages"]
         if loss_fn == "dro":
             per_token = -(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2)
+        elif loss_fn == "gspo":
+            in_ratio = inputs["sequence_ratio_mask"] != 0
+            if mask is not None:
+                in_ratio = in_ratio & mask
+            # s = exp(mean_{t∈M} sg(lp_t) − q_t), one per datum (the last dimension); 1 where M is empty
+            log_s = torch.where(in_ratio, lp.detach() - q, torch.zeros_like(q)).sum(-1, keepdim=True)
+            log_s = log_s / in_ratio.sum(-1, keepdim=True).clamp(min=1)
+            ratio = torch.exp(log_s + lp - lp.detach())  # s_t: the value s, lp_t's own gradient
+            lo, hi = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
+            per_token = -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+            clipped = (ratio.detach() < lo) | (ratio.detach() > hi)
         else:
             ratio = torch.exp(lp - q)  # r [N]
             if loss_fn == "importance_sampling":

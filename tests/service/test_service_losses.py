@@ -28,6 +28,7 @@ RATIOS = [0.5, 0.7, 0.79, 0.9, 1.0, 1.1, 1.21, 1.5, 2.0, 1.3, 0.6]
 ADVANTAGES = [1.0, -0.5, 1.5, -1.0, 0.7, 1.2, -0.3, 0.4, -1.1, 0.0, 0.0]
 SAMPLER = [-0.4, -1.3, -2.2, -0.05, -0.9, -1.7, -0.6, -2.5, -1.0, -0.8, -0.3]
 WEIGHTS = [1.0, 0.0, 2.5, -1.5, 1.0, -0.25, 0.0, 3.0, 1.0, -2.0, 0.5]
+IN_RATIO = [1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]  # gspo's sequence_ratio_mask
 N = len(RATIOS)
 SDK_REDUCTIONS = ("mean", "sum", "min", "max", "slack", "hash2", "unique")  # lib/chunked_fwdbwd_helpers.py
 CONFIGS = {
@@ -35,6 +36,7 @@ CONFIGS = {
     "importance_sampling": {},
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": 0.3},
 }
 
@@ -47,6 +49,7 @@ def datum(dtype: torch.dtype, ratios=RATIOS, advantages=ADVANTAGES):
         "logprobs": q,
         "advantages": torch.tensor(advantages, dtype=dtype),
         "weights": torch.tensor(WEIGHTS[: len(ratios)], dtype=dtype),
+        "sequence_ratio_mask": torch.tensor(IN_RATIO[: len(ratios)], dtype=dtype),
     }
     return lp, inputs
 
@@ -55,6 +58,8 @@ def for_loss(loss_fn: str, inputs: dict) -> dict:
     keep = (
         ("target_tokens", "weights")
         if loss_fn == "cross_entropy"
+        else ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask")
+        if loss_fn == "gspo"
         else ("target_tokens", "logprobs", "advantages")
     )
     return {k: v for k, v in inputs.items() if k in keep}
@@ -64,6 +69,9 @@ def by_hand(loss_fn: str, lp, inputs, config) -> tuple[float, list[float]]:
     """``(L, [∂L/∂lp_t])`` from the docs' per-token formulas, in Python floats."""
     lo, hi = config.get("clip_low_threshold"), config.get("clip_high_threshold")
     loss, grads = 0.0, []
+    marked = [t for t, m in enumerate(inputs["sequence_ratio_mask"].tolist()) if m != 0]
+    logs = [lp.detach().tolist()[t] - float(inputs["logprobs"][t]) for t in marked]
+    s = math.exp(sum(logs) / len(logs)) if logs else 1.0  # gspo's one ratio: the geometric mean over M
     for t, lp_t in enumerate(lp.detach().tolist()):
         w = float(inputs["weights"][t])
         q, a = float(inputs["logprobs"][t]), float(inputs["advantages"][t])
@@ -78,6 +86,10 @@ def by_hand(loss_fn: str, lp, inputs, config) -> tuple[float, list[float]]:
             grad = -r * a if r * a <= c * a else 0.0  # the clipped term is the min: no gradient
         elif loss_fn == "cispo":
             term, grad = -c * lp_t * a, -c * a
+        elif loss_fn == "gspo":
+            cs = min(max(s, lo), hi)
+            term = -min(s * a, cs * a)
+            grad = -s * a if s * a <= cs * a else 0.0
         else:
             beta = config["beta"]
             term, grad = -(lp_t * a - 0.5 * beta * (lp_t - q) ** 2), -a + beta * (lp_t - q)
@@ -261,9 +273,9 @@ def test_config_values_that_make_no_sense_are_all_named():
     assert problems == ["loss_fn_config keys 'beta' are unknown to cross_entropy (takes none)"]
 
 
-@pytest.mark.parametrize("name", ["gspo", "stable_reinforce", "custom"])
+@pytest.mark.parametrize("name", ["stable_reinforce", "custom"])
 def test_the_sdks_other_losses_are_refused_as_a_user_error(name):
-    supported = "supported: cross_entropy, importance_sampling, ppo, cispo, dro"
+    supported = "supported: cross_entropy, importance_sampling, ppo, cispo, gspo, dro"
     with pytest.raises(ValueError, match=f"'{name}' is not supported by this server; {supported}"):
         validate(name, {}, [{"target_tokens": torch.zeros(3, dtype=torch.int64)}], [3])
     with pytest.raises(LossInputError, match="is not supported by this server"):
