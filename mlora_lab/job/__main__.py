@@ -39,7 +39,13 @@ from typing import TYPE_CHECKING
 from mlora_lab.job.drivers.default import DEFAULT_DRIVERS
 from mlora_lab.job.search import read_sweep
 from mlora_lab.job.trainer import Trainer
-from mlora_lab.parallel import exit_process, init_distributed, leave_together, shutdown_distributed
+from mlora_lab.parallel import (
+    exit_process,
+    init_distributed,
+    leave_together,
+    shutdown_distributed,
+    split_roles,
+)
 from mlora_lab.rundir import (
     ProcessIdentity,
     RunDir,
@@ -209,6 +215,14 @@ def main(argv: list[str] | None = None) -> int:
         found = problems(job_of_sweep(spec, sweep) if sweep is not None else spec, files=False)
         if found:
             raise SpecError(found)
+        roles = split_roles(dist, spec.parallel.rollout_ranks) if dist.world_size > 1 else None
+        if roles is not None and roles.trainer is None:  # a rollout rank: it samples for the RL tenants
+            from mlora_lab.job.rollout import serve_rollouts
+
+            serve_rollouts(spec, dist, roles)
+            leave_together()
+            print(f"[rank {dist.rank}] rollout rank {roles.rollout_index}: done", flush=True)
+            return 0
         if dist.is_main:
             update_status(
                 run.root,
@@ -227,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             drivers = (
                 service.drivers(drivers) if service is not None else follower_drivers(spec, run, drivers)
             )
-        trainer = Trainer(spec, run.root, dist, resume=args.resume, drivers=drivers)
+        info = roles.trainer if roles is not None else dist
+        trainer = Trainer(spec, run.root, info, resume=args.resume, drivers=drivers, roles=roles)
         gc.freeze()  # the start's objects: never scanned again (each pass over them would find nothing)
         gc.enable()
         if service is not None:

@@ -58,7 +58,7 @@ from mlora_lab.job.evals import JobEvals
 from mlora_lab.job.recorder import Recorder
 from mlora_lab.job.search import SearchController, read_sweep
 from mlora_lab.job.tenants import TenantPool, TenantRun
-from mlora_lab.parallel import Collectives, DistInfo, ParallelDims
+from mlora_lab.parallel import Collectives, DistInfo, ParallelDims, Roles
 from mlora_lab.rundir import ControlMessage, EventKind, RunDir, TenantState, checkpoint, control, rows
 from mlora_lab.spec.job import JobSpec
 
@@ -77,6 +77,7 @@ class Trainer:
         dist: DistInfo | None = None,
         resume: bool = False,
         drivers: Sequence[DriverFactory] = DEFAULT_DRIVERS,
+        roles: Roles | None = None,
     ) -> None:
         # The job's own copy: tenants added while it runs (and its slot modules) are recorded in it,
         # never in the caller's spec.
@@ -97,7 +98,7 @@ class Trainer:
         self.recorder = Recorder(self.run, self.comm, self.dist.is_main, spec.log_every)
         self.pool = TenantPool(spec, self.engine, self.recorder, self.run, self.dist.is_main)
         self.wake = threading.Event()
-        parts = JobParts(spec, self.engine, self.pool, self.recorder, self.wake)
+        parts = JobParts(spec, self.engine, self.pool, self.recorder, self.wake, roles)
         self.drivers = Drivers([make(parts) for make in drivers])
         controls = Controls(self.pool, self.drivers.feed, self.run)
         self.control = ControlHandler(self.run, self.comm, self.dist.is_main, controls)
@@ -113,7 +114,7 @@ class Trainer:
         p = self.spec.parallel
         self.dims = ParallelDims(self.dist.world_size, fsdp=p.fsdp, tp=p.tp, ep=p.ep)
         mesh = self.dims.build_mesh(self.dist.device.type)
-        return Collectives(self.dims, mesh, self.dist.device), mesh
+        return Collectives(self.dims, mesh, self.dist.device, self.dist.group), mesh
 
     def _record_slots(self) -> None:
         """Slots are fixed for the life of the job: record them in job.json, so tenants added later are

@@ -496,7 +496,7 @@ def _relayout(spec: JobSpec, **given: int | None) -> bool:
     p = spec.parallel
     p.nproc = given["nproc"] or p.nproc
     p.nnodes = given["nnodes"] or p.nnodes
-    p.tp = given["tp"] or (p.tp if p.world_size % p.tp == 0 else 1)
-    p.fsdp = given["fsdp"] or p.world_size // p.tp
-    p.ep = given["ep"] or (p.ep if (p.world_size // p.tp) % p.ep == 0 else 1)
+    p.tp = given["tp"] or (p.tp if p.trainers % p.tp == 0 else 1)
+    p.fsdp = given["fsdp"] or max(p.trainers // p.tp, 1)
+    p.ep = given["ep"] or (p.ep if (p.trainers // p.tp) % p.ep == 0 else 1)
     return True

@@ -30,12 +30,15 @@ from mlora_lab.quant import is_quantized
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits: global rank, world size, local rank and its device."""
+    """Where this process sits: global rank, world size, local rank and its device. In a job with rollout
+    ranks (:func:`split_roles`) a trainer's ``world_size`` counts the trainers only and ``group`` is theirs."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    group: dist.ProcessGroup | None = field(default=None, compare=False)
+    """The training processes' group (``None``: every process of the job)."""
 
     @property
     def is_main(self) -> bool:
@@ -98,6 +101,45 @@ def leave_together() -> None:
 
 
 @dataclass(frozen=True)
+class Roles:
+    """What each process of a job with ``k`` rollout ranks does: the first ``T = world − k`` train (their own
+    group, :attr:`DistInfo.group`; every collective of the training loop stays within it), the last ``k`` hold
+    the frozen base and every RL tenant's adapter and sample (:mod:`mlora_lab.job.rollout`). Rank 0 talks to
+    rollout rank ``j`` over two groups of the two of them, one per direction (``down[j]``: orders and adapters;
+    ``up[j]``: completions), so a send never waits behind a receive."""
+
+    trainers: int
+    rollout_ranks: int
+    trainer: DistInfo | None  # this process as a trainer (None on a rollout rank)
+    rollout_index: int | None  # this rollout rank's index, 0..k-1 (None on a trainer)
+    down: list[dist.ProcessGroup | None] = field(default_factory=list, compare=False)
+    up: list[dist.ProcessGroup | None] = field(default_factory=list, compare=False)
+
+    def rollout_rank(self, j: int) -> int:
+        """The global rank of rollout rank ``j``."""
+        return self.trainers + j
+
+
+def split_roles(info: DistInfo, rollout_ranks: int) -> Roles:
+    """Split the job's processes into trainers and ``rollout_ranks`` rollout ranks (see :class:`Roles`). Every
+    process calls it, in the same order as everything else that makes groups (``new_group`` is collective)."""
+    trainers = info.world_size - rollout_ranks
+    if rollout_ranks == 0:
+        return Roles(trainers, 0, info, None)
+    if trainers < 1:
+        raise ValueError(f"{rollout_ranks} rollout ranks leave no trainer among {info.world_size} processes")
+    group = dist.new_group(list(range(trainers)))
+    down, up = [], []
+    for j in range(rollout_ranks):
+        down.append(dist.new_group([0, trainers + j]))
+        up.append(dist.new_group([0, trainers + j]))
+    if info.rank < trainers:
+        trainer = dataclasses.replace(info, world_size=trainers, group=group)
+        return Roles(trainers, rollout_ranks, trainer, None, down, up)
+    return Roles(trainers, rollout_ranks, None, info.rank - trainers, down, up)
+
+
+@dataclass(frozen=True)
 class ParallelDims:
     """How the world is split: ``dp_replicate × fsdp × tp`` processes, and EP groups among them.
 
@@ -131,12 +173,19 @@ class ParallelDims:
         return self.dp_replicate * self.fsdp
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The ``("dp_replicate", "dp_shard", "tp")`` mesh (None for a single process)."""
+        """The ``("dp_replicate", "dp_shard", "tp")`` mesh over global ranks ``0 … world_size − 1`` (None for a
+        single process; a job's rollout ranks, after them, are in none of its groups)."""
         if self.world_size == 1:
             return None
-        return init_device_mesh(
+        if self.world_size == dist.get_world_size():
+            return init_device_mesh(
+                device_type,
+                (self.dp_replicate, self.fsdp, self.tp),
+                mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+            )
+        return DeviceMesh(
             device_type,
-            (self.dp_replicate, self.fsdp, self.tp),
+            torch.arange(self.world_size).reshape(self.dp_replicate, self.fsdp, self.tp),
             mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
         )
 
@@ -201,7 +250,7 @@ def parallelize(
         for kind in ("A", "B"):
             if experts.layouts[kind] is None:
                 experts.layouts[kind] = SlotLayout(reduce_group=dp_group)
-    mm.io = ShardedTensorIO()
+    mm.io = ShardedTensorIO(dims.world_size)
     # Every process runs the backward through every block, whichever tenants its rows belong to (or
     # none): FSDP2 all-gathers each block again in the backward and expert parallelism exchanges
     # tokens, collectives that every process must join. The embeddings' output asks for a gradient,
@@ -225,8 +274,15 @@ class Collectives:
     the same shard (:meth:`~mlora_lab.lora.model.TensorIO.copies`), whatever the tensor's mesh.
     """
 
-    def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        dims: ParallelDims,
+        mesh: DeviceMesh | None,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.dims, self.mesh, self.device = dims, mesh, device
+        self.group = group  # "the world": every training process (None: every process of the job)
         if mesh is None:
             self.dp_rank, self.dp_size = 0, 1
             self.dp_group = None
@@ -246,14 +302,14 @@ class Collectives:
         """Element-wise sum of ``values`` over every process (a float64 copy)."""
         out = values.detach().to(self.device, torch.float64).clone()
         if self.mesh is not None:
-            dist.all_reduce(out)
+            dist.all_reduce(out, group=self.group)
         return out.cpu()
 
     def max_over_world(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise maximum of ``values`` over every process (a float64 copy)."""
         out = values.detach().to(self.device, torch.float64).clone()
         if self.mesh is not None:
-            dist.all_reduce(out, op=dist.ReduceOp.MAX)
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
         return out.cpu()
 
     def broadcast_object(self, obj: object) -> object:
@@ -261,17 +317,17 @@ class Collectives:
         if self.mesh is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def gather_objects(self, obj: object) -> list[object]:
         """``obj`` from every rank (in rank order)."""
         if self.mesh is None:
             return [obj]
-        out: list[object] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
+        out: list[object] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def barrier(self) -> None:
         if self.mesh is not None:
-            dist.barrier()
+            dist.barrier(group=self.group)

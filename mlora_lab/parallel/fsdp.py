@@ -82,7 +82,11 @@ def apply_fsdp(
 
 class ShardedTensorIO(TensorIO):
     """:class:`TensorIO` for tenants' tensors laid out by :class:`SlotLayout` (the layout is kept on
-    each tensor it makes, as ``slot_layout``)."""
+    each tensor it makes, as ``slot_layout``), over ``world`` training processes (a job's rollout ranks hold
+    no shard: :func:`~mlora_lab.parallel.split_roles`)."""
+
+    def __init__(self, world: int | None = None) -> None:
+        self.world = world
 
     def new(self, layout: object, full: torch.Tensor) -> torch.Tensor:
         layout = layout if isinstance(layout, SlotLayout) else SlotLayout()
@@ -166,11 +170,12 @@ class ShardedTensorIO(TensorIO):
         return view.full_tensor().cpu()
 
     def copies(self, param: torch.Tensor) -> int:
+        world = self.world if self.world is not None else dist.get_world_size()
         if not isinstance(param, DTensor):
-            return dist.get_world_size()
+            return world
         mesh = param.device_mesh
         shards = math.prod(mesh.size(d) for d, p in enumerate(param.placements) if isinstance(p, Shard))
-        return dist.get_world_size() // shards
+        return world // shards
 
     def scatter(self, param: torch.Tensor, index: tuple, full: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, DTensor):

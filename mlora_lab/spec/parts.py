@@ -508,12 +508,25 @@ class Parallel:
         "ep", section="Parallel", min=1, max=MAX_DEGREE,
         help="expert parallel (MoE): a divisor of nproc / tp and of the experts"))
     """Expert-parallel degree (MoE models): groups of ``ep`` data-parallel ranks split the experts."""
+    rollout_ranks: int = field(default=0, metadata=meta(
+        "rollout ranks", section="Parallel", min=0, max=MAX_DEGREE,
+        help="processes that only sample for RL tenants (the last ones)"))
+    """Processes, of ``nproc * nnodes``, that hold the frozen base and every RL tenant's adapter and do the RL
+    tenants' sampling while the others train (the last ranks; ``fsdp``, ``tp`` and ``ep`` lay out the others).
+    After each optimizer step a tenant's adapter reaches them in memory, over the job's process group. ``0``:
+    the training ranks sample, between steps. Applies to a job under torchrun; a job in the notebook's own
+    process samples in place."""
     # fmt: on
 
     @property
     def world_size(self) -> int:
         """Total number of ranks: ``nproc * nnodes``."""
         return self.nproc * self.nnodes
+
+    @property
+    def trainers(self) -> int:
+        """The ranks that train: ``world_size − rollout_ranks``."""
+        return self.world_size - self.rollout_ranks
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""

@@ -1,7 +1,8 @@
 """The process layout: ``parallel``'s fields and how they divide each other (no file read), then, once
 the model is loaded, whether the model splits over ``tp`` and ``ep`` ranks.
 
-    world_size = nproc * nnodes;  fsdp * tp divides world_size;  ep divides world_size / tp
+    world_size = nproc * nnodes;  trainers = world_size - rollout_ranks (≥ 1)
+    fsdp * tp divides trainers;  ep divides trainers / tp
 """
 
 from __future__ import annotations
@@ -27,21 +28,29 @@ def check_parallel(ctx: Context) -> None:
     ok = [check_field(ctx, None, f"parallel.{n}", getattr(p, n), info) for n, info in fields_info(Parallel)]
     if not all(ok):
         return
-    ctx.layout_ok = True
-    group = p.fsdp * p.tp
-    if p.world_size % group:
+    if p.rollout_ranks >= p.world_size:
         ctx.say(
             None,
-            "parallel.fsdp",
-            f"parallel: fsdp*tp = {p.fsdp}*{p.tp} = {group} must divide "
-            f"nproc*nnodes = {p.nproc}*{p.nnodes} = {p.world_size}",
+            "parallel.rollout_ranks",
+            f"parallel: rollout_ranks = {p.rollout_ranks} leaves no process to train among nproc*nnodes = "
+            f"{p.nproc}*{p.nnodes} = {p.world_size}",
         )
-    elif (p.world_size // p.tp) % p.ep:
+        return
+    ctx.layout_ok = True
+    group = p.fsdp * p.tp
+    # (the ranks that train: every rank, or those the rollout ranks leave)
+    world = f"nproc*nnodes = {p.nproc}*{p.nnodes} = {p.world_size}"
+    if p.rollout_ranks:
+        world = f"the training ranks, nproc*nnodes - rollout_ranks = {p.world_size} - {p.rollout_ranks} = {p.trainers}"
+    if p.trainers % group:
+        ctx.say(None, "parallel.fsdp", f"parallel: fsdp*tp = {p.fsdp}*{p.tp} = {group} must divide {world}")
+    elif (p.trainers // p.tp) % p.ep:
+        over = "nproc*nnodes" + (" - rollout_ranks" if p.rollout_ranks else "")
         ctx.say(
             None,
             "parallel.ep",
-            f"parallel: ep = {p.ep} must divide the data-parallel ranks (nproc*nnodes/tp = "
-            f"{p.world_size // p.tp}); expert parallelism splits the experts over groups of them",
+            f"parallel: ep = {p.ep} must divide the data-parallel ranks ({over}/tp = "
+            f"{p.trainers // p.tp}); expert parallelism splits the experts over groups of them",
         )
 
 

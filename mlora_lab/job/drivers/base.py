@@ -33,7 +33,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from mlora_lab.job.tenants import Feed, TenantPool, TenantRun
 from mlora_lab.rundir import TrainRow
 from mlora_lab.spec.job import JobSpec
 from mlora_lab.spec.tenant import Tenant
+
+if TYPE_CHECKING:
+    from mlora_lab.parallel import Roles
 
 
 @dataclass
@@ -79,6 +82,8 @@ class JobParts:
     wake: threading.Event = field(default_factory=threading.Event)
     """Set by a driver whose work comes from another thread (a served request) when some arrives: the loop,
     idle, wakes at once instead of at its next idle poll."""
+    roles: Roles | None = None
+    """The job's trainers and rollout ranks (``Parallel.rollout_ranks``; ``None``: every process trains)."""
 
 
 class Driver(ABC):

@@ -35,7 +35,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from mlora_lab.job.agree import describe
-from mlora_lab.job.drivers.rl.generation import Generation, Sampled, generation_seed, sampler_logps
+from mlora_lab.job.drivers.rl.generation import Generation, RLFeed, Sampled, generation_seed, sampler_logps
+from mlora_lab.job.rollout import (
+    AdapterRefused,
+    AdapterUpdate,
+    DropAdapter,
+    RolloutLink,
+    Samples,
+    SampleWork,
+    adapter_config,
+    tensors_digest,
+)
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rl.grpo import advantages, combine_rewards, reward_problem
 from mlora_lab.rl.prompts import as_completion
@@ -56,6 +66,18 @@ class Drawing:
         # rank 0: each tenant's rewards in flight, by generation index, and the thread that computes them in order
         self.scoring: dict[str, dict[int, Future]] = {}
         self.scorers: dict[str, ThreadPoolExecutor] = {}
+        # rollout ranks (Parallel.rollout_ranks): they sample; rank 0 holds the link to them
+        roles = parts.roles
+        self.rollout_ranks = roles.rollout_ranks if roles is not None else 0
+        self.link = RolloutLink(roles) if self.rollout_ranks and self.pool.is_main else None
+        self.sent: dict[
+            str, int
+        ] = {}  # (every trainer) the adapter version each rollout rank holds, by tenant
+        self.tickets = 0  # (every trainer) works sent so far; generations sent so far (their rollout rank)
+        self.dealt = 0
+        # rank 0: ticket → the generations it fills (tenant, generation, where its completions start in the answer)
+        self.awaited: dict[int, list[tuple[TenantRun, Sampled, int]]] = {}
+        self.refused: dict[str, str] = {}  # rank 0: tenants whose adapter a rollout rank refused, with why
 
     # -- how many to sample ------------------------------------------------------------------------
     def _due(self, t: TenantRun) -> int:
@@ -74,10 +96,20 @@ class Drawing:
     def _singles(self, tenants: list[TenantRun]) -> dict[str, str]:
         """Single-turn tenants: sample what is due, submit its rewards, and give each tenant between windows its
         next generation. Returns the tenants that failed, with why (the same on every process)."""
+        failed: dict[str, str] = {}
+        if self.rollout_ranks:  # (a rollout rank that refused a tenant's adapter: that tenant alone fails)
+            if self.link is not None:
+                self._poll()
+            names = {t.name for t in tenants}
+            refused = self.comm.broadcast_object({n: w for n, w in self.refused.items() if n in names})
+            failed |= {n: f"RolloutError: {why}" for n, why in refused.items()}
+            tenants = [t for t in tenants if t.name not in failed]
         due = {t.name: self._due(t) for t in tenants}
-        failed = self._draw([t for t in tenants if due[t.name]], due)
+        failed |= self._draw([t for t in tenants if due[t.name]], due)
         live = [t for t in tenants if t.name not in failed]
         if self.pool.is_main:
+            if self.link is not None:
+                self._poll()
             for t in live:
                 self._submit(t)
         return failed | self._take([t for t in live if t.feed.current is None])
@@ -110,6 +142,9 @@ class Drawing:
                         )
                     )
                 f.generations += 1
+        if self.rollout_ranks:
+            self._send(tenants, requests, made)
+            return {}
         any_running = self._any_running if self.comm.mesh is not None else None
         try:
             completions = sample(
@@ -129,6 +164,97 @@ class Drawing:
         for t, s, _ in made:
             t.feed.ahead.append(s)
         return {}
+
+    def _send(
+        self,
+        tenants: list[TenantRun],
+        requests: list[SampleRequest],
+        made: list[tuple[TenantRun, Sampled, int]],
+    ) -> None:
+        """The rollout ranks sample ``made`` (every trainer keeps them as waiting for their answer): each tenant's
+        adapter first, where a rollout rank holds an older version (every trainer reads it: under FSDP a
+        collective), then the generations, whole, dealt round robin, one :class:`~mlora_lab.job.rollout.SampleWork`
+        per rollout rank (one rollout rank: the one batch the trainers would have sampled)."""
+        for t in tenants:
+            if self.sent.get(t.name) != t.step:
+                tensors = self.engine.model.tenant_tensors(t.name)
+                if self.link is not None:
+                    update = AdapterUpdate(
+                        t.name, t.step, adapter_config(t.spec), tensors, tensors_digest(tensors)
+                    )
+                    self.link.send_all(update)
+                self.sent[t.name] = t.step
+        works: dict[int, list[tuple[TenantRun, Sampled, int]]] = {}
+        for t, s, first in made:
+            works.setdefault(self.dealt % self.rollout_ranks, []).append((t, s, first))
+            self.dealt += 1
+        for j, parts in works.items():
+            ticket, self.tickets = self.tickets, self.tickets + 1
+            mine, fills, answers = [], [], 0
+            for t, s, first in parts:
+                fills.append((t, s, answers))  # (where its completions start in the answer)
+                mine += requests[first : first + len(s.prompts)]
+                answers += len(s.prompts) * t.spec.rl.group_size
+                s.ticket = ticket
+                t.feed.ahead.append(s)
+            if self.link is not None:
+                self.awaited[ticket] = fills
+                self.link.send(j, SampleWork(ticket, mine))
+
+    def _poll(self, until: Sampled | None = None) -> None:
+        """Rank 0: take the rollout ranks' answers that came (waiting until ``until`` is answered, if given):
+        completions fill their generations; a refused adapter fails its tenant at the next plan; a work that
+        failed, or a link that broke, fails the tenants that waited on it."""
+        assert self.link is not None
+        while True:
+            for _, reply in self.link.replies(
+                timeout=None if until is not None and until.ticket is not None else 0.0
+            ):
+                if isinstance(reply, Samples):
+                    self._answered(reply)
+                elif isinstance(reply, AdapterRefused):
+                    self.refused.setdefault(reply.tenant, reply.why)
+                elif reply is None:  # (the link broke: nothing more will come)
+                    for ticket in list(self.awaited):
+                        self._answered(Samples(ticket, error=self.link.failed))
+            if until is None or until.ticket is None:
+                return
+
+    def _answered(self, reply: Samples) -> None:
+        fills = self.awaited.pop(reply.ticket, [])
+        for t, s, first in fills:
+            if reply.error is not None:
+                self.refused.setdefault(
+                    t.name, f"its generation {s.index} failed on a rollout rank: {reply.error}"
+                )
+                s.fill([], [], [])
+                continue
+            got = reply.completions[first : first + len(s.prompts) * t.spec.rl.group_size]
+            s.fill([c[0] for c in got], [c[1] for c in got], [c[2] == "length" for c in got])
+
+    def _settle(self) -> None:
+        """Every generation sent to a rollout rank is answered, on every trainer (a checkpoint keeps them
+        whole): rank 0 waits for the answers and gives them to the other trainers."""
+        if not self.rollout_ranks:
+            return
+        pending = [(t, s) for t in self.pool.running() if isinstance(t.feed, RLFeed) for s in t.feed.ahead]
+        pending = [(t, s) for t, s in pending if s.ticket is not None]
+        if self.link is not None:
+            for _, s in pending:
+                self._poll(until=s)
+        answers = self.comm.broadcast_object([(s.tokens, s.logps, s.truncated) for _, s in pending])
+        for (_, s), got in zip(pending, answers):
+            s.fill(*got)
+
+    def before_checkpoint(self) -> None:
+        self._settle()
+        super().before_checkpoint()  # type: ignore[misc]
+
+    def _drop_adapter(self, name: str) -> None:
+        """A tenant that stopped running: the rollout ranks free its slot (a later resume sends it again)."""
+        if self.sent.pop(name, None) is not None and self.link is not None:
+            self.link.send_all(DropAdapter(name))
+        self.refused.pop(name, None)
 
     def _any_running(self, running: bool) -> bool:
         """Whether a sampling row still runs on any process (an all-reduce: every process calls it after
@@ -158,13 +284,13 @@ class Drawing:
             worker = self.workers[t.name] = RewardWorker(rl.rewards, timeout_s=rl.reward_timeout_s)
         return worker
 
-    def _submit(self, t: TenantRun) -> None:
+    def _submit(self, t: TenantRun, also: Sequence[Sampled] = ()) -> None:
         """Rank 0: every generation ``t`` holds ahead whose rewards are not in flight yet goes to its worker's
         thread, in order (after a resume: those the checkpoint kept). A worker whose judge asks the job is left
         for :meth:`_take` (its answers need every process serving)."""
         flying = self.scoring.setdefault(t.name, {})
-        for s in t.feed.ahead:
-            if s.index in flying:
+        for s in [*also, *t.feed.ahead]:
+            if s.index in flying or s.ticket is not None:  # (in flight already, or still being sampled)
                 continue
             worker = self._worker(t)
             if t.name not in self.scorers:  # (its first call: the hello says whether a judge asks the job)
@@ -196,8 +322,23 @@ class Drawing:
         taken = {t.name: t.feed.ahead.pop(0) for t in tenants}
         got: dict[str, RewardResult | str] = {}
         judged: list[tuple[TenantRun, RewardBatch]] = []
+        if self.rollout_ranks:  # (rank 0 waits for what it still needs; every trainer gets the completions)
+            if self.link is not None:
+                for t in tenants:
+                    self._poll(until=taken[t.name])
+                    self._submit(t, [taken[t.name]])
+            names = [t.name for t in tenants]
+            answers = self.comm.broadcast_object(
+                [(taken[n].tokens, taken[n].logps, taken[n].truncated) for n in names]
+            )
+            for n, answer in zip(names, answers):
+                taken[n].fill(*answer)
+            refused = self.comm.broadcast_object({n: w for n, w in self.refused.items() if n in names})
+            got |= {n: f"RolloutError: {why}" for n, why in refused.items()}
         if self.pool.is_main:
             for t in tenants:
+                if t.name in got:
+                    continue
                 future = self.scoring.get(t.name, {}).pop(taken[t.name].index, None)
                 if future is None:  # (a judge that asks the job: computed now, below)
                     judged.append((t, self._batch(t, taken[t.name])))
@@ -216,8 +357,8 @@ class Drawing:
         made = []
         for t in tenants:
             result = got[t.name]
-            if isinstance(result, str):
-                failed[t.name] = f"RewardError: {result}"  # (the loop says "its step raised ...")
+            if isinstance(result, str):  # (the loop says "its step raised ...")
+                failed[t.name] = result if result.startswith("RolloutError: ") else f"RewardError: {result}"
                 continue
             why = self._generation(t, taken[t.name], result)
             if why is not None:  # never advantages of 0 in silence: the tenant's fault, named

@@ -73,6 +73,8 @@ class RLDriver(AgentParts, Drawing, Driver):
             self._drop_scoring(name)
         if self.rollouts is not None:  # (and its env worker)
             self.rollouts.close(keep=[t.name for t in active] or ["(none)"])
+        for name in [n for n in self.sent if n not in {t.name for t in active}]:
+            self._drop_adapter(name)  # (the rollout ranks free its slot)
         if not active:
             return None
         # (the same on every process) single-turn tenants sample what is due, agents play between windows
@@ -98,6 +100,8 @@ class RLDriver(AgentParts, Drawing, Driver):
             self._drop_scoring(name)
         if self.rollouts is not None:
             self.rollouts.close()
+        if self.link is not None:  # (the rollout ranks leave their loops, and the job ends together)
+            self.link.close()
 
     def _watch(self, t: TenantRun, g: Generation, stats: RewardStats) -> None:
         """A tenant that trains on nothing is said so, in a ``warning`` row (the dashboard shows it with the

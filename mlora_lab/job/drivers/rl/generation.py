@@ -214,9 +214,17 @@ class Sampled:
     tokens: list[list[int]]  # [N] completion tokens, N = B·k·G
     logps: list[list[float]]  # [N] the sampler's log-probs of them
     truncated: list[bool]  # [N] cut at max_new_tokens
+    # sent to a rollout rank and not answered yet (tokens, logps and truncated still empty): the work's ticket
+    ticket: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
+        if self.ticket is not None:  # (a checkpoint waits for every answer first: Drawing.before_checkpoint)
+            raise ValueError(f"generation {self.index} is still being sampled")
         return {k: getattr(self, k) for k in ("index", "version", "prompts", "tokens", "logps", "truncated")}
+
+    def fill(self, tokens: list[list[int]], logps: list[list[float]], truncated: list[bool]) -> None:
+        """A rollout rank's answer: the generation is sampled."""
+        self.tokens, self.logps, self.truncated, self.ticket = tokens, logps, truncated, None
 
     @classmethod
     def from_state(cls, s: dict[str, Any]) -> Sampled:
