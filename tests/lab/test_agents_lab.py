@@ -183,3 +183,23 @@ def test_the_reward_panel_splits_an_agent_tenants_rubric_and_draws_its_turns(tmp
     assert fig.sets[fig.ax][(("r", "plain"), "main")].get_visible()  # its reward still drawn
     files = dash.export(tmp_path / "exports", metrics=False)
     assert any(p.name.endswith("reward.png") for p in files)
+
+
+def test_a_completion_sampled_ahead_says_by_which_adapter_and_how_stale(tmp_path):
+    """``rl.max_staleness``: the samples view names the adapter version of a completion sampled ahead and its lag
+    (its tenant step's adapter minus the one that sampled it); an on-policy completion (lag 0, or a row of an
+    older run without a version) shows its step alone."""
+    run = make_run(tmp_path / "r", tenants=("ahead", "now"))
+    stale = [r for r in sampled("ahead", 4, "stale one") for r in [_versioned(r, 1)]]
+    fresh = [_versioned(r, 2) for r in sampled("now", 3, "fresh one")]
+    old = sampled("now", 2, "from an older run")
+    write(run, *rl_steps("ahead", 1, 4), *rl_steps("now", 1, 3), *stale, *fresh, *old)
+    value = dash_of(run.root).rl_views.samples.widget.value
+    assert "v1 · 2 stale" in value and value.count(" stale</div>") == 1
+    assert sample_of(stale[0]).lag == 2 and sample_of(fresh[0]).lag == 0 and sample_of(old[0]).version is None
+
+
+def _versioned(row: CompletionRow, version: int) -> CompletionRow:
+    import msgspec
+
+    return msgspec.structs.replace(row, adapter_version=version)

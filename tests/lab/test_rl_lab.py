@@ -172,6 +172,7 @@ def test_run_completions_and_metrics_carry_the_rl_fields(tmp_path):
         "reward",
         "time",
         "episode",  # (an agent tenant's whole episode; None here)
+        "adapter_version",  # (the adapter version that sampled it; None in rows written before it was kept)
     ]
     assert done["completion"].tolist() == ["a1", "b1", "a2", "b2", "a3", "b3"]
     assert done["reward"].tolist() == [1.0, 1.1, 2.0, 2.1, 3.0, 3.1]

@@ -207,6 +207,14 @@ class Sample:
     """What the reward functions logged for it with ``log_extra``: ``column: value`` lines."""
     episode: Episode | None = None
     """An agent tenant's: the whole episode (its ``completion`` is then every turn's text, one string)."""
+    version: int | None = None
+    """The adapter version that sampled it (``CompletionRow.adapter_version``; ``None`` in older runs)."""
+
+    @property
+    def lag(self) -> int:
+        """How many optimiser steps older than the adapter its step trained the sampling adapter was (0: on
+        policy; ``rl.max_staleness`` bounds it at the window's first step)."""
+        return 0 if self.version is None else max(self.tenant_step - 1 - self.version, 0)
 
 
 def sample_of(row: Any) -> Sample:
@@ -223,6 +231,7 @@ def sample_of(row: Any) -> Sample:
         shown_text(row.completion, COMPLETION_CHARS),
         shown_text("\n".join(f"{k}: {v}" for k, v in extra.items()), PROMPT_CHARS),
         episode,
+        getattr(row, "adapter_version", None),
     )
 
 

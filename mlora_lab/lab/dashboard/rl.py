@@ -187,7 +187,8 @@ def samples_html(
 ) -> str:
     """The samples view's HTML: per tenant its label in its colour (and what its reward functions logged with
     ``log_metric`` at its latest logged step, ``logged``), then a table of its samples (tenant step, reward,
-    prompt, completion, and their ``log_extra`` columns), newest first; an agent tenant's completion as its
+    prompt, completion, and their ``log_extra`` columns; a completion sampled ahead says by which adapter version
+    and how many steps stale), newest first; an agent tenant's completion as its
     whole episode, folded (:func:`episode_html`). Every text is HTML-escaped here (the model already cut it
     and escaped its hidden characters), so a completion cannot inject markup into the page."""
     if not groups:
@@ -214,7 +215,15 @@ def samples_html(
         for s in samples:
             reward = "–" if s.reward is None else f"{s.reward:.4g}"
             parts.append(
-                f"<tr><td style='{cell}'>{s.tenant_step}</td><td style='{cell}'>{reward}</td>"
+                f"<tr><td style='{cell}'>{s.tenant_step}"
+                # (a completion sampled ahead: by which adapter, how many steps stale)
+                + (
+                    f"<div style='color:{GREY}' title='sampled by adapter version {s.version}'>"
+                    f"v{s.version} · {s.lag} stale</div>"
+                    if s.lag
+                    else ""
+                )
+                + f"</td><td style='{cell}'>{reward}</td>"
                 f"<td style='{text}'>{html.escape(s.prompt)}</td>"
                 f"<td style='{text}'>"
                 + (html.escape(s.completion) if s.episode is None else episode_html(s.reward, s.episode, c))
