@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import psutil
@@ -82,11 +83,19 @@ class Recorder:
         if self.run is not None and self.is_main:
             record_problem(self.run.root, problem)
 
-    def system(self, step_time: float, tokens: int, tenants: int | None = None) -> None:
+    def system(
+        self,
+        step_time: float,
+        tokens: int,
+        tenants: int | None = None,
+        shares: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
         """One ``system`` row per rank (gathered to rank 0): memory, step time, throughput, CPU/GPU use,
-        and how many tenants had rows in the step. A collective every ``log_every`` steps."""
+        and how many tenants had rows in the step; ``shares()``: rank 0's row's ``rollout_busy`` and
+        ``trainer_idle`` (asked only when rows are written). A collective every ``log_every`` steps."""
         if self.step % self.log_every:
             return
+        said = shares() if shares is not None else {}
         mem, peak = memory_bytes(self.comm.device)
         cpu = self._cpu.percent() if self._cpu else None
         gpu = self._gpu.utilization() if self._gpu else None
@@ -104,6 +113,7 @@ class Recorder:
                     cpu_percent=cpu,
                     gpu_util=gpu,
                     tenants=tenants,
+                    **(said if rank == 0 else {}),
                 )
             )
 

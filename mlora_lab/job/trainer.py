@@ -276,8 +276,16 @@ class Trainer:
         self._optimizer_steps(plans, owner)
         for d, _ in plans:
             d.after_step()
-        self.recorder.system(time.perf_counter() - t0, tokens, tenants)
+        self.recorder.system(time.perf_counter() - t0, tokens, tenants, self._shares)
         return True
+
+    def _shares(self) -> dict[str, float]:
+        """Rank 0's system row's shares of time (a job with rollout ranks: their busy share, the trainers'
+        idle share), from the drivers that know them."""
+        out: dict[str, float] = {}
+        for d in self.drivers:
+            out |= d.system_shares()
+        return out
 
     def _forward_backward(
         self,

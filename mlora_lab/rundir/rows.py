@@ -223,6 +223,11 @@ class SystemRow(Row, tag="system"):
     tenants: int | None = None
     """Tenants whose rows shared the step's forward (on rank 0's rows: every tenant of the step there);
     ``None`` in rows of older jobs. A served job's steps batch the requests of every waiting client."""
+    rollout_busy: float | None = None
+    """A job with rollout ranks (``Parallel.rollout_ranks``), on rank 0's row: the share of the time since the
+    previous system row that the rollout ranks spent sampling (their mean; 1: never idle)."""
+    trainer_idle: float | None = None
+    """And the share of that time the trainers waited for generations still being sampled (0: never)."""
 
 
 class TenantRow(Row, tag="tenant"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 import mlora_lab as ml
@@ -98,6 +99,12 @@ def test_rollout_ranks_equal_one_process(nproc, layout, here, llama_path, tmp_pa
     assert f"[rank {nproc - 1}] rollout rank 0: done" in run.logs(nproc - 1)
     # one trainer samples nothing itself: the rollout rank's batches are the ones it would have sampled
     same_as_here(run, here, 1e-6 if nproc == 2 else TOL)
+    system = pd.DataFrame([r.to_dict() for r in run.rows() if r["kind"] == "system"])
+    assert set(system["rank"]) == set(range(nproc - 1))  # (the trainers' rows; the rollout rank's shares)
+    zero = system[system["rank"] == 0]
+    assert zero["rollout_busy"].between(0, 1).all() and zero["rollout_busy"].sum() > 0
+    assert zero["trainer_idle"].between(0, 1).all()
+    assert system[system["rank"] > 0]["rollout_busy"].isna().all()
 
 
 def test_a_layout_whose_rollout_ranks_leave_no_trainer_or_an_uneven_split_is_named(llama_path, tmp_path):

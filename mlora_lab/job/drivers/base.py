@@ -151,6 +151,11 @@ class Driver(ABC):
         """Whether work may still come with none of its tenants running (a service waiting for requests)."""
         return False
 
+    def system_shares(self) -> dict[str, float]:
+        """What this driver adds to rank 0's system row (``rollout_busy``, ``trainer_idle``: shares of the time
+        since the previous row), on rank 0 when a system row is written; none by default."""
+        return {}
+
     def before_checkpoint(self) -> None:  # noqa: B027 (a hook: may do nothing)
         """A checkpoint is about to be taken (before any part's state is read): bring the tenants' states up
         to date (a served job pauses the tenants of clients that went away). On every process: it may be a

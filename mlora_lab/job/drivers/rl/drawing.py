@@ -28,6 +28,7 @@ log-probs at the window's start are the ratio's "old" and the sampler's enter th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -78,6 +79,8 @@ class Drawing:
         # rank 0: ticket → the generations it fills (tenant, generation, where its completions start in the answer)
         self.awaited: dict[int, list[tuple[TenantRun, Sampled, int]]] = {}
         self.refused: dict[str, str] = {}  # rank 0: tenants whose adapter a rollout rank refused, with why
+        self.idle_s = 0.0  # rank 0: seconds the trainers waited for generations still being sampled
+        self._shares_at = (time.monotonic(), 0.0, 0.0)  # (when, busy, idle) at the last system row
 
     # -- how many to sample ------------------------------------------------------------------------
     def _due(self, t: TenantRun) -> int:
@@ -206,6 +209,15 @@ class Drawing:
         completions fill their generations; a refused adapter fails its tenant at the next plan; a work that
         failed, or a link that broke, fails the tenants that waited on it."""
         assert self.link is not None
+        start = time.perf_counter()
+        try:
+            self._poll_until(until)
+        finally:
+            if until is not None:
+                self.idle_s += time.perf_counter() - start
+
+    def _poll_until(self, until: Sampled | None) -> None:
+        assert self.link is not None
         while True:
             for _, reply in self.link.replies(
                 timeout=None if until is not None and until.ticket is not None else 0.0
@@ -245,6 +257,20 @@ class Drawing:
         answers = self.comm.broadcast_object([(s.tokens, s.logps, s.truncated) for _, s in pending])
         for (_, s), got in zip(pending, answers):
             s.fill(*got)
+
+    def system_shares(self) -> dict[str, float]:
+        """Rank 0, a job with rollout ranks: their busy share and the trainers' idle share since the last call
+        (a rollout rank's seconds of sampling count when its answer comes)."""
+        if self.link is None:
+            return {}
+        at, busy, idle = self._shares_at
+        now, busy_now = time.monotonic(), sum(self.link.busy_s)
+        self._shares_at = (now, busy_now, self.idle_s)
+        span = max(now - at, 1e-9)
+        return {
+            "rollout_busy": min((busy_now - busy) / (span * self.rollout_ranks), 1.0),
+            "trainer_idle": min((self.idle_s - idle) / span, 1.0),
+        }
 
     def before_checkpoint(self) -> None:
         self._settle()
