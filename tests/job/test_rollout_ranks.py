@@ -10,6 +10,8 @@ sample while the others train, the adapters reaching them in memory after each s
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -18,7 +20,8 @@ import pytest
 import mlora_lab as ml
 from mlora_lab.job.trainer import Trainer
 from mlora_lab.lora import read_adapter
-from mlora_lab.rundir import RowKind
+from mlora_lab.rundir import RowKind, TenantState
+from mlora_lab.rundir.checkpoint import read_checkpoint
 from mlora_lab.spec.parts import RL
 from mlora_lab.spec.tenant import Tenant
 from mlora_lab.validate import problems
@@ -107,6 +110,41 @@ def test_rollout_ranks_equal_one_process(nproc, layout, here, llama_path, tmp_pa
     assert system[system["rank"] > 0]["rollout_busy"].isna().all()
 
 
+@pytest.mark.slow
+def test_stopped_with_generations_in_flight_on_the_rollout_rank_and_resumed_equals_straight_through(
+    llama_path, tmp_path, make_data
+):
+    """A graceful stop lands while the rollout rank holds generations sampled ahead (their rewards in flight,
+    or still being sampled): the checkpoint waits for them and keeps them whole, and the resumed job (with its
+    rollout rank) ends as the same job straight through on one process."""
+    ts = [dataclasses.replace(t, max_steps=3 * t.max_steps) for t in tenants(tmp_path, make_data)]
+    straight = Trainer(job(llama_path, ts))
+    straight.train()
+    spec = job(llama_path, ts, parallel=ml.Parallel(nproc=2, rollout_ranks=1))
+    spec.output_dir = str(tmp_path / "out")
+    stopped = ml.launch(spec)
+    while not any(r["kind"] == "train" and r["tenant"] == "ahead" for r in stopped.rows()):
+        assert stopped.status in ("starting", "running"), stopped.logs(0)
+        time.sleep(0.05)
+    (stopped.path / "control" / "stop").write_text("now")
+    assert stopped.wait(300) == "stopped", stopped.logs(0) + stopped.logs(1)
+    (ckpt,) = sorted((stopped.path / "checkpoints").glob("step_*"))
+    assert int(ckpt.name.split("_")[1]) < 12, ckpt
+    state = read_checkpoint(ckpt)
+    kept = state["tenants"]["ahead"]["rl_ahead"]  # (sampled two steps ahead: whole, tokens and all)
+    assert kept and all(len(a["tokens"]) == len(a["prompts"]) * 3 for a in kept), kept
+    resumed = ml.resume(stopped.path)
+    assert resumed.wait(300) == "finished", resumed.logs(0) + resumed.logs(1)
+    m = ml.attach(stopped.path).metrics()
+    m = m[m["kind"] == "train"]
+    for t in ts:
+        got = m[m["tenant"] == t.name].sort_values("tenant_step")
+        assert list(got["tenant_step"]) == list(range(1, t.max_steps + 1)), t.name
+        assert list(got["loss"]) == pytest.approx(straight.losses(t.name), abs=1e-6), t.name
+        x = read_adapter(ml.attach(stopped.path).adapter_path(t.name))[1]
+        assert max_diff(x, straight.model.tenant_tensors(t.name)) <= 1e-6, t.name
+
+
 def test_a_layout_whose_rollout_ranks_leave_no_trainer_or_an_uneven_split_is_named(llama_path, tmp_path):
     ts = [
         rl_tenant("a", prompt_file(tmp_path), RL(reward=f"{reward_file(tmp_path)}:short", max_new_tokens=8))
@@ -121,3 +159,123 @@ def test_a_layout_whose_rollout_ranks_leave_no_trainer_or_an_uneven_split_is_nam
     assert any(
         "must divide the training ranks, nproc*nnodes - rollout_ranks = 3 - 2 = 1" in p for p in uneven
     )
+
+
+# -- in this process: rank 0's side against a rollout server of its own -----------------------------------------
+class LoopbackLink:
+    """A :class:`~mlora_lab.job.rollout.RolloutLink` whose one rollout rank is a
+    :class:`~mlora_lab.job.rollout.RolloutServer` in this process (its own model), answering at once;
+    ``tamper(message)`` may change a message on its way (a corrupt transfer, a failed sampling)."""
+
+    def __init__(self, spec, tamper=None) -> None:
+        from mlora_lab.job.rollout import RolloutServer
+        from mlora_lab.parallel import DistInfo, Roles
+
+        self.server = RolloutServer(spec, DistInfo(), Roles(1, 1, None, 0))
+        self.tamper = tamper or (lambda m: m)
+        self.inbox: list = []
+        self.busy_s, self.failed, self.k = [0.0], None, 1
+
+    def send(self, j: int, message) -> None:
+        from mlora_lab.job.rollout import AdapterRefused, AdapterUpdate, DropAdapter, SampleWork
+
+        message = self.tamper(message)
+        if isinstance(message, AdapterUpdate):
+            why = self.server.update(message)
+            if why is not None:
+                self.inbox.append((0, AdapterRefused(message.tenant, message.version, why)))
+        elif isinstance(message, DropAdapter) and message.tenant in self.server.versions:
+            self.server.engine.model.remove_tenant(message.tenant)
+            del self.server.versions[message.tenant]
+        elif isinstance(message, SampleWork):
+            self.inbox.append((0, self.server.work(message)))
+
+    def send_all(self, message) -> None:
+        self.send(0, message)
+
+    def replies(self, timeout=0.0):
+        out, self.inbox = self.inbox, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def loopback_job(spec, tamper=None) -> Trainer:
+    """``spec`` trained in this process, its RL tenants sampled by a loopback rollout server."""
+    from mlora_lab.job.drivers.default import DEFAULT_DRIVERS
+    from mlora_lab.job.drivers.rl import RLDriver
+    from mlora_lab.parallel import Roles
+
+    class Remote(RLDriver):
+        def make_link(self, roles):
+            return LoopbackLink(spec, tamper)
+
+    drivers = [Remote if d is RLDriver else d for d in DEFAULT_DRIVERS]
+    return Trainer(spec, drivers=drivers, roles=Roles(1, 1, None, None))
+
+
+def test_a_corrupt_adapter_transfer_quarantines_only_its_tenant_and_the_rollout_rank_keeps_the_old(
+    llama_path, tmp_path, make_data
+):
+    from mlora_lab.job.rollout import AdapterUpdate
+
+    ts = tenants(tmp_path, make_data)
+    spec = job(llama_path, ts)
+    here = Trainer(spec)
+    here.train()
+    loop = loopback_job(spec)
+    loop.train()  # (the loopback is the same job: what the torchrun test shows across processes)
+    for t in ts:
+        assert loop.losses(t.name) == pytest.approx(here.losses(t.name), abs=1e-6), t.name
+    held = {}
+
+    def corrupt(m):  # version 1 of "ahead" arrives with one value changed (its digest is of the original)
+        if isinstance(m, AdapterUpdate) and m.tenant == "ahead" and m.version == 1:
+            held["before"] = {k: (a.clone(), b.clone()) for k, (a, b) in link.server.engine.model.tenant_tensors("ahead").items()}  # fmt: skip
+            name = sorted(m.tensors)[0]
+            a, b = m.tensors[name]
+            a = a.clone()
+            a.view(-1)[0] += 1.0
+            m.tensors[name] = (a, b)
+        return m
+
+    bad = loopback_job(spec, corrupt)
+    (driver, *_) = bad.drivers
+    link = driver.link
+    bad.train()
+    ahead, now, sft = (bad.tenants[n] for n in ("ahead", "now", "s"))
+    assert ahead.state is TenantState.FAILED and "corrupted (digest mismatch)" in ahead.reason, ahead.reason
+    # (its generation 3 was due at step 1, two steps ahead: its adapter refused, it fails at the next plan, and
+    # nothing sampled by the adapter the rollout rank kept instead trains)
+    assert ahead.step == 1
+    kept = link.server.engine.model.tenant_tensors("ahead") if "ahead" in link.server.versions else None
+    assert kept is None or all(
+        (kept[k][0] == held["before"][k][0]).all() and (kept[k][1] == held["before"][k][1]).all()
+        for k in kept
+    )
+    for t in (now, sft):
+        assert t.state is TenantState.FINISHED
+        assert bad.losses(t.name) == pytest.approx(here.losses(t.name), abs=1e-6), t.name
+
+
+def test_a_sampling_that_fails_on_the_rollout_rank_fails_the_tenants_it_sampled_for(
+    llama_path, tmp_path, make_data
+):
+    from mlora_lab.job.rollout import SampleWork
+
+    ts = tenants(tmp_path, make_data)
+
+    def broken(m):  # the third work asks for a tenant the rollout rank has no adapter of
+        if isinstance(m, SampleWork) and m.ticket == 2:
+            m.requests = [dataclasses.replace(r, tenant="nobody") for r in m.requests]
+        return m
+
+    trainer = loopback_job(job(llama_path, ts), broken)
+    trainer.train()
+    states = {n: (t.state, t.reason or "") for n, t in trainer.tenants.items()}
+    failed = {n for n, (s, _) in states.items() if s is TenantState.FAILED}
+    assert failed and failed <= {"ahead", "now"}, states
+    for n in failed:
+        assert "failed on a rollout rank: rollout rank 0 holds no adapter of nobody" in states[n][1]
+    assert states["s"][0] is TenantState.FINISHED

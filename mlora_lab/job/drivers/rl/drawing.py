@@ -55,6 +55,7 @@ from mlora_lab.sampling import SampleRequest, sample
 
 if TYPE_CHECKING:
     from mlora_lab.job.drivers.base import JobParts
+    from mlora_lab.parallel import Roles
 
 
 class Drawing:
@@ -70,7 +71,7 @@ class Drawing:
         # rollout ranks (Parallel.rollout_ranks): they sample; rank 0 holds the link to them
         roles = parts.roles
         self.rollout_ranks = roles.rollout_ranks if roles is not None else 0
-        self.link = RolloutLink(roles) if self.rollout_ranks and self.pool.is_main else None
+        self.link = self.make_link(roles) if self.rollout_ranks and self.pool.is_main else None
         self.sent: dict[
             str, int
         ] = {}  # (every trainer) the adapter version each rollout rank holds, by tenant
@@ -81,6 +82,10 @@ class Drawing:
         self.refused: dict[str, str] = {}  # rank 0: tenants whose adapter a rollout rank refused, with why
         self.idle_s = 0.0  # rank 0: seconds the trainers waited for generations still being sampled
         self._shares_at = (time.monotonic(), 0.0, 0.0)  # (when, busy, idle) at the last system row
+
+    def make_link(self, roles: Roles) -> RolloutLink:
+        """Rank 0's link to the rollout ranks (a seam: the tests link to a rollout server in their own process)."""
+        return RolloutLink(roles)
 
     # -- how many to sample ------------------------------------------------------------------------
     def _due(self, t: TenantRun) -> int:
