@@ -279,3 +279,31 @@ def test_a_sampling_that_fails_on_the_rollout_rank_fails_the_tenants_it_sampled_
     for n in failed:
         assert "failed on a rollout rank: rollout rank 0 holds no adapter of nobody" in states[n][1]
     assert states["s"][0] is TenantState.FINISHED
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["colocated", "loopback"])
+def test_pause_resume_and_remove_with_generations_in_flight(remote, llama_path, tmp_path, make_data):
+    """Pausing a tenant that holds generations sampled ahead (rewards in flight; on a rollout rank, its adapter
+    freed there) and resuming it later trains what an uninterrupted job trains; removing one mid-run leaves the
+    others as they were."""
+    ts = tenants(tmp_path, make_data)
+    straight = Trainer(job(llama_path, ts))
+    straight.train()
+    spec = job(llama_path, ts)
+    trainer = loopback_job(spec) if remote else Trainer(spec)
+    for _ in range(2):
+        assert trainer.step()
+    assert trainer.tenants["ahead"].feed.ahead  # (two generations sampled ahead)
+    trainer.apply_control({"op": "pause", "name": "ahead"})
+    trainer.apply_control({"op": "remove", "name": "now"})
+    for _ in range(2):
+        assert trainer.step()
+    if remote:
+        (driver, *_) = trainer.drivers
+        assert "ahead" not in driver.link.server.versions  # (its slot on the rollout rank freed)
+    trainer.apply_control({"op": "resume", "name": "ahead"})
+    trainer.train()
+    for name in ("ahead", "s"):
+        assert trainer.losses(name) == pytest.approx(straight.losses(name), abs=1e-6), name
+        assert max_diff(trainer.model.tenant_tensors(name), straight.model.tenant_tensors(name)) <= 1e-6
+    assert "now" not in trainer.tenants or trainer.tenants["now"].state.value == "removed"
