@@ -26,7 +26,7 @@ from mlora_lab.bases import (
 from mlora_lab.lora.targets import ALL_LINEAR, name_matches, suffixes
 from mlora_lab.spec.fields import MAX_SLOTS, tenant_label
 from mlora_lab.spec.job import valid_targets
-from mlora_lab.spec.parts import RL
+from mlora_lab.spec.parts import RL, Parallel
 from mlora_lab.spec.tenant import Tenant
 from mlora_lab.text import (
     MAX_JSON_BYTES,
@@ -359,12 +359,14 @@ def check_generation_memory(ctx: Context, tenants: list[Tenant]) -> None:
     """RL tenants generate all their completions at once, every RL tenant's in one batch: a generation
     that cannot fit is refused now rather than killed by the kernel (or CUDA) mid-run. An estimate:
 
-        rows   = Σ over RL tenants of batch_size × grad_accum × group_size
+        rows   = Σ over RL tenants of batch_size × grad_accum × group_size × (1 + max_staleness // num_iterations)
         need   = rows × seq_len × kv_per_token × bytes(dtype)        the KV cache (prompt + completion)
                + rows × logits × 4 bytes × 3                          a decode step's logits, probabilities, CDF
+               + base parameters × bytes(dtype)                       with rollout ranks: each holds the whole base
 
-    against the device's memory (the base's weights and the adapters come on top: a generation that needs
-    more than all of it cannot run)."""
+    (a tenant that samples ahead draws its first ``1 + max_staleness // num_iterations`` generations in one
+    batch) against the device's memory (the training ranks' base, sharded, and the adapters come on top: a
+    generation that needs more than all of it cannot run)."""
     m = ctx.model
     mem = device_memory() if m is not None else None
     rl = [t for t in tenants if isinstance(t.rl, RL)]  # (a hostile value is another check's to report)
@@ -380,19 +382,32 @@ def check_generation_memory(ctx: Context, tenants: list[Tenant]) -> None:
         counts = (t.batch_size, t.grad_accum, t.rl.group_size)
         if not all(is_int(c) and c > 0 for c in counts) or not is_int(ctx.spec.seq_len):
             continue
-        rows = counts[0] * counts[1] * counts[2]
+        ahead = 1
+        if is_int(t.rl.max_staleness) and is_int(t.rl.num_iterations) and t.rl.num_iterations > 0:
+            ahead += max(t.rl.max_staleness, 0) // t.rl.num_iterations
+        rows = counts[0] * counts[1] * counts[2] * ahead
         sizes.append((rows * (ctx.spec.seq_len * per_token + (m.logits or 0) * 12), t.name, rows))
     need = sum(size for size, *_ in sizes)
-    if sizes and need > total:
+    p = ctx.spec.parallel
+    base = 0  # (a rollout rank holds the whole base, never sharded)
+    if isinstance(p, Parallel) and is_int(p.rollout_ranks) and p.rollout_ranks > 0:
+        hidden = max((i for n, i, _ in m.linear_shapes if n in m.output), default=0)
+        params = sum(i * o for _, i, o in m.linear_shapes) + sum(e * o * i for _, e, o, i in m.expert_shapes)
+        base = (params + (m.vocab or 0) * hidden) * (
+            DTYPE_BYTES.get(dtype, 4) if isinstance(dtype, str) else 4
+        )
+    if sizes and need + base > total:
         gib = 2**30
         _, name, rows = max(sizes)
+        where = f", on a rollout rank beside the whole base (~{base / gib:,.1f} GiB)" if base else ""
         ctx.say(
             None,
             None,
-            f"the RL tenants' generation needs about {need / gib:,.1f} GiB (every completion of a step at once: "
-            f"{sum(r for *_, r in sizes):,} sequences of up to seq_len={ctx.spec.seq_len} tokens, their KV cache "
-            f"and logits; the largest is {tenant_label(name)}: batch_size × grad_accum × group_size = {rows:,}) "
-            f"but {device} has {total / gib:,.1f} GiB; lower group_size, batch_size or seq_len",
+            f"the RL tenants' generation needs about {(need + base) / gib:,.1f} GiB{where} (every completion "
+            f"of a step at once: {sum(r for *_, r in sizes):,} sequences of up to seq_len={ctx.spec.seq_len} "
+            f"tokens, their KV cache and logits; the largest is {tenant_label(name)}: batch_size × grad_accum × "
+            f"group_size (× the generations it samples at once, 1 + max_staleness // num_iterations) = {rows:,}) "
+            f"but {device} has {total / gib:,.1f} GiB; lower group_size, batch_size, seq_len or max_staleness",
         )
 
 

@@ -364,3 +364,41 @@ def test_m7_each_reward_is_called_once_on_a_row_of_the_data_before_launch(tmp_pa
     got = said(mixed, f"{shapes}:text_only")
     assert len(got) == 1 and "called once on a chat prompt of the data" in got[0], got
     assert said(text, f"{shapes}:text_only", f"{shapes}:slow") == []
+
+
+def test_a_generation_sampled_ahead_or_beside_a_whole_base_on_a_rollout_rank_is_estimated(
+    tmp_path, llama_path
+):
+    """``max_staleness`` draws its first ``1 + s // num_iterations`` generations in one batch, and a rollout
+    rank holds the whole base beside them: a job that fits without them but not with them is refused."""
+    from mlora_lab.spec.parts import Parallel
+    from mlora_lab.validate.introspect import device_memory, model_info
+
+    rewards = write(tmp_path / "rewards.py", REWARDS)
+    data = write(tmp_path / "rows.jsonl", '{"prompt": "ok"}\n')
+    total, _ = device_memory()
+    info = model_info(str(llama_path))
+    per_row = 1024 * info.kv_per_token * 4 + info.logits * 12
+    group = 1024
+    batch = int(0.4 * total / (per_row * group)) + 1  # (one generation: ~40 % of the machine)
+    assert batch * group * per_row < total < 4 * batch * group * per_row
+
+    def said(**rl) -> list[str]:
+        t = Tenant(
+            name="a", data=data, batch_size=batch, rl=RL(reward=f"{rewards}:short", group_size=group, **rl)
+        )
+        return [
+            s for s in texts(JobSpec(base_model=llama_path, seq_len=1024, tenants=[t])) if "needs about" in s
+        ]
+
+    assert said() == [] and said(max_staleness=3, num_iterations=2) == []  # (two generations at once: 80 %)
+    (ahead,) = said(max_staleness=3)  # four at once
+    assert f"{4 * batch * group:,} sequences" in ahead and "max_staleness" in ahead
+    t = Tenant(name="a", data=data, batch_size=batch, rl=RL(reward=f"{rewards}:short", group_size=group))
+    spec = JobSpec(
+        base_model=llama_path, seq_len=1024, tenants=[t], parallel=Parallel(nproc=2, rollout_ranks=1)
+    )
+    assert not [s for s in texts(spec) if "needs about" in s]  # (a tiny base adds next to nothing)
+    spec.tenants[0].rl.max_staleness = 3
+    (there,) = [s for s in texts(spec) if "needs about" in s]
+    assert "on a rollout rank beside the whole base (~0.0 GiB)" in there
