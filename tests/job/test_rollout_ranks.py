@@ -100,8 +100,9 @@ def test_rollout_ranks_equal_one_process(nproc, layout, here, llama_path, tmp_pa
     logs = "\n".join(run.logs(r) for r in range(nproc))
     assert state == "finished", f"{state}: {run.error}\n{logs}"
     assert f"[rank {nproc - 1}] rollout rank 0: done" in run.logs(nproc - 1)
-    # one trainer samples nothing itself: the rollout rank's batches are the ones it would have sampled
-    same_as_here(run, here, 1e-6 if nproc == 2 else TOL)
+    # the rollout rank samples the batches the trainer would have sampled (the same tokens); a tenant whose
+    # generation is not ready sits a step out, so a step's batch depends on timing: float reassociation, TOL
+    same_as_here(run, here, TOL)
     system = pd.DataFrame([r.to_dict() for r in run.rows() if r["kind"] == "system"])
     assert set(system["rank"]) == set(range(nproc - 1))  # (the trainers' rows; the rollout rank's shares)
     zero = system[system["rank"] == 0]
@@ -140,9 +141,9 @@ def test_stopped_with_generations_in_flight_on_the_rollout_rank_and_resumed_equa
     for t in ts:
         got = m[m["tenant"] == t.name].sort_values("tenant_step")
         assert list(got["tenant_step"]) == list(range(1, t.max_steps + 1)), t.name
-        assert list(got["loss"]) == pytest.approx(straight.losses(t.name), abs=1e-6), t.name
+        assert list(got["loss"]) == pytest.approx(straight.losses(t.name), abs=TOL), t.name
         x = read_adapter(ml.attach(stopped.path).adapter_path(t.name))[1]
-        assert max_diff(x, straight.model.tenant_tensors(t.name)) <= 1e-6, t.name
+        assert max_diff(x, straight.model.tenant_tensors(t.name)) <= TOL, t.name
 
 
 def test_a_layout_whose_rollout_ranks_leave_no_trainer_or_an_uneven_split_is_named(llama_path, tmp_path):
@@ -227,7 +228,7 @@ def test_a_corrupt_adapter_transfer_quarantines_only_its_tenant_and_the_rollout_
     loop = loopback_job(spec)
     loop.train()  # (the loopback is the same job: what the torchrun test shows across processes)
     for t in ts:
-        assert loop.losses(t.name) == pytest.approx(here.losses(t.name), abs=1e-6), t.name
+        assert loop.losses(t.name) == pytest.approx(here.losses(t.name), abs=TOL), t.name
     held = {}
 
     def corrupt(m):  # version 1 of "ahead" arrives with one value changed (its digest is of the original)
@@ -256,7 +257,7 @@ def test_a_corrupt_adapter_transfer_quarantines_only_its_tenant_and_the_rollout_
     )
     for t in (now, sft):
         assert t.state is TenantState.FINISHED
-        assert bad.losses(t.name) == pytest.approx(here.losses(t.name), abs=1e-6), t.name
+        assert bad.losses(t.name) == pytest.approx(here.losses(t.name), abs=TOL), t.name
 
 
 def test_a_sampling_that_fails_on_the_rollout_rank_fails_the_tenants_it_sampled_for(
@@ -304,6 +305,6 @@ def test_pause_resume_and_remove_with_generations_in_flight(remote, llama_path, 
     trainer.apply_control({"op": "resume", "name": "ahead"})
     trainer.train()
     for name in ("ahead", "s"):
-        assert trainer.losses(name) == pytest.approx(straight.losses(name), abs=1e-6), name
-        assert max_diff(trainer.model.tenant_tensors(name), straight.model.tenant_tensors(name)) <= 1e-6
+        assert trainer.losses(name) == pytest.approx(straight.losses(name), abs=TOL), name
+        assert max_diff(trainer.model.tenant_tensors(name), straight.model.tenant_tensors(name)) <= TOL
     assert "now" not in trainer.tenants or trainer.tenants["now"].state.value == "removed"

@@ -80,6 +80,7 @@ class Drawing:
         # rank 0: ticket → the generations it fills (tenant, generation, where its completions start in the answer)
         self.awaited: dict[int, list[tuple[TenantRun, Sampled, int]]] = {}
         self.refused: dict[str, str] = {}  # rank 0: tenants whose adapter a rollout rank refused, with why
+        self.held: set[str] = set()  # tenants that sit this step out, their next generation not ready yet
         self.idle_s = 0.0  # rank 0: seconds the trainers waited for generations still being sampled
         self._shares_at = (time.monotonic(), 0.0, 0.0)  # (when, busy, idle) at the last system row
 
@@ -120,7 +121,44 @@ class Drawing:
                 self._poll()
             for t in live:
                 self._submit(t)
-        return failed | self._take([t for t in live if t.feed.current is None])
+        return failed | self._take(self._ready([t for t in live if t.feed.current is None]))
+
+    def _ready(self, tenants: list[TenantRun]) -> list[TenantRun]:
+        """Of ``tenants`` (between windows), those whose next generation starts now. A tenant that samples ahead
+        (``max_staleness > 0``) or on rollout ranks and whose generation is still being sampled or scored sits
+        this step out (:attr:`held`), so it does not hold the others back: its results are its own whenever it
+        trains. Unless nothing else would train: then the first waits (rank 0 decides; every process agrees)."""
+        self.held: set[str] = set()
+        flexible = [t for t in tenants if t.spec.rl.max_staleness > 0 or self.rollout_ranks]
+        if not flexible:
+            return tenants
+        names = None
+        if self.pool.is_main:
+            ready = [t for t in tenants if t not in flexible or self._sampled_and_scored(t)]
+            waiting = {t.name for t in tenants}
+            if not ready and not any(t.name not in waiting for t in self.pool.running()):
+                start = time.perf_counter()  # (nothing else would train: wait for the first that is ready)
+                while not ready:
+                    time.sleep(0.002)
+                    if self.link is not None:
+                        self._poll()
+                    for t in tenants:
+                        self._submit(t)
+                    ready = [t for t in tenants if self._sampled_and_scored(t)]
+                self.idle_s += time.perf_counter() - start
+            names = [t.name for t in ready]
+        names = self.comm.broadcast_object(names)
+        self.held = {t.name for t in tenants} - set(names)
+        return [t for t in tenants if t.name in names]
+
+    def _sampled_and_scored(self, t: TenantRun) -> bool:
+        """Rank 0: whether ``t``'s oldest generation ahead is sampled and its rewards are in (or computed when it
+        starts: a judge that asks the job)."""
+        s = t.feed.ahead[0]
+        if s.ticket is not None:
+            return False
+        future = self.scoring.get(t.name, {}).get(s.index)
+        return future is None or future.done()
 
     # -- sampling ----------------------------------------------------------------------------------
     def _draw(self, tenants: list[TenantRun], due: dict[str, int]) -> dict[str, str]:
@@ -320,6 +358,8 @@ class Drawing:
         thread, in order (after a resume: those the checkpoint kept). A worker whose judge asks the job is left
         for :meth:`_take` (its answers need every process serving)."""
         flying = self.scoring.setdefault(t.name, {})
+        if t.name in self.refused:  # (it fails at its next plan: nothing of it is scored any more)
+            return
         for s in [*also, *t.feed.ahead]:
             if s.index in flying or s.ticket is not None:  # (in flight already, or still being sampled)
                 continue

@@ -81,6 +81,7 @@ class RLDriver(AgentParts, Drawing, Driver):
         failed = self._singles([t for t in active if not t.spec.rl.agent])
         agents = [t for t in active if t.spec.rl.agent and t.feed.current is None]
         failed |= self._play(agents) if agents else {}
+        active = [t for t in active if t.name not in self.held]  # (their generation is not ready: next step)
         rows = {}
         for t in active:
             f: RLFeed = t.feed
