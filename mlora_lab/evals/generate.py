@@ -26,7 +26,7 @@ from mlora_lab.evals.metrics import PEER_COLUMNS, text_of
 from mlora_lab.rl.prompts import EVAL_ROWS, chat_prompt
 from mlora_lab.rl.rewards import RewardBatch, RewardWorker, parse_reward
 from mlora_lab.rundir.evals import EvalExample
-from mlora_lab.sampling import SampleRequest, sample
+from mlora_lab.sampling import Completion, SampleRequest, sample
 from mlora_lab.sources import source_name
 
 
@@ -117,6 +117,7 @@ def run_eval(
     timeout_s: float = 60.0,
     cwd: str | os.PathLike | None = None,
     any_running: Callable[[bool], bool] | None = None,
+    sampler: Callable[..., list[Completion]] | None = None,
     baselines: Sequence[str] = (),
 ) -> list[EvalExample]:
     """Generate and score: ``models`` are ``(column, tenant of model or None for the base)``; ``metrics``
@@ -145,7 +146,7 @@ def run_eval(
         for _, tenant in models
         for e, ex in enumerate(examples)
     ]
-    completions = sample(model, requests, tokenizer=tokenizer, any_running=any_running)
+    completions = (sampler or sample)(model, requests, tokenizer=tokenizer, any_running=any_running)
     out: list[EvalExample] = []
     texts, ids, prompts = [], [], []
     columns: dict[str, list[Any]] = {k: [] for ex in examples for k in ex.columns}

@@ -19,6 +19,7 @@ is not a finite number (:func:`mlora_lab.evals.scores.failures`) logs its row wi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,6 +49,9 @@ class JobEvals:
     ) -> None:
         self.evals = [e for e in evals if isinstance(e, Eval)]
         self.engine, self.comm, self.recorder, self.run, self.is_main = engine, comm, recorder, run, is_main
+        self.sampler: Callable[..., Any] | None = (
+            None  # (a job with rollout ranks samples there: its RL driver's)
+        )
         self._examples: dict[str, list[EvalPrompt]] = {}
         self._last: dict[str, int] = {}  # the global step each one last ran at
 
@@ -103,6 +107,7 @@ class JobEvals:
                     step=step,
                     timeout_s=e.timeout_s,
                     any_running=any_running,
+                    sampler=self.sampler,  # (a job with rollout ranks: there)
                 )
             why = None
         except Exception as err:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from mlora_lab.job.agree import describe
-from mlora_lab.sampling import SampleRequest, sample
+from mlora_lab.sampling import Completion, SampleRequest, sample
 
 if TYPE_CHECKING:
     from mlora_lab.parallel import DistInfo, Roles
@@ -88,11 +88,12 @@ class Stop:
 # -- the answers (a rollout rank → rank 0) ----------------------------------------------------------
 @dataclass
 class Samples:
-    """``ticket``'s completions, in request order then sample order: ``(tokens, sampler log-probs, stop
-    reason)`` each; or ``error``, why its sampling failed. ``busy_s``: the seconds it took."""
+    """``ticket``'s completions (:class:`~mlora_lab.sampling.Completion`, as ``sample`` gives them: tokens, the
+    model's and the sampler's log-probs, stop reason, and what the requests asked besides); or ``error``, why
+    its sampling failed. ``busy_s``: the seconds it took."""
 
     ticket: int
-    completions: list[tuple[list[int], list[float], str]] = field(default_factory=list)
+    completions: list[Completion] = field(default_factory=list)
     error: str | None = None
     busy_s: float = 0.0
 
@@ -299,9 +300,7 @@ class RolloutServer:
             return Samples(w.ticket, error=f"its generation raised {describe(e)}")
         busy = time.perf_counter() - start
         self.busy_s += busy
-        return Samples(
-            w.ticket, [(list(c.tokens), list(c.sampling_logprobs), c.stop_reason) for c in out], busy_s=busy
-        )
+        return Samples(w.ticket, out, busy_s=busy)
 
 
 def serve_rollouts(spec: JobSpec, info: DistInfo, roles: Roles) -> None:

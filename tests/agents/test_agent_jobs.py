@@ -398,12 +398,14 @@ def test_rewards_rise_for_a_multi_turn_env_and_a_tools_tenant_beside_an_sft_tena
 
 
 @pytest.mark.slow  # (starts a job under torchrun)
-def test_two_ranks_equal_one_with_an_env_and_a_tools_tenant_beside_sft(llama_path, tmp_path):
+@pytest.mark.parametrize("layout", [{"fsdp": 2}, {"rollout_ranks": 1}], ids=["fsdp2", "rollout-rank"])
+def test_two_ranks_equal_one_with_an_env_and_a_tools_tenant_beside_sft(layout, llama_path, tmp_path):
     """Under torchrun with ``fsdp=2``: an env tenant (:func:`guess`, given by value: the launch pickles it), a
     tools tenant (``tools=[add]``, :func:`tool_reward` by value) and an SFT tenant end as the same job on one
     process (the same pickles, read from a run folder as the launch writes them): rank 0 plays the episodes and
     broadcasts them, each rank trains its share of the rows, and the rewards, the losses (1e-5) and the
-    adapters (1e-5) agree."""
+    adapters (1e-5) agree. With a rollout rank instead (one trainer), every wave of turns is sampled there, with
+    the tenants' adapters as of the step: the same run again."""
     import mlora_lab as ml
     from mlora_lab.lab.runs.tenant_data import freeze, write_data
     from mlora_lab.lora import read_adapter
@@ -437,7 +439,7 @@ def test_two_ranks_equal_one_with_an_env_and_a_tools_tenant_beside_sft(llama_pat
     for name, t in trainer.tenants.items():
         assert t.state is TenantState.FINISHED, (name, t.reason)
 
-    spec = job(llama_path, tenants, seq_len=448, parallel=ml.Parallel(nproc=2, fsdp=2))
+    spec = job(llama_path, tenants, seq_len=448, parallel=ml.Parallel(nproc=2, **layout))
     spec.output_dir = str(tmp_path / "out")
     run = ml.launch(spec)
     state = run.wait(300)
@@ -456,3 +458,8 @@ def test_two_ranks_equal_one_with_an_env_and_a_tools_tenant_beside_sft(llama_pat
     for name in ("env", "tools", "sft"):
         x, y = read_adapter(run.adapter_path(name))[1], read_adapter(here.root / "adapters" / name)[1]
         assert max_diff(x, y) <= TOL, name
+    if layout.get(
+        "rollout_ranks"
+    ):  # (the trainer sampled nothing: the rollout rank was busy, and said goodbye)
+        busy = [r["rollout_busy"] for r in run.rows() if r["kind"] == "system" and r["rank"] == 0]
+        assert sum(b or 0 for b in busy) > 0 and "rollout rank 0: done" in run.logs(1)

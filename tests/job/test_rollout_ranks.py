@@ -29,6 +29,19 @@ from tests.job.test_rl_driver import TOL, job, max_diff, prompt_file, reward_fil
 from tests.job.test_rl_staleness import slow_rewards
 
 
+def evals(folder: Path) -> list[ml.Eval]:
+    """An evaluation every 2 steps of the base and every tenant (with rollout ranks: sampled there)."""
+    from conftest import write_jsonl
+
+    rows = [
+        {"prompt": "reverse: red cat\n", "answer": "tac der"},
+        {"prompt": "upper: sun\n", "answer": "SUN"},
+    ]
+    return [
+        ml.Eval(name="quick", data=write_jsonl(folder / "eval.jsonl", rows), metrics=["contains"], every=2)
+    ]
+
+
 def tenants(folder: Path, make_data) -> list[Tenant]:
     """A stale RL tenant (slow rewards, two steps ahead), an on-policy one with two updates per generation and
     two micro-batches, and an SFT tenant."""
@@ -55,7 +68,7 @@ def here(llama_path, tmp_path_factory):
         return write_jsonl(folder / f"{kind}.jsonl", task_rows(kind, n))
 
     ts = tenants(folder, make_data)
-    trainer = Trainer(job(llama_path, ts), run_dir=folder / "run")
+    trainer = Trainer(job(llama_path, ts, evals=evals(folder)), run_dir=folder / "run")
     trainer.train()
     trainer.close()
     return ts, trainer, folder / "run"
@@ -87,13 +100,26 @@ def same_as_here(run: ml.Run, here, tol: float) -> None:
         trainer.history
     )
 
+    # the evaluations, sampled on the rollout rank: a step's held tenants make more global steps (evaluated every
+    # 2), so the base's scores (the same model, the step's seeds) are compared where both evaluated
+    def base_scores(rows) -> dict[int, float]:
+        return {r["step"]: r["value"] for r in rows if r["kind"] == "eval_metric" and r["model"] == "base"}
+
+    got_base = base_scores(run.eval_metrics().assign(kind="eval_metric").to_dict("records"))
+    want_base = base_scores(trainer.history)
+    common = sorted(set(got_base) & set(want_base))
+    assert common and [got_base[k] for k in common] == pytest.approx([want_base[k] for k in common], abs=1e-6)
+    assert set(run.eval_metrics()["model"]) == {"base", *(t.name for t in ts)}
+
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("rollout_here")
 @pytest.mark.parametrize(("nproc", "layout"), [(2, {}), (3, {"fsdp": 2})], ids=["1+1", "fsdp2+1"])
 def test_rollout_ranks_equal_one_process(nproc, layout, here, llama_path, tmp_path):
     ts, _, _ = here
-    spec = job(llama_path, ts, parallel=ml.Parallel(nproc=nproc, rollout_ranks=1, **layout))
+    spec = job(
+        llama_path, ts, evals=evals(tmp_path), parallel=ml.Parallel(nproc=nproc, rollout_ranks=1, **layout)
+    )
     spec.output_dir = str(tmp_path / "out")
     run = ml.launch(spec)
     state = run.wait(600)

@@ -151,6 +151,12 @@ class Driver(ABC):
         """Whether work may still come with none of its tenants running (a service waiting for requests)."""
         return False
 
+    def sampler(self) -> Callable[..., Any] | None:
+        """What samples for the job's generations outside this driver's own (``JobSpec.evals``), in
+        :func:`~mlora_lab.sampling.sample`'s signature: a job with rollout ranks samples there; ``None`` (the
+        default): the training processes' own model."""
+        return None
+
     def system_shares(self) -> dict[str, float]:
         """What this driver adds to rank 0's system row (``rollout_busy``, ``trainer_idle``: shares of the time
         since the previous row), on rank 0 when a system row is written; none by default."""

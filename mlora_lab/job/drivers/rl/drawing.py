@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,7 +51,7 @@ from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rl.grpo import advantages, combine_rewards, reward_problem
 from mlora_lab.rl.prompts import as_completion
 from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardResult, RewardWorker, shown_reward
-from mlora_lab.sampling import SampleRequest, sample
+from mlora_lab.sampling import Completion, SampleRequest, sample
 
 if TYPE_CHECKING:
     from mlora_lab.job.drivers.base import JobParts
@@ -81,6 +81,7 @@ class Drawing:
         self.awaited: dict[int, list[tuple[TenantRun, Sampled, int]]] = {}
         self.refused: dict[str, str] = {}  # rank 0: tenants whose adapter a rollout rank refused, with why
         self.held: set[str] = set()  # tenants that sit this step out, their next generation not ready yet
+        self.direct: dict[int, Samples | None] = {}  # rank 0: remote_sample's tickets and, once come, answers
         self.idle_s = 0.0  # rank 0: seconds the trainers waited for generations still being sampled
         self._shares_at = (time.monotonic(), 0.0, 0.0)  # (when, busy, idle) at the last system row
 
@@ -270,12 +271,15 @@ class Drawing:
                 elif isinstance(reply, AdapterRefused):
                     self.refused.setdefault(reply.tenant, reply.why)
                 elif reply is None:  # (the link broke: nothing more will come)
-                    for ticket in list(self.awaited):
+                    for ticket in [*self.awaited, *(k for k, v in self.direct.items() if v is None)]:
                         self._answered(Samples(ticket, error=self.link.failed))
             if until is None or until.ticket is None:
                 return
 
     def _answered(self, reply: Samples) -> None:
+        if reply.ticket in self.direct:  # (a remote_sample call waits for it)
+            self.direct[reply.ticket] = reply
+            return
         fills = self.awaited.pop(reply.ticket, [])
         for t, s, first in fills:
             if reply.error is not None:
@@ -285,7 +289,56 @@ class Drawing:
                 s.fill([], [], [])
                 continue
             got = reply.completions[first : first + len(s.prompts) * t.spec.rl.group_size]
-            s.fill([c[0] for c in got], [c[1] for c in got], [c[2] == "length" for c in got])
+            s.fill(
+                [list(c.tokens) for c in got],
+                [list(c.sampling_logprobs) for c in got],
+                [c.stop_reason == "length" for c in got],
+            )
+
+    def sampler(self) -> Callable[..., list[Completion]] | None:
+        """What samples for the job's other generations (agents' turns, judges, ``JobSpec.evals``): with rollout
+        ranks :meth:`remote_sample`; ``None``: the trainers' own model (:func:`~mlora_lab.sampling.sample`)."""
+        return self.remote_sample if self.rollout_ranks else None
+
+    def remote_sample(self, model: Any, requests: Sequence[SampleRequest], **_: Any) -> list[Completion]:
+        """:func:`~mlora_lab.sampling.sample`'s answer, sampled on a rollout rank (every trainer calls it, with
+        the same requests; ``model`` and the local-sampling options are not used): each tenant named sent its
+        adapter as of now where a rollout rank holds an older version (every trainer reads it: under FSDP a
+        collective), the requests sent as one work, rank 0 waits for the answer and gives it to every trainer."""
+        for name in sorted({r.tenant for r in requests if r.tenant is not None}):
+            t = self.pool[name]
+            if self.sent.get(name) != t.step:
+                tensors = self.engine.model.tenant_tensors(name)
+                if self.link is not None:
+                    update = AdapterUpdate(
+                        name, t.step, adapter_config(t.spec), tensors, tensors_digest(tensors)
+                    )
+                    self.link.send_all(update)
+                self.sent[name] = t.step
+        ticket, self.tickets = self.tickets, self.tickets + 1
+        j, self.dealt = self.dealt % self.rollout_ranks, self.dealt + 1
+        answer: list[Completion] | str | None = None
+        if self.link is not None:
+            self.direct[ticket] = None
+            self.link.send(j, SampleWork(ticket, list(requests)))
+            start = time.perf_counter()
+            while self.direct[ticket] is None:
+                for _, reply in self.link.replies(timeout=None):
+                    if isinstance(reply, Samples):
+                        self._answered(reply)
+                    elif isinstance(reply, AdapterRefused):
+                        self.refused.setdefault(reply.tenant, reply.why)
+                    elif reply is None:
+                        for k in [*self.awaited, *(k for k, v in self.direct.items() if v is None)]:
+                            self._answered(Samples(k, error=self.link.failed))
+            self.idle_s += time.perf_counter() - start
+            reply = self.direct.pop(ticket)
+            assert reply is not None
+            answer = reply.error if reply.error is not None else reply.completions
+        answer = self.comm.broadcast_object(answer)
+        if isinstance(answer, str):
+            raise RuntimeError(f"sampling on a rollout rank failed: {answer}")
+        return answer  # type: ignore[return-value]
 
     def _settle(self) -> None:
         """Every generation sent to a rollout rank is answered, on every trainer (a checkpoint keeps them
