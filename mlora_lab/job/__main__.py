@@ -219,9 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         if roles is not None and roles.trainer is None:  # a rollout rank: it samples for the RL tenants
             from mlora_lab.job.rollout import serve_rollouts
 
-            serve_rollouts(spec, dist, roles)
+            server = serve_rollouts(spec, dist, roles)
             leave_together()
-            print(f"[rank {dist.rank}] rollout rank {roles.rollout_index}: done", flush=True)
+            print(
+                f"[rank {dist.rank}] rollout rank {roles.rollout_index}: done after sampling {server.works} "
+                f"batches in {server.busy_s:.1f} s",
+                flush=True,
+            )
             return 0
         if dist.is_main:
             update_status(

@@ -234,6 +234,7 @@ class RolloutServer:
         self.engine.model.eval()
         self.versions: dict[str, int] = {}
         self.busy_s = 0.0
+        self.works = 0  # works sampled
 
     def _reply(self, message: object) -> None:
         dist.send_object_list([message], dst=0, group=self.roles.up[self.index])
@@ -300,9 +301,12 @@ class RolloutServer:
             return Samples(w.ticket, error=f"its generation raised {describe(e)}")
         busy = time.perf_counter() - start
         self.busy_s += busy
+        self.works += 1
         return Samples(w.ticket, out, busy_s=busy)
 
 
-def serve_rollouts(spec: JobSpec, info: DistInfo, roles: Roles) -> None:
+def serve_rollouts(spec: JobSpec, info: DistInfo, roles: Roles) -> RolloutServer:
     """A rollout rank's whole life: build the model, sample what rank 0 sends until it says stop."""
-    RolloutServer(spec, info, roles).serve()
+    server = RolloutServer(spec, info, roles)
+    server.serve()
+    return server

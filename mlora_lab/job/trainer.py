@@ -103,7 +103,11 @@ class Trainer:
         controls = Controls(self.pool, self.drivers.feed, self.run)
         self.control = ControlHandler(self.run, self.comm, self.dist.is_main, controls)
         self.evals = JobEvals(spec.evals, self.engine, self.comm, self.recorder, self.run, self.dist.is_main)
-        self.evals.sampler = next((s for d in self.drivers if (s := d.sampler()) is not None), None)
+        sampler = next((s for d in self.drivers if (s := d.sampler()) is not None), None)
+        if sampler is not None:  # (rollout ranks: the job's every generation is sampled there)
+            self.evals.sampler = sampler
+            for d in self.drivers:
+                d.use_sampler(sampler)
         self.search: SearchController | None = None
         self._start_tenants(resume)
         self.control.start(self.global_step)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -426,5 +427,33 @@ def test_a_served_job_over_an_nf4_base_equals_peft_and_survives_a_resume(llama_p
         assert after.tokens == before.tokens and after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
         assert_a_client_from_its_saved_state_steps_as_it_does(again, tc, data)
         assert again.stop() == "stopped", again.logs(0)
+    finally:
+        stop_runs_under(tmp_path)
+
+
+@pytest.mark.slow  # (starts a job on two processes)
+def test_a_served_job_with_a_rollout_rank_samples_there_as_peft_does(llama_path, tmp_path):
+    """``Parallel(nproc=2, rollout_ranks=1)``: one process trains the clients' steps, the other samples every
+    sampling request. A client's two rounds, then its sampler snapshot's greedy samples: PEFT's tokens and
+    logprobs (the snapshot's adapter reached the rollout rank in memory, known by its digest), and the rollout
+    rank was the one busy sampling."""
+    from test_service_sdk import peft_greedy, peft_steps
+
+    spec = served_spec(llama_path, ml.Service(), parallel=ml.Parallel(nproc=2, rollout_ranks=1))
+    svc = ml.serve(spec, workdir=tmp_path / "runs")
+    try:
+        data, _, init, _, _, _, sampler = two_rounds(svc, llama_path)
+        greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
+        prompts = [d[0][:4] for d in data[:2]]
+        samples = [sampler.sample(types.ModelInput.from_ints(p), 2, greedy).result() for p in prompts]
+        _, _, model = peft_steps(llama_path, init, data, steps=2)
+        model.eval()
+        for p, answer in zip(prompts, samples):
+            tokens, lps = peft_greedy(model, p, 5)
+            assert [s.tokens for s in answer.sequences] == [tokens, tokens]
+            assert answer.sequences[0].logprobs == pytest.approx(lps, abs=1e-4)
+        assert svc.stop() == "stopped", svc.logs(0)
+        said = re.search(r"rollout rank 0: done after sampling (\d+) batches", svc.logs(1))
+        assert said and int(said.group(1)) >= 2, svc.logs(1)  # (the two sampling requests, at least)
     finally:
         stop_runs_under(tmp_path)

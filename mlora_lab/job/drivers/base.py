@@ -157,6 +157,10 @@ class Driver(ABC):
         default): the training processes' own model."""
         return None
 
+    def use_sampler(self, sampler: Callable[..., Any]) -> None:  # noqa: B027 (a hook: may do nothing)
+        """The job samples its generations with ``sampler`` (another driver's :meth:`sampler`: a job with rollout
+        ranks samples there); a driver that samples for requests of its own takes it."""
+
     def system_shares(self) -> dict[str, float]:
         """What this driver adds to rank 0's system row (``rollout_busy``, ``trainer_idle``: shares of the time
         since the previous row), on rank 0 when a system row is written; none by default."""

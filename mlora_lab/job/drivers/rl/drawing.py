@@ -51,6 +51,7 @@ from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rl.grpo import advantages, combine_rewards, reward_problem
 from mlora_lab.rl.prompts import as_completion
 from mlora_lab.rl.rewards import RewardBatch, RewardError, RewardResult, RewardWorker, shown_reward
+from mlora_lab.rundir import TenantState
 from mlora_lab.sampling import Completion, SampleRequest, sample
 
 if TYPE_CHECKING:
@@ -72,9 +73,8 @@ class Drawing:
         roles = parts.roles
         self.rollout_ranks = roles.rollout_ranks if roles is not None else 0
         self.link = self.make_link(roles) if self.rollout_ranks and self.pool.is_main else None
-        self.sent: dict[
-            str, int
-        ] = {}  # (every trainer) the adapter version each rollout rank holds, by tenant
+        # (every trainer) the adapter version each rollout rank holds, by tenant (a sampler snapshot's: its digest)
+        self.sent: dict[str, int | str] = {}
         self.tickets = 0  # (every trainer) works sent so far; generations sent so far (their rollout rank)
         self.dealt = 0
         # rank 0: ticket → the generations it fills (tenant, generation, where its completions start in the answer)
@@ -305,16 +305,34 @@ class Drawing:
         the same requests; ``model`` and the local-sampling options are not used): each tenant named sent its
         adapter as of now where a rollout rank holds an older version (every trainer reads it: under FSDP a
         collective), the requests sent as one work, rank 0 waits for the answer and gives it to every trainer."""
+        model = self.engine.model
         for name in sorted({r.tenant for r in requests if r.tenant is not None}):
-            t = self.pool[name]
-            if self.sent.get(name) != t.step:
-                tensors = self.engine.model.tenant_tensors(name)
+            t = self.pool.tenants.get(name)
+            if t is not None and t.state is TenantState.RUNNING:  # (a tenant: its version is its step)
+                if self.sent.get(name) != t.step:
+                    tensors = model.tenant_tensors(name)
+                    if self.link is not None:
+                        update = AdapterUpdate(
+                            name, t.step, adapter_config(t.spec), tensors, tensors_digest(tensors)
+                        )
+                        self.link.send_all(update)
+                    self.sent[name] = t.step
+                continue
+            # (another adapter in a slot, a served job's sampler snapshot: known by its tensors' digest)
+            tensors = model.tenant_tensors(name)
+            digest = tensors_digest(tensors)
+            if self.sent.get(name) != digest:
                 if self.link is not None:
-                    update = AdapterUpdate(
-                        name, t.step, adapter_config(t.spec), tensors, tensors_digest(tensors)
-                    )
-                    self.link.send_all(update)
-                self.sent[name] = t.step
+                    ta = model.tenants[name]
+                    config = {
+                        "rank": ta.rank,
+                        "alpha": ta.alpha,
+                        "target_modules": ta.target_modules,
+                        "target_parameters": list(ta.target_parameters),
+                        "use_rslora": ta.use_rslora,
+                    }
+                    self.link.send_all(AdapterUpdate(name, -1, config, tensors, digest))
+                self.sent[name] = digest
         ticket, self.tickets = self.tickets, self.tickets + 1
         j, self.dealt = self.dealt % self.rollout_ranks, self.dealt + 1
         answer: list[Completion] | str | None = None

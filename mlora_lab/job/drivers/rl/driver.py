@@ -73,8 +73,15 @@ class RLDriver(AgentParts, Drawing, Driver):
             self._drop_scoring(name)
         if self.rollouts is not None:  # (and its env worker)
             self.rollouts.close(keep=[t.name for t in active] or ["(none)"])
-        for name in [n for n in self.sent if n not in {t.name for t in active}]:
-            self._drop_adapter(name)  # (the rollout ranks free its slot)
+        running = {t.name for t in self.pool.running()}
+        for name in [
+            n
+            for n in self.sent
+            if n not in self.engine.model.tenants or (n in self.pool and n not in running)
+        ]:
+            self._drop_adapter(
+                name
+            )  # (its slot freed, or a tenant that stopped: the rollout ranks free theirs)
         if not active:
             return None
         # (the same on every process) single-turn tenants sample what is due, agents play between windows

@@ -133,6 +133,10 @@ class ServiceDriver(Driver):
             max_step_tokens,
         )
 
+    def use_sampler(self, sampler: Callable[..., Any]) -> None:
+        """With rollout ranks, the clients' sampling requests (and the OpenAI endpoint's) are sampled there."""
+        self.snapshots.sampler = sampler
+
     def accepts(self, tenant: Tenant) -> bool:
         return tenant.client is not None or tenant.name in self.sessions.names.values()
 
