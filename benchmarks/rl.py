@@ -1,7 +1,10 @@
-"""RL (issue 23): batched multi-tenant rollouts vs PEFT ``generate``, and GRPO steps vs TRL's ``GRPOTrainer``.
+"""RL (issues 23 and 52): batched multi-tenant rollouts vs PEFT ``generate``, GRPO steps vs TRL's
+``GRPOTrainer``, and sampling on a rollout rank ahead of training (``--part async``) vs the synchronous job.
 
-    .venv/bin/python benchmarks/rl.py            # full run (~9 min on 2 cores; --part rollouts|grpo: one half)
-    .venv/bin/python benchmarks/rl.py --quick    # smoke test (~1 min: 4 processes start; numbers mean nothing)
+    .venv/bin/python benchmarks/rl.py              # parts 1 and 2 (~9 min on 2 cores; --part rollouts|grpo: one)
+    .venv/bin/python benchmarks/rl.py --part async # part 3 alone (~10 min; not in ``all``, which stays parts 1-2)
+    .venv/bin/python benchmarks/rl.py --quick      # smoke test (~1 min: 4 processes start; numbers mean nothing)
+    .venv/bin/python benchmarks/rl.py --quick --part async   # part 3's smoke test (~2 min)
 
 **1. Rollouts** (in this process, the two sides interleaved, 1 warm-up round, median of the repeats):
 ``tenants`` PEFT adapters of rank r on all 7 projections (B drawn at random, so every adapter gives other
@@ -45,6 +48,38 @@ its exec it shows its parent's pages); imports are done before the clock starts.
   in passes of whole tenants, one tenant's 16 rows a pass here: the same update, the generation still one
   ``sample()`` call for all four): the knobs a user turns for memory, and their step times.
 
+**3. Async RL** (``--part async``, issue 52; not in ``all``: its jobs run under torchrun, ~6-10 min more). Four
+RL tenants (each its own prompts and seed; ``prompts`` prompts x ``group`` completions x <= ``new_tokens``
+tokens per step, temperature 1, loss dapo, beta 0, one iteration, rank r on all 7 projections) in ONE job of
+2 processes, started with ``ml.launch`` (torchrun, as a user starts it) and ``run.wait()``, one job at a time:
+
+- sync: ``ml.Parallel(nproc=2)`` (``--sync-fsdp 1``, the default: the base replicated, the tenants' rows split
+  over the 2 ranks), ``max_staleness=0``: today's job; every rank samples every generation (the same tokens,
+  the same seeds), then each trains its half. The other layout, ``fsdp=2`` (the base sharded, so every decode
+  step all-gathers it), is run once beside it ("sync_other"): it was the slower baseline (~2x), so the ratios
+  are taken against ``fsdp=1``, the stricter one;
+- async: ``ml.Parallel(nproc=2, rollout_ranks=1)``, ``max_staleness=1``: rank 1 samples every tenant's step
+  ``k + 1`` (with the adapter of step ``k``) while rank 0 trains step ``k``.
+
+Each pair runs with a cheap reward (the share of a's among a completion's letters) and with the same reward
+sleeping ``sleep`` s per call (a slow judge or tool); the slow reward also runs with ``max_staleness=2``
+("async_s2": with 1, a generation sampled on the rollout rank has its rewards submitted only at the plan that
+trains it, so the sleep is not hidden; its ratio is printed beside the goal's). RL steps per minute, from the run's train rows (one per tenant per optimiser step): the rows
+after the first row's ``time`` over the seconds from it to the last row's, x 60 (start-up, imports, model load
+and the first generation excluded). Each seed's sync and async jobs run back to back, and a ratio is the median
+over seeds (``seeds`` for the cheap reward, ``slow_seeds`` for the slow one) of each pair's async / sync: goal
+>= 1.4 (cheap reward), >= 2 (slow reward). Before each job, the cores other processes keep busy (1 s of
+``/proc/stat``) are printed: a 2-rank sync job waits at every collective for its slower rank, so it suffers
+from a busy machine more than the async one does.
+
+Learning: each tenant's mean reward over its last ``last`` of ``steps`` steps with the cheap reward, the sync
+job over ``seeds`` seeds (seed s: tenant i has seed ``100 s + i`` and prompts drawn with it) against the async
+job on the same seeds: each async value should fall within the sync range [min, max] (where async changes
+nothing, a value falls within the range of k sync runs with probability (k − 1)/(k + 1), which is printed too,
+with the mean first-step and last-steps rewards: whether the tenants learned at all in ``steps`` steps). The
+rollout rank's busy share and the trainer's idle share come from rank 0's system rows. ``--out FILE`` writes
+the results as JSON.
+
 Threads: ``--threads`` (default 1, as every benchmark here: see README) in every process
 (``torch.set_num_threads`` and ``OMP_NUM_THREADS``, which the reward worker inherits).
 """
@@ -87,6 +122,36 @@ QUICK = dict(
     rollout=dict(tenants=4, samples=8, new_tokens=16, repeats=1),
     grpo=dict(tenants=2, prompts=2, group=4, new_tokens=8, steps=3, one_tenant_runs=1),
 )
+ASYNC_FULL = dict(
+    size=common.ModelSize(256, 4, 4, 2, 2048),  # 3.4M parameters (agents.py's): a step is mostly sampling
+    rank=8,
+    tenants=4,
+    prompts=2,
+    group=4,
+    new_tokens=24,
+    steps=16,
+    last=4,
+    seeds=3,
+    slow_seeds=3,
+    sleep=0.3,
+    lr=3e-2,
+)
+ASYNC_QUICK = dict(
+    size=common.ModelSize(128, 2, 4, 2, 1024),
+    rank=4,
+    tenants=4,
+    prompts=1,
+    group=4,
+    new_tokens=8,
+    steps=4,
+    last=2,
+    seeds=1,
+    slow_seeds=1,
+    sleep=0.3,
+    lr=3e-2,
+)
+ASYNC_GOAL = 1.4  # RL steps per minute, async / sync, cheap reward: at least
+ASYNC_SLOW_GOAL = 2.0  # the same with a reward that sleeps 0.3 s per call: at least
 PROMPT_ROOM = 32  # tokens a prompt may have (seq_len = this + max_new_tokens)
 PASS_TOKENS = 1024  # max_pass_tokens of the 4-tenant job's variant in passes
 
@@ -95,6 +160,28 @@ def length_reward(prompts, completions, **kwargs):
     """TRL's calling convention: one number per completion (long completions win)."""
     return [len(c) / 100.0 for c in completions]
 '''
+
+ASYNC_REWARDS = """
+import time
+
+SLEEP_S = {sleep}
+
+
+def a_share(prompts, completions, **kwargs):
+    \"\"\"The share of a's among a completion's letters (cheap; TRL's calling convention): the pseudo-words'
+    syllables are consonant + vowel, so the share of all vowels hardly varies (~0.48), that of one does.\"\"\"
+    out = []
+    for c in completions:
+        letters = [ch for ch in c.lower() if ch.isalpha()]
+        out.append(letters.count("a") / len(letters) if letters else 0.0)
+    return out
+
+
+def slow_a_share(prompts, completions, **kwargs):
+    \"\"\"``a_share`` after SLEEP_S seconds per call (a slow judge or tool).\"\"\"
+    time.sleep(SLEEP_S)
+    return a_share(prompts, completions)
+"""
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -454,6 +541,277 @@ def rollouts(model_dir: str, tmp: Path, cfg: dict, rank: int, repeats: int, with
     return dict(times=times, tokens=n * S * L, prompt_lens=[len(p) for p in prompts], gap=gap)
 
 
+# -- 3. async RL: rollout ranks and sampling ahead vs the synchronous job (launched jobs) ----------------------
+
+
+def async_layout(mode: str, sync_fsdp: int) -> tuple[dict, int]:
+    """``mode``'s ``Parallel`` arguments and ``max_staleness``: "sync" (2 training ranks, ``fsdp=sync_fsdp``,
+    every rank sampling between steps), "sync_other" (the same with the other fsdp: 1 = replicated, 2 = sharded),
+    "async" (1 trainer + 1 rollout rank, staleness 1), "async_s2" (the same, staleness 2)."""
+    return {
+        "sync": (dict(nproc=2, fsdp=sync_fsdp), 0),
+        "sync_other": (dict(nproc=2, fsdp=3 - sync_fsdp), 0),
+        "async": (dict(nproc=2, rollout_ranks=1), 1),
+        "async_s2": (dict(nproc=2, rollout_ranks=1), 2),
+    }[mode]
+
+
+def async_job(
+    model_dir: str, tmp: Path, cfg: dict, mode: str, reward: str, seed: int, sync_fsdp: int
+) -> dict:
+    """One job of ``cfg['tenants']`` RL tenants on 2 processes, laid out as :func:`async_layout` says, launched
+    with ``ml.launch`` and waited for; ``reward`` a function of the rewards file. Returns its steps per minute
+    (train rows after the first row's time / seconds to the last row), each tenant's rewards by step, the
+    staleness seen and rank 0's rollout-busy / trainer-idle shares. RuntimeError with ``run.error`` and every
+    rank's log if the job did not finish."""
+    import mlora_lab as ml
+
+    c = cfg
+    layout, staleness = async_layout(mode, sync_fsdp)
+    parallel = ml.Parallel(**layout)
+    rl = ml.RL(
+        reward=f"{tmp / 'async_rewards.py'}:{reward}",
+        group_size=c["group"],
+        max_new_tokens=c["new_tokens"],
+        temperature=1.0,
+        loss_type="dapo",
+        beta=0.0,
+        num_iterations=1,
+        epsilon=0.2,
+        scale_rewards="group",
+        max_staleness=staleness,
+    )
+    tenants = [
+        ml.Tenant(
+            name=f"t{i}",
+            data=write_prompts(
+                tmp / f"async_s{seed}_t{i}.jsonl", c["prompts"] * c["steps"], seed=100 * seed + i
+            ),
+            rl=rl,
+            rank=c["rank"],
+            alpha=2 * c["rank"],
+            target_modules=common.LLAMA_TARGETS,
+            lr=c["lr"],
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            batch_size=c["prompts"],
+            max_steps=c["steps"],
+            seed=100 * seed + i,
+        )
+        for i in range(c["tenants"])
+    ]
+    spec = ml.JobSpec(
+        base_model=model_dir,
+        tenants=tenants,
+        seq_len=PROMPT_ROOM + c["new_tokens"],
+        max_tenants=c["tenants"],
+        max_rank=c["rank"],
+        parallel=parallel,
+    )
+    b0, t0 = common.machine_busy_seconds(), time.perf_counter()
+    run = ml.launch(spec, workdir=tmp / "runs")
+    state = run.wait(timeout=900)
+    wall = time.perf_counter() - t0
+    busy = (common.machine_busy_seconds() - b0) / wall
+    if state != "finished":
+        logs = "\n".join(f"--- rank {r} ---\n{run.logs(r, tail=80)}" for r in range(parallel.world_size))
+        raise RuntimeError(f"{mode} job ({reward}, seed {seed}) ended {state}: {run.error}\n{logs}")
+    rows = [r.to_dict() for r in run.rows()]
+    train = sorted((r for r in rows if r["kind"] == "train"), key=lambda r: r["time"])
+    first, last = train[0]["time"], train[-1]["time"]
+    after = sum(r["time"] > first for r in train)
+    rewards: dict[str, list[float]] = {}
+    for r in sorted(train, key=lambda r: (r["tenant"], r["tenant_step"])):
+        rewards.setdefault(r["tenant"], []).append(r["reward"])
+    stale = [r.get("staleness", (r.get("extra") or {}).get("staleness")) for r in train]
+    system = [r for r in rows if r["kind"] == "system" and r.get("rank") == 0]
+    shares = {
+        k: statistics.mean(v) if (v := [r[k] for r in system if r.get(k) is not None]) else None
+        for k in ("rollout_busy", "trainer_idle")
+    }
+    return dict(
+        mode=mode,
+        reward=reward,
+        seed=seed,
+        steps_per_min=60 * after / (last - first),
+        train_rows=len(train),
+        span_s=last - first,
+        job_wall_s=wall,
+        busy=busy,
+        rewards=rewards,
+        staleness=sorted({x for x in stale if x is not None}),
+        **shares,
+    )
+
+
+def async_rl(args, cfg: dict, tmp: Path, model_dir: str) -> dict:
+    """Part 3 (the module docstring): the jobs one after another, the table, the ratios; returns the results."""
+    c = cfg["async_"]
+    (tmp / "async_rewards.py").write_text(ASYNC_REWARDS.format(sleep=c["sleep"]))
+    n, last = c["tenants"], c["last"]
+    print(
+        f"## 3. async RL: {n} RL tenants, {c['prompts']} prompts x {c['group']} completions x <= {c['new_tokens']} "
+        f"new tokens per step, {c['steps']} steps each; lr {c['lr']}; ml.launch, one job at a time; the ratios are "
+        f"async / sync\n",
+        flush=True,
+    )
+    # pairs back to back (sync, then async, on the same seed), so the machine's drift hits both alike; the slow
+    # reward also with staleness 2 (with 1, a generation sampled on the rollout rank has its rewards submitted only
+    # at the plan that trains it); once, the other sync layout (which 2-rank sync is the faster baseline)
+    order = []
+    for seed in range(c["seeds"]):
+        order += [("sync", "a_share", seed), ("async", "a_share", seed)]
+        if seed < c["slow_seeds"]:
+            order += [
+                ("sync", "slow_a_share", seed),
+                ("async", "slow_a_share", seed),
+                ("async_s2", "slow_a_share", seed),
+            ]
+        if seed == 0:
+            order += [("sync_other", "a_share", 0)]
+    jobs: dict[tuple[str, str, int], dict] = {}
+    for mode, reward, seed in order:
+        print(f"  {mode} {reward} seed {seed} ...", end=" ", flush=True)
+        others = common.others_load(1.0)  # (no job of ours runs now: all of it is other people's)
+        res = jobs[(mode, reward, seed)] = async_job(model_dir, tmp, c, mode, reward, seed, args.sync_fsdp)
+        res["others_before"] = others
+        print(
+            f"{res['steps_per_min']:.1f} steps/min ({res['job_wall_s']:.0f} s in all; others' cores before "
+            f"{others:.2f}, all cores busy during {res['busy']:.2f})",
+            flush=True,
+        )
+
+    def fmt(x: float | None, spec: str = ".2f") -> str:
+        return "" if x is None else format(x, spec)
+
+    rows = []
+    for (mode, reward, seed), r in jobs.items():
+        layout, staleness = async_layout(mode, args.sync_fsdp)
+        rows.append(
+            [
+                f"{mode}: {', '.join(f'{k}={v}' for k, v in layout.items())}, max_staleness={staleness}",
+                reward,
+                seed,
+                f"{r['steps_per_min']:.1f}",
+                f"{r['train_rows']} / {r['span_s']:.1f}",
+                f"{r['job_wall_s']:.1f}",
+                " ".join(str(int(x)) for x in r["staleness"]),
+                fmt(r["rollout_busy"]),
+                fmt(r["trainer_idle"]),
+                f"{r['others_before']:.2f}",
+                f"{r['busy']:.2f}",
+            ]
+        )
+    print()
+    common.print_table(
+        [
+            "job",
+            "reward",
+            "seed",
+            "RL steps/min",
+            "train rows / span s",
+            "job wall s",
+            "staleness",
+            "rollout busy",
+            "trainer idle",
+            "others' cores before",
+            "all cores busy",
+        ],
+        rows,
+    )
+
+    def ratios(reward: str, seeds: int, mode: str = "async") -> list[float]:
+        """``mode`` / sync steps per minute, each seed's pair (run back to back)."""
+        return [
+            jobs[(mode, reward, s)]["steps_per_min"] / jobs[("sync", reward, s)]["steps_per_min"]
+            for s in range(seeds)
+        ]
+
+    fast_each, slow_each = ratios("a_share", c["seeds"]), ratios("slow_a_share", c["slow_seeds"])
+    s2_each = ratios("slow_a_share", c["slow_seeds"], "async_s2")
+    fast, slow, slow_s2 = common.median(fast_each), common.median(slow_each), common.median(s2_each)
+
+    def tail_mean(r: dict, tenant: str) -> float:
+        return statistics.mean(r["rewards"][tenant][-last:])
+
+    print(
+        f"\nlearning: each tenant's mean reward over its last {last} of {c['steps']} steps (cheap reward)\n"
+    )
+    learn, within = [], {}
+    syncs = [jobs[("sync", "a_share", s)] for s in range(c["seeds"])]
+    asyncs = [jobs[("async", "a_share", s)] for s in range(c["seeds"])]
+    tenants = sorted(syncs[0]["rewards"])
+    for t in tenants:
+        lo, hi = min(tail_mean(r, t) for r in syncs), max(tail_mean(r, t) for r in syncs)
+        firsts = statistics.mean(r["rewards"][t][0] for r in syncs)
+        values = [tail_mean(r, t) for r in asyncs]
+        within[t] = [lo <= v <= hi for v in values]
+        learn.append(
+            [
+                t,
+                f"{firsts:.3f}",
+                f"[{lo:.3f}, {hi:.3f}]",
+                " ".join(f"{v:.3f}" for v in values),
+                f"{sum(within[t])} of {len(values)}",
+            ]
+        )
+    common.print_table(
+        [
+            "tenant",
+            "sync first-step reward (mean over seeds)",
+            f"sync range over {len(syncs)} seed(s)",
+            f"async, seed{'s' if len(asyncs) > 1 else ''} 0-{len(asyncs) - 1}",
+            "async within",
+        ],
+        learn,
+    )
+    first = statistics.mean(r["rewards"][t][0] for r in syncs for t in tenants)
+    end = {
+        k: statistics.mean(tail_mean(r, t) for r in rs for t in tenants)
+        for k, rs in (("sync", syncs), ("async", asyncs))
+    }
+    hits, tries = sum(sum(v) for v in within.values()), sum(len(v) for v in within.values())
+    # (k runs of one distribution: a further one falls within their [min, max] with probability (k-1)/(k+1))
+    chance = (len(syncs) - 1) / (len(syncs) + 1)
+    print(
+        f"\n(mean over tenants and seeds: first-step reward {first:.3f}; last {last} steps sync {end['sync']:.3f}, "
+        f"async {end['async']:.3f}. A value from the sync runs' own distribution falls within the range of "
+        f"{len(syncs)} of them with probability {chance:.2f})"
+    )
+    print(
+        f"\nRATIO RL steps/min async / sync, cheap reward (median over {len(fast_each)} seed pair(s)): "
+        f"{at_least(fast, ASYNC_GOAL)}  [each pair: {' '.join(f'{x:.2f}' for x in fast_each)}]"
+    )
+    print(
+        f"RATIO RL steps/min async / sync, reward sleeping {c['sleep']} s per call (median over {len(slow_each)} "
+        f"pair(s)): {at_least(slow, ASYNC_SLOW_GOAL)}  [each pair: {' '.join(f'{x:.2f}' for x in slow_each)}]"
+    )
+    print(
+        f"RATIO RL steps/min async with max_staleness=2 / sync, the same slow reward (median over {len(s2_each)} "
+        f"pair(s)): {at_least(slow_s2, ASYNC_SLOW_GOAL)}  [each pair: {' '.join(f'{x:.2f}' for x in s2_each)}]"
+    )
+    print(
+        f"LEARNING async within the sync range over {len(syncs)} seed(s): {hits} of {tries} (tenant, seed) values "
+        f"(chance alone: {chance:.2f} of them)\n",
+        flush=True,
+    )
+    return dict(
+        config={k: v for k, v in c.items() if k != "size"},
+        size=common.as_dict(c["size"]),
+        sync_fsdp=args.sync_fsdp,
+        ratio_cheap=fast,
+        ratio_cheap_each=fast_each,
+        ratio_slow=slow,
+        ratio_slow_each=slow_each,
+        ratio_slow_s2=slow_s2,
+        ratio_slow_s2_each=s2_each,
+        within=within,
+        reward_first=first,
+        reward_last=end,
+        jobs=[dict(r) for r in jobs.values()],
+    )
+
+
 # -- the benchmark ------------------------------------------------------------------------------------------
 
 
@@ -464,12 +822,22 @@ def at_least(value: float, goal: float) -> str:
 def main() -> None:
     parser = common.bench_parser(__doc__, "tiny model, few tokens and steps (smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="rollout repeats")
-    parser.add_argument("--part", choices=["all", "rollouts", "grpo"], default="all")
+    parser.add_argument(
+        "--part", choices=["all", "rollouts", "grpo", "async"], default="all", help="all: rollouts and grpo"
+    )
+    parser.add_argument(
+        "--sync-fsdp",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="async part: the sync job's fsdp (1: replicated)",
+    )
+    parser.add_argument("--out", help="async part: write its results here (JSON)")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
         return
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL, async_=ASYNC_QUICK if args.quick else ASYNC_FULL)
     common.setup(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # children (and their reward workers) inherit it
     load_before = common.wait_for_quiet(0 if args.quick else args.max_wait)
@@ -477,17 +845,31 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="mlora_bench_") as tmp_name:
         tmp = Path(tmp_name)
-        model_dir = common.build_model(tmp / "model", cfg["size"])
-        print(f"\n# rl: GRPO tenants (issue 23) vs PEFT generate and TRL {trl_version()} GRPOTrainer\n")
+        if args.part == "async":
+            size, rank = cfg["async_"]["size"], cfg["async_"]["rank"]
+            print("\n# rl: async RL (issue 52), rollout ranks and sampling ahead vs the synchronous job\n")
+        else:
+            size, rank = cfg["size"], cfg["rank"]
+            print(f"\n# rl: GRPO tenants (issue 23) vs PEFT generate and TRL {trl_version()} GRPOTrainer\n")
+        model_dir = common.build_model(tmp / "model", size)
         print(common.machine_line())
         print(
             f"threads: torch.set_num_threads({args.threads}) and OMP_NUM_THREADS={args.threads} in every process"
         )
         print(
-            f"model: {cfg['size'].describe(common.n_params(model_dir))}; LoRA rank {cfg['rank']}, alpha "
-            f"{2 * cfg['rank']}, all 7 projections; fp32"
+            f"model: {size.describe(common.n_params(model_dir))}; LoRA rank {rank}, alpha "
+            f"{2 * rank}, all 7 projections; fp32"
         )
         print(f"other processes kept {load_before:.2f} cores busy before the run\n")
+
+        if args.part == "async":
+            result = async_rl(args, cfg, tmp, model_dir)
+            result.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_before=load_before)
+            result["machine"] = common.machine_line()
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=1))
+                print(f"results: {args.out}")
+            return
 
         if args.part in ("all", "rollouts"):
             r = cfg["rollout"]
