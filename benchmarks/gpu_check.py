@@ -23,6 +23,8 @@ Parts (each in its own time budget; one that fails is recorded with its error an
   at a time (measured on ``peft_adapters`` of them, the rate extrapolated to 16).
 - ``g3_grpo``: ``benchmarks/rl.py --part grpo``: a 4-tenant GRPO job against 4 TRL ``GRPOTrainer`` runs.
 - ``g4_clients``: ``benchmarks/service.py --part clients``: 4 SDK clients through ``ml.serve`` against 1.
+- ``g5_async`` (issue 52): ``benchmarks/rl.py --part async``: 4 GRPO tenants, synchronous on two GPUs against a
+  trainer GPU and a rollout GPU (``rollout_ranks=1``, ``max_staleness`` 1 and 2); needs two GPUs.
 - ``q_quantized`` (issue 36): the same base in bf16, nf4 and nf4 with ``quantize_embeddings``: its bytes, a
   4-tenant step's time and peak memory, against one PEFT adapter over the same base.
 
@@ -411,6 +413,24 @@ def part_g4(cfg: dict, work: Path) -> dict:
     return result
 
 
+def part_g5_async(cfg: dict, work: Path) -> dict:
+    """Issue 52: ``benchmarks/rl.py --part async`` on the device: 4 GRPO tenants, the synchronous job on two
+    ranks against one trainer GPU and one rollout GPU (``rollout_ranks=1``) at ``max_staleness`` 1 and 2. Needs
+    two GPUs (NCCL does not put two ranks on one device; sampling on a second CUDA stream of one GPU is not
+    built): on one it is recorded as not run, with why."""
+    if not cfg["dry"] and torch.cuda.device_count() < 2:
+        return {
+            "skipped": f"needs 2 GPUs (a trainer and a rollout rank); this device has {torch.cuda.device_count()}"
+        }
+    result = run_benchmark("rl.py", ["--part", "async", "--max-wait", "0"], cfg, work, "g5_async")
+    result["ratios"] = {
+        "g5_async_vs_sync_cheap_reward": _ratio(result["goal_lines"], "cheap reward"),
+        "g5_async_vs_sync_sleeping_reward": _ratio(result["goal_lines"], "sleeping"),
+        "g5_staleness2_vs_sync_sleeping_reward": _ratio(result["goal_lines"], "max_staleness=2"),
+    }
+    return result
+
+
 # -- issue 36: a quantized base -----------------------------------------------------------------------------------
 
 
@@ -513,6 +533,7 @@ PARTS = {
     "g2_sampling": part_g2,
     "g3_grpo": part_g3,
     "g4_clients": part_g4,
+    "g5_async": part_g5_async,
     "q_quantized": part_quantized,
 }
 

@@ -29,6 +29,12 @@ all-reduce of "a row still runs here") keeps their decode steps in step. Splitti
 data-parallel ranks, and gathering the completions, is a later optimisation. Each process then trains on
 its own share of the rows (``engine.local_rows``).
 
+**Ahead, and elsewhere** (:mod:`~mlora_lab.job.drivers.rl.drawing`, :mod:`mlora_lab.job.rollout`). With
+``rl.max_staleness = s`` a tenant samples a generation up to ``s`` optimiser steps before it trains on it (with
+the adapter of that time; its rewards compute meanwhile), and a tenant whose generation is not ready sits the
+step out. With ``Parallel.rollout_ranks`` the sampling above runs on the rollout ranks instead: the same
+requests, seeds and adapter versions, so the same tokens.
+
 **Seeds.** Completion ``j`` of prompt ``b`` of generation ``g`` of a tenant with ``seed`` draws from
 ``row_seed(generation_seed(seed, g, b), j)``: nothing else. A resume regenerates nothing that was trained
 on and needs no RNG state; the same tenant alone or beside others draws the same tokens (up to
@@ -40,7 +46,10 @@ floating-point differences of differently shaped batches, see :mod:`mlora_lab.sa
 log-probs are ``sg(logps)`` (ratio 1, TRL's own shortcut); with more, the first step's ``sg(logps)`` are
 kept (each micro-batch's as it is computed, then gathered from every process at the window's end, so a
 checkpoint holds them whatever the world size, mid-window too) and the later steps' ratios are taken
-against them. With ``beta > 0`` the reference log-probs are those of the base
+against them. A generation sampled ahead (or an agent's episodes) is taken against the sampler's own log-probs
+from its first step; with ``rl.importance_sampling_correction`` the ratio's "old" is the trainer's at the
+window's start and the sampler's enter through TRL's truncated importance weight (:mod:`mlora_lab.rl.grpo`).
+With ``beta > 0`` the reference log-probs are those of the base
 model alone: one no-grad forward of the generation's rows with no adapter (tenant ``None``) right after
 the generation, once per generation, on the shared base (no second copy of the model).
 """

@@ -20,6 +20,7 @@ from mlora_lab.job.drivers.rl.generation import (
     read_prompts,
     sampler_logps,
 )
+from mlora_lab.job.drivers.rl.remote import Remote
 from mlora_lab.job.tenants import TenantRun
 from mlora_lab.rl.grpo import (
     CLIPPED,
@@ -42,7 +43,7 @@ if TYPE_CHECKING:  # (the agents' endpoint loads starlette: only a job with agen
     from mlora_lab.agents.rollouts import Rollouts
 
 
-class RLDriver(AgentParts, Drawing, Driver):
+class RLDriver(AgentParts, Drawing, Remote, Driver):
     """RL tenants: generations, rewards, GRPO's loss (see the module docstring)."""
 
     def __init__(self, parts: JobParts) -> None:
