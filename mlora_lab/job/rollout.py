@@ -34,7 +34,7 @@ import hashlib
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -150,6 +150,8 @@ class RolloutLink:
         self.inbox: queue.Queue = queue.Queue()
         self.busy_s = [0.0] * self.k  # each rollout rank's sampling seconds so far (from its answers)
         self.failed: str | None = None  # a link that broke: why (every tenant on it then fails)
+        # called on the receiving thread with each answer first: True when it took it (not queued for replies())
+        self.on_reply: Callable[[object], bool] | None = None
         self._threads = []
         for j in range(self.k):
             for target, name in ((self._send_loop, "send"), (self._receive_loop, "receive")):
@@ -192,6 +194,8 @@ class RolloutLink:
             reply = box[0]
             if isinstance(reply, Samples):
                 self.busy_s[j] += reply.busy_s
+            if self.on_reply is not None and self.on_reply(reply):
+                continue
             self.inbox.put((j, reply))
             if isinstance(reply, Bye):
                 return

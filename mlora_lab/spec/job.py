@@ -230,6 +230,14 @@ class JobSpec:
     """Pack each tenant's rows into ``seq_len``-token sequences (documents kept whole and apart: position
     ids restart and no token attends across a document boundary) instead of one right-padded row each;
     ``batch_size`` then counts packed sequences."""
+    lockstep: bool = field(default=False, metadata=meta(
+        "lockstep", kind="bool", section="Advanced",
+        help="RL tenants wait for their generation: a run repeats bit for bit"))
+    """RL tenants that sample ahead (``rl.max_staleness``) or on rollout ranks wait for a generation that is not
+    ready instead of sitting the step out. Off (the default), the trainer stays busy, but which tenants share a
+    step then depends on timing: each tenant's results are its own up to floating-point reassociation, so a
+    sampled token may differ between two runs after some steps. On, a run repeats bit for bit (rewards and
+    sampling still overlap training within ``max_staleness``)."""
     slot_modules: list[str] | None = field(default=None, metadata=meta(
         "slot modules", kind="targets", optional=True, form=False))
     """Linear layers that can take adapters (same matching as ``target_modules``, except that

@@ -173,10 +173,10 @@ def test_stale_and_on_policy_tenants_beside_sft_each_equal_alone(llama_path, tmp
         max_steps=5,
         seed=1,
     )
-    together = Trainer(job(llama_path, [ahead, mu, now, sft]))
+    together = Trainer(job(llama_path, [ahead, mu, now, sft], lockstep=True))
     together.train()
     for t in (ahead, mu, now, sft):
-        alone = Trainer(job(llama_path, [t]))
+        alone = Trainer(job(llama_path, [t], lockstep=True))
         alone.train()
         assert together.tenants[t.name].state is alone.tenants[t.name].state is TenantState.FINISHED
         assert together.losses(t.name) == pytest.approx(alone.losses(t.name), abs=TOL), t.name
@@ -193,16 +193,16 @@ def test_stopped_with_generations_in_flight_and_resumed_equals_straight_through(
     slow = slow_rewards(tmp_path)
     rl = RL(reward=f"{slow}:slow_short", group_size=3, max_new_tokens=6, max_staleness=2)
     tenants = [rl_tenant("a", prompt_file(tmp_path), rl, max_steps=5)]
-    straight = Trainer(job(llama_path, tenants))
+    straight = Trainer(job(llama_path, tenants, lockstep=True))
     straight.train()
-    first = Trainer(job(llama_path, tenants), run_dir=tmp_path / "run")
+    first = Trainer(job(llama_path, tenants, lockstep=True), run_dir=tmp_path / "run")
     for _ in range(2):
         assert first.step()
     ahead = first.tenants["a"].feed.ahead
     assert [s.version for s in ahead] == [0, 1]  # generations 2 and 3: sampled, their rewards in flight
     first.save_checkpoint()
     first.close()
-    again = Trainer(job(llama_path, tenants), run_dir=tmp_path / "run", resume=True)
+    again = Trainer(job(llama_path, tenants, lockstep=True), run_dir=tmp_path / "run", resume=True)
     restored = again.tenants["a"].feed.ahead
     assert [(s.index, s.version, s.tokens) for s in restored] == [
         (s.index, s.version, s.tokens) for s in ahead

@@ -68,7 +68,7 @@ def here(llama_path, tmp_path_factory):
         return write_jsonl(folder / f"{kind}.jsonl", task_rows(kind, n))
 
     ts = tenants(folder, make_data)
-    trainer = Trainer(job(llama_path, ts, evals=evals(folder)), run_dir=folder / "run")
+    trainer = Trainer(job(llama_path, ts, evals=evals(folder), lockstep=True), run_dir=folder / "run")
     trainer.train()
     trainer.close()
     return ts, trainer, folder / "run"
@@ -145,9 +145,9 @@ def test_stopped_with_generations_in_flight_on_the_rollout_rank_and_resumed_equa
     or still being sampled): the checkpoint waits for them and keeps them whole, and the resumed job (with its
     rollout rank) ends as the same job straight through on one process."""
     ts = [dataclasses.replace(t, max_steps=3 * t.max_steps) for t in tenants(tmp_path, make_data)]
-    straight = Trainer(job(llama_path, ts))
+    straight = Trainer(job(llama_path, ts, lockstep=True))
     straight.train()
-    spec = job(llama_path, ts, parallel=ml.Parallel(nproc=2, rollout_ranks=1))
+    spec = job(llama_path, ts, lockstep=True, parallel=ml.Parallel(nproc=2, rollout_ranks=1))
     spec.output_dir = str(tmp_path / "out")
     stopped = ml.launch(spec)
     while not any(r["kind"] == "train" and r["tenant"] == "ahead" for r in stopped.rows()):
@@ -248,7 +248,7 @@ def test_a_corrupt_adapter_transfer_quarantines_only_its_tenant_and_the_rollout_
     from mlora_lab.job.rollout import AdapterUpdate
 
     ts = tenants(tmp_path, make_data)
-    spec = job(llama_path, ts)
+    spec = job(llama_path, ts, lockstep=True)
     here = Trainer(spec)
     here.train()
     loop = loopback_job(spec)
@@ -298,7 +298,7 @@ def test_a_sampling_that_fails_on_the_rollout_rank_fails_the_tenants_it_sampled_
             m.requests = [dataclasses.replace(r, tenant="nobody") for r in m.requests]
         return m
 
-    trainer = loopback_job(job(llama_path, ts), broken)
+    trainer = loopback_job(job(llama_path, ts, lockstep=True), broken)
     trainer.train()
     states = {n: (t.state, t.reason or "") for n, t in trainer.tenants.items()}
     failed = {n for n, (s, _) in states.items() if s is TenantState.FAILED}
@@ -314,9 +314,9 @@ def test_pause_resume_and_remove_with_generations_in_flight(remote, llama_path, 
     freed there) and resuming it later trains what an uninterrupted job trains; removing one mid-run leaves the
     others as they were."""
     ts = tenants(tmp_path, make_data)
-    straight = Trainer(job(llama_path, ts))
+    straight = Trainer(job(llama_path, ts, lockstep=True))
     straight.train()
-    spec = job(llama_path, ts)
+    spec = job(llama_path, ts, lockstep=True)
     trainer = loopback_job(spec) if remote else Trainer(spec)
     for _ in range(2):
         assert trainer.step()

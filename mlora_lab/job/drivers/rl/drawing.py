@@ -80,8 +80,7 @@ class Drawing:
             if self.link is not None:
                 self._poll()
             names = {t.name for t in tenants}
-            refused = self.comm.broadcast_object({n: w for n, w in self.refused.items() if n in names})
-            failed |= {n: f"RolloutError: {why}" for n, why in refused.items()}
+            failed |= {n: f"RolloutError: {why}" for n, why in self.refusals(names).items()}
             tenants = [t for t in tenants if t.name not in failed]
         due = {t.name: self._due(t) for t in tenants}
         failed |= self._draw([t for t in tenants if due[t.name]], due)
@@ -100,7 +99,7 @@ class Drawing:
         trains. Unless nothing else would train: then the first waits (rank 0 decides; every process agrees)."""
         self.held: set[str] = set()
         flexible = [t for t in tenants if t.spec.rl.max_staleness > 0 or self.rollout_ranks]
-        if not flexible:
+        if not flexible or self.spec.lockstep:  # (lockstep: they wait, and a run repeats bit for bit)
             return tenants
         names = None
         if self.pool.is_main:
@@ -214,10 +213,12 @@ class Drawing:
         thread, in order (after a resume: those the checkpoint kept). A worker whose judge asks the job is left
         for :meth:`_take` (its answers need every process serving)."""
         flying = self.scoring.setdefault(t.name, {})
-        if t.name in self.refused:  # (it fails at its next plan: nothing of it is scored any more)
-            return
+        if self.rollout_ranks:
+            with self.lock:
+                if t.name in self.refused:  # (it fails at its next plan: nothing of it is scored any more)
+                    return
         for s in [*also, *t.feed.ahead]:
-            if s.index in flying or s.ticket is not None:  # (in flight already, or still being sampled)
+            if s.index in flying:  # (in flight already)
                 continue
             worker = self._worker(t)
             if t.name not in self.scorers:  # (its first call: the hello says whether a judge asks the job)
@@ -229,7 +230,10 @@ class Drawing:
                 self.scorers[t.name] = ThreadPoolExecutor(1, thread_name_prefix=f"mlora-rewards-{t.name}")
             if worker.asks_the_job:
                 return
-            flying[s.index] = self.scorers[t.name].submit(worker, self._batch(t, s))
+            if s.ticket is not None:  # (still being sampled on a rollout rank: its rewards wait for it there)
+                flying[s.index] = self.scorers[t.name].submit(self._score_when_sampled, worker, t, s)
+            else:
+                flying[s.index] = self.scorers[t.name].submit(worker, self._batch(t, s))
 
     def _drop_scoring(self, name: str) -> None:
         """A tenant that stopped running: its rewards in flight are forgotten (its worker is being closed, which
@@ -260,8 +264,7 @@ class Drawing:
             )
             for n, answer in zip(names, answers):
                 taken[n].fill(*answer)
-            refused = self.comm.broadcast_object({n: w for n, w in self.refused.items() if n in names})
-            got |= {n: f"RolloutError: {why}" for n, why in refused.items()}
+            got |= {n: f"RolloutError: {why}" for n, why in self.refusals(set(names)).items()}
         if self.pool.is_main:
             for t in tenants:
                 if t.name in got:

@@ -104,6 +104,7 @@ class RLDriver(AgentParts, Drawing, Remote, Driver):
     def close(self) -> None:
         """The job is over: every reward and env worker is killed, with what its functions started, and the
         agents' endpoint closed."""
+        self.closing.set()  # (rewards still waiting for a generation to be sampled give up)
         for name in list(self.workers):
             self.workers.pop(name).close()
             self._drop_scoring(name)

@@ -4,6 +4,7 @@ tokens sit in the loop's per-token losses (see :mod:`mlora_lab.job.drivers.rl` f
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -216,15 +217,28 @@ class Sampled:
     truncated: list[bool]  # [N] cut at max_new_tokens
     # sent to a rollout rank and not answered yet (tokens, logps and truncated still empty): the work's ticket
     ticket: int | None = None
+    # (rank 0) set once it is answered (its rewards may start: they wait for it on their tenant's thread), and
+    # why its sampling failed, if it did
+    arrived: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+    error: str | None = None
 
     def state_dict(self) -> dict[str, Any]:
         if self.ticket is not None:  # (a checkpoint waits for every answer first: Drawing.before_checkpoint)
             raise ValueError(f"generation {self.index} is still being sampled")
         return {k: getattr(self, k) for k in ("index", "version", "prompts", "tokens", "logps", "truncated")}
 
-    def fill(self, tokens: list[list[int]], logps: list[list[float]], truncated: list[bool]) -> None:
-        """A rollout rank's answer: the generation is sampled."""
-        self.tokens, self.logps, self.truncated, self.ticket = tokens, logps, truncated, None
+    def fill(
+        self,
+        tokens: list[list[int]],
+        logps: list[list[float]],
+        truncated: list[bool],
+        error: str | None = None,
+    ) -> None:
+        """A rollout rank's answer: the generation is sampled (or failed, ``error``). May run on the link's
+        receiving thread: ``ticket`` is cleared last, so one who sees it cleared sees the tokens."""
+        self.tokens, self.logps, self.truncated, self.error = tokens, logps, truncated, error
+        self.ticket = None
+        self.arrived.set()
 
     @classmethod
     def from_state(cls, s: dict[str, Any]) -> Sampled:

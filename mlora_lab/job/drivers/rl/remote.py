@@ -8,6 +8,7 @@ them: under FSDP a collective); rank 0 alone holds the link and waits for answer
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from mlora_lab.job.rollout import (
     tensors_digest,
 )
 from mlora_lab.job.tenants import TenantRun
+from mlora_lab.rl.rewards import RewardError
 from mlora_lab.rundir import TenantState
 from mlora_lab.sampling import Completion, SampleRequest
 
@@ -42,6 +44,12 @@ class Remote:
         roles = parts.roles
         self.rollout_ranks = roles.rollout_ranks if roles is not None else 0
         self.link = self.make_link(roles) if self.rollout_ranks and self.pool.is_main else None
+        # rank 0: the link's receiving thread fills the generations it answers (their rewards start at once, on
+        # their tenant's thread); what the loop reads of them, and the refusals, under this lock
+        self.lock = threading.Lock()
+        self.closing = threading.Event()  # (the job ends: rewards still waiting for a generation give up)
+        if self.link is not None:
+            self.link.on_reply = self._arrived
         # (every trainer) the adapter version each rollout rank holds, by tenant (a sampler snapshot's: its digest)
         self.sent: dict[str, int | str] = {}
         self.tickets = 0  # (every trainer) works sent so far; generations sent so far (their rollout rank)
@@ -91,7 +99,8 @@ class Remote:
                 s.ticket = ticket
                 t.feed.ahead.append(s)
             if self.link is not None:
-                self.awaited[ticket] = fills
+                with self.lock:
+                    self.awaited[ticket] = fills
                 self.link.send(j, SampleWork(ticket, mine))
 
     def _poll(self, until: Sampled | None = None) -> None:
@@ -110,17 +119,29 @@ class Remote:
         assert self.link is not None
         while True:
             for _, reply in self.link.replies(
-                timeout=None if until is not None and until.ticket is not None else 0.0
+                timeout=0.05 if until is not None and until.ticket is not None else 0.0
             ):
                 if isinstance(reply, Samples):
                     self._answered(reply)
                 elif isinstance(reply, AdapterRefused):
                     self.refused.setdefault(reply.tenant, reply.why)
                 elif reply is None:  # (the link broke: nothing more will come)
-                    for ticket in [*self.awaited, *(k for k, v in self.direct.items() if v is None)]:
-                        self._answered(Samples(ticket, error=self.link.failed))
+                    with self.lock:
+                        for ticket in [*self.awaited, *(k for k, v in self.direct.items() if v is None)]:
+                            self._answered(Samples(ticket, error=self.link.failed))
             if until is None or until.ticket is None:
                 return
+
+    def _arrived(self, reply: object) -> bool:
+        """On the link's receiving thread: an answer to generations sent (not a :meth:`remote_sample` call's)
+        fills them at once, so their rewards start while the loop trains. True when it took the answer."""
+        if not isinstance(reply, Samples):
+            return False
+        with self.lock:
+            if reply.ticket not in self.awaited:
+                return False
+            self._answered(reply)
+        return True
 
     def _answered(self, reply: Samples) -> None:
         if reply.ticket in self.direct:  # (a remote_sample call waits for it)
@@ -129,10 +150,9 @@ class Remote:
         fills = self.awaited.pop(reply.ticket, [])
         for t, s, first in fills:
             if reply.error is not None:
-                self.refused.setdefault(
-                    t.name, f"its generation {s.index} failed on a rollout rank: {reply.error}"
-                )
-                s.fill([], [], [])
+                why = f"its generation {s.index} failed on a rollout rank: {reply.error}"
+                self.refused.setdefault(t.name, why)
+                s.fill([], [], [], error=why)
                 continue
             got = reply.completions[first : first + len(s.prompts) * t.spec.rl.group_size]
             s.fill(
@@ -193,8 +213,9 @@ class Remote:
                     elif isinstance(reply, AdapterRefused):
                         self.refused.setdefault(reply.tenant, reply.why)
                     elif reply is None:
-                        for k in [*self.awaited, *(k for k, v in self.direct.items() if v is None)]:
-                            self._answered(Samples(k, error=self.link.failed))
+                        with self.lock:
+                            for k in [*self.awaited, *(k for k, v in self.direct.items() if v is None)]:
+                                self._answered(Samples(k, error=self.link.failed))
             self.idle_s += time.perf_counter() - start
             reply = self.direct.pop(ticket)
             assert reply is not None
@@ -236,8 +257,25 @@ class Remote:
         self._settle()
         super().before_checkpoint()  # type: ignore[misc]
 
+    def refusals(self, names: set[str]) -> dict[str, str]:
+        """Rank 0's refusals (a rollout rank refused the tenant's adapter, or failed its generation) of ``names``,
+        on every trainer (a collective)."""
+        with self.lock:
+            mine = {n: w for n, w in self.refused.items() if n in names}
+        return self.comm.broadcast_object(mine)  # type: ignore[return-value]
+
+    def _score_when_sampled(self, worker: Any, t: TenantRun, s: Sampled) -> Any:
+        """On ``t``'s reward thread: ``s``'s rewards, once a rollout rank answered it (its failure, said)."""
+        while not s.arrived.wait(0.5):
+            if self.closing.is_set():
+                raise RewardError("the job ended before its generation was sampled")
+        if s.error is not None:
+            raise RewardError(s.error)
+        return worker(self._batch(t, s))
+
     def _drop_adapter(self, name: str) -> None:
         """A tenant that stopped running: the rollout ranks free its slot (a later resume sends it again)."""
         if self.sent.pop(name, None) is not None and self.link is not None:
             self.link.send_all(DropAdapter(name))
-        self.refused.pop(name, None)
+        with self.lock:
+            self.refused.pop(name, None)
