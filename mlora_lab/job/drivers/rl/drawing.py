@@ -106,14 +106,18 @@ class Drawing:
             ready = [t for t in tenants if t not in flexible or self._sampled_and_scored(t)]
             waiting = {t.name for t in tenants}
             if not ready and not any(t.name not in waiting for t in self.pool.running()):
-                start = time.perf_counter()  # (nothing else would train: wait for the first that is ready)
-                while not ready:
+                # (nothing else would train: wait for the first that is ready, then up to GATHER_S more for the
+                # others, so that tenants whose generations come together keep training in one batch)
+                start, until = time.perf_counter(), None
+                while len(ready) < len(tenants) and (until is None or time.perf_counter() < until):
                     time.sleep(0.002)
                     if self.link is not None:
                         self._poll()
                     for t in tenants:
                         self._submit(t)
                     ready = [t for t in tenants if self._sampled_and_scored(t)]
+                    if ready and until is None:
+                        until = time.perf_counter() + GATHER_S
                 self.idle_s += time.perf_counter() - start
             names = [t.name for t in ready]
         names = self.comm.broadcast_object(names)
@@ -377,6 +381,11 @@ class Drawing:
         else:
             collect()
         return self.comm.broadcast_object(out)  # type: ignore[return-value]
+
+
+GATHER_S = 0.02
+"""When every waiting tenant's generation is late and nothing else would train, how long the loop waits past the
+first that is ready for the others: generations sampled together stay trained together."""
 
 
 def _failed(why: str) -> Future:

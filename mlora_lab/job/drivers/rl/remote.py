@@ -118,9 +118,11 @@ class Remote:
     def _poll_until(self, until: Sampled | None) -> None:
         assert self.link is not None
         while True:
-            for _, reply in self.link.replies(
-                timeout=0.05 if until is not None and until.ticket is not None else 0.0
-            ):
+            # (its answer comes through the receiving thread, which sets its event: wait on that, and take
+            # what comes through the queue, refusals and a broken link, as it comes)
+            if until is not None and until.ticket is not None:
+                until.arrived.wait(0.005)
+            for _, reply in self.link.replies(timeout=0.0):
                 if isinstance(reply, Samples):
                     self._answered(reply)
                 elif isinstance(reply, AdapterRefused):
