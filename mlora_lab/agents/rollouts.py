@@ -110,10 +110,12 @@ class Rollouts:
         cwd: str | os.PathLike | None = None,
         on_keys: Callable[[str | None, dict[str, str]], None] | None = None,
         gather: dict[str, float] | None = None,
-        sampler: Callable[..., list[Any]] = sample,
+        sampler: Callable[..., list[Any]] | None = None,
     ) -> None:
         self.model, self.tokenizer, self.seq_len, self.main = model, tokenizer, int(seq_len), main
-        self.sampler = sampler  # (a job with rollout ranks samples every wave there)
+        self.sampler = (
+            sampler  # (a job with rollout ranks samples every wave there; None: this process samples)
+        )
         # (an episode may grow past seq_len, up to what the model can attend to: trained cut, with a warning)
         config = getattr(getattr(model, "model", model), "config", None)
         self.context = max(self.seq_len, int(getattr(config, "max_position_embeddings", 0) or 0))
@@ -282,7 +284,7 @@ class Rollouts:
             requests, finished = self.broadcast(order)
             if requests:
                 try:
-                    completions = self.sampler(
+                    completions = (self.sampler or sample)(
                         self.model, requests, tokenizer=self.tokenizer, any_running=self.any_running
                     )
                 except Exception as e:

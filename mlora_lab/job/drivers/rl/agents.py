@@ -18,7 +18,6 @@ from mlora_lab.rl.grpo import advantages, combine_rewards, reward_problem
 from mlora_lab.rl.rewards import RewardBatch, RewardResult, RewardWorker, shown_reward
 from mlora_lab.rundir import EventKind, EventRow
 from mlora_lab.rundir.agents import remove_agents, write_agents
-from mlora_lab.sampling import sample
 
 if TYPE_CHECKING:  # (the agents' endpoint loads starlette: only a job with agent tenants does)
     from mlora_lab.agents.rollouts import Played, Rollouts
@@ -43,7 +42,7 @@ class AgentParts:
                 self.comm.broadcast_object,
                 self._any_running if self.comm.mesh is not None else None,
                 on_keys=self._harness_keys,
-                sampler=self.sampler() or sample,  # (with rollout ranks, every wave is sampled there)
+                sampler=self.sampler(),  # (with rollout ranks, every wave is sampled there)
             )
         return self.rollouts
 

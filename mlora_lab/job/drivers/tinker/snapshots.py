@@ -98,7 +98,7 @@ class Snapshots:
         # when a snapshot was last sampled from: the least recent leaves first
         self._uses = itertools.count()
         self._ids = itertools.count()
-        self.sampler: Callable[..., list[Any]] = sample  # (a job with rollout ranks samples there)
+        self.sampler: Callable[..., list[Any]] | None = None  # (a job with rollout ranks samples there)
 
     def save(self, work: Work, tenant: str) -> Result:
         """Keep ``tenant``'s adapter, as it is now, under the request's name: a frozen snapshot (named, or
@@ -249,7 +249,7 @@ class Snapshots:
             return []
         any_running = self._any_running if self.engine.comm.mesh is not None else None
         try:
-            done = self.sampler(
+            done = (self.sampler or sample)(
                 self.engine.model, requests, tokenizer=self.engine.tokenizer, any_running=any_running
             )
         except ValueError as e:  # (checked by the HTTP side already; a request it let through fails alone)
